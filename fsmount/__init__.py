@@ -1,0 +1,6 @@
+"""modelfs: a read-only FUSE filesystem over S3 / Alibaba OSS, tuned for loading model weights.
+
+The package is `fsmount`; the console script is `modelfs` (see `fsmount.cli`).
+"""
+
+__version__ = "0.1.0"

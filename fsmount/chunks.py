@@ -1,0 +1,302 @@
+"""The chunk engine: every byte of object data passes through here as fixed-size chunks.
+
+A chunk is looked up in memory (byte-bounded LRU), then in the cache levels below (NVMe, later a
+fleet-shared bucket), then fetched from the origin with a ranged GET pinned to the ETag. One fetch
+per chunk at a time (single-flight); a fixed pool of worker tasks runs fetches in priority order
+(demand reads before read-ahead). It never decides *what* to read ahead; handles do that.
+
+Concurrency rules (everything below runs in the trio thread unless it says "in a thread"):
+- `_inflight[cid]` is the one pending `_Fetch` for a chunk; it is removed only by the worker that
+  finished it (or dropped it) and only if it is still the registered one.
+- `_queue` (a heap) and `_queued` (a Semaphore) move together: every heap push releases the
+  semaphore once, so a worker that acquired it always finds an entry to pop.
+- Memory budget: `_cached_bytes + _reserved_bytes <= memory_limit` holds at every checkpoint. A
+  worker reserves a chunk's bytes before fetching and converts the reservation into cached bytes
+  when it stores the result; it waits on `_budget_changed` when nothing is evictable.
+- Cache levels and the store are blocking: they run in threads under their own CapacityLimiters.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import heapq
+import itertools
+import logging
+from collections.abc import Sequence
+
+import trio
+
+from fsmount.cache_level import ChunkCache, ChunkId
+from fsmount.namespace import ObjectVersion
+from fsmount.store import ObjectStore, StoreError
+
+log = logging.getLogger(__name__)
+
+DEMAND = 0
+PREFETCH = 1
+# Threads for cache-level I/O (NVMe reads, write-through); separate from the S3 connections.
+DISK_THREADS = 8
+
+
+class ReadTimeout(StoreError):
+    """A READ waited longer than --read-timeout for its chunk."""
+
+
+@dataclasses.dataclass
+class EngineStats:
+    """Plain counters; updated only in the trio thread (no await between read and write)."""
+
+    bytes_served_memory: int = 0
+    bytes_served_level: int = 0
+    bytes_served_origin: int = 0
+    origin_requests: int = 0
+    origin_bytes: int = 0
+    origin_errors: int = 0
+    level_hits: int = 0
+    prefetch_dropped: int = 0
+    fetches_inflight: int = 0
+
+
+class _Fetch:
+    __slots__ = ("cid", "length", "done", "data", "error", "owners", "demanded", "started",
+                 "abandoned", "source")
+
+    def __init__(self, cid: ChunkId, length: int):
+        self.cid = cid
+        self.length = length
+        self.done = trio.Event()
+        self.data: bytes | None = None
+        self.error: BaseException | None = None
+        self.owners: set[object] = set()
+        self.demanded = False
+        self.started = False
+        self.abandoned = False
+        self.source = ""
+
+
+class ChunkEngine:
+    def __init__(self, store: ObjectStore, *, chunk_size: int, memory_limit: int, max_connections: int,
+                 read_timeout: float, levels: Sequence[ChunkCache] = ()):
+        self.store = store
+        self.chunk_size = chunk_size
+        self.memory_limit = memory_limit
+        self.read_timeout = read_timeout
+        self.levels = list(levels)
+        self.stats = EngineStats()
+        self._workers = max_connections
+        self._s3_limiter = trio.CapacityLimiter(max_connections)
+        self._disk_limiter = trio.CapacityLimiter(DISK_THREADS)
+        self._memory: collections.OrderedDict[ChunkId, bytes] = collections.OrderedDict()
+        self._cached_bytes = 0
+        self._reserved_bytes = 0
+        self._budget_changed = trio.Event()
+        self._inflight: dict[ChunkId, _Fetch] = {}
+        self._queue: list[tuple[int, int, _Fetch]] = []
+        self._queued = trio.Semaphore(0)
+        self._seq = itertools.count()
+        self._nursery: trio.Nursery | None = None
+
+    # -- lifecycle -----------------------------------------------------------------------------
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Run the fetch workers until cancelled."""
+        async with trio.open_nursery() as nursery:
+            self._nursery = nursery
+            for _ in range(self._workers):
+                nursery.start_soon(self._worker)
+            task_status.started()
+
+    # -- memory --------------------------------------------------------------------------------
+
+    @property
+    def memory_used(self) -> int:
+        return self._cached_bytes + self._reserved_bytes
+
+    def _signal_budget(self) -> None:
+        self._budget_changed.set()
+        self._budget_changed = trio.Event()
+
+    async def _reserve(self, n: int) -> None:
+        while self._cached_bytes + self._reserved_bytes + n > self.memory_limit:
+            if self._memory:
+                _, data = self._memory.popitem(last=False)
+                self._cached_bytes -= len(data)
+                continue
+            await self._budget_changed.wait()
+        self._reserved_bytes += n
+
+    def _release(self, n: int) -> None:
+        self._reserved_bytes -= n
+        self._signal_budget()
+
+    # -- ids -----------------------------------------------------------------------------------
+
+    def chunk_id(self, obj: ObjectVersion, index: int) -> ChunkId:
+        return ChunkId(self.store.bucket, obj.key, obj.etag, self.chunk_size, index)
+
+    def chunk_length(self, obj: ObjectVersion, index: int) -> int:
+        return max(0, min(self.chunk_size, obj.size - index * self.chunk_size))
+
+    def chunk_range(self, obj: ObjectVersion, start: int, end: int) -> range:
+        """Indices of the chunks covering bytes [start, end) of obj."""
+        end = min(end, obj.size)
+        if end <= start:
+            return range(0)
+        return range(start // self.chunk_size, (end - 1) // self.chunk_size + 1)
+
+    def is_present(self, cid: ChunkId) -> bool:
+        return cid in self._memory or cid in self._inflight
+
+    # -- requests ------------------------------------------------------------------------------
+
+    def _enqueue(self, fetch: _Fetch, priority: int) -> None:
+        heapq.heappush(self._queue, (priority, next(self._seq), fetch))
+        self._queued.release()
+
+    def _fetch_for(self, cid: ChunkId, length: int, priority: int) -> _Fetch:
+        fetch = self._inflight.get(cid)
+        if fetch is None or fetch.abandoned:
+            fetch = self._inflight[cid] = _Fetch(cid, length)
+            self._enqueue(fetch, priority)
+        elif priority == DEMAND and not fetch.demanded and not fetch.started:
+            self._enqueue(fetch, DEMAND)  # jump the read-ahead queue; the older entry is skipped
+        return fetch
+
+    def prefetch(self, obj: ObjectVersion, index: int, owner: object) -> None:
+        """Ask for a chunk ahead of need; `owner` may later `abandon` it."""
+        cid = self.chunk_id(obj, index)
+        if cid in self._memory:
+            return
+        fetch = self._fetch_for(cid, self.chunk_length(obj, index), PREFETCH)
+        fetch.owners.add(owner)
+
+    def abandon(self, owner: object) -> None:
+        """`owner` no longer needs its read-ahead; queued fetches nobody else wants are dropped."""
+        for fetch in list(self._inflight.values()):
+            if owner in fetch.owners:
+                fetch.owners.discard(owner)
+                if not fetch.owners and not fetch.demanded and not fetch.started:
+                    fetch.abandoned = True
+
+    def request(self, obj: ObjectVersion, start: int, end: int) -> list[tuple[ChunkId, _Fetch | bytes]]:
+        """Start (or join) the fetches covering [start, end) at demand priority; no await."""
+        parts: list[tuple[ChunkId, _Fetch | bytes]] = []
+        for index in self.chunk_range(obj, start, end):
+            cid = self.chunk_id(obj, index)
+            data = self._memory.get(cid)
+            if data is not None:
+                self._memory.move_to_end(cid)
+                parts.append((cid, data))
+                continue
+            fetch = self._fetch_for(cid, self.chunk_length(obj, index), DEMAND)
+            fetch.demanded = True
+            parts.append((cid, fetch))
+        return parts
+
+    async def collect(self, parts: list[tuple[ChunkId, _Fetch | bytes]], start: int, end: int) -> bytes:
+        """Wait for the parts of `request` and cut bytes [start, end) out of them."""
+        out = []
+        with trio.move_on_after(self.read_timeout) as scope:
+            for cid, part in parts:
+                if isinstance(part, bytes):
+                    data, source = part, "memory"
+                else:
+                    await part.done.wait()
+                    if part.error is not None:
+                        raise part.error
+                    assert part.data is not None
+                    data, source = part.data, part.source
+                lo = max(start - cid.offset, 0)
+                hi = min(end - cid.offset, len(data))
+                out.append(data[lo:hi])
+                self._count_served(source, hi - lo)
+        if scope.cancelled_caught:
+            raise ReadTimeout(f"read of {parts[0][0].key!r} timed out after {self.read_timeout:g}s")
+        return out[0] if len(out) == 1 else b"".join(out)
+
+    async def read(self, obj: ObjectVersion, start: int, end: int) -> bytes:
+        return await self.collect(self.request(obj, start, end), start, end)
+
+    def _count_served(self, source: str, n: int) -> None:
+        if source == "memory":
+            self.stats.bytes_served_memory += n
+        elif source == "origin":
+            self.stats.bytes_served_origin += n
+        else:
+            self.stats.bytes_served_level += n
+
+    # -- workers -------------------------------------------------------------------------------
+
+    async def _worker(self) -> None:
+        while True:
+            await self._queued.acquire()
+            _, _, fetch = heapq.heappop(self._queue)
+            if fetch.started or fetch.done.is_set():
+                continue  # a duplicate entry left behind by a priority upgrade
+            if fetch.abandoned:
+                self.stats.prefetch_dropped += 1
+                self._finish(fetch)
+                continue
+            fetch.started = True
+            await self._run_fetch(fetch)
+
+    async def _run_fetch(self, fetch: _Fetch) -> None:
+        self.stats.fetches_inflight += 1
+        await self._reserve(fetch.length)
+        try:
+            data, hit_level = await self._load(fetch.cid, fetch.length)
+            fetch.data = data
+            fetch.source = "origin" if hit_level is None else "level"
+            self._store_in_memory(fetch.cid, data)
+            missed = self.levels if hit_level is None else self.levels[:hit_level]
+            if missed and self._nursery is not None:
+                self._nursery.start_soon(self._write_through, missed, fetch.cid, data)
+        except trio.Cancelled:
+            raise
+        except Exception as exc:  # noqa: BLE001 - handed to every waiter of this chunk
+            fetch.error = exc if isinstance(exc, StoreError) else StoreError(f"{type(exc).__name__}: {exc}")
+            log.warning("fetching chunk %d of %r failed: %s", fetch.cid.index, fetch.cid.key, fetch.error)
+        finally:
+            self._release(fetch.length)
+            self.stats.fetches_inflight -= 1
+            self._finish(fetch)
+
+    def _finish(self, fetch: _Fetch) -> None:
+        if self._inflight.get(fetch.cid) is fetch:
+            del self._inflight[fetch.cid]
+        fetch.done.set()
+
+    def _store_in_memory(self, cid: ChunkId, data: bytes) -> None:
+        # The reservation made for this chunk is released by the caller right after; until then
+        # both are counted, which errs on the side of the budget.
+        old = self._memory.pop(cid, None)
+        if old is not None:
+            self._cached_bytes -= len(old)
+        self._memory[cid] = data
+        self._cached_bytes += len(data)
+
+    async def _load(self, cid: ChunkId, length: int) -> tuple[bytes, int | None]:
+        """From the first cache level that has it, else from the origin."""
+        for i, level in enumerate(self.levels):
+            data = await trio.to_thread.run_sync(level.get, cid, limiter=self._disk_limiter)
+            if data is not None and len(data) == length:
+                self.stats.level_hits += 1
+                return data, i
+        end = cid.offset + length
+        self.stats.origin_requests += 1
+        try:
+            data = await trio.to_thread.run_sync(self.store.get_range, cid.key, cid.etag, cid.offset, end,
+                                                 limiter=self._s3_limiter)
+        except Exception:
+            self.stats.origin_errors += 1
+            raise
+        self.stats.origin_bytes += len(data)
+        return data, None
+
+    async def _write_through(self, levels: Sequence[ChunkCache], cid: ChunkId, data: bytes) -> None:
+        for level in levels:
+            try:
+                await trio.to_thread.run_sync(level.put, cid, data, limiter=self._disk_limiter)
+            except Exception as exc:  # noqa: BLE001 - a cache level never breaks a read
+                log.warning("cache write of chunk %d of %r failed: %s", cid.index, cid.key, exc)

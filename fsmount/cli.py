@@ -1,0 +1,294 @@
+"""The `modelfs` command line: argument parsing, the fstab (`-o key=value`) form, and running a mount in
+the background until it answers. It holds no filesystem logic.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import select
+import shutil
+import subprocess
+import sys
+import time
+
+from fsmount import __version__
+from fsmount.config import (
+    DEFAULT_CHUNK_SIZE,
+    DEFAULT_KERNEL_READAHEAD,
+    DEFAULT_MAX_CONNECTIONS,
+    DEFAULT_MAX_READAHEAD,
+    DEFAULT_READ_TIMEOUT,
+    ConfigError,
+    MountConfig,
+    StoreConfig,
+    default_memory_limit,
+    parse_mode,
+    parse_size,
+    parse_ttl,
+)
+
+EPILOG = """\
+examples:
+  modelfs mount my-models /models                       # AWS S3, credentials from the environment
+  modelfs mount my-models /models --prefix llama-3/ --metadata-ttl forever
+  modelfs mount my-models /models --endpoint-url http://127.0.0.1:8333   # MinIO, SeaweedFS, ...
+  modelfs mount my-models /models --endpoint-url https://oss-cn-hangzhou.aliyuncs.com \\
+      --region cn-hangzhou --addressing-style virtual    # Alibaba OSS
+  modelfs my-models /models -o ro,allow_other,endpoint_url=http://127.0.0.1:8333   # fstab form
+  modelfs unmount /models
+"""
+
+SUBCOMMANDS = ("mount", "unmount", "umount")
+# mount(8) generic options that mean nothing to a FUSE daemon; accepted and ignored.
+IGNORED_MOUNT_OPTIONS = {"defaults", "_netdev", "nofail", "noauto", "auto", "user", "users", "nouser",
+                         "owner", "group", "dev", "nodev", "suid", "nosuid", "exec", "noexec", "atime",
+                         "noatime", "relatime", "strictatime", "nodiratime", "diratime", "sync", "async",
+                         "ro", "rw", "silent", "loud"}
+# -o flags that map to a differently named command-line flag.
+MOUNT_OPTION_ALIASES = {"nonempty": "allow_non_empty"}
+# How long `modelfs mount` waits for the background daemon to answer before giving up.
+STARTUP_TIMEOUT = 120.0
+
+
+def _size(text: str) -> int:
+    try:
+        return parse_size(text)
+    except ConfigError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _ttl(text: str) -> float:
+    try:
+        return parse_ttl(text)
+    except ConfigError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _mode(text: str) -> int:
+    try:
+        return parse_mode(text)
+    except ConfigError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def add_mount_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("bucket", help="bucket name (S3 or OSS)")
+    p.add_argument("mountpoint", help="an existing empty directory")
+    s = p.add_argument_group("object store")
+    s.add_argument("--prefix", default="", help="mount only keys under this prefix")
+    s.add_argument("--endpoint-url", default=os.environ.get("AWS_ENDPOINT_URL"),
+                   help="S3-compatible endpoint (default: AWS, or $AWS_ENDPOINT_URL)")
+    s.add_argument("--region", default=None, help="region name (default: from the AWS configuration)")
+    s.add_argument("--profile", default=None, help="profile from ~/.aws/credentials")
+    s.add_argument("--addressing-style", choices=("auto", "path", "virtual"), default="auto",
+                   help="bucket addressing; Alibaba OSS needs virtual")
+    s.add_argument("--no-sign-request", action="store_true", help="anonymous access to a public bucket")
+    s.add_argument("--max-connections", type=int, default=DEFAULT_MAX_CONNECTIONS,
+                   help="parallel ranged GETs (default %(default)s)")
+    s.add_argument("--read-timeout", type=float, default=DEFAULT_READ_TIMEOUT,
+                   help="seconds after which a READ fails with EIO instead of waiting (default %(default)s)")
+    f = p.add_argument_group("file system")
+    f.add_argument("--foreground", "-f", action="store_true", help="stay in the foreground (for systemd)")
+    f.add_argument("--uid", type=int, default=os.getuid(), help="owner of all files (default: you)")
+    f.add_argument("--gid", type=int, default=os.getgid(), help="group of all files (default: yours)")
+    f.add_argument("--file-mode", type=_mode, default=0o444, help="permission bits of files (default 0444)")
+    f.add_argument("--dir-mode", type=_mode, default=0o555, help="permission bits of directories (default 0555)")
+    f.add_argument("--allow-other", action="store_true", help="let other users see the mount (off by default)")
+    f.add_argument("--allow-non-empty", action="store_true", help="mount over a non-empty directory")
+    f.add_argument("--metadata-ttl", type=_ttl, default=60.0,
+                   help="seconds to trust listings and sizes, or 'forever' (default 60)")
+    d = p.add_argument_group("data path")
+    d.add_argument("--chunk-size", type=_size, default=DEFAULT_CHUNK_SIZE, help="fetch unit (default 8M)")
+    d.add_argument("--memory-limit", type=_size, default=None,
+                   help="bytes of chunk data held in memory (default min(2G, 10%% of RAM))")
+    d.add_argument("--max-readahead", type=_size, default=DEFAULT_MAX_READAHEAD,
+                   help="largest read-ahead window per reader (default 256M)")
+    d.add_argument("--kernel-readahead", type=_size, default=DEFAULT_KERNEL_READAHEAD,
+                   help="kernel read_ahead_kb for the mount, 0 to leave it (default 16M)")
+    d.add_argument("--cache-dir", default=None, help="persistent local chunk cache directory (NVMe)")
+    d.add_argument("--cache-size", default="80%", help="cache size, e.g. 500G or 80%% of the disk")
+    o = p.add_argument_group("logging")
+    o.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error", "critical"))
+    o.add_argument("--log-file", default=None, help="log here instead of stderr/syslog")
+    p.add_argument("-o", dest="options", action="append", default=[], metavar="OPTS",
+                   help="fstab-style options: ro,allow_other,endpoint_url=URL,prefix=P,...")
+    p.add_argument("--ready-fd", type=int, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--log-to-syslog", action="store_true", help=argparse.SUPPRESS)
+
+
+def expand_mount_options(argv: list[str]) -> list[str]:
+    """Turn every `-o a,b=c` into `--a --b c`, dropping mount(8)'s generic options."""
+    out: list[str] = []
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg == "-o" and i + 1 < len(argv):
+            opts, i = argv[i + 1], i + 2
+        elif arg.startswith("-o") and len(arg) > 2:
+            opts, i = arg[2:], i + 1
+        else:
+            out.append(arg)
+            i += 1
+            continue
+        for opt in filter(None, (o.strip() for o in opts.split(","))):
+            key, has_value, value = opt.partition("=")
+            if key in IGNORED_MOUNT_OPTIONS or key.startswith(("x-systemd.", "x-", "comment")):
+                continue
+            key = MOUNT_OPTION_ALIASES.get(key, key)
+            out.append("--" + key.replace("_", "-"))
+            if has_value:
+                out.append(value)
+    return out
+
+
+def build_config(args: argparse.Namespace) -> MountConfig:
+    store = StoreConfig(bucket=args.bucket, prefix=args.prefix, endpoint_url=args.endpoint_url,
+                        region=args.region, profile=args.profile, addressing_style=args.addressing_style,
+                        no_sign_request=args.no_sign_request, max_connections=args.max_connections,
+                        read_timeout=args.read_timeout)
+    return MountConfig(
+        store=store, mountpoint=args.mountpoint, foreground=args.foreground, uid=args.uid, gid=args.gid,
+        file_mode=args.file_mode, dir_mode=args.dir_mode, allow_other=args.allow_other,
+        allow_non_empty=args.allow_non_empty, metadata_ttl=args.metadata_ttl, log_level=args.log_level,
+        log_file=args.log_file, chunk_size=args.chunk_size,
+        memory_limit=args.memory_limit if args.memory_limit is not None else default_memory_limit(),
+        max_readahead=args.max_readahead, kernel_readahead=args.kernel_readahead, cache_dir=args.cache_dir,
+        cache_size=args.cache_size)
+
+
+def make_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="modelfs", formatter_class=argparse.RawDescriptionHelpFormatter, epilog=EPILOG,
+        description="Mount an S3 or Alibaba OSS bucket read-only, tuned for loading model weights.")
+    p.add_argument("--version", action="version", version=f"modelfs {__version__}")
+    sub = p.add_subparsers(dest="command", metavar="COMMAND")
+    m = sub.add_parser("mount", help="mount a bucket", epilog=EPILOG,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_mount_arguments(m)
+    for name in ("unmount", "umount"):
+        u = sub.add_parser(name, help="unmount a modelfs mount" if name == "unmount" else argparse.SUPPRESS)
+        u.add_argument("mountpoint")
+        u.add_argument("--lazy", "-z", action="store_true", help="detach now even if files are open")
+    return p
+
+
+def fail(message: str, code: int = 1) -> int:
+    print(f"modelfs: {message}", file=sys.stderr)
+    return code
+
+
+def cmd_mount(args: argparse.Namespace, mount_argv: list[str]) -> int:
+    if args.options:  # left over only when -o came in a form we did not expand
+        return fail(f"unknown -o options: {','.join(args.options)}")
+    try:
+        cfg = build_config(args)
+    except ConfigError as exc:
+        return fail(str(exc), 2)
+    if cfg.foreground:
+        return run_foreground(cfg, args.ready_fd, args.log_to_syslog)
+    return run_background(cfg, mount_argv)
+
+
+def run_foreground(cfg: MountConfig, ready_fd: int | None, use_syslog: bool) -> int:
+    from fsmount import mount
+
+    mount.setup_logging(cfg.log_level, cfg.log_file, use_syslog)
+
+    def ready(error: str | None) -> None:
+        if error is not None:
+            print(f"modelfs: {error}", file=sys.stderr)
+        if ready_fd is not None:
+            try:
+                os.write(ready_fd, b"READY\n" if error is None else f"ERROR {error}\n".encode())
+                os.close(ready_fd)
+            except OSError:
+                pass
+
+    return mount.run(cfg, ready)
+
+
+def run_background(cfg: MountConfig, mount_argv: list[str]) -> int:
+    """Start the daemon detached and return only once the mount answers (or say why it cannot)."""
+    read_fd, write_fd = os.pipe()
+    cmd = [sys.executable, "-m", "fsmount", *mount_argv, "--foreground", "--ready-fd", str(write_fd)]
+    if not cfg.log_file:
+        cmd.append("--log-to-syslog")
+    proc = subprocess.Popen(cmd, pass_fds=(write_fd,), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, start_new_session=True)
+    os.close(write_fd)
+    buf = b""
+    deadline = time.monotonic() + STARTUP_TIMEOUT
+    try:
+        while b"\n" not in buf:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                proc.kill()
+                return fail(f"the mount did not answer within {STARTUP_TIMEOUT:.0f}s")
+            ready, _, _ = select.select([read_fd], [], [], left)
+            if not ready:
+                continue
+            data = os.read(read_fd, 4096)
+            if not data:
+                break
+            buf += data
+    finally:
+        os.close(read_fd)
+    line = buf.decode(errors="replace").strip()
+    if line == "READY":
+        return 0
+    if line.startswith("ERROR "):
+        proc.wait(timeout=30)
+        return fail(line[len("ERROR "):])
+    code = proc.wait(timeout=30)
+    return fail(f"the daemon exited with status {code} before the mount was ready; "
+                "run with --foreground to see why")
+
+
+def cmd_unmount(args: argparse.Namespace) -> int:
+    path = os.path.abspath(args.mountpoint)
+    if not os.path.ismount(path):
+        return fail(f"{args.mountpoint} is not mounted")
+    tool = shutil.which("fusermount3") or shutil.which("fusermount")
+    if tool is None:
+        return fail("fusermount3 not found: install the fuse3 package")
+    cmd = [tool, "-u"] + (["-z"] if args.lazy else []) + [path]
+    res = subprocess.run(cmd, capture_output=True, text=True)
+    if res.returncode != 0:
+        reason = res.stderr.strip().splitlines()[-1] if res.stderr.strip() else f"status {res.returncode}"
+        hint = " (files are open: close them or use --lazy)" if "busy" in reason.lower() else ""
+        return fail(f"cannot unmount {args.mountpoint}: {reason}{hint}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    # The fstab / mount.fuse3 form: `modelfs BUCKET MOUNTPOINT -o opts` (no subcommand).
+    if argv and not argv[0].startswith("-") and argv[0] not in SUBCOMMANDS and argv[0] not in ("cache", "stats"):
+        argv = ["mount", *argv]
+    if argv and argv[0] == "mount":
+        argv = expand_mount_options(argv)
+    parser = make_parser()
+    args = parser.parse_args(argv)
+    if args.command == "mount":
+        # The child gets the same normalised arguments, minus the ones the parent adds itself.
+        return cmd_mount(args, strip_internal(argv))
+    if args.command in ("unmount", "umount"):
+        return cmd_unmount(args)
+    parser.print_help()
+    return 2
+
+
+def strip_internal(argv: list[str]) -> list[str]:
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+            continue
+        if a == "--ready-fd":
+            skip = True
+            continue
+        if a in ("--foreground", "-f", "--log-to-syslog"):
+            continue
+        out.append(a)
+    return out

@@ -1,0 +1,145 @@
+"""The one configuration object of a mount: frozen dataclasses, parsing of sizes and TTLs, defaults.
+
+Everything here is pure and validated at construction; nothing here touches the network or the disk.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import re
+
+KiB = 1024
+MiB = 1024 * KiB
+GiB = 1024 * MiB
+
+# 8 MiB chunks: Mountpoint-S3 part size, ossfs 2.0 chunk, Run:ai streamer chunk (architecture.md).
+DEFAULT_CHUNK_SIZE = 8 * MiB
+# 16 parallel 8 MiB GETs reached the origin ceiling here (architecture.md, boto3 530-655 MB/s).
+DEFAULT_MAX_CONNECTIONS = 16
+DEFAULT_MAX_READAHEAD = 256 * MiB
+# With read_ahead_kb=16384 the kernel sends 1 MiB READs (architecture.md).
+DEFAULT_KERNEL_READAHEAD = 16 * MiB
+DEFAULT_METADATA_TTL = 60.0
+# Meant as "never expires" for `--metadata-ttl forever`; the kernel takes 64-bit seconds.
+FOREVER_TTL = 10.0 * 365 * 24 * 3600
+DEFAULT_READ_TIMEOUT = 120.0
+DEFAULT_CONNECT_TIMEOUT = 10.0
+MEMORY_LIMIT_CAP = 2 * GiB
+MEMORY_LIMIT_RAM_FRACTION = 0.10
+
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kKmMgGtT]?)(i?[bB])?\s*$")
+_SIZE_UNITS = {"": 1, "k": KiB, "m": MiB, "g": GiB, "t": 1024 * GiB}
+
+
+class ConfigError(ValueError):
+    """A user-supplied option is invalid; the message is shown as is."""
+
+
+def parse_size(text: str) -> int:
+    """'8M' -> 8 MiB, '1G', '512k', '1.5G', '4096' (bytes). Suffixes are binary (K = 1024)."""
+    m = _SIZE_RE.match(str(text))
+    if not m:
+        raise ConfigError(f"invalid size {text!r}: use a number with an optional K/M/G/T suffix, e.g. 8M")
+    value = float(m.group(1)) * _SIZE_UNITS[m.group(2).lower()]
+    return int(value)
+
+
+def parse_ttl(text: str) -> float:
+    """Seconds as a number, or 'forever'."""
+    if str(text).strip().lower() in ("forever", "inf", "infinite", "never"):
+        return FOREVER_TTL
+    try:
+        value = float(text)
+    except ValueError:
+        raise ConfigError(f"invalid TTL {text!r}: give seconds or 'forever'") from None
+    if value < 0 or math.isnan(value):
+        raise ConfigError(f"invalid TTL {text!r}: must be >= 0")
+    return min(value, FOREVER_TTL)
+
+
+def parse_mode(text: str) -> int:
+    try:
+        mode = int(str(text), 8)
+    except ValueError:
+        raise ConfigError(f"invalid mode {text!r}: give octal permission bits, e.g. 0444") from None
+    if not 0 <= mode <= 0o7777:
+        raise ConfigError(f"invalid mode {text!r}")
+    return mode
+
+
+def default_memory_limit() -> int:
+    """min(2 GiB, 10% of RAM), the issue's default."""
+    try:
+        ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError):
+        return MEMORY_LIMIT_CAP
+    return min(MEMORY_LIMIT_CAP, int(ram * MEMORY_LIMIT_RAM_FRACTION))
+
+
+@dataclasses.dataclass(frozen=True)
+class StoreConfig:
+    """How to reach the bucket. Credentials are never stored here: boto3 finds them itself."""
+
+    bucket: str
+    prefix: str = ""
+    endpoint_url: str | None = None
+    region: str | None = None
+    profile: str | None = None
+    addressing_style: str = "auto"
+    no_sign_request: bool = False
+    max_connections: int = DEFAULT_MAX_CONNECTIONS
+    connect_timeout: float = DEFAULT_CONNECT_TIMEOUT
+    read_timeout: float = DEFAULT_READ_TIMEOUT
+
+    def __post_init__(self) -> None:
+        if not self.bucket or "/" in self.bucket:
+            raise ConfigError(f"invalid bucket name {self.bucket!r}")
+        if self.addressing_style not in ("auto", "path", "virtual"):
+            raise ConfigError("--addressing-style must be auto, path or virtual")
+        if self.prefix and not self.prefix.endswith("/"):
+            object.__setattr__(self, "prefix", self.prefix + "/")
+        if self.prefix.startswith("/"):
+            object.__setattr__(self, "prefix", self.prefix.lstrip("/"))
+        if self.max_connections < 1:
+            raise ConfigError("--max-connections must be >= 1")
+
+
+@dataclasses.dataclass(frozen=True)
+class MountConfig:
+    store: StoreConfig
+    mountpoint: str
+    foreground: bool = False
+    uid: int = dataclasses.field(default_factory=os.getuid)
+    gid: int = dataclasses.field(default_factory=os.getgid)
+    file_mode: int = 0o444
+    dir_mode: int = 0o555
+    allow_other: bool = False
+    allow_non_empty: bool = False
+    metadata_ttl: float = DEFAULT_METADATA_TTL
+    log_level: str = "info"
+    log_file: str | None = None
+    chunk_size: int = DEFAULT_CHUNK_SIZE
+    memory_limit: int = dataclasses.field(default_factory=default_memory_limit)
+    max_readahead: int = DEFAULT_MAX_READAHEAD
+    kernel_readahead: int = DEFAULT_KERNEL_READAHEAD
+    cache_dir: str | None = None
+    cache_size: str = "80%"
+    fsname: str = ""
+
+    def __post_init__(self) -> None:
+        if self.chunk_size < 64 * KiB or self.chunk_size > 256 * MiB:
+            raise ConfigError("--chunk-size must be between 64K and 256M")
+        # Room for at least a few chunks in flight, or read-ahead could never make progress.
+        if self.memory_limit < 4 * self.chunk_size:
+            raise ConfigError(
+                f"--memory-limit must be at least 4 chunks ({4 * self.chunk_size // MiB} MiB "
+                f"with --chunk-size {self.chunk_size // MiB} MiB)"
+            )
+        if self.max_readahead < 0:
+            raise ConfigError("--max-readahead must be >= 0")
+        if self.kernel_readahead < 0:
+            raise ConfigError("--kernel-readahead must be >= 0")
+        if self.log_level.lower() not in ("debug", "info", "warning", "error", "critical"):
+            raise ConfigError("--log-level must be debug, info, warning, error or critical")

@@ -1,0 +1,608 @@
+"""The persistent local (NVMe) chunk cache: verified chunks stored as files under one directory.
+
+It must never return bytes other than the ones stored for the requested ChunkId (every read is checked
+against the header and a sha256), and it must never raise from put: a full or broken disk only
+costs speed.
+
+Concurrency rules (callers are worker threads of the chunk engine):
+- One `threading.Lock` guards the in-memory index, the counters and the namespace operations that
+  must agree with the index: the final `os.replace` of a new file and the `os.unlink` of an evicted
+  or corrupt one. Reading and writing chunk *data* (and hashing it) happens outside the lock.
+- Files are never modified in place: a chunk is written to `*.tmp` and renamed over its final name.
+  So a reader that opened a file always sees one complete file; if eviction unlinks it meanwhile, Linux
+  keeps the open inode readable. A reader that loses the race to the unlink gets ENOENT -> a miss.
+- One process per cache directory: `root/lock` is held with flock(LOCK_EX|LOCK_NB) while open, and by
+  `cache_clear` / `cache_verify`, so nothing deletes files under a live mount's index.
+
+Layout: `root/lock` (holds the owner's pid), `root/chunks/<d[:2]>/<d>` where d = ChunkId.digest().
+LRU order lives in memory (OrderedDict, most recent last) and persists across restarts as file mtime:
+put sets it, a hit refreshes it (at most once per TOUCH_INTERVAL_NS), open sorts by it.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import errno
+import fcntl
+import hashlib
+import logging
+import os
+import struct
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from typing import Self
+
+from .cache_level import ChunkId
+
+log = logging.getLogger(__name__)
+
+GiB = 1024**3
+
+# A fixed floor of free space left to the rest of the node (logs, containers, other caches).
+# Mountpoint-S3 keeps 5% free by default (doc/CONFIGURATION.md "Disk Cache Size"); a byte count does not
+# scale with the disk, and callers wanting Mountpoint's rule pass bytes_for_fraction(root, 0.05).
+# 4 GiB is a judgement call: room for several hundred 8 MiB chunks in flight plus log growth.
+DEFAULT_MIN_FREE = 4 * GiB
+# After a failed write, puts are skipped for this long before one is tried again. A full disk rarely frees
+# within seconds; 30 s bounds the wasted attempts to 2 a minute and resumes within a minute of space
+# freeing. A judgement call, not a measurement.
+WRITE_RETRY_S = 30.0
+# A hit rewrites the file's mtime (the persisted LRU stamp) only if it is older than this, so hot chunks
+# do not dirty their inode on every read. Restart order is therefore exact to within a minute.
+TOUCH_INTERVAL_NS = 60 * 1_000_000_000
+# 2 hex chars -> 256 shard dirs. At 8 MiB chunks an 8 TB NVMe holds ~1M chunks, ~4k per dir, which
+# ext4/xfs hashed directories handle well; one level keeps the open-time scan at 256 scandir calls.
+SHARD_HEX_CHARS = 2
+# First read of a file: the fixed prefix plus bucket/key/etag in one pread for S3's 1024-byte key limit.
+HEADER_READ_BYTES = 4096
+
+MAGIC = b"MFSCHUNK"
+FORMAT_VERSION = 1
+# magic, version, reserved(0), len(bucket), len(key), len(etag), chunk_size, index, data length,
+# sha256(data); then bucket, key, etag as UTF-8 (surrogateescape, as ChunkId.digest encodes them); data.
+_PREFIX = struct.Struct("<8sHHIIIQQQ32s")
+
+CHUNKS_DIR = "chunks"
+LOCK_FILE = "lock"
+TMP_SUFFIX = ".tmp"
+_HEX = frozenset("0123456789abcdef")
+
+
+class CacheDirBusy(Exception):
+    """Another process (another modelfs mount, or a cache maintenance command) holds the cache dir."""
+
+
+class _Corrupt(Exception):
+    """A chunk file that is not a complete, checksummed copy of the expected chunk."""
+
+
+@dataclasses.dataclass(slots=True)
+class CacheStats:
+    """Counters for metrics; updated under the cache lock. hits + misses = get calls (corrupt and
+    read_errors are misses too, counted again on their own)."""
+
+    hits: int = 0
+    misses: int = 0
+    corrupt: int = 0
+    read_errors: int = 0
+    evictions: int = 0
+    writes: int = 0
+    write_errors: int = 0
+    writes_skipped: int = 0  # while writes are paused after an error, or a chunk larger than max_bytes
+    bytes_used: int = 0  # sum of file sizes (header + data) of indexed chunk files
+    chunks: int = 0
+
+
+class DiskCache:
+    """ChunkCache over a local directory. The constructor opens it (takes the lock, sweeps `*.tmp`,
+    rebuilds the index from file sizes and mtimes without reading data) and raises CacheDirBusy if
+    another process holds it; close() releases it. After close, get/contains miss and put is a no-op,
+    so worker threads still draining at shutdown never see an exception."""
+
+    def __init__(
+        self,
+        root: str | os.PathLike[str],
+        max_bytes: int,
+        min_free_bytes: int = DEFAULT_MIN_FREE,
+        retry_after_s: float = WRITE_RETRY_S,
+    ) -> None:
+        if max_bytes <= 0 or min_free_bytes < 0:
+            raise ValueError(
+                f"max_bytes must be > 0 and min_free_bytes >= 0, got {max_bytes}, {min_free_bytes}"
+            )
+        self.root = os.path.abspath(os.fspath(root))
+        self.max_bytes = max_bytes
+        self.min_free_bytes = min_free_bytes
+        self.retry_after_s = retry_after_s
+        self.stats = CacheStats()
+        self._chunks_dir = os.path.join(self.root, CHUNKS_DIR)
+        self._lock = threading.Lock()
+        self._index: collections.OrderedDict[str, int] = collections.OrderedDict()  # digest -> file size
+        self._writing: set[str] = set()  # digests with a put in flight, so a chunk is written once
+        self._reserved = 0  # bytes of puts in flight, counted against max_bytes and free space
+        self._write_failed_at: float | None = (
+            None  # monotonic time of the last failed write, until one succeeds
+        )
+        self._corrupt_logged = False
+        self._closed = False
+        self.swept_tmp_files = 0
+
+        os.makedirs(self.root, mode=0o700, exist_ok=True)
+        os.chmod(self.root, 0o700)  # chunk data is private bucket content
+        self._lock_fd = _acquire_dir_lock(self.root)
+        try:
+            for shard in range(16**SHARD_HEX_CHARS):
+                os.makedirs(
+                    os.path.join(self._chunks_dir, f"{shard:0{SHARD_HEX_CHARS}x}"), 0o700, exist_ok=True
+                )
+            self._rebuild_index()
+            with self._lock:
+                self._evict_locked(self.stats.bytes_used - self.max_bytes)  # max_bytes may have shrunk
+        except BaseException:
+            _release_dir_lock(self._lock_fd)
+            raise
+
+    # -- lifecycle -------------------------------------------------------------------------------
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        _release_dir_lock(self._lock_fd)
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def _rebuild_index(self) -> None:
+        started = time.perf_counter()
+        found, self.swept_tmp_files = _scan_chunk_files(self._chunks_dir, sweep_tmp=True)
+        found.sort()  # by mtime: least recently used first, as OrderedDict order expects
+        for _mtime_ns, digest, size, _path in found:
+            self._index[digest] = size
+        self.stats.chunks = len(self._index)
+        self.stats.bytes_used = sum(self._index.values())
+        log.info(
+            "disk cache %s: %d chunks, %d bytes, %d stale temp files removed, index built in %.2f s",
+            self.root,
+            self.stats.chunks,
+            self.stats.bytes_used,
+            self.swept_tmp_files,
+            time.perf_counter() - started,
+        )
+
+    # -- ChunkCache ------------------------------------------------------------------------------
+
+    def chunk_path(self, chunk: ChunkId) -> str:
+        """Where the chunk's file lives (whether or not it is cached)."""
+        return self._path(chunk.digest())
+
+    def contains(self, chunk: ChunkId) -> bool:
+        digest = chunk.digest()
+        with self._lock:
+            return not self._closed and digest in self._index
+
+    def get(self, chunk: ChunkId) -> bytes | None:
+        digest = chunk.digest()
+        with self._lock:
+            if self._closed or digest not in self._index:
+                self.stats.misses += 1
+                return None
+            self._index.move_to_end(digest)
+        path = self._path(digest)
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        except OSError as err:
+            self._read_failed(digest, err)
+            return None
+        try:
+            st = os.fstat(fd)
+            try:
+                stored, data = _read_chunk_file(fd, st.st_size)
+                if stored != chunk:
+                    raise _Corrupt(f"header names {stored}")
+            except _Corrupt as why:
+                self._drop_corrupt(digest, path, st, str(why))
+                return None
+            if time.time_ns() - st.st_mtime_ns > TOUCH_INTERVAL_NS:
+                try:
+                    os.utime(fd)
+                except OSError:
+                    pass  # read-only fs: LRU order still right in memory, only the restart order ages
+        except OSError as err:
+            self._read_failed(digest, err)
+            return None
+        finally:
+            os.close(fd)
+        with self._lock:
+            self.stats.hits += 1
+        return data
+
+    def put(self, chunk: ChunkId, data: bytes) -> None:
+        digest = chunk.digest()
+        with self._lock:
+            if self._closed or digest in self._writing:
+                return
+            if digest in self._index:  # same id means same bytes: only the access order changes
+                self._index.move_to_end(digest)
+                return
+            if (
+                self._write_failed_at is not None
+                and time.monotonic() < self._write_failed_at + self.retry_after_s
+            ):
+                self.stats.writes_skipped += 1
+                return
+            self._writing.add(digest)
+        header = _encode_header(chunk, data)
+        file_size = len(header) + len(data)
+        reserved = 0
+        try:
+            if file_size > self.max_bytes:
+                with self._lock:
+                    self.stats.writes_skipped += 1
+                return
+            free = _free_bytes(self.root)
+            with self._lock:
+                if not self._make_room_locked(file_size, free):
+                    return
+                reserved = file_size
+                self._reserved += file_size
+            tmp_path = self._write_tmp(digest, header, data)
+            with self._lock:
+                try:
+                    if self._closed:
+                        raise OSError(errno.EBADF, "cache closed during put")
+                    os.replace(tmp_path, self._path(digest))
+                except OSError:
+                    _unlink_quietly(tmp_path)
+                    if self._closed:
+                        return
+                    raise
+                self._index[digest] = file_size
+                self.stats.bytes_used += file_size
+                self.stats.chunks = len(self._index)
+                self.stats.writes += 1
+                if self._write_failed_at is not None:
+                    self._write_failed_at = None
+                    log.info("disk cache %s: writes succeed again, cache filling resumed", self.root)
+        except OSError as err:
+            self._write_failed(err)
+        finally:
+            with self._lock:
+                self._writing.discard(digest)
+                self._reserved -= reserved
+
+    # -- internals -------------------------------------------------------------------------------
+
+    def _path(self, digest: str) -> str:
+        return os.path.join(self._chunks_dir, digest[:SHARD_HEX_CHARS], digest)
+
+    def _make_room_locked(self, file_size: int, free: int) -> bool:
+        """Evict LRU chunks so that the new file fits under max_bytes and leaves min_free_bytes free.
+        False (nothing evicted) when even evicting everything would not do; raises ENOSPC when the
+        cause is the filesystem, so the caller's one-warning path reports it."""
+        over_limit = self.stats.bytes_used + self._reserved + file_size - self.max_bytes
+        # statvfs does not yet show the bytes of puts in flight, hence _reserved.
+        short_of_free = self.min_free_bytes + self._reserved + file_size - free
+        if max(over_limit, short_of_free) > self.stats.bytes_used:
+            if short_of_free > self.stats.bytes_used:
+                raise OSError(
+                    errno.ENOSPC,
+                    f"{free} bytes free, {self.min_free_bytes} must stay free, cache holds only "
+                    f"{self.stats.bytes_used} evictable bytes and a {file_size}-byte chunk is waiting",
+                )
+            self.stats.writes_skipped += 1  # concurrent puts have reserved all of max_bytes
+            return False
+        self._evict_locked(max(over_limit, short_of_free))
+        return True
+
+    def _evict_locked(self, need: int) -> None:
+        freed = 0
+        while freed < need and self._index:
+            digest, size = self._index.popitem(last=False)
+            freed += size
+            self.stats.bytes_used -= size
+            self.stats.evictions += 1
+            try:
+                os.unlink(self._path(digest))
+            except FileNotFoundError:
+                pass
+            except OSError as err:  # EROFS and the like: the file stays, rebuilt into the index next open
+                log.debug("disk cache %s: evicting %s failed: %s", self.root, digest, err)
+        self.stats.chunks = len(self._index)
+
+    def _write_tmp(self, digest: str, header: bytes, data: bytes) -> str:
+        fd, tmp_path = tempfile.mkstemp(  # 0600, O_EXCL; same dir, so the rename is atomic
+            prefix=digest[:16] + ".", suffix=TMP_SUFFIX, dir=os.path.dirname(self._path(digest))
+        )
+        try:
+            _write_all(fd, [header, data])
+        except BaseException:
+            os.close(fd)
+            _unlink_quietly(tmp_path)
+            raise
+        os.close(fd)  # no fsync: a torn file after a crash fails its checksum and is dropped on read
+        return tmp_path
+
+    def _write_failed(self, err: OSError) -> None:
+        with self._lock:
+            self.stats.write_errors += 1
+            first = self._write_failed_at is None
+            self._write_failed_at = time.monotonic()
+        if first:
+            log.warning(
+                "disk cache %s: write failed (%s); serving cached chunks read-only, retrying writes every "
+                "%g s",
+                self.root,
+                err,
+                self.retry_after_s,
+            )
+
+    def _read_failed(self, digest: str, err: OSError) -> None:
+        with self._lock:
+            self.stats.misses += 1
+            if isinstance(err, FileNotFoundError):  # removed behind our back (not by us: we hold the lock)
+                size = self._index.pop(digest, None)
+                if size is not None:
+                    self.stats.bytes_used -= size
+                    self.stats.chunks = len(self._index)
+            else:
+                self.stats.read_errors += 1
+        if not isinstance(err, FileNotFoundError):
+            log.debug("disk cache %s: reading %s failed: %s", self.root, digest, err)
+
+    def _drop_corrupt(self, digest: str, path: str, read: os.stat_result, why: str) -> None:
+        with self._lock:
+            self.stats.misses += 1
+            self.stats.corrupt += 1
+            first = not self._corrupt_logged
+            self._corrupt_logged = True
+            try:
+                now = os.stat(path)
+                # A put may have replaced the bad file with a good one since we read it: keep that one.
+                replaced = (now.st_ino, now.st_dev) != (read.st_ino, read.st_dev)
+            except FileNotFoundError:
+                replaced = False
+            if not replaced:
+                size = self._index.pop(digest, None)
+                if size is not None:
+                    self.stats.bytes_used -= size
+                    self.stats.chunks = len(self._index)
+                try:
+                    os.unlink(path)
+                except OSError:
+                    pass  # gone already, or read-only fs: it is out of the index, so never read again
+        (log.warning if first else log.debug)(
+            "disk cache %s: dropped corrupt chunk file %s (%s)%s",
+            self.root,
+            path,
+            why,
+            "; further ones are logged at debug level and counted in stats.corrupt" if first else "",
+        )
+
+
+# -- file format ---------------------------------------------------------------------------------
+
+
+def _encode(text: str) -> bytes:
+    return text.encode("utf-8", "surrogateescape")
+
+
+def _decode(raw: bytes) -> str:
+    return raw.decode("utf-8", "surrogateescape")
+
+
+def _encode_header(chunk: ChunkId, data: bytes) -> bytes:
+    bucket, key, etag = _encode(chunk.bucket), _encode(chunk.key), _encode(chunk.etag)
+    prefix = _PREFIX.pack(
+        MAGIC,
+        FORMAT_VERSION,
+        0,
+        len(bucket),
+        len(key),
+        len(etag),
+        chunk.chunk_size,
+        chunk.index,
+        len(data),
+        hashlib.sha256(data).digest(),
+    )
+    return b"".join((prefix, bucket, key, etag))
+
+
+def _read_chunk_file(fd: int, file_size: int) -> tuple[ChunkId, bytes]:
+    """The chunk id named by the header and the data, or _Corrupt unless both are whole and consistent."""
+    head = os.pread(fd, min(file_size, HEADER_READ_BYTES), 0)
+    if len(head) < _PREFIX.size:
+        raise _Corrupt("truncated header")
+    magic, version, reserved, n_bucket, n_key, n_etag, chunk_size, index, n_data, sha = _PREFIX.unpack_from(
+        head
+    )
+    if magic != MAGIC:
+        raise _Corrupt("bad magic")
+    if version != FORMAT_VERSION or reserved != 0:
+        raise _Corrupt(f"format version {version}.{reserved}, expected {FORMAT_VERSION}.0")
+    header_len = _PREFIX.size + n_bucket + n_key + n_etag
+    if header_len + n_data != file_size:
+        raise _Corrupt(f"file is {file_size} bytes, header says {header_len} + {n_data}")
+    if header_len > len(head):
+        head = os.pread(fd, header_len, 0)
+        if len(head) != header_len:
+            raise _Corrupt("file shrank while reading")
+    strings = head[_PREFIX.size : header_len]
+    bucket, key, etag = (
+        strings[:n_bucket],
+        strings[n_bucket : n_bucket + n_key],
+        strings[n_bucket + n_key :],
+    )
+    data = os.pread(fd, n_data, header_len) if n_data else b""
+    if len(data) != n_data:
+        raise _Corrupt("file shrank while reading")
+    if hashlib.sha256(data).digest() != sha:
+        raise _Corrupt("data checksum mismatch")
+    return ChunkId(_decode(bucket), _decode(key), _decode(etag), chunk_size, index), data
+
+
+def _write_all(fd: int, parts: list[bytes]) -> None:
+    views = [memoryview(p) for p in parts if len(p)]
+    while views:
+        written = os.writev(fd, views)
+        while written:
+            if written >= len(views[0]):
+                written -= len(views.pop(0))
+            else:
+                views[0] = views[0][written:]
+                written = 0
+
+
+def _unlink_quietly(path: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass  # a leftover *.tmp is swept at the next open
+
+
+def _free_bytes(path: str) -> int:
+    st = os.statvfs(path)
+    return st.f_bavail * st.f_frsize
+
+
+def _scan_chunk_files(chunks_dir: str, sweep_tmp: bool) -> tuple[list[tuple[int, str, int, str]], int]:
+    """(mtime_ns, digest, size, path) of every chunk file, stat only, and the number of temp files
+    removed. Names that are neither are left alone."""
+    found: list[tuple[int, str, int, str]] = []
+    swept = 0
+    for shard in _scandir(chunks_dir):
+        if len(shard.name) != SHARD_HEX_CHARS or not shard.is_dir(follow_symlinks=False):
+            continue
+        for entry in _scandir(shard.path):
+            name = entry.name
+            if name.endswith(TMP_SUFFIX):
+                if sweep_tmp:  # left by a crash or kill mid-put; never renamed, so never indexed
+                    try:
+                        os.unlink(entry.path)
+                        swept += 1
+                    except FileNotFoundError:
+                        pass
+                continue
+            if len(name) != 64 or not name.startswith(shard.name) or not _HEX.issuperset(name):
+                continue
+            try:
+                st = entry.stat(follow_symlinks=False)
+            except FileNotFoundError:
+                continue
+            if entry.is_file(follow_symlinks=False):
+                found.append((st.st_mtime_ns, name, st.st_size, entry.path))
+    return found, swept
+
+
+def _scandir(path: str) -> Iterator[os.DirEntry[str]]:
+    try:
+        with os.scandir(path) as entries:
+            yield from entries
+    except FileNotFoundError:
+        return
+
+
+# -- the directory lock --------------------------------------------------------------------------
+
+
+def _acquire_dir_lock(root: str) -> int:
+    fd = os.open(os.path.join(root, LOCK_FILE), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 32, 0).decode("ascii", "replace").strip() or "unknown"
+        os.close(fd)
+        raise CacheDirBusy(
+            f"cache dir {root} is in use by another modelfs mount or cache command (pid {holder}); "
+            f"a cache dir serves one mount at a time: unmount it or pass a different --cache-dir"
+        ) from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    return fd
+
+
+def _release_dir_lock(fd: int) -> None:
+    os.close(fd)  # closing the only descriptor of the open file drops the flock
+
+
+# -- maintenance (modelfs cache stats|clear|verify DIR) ------------------------------------------
+
+
+def cache_stats(root: str | os.PathLike[str]) -> dict[str, int | float | None]:
+    """Counts from a stat-only scan; safe while a mount uses the dir. Access times are epoch seconds."""
+    found, _ = _scan_chunk_files(os.path.join(os.fspath(root), CHUNKS_DIR), sweep_tmp=False)
+    stamps = [mtime_ns for mtime_ns, _d, _s, _p in found]
+    return {
+        "chunks": len(found),
+        "bytes": sum(size for _m, _d, size, _p in found),
+        "oldest_access": min(stamps) / 1e9 if stamps else None,
+        "newest_access": max(stamps) / 1e9 if stamps else None,
+    }
+
+
+def cache_clear(root: str | os.PathLike[str]) -> int:
+    """Delete every chunk and temp file; the number removed. CacheDirBusy while a mount holds the dir."""
+    root = os.path.abspath(os.fspath(root))
+    if not os.path.isdir(root):
+        return 0
+    fd = _acquire_dir_lock(root)
+    try:
+        removed = 0
+        for shard in _scandir(os.path.join(root, CHUNKS_DIR)):
+            for entry in _scandir(shard.path):
+                if entry.is_file(follow_symlinks=False):
+                    os.unlink(entry.path)
+                    removed += 1
+        return removed
+    finally:
+        _release_dir_lock(fd)
+
+
+def cache_verify(root: str | os.PathLike[str]) -> tuple[int, list[str]]:
+    """Read and check every chunk file (header names the chunk its file name hashes, data checksum);
+    delete the bad ones. (good count, bad paths). Takes the dir lock, as it deletes: CacheDirBusy."""
+    root = os.path.abspath(os.fspath(root))
+    if not os.path.isdir(root):
+        return 0, []
+    fd = _acquire_dir_lock(root)
+    try:
+        found, _ = _scan_chunk_files(os.path.join(root, CHUNKS_DIR), sweep_tmp=True)
+        good, bad = 0, []
+        for _mtime_ns, digest, _size, path in sorted(found, key=lambda f: f[3]):
+            try:
+                chunk_fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+                try:
+                    stored, _data = _read_chunk_file(chunk_fd, os.fstat(chunk_fd).st_size)
+                finally:
+                    os.close(chunk_fd)
+                if stored.digest() != digest:
+                    raise _Corrupt("header names another chunk")
+                good += 1
+            except (OSError, _Corrupt):
+                bad.append(path)
+                try:
+                    os.unlink(path)
+                except FileNotFoundError:
+                    pass
+        return good, bad
+    finally:
+        _release_dir_lock(fd)
+
+
+def bytes_for_fraction(root: str | os.PathLike[str], fraction: float) -> int:
+    """`--cache-size 80%`: that fraction of the total size of the filesystem that holds (or will hold)
+    root. The nearest existing parent is measured when root does not exist yet."""
+    if not 0.0 < fraction <= 1.0:
+        raise ValueError(f"cache size fraction must be in (0, 1], got {fraction}")
+    path = os.path.abspath(os.fspath(root))
+    while not os.path.exists(path):
+        path = os.path.dirname(path)
+    st = os.statvfs(path)
+    return int(st.f_blocks * st.f_frsize * fraction)

@@ -1,0 +1,39 @@
+"""Open files: each FUSE file handle pins one object version and drives read-ahead for it.
+
+A handle turns the read-ahead plan into chunk prefetches and serves READs from the chunk engine.
+It never talks to the store directly and never changes the version it pinned at open.
+"""
+
+from __future__ import annotations
+
+from fsmount.chunks import ChunkEngine
+from fsmount.namespace import ObjectVersion
+from fsmount.readahead import ReadAhead
+
+
+class OpenFile:
+    def __init__(self, fh: int, ino: int, version: ObjectVersion, engine: ChunkEngine, max_readahead: int):
+        self.fh = fh
+        self.ino = ino
+        self.version = version
+        self._engine = engine
+        self.readahead = ReadAhead(engine.chunk_size, max_readahead)
+
+    async def read(self, offset: int, size: int, window_cap: int | None = None) -> bytes:
+        obj = self.version
+        end = min(offset + size, obj.size)
+        if offset >= end:
+            return b""
+        engine = self._engine
+        plan = self.readahead.on_read(offset, end - offset, obj.size, window_cap)
+        for stream in plan.dropped:
+            engine.abandon(stream)
+        # Demand chunks are queued before the read-ahead ones so they are fetched first.
+        parts = engine.request(obj, offset, end)
+        for index in engine.chunk_range(obj, plan.prefetch_start, plan.prefetch_end):
+            engine.prefetch(obj, index, plan.stream)
+        return await engine.collect(parts, offset, end)
+
+    def close(self) -> None:
+        for stream in self.readahead.close():
+            self._engine.abandon(stream)

@@ -1,0 +1,245 @@
+"""Mount lifecycle: pre-flight checks, wiring the parts, pyfuse3 init, serving, readiness, kernel
+tuning, signals, and a clean unmount.
+
+It never touches the mountpoint from the serving thread once `pyfuse3.init` has run (that deadlocks,
+see architecture.md); readiness is checked from a worker thread while the loop is serving.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import logging
+import os
+import shutil
+import signal
+import socket
+import stat
+import time
+from collections.abc import Callable
+
+import pyfuse3
+import trio
+
+from fsmount.chunks import ChunkEngine
+from fsmount.config import MountConfig
+from fsmount.namespace import Namespace
+from fsmount.operations import Operations
+from fsmount.store import Boto3Store, StoreError
+
+log = logging.getLogger(__name__)
+
+FUSE_DEVICE = "/dev/fuse"
+# /dev/fuse is the misc character device 10:229 (Documentation/admin-guide/devices.txt).
+FUSE_DEVICE_NUMBER = (10, 229)
+# Metadata calls (HEAD, LIST) get their own threads so a burst of lookups never waits behind data.
+METADATA_THREADS = 8
+# How long readiness may take before the daemon gives up (the first request of a mount is fast;
+# this only bounds a kernel that never answers).
+READY_TIMEOUT = 60.0
+# glibc mallopt parameters: return freed chunk buffers to the OS at once, and do not grow one
+# arena per worker thread; otherwise RSS stays at its peak long after the memory limit was hit.
+M_MMAP_THRESHOLD = -3
+M_ARENA_MAX = -8
+MMAP_THRESHOLD_BYTES = 1 << 20
+ARENA_MAX = 2
+
+QUIET_LOGGERS = ("botocore", "boto3", "urllib3", "s3transfer")
+
+
+class MountError(Exception):
+    """A pre-flight failure; the message is shown to the user as the reason."""
+
+
+def setup_logging(level: str, log_file: str | None = None, use_syslog: bool = False) -> None:
+    handler: logging.Handler
+    if log_file:
+        handler = logging.FileHandler(log_file)
+    elif use_syslog and os.path.exists("/dev/log"):
+        from logging.handlers import SysLogHandler
+
+        handler = SysLogHandler(address="/dev/log")
+    else:
+        handler = logging.StreamHandler()
+    fmt = "modelfs[%(process)d]: %(levelname)s %(name)s: %(message)s" if use_syslog else \
+        "%(asctime)s %(levelname)s %(name)s: %(message)s"
+    handler.setFormatter(logging.Formatter(fmt))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(level.upper())
+    # These libraries log request headers and credential lookups at debug level: never let them.
+    for name in QUIET_LOGGERS:
+        logging.getLogger(name).setLevel(max(logging.WARNING, root.level))
+
+
+def check_fuse_available() -> None:
+    try:
+        st = os.stat(FUSE_DEVICE)
+    except OSError:
+        raise MountError(f"{FUSE_DEVICE} is missing: load the fuse kernel module (modprobe fuse)") from None
+    if not stat.S_ISCHR(st.st_mode) or (os.major(st.st_rdev), os.minor(st.st_rdev)) != FUSE_DEVICE_NUMBER:
+        raise MountError(f"{FUSE_DEVICE} is not the FUSE device: load the fuse kernel module")
+    if shutil.which("fusermount3") is None:
+        raise MountError("fusermount3 not found: install the fuse3 package (apt-get install fuse3)")
+
+
+def check_mountpoint(path: str, allow_non_empty: bool) -> str:
+    """Validate and resolve the mountpoint; must run before pyfuse3.init."""
+    if not os.path.lexists(path):
+        raise MountError(f"mountpoint {path} does not exist")
+    real = os.path.realpath(path)
+    if not os.path.isdir(real):
+        raise MountError(f"mountpoint {path} is not a directory")
+    if os.path.ismount(real):
+        raise MountError(f"mountpoint {path} is already a mount point")
+    try:
+        entries = os.listdir(real)
+    except OSError as exc:
+        raise MountError(f"mountpoint {path} cannot be read: {exc.strerror}") from None
+    if entries and not allow_non_empty:
+        raise MountError(f"mountpoint {path} is not empty (use --allow-non-empty / -o nonempty to mount over it)")
+    return real
+
+
+def check_bucket(cfg: MountConfig) -> None:
+    try:
+        Boto3Store(cfg.store, preflight=True).check_bucket(cfg.store.prefix)
+    except StoreError as exc:
+        raise MountError(exc.message) from None
+
+
+def tune_malloc() -> None:
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES)
+        libc.mallopt(M_ARENA_MAX, ARENA_MAX)
+    except (OSError, AttributeError):
+        log.debug("mallopt not available; memory may be returned to the OS later")
+
+
+def raise_kernel_readahead(mountpoint: str, kib: int) -> None:
+    """Ask the kernel for large READs on this mount (bdi read_ahead_kb). Best effort."""
+    if kib <= 0:
+        return
+    try:
+        dev = os.stat(mountpoint).st_dev
+        path = f"/sys/class/bdi/{os.major(dev)}:{os.minor(dev)}/read_ahead_kb"
+        with open(path, "w") as f:
+            f.write(str(kib))
+        log.info("kernel readahead for %s set to %d KiB", mountpoint, kib)
+    except OSError as exc:
+        log.info("could not raise kernel readahead (%s); READs stay at the kernel default", exc.strerror or exc)
+
+
+def sd_notify(message: str) -> None:
+    """systemd's notify protocol (Type=notify), without a libsystemd dependency."""
+    addr = os.environ.get("NOTIFY_SOCKET")
+    if not addr:
+        return
+    if addr.startswith("@"):
+        addr = "\0" + addr[1:]
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
+            sock.connect(addr)
+            sock.sendall(message.encode())
+    except OSError as exc:
+        log.warning("could not notify systemd: %s", exc)
+
+
+class Daemon:
+    """One mount, wired: store -> engine -> namespace -> operations."""
+
+    def __init__(self, cfg: MountConfig, mountpoint: str, on_ready: Callable[[], None]):
+        self.cfg = cfg
+        self.mountpoint = mountpoint
+        self.on_ready = on_ready
+        self.store = Boto3Store(cfg.store)
+        self._meta_limiter: trio.CapacityLimiter | None = None
+        self.engine = ChunkEngine(self.store, chunk_size=cfg.chunk_size, memory_limit=cfg.memory_limit,
+                                  max_connections=cfg.store.max_connections,
+                                  read_timeout=cfg.store.read_timeout, levels=self._cache_levels())
+        self.namespace = Namespace(self.store, self._store_call, prefix=cfg.store.prefix, ttl=cfg.metadata_ttl,
+                                   uid=cfg.uid, gid=cfg.gid, file_mode=cfg.file_mode, dir_mode=cfg.dir_mode)
+        self.ops = Operations(self.namespace, self.engine, max_readahead=cfg.max_readahead)
+
+    def _cache_levels(self) -> list:
+        return []
+
+    async def _store_call(self, fn: Callable, *args: object) -> object:
+        assert self._meta_limiter is not None
+        return await trio.to_thread.run_sync(fn, *args, limiter=self._meta_limiter)
+
+    def fuse_options(self) -> set[str]:
+        opts = set(pyfuse3.default_options)
+        opts |= {f"fsname={self.cfg.fsname or self.cfg.store.bucket}", "subtype=modelfs", "ro"}
+        if self.cfg.allow_other:
+            opts.add("allow_other")
+        return opts
+
+    async def serve(self) -> None:
+        self._meta_limiter = trio.CapacityLimiter(METADATA_THREADS)
+        async with trio.open_nursery() as nursery:
+            await nursery.start(self.engine.run)
+            nursery.start_soon(self._watch_signals)
+            nursery.start_soon(self._announce_ready)
+            await pyfuse3.main()
+            nursery.cancel_scope.cancel()
+
+    async def _watch_signals(self) -> None:
+        with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as signals:
+            async for signum in signals:
+                log.info("received %s, unmounting", signal.Signals(signum).name)
+                sd_notify("STOPPING=1")
+                pyfuse3.terminate()
+                return
+
+    async def _announce_ready(self) -> None:
+        # stat() of the mountpoint goes through our own loop: when it returns, the mount answers.
+        def probe() -> None:
+            deadline = time.monotonic() + READY_TIMEOUT
+            while True:
+                try:
+                    os.stat(self.mountpoint)
+                    return
+                except OSError as exc:
+                    if exc.errno != errno.ENOTCONN or time.monotonic() > deadline:
+                        raise
+                    time.sleep(0.01)
+
+        await trio.to_thread.run_sync(probe, abandon_on_cancel=True)
+        await trio.to_thread.run_sync(raise_kernel_readahead, self.mountpoint, self.cfg.kernel_readahead // 1024)
+        log.info("mounted bucket %s%s at %s", self.cfg.store.bucket,
+                 f" (prefix {self.cfg.store.prefix})" if self.cfg.store.prefix else "", self.mountpoint)
+        self.on_ready()
+        sd_notify("READY=1")
+
+
+def run(cfg: MountConfig, ready: Callable[[str | None], None]) -> int:
+    """Check, mount, serve until unmounted or signalled. `ready(None)` once serving, `ready(msg)` on
+    a pre-flight failure. Returns the exit status."""
+    try:
+        check_fuse_available()
+        mountpoint = check_mountpoint(cfg.mountpoint, cfg.allow_non_empty)
+        check_bucket(cfg)
+        daemon = Daemon(cfg, mountpoint, lambda: ready(None))
+    except MountError as exc:
+        ready(str(exc))
+        return 1
+    tune_malloc()
+    try:
+        pyfuse3.init(daemon.ops, mountpoint, daemon.fuse_options())
+    except RuntimeError as exc:
+        ready(f"cannot mount at {mountpoint}: {exc}")
+        return 1
+    clean = False
+    try:
+        trio.run(daemon.serve)
+        clean = True
+    except BaseException:
+        log.exception("daemon stopped on an error")
+        raise
+    finally:
+        daemon.namespace.forget_all()
+        pyfuse3.close(unmount=True)
+        log.info("unmounted %s", mountpoint)
+    return 0 if clean else 1

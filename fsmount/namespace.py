@@ -1,0 +1,302 @@
+"""The directory tree: keys become files, '/'-delimited prefixes become directories, each with an inode.
+
+Holds the inode table (stable numbers for the mount's life, lookup counts), the TTL caches of
+listings and negative lookups, and the rules for keys the kernel cannot represent. It never reads
+object data.
+
+Concurrency (all methods run in the trio thread; store calls are awaited through `self._call`):
+- `_ino_by_path` only grows, so an inode number once given to a (path, kind) never changes.
+- `_nodes` entries are created on lookup/readdir and dropped by `forget` when the lookup count
+  reaches zero. Between two awaits a node's metadata may be refreshed by another task; readers
+  take a snapshot (`Node.version()`) instead of reading fields across awaits.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import errno
+import logging
+import stat
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import cachetools
+import pyfuse3
+import trio
+
+from fsmount.store import ListingPage, ObjectMeta, ObjectStore
+
+log = logging.getLogger(__name__)
+
+ROOT_INODE = pyfuse3.ROOT_INODE
+# Linux NAME_MAX.
+NAME_MAX = 255
+# Upper bound on directory entries held in the listing cache, over all directories (~100 B each).
+LISTING_CACHE_ENTRIES = 2_000_000
+NEGATIVE_CACHE_ENTRIES = 100_000
+# Keys whose skip was already logged; bounded so a hostile bucket cannot grow it without limit.
+SKIP_LOG_MEMORY = 10_000
+
+StoreCall = Callable[..., Awaitable[Any]]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ObjectVersion:
+    """What an open handle pins: one version of one object."""
+
+    key: str
+    etag: str
+    size: int
+
+
+@dataclasses.dataclass(slots=True)
+class DirEntry:
+    name: bytes
+    is_dir: bool
+    meta: ObjectMeta | None = None
+
+
+@dataclasses.dataclass(slots=True)
+class Node:
+    ino: int
+    path: str  # relative to the mount's prefix; '' for the root; no trailing '/'
+    is_dir: bool
+    size: int = 0
+    etag: str = ""
+    mtime_ns: int = 0
+    lookups: int = 0
+    fresh_until: float = 0.0  # monotonic time until which size/etag are trusted
+    last_open_etag: str | None = None
+
+    def version(self, prefix: str) -> ObjectVersion:
+        return ObjectVersion(prefix + self.path, self.etag, self.size)
+
+
+def invalid_segment_reason(name: str) -> str | None:
+    """Why a path segment cannot be a file name here, or None if it can."""
+    if name == "":
+        return "empty path segment"
+    if name in (".", ".."):
+        return f"'{name}' path segment"
+    if "\x00" in name:
+        return "NUL byte in name"
+    if len(name.encode("utf-8", "surrogateescape")) > NAME_MAX:
+        return f"name longer than {NAME_MAX} bytes"
+    return None
+
+
+class Namespace:
+    def __init__(self, store: ObjectStore, call: StoreCall, *, prefix: str, ttl: float,
+                 uid: int, gid: int, file_mode: int, dir_mode: int):
+        self._store = store
+        self._call = call
+        self.prefix = prefix
+        self.ttl = ttl
+        self._uid, self._gid = uid, gid
+        self._file_mode, self._dir_mode = file_mode, dir_mode
+        self._mount_time_ns = time.time_ns()
+        self._next_ino = ROOT_INODE + 1
+        self._ino_by_path: dict[tuple[str, bool], int] = {("", True): ROOT_INODE}
+        self._nodes: dict[int, Node] = {ROOT_INODE: Node(ROOT_INODE, "", True, lookups=1)}
+        self._listings: cachetools.TTLCache[str, dict[bytes, DirEntry]] = cachetools.TTLCache(
+            maxsize=LISTING_CACHE_ENTRIES, ttl=ttl, getsizeof=lambda entries: max(1, len(entries)))
+        self._negative: cachetools.TTLCache[str, bool] = cachetools.TTLCache(NEGATIVE_CACHE_ENTRIES, ttl)
+        self._skips_logged: cachetools.LRUCache[str, bool] = cachetools.LRUCache(SKIP_LOG_MEMORY)
+
+    # -- inode table ---------------------------------------------------------------------------
+
+    def node(self, ino: int) -> Node:
+        try:
+            return self._nodes[ino]
+        except KeyError:
+            raise pyfuse3.FUSEError(errno.ENOENT) from None
+
+    def _node_for(self, path: str, is_dir: bool, meta: ObjectMeta | None) -> Node:
+        ino = self._ino_by_path.get((path, is_dir))
+        if ino is None:
+            ino = self._next_ino
+            self._next_ino += 1
+            self._ino_by_path[(path, is_dir)] = ino
+        node = self._nodes.get(ino)
+        if node is None:
+            node = self._nodes[ino] = Node(ino, path, is_dir)
+        if meta is not None:
+            node.size, node.etag, node.mtime_ns = meta.size, meta.etag, meta.mtime_ns
+            node.fresh_until = time.monotonic() + self.ttl
+        return node
+
+    def forget(self, ino: int, count: int) -> None:
+        node = self._nodes.get(ino)
+        if node is None or ino == ROOT_INODE:
+            return
+        node.lookups -= count
+        if node.lookups <= 0:
+            del self._nodes[ino]
+
+    def forget_all(self) -> None:
+        """At unmount: the kernel forgets everything."""
+        for ino in list(self._nodes):
+            if ino != ROOT_INODE:
+                del self._nodes[ino]
+
+    @property
+    def known_inodes(self) -> int:
+        return len(self._nodes)
+
+    # -- attributes ----------------------------------------------------------------------------
+
+    def attributes(self, node: Node) -> pyfuse3.EntryAttributes:
+        attr = pyfuse3.EntryAttributes()
+        attr.st_ino = node.ino
+        attr.generation = 0
+        attr.entry_timeout = self.ttl
+        attr.attr_timeout = self.ttl
+        if node.is_dir:
+            attr.st_mode = stat.S_IFDIR | self._dir_mode
+            attr.st_nlink = 2
+            attr.st_size = 0
+            mtime = self._mount_time_ns
+        else:
+            attr.st_mode = stat.S_IFREG | self._file_mode
+            attr.st_nlink = 1
+            attr.st_size = node.size
+            mtime = node.mtime_ns or self._mount_time_ns
+        attr.st_uid = self._uid
+        attr.st_gid = self._gid
+        attr.st_blksize = 1 << 20
+        attr.st_blocks = (attr.st_size + 511) // 512
+        attr.st_atime_ns = attr.st_mtime_ns = attr.st_ctime_ns = mtime
+        return attr
+
+    async def refresh(self, node: Node) -> Node:
+        """Make a file node's size/etag at most `ttl` old (HEAD). ENOENT if the key is gone."""
+        if node.is_dir or time.monotonic() < node.fresh_until:
+            return node
+        meta = await self._call(self._store.head, self.prefix + node.path)
+        if meta is None:
+            raise pyfuse3.FUSEError(errno.ENOENT)
+        node.size, node.etag, node.mtime_ns = meta.size, meta.etag, meta.mtime_ns
+        node.fresh_until = time.monotonic() + self.ttl
+        return node
+
+    # -- names ---------------------------------------------------------------------------------
+
+    def _skip(self, key: str | bytes, reason: str) -> None:
+        shown = key if isinstance(key, str) else repr(key)
+        if shown in self._skips_logged:
+            return
+        self._skips_logged[shown] = True
+        log.warning("skipping key %r: %s (the kernel cannot represent it)", shown, reason)
+
+    @staticmethod
+    def _join(parent: str, name: str) -> str:
+        return f"{parent}/{name}" if parent else name
+
+    def _dir_prefix(self, path: str) -> str:
+        return self.prefix + path + "/" if path else self.prefix
+
+    async def lookup(self, parent_ino: int, name_b: bytes) -> Node:
+        """Resolve one name; increments the lookup count of the returned node."""
+        parent = self.node(parent_ino)
+        if not parent.is_dir:
+            raise pyfuse3.FUSEError(errno.ENOTDIR)
+        try:
+            name = name_b.decode("utf-8")
+        except UnicodeDecodeError:
+            raise pyfuse3.FUSEError(errno.ENOENT) from None
+        if name == ".":
+            node = parent
+        elif name == "..":
+            node = self._parent_of(parent)
+        else:
+            if invalid_segment_reason(name) is not None:
+                raise pyfuse3.FUSEError(errno.ENOENT)
+            node = await self._resolve(parent, name_b, name)
+        node.lookups += 1
+        return node
+
+    def _parent_of(self, node: Node) -> Node:
+        parent_path = node.path.rpartition("/")[0]
+        return self._node_for(parent_path, True, None)
+
+    async def _resolve(self, parent: Node, name_b: bytes, name: str) -> Node:
+        path = self._join(parent.path, name)
+        listing = self._listings.get(parent.path)
+        if listing is not None:
+            entry = listing.get(name_b)
+            if entry is None:
+                raise pyfuse3.FUSEError(errno.ENOENT)
+            return self._node_for(path, entry.is_dir, entry.meta)
+        if path in self._negative:
+            raise pyfuse3.FUSEError(errno.ENOENT)
+        key = self.prefix + path
+        results: dict[str, Any] = {}
+
+        async def head() -> None:
+            results["meta"] = await self._call(self._store.head, key)
+
+        async def children() -> None:
+            results["dir"] = await self._call(self._store.has_children, key + "/")
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(head)
+            nursery.start_soon(children)
+        if results["dir"]:  # a key that is both a file and a prefix: the directory wins
+            return self._node_for(path, True, None)
+        if results["meta"] is not None:
+            return self._node_for(path, False, results["meta"])
+        self._negative[path] = True
+        raise pyfuse3.FUSEError(errno.ENOENT)
+
+    # -- listings ------------------------------------------------------------------------------
+
+    async def listing(self, node: Node) -> list[DirEntry]:
+        """Entries of a directory, from the TTL cache or one paginated delimited listing."""
+        cached = self._listings.get(node.path)
+        if cached is None:
+            cached = await self._list(node.path)
+            self._listings[node.path] = cached
+        return list(cached.values())
+
+    async def _list(self, path: str) -> dict[bytes, DirEntry]:
+        prefix = self._dir_prefix(path)
+        pages: list[ListingPage] = await self._call(lambda: list(self._store.list_pages(prefix)))
+        entries: dict[bytes, DirEntry] = {}
+        for page in pages:
+            for raw in page.undecodable:
+                self._skip(raw, "not valid UTF-8")
+            for meta in page.objects:
+                name = meta.key[len(prefix):]
+                if name == "":
+                    continue  # the directory's own marker object ("dir/")
+                reason = invalid_segment_reason(name)
+                if reason:
+                    self._skip(meta.key, reason)
+                    continue
+                name_b = name.encode("utf-8", "surrogateescape")
+                if name_b not in entries:  # a directory of the same name wins
+                    entries[name_b] = DirEntry(name_b, False, meta)
+            for sub in page.prefixes:
+                name = sub[len(prefix):-1]
+                reason = invalid_segment_reason(name)
+                if reason:
+                    self._skip(sub, reason)
+                    continue
+                name_b = name.encode("utf-8", "surrogateescape")
+                entries[name_b] = DirEntry(name_b, True, None)
+        for name_b, entry in entries.items():
+            if not entry.is_dir:
+                self._refresh_known(self._join(path, name_b.decode("utf-8")), entry.meta)
+        return entries
+
+    def _refresh_known(self, path: str, meta: ObjectMeta | None) -> None:
+        """A listing also refreshes file nodes the kernel already knows."""
+        ino = self._ino_by_path.get((path, False))
+        if ino is not None and ino in self._nodes and meta is not None:
+            self._node_for(path, False, meta)
+
+    def entry_node(self, parent: Node, entry: DirEntry) -> Node:
+        """The node for a listed entry (readdirplus); the caller bumps `lookups` if the kernel took it."""
+        return self._node_for(self._join(parent.path, entry.name.decode("utf-8")), entry.is_dir, entry.meta)
+

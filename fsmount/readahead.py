@@ -1,0 +1,95 @@
+"""Per-handle read-ahead planning: which bytes to fetch ahead of the reader, as a pure state machine.
+
+A handle keeps a few independent sequential streams, so interleaved readers sharing one handle (or
+the kernel's reordered readahead requests) are each seen as sequential. It does no I/O and holds no
+data: the handle turns its plans into chunk prefetches.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from fsmount.config import MiB
+
+# Mountpoint-S3: reads up to 16 MiB past the expected offset still count as sequential.
+FORWARD_SEEK_TOLERANCE = 16 * MiB
+# The kernel sends up to read_ahead_kb of READs at once and they may be served out of order, so a
+# read this far behind a stream's position still belongs to it (default kernel readahead, 16 MiB).
+BACKWARD_SEEK_TOLERANCE = 16 * MiB
+# Enough for tensor-parallel ranks / loader threads sharing one handle (4-8 in practice).
+MAX_STREAMS = 8
+
+
+@dataclasses.dataclass(eq=False)
+class Stream:
+    """One sequential reader. Identity matters: it owns the prefetches it started."""
+
+    next_offset: int
+    window: int = 0
+    prefetched_to: int = 0
+    hits: int = 0
+    last_used: int = 0
+
+
+@dataclasses.dataclass
+class Plan:
+    stream: Stream
+    prefetch_start: int
+    prefetch_end: int
+    dropped: list[Stream]
+
+
+class ReadAhead:
+    def __init__(self, chunk_size: int, max_window: int, *, max_streams: int = MAX_STREAMS,
+                 forward_tolerance: int = FORWARD_SEEK_TOLERANCE,
+                 backward_tolerance: int = BACKWARD_SEEK_TOLERANCE):
+        self.chunk_size = chunk_size
+        self.max_window = max_window
+        self.max_streams = max_streams
+        self.forward_tolerance = forward_tolerance
+        self.backward_tolerance = backward_tolerance
+        self.streams: list[Stream] = []
+        self._clock = 0
+
+    def _match(self, offset: int) -> Stream | None:
+        best = None
+        for s in self.streams:
+            ahead = max(self.forward_tolerance, s.window)
+            if s.next_offset - self.backward_tolerance <= offset <= s.next_offset + ahead:
+                if best is None or abs(offset - s.next_offset) < abs(offset - best.next_offset):
+                    best = s
+        return best
+
+    def on_read(self, offset: int, size: int, file_size: int, window_cap: int | None = None) -> Plan:
+        """Record a read of [offset, offset+size) and say what to prefetch."""
+        self._clock += 1
+        end = offset + size
+        dropped: list[Stream] = []
+        stream = self._match(offset)
+        if stream is None:
+            # A new reader or a random access: no read-ahead until it proves sequential.
+            stream = Stream(next_offset=end, prefetched_to=end)
+            if len(self.streams) >= self.max_streams:
+                oldest = min(self.streams, key=lambda s: s.last_used)
+                self.streams.remove(oldest)
+                dropped.append(oldest)
+            self.streams.append(stream)
+        else:
+            stream.hits += 1
+            if end > stream.next_offset:
+                stream.next_offset = end
+            # Doubling from one chunk to the maximum, as Mountpoint-S3 and gcsfuse grow theirs.
+            stream.window = min(self.max_window, max(self.chunk_size, stream.window * 2))
+        stream.last_used = self._clock
+        window = stream.window if window_cap is None else min(stream.window, window_cap)
+        start = max(stream.prefetched_to, stream.next_offset)
+        stop = min(file_size, stream.next_offset + window)
+        if stop > start:
+            stream.prefetched_to = stop
+        else:
+            start = stop = 0
+        return Plan(stream, start, stop, dropped)
+
+    def close(self) -> list[Stream]:
+        streams, self.streams = self.streams, []
+        return streams

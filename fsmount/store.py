@@ -1,0 +1,284 @@
+"""The object store seen by modelfs: an ObjectStore protocol, its boto3 implementation, and the one
+place where S3/OSS errors become `StoreError`s that carry an errno and a message for humans.
+
+Every method blocks; callers run them in worker threads. Nothing here caches or decides what to fetch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import errno
+import logging
+import random
+import time
+import urllib.parse
+from collections.abc import Iterator
+from typing import Any, Protocol
+
+from fsmount.config import StoreConfig
+
+log = logging.getLogger(__name__)
+
+# A body that breaks mid-transfer (reset, truncation) is retried here; botocore retries only
+# failures before the body starts. Three tries with jittered backoff, as botocore's standard mode.
+GET_ATTEMPTS = 3
+GET_BACKOFF_BASE = 0.2
+# botocore's own retries for request-level failures (5xx, throttling, connection refused).
+BOTO_MAX_ATTEMPTS = 4
+# Pre-flight check: one attempt, short timeouts, so a wrong endpoint fails in seconds.
+PREFLIGHT_TIMEOUT = 5.0
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ObjectMeta:
+    """One object version as listed or HEADed. `key` is the full key in the bucket."""
+
+    key: str
+    size: int
+    etag: str
+    mtime_ns: int
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ListingPage:
+    """One page of a delimited listing: objects directly under the prefix, and sub-prefixes.
+
+    Keys that are not valid UTF-8 arrive as `bytes` so the namespace can skip them by name.
+    """
+
+    objects: list[ObjectMeta]
+    prefixes: list[str]
+    undecodable: list[bytes]
+
+
+class StoreError(Exception):
+    """A failure talking to the bucket. `errno` is what a FUSE reader sees."""
+
+    errno = errno.EIO
+
+    def __init__(self, message: str):
+        super().__init__(message)
+        self.message = message
+
+
+class NotFound(StoreError):
+    errno = errno.ENOENT
+
+
+class AccessDenied(StoreError):
+    errno = errno.EACCES
+
+
+class BucketMissing(StoreError):
+    errno = errno.ENOENT
+
+
+class Unreachable(StoreError):
+    errno = errno.EIO
+
+
+class PreconditionFailed(StoreError):
+    """The object changed since it was opened (If-Match failed)."""
+
+    errno = errno.EIO
+
+
+class TransientError(StoreError):
+    errno = errno.EIO
+
+
+class ObjectStore(Protocol):
+    bucket: str
+
+    def check_bucket(self, prefix: str) -> None:
+        """Raise a StoreError with a clear message if the bucket cannot be listed."""
+        ...
+
+    def head(self, key: str) -> ObjectMeta | None:
+        """The object's metadata, or None if there is no such key."""
+        ...
+
+    def list_pages(self, prefix: str) -> Iterator[ListingPage]:
+        """Delimited ('/') listing of `prefix`, all pages."""
+        ...
+
+    def has_children(self, prefix: str) -> bool:
+        """Whether any key starts with `prefix` (which ends with '/')."""
+        ...
+
+    def get_range(self, key: str, etag: str, start: int, end: int) -> bytes:
+        """Bytes [start, end) of the object version `etag`; exactly end - start bytes or an error."""
+        ...
+
+
+def _mtime_ns(value: Any) -> int:
+    try:
+        return int(value.timestamp() * 1_000_000_000)
+    except AttributeError:
+        return 0
+
+
+def _client_error_code(exc: Exception) -> tuple[str, int]:
+    response = getattr(exc, "response", None) or {}
+    code = str(response.get("Error", {}).get("Code", ""))
+    status = int(response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0) or 0)
+    return code, status
+
+
+def translate_error(exc: Exception, bucket: str, what: str) -> StoreError:
+    """Map a botocore/urllib3 exception to a StoreError. The one error mapping of the project."""
+    from botocore import exceptions as bex
+
+    if isinstance(exc, StoreError):
+        return exc
+    if isinstance(exc, bex.NoCredentialsError):
+        return AccessDenied(
+            "no credentials found: set AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, use --profile, "
+            "or --no-sign-request for a public bucket"
+        )
+    if isinstance(exc, bex.ClientError):
+        code, status = _client_error_code(exc)
+        if code == "NoSuchBucket":
+            return BucketMissing(f"bucket {bucket!r} does not exist")
+        if code in ("NoSuchKey", "NotFound") or status == 404:
+            return NotFound(f"{what}: not found")
+        if code in ("InvalidAccessKeyId", "SignatureDoesNotMatch", "AccessDenied", "AllAccessDisabled",
+                    "InvalidToken", "ExpiredToken") or status == 403:
+            return AccessDenied(f"access denied to bucket {bucket!r} ({code or status}): check credentials")
+        if code == "PreconditionFailed" or status == 412:
+            return PreconditionFailed(f"{what}: object changed in the bucket since it was opened")
+        if status >= 500 or code in ("SlowDown", "Throttling", "RequestTimeout", "InternalError"):
+            return TransientError(f"{what}: server error {code or status}")
+        return StoreError(f"{what}: {code or status}")
+    if isinstance(exc, (bex.EndpointConnectionError, bex.ConnectTimeoutError)):
+        return Unreachable(f"cannot reach the endpoint: {exc}")
+    if isinstance(exc, (bex.ReadTimeoutError, bex.ResponseStreamingError, bex.IncompleteReadError,
+                        bex.ConnectionClosedError, ConnectionError, TimeoutError)):
+        return TransientError(f"{what}: {type(exc).__name__}: {exc}")
+    if isinstance(exc, bex.BotoCoreError):
+        return StoreError(f"{what}: {exc}")
+    if isinstance(exc, OSError):
+        return TransientError(f"{what}: {exc}")
+    return StoreError(f"{what}: {type(exc).__name__}: {exc}")
+
+
+def _decode_key(raw: str, encoded: bool) -> str | bytes:
+    """Keys are listed url-encoded so that non-UTF-8 keys survive; those come back as bytes."""
+    if not encoded:
+        return raw
+    data = urllib.parse.unquote_to_bytes(raw)
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError:
+        return data
+
+
+class Boto3Store:
+    """ObjectStore over boto3. Thread-safe: one client, shared by all worker threads."""
+
+    def __init__(self, cfg: StoreConfig, *, preflight: bool = False):
+        import boto3
+        from botocore import UNSIGNED
+        from botocore.config import Config
+
+        self.bucket = cfg.bucket
+        self._cfg = cfg
+        session = boto3.session.Session(profile_name=cfg.profile) if cfg.profile else boto3.session.Session()
+        timeout = PREFLIGHT_TIMEOUT if preflight else cfg.connect_timeout
+        botocfg = Config(
+            region_name=cfg.region,
+            signature_version=UNSIGNED if cfg.no_sign_request else None,
+            # One spare connection for metadata calls next to the data fetches.
+            max_pool_connections=cfg.max_connections + 4,
+            connect_timeout=timeout,
+            read_timeout=PREFLIGHT_TIMEOUT if preflight else cfg.read_timeout,
+            retries={"max_attempts": 1 if preflight else BOTO_MAX_ATTEMPTS, "mode": "standard"},
+            s3={"addressing_style": cfg.addressing_style},
+            tcp_keepalive=True,
+        )
+        self._client = session.client("s3", endpoint_url=cfg.endpoint_url, config=botocfg)
+
+    def check_bucket(self, prefix: str) -> None:
+        try:
+            self._client.list_objects_v2(Bucket=self.bucket, Prefix=prefix, Delimiter="/", MaxKeys=1)
+        except Exception as exc:  # noqa: BLE001 - every failure becomes one clear StoreError
+            err = translate_error(exc, self.bucket, f"listing bucket {self.bucket!r}")
+            if isinstance(err, NotFound):
+                err = BucketMissing(f"bucket {self.bucket!r} does not exist")
+            raise err from None
+
+    def head(self, key: str) -> ObjectMeta | None:
+        try:
+            resp = self._client.head_object(Bucket=self.bucket, Key=key)
+        except Exception as exc:  # noqa: BLE001
+            err = translate_error(exc, self.bucket, f"HEAD {key!r}")
+            if isinstance(err, NotFound):
+                return None
+            raise err from None
+        return ObjectMeta(key, int(resp["ContentLength"]), resp.get("ETag", ""), _mtime_ns(resp.get("LastModified")))
+
+    def list_pages(self, prefix: str) -> Iterator[ListingPage]:
+        token: str | None = None
+        while True:
+            kwargs: dict[str, Any] = dict(Bucket=self.bucket, Prefix=prefix, Delimiter="/", EncodingType="url")
+            if token:
+                kwargs["ContinuationToken"] = token
+            try:
+                resp = self._client.list_objects_v2(**kwargs)
+            except Exception as exc:  # noqa: BLE001
+                raise translate_error(exc, self.bucket, f"listing {prefix!r}") from None
+            encoded = resp.get("EncodingType") == "url"
+            objects: list[ObjectMeta] = []
+            prefixes: list[str] = []
+            undecodable: list[bytes] = []
+            for item in resp.get("Contents", ()):
+                key = _decode_key(item["Key"], encoded)
+                if isinstance(key, bytes):
+                    undecodable.append(key)
+                    continue
+                objects.append(ObjectMeta(key, int(item.get("Size", 0)), item.get("ETag", ""),
+                                          _mtime_ns(item.get("LastModified"))))
+            for item in resp.get("CommonPrefixes", ()):
+                sub = _decode_key(item["Prefix"], encoded)
+                if isinstance(sub, bytes):
+                    undecodable.append(sub)
+                else:
+                    prefixes.append(sub)
+            yield ListingPage(objects, prefixes, undecodable)
+            token = resp.get("NextContinuationToken")
+            if not resp.get("IsTruncated") or not token:
+                return
+
+    def has_children(self, prefix: str) -> bool:
+        try:
+            resp = self._client.list_objects_v2(Bucket=self.bucket, Prefix=prefix, MaxKeys=1, EncodingType="url")
+        except Exception as exc:  # noqa: BLE001
+            raise translate_error(exc, self.bucket, f"listing {prefix!r}") from None
+        return bool(resp.get("KeyCount") or resp.get("Contents") or resp.get("CommonPrefixes"))
+
+    def get_range(self, key: str, etag: str, start: int, end: int) -> bytes:
+        want = end - start
+        if want <= 0:
+            return b""
+        what = f"GET {key!r} bytes {start}-{end - 1}"
+        for attempt in range(1, GET_ATTEMPTS + 1):
+            try:
+                kwargs: dict[str, Any] = dict(Bucket=self.bucket, Key=key, Range=f"bytes={start}-{end - 1}")
+                if etag:
+                    kwargs["IfMatch"] = etag
+                resp = self._client.get_object(**kwargs)
+                data = resp["Body"].read()
+                if len(data) != want:
+                    raise TransientError(f"{what}: short body, {len(data)} of {want} bytes")
+                got_etag = resp.get("ETag")
+                if etag and got_etag and got_etag != etag:
+                    raise PreconditionFailed(f"{what}: object changed in the bucket since it was opened")
+                return data
+            except Exception as exc:  # noqa: BLE001
+                err = translate_error(exc, self.bucket, what)
+                if not isinstance(err, TransientError) or attempt == GET_ATTEMPTS:
+                    raise err from None
+                delay = GET_BACKOFF_BASE * (2 ** (attempt - 1)) * (0.5 + random.random())
+                log.debug("%s failed (%s), retry %d in %.2fs", what, err.message, attempt, delay)
+                time.sleep(delay)
+        raise AssertionError("unreachable")

@@ -1,0 +1,526 @@
+"""DiskCache: persistence, corruption handling, eviction, full/read-only disks, concurrency, maintenance.
+
+Plain synchronous tests; the full-disk tests mount small tmpfs filesystems (root only).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import random
+import shutil
+import stat
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from fsmount.cache_level import ChunkId
+from fsmount.disk_cache import (
+    CacheDirBusy,
+    DiskCache,
+    bytes_for_fraction,
+    cache_clear,
+    cache_stats,
+    cache_verify,
+)
+
+KiB = 1024
+MiB = 1024 * KiB
+BIG = 1 << 40  # max_bytes / free-space floor that never binds
+
+
+def chunk_id(index: int, etag: str = "etag-1", key: str = "models/m/model-00001.safetensors") -> ChunkId:
+    return ChunkId(bucket="weights", key=key, etag=etag, chunk_size=64 * KiB, index=index)
+
+
+def payload(chunk: ChunkId, size: int = 64 * KiB) -> bytes:
+    return random.Random(chunk.digest()).randbytes(size)
+
+
+def file_size_of(cache: DiskCache, chunk: ChunkId) -> int:
+    return os.stat(cache.chunk_path(chunk)).st_size
+
+
+def chunk_file_size(probe_root: Path, data_len: int) -> int:
+    """On-disk size (header + data) of a chunk_id() chunk, measured on a real file."""
+    with DiskCache(probe_root, BIG, min_free_bytes=0) as probe:
+        probe.put(chunk_id(0), payload(chunk_id(0), data_len))
+        return file_size_of(probe, chunk_id(0))
+
+
+def disk_files(root: Path) -> list[Path]:
+    return sorted(p for p in (root / "chunks").rglob("*") if p.is_file())
+
+
+def warnings_from_cache(caplog: pytest.LogCaptureFixture) -> list[logging.LogRecord]:
+    return [r for r in caplog.records if r.name == "fsmount.disk_cache" and r.levelno >= logging.WARNING]
+
+
+@pytest.fixture
+def tmpfs(tmp_path: Path) -> Iterator[contextlib.AbstractContextManager[Path]]:
+    """Factory: `with tmpfs("size=4m") as d:` mounts a fresh tmpfs at d and always unmounts it."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting tmpfs needs root")
+
+    @contextlib.contextmanager
+    def mount(options: str) -> Iterator[Path]:
+        where = tmp_path / f"tmpfs{len(list(tmp_path.iterdir()))}"
+        where.mkdir()
+        subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(where)], check=True)
+        try:
+            yield where
+        finally:
+            subprocess.run(["umount", "-l", str(where)], check=True)
+
+    yield mount  # type: ignore[misc]
+
+
+# -- basics and persistence -------------------------------------------------------------------------
+
+
+def test_put_get_contains_and_persistence_across_reopen(tmp_path: Path) -> None:
+    root = tmp_path / "cache"
+    chunks = [chunk_id(i) for i in range(5)]
+    with DiskCache(root, BIG, min_free_bytes=0) as cache:
+        assert cache.get(chunks[0]) is None
+        assert not cache.contains(chunks[0])
+        for c in chunks:
+            cache.put(c, payload(c))
+        assert all(cache.contains(c) for c in chunks)
+        assert cache.get(chunks[3]) == payload(chunks[3])
+        used = cache.stats.bytes_used
+        assert cache.stats.chunks == 5 and cache.stats.writes == 5
+        assert cache.stats.hits == 1 and cache.stats.misses == 1
+        assert used == sum(p.stat().st_size for p in disk_files(root))
+        cache.put(chunks[0], payload(chunks[0]))  # already there: not rewritten
+        assert cache.stats.writes == 5
+
+    assert cache.get(chunks[0]) is None and not cache.contains(chunks[0])  # closed: misses, no raise
+    cache.put(chunk_id(99), b"x")  # closed: a no-op
+    assert not Path(cache.chunk_path(chunk_id(99))).exists()
+
+    with DiskCache(root, BIG, min_free_bytes=0) as again:
+        assert again.stats.chunks == 5 and again.stats.bytes_used == used
+        for c in chunks:
+            assert again.get(c) == payload(c)
+        assert again.get(chunk_id(0, etag="etag-2")) is None  # other version of the object: a miss
+        assert again.stats.hits == 5 and again.stats.misses == 1 and again.stats.corrupt == 0
+
+
+def test_empty_chunk_and_odd_key_text_round_trip(tmp_path: Path) -> None:
+    odd = ChunkId("b", "dir/ünïcode \udcff key", '"etag-with-quotes"', 8 * MiB, 12345)
+    with DiskCache(tmp_path, BIG, min_free_bytes=0) as cache:
+        cache.put(odd, b"")
+        cache.put(chunk_id(1), b"1")
+    with DiskCache(tmp_path, BIG, min_free_bytes=0) as cache:
+        assert cache.get(odd) == b""
+        assert cache.get(chunk_id(1)) == b"1"
+
+
+def test_hit_refreshes_persisted_lru_stamp_and_reopen_evicts_by_it(tmp_path: Path) -> None:
+    chunks = [chunk_id(i) for i in range(4)]
+    with DiskCache(tmp_path, BIG, min_free_bytes=0) as cache:
+        for c in chunks:
+            cache.put(c, payload(c))
+        size = file_size_of(cache, chunks[0])
+        hour_ago = time.time_ns() - 3600 * 10**9
+        for age, c in enumerate(chunks):  # persisted order: chunk 0 oldest ... chunk 3 newest
+            os.utime(cache.chunk_path(c), ns=(hour_ago + age * 10**9,) * 2)
+        assert cache.get(chunks[0]) == payload(chunks[0])  # a hit stamps "now" on chunk 0
+        assert os.stat(cache.chunk_path(chunks[0])).st_mtime_ns > time.time_ns() - 60 * 10**9
+
+    with DiskCache(tmp_path, 4 * size, min_free_bytes=0) as cache:
+        cache.put(chunk_id(10), payload(chunk_id(10)))  # full: evicts the least recent, chunk 1
+        assert [cache.contains(c) for c in chunks] == [True, False, True, True]
+        assert cache.stats.evictions == 1
+
+    with DiskCache(tmp_path, 2 * size, min_free_bytes=0) as cache:  # limit shrank: evicts at open
+        assert cache.stats.chunks == 2 and cache.stats.bytes_used == 2 * size
+        assert [cache.contains(c) for c in (chunks[0], chunk_id(10))] == [True, True]
+        assert len(disk_files(tmp_path)) == 2
+
+
+# -- corruption -------------------------------------------------------------------------------------
+
+
+def flip_last_byte(path: Path, _other: Path) -> None:
+    raw = bytearray(path.read_bytes())
+    raw[-1] ^= 0x01
+    path.write_bytes(bytes(raw))
+
+
+def truncate(path: Path, _other: Path) -> None:
+    os.truncate(path, path.stat().st_size - 100)
+
+
+def wrong_magic(path: Path, _other: Path) -> None:
+    raw = bytearray(path.read_bytes())
+    raw[0:8] = b"NOTMAGIC"
+    path.write_bytes(bytes(raw))
+
+
+def flip_key_byte(path: Path, _other: Path) -> None:
+    raw = bytearray(path.read_bytes())
+    pos = raw.index(b"models/")
+    raw[pos] ^= 0x20
+    path.write_bytes(bytes(raw))
+
+
+def trailing_garbage(path: Path, _other: Path) -> None:
+    with path.open("ab") as f:
+        f.write(b"\0")
+
+
+def other_etags_file_at_this_path(path: Path, other: Path) -> None:
+    shutil.copyfile(other, path)  # a valid chunk file, for the same key/index but another etag
+
+
+def empty_file(path: Path, _other: Path) -> None:
+    os.truncate(path, 0)
+
+
+@pytest.mark.parametrize(
+    "damage",
+    [
+        flip_last_byte,
+        truncate,
+        wrong_magic,
+        flip_key_byte,
+        trailing_garbage,
+        other_etags_file_at_this_path,
+        empty_file,
+    ],
+)
+def test_corrupt_file_is_a_counted_miss_and_deleted(tmp_path: Path, damage, caplog) -> None:
+    wanted, other_version = chunk_id(7), chunk_id(7, etag="etag-OTHER")
+    with DiskCache(tmp_path, BIG, min_free_bytes=0) as cache:
+        cache.put(wanted, payload(wanted))
+        cache.put(other_version, payload(other_version))
+        path, other_path = Path(cache.chunk_path(wanted)), Path(cache.chunk_path(other_version))
+        assert path != other_path
+        damage(path, other_path)
+
+        assert cache.get(wanted) is None
+        assert cache.stats.corrupt == 1 and cache.stats.misses == 1 and cache.stats.hits == 0
+        assert not path.exists()
+        assert not cache.contains(wanted)
+        assert cache.stats.chunks == 1 and cache.stats.bytes_used == other_path.stat().st_size
+        assert cache.get(other_version) == payload(other_version)  # the neighbour is untouched
+        assert len(warnings_from_cache(caplog)) == 1
+
+        cache.put(wanted, payload(wanted))  # and the chunk can be cached again
+        assert cache.get(wanted) == payload(wanted)
+
+
+def test_only_first_corrupt_file_warns(tmp_path: Path, caplog) -> None:
+    with DiskCache(tmp_path, BIG, min_free_bytes=0) as cache:
+        for i in range(3):
+            cache.put(chunk_id(i), payload(chunk_id(i)))
+            wrong_magic(Path(cache.chunk_path(chunk_id(i))), tmp_path)
+        assert [cache.get(chunk_id(i)) for i in range(3)] == [None] * 3
+        assert cache.stats.corrupt == 3
+        assert len(warnings_from_cache(caplog)) == 1
+
+
+def test_file_removed_behind_the_cache_is_a_plain_miss(tmp_path: Path) -> None:
+    with DiskCache(tmp_path, BIG, min_free_bytes=0) as cache:
+        cache.put(chunk_id(1), b"abc")
+        os.unlink(cache.chunk_path(chunk_id(1)))
+        assert cache.get(chunk_id(1)) is None
+        assert cache.stats.corrupt == 0 and cache.stats.misses == 1
+        assert cache.stats.chunks == 0 and cache.stats.bytes_used == 0
+
+
+# -- eviction ---------------------------------------------------------------------------------------
+
+
+def test_eviction_keeps_bytes_under_limit_in_lru_order(tmp_path: Path) -> None:
+    size = chunk_file_size(tmp_path / "probe", 64 * KiB)
+    limit = 10 * size + size // 2
+    with DiskCache(tmp_path / "c", limit, min_free_bytes=0) as cache:
+        for i in range(30):
+            cache.put(chunk_id(i), payload(chunk_id(i)))
+            assert cache.get(chunk_id(0)) == payload(chunk_id(0))  # keeps chunk 0 the most recent
+            assert cache.stats.bytes_used <= limit
+            assert sum(p.stat().st_size for p in disk_files(tmp_path / "c")) == cache.stats.bytes_used
+        assert cache.stats.chunks == 10 and cache.stats.evictions == 20
+        present = [i for i in range(30) if cache.contains(chunk_id(i))]
+        assert present == [0, *range(21, 30)]
+        assert cache.stats.writes == 30
+
+
+def test_chunk_larger_than_the_whole_cache_is_skipped(tmp_path: Path) -> None:
+    with DiskCache(tmp_path, 1000, min_free_bytes=0) as cache:
+        cache.put(chunk_id(1), b"x" * 2000)
+        assert not cache.contains(chunk_id(1)) and cache.stats.writes_skipped == 1
+        assert cache.stats.write_errors == 0 and disk_files(tmp_path) == []
+
+
+# -- full and read-only disks -----------------------------------------------------------------------
+
+
+def test_cache_bigger_than_its_filesystem_evicts_to_keep_free_space(tmpfs, caplog) -> None:
+    with tmpfs("size=4m") as fs, DiskCache(fs / "c", max_bytes=BIG, min_free_bytes=512 * KiB) as cache:
+        for i in range(64):  # 16 MiB through a 4 MiB filesystem
+            c = chunk_id(i)
+            cache.put(c, payload(c, 256 * KiB))
+        assert cache.stats.write_errors == 0 and cache.stats.writes == 64
+        assert cache.stats.evictions > 40
+        assert _free(fs) >= 512 * KiB
+        for i in range(64):
+            got = cache.get(chunk_id(i))
+            assert got is None or got == payload(chunk_id(i), 256 * KiB)
+        assert cache.get(chunk_id(63)) == payload(chunk_id(63), 256 * KiB)  # the newest stayed
+        assert warnings_from_cache(caplog) == []
+
+
+def _free(path: Path) -> int:
+    st = os.statvfs(path)
+    return st.f_bavail * st.f_frsize
+
+
+def _fill(path: Path) -> None:
+    """A file of someone else's that takes all remaining space."""
+    with open(path, "wb") as f, contextlib.suppress(OSError):
+        while True:
+            f.write(b"\0" * 64 * KiB)
+            f.flush()
+
+
+def test_disk_full_of_foreign_data_absorbs_puts_with_one_warning(tmpfs, caplog) -> None:
+    caplog.set_level(logging.INFO, logger="fsmount.disk_cache")
+    with tmpfs("size=4m") as fs, DiskCache(fs / "c", BIG, min_free_bytes=0, retry_after_s=0) as cache:
+        stored = [chunk_id(i) for i in range(4)]
+        for c in stored:
+            cache.put(c, payload(c, 128 * KiB))
+        _fill(fs / "someone-elses-file")
+        assert _free(fs) < 128 * KiB
+
+        for i in range(10, 20):  # each 1 MiB: more than evicting all 512 KiB of cache could free
+            cache.put(chunk_id(i), payload(chunk_id(i), MiB))
+        assert cache.stats.write_errors == 10 and cache.stats.writes == 4
+        assert len(warnings_from_cache(caplog)) == 1
+        assert "write failed" in warnings_from_cache(caplog)[0].getMessage()
+        for c in stored:  # nothing was evicted for writes that could not succeed
+            assert cache.get(c) == payload(c, 128 * KiB)
+        assert not list((fs / "c").rglob("*.tmp"))
+
+        os.unlink(fs / "someone-elses-file")  # space frees: the next put is tried and succeeds
+        cache.put(chunk_id(30), payload(chunk_id(30), MiB))
+        assert cache.get(chunk_id(30)) == payload(chunk_id(30), MiB)
+        assert any("resumed" in r.getMessage() for r in caplog.records)
+
+
+def test_real_enospc_from_the_kernel_is_absorbed(tmpfs, caplog) -> None:
+    # Out of inodes: statvfs still shows free bytes, so the write itself fails with ENOSPC.
+    with tmpfs("size=4m,nr_inodes=300") as fs, DiskCache(fs / "c", BIG, 0, retry_after_s=0) as cache:
+        room = os.statvfs(fs).f_favail
+        assert 5 < room < 50
+        for i in range(room + 10):
+            cache.put(chunk_id(i), payload(chunk_id(i), 4 * KiB))
+        assert cache.stats.writes == room and cache.stats.write_errors == 10
+        assert len(warnings_from_cache(caplog)) == 1
+        assert "No space left" in warnings_from_cache(caplog)[0].getMessage()
+        for i in range(room):
+            assert cache.get(chunk_id(i)) == payload(chunk_id(i), 4 * KiB)
+        assert not list((fs / "c").rglob("*.tmp"))
+
+
+def test_read_only_filesystem_pauses_writes_then_resumes(tmpfs, caplog) -> None:
+    with tmpfs("size=4m") as fs, DiskCache(fs / "c", BIG, 0, retry_after_s=3600) as cache:
+        cache.put(chunk_id(1), payload(chunk_id(1)))
+        os.utime(cache.chunk_path(chunk_id(1)), ns=(10**18, 10**18))  # stale stamp: a hit will restamp
+        subprocess.run(["mount", "-o", "remount,ro", str(fs)], check=True)
+        for i in range(2, 12):
+            cache.put(chunk_id(i), payload(chunk_id(i)))
+        # One attempt failed with EROFS; the other nine were skipped without touching the disk.
+        assert cache.stats.write_errors == 1 and cache.stats.writes_skipped == 9
+        assert len(warnings_from_cache(caplog)) == 1
+        assert "Read-only" in warnings_from_cache(caplog)[0].getMessage()
+        assert cache.get(chunk_id(1)) == payload(chunk_id(1))  # its restamp fails with EROFS, unseen
+
+        subprocess.run(["mount", "-o", "remount,rw", str(fs)], check=True)
+        cache.retry_after_s = 0  # the retry deadline has passed
+        cache.put(chunk_id(20), payload(chunk_id(20)))
+        assert cache.get(chunk_id(20)) == payload(chunk_id(20))
+        assert cache.stats.write_errors == 1 and len(warnings_from_cache(caplog)) == 1
+
+
+# -- concurrency ------------------------------------------------------------------------------------
+
+
+def test_readers_during_puts_and_evictions_never_see_wrong_bytes(tmp_path: Path) -> None:
+    n_chunks, size = 300, 32 * KiB
+    expected = {i: payload(chunk_id(i), size) for i in range(n_chunks)}
+    limit = 20 * chunk_file_size(tmp_path / "probe", size)
+    cache = DiskCache(tmp_path / "c", max_bytes=limit, min_free_bytes=0)
+    done = threading.Event()
+    wrong: list[int] = []
+    hits = [0] * 8
+
+    def writer() -> None:
+        for round_ in range(3):
+            for i in range(n_chunks):
+                cache.put(chunk_id(i), expected[i])
+        done.set()
+
+    def reader(slot: int) -> None:
+        rng = random.Random(slot)
+        while not done.is_set():
+            i = rng.randrange(n_chunks)
+            got = cache.get(chunk_id(i))
+            if got is not None:
+                hits[slot] += 1
+                if got != expected[i]:
+                    wrong.append(i)
+
+    threads = [threading.Thread(target=reader, args=(s,)) for s in range(8)]
+    threads.append(threading.Thread(target=writer))
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    cache.close()
+    assert wrong == []
+    assert sum(hits) > 0 and cache.stats.evictions > 500
+    assert cache.stats.corrupt == 0 and cache.stats.read_errors == 0
+    assert cache.stats.bytes_used <= cache.max_bytes
+    assert cache.stats.bytes_used == sum(p.stat().st_size for p in disk_files(tmp_path / "c"))
+
+
+# -- exclusive use, permissions, temp files -----------------------------------------------------------
+
+
+def test_second_cache_on_same_dir_is_refused_until_first_closes(tmp_path: Path) -> None:
+    first = DiskCache(tmp_path / "c", BIG, min_free_bytes=0)
+    with pytest.raises(CacheDirBusy) as busy:
+        DiskCache(tmp_path / "c", BIG, min_free_bytes=0)
+    assert "another modelfs mount" in str(busy.value)
+    assert str(tmp_path / "c") in str(busy.value)
+    assert f"pid {os.getpid()}" in str(busy.value)
+    with pytest.raises(CacheDirBusy):
+        cache_clear(tmp_path / "c")
+    with pytest.raises(CacheDirBusy):
+        cache_verify(tmp_path / "c")
+    first.close()
+    DiskCache(tmp_path / "c", BIG, min_free_bytes=0).close()
+
+
+def test_lock_is_held_against_other_processes(tmp_path: Path) -> None:
+    with DiskCache(tmp_path, BIG, min_free_bytes=0):
+        code = (
+            "import sys\nfrom fsmount.disk_cache import DiskCache, CacheDirBusy\n"
+            f"try:\n    DiskCache({str(tmp_path)!r}, 1 << 40, 0)\nexcept CacheDirBusy as e:\n"
+            "    print(e); sys.exit(3)\n"
+        )
+        other = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True)
+        assert other.returncode == 3, other.stderr
+        assert "another modelfs mount" in other.stdout
+
+
+def test_permissions(tmp_path: Path) -> None:
+    existing = tmp_path / "existing"
+    existing.mkdir(mode=0o755)
+    os.chmod(existing, 0o755)
+    for root in (tmp_path / "new" / "cache", existing):
+        with DiskCache(root, BIG, min_free_bytes=0) as cache:
+            cache.put(chunk_id(1), b"data")
+            path = Path(cache.chunk_path(chunk_id(1)))
+            assert stat.S_IMODE(root.stat().st_mode) == 0o700
+            assert stat.S_IMODE(path.parent.stat().st_mode) == 0o700
+            assert stat.S_IMODE(path.stat().st_mode) == 0o600
+            assert stat.S_IMODE((root / "lock").stat().st_mode) == 0o600
+
+
+def test_leftover_temp_files_are_swept_at_open(tmp_path: Path) -> None:
+    with DiskCache(tmp_path, BIG, min_free_bytes=0) as cache:
+        cache.put(chunk_id(1), b"kept")
+        shard = Path(cache.chunk_path(chunk_id(1))).parent
+    (shard / "0123456789abcdef.x1y2z3.tmp").write_bytes(b"half a chunk")
+    (tmp_path / "chunks" / "ff" / "whatever.tmp").write_bytes(b"")
+    with DiskCache(tmp_path, BIG, min_free_bytes=0) as cache:
+        assert cache.swept_tmp_files == 2
+        assert not list(tmp_path.rglob("*.tmp"))
+        assert cache.stats.chunks == 1 and cache.get(chunk_id(1)) == b"kept"
+
+
+# -- index rebuild at scale ---------------------------------------------------------------------------
+
+
+def test_index_rebuild_of_100k_chunk_files_is_fast(tmp_path: Path) -> None:
+    n = 100_000
+    with DiskCache(tmp_path, BIG, min_free_bytes=0) as cache:
+        paths = [cache.chunk_path(chunk_id(i)) for i in range(n)]
+    started = time.perf_counter()
+    for path in paths:  # tiny fake files: the rebuild only stats, it never reads them
+        with open(path, "wb") as f:
+            f.write(b"0123456789")
+    old = time.time_ns() - 10**12
+    os.utime(paths[500], ns=(old, old))  # the persisted LRU order: this one is the oldest
+    print(f"\ncreated {n} files in {time.perf_counter() - started:.2f} s")
+
+    started = time.perf_counter()
+    cache = DiskCache(tmp_path, BIG, min_free_bytes=0)
+    elapsed = time.perf_counter() - started
+    print(f"index rebuild of {n} chunk files: {elapsed:.2f} s")
+    try:
+        assert cache.stats.chunks == n and cache.stats.bytes_used == 10 * n
+        assert elapsed < 30
+        assert next(iter(cache._index)) == os.path.basename(paths[500])
+        assert cache.get(chunk_id(3)) is None and cache.stats.corrupt == 1  # fake content is caught
+    finally:
+        cache.close()
+
+
+# -- maintenance functions ----------------------------------------------------------------------------
+
+
+def test_cache_stats_clear_verify(tmp_path: Path) -> None:
+    assert cache_stats(tmp_path / "absent") == {
+        "chunks": 0,
+        "bytes": 0,
+        "oldest_access": None,
+        "newest_access": None,
+    }
+    assert cache_clear(tmp_path / "absent") == 0 and cache_verify(tmp_path / "absent") == (0, [])
+    with DiskCache(tmp_path, BIG, min_free_bytes=0) as cache:
+        for i in range(5):
+            cache.put(chunk_id(i), payload(chunk_id(i), 1000))
+        paths = [Path(cache.chunk_path(chunk_id(i))) for i in range(5)]
+        for i, p in enumerate(paths):
+            os.utime(p, ns=(1_700_000_000 * 10**9 + i * 10**9,) * 2)
+        stats = cache_stats(tmp_path)  # works while the cache is open
+        assert stats == {
+            "chunks": 5,
+            "bytes": sum(p.stat().st_size for p in paths),
+            "oldest_access": 1_700_000_000.0,
+            "newest_access": 1_700_000_004.0,
+        }
+
+    flip_last_byte(paths[1], paths[1])
+    shutil.copyfile(paths[2], paths[3])  # a valid file under another chunk's name
+    good, bad = cache_verify(tmp_path)
+    assert good == 3 and sorted(bad) == sorted([str(paths[1]), str(paths[3])])
+    assert not paths[1].exists() and not paths[3].exists() and paths[2].exists()
+    assert cache_verify(tmp_path) == (3, [])
+
+    (paths[0].parent / "junk.tmp").write_bytes(b"")
+    assert cache_clear(tmp_path) == 4
+    assert disk_files(tmp_path) == []
+    with DiskCache(tmp_path, BIG, min_free_bytes=0) as cache:
+        assert cache.stats.chunks == 0 and cache.get(chunk_id(0)) is None
+
+
+def test_bytes_for_fraction(tmpfs) -> None:
+    with tmpfs("size=4m") as fs:
+        assert bytes_for_fraction(fs, 0.5) == 2 * MiB
+        assert bytes_for_fraction(fs / "not" / "yet", 1.0) == 4 * MiB  # measured at the nearest parent
+        for bad in (0.0, -0.1, 1.5):
+            with pytest.raises(ValueError):
+                bytes_for_fraction(fs, bad)

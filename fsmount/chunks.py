@@ -23,7 +23,8 @@ import dataclasses
 import heapq
 import itertools
 import logging
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any
 
 import trio
 
@@ -37,6 +38,13 @@ DEMAND = 0
 PREFETCH = 1
 # Threads for cache-level I/O (NVMe reads, write-through); separate from the S3 connections.
 DISK_THREADS = 8
+
+# How blocking calls run: in a worker thread under a limiter. Tests substitute a virtual-time fake.
+RunBlocking = Callable[..., Awaitable[Any]]
+
+
+async def run_in_thread(fn: Callable[..., Any], *args: Any, limiter: trio.CapacityLimiter) -> Any:
+    return await trio.to_thread.run_sync(fn, *args, limiter=limiter)
 
 
 class ReadTimeout(StoreError):
@@ -77,13 +85,14 @@ class _Fetch:
 
 class ChunkEngine:
     def __init__(self, store: ObjectStore, *, chunk_size: int, memory_limit: int, max_connections: int,
-                 read_timeout: float, levels: Sequence[ChunkCache] = ()):
+                 read_timeout: float, levels: Sequence[ChunkCache] = (), run_blocking: RunBlocking = run_in_thread):
         self.store = store
         self.chunk_size = chunk_size
         self.memory_limit = memory_limit
         self.read_timeout = read_timeout
         self.levels = list(levels)
         self.stats = EngineStats()
+        self._run_blocking = run_blocking
         self._workers = max_connections
         self._s3_limiter = trio.CapacityLimiter(max_connections)
         self._disk_limiter = trio.CapacityLimiter(DISK_THREADS)
@@ -279,15 +288,15 @@ class ChunkEngine:
     async def _load(self, cid: ChunkId, length: int) -> tuple[bytes, int | None]:
         """From the first cache level that has it, else from the origin."""
         for i, level in enumerate(self.levels):
-            data = await trio.to_thread.run_sync(level.get, cid, limiter=self._disk_limiter)
+            data = await self._run_blocking(level.get, cid, limiter=self._disk_limiter)
             if data is not None and len(data) == length:
                 self.stats.level_hits += 1
                 return data, i
         end = cid.offset + length
         self.stats.origin_requests += 1
         try:
-            data = await trio.to_thread.run_sync(self.store.get_range, cid.key, cid.etag, cid.offset, end,
-                                                 limiter=self._s3_limiter)
+            data = await self._run_blocking(self.store.get_range, cid.key, cid.etag, cid.offset, end,
+                                            limiter=self._s3_limiter)
         except Exception:
             self.stats.origin_errors += 1
             raise
@@ -297,6 +306,6 @@ class ChunkEngine:
     async def _write_through(self, levels: Sequence[ChunkCache], cid: ChunkId, data: bytes) -> None:
         for level in levels:
             try:
-                await trio.to_thread.run_sync(level.put, cid, data, limiter=self._disk_limiter)
+                await self._run_blocking(level.put, cid, data, limiter=self._disk_limiter)
             except Exception as exc:  # noqa: BLE001 - a cache level never breaks a read
                 log.warning("cache write of chunk %d of %r failed: %s", cid.index, cid.key, exc)

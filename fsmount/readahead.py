@@ -76,10 +76,14 @@ class ReadAhead:
             self.streams.append(stream)
         else:
             stream.hits += 1
+            adjacent = abs(offset - stream.next_offset) <= self.chunk_size
             if end > stream.next_offset:
                 stream.next_offset = end
-            # Doubling from one chunk to the maximum, as Mountpoint-S3 and gcsfuse grow theirs.
-            stream.window = min(self.max_window, max(self.chunk_size, stream.window * 2))
+            if adjacent:
+                # Doubling from one chunk to the maximum, as Mountpoint-S3 and gcsfuse grow theirs.
+                # A skip within tolerance keeps the window but does not grow it: random readers
+                # land near some stream often enough on a small file.
+                stream.window = min(self.max_window, max(self.chunk_size, stream.window * 2))
         stream.last_used = self._clock
         window = stream.window if window_cap is None else min(stream.window, window_cap)
         start = max(stream.prefetched_to, stream.next_offset)

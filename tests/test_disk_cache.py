@@ -62,6 +62,15 @@ def warnings_from_cache(caplog: pytest.LogCaptureFixture) -> list[logging.LogRec
     return [r for r in caplog.records if r.name == "fsmount.disk_cache" and r.levelno >= logging.WARNING]
 
 
+CORRUPT_WARNING = r"^disk cache .*: dropped corrupt chunk file "
+WRITE_WARNING = r"^disk cache .*: write failed "
+
+
+def expects_warning(pattern: str) -> pytest.MarkDecorator:
+    """Feeds the shared log checker (tests/conftest.py `allowed_logs`); the test then asserts the count."""
+    return pytest.mark.parametrize("allowed_logs", [[pattern]], ids=["warns"])
+
+
 @pytest.fixture
 def tmpfs(tmp_path: Path) -> Iterator[contextlib.AbstractContextManager[Path]]:
     """Factory: `with tmpfs("size=4m") as d:` mounts a fresh tmpfs at d and always unmounts it."""
@@ -185,6 +194,7 @@ def empty_file(path: Path, _other: Path) -> None:
     os.truncate(path, 0)
 
 
+@expects_warning(CORRUPT_WARNING)
 @pytest.mark.parametrize(
     "damage",
     [
@@ -197,7 +207,7 @@ def empty_file(path: Path, _other: Path) -> None:
         empty_file,
     ],
 )
-def test_corrupt_file_is_a_counted_miss_and_deleted(tmp_path: Path, damage, caplog) -> None:
+def test_corrupt_file_is_a_counted_miss_and_deleted(tmp_path: Path, damage, caplog, allowed_logs) -> None:
     wanted, other_version = chunk_id(7), chunk_id(7, etag="etag-OTHER")
     with DiskCache(tmp_path, BIG, min_free_bytes=0) as cache:
         cache.put(wanted, payload(wanted))
@@ -218,7 +228,8 @@ def test_corrupt_file_is_a_counted_miss_and_deleted(tmp_path: Path, damage, capl
         assert cache.get(wanted) == payload(wanted)
 
 
-def test_only_first_corrupt_file_warns(tmp_path: Path, caplog) -> None:
+@expects_warning(CORRUPT_WARNING)
+def test_only_first_corrupt_file_warns(tmp_path: Path, caplog, allowed_logs) -> None:
     with DiskCache(tmp_path, BIG, min_free_bytes=0) as cache:
         for i in range(3):
             cache.put(chunk_id(i), payload(chunk_id(i)))
@@ -293,8 +304,8 @@ def _fill(path: Path) -> None:
             f.flush()
 
 
-def test_disk_full_of_foreign_data_absorbs_puts_with_one_warning(tmpfs, caplog) -> None:
-    caplog.set_level(logging.INFO, logger="fsmount.disk_cache")
+@expects_warning(WRITE_WARNING)
+def test_disk_full_of_foreign_data_absorbs_puts_with_one_warning(tmpfs, caplog, allowed_logs) -> None:
     with tmpfs("size=4m") as fs, DiskCache(fs / "c", BIG, min_free_bytes=0, retry_after_s=0) as cache:
         stored = [chunk_id(i) for i in range(4)]
         for c in stored:
@@ -317,7 +328,8 @@ def test_disk_full_of_foreign_data_absorbs_puts_with_one_warning(tmpfs, caplog) 
         assert any("resumed" in r.getMessage() for r in caplog.records)
 
 
-def test_real_enospc_from_the_kernel_is_absorbed(tmpfs, caplog) -> None:
+@expects_warning(WRITE_WARNING)
+def test_real_enospc_from_the_kernel_is_absorbed(tmpfs, caplog, allowed_logs) -> None:
     # Out of inodes: statvfs still shows free bytes, so the write itself fails with ENOSPC.
     with tmpfs("size=4m,nr_inodes=300") as fs, DiskCache(fs / "c", BIG, 0, retry_after_s=0) as cache:
         room = os.statvfs(fs).f_favail
@@ -332,7 +344,8 @@ def test_real_enospc_from_the_kernel_is_absorbed(tmpfs, caplog) -> None:
         assert not list((fs / "c").rglob("*.tmp"))
 
 
-def test_read_only_filesystem_pauses_writes_then_resumes(tmpfs, caplog) -> None:
+@expects_warning(WRITE_WARNING)
+def test_read_only_filesystem_pauses_writes_then_resumes(tmpfs, caplog, allowed_logs) -> None:
     with tmpfs("size=4m") as fs, DiskCache(fs / "c", BIG, 0, retry_after_s=3600) as cache:
         cache.put(chunk_id(1), payload(chunk_id(1)))
         os.utime(cache.chunk_path(chunk_id(1)), ns=(10**18, 10**18))  # stale stamp: a hit will restamp
@@ -453,7 +466,8 @@ def test_leftover_temp_files_are_swept_at_open(tmp_path: Path) -> None:
 # -- index rebuild at scale ---------------------------------------------------------------------------
 
 
-def test_index_rebuild_of_100k_chunk_files_is_fast(tmp_path: Path) -> None:
+@expects_warning(CORRUPT_WARNING)
+def test_index_rebuild_of_100k_chunk_files_is_fast(tmp_path: Path, allowed_logs) -> None:
     n = 100_000
     with DiskCache(tmp_path, BIG, min_free_bytes=0) as cache:
         paths = [cache.chunk_path(chunk_id(i)) for i in range(n)]

@@ -1,0 +1,327 @@
+"""The chunk engine and per-handle read-ahead against the fake store, in trio's virtual time."""
+
+from __future__ import annotations
+
+import os
+import random
+
+import pytest
+import trio
+import trio.testing
+
+from fsmount.chunks import ChunkEngine
+from fsmount.handles import OpenFile
+from fsmount.readahead import ReadAhead
+from fsmount.store import StoreError, TransientError
+from tests.fake_store import FakeStore
+
+MiB = 1 << 20
+CHUNK = 1 * MiB
+LATENCY = 0.05  # virtual seconds per GET
+
+
+@pytest.fixture
+def autojump_clock() -> trio.testing.MockClock:
+    return trio.testing.MockClock(autojump_threshold=0)
+
+
+def virtual_latency_runner(store: FakeStore, latency: float = LATENCY):
+    """Run 'blocking' calls inline after a virtual-time sleep, under the engine's limiter."""
+    async def run(fn, *args, limiter):  # noqa: ANN001, ANN202
+        async with limiter:
+            if fn.__name__ == "get_range":
+                await trio.sleep(latency)
+            return fn(*args)
+    return run
+
+
+def make_engine(store: FakeStore, *, memory=64 * MiB, conns=4, timeout=30.0, latency=LATENCY) -> ChunkEngine:
+    return ChunkEngine(store, chunk_size=CHUNK, memory_limit=memory, max_connections=conns,
+                       read_timeout=timeout, run_blocking=virtual_latency_runner(store, latency))
+
+
+def put_object(store: FakeStore, key: str, size: int) -> bytes:
+    import numpy as np
+    data = np.random.default_rng(size).integers(0, 256, size, dtype=np.uint8).tobytes()
+    store.put(key, data)
+    return data
+
+
+def version(store: FakeStore, key: str):  # noqa: ANN201
+    from fsmount.namespace import ObjectVersion
+    m = store.meta(key)
+    return ObjectVersion(m.key, m.etag, m.size)
+
+
+# -- pure read-ahead state machine ----------------------------------------------------------------
+
+def test_sequential_window_doubles_to_max() -> None:
+    ra = ReadAhead(CHUNK, 16 * MiB)
+    plan = ra.on_read(0, 128 * 1024, 1 << 30)
+    assert plan.prefetch_end == plan.prefetch_start  # not yet proven sequential
+    windows = []
+    off = 128 * 1024
+    for _ in range(8):
+        plan = ra.on_read(off, 128 * 1024, 1 << 30)
+        off += 128 * 1024
+        windows.append(plan.stream.window)
+    assert windows[:5] == [1 * MiB, 2 * MiB, 4 * MiB, 8 * MiB, 16 * MiB]
+    assert windows[-1] == 16 * MiB
+    assert plan.prefetch_end == off + 16 * MiB
+
+
+def test_prefetch_ranges_do_not_overlap() -> None:
+    ra = ReadAhead(CHUNK, 8 * MiB)
+    covered = []
+    for i in range(40):
+        p = ra.on_read(i * MiB, MiB, 1 << 30)
+        if p.prefetch_end > p.prefetch_start:
+            covered.append((p.prefetch_start, p.prefetch_end))
+    for (a0, a1), (b0, _) in zip(covered, covered[1:]):
+        assert a1 <= b0
+
+
+def test_forward_skip_within_tolerance_stays_sequential() -> None:
+    ra = ReadAhead(CHUNK, 64 * MiB)
+    for i in range(4):
+        ra.on_read(i * MiB, MiB, 1 << 30)
+    window = ra.streams[0].window
+    plan = ra.on_read(4 * MiB + 10 * MiB, MiB, 1 << 30)  # skip 10 MiB forward
+    assert len(ra.streams) == 1 and plan.stream.window == window
+    assert plan.prefetch_end == 15 * MiB + window
+
+
+def test_far_seek_and_random_access_do_not_prefetch() -> None:
+    ra = ReadAhead(CHUNK, 64 * MiB)
+    rng = random.Random(1)
+    for _ in range(50):
+        plan = ra.on_read(rng.randrange(0, 1 << 40) & ~0xFFF, 4096, 1 << 41)
+        assert plan.prefetch_end - plan.prefetch_start == 0
+    assert len(ra.streams) <= ra.max_streams
+
+
+def test_backward_read_within_buffer_keeps_stream() -> None:
+    ra = ReadAhead(CHUNK, 64 * MiB)
+    for i in range(4):
+        ra.on_read(i * MiB, MiB, 1 << 30)
+    ra.on_read(2 * MiB, MiB, 1 << 30)  # reordered kernel readahead request
+    assert len(ra.streams) == 1 and ra.streams[0].next_offset == 4 * MiB
+
+
+def test_four_interleaved_readers_each_get_a_stream() -> None:
+    ra = ReadAhead(CHUNK, 32 * MiB)
+    quarter = 256 * MiB
+    for step in range(20):
+        for r in range(4):
+            plan = ra.on_read(r * quarter + step * MiB, MiB, 1 << 30)
+    assert len(ra.streams) == 4
+    assert all(s.window == 32 * MiB for s in ra.streams)
+    assert plan.prefetch_end > plan.prefetch_start or plan.stream.prefetched_to >= plan.stream.next_offset
+
+
+def test_dropped_streams_are_reported() -> None:
+    ra = ReadAhead(CHUNK, 32 * MiB, max_streams=2)
+    ra.on_read(0, MiB, 1 << 40)
+    ra.on_read(1 << 34, MiB, 1 << 40)
+    plan = ra.on_read(1 << 36, MiB, 1 << 40)
+    assert len(plan.dropped) == 1 and plan.dropped[0].next_offset == MiB
+
+
+# -- engine + handle with the fake store ----------------------------------------------------------
+
+async def run_engine(engine: ChunkEngine, body) -> None:  # noqa: ANN001
+    async with trio.open_nursery() as nursery:
+        await nursery.start(engine.run)
+        await body()
+        nursery.cancel_scope.cancel()
+
+
+async def test_sequential_read_is_exact_and_prefetches(autojump_clock) -> None:  # noqa: ANN001
+    store = FakeStore()
+    data = put_object(store, "m", 40 * MiB + 123)
+    engine = make_engine(store)
+
+    async def body() -> None:
+        h = OpenFile(1, 2, version(store, "m"), engine, max_readahead=16 * MiB)
+        out = bytearray()
+        off = 0
+        start = trio.current_time()
+        while True:
+            chunk = await h.read(off, 128 * 1024)
+            if not chunk:
+                break
+            out += chunk
+            off += len(chunk)
+        elapsed = trio.current_time() - start
+        assert bytes(out) == data
+        # 41 chunks at 50 ms each: serial would take 2 s; read-ahead with 4 connections far less.
+        assert elapsed < 41 * LATENCY / 2.5
+        assert len(store.gets) == 41  # every chunk fetched exactly once
+        h.close()
+
+    await run_engine(engine, body)
+
+
+async def test_random_reads_fetch_single_chunks(autojump_clock) -> None:  # noqa: ANN001
+    store = FakeStore()
+    data = put_object(store, "m", 64 * MiB)
+    engine = make_engine(store)
+    rng = random.Random(7)
+
+    async def body() -> None:
+        h = OpenFile(1, 2, version(store, "m"), engine, max_readahead=64 * MiB)
+        for _ in range(20):
+            off = rng.randrange(0, len(data) - 4096)
+            assert await h.read(off, 4096) == data[off:off + 4096]
+        assert len(store.gets) <= 20 * 2  # a read can straddle two chunks; no read-ahead
+
+    await run_engine(engine, body)
+
+
+async def test_single_flight_many_readers_one_fetch(autojump_clock) -> None:  # noqa: ANN001
+    store = FakeStore()
+    data = put_object(store, "m", 4 * MiB)
+    engine = make_engine(store)
+
+    async def body() -> None:
+        results = []
+
+        async def reader(i: int) -> None:
+            results.append(await engine.read(version(store, "m"), i * 1000, i * 1000 + 5000))
+
+        async with trio.open_nursery() as n:
+            for i in range(16):
+                n.start_soon(reader, i)
+        assert len(store.gets) == 1
+        assert sorted(results) == sorted(data[i * 1000:i * 1000 + 5000] for i in range(16))
+
+    await run_engine(engine, body)
+
+
+async def test_four_interleaved_readers_share_chunks(autojump_clock) -> None:  # noqa: ANN001
+    store = FakeStore()
+    data = put_object(store, "m", 128 * MiB)
+    engine = make_engine(store, conns=8, memory=256 * MiB)
+
+    async def body() -> None:
+        h = OpenFile(1, 2, version(store, "m"), engine, max_readahead=8 * MiB)
+        quarter = len(data) // 4
+        outs = [bytearray() for _ in range(4)]
+        for step in range(quarter // (256 * 1024)):
+            for r in range(4):
+                off = r * quarter + step * 256 * 1024
+                outs[r] += await h.read(off, 256 * 1024)
+        assert b"".join(outs) == data
+        assert len(store.gets) == 128  # each chunk once: no thrash, no tiny reads
+        assert len(h.readahead.streams) == 4
+
+    await run_engine(engine, body)
+
+
+async def test_close_during_prefetch_drops_queued_fetches(autojump_clock) -> None:  # noqa: ANN001
+    store = FakeStore()
+    put_object(store, "m", 256 * MiB)
+    engine = make_engine(store, conns=2, memory=512 * MiB)
+
+    async def body() -> None:
+        h = OpenFile(1, 2, version(store, "m"), engine, max_readahead=128 * MiB)
+        for i in range(8):
+            await h.read(i * MiB, MiB)
+        h.close()
+        await trio.sleep(10)
+        # Only what was already running (2 connections) finished after close.
+        assert len(store.gets) < 8 + 2 + 2
+        assert engine.stats.prefetch_dropped > 0
+        assert not engine._inflight
+
+    await run_engine(engine, body)
+
+
+async def test_memory_limit_is_never_exceeded(autojump_clock) -> None:  # noqa: ANN001
+    store = FakeStore()
+    files = {f"f{i}": put_object(store, f"f{i}", 32 * MiB + i) for i in range(4)}
+    limit = 8 * MiB
+    engine = make_engine(store, memory=limit, conns=8)
+    peak = 0
+
+    async def body() -> None:
+        nonlocal peak
+
+        async def watch() -> None:
+            nonlocal peak
+            while True:
+                peak = max(peak, engine.memory_used)
+                await trio.sleep(0.001)
+
+        async def reader(key: str) -> None:
+            h = OpenFile(1, 2, version(store, key), engine, max_readahead=64 * MiB)
+            out = bytearray()
+            while chunk := await h.read(len(out), 512 * 1024, window_cap=limit // 8):
+                out += chunk
+            assert bytes(out) == files[key]
+            h.close()
+
+        async with trio.open_nursery() as n:
+            n.start_soon(watch)
+            async with trio.open_nursery() as readers:
+                for key in files:
+                    readers.start_soon(reader, key)
+            n.cancel_scope.cancel()
+        assert 0 < peak <= limit
+
+    await run_engine(engine, body)
+
+
+async def test_store_error_reaches_the_reader_and_is_not_cached(autojump_clock, allowed_logs) -> None:  # noqa: ANN001
+    allowed_logs.append("fetching chunk .* failed")
+    store = FakeStore()
+    data = put_object(store, "m", 3 * MiB)
+    engine = make_engine(store)
+    failures = [1]
+
+    def fault(key: str, start: int, end: int) -> None:
+        if failures:
+            failures.pop()
+            raise TransientError("injected")
+
+    store.fault = fault
+
+    async def body() -> None:
+        with pytest.raises(StoreError):
+            await engine.read(version(store, "m"), 0, 100)
+        assert await engine.read(version(store, "m"), 0, 100) == data[:100]
+
+    await run_engine(engine, body)
+
+
+async def test_read_timeout_gives_an_error_not_a_hang(autojump_clock) -> None:  # noqa: ANN001
+    store = FakeStore()
+    put_object(store, "m", 2 * MiB)
+    engine = make_engine(store, timeout=5.0, latency=3600.0)
+
+    async def body() -> None:
+        start = trio.current_time()
+        with pytest.raises(StoreError, match="timed out"):
+            await engine.read(version(store, "m"), 0, 100)
+        assert trio.current_time() - start == pytest.approx(5.0)
+
+    async with trio.open_nursery() as nursery:
+        await nursery.start(engine.run)
+        await body()
+        nursery.cancel_scope.cancel()
+
+
+async def test_changed_object_is_an_error_never_mixed_bytes(autojump_clock, allowed_logs) -> None:  # noqa: ANN001
+    allowed_logs.append("fetching chunk .* failed")
+    store = FakeStore()
+    put_object(store, "m", 3 * MiB)
+    v = version(store, "m")
+    engine = make_engine(store)
+
+    async def body() -> None:
+        assert len(await engine.read(v, 0, 100)) == 100
+        store.put("m", os.urandom(3 * MiB))
+        with pytest.raises(StoreError, match="changed"):
+            await engine.read(v, 2 * MiB, 2 * MiB + 100)
+
+    await run_engine(engine, body)

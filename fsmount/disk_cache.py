@@ -123,9 +123,8 @@ class DiskCache:
         self._index: collections.OrderedDict[str, int] = collections.OrderedDict()  # digest -> file size
         self._writing: set[str] = set()  # digests with a put in flight, so a chunk is written once
         self._reserved = 0  # bytes of puts in flight, counted against max_bytes and free space
-        self._write_failed_at: float | None = (
-            None  # monotonic time of the last failed write, until one succeeds
-        )
+        # monotonic time of the last failed write, None once one succeeds; one warning per such episode
+        self._write_failed_at: float | None = None
         self._corrupt_logged = False
         self._closed = False
         self.swept_tmp_files = 0
@@ -347,7 +346,11 @@ class DiskCache:
     def _read_failed(self, digest: str, err: OSError) -> None:
         with self._lock:
             self.stats.misses += 1
-            if isinstance(err, FileNotFoundError):  # removed behind our back (not by us: we hold the lock)
+            # ENOENT: evicted since we looked (then a re-put may already have brought it back, which the
+            # lexists sees, since renames happen under this lock) or removed by someone else.
+            if isinstance(err, FileNotFoundError):
+                if os.path.lexists(self._path(digest)):
+                    return
                 size = self._index.pop(digest, None)
                 if size is not None:
                     self.stats.bytes_used -= size
@@ -400,18 +403,9 @@ def _decode(raw: bytes) -> str:
 
 def _encode_header(chunk: ChunkId, data: bytes) -> bytes:
     bucket, key, etag = _encode(chunk.bucket), _encode(chunk.key), _encode(chunk.etag)
-    prefix = _PREFIX.pack(
-        MAGIC,
-        FORMAT_VERSION,
-        0,
-        len(bucket),
-        len(key),
-        len(etag),
-        chunk.chunk_size,
-        chunk.index,
-        len(data),
-        hashlib.sha256(data).digest(),
-    )
+    lengths = (len(bucket), len(key), len(etag))
+    sha = hashlib.sha256(data).digest()
+    prefix = _PREFIX.pack(MAGIC, FORMAT_VERSION, 0, *lengths, chunk.chunk_size, chunk.index, len(data), sha)
     return b"".join((prefix, bucket, key, etag))
 
 
@@ -420,9 +414,8 @@ def _read_chunk_file(fd: int, file_size: int) -> tuple[ChunkId, bytes]:
     head = os.pread(fd, min(file_size, HEADER_READ_BYTES), 0)
     if len(head) < _PREFIX.size:
         raise _Corrupt("truncated header")
-    magic, version, reserved, n_bucket, n_key, n_etag, chunk_size, index, n_data, sha = _PREFIX.unpack_from(
-        head
-    )
+    fields = _PREFIX.unpack_from(head)
+    magic, version, reserved, n_bucket, n_key, n_etag, chunk_size, index, n_data, sha = fields
     if magic != MAGIC:
         raise _Corrupt("bad magic")
     if version != FORMAT_VERSION or reserved != 0:
@@ -434,12 +427,8 @@ def _read_chunk_file(fd: int, file_size: int) -> tuple[ChunkId, bytes]:
         head = os.pread(fd, header_len, 0)
         if len(head) != header_len:
             raise _Corrupt("file shrank while reading")
-    strings = head[_PREFIX.size : header_len]
-    bucket, key, etag = (
-        strings[:n_bucket],
-        strings[n_bucket : n_bucket + n_key],
-        strings[n_bucket + n_key :],
-    )
+    bucket_end, key_end = _PREFIX.size + n_bucket, _PREFIX.size + n_bucket + n_key
+    bucket, key, etag = head[_PREFIX.size : bucket_end], head[bucket_end:key_end], head[key_end:header_len]
     data = os.pread(fd, n_data, header_len) if n_data else b""
     if len(data) != n_data:
         raise _Corrupt("file shrank while reading")
@@ -513,7 +502,10 @@ def _scandir(path: str) -> Iterator[os.DirEntry[str]]:
 
 
 def _acquire_dir_lock(root: str) -> int:
-    fd = os.open(os.path.join(root, LOCK_FILE), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    path = os.path.join(root, LOCK_FILE)
+    # Held through a read-only descriptor (flock ignores the mode): an open-for-write file would make
+    # the filesystem refuse a remount read-only while we run.
+    fd = os.open(path, os.O_RDONLY | os.O_CREAT | os.O_CLOEXEC, 0o600)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -523,8 +515,11 @@ def _acquire_dir_lock(root: str) -> int:
             f"cache dir {root} is in use by another modelfs mount or cache command (pid {holder}); "
             f"a cache dir serves one mount at a time: unmount it or pass a different --cache-dir"
         ) from None
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    try:
+        with open(path, "w") as holder_file:  # only for the CacheDirBusy message of the next comer
+            holder_file.write(f"{os.getpid()}\n")
+    except OSError:
+        pass
     return fd
 
 

@@ -112,7 +112,7 @@ def seaweed_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Serve
 @pytest.fixture(params=["moto", pytest.param("seaweedfs", marks=pytest.mark.seaweedfs)])
 def s3(request: pytest.FixtureRequest) -> S3Server:
     """Each test that takes `s3` runs against both servers."""
-    return request.getfixturevalue(f"{request.param}_server")
+    return request.getfixturevalue({"moto": "moto_server", "seaweedfs": "seaweed_server"}[request.param])
 
 
 _bucket_counter = iter(range(1, 1_000_000))

@@ -1,0 +1,37 @@
+# The two commands of the README, and what they need. Everything installs from this repo's own files.
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+APT_PACKAGES := fuse3 libfuse3-dev pkg-config curl util-linux s3fs rclone
+
+.PHONY: install demo test bench bench-quick lint clean
+
+install: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	@missing=""; for p in $(APT_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || missing="$$missing $$p"; done; \
+	if [ -n "$$missing" ]; then \
+	  echo "installing system packages:$$missing"; \
+	  apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q $$missing; \
+	fi
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[test]'
+	touch $@
+
+demo: install
+	$(PY) bench/demo.py
+
+test: install
+	$(PY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
+
+bench: install
+	$(PY) bench/run.py
+
+bench-quick: install
+	$(PY) bench/run.py --quick
+
+lint: install
+	$(VENV)/bin/ruff check fsmount tests bench
+
+clean:
+	rm -rf $(VENV) build *.egg-info

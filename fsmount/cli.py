@@ -166,6 +166,9 @@ def make_parser() -> argparse.ArgumentParser:
     m = sub.add_parser("mount", help="mount a bucket", epilog=EPILOG,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     add_mount_arguments(m)
+    c = sub.add_parser("cache", help="inspect or empty a local chunk cache directory")
+    c.add_argument("action", choices=("stats", "clear", "verify"))
+    c.add_argument("cache_dir")
     for name in ("unmount", "umount"):
         u = sub.add_parser(name, help="unmount a modelfs mount" if name == "unmount" else argparse.SUPPRESS)
         u.add_argument("mountpoint")
@@ -261,6 +264,33 @@ def cmd_unmount(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_cache(args: argparse.Namespace) -> int:
+    from fsmount import disk_cache
+
+    if not os.path.isdir(os.path.join(args.cache_dir, disk_cache.CHUNKS_DIR)):
+        return fail(f"{args.cache_dir} is not a modelfs cache directory")
+    try:
+        if args.action == "stats":
+            st = disk_cache.cache_stats(args.cache_dir)
+            print(f"{'chunks':15} {st['chunks']}")
+            print(f"{'bytes':15} {st['bytes']} ({int(st['bytes'] or 0) / 2**30:.2f} GiB)")
+            for key in ("oldest_access", "newest_access"):
+                value = st[key]
+                shown = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(value)) if value else "-"
+                print(f"{key.replace('_', ' '):15} {shown}")
+        elif args.action == "clear":
+            print(f"removed {disk_cache.cache_clear(args.cache_dir)} chunk files")
+        else:
+            ok, bad = disk_cache.cache_verify(args.cache_dir)
+            print(f"{ok} chunks verified, {len(bad)} corrupt (removed)")
+            for path in bad:
+                print(f"  corrupt: {path}")
+            return 1 if bad else 0
+    except disk_cache.CacheDirBusy as exc:
+        return fail(str(exc))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     # The fstab / mount.fuse3 form: `modelfs BUCKET MOUNTPOINT -o opts` (no subcommand).
@@ -275,6 +305,8 @@ def main(argv: list[str] | None = None) -> int:
         return cmd_mount(args, strip_internal(argv))
     if args.command in ("unmount", "umount"):
         return cmd_unmount(args)
+    if args.command == "cache":
+        return cmd_cache(args)
     parser.print_help()
     return 2
 

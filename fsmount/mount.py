@@ -22,7 +22,8 @@ import pyfuse3
 import trio
 
 from fsmount.chunks import ChunkEngine
-from fsmount.config import MountConfig
+from fsmount.config import ConfigError, MountConfig, parse_size
+from fsmount.disk_cache import CacheDirBusy, DiskCache, bytes_for_fraction
 from fsmount.namespace import Namespace
 from fsmount.operations import Operations
 from fsmount.store import Boto3Store, StoreError
@@ -108,6 +109,34 @@ def check_bucket(cfg: MountConfig) -> None:
         raise MountError(exc.message) from None
 
 
+def cache_size_bytes(spec: str, cache_dir: str) -> int:
+    """'500G' or '80%' (of the filesystem holding the cache dir)."""
+    spec = spec.strip()
+    if spec.endswith("%"):
+        try:
+            fraction = float(spec[:-1]) / 100
+        except ValueError:
+            raise MountError(f"invalid --cache-size {spec!r}") from None
+        if not 0 < fraction <= 1:
+            raise MountError(f"--cache-size {spec!r} must be between 0% and 100%")
+        os.makedirs(cache_dir, mode=0o700, exist_ok=True)
+        return bytes_for_fraction(cache_dir, fraction)
+    try:
+        return parse_size(spec)
+    except ConfigError as exc:
+        raise MountError(str(exc)) from None
+
+
+def open_disk_cache(cfg: MountConfig) -> DiskCache:
+    assert cfg.cache_dir is not None
+    try:
+        return DiskCache(cfg.cache_dir, cache_size_bytes(cfg.cache_size, cfg.cache_dir))
+    except CacheDirBusy as exc:
+        raise MountError(str(exc)) from None
+    except OSError as exc:
+        raise MountError(f"cannot use cache dir {cfg.cache_dir}: {exc.strerror or exc}") from None
+
+
 def tune_malloc() -> None:
     try:
         libc = ctypes.CDLL("libc.so.6")
@@ -162,8 +191,13 @@ class Daemon:
                                    uid=cfg.uid, gid=cfg.gid, file_mode=cfg.file_mode, dir_mode=cfg.dir_mode)
         self.ops = Operations(self.namespace, self.engine, max_readahead=cfg.max_readahead)
 
-    def _cache_levels(self) -> list:
-        return []
+    def _cache_levels(self) -> list[DiskCache]:
+        self.disk_cache = open_disk_cache(self.cfg) if self.cfg.cache_dir else None
+        return [self.disk_cache] if self.disk_cache else []
+
+    def close(self) -> None:
+        if self.disk_cache is not None:
+            self.disk_cache.close()
 
     async def _store_call(self, fn: Callable, *args: object) -> object:
         assert self._meta_limiter is not None
@@ -229,6 +263,7 @@ def run(cfg: MountConfig, ready: Callable[[str | None], None]) -> int:
     try:
         pyfuse3.init(daemon.ops, mountpoint, daemon.fuse_options())
     except RuntimeError as exc:
+        daemon.close()
         ready(f"cannot mount at {mountpoint}: {exc}")
         return 1
     clean = False
@@ -241,5 +276,6 @@ def run(cfg: MountConfig, ready: Callable[[str | None], None]) -> int:
     finally:
         daemon.namespace.forget_all()
         pyfuse3.close(unmount=True)
+        daemon.close()
         log.info("unmounted %s", mountpoint)
     return 0 if clean else 1

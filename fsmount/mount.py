@@ -196,6 +196,10 @@ class Daemon:
         return [self.disk_cache] if self.disk_cache else []
 
     def close(self) -> None:
+        stats = self.engine.stats
+        log.info("served bytes: memory=%d cache=%d origin=%d; origin requests=%d bytes=%d errors=%d; "
+                 "cache hits=%d", stats.bytes_served_memory, stats.bytes_served_level, stats.bytes_served_origin,
+                 stats.origin_requests, stats.origin_bytes, stats.origin_errors, stats.level_hits)
         if self.disk_cache is not None:
             self.disk_cache.close()
 

@@ -19,7 +19,7 @@ class OpenFile:
         self._engine = engine
         self.readahead = ReadAhead(engine.chunk_size, max_readahead)
 
-    async def read(self, offset: int, size: int, window_cap: int | None = None) -> bytes:
+    async def read(self, offset: int, size: int, window_cap: int | None = None) -> bytes | memoryview:
         obj = self.version
         end = min(offset + size, obj.size)
         if offset >= end:

@@ -175,7 +175,7 @@ class Operations(pyfuse3.Operations):
         return max(self.engine.chunk_size, self.engine.memory_limit // (2 * max(1, len(self._files))))
 
     @_fuse_errors
-    async def read(self, fh: int, off: int, size: int) -> bytes:
+    async def read(self, fh: int, off: int, size: int) -> bytes | memoryview:
         handle = self._files.get(fh)
         if handle is None:
             raise pyfuse3.FUSEError(errno.EBADF)

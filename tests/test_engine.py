@@ -187,7 +187,7 @@ async def test_single_flight_many_readers_one_fetch(autojump_clock) -> None:  # 
         results = []
 
         async def reader(i: int) -> None:
-            results.append(await engine.read(version(store, "m"), i * 1000, i * 1000 + 5000))
+            results.append(bytes(await engine.read(version(store, "m"), i * 1000, i * 1000 + 5000)))
 
         async with trio.open_nursery() as n:
             for i in range(16):

@@ -233,3 +233,38 @@ def test_replaced_object_is_seen_after_ttl_and_old_handle_never_mixes(moto_serve
             except OSError as exc:
                 assert exc.errno == errno.EIO
         assert (mountpoint / "w.bin").read_bytes() == new
+
+
+def vm_kib(pid: int, field: str) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise AssertionError(f"{field} not in /proc/{pid}/status")
+
+
+def test_memory_limit_respected_under_4_parallel_readers(moto_server: S3Server, mountpoint: Path) -> None:
+    """Peak RSS stays within --memory-limit plus the daemon's own idle size, with a margin."""
+    limit_mib = 96
+    bucket = new_bucket(moto_server)
+    client = moto_server.client()
+    files = {f"f{i}.bin": np.random.default_rng(i).integers(0, 256, 80 * MiB, dtype=np.uint8).tobytes()
+             for i in range(4)}
+    for key, data in files.items():
+        client.upload_fileobj(io.BytesIO(data), bucket, key)
+    with mounted(moto_server, bucket, mountpoint, "--memory-limit", f"{limit_mib}M") as m:
+        os.listdir(mountpoint)
+        idle_kib = vm_kib(m.proc.pid, "VmRSS")
+        results: dict[str, str] = {}
+
+        def read(key: str) -> None:
+            results[key] = file_sha(mountpoint / key)
+
+        threads = [threading.Thread(target=read, args=(k,)) for k in files]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        peak_kib = vm_kib(m.proc.pid, "VmHWM")
+    assert results == {k: sha(v) for k, v in files.items()}
+    margin_mib = 64
+    assert peak_kib <= idle_kib + (limit_mib + margin_mib) * 1024, (idle_kib // 1024, peak_kib // 1024)

@@ -1,0 +1,110 @@
+"""safetensors header parsing and validation, for planning prefetch of the data region.
+
+Pure functions over bytes: they never do I/O and never raise anything but `SafetensorsError`; a bad
+header only means "no model-aware prefetch", never a failed read.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+# The format's own limit (safetensors rejects headers of 100 MB or more).
+MAX_HEADER_LEN = 100_000_000
+LENGTH_PREFIX = 8
+# Bytes of dtype per element, for checking that data_offsets agree with shape (safetensors' dtypes).
+DTYPE_SIZES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E5M2": 1, "F8_E4M3": 1, "F8_E8M0": 1, "I16": 2, "U16": 2,
+               "F16": 2, "BF16": 2, "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8,
+               "C64": 8, "F4": 1, "F6_E2M3": 1, "F6_E3M2": 1}
+SUB_BYTE_DTYPES = {"F4", "F6_E2M3", "F6_E3M2"}
+
+
+class SafetensorsError(ValueError):
+    """The bytes are not a valid safetensors header."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Tensor:
+    name: str
+    start: int  # absolute file offsets
+    end: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    header_len: int
+    data_start: int
+    tensors: tuple[Tensor, ...]  # sorted by offset
+
+    @property
+    def data_end(self) -> int:
+        return self.tensors[-1].end if self.tensors else self.data_start
+
+
+def header_length(prefix: bytes, file_size: int) -> int:
+    """N from the first 8 bytes, checked against the limits and the file size."""
+    if len(prefix) < LENGTH_PREFIX or file_size < LENGTH_PREFIX:
+        raise SafetensorsError("file too short for a safetensors header")
+    n = int.from_bytes(prefix[:LENGTH_PREFIX], "little")
+    if n < 2 or n >= MAX_HEADER_LEN:
+        raise SafetensorsError(f"header length {n} out of range")
+    if LENGTH_PREFIX + n > file_size:
+        raise SafetensorsError(f"header length {n} exceeds file size {file_size}")
+    return n
+
+
+def parse_header(data: bytes, file_size: int) -> Layout:
+    """Validate `data` (the first 8 + N bytes of a file of `file_size` bytes) as a safetensors header."""
+    n = header_length(data, file_size)
+    raw = data[LENGTH_PREFIX:LENGTH_PREFIX + n]
+    if len(raw) < n:
+        raise SafetensorsError("header truncated")
+    if raw[:1] != b"{":
+        raise SafetensorsError("header does not start with '{'")
+    try:
+        header = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+        raise SafetensorsError(f"header is not JSON: {exc}") from None
+    if not isinstance(header, dict):
+        raise SafetensorsError("header is not a JSON object")
+    data_start = LENGTH_PREFIX + n
+    tensors = []
+    for name, entry in header.items():
+        if name == "__metadata__":
+            if not isinstance(entry, dict) or not all(isinstance(v, str) for v in entry.values()):
+                raise SafetensorsError("__metadata__ must map strings to strings")
+            continue
+        tensors.append(_tensor(name, entry, data_start))
+    tensors.sort(key=lambda t: (t.start, t.end))
+    position = data_start
+    for t in tensors:
+        if t.start != position:
+            raise SafetensorsError(f"tensor {t.name!r} leaves a hole or overlaps at offset {t.start}")
+        position = t.end
+    if position != file_size:
+        raise SafetensorsError(f"data ends at {position}, file size is {file_size}")
+    return Layout(n, data_start, tuple(tensors))
+
+
+def _tensor(name: str, entry: object, data_start: int) -> Tensor:
+    if not isinstance(entry, dict):
+        raise SafetensorsError(f"tensor {name!r}: entry is not an object")
+    dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
+    if dtype not in DTYPE_SIZES:
+        raise SafetensorsError(f"tensor {name!r}: unknown dtype {dtype!r}")
+    if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0
+                                              for d in shape):
+        raise SafetensorsError(f"tensor {name!r}: bad shape")
+    if (not isinstance(offsets, list) or len(offsets) != 2
+            or not all(isinstance(o, int) and not isinstance(o, bool) for o in offsets)):
+        raise SafetensorsError(f"tensor {name!r}: bad data_offsets")
+    begin, end = offsets
+    if not 0 <= begin <= end:
+        raise SafetensorsError(f"tensor {name!r}: data_offsets out of order")
+    elements = 1
+    for d in shape:
+        elements *= d
+    # Sub-byte dtypes pack elements in ways that vary by version; only byte dtypes are size-checked.
+    if dtype not in SUB_BYTE_DTYPES and end - begin != elements * DTYPE_SIZES[dtype]:
+        raise SafetensorsError(f"tensor {name!r}: {end - begin} bytes for shape {shape} of {dtype}")
+    return Tensor(name, data_start + begin, data_start + end)

@@ -180,6 +180,21 @@ class ChunkEngine:
         fetch = self._fetch_for(cid, self.chunk_length(obj, index), PREFETCH)
         fetch.owners.add(owner)
 
+    def fetch(self, obj: ObjectVersion, index: int, owner: object) -> _Fetch | bytes:
+        """Like `prefetch`, but hands back the chunk (if in memory) or its fetch to await."""
+        cid = self.chunk_id(obj, index)
+        data = self._memory.get(cid)
+        if data is not None:
+            return data
+        fetch = self._fetch_for(cid, self.chunk_length(obj, index), PREFETCH)
+        fetch.owners.add(owner)
+        return fetch
+
+    def demote(self, cid: ChunkId) -> None:
+        """Make a chunk the first to be evicted (e.g. once the kernel page cache holds it)."""
+        if cid in self._memory:
+            self._memory.move_to_end(cid, last=False)
+
     def abandon(self, owner: object) -> None:
         """`owner` no longer needs its read-ahead; queued fetches nobody else wants are dropped."""
         for fetch in list(self._inflight.values()):

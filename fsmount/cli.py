@@ -106,6 +106,11 @@ def add_mount_arguments(p: argparse.ArgumentParser) -> None:
                    help="largest read-ahead window per reader (default 256M)")
     d.add_argument("--kernel-readahead", type=_size, default=DEFAULT_KERNEL_READAHEAD,
                    help="kernel read_ahead_kb for the mount, 0 to leave it (default 16M)")
+    d.add_argument("--no-model-prefetch", action="store_true",
+                   help="do not stream safetensors files in offset order when they are opened")
+    d.add_argument("--pagecache-push-limit", type=_size, default=None,
+                   help="bytes of prefetched data pushed into the kernel page cache for open files, "
+                        "0 to disable (default half of MemAvailable)")
     d.add_argument("--cache-dir", default=None, help="persistent local chunk cache directory (NVMe)")
     d.add_argument("--cache-size", default="80%", help="cache size, e.g. 500G or 80%% of the disk")
     o = p.add_argument_group("logging")
@@ -154,7 +159,8 @@ def build_config(args: argparse.Namespace) -> MountConfig:
         log_file=args.log_file, chunk_size=args.chunk_size,
         memory_limit=args.memory_limit if args.memory_limit is not None else default_memory_limit(),
         max_readahead=args.max_readahead, kernel_readahead=args.kernel_readahead, cache_dir=args.cache_dir,
-        cache_size=args.cache_size)
+        cache_size=args.cache_size, model_prefetch=not args.no_model_prefetch,
+        pagecache_push_limit=args.pagecache_push_limit)
 
 
 def make_parser() -> argparse.ArgumentParser:

@@ -126,6 +126,8 @@ class MountConfig:
     kernel_readahead: int = DEFAULT_KERNEL_READAHEAD
     cache_dir: str | None = None
     cache_size: str = "80%"
+    model_prefetch: bool = True
+    pagecache_push_limit: int | None = None  # None: a share of MemAvailable at mount time
     fsname: str = ""
 
     def __post_init__(self) -> None:

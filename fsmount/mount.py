@@ -26,6 +26,8 @@ from fsmount.config import ConfigError, MountConfig, parse_size
 from fsmount.disk_cache import CacheDirBusy, DiskCache, bytes_for_fraction
 from fsmount.namespace import Namespace
 from fsmount.operations import Operations
+from fsmount.pagecache import PageCachePusher, default_push_limit
+from fsmount.prefetch import ModelPrefetcher
 from fsmount.store import Boto3Store, StoreError
 
 log = logging.getLogger(__name__)
@@ -189,7 +191,12 @@ class Daemon:
                                   read_timeout=cfg.store.read_timeout, levels=self._cache_levels())
         self.namespace = Namespace(self.store, self._store_call, prefix=cfg.store.prefix, ttl=cfg.metadata_ttl,
                                    uid=cfg.uid, gid=cfg.gid, file_mode=cfg.file_mode, dir_mode=cfg.dir_mode)
-        self.ops = Operations(self.namespace, self.engine, max_readahead=cfg.max_readahead)
+        push_limit = default_push_limit() if cfg.pagecache_push_limit is None else cfg.pagecache_push_limit
+        self.pusher = PageCachePusher(push_limit)
+        self.prefetcher = ModelPrefetcher(self.engine, self.pusher, max_connections=cfg.store.max_connections,
+                                          enabled=cfg.model_prefetch)
+        self.ops = Operations(self.namespace, self.engine, self.prefetcher, self.pusher,
+                              max_readahead=cfg.max_readahead)
 
     def _cache_levels(self) -> list[DiskCache]:
         self.disk_cache = open_disk_cache(self.cfg) if self.cfg.cache_dir else None
@@ -218,6 +225,7 @@ class Daemon:
         self._meta_limiter = trio.CapacityLimiter(METADATA_THREADS)
         async with trio.open_nursery() as nursery:
             await nursery.start(self.engine.run)
+            await nursery.start(self.prefetcher.run)
             nursery.start_soon(self._watch_signals)
             nursery.start_soon(self._announce_ready)
             await pyfuse3.main()

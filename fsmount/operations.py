@@ -18,6 +18,8 @@ import pyfuse3
 from fsmount.chunks import ChunkEngine
 from fsmount.handles import OpenFile
 from fsmount.namespace import DirEntry, Namespace
+from fsmount.pagecache import PageCachePusher
+from fsmount.prefetch import ModelPrefetcher
 from fsmount.store import StoreError
 
 log = logging.getLogger(__name__)
@@ -65,15 +67,17 @@ class Operations(pyfuse3.Operations):
     enable_writeback_cache = False
     enable_acl = False
 
-    def __init__(self, namespace: Namespace, engine: ChunkEngine, *, max_readahead: int):
+    def __init__(self, namespace: Namespace, engine: ChunkEngine, prefetcher: ModelPrefetcher,
+                 pusher: PageCachePusher, *, max_readahead: int):
         super().__init__()
         self.ns = namespace
         self.engine = engine
+        self.prefetcher = prefetcher
+        self.pusher = pusher
         self.max_readahead = max_readahead
         self._files: dict[int, OpenFile] = {}
         self._dirs: dict[int, tuple[int, list[DirEntry]]] = {}  # fh -> (inode, snapshot at opendir)
         self._next_fh = 1
-        self.ready_callbacks: list[Callable[[], None]] = []
 
     def _new_fh(self) -> int:
         fh = self._next_fh
@@ -168,6 +172,7 @@ class Operations(pyfuse3.Operations):
         node.last_open_etag = version.etag
         fh = self._new_fh()
         self._files[fh] = OpenFile(fh, inode, version, self.engine, self.max_readahead)
+        self.prefetcher.opened(inode, version)
         return pyfuse3.FileInfo(fh=fh, keep_cache=keep_cache)
 
     def _window_cap(self) -> int:
@@ -179,13 +184,15 @@ class Operations(pyfuse3.Operations):
         handle = self._files.get(fh)
         if handle is None:
             raise pyfuse3.FUSEError(errno.EBADF)
-        return await handle.read(off, size, self._window_cap())
+        with self.pusher.reading(handle.ino, off, off + size):
+            return await handle.read(off, size, self._window_cap())
 
     @_fuse_errors
     async def release(self, fh: int) -> None:
         handle = self._files.pop(fh, None)
         if handle is not None:
             handle.close()
+            self.prefetcher.closed(handle.version)
 
     @_fuse_errors
     async def flush(self, fh: int) -> None:

@@ -1,0 +1,83 @@
+"""Pushing fetched chunks into the kernel page cache (pyfuse3.notify_store), so later READs and mmap
+faults of those pages never reach the daemon.
+
+It never pushes from the trio thread (the call blocks in the kernel) and never over a range whose READ
+is being served; bytes pushed for files that are still open never exceed `limit` (a file's share is
+given back with `release` when its last handle closes).
+
+Concurrency: `_reading` is changed only in the trio thread (`reading()` context); `push` checks it
+there before handing the data to a worker thread.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import logging
+from collections.abc import Iterator
+
+import pyfuse3
+import trio
+
+log = logging.getLogger(__name__)
+
+# Default share of MemAvailable that may be pushed: the page cache is the kernel's to evict, but
+# pushing more than the machine can hold would only evict what was pushed a moment earlier.
+DEFAULT_PUSH_FRACTION = 0.5
+
+
+def default_push_limit() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(int(line.split()[1]) * 1024 * DEFAULT_PUSH_FRACTION)
+    except OSError:
+        pass
+    return 0
+
+
+class PageCachePusher:
+    def __init__(self, limit: int):
+        self.limit = limit
+        self.pushed = 0
+        self._reading: dict[int, list[tuple[int, int]]] = {}
+        self._limiter = trio.CapacityLimiter(1)  # one store at a time keeps the kernel's locks short
+        self._disabled = limit <= 0
+
+    @contextlib.contextmanager
+    def reading(self, ino: int, start: int, end: int) -> Iterator[None]:
+        """Marks a READ in flight so no push overlaps it."""
+        ranges = self._reading.setdefault(ino, [])
+        entry = (start, end)
+        ranges.append(entry)
+        try:
+            yield
+        finally:
+            ranges.remove(entry)
+            if not ranges:
+                del self._reading[ino]
+
+    def _busy(self, ino: int, start: int, end: int) -> bool:
+        return any(s < end and start < e for s, e in self._reading.get(ino, ()))
+
+    def release(self, nbytes: int) -> None:
+        self.pushed = max(0, self.pushed - nbytes)
+
+    async def push(self, ino: int, offset: int, data: bytes) -> bool:
+        """Store `data` at `offset` of `ino` in the page cache; False if skipped."""
+        if self._disabled or self.pushed + len(data) > self.limit:
+            return False
+        if self._busy(ino, offset, offset + len(data)):
+            return False
+        self.pushed += len(data)
+        try:
+            await trio.to_thread.run_sync(pyfuse3.notify_store, ino, offset, data, limiter=self._limiter)
+        except OSError as exc:
+            if exc.errno == errno.ENOSYS:
+                log.info("the kernel does not support notify_store; page-cache push disabled")
+                self._disabled = True
+            else:
+                log.debug("notify_store of inode %d at %d failed: %s", ino, offset, exc)
+            return False
+        return True

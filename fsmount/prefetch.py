@@ -1,0 +1,120 @@
+"""Model-aware prefetch: when a safetensors file is opened, read its header and stream the whole data
+region through the chunk engine in offset order, pushing each chunk into the kernel page cache.
+
+One prefetch per object version, shared by all handles of it, cancelled when the last one closes or
+at unmount. A malformed header only disables the prefetch (one log line); it never fails a read.
+
+Concurrency: `_active` maps (key, etag) to a `_FilePrefetch`; it is changed only in the trio thread by
+`opened` / `closed`, which run in FUSE handlers without awaiting.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import trio
+
+from fsmount.chunks import ChunkEngine
+from fsmount.namespace import ObjectVersion
+from fsmount.pagecache import PageCachePusher
+from fsmount.safetensors import LENGTH_PREFIX, SafetensorsError, header_length, parse_header
+
+log = logging.getLogger(__name__)
+
+SAFETENSORS_SUFFIX = ".safetensors"
+# Fetches the prefetcher keeps queued ahead: enough to keep every connection busy twice over.
+QUEUE_DEPTH_PER_CONNECTION = 2
+
+
+@dataclasses.dataclass(eq=False)
+class _FilePrefetch:
+    version: ObjectVersion
+    ino: int
+    handles: int = 0
+    scope: trio.CancelScope = dataclasses.field(default_factory=trio.CancelScope)
+    pushed: int = 0
+    done: trio.Event = dataclasses.field(default_factory=trio.Event)
+
+
+class ModelPrefetcher:
+    def __init__(self, engine: ChunkEngine, pusher: PageCachePusher, *, max_connections: int,
+                 enabled: bool = True):
+        self.engine = engine
+        self.pusher = pusher
+        self.enabled = enabled
+        self.depth = max(2, max_connections * QUEUE_DEPTH_PER_CONNECTION)
+        self.prefetched_bytes = 0
+        self._active: dict[tuple[str, str], _FilePrefetch] = {}
+        self._nursery: trio.Nursery | None = None
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        async with trio.open_nursery() as nursery:
+            self._nursery = nursery
+            task_status.started()
+            await trio.sleep_forever()
+
+    def opened(self, ino: int, version: ObjectVersion) -> None:
+        if not self.enabled or self._nursery is None or not version.key.endswith(SAFETENSORS_SUFFIX):
+            return
+        key = (version.key, version.etag)
+        job = self._active.get(key)
+        if job is None:
+            job = self._active[key] = _FilePrefetch(version, ino)
+            self._nursery.start_soon(self._run_job, job)
+        job.handles += 1
+
+    def closed(self, version: ObjectVersion) -> None:
+        job = self._active.get((version.key, version.etag))
+        if job is None:
+            return
+        job.handles -= 1
+        if job.handles <= 0:
+            job.scope.cancel()
+            del self._active[(version.key, version.etag)]
+            self.engine.abandon(job)
+            self.pusher.release(job.pushed)
+
+    async def _run_job(self, job: _FilePrefetch) -> None:
+        with job.scope:
+            try:
+                await self._stream(job)
+            except SafetensorsError as exc:
+                log.info("not prefetching %r: %s", job.version.key, exc)
+            except Exception as exc:  # noqa: BLE001 - prefetch failures only cost speed
+                log.info("prefetch of %r stopped: %s", job.version.key, exc)
+        job.done.set()
+
+    async def _stream(self, job: _FilePrefetch) -> None:
+        obj, engine = job.version, self.engine
+        first = await engine.read(obj, 0, min(obj.size, LENGTH_PREFIX))
+        n = header_length(bytes(first), obj.size)
+        layout = parse_header(bytes(await engine.read(obj, 0, LENGTH_PREFIX + n)), obj.size)
+        end = layout.data_end
+        if self.pusher.limit <= 0 and not engine.levels:
+            # Nowhere to keep chunks but memory: prefetch no more than half of it, or the stream
+            # would evict what the loader has not read yet.
+            end = min(end, layout.data_start + engine.memory_limit // 2)
+        indices = engine.chunk_range(obj, 0, end)
+        log.debug("prefetching %r: %d tensors, %d chunks", obj.key, len(layout.tensors), len(indices))
+        async with trio.open_nursery() as nursery:
+            slots = trio.Semaphore(self.depth)
+            for index in indices:
+                await slots.acquire()
+                nursery.start_soon(self._one_chunk, job, index, slots)
+
+    async def _one_chunk(self, job: _FilePrefetch, index: int, slots: trio.Semaphore) -> None:
+        try:
+            part = self.engine.fetch(job.version, index, job)
+            if not isinstance(part, bytes):
+                await part.done.wait()
+                if part.error is not None or part.data is None:
+                    return
+                part = part.data
+            self.prefetched_bytes += len(part)
+            offset = index * self.engine.chunk_size
+            if await self.pusher.push(job.ino, offset, part):
+                job.pushed += len(part)
+                self.engine.demote(self.engine.chunk_id(job.version, index))
+        finally:
+            slots.release()

@@ -15,7 +15,7 @@ import logging
 
 import trio
 
-from fsmount.chunks import ChunkEngine
+from fsmount.chunks import ChunkEngine, _Fetch
 from fsmount.namespace import ObjectVersion
 from fsmount.pagecache import PageCachePusher
 from fsmount.safetensors import LENGTH_PREFIX, SafetensorsError, header_length, parse_header
@@ -101,11 +101,12 @@ class ModelPrefetcher:
             slots = trio.Semaphore(self.depth)
             for index in indices:
                 await slots.acquire()
-                nursery.start_soon(self._one_chunk, job, index, slots)
+                # Queued here, in order: tasks started in one batch run in no fixed order.
+                part = self.engine.fetch(obj, index, job)
+                nursery.start_soon(self._one_chunk, job, index, part, slots)
 
-    async def _one_chunk(self, job: _FilePrefetch, index: int, slots: trio.Semaphore) -> None:
+    async def _one_chunk(self, job: _FilePrefetch, index: int, part: _Fetch | bytes, slots: trio.Semaphore) -> None:
         try:
-            part = self.engine.fetch(job.version, index, job)
             if not isinstance(part, bytes):
                 await part.done.wait()
                 if part.error is not None or part.data is None:

@@ -1,0 +1,152 @@
+"""Model-aware prefetch: unit tests in virtual time, and real mounts with mmap readers and page-cache push."""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import mmap
+import os
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+import trio
+
+from fsmount.pagecache import PageCachePusher
+from fsmount.prefetch import ModelPrefetcher
+from fsmount.testing.models import write_model
+from tests.conftest import S3Server, mounted, new_bucket
+from tests.fake_store import FakeStore
+from tests.test_engine import CHUNK, autojump_clock, make_engine, run_engine, version  # noqa: F401
+
+MiB = 1 << 20
+
+
+def model_bytes(tmp_path: Path, size: int, seed: int = 0) -> bytes:
+    path = tmp_path / f"m{seed}.safetensors"
+    write_model(path, size, seed=seed)
+    return path.read_bytes()
+
+
+async def test_streams_whole_data_region_in_offset_order(autojump_clock, tmp_path) -> None:  # noqa: ANN001, F811
+    store = FakeStore()
+    store.put("m.safetensors", model_bytes(tmp_path, 24 * MiB))
+    engine = make_engine(store, conns=4, memory=256 * MiB)
+    prefetcher = ModelPrefetcher(engine, PageCachePusher(0), max_connections=4)
+
+    async def body() -> None:
+        async with trio.open_nursery() as n:
+            await n.start(prefetcher.run)
+            v = version(store, "m.safetensors")
+            prefetcher.opened(2, v)
+            job = prefetcher._active[(v.key, v.etag)]
+            await job.done.wait()
+            chunks = len(engine.chunk_range(v, 0, v.size))
+            assert prefetcher.prefetched_bytes == v.size
+            starts = [start for _, start, _ in store.gets]
+            assert sorted(starts) == [i * CHUNK for i in range(chunks)]
+            # Offset order: no chunk is fetched before those more than one round of connections ahead.
+            assert all(start // CHUNK <= i + 4 for i, start in enumerate(starts)), starts
+            prefetcher.closed(v)
+            n.cancel_scope.cancel()
+
+    await run_engine(engine, body)
+
+
+async def test_close_cancels_prefetch(autojump_clock, tmp_path) -> None:  # noqa: ANN001, F811
+    store = FakeStore()
+    store.put("m.safetensors", model_bytes(tmp_path, 64 * MiB))
+    engine = make_engine(store, conns=2, memory=512 * MiB)
+    prefetcher = ModelPrefetcher(engine, PageCachePusher(0), max_connections=2)
+
+    async def body() -> None:
+        async with trio.open_nursery() as n:
+            await n.start(prefetcher.run)
+            v = version(store, "m.safetensors")
+            prefetcher.opened(2, v)
+            await trio.sleep(0.2)
+            prefetcher.closed(v)
+            await trio.sleep(30)
+            assert len(store.gets) < 20  # of 65 chunks
+            assert not prefetcher._active
+            n.cancel_scope.cancel()
+
+    await run_engine(engine, body)
+
+
+async def test_malformed_header_only_disables_prefetch(autojump_clock, caplog) -> None:  # noqa: ANN001, F811
+    store = FakeStore()
+    store.put("bad.safetensors", (10**12).to_bytes(8, "little") + os.urandom(3 * MiB))
+    engine = make_engine(store)
+    prefetcher = ModelPrefetcher(engine, PageCachePusher(0), max_connections=4)
+
+    async def body() -> None:
+        async with trio.open_nursery() as n:
+            await n.start(prefetcher.run)
+            v = version(store, "bad.safetensors")
+            prefetcher.opened(2, v)
+            await prefetcher._active[(v.key, v.etag)].done.wait()
+            assert len(store.gets) == 1
+            assert bytes(await engine.read(v, 100, 200)) == store.objects[v.key][100:200]
+            prefetcher.closed(v)
+            n.cancel_scope.cancel()
+
+    await run_engine(engine, body)
+    assert any("not prefetching" in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.mount
+@pytest.mark.parametrize("push_limit", ["0", "1G"])
+def test_eight_mmap_readers_while_pushing(moto_server: S3Server, mountpoint: Path, tmp_path: Path,
+                                          push_limit: str) -> None:
+    from safetensors import safe_open
+
+    data = model_bytes(tmp_path, 96 * MiB, seed=1)
+    bucket = new_bucket(moto_server)
+    moto_server.client().upload_fileobj(io.BytesIO(data), bucket, "m.safetensors")
+    local = tmp_path / "m1.safetensors"
+    errors: list[str] = []
+    with mounted(moto_server, bucket, mountpoint, "--pagecache-push-limit", push_limit) as m:
+        path = mountpoint / "m.safetensors"
+        with safe_open(local, "np") as f:
+            names = sorted(f.keys())
+
+        def reader(i: int) -> None:
+            try:
+                with open(path, "rb") as fh, mmap.mmap(fh.fileno(), 0, prot=mmap.PROT_READ) as mm:
+                    view = memoryview(mm)
+                    step = len(data) // 8
+                    lo = (i * step * 5) % len(data)
+                    for off in list(range(lo, len(data), 1 << 20)) + list(range(0, lo, 1 << 20)):
+                        if view[off:off + 4096] != data[off:off + 4096]:
+                            errors.append(f"reader {i} mismatch at {off}")
+                    view.release()
+                    if hashlib.sha256(mm[:]).digest() != hashlib.sha256(data).digest():
+                        errors.append(f"reader {i} sha mismatch")
+            except Exception as exc:  # noqa: BLE001
+                errors.append(f"reader {i}: {exc!r}")
+
+        threads = [threading.Thread(target=reader, args=(i,)) for i in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        assert not any(t.is_alive() for t in threads), "a reader hung"
+        with safe_open(path, "np") as got, safe_open(local, "np") as src:
+            for name in names:
+                assert np.array_equal(got.get_tensor(name), src.get_tensor(name))
+    assert errors == []
+    assert "prefetching 'm.safetensors'" in m.log()
+
+
+@pytest.mark.mount
+def test_unmount_during_prefetch_is_clean(moto_server: S3Server, mountpoint: Path, tmp_path: Path) -> None:
+    data = model_bytes(tmp_path, 128 * MiB, seed=2)
+    bucket = new_bucket(moto_server)
+    moto_server.client().upload_fileobj(io.BytesIO(data), bucket, "m.safetensors")
+    with mounted(moto_server, bucket, mountpoint, "--max-connections", "2") as m:
+        with open(mountpoint / "m.safetensors", "rb") as f:
+            assert f.read(8) == data[:8]
+        # the handle is closed: prefetch is cancelled; the unmount below must not wait for it
+    assert "prefetching 'm.safetensors'" in m.log()

@@ -172,6 +172,11 @@ def make_parser() -> argparse.ArgumentParser:
     m = sub.add_parser("mount", help="mount a bucket", epilog=EPILOG,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     add_mount_arguments(m)
+    w = sub.add_parser("prefetch", help="warm files or directories of a mounted tree (NVMe and page cache)")
+    w.add_argument("paths", nargs="+", metavar="PATH")
+    w.add_argument("--no-pagecache", action="store_true", help="warm only the daemon's caches, not the page cache")
+    w.add_argument("--threads", type=int, default=8, help="parallel readers (default %(default)s)")
+    w.add_argument("--quiet", "-q", action="store_true", help="no progress bar")
     c = sub.add_parser("cache", help="inspect or empty a local chunk cache directory")
     c.add_argument("action", choices=("stats", "clear", "verify"))
     c.add_argument("cache_dir")
@@ -270,6 +275,22 @@ def cmd_unmount(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_prefetch(args: argparse.Namespace) -> int:
+    from fsmount.warm import WarmError, warm
+
+    started = time.monotonic()
+    try:
+        n = warm(args.paths, keep_pagecache=not args.no_pagecache, threads=max(1, args.threads),
+                 progress=not args.quiet)
+    except WarmError as exc:
+        return fail(f"prefetch failed: {exc}")
+    except KeyboardInterrupt:
+        return fail("prefetch interrupted", 130)
+    elapsed = max(time.monotonic() - started, 1e-9)
+    print(f"prefetched {n} bytes in {elapsed:.1f}s ({n / elapsed / 1e6:.0f} MB/s)")
+    return 0
+
+
 def cmd_cache(args: argparse.Namespace) -> int:
     from fsmount import disk_cache
 
@@ -300,7 +321,7 @@ def cmd_cache(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     # The fstab / mount.fuse3 form: `modelfs BUCKET MOUNTPOINT -o opts` (no subcommand).
-    if argv and not argv[0].startswith("-") and argv[0] not in SUBCOMMANDS and argv[0] not in ("cache", "stats"):
+    if argv and not argv[0].startswith("-") and argv[0] not in SUBCOMMANDS and argv[0] not in ("cache", "stats", "prefetch"):
         argv = ["mount", *argv]
     if argv and argv[0] == "mount":
         argv = expand_mount_options(argv)
@@ -313,6 +334,8 @@ def main(argv: list[str] | None = None) -> int:
         return cmd_unmount(args)
     if args.command == "cache":
         return cmd_cache(args)
+    if args.command == "prefetch":
+        return cmd_prefetch(args)
     parser.print_help()
     return 2
 

@@ -150,3 +150,32 @@ def test_unmount_during_prefetch_is_clean(moto_server: S3Server, mountpoint: Pat
             assert f.read(8) == data[:8]
         # the handle is closed: prefetch is cancelled; the unmount below must not wait for it
     assert "prefetching 'm.safetensors'" in m.log()
+
+
+@pytest.mark.mount
+def test_modelfs_prefetch_command_warms_the_cache(moto_server: S3Server, mountpoint: Path, tmp_path: Path) -> None:
+    import subprocess
+
+    from tests.conftest import REPO, modelfs_cmd
+
+    bucket = new_bucket(moto_server)
+    client = moto_server.client()
+    payload = {f"model/shard-{i}.bin": os.urandom(5 * MiB + i) for i in range(3)}
+    for key, body in payload.items():
+        client.put_object(Bucket=bucket, Key=key, Body=body)
+    cache = tmp_path / "cache"
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    with mounted(moto_server, bucket, mountpoint, "--cache-dir", str(cache), "--cache-size", "1G") as m:
+        res = subprocess.run(modelfs_cmd("prefetch", str(mountpoint / "model")), capture_output=True,
+                             text=True, env=env, timeout=120)
+        assert res.returncode == 0, res.stderr
+        assert "prefetched %d bytes" % sum(map(len, payload.values())) in res.stdout
+        assert "prefetch" in res.stderr  # the progress bar
+        res = subprocess.run(modelfs_cmd("prefetch", str(tmp_path)), capture_output=True, text=True, env=env)
+        assert res.returncode == 1 and "not on a modelfs mount" in res.stderr
+        res = subprocess.run(modelfs_cmd("prefetch", str(mountpoint / "nope")), capture_output=True, text=True,
+                             env=env)
+        assert res.returncode == 1 and "no such file" in res.stderr
+    stored = sum(f.stat().st_size for f in (cache / "chunks").rglob("*") if f.is_file())
+    assert stored >= sum(map(len, payload.values()))
+    assert "origin requests=" in m.log()

@@ -1,0 +1,102 @@
+"""`modelfs prefetch PATH...`: warm a mounted tree by reading it through the mount, in parallel, with a
+progress bar. The daemon does the fetching; reading fills its NVMe cache and (unless told not to) the
+kernel page cache. It runs in the user's process, never inside the daemon.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+
+# Large reads keep many chunks in flight in the daemon; several threads per file spread them.
+BLOCK = 8 << 20
+THREADS = 8
+MODELFS_FSTYPE = "fuse.modelfs"
+
+
+class WarmError(Exception):
+    pass
+
+
+def mount_fstype(path: str) -> str | None:
+    """The file system type of the mount holding `path` (from /proc/self/mountinfo)."""
+    real = os.path.realpath(path)
+    best, best_type = "", None
+    with open("/proc/self/mountinfo") as f:
+        for line in f:
+            fields = line.split()
+            mnt = fields[4].encode().decode("unicode_escape")
+            fstype = fields[fields.index("-") + 1]
+            if (real == mnt or real.startswith(mnt.rstrip("/") + "/")) and len(mnt) >= len(best):
+                best, best_type = mnt, fstype
+    return best_type
+
+
+def files_under(paths: list[str]) -> Iterator[tuple[str, int]]:
+    for path in paths:
+        if os.path.isdir(path):
+            for dirpath, dirnames, filenames in os.walk(path):
+                dirnames.sort()
+                for name in sorted(filenames):
+                    p = os.path.join(dirpath, name)
+                    yield p, os.stat(p).st_size
+        else:
+            yield path, os.stat(path).st_size
+
+
+def warm(paths: list[str], *, keep_pagecache: bool = True, threads: int = THREADS,
+         progress: bool = True) -> int:
+    """Read every file under `paths`; returns bytes read. Raises WarmError naming the first failure."""
+    for path in paths:
+        if not os.path.exists(path):
+            raise WarmError(f"{path}: no such file or directory")
+        if mount_fstype(path) != MODELFS_FSTYPE:
+            raise WarmError(f"{path} is not on a modelfs mount")
+    files = list(files_under(paths))
+    total = sum(size for _, size in files)
+    bar = None
+    if progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc="prefetch",
+                   file=sys.stderr, dynamic_ncols=True)
+    lock = threading.Lock()
+    done = 0
+
+    def read_block(fd: int, offset: int, size: int) -> None:
+        nonlocal done
+        left, pos = size, offset
+        while left > 0:
+            got = os.pread(fd, min(left, BLOCK), pos)
+            if not got:
+                raise WarmError(f"unexpected end of file at {pos}")
+            pos += len(got)
+            left -= len(got)
+        if not keep_pagecache:
+            os.posix_fadvise(fd, offset, size, os.POSIX_FADV_DONTNEED)
+        with lock:
+            done += size
+            if bar is not None:
+                bar.update(size)
+
+    try:
+        with ThreadPoolExecutor(threads) as pool:
+            for path, size in files:
+                fd = os.open(path, os.O_RDONLY)
+                try:
+                    futures = [pool.submit(read_block, fd, off, min(BLOCK, size - off))
+                               for off in range(0, size, BLOCK)]
+                    for fut in futures:
+                        try:
+                            fut.result()
+                        except OSError as exc:
+                            raise WarmError(f"{path}: {exc.strerror or exc}") from None
+                finally:
+                    os.close(fd)
+    finally:
+        if bar is not None:
+            bar.close()
+    return done

@@ -34,6 +34,7 @@ class _FilePrefetch:
     handles: int = 0
     scope: trio.CancelScope = dataclasses.field(default_factory=trio.CancelScope)
     pushed: int = 0
+    held_in_memory: int = 0  # prefetched bytes that only the memory LRU holds
     done: trio.Event = dataclasses.field(default_factory=trio.Event)
 
 
@@ -90,17 +91,17 @@ class ModelPrefetcher:
         first = await engine.read(obj, 0, min(obj.size, LENGTH_PREFIX))
         n = header_length(bytes(first), obj.size)
         layout = parse_header(bytes(await engine.read(obj, 0, LENGTH_PREFIX + n)), obj.size)
-        end = layout.data_end
-        if self.pusher.limit <= 0 and not engine.levels:
-            # Nowhere to keep chunks but memory: prefetch no more than half of it, or the stream
-            # would evict what the loader has not read yet.
-            end = min(end, layout.data_start + engine.memory_limit // 2)
-        indices = engine.chunk_range(obj, 0, end)
+        indices = engine.chunk_range(obj, 0, layout.data_end)
         log.debug("prefetching %r: %d tensors, %d chunks", obj.key, len(layout.tensors), len(indices))
         async with trio.open_nursery() as nursery:
             slots = trio.Semaphore(self.depth)
             for index in indices:
                 await slots.acquire()
+                if not engine.levels and job.held_in_memory >= engine.memory_limit // 2:
+                    # Neither the page cache nor a disk cache takes more: streaming on would
+                    # only evict chunks the loader has not read yet.
+                    log.debug("prefetch of %r stops at chunk %d: memory share used", obj.key, index)
+                    break
                 # Queued here, in order: tasks started in one batch run in no fixed order.
                 part = self.engine.fetch(obj, index, job)
                 nursery.start_soon(self._one_chunk, job, index, part, slots)
@@ -117,5 +118,7 @@ class ModelPrefetcher:
             if await self.pusher.push(job.ino, offset, part):
                 job.pushed += len(part)
                 self.engine.demote(self.engine.chunk_id(job.version, index))
+            else:
+                job.held_in_memory += len(part)
         finally:
             slots.release()

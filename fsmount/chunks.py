@@ -36,6 +36,7 @@ log = logging.getLogger(__name__)
 
 DEMAND = 0
 PREFETCH = 1
+BACKGROUND = 2  # warming files nobody has opened yet (other shards of a model)
 # Threads for cache-level I/O (NVMe reads, write-through); separate from the S3 connections.
 DISK_THREADS = 8
 
@@ -180,13 +181,13 @@ class ChunkEngine:
         fetch = self._fetch_for(cid, self.chunk_length(obj, index), PREFETCH)
         fetch.owners.add(owner)
 
-    def fetch(self, obj: ObjectVersion, index: int, owner: object) -> _Fetch | bytes:
+    def fetch(self, obj: ObjectVersion, index: int, owner: object, priority: int = PREFETCH) -> _Fetch | bytes:
         """Like `prefetch`, but hands back the chunk (if in memory) or its fetch to await."""
         cid = self.chunk_id(obj, index)
         data = self._memory.get(cid)
         if data is not None:
             return data
-        fetch = self._fetch_for(cid, self.chunk_length(obj, index), PREFETCH)
+        fetch = self._fetch_for(cid, self.chunk_length(obj, index), priority)
         fetch.owners.add(owner)
         return fetch
 

@@ -39,7 +39,7 @@ examples:
   modelfs unmount /models
 """
 
-SUBCOMMANDS = ("mount", "unmount", "umount")
+SUBCOMMANDS = ("mount", "unmount", "umount", "cache", "prefetch", "stats")
 # mount(8) generic options that mean nothing to a FUSE daemon; accepted and ignored.
 IGNORED_MOUNT_OPTIONS = {"defaults", "_netdev", "nofail", "noauto", "auto", "user", "users", "nouser",
                          "owner", "group", "dev", "nodev", "suid", "nosuid", "exec", "noexec", "atime",
@@ -321,7 +321,7 @@ def cmd_cache(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     # The fstab / mount.fuse3 form: `modelfs BUCKET MOUNTPOINT -o opts` (no subcommand).
-    if argv and not argv[0].startswith("-") and argv[0] not in SUBCOMMANDS and argv[0] not in ("cache", "stats", "prefetch"):
+    if argv and not argv[0].startswith("-") and argv[0] not in SUBCOMMANDS:
         argv = ["mount", *argv]
     if argv and argv[0] == "mount":
         argv = expand_mount_options(argv)

@@ -24,7 +24,7 @@ import trio
 from fsmount.chunks import ChunkEngine
 from fsmount.config import ConfigError, MountConfig, parse_size
 from fsmount.disk_cache import CacheDirBusy, DiskCache, bytes_for_fraction
-from fsmount.namespace import Namespace
+from fsmount.namespace import Namespace, ObjectVersion
 from fsmount.operations import Operations
 from fsmount.pagecache import PageCachePusher, default_push_limit
 from fsmount.prefetch import ModelPrefetcher
@@ -194,7 +194,7 @@ class Daemon:
         push_limit = default_push_limit() if cfg.pagecache_push_limit is None else cfg.pagecache_push_limit
         self.pusher = PageCachePusher(push_limit)
         self.prefetcher = ModelPrefetcher(self.engine, self.pusher, max_connections=cfg.store.max_connections,
-                                          enabled=cfg.model_prefetch)
+                                          enabled=cfg.model_prefetch, siblings=self._files_beside)
         self.ops = Operations(self.namespace, self.engine, self.prefetcher, self.pusher,
                               max_readahead=cfg.max_readahead)
 
@@ -213,6 +213,9 @@ class Daemon:
     async def _store_call(self, fn: Callable, *args: object) -> object:
         assert self._meta_limiter is not None
         return await trio.to_thread.run_sync(fn, *args, limiter=self._meta_limiter)
+
+    async def _files_beside(self, ino: int) -> list[tuple[int | None, ObjectVersion]]:
+        return await self.namespace.files_beside(self.namespace.node(ino))
 
     def fuse_options(self) -> set[str]:
         opts = set(pyfuse3.default_options)

@@ -259,6 +259,24 @@ class Namespace:
             self._listings[node.path] = cached
         return list(cached.values())
 
+    async def files_beside(self, node: Node) -> list[tuple[int | None, ObjectVersion]]:
+        """Files in the same directory as `node`, by name: (inode if the kernel knows it, version)."""
+        parent_path = node.path.rpartition("/")[0]
+        entries = self._listings.get(parent_path)
+        if entries is None:
+            entries = await self._list(parent_path)
+            self._listings[parent_path] = entries
+        out = []
+        for name_b in sorted(entries):
+            entry = entries[name_b]
+            if entry.is_dir or entry.meta is None:
+                continue
+            ino = self._ino_by_path.get((self._join(parent_path, name_b.decode("utf-8")), False))
+            known = self._nodes.get(ino) if ino is not None else None
+            out.append((ino if known is not None and known.lookups > 0 else None,
+                        ObjectVersion(entry.meta.key, entry.meta.etag, entry.meta.size)))
+        return out
+
     async def _list(self, path: str) -> dict[bytes, DirEntry]:
         prefix = self._dir_prefix(path)
         pages: list[ListingPage] = await self._call(lambda: list(self._store.list_pages(prefix)))

@@ -2,20 +2,23 @@
 region through the chunk engine in offset order, pushing each chunk into the kernel page cache.
 
 One prefetch per object version, shared by all handles of it, cancelled when the last one closes or
-at unmount. A malformed header only disables the prefetch (one log line); it never fails a read.
+at unmount. Opening a shard (or `model.safetensors.index.json`) also warms the other safetensors files
+of that directory, one at a time in name order, at background priority; those run until done or
+unmount. A malformed header only disables the prefetch (one log line); it never fails a read.
 
 Concurrency: `_active` maps (key, etag) to a `_FilePrefetch`; it is changed only in the trio thread by
-`opened` / `closed`, which run in FUSE handlers without awaiting.
+`opened` / `closed`, which run in FUSE handlers without awaiting. `_warmed_dirs` only grows.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Awaitable, Callable
 
 import trio
 
-from fsmount.chunks import ChunkEngine, _Fetch
+from fsmount.chunks import BACKGROUND, PREFETCH, ChunkEngine, _Fetch
 from fsmount.namespace import ObjectVersion
 from fsmount.pagecache import PageCachePusher
 from fsmount.safetensors import LENGTH_PREFIX, SafetensorsError, header_length, parse_header
@@ -23,6 +26,7 @@ from fsmount.safetensors import LENGTH_PREFIX, SafetensorsError, header_length, 
 log = logging.getLogger(__name__)
 
 SAFETENSORS_SUFFIX = ".safetensors"
+INDEX_SUFFIX = ".safetensors.index.json"
 # Fetches the prefetcher keeps queued ahead: enough to keep every connection busy twice over.
 QUEUE_DEPTH_PER_CONNECTION = 2
 
@@ -30,7 +34,8 @@ QUEUE_DEPTH_PER_CONNECTION = 2
 @dataclasses.dataclass(eq=False)
 class _FilePrefetch:
     version: ObjectVersion
-    ino: int
+    ino: int | None  # None: the kernel does not know the file yet, so nothing can be pushed
+    priority: int = PREFETCH
     handles: int = 0
     scope: trio.CancelScope = dataclasses.field(default_factory=trio.CancelScope)
     pushed: int = 0
@@ -38,10 +43,15 @@ class _FilePrefetch:
     done: trio.Event = dataclasses.field(default_factory=trio.Event)
 
 
+Siblings = Callable[[int], Awaitable[list[tuple[int | None, ObjectVersion]]]]
+
+
 class ModelPrefetcher:
     def __init__(self, engine: ChunkEngine, pusher: PageCachePusher, *, max_connections: int,
-                 enabled: bool = True):
+                 enabled: bool = True, siblings: Siblings | None = None):
         self.engine = engine
+        self.siblings = siblings
+        self._warmed_dirs: set[str] = set()
         self.pusher = pusher
         self.enabled = enabled
         self.depth = max(2, max_connections * QUEUE_DEPTH_PER_CONNECTION)
@@ -56,7 +66,14 @@ class ModelPrefetcher:
             await trio.sleep_forever()
 
     def opened(self, ino: int, version: ObjectVersion) -> None:
-        if not self.enabled or self._nursery is None or not version.key.endswith(SAFETENSORS_SUFFIX):
+        if not self.enabled or self._nursery is None:
+            return
+        if version.key.endswith((SAFETENSORS_SUFFIX, INDEX_SUFFIX)) and self.siblings is not None:
+            directory = version.key.rpartition("/")[0]
+            if directory not in self._warmed_dirs:
+                self._warmed_dirs.add(directory)
+                self._nursery.start_soon(self._warm_siblings, ino)
+        if not version.key.endswith(SAFETENSORS_SUFFIX):
             return
         key = (version.key, version.etag)
         job = self._active.get(key)
@@ -75,6 +92,19 @@ class ModelPrefetcher:
             del self._active[(version.key, version.etag)]
             self.engine.abandon(job)
             self.pusher.release(job.pushed)
+
+    async def _warm_siblings(self, ino: int) -> None:
+        assert self.siblings is not None
+        try:
+            files = await self.siblings(ino)
+        except Exception as exc:  # noqa: BLE001 - warming is optional
+            log.info("not warming the other shards: %s", exc)
+            return
+        for sib_ino, version in files:
+            if not version.key.endswith(SAFETENSORS_SUFFIX) or (version.key, version.etag) in self._active:
+                continue
+            job = _FilePrefetch(version, sib_ino, priority=BACKGROUND)
+            await self._run_job(job)
 
     async def _run_job(self, job: _FilePrefetch) -> None:
         with job.scope:
@@ -103,7 +133,7 @@ class ModelPrefetcher:
                     log.debug("prefetch of %r stops at chunk %d: memory share used", obj.key, index)
                     break
                 # Queued here, in order: tasks started in one batch run in no fixed order.
-                part = self.engine.fetch(obj, index, job)
+                part = self.engine.fetch(obj, index, job, job.priority)
                 nursery.start_soon(self._one_chunk, job, index, part, slots)
 
     async def _one_chunk(self, job: _FilePrefetch, index: int, part: _Fetch | bytes, slots: trio.Semaphore) -> None:
@@ -115,7 +145,7 @@ class ModelPrefetcher:
                 part = part.data
             self.prefetched_bytes += len(part)
             offset = index * self.engine.chunk_size
-            if await self.pusher.push(job.ino, offset, part):
+            if job.ino is not None and await self.pusher.push(job.ino, offset, part):
                 job.pushed += len(part)
                 self.engine.demote(self.engine.chunk_id(job.version, index))
             else:

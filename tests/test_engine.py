@@ -77,7 +77,7 @@ def test_prefetch_ranges_do_not_overlap() -> None:
         p = ra.on_read(i * MiB, MiB, 1 << 30)
         if p.prefetch_end > p.prefetch_start:
             covered.append((p.prefetch_start, p.prefetch_end))
-    for (a0, a1), (b0, _) in zip(covered, covered[1:]):
+    for (_, a1), (b0, _) in zip(covered, covered[1:], strict=False):
         assert a1 <= b0
 
 

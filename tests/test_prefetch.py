@@ -169,7 +169,7 @@ def test_modelfs_prefetch_command_warms_the_cache(moto_server: S3Server, mountpo
         res = subprocess.run(modelfs_cmd("prefetch", str(mountpoint / "model")), capture_output=True,
                              text=True, env=env, timeout=120)
         assert res.returncode == 0, res.stderr
-        assert "prefetched %d bytes" % sum(map(len, payload.values())) in res.stdout
+        assert f"prefetched {sum(map(len, payload.values()))} bytes" in res.stdout
         assert "prefetch" in res.stderr  # the progress bar
         res = subprocess.run(modelfs_cmd("prefetch", str(tmp_path)), capture_output=True, text=True, env=env)
         assert res.returncode == 1 and "not on a modelfs mount" in res.stderr
@@ -179,3 +179,36 @@ def test_modelfs_prefetch_command_warms_the_cache(moto_server: S3Server, mountpo
     stored = sum(f.stat().st_size for f in (cache / "chunks").rglob("*") if f.is_file())
     assert stored >= sum(map(len, payload.values()))
     assert "origin requests=" in m.log()
+
+
+@pytest.mark.mount
+def test_opening_one_shard_warms_the_others(moto_server: S3Server, mountpoint: Path, tmp_path: Path) -> None:
+    import re
+    import time
+
+    from safetensors.numpy import load_file
+
+    from fsmount.testing.models import write_sharded_model
+
+    model = write_sharded_model(tmp_path / "sharded", 48 * MiB, shards=4, seed=3)
+    bucket = new_bucket(moto_server)
+    client = moto_server.client()
+    for f in (tmp_path / "sharded").iterdir():
+        client.upload_file(str(f), bucket, f"llm/{f.name}")
+    total = sum(f.stat().st_size for f in model.files)
+    with mounted(moto_server, bucket, mountpoint, "--cache-dir", str(tmp_path / "cache")) as m:
+        shards = sorted(p.name for p in model.files)
+        with open(mountpoint / "llm" / shards[0], "rb") as f:
+            f.read(8)
+        deadline = time.monotonic() + 60
+        while not all(f"prefetching 'llm/{name}'" in m.log() for name in shards[1:]):
+            assert time.monotonic() < deadline, "the other shards were not warmed"
+            time.sleep(0.2)
+        time.sleep(1)
+        for path in model.files:
+            src = load_file(path)
+            got = load_file(mountpoint / "llm" / path.name)
+            assert src.keys() == got.keys()
+            assert all(np.array_equal(src[k], got[k]) for k in src)
+    origin = int(re.search(r"origin requests=\d+ bytes=(\d+)", m.log()).group(1))
+    assert origin <= total * 1.05, (origin, total)  # every byte fetched from the origin about once

@@ -234,7 +234,7 @@ class SeaweedServer:
     def start(self) -> Self:
         if self._proc is not None:
             raise SeaweedError("this SeaweedServer was already started")
-        binary = self.weed_binary or find_weed_binary()
+        binary = self.weed_binary = self.weed_binary or find_weed_binary()
         self.data_dir.mkdir(parents=True, exist_ok=True)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         if self._fixed_s3_port is not None:

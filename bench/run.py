@@ -1,0 +1,539 @@
+"""Cold-read benchmark, side by side in one run: origin ceiling, modelfs, s3fs, rclone, boto3 download.
+
+It starts its own SeaweedFS, generates and uploads the models, and drops the page cache before every
+measurement; it must never leave a mount, daemon or server behind, and never let one slow tool hang it.
+
+    .venv/bin/python bench/run.py [--quick] [--out bench/out/results.json] [--size 1.6G] [--only NAME,...]
+
+See bench/README.md for what each column means.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import shlex
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+BENCH_DIR = Path(__file__).resolve().parent
+REPO_ROOT = BENCH_DIR.parent
+sys.path[:0] = [str(REPO_ROOT), str(BENCH_DIR)]
+
+import mounts  # noqa: E402 - bench/ is not a package; sys.path above makes these importable
+import scenarios  # noqa: E402
+from boto3.s3.transfer import TransferConfig  # noqa: E402
+
+from fsmount.testing.models import write_model, write_sharded_model  # noqa: E402
+from fsmount.testing.seaweed import SeaweedServer  # noqa: E402
+
+#: One measurement (or one summary row): tool, model, scenario, status, seconds, bytes, ...
+Record = dict[str, Any]
+
+TOOLS = ("curl", "ranged-get", "modelfs", "s3fs", "rclone", "boto3-download")
+MOUNT_TOOLS = ("modelfs", "s3fs", "rclone")
+BUCKET = "models"
+SINGLE_KEY = "single/model.safetensors"
+SHARDED_PREFIX = "sharded"
+SHARDS = 4
+#: Full run: the 1.6 GB file the architecture's peer numbers were measured on. Quick: enough for
+#: several chunks and both shard layouts, small enough for CI (< 2 min for everything).
+FULL_SIZE = "1.6G"
+QUICK_SIZE = "32M"
+FULL_ROUNDS = 3
+FULL_TIMEOUT_S = 300.0
+QUICK_TIMEOUT_S = 60.0
+#: Upload like a typical client (aws cli uses 8 MiB; larger parts just make the upload faster here).
+UPLOAD_CONFIG = TransferConfig(multipart_chunksize=64 << 20, max_concurrency=8)
+DROP_CACHES = Path("/proc/sys/vm/drop_caches")
+#: The origin keeps its data in RAM when it fits: both models (2 x size) plus SeaweedFS's overhead.
+SHM = Path("/dev/shm")
+ORIGIN_FOOTPRINT = 2.2
+ORIGIN_SLACK = 1 << 30
+MB = 1e6  # throughput in decimal MB/s, as curl reports it; sizes on the command line are binary (1G = 2**30)
+NOTE_CHARS = 300  # of a note shown in the table; the JSON has all of it
+SIZE_SUFFIXES = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+
+#: Workloads per model. `cat` runs the cat binary; the others run bench/scenarios.py in a fresh process.
+SCENARIOS = {
+    "single": ("cat", "load_file", "safe_open"),
+    "sharded": ("cat", "load_file", "load_file_threads", "safe_open"),
+}
+
+
+def parse_size(text: str) -> int:
+    text = text.strip().upper().removesuffix("B").removesuffix("I")
+    factor = SIZE_SUFFIXES.get(text[-1:], 1)
+    number = text[:-1] if text[-1:] in SIZE_SUFFIXES else text
+    return int(float(number) * factor)
+
+
+# ---- environment -------------------------------------------------------------------------------------
+
+
+def drop_caches() -> bool:
+    """sync + drop page cache, dentries and inodes (the origin's files too: everything starts cold)."""
+    os.sync()
+    try:
+        DROP_CACHES.write_text("3\n")
+    except OSError:
+        return False
+    return True
+
+
+def tool_version(argv: list[str]) -> str:
+    try:
+        done = subprocess.run(argv, check=False, capture_output=True, text=True, timeout=mounts.COMMAND_TIMEOUT_S)
+    except (OSError, subprocess.TimeoutExpired):
+        return "unavailable"
+    lines = (done.stdout or done.stderr).strip().splitlines()
+    return lines[0] if lines else "unknown"
+
+
+def environment(weed: str) -> Record:
+    git = subprocess.run(
+        ["git", "-C", str(REPO_ROOT), "describe", "--always", "--dirty"],
+        check=False,
+        capture_output=True,
+        text=True,
+    )
+    return {
+        "kernel": platform.release(),
+        "python": platform.python_version(),
+        "cpus": os.cpu_count(),
+        "git": git.stdout.strip(),
+        "weed": tool_version([weed, "version"]),
+        "curl": tool_version(["curl", "--version"]),
+        "s3fs": tool_version(["s3fs", "--version"]),
+        "rclone": tool_version(["rclone", "version"]),
+    }
+
+
+def origin_scratch_dir(where: str, size: int) -> tuple[Path | None, str]:
+    """A tmpfs dir for SeaweedFS's data (None: use the work dir on disk), and a line saying which.
+
+    On tmpfs the origin's bytes survive drop_caches, as a remote S3's would: only the client side goes
+    cold, and the ceiling is the network path, not this machine's disk.
+    """
+    if where == "disk":
+        return None, "on local disk: dropped with the page cache, so the origin is cold too"
+    needed = ORIGIN_FOOTPRINT * size + ORIGIN_SLACK
+    if SHM.is_dir() and shutil.disk_usage(SHM).free > needed:
+        return Path(tempfile.mkdtemp(prefix="modelfs-bench-origin-", dir=SHM)), f"in RAM ({SHM}): stays warm"
+    return None, f"on local disk ({SHM} lacks {needed / MB:.0f} MB): cold too"
+
+
+# ---- one measurement ---------------------------------------------------------------------------------
+
+
+class Bench:
+    """Everything a measurement needs; each `run_*` returns one record (status ok/timeout/error/...)."""
+
+    def __init__(self, args: argparse.Namespace, work: Path, server: SeaweedServer) -> None:
+        self.args = args
+        self.work = work
+        self.server = server
+        self.endpoint = mounts.Endpoint(
+            server.endpoint_url, BUCKET, server.access_key, server.secret_key, server.region
+        )
+        self.files: dict[str, list[Path]] = {}
+        self.keys: dict[str, list[str]] = {}
+        self.digests: dict[str, str] = {}
+        self.cache_dropped = True
+        self.modelfs: list[str] | None = None
+        self.modelfs_note = ""
+        self.modelfs_cache_dir: Path | None = None
+        self.measurement = 0  # numbers the daemon logs
+
+    # models ---------------------------------------------------------------------------------------------
+
+    def prepare_models(self, size: int) -> None:
+        client = self.server.client(max_pool_connections=UPLOAD_CONFIG.max_concurrency)
+        models = self.work / "models"
+        single = write_model(models / "single" / "model.safetensors", size)
+        sharded = write_sharded_model(models / SHARDED_PREFIX, size, shards=SHARDS)
+        self.files = {"single": single.files, "sharded": sharded.files}
+        self.keys = {"single": [SINGLE_KEY], "sharded": [f"{SHARDED_PREFIX}/{f.name}" for f in sharded.files]}
+        uploads = [(single.files[0], SINGLE_KEY)]
+        uploads += [(f, f"{SHARDED_PREFIX}/{f.name}") for f in sharded.files]
+        index = models / SHARDED_PREFIX / "model.safetensors.index.json"
+        uploads.append((index, f"{SHARDED_PREFIX}/{index.name}"))
+        for path, key in uploads:
+            client.upload_file(str(path), BUCKET, key, Config=UPLOAD_CONFIG)
+        if self.args.verify:
+            self.digests = {model: scenarios.files_digest(paths) for model, paths in self.files.items()}
+
+    def model_bytes(self, model: str) -> int:
+        return sum(p.stat().st_size for p in self.files[model])
+
+    # primitives -----------------------------------------------------------------------------------------
+
+    def record(self, tool: str, model: str, scenario: str, **fields: object) -> Record:
+        record: Record = {"tool": tool, "model": model, "scenario": scenario, "status": "ok"}
+        record.update(fields)
+        return record
+
+    def empty_modelfs_cache(self) -> None:
+        if self.modelfs_cache_dir is not None:
+            shutil.rmtree(self.modelfs_cache_dir, ignore_errors=True)
+            self.modelfs_cache_dir.mkdir(parents=True)
+
+    def cold(self) -> None:
+        self.cache_dropped = drop_caches() and self.cache_dropped
+
+    def timed_command(self, argv: list[str], env: dict[str, str] | None = None) -> tuple[float, str]:
+        start = time.perf_counter()
+        done = subprocess.run(
+            argv,
+            check=False,
+            stdout=subprocess.PIPE if argv[0] == "curl" else subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+            timeout=self.args.timeout,
+            env=env,
+        )
+        seconds = time.perf_counter() - start
+        if done.returncode != 0:
+            raise RuntimeError(f"{argv[0]} exited {done.returncode}: {done.stderr.strip()[-500:]}")
+        return seconds, (done.stdout or "").strip()
+
+    def workload(self, name: str, targets: list[str], env: dict[str, str] | None = None) -> Record:
+        argv = [sys.executable, str(BENCH_DIR / "scenarios.py"), name, *targets]
+        if self.args.verify:
+            argv.append("--digest")
+        if name == "download_load":
+            argv += ["--tmp", str(self.work / "download")]
+        start = time.perf_counter()
+        done = subprocess.run(argv, check=False, capture_output=True, text=True, timeout=self.args.timeout, env=env)
+        wall = time.perf_counter() - start
+        if done.returncode != 0:
+            raise RuntimeError(f"{name} exited {done.returncode}: {done.stderr.strip()[-800:]}")
+        result = json.loads(done.stdout.strip().splitlines()[-1])
+        result["process_seconds"] = wall
+        return result
+
+    def check_digest(self, model: str, result: Record, record: Record) -> None:
+        digest = result.get("digest")
+        if digest is not None and self.digests and digest != self.digests[model]:
+            record["status"] = "wrong-data"
+            record["note"] = "tensors differ from the source model"
+
+    def guarded(self, tool: str, model: str, scenario: str, body: Callable[[], Record]) -> Record:
+        """Run one measurement; a timeout or failure becomes a record, never an exception."""
+        try:
+            return body()
+        except subprocess.TimeoutExpired:
+            return self.record(tool, model, scenario, status="timeout", note=f"> {self.args.timeout:g} s")
+        except (RuntimeError, OSError, mounts.MountError, json.JSONDecodeError) as exc:
+            return self.record(tool, model, scenario, status="error", note=str(exc).strip()[-1500:])
+
+    # tools ----------------------------------------------------------------------------------------------
+
+    def s3_env(self) -> dict[str, str]:
+        env = {**mounts.base_env(), **self.endpoint.aws_env()}
+        env.update(BENCH_ENDPOINT_URL=self.endpoint.url, BENCH_BUCKET=BUCKET, PYTHONPATH=str(REPO_ROOT))
+        return env
+
+    def run_curl(self) -> Record:
+        def body() -> Record:
+            url = f"{self.endpoint.url}/{BUCKET}/{SINGLE_KEY}"
+            sigv4 = f"aws:amz:{self.endpoint.region}:s3"
+            user = f"{self.endpoint.access_key}:{self.endpoint.secret_key}"
+            argv = ["curl", "-sS", "-f", "-o", "/dev/null", "-w", "%{size_download}", "--aws-sigv4", sigv4]
+            argv += ["--user", user, url]
+            self.cold()
+            seconds, out = self.timed_command(argv)
+            if int(out) != self.model_bytes("single"):
+                raise RuntimeError(f"curl got {out} bytes, expected {self.model_bytes('single')}")
+            return self.record("curl", "single", "GET to /dev/null", seconds=seconds, bytes=int(out))
+
+        return self.guarded("curl", "single", "GET to /dev/null", body)
+
+    def run_ranged_get(self) -> Record:
+        scenario = f"{scenarios.RANGE_THREADS} x {scenarios.RANGE_BYTES >> 20} MiB ranged GETs"
+
+        def body() -> Record:
+            self.cold()
+            result = self.workload("ranged_get", self.keys["single"], env=self.s3_env())
+            return self.record("ranged-get", "single", scenario, **result)
+
+        return self.guarded("ranged-get", "single", scenario, body)
+
+    def run_download(self, model: str) -> Record:
+        scenario = "download + load_file"
+
+        def body() -> Record:
+            shutil.rmtree(self.work / "download", ignore_errors=True)
+            self.cold()
+            try:
+                result = self.workload("download_load", self.keys[model], env=self.s3_env())
+            finally:
+                shutil.rmtree(self.work / "download", ignore_errors=True)
+            record = self.record("boto3-download", model, scenario, **result)
+            self.check_digest(model, result, record)
+            return record
+
+        return self.guarded("boto3-download", model, scenario, body)
+
+    def daemon_command(self, tool: str, mountpoint: Path) -> mounts.DaemonCommand:
+        if tool == "modelfs":
+            assert self.modelfs is not None
+            extra = shlex.split(self.args.modelfs_args)
+            return mounts.modelfs_command(self.modelfs, self.endpoint, mountpoint, extra, self.modelfs_cache_dir)
+        if tool == "s3fs":
+            return mounts.s3fs_command(self.endpoint, mountpoint, self.work / "s3fs.passwd")
+        return mounts.rclone_command(self.endpoint, mountpoint)
+
+    def run_mounted(self, tool: str, model: str, scenario: str) -> Record:
+        def body() -> Record:
+            mountpoint = self.work / "mnt" / tool
+            command = self.daemon_command(tool, mountpoint)
+            paths = [str(mountpoint / key) for key in self.keys[model]]
+            if tool == "modelfs":
+                self.empty_modelfs_cache()  # before the daemon opens it
+            self.measurement += 1
+            log_path = self.work / "logs" / f"{self.measurement:03d}-{tool}-{model}-{scenario}.log"
+            log_path.parent.mkdir(exist_ok=True)
+            daemon = mounts.MountedDaemon(command, mountpoint, log_path)
+            with daemon:
+                self.cold()
+                try:
+                    if scenario == "cat":
+                        seconds, _ = self.timed_command(["cat", *paths])
+                        result: Record = {"seconds": seconds, "bytes": self.model_bytes(model)}
+                    else:
+                        env = {**mounts.base_env(), "PYTHONPATH": str(REPO_ROOT)}
+                        result = self.workload(scenario, paths, env=env)
+                except RuntimeError as exc:
+                    raise RuntimeError(f"{exc}\n--- {tool} log tail:\n{daemon.log_tail()}") from exc
+                rss = daemon.peak_rss_mib()
+            record = self.record(tool, model, scenario, **result, peak_rss_mib=rss)
+            self.check_digest(model, result, record)
+            if daemon.notes:
+                record["note"] = "; ".join(daemon.notes)
+            return record
+
+        return self.guarded(tool, model, scenario, body)
+
+    # one round ------------------------------------------------------------------------------------------
+
+    def skip_reason(self, tool: str) -> str | None:
+        if tool == "modelfs" and self.modelfs is None:
+            return f"modelfs CLI missing: {self.modelfs_note}"
+        binary = {"curl": "curl", "s3fs": "s3fs", "rclone": "rclone"}.get(tool)
+        if binary and shutil.which(binary) is None:
+            return f"`{binary}` not installed (apt-get install {binary})"
+        if tool in MOUNT_TOOLS and shutil.which("fusermount3") is None:
+            return "fusermount3 not installed"
+        return None
+
+    def round(self, tools: list[str]) -> Iterator[Record]:
+        for tool in tools:
+            reason = self.skip_reason(tool)
+            if reason:
+                yield self.record(tool, "-", "-", status="skipped", note=reason)
+                continue
+            if tool == "curl":
+                yield self.run_curl()
+            elif tool == "ranged-get":
+                yield self.run_ranged_get()
+            elif tool == "boto3-download":
+                for model in self.args.models:
+                    yield self.run_download(model)
+            else:
+                for model in self.args.models:
+                    for scenario in SCENARIOS[model]:
+                        yield self.run_mounted(tool, model, scenario)
+
+
+# ---- summary -----------------------------------------------------------------------------------------
+
+
+def summarize(records: list[Record]) -> list[Record]:
+    """One row per (tool, model, scenario): median seconds over the ok rounds, max peak RSS, and the median
+    over rounds of (throughput / curl's throughput in the same round), so drift between rounds cancels."""
+    curl_mb_s = {
+        r["round"]: r["bytes"] / r["seconds"] / MB for r in records if r["tool"] == "curl" and r["status"] == "ok"
+    }
+    groups: dict[tuple[str, str, str], list[Record]] = {}
+    for record in records:
+        groups.setdefault((str(record["tool"]), str(record["model"]), str(record["scenario"])), []).append(record)
+    rows = []
+    for (tool, model, scenario), group in groups.items():
+        ok = [r for r in group if r["status"] == "ok"]
+        row: Record = {"tool": tool, "model": model, "scenario": scenario, "runs": len(group)}
+        bad = [r for r in group if r["status"] != "ok"]
+        row["status"] = "ok" if not bad else str(bad[0]["status"])
+        notes = sorted({str(r["note"]) for r in group if r.get("note")})
+        if notes:
+            row["note"] = " | ".join(notes)
+        if ok:
+            seconds = statistics.median(float(r["seconds"]) for r in ok)
+            nbytes = int(ok[0]["bytes"])
+            row.update(seconds=seconds, seconds_all=[r["seconds"] for r in ok], bytes=nbytes)
+            row["mb_s"] = nbytes / seconds / MB
+            rss = [float(r["peak_rss_mib"]) for r in ok if r.get("peak_rss_mib") is not None]
+            row["peak_rss_mib"] = max(rss) if rss else None
+            ratios = [r["bytes"] / r["seconds"] / MB / curl_mb_s[r["round"]] for r in ok if r["round"] in curl_mb_s]
+            row["ratio_to_curl"] = statistics.median(ratios) if ratios else None
+        rows.append(row)
+    return rows
+
+
+def markdown_table(rows: list[Record]) -> str:
+    lines = [
+        "| tool | model | scenario | seconds | MB/s | × curl | daemon peak RSS MiB | note |",
+        "|---|---|---|---:|---:|---:|---:|---|",
+    ]
+    for row in rows:
+        seconds = f"{row['seconds']:.2f}" if row.get("seconds") is not None else str(row["status"])
+        mb_s = f"{row['mb_s']:.0f}" if row.get("mb_s") else ""
+        ratio = f"{row['ratio_to_curl']:.2f}" if row.get("ratio_to_curl") else ""
+        rss = f"{row['peak_rss_mib']:.0f}" if row.get("peak_rss_mib") else ""
+        note = " ".join(str(row.get("note", "")).replace("|", "/").split())
+        note = note[-NOTE_CHARS:] if row["status"] == "error" else note[:NOTE_CHARS]  # errors: the end says why
+        if row["status"] != "ok" and row.get("seconds") is not None:
+            note = f"{row['status']} in some rounds; {note}"
+        cells = [row["tool"], row["model"], row["scenario"], seconds, mb_s, ratio, rss, note]
+        lines.append("| " + " | ".join(str(c) for c in cells) + " |")
+    return "\n".join(lines)
+
+
+# ---- main --------------------------------------------------------------------------------------------
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help=f"{QUICK_SIZE} models, one round, data verified (CI)")
+    p.add_argument("--out", type=Path, default=BENCH_DIR / "out" / "results.json", help="JSON results (a .md beside)")
+    p.add_argument("--size", default=None, help=f"model size, K/M/G binary suffixes (default {FULL_SIZE})")
+    p.add_argument("--only", default=",".join(TOOLS), help=f"comma-separated tools from {','.join(TOOLS)}")
+    p.add_argument("--models", default="single,sharded", help="comma-separated: single, sharded")
+    p.add_argument("--rounds", type=int, default=None, help=f"rounds, median reported (default {FULL_ROUNDS}; 1 quick)")
+    p.add_argument("--timeout", type=float, default=None, help="seconds per measurement before it is abandoned")
+    p.add_argument("--modelfs-args", default="", help='extra modelfs mount flags, e.g. "--chunk-size 16M"')
+    p.add_argument("--modelfs-cmd", default=None, help="modelfs command (default: venv script, else -m fsmount)")
+    p.add_argument("--no-modelfs-cache", action="store_true", help="do not give modelfs a --cache-dir")
+    p.add_argument("--verify", action=argparse.BooleanOptionalAction, default=None, help="check tensor digests")
+    p.add_argument(
+        "--origin",
+        choices=("ram", "disk"),
+        default="ram",
+        help="where SeaweedFS keeps the objects: ram (/dev/shm, stays warm like a remote S3; default) or "
+        "disk (dropped with the page cache too)",
+    )
+    p.add_argument("--work-dir", type=Path, default=None, help="scratch dir on local disk (default: a temp dir)")
+    p.add_argument("--keep-work", action="store_true", help="keep the scratch dir (logs, models) afterwards")
+    args = p.parse_args(argv)
+    args.size = parse_size(args.size or (QUICK_SIZE if args.quick else FULL_SIZE))
+    args.rounds = args.rounds or (1 if args.quick else FULL_ROUNDS)
+    args.timeout = args.timeout or (QUICK_TIMEOUT_S if args.quick else FULL_TIMEOUT_S)
+    args.verify = args.quick if args.verify is None else args.verify
+    args.tools = [t for t in (s.strip() for s in args.only.split(",")) if t]
+    args.models = [m for m in (s.strip() for s in args.models.split(",")) if m]
+    for tool in args.tools:
+        if tool not in TOOLS:
+            p.error(f"unknown tool {tool!r}; choose from {', '.join(TOOLS)}")
+    for model in args.models:
+        if model not in SCENARIOS:
+            p.error(f"unknown model {model!r}; choose from {', '.join(SCENARIOS)}")
+    return args
+
+
+def _raise_on_sigterm(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    signal.signal(signal.SIGTERM, _raise_on_sigterm)  # so `finally` unmounts and stops the server
+    work = args.work_dir or Path(tempfile.mkdtemp(prefix="modelfs-bench-", dir="/var/tmp"))
+    work.mkdir(parents=True, exist_ok=True)
+    started = time.time()
+    records: list[Record] = []
+
+    def log(message: str) -> None:
+        print(f"[{time.time() - started:6.1f}s] {message}", file=sys.stderr, flush=True)
+
+    origin_scratch: Path | None = None
+    try:
+        origin_scratch, origin_note = origin_scratch_dir(args.origin, args.size)
+        origin_dir = (origin_scratch or work) / "weed"
+        log(f"origin data: {origin_note}")
+        with SeaweedServer(origin_dir, buckets=[BUCKET], log_path=work / "weed.log") as server:
+            bench = Bench(args, work, server)
+            if "modelfs" in args.tools:
+                bench.modelfs, help_or_reason = mounts.find_modelfs(args.modelfs_cmd)
+                if bench.modelfs is None:
+                    bench.modelfs_note = help_or_reason
+                    log(f"modelfs skipped: {help_or_reason}")
+                elif (
+                    not args.no_modelfs_cache
+                    and "--cache-dir" in help_or_reason
+                    and "--cache-dir" not in args.modelfs_args
+                ):
+                    bench.modelfs_cache_dir = work / "modelfs-cache"
+            log(f"SeaweedFS at {server.endpoint_url}; generating and uploading {args.size / MB:.0f} MB models")
+            bench.prepare_models(args.size)
+            env = environment(str(server.weed_binary or "weed"))
+            for round_index in range(args.rounds):
+                for record in bench.round(args.tools):
+                    record["round"] = round_index
+                    records.append(record)
+                    shown = f"{record['seconds']:.2f} s" if record.get("seconds") is not None else ""
+                    log(
+                        f"round {round_index + 1}: {record['tool']} {record['model']} {record['scenario']}: "
+                        f"{record['status']} {shown} {str(record.get('note', ''))[:200]}"
+                    )
+    finally:
+        if origin_scratch is not None:
+            shutil.rmtree(origin_scratch, ignore_errors=True)  # RAM: never kept
+        if not args.keep_work and args.work_dir is None:
+            mounts.remove_tree(work)
+        elif args.keep_work:
+            print(f"scratch dir kept: {work}", file=sys.stderr)
+
+    rows = summarize(records)
+    table = markdown_table(rows)
+    print(table)
+    if not bench.cache_dropped:
+        print("\nWARNING: the page cache could not be dropped (not root?): these are not cold reads.")
+    command = shlex.join([Path(sys.executable).name, "bench/run.py", *(argv if argv is not None else sys.argv[1:])])
+    document = {
+        "command": command,
+        "started": datetime.datetime.fromtimestamp(started, datetime.UTC).isoformat(timespec="seconds"),
+        "seconds": time.time() - started,
+        "size_bytes": args.size,
+        "rounds": args.rounds,
+        "cache_dropped": bench.cache_dropped,
+        "origin": origin_note,
+        "modelfs_command": bench.modelfs,
+        "modelfs_args": args.modelfs_args,
+        "modelfs_cache_dir": bench.modelfs_cache_dir is not None,
+        "environment": env,
+        "summary": rows,
+        "records": records,
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(document, indent=2) + "\n")
+    started_text = document["started"]
+    args.out.with_suffix(".md").write_text(
+        f"`{command}` ({started_text}, {env['kernel']}, {env['cpus']} CPUs)\n\n{table}\n"
+    )
+    failed = [r for r in rows if r["status"] in ("error", "wrong-data")]
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,180 @@
+"""One benchmark workload per process: `python bench/scenarios.py NAME ARGS...` prints one JSON line.
+
+Timing starts after imports (and S3 client setup) and ends when every byte has been read; it must never
+print anything else on stdout, nor cache or reuse data between runs (each run is a fresh process).
+
+Workloads (each reads whole files, so `bytes` is their total size):
+  load_file FILE...          safetensors.numpy.load_file of each file, in order (offset order inside)
+  load_file_threads FILE...  the same, one thread per file, all at once (a 4-GPU node loading shards)
+  safe_open FILE...          safe_open(f, "np") then get_tensor(k) for k in f.keys() (lexicographic)
+  ranged_get KEY...          boto3 ranged GETs of RANGE_BYTES in RANGE_THREADS threads, to nowhere
+  download_load KEY...       boto3 download_file of each key to --tmp, then load_file of each
+S3 workloads read BENCH_BUCKET, BENCH_ENDPOINT_URL and the AWS_* credentials from the environment.
+With --digest, a sha256 over every tensor (name, dtype, shape, bytes) is added *after* the timing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import hashlib
+import json
+import os
+import sys
+import time
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+#: Origin ceiling workload, as in the architecture notes: 8 MiB ranges, 16 in flight.
+RANGE_BYTES = 8 << 20
+RANGE_THREADS = 16
+#: Touch one byte per page of every tensor, as a copy to the GPU would, so lazy (mmap-backed)
+#: results cannot pass for loaded ones.
+PAGE_BYTES = 4096
+
+
+def touch(array: np.ndarray) -> int:
+    return int(array.reshape(-1).view(np.uint8)[::PAGE_BYTES].sum())
+
+
+def tensors_digest(tensors: Iterable[tuple[str, np.ndarray]]) -> str:
+    """Order-independent of how the tensors were read: sorted by name."""
+    h = hashlib.sha256()
+    for name, array in sorted(tensors, key=lambda item: item[0]):
+        h.update(f"{name}|{array.dtype.str}|{array.shape}|".encode())
+        h.update(np.ascontiguousarray(array).view(np.uint8).reshape(-1).data)
+    return h.hexdigest()
+
+
+def files_digest(paths: Iterable[str | os.PathLike[str]]) -> str:
+    from safetensors.numpy import load_file
+
+    everything: list[tuple[str, np.ndarray]] = []
+    for path in paths:
+        everything.extend(load_file(path).items())
+    return tensors_digest(everything)
+
+
+def run_load_file(paths: list[str], keep: list[tuple[str, np.ndarray]] | None) -> None:
+    from safetensors.numpy import load_file
+
+    for path in paths:
+        tensors = load_file(path)
+        for name, array in tensors.items():
+            touch(array)
+            if keep is not None:
+                keep.append((name, array))
+
+
+def run_load_file_threads(paths: list[str], keep: list[tuple[str, np.ndarray]] | None) -> None:
+    with concurrent.futures.ThreadPoolExecutor(max_workers=len(paths)) as pool:
+        parts: list[list[tuple[str, np.ndarray]]] = [[] for _ in paths]
+        futures = [
+            pool.submit(run_load_file, [p], part if keep is not None else None)
+            for p, part in zip(paths, parts, strict=True)
+        ]
+        for future in futures:
+            future.result()
+    if keep is not None:
+        for part in parts:
+            keep.extend(part)
+
+
+def run_safe_open(paths: list[str], keep: list[tuple[str, np.ndarray]] | None) -> None:
+    from safetensors import safe_open
+
+    for path in paths:
+        with safe_open(path, framework="np") as f:
+            names = f.keys()  # lexicographic: the order vLLM reads in, which is what is measured
+            for name in names:
+                array = f.get_tensor(name)
+                touch(array)
+                if keep is not None:
+                    keep.append((name, array))
+
+
+def s3_client(max_connections: int = RANGE_THREADS) -> Any:
+    import boto3
+    from botocore.config import Config
+
+    return boto3.client(
+        "s3",
+        endpoint_url=os.environ["BENCH_ENDPOINT_URL"],
+        config=Config(max_pool_connections=max_connections, s3={"addressing_style": "path"}),
+    )
+
+
+def run_ranged_get(client: Any, keys: list[str]) -> int:
+    bucket = os.environ["BENCH_BUCKET"]
+    total = 0
+    for key in keys:
+        size = client.head_object(Bucket=bucket, Key=key)["ContentLength"]
+
+        def fetch(start: int, key: str = key, size: int = size) -> int:
+            end = min(start + RANGE_BYTES, size) - 1
+            body = client.get_object(Bucket=bucket, Key=key, Range=f"bytes={start}-{end}")["Body"]
+            got = 0
+            while chunk := body.read(1 << 20):
+                got += len(chunk)
+            return got
+
+        with concurrent.futures.ThreadPoolExecutor(max_workers=RANGE_THREADS) as pool:
+            got = sum(pool.map(fetch, range(0, size, RANGE_BYTES)))
+        if got != size:
+            raise RuntimeError(f"{key}: read {got} bytes, expected {size}")
+        total += size
+    return total
+
+
+def run_download_load(client: Any, keys: list[str], tmp: Path, keep: list[tuple[str, np.ndarray]] | None) -> int:
+    bucket = os.environ["BENCH_BUCKET"]
+    tmp.mkdir(parents=True, exist_ok=True)
+    local = []
+    for key in keys:
+        path = tmp / key.replace("/", "__")
+        client.download_file(bucket, key, str(path))
+        local.append(str(path))
+    run_load_file(local, keep)
+    return sum(os.path.getsize(p) for p in local)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    parser.add_argument(
+        "workload", choices=("load_file", "load_file_threads", "safe_open", "ranged_get", "download_load")
+    )
+    parser.add_argument("targets", nargs="+", help="files (mount workloads) or object keys (S3 workloads)")
+    parser.add_argument("--digest", action="store_true", help="also print a sha256 of all tensors")
+    parser.add_argument("--tmp", type=Path, help="download directory for download_load")
+    args = parser.parse_args(argv)
+    keep: list[tuple[str, np.ndarray]] | None = [] if args.digest else None
+    if args.workload == "download_load" and args.tmp is None:
+        parser.error("download_load needs --tmp")
+    # Client setup is not timed, as mounting is not timed for the file systems.
+    client = s3_client() if args.workload in ("ranged_get", "download_load") else None
+
+    start = time.perf_counter()
+    if args.workload == "ranged_get":
+        nbytes = run_ranged_get(client, args.targets)
+    elif args.workload == "download_load":
+        nbytes = run_download_load(client, args.targets, args.tmp, keep)
+    else:
+        runner = {"load_file": run_load_file, "load_file_threads": run_load_file_threads}.get(
+            args.workload, run_safe_open
+        )
+        runner(args.targets, keep)
+        nbytes = sum(os.path.getsize(p) for p in args.targets)
+    seconds = time.perf_counter() - start
+
+    result: dict[str, object] = {"seconds": seconds, "bytes": nbytes}
+    if keep is not None and args.workload != "ranged_get":
+        result["digest"] = tensors_digest(keep)
+    sys.stdout.write(json.dumps(result) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

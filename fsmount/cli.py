@@ -11,6 +11,7 @@ import shutil
 import subprocess
 import sys
 import time
+import urllib.parse
 
 from fsmount import __version__
 from fsmount.config import (
@@ -36,6 +37,8 @@ examples:
   modelfs mount my-models /models --endpoint-url https://oss-cn-hangzhou.aliyuncs.com \\
       --region cn-hangzhou --addressing-style virtual    # Alibaba OSS
   modelfs my-models /models -o ro,allow_other,endpoint_url=http://127.0.0.1:8333   # fstab form
+  modelfs mount my-models /models --metrics-addr 127.0.0.1:9478   # Prometheus text at /metrics
+  modelfs stats /models
   modelfs unmount /models
 """
 
@@ -72,12 +75,31 @@ def _mode(text: str) -> int:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+def _metrics_addr(text: str) -> str:
+    from fsmount.metrics import MetricsAddressError, parse_metrics_addr
+
+    try:
+        parse_metrics_addr(text)
+    except MetricsAddressError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
+
+
+def _endpoint_url(text: str) -> str:
+    # A URL like https://KEY:SECRET@host would put the secret in argv, the process list and the logs.
+    parts = urllib.parse.urlsplit(text)
+    if parts.username or parts.password:
+        raise argparse.ArgumentTypeError("credentials in the endpoint URL are refused (they would show in the "
+                                         "process list): use AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY or --profile")
+    return text
+
+
 def add_mount_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("bucket", help="bucket name (S3 or OSS)")
     p.add_argument("mountpoint", help="an existing empty directory")
     s = p.add_argument_group("object store")
     s.add_argument("--prefix", default="", help="mount only keys under this prefix")
-    s.add_argument("--endpoint-url", default=os.environ.get("AWS_ENDPOINT_URL"),
+    s.add_argument("--endpoint-url", type=_endpoint_url, default=os.environ.get("AWS_ENDPOINT_URL"),
                    help="S3-compatible endpoint (default: AWS, or $AWS_ENDPOINT_URL)")
     s.add_argument("--region", default=None, help="region name (default: from the AWS configuration)")
     s.add_argument("--profile", default=None, help="profile from ~/.aws/credentials")
@@ -113,9 +135,11 @@ def add_mount_arguments(p: argparse.ArgumentParser) -> None:
                         "0 to disable (default half of MemAvailable)")
     d.add_argument("--cache-dir", default=None, help="persistent local chunk cache directory (NVMe)")
     d.add_argument("--cache-size", default="80%", help="cache size, e.g. 500G or 80%% of the disk")
-    o = p.add_argument_group("logging")
+    o = p.add_argument_group("logging and metrics")
     o.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error", "critical"))
     o.add_argument("--log-file", default=None, help="log here instead of stderr/syslog")
+    o.add_argument("--metrics-addr", type=_metrics_addr, default=None, metavar="HOST:PORT",
+                   help="serve Prometheus metrics at http://HOST:PORT/metrics (':PORT' for every interface)")
     p.add_argument("-o", dest="options", action="append", default=[], metavar="OPTS",
                    help="fstab-style options: ro,allow_other,endpoint_url=URL,prefix=P,...")
     p.add_argument("--ready-fd", type=int, default=None, help=argparse.SUPPRESS)
@@ -177,6 +201,9 @@ def make_parser() -> argparse.ArgumentParser:
     w.add_argument("--no-pagecache", action="store_true", help="warm only the daemon's caches, not the page cache")
     w.add_argument("--threads", type=int, default=8, help="parallel readers (default %(default)s)")
     w.add_argument("--quiet", "-q", action="store_true", help="no progress bar")
+    st = sub.add_parser("stats", help="hit ratio, bytes by source, egress saved and errors of a running mount")
+    st.add_argument("mountpoint")
+    st.add_argument("--json", action="store_true", help="the raw numbers as JSON")
     c = sub.add_parser("cache", help="inspect or empty a local chunk cache directory")
     c.add_argument("action", choices=("stats", "clear", "verify"))
     c.add_argument("cache_dir")
@@ -200,11 +227,11 @@ def cmd_mount(args: argparse.Namespace, mount_argv: list[str]) -> int:
     except ConfigError as exc:
         return fail(str(exc), 2)
     if cfg.foreground:
-        return run_foreground(cfg, args.ready_fd, args.log_to_syslog)
+        return run_foreground(cfg, args.ready_fd, args.log_to_syslog, args.metrics_addr)
     return run_background(cfg, mount_argv)
 
 
-def run_foreground(cfg: MountConfig, ready_fd: int | None, use_syslog: bool) -> int:
+def run_foreground(cfg: MountConfig, ready_fd: int | None, use_syslog: bool, metrics_addr: str | None = None) -> int:
     from fsmount import mount
 
     mount.setup_logging(cfg.log_level, cfg.log_file, use_syslog)
@@ -219,7 +246,7 @@ def run_foreground(cfg: MountConfig, ready_fd: int | None, use_syslog: bool) -> 
             except OSError:
                 pass
 
-    return mount.run(cfg, ready)
+    return mount.run(cfg, ready, metrics_addr=metrics_addr)
 
 
 def run_background(cfg: MountConfig, mount_argv: list[str]) -> int:
@@ -272,6 +299,19 @@ def cmd_unmount(args: argparse.Namespace) -> int:
         reason = res.stderr.strip().splitlines()[-1] if res.stderr.strip() else f"status {res.returncode}"
         hint = " (files are open: close them or use --lazy)" if "busy" in reason.lower() else ""
         return fail(f"cannot unmount {args.mountpoint}: {reason}{hint}")
+    return 0
+
+
+def cmd_stats(args: argparse.Namespace) -> int:
+    import json
+
+    from fsmount.metrics import StatsUnavailable, format_stats, read_stats
+
+    try:
+        snapshot = read_stats(args.mountpoint)
+    except StatsUnavailable as exc:
+        return fail(str(exc))
+    print(json.dumps(snapshot, indent=2) if args.json else format_stats(snapshot, args.mountpoint))
     return 0
 
 
@@ -336,6 +376,8 @@ def main(argv: list[str] | None = None) -> int:
         return cmd_cache(args)
     if args.command == "prefetch":
         return cmd_prefetch(args)
+    if args.command == "stats":
+        return cmd_stats(args)
     parser.print_help()
     return 2
 

@@ -24,6 +24,7 @@ import trio
 from fsmount.chunks import ChunkEngine
 from fsmount.config import ConfigError, MountConfig, parse_size
 from fsmount.disk_cache import CacheDirBusy, DiskCache, bytes_for_fraction
+from fsmount.metrics import CountedLevel, LatencyHistogram, MetricsAddressError, MetricsServer, MountStats, TimedStore
 from fsmount.namespace import Namespace, ObjectVersion
 from fsmount.operations import Operations
 from fsmount.pagecache import PageCachePusher, default_push_limit
@@ -48,25 +49,50 @@ MMAP_THRESHOLD_BYTES = 1 << 20
 ARENA_MAX = 2
 
 QUIET_LOGGERS = ("botocore", "boto3", "urllib3", "s3transfer")
+# sd-daemon(3) priority prefixes: journald reads "<3>" at the start of a stderr line as LOG_ERR.
+JOURNAL_PRIORITIES = {logging.CRITICAL: 2, logging.ERROR: 3, logging.WARNING: 4, logging.INFO: 6, logging.DEBUG: 7}
 
 
 class MountError(Exception):
     """A pre-flight failure; the message is shown to the user as the reason."""
 
 
+class JournalFormatter(logging.Formatter):
+    """stderr under systemd: journald adds time and pid itself, and takes the priority prefix."""
+
+    def __init__(self) -> None:
+        super().__init__("%(levelname)s %(name)s: %(message)s")
+
+    def format(self, record: logging.LogRecord) -> str:
+        prio = JOURNAL_PRIORITIES.get(record.levelno, 6)
+        return "\n".join(f"<{prio}>{line}" for line in super().format(record).splitlines())
+
+
+def stderr_is_journal() -> bool:
+    """systemd sets JOURNAL_STREAM=dev:ino of the stream it connected to stderr."""
+    try:
+        dev, ino = (int(x) for x in os.environ.get("JOURNAL_STREAM", "").split(":"))
+        st = os.fstat(2)
+    except (ValueError, OSError):
+        return False
+    return (st.st_dev, st.st_ino) == (dev, ino)
+
+
 def setup_logging(level: str, log_file: str | None = None, use_syslog: bool = False) -> None:
     handler: logging.Handler
+    formatter = logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s")
     if log_file:
         handler = logging.FileHandler(log_file)
     elif use_syslog and os.path.exists("/dev/log"):
         from logging.handlers import SysLogHandler
 
         handler = SysLogHandler(address="/dev/log")
+        formatter = logging.Formatter("modelfs[%(process)d]: %(levelname)s %(name)s: %(message)s")
     else:
         handler = logging.StreamHandler()
-    fmt = "modelfs[%(process)d]: %(levelname)s %(name)s: %(message)s" if use_syslog else \
-        "%(asctime)s %(levelname)s %(name)s: %(message)s"
-    handler.setFormatter(logging.Formatter(fmt))
+        if stderr_is_journal():
+            formatter = JournalFormatter()
+    handler.setFormatter(formatter)
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())
@@ -102,6 +128,16 @@ def check_mountpoint(path: str, allow_non_empty: bool) -> str:
     if entries and not allow_non_empty:
         raise MountError(f"mountpoint {path} is not empty (use --allow-non-empty / -o nonempty to mount over it)")
     return real
+
+
+def bind_metrics(addr: str | None) -> MetricsServer | None:
+    """Bind the metrics port before mounting, so a port in use is a pre-flight error."""
+    if not addr:
+        return None
+    try:
+        return MetricsServer(addr)
+    except MetricsAddressError as exc:
+        raise MountError(str(exc)) from None
 
 
 def check_bucket(cfg: MountConfig) -> None:
@@ -180,33 +216,44 @@ def sd_notify(message: str) -> None:
 class Daemon:
     """One mount, wired: store -> engine -> namespace -> operations."""
 
-    def __init__(self, cfg: MountConfig, mountpoint: str, on_ready: Callable[[], None]):
+    def __init__(self, cfg: MountConfig, mountpoint: str, on_ready: Callable[[], None],
+                 metrics: MetricsServer | None = None):
         self.cfg = cfg
         self.mountpoint = mountpoint
         self.on_ready = on_ready
+        self.metrics = metrics
         self.store = Boto3Store(cfg.store)
         self._meta_limiter: trio.CapacityLimiter | None = None
-        self.engine = ChunkEngine(self.store, chunk_size=cfg.chunk_size, memory_limit=cfg.memory_limit,
-                                  max_connections=cfg.store.max_connections,
-                                  read_timeout=cfg.store.read_timeout, levels=self._cache_levels())
+        # The engine sees the store and the cache levels through counting proxies (metrics.py).
+        self.origin_latency = LatencyHistogram()
+        self.levels = [CountedLevel(level) for level in self._cache_levels()]
+        self.engine = ChunkEngine(TimedStore(self.store, self.origin_latency), chunk_size=cfg.chunk_size,
+                                  memory_limit=cfg.memory_limit, max_connections=cfg.store.max_connections,
+                                  read_timeout=cfg.store.read_timeout, levels=self.levels)
         self.namespace = Namespace(self.store, self._store_call, prefix=cfg.store.prefix, ttl=cfg.metadata_ttl,
                                    uid=cfg.uid, gid=cfg.gid, file_mode=cfg.file_mode, dir_mode=cfg.dir_mode)
         push_limit = default_push_limit() if cfg.pagecache_push_limit is None else cfg.pagecache_push_limit
         self.pusher = PageCachePusher(push_limit)
         self.prefetcher = ModelPrefetcher(self.engine, self.pusher, max_connections=cfg.store.max_connections,
                                           enabled=cfg.model_prefetch, siblings=self._files_beside)
+        self.stats = MountStats(cfg.store.bucket, self.engine, self.prefetcher, self.pusher, self.origin_latency,
+                                levels=self.levels, disk_cache=self.disk_cache,
+                                open_files=lambda: self.ops.open_files)
         self.ops = Operations(self.namespace, self.engine, self.prefetcher, self.pusher,
-                              max_readahead=cfg.max_readahead)
+                              max_readahead=cfg.max_readahead, stats=self.stats.json_bytes)
 
     def _cache_levels(self) -> list[DiskCache]:
         self.disk_cache = open_disk_cache(self.cfg) if self.cfg.cache_dir else None
         return [self.disk_cache] if self.disk_cache else []
 
     def close(self) -> None:
+        if self.metrics is not None:
+            self.metrics.close()
         stats = self.engine.stats
         log.info("served bytes: memory=%d cache=%d origin=%d; origin requests=%d bytes=%d errors=%d; "
-                 "cache hits=%d", stats.bytes_served_memory, stats.bytes_served_level, stats.bytes_served_origin,
-                 stats.origin_requests, stats.origin_bytes, stats.origin_errors, stats.level_hits)
+                 "cache hits=%d; egress saved=%d", stats.bytes_served_memory, stats.bytes_served_level,
+                 stats.bytes_served_origin, stats.origin_requests, stats.origin_bytes, stats.origin_errors,
+                 stats.level_hits, self.stats.snapshot()["egress_saved_bytes"])
         if self.disk_cache is not None:
             self.disk_cache.close()
 
@@ -257,21 +304,28 @@ class Daemon:
 
         await trio.to_thread.run_sync(probe, abandon_on_cancel=True)
         await trio.to_thread.run_sync(raise_kernel_readahead, self.mountpoint, self.cfg.kernel_readahead // 1024)
+        if self.metrics is not None:
+            self.metrics.start(self.stats)
         log.info("mounted bucket %s%s at %s", self.cfg.store.bucket,
                  f" (prefix {self.cfg.store.prefix})" if self.cfg.store.prefix else "", self.mountpoint)
         self.on_ready()
         sd_notify("READY=1")
 
 
-def run(cfg: MountConfig, ready: Callable[[str | None], None]) -> int:
+def run(cfg: MountConfig, ready: Callable[[str | None], None], metrics_addr: str | None = None) -> int:
     """Check, mount, serve until unmounted or signalled. `ready(None)` once serving, `ready(msg)` on
-    a pre-flight failure. Returns the exit status."""
+    a pre-flight failure. Metrics are served on `metrics_addr` (HOST:PORT) once the mount answers.
+    Returns the exit status."""
+    metrics = None
     try:
         check_fuse_available()
         mountpoint = check_mountpoint(cfg.mountpoint, cfg.allow_non_empty)
+        metrics = bind_metrics(metrics_addr)
         check_bucket(cfg)
-        daemon = Daemon(cfg, mountpoint, lambda: ready(None))
+        daemon = Daemon(cfg, mountpoint, lambda: ready(None), metrics)
     except MountError as exc:
+        if metrics is not None:
+            metrics.close()
         ready(str(exc))
         return 1
     tune_malloc()

@@ -17,6 +17,7 @@ import pyfuse3
 
 from fsmount.chunks import ChunkEngine
 from fsmount.handles import OpenFile
+from fsmount.metrics import STATS_XATTR
 from fsmount.namespace import DirEntry, Namespace
 from fsmount.pagecache import PageCachePusher
 from fsmount.prefetch import ModelPrefetcher
@@ -68,8 +69,9 @@ class Operations(pyfuse3.Operations):
     enable_acl = False
 
     def __init__(self, namespace: Namespace, engine: ChunkEngine, prefetcher: ModelPrefetcher,
-                 pusher: PageCachePusher, *, max_readahead: int):
+                 pusher: PageCachePusher, *, max_readahead: int, stats: Callable[[], bytes] | None = None):
         super().__init__()
+        self.stats = stats
         self.ns = namespace
         self.engine = engine
         self.prefetcher = prefetcher
@@ -116,6 +118,9 @@ class Operations(pyfuse3.Operations):
 
     @_fuse_errors
     async def getxattr(self, inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> bytes:
+        # The stats of `modelfs stats`; deliberately not listed by listxattr (see metrics.STATS_XATTR).
+        if name == STATS_XATTR and inode == pyfuse3.ROOT_INODE and self.stats is not None:
+            return self.stats()
         raise pyfuse3.FUSEError(pyfuse3.ENOATTR)
 
     @_fuse_errors

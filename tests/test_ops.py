@@ -1,0 +1,538 @@
+"""Running modelfs as infrastructure: the systemd unit, READY=1 on NOTIFY_SOCKET, SIGTERM, fstab via
+`mount -t fuse.modelfs`, Prometheus metrics, `modelfs stats`, secrets kept out of logs, metrics and
+argv, and the Alibaba OSS client configuration."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import re
+import shlex
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from fsmount import cli
+from tests.conftest import (
+    BAD_LOG_LEVELS,
+    MOUNT_TIMEOUT,
+    REPO,
+    TEST_SECRET,
+    S3Server,
+    daemon_env,
+    free_port,
+    modelfs_cmd,
+    mounted,
+    new_bucket,
+    unmount,
+)
+
+MiB = 1 << 20
+UNIT = REPO / "systemd" / "modelfs@.service"
+EXAMPLE_CONF = REPO / "systemd" / "example.conf"
+# Options that give the service a private mount namespace: the bucket would be mounted where the host
+# and the inference servers cannot see it.
+NAMESPACE_OPTIONS = {"PrivateTmp", "PrivateDevices", "PrivateMounts", "ProtectSystem", "ProtectHome",
+                     "ProtectKernelTunables", "ProtectKernelModules", "ProtectKernelLogs", "ProtectControlGroups",
+                     "ProtectProc", "ReadOnlyPaths", "ReadWritePaths", "InaccessiblePaths", "TemporaryFileSystem",
+                     "BindPaths", "BindReadOnlyPaths", "RootDirectory", "RootImage", "DynamicUser", "MountAPIVFS"}
+# Where /bin/sh looks for `modelfs` when mount(8) runs mount.fuse3: mount(8) drops PATH, so only the
+# shell's built-in default path applies (dash: /usr/local/sbin:/usr/local/bin:/usr/sbin:...).
+SHIM = Path("/usr/local/bin/modelfs")
+SHIM_MARKER = "# modelfs test shim (tests/test_ops.py)"
+
+
+def unit_entries(path: Path) -> list[tuple[str, str, str]]:
+    """(section, key, value) in file order; systemd allows repeated keys, so no configparser."""
+    out, section = [], ""
+    for raw in path.read_text().splitlines():
+        line = raw.strip()
+        if not line or line.startswith(("#", ";")):
+            continue
+        if line.startswith("["):
+            section = line.strip("[]")
+            continue
+        key, _, value = line.partition("=")
+        out.append((section, key.strip(), value.strip()))
+    return out
+
+
+def env_file(path: Path) -> dict[str, str]:
+    out = {}
+    for raw in path.read_text().splitlines():
+        line = raw.strip()
+        if line and not line.startswith("#"):
+            key, _, value = line.partition("=")
+            out[key] = value
+    return out
+
+
+def scrape(url: str) -> dict[str, float]:
+    """Every sample of the metrics page, as 'name{label="v"}' -> value."""
+    text = urllib.request.urlopen(url, timeout=10).read().decode()
+    samples = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            labels = ",".join(f'{k}="{v}"' for k, v in sorted(s.labels.items()))
+            samples[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
+    return samples
+
+
+def metrics_text(url: str) -> str:
+    return urllib.request.urlopen(url, timeout=10).read().decode()
+
+
+def put_random(server: S3Server, bucket: str, key: str, size: int) -> bytes:
+    data = os.urandom(size)
+    server.client().put_object(Bucket=bucket, Key=key, Body=data)
+    return data
+
+
+def cmdline(pid: int) -> str:
+    return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+
+
+def assert_no_secret(*texts: str) -> None:
+    for text in texts:
+        assert TEST_SECRET not in text
+
+
+# -- the systemd unit -----------------------------------------------------------------------------
+
+@pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="systemd-analyze not installed")
+def test_unit_passes_systemd_analyze_verify(tmp_path: Path) -> None:
+    # verify insists that ExecStart= exists; point it at this checkout's entry point, change nothing else.
+    entry = Path(sys.executable).with_name("modelfs")
+    assert entry.exists(), "install the package (pip install -e .) so the modelfs entry point exists"
+    text = UNIT.read_text()
+    assert "ExecStart=/usr/local/bin/modelfs " in text
+    (tmp_path / UNIT.name).write_text(text.replace("/usr/local/bin/modelfs", str(entry)))
+    (tmp_path / "modelfs@models.service").symlink_to(UNIT.name)
+    res = subprocess.run(["systemd-analyze", "verify", str(tmp_path / "modelfs@models.service")],
+                         capture_output=True, text=True, timeout=60)
+    # Unknown keys and bad values are only printed (exit status 0): any output is a failure.
+    assert res.returncode == 0 and not res.stdout.strip() and not res.stderr.strip(), res.stdout + res.stderr
+
+
+def test_unit_settings() -> None:
+    entries = unit_entries(UNIT)
+    values = {(section, key): value for section, key, value in entries}
+    assert values["Service", "Type"] == "notify"
+    assert values["Service", "Restart"] == "on-failure"
+    assert values["Service", "EnvironmentFile"] == "/etc/modelfs/%i.conf"
+    assert "network-online.target" in values["Unit", "After"]
+    assert "network-online.target" in values["Unit", "Wants"]
+    exec_start = values["Service", "ExecStart"]
+    assert "--foreground" in exec_start and "$MODELFS_OPTS" in exec_start
+    assert values["Service", "KillMode"] == "mixed"  # SIGTERM to the daemon, which unmounts
+    used = {key for _, key, _ in entries}
+    assert not used & NAMESPACE_OPTIONS, f"these hide the mount from the host: {used & NAMESPACE_OPTIONS}"
+    assert values["Service", "DeviceAllow"] == "/dev/fuse rw"
+    assert "CAP_SYS_ADMIN" in values["Service", "CapabilityBoundingSet"]
+
+
+def test_example_conf_is_a_valid_mount_command() -> None:
+    conf = env_file(EXAMPLE_CONF)
+    assert {"BUCKET", "MOUNTPOINT", "MODELFS_OPTS", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"} <= set(conf)
+    oss_opts = [line.split("=", 1)[1] for line in EXAMPLE_CONF.read_text().splitlines()
+                if line.startswith("#MODELFS_OPTS=")]
+    assert oss_opts, "the Alibaba OSS example is missing"
+    for opts in [conf["MODELFS_OPTS"], *oss_opts]:
+        # What ExecStart= runs: `modelfs mount ${BUCKET} ${MOUNTPOINT} --foreground $MODELFS_OPTS`.
+        argv = cli.expand_mount_options(["mount", conf["BUCKET"], conf["MOUNTPOINT"], "--foreground",
+                                         *opts.split()])
+        args = cli.make_parser().parse_args(argv)
+        cfg = cli.build_config(args)
+        assert cfg.foreground and cfg.store.bucket == conf["BUCKET"]
+    assert "AWS_" not in conf["MODELFS_OPTS"] and "SECRET" not in conf["MODELFS_OPTS"]
+
+
+# -- the daemon under a service manager -------------------------------------------------------------
+
+@contextlib.contextmanager
+def foreground_daemon(server: S3Server, bucket: str, mountpoint: Path, *extra: str,
+                      env: dict[str, str] | None = None) -> Iterator[tuple[subprocess.Popen, Path]]:
+    """A `--foreground` daemon as systemd runs it; always unmounted and reaped."""
+    log_path = mountpoint.parent / "daemon.log"
+    cmd = modelfs_cmd("mount", bucket, str(mountpoint), "--foreground", "--endpoint-url", server.endpoint_url,
+                      "--log-level", "debug", *extra)
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**daemon_env(server), **(env or {})})
+    try:
+        yield proc, log_path
+    finally:
+        unmount(mountpoint)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def receive(sock: socket.socket, want: str, proc: subprocess.Popen, log_path: Path) -> list[str]:
+    """sd_notify datagrams until one carries `want`."""
+    got: list[str] = []
+    deadline = time.monotonic() + MOUNT_TIMEOUT
+    while not any(want in m.splitlines() for m in got):
+        if time.monotonic() > deadline:
+            pytest.fail(f"no {want} within {MOUNT_TIMEOUT}s (got {got}):\n{log_path.read_text()[-3000:]}")
+        sock.settimeout(0.2)
+        try:
+            got.append(sock.recv(4096).decode())
+        except TimeoutError:
+            if proc.poll() is not None and want == "READY=1":
+                pytest.fail(f"daemon exited with {proc.returncode}:\n{log_path.read_text()[-3000:]}")
+    return got
+
+
+def test_ready_only_once_mount_answers_and_sigterm_unmounts(moto_server: S3Server, mountpoint: Path,
+                                                            tmp_path: Path) -> None:
+    bucket = new_bucket(moto_server)
+    moto_server.client().put_object(Bucket=bucket, Key="weights/model.bin", Body=b"x" * 1000)
+    notify_path = tmp_path / "notify.sock"
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
+        sock.bind(str(notify_path))
+        with foreground_daemon(moto_server, bucket, mountpoint, env={"NOTIFY_SOCKET": str(notify_path)}) as (
+                proc, log_path):
+            messages = receive(sock, "READY=1", proc, log_path)
+            # The moment READY=1 arrives, the mount must already answer.
+            assert os.path.ismount(mountpoint)
+            assert os.listdir(mountpoint) == ["weights"]
+            assert (mountpoint / "weights" / "model.bin").read_bytes() == b"x" * 1000
+            assert messages.count("READY=1") == 1
+            assert_no_secret(cmdline(proc.pid))
+            proc.send_signal(signal.SIGTERM)
+            receive(sock, "STOPPING=1", proc, log_path)
+            assert proc.wait(30) == 0
+            assert not os.path.ismount(mountpoint)
+            log = log_path.read_text()
+    assert "received SIGTERM, unmounting" in log and f"unmounted {mountpoint}" in log
+    assert not [line for line in log.splitlines() if BAD_LOG_LEVELS.search(line)], log
+    assert_no_secret(log)
+
+
+def test_journald_gets_priority_prefixes(moto_server: S3Server, mountpoint: Path) -> None:
+    # systemd passes JOURNAL_STREAM=dev:ino of the stderr it connected; a regular file stands in here.
+    bucket = new_bucket(moto_server)
+    log_path = mountpoint.parent / "daemon.log"
+    with open(log_path, "wb") as log:
+        st = os.fstat(log.fileno())
+        env = {**daemon_env(moto_server), "JOURNAL_STREAM": f"{st.st_dev}:{st.st_ino}"}
+        proc = subprocess.Popen(modelfs_cmd("mount", bucket, str(mountpoint), "--foreground", "--endpoint-url",
+                                            moto_server.endpoint_url), stdout=log, stderr=subprocess.STDOUT, env=env)
+    try:
+        deadline = time.monotonic() + MOUNT_TIMEOUT
+        while "mounted bucket" not in log_path.read_text():
+            assert proc.poll() is None and time.monotonic() < deadline, log_path.read_text()
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(30) == 0
+    finally:
+        unmount(mountpoint)
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    lines = log_path.read_text().splitlines()
+    assert any(re.fullmatch(r"<6>INFO fsmount\.mount: mounted bucket .*", line) for line in lines), lines
+    assert all(line.startswith("<") for line in lines), lines  # no timestamps: journald adds its own
+
+
+# -- metrics ----------------------------------------------------------------------------------------
+
+def test_metrics_show_bytes_moving_during_a_read(moto_server: S3Server, mountpoint: Path) -> None:
+    bucket = new_bucket(moto_server)
+    size = 40 * MiB + 123
+    data = put_random(moto_server, bucket, "model.bin", size)
+    port = free_port()
+    url = f"http://127.0.0.1:{port}/metrics"
+    with mounted(moto_server, bucket, mountpoint, "--metrics-addr", f"127.0.0.1:{port}",
+                 "--max-readahead", "0") as m:
+        before = scrape(url)
+        assert before["modelfs_origin_bytes_total"] == 0
+        assert before['modelfs_served_bytes_total{source="origin"}'] == 0
+        with open(mountpoint / "model.bin", "rb", buffering=0) as f:
+            first = f.read(16 * MiB)
+            during = scrape(url)  # the file is open and half read
+            rest = f.read()
+        after = scrape(url)
+        text = metrics_text(url)
+        log = m.log()
+        pid = m.proc.pid
+        assert_no_secret(text, log, cmdline(pid))
+        with pytest.raises(urllib.error.HTTPError):
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/nothing-here", timeout=10)
+    assert first + rest == data
+
+    def served(s: dict[str, float]) -> float:
+        return sum(s[f'modelfs_served_bytes_total{{source="{src}"}}'] for src in ("memory", "cache", "origin"))
+
+    assert 16 * MiB <= served(during) < size
+    assert 16 * MiB <= during["modelfs_origin_bytes_total"] < size
+    assert during["modelfs_open_files"] == 1
+    assert served(after) == size
+    assert after["modelfs_origin_bytes_total"] == size  # every chunk fetched once
+    assert after["modelfs_origin_requests_total"] == after["modelfs_origin_get_seconds_count"] >= 6
+    assert after["modelfs_origin_get_seconds_sum"] > 0
+    assert after['modelfs_origin_get_seconds_bucket{le="+Inf"}'] == after["modelfs_origin_get_seconds_count"]
+    assert after["modelfs_origin_errors_total"] == 0
+    assert after["modelfs_open_files"] == 0
+    assert after["modelfs_fetches_inflight"] == 0
+    assert 0 < after["modelfs_memory_used_bytes"] <= after["modelfs_memory_limit_bytes"]
+    assert after["modelfs_egress_saved_bytes_total"] == 0  # a cold read saves nothing
+    assert 0 <= after["modelfs_hit_ratio"] <= 1
+    for name in ("modelfs_prefetched_bytes_total", "modelfs_pagecache_pushed_bytes", "modelfs_prefetch_dropped_total",
+                 "modelfs_cache_loaded_bytes_total"):
+        assert name in after
+    assert "metrics on http://127.0.0.1:" in log
+
+
+def test_metrics_port_in_use_is_a_preflight_error(moto_server: S3Server, mountpoint: Path) -> None:
+    bucket = new_bucket(moto_server)
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        res = subprocess.run(modelfs_cmd("mount", bucket, str(mountpoint), "--foreground", "--endpoint-url",
+                                         moto_server.endpoint_url, "--metrics-addr", f"127.0.0.1:{port}"),
+                             capture_output=True, text=True, env=daemon_env(moto_server), timeout=60)
+    assert res.returncode == 1
+    assert f"--metrics-addr 127.0.0.1:{port}: address already in use" in res.stderr
+    assert not os.path.ismount(mountpoint)
+
+
+# -- modelfs stats ------------------------------------------------------------------------------------
+
+def stats_cmd(mountpoint: Path, *extra: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(modelfs_cmd("stats", str(mountpoint), *extra), capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=60)
+
+
+def table(output: str) -> dict[str, str]:
+    return {line[:22].strip(): line[22:].strip() for line in output.splitlines()}
+
+
+def test_stats_cold_then_warm_from_the_nvme_cache(moto_server: S3Server, tmp_path: Path) -> None:
+    bucket = new_bucket(moto_server)
+    size = 20 * MiB + 5
+    data = put_random(moto_server, bucket, "model.bin", size)
+    cache_dir = tmp_path / "nvme"
+    mp = tmp_path / "mnt"
+
+    with mounted(moto_server, bucket, mp, "--cache-dir", str(cache_dir)):
+        assert (mp / "model.bin").read_bytes() == data
+        # Write-through to the NVMe cache runs in the background: wait until the chunks are there.
+        deadline = time.monotonic() + 30
+        while (cold := json.loads(stats_cmd(mp, "--json").stdout))["disk_cache"]["chunks"] < 3:
+            assert time.monotonic() < deadline, cold
+            time.sleep(0.1)
+        assert "user.modelfs.stats" not in os.listxattr(mp)  # virtual, never copied by cp -a / rsync -X
+        sub = stats_cmd(mp / "..")
+        assert sub.returncode == 1 and "is not the root of a modelfs mount" in sub.stderr
+    assert cold["served_bytes"]["origin"] + cold["served_bytes"]["memory"] == size
+    assert cold["origin"]["bytes"] == size and cold["egress_saved_bytes"] == 0
+    assert cold["hit_ratio"] < 1
+
+    # A new mount (empty memory and page cache) over the same NVMe cache: no byte from the origin.
+    with mounted(moto_server, bucket, mp, "--cache-dir", str(cache_dir)):
+        assert (mp / "model.bin").read_bytes() == data
+        res = stats_cmd(mp)
+        warm = json.loads(stats_cmd(mp, "--json").stdout)
+    assert res.returncode == 0, res.stderr
+    rows = table(res.stdout)
+    assert warm["origin"]["bytes"] == 0 and warm["origin"]["requests"] == 0
+    assert warm["cache_loaded_bytes"] == size
+    assert warm["egress_saved_bytes"] == size
+    assert warm["served_bytes"]["origin"] == 0
+    assert warm["hit_ratio"] == 1.0
+    assert warm["disk_cache"]["hits"] == 3 and warm["disk_cache"]["misses"] == 0
+    assert rows["hit ratio"].startswith("100.0% of 20.00 MiB read"), res.stdout
+    assert rows["origin egress saved"].startswith("20.00 MiB"), res.stdout
+    assert rows["origin downloads"] == "0 B in 0 GETs, 0 failed", res.stdout
+    assert rows["NVMe cache"].startswith("20.00 MiB of "), res.stdout
+    assert rows["errors"] == "origin 0, cache corrupt 0, cache read 0, cache write 0", res.stdout
+    assert {"read from memory", "read from NVMe cache", "read from origin", "origin GET latency",
+            "NVMe cache lookups", "memory", "prefetched", "now", "mount"} <= set(rows), res.stdout
+
+
+def test_stats_of_a_path_that_is_not_a_mount(tmp_path: Path) -> None:
+    res = stats_cmd(tmp_path)
+    assert res.returncode == 1 and "is not the root of a modelfs mount" in res.stderr
+
+
+# -- fstab: mount -t fuse.modelfs ------------------------------------------------------------------
+
+@pytest.fixture
+def modelfs_on_default_path() -> Iterator[None]:
+    """mount(8) runs mount.fuse3 without PATH, and mount.fuse3 runs `/bin/sh -c 'exec modelfs ...'`,
+    so `modelfs` must be in the shell's default path. Install a shim there for this test only."""
+    if SHIM.exists() and SHIM_MARKER not in SHIM.read_text(errors="replace"):
+        pytest.skip(f"{SHIM} exists and is not the test shim; not touching it")
+    if not os.access(SHIM.parent, os.W_OK):
+        pytest.skip(f"cannot write {SHIM.parent}")
+    SHIM.write_text(f"#!/bin/sh\n{SHIM_MARKER}: runs this checkout; removed after the test\n"
+                    f"PYTHONPATH={shlex.quote(str(REPO))} exec {shlex.quote(sys.executable)} -m fsmount \"$@\"\n")
+    SHIM.chmod(0o755)
+    try:
+        yield
+    finally:
+        SHIM.unlink(missing_ok=True)
+
+
+def daemon_pids(mountpoint: Path) -> list[int]:
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                text = cmdline(int(entry.name))
+            except OSError:
+                continue
+            if "fsmount" in text and f" {mountpoint} " in f" {text} " and "--foreground" in text:
+                pids.append(int(entry.name))
+    return pids
+
+
+def wait_gone(pids: list[int], timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while any(Path(f"/proc/{pid}").exists() for pid in pids):
+        assert time.monotonic() < deadline, f"daemon {pids} still running after umount"
+        time.sleep(0.05)
+
+
+@pytest.mark.parametrize("form", ["mount -t", "fstab"])
+def test_mount_t_fuse_modelfs(form: str, moto_server: S3Server, tmp_path: Path, modelfs_on_default_path: None) -> None:
+    bucket = new_bucket(moto_server)
+    moto_server.client().put_object(Bucket=bucket, Key="llama/config.json", Body=b'{"a": 1}')
+    mp = tmp_path / "models"
+    mp.mkdir()
+    log_file = tmp_path / "daemon.log"
+    # The issue's fstab line plus every generic mount(8) option that mount.fuse3 may pass on.
+    opts = (f"_netdev,ro,allow_other,cache_dir={tmp_path / 'nvme'},endpoint_url={moto_server.endpoint_url},"
+            f"defaults,nofail,auto,user,dev,nodev,suid,nosuid,exec,noexec,noatime,"
+            f"log_level=debug,log_file={log_file}")
+    if form == "fstab":
+        fstab = tmp_path / "fstab"
+        fstab.write_text(f"# test fstab\n{bucket}  {mp}  fuse.modelfs  {opts}  0  0\n")
+        cmd = ["mount", "-T", str(fstab), str(mp)]
+    else:
+        cmd = ["mount", "-t", "fuse.modelfs", bucket, str(mp), "-o", opts]
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("AWS_", "PYTHON"))}
+    env.update(moto_server.env)  # mount(8) passes the environment on, PATH excepted
+    try:
+        res = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=120)
+        assert res.returncode == 0, res.stdout + res.stderr
+        # `mount` returned: the daemon has already answered.
+        assert os.path.ismount(mp)
+        mounts = [line.split() for line in Path("/proc/mounts").read_text().splitlines()]
+        entry = next(m for m in mounts if m[1] == str(mp))
+        assert entry[0] == bucket and entry[2] == "fuse.modelfs", entry
+        assert "ro" in entry[3].split(","), entry
+        assert (mp / "llama" / "config.json").read_bytes() == b'{"a": 1}'
+        pids = daemon_pids(mp)
+        assert len(pids) == 1, pids
+        assert_no_secret(cmdline(pids[0]))
+        res = subprocess.run(["umount", str(mp)], capture_output=True, text=True, timeout=60)
+        assert res.returncode == 0, res.stderr
+        assert not os.path.ismount(mp)
+        wait_gone(pids)
+    finally:
+        unmount(mp)
+    log = log_file.read_text()
+    assert "mounted bucket" in log and f"unmounted {mp}" in log
+    assert not [line for line in log.splitlines() if BAD_LOG_LEVELS.search(line)], log
+    assert_no_secret(log)
+
+
+# -- Alibaba OSS: the boto3 client modelfs builds, seen on the wire (no network) ----------------------
+
+class _Body(io.BytesIO):
+    def stream(self, **_: object) -> Iterator[bytes]:
+        yield self.getvalue()
+
+
+LIST_XML = (b'<?xml version="1.0" encoding="UTF-8"?><ListBucketResult '
+            b'xmlns="http://s3.amazonaws.com/doc/2006-03-01/"><Name>my-models</Name><Prefix></Prefix>'
+            b"<KeyCount>0</KeyCount><MaxKeys>1</MaxKeys><Delimiter>/</Delimiter><IsTruncated>false</IsTruncated>"
+            b"</ListBucketResult>")
+
+
+def oss_requests(argv: list[str]) -> list:
+    """Build the store exactly as `modelfs mount` does and record what it would send."""
+    from botocore.awsrequest import AWSResponse
+
+    from fsmount.store import Boto3Store
+
+    cfg = cli.build_config(cli.make_parser().parse_args(cli.expand_mount_options(argv)))
+    store = Boto3Store(cfg.store)
+    sent = []
+
+    def answer(request, **_: object) -> AWSResponse:  # noqa: ANN001 - botocore's AWSPreparedRequest
+        sent.append(request)
+        if request.method == "GET" and "list-type=2" in request.url:
+            return AWSResponse(request.url, 200, {"Content-Type": "application/xml"}, _Body(LIST_XML))
+        return AWSResponse(request.url, 206, {"Content-Length": "4", "ETag": '"e1"',
+                                              "Content-Range": "bytes 0-3/10"}, _Body(b"SAFE"))
+
+    # botocore's documented hook: a handler of before-send that returns a response short-circuits HTTP.
+    store._client.meta.events.register("before-send.s3", answer)
+    store.check_bucket("")
+    assert store.get_range("llama/model-00001.safetensors", '"e1"', 0, 4) == b"SAFE"
+    return sent
+
+
+@pytest.fixture
+def clean_aws_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
+    for var in list(os.environ):
+        if var.startswith("AWS_"):
+            monkeypatch.delenv(var)
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "no-config"))
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "no-credentials"))
+    return tmp_path
+
+
+OSS_ARGV = ["mount", "my-models", "/models", "--endpoint-url", "https://oss-cn-hangzhou.aliyuncs.com",
+            "--region", "cn-hangzhou", "--addressing-style", "virtual"]
+
+
+def check_oss_request(request, access_key: str, secret: str) -> None:  # noqa: ANN001
+    url = urllib.parse.urlsplit(request.url)
+    assert url.scheme == "https"
+    assert url.hostname == "my-models.oss-cn-hangzhou.aliyuncs.com"  # virtual-hosted style
+    assert not url.path.startswith("/my-models")
+    auth = request.headers["Authorization"]
+    auth = auth.decode() if isinstance(auth, bytes) else auth
+    assert auth.startswith(f"AWS4-HMAC-SHA256 Credential={access_key}/")  # SigV4
+    assert "/cn-hangzhou/s3/aws4_request" in auth
+    assert "x-amz-date" in {k.lower() for k in request.headers}
+    assert secret not in request.url and secret not in str(request.headers)
+
+
+def test_oss_virtual_host_sigv4_with_env_credentials(clean_aws_env: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "LTAI5tEnvKey")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", TEST_SECRET)
+    listing, get = oss_requests(OSS_ARGV)
+    for request in (listing, get):
+        check_oss_request(request, "LTAI5tEnvKey", TEST_SECRET)
+    assert listing.method == "GET" and "list-type=2" in listing.url
+    assert get.url.endswith("/llama/model-00001.safetensors")
+    headers = {k.lower(): v.decode() if isinstance(v, bytes) else v for k, v in get.headers.items()}
+    assert headers["range"] == "bytes=0-3" and headers["if-match"] == '"e1"'
+
+
+def test_oss_virtual_host_sigv4_with_a_profile(clean_aws_env: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    (clean_aws_env / "no-credentials").write_text(
+        f"[oss]\naws_access_key_id = LTAI5tProfileKey\naws_secret_access_key = {TEST_SECRET}\n")
+    for request in oss_requests([*OSS_ARGV, "--profile", "oss"]):
+        check_oss_request(request, "LTAI5tProfileKey", TEST_SECRET)

@@ -127,7 +127,7 @@ def port_is_free(port: int, host: str = "127.0.0.1") -> bool:
         return True
 
 
-#: Runs in the child before exec: SIGTERM weed if the thread that started it dies (even by SIGKILL), so
+#: Runs in the child before exec: SIGTERM weed if the process that started it dies (even by SIGKILL), so
 #: a killed test run leaves no orphan. A trampoline instead of `preexec_fn`, which is unsafe with threads.
 _DIE_WITH_PARENT = (
     "import ctypes, os, sys; "
@@ -141,8 +141,10 @@ class SeaweedServer:
 
     `data_dir` is created if needed and kept afterwards (reuse it to restart over the same objects).
     `s3_port=None` picks free ports for every listener; a fixed `s3_port` that is taken is an error.
-    `buckets` are created once the server answers. The process is tied to the thread that starts it
-    (PR_SET_PDEATHSIG): start it from a thread that lives as long as the server.
+    `buckets` are created once the server answers. With `die_with_parent` (default) weed gets SIGTERM when
+    the process that started it dies, even by SIGKILL (PR_SET_PDEATHSIG), so a killed test run leaves no
+    orphan. prctl(2) ties that to the starting *thread*; on kernel 6.18 a server started from a thread that
+    then exited kept running (measured), but pass `die_with_parent=False` if in doubt.
     """
 
     def __init__(
@@ -158,6 +160,7 @@ class SeaweedServer:
         log_path: str | os.PathLike[str] | None = None,
         start_timeout: float = START_TIMEOUT_S,
         extra_args: Sequence[str] = (),
+        die_with_parent: bool = True,
     ) -> None:
         self.data_dir = Path(data_dir).absolute()
         self.buckets = list(buckets)
@@ -169,6 +172,7 @@ class SeaweedServer:
         self.log_path = Path(log_path).absolute() if log_path else self.data_dir / "weed.log"
         self.start_timeout = start_timeout
         self.extra_args = list(extra_args)
+        self.die_with_parent = die_with_parent
         self._fixed_s3_port = s3_port
         self.ports: dict[str, int] = {}
         self._proc: subprocess.Popen[bytes] | None = None
@@ -313,11 +317,12 @@ class SeaweedServer:
         env = {k: v for k, v in os.environ.items() if not k.startswith(("AWS_", "S3_"))}
         env["AWS_ACCESS_KEY_ID"] = self.access_key
         env["AWS_SECRET_ACCESS_KEY"] = self.secret_key
+        command = self._command(binary)
         with open(self.log_path, "ab") as log:
-            log.write(f"---- {' '.join(self._command(binary))}\n".encode())
+            log.write(f"---- {' '.join(command)}\n".encode())
             log.flush()
             self._proc = subprocess.Popen(
-                [sys.executable, "-c", _DIE_WITH_PARENT, *self._command(binary)],
+                [sys.executable, "-c", _DIE_WITH_PARENT, *command] if self.die_with_parent else command,
                 cwd=self.data_dir,
                 env=env,
                 stdin=subprocess.DEVNULL,

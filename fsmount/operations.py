@@ -189,6 +189,8 @@ class Operations(pyfuse3.Operations):
         handle = self._files.get(fh)
         if handle is None:
             raise pyfuse3.FUSEError(errno.EBADF)
+        if not self.pusher.enabled:
+            return await handle.read(off, size, self._window_cap())
         with self.pusher.reading(handle.ino, off, off + size):
             return await handle.read(off, size, self._window_cap())
 

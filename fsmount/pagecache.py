@@ -45,6 +45,10 @@ class PageCachePusher:
         self._limiter = trio.CapacityLimiter(1)  # one store at a time keeps the kernel's locks short
         self._disabled = limit <= 0
 
+    @property
+    def enabled(self) -> bool:
+        return not self._disabled
+
     @contextlib.contextmanager
     def reading(self, ino: int, start: int, end: int) -> Iterator[None]:
         """Marks a READ in flight so no push overlaps it."""

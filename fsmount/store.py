@@ -195,6 +195,11 @@ class Boto3Store:
             retries={"max_attempts": 1 if preflight else BOTO_MAX_ATTEMPTS, "mode": "standard"},
             s3={"addressing_style": cfg.addressing_style},
             tcp_keepalive=True,
+            # Integrity is the ETag's job (If-Match) and the cache's own checksum; botocore's
+            # response checksums would cost a CPU pass over every byte, and some S3-compatible
+            # servers reject the extra signed header.
+            request_checksum_calculation="when_required",
+            response_checksum_validation="when_required",
         )
         self._client = session.client("s3", endpoint_url=cfg.endpoint_url, config=botocfg)
 

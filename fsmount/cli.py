@@ -123,7 +123,8 @@ def add_mount_arguments(p: argparse.ArgumentParser) -> None:
     d = p.add_argument_group("data path")
     d.add_argument("--chunk-size", type=_size, default=DEFAULT_CHUNK_SIZE, help="fetch unit (default 8M)")
     d.add_argument("--memory-limit", type=_size, default=None,
-                   help="bytes of chunk data held in memory (default min(2G, 10%% of RAM))")
+                   help="bound on the daemon's memory (RSS); chunk data gets this less ~96M for the runtime "
+                        "(default min(2G, 10%% of RAM))")
     d.add_argument("--max-readahead", type=_size, default=DEFAULT_MAX_READAHEAD,
                    help="largest read-ahead window per reader (default 256M)")
     d.add_argument("--kernel-readahead", type=_size, default=DEFAULT_KERNEL_READAHEAD,

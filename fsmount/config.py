@@ -28,6 +28,9 @@ DEFAULT_READ_TIMEOUT = 120.0
 DEFAULT_CONNECT_TIMEOUT = 10.0
 MEMORY_LIMIT_CAP = 2 * GiB
 MEMORY_LIMIT_RAM_FRACTION = 0.10
+# --memory-limit bounds the daemon's RSS. The interpreter, boto3, pyfuse3 and prometheus-client
+# take ~75-85 MiB of it here (idle daemon, measured); chunk data gets the rest.
+RUNTIME_RESERVE = 96 * MiB
 
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kKmMgGtT]?)(i?[bB])?\s*$")
 _SIZE_UNITS = {"": 1, "k": KiB, "m": MiB, "g": GiB, "t": 1024 * GiB}
@@ -129,6 +132,12 @@ class MountConfig:
     model_prefetch: bool = True
     pagecache_push_limit: int | None = None  # None: a share of MemAvailable at mount time
     fsname: str = ""
+
+    @property
+    def chunk_memory(self) -> int:
+        """Bytes of chunk data the engine may hold: the limit less the runtime's own share, but
+        never less than four chunks (tiny limits are for tests, not for RSS)."""
+        return max(4 * self.chunk_size, self.memory_limit - RUNTIME_RESERVE)
 
     def __post_init__(self) -> None:
         if self.chunk_size < 64 * KiB or self.chunk_size > 256 * MiB:

@@ -228,7 +228,7 @@ class Daemon:
         self.origin_latency = LatencyHistogram()
         self.levels = [CountedLevel(level) for level in self._cache_levels()]
         self.engine = ChunkEngine(TimedStore(self.store, self.origin_latency), chunk_size=cfg.chunk_size,
-                                  memory_limit=cfg.memory_limit, max_connections=cfg.store.max_connections,
+                                  memory_limit=cfg.chunk_memory, max_connections=cfg.store.max_connections,
                                   read_timeout=cfg.store.read_timeout, levels=self.levels)
         self.namespace = Namespace(self.store, self._store_call, prefix=cfg.store.prefix, ttl=cfg.metadata_ttl,
                                    uid=cfg.uid, gid=cfg.gid, file_mode=cfg.file_mode, dir_mode=cfg.dir_mode)

@@ -243,11 +243,11 @@ def vm_kib(pid: int, field: str) -> int:
 
 
 def test_memory_limit_respected_under_4_parallel_readers(moto_server: S3Server, mountpoint: Path) -> None:
-    """Peak RSS stays within --memory-limit plus the daemon's own idle size, with a margin."""
-    limit_mib = 96
+    """Peak RSS stays within --memory-limit + 64 MiB (the issue's target) under 4 parallel readers."""
+    limit_mib = 192
     bucket = new_bucket(moto_server)
     client = moto_server.client()
-    files = {f"f{i}.bin": np.random.default_rng(i).integers(0, 256, 80 * MiB, dtype=np.uint8).tobytes()
+    files = {f"f{i}.bin": np.random.default_rng(i).integers(0, 256, 120 * MiB, dtype=np.uint8).tobytes()
              for i in range(4)}
     for key, data in files.items():
         client.upload_fileobj(io.BytesIO(data), bucket, key)
@@ -266,5 +266,5 @@ def test_memory_limit_respected_under_4_parallel_readers(moto_server: S3Server, 
             t.join()
         peak_kib = vm_kib(m.proc.pid, "VmHWM")
     assert results == {k: sha(v) for k, v in files.items()}
-    margin_mib = 64
-    assert peak_kib <= idle_kib + (limit_mib + margin_mib) * 1024, (idle_kib // 1024, peak_kib // 1024)
+    assert peak_kib <= (limit_mib + 64) * 1024, (idle_kib // 1024, peak_kib // 1024)
+    assert peak_kib > idle_kib + 32 * 1024  # the readers really filled memory: the bound was exercised

@@ -25,7 +25,7 @@ import cachetools
 import pyfuse3
 import trio
 
-from fsmount.store import ListingPage, ObjectMeta, ObjectStore
+from fsmount.store import ListingPage, ObjectMeta, ObjectStore, TransientError, Unreachable
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +35,8 @@ NAME_MAX = 255
 # Upper bound on directory entries held in the listing cache, over all directories (~100 B each).
 LISTING_CACHE_ENTRIES = 2_000_000
 NEGATIVE_CACHE_ENTRIES = 100_000
+# While the origin is unreachable, known files keep their metadata and are re-checked this often.
+STALE_RETRY = 5.0
 # Keys whose skip was already logged; bounded so a hostile bucket cannot grow it without limit.
 SKIP_LOG_MEMORY = 10_000
 
@@ -103,6 +105,7 @@ class Namespace:
             maxsize=LISTING_CACHE_ENTRIES, ttl=ttl, getsizeof=lambda entries: max(1, len(entries)))
         self._negative: cachetools.TTLCache[str, bool] = cachetools.TTLCache(NEGATIVE_CACHE_ENTRIES, ttl)
         self._skips_logged: cachetools.LRUCache[str, bool] = cachetools.LRUCache(SKIP_LOG_MEMORY)
+        self._stale_logged = False
 
     # -- inode table ---------------------------------------------------------------------------
 
@@ -173,7 +176,19 @@ class Namespace:
         """Make a file node's size/etag at most `ttl` old (HEAD). ENOENT if the key is gone."""
         if node.is_dir or time.monotonic() < node.fresh_until:
             return node
-        meta = await self._call(self._store.head, self.prefix + node.path)
+        try:
+            meta = await self._call(self._store.head, self.prefix + node.path)
+        except (Unreachable, TransientError) as exc:
+            if not node.etag:
+                raise
+            # The origin is down or overloaded: keep serving the version we know (its chunks may
+            # all be cached), and ask again a little later rather than on every call.
+            if not self._stale_logged:
+                log.warning("origin unavailable (%s); serving cached metadata until it returns", exc.message)
+                self._stale_logged = True
+            node.fresh_until = time.monotonic() + min(self.ttl, STALE_RETRY)
+            return node
+        self._stale_logged = False
         if meta is None:
             raise pyfuse3.FUSEError(errno.ENOENT)
         node.size, node.etag, node.mtime_ns = meta.size, meta.etag, meta.mtime_ns
@@ -233,15 +248,20 @@ class Namespace:
         key = self.prefix + path
         results: dict[str, Any] = {}
 
-        async def head() -> None:
-            results["meta"] = await self._call(self._store.head, key)
-
-        async def children() -> None:
-            results["dir"] = await self._call(self._store.has_children, key + "/")
+        async def ask(name: str, fn: Callable[[str], Any], arg: str) -> None:
+            # Failures are kept, not raised: a nursery would wrap them in an ExceptionGroup, and
+            # the handler maps plain StoreErrors to errno.
+            try:
+                results[name] = await self._call(fn, arg)
+            except Exception as exc:  # noqa: BLE001
+                results[name + "_error"] = exc
 
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(head)
-            nursery.start_soon(children)
+            nursery.start_soon(ask, "meta", self._store.head, key)
+            nursery.start_soon(ask, "dir", self._store.has_children, key + "/")
+        for name in ("meta_error", "dir_error"):
+            if name in results:
+                raise results[name]
         if results["dir"]:  # a key that is both a file and a prefix: the directory wins
             return self._node_for(path, True, None)
         if results["meta"] is not None:

@@ -127,3 +127,24 @@ async def test_prefix_mounts_a_subtree() -> None:
     assert await names(ns, ROOT_INODE) == {b"config.json": False, b"w": True}
     node = await ns.lookup(ROOT_INODE, b"config.json")
     assert node.version(ns.prefix).key == "llama/config.json"
+
+
+async def test_known_files_keep_metadata_while_origin_is_down(allowed_logs) -> None:  # noqa: ANN001
+    from fsmount.store import Unreachable
+
+    allowed_logs.append("origin unavailable")
+    store = FakeStore()
+    store.put("f", b"12345")
+    ns = make_ns(store, ttl=0)
+    node = await ns.lookup(ROOT_INODE, b"f")
+
+    def down(key: str):  # noqa: ANN202
+        raise Unreachable("cannot reach the endpoint")
+
+    store.head = down
+    for _ in range(3):
+        node.fresh_until = 0
+        assert (await ns.refresh(node)).size == 5
+    unknown = make_ns(store, ttl=0)
+    with pytest.raises(Unreachable):
+        await unknown.lookup(ROOT_INODE, b"f")

@@ -1,0 +1,29 @@
+"""The benchmark's --quick mode runs end to end (so the bench never rots); it asserts correctness of the
+run, not speed: every tool ran, modelfs loaded byte-exact tensors, and the report was written."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import REPO
+
+pytestmark = [pytest.mark.mount, pytest.mark.seaweedfs]
+
+
+def test_quick_bench_runs_every_tool(tmp_path: Path) -> None:
+    out = tmp_path / "quick.json"
+    res = subprocess.run([sys.executable, str(REPO / "bench/run.py"), "--quick", "--out", str(out)],
+                         capture_output=True, text=True, timeout=900, cwd=REPO)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    doc = json.loads(out.read_text())
+    rows = doc["summary"]
+    tools = {r["tool"] for r in rows}
+    assert {"curl", "ranged-get", "modelfs", "boto3-download"} <= tools
+    modelfs = [r for r in rows if r["tool"] == "modelfs"]
+    assert modelfs and all(r["status"] == "ok" for r in modelfs), modelfs
+    assert (tmp_path / "quick.md").read_text().count("| modelfs |") == len(modelfs)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import re
 import shlex
 import shutil
 import signal
@@ -99,8 +100,14 @@ def find_modelfs(explicit: str | None = None) -> tuple[list[str] | None, str]:
 
 
 def modelfs_command(
-    modelfs: list[str], endpoint: Endpoint, mountpoint: Path, extra: list[str], cache_dir: Path | None
+    modelfs: list[str],
+    endpoint: Endpoint,
+    mountpoint: Path,
+    extra: list[str],
+    cache_dir: Path | None,
+    log_level: str = "warning",
 ) -> DaemonCommand:
+    """`info` also logs, at unmount, the bytes served from memory, cache and origin (`served_bytes`)."""
     argv = [
         *modelfs,
         "mount",
@@ -110,12 +117,35 @@ def modelfs_command(
         "--endpoint-url",
         endpoint.url,
         "--log-level",
-        "warning",
+        log_level,
     ]
     if cache_dir is not None:
         argv += ["--cache-dir", str(cache_dir)]
     env = {**base_env(), **endpoint.aws_env(), "PYTHONPATH": str(REPO_ROOT)}
     return DaemonCommand(argv + extra, env)
+
+
+#: The line modelfs logs at info level when it unmounts (fsmount/mount.py, `close`).
+SERVED_BYTES = re.compile(
+    r"served bytes: memory=(?P<memory>\d+) cache=(?P<cache>\d+) origin=(?P<origin>\d+); "
+    r"origin requests=(?P<origin_requests>\d+) bytes=(?P<origin_bytes>\d+)"
+)
+
+
+def served_bytes(log_text: str) -> dict[str, int] | None:
+    """The last `served bytes:` line of a modelfs log as numbers (served_memory, served_cache,
+    served_origin, origin_requests, origin_bytes), or None if the daemon did not log one."""
+    matches = list(SERVED_BYTES.finditer(log_text))
+    if not matches:
+        return None
+    found = {k: int(v) for k, v in matches[-1].groupdict().items()}
+    return {
+        "served_memory": found["memory"],
+        "served_cache": found["cache"],
+        "served_origin": found["origin"],
+        "origin_requests": found["origin_requests"],
+        "origin_bytes": found["origin_bytes"],
+    }
 
 
 def s3fs_command(endpoint: Endpoint, mountpoint: Path, passwd_file: Path) -> DaemonCommand:
@@ -153,6 +183,20 @@ def mount_entry(mountpoint: Path) -> tuple[int, int] | None:
                 major, minor = fields[2].split(":")
                 return int(major), int(minor)
     return None
+
+
+def fs_type(path: Path) -> str:
+    """The file system type (ext4, tmpfs, ...) of the mount holding `path`, from mountinfo."""
+    target = str(path.resolve())
+    best, kind = "", "unknown"
+    with open("/proc/self/mountinfo") as f:
+        for line in f:
+            fields = line.split()
+            point = fields[4].encode().decode("unicode_escape")
+            inside = target == point or target.startswith(point.rstrip("/") + "/")
+            if inside and len(point) >= len(best):
+                best, kind = point, fields[fields.index("-") + 1]
+    return kind
 
 
 def mounts_under(directory: Path) -> list[str]:
@@ -199,6 +243,12 @@ class MountedDaemon:
 
     def __exit__(self, *exc_info: object) -> None:
         self.stop()
+
+    def log_text(self) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")
+        except OSError:
+            return ""
 
     def log_tail(self) -> str:
         try:

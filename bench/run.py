@@ -1,4 +1,5 @@
-"""Cold-read benchmark, side by side in one run: origin ceiling, modelfs, s3fs, rclone, boto3 download.
+"""Cold-read benchmark, side by side in one run: origin ceiling, local disk, modelfs (cold and with a warm
+persistent cache), s3fs, rclone, boto3 download.
 
 It starts its own SeaweedFS, generates and uploads the models, and drops the page cache before every
 measurement; it must never leave a mount, daemon or server behind, and never let one slow tool hang it.
@@ -41,8 +42,11 @@ from fsmount.testing.seaweed import SeaweedServer  # noqa: E402
 #: One measurement (or one summary row): tool, model, scenario, status, seconds, bytes, ...
 Record = dict[str, Any]
 
-TOOLS = ("curl", "ranged-get", "modelfs", "s3fs", "rclone", "boto3-download")
-MOUNT_TOOLS = ("modelfs", "s3fs", "rclone")
+TOOLS = ("curl", "ranged-get", "local-disk", "modelfs", "modelfs-warm", "s3fs", "rclone", "boto3-download")
+MOUNT_TOOLS = ("modelfs", "modelfs-warm", "s3fs", "rclone")
+MODELFS_TOOLS = ("modelfs", "modelfs-warm")
+#: Rows that get a "× local" (throughput / local-disk's in the same round): issue #4's warm-cache target.
+LOCAL_RATIO_TOOLS = ("local-disk", "modelfs-warm")
 BUCKET = "models"
 SINGLE_KEY = "single/model.safetensors"
 SHARDED_PREFIX = "sharded"
@@ -153,7 +157,12 @@ class Bench:
         self.cache_dropped = True
         self.modelfs: list[str] | None = None
         self.modelfs_note = ""
+        self.modelfs_help = ""
         self.modelfs_cache_dir: Path | None = None
+        #: modelfs-warm: one persistent cache dir per model on local disk, filled once per run.
+        self.warm_cache_root = work / "modelfs-warm-cache"
+        self.warm_fills: dict[str, Record] = {}
+        self.work_fs = mounts.fs_type(work)
         self.measurement = 0  # numbers the daemon logs
 
     # models ---------------------------------------------------------------------------------------------
@@ -286,11 +295,96 @@ class Bench:
 
         return self.guarded("boto3-download", model, scenario, body)
 
-    def daemon_command(self, tool: str, mountpoint: Path) -> mounts.DaemonCommand:
+    def scenario(self, scenario: str, model: str, paths: list[str]) -> Record:
+        """Run one scenario over `paths` (a mount's or local files): {"seconds", "bytes", ...}."""
+        if scenario == "cat":
+            seconds, _ = self.timed_command(["cat", *paths])
+            return {"seconds": seconds, "bytes": self.model_bytes(model)}
+        env = {**mounts.base_env(), "PYTHONPATH": str(REPO_ROOT)}
+        return self.workload(scenario, paths, env=env)
+
+    def run_local(self, model: str, scenario: str) -> Record:
+        """The generated model files in the work dir (local disk), read after the page cache is dropped."""
+
+        def body() -> Record:
+            paths = [str(p) for p in self.files[model]]
+            self.cold()
+            result = self.scenario(scenario, model, paths)
+            record = self.record("local-disk", model, scenario, **result)
+            self.check_digest(model, result, record)
+            return record
+
+        return self.guarded("local-disk", model, scenario, body)
+
+    def modelfs_daemon(self, mountpoint: Path, cache_dir: Path | None, log_level: str) -> mounts.DaemonCommand:
+        assert self.modelfs is not None
+        extra = shlex.split(self.args.modelfs_args)
+        return mounts.modelfs_command(self.modelfs, self.endpoint, mountpoint, extra, cache_dir, log_level)
+
+    def warm_cache_dir(self, model: str) -> Path:
+        return self.warm_cache_root / model
+
+    def cache_dir_bytes(self, cache_dir: Path) -> int | None:
+        """Bytes in a modelfs cache dir, from `modelfs cache stats DIR` (None if it cannot say)."""
+        assert self.modelfs is not None
+        env = {**mounts.base_env(), "PYTHONPATH": str(REPO_ROOT)}
+        try:
+            done = subprocess.run(
+                [*self.modelfs, "cache", "stats", str(cache_dir)],
+                check=False,
+                capture_output=True,
+                text=True,
+                timeout=mounts.COMMAND_TIMEOUT_S,
+                env=env,
+            )
+        except (OSError, subprocess.TimeoutExpired):
+            return None
+        for line in done.stdout.splitlines():
+            fields = line.split()
+            if len(fields) >= 2 and fields[0] == "bytes" and fields[1].isdigit():
+                return int(fields[1])
+        return None
+
+    def fill_warm_cache(self, model: str) -> Record:
+        """Once per model and run: an empty cache dir, a mount on it, `cat` of the model's files, unmount.
+
+        Raises (the measurement becomes an error) if the fill failed, now or in an earlier round."""
+        fill = self.warm_fills.get(model)
+        if fill is None:
+            fill = self.warm_fills[model] = {"model": model, "status": "error"}
+            cache_dir = self.warm_cache_dir(model)
+            shutil.rmtree(cache_dir, ignore_errors=True)
+            cache_dir.mkdir(parents=True)
+            mountpoint = self.work / "mnt" / "modelfs-warm"
+            command = self.modelfs_daemon(mountpoint, cache_dir, "info")
+            log_path = self.work / "logs" / f"fill-modelfs-warm-{model}.log"
+            log_path.parent.mkdir(exist_ok=True)
+            daemon = mounts.MountedDaemon(command, mountpoint, log_path)
+            start = time.perf_counter()
+            try:
+                with daemon:
+                    self.timed_command(["cat", *(str(mountpoint / key) for key in self.keys[model])])
+            except (RuntimeError, OSError, subprocess.TimeoutExpired) as exc:
+                fill["note"] = f"{exc}\n--- modelfs log tail:\n{daemon.log_tail()}"
+                raise RuntimeError(f"filling the cache failed: {fill['note']}") from exc
+            fill.update(
+                status="ok",
+                seconds=time.perf_counter() - start,  # mount, cat, unmount (write-through finished)
+                cache_dir=str(cache_dir),
+                cache_bytes=self.cache_dir_bytes(cache_dir),
+                **(mounts.served_bytes(daemon.log_text()) or {}),
+            )
+            if daemon.notes:
+                fill["note"] = "; ".join(daemon.notes)
+        if fill["status"] != "ok":
+            raise RuntimeError(f"filling the cache failed (earlier): {str(fill.get('note', ''))[-800:]}")
+        return fill
+
+    def daemon_command(self, tool: str, mountpoint: Path, model: str) -> mounts.DaemonCommand:
         if tool == "modelfs":
-            assert self.modelfs is not None
-            extra = shlex.split(self.args.modelfs_args)
-            return mounts.modelfs_command(self.modelfs, self.endpoint, mountpoint, extra, self.modelfs_cache_dir)
+            return self.modelfs_daemon(mountpoint, self.modelfs_cache_dir, "warning")
+        if tool == "modelfs-warm":  # info: it logs the bytes served from cache and origin at unmount
+            return self.modelfs_daemon(mountpoint, self.warm_cache_dir(model), "info")
         if tool == "s3fs":
             return mounts.s3fs_command(self.endpoint, mountpoint, self.work / "s3fs.passwd")
         return mounts.rclone_command(self.endpoint, mountpoint)
@@ -298,10 +392,12 @@ class Bench:
     def run_mounted(self, tool: str, model: str, scenario: str) -> Record:
         def body() -> Record:
             mountpoint = self.work / "mnt" / tool
-            command = self.daemon_command(tool, mountpoint)
+            command = self.daemon_command(tool, mountpoint, model)
             paths = [str(mountpoint / key) for key in self.keys[model]]
             if tool == "modelfs":
                 self.empty_modelfs_cache()  # before the daemon opens it
+            elif tool == "modelfs-warm":
+                self.fill_warm_cache(model)  # once per model; the daemon below is a fresh one
             self.measurement += 1
             log_path = self.work / "logs" / f"{self.measurement:03d}-{tool}-{model}-{scenario}.log"
             log_path.parent.mkdir(exist_ok=True)
@@ -309,19 +405,21 @@ class Bench:
             with daemon:
                 self.cold()
                 try:
-                    if scenario == "cat":
-                        seconds, _ = self.timed_command(["cat", *paths])
-                        result: Record = {"seconds": seconds, "bytes": self.model_bytes(model)}
-                    else:
-                        env = {**mounts.base_env(), "PYTHONPATH": str(REPO_ROOT)}
-                        result = self.workload(scenario, paths, env=env)
+                    result = self.scenario(scenario, model, paths)
                 except RuntimeError as exc:
                     raise RuntimeError(f"{exc}\n--- {tool} log tail:\n{daemon.log_tail()}") from exc
                 rss = daemon.peak_rss_mib()
             record = self.record(tool, model, scenario, **result, peak_rss_mib=rss)
             self.check_digest(model, result, record)
-            if daemon.notes:
-                record["note"] = "; ".join(daemon.notes)
+            notes = list(daemon.notes)
+            if tool == "modelfs-warm":  # the daemon logged what it served at unmount
+                served = mounts.served_bytes(daemon.log_text())
+                if served is None:
+                    notes.append("no `served bytes:` line in the daemon log: origin bytes unknown")
+                else:
+                    record.update(served)
+            if notes:
+                record["note"] = "; ".join(notes)
             return record
 
         return self.guarded(tool, model, scenario, body)
@@ -329,8 +427,12 @@ class Bench:
     # one round ------------------------------------------------------------------------------------------
 
     def skip_reason(self, tool: str) -> str | None:
-        if tool == "modelfs" and self.modelfs is None:
+        if tool in MODELFS_TOOLS and self.modelfs is None:
             return f"modelfs CLI missing: {self.modelfs_note}"
+        if tool == "modelfs-warm" and "--cache-dir" not in self.modelfs_help:
+            return "this modelfs has no --cache-dir"
+        if tool == "modelfs-warm" and "--cache-dir" in self.args.modelfs_args:
+            return "--modelfs-args sets --cache-dir; modelfs-warm uses its own (put --work-dir on the disk to test)"
         binary = {"curl": "curl", "s3fs": "s3fs", "rclone": "rclone"}.get(tool)
         if binary and shutil.which(binary) is None:
             return f"`{binary}` not installed (apt-get install {binary})"
@@ -351,6 +453,10 @@ class Bench:
             elif tool == "boto3-download":
                 for model in self.args.models:
                     yield self.run_download(model)
+            elif tool == "local-disk":
+                for model in self.args.models:
+                    for scenario in SCENARIOS[model]:
+                        yield self.run_local(model, scenario)
             else:
                 for model in self.args.models:
                     for scenario in SCENARIOS[model]:
@@ -361,10 +467,16 @@ class Bench:
 
 
 def summarize(records: list[Record]) -> list[Record]:
-    """One row per (tool, model, scenario): median seconds over the ok rounds, max peak RSS, and the median
-    over rounds of (throughput / curl's throughput in the same round), so drift between rounds cancels."""
-    curl_mb_s = {
-        r["round"]: r["bytes"] / r["seconds"] / MB for r in records if r["tool"] == "curl" and r["status"] == "ok"
+    """One row per (tool, model, scenario): median seconds over the ok rounds, max peak RSS, max origin bytes
+    (modelfs-warm), and the medians over rounds of throughput / curl's and (local-disk, modelfs-warm)
+    throughput / local-disk's same model and scenario, each in the same round, so drift between rounds
+    cancels."""
+    ok_records = [r for r in records if r["status"] == "ok"]
+    curl_mb_s = {r["round"]: r["bytes"] / r["seconds"] / MB for r in ok_records if r["tool"] == "curl"}
+    local_mb_s = {
+        (r["round"], r["model"], r["scenario"]): r["bytes"] / r["seconds"] / MB
+        for r in ok_records
+        if r["tool"] == "local-disk"
     }
     groups: dict[tuple[str, str, str], list[Record]] = {}
     for record in records:
@@ -387,30 +499,60 @@ def summarize(records: list[Record]) -> list[Record]:
             row["peak_rss_mib"] = max(rss) if rss else None
             ratios = [r["bytes"] / r["seconds"] / MB / curl_mb_s[r["round"]] for r in ok if r["round"] in curl_mb_s]
             row["ratio_to_curl"] = statistics.median(ratios) if ratios else None
+            if tool in LOCAL_RATIO_TOOLS:
+                local = [
+                    r["bytes"] / r["seconds"] / MB / local_mb_s[key]
+                    for r in ok
+                    if (key := (r["round"], model, scenario)) in local_mb_s
+                ]
+                row["ratio_to_local"] = statistics.median(local) if local else None
+            origin = [int(r["origin_bytes"]) for r in ok if r.get("origin_bytes") is not None]
+            if origin:
+                row["origin_bytes"] = max(origin)
+                row["origin_requests"] = max(int(r["origin_requests"]) for r in ok if "origin_requests" in r)
         rows.append(row)
     return rows
 
 
 def markdown_table(rows: list[Record]) -> str:
     lines = [
-        "| tool | model | scenario | seconds | MB/s | × curl | daemon peak RSS MiB | note |",
-        "|---|---|---|---:|---:|---:|---:|---|",
+        "| tool | model | scenario | seconds | MB/s | × curl | × local | daemon peak RSS MiB | origin MB | note |",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|---|",
     ]
     for row in rows:
         seconds = f"{row['seconds']:.2f}" if row.get("seconds") is not None else str(row["status"])
         mb_s = f"{row['mb_s']:.0f}" if row.get("mb_s") else ""
         ratio = f"{row['ratio_to_curl']:.2f}" if row.get("ratio_to_curl") else ""
+        local = f"{row['ratio_to_local']:.2f}" if row.get("ratio_to_local") else ""
         rss = f"{row['peak_rss_mib']:.0f}" if row.get("peak_rss_mib") else ""
+        origin = f"{row['origin_bytes'] / MB:.1f}" if row.get("origin_bytes") is not None else ""
         note = " ".join(str(row.get("note", "")).replace("|", "/").split())
         note = note[-NOTE_CHARS:] if row["status"] == "error" else note[:NOTE_CHARS]  # errors: the end says why
         if row["status"] != "ok" and row.get("seconds") is not None:
             note = f"{row['status']} in some rounds; {note}"
-        cells = [row["tool"], row["model"], row["scenario"], seconds, mb_s, ratio, rss, note]
+        cells = [row["tool"], row["model"], row["scenario"], seconds, mb_s, ratio, local, rss, origin, note]
         lines.append("| " + " | ".join(str(c) for c in cells) + " |")
     return "\n".join(lines)
 
 
 # ---- main --------------------------------------------------------------------------------------------
+
+
+def local_disk_note(args: argparse.Namespace, work: Path, bench: Bench) -> str:
+    """A line under the table: where local-disk's files and modelfs-warm's cache live, and the fills."""
+    parts = []
+    if "local-disk" in args.tools or bench.warm_fills:
+        in_ram = " — in RAM, not a disk: use --work-dir" if bench.work_fs in ("tmpfs", "ramfs") else ""
+        parts.append(f"local-disk files and modelfs-warm cache dirs: {work} ({bench.work_fs}{in_ram}).")
+    for fill in bench.warm_fills.values():
+        if fill["status"] != "ok":
+            parts.append(f"modelfs-warm cache fill of {fill['model']} failed.")
+            continue
+        origin = f"{fill['origin_bytes'] / MB:.0f} MB from origin" if "origin_bytes" in fill else "origin unknown"
+        cached = f", cache holds {fill['cache_bytes'] / MB:.0f} MB" if fill.get("cache_bytes") is not None else ""
+        took = f"{fill['seconds']:.1f} s"
+        parts.append(f"modelfs-warm fill of {fill['model']} (`cat`, once): {origin} in {took}{cached}.")
+    return " ".join(parts)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -424,7 +566,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--timeout", type=float, default=None, help="seconds per measurement before it is abandoned")
     p.add_argument("--modelfs-args", default="", help='extra modelfs mount flags, e.g. "--chunk-size 16M"')
     p.add_argument("--modelfs-cmd", default=None, help="modelfs command (default: venv script, else -m fsmount)")
-    p.add_argument("--no-modelfs-cache", action="store_true", help="do not give modelfs a --cache-dir")
+    p.add_argument(
+        "--no-modelfs-cache",
+        action="store_true",
+        help="do not give the (cold) modelfs tool a --cache-dir; modelfs-warm always has one",
+    )
     p.add_argument("--verify", action=argparse.BooleanOptionalAction, default=None, help="check tensor digests")
     p.add_argument(
         "--origin",
@@ -433,7 +579,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="where SeaweedFS keeps the objects: ram (/dev/shm, stays warm like a remote S3; default) or "
         "disk (dropped with the page cache too)",
     )
-    p.add_argument("--work-dir", type=Path, default=None, help="scratch dir on local disk (default: a temp dir)")
+    p.add_argument(
+        "--work-dir",
+        type=Path,
+        default=None,
+        help="scratch dir on local disk; also local-disk's files and modelfs-warm's cache (default: a temp dir "
+        "in /var/tmp)",
+    )
     p.add_argument("--keep-work", action="store_true", help="keep the scratch dir (logs, models) afterwards")
     args = p.parse_args(argv)
     args.size = parse_size(args.size or (QUICK_SIZE if args.quick else FULL_SIZE))
@@ -473,13 +625,17 @@ def main(argv: list[str] | None = None) -> int:
         log(f"origin data: {origin_note}")
         with SeaweedServer(origin_dir, buckets=[BUCKET], log_path=work / "weed.log") as server:
             bench = Bench(args, work, server)
-            if "modelfs" in args.tools:
+            if set(MODELFS_TOOLS) & set(args.tools):
                 bench.modelfs, help_or_reason = mounts.find_modelfs(args.modelfs_cmd)
                 if bench.modelfs is None:
                     bench.modelfs_note = help_or_reason
                     log(f"modelfs skipped: {help_or_reason}")
-                elif (
-                    not args.no_modelfs_cache
+                else:
+                    bench.modelfs_help = help_or_reason
+                if (
+                    bench.modelfs is not None
+                    and "modelfs" in args.tools
+                    and not args.no_modelfs_cache
                     and "--cache-dir" in help_or_reason
                     and "--cache-dir" not in args.modelfs_args
                 ):
@@ -506,6 +662,9 @@ def main(argv: list[str] | None = None) -> int:
 
     rows = summarize(records)
     table = markdown_table(rows)
+    local_note = local_disk_note(args, work, bench)
+    if local_note:
+        table += "\n\n" + local_note
     print(table)
     if not bench.cache_dropped:
         print("\nWARNING: the page cache could not be dropped (not root?): these are not cold reads.")
@@ -521,6 +680,8 @@ def main(argv: list[str] | None = None) -> int:
         "modelfs_command": bench.modelfs,
         "modelfs_args": args.modelfs_args,
         "modelfs_cache_dir": bench.modelfs_cache_dir is not None,
+        "local_disk": {"dir": str(work), "fs": bench.work_fs},
+        "modelfs_warm_fills": list(bench.warm_fills.values()),
         "environment": env,
         "summary": rows,
         "records": records,

@@ -116,6 +116,8 @@ def test_tree_listing_and_every_byte(s3: S3Server, mountpoint: Path, big_object:
         st = os.stat(mountpoint / "big/weights.bin")
         assert st.st_size == BIG and st.st_mode & 0o777 == 0o444
         assert os.stat(mountpoint / "zero/empty-1").st_size == 0
+        last_modified = s3.client().head_object(Bucket=bucket, Key="top.txt")["LastModified"].timestamp()
+        assert os.stat(mountpoint / "top.txt").st_mtime == pytest.approx(last_modified, abs=1)
         ino = os.stat(mountpoint / "top.txt").st_ino
         assert os.stat(mountpoint / "top.txt").st_ino == ino
         if s3.name == "moto":  # SeaweedFS refuses to store such keys at all

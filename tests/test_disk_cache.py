@@ -6,11 +6,13 @@ Plain synchronous tests; the full-disk tests mount small tmpfs filesystems (root
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import logging
 import os
 import random
 import shutil
 import stat
+import struct
 import subprocess
 import sys
 import threading
@@ -194,6 +196,13 @@ def empty_file(path: Path, _other: Path) -> None:
     os.truncate(path, 0)
 
 
+def zeroed_page(path: Path, _other: Path) -> None:
+    """What a crash can leave of a file written without fsync: right size, one page of zeros."""
+    raw = bytearray(path.read_bytes())
+    raw[-20000 : -20000 + 4096] = bytes(4096)
+    path.write_bytes(bytes(raw))
+
+
 @expects_warning(CORRUPT_WARNING)
 @pytest.mark.parametrize(
     "damage",
@@ -205,6 +214,7 @@ def empty_file(path: Path, _other: Path) -> None:
         trailing_garbage,
         other_etags_file_at_this_path,
         empty_file,
+        zeroed_page,
     ],
 )
 def test_corrupt_file_is_a_counted_miss_and_deleted(tmp_path: Path, damage, caplog, allowed_logs) -> None:
@@ -237,6 +247,32 @@ def test_only_first_corrupt_file_warns(tmp_path: Path, caplog, allowed_logs) -> 
         assert [cache.get(chunk_id(i)) for i in range(3)] == [None] * 3
         assert cache.stats.corrupt == 3
         assert len(warnings_from_cache(caplog)) == 1
+
+
+def version_1_file(chunk: ChunkId, data: bytes) -> bytes:
+    """A chunk file as format version 1 wrote it: the same header layout with a sha256 of the data."""
+    text = [t.encode() for t in (chunk.bucket, chunk.key, chunk.etag)]
+    prefix = struct.pack(
+        "<8sHHIIIQQQ32s", b"MFSCHUNK", 1, 0, *map(len, text), chunk.chunk_size, chunk.index, len(data),
+        hashlib.sha256(data).digest(),
+    )
+    return b"".join([prefix, *text, data])
+
+
+@expects_warning(CORRUPT_WARNING)
+def test_file_of_the_previous_format_version_is_dropped_and_refetched(tmp_path: Path, caplog, allowed_logs) -> None:
+    wanted = chunk_id(3)
+    with DiskCache(tmp_path, BIG, min_free_bytes=0) as cache:
+        path = Path(cache.chunk_path(wanted))
+    path.write_bytes(version_1_file(wanted, payload(wanted)))  # whole and valid, as the old version wrote it
+    with DiskCache(tmp_path, BIG, min_free_bytes=0) as cache:
+        assert cache.contains(wanted)  # the index is built from names and sizes alone
+        assert cache.get(wanted) is None
+        assert cache.stats.corrupt == 1 and not path.exists() and not cache.contains(wanted)
+        assert "format version 1.0, expected 2.0" in warnings_from_cache(caplog)[0].getMessage()
+        cache.put(wanted, payload(wanted))  # refetched: written in the current format
+        assert cache.get(wanted) == payload(wanted)
+    assert cache_verify(tmp_path) == (1, [])
 
 
 def test_file_removed_behind_the_cache_is_a_plain_miss(tmp_path: Path) -> None:
@@ -321,6 +357,7 @@ def test_disk_full_of_foreign_data_absorbs_puts_with_one_warning(tmpfs, caplog, 
         for c in stored:  # nothing was evicted for writes that could not succeed
             assert cache.get(c) == payload(c, 128 * KiB)
         assert not list((fs / "c").rglob("*.tmp"))
+        assert (cache._reserved, cache._unwritten) == (0, 0)
 
         os.unlink(fs / "someone-elses-file")  # space frees: the next put is tried and succeeds
         cache.put(chunk_id(30), payload(chunk_id(30), MiB))
@@ -342,6 +379,7 @@ def test_real_enospc_from_the_kernel_is_absorbed(tmpfs, caplog, allowed_logs) ->
         for i in range(room):
             assert cache.get(chunk_id(i)) == payload(chunk_id(i), 4 * KiB)
         assert not list((fs / "c").rglob("*.tmp"))
+        assert (cache._reserved, cache._unwritten) == (0, 0)
 
 
 @expects_warning(WRITE_WARNING)
@@ -405,6 +443,39 @@ def test_readers_during_puts_and_evictions_never_see_wrong_bytes(tmp_path: Path)
     assert cache.stats.corrupt == 0 and cache.stats.read_errors == 0
     assert cache.stats.bytes_used <= cache.max_bytes
     assert cache.stats.bytes_used == sum(p.stat().st_size for p in disk_files(tmp_path / "c"))
+    assert (cache._reserved, cache._unwritten) == (0, 0)
+
+
+def test_eight_writers_at_the_free_space_floor_skip_quietly_and_keep_it(tmpfs, caplog) -> None:
+    """8 threads (the daemon's disk limiter) against room for about 3 chunk files above the floor: puts that
+    find the room held by puts in flight are skipped, none fails, and the floor holds."""
+    size, n = 256 * KiB, 64
+    with tmpfs("size=8m") as fs, DiskCache(fs / "c", BIG, min_free_bytes=0) as cache:
+        cache.min_free_bytes = _free(fs) - 3 * size - size // 2
+        chunks = [chunk_id(i) for i in range(n)]
+        data = {c: payload(c, size) for c in chunks}
+        start = threading.Barrier(8)
+
+        def writer(mine: list[ChunkId]) -> None:
+            start.wait()
+            for c in mine:
+                cache.put(c, data[c])
+
+        threads = [threading.Thread(target=writer, args=(chunks[t::8],)) for t in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert cache.stats.write_errors == 0 and warnings_from_cache(caplog) == []
+        assert cache.stats.writes + cache.stats.writes_skipped == n, cache.stats
+        assert cache.stats.writes >= 3 and 1 <= cache.stats.chunks <= 3, cache.stats
+        assert (cache._reserved, cache._unwritten) == (0, 0)
+        # The accounting counts file sizes; tmpfs rounds each file up to a 4 KiB page.
+        assert _free(fs) >= cache.min_free_bytes - 3 * 4 * KiB
+        for c in chunks:
+            got = cache.get(c)
+            assert got is None or got == data[c]
+        assert not list((fs / "c").rglob("*.tmp"))
 
 
 # -- exclusive use, permissions, temp files -----------------------------------------------------------

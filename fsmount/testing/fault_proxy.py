@@ -1,0 +1,715 @@
+"""A fault-injecting HTTP reverse proxy for tests: it sits on 127.0.0.1 between modelfs and an S3 server
+and, on command, delays, stalls, resets or truncates responses, answers with 5xx storms, or plays dead.
+
+It must never listen beyond 127.0.0.1, never alter a byte it forwards (a fault only delays, cuts or
+replaces a whole response), and never wait without a bound: every hold ends at `MAX_HOLD_S`, at
+`clear()`/`origin_back()`, or when the proxy stops.
+
+Usage::
+
+    with FaultProxy(moto.endpoint_url) as proxy:          # daemon gets proxy.endpoint_url
+        proxy.inject(Fault.ERROR, status=503, code="SlowDown", times=6)
+        ...                                               # read through the mount
+        assert proxy.counts()["data_gets"] <= bound
+        proxy.origin_down()                               # connections refused
+        proxy.origin_back()                               # same port again
+
+Facts this relies on:
+
+- SigV4 signs the Host header. The client signs `127.0.0.1:<proxy port>` and the proxy forwards every
+  request header unchanged, so a server that verifies signatures recomputes them over the same Host
+  and accepts them (checked with SeaweedFS, which refuses a wrong secret); moto does not verify.
+- botocore keeps connections alive (HTTP/1.1); the proxy serves many requests per connection, one
+  thread per client connection, and keeps one upstream connection per client connection.
+- "Data GETs" are GETs with a `Range` header: modelfs fetches object bytes only that way, and lists
+  and HEADs without one, so faults limited to them leave metadata working.
+
+Besides forwarding, `serve_directory` makes the proxy answer ListObjectsV2, HEAD and GET for a set of
+keys under one prefix itself (deterministic bodies, see `synthetic_body`). It exists because moto lists
+a 100k-key prefix in ~55 s (100 pages, each an O(n) scan; measured here) and cannot store keys that are
+not valid UTF-8; the proxy lists 100k keys in a few seconds and can return any bytes as a key.
+
+Concurrency: rules, counters and the down state are guarded by `_lock`; a connection thread takes a
+snapshot of what applies to its request under the lock and then works without it. Only the accept
+thread opens or closes the listening socket.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import enum
+import hashlib
+import http.client
+import random
+import socket
+import struct
+import threading
+import time
+import urllib.parse
+from collections.abc import Iterable
+from typing import BinaryIO, Self
+from xml.sax.saxutils import escape as xml_escape
+
+HOST = "127.0.0.1"
+#: No hold (stall, latency, black hole) lasts longer than this, whatever a test asked for.
+MAX_HOLD_S = 120.0
+#: The accept loop wakes this often to notice stop and down/up requests.
+ACCEPT_POLL_S = 0.05
+#: A client connection idle this long (no next request) is closed; botocore reconnects.
+IDLE_TIMEOUT_S = 60.0
+#: How long the proxy waits on the upstream server for one response.
+UPSTREAM_TIMEOUT_S = 60.0
+#: Request line and header limits (a 4 KB key is ~12 KB once percent-encoded).
+MAX_LINE = 64 * 1024
+MAX_HEADERS = 200
+#: Request bodies larger than this are refused (modelfs sends none; test uploads go to the server).
+MAX_BODY = 1 << 30
+#: How long stop() waits for connection threads.
+STOP_JOIN_S = 5.0
+#: Requests remembered for `log()`.
+LOG_ENTRIES = 20_000
+#: ListObjectsV2 page size when the client does not ask for less (S3's maximum).
+LIST_PAGE_MAX = 1000
+
+HOP_BY_HOP = {"connection", "keep-alive", "proxy-connection", "te", "trailer", "transfer-encoding", "upgrade",
+              "expect", "content-length"}
+S3_ERROR_CODES = {500: "InternalError", 503: "SlowDown", 502: "BadGateway", 504: "GatewayTimeout"}
+
+
+class Fault(enum.StrEnum):
+    LATENCY = "latency"    # wait `seconds`, then forward normally
+    STALL = "stall"        # hold the response `seconds` (before anything, or after `after_bytes` of body)
+    RESET = "reset"        # send headers and `after_bytes` of body, then RST the connection
+    TRUNCATE = "truncate"  # send headers (full Content-Length) and `after_bytes` of body, then close
+    SHORT = "short"        # send only `after_bytes` of body with a Content-Length that says so; keep alive
+    ERROR = "error"        # answer `status` with an S3 error document (`code`); the server never sees it
+
+
+class Down(enum.StrEnum):
+    REFUSE = "refuse"        # nothing listens: connect() gets ECONNREFUSED; open connections are cut
+    BLACKHOLE = "blackhole"  # connections are accepted and requests read, but nothing is ever answered
+
+
+@dataclasses.dataclass
+class Rule:
+    """One injected fault. A request gets the first rule that matches it."""
+
+    fault: Fault
+    seconds: float = 0.0
+    after_bytes: int | None = None
+    status: int = 503
+    code: str | None = None
+    times: int | None = None     # applies to this many more requests; None: until cleared
+    fraction: float = 1.0        # chance that a matching request is hit
+    data_only: bool = True       # only GETs with a Range header
+    hits: int = 0
+
+    def matches(self, req: _Request) -> bool:
+        if self.times is not None and self.hits >= self.times:
+            return False
+        return req.is_data_get or not self.data_only
+
+
+@dataclasses.dataclass
+class _Request:
+    method: str
+    target: str
+    version: str
+    headers: list[tuple[str, str]]
+    body: bytes
+
+    def header(self, name: str) -> str | None:
+        name = name.lower()
+        for k, v in self.headers:
+            if k.lower() == name:
+                return v
+        return None
+
+    @property
+    def is_data_get(self) -> bool:
+        return self.method == "GET" and self.header("range") is not None
+
+    @property
+    def kind(self) -> str:
+        if self.method == "HEAD":
+            return "heads"
+        if self.method == "GET":
+            if self.is_data_get:
+                return "data_gets"
+            query = urllib.parse.urlsplit(self.target).query
+            return "lists" if "list-type=" in query or self.path_parts()[1] == "" else "gets"
+        return "other"
+
+    def path_parts(self) -> tuple[str, bytes]:
+        """(bucket, key as raw bytes) of a path-style request."""
+        path = urllib.parse.urlsplit(self.target).path
+        bucket, _, key = path.lstrip("/").partition("/")
+        return urllib.parse.unquote(bucket), urllib.parse.unquote_to_bytes(key)
+
+    def query(self) -> dict[str, str]:
+        pairs = urllib.parse.parse_qsl(urllib.parse.urlsplit(self.target).query, keep_blank_values=True)
+        return dict(pairs)
+
+
+@dataclasses.dataclass
+class _Response:
+    status: int
+    reason: str
+    headers: list[tuple[str, str]]
+    body: bytes
+    content_length: int | None = None  # what the headers claim; None: len(body)
+
+
+@dataclasses.dataclass(frozen=True)
+class LogEntry:
+    t: float
+    method: str
+    target: str
+    range: str | None
+    outcome: str
+
+
+def synthetic_body(key: bytes, size: int) -> bytes:
+    """The bytes of a key served by `serve_directory`: sha256 chains of the key, cut to `size`."""
+    out = bytearray()
+    block = hashlib.sha256(key).digest()
+    while len(out) < size:
+        out += block
+        block = hashlib.sha256(block).digest()
+    return bytes(out[:size])
+
+
+class _SyntheticDirectory:
+    """Keys (bytes, sorted as S3 sorts: by UTF-8 bytes) that the proxy lists and serves itself."""
+
+    def __init__(self, bucket: str, prefix: bytes, names: Iterable[bytes], size: int):
+        self.bucket = bucket
+        self.prefix = prefix
+        self.size = size
+        self.keys = sorted({prefix + n for n in names})
+        self._key_set = set(self.keys)
+        self._pages: dict[tuple[bytes, bytes], list[tuple[bool, bytes]]] = {}
+
+    def holds(self, key: bytes) -> bool:
+        return key in self._key_set
+
+    def answers_listing(self, prefix: bytes) -> bool:
+        return prefix.startswith(self.prefix)
+
+    def etag(self, key: bytes) -> str:
+        # Any stable value will do: clients compare ETags, they never recompute them.
+        return '"' + hashlib.md5(key + b"\0" + str(self.size).encode()).hexdigest() + '"'
+
+    def entries(self, prefix: bytes, delimiter: bytes) -> list[tuple[bool, bytes]]:
+        """(is_common_prefix, key or prefix) in listing order, memoised per (prefix, delimiter)."""
+        cached = self._pages.get((prefix, delimiter))
+        if cached is not None:
+            return cached
+        out: list[tuple[bool, bytes]] = []
+        seen: set[bytes] = set()
+        for key in self.keys:
+            if not key.startswith(prefix):
+                continue
+            rest = key[len(prefix):]
+            if delimiter and delimiter in rest:
+                common = prefix + rest[:rest.index(delimiter) + len(delimiter)]
+                if common not in seen:
+                    seen.add(common)
+                    out.append((True, common))
+            else:
+                out.append((False, key))
+        out.sort(key=lambda e: e[1])
+        self._pages[(prefix, delimiter)] = out
+        return out
+
+
+class FaultProxy:
+    """A threaded reverse proxy on 127.0.0.1 with faults switchable at runtime. A context manager."""
+
+    def __init__(self, upstream_url: str, *, seed: int = 0):
+        parts = urllib.parse.urlsplit(upstream_url)
+        if parts.scheme != "http" or parts.hostname is None or parts.port is None:
+            raise ValueError(f"upstream must be http://HOST:PORT, not {upstream_url!r}")
+        self._upstream = (parts.hostname, parts.port)
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._release = threading.Event()
+        self._rules: list[Rule] = []
+        self._rng = random.Random(seed)
+        self._counts: collections.Counter[str] = collections.Counter()
+        self._log: collections.deque[LogEntry] = collections.deque(maxlen=LOG_ENTRIES)
+        self._conns: set[socket.socket] = set()
+        self._threads: set[threading.Thread] = set()
+        self._accept_thread: threading.Thread | None = None
+        self._listener: socket.socket | None = None
+        self._down: Down | None = None
+        self._listening = threading.Event()   # set while the listener is open
+        self._last_request = time.monotonic()
+        self._active_requests = 0
+        self._synthetic: list[_SyntheticDirectory] = []
+        self.port = 0
+
+    # -- lifecycle -----------------------------------------------------------------------------
+
+    @property
+    def endpoint_url(self) -> str:
+        return f"http://{HOST}:{self.port}"
+
+    def __enter__(self) -> Self:
+        return self.start()
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()
+
+    def start(self) -> Self:
+        self._open_listener(0)
+        self._accept_thread = threading.Thread(target=self._accept_loop, name="fault-proxy-accept", daemon=True)
+        self._accept_thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._release.set()
+        if self._accept_thread is not None:
+            self._accept_thread.join(STOP_JOIN_S)
+        self._close_listener()
+        with self._lock:
+            conns, threads = list(self._conns), list(self._threads)
+        for conn in conns:
+            _shutdown(conn)
+        deadline = time.monotonic() + STOP_JOIN_S
+        for t in threads:
+            t.join(max(0.0, deadline - time.monotonic()))
+
+    # -- faults --------------------------------------------------------------------------------
+
+    def inject(self, fault: Fault | str, *, seconds: float = 0.0, after_bytes: int | None = None,
+               status: int = 503, code: str | None = None, times: int | None = None, fraction: float = 1.0,
+               data_only: bool = True) -> Rule:
+        """Add a fault rule (checked after those added before it). Returns it; `rule.hits` counts."""
+        fault = Fault(fault)
+        if fault in (Fault.RESET, Fault.TRUNCATE, Fault.SHORT) and after_bytes is None:
+            after_bytes = 0
+        rule = Rule(fault, seconds=min(seconds, MAX_HOLD_S), after_bytes=after_bytes, status=status,
+                    code=code or S3_ERROR_CODES.get(status, "InternalError"), times=times, fraction=fraction,
+                    data_only=data_only)
+        with self._lock:
+            self._rules.append(rule)
+        return rule
+
+    def clear(self) -> None:
+        """Remove every rule and release every held response (they then proceed normally)."""
+        with self._lock:
+            self._rules.clear()
+            self._release.set()
+            self._release = threading.Event()
+
+    def origin_down(self, mode: Down | str = Down.REFUSE) -> None:
+        """Play dead until `origin_back()`. Returns once the new state holds."""
+        mode = Down(mode)
+        with self._lock:
+            self._down = mode
+            conns = list(self._conns)
+        if mode is Down.REFUSE:
+            for conn in conns:  # a crashed server: every open connection is cut
+                _shutdown(conn)
+            self._wait_listening(False)
+
+    def origin_back(self) -> None:
+        with self._lock:
+            self._down = None
+            self._release.set()
+            self._release = threading.Event()
+        self._wait_listening(True)
+
+    def serve_directory(self, bucket: str, prefix: str, names: Iterable[bytes | str], *, size: int = 0) -> None:
+        """Answer listings under `prefix` (which ends with '/') and HEAD/GET of `prefix + name` here."""
+        raw = [n.encode() if isinstance(n, str) else n for n in names]
+        directory = _SyntheticDirectory(bucket, prefix.encode(), raw, size)
+        with self._lock:
+            self._synthetic.append(directory)
+
+    # -- observation ---------------------------------------------------------------------------
+
+    def counts(self) -> dict[str, int]:
+        """requests, data_gets, heads, lists, gets, other, connections, faulted, fault:<kind>, dropped."""
+        with self._lock:
+            return dict(self._counts)
+
+    def reset_counts(self) -> None:
+        with self._lock:
+            self._counts.clear()
+
+    def log(self) -> list[LogEntry]:
+        with self._lock:
+            return list(self._log)
+
+    def wait_quiet(self, quiet_s: float, timeout_s: float) -> bool:
+        """Wait until no request has been in progress or arrived for `quiet_s`; False on timeout."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            with self._lock:
+                idle_for = time.monotonic() - self._last_request
+                busy = self._active_requests > 0
+            if not busy and idle_for >= quiet_s:
+                return True
+            self._stop.wait(min(0.05, quiet_s))
+        return False
+
+    # -- accept loop ---------------------------------------------------------------------------
+
+    def _open_listener(self, port: int) -> None:
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((HOST, port))
+        sock.listen(128)
+        sock.settimeout(ACCEPT_POLL_S)
+        self.port = sock.getsockname()[1]
+        self._listener = sock
+        self._listening.set()
+
+    def _close_listener(self) -> None:
+        if self._listener is not None:
+            self._listener.close()
+            self._listener = None
+        self._listening.clear()
+
+    def _wait_listening(self, want: bool) -> None:
+        deadline = time.monotonic() + STOP_JOIN_S
+        while self._listening.is_set() != want and time.monotonic() < deadline:
+            time.sleep(ACCEPT_POLL_S / 2)
+        if self._listening.is_set() != want:
+            raise RuntimeError(f"fault proxy: listener did not {'open' if want else 'close'}")
+
+    def _accept_loop(self) -> None:
+        while not self._stop.is_set():
+            with self._lock:
+                refuse = self._down is Down.REFUSE
+            if refuse and self._listener is not None:
+                self._close_listener()
+            elif not refuse and self._listener is None:
+                try:
+                    self._open_listener(self.port)  # the same port: the client's endpoint does not change
+                except OSError:  # taken meanwhile; origin_back() reports it after its wait
+                    self._stop.wait(ACCEPT_POLL_S)
+                    continue
+            if self._listener is None:
+                self._stop.wait(ACCEPT_POLL_S)
+                continue
+            try:
+                conn, _ = self._listener.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                if self._stop.is_set():
+                    return
+                continue
+            conn.settimeout(IDLE_TIMEOUT_S)
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            t = threading.Thread(target=self._serve_connection, args=(conn,), name="fault-proxy-conn", daemon=True)
+            with self._lock:
+                self._counts["connections"] += 1
+                self._conns.add(conn)
+                self._threads.add(t)
+            t.start()
+
+    # -- one client connection -----------------------------------------------------------------
+
+    def _serve_connection(self, conn: socket.socket) -> None:
+        rfile = conn.makefile("rb")
+        upstream: http.client.HTTPConnection | None = None
+        try:
+            while not self._stop.is_set():
+                try:
+                    req = _read_request(rfile, conn)
+                except (OSError, ValueError):
+                    return
+                if req is None:
+                    return
+                with self._lock:
+                    self._counts["requests"] += 1
+                    self._counts[req.kind] += 1
+                    self._last_request = time.monotonic()
+                    self._active_requests += 1
+                try:
+                    keep, upstream = self._handle(conn, req, upstream)
+                finally:
+                    with self._lock:
+                        self._active_requests -= 1
+                        self._last_request = time.monotonic()
+                if not keep:
+                    return
+        finally:
+            if upstream is not None:
+                upstream.close()
+            with self._lock:
+                self._conns.discard(conn)
+                self._threads.discard(threading.current_thread())
+            rfile.close()
+            conn.close()
+
+    def _pick(self, req: _Request) -> tuple[Down | None, Rule | None, threading.Event]:
+        with self._lock:
+            release = self._release
+            if self._down is not None:
+                return self._down, None, release
+            for rule in self._rules:
+                if rule.matches(req) and (rule.fraction >= 1.0 or self._rng.random() < rule.fraction):
+                    rule.hits += 1
+                    self._counts["faulted"] += 1
+                    self._counts[f"fault:{rule.fault.value}"] += 1
+                    return None, rule, release
+        return None, None, release
+
+    def _note(self, req: _Request, outcome: str) -> None:
+        with self._lock:
+            self._log.append(LogEntry(time.monotonic(), req.method, req.target, req.header("range"), outcome))
+
+    def _hold(self, seconds: float, release: threading.Event) -> None:
+        release.wait(min(seconds, MAX_HOLD_S))
+
+    def _handle(self, conn: socket.socket, req: _Request,
+                upstream: http.client.HTTPConnection | None) -> tuple[bool, http.client.HTTPConnection | None]:
+        """Answer one request. Returns (keep the connection, the upstream connection to reuse)."""
+        down, rule, release = self._pick(req)
+        if down is not None:
+            with self._lock:
+                self._counts["dropped"] += 1
+            self._note(req, f"down:{down.value}")
+            if down is Down.BLACKHOLE:
+                self._hold(MAX_HOLD_S, release)
+            return False, upstream
+        fault = rule.fault if rule is not None else None
+        self._note(req, fault.value if fault is not None else "forwarded")
+        if rule is not None and rule.fault is Fault.ERROR:
+            _send(conn, _error_response(rule.status, rule.code or "InternalError"), req)
+            return True, upstream
+        # Faults that only delay: hold first, then answer in full.
+        delay_only = rule is not None and (rule.fault is Fault.LATENCY
+                                           or (rule.fault is Fault.STALL and rule.after_bytes is None))
+        if rule is not None and delay_only:
+            self._hold(rule.seconds, release)
+            if self._stop.is_set():
+                return False, upstream
+        resp = self._synthetic_response(req)
+        if resp is None:
+            try:
+                resp, upstream = self._forward(req, upstream)
+            except (OSError, http.client.HTTPException):
+                _send(conn, _error_response(502, "BadGateway"), req)
+                return False, None
+        if rule is None or delay_only:
+            return _send(conn, resp, req), upstream
+        cut = rule.after_bytes or 0
+        if rule.fault is Fault.STALL:
+            if not _send(conn, resp, req, body_end=cut):
+                return False, upstream
+            self._hold(rule.seconds, release)
+            return _send_raw(conn, resp.body[cut:]), upstream
+        if rule.fault is Fault.SHORT:
+            return _send(conn, dataclasses.replace(resp, body=resp.body[:cut], content_length=None), req), upstream
+        _send(conn, resp, req, body_end=cut)  # RESET or TRUNCATE: the promised length never arrives
+        if rule.fault is Fault.RESET:
+            _reset(conn)
+        return False, upstream
+
+    def _forward(self, req: _Request, upstream: http.client.HTTPConnection | None
+                 ) -> tuple[_Response, http.client.HTTPConnection]:
+        for attempt in (1, 2):  # a kept-alive upstream connection may have been closed by the server
+            if upstream is None:
+                upstream = http.client.HTTPConnection(*self._upstream, timeout=UPSTREAM_TIMEOUT_S)
+            try:
+                upstream.putrequest(req.method, req.target, skip_host=True, skip_accept_encoding=True)
+                for k, v in req.headers:
+                    if k.lower() not in HOP_BY_HOP:
+                        upstream.putheader(k, v)
+                if req.body or req.method in ("PUT", "POST"):
+                    upstream.putheader("Content-Length", str(len(req.body)))
+                upstream.endheaders(req.body or None)
+                r = upstream.getresponse()
+                body = r.read()
+                headers = [(k, v) for k, v in r.getheaders() if k.lower() not in HOP_BY_HOP]
+                claimed = r.getheader("Content-Length")
+                length = int(claimed) if req.method == "HEAD" and claimed is not None else None
+                if r.will_close:
+                    upstream.close()
+                    upstream = None
+                resp = _Response(r.status, r.reason, headers, body, length)
+                return resp, upstream or http.client.HTTPConnection(*self._upstream, timeout=UPSTREAM_TIMEOUT_S)
+            except (OSError, http.client.HTTPException):
+                upstream.close()
+                upstream = None
+                if attempt == 2:
+                    raise
+        raise AssertionError("unreachable")
+
+    # -- synthetic directories -----------------------------------------------------------------
+
+    def _synthetic_response(self, req: _Request) -> _Response | None:
+        if req.method not in ("GET", "HEAD") or not self._synthetic:
+            return None
+        bucket, key = req.path_parts()
+        query = req.query()
+        for d in self._synthetic:
+            if d.bucket != bucket:
+                continue
+            if key == b"" and req.method == "GET" and query.get("list-type") == "2":
+                prefix = query.get("prefix", "").encode("utf-8", "surrogateescape")
+                if d.answers_listing(prefix):
+                    return _list_response(d, query)
+            elif key and d.holds(key):
+                return _object_response(d, key, req)
+        return None
+
+
+# -- HTTP plumbing ------------------------------------------------------------------------------
+
+def _read_request(rfile: BinaryIO, conn: socket.socket) -> _Request | None:
+    line = rfile.readline(MAX_LINE + 1)
+    if not line:
+        return None
+    if len(line) > MAX_LINE or not line.endswith(b"\n"):
+        raise ValueError("request line too long")
+    method, target, version = line.decode("latin-1").rstrip("\r\n").split(" ", 2)
+    headers: list[tuple[str, str]] = []
+    for _ in range(MAX_HEADERS):
+        h = rfile.readline(MAX_LINE + 1)
+        if h in (b"\r\n", b"\n", b""):
+            break
+        k, _, v = h.decode("latin-1").partition(":")
+        headers.append((k.strip(), v.strip()))
+    else:
+        raise ValueError("too many headers")
+    req = _Request(method, target, version, headers, b"")
+    if (req.header("transfer-encoding") or "").lower() == "chunked":
+        raise ValueError("chunked request bodies are not supported")
+    length = int(req.header("content-length") or 0)
+    if length > MAX_BODY:
+        raise ValueError("request body too large")
+    if length:
+        if (req.header("expect") or "").lower() == "100-continue":
+            conn.sendall(b"HTTP/1.1 100 Continue\r\n\r\n")
+        req.body = rfile.read(length)
+        if len(req.body) != length:
+            raise ValueError("request body cut short")
+    return req
+
+
+def _head_bytes(resp: _Response, req: _Request) -> bytes:
+    length = resp.content_length if resp.content_length is not None else len(resp.body)
+    lines = [f"HTTP/1.1 {resp.status} {resp.reason}"]
+    lines += [f"{k}: {v}" for k, v in resp.headers]
+    if not (100 <= resp.status < 200 or resp.status in (204, 304)):
+        lines.append(f"Content-Length: {length}")
+    lines.append("Connection: keep-alive")
+    return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
+
+
+def _send(conn: socket.socket, resp: _Response, req: _Request, body_end: int | None = None) -> bool:
+    """Write a response (its body up to `body_end`); False if the client has gone."""
+    body = b"" if req.method == "HEAD" else resp.body[:body_end]
+    return _send_raw(conn, _head_bytes(resp, req) + body)
+
+
+def _send_raw(conn: socket.socket, data: bytes) -> bool:
+    try:
+        conn.sendall(data)
+        return True
+    except OSError:
+        return False
+
+
+def _shutdown(conn: socket.socket) -> None:
+    try:
+        conn.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
+
+
+def _reset(conn: socket.socket) -> None:
+    """Abort the connection with a RST (SO_LINGER 0), as a crashed peer or a middlebox would."""
+    try:
+        conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    except OSError:
+        pass
+    conn.close()
+
+
+def _error_response(status: int, code: str) -> _Response:
+    body = (f'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>{xml_escape(code)}</Code>'
+            f"<Message>injected by the fault proxy</Message><RequestId>fault-proxy</RequestId></Error>").encode()
+    reason = http.client.responses.get(status, "Error")
+    return _Response(status, reason, [("Content-Type", "application/xml"), ("x-amz-request-id", "fault-proxy")],
+                     body)
+
+
+def _list_response(d: _SyntheticDirectory, query: dict[str, str]) -> _Response:
+    prefix = query.get("prefix", "").encode("utf-8", "surrogateescape")
+    delimiter = query.get("delimiter", "").encode("utf-8", "surrogateescape")
+    encode = query.get("encoding-type") == "url"
+    max_keys = max(0, min(LIST_PAGE_MAX, int(query.get("max-keys") or LIST_PAGE_MAX)))
+    token = query.get("continuation-token")
+    start = int(token.removeprefix("synthetic-")) if token else 0
+    entries = d.entries(prefix, delimiter)
+    page = entries[start:start + max_keys]
+    truncated = start + max_keys < len(entries)
+
+    def text(raw: bytes) -> str:
+        if encode:
+            return urllib.parse.quote(raw, safe="/")
+        return xml_escape(raw.decode("utf-8", "replace"))
+
+    parts = ['<?xml version="1.0" encoding="UTF-8"?>\n'
+             '<ListBucketResult xmlns="http://s3.amazonaws.com/doc/2006-03-01/">',
+             f"<Name>{xml_escape(d.bucket)}</Name><Prefix>{text(prefix)}</Prefix>",
+             f"<KeyCount>{len(page)}</KeyCount><MaxKeys>{max_keys}</MaxKeys>"]
+    if delimiter:
+        parts.append(f"<Delimiter>{text(delimiter)}</Delimiter>")
+    if encode:
+        parts.append("<EncodingType>url</EncodingType>")
+    parts.append(f"<IsTruncated>{'true' if truncated else 'false'}</IsTruncated>")
+    if token:
+        parts.append(f"<ContinuationToken>{xml_escape(token)}</ContinuationToken>")
+    if truncated:
+        parts.append(f"<NextContinuationToken>synthetic-{start + max_keys}</NextContinuationToken>")
+    for is_prefix, raw in page:
+        if is_prefix:
+            parts.append(f"<CommonPrefixes><Prefix>{text(raw)}</Prefix></CommonPrefixes>")
+        else:
+            parts.append(f"<Contents><Key>{text(raw)}</Key><LastModified>2026-01-01T00:00:00.000Z</LastModified>"
+                         f"<ETag>{xml_escape(d.etag(raw))}</ETag><Size>{d.size}</Size>"
+                         "<StorageClass>STANDARD</StorageClass></Contents>")
+    parts.append("</ListBucketResult>")
+    return _Response(200, "OK", [("Content-Type", "application/xml")], "".join(parts).encode())
+
+
+def _object_response(d: _SyntheticDirectory, key: bytes, req: _Request) -> _Response:
+    etag = d.etag(key)
+    if_match = req.header("if-match")
+    if if_match is not None and if_match not in ("*", etag):
+        return _error_response(412, "PreconditionFailed")
+    body = synthetic_body(key, d.size)
+    headers: list[tuple[str, str]] = [("ETag", etag), ("Last-Modified", "Thu, 01 Jan 2026 00:00:00 GMT"),
+                                      ("Accept-Ranges", "bytes"), ("Content-Type", "application/octet-stream")]
+    if req.method == "HEAD":
+        return _Response(200, "OK", headers, b"", len(body))
+    byte_range = _parse_range(req.header("range"), len(body))
+    if byte_range is None:
+        return _Response(200, "OK", headers, body)
+    lo, hi = byte_range
+    headers.append(("Content-Range", f"bytes {lo}-{hi - 1}/{len(body)}"))
+    return _Response(206, "Partial Content", headers, body[lo:hi])
+
+
+def _parse_range(value: str | None, size: int) -> tuple[int, int] | None:
+    """[lo, hi) of a single `bytes=a-b` range, clipped to the size; None: no (usable) range."""
+    if not value or not value.startswith("bytes=") or "," in value:
+        return None
+    first, _, last = value[len("bytes="):].partition("-")
+    if not first:
+        return None
+    lo = int(first)
+    hi = min(size, int(last) + 1) if last else size
+    return (lo, hi) if lo < hi else None
+

@@ -1,0 +1,881 @@
+"""Hardening (issue 7): real mounts whose origin misbehaves, hostile input, and load.
+
+Every test mounts modelfs on moto (server mode; one test on SeaweedFS) through
+`fsmount.testing.fault_proxy.FaultProxy`, which delays, stalls, cuts or refuses responses on command.
+Objects are uploaded to the server directly, so the proxy's counters see only the daemon's requests.
+What every fault test asserts:
+
+- bytes are exactly right, or the read fails with EIO: never wrong bytes, never a short read;
+- a failing read ends within `FAILING_READ_BOUND_S`: twice `--read-timeout` plus a margin today,
+  because of a product bug (test_failing_read_waits_at_most_read_timeout, xfail);
+- once the fault ends, reads recover on the same mount (within `RECOVERY_S`);
+- retries are bounded: data GETs counted at the proxy stay within what one fetch may send, times the
+  fetches the daemon logged as failed.
+
+The soak runs `SOAK_S` seconds (60 by default, the issue asks for 10 minutes: set
+MODELFS_SOAK_SECONDS=600 for that). docs/RELIABILITY.md maps every scenario to its test.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import io
+import json
+import os
+import random
+import re
+import subprocess
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import NamedTuple
+
+import pytest
+
+from fsmount.config import DEFAULT_MAX_CONNECTIONS
+from fsmount.namespace import invalid_segment_reason
+from fsmount.store import BOTO_MAX_ATTEMPTS, GET_ATTEMPTS
+from fsmount.testing.fault_proxy import Down, Fault, FaultProxy, synthetic_body
+from tests.conftest import Mount, S3Server, mounted, new_bucket, unmount
+
+pytestmark = pytest.mark.mount
+
+MiB = 1 << 20
+KiB = 1 << 10
+READ_TIMEOUT_S = 5.0
+# Scheduling slack on a loaded 2-core machine: FUSE round trips, thread hand-offs, the GIL of the
+# test process (which also runs the proxy).
+TIMEOUT_MARGIN_S = 3.0
+# The kernel repeats a READ that failed during read-ahead once more, synchronously (filemap_read_folio),
+# and the daemon bounds each READ on its own: so a read(2) of a stalled chunk waits twice --read-timeout
+# today (product bug, see test_failing_read_waits_at_most_read_timeout).
+READS_PER_FAILED_READ = 2
+FAILING_READ_BOUND_S = READS_PER_FAILED_READ * READ_TIMEOUT_S + TIMEOUT_MARGIN_S
+# After a fault ends, how long the same mount may take to serve the bytes again: the fetch in flight
+# finishes its current attempt or backoff (botocore's throttling backoff alone can reach 8 s).
+RECOVERY_S = 30.0
+# botocore's `max_attempts` counts retries, so one call makes up to BOTO_MAX_ATTEMPTS + 1 requests
+# (measured through the proxy); the store repeats a call that failed transiently GET_ATTEMPTS times.
+GETS_PER_FETCH = (BOTO_MAX_ATTEMPTS + 1) * GET_ATTEMPTS
+# A body that breaks after the headers is the store's to retry (botocore has already returned).
+GETS_PER_FETCH_BODY_FAULT = GET_ATTEMPTS
+# One MiB chunks, no daemon read-ahead and no model prefetch: each read below maps to one chunk and
+# the proxy sees exactly the GETs that read caused.
+FAULT_ARGS = ("--read-timeout", f"{READ_TIMEOUT_S:g}", "--chunk-size", "1M", "--max-readahead", "0",
+              "--no-model-prefetch", "--metadata-ttl", "300")
+# What the daemon logs when a fetch or a request fails; each fault test allows exactly these.
+FETCH_FAILED = r"fetching chunk \d+ of .* failed"
+READ_FAILED = r"read failed: "
+SOAK_S = float(os.environ.get("MODELFS_SOAK_SECONDS", "60"))
+
+
+# -- helpers --------------------------------------------------------------------------------------
+
+def rand_bytes(n: int, seed: int) -> bytes:
+    return random.Random(seed).randbytes(n)
+
+
+def via(proxy: FaultProxy, server: S3Server) -> S3Server:
+    """The daemon talks to the proxy; the test keeps uploading to the server itself."""
+    return S3Server(f"{server.name} via proxy", proxy.endpoint_url, server.env)
+
+
+def upload(server: S3Server, bucket: str, files: dict[str, bytes]) -> None:
+    client = server.client()
+    with ThreadPoolExecutor(8) as pool:
+        list(pool.map(lambda kv: client.upload_fileobj(io.BytesIO(kv[1]), bucket, kv[0]), files.items()))
+
+
+@contextlib.contextmanager
+def mounted_via(proxy: FaultProxy, server: S3Server, bucket: str, mountpoint: Path, *args: str,
+                allowed: tuple[str, ...] = ()) -> Iterator[Mount]:
+    """`mounted` through the proxy. Faults end before the unmount: a daemon whose fetches are stalled
+    does not exit until they give up (product bug, see test_unmount_during_stall_exits_promptly)."""
+    with mounted(via(proxy, server), bucket, mountpoint, *args, allowed=allowed) as m:
+        try:
+            yield m
+        finally:
+            proxy.clear()
+            proxy.origin_back()
+
+
+@pytest.fixture
+def proxy(moto_server: S3Server) -> Iterator[FaultProxy]:
+    with FaultProxy(moto_server.endpoint_url) as p:
+        yield p
+
+
+def open_random(path: Path) -> int:
+    """An fd with kernel read-ahead off, so a pread asks the daemon for its own range only."""
+    fd = os.open(path, os.O_RDONLY)
+    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
+    return fd
+
+
+def timed_pread(fd: int, size: int, offset: int) -> tuple[bytes | int, float]:
+    """The bytes read, or the errno of the failure; and how long it took."""
+    start = time.monotonic()
+    try:
+        return os.pread(fd, size, offset), time.monotonic() - start
+    except OSError as exc:
+        return exc.errno, time.monotonic() - start
+
+
+def assert_exact_or_eio(result: bytes | int, data: bytes, offset: int, size: int) -> bool:
+    """True if the read succeeded. A success must be the exact bytes, a failure EIO."""
+    if isinstance(result, int):
+        assert result == errno.EIO, f"read at {offset} failed with {errno.errorcode.get(result, result)}, not EIO"
+        return False
+    assert result == data[offset:offset + size], f"wrong bytes at {offset}+{size} ({len(result)} bytes back)"
+    return True
+
+
+def assert_eio_in_time(fd: int, size: int, offset: int, bound_s: float = FAILING_READ_BOUND_S) -> float:
+    result, took = timed_pread(fd, size, offset)
+    assert result == errno.EIO, f"expected EIO, got {result if isinstance(result, int) else 'data'}"
+    assert took <= bound_s, f"a failing read took {took:.1f}s"
+    return took
+
+
+def read_until_ok(fd: int, data: bytes, size: int, offset: int) -> float:
+    """Re-read until it succeeds (exactly); every failure on the way must be EIO. Seconds it took."""
+    start = time.monotonic()
+    while True:
+        result, took = timed_pread(fd, size, offset)
+        assert took <= FAILING_READ_BOUND_S, f"a read took {took:.1f}s"
+        if assert_exact_or_eio(result, data, offset, size):
+            return time.monotonic() - start
+        assert time.monotonic() - start < RECOVERY_S, f"no recovery within {RECOVERY_S:g}s"
+        time.sleep(0.2)
+
+
+def read_all_exact(fd: int, data: bytes, step: int = MiB) -> None:
+    for off in range(0, len(data), step):
+        assert os.pread(fd, step, off) == data[off:off + step], f"wrong bytes at {off}"
+
+
+def failed_fetches(log: str) -> int:
+    return len(re.findall(FETCH_FAILED, log))
+
+
+def proc_status(pid: int, field: str) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise AssertionError(f"{field} not in /proc/{pid}/status")
+
+
+def fd_count(pid: int) -> int:
+    return len(os.listdir(f"/proc/{pid}/fd"))
+
+
+def fds_by_kind(pid: int) -> tuple[int, int]:
+    """(sockets, everything else) open in the process."""
+    sockets = other = 0
+    for name in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{name}")
+        except OSError:
+            continue  # closed while we looked
+        if target.startswith("socket:"):
+            sockets += 1
+        else:
+            other += 1
+    return sockets, other
+
+
+def mount_stats(mountpoint: Path) -> dict:
+    return json.loads(os.getxattr(mountpoint, "user.modelfs.stats"))
+
+
+# -- the proxy itself -----------------------------------------------------------------------------
+
+def test_fault_proxy_faults_look_as_documented_to_boto3(moto_server: S3Server, proxy: FaultProxy) -> None:
+    """No mount: a boto3 client signing for the proxy's host, one attempt, 1 s read timeout."""
+    import boto3
+    from botocore.config import Config
+    from botocore.exceptions import ClientError, EndpointConnectionError, ReadTimeoutError, ResponseStreamingError
+
+    bucket = new_bucket(moto_server)
+    data = rand_bytes(256 * KiB, 14)
+    upload(moto_server, bucket, {"k": data})
+    client = boto3.client("s3", endpoint_url=proxy.endpoint_url, region_name="us-east-1",
+                          aws_access_key_id=moto_server.env["AWS_ACCESS_KEY_ID"],
+                          aws_secret_access_key=moto_server.env["AWS_SECRET_ACCESS_KEY"],
+                          config=Config(s3={"addressing_style": "path"}, read_timeout=1, connect_timeout=1,
+                                        retries={"total_max_attempts": 1}))
+
+    def get() -> bytes:
+        return client.get_object(Bucket=bucket, Key="k", Range="bytes=1000-200999")["Body"].read()
+
+    assert get() == data[1000:201000]
+    for fault, kwargs, error in [(Fault.RESET, {"after_bytes": 1000}, ResponseStreamingError),
+                                 (Fault.TRUNCATE, {"after_bytes": 1000}, ResponseStreamingError),
+                                 (Fault.STALL, {"seconds": 3}, ReadTimeoutError),
+                                 (Fault.STALL, {"seconds": 3, "after_bytes": 1000}, ReadTimeoutError)]:
+        proxy.clear()
+        proxy.inject(fault, **kwargs)
+        with pytest.raises(error):
+            get()
+        assert client.head_object(Bucket=bucket, Key="k")["ContentLength"] == len(data)  # data GETs only
+    proxy.clear()
+    proxy.inject(Fault.SHORT, after_bytes=1000, times=1)
+    assert get() == data[1000:2000]  # a body as long as its Content-Length says: only a length check sees it
+    assert get() == data[1000:201000]  # `times` used up
+    for status, code in [(500, "InternalError"), (503, "SlowDown")]:
+        proxy.clear()
+        proxy.inject(Fault.ERROR, status=status, data_only=False)
+        with pytest.raises(ClientError) as exc:
+            client.list_objects_v2(Bucket=bucket)
+        assert exc.value.response["Error"]["Code"] == code
+    proxy.clear()
+    proxy.reset_counts()
+    rule = proxy.inject(Fault.ERROR, status=503, fraction=0.5)
+    outcomes = []
+    for _ in range(40):
+        try:
+            outcomes.append(get() == data[1000:201000])
+        except ClientError:
+            outcomes.append(False)
+    assert outcomes.count(False) == rule.hits and 5 <= rule.hits <= 35
+    assert proxy.counts()["data_gets"] == 40 and proxy.counts()["faulted"] == rule.hits
+    proxy.clear()
+    proxy.origin_down(Down.REFUSE)
+    with pytest.raises(EndpointConnectionError):
+        get()
+    proxy.origin_back()
+    assert get() == data[1000:201000]
+    proxy.origin_down(Down.BLACKHOLE)
+    with pytest.raises(ReadTimeoutError):
+        get()
+    proxy.origin_back()
+    assert get() == data[1000:201000]
+
+
+@pytest.mark.seaweedfs
+def test_signed_requests_through_the_proxy_on_seaweedfs(seaweed_server: S3Server, mountpoint: Path) -> None:
+    """SeaweedFS verifies SigV4: the proxy keeps the signed Host header, so the daemon's requests pass."""
+    bucket = new_bucket(seaweed_server)
+    data = rand_bytes(3 * MiB, 16)
+    upload(seaweed_server, bucket, {"sw.bin": data})
+    with FaultProxy(seaweed_server.endpoint_url) as proxy, \
+            mounted_via(proxy, seaweed_server, bucket, mountpoint, *FAULT_ARGS,
+                        allowed=(FETCH_FAILED, READ_FAILED)):
+        fd = open_random(mountpoint / "sw.bin")
+        try:
+            proxy.inject(Fault.RESET, after_bytes=10 * KiB, times=GET_ATTEMPTS - 1)
+            assert os.pread(fd, MiB, 0) == data[:MiB]
+            proxy.clear()
+            proxy.inject(Fault.ERROR, status=500)
+            assert_eio_in_time(fd, MiB, MiB)
+            proxy.clear()
+            read_until_ok(fd, data, MiB, MiB)
+            read_all_exact(fd, data)
+        finally:
+            os.close(fd)
+
+
+# -- faults of the origin -------------------------------------------------------------------------
+
+def test_added_latency_reads_exact_and_fetches_each_chunk_once(moto_server: S3Server, proxy: FaultProxy,
+                                                               mountpoint: Path) -> None:
+    bucket = new_bucket(moto_server)
+    data = rand_bytes(4 * MiB + 123, 1)
+    upload(moto_server, bucket, {"lat.bin": data})
+    proxy.inject(Fault.LATENCY, seconds=0.3, data_only=False)  # every request, metadata too
+    with mounted_via(proxy, moto_server, bucket, mountpoint, *FAULT_ARGS):
+        start = time.monotonic()
+        assert (mountpoint / "lat.bin").read_bytes() == data
+        assert time.monotonic() - start < READ_TIMEOUT_S * 2
+    counts = proxy.counts()
+    assert 0 < counts["data_gets"] <= 5, counts  # 5 chunks, single-flight, no retries
+
+
+@pytest.mark.parametrize("after_bytes", [None, 64 * KiB], ids=["before-headers", "mid-body"])
+def test_stall_gives_eio_within_read_timeout_then_recovers(moto_server: S3Server, proxy: FaultProxy,
+                                                           mountpoint: Path, after_bytes: int | None) -> None:
+    bucket = new_bucket(moto_server)
+    data = rand_bytes(4 * MiB, 2)
+    upload(moto_server, bucket, {"stall.bin": data})
+    with mounted_via(proxy, moto_server, bucket, mountpoint, *FAULT_ARGS,
+                     allowed=(FETCH_FAILED, READ_FAILED)) as m:
+        fd = open_random(mountpoint / "stall.bin")
+        try:
+            assert os.pread(fd, MiB, 0) == data[:MiB]
+            proxy.inject(Fault.STALL, seconds=100, after_bytes=after_bytes)
+            # Two readers of two chunks, both bounded by --read-timeout.
+            other: list[BaseException] = []
+
+            def second_reader() -> None:
+                try:
+                    assert_eio_in_time(fd, MiB, 2 * MiB)
+                except BaseException as exc:  # noqa: BLE001 - re-raised in the test thread
+                    other.append(exc)
+
+            t = threading.Thread(target=second_reader)
+            t.start()
+            assert_eio_in_time(fd, MiB, MiB)
+            t.join()
+            assert not other, other
+            # Metadata is not stalled (faults hit data GETs only) and the cached chunk still serves.
+            assert os.stat(mountpoint / "stall.bin").st_size == len(data)
+            assert os.listdir(mountpoint) == ["stall.bin"]
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            assert os.pread(fd, MiB, 0) == data[:MiB]
+            stalled_gets = proxy.counts()["data_gets"]
+            proxy.clear()  # held responses are released; the next attempts go through
+            read_until_ok(fd, data, MiB, MiB)
+            read_until_ok(fd, data, MiB, 2 * MiB)
+            read_all_exact(fd, data)
+        finally:
+            os.close(fd)
+        # Chunks 1 and 2 were stalled: at most two fetch chains each (the kernel may repeat a failed READ).
+        assert stalled_gets <= 1 + 2 * 2 * GETS_PER_FETCH, stalled_gets
+        assert m.proc.poll() is None
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "product bug: ChunkEngine.collect (fsmount/chunks.py) starts --read-timeout afresh for every FUSE READ; "
+    "the kernel sends a READ that failed in read-ahead once more, so read(2) of a stalled chunk waits twice "
+    "--read-timeout (measured 10.0 s for 5). Fix: time out against the fetch's first demand."))
+def test_failing_read_waits_at_most_read_timeout(moto_server: S3Server, proxy: FaultProxy, mountpoint: Path) -> None:
+    bucket = new_bucket(moto_server)
+    upload(moto_server, bucket, {"stall.bin": rand_bytes(2 * MiB, 12)})
+    with mounted_via(proxy, moto_server, bucket, mountpoint, *FAULT_ARGS, allowed=(FETCH_FAILED, READ_FAILED)):
+        proxy.inject(Fault.STALL, seconds=100)
+        with open(mountpoint / "stall.bin", "rb", buffering=0) as f:  # an ordinary reader, kernel read-ahead on
+            start = time.monotonic()
+            with pytest.raises(OSError) as exc:
+                f.read(MiB)
+            took = time.monotonic() - start
+        assert exc.value.errno == errno.EIO
+        assert took <= READ_TIMEOUT_S + TIMEOUT_MARGIN_S, f"read(2) failed after {took:.1f}s"
+
+
+UNMOUNT_EXIT_S = 5.0
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "product bug: store calls run in trio.to_thread.run_sync without abandon_on_cancel (chunks.run_in_thread, "
+    "mount.Daemon._store_call), so after an unmount the daemon waits for every in-flight GET to give up: up to "
+    "(BOTO_MAX_ATTEMPTS + 1) x GET_ATTEMPTS x read timeout; measured: it exited 67 s after fusermount3 -u "
+    "with --read-timeout 5. Fix: abandon_on_cancel=True for store calls"))
+def test_unmount_during_stall_exits_promptly(moto_server: S3Server, proxy: FaultProxy, mountpoint: Path) -> None:
+    bucket = new_bucket(moto_server)
+    upload(moto_server, bucket, {"stall.bin": rand_bytes(2 * MiB, 13)})
+    args = list(FAULT_ARGS)
+    args[args.index("--read-timeout") + 1] = "2"  # fails reads sooner; the GETs still outlive UNMOUNT_EXIT_S
+    with mounted_via(proxy, moto_server, bucket, mountpoint, *args,
+                     allowed=(FETCH_FAILED, READ_FAILED)) as m:
+        proxy.inject(Fault.STALL, seconds=100)
+        fd = open_random(mountpoint / "stall.bin")
+        try:
+            assert_eio_in_time(fd, MiB, 0)  # a fetch is now stuck: 5 x 3 GETs of 2 s each
+        finally:
+            os.close(fd)
+        try:
+            unmount(mountpoint)
+            try:
+                m.proc.wait(UNMOUNT_EXIT_S)
+            except subprocess.TimeoutExpired:
+                pytest.fail(f"the daemon was still running {UNMOUNT_EXIT_S:g}s after the unmount")
+        finally:
+            proxy.clear()  # lets the stuck fetch finish, so the fixture sees the daemon exit
+
+
+@pytest.mark.parametrize("fault", [Fault.RESET, Fault.TRUNCATE, Fault.SHORT])
+def test_broken_body_is_retried_then_eio_and_bounded(moto_server: S3Server, proxy: FaultProxy,
+                                                     mountpoint: Path, fault: Fault) -> None:
+    """RESET: RST after 100 KB; TRUNCATE: FIN after 100 KB of a longer Content-Length; SHORT: a 100 KB
+    body whose Content-Length says 100 KB (only the store's own length check catches it)."""
+    bucket = new_bucket(moto_server)
+    data = rand_bytes(6 * MiB, 3)
+    upload(moto_server, bucket, {"cut.bin": data})
+    with mounted_via(proxy, moto_server, bucket, mountpoint, *FAULT_ARGS,
+                     allowed=(FETCH_FAILED, READ_FAILED)) as m:
+        fd = open_random(mountpoint / "cut.bin")
+        try:
+            # Transient: one attempt fewer than the store makes is absorbed, bytes exact.
+            rule = proxy.inject(fault, after_bytes=100 * KiB, times=GET_ATTEMPTS - 1)
+            assert os.pread(fd, MiB, 0) == data[:MiB]
+            assert rule.hits == GET_ATTEMPTS - 1
+            # Persistent: EIO in time, and a bounded number of GETs once the daemon has given up.
+            proxy.clear()
+            proxy.reset_counts()
+            proxy.inject(fault, after_bytes=100 * KiB)
+            assert_eio_in_time(fd, MiB, MiB)
+            assert proxy.wait_quiet(2.0, timeout_s=30.0), "the daemon kept retrying"
+            fetches = failed_fetches(m.log())
+            gets = proxy.counts()["data_gets"]
+            assert 1 <= fetches <= 2, fetches
+            assert gets <= fetches * GETS_PER_FETCH_BODY_FAULT, (gets, fetches)
+            # Over: the same mount serves exact bytes.
+            proxy.clear()
+            read_until_ok(fd, data, MiB, MiB)
+            read_all_exact(fd, data)
+        finally:
+            os.close(fd)
+
+
+@pytest.mark.parametrize("status", [500, 503], ids=["500-InternalError", "503-SlowDown"])
+def test_error_storms_exact_or_eio_bounded_and_recover(moto_server: S3Server, proxy: FaultProxy,
+                                                       mountpoint: Path, status: int) -> None:
+    bucket = new_bucket(moto_server)
+    data = rand_bytes(8 * MiB, 4)
+    upload(moto_server, bucket, {"storm.bin": data})
+    with mounted_via(proxy, moto_server, bucket, mountpoint, *FAULT_ARGS,
+                     allowed=(FETCH_FAILED, READ_FAILED)) as m:
+        fd = open_random(mountpoint / "storm.bin")
+        try:
+            # A storm of the next 6 data GETs: retries absorb it. 5xx backoff is 50 ms * 2^n, so the read
+            # succeeds; SlowDown backoff is 1 s * 2^n, so the read may time out first (then EIO).
+            proxy.inject(Fault.ERROR, status=status, times=6)
+            for i in range(2):
+                result = timed_pread(fd, MiB, i * MiB)[0]
+                if status == 500:
+                    assert result == data[i * MiB:(i + 1) * MiB]
+                assert_exact_or_eio(result, data, i * MiB, MiB)
+            # A storm on 30% of data GETs.
+            proxy.clear()
+            proxy.inject(Fault.ERROR, status=status, fraction=0.3)
+            for i in range(2, 5):
+                result, took = timed_pread(fd, MiB, i * MiB)
+                assert took <= FAILING_READ_BOUND_S
+                assert_exact_or_eio(result, data, i * MiB, MiB)
+            # An endless storm: EIO in time.
+            proxy.clear()
+            assert proxy.wait_quiet(0.5, timeout_s=RECOVERY_S)
+            fetches_before = failed_fetches(m.log())
+            proxy.reset_counts()
+            proxy.inject(Fault.ERROR, status=status)
+            assert_eio_in_time(fd, MiB, 6 * MiB)
+            if status == 500:
+                # botocore backs off 50 ms * 2^n for 5xx: the chain ends in seconds; count it whole.
+                assert proxy.wait_quiet(2.0, timeout_s=30.0), "the daemon kept retrying"
+                fetches = failed_fetches(m.log()) - fetches_before
+                gets = proxy.counts()["data_gets"]
+                assert 1 <= fetches <= 2, fetches
+                assert gets <= fetches * GETS_PER_FETCH, (gets, fetches)
+            else:
+                # SlowDown backs off up to 1 s * 2^n: the chain outlives the read; count what it sent so far.
+                assert proxy.counts()["data_gets"] <= 2 * GETS_PER_FETCH
+            # Storm over: the same mount recovers.
+            proxy.clear()
+            read_until_ok(fd, data, MiB, 6 * MiB)
+            read_all_exact(fd, data)
+        finally:
+            os.close(fd)
+
+
+@pytest.mark.parametrize("mode", [Down.REFUSE, Down.BLACKHOLE])
+def test_origin_down_then_back(moto_server: S3Server, proxy: FaultProxy, mountpoint: Path, mode: Down) -> None:
+    """REFUSE: nothing listens (connections refused, open ones cut); BLACKHOLE: requests are accepted
+    and never answered. Chunks in daemon memory and cached metadata keep serving; the rest fails with EIO
+    in time; once the origin is back the same mount serves everything again."""
+    bucket = new_bucket(moto_server)
+    warm, cold = rand_bytes(3 * MiB, 5), rand_bytes(3 * MiB, 6)
+    upload(moto_server, bucket, {"warm.bin": warm, "cold.bin": cold})
+    failed_ops = r"(read|open|getattr|lookup|opendir) failed: "
+    with mounted_via(proxy, moto_server, bucket, mountpoint, *FAULT_ARGS,
+                     allowed=(FETCH_FAILED, failed_ops)):
+        fd_warm = open_random(mountpoint / "warm.bin")
+        fd_cold = open_random(mountpoint / "cold.bin")
+        try:
+            read_all_exact(fd_warm, warm)
+            assert sorted(os.listdir(mountpoint)) == ["cold.bin", "warm.bin"]
+            proxy.origin_down(mode)
+            # The page cache is dropped, so these reads reach the daemon, which answers from memory.
+            os.posix_fadvise(fd_warm, 0, 0, os.POSIX_FADV_DONTNEED)
+            read_all_exact(fd_warm, warm)
+            assert os.stat(mountpoint / "cold.bin").st_size == len(cold)  # metadata within its TTL
+            assert sorted(os.listdir(mountpoint)) == ["cold.bin", "warm.bin"]  # the listing too
+            assert_eio_in_time(fd_cold, MiB, MiB)
+            proxy.origin_back()
+            read_until_ok(fd_cold, cold, MiB, MiB)
+            read_all_exact(fd_cold, cold)
+        finally:
+            os.close(fd_warm)
+            os.close(fd_cold)
+
+
+def test_origin_down_chunks_in_the_nvme_cache_keep_serving(moto_server: S3Server, proxy: FaultProxy,
+                                                          mountpoint: Path, tmp_path: Path) -> None:
+    """Memory holds 4 of 12 chunks; the other 8 must come from --cache-dir while nothing answers."""
+    bucket = new_bucket(moto_server)
+    data = rand_bytes(12 * MiB, 15)
+    upload(moto_server, bucket, {"cached.bin": data})
+    with mounted_via(proxy, moto_server, bucket, mountpoint, *FAULT_ARGS, "--memory-limit", "4M",
+                     "--cache-dir", str(tmp_path / "cache")):
+        fd = open_random(mountpoint / "cached.bin")
+        try:
+            read_all_exact(fd, data)
+            deadline = time.monotonic() + 10
+            while mount_stats(mountpoint)["disk_cache"]["chunks"] < 12:  # write-through is asynchronous
+                assert time.monotonic() < deadline, mount_stats(mountpoint)["disk_cache"]
+                time.sleep(0.05)
+            hits_before = mount_stats(mountpoint)["disk_cache"]["hits"]
+            proxy.origin_down(Down.REFUSE)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            read_all_exact(fd, data)
+            assert mount_stats(mountpoint)["disk_cache"]["hits"] - hits_before >= 8
+        finally:
+            os.close(fd)
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "product bug: Namespace.refresh keeps a known file's metadata when HEAD fails with Unreachable/"
+    "TransientError, but Namespace._resolve (the LOOKUP the kernel sends once the entry timeout = TTL "
+    "has passed) raises the HEAD error, so open() by path gives EIO while fstat() of an open fd works. "
+    "Fix: in _resolve, on Unreachable/TransientError fall back to the known node of (path, kind) if it "
+    "has an ETag (as refresh does), and keep expired listings as a fallback for opendir"))
+def test_origin_down_known_file_opens_by_path_after_ttl(moto_server: S3Server, proxy: FaultProxy,
+                                                       mountpoint: Path) -> None:
+    """Issue 7: files whose metadata and chunks are cached keep serving while the origin is down, also
+    to a new open() by path once the metadata TTL (and so the kernel's entry timeout) has passed."""
+    bucket = new_bucket(moto_server)
+    data = rand_bytes(2 * MiB, 17)
+    upload(moto_server, bucket, {"known.bin": data})
+    args = list(FAULT_ARGS)
+    args[args.index("--metadata-ttl") + 1] = "1"
+    with mounted_via(proxy, moto_server, bucket, mountpoint, *args,
+                     allowed=(FETCH_FAILED, r"(read|open|getattr|lookup|opendir) failed: ", "origin unavailable")):
+        assert (mountpoint / "known.bin").read_bytes() == data  # metadata and every chunk now cached
+        fd = os.open(mountpoint / "known.bin", os.O_RDONLY)
+        try:
+            proxy.origin_down(Down.REFUSE)
+            time.sleep(1.5)
+            assert os.fstat(fd).st_size == len(data)  # an open file keeps its cached metadata
+            with open(mountpoint / "known.bin", "rb") as f:  # a new open by path: LOOKUP after the TTL
+                assert f.read() == data
+        finally:
+            os.close(fd)
+
+
+@pytest.mark.parametrize("old_handle_reads_on", [
+    False,
+    pytest.param(True, marks=pytest.mark.xfail(strict=True, reason=(
+        "product bug: the kernel page cache belongs to the inode, and a path keeps one inode across versions "
+        "(Namespace._node_for updates the node in place). The new open (keep_cache=False) drops the old pages "
+        "and fills the cache with the new version, and the old handle then reads those new bytes. Fix: one "
+        "inode per (path, ETag)."))),
+], ids=["until-new-open", "after-new-open"])
+def test_overwrite_while_open_old_handle_never_mixes_new_open_sees_new(moto_server: S3Server, proxy: FaultProxy,
+                                                                       mountpoint: Path,
+                                                                       old_handle_reads_on: bool) -> None:
+    ttl = 2.0
+    bucket = new_bucket(moto_server)
+    old, new = rand_bytes(6 * MiB, 7), rand_bytes(7 * MiB + 5, 8)
+    upload(moto_server, bucket, {"w.bin": old})
+    args = list(FAULT_ARGS)
+    args[args.index("--metadata-ttl") + 1] = f"{ttl:g}"
+    with mounted_via(proxy, moto_server, bucket, mountpoint, *args,
+                     allowed=(FETCH_FAILED, READ_FAILED, "object changed")):
+        fd = open_random(mountpoint / "w.bin")
+        try:
+            assert os.pread(fd, MiB, 0) == old[:MiB]
+            changed_at = time.monotonic()
+            upload(moto_server, bucket, {"w.bin": new})
+            # The old handle: every read is the old bytes or EIO. Only chunk 0 was fetched before the
+            # overwrite and the bucket keeps no old versions, so the others must fail (If-Match).
+            failures = 0
+            for off in range(0, len(old), 256 * KiB):
+                if not assert_exact_or_eio(timed_pread(fd, 256 * KiB, off)[0], old, off, 256 * KiB):
+                    failures += 1
+            assert failures >= 5 * 4, failures
+            # After the TTL a new open sees the new version, whole and exact.
+            time.sleep(max(0.0, ttl + 0.5 - (time.monotonic() - changed_at)))
+            assert os.stat(mountpoint / "w.bin").st_size == len(new)
+            assert (mountpoint / "w.bin").read_bytes() == new
+            if old_handle_reads_on:
+                # The old handle, still open, must go on seeing only its own version.
+                for off in range(0, len(old), MiB):
+                    assert_exact_or_eio(timed_pread(fd, MiB, off)[0], old, off, MiB)
+        finally:
+            os.close(fd)
+
+
+# -- load -----------------------------------------------------------------------------------------
+
+def test_16_readers_on_one_file_exact_and_single_flight(moto_server: S3Server, proxy: FaultProxy,
+                                                        mountpoint: Path) -> None:
+    bucket = new_bucket(moto_server)
+    data = rand_bytes(32 * MiB, 9)
+    upload(moto_server, bucket, {"shared.bin": data})
+    proxy.inject(Fault.LATENCY, seconds=0.02)
+    errors: list[str] = []
+    with mounted_via(proxy, moto_server, bucket, mountpoint, "--read-timeout", "30", "--chunk-size", "1M"):
+        def reader(seed: int) -> None:
+            rng = random.Random(seed)
+            fd = os.open(mountpoint / "shared.bin", os.O_RDONLY)
+            try:
+                for _ in range(40):
+                    off = rng.randrange(len(data))
+                    size = rng.choice([1, 4 * KiB, 100_000, MiB, 3 * MiB])
+                    if os.pread(fd, size, off) != data[off:off + size]:
+                        errors.append(f"reader {seed}: wrong bytes at {off}+{size}")
+            except OSError as exc:
+                errors.append(f"reader {seed}: {exc}")
+            finally:
+                os.close(fd)
+
+        threads = [threading.Thread(target=reader, args=(i,)) for i in range(16)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert mount_stats(mountpoint)["open_files"] == 0
+    assert errors == []
+    assert proxy.counts()["data_gets"] <= 32, proxy.counts()  # each chunk fetched once (single-flight)
+
+
+def test_200_files_open_at_once(moto_server: S3Server, proxy: FaultProxy, mountpoint: Path) -> None:
+    bucket = new_bucket(moto_server)
+    rng = random.Random(10)
+    files = {f"many/f{i:03d}.bin": rng.randbytes(rng.randrange(1, 300 * KiB)) for i in range(200)}
+    upload(moto_server, bucket, files)
+    with mounted_via(proxy, moto_server, bucket, mountpoint, "--read-timeout", "30") as m:
+        os.listdir(mountpoint / "many")
+        fds_before = fd_count(m.proc.pid)
+        fds = {key: os.open(mountpoint / key, os.O_RDONLY) for key in files}
+        try:
+            assert mount_stats(mountpoint)["open_files"] == 200
+            order = list(files)
+            rng.shuffle(order)
+            for key in order:  # interleaved: a small read of each, then each whole
+                assert os.pread(fds[key], 100, 7) == files[key][7:107]
+            for key in reversed(order):
+                assert os.pread(fds[key], len(files[key]) + 1, 0) == files[key]
+            # File handles are not file descriptors in the daemon: its fd count does not follow them.
+            assert fd_count(m.proc.pid) <= fds_before + 24, (fds_before, fd_count(m.proc.pid))
+        finally:
+            for fd in fds.values():
+                os.close(fd)
+        deadline = time.monotonic() + 5
+        while mount_stats(mountpoint)["open_files"] and time.monotonic() < deadline:
+            time.sleep(0.05)  # release is asynchronous to close()
+        assert mount_stats(mountpoint)["open_files"] == 0
+
+
+# -- bad input ------------------------------------------------------------------------------------
+
+HOSTILE_KEYS = [
+    "../x", "..", ".", "./y", "a//b", "a/./b", "a/../../etc/passwd", "..\\win\\x", "%2e%2e/pct", "...",
+    "n" * 4096,                                   # one 4 KB name: longer than NAME_MAX
+    "d/" + "L" * 256, "ok/" + "M" * 255,          # just over and exactly at NAME_MAX
+    "/".join(["s" * 250] * 15) + "/deep.bin",     # a 3.8 KB key of valid names: must be served
+    "sp ace/+plus&amp;", "ünï/🙂.bin", "trailing//", "q?x=1#frag",
+]
+# Served by the proxy itself: moto cannot store keys that are not UTF-8 and refuses control characters.
+RAW_NAMES = [b"ok.bin", b"bad\xffname", b"ctl\x01name", b"nl\nname", b"..", b"../escape", b"x//y"]
+
+
+def expected_files(keys: list[str]) -> set[str]:
+    dirs = {"/".join(k.split("/")[:i]) for k in keys for i in range(1, k.count("/") + 1)}
+    return {k for k in keys if k not in dirs and not k.endswith("/")
+            and not any(invalid_segment_reason(seg) for seg in k.split("/"))}
+
+
+def test_hostile_keys_never_escape_or_crash(moto_server: S3Server, proxy: FaultProxy, mountpoint: Path) -> None:
+    bucket = new_bucket(moto_server)
+    bodies = {k: f"body of {k!r}".encode() for k in HOSTILE_KEYS}
+    upload(moto_server, bucket, bodies)
+    client = moto_server.client()
+    stored = [o["Key"] for p in client.get_paginator("list_objects_v2").paginate(Bucket=bucket)
+              for o in p.get("Contents", ())]
+    assert sorted(stored) == sorted(HOSTILE_KEYS), "moto changed a key on the way in"
+    client.put_object(Bucket=bucket, Key="raw/", Body=b"")  # so that the root lists raw/
+    proxy.serve_directory(bucket, "raw/", RAW_NAMES, size=1000)
+    with mounted_via(proxy, moto_server, bucket, mountpoint, "--read-timeout", "10",
+                     allowed=("skipping key",)) as m:
+        outside_before = sorted(os.listdir(mountpoint.parent))
+        seen: dict[str, bytes] = {}
+        for dirpath, _, names in os.walk(mountpoint):
+            for name in names:
+                p = Path(dirpath) / name
+                assert os.path.realpath(p).startswith(str(mountpoint) + os.sep), p
+                seen[str(p.relative_to(mountpoint))] = p.read_bytes()
+        want = {k: bodies[k] for k in expected_files(HOSTILE_KEYS)}
+        want.update({"raw/" + n.decode(): synthetic_body(b"raw/" + n, 1000)
+                     for n in (b"ok.bin", b"ctl\x01name", b"nl\nname")})
+        assert seen == want
+        deep = "/".join(["s" * 250] * 15) + "/deep.bin"
+        assert len(str(mountpoint / deep)) < 4096 and deep in seen
+        # Names the kernel refuses never reach the daemon; '..' is the kernel's, never a key.
+        with pytest.raises(OSError) as exc:
+            os.stat(mountpoint / ("n" * 4096))
+        assert exc.value.errno == errno.ENAMETOOLONG
+        for escaped in ("etc", "x", "escape", "pct", "win"):  # where '..' keys would land if resolved
+            assert not (mountpoint / escaped).exists() and not (mountpoint.parent / escaped).exists(), escaped
+        assert os.path.realpath(mountpoint / ".." / mountpoint.name) == str(mountpoint)
+        assert os.listdir(mountpoint / "a") == []
+        assert m.proc.poll() is None
+        assert (mountpoint / "...").read_bytes() == bodies["..."]  # a legal name, served
+    assert sorted(os.listdir(mountpoint.parent)) == outside_before
+    assert "skipping key" in m.log()
+
+
+def safetensors_bytes(header: bytes, data: bytes, length: int | None = None) -> bytes:
+    return (len(header) if length is None else length).to_bytes(8, "little") + header + data
+
+
+def tensor_header(entries: dict[str, tuple[str, list[int], list[int]]]) -> bytes:
+    return json.dumps({n: {"dtype": d, "shape": s, "data_offsets": o} for n, (d, s, o) in entries.items()}).encode()
+
+
+def test_malformed_safetensors_read_exact_with_prefetch_disabled(moto_server: S3Server, mountpoint: Path,
+                                                                 tmp_path: Path) -> None:
+    from fsmount.testing.models import write_model
+
+    rng = random.Random(11)
+    filler = rng.randbytes(3 * MiB)
+    cases = {
+        "huge_length": (2**64 - 1).to_bytes(8, "little") + filler,
+        "length_past_eof": safetensors_bytes(b"{}", filler, length=len(filler) + 100),
+        "not_json": safetensors_bytes(b"{" + bytes(range(256)) * 8, filler),
+        "not_an_object": safetensors_bytes(b"[1, 2, 3]", filler),
+        "deep_nesting": safetensors_bytes(b'{"a":' * 100_000 + b"1" + b"}" * 100_000, filler),
+        "overlapping": safetensors_bytes(tensor_header({"a": ("F32", [256], [0, 1024]),
+                                                        "b": ("F32", [256], [512, 1536])}), filler[:1536]),
+        "out_of_range": safetensors_bytes(tensor_header({"a": ("F32", [1024], [0, 4096])}), filler[:100]),
+        "huge_shape": safetensors_bytes(tensor_header({"a": ("F32", [2**62, 2**62], [0, 16])}), filler[:16]),
+        # A length that fits the file: the prefetcher reads 19 MiB of "header" before giving up.
+        "huge_header_fits": safetensors_bytes(b"{" + b" " * (19 * MiB), filler),
+        "empty": b"",
+        "tiny": b"\x01\x02",
+    }
+    files = {f"bad/{name}.safetensors": body for name, body in cases.items()}
+    write_model(tmp_path / "ok.safetensors", 2 * MiB, seed=1)
+    files["bad/ok.safetensors"] = (tmp_path / "ok.safetensors").read_bytes()
+    bucket = new_bucket(moto_server)
+    upload(moto_server, bucket, files)
+    with mounted(moto_server, bucket, mountpoint, "--read-timeout", "30", "--chunk-size", "1M") as m:
+        for key, body in files.items():
+            with open(mountpoint / key, "rb") as f:
+                for _ in range(3):
+                    off = rng.randrange(len(body) + 1)
+                    f.seek(off)
+                    assert f.read(1000) == body[off:off + 1000], key
+                f.seek(0)
+                assert f.read() == body, key
+        # Every malformed file only turned the prefetch off; the good one was prefetched.
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and not all(f"not prefetching 'bad/{n}.safetensors'" in m.log()
+                                                      for n in cases):
+            time.sleep(0.1)
+        log = m.log()
+        for name in cases:
+            assert f"not prefetching 'bad/{name}.safetensors'" in log, name
+        assert "prefetching 'bad/ok.safetensors'" in log
+        assert m.proc.poll() is None
+
+
+def test_100k_key_directory_lists_completely_with_bounded_rss(moto_server: S3Server, proxy: FaultProxy,
+                                                              mountpoint: Path) -> None:
+    """100,000 keys in one directory, listed by the proxy (moto needs ~55 s for one pass over them)."""
+    count, rss_bound_mib = 100_000, 300
+    bucket = new_bucket(moto_server)
+    moto_server.client().put_object(Bucket=bucket, Key="big/", Body=b"")
+    names = [f"w{i:06d}.bin" for i in range(count)]
+    proxy.serve_directory(bucket, "big/", names, size=16)
+    with mounted_via(proxy, moto_server, bucket, mountpoint, "--metadata-ttl", "600", "--read-timeout", "60") as m:
+        assert os.listdir(mountpoint) == ["big"]
+        idle_kib = proc_status(m.proc.pid, "VmRSS")
+        start = time.monotonic()
+        listed = os.listdir(mountpoint / "big")
+        took = time.monotonic() - start
+        assert len(listed) == count and sorted(listed) == names
+        after_kib = proc_status(m.proc.pid, "VmRSS")
+        assert sorted(os.listdir(mountpoint / "big")) == names  # again, from the listing cache
+        lists = proxy.counts()["lists"]
+        for name in random.Random(12).sample(names, 3):
+            assert (mountpoint / "big" / name).read_bytes() == synthetic_body(f"big/{name}".encode(), 16)
+        peak_kib = proc_status(m.proc.pid, "VmHWM")
+    print(f"100k listing: {took:.1f}s, RSS {idle_kib // 1024} -> {after_kib // 1024} MiB, peak {peak_kib // 1024} MiB")
+    assert lists <= count // 1000 + 5, lists  # one paginated pass (plus the root), not one per entry
+    assert after_kib - idle_kib <= rss_bound_mib * 1024, (idle_kib // 1024, after_kib // 1024)
+    assert peak_kib - idle_kib <= rss_bound_mib * 1024, (idle_kib // 1024, peak_kib // 1024)
+
+
+class Sample(NamedTuple):
+    t: float
+    rss_kib: int
+    sockets: int
+    other_fds: int
+    threads: int
+
+
+def test_soak_random_preads_rss_and_fds_flat(moto_server: S3Server, proxy: FaultProxy, mountpoint: Path) -> None:
+    """SOAK_S seconds of random preads from 4 threads on 192 MiB under --memory-limit 128M (so chunks
+    are evicted and fetched again all the time), with 1% of data GETs answered 503 SlowDown."""
+    limit_mib, rss_growth_mib = 128, 24
+    bucket = new_bucket(moto_server)
+    files = {f"soak/{i}.bin": rand_bytes(32 * MiB, 20 + i) for i in range(6)}
+    upload(moto_server, bucket, files)
+    proxy.inject(Fault.ERROR, status=503, fraction=0.01)
+    keys = sorted(files)
+    errors: list[str] = []
+    reads = [0]
+    with mounted_via(proxy, moto_server, bucket, mountpoint, "--memory-limit", f"{limit_mib}M",
+                     "--chunk-size", "1M", "--read-timeout", "30") as m:
+        pid = m.proc.pid
+        stop = threading.Event()
+
+        def reader(seed: int) -> None:
+            rng = random.Random(seed)
+            fds = {k: os.open(mountpoint / k, os.O_RDONLY) for k in keys}
+            try:
+                while not stop.is_set():
+                    key = rng.choice(keys)
+                    off = rng.randrange(32 * MiB)
+                    size = rng.choice([4 * KiB, 64 * KiB, 512 * KiB, 2 * MiB])
+                    got = os.pread(fds[key], size, off)
+                    os.posix_fadvise(fds[key], 0, 0, os.POSIX_FADV_DONTNEED)  # next time, ask the daemon
+                    if got != files[key][off:off + size]:
+                        errors.append(f"wrong bytes in {key} at {off}+{size}")
+                    reads[0] += 1
+            except OSError as exc:
+                errors.append(f"{type(exc).__name__}: {exc}")
+            finally:
+                for fd in fds.values():
+                    os.close(fd)
+
+        threads = [threading.Thread(target=reader, args=(i,)) for i in range(4)]
+        for t in threads:
+            t.start()
+        samples: list[Sample] = []
+        start = time.monotonic()
+        try:
+            while time.monotonic() - start < SOAK_S and not errors:
+                time.sleep(1.0)
+                stats = mount_stats(mountpoint)
+                assert stats["memory_used_bytes"] <= stats["memory_limit_bytes"], stats
+                samples.append(Sample(time.monotonic() - start, proc_status(pid, "VmRSS"), *fds_by_kind(pid),
+                                      proc_status(pid, "Threads")))
+        finally:
+            stop.set()
+            for t in threads:
+                t.join()
+        deadline = time.monotonic() + 30
+        while mount_stats(mountpoint)["fetches_inflight"] and time.monotonic() < deadline:
+            time.sleep(0.1)
+        final = mount_stats(mountpoint)
+        peak_kib = proc_status(pid, "VmHWM")
+    assert errors == [], errors[:5]
+    at10 = next(s for s in samples if s.t >= 10.0)
+    end = samples[-1]
+    print(f"soak {SOAK_S:g}s: {reads[0]} reads; RSS {at10.rss_kib // 1024} -> {end.rss_kib // 1024} MiB "
+          f"(peak {peak_kib // 1024}); sockets {at10.sockets} -> {end.sockets} (max "
+          f"{max(s.sockets for s in samples)}); other fds {at10.other_fds} -> {end.other_fds}; threads "
+          f"{at10.threads} -> {end.threads}; origin requests {final['origin']['requests']}")
+    assert end.rss_kib - at10.rss_kib <= rss_growth_mib * 1024, (at10, end)
+    # Files, pipes and the FUSE device: exactly flat. Sockets: the connection pool comes and goes, but
+    # never beyond its size (max connections + 4, store.py) plus trio's wake-up pair.
+    assert end.other_fds <= at10.other_fds + 1, (at10, end)
+    assert max(s.sockets for s in samples) <= DEFAULT_MAX_CONNECTIONS + 4 + 4, samples
+    assert max(s.threads for s in samples) <= at10.threads + 8, samples
+    assert final["fetches_inflight"] == 0 and final["open_files"] == 0, final
+    assert reads[0] > 100
+

@@ -39,13 +39,19 @@ PREFETCH = 1
 BACKGROUND = 2  # warming files nobody has opened yet (other shards of a model)
 # Threads for cache-level I/O (NVMe reads, write-through); separate from the S3 connections.
 DISK_THREADS = 8
+# Write-through needs little parallelism (a chunk write is one large sequential write) and every extra
+# writer thread competes with the read path for the GIL and the CPU; on the 2-core bench bed 1-2
+# writers were no slower than 8 for a cold read with --cache-dir (noisy: 144-267 MB/s either way).
+PUT_THREADS = 2
 
 # How blocking calls run: in a worker thread under a limiter. Tests substitute a virtual-time fake.
 RunBlocking = Callable[..., Awaitable[Any]]
 
 
 async def run_in_thread(fn: Callable[..., Any], *args: Any, limiter: trio.CapacityLimiter) -> Any:
-    return await trio.to_thread.run_sync(fn, *args, limiter=limiter)
+    # Abandoned on cancel (unmount): a GET stalled in the kernel must not hold the daemon's exit
+    # for its retries; the thread ends on its own socket timeout.
+    return await trio.to_thread.run_sync(fn, *args, limiter=limiter, abandon_on_cancel=True)
 
 
 class ReadTimeout(StoreError):
@@ -69,7 +75,7 @@ class EngineStats:
 
 class _Fetch:
     __slots__ = ("cid", "length", "done", "data", "error", "owners", "demanded", "started",
-                 "abandoned", "source")
+                 "abandoned", "source", "deadline")
 
     def __init__(self, cid: ChunkId, length: int):
         self.cid = cid
@@ -82,6 +88,9 @@ class _Fetch:
         self.started = False
         self.abandoned = False
         self.source = ""
+        # Set at the first demand read: every READ waiting for this fetch gives up at the same
+        # time, so the kernel's retry of a failed READ does not wait a second full timeout.
+        self.deadline = float("inf")
 
 
 class ChunkEngine:
@@ -97,6 +106,7 @@ class ChunkEngine:
         self._workers = max_connections
         self._s3_limiter = trio.CapacityLimiter(max_connections)
         self._disk_limiter = trio.CapacityLimiter(DISK_THREADS)
+        self._put_limiter = trio.CapacityLimiter(PUT_THREADS)
         self._memory: collections.OrderedDict[ChunkId, bytes] = collections.OrderedDict()
         self._cached_bytes = 0
         self._reserved_bytes = 0
@@ -215,7 +225,9 @@ class ChunkEngine:
                 parts.append((cid, data))
                 continue
             fetch = self._fetch_for(cid, self.chunk_length(obj, index), DEMAND)
-            fetch.demanded = True
+            if not fetch.demanded:
+                fetch.demanded = True
+                fetch.deadline = trio.current_time() + self.read_timeout
             parts.append((cid, fetch))
         return parts
 
@@ -230,7 +242,9 @@ class ChunkEngine:
             self.stats.bytes_served_memory += hi - lo
             return memoryview(data)[lo:hi]
         out: list[memoryview] = []
-        with trio.move_on_after(self.read_timeout) as scope:
+        deadline = min((p.deadline for _, p in parts if isinstance(p, _Fetch)),
+                       default=trio.current_time() + self.read_timeout)
+        with trio.move_on_at(deadline) as scope:
             for cid, part in parts:
                 if isinstance(part, bytes):
                     data, source = part, "memory"
@@ -330,6 +344,6 @@ class ChunkEngine:
     async def _write_through(self, levels: Sequence[ChunkCache], cid: ChunkId, data: bytes) -> None:
         for level in levels:
             try:
-                await self._run_blocking(level.put, cid, data, limiter=self._disk_limiter)
+                await self._run_blocking(level.put, cid, data, limiter=self._put_limiter)
             except Exception as exc:  # noqa: BLE001 - a cache level never breaks a read
                 log.warning("cache write of chunk %d of %r failed: %s", cid.index, cid.key, exc)

@@ -259,7 +259,7 @@ class Daemon:
 
     async def _store_call(self, fn: Callable, *args: object) -> object:
         assert self._meta_limiter is not None
-        return await trio.to_thread.run_sync(fn, *args, limiter=self._meta_limiter)
+        return await trio.to_thread.run_sync(fn, *args, limiter=self._meta_limiter, abandon_on_cancel=True)
 
     async def _files_beside(self, ino: int) -> list[tuple[int | None, ObjectVersion]]:
         return await self.namespace.files_beside(self.namespace.node(ino))

@@ -4,8 +4,13 @@ Holds the inode table (stable numbers for the mount's life, lookup counts), the 
 listings and negative lookups, and the rules for keys the kernel cannot represent. It never reads
 object data.
 
+A file inode is one *version* of an object: (path, ETag). When an object is replaced, the path gets a
+new inode at the next lookup, while handles (and the kernel's page cache) of the old inode keep the
+old version; so a reader never sees two versions mixed, and the page cache is always safe to keep.
+
 Concurrency (all methods run in the trio thread; store calls are awaited through `self._call`):
-- `_ino_by_path` only grows, so an inode number once given to a (path, kind) never changes.
+- `_ino_by_path` only grows, so an inode number once given to a (path, ETag) or a directory path
+  never changes; `_latest_file` points each path at its newest known file version.
 - `_nodes` entries are created on lookup/readdir and dropped by `forget` when the lookup count
   reaches zero. Between two awaits a node's metadata may be refreshed by another task; readers
   take a snapshot (`Node.version()`) instead of reading fields across awaits.
@@ -25,7 +30,7 @@ import cachetools
 import pyfuse3
 import trio
 
-from fsmount.store import ListingPage, ObjectMeta, ObjectStore, TransientError, Unreachable
+from fsmount.store import ListingPage, ObjectMeta, ObjectStore, StoreError, TransientError, Unreachable
 
 log = logging.getLogger(__name__)
 
@@ -68,8 +73,8 @@ class Node:
     etag: str = ""
     mtime_ns: int = 0
     lookups: int = 0
-    fresh_until: float = 0.0  # monotonic time until which size/etag are trusted
-    last_open_etag: str | None = None
+    fresh_until: float = 0.0  # monotonic time until which the version is trusted to be current
+    superseded: bool = False  # the bucket now holds another version of this path
 
     def version(self, prefix: str) -> ObjectVersion:
         return ObjectVersion(prefix + self.path, self.etag, self.size)
@@ -99,13 +104,18 @@ class Namespace:
         self._file_mode, self._dir_mode = file_mode, dir_mode
         self._mount_time_ns = time.time_ns()
         self._next_ino = ROOT_INODE + 1
-        self._ino_by_path: dict[tuple[str, bool], int] = {("", True): ROOT_INODE}
+        # (path, None) for a directory, (path, etag) for one version of a file.
+        self._ino_by_path: dict[tuple[str, str | None], int] = {("", None): ROOT_INODE}
+        self._latest_file: dict[str, int] = {}
         self._nodes: dict[int, Node] = {ROOT_INODE: Node(ROOT_INODE, "", True, lookups=1)}
         self._listings: cachetools.TTLCache[str, dict[bytes, DirEntry]] = cachetools.TTLCache(
             maxsize=LISTING_CACHE_ENTRIES, ttl=ttl, getsizeof=lambda entries: max(1, len(entries)))
         self._negative: cachetools.TTLCache[str, bool] = cachetools.TTLCache(NEGATIVE_CACHE_ENTRIES, ttl)
         self._skips_logged: cachetools.LRUCache[str, bool] = cachetools.LRUCache(SKIP_LOG_MEMORY)
         self._stale_logged = False
+        # The same listing dicts as `_listings`, kept past their TTL for outages (no extra copies).
+        self._last_listings: cachetools.LRUCache[str, dict[bytes, DirEntry]] = cachetools.LRUCache(
+            maxsize=LISTING_CACHE_ENTRIES, getsizeof=lambda entries: max(1, len(entries)))
 
     # -- inode table ---------------------------------------------------------------------------
 
@@ -116,17 +126,21 @@ class Namespace:
             raise pyfuse3.FUSEError(errno.ENOENT) from None
 
     def _node_for(self, path: str, is_dir: bool, meta: ObjectMeta | None) -> Node:
-        ino = self._ino_by_path.get((path, is_dir))
+        if not is_dir and meta is None:
+            raise ValueError("a file node needs its object metadata")
+        key = (path, None if is_dir else meta.etag)  # type: ignore[union-attr]
+        ino = self._ino_by_path.get(key)
         if ino is None:
             ino = self._next_ino
             self._next_ino += 1
-            self._ino_by_path[(path, is_dir)] = ino
+            self._ino_by_path[key] = ino
         node = self._nodes.get(ino)
         if node is None:
             node = self._nodes[ino] = Node(ino, path, is_dir)
         if meta is not None:
             node.size, node.etag, node.mtime_ns = meta.size, meta.etag, meta.mtime_ns
             node.fresh_until = time.monotonic() + self.ttl
+            self._latest_file[path] = ino
         return node
 
     def forget(self, ino: int, count: int) -> None:
@@ -183,16 +197,18 @@ class Namespace:
                 raise
             # The origin is down or overloaded: keep serving the version we know (its chunks may
             # all be cached), and ask again a little later rather than on every call.
-            if not self._stale_logged:
-                log.warning("origin unavailable (%s); serving cached metadata until it returns", exc.message)
-                self._stale_logged = True
+            self._log_stale(exc)
             node.fresh_until = time.monotonic() + min(self.ttl, STALE_RETRY)
             return node
         self._stale_logged = False
         if meta is None:
             raise pyfuse3.FUSEError(errno.ENOENT)
-        node.size, node.etag, node.mtime_ns = meta.size, meta.etag, meta.mtime_ns
         node.fresh_until = time.monotonic() + self.ttl
+        if meta.etag != node.etag:
+            # This inode stays the old version; the path's next lookup gets a new inode. The
+            # parent's listing still names the old version, so it goes too.
+            node.superseded = True
+            self._listings.pop(node.path.rpartition("/")[0], None)
         return node
 
     # -- names ---------------------------------------------------------------------------------
@@ -261,6 +277,9 @@ class Namespace:
             nursery.start_soon(ask, "dir", self._store.has_children, key + "/")
         for name in ("meta_error", "dir_error"):
             if name in results:
+                known = self._known_while_down(path, results[name])
+                if known is not None:
+                    return known
                 raise results[name]
         if results["dir"]:  # a key that is both a file and a prefix: the directory wins
             return self._node_for(path, True, None)
@@ -269,14 +288,40 @@ class Namespace:
         self._negative[path] = True
         raise pyfuse3.FUSEError(errno.ENOENT)
 
+    def _known_while_down(self, path: str, exc: BaseException) -> Node | None:
+        """While the origin is unreachable, a name the mount already knows keeps resolving."""
+        if not isinstance(exc, (Unreachable, TransientError)):
+            return None
+        for ino in (self._ino_by_path.get((path, None)), self._latest_file.get(path)):
+            node = self._nodes.get(ino) if ino is not None else None
+            if node is not None and (node.is_dir or node.etag):
+                self._log_stale(exc)
+                node.fresh_until = time.monotonic() + min(self.ttl, STALE_RETRY)
+                return node
+        return None
+
+    def _log_stale(self, exc: StoreError) -> None:
+        if not self._stale_logged:
+            log.warning("origin unavailable (%s); serving cached metadata until it returns", exc.message)
+            self._stale_logged = True
+
     # -- listings ------------------------------------------------------------------------------
 
     async def listing(self, node: Node) -> list[DirEntry]:
         """Entries of a directory, from the TTL cache or one paginated delimited listing."""
         cached = self._listings.get(node.path)
         if cached is None:
-            cached = await self._list(node.path)
+            try:
+                cached = await self._list(node.path)
+            except (Unreachable, TransientError) as exc:
+                # An expired listing beats none while the origin is away.
+                cached = self._last_listings.get(node.path)
+                if cached is None:
+                    raise
+                self._log_stale(exc)
+                return list(cached.values())
             self._listings[node.path] = cached
+            self._last_listings[node.path] = cached
         return list(cached.values())
 
     async def files_beside(self, node: Node) -> list[tuple[int | None, ObjectVersion]]:
@@ -291,7 +336,7 @@ class Namespace:
             entry = entries[name_b]
             if entry.is_dir or entry.meta is None:
                 continue
-            ino = self._ino_by_path.get((self._join(parent_path, name_b.decode("utf-8")), False))
+            ino = self._ino_by_path.get((self._join(parent_path, name_b.decode("utf-8")), entry.meta.etag))
             known = self._nodes.get(ino) if ino is not None else None
             out.append((ino if known is not None and known.lookups > 0 else None,
                         ObjectVersion(entry.meta.key, entry.meta.etag, entry.meta.size)))
@@ -330,7 +375,7 @@ class Namespace:
 
     def _refresh_known(self, path: str, meta: ObjectMeta | None) -> None:
         """A listing also refreshes file nodes the kernel already knows."""
-        ino = self._ino_by_path.get((path, False))
+        ino = self._ino_by_path.get((path, meta.etag)) if meta is not None else None
         if ino is not None and ino in self._nodes and meta is not None:
             self._node_for(path, False, meta)
 

@@ -171,10 +171,13 @@ class Operations(pyfuse3.Operations):
         if node.is_dir:
             raise pyfuse3.FUSEError(errno.EISDIR)
         node = await self.ns.refresh(node)
+        if node.superseded:
+            # The bucket holds a newer version: ESTALE makes the kernel look the path up again
+            # (LOOKUP_REVAL) and open the new version's inode instead.
+            raise pyfuse3.FUSEError(errno.ESTALE)
         version = node.version(self.ns.prefix)
-        # The kernel may keep cached pages only if they belong to this very version.
-        keep_cache = node.last_open_etag in (None, version.etag)
-        node.last_open_etag = version.etag
+        # An inode is one object version (namespace.py), so its cached pages are always valid.
+        keep_cache = True
         fh = self._new_fh()
         self._files[fh] = OpenFile(fh, inode, version, self.engine, self.max_readahead)
         self.prefetcher.opened(inode, version)

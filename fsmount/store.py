@@ -275,6 +275,9 @@ class Boto3Store:
                 data = resp["Body"].read()
                 if len(data) != want:
                     raise TransientError(f"{what}: short body, {len(data)} of {want} bytes")
+                content_range = resp.get("ContentRange")
+                if content_range and not content_range.startswith(f"bytes {start}-{end - 1}/"):
+                    raise TransientError(f"{what}: server answered with {content_range!r}")
                 got_etag = resp.get("ETag")
                 if etag and got_etag and got_etag != etag:
                     raise PreconditionFailed(f"{what}: object changed in the bucket since it was opened")

@@ -325,3 +325,20 @@ async def test_changed_object_is_an_error_never_mixed_bytes(autojump_clock, allo
             await engine.read(v, 2 * MiB, 2 * MiB + 100)
 
     await run_engine(engine, body)
+
+
+async def test_a_repeated_read_of_a_stalled_chunk_fails_at_the_first_deadline(autojump_clock) -> None:  # noqa: ANN001
+    """The kernel re-sends a READ that failed; the retry must not wait a second full timeout."""
+    store = FakeStore()
+    put_object(store, "m", 2 * MiB)
+    engine = make_engine(store, timeout=5.0, latency=3600.0)
+
+    async def body() -> None:
+        start = trio.current_time()
+        with pytest.raises(StoreError, match="timed out"):
+            await engine.read(version(store, "m"), 0, 100)
+        with pytest.raises(StoreError, match="timed out"):
+            await engine.read(version(store, "m"), 4096, 8192)
+        assert trio.current_time() - start == pytest.approx(5.0)
+
+    await run_engine(engine, body)

@@ -6,8 +6,8 @@ Objects are uploaded to the server directly, so the proxy's counters see only th
 What every fault test asserts:
 
 - bytes are exactly right, or the read fails with EIO: never wrong bytes, never a short read;
-- a failing read ends within `FAILING_READ_BOUND_S`: twice `--read-timeout` plus a margin today,
-  because of a product bug (test_failing_read_waits_at_most_read_timeout, xfail);
+- a failing read ends within `FAILING_READ_BOUND_S` (test_failing_read_waits_at_most_read_timeout pins
+  a single read(2) to one `--read-timeout`);
 - once the fault ends, reads recover on the same mount (within `RECOVERY_S`);
 - retries are bounded: data GETs counted at the proxy stay within what one fetch may send, times the
   fetches the daemon logged as failed.
@@ -337,10 +337,6 @@ def test_stall_gives_eio_within_read_timeout_then_recovers(moto_server: S3Server
         assert m.proc.poll() is None
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "product bug: ChunkEngine.collect (fsmount/chunks.py) starts --read-timeout afresh for every FUSE READ; "
-    "the kernel sends a READ that failed in read-ahead once more, so read(2) of a stalled chunk waits twice "
-    "--read-timeout (measured 10.0 s for 5). Fix: time out against the fetch's first demand."))
 def test_failing_read_waits_at_most_read_timeout(moto_server: S3Server, proxy: FaultProxy, mountpoint: Path) -> None:
     bucket = new_bucket(moto_server)
     upload(moto_server, bucket, {"stall.bin": rand_bytes(2 * MiB, 12)})
@@ -358,11 +354,6 @@ def test_failing_read_waits_at_most_read_timeout(moto_server: S3Server, proxy: F
 UNMOUNT_EXIT_S = 5.0
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "product bug: store calls run in trio.to_thread.run_sync without abandon_on_cancel (chunks.run_in_thread, "
-    "mount.Daemon._store_call), so after an unmount the daemon waits for every in-flight GET to give up: up to "
-    "(BOTO_MAX_ATTEMPTS + 1) x GET_ATTEMPTS x read timeout; measured: it exited 67 s after fusermount3 -u "
-    "with --read-timeout 5. Fix: abandon_on_cancel=True for store calls"))
 def test_unmount_during_stall_exits_promptly(moto_server: S3Server, proxy: FaultProxy, mountpoint: Path) -> None:
     bucket = new_bucket(moto_server)
     upload(moto_server, bucket, {"stall.bin": rand_bytes(2 * MiB, 13)})
@@ -525,12 +516,6 @@ def test_origin_down_chunks_in_the_nvme_cache_keep_serving(moto_server: S3Server
             os.close(fd)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "product bug: Namespace.refresh keeps a known file's metadata when HEAD fails with Unreachable/"
-    "TransientError, but Namespace._resolve (the LOOKUP the kernel sends once the entry timeout = TTL "
-    "has passed) raises the HEAD error, so open() by path gives EIO while fstat() of an open fd works. "
-    "Fix: in _resolve, on Unreachable/TransientError fall back to the known node of (path, kind) if it "
-    "has an ETag (as refresh does), and keep expired listings as a fallback for opendir"))
 def test_origin_down_known_file_opens_by_path_after_ttl(moto_server: S3Server, proxy: FaultProxy,
                                                        mountpoint: Path) -> None:
     """Issue 7: files whose metadata and chunks are cached keep serving while the origin is down, also
@@ -556,11 +541,7 @@ def test_origin_down_known_file_opens_by_path_after_ttl(moto_server: S3Server, p
 
 @pytest.mark.parametrize("old_handle_reads_on", [
     False,
-    pytest.param(True, marks=pytest.mark.xfail(strict=True, reason=(
-        "product bug: the kernel page cache belongs to the inode, and a path keeps one inode across versions "
-        "(Namespace._node_for updates the node in place). The new open (keep_cache=False) drops the old pages "
-        "and fills the cache with the new version, and the old handle then reads those new bytes. Fix: one "
-        "inode per (path, ETag)."))),
+    True,
 ], ids=["until-new-open", "after-new-open"])
 def test_overwrite_while_open_old_handle_never_mixes_new_open_sees_new(moto_server: S3Server, proxy: FaultProxy,
                                                                        mountpoint: Path,

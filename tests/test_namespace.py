@@ -110,9 +110,15 @@ async def test_metadata_refreshes_after_ttl() -> None:
     store.put("f", b"old")
     ns = make_ns(store, ttl=0)
     node = await ns.lookup(ROOT_INODE, b"f")
+    old_etag = node.etag
     store.put("f", b"newer!")
     node = await ns.refresh(node)
-    assert node.size == 6 and node.etag == store.etags["f"]
+    # The inode is one version: it keeps the old one, and the path's next lookup is a new inode.
+    assert node.superseded and node.size == 3 and node.etag == old_etag
+    new = await ns.lookup(ROOT_INODE, b"f")
+    assert new.ino != node.ino and new.size == 6 and new.etag == store.etags["f"]
+    node = new
+    node.fresh_until = 0
     del store.objects["f"]
     with pytest.raises(pyfuse3.FUSEError):
         await ns.refresh(node)
@@ -148,3 +154,26 @@ async def test_known_files_keep_metadata_while_origin_is_down(allowed_logs) -> N
     unknown = make_ns(store, ttl=0)
     with pytest.raises(Unreachable):
         await unknown.lookup(ROOT_INODE, b"f")
+
+
+async def test_known_names_and_listings_resolve_while_origin_is_down(allowed_logs) -> None:  # noqa: ANN001
+    from fsmount.store import Unreachable
+
+    allowed_logs.append("origin unavailable")
+    store = FakeStore()
+    store.put("d/f", b"12345")
+    ns = make_ns(store, ttl=0)
+    d = await ns.lookup(ROOT_INODE, b"d")
+    assert {e.name for e in await ns.listing(d)} == {b"f"}
+    f = await ns.lookup(d.ino, b"f")
+
+    def down(*args):  # noqa: ANN002, ANN202
+        raise Unreachable("cannot reach the endpoint")
+
+    store.head = store.has_children = down
+    store.list_pages = down
+    assert (await ns.lookup(d.ino, b"f")).ino == f.ino  # known file: still resolves
+    assert (await ns.lookup(ROOT_INODE, b"d")).ino == d.ino  # known directory too
+    assert {e.name for e in await ns.listing(d)} == {b"f"}  # the expired listing serves
+    with pytest.raises(Unreachable):
+        await ns.lookup(d.ino, b"never-seen")

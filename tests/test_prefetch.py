@@ -212,3 +212,25 @@ def test_opening_one_shard_warms_the_others(moto_server: S3Server, mountpoint: P
             assert all(np.array_equal(src[k], got[k]) for k in src)
     origin = int(re.search(r"origin requests=\d+ bytes=(\d+)", m.log()).group(1))
     assert origin <= total * 1.05, (origin, total)  # every byte fetched from the origin about once
+
+
+@pytest.mark.mount
+def test_modelfs_prefetch_while_a_server_loads(moto_server: S3Server, mountpoint: Path, tmp_path: Path) -> None:
+    import subprocess
+
+    from safetensors.numpy import load_file
+
+    from tests.conftest import REPO, modelfs_cmd
+
+    data = model_bytes(tmp_path, 64 * MiB, seed=4)
+    bucket = new_bucket(moto_server)
+    moto_server.client().upload_fileobj(io.BytesIO(data), bucket, "m/model.safetensors")
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    with mounted(moto_server, bucket, mountpoint, "--cache-dir", str(tmp_path / "cache")):
+        warm = subprocess.Popen(modelfs_cmd("prefetch", "-q", str(mountpoint / "m")), env=env,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        got = load_file(mountpoint / "m/model.safetensors")
+        out, err = warm.communicate(timeout=120)
+        assert warm.returncode == 0, err
+        src = load_file(tmp_path / "m4.safetensors")
+        assert got.keys() == src.keys() and all(np.array_equal(got[k], src[k]) for k in src)

@@ -165,9 +165,6 @@ class ChunkEngine:
             return range(0)
         return range(start // self.chunk_size, (end - 1) // self.chunk_size + 1)
 
-    def is_present(self, cid: ChunkId) -> bool:
-        return cid in self._memory or cid in self._inflight
-
     # -- requests ------------------------------------------------------------------------------
 
     def _enqueue(self, fetch: _Fetch, priority: int) -> None:

@@ -157,10 +157,6 @@ class Namespace:
             if ino != ROOT_INODE:
                 del self._nodes[ino]
 
-    @property
-    def known_inodes(self) -> int:
-        return len(self._nodes)
-
     # -- attributes ----------------------------------------------------------------------------
 
     def attributes(self, node: Node) -> pyfuse3.EntryAttributes:

@@ -294,23 +294,6 @@ async def test_store_error_reaches_the_reader_and_is_not_cached(autojump_clock, 
     await run_engine(engine, body)
 
 
-async def test_read_timeout_gives_an_error_not_a_hang(autojump_clock) -> None:  # noqa: ANN001
-    store = FakeStore()
-    put_object(store, "m", 2 * MiB)
-    engine = make_engine(store, timeout=5.0, latency=3600.0)
-
-    async def body() -> None:
-        start = trio.current_time()
-        with pytest.raises(StoreError, match="timed out"):
-            await engine.read(version(store, "m"), 0, 100)
-        assert trio.current_time() - start == pytest.approx(5.0)
-
-    async with trio.open_nursery() as nursery:
-        await nursery.start(engine.run)
-        await body()
-        nursery.cancel_scope.cancel()
-
-
 async def test_changed_object_is_an_error_never_mixed_bytes(autojump_clock, allowed_logs) -> None:  # noqa: ANN001
     allowed_logs.append("fetching chunk .* failed")
     store = FakeStore()

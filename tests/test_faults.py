@@ -788,6 +788,7 @@ class Sample(NamedTuple):
     threads: int
 
 
+@pytest.mark.timeout(SOAK_S + 240)  # MODELFS_SOAK_SECONDS=600 must not hit the suite's 300 s limit
 def test_soak_random_preads_rss_and_fds_flat(moto_server: S3Server, proxy: FaultProxy, mountpoint: Path) -> None:
     """SOAK_S seconds of random preads from 4 threads on 192 MiB under --memory-limit 128M (so chunks
     are evicted and fetched again all the time), with 1% of data GETs answered 503 SlowDown."""

@@ -12,6 +12,8 @@ import subprocess
 import sys
 import time
 import urllib.parse
+from collections.abc import Callable
+from typing import TypeVar
 
 from fsmount import __version__
 from fsmount.config import (
@@ -53,26 +55,24 @@ MOUNT_OPTION_ALIASES = {"nonempty": "allow_non_empty"}
 # How long `modelfs mount` waits for the background daemon to answer before giving up.
 STARTUP_TIMEOUT = 120.0
 
-
-def _size(text: str) -> int:
-    try:
-        return parse_size(text)
-    except ConfigError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
+T = TypeVar("T")
 
 
-def _ttl(text: str) -> float:
-    try:
-        return parse_ttl(text)
-    except ConfigError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
+def _argument(parse: Callable[[str], T]) -> Callable[[str], T]:
+    """An argparse `type=` from a config parser: its ConfigError becomes argparse's usage error."""
+    def convert(text: str) -> T:
+        try:
+            return parse(text)
+        except ConfigError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+
+    convert.__name__ = parse.__name__.removeprefix("parse_")  # argparse names it in messages
+    return convert
 
 
-def _mode(text: str) -> int:
-    try:
-        return parse_mode(text)
-    except ConfigError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
+_size = _argument(parse_size)
+_ttl = _argument(parse_ttl)
+_mode = _argument(parse_mode)
 
 
 def _metrics_addr(text: str) -> str:

@@ -267,7 +267,10 @@ def test_metrics_show_bytes_moving_during_a_read(moto_server: S3Server, mountpoi
             first = f.read(16 * MiB)
             during = scrape(url)  # the file is open and half read
             rest = f.read()
-        after = scrape(url)
+        # The kernel's RELEASE of the closed file arrives asynchronously: wait for it, bounded.
+        deadline = time.monotonic() + 10
+        while (after := scrape(url))["modelfs_open_files"] != 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
         text = metrics_text(url)
         log = m.log()
         pid = m.proc.pid

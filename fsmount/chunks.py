@@ -43,6 +43,11 @@ DISK_THREADS = 8
 # writer thread competes with the read path for the GIL and the CPU; on the 2-core bench bed 1-2
 # writers were no slower than 8 for a cold read with --cache-dir (noisy: 144-267 MB/s either way).
 PUT_THREADS = 2
+# A READ that joins a fetch whose deadline passed less than this long ago fails at once: it is the
+# kernel re-sending the READ that just failed (same read(2)), which must not wait a second timeout.
+# A READ arriving later is a new attempt by the application: it gets a new fetch and a new deadline,
+# instead of inheriting the old fetch's retry chain (botocore's throttling backoff alone reaches 8 s).
+RETRY_GRACE_S = 1.0
 
 # How blocking calls run: in a worker thread under a limiter. Tests substitute a virtual-time fake.
 RunBlocking = Callable[..., Awaitable[Any]]
@@ -86,6 +91,8 @@ class _Fetch:
         self.owners: set[object] = set()
         self.demanded = False
         self.started = False
+        # Dropped before it started (nobody wants it), or superseded after its deadline passed; either
+        # way no longer the chunk's registered fetch for new readers.
         self.abandoned = False
         self.source = ""
         # Set at the first demand read: every READ waiting for this fetch gives up at the same
@@ -173,6 +180,10 @@ class ChunkEngine:
 
     def _fetch_for(self, cid: ChunkId, length: int, priority: int) -> _Fetch:
         fetch = self._inflight.get(cid)
+        if fetch is not None and fetch.demanded and trio.current_time() > fetch.deadline + RETRY_GRACE_S:
+            # Timed out a while ago and still retrying: leave it to finish in its worker (its bytes
+            # still land in memory if it succeeds) and register a fresh fetch for this chunk.
+            fetch.abandoned = True
         if fetch is None or fetch.abandoned:
             fetch = self._inflight[cid] = _Fetch(cid, length)
             self._enqueue(fetch, priority)

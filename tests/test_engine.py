@@ -325,3 +325,37 @@ async def test_a_repeated_read_of_a_stalled_chunk_fails_at_the_first_deadline(au
         assert trio.current_time() - start == pytest.approx(5.0)
 
     await run_engine(engine, body)
+
+
+async def test_a_later_read_of_a_timed_out_chunk_gets_a_fresh_fetch(autojump_clock) -> None:  # noqa: ANN001
+    """A fetch still retrying long after its deadline is not inherited by a new read(2): that read starts
+    its own GET, which succeeds as soon as the origin answers again."""
+    store = FakeStore()
+    data = put_object(store, "m", 2 * MiB)
+    stalled = True
+    gets_started = 0
+
+    async def run(fn, *args, limiter):  # noqa: ANN001, ANN202
+        nonlocal gets_started
+        async with limiter:
+            if fn.__name__ == "get_range":
+                gets_started += 1
+                await trio.sleep(3600.0 if stalled else LATENCY)
+            return fn(*args)
+
+    engine = ChunkEngine(store, chunk_size=CHUNK, memory_limit=64 * MiB, max_connections=4,
+                         read_timeout=5.0, run_blocking=run)
+
+    async def body() -> None:
+        nonlocal stalled
+        v = version(store, "m")
+        with pytest.raises(StoreError, match="timed out"):
+            await engine.read(v, 0, 100)
+        stalled = False
+        await trio.sleep(10.0)  # the first GET is still stalled; the application tries again
+        start = trio.current_time()
+        assert await engine.read(v, 0, 100) == data[:100]
+        assert trio.current_time() - start == pytest.approx(LATENCY)
+        assert gets_started == 2
+
+    await run_engine(engine, body)

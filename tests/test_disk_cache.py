@@ -6,7 +6,7 @@ Plain synchronous tests; the full-disk tests mount small tmpfs filesystems (root
 from __future__ import annotations
 
 import contextlib
-import hashlib
+import errno
 import logging
 import os
 import random
@@ -17,6 +17,7 @@ import subprocess
 import sys
 import threading
 import time
+import zlib
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -24,6 +25,7 @@ import pytest
 
 from fsmount.cache_level import ChunkId
 from fsmount.disk_cache import (
+    ALIGN,
     CacheDirBusy,
     DiskCache,
     bytes_for_fraction,
@@ -203,11 +205,19 @@ def zeroed_page(path: Path, _other: Path) -> None:
     path.write_bytes(bytes(raw))
 
 
+def flip_padding_byte(path: Path, _other: Path) -> None:
+    """Between header and data: harmless to the data, but the file is not what the cache wrote."""
+    raw = bytearray(path.read_bytes())
+    raw[ALIGN - 1] ^= 0x01
+    path.write_bytes(bytes(raw))
+
+
 @expects_warning(CORRUPT_WARNING)
 @pytest.mark.parametrize(
     "damage",
     [
         flip_last_byte,
+        flip_padding_byte,
         truncate,
         wrong_magic,
         flip_key_byte,
@@ -249,12 +259,12 @@ def test_only_first_corrupt_file_warns(tmp_path: Path, caplog, allowed_logs) -> 
         assert len(warnings_from_cache(caplog)) == 1
 
 
-def version_1_file(chunk: ChunkId, data: bytes) -> bytes:
-    """A chunk file as format version 1 wrote it: the same header layout with a sha256 of the data."""
+def version_2_file(chunk: ChunkId, data: bytes) -> bytes:
+    """A chunk file as format version 2 wrote it: the same header layout with a zlib CRC-32 of the data."""
     text = [t.encode() for t in (chunk.bucket, chunk.key, chunk.etag)]
     prefix = struct.pack(
-        "<8sHHIIIQQQ32s", b"MFSCHUNK", 1, 0, *map(len, text), chunk.chunk_size, chunk.index, len(data),
-        hashlib.sha256(data).digest(),
+        "<8sHHIIIQQQI", b"MFSCHUNK", 2, 0, *map(len, text), chunk.chunk_size, chunk.index, len(data),
+        zlib.crc32(data),
     )
     return b"".join([prefix, *text, data])
 
@@ -264,15 +274,64 @@ def test_file_of_the_previous_format_version_is_dropped_and_refetched(tmp_path: 
     wanted = chunk_id(3)
     with DiskCache(tmp_path, BIG, min_free_bytes=0) as cache:
         path = Path(cache.chunk_path(wanted))
-    path.write_bytes(version_1_file(wanted, payload(wanted)))  # whole and valid, as the old version wrote it
+    path.write_bytes(version_2_file(wanted, payload(wanted)))  # whole and valid, as the old version wrote it
     with DiskCache(tmp_path, BIG, min_free_bytes=0) as cache:
         assert cache.contains(wanted)  # the index is built from names and sizes alone
         assert cache.get(wanted) is None
         assert cache.stats.corrupt == 1 and not path.exists() and not cache.contains(wanted)
-        assert "format version 1.0, expected 2.0" in warnings_from_cache(caplog)[0].getMessage()
+        assert "format version 2.0, expected 3.0" in warnings_from_cache(caplog)[0].getMessage()
         cache.put(wanted, payload(wanted))  # refetched: written in the current format
         assert cache.get(wanted) == payload(wanted)
     assert cache_verify(tmp_path) == (1, [])
+
+
+def test_data_sits_at_an_aligned_offset_and_is_written_around_the_page_cache(tmp_path: Path) -> None:
+    """Format 3: header, zeros up to ALIGN, data; written with O_DIRECT where the filesystem takes it."""
+    data = payload(chunk_id(1), 100 * KiB + 17)  # not a multiple of the block size: padded, then truncated
+    with DiskCache(tmp_path, BIG, min_free_bytes=0) as cache:
+        cache.put(chunk_id(1), data)
+        raw = Path(cache.chunk_path(chunk_id(1))).read_bytes()
+        assert len(raw) == ALIGN + len(data) and raw[ALIGN:] == data
+        header_len = 52 + len("weights") + len(chunk_id(1).key) + len("etag-1")
+        assert raw[header_len:ALIGN] == bytes(ALIGN - header_len)
+        assert cache.get(chunk_id(1)) == data
+        assert cache._direct  # /tmp here is ext4: the O_DIRECT path ran (the fallback has its own test)
+
+
+@pytest.mark.parametrize("refused_by", ["open", "write"])
+def test_filesystem_refusing_o_direct_falls_back_to_buffered_writes(tmp_path: Path, monkeypatch, caplog,
+                                                                    refused_by: str) -> None:
+    real_open, real_write = os.open, os.write
+    direct_fds: set[int] = set()
+    attempts = []
+
+    def fake_open(path, flags, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+        if flags & os.O_DIRECT:
+            attempts.append(path)
+            if refused_by == "open":
+                raise OSError(errno.EINVAL, "Invalid argument")
+            fd = real_open(path, flags, *args, **kwargs)
+            direct_fds.add(fd)
+            return fd
+        return real_open(path, flags, *args, **kwargs)
+
+    def fake_write(fd, data):  # noqa: ANN001, ANN202
+        if fd in direct_fds:
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_write(fd, data)
+
+    monkeypatch.setattr(os, "open", fake_open)
+    monkeypatch.setattr(os, "write", fake_write)
+    caplog.set_level(logging.INFO, logger="fsmount.disk_cache")
+    with DiskCache(tmp_path, BIG, min_free_bytes=0) as cache:
+        for i in range(3):
+            cache.put(chunk_id(i), payload(chunk_id(i)))
+        assert len(attempts) == 1  # turned off after the first refusal
+        assert [cache.get(chunk_id(i)) for i in range(3)] == [payload(chunk_id(i)) for i in range(3)]
+        assert cache.stats.writes == 3 and cache.stats.write_errors == 0
+    refusals = [r for r in caplog.records if "O_DIRECT not supported" in r.getMessage()]
+    assert len(refusals) == 1 and refusals[0].levelno == logging.INFO
+    assert cache_verify(tmp_path) == (3, [])
 
 
 def test_file_removed_behind_the_cache_is_a_plain_miss(tmp_path: Path) -> None:

@@ -14,6 +14,8 @@ Concurrency rules (everything below runs in the trio thread unless it says "in a
   worker reserves a chunk's bytes before fetching and converts the reservation into cached bytes
   when it stores the result; it waits on `_budget_changed` when nothing is evictable.
 - Cache levels and the store are blocking: they run in threads under their own CapacityLimiters.
+- `_writes_pending` counts write-through tasks started and not finished; `_writes_changed` is set
+  (and replaced) whenever it drops, so `drain_writes` can wait for it at unmount.
 """
 
 from __future__ import annotations
@@ -123,6 +125,8 @@ class ChunkEngine:
         self._queued = trio.Semaphore(0)
         self._seq = itertools.count()
         self._nursery: trio.Nursery | None = None
+        self._writes_pending = 0
+        self._writes_changed = trio.Event()
 
     # -- lifecycle -----------------------------------------------------------------------------
 
@@ -306,6 +310,7 @@ class ChunkEngine:
             self._store_in_memory(fetch.cid, data)
             missed = self.levels if hit_level is None else self.levels[:hit_level]
             if missed and self._nursery is not None:
+                self._writes_pending += 1
                 self._nursery.start_soon(self._write_through, missed, fetch.cid, data)
         except trio.Cancelled:
             raise
@@ -350,8 +355,25 @@ class ChunkEngine:
         return data, None
 
     async def _write_through(self, levels: Sequence[ChunkCache], cid: ChunkId, data: bytes) -> None:
-        for level in levels:
-            try:
-                await self._run_blocking(level.put, cid, data, limiter=self._put_limiter)
-            except Exception as exc:  # noqa: BLE001 - a cache level never breaks a read
-                log.warning("cache write of chunk %d of %r failed: %s", cid.index, cid.key, exc)
+        try:
+            for level in levels:
+                try:
+                    await self._run_blocking(level.put, cid, data, limiter=self._put_limiter)
+                except Exception as exc:  # noqa: BLE001 - a cache level never breaks a read
+                    log.warning("cache write of chunk %d of %r failed: %s", cid.index, cid.key, exc)
+        finally:
+            self._writes_pending -= 1
+            self._writes_changed.set()
+            self._writes_changed = trio.Event()
+
+    @property
+    def writes_pending(self) -> int:
+        return self._writes_pending
+
+    async def drain_writes(self, timeout: float) -> int:
+        """Wait up to `timeout` s for the write-through of chunks already fetched (at unmount: a model
+        read just before a restart is then all in the NVMe cache). The number still unwritten."""
+        with trio.move_on_after(timeout):
+            while self._writes_pending:
+                await self._writes_changed.wait()
+        return self._writes_pending

@@ -359,3 +359,49 @@ async def test_a_later_read_of_a_timed_out_chunk_gets_a_fresh_fetch(autojump_clo
         assert gets_started == 2
 
     await run_engine(engine, body)
+
+
+class SlowLevel:
+    """A cache level whose put takes PUT_S virtual seconds (through the engine's runner)."""
+
+    PUT_S = 1.0
+
+    def __init__(self) -> None:
+        self.chunks: dict = {}
+
+    def get(self, cid):  # noqa: ANN001, ANN201
+        return self.chunks.get(cid)
+
+    def contains(self, cid) -> bool:  # noqa: ANN001
+        return cid in self.chunks
+
+    def put(self, cid, data) -> None:  # noqa: ANN001
+        self.chunks[cid] = bytes(data)
+
+
+@pytest.mark.parametrize("timeout, unwritten", [(60.0, 0), (2.5, 2)])  # 2 puts at a time, 1 s each
+async def test_unmount_drains_write_through_within_its_bound(autojump_clock, timeout: float,  # noqa: ANN001
+                                                             unwritten: int) -> None:
+    """Chunks fetched just before unmount still reach the cache level (a model read right before a node
+    restart must be warm after it), but never for longer than the bound."""
+    store = FakeStore()
+    data = put_object(store, "m", 6 * MiB)
+    level = SlowLevel()
+
+    async def run(fn, *args, limiter):  # noqa: ANN001, ANN202
+        async with limiter:
+            await trio.sleep(SlowLevel.PUT_S if fn.__name__ == "put" else LATENCY)
+            return fn(*args)
+
+    engine = ChunkEngine(store, chunk_size=CHUNK, memory_limit=64 * MiB, max_connections=4,
+                         read_timeout=30.0, levels=[level], run_blocking=run)
+
+    async def body() -> None:
+        assert await engine.read(version(store, "m"), 0, 6 * MiB) == data
+        assert engine.writes_pending == 6 and not level.chunks  # 2 put threads, 1 s a put
+        start = trio.current_time()
+        assert await engine.drain_writes(timeout) == unwritten
+        assert len(level.chunks) == 6 - unwritten
+        assert trio.current_time() - start <= timeout
+
+    await run_engine(engine, body)

@@ -258,6 +258,9 @@ class DiskCache:
             except _Corrupt as why:
                 self._drop_corrupt(digest, path, st, str(why))
                 return None
+            # The bytes are about to sit in the engine's memory and the FUSE file's page cache; a third
+            # copy in this file's page cache would only push other pages out.
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
             if time.time_ns() - st.st_mtime_ns > TOUCH_INTERVAL_NS:
                 try:
                     os.utime(fd)

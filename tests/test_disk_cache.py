@@ -292,7 +292,7 @@ def test_data_sits_at_an_aligned_offset_and_is_written_around_the_page_cache(tmp
         cache.put(chunk_id(1), data)
         raw = Path(cache.chunk_path(chunk_id(1))).read_bytes()
         assert len(raw) == ALIGN + len(data) and raw[ALIGN:] == data
-        header_len = 52 + len("weights") + len(chunk_id(1).key) + len("etag-1")
+        header_len = 56 + len("weights") + len(chunk_id(1).key) + len("etag-1")
         assert raw[header_len:ALIGN] == bytes(ALIGN - header_len)
         assert cache.get(chunk_id(1)) == data
         assert cache._direct  # /tmp here is ext4: the O_DIRECT path ran (the fallback has its own test)

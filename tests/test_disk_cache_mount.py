@@ -34,7 +34,7 @@ pytestmark = pytest.mark.mount
 
 MiB = 1 << 20
 CHUNK = MiB
-HEADER_SLACK = 4096  # a chunk file is its data plus a 52-byte header and the bucket/key/etag text
+HEADER_SLACK = 4096  # a chunk file is its data plus a header (56 bytes, bucket/key/etag text, padding to 4 KiB)
 CACHE_ARGS = ("--chunk-size", "1M")
 CORRUPT_WARNING = r"disk cache .*: dropped corrupt chunk file"
 WRITE_FAILED_WARNING = r"disk cache .*: write failed"

@@ -8,7 +8,11 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import mmap
 from typing import Protocol
+
+# A buffer the engine hands a level to read a chunk into (it recycles its chunk buffers).
+WritableBuffer = bytearray | mmap.mmap
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -43,11 +47,13 @@ class ChunkCache(Protocol):
     """get / put / contains by chunk id. Implementations are thread-safe and blocking: the chunk
     engine calls them from worker threads, never from the trio thread."""
 
-    def get(self, chunk: ChunkId) -> bytes | None:
-        """The chunk's bytes, or None if absent or unreadable (never wrong bytes)."""
+    def get(self, chunk: ChunkId, buffer: WritableBuffer | None = None) -> bytes | WritableBuffer | None:
+        """The chunk's bytes, or None if absent or unreadable (never wrong bytes). `buffer`, if given, is
+        the chunk's exact length and the level's to fill and return instead of new bytes (the engine
+        recycles buffers); a level may ignore it."""
         ...
 
-    def put(self, chunk: ChunkId, data: bytes) -> None:
+    def put(self, chunk: ChunkId, data: bytes | WritableBuffer) -> None:
         """Store a chunk; failures (full disk, read-only dir) are absorbed and logged, not raised."""
         ...
 

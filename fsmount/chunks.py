@@ -10,9 +10,16 @@ Concurrency rules (everything below runs in the trio thread unless it says "in a
   finished it (or dropped it) and only if it is still the registered one.
 - `_queue` (a heap) and `_queued` (a Semaphore) move together: every heap push releases the
   semaphore once, so a worker that acquired it always finds an entry to pop.
-- Memory budget: `_cached_bytes + _reserved_bytes <= memory_limit` holds at every checkpoint. A
-  worker reserves a chunk's bytes before fetching and converts the reservation into cached bytes
-  when it stores the result; it waits on `_budget_changed` when nothing is evictable.
+- Memory budget: `_cached_bytes + _reserved_bytes + _pooled_bytes <= memory_limit` holds at every
+  checkpoint. A worker reserves a chunk's bytes before fetching and converts the reservation into
+  cached bytes when it stores the result; it waits on `_budget_changed` when nothing is evictable.
+- Buffer recycling (cache-level hits only; see RECYCLE_BUFFERS): a chunk read from a level into a
+  buffer of ours (an anonymous mmap) is tracked in `_served` until READs have taken as many bytes as
+  it holds (or it was pushed to the page cache), then queued in `_spent`. When a level read needs a
+  buffer, `_take_buffer` moves spent chunks out of `_memory` into `_pool`, but only a buffer nothing
+  else references (sys.getrefcount: not a READ reply, a page-cache push, a waiter's `_Fetch`), so a
+  buffer is never overwritten while anything can still read it. A buffer taken from the pool is
+  covered by its fetch's reservation, so it leaves `_pooled_bytes`.
 - Cache levels and the store are blocking: they run in threads under their own CapacityLimiters.
 - `_writes_pending` counts write-through tasks started and not finished; `_writes_changed` is set
   (and replaced) whenever it drops, so `drain_writes` can wait for it at unmount.
@@ -25,6 +32,8 @@ import dataclasses
 import heapq
 import itertools
 import logging
+import mmap
+import sys
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
@@ -45,11 +54,21 @@ DISK_THREADS = 8
 # writer thread competes with the read path for the GIL and the CPU; on the 2-core bench bed 1-2
 # writers were no slower than 8 for a cold read with --cache-dir (noisy: 144-267 MB/s either way).
 PUT_THREADS = 2
+# Spare chunk buffers kept for reading cache-level hits into. A hit that READs have taken whole is in
+# the kernel page cache; its buffer is worth more as the next hit's (a fresh 8 MiB buffer costs 2048
+# page faults and zeroing: 0.25 CPU-s per 800 MiB more than a reused one on the dev box, 20% of a warm
+# read's daemon CPU). A few cover the DISK_THREADS reads in flight.
+RECYCLE_BUFFERS = DISK_THREADS
 # A READ that joins a fetch whose deadline passed less than this long ago fails at once: it is the
 # kernel re-sending the READ that just failed (same read(2)), which must not wait a second timeout.
 # A READ arriving later is a new attempt by the application: it gets a new fetch and a new deadline,
 # instead of inheriting the old fetch's retry chain (botocore's throttling backoff alone reaches 8 s).
 RETRY_GRACE_S = 1.0
+
+# A chunk's bytes in memory: bytes from the origin, a (recyclable) anonymous mmap from a cache level.
+# An mmap rather than a bytearray: a new one is not zero-filled by a pass of its own, and it is freed
+# (munmap) at once when dropped.
+Chunk = bytes | mmap.mmap
 
 # How blocking calls run: in a worker thread under a limiter. Tests substitute a virtual-time fake.
 RunBlocking = Callable[..., Awaitable[Any]]
@@ -78,6 +97,7 @@ class EngineStats:
     level_hits: int = 0
     prefetch_dropped: int = 0
     fetches_inflight: int = 0
+    buffers_recycled: int = 0
 
 
 class _Fetch:
@@ -88,7 +108,7 @@ class _Fetch:
         self.cid = cid
         self.length = length
         self.done = trio.Event()
-        self.data: bytes | None = None
+        self.data: Chunk | None = None
         self.error: BaseException | None = None
         self.owners: set[object] = set()
         self.demanded = False
@@ -116,9 +136,13 @@ class ChunkEngine:
         self._s3_limiter = trio.CapacityLimiter(max_connections)
         self._disk_limiter = trio.CapacityLimiter(DISK_THREADS)
         self._put_limiter = trio.CapacityLimiter(PUT_THREADS)
-        self._memory: collections.OrderedDict[ChunkId, bytes] = collections.OrderedDict()
+        self._memory: collections.OrderedDict[ChunkId, Chunk] = collections.OrderedDict()
         self._cached_bytes = 0
         self._reserved_bytes = 0
+        self._pool: list[mmap.mmap] = []
+        self._pooled_bytes = 0
+        self._served: dict[ChunkId, int] = {}  # level hits in recyclable buffers: bytes READs took so far
+        self._spent: collections.deque[ChunkId] = collections.deque()
         self._budget_changed = trio.Event()
         self._inflight: dict[ChunkId, _Fetch] = {}
         self._queue: list[tuple[int, int, _Fetch]] = []
@@ -142,20 +166,57 @@ class ChunkEngine:
 
     @property
     def memory_used(self) -> int:
-        return self._cached_bytes + self._reserved_bytes
+        return self._cached_bytes + self._reserved_bytes + self._pooled_bytes
 
     def _signal_budget(self) -> None:
         self._budget_changed.set()
         self._budget_changed = trio.Event()
 
     async def _reserve(self, n: int) -> None:
-        while self._cached_bytes + self._reserved_bytes + n > self.memory_limit:
+        while self.memory_used + n > self.memory_limit:
+            if self._pool:
+                self._pooled_bytes -= len(self._pool.pop())
+                continue
             if self._memory:
-                _, data = self._memory.popitem(last=False)
+                cid, data = self._memory.popitem(last=False)
                 self._cached_bytes -= len(data)
+                self._served.pop(cid, None)
                 continue
             await self._budget_changed.wait()
         self._reserved_bytes += n
+
+    def _take_buffer(self, length: int) -> mmap.mmap | None:
+        """A buffer for a level read of `length` bytes: recycled if one is free, else new (so that it can
+        be recycled later); None for a short last chunk (the level allocates)."""
+        if length != self.chunk_size:
+            return None
+        while not self._pool and self._spent:
+            cid = self._spent.popleft()
+            data = self._memory.get(cid)
+            # 3 references: _memory's, `data`, getrefcount's argument. Any other holder may still
+            # read the buffer, so it stays where it is (evicted in LRU order like any chunk).
+            if type(data) is not mmap.mmap or len(data) != length or sys.getrefcount(data) > 3:
+                continue
+            del self._memory[cid]
+            self._cached_bytes -= length
+            self._pool.append(data)
+            self._pooled_bytes += length
+            self.stats.buffers_recycled += 1
+        if not self._pool:
+            return mmap.mmap(-1, length, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        buffer = self._pool.pop()
+        self._pooled_bytes -= len(buffer)  # the fetch's reservation covers it from here
+        return buffer
+
+    def _note_served(self, cid: ChunkId, nbytes: int, total: int) -> None:
+        served = self._served.get(cid)
+        if served is None:
+            return
+        if served + nbytes >= total:
+            del self._served[cid]
+            self._spent.append(cid)
+        else:
+            self._served[cid] = served + nbytes
 
     def _release(self, n: int) -> None:
         self._reserved_bytes -= n
@@ -203,7 +264,7 @@ class ChunkEngine:
         fetch = self._fetch_for(cid, self.chunk_length(obj, index), PREFETCH)
         fetch.owners.add(owner)
 
-    def fetch(self, obj: ObjectVersion, index: int, owner: object, priority: int = PREFETCH) -> _Fetch | bytes:
+    def fetch(self, obj: ObjectVersion, index: int, owner: object, priority: int = PREFETCH) -> _Fetch | Chunk:
         """Like `prefetch`, but hands back the chunk (if in memory) or its fetch to await."""
         cid = self.chunk_id(obj, index)
         data = self._memory.get(cid)
@@ -214,9 +275,12 @@ class ChunkEngine:
         return fetch
 
     def demote(self, cid: ChunkId) -> None:
-        """Make a chunk the first to be evicted (e.g. once the kernel page cache holds it)."""
+        """Make a chunk the first to be evicted, and its buffer free to recycle: the kernel page cache
+        holds it (it was pushed there)."""
         if cid in self._memory:
             self._memory.move_to_end(cid, last=False)
+            if self._served.pop(cid, None) is not None:
+                self._spent.append(cid)
 
     def abandon(self, owner: object) -> None:
         """`owner` no longer needs its read-ahead; queued fetches nobody else wants are dropped."""
@@ -226,9 +290,9 @@ class ChunkEngine:
                 if not fetch.owners and not fetch.demanded and not fetch.started:
                     fetch.abandoned = True
 
-    def request(self, obj: ObjectVersion, start: int, end: int) -> list[tuple[ChunkId, _Fetch | bytes]]:
+    def request(self, obj: ObjectVersion, start: int, end: int) -> list[tuple[ChunkId, _Fetch | Chunk]]:
         """Start (or join) the fetches covering [start, end) at demand priority; no await."""
-        parts: list[tuple[ChunkId, _Fetch | bytes]] = []
+        parts: list[tuple[ChunkId, _Fetch | Chunk]] = []
         for index in self.chunk_range(obj, start, end):
             cid = self.chunk_id(obj, index)
             data = self._memory.get(cid)
@@ -243,22 +307,23 @@ class ChunkEngine:
             parts.append((cid, fetch))
         return parts
 
-    async def collect(self, parts: list[tuple[ChunkId, _Fetch | bytes]], start: int, end: int) -> bytes | memoryview:
+    async def collect(self, parts: list[tuple[ChunkId, _Fetch | Chunk]], start: int, end: int) -> bytes | memoryview:
         """Wait for the parts of `request` and cut bytes [start, end) out of them. A read within one
         chunk is a zero-copy view of it (pyfuse3 replies from any buffer)."""
-        if len(parts) == 1 and isinstance(parts[0][1], bytes):
+        if len(parts) == 1 and not isinstance(parts[0][1], _Fetch):
             # The common case of a sequential reader: one chunk, already in memory, no waiting.
             cid, data = parts[0]
             lo = start - cid.offset
             hi = min(end - cid.offset, len(data))
             self.stats.bytes_served_memory += hi - lo
+            self._note_served(cid, hi - lo, len(data))
             return memoryview(data)[lo:hi]
         out: list[memoryview] = []
         deadline = min((p.deadline for _, p in parts if isinstance(p, _Fetch)),
                        default=trio.current_time() + self.read_timeout)
         with trio.move_on_at(deadline) as scope:
             for cid, part in parts:
-                if isinstance(part, bytes):
+                if not isinstance(part, _Fetch):
                     data, source = part, "memory"
                 else:
                     await part.done.wait()
@@ -270,6 +335,7 @@ class ChunkEngine:
                 hi = min(end - cid.offset, len(data))
                 out.append(memoryview(data)[lo:hi])
                 self._count_served(source, hi - lo)
+                self._note_served(cid, hi - lo, len(data))
         if scope.cancelled_caught:
             raise ReadTimeout(f"read of {parts[0][0].key!r} timed out after {self.read_timeout:g}s")
         return out[0] if len(out) == 1 else b"".join(out)
@@ -299,6 +365,7 @@ class ChunkEngine:
                 continue
             fetch.started = True
             await self._run_fetch(fetch)
+            del fetch  # this frame waits for the next job: it must not pin the chunk's buffer meanwhile
 
     async def _run_fetch(self, fetch: _Fetch) -> None:
         self.stats.fetches_inflight += 1
@@ -308,6 +375,8 @@ class ChunkEngine:
             fetch.data = data
             fetch.source = "origin" if hit_level is None else "level"
             self._store_in_memory(fetch.cid, data)
+            if type(data) is mmap.mmap:
+                self._served[fetch.cid] = 0
             missed = self.levels if hit_level is None else self.levels[:hit_level]
             if missed and self._nursery is not None:
                 self._writes_pending += 1
@@ -327,19 +396,23 @@ class ChunkEngine:
             del self._inflight[fetch.cid]
         fetch.done.set()
 
-    def _store_in_memory(self, cid: ChunkId, data: bytes) -> None:
+    def _store_in_memory(self, cid: ChunkId, data: Chunk) -> None:
         # The reservation made for this chunk is released by the caller right after; until then
         # both are counted, which errs on the side of the budget.
         old = self._memory.pop(cid, None)
         if old is not None:
             self._cached_bytes -= len(old)
+            self._served.pop(cid, None)
         self._memory[cid] = data
         self._cached_bytes += len(data)
 
-    async def _load(self, cid: ChunkId, length: int) -> tuple[bytes, int | None]:
+    async def _load(self, cid: ChunkId, length: int) -> tuple[Chunk, int | None]:
         """From the first cache level that has it, else from the origin."""
         for i, level in enumerate(self.levels):
-            data = await self._run_blocking(level.get, cid, limiter=self._disk_limiter)
+            # On a miss the buffer is dropped, not pooled: this fetch's reservation still counts it. A new
+            # one costs an mmap call only (its pages are faulted in by the read that fills them).
+            buffer = self._take_buffer(length)
+            data = await self._run_blocking(level.get, cid, buffer, limiter=self._disk_limiter)
             if data is not None and len(data) == length:
                 self.stats.level_hits += 1
                 return data, i
@@ -354,7 +427,7 @@ class ChunkEngine:
         self.stats.origin_bytes += len(data)
         return data, None
 
-    async def _write_through(self, levels: Sequence[ChunkCache], cid: ChunkId, data: bytes) -> None:
+    async def _write_through(self, levels: Sequence[ChunkCache], cid: ChunkId, data: Chunk) -> None:
         try:
             for level in levels:
                 try:

@@ -68,7 +68,7 @@ from typing import Self
 
 import xxhash
 
-from .cache_level import ChunkId
+from .cache_level import ChunkId, WritableBuffer
 
 log = logging.getLogger(__name__)
 
@@ -232,7 +232,9 @@ class DiskCache:
         with self._lock:
             return not self._closed and digest in self._index
 
-    def get(self, chunk: ChunkId) -> bytes | None:
+    def get(self, chunk: ChunkId, buffer: WritableBuffer | None = None) -> bytes | WritableBuffer | None:
+        """The chunk's data, or None. Given a `buffer` of exactly the data's length, reads into it and
+        returns it (on None its contents are undefined)."""
         digest = chunk.digest()
         with self._lock:
             if self._closed or digest not in self._index:
@@ -248,7 +250,7 @@ class DiskCache:
         try:
             st = os.fstat(fd)
             try:
-                stored, data = _read_chunk_file(fd, st.st_size)
+                stored, data = _read_chunk_file(fd, st.st_size, buffer)
                 if stored != chunk:
                     raise _Corrupt(f"header names {stored}")
             except _Corrupt as why:
@@ -271,7 +273,7 @@ class DiskCache:
             self.stats.hits += 1
         return data
 
-    def put(self, chunk: ChunkId, data: bytes) -> None:
+    def put(self, chunk: ChunkId, data: bytes | WritableBuffer) -> None:
         digest = chunk.digest()
         with self._lock:
             if self._closed or digest in self._writing:
@@ -534,7 +536,7 @@ def _pwrite_all(fd: int, view: memoryview, offset: int) -> None:
         view, offset = view[n:], offset + n
 
 
-def _checksum(data: bytes | bytearray) -> int:
+def _checksum(data: bytes | WritableBuffer) -> int:
     return xxhash.xxh3_64_intdigest(data)
 
 
@@ -550,8 +552,11 @@ def _encode_header(chunk: ChunkId, data: bytes) -> bytes:
     return b"".join((prefix, bucket, key, etag))
 
 
-def _read_chunk_file(fd: int, file_size: int) -> tuple[ChunkId, bytes]:
-    """The chunk id named by the header and the data, or _Corrupt unless both are whole and consistent."""
+def _read_chunk_file(
+    fd: int, file_size: int, buffer: WritableBuffer | None = None
+) -> tuple[ChunkId, bytes | WritableBuffer]:
+    """The chunk id named by the header and the data (read into `buffer` if it is the data's exact
+    size), or _Corrupt unless both are whole and consistent."""
     head = os.pread(fd, min(file_size, HEADER_READ_BYTES), 0)
     if len(head) < _PREFIX.size:
         raise _Corrupt("truncated header")
@@ -573,9 +578,15 @@ def _read_chunk_file(fd: int, file_size: int) -> tuple[ChunkId, bytes]:
         raise _Corrupt("padding after the header is not zero")
     bucket_end, key_end = _PREFIX.size + n_bucket, _PREFIX.size + n_bucket + n_key
     bucket, key, etag = head[_PREFIX.size : bucket_end], head[bucket_end:key_end], head[key_end:header_len]
-    data = os.pread(fd, n_data, data_offset) if n_data else b""
-    if len(data) != n_data:
-        raise _Corrupt("file shrank while reading")
+    data: bytes | WritableBuffer
+    if buffer is not None and len(buffer) == n_data:
+        if os.preadv(fd, [buffer], data_offset) != n_data:
+            raise _Corrupt("file shrank while reading")
+        data = buffer
+    else:
+        data = os.pread(fd, n_data, data_offset) if n_data else b""
+        if len(data) != n_data:
+            raise _Corrupt("file shrank while reading")
     if _checksum(data) != data_hash:
         raise _Corrupt("data checksum mismatch")
     return ChunkId(_decode(bucket), _decode(key), _decode(etag), chunk_size, index), data

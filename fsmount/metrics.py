@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 
-from fsmount.cache_level import ChunkCache, ChunkId
+from fsmount.cache_level import ChunkCache, ChunkId, WritableBuffer
 from fsmount.store import ListingPage, ObjectMeta, ObjectStore
 
 if TYPE_CHECKING:
@@ -123,14 +123,14 @@ class CountedLevel:
         self._lock = threading.Lock()
         self.loaded_bytes = 0
 
-    def get(self, chunk: ChunkId) -> bytes | None:
-        data = self._level.get(chunk)
+    def get(self, chunk: ChunkId, buffer: WritableBuffer | None = None) -> bytes | WritableBuffer | None:
+        data = self._level.get(chunk, buffer)
         if data is not None:
             with self._lock:
                 self.loaded_bytes += len(data)
         return data
 
-    def put(self, chunk: ChunkId, data: bytes) -> None:
+    def put(self, chunk: ChunkId, data: bytes | WritableBuffer) -> None:
         self._level.put(chunk, data)
 
     def contains(self, chunk: ChunkId) -> bool:

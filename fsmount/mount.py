@@ -254,9 +254,10 @@ class Daemon:
             self.metrics.close()
         stats = self.engine.stats
         log.info("served bytes: memory=%d cache=%d origin=%d; origin requests=%d bytes=%d errors=%d; "
-                 "cache hits=%d; egress saved=%d", stats.bytes_served_memory, stats.bytes_served_level,
-                 stats.bytes_served_origin, stats.origin_requests, stats.origin_bytes, stats.origin_errors,
-                 stats.level_hits, self.stats.snapshot()["egress_saved_bytes"])
+                 "cache hits=%d; egress saved=%d; buffers recycled=%d", stats.bytes_served_memory,
+                 stats.bytes_served_level, stats.bytes_served_origin, stats.origin_requests, stats.origin_bytes,
+                 stats.origin_errors, stats.level_hits, self.stats.snapshot()["egress_saved_bytes"],
+                 stats.buffers_recycled)
         if self.disk_cache is not None:
             self.disk_cache.close()
 

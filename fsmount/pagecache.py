@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import logging
+import mmap
 from collections.abc import Iterator
 
 import pyfuse3
@@ -68,7 +69,7 @@ class PageCachePusher:
     def release(self, nbytes: int) -> None:
         self.pushed = max(0, self.pushed - nbytes)
 
-    async def push(self, ino: int, offset: int, data: bytes) -> bool:
+    async def push(self, ino: int, offset: int, data: bytes | memoryview | mmap.mmap) -> bool:
         """Store `data` at `offset` of `ino` in the page cache; False if skipped."""
         if self._disabled or self.pushed + len(data) > self.limit:
             return False

@@ -18,7 +18,7 @@ from collections.abc import Awaitable, Callable
 
 import trio
 
-from fsmount.chunks import BACKGROUND, PREFETCH, ChunkEngine, _Fetch
+from fsmount.chunks import BACKGROUND, PREFETCH, Chunk, ChunkEngine, _Fetch
 from fsmount.namespace import ObjectVersion
 from fsmount.pagecache import PageCachePusher
 from fsmount.safetensors import LENGTH_PREFIX, SafetensorsError, header_length, parse_header
@@ -136,9 +136,9 @@ class ModelPrefetcher:
                 part = self.engine.fetch(obj, index, job, job.priority)
                 nursery.start_soon(self._one_chunk, job, index, part, slots)
 
-    async def _one_chunk(self, job: _FilePrefetch, index: int, part: _Fetch | bytes, slots: trio.Semaphore) -> None:
+    async def _one_chunk(self, job: _FilePrefetch, index: int, part: _Fetch | Chunk, slots: trio.Semaphore) -> None:
         try:
-            if not isinstance(part, bytes):
+            if isinstance(part, _Fetch):
                 await part.done.wait()
                 if part.error is not None or part.data is None:
                     return

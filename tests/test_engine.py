@@ -361,22 +361,30 @@ async def test_a_later_read_of_a_timed_out_chunk_gets_a_fresh_fetch(autojump_clo
     await run_engine(engine, body)
 
 
-class SlowLevel:
-    """A cache level whose put takes PUT_S virtual seconds (through the engine's runner)."""
-
-    PUT_S = 1.0
+class MemoryLevel:
+    """A cache level in a dict; fills the engine's buffer when it gets one, as DiskCache does."""
 
     def __init__(self) -> None:
         self.chunks: dict = {}
 
-    def get(self, cid):  # noqa: ANN001, ANN201
-        return self.chunks.get(cid)
+    def get(self, cid, buffer=None):  # noqa: ANN001, ANN201
+        data = self.chunks.get(cid)
+        if data is not None and buffer is not None and len(buffer) == len(data):
+            buffer[:] = data
+            return buffer
+        return data
 
     def contains(self, cid) -> bool:  # noqa: ANN001
         return cid in self.chunks
 
     def put(self, cid, data) -> None:  # noqa: ANN001
         self.chunks[cid] = bytes(data)
+
+
+class SlowLevel(MemoryLevel):
+    """A cache level whose put takes PUT_S virtual seconds (through the engine's runner)."""
+
+    PUT_S = 1.0
 
 
 @pytest.mark.parametrize("timeout, unwritten", [(60.0, 0), (2.5, 2)])  # 2 puts at a time, 1 s each
@@ -403,5 +411,52 @@ async def test_unmount_drains_write_through_within_its_bound(autojump_clock, tim
         assert await engine.drain_writes(timeout) == unwritten
         assert len(level.chunks) == 6 - unwritten
         assert trio.current_time() - start <= timeout
+
+    await run_engine(engine, body)
+
+
+def warm_engine(store: FakeStore, key: str, memory: int) -> tuple[ChunkEngine, MemoryLevel]:
+    """An engine over a level that already holds every chunk of `key`."""
+    level = MemoryLevel()
+    engine = ChunkEngine(store, chunk_size=CHUNK, memory_limit=memory, max_connections=4, read_timeout=30.0,
+                         levels=[level], run_blocking=virtual_latency_runner(store))
+    v = version(store, key)
+    for i in range(-(-v.size // CHUNK)):
+        level.chunks[engine.chunk_id(v, i)] = store.objects[key][i * CHUNK:(i + 1) * CHUNK]
+    return engine, level
+
+
+async def test_level_hits_read_whole_recycle_their_buffers_and_stay_exact(autojump_clock) -> None:  # noqa: ANN001
+    store = FakeStore()
+    data = put_object(store, "m", 40 * CHUNK + 123)
+    engine, _ = warm_engine(store, "m", memory=64 * MiB)
+    handle = OpenFile(1, 1, version(store, "m"), engine, max_readahead=8 * CHUNK)
+
+    async def body() -> None:
+        for off in range(0, len(data), 256 * 1024):  # 4 READs a chunk, as the kernel sends them
+            got = await handle.read(off, 256 * 1024)
+            assert bytes(got) == data[off:off + 256 * 1024]
+            del got  # pyfuse3 drops its reply buffer once written
+            assert engine.memory_used <= engine.memory_limit
+        assert engine.stats.buffers_recycled >= 25, engine.stats
+        assert engine.stats.origin_requests == 0
+
+    await run_engine(engine, body)
+
+
+async def test_a_buffer_anything_still_reads_is_never_recycled(autojump_clock) -> None:  # noqa: ANN001
+    """A reply view held across later reads (as a READ in flight, a page-cache push or a waiter would
+    hold one) keeps its chunk's buffer out of the pool: its bytes never change under it."""
+    store = FakeStore()
+    data = put_object(store, "m", 30 * CHUNK)
+    engine, _ = warm_engine(store, "m", memory=64 * MiB)
+    v = version(store, "m")
+
+    async def body() -> None:
+        held = await engine.read(v, 0, CHUNK)  # chunk 0, read whole: spent, but this view still reads it
+        for i in range(1, 30):
+            assert bytes(await engine.read(v, i * CHUNK, (i + 1) * CHUNK)) == data[i * CHUNK:(i + 1) * CHUNK]
+        assert engine.stats.buffers_recycled >= 20, engine.stats
+        assert bytes(held) == data[:CHUNK]
 
     await run_engine(engine, body)

@@ -364,7 +364,7 @@ def test_stats_cold_then_warm_from_the_nvme_cache(moto_server: S3Server, tmp_pat
     assert rows["hit ratio"].startswith("100.0% of 20.00 MiB read"), res.stdout
     assert rows["origin egress saved"].startswith("20.00 MiB"), res.stdout
     assert rows["origin downloads"] == "0 B in 0 GETs, 0 failed", res.stdout
-    assert rows["NVMe cache"].startswith("20.00 MiB of "), res.stdout
+    assert rows["NVMe cache"].startswith("20.01 MiB of "), res.stdout  # data + a 4 KiB header per chunk
     assert rows["errors"] == "origin 0, cache corrupt 0, cache read 0, cache write 0", res.stdout
     assert {"read from memory", "read from NVMe cache", "read from origin", "origin GET latency",
             "NVMe cache lookups", "memory", "prefetched", "now", "mount"} <= set(rows), res.stdout

@@ -71,7 +71,7 @@ SIZE_SUFFIXES = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 
 #: Workloads per model. `cat` runs the cat binary; the others run bench/scenarios.py in a fresh process.
 SCENARIOS = {
-    "single": ("cat", "load_file", "safe_open"),
+    "single": ("cat", "load_file", "safe_open", "safe_open_reverse", "natural_threads", "quarters"),
     "sharded": ("cat", "load_file", "load_file_threads", "safe_open"),
 }
 

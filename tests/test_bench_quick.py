@@ -26,4 +26,7 @@ def test_quick_bench_runs_every_tool(tmp_path: Path) -> None:
     assert {"curl", "ranged-get", "modelfs", "boto3-download"} <= tools
     modelfs = [r for r in rows if r["tool"] == "modelfs"]
     assert modelfs and all(r["status"] == "ok" for r in modelfs), modelfs
+    # issue #5's access patterns, each checked against the source tensors (status "wrong-data" otherwise)
+    assert {"load_file", "safe_open", "safe_open_reverse", "natural_threads", "quarters",
+            "load_file_threads"} <= {r["scenario"] for r in modelfs}
     assert (tmp_path / "quick.md").read_text().count("| modelfs |") == len(modelfs)

@@ -18,6 +18,8 @@ import boto3
 import pytest
 from botocore.config import Config
 
+from fsmount.testing.seaweed import dying_with_parent
+
 REPO = Path(__file__).resolve().parent.parent
 MOUNT_TIMEOUT = 30.0
 UNMOUNT_TIMEOUT = 30.0
@@ -72,8 +74,9 @@ class S3Server:
 def moto_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Server]:
     port = free_port()
     log = open(tmp_path_factory.mktemp("moto") / "moto.log", "wb")
-    proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-                            stdout=log, stderr=subprocess.STDOUT)
+    # Dies with this test run even if it is killed (or its output pipe closes) before teardown.
+    proc = subprocess.Popen(dying_with_parent([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p",
+                                               str(port)]), stdout=log, stderr=subprocess.STDOUT)
     env = {"AWS_ACCESS_KEY_ID": TEST_KEY, "AWS_SECRET_ACCESS_KEY": TEST_SECRET,
            "AWS_DEFAULT_REGION": TEST_REGION}
     server = S3Server("moto", f"http://127.0.0.1:{port}", env)

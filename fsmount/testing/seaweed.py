@@ -136,6 +136,11 @@ _DIE_WITH_PARENT = (
 )
 
 
+def dying_with_parent(argv: list[str]) -> list[str]:
+    """`argv` run so that it gets SIGTERM when the process that started it dies (test servers)."""
+    return [sys.executable, "-c", _DIE_WITH_PARENT, *argv]
+
+
 class SeaweedServer:
     """One `weed mini` process serving S3 on 127.0.0.1 with a fixed signed test identity.
 
@@ -322,7 +327,7 @@ class SeaweedServer:
             log.write(f"---- {' '.join(command)}\n".encode())
             log.flush()
             self._proc = subprocess.Popen(
-                [sys.executable, "-c", _DIE_WITH_PARENT, *command] if self.die_with_parent else command,
+                dying_with_parent(command) if self.die_with_parent else command,
                 cwd=self.data_dir,
                 env=env,
                 stdin=subprocess.DEVNULL,

@@ -1,0 +1,161 @@
+"""A/B: two (or more) versions of the modelfs source, alternated in one run against one SeaweedFS.
+
+On this shared 2-core bed the same cold `cat` swings by ±40 % within minutes, so a change is judged by
+running the old and the new daemon one after the other, round after round, in the same run, and by the
+CPU each process spent (from /proc/PID/stat), which is steadier than wall time:
+
+    .venv/bin/python bench/ab.py --variant old=/path/to/clone --variant new=. \\
+        --scenarios fill,warm,warm_load,local --rounds 3
+
+A variant is a source tree (a clean clone of another commit, or `.`) put first on PYTHONPATH of the
+daemon; both run with this interpreter, so a variant must not need packages this venv lacks.
+
+Scenarios, each after the page cache is dropped, each on a fresh daemon:
+  cold       cat through a mount without --cache-dir
+  fill       cat through a mount with an emptied --cache-dir (the variant's own)
+  warm       cat through a fresh mount on that cache dir (run `fill` first in the same round)
+  warm_load  safetensors.numpy.load_file through a fresh mount on that cache dir
+  local      cat of the same file on local disk (the #4 baseline)
+  local_load load_file of the same file on local disk
+Per measurement it prints seconds, the daemon's user and system CPU seconds and SeaweedFS's CPU seconds,
+then medians per (scenario, variant). Nothing is left behind: server, mounts and the work dir go.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parent.parent)]
+
+import mounts  # noqa: E402 - bench/ is not a package
+from run import BENCH_DIR, REPO_ROOT, UPLOAD_CONFIG, drop_caches, parse_size  # noqa: E402
+
+from fsmount.testing.models import write_model  # noqa: E402
+from fsmount.testing.seaweed import SeaweedServer  # noqa: E402
+
+BUCKET = "models"
+KEY = "model.safetensors"
+SCENARIOS = ("cold", "fill", "warm", "warm_load", "local", "local_load")
+CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def cpu_seconds(pid: int | None) -> tuple[float, float]:
+    """(user, system) CPU seconds of a live process, all its threads."""
+    if pid is None:
+        return 0.0, 0.0
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return int(fields[11]) / CLOCK_TICKS, int(fields[12]) / CLOCK_TICKS
+
+
+def timed(argv: list[str], env: dict[str, str] | None = None) -> float:
+    start = time.perf_counter()
+    subprocess.run(argv, check=True, stdout=subprocess.DEVNULL, env=env, timeout=600)
+    return time.perf_counter() - start
+
+
+def load_file(path: Path) -> float:
+    env = {**mounts.base_env(), "PYTHONPATH": str(REPO_ROOT)}
+    return timed([sys.executable, str(BENCH_DIR / "scenarios.py"), "load_file", str(path)], env)
+
+
+class AB:
+    def __init__(self, args: argparse.Namespace, work: Path, server: SeaweedServer) -> None:
+        self.args = args
+        self.work = work
+        self.server = server
+        self.endpoint = mounts.Endpoint(server.endpoint_url, BUCKET, server.access_key, server.secret_key,
+                                        server.region)
+        self.model = work / KEY
+        self.mountpoint = work / "mnt"
+
+    def daemon(self, variant: str, cache_dir: Path | None) -> mounts.MountedDaemon:
+        command = mounts.modelfs_command([sys.executable, "-m", "fsmount"], self.endpoint, self.mountpoint,
+                                         self.args.modelfs_args.split(), cache_dir, "info")
+        command.env["PYTHONPATH"] = str(Path(self.args.variants[variant]).resolve())
+        return mounts.MountedDaemon(command, self.mountpoint, self.work / f"{variant}.log")
+
+    def through_mount(self, variant: str, cache_dir: Path | None, workload: str) -> tuple[float, float, float, float]:
+        with self.daemon(variant, cache_dir) as daemon:
+            drop_caches()
+            daemon_before, server_before = cpu_seconds(daemon.pid), cpu_seconds(self.server.pid)
+            path = self.mountpoint / KEY
+            seconds = timed(["cat", str(path)]) if workload == "cat" else load_file(path)
+            daemon_after, server_after = cpu_seconds(daemon.pid), cpu_seconds(self.server.pid)
+        return (seconds, daemon_after[0] - daemon_before[0], daemon_after[1] - daemon_before[1],
+                sum(server_after) - sum(server_before))
+
+    def measure(self, variant: str, scenario: str) -> tuple[float, float, float, float]:
+        cache_dir = self.work / f"cache-{variant}"
+        if scenario == "cold":
+            return self.through_mount(variant, None, "cat")
+        if scenario == "fill":
+            shutil.rmtree(cache_dir, ignore_errors=True)
+            cache_dir.mkdir()
+            return self.through_mount(variant, cache_dir, "cat")
+        if scenario in ("warm", "warm_load"):
+            if not cache_dir.is_dir():
+                raise SystemExit(f"{scenario} needs a filled cache: put fill before it in --scenarios")
+            return self.through_mount(variant, cache_dir, "cat" if scenario == "warm" else "load_file")
+        drop_caches()
+        seconds = timed(["cat", str(self.model)]) if scenario == "local" else load_file(self.model)
+        return seconds, 0.0, 0.0, 0.0
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--variant", action="append", required=True, metavar="NAME=SOURCE_DIR",
+                   help="a modelfs source tree to run the daemon from (repeat: 2 or more)")
+    p.add_argument("--scenarios", default="fill,warm,local", help=f"comma-separated from {','.join(SCENARIOS)}")
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--size", default="1.6G", help="model size, K/M/G binary suffixes")
+    p.add_argument("--modelfs-args", default="", help="extra mount flags for every variant")
+    p.add_argument("--work-dir", type=Path, help="scratch dir on local disk (default: a temp dir in /var/tmp)")
+    args = p.parse_args(argv)
+    args.variants = dict(v.split("=", 1) for v in args.variant)
+    args.scenario_list = args.scenarios.split(",")
+    unknown = set(args.scenario_list) - set(SCENARIOS)
+    if unknown or len(args.variants) < 2:
+        p.error(f"unknown scenarios {sorted(unknown)}" if unknown else "give at least two --variant")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if os.geteuid() != 0:
+        raise SystemExit("bench/ab.py needs root (mounts, drop_caches)")
+    work = Path(tempfile.mkdtemp(prefix="modelfs-ab-", dir=args.work_dir or "/var/tmp"))
+    results: dict[tuple[str, str], list[tuple[float, float, float, float]]] = {}
+    try:
+        with SeaweedServer(work / "weed", buckets=[BUCKET]) as server:
+            ab = AB(args, work, server)
+            write_model(ab.model, parse_size(args.size))
+            server.client().upload_file(str(ab.model), BUCKET, KEY, Config=UPLOAD_CONFIG)
+            for round_no in range(1, args.rounds + 1):
+                for variant in args.variants:
+                    for scenario in args.scenario_list:
+                        out = ab.measure(variant, scenario)
+                        results.setdefault((scenario, variant), []).append(out)
+                        print(f"round {round_no} {variant:8s} {scenario:10s} {out[0]:6.2f} s  daemon user "
+                              f"{out[1]:5.2f} sys {out[2]:5.2f}  weed {out[3]:5.2f} CPU-s", flush=True)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    print("medians: scenario variant seconds daemon-CPU-s weed-CPU-s (every run's seconds)")
+    for (scenario, variant), runs in sorted(results.items()):
+        seconds = statistics.median(r[0] for r in runs)
+        daemon = statistics.median(r[1] + r[2] for r in runs)
+        weed = statistics.median(r[3] for r in runs)
+        print(f"{scenario:10s} {variant:8s} {seconds:6.2f} {daemon:6.2f} {weed:6.2f}  "
+              f"{[round(r[0], 2) for r in runs]}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

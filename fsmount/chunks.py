@@ -142,6 +142,9 @@ class ChunkEngine:
         self._pool: list[mmap.mmap] = []
         self._pooled_bytes = 0
         self._served: dict[ChunkId, int] = {}  # level hits in recyclable buffers: bytes READs took so far
+        # Chunks in _memory that READs have taken bytes from: the kernel caches what a READ returned, so
+        # pushing such a chunk into the page cache would copy it there a second time.
+        self._read_by_kernel: set[ChunkId] = set()
         self._spent: collections.deque[ChunkId] = collections.deque()
         self._budget_changed = trio.Event()
         self._inflight: dict[ChunkId, _Fetch] = {}
@@ -180,7 +183,7 @@ class ChunkEngine:
             if self._memory:
                 cid, data = self._memory.popitem(last=False)
                 self._cached_bytes -= len(data)
-                self._served.pop(cid, None)
+                self._forget(cid)
                 continue
             await self._budget_changed.wait()
         self._reserved_bytes += n
@@ -199,6 +202,7 @@ class ChunkEngine:
                 continue
             del self._memory[cid]
             self._cached_bytes -= length
+            self._read_by_kernel.discard(cid)
             self._pool.append(data)
             self._pooled_bytes += length
             self.stats.buffers_recycled += 1
@@ -208,7 +212,18 @@ class ChunkEngine:
         self._pooled_bytes -= len(buffer)  # the fetch's reservation covers it from here
         return buffer
 
+    def _forget(self, cid: ChunkId) -> None:
+        """A chunk left _memory: drop what was tracked about it."""
+        self._served.pop(cid, None)
+        self._read_by_kernel.discard(cid)
+
+    def read_by_kernel(self, cid: ChunkId) -> bool:
+        """True if READs have already taken bytes of this (in-memory) chunk."""
+        return cid in self._read_by_kernel
+
     def _note_served(self, cid: ChunkId, nbytes: int, total: int) -> None:
+        if cid in self._memory:
+            self._read_by_kernel.add(cid)
         served = self._served.get(cid)
         if served is None:
             return
@@ -402,7 +417,7 @@ class ChunkEngine:
         old = self._memory.pop(cid, None)
         if old is not None:
             self._cached_bytes -= len(old)
-            self._served.pop(cid, None)
+            self._forget(cid)
         self._memory[cid] = data
         self._cached_bytes += len(data)
 

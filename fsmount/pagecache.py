@@ -15,7 +15,7 @@ import contextlib
 import errno
 import logging
 import mmap
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pyfuse3
 import trio
@@ -43,7 +43,7 @@ class PageCachePusher:
         self.limit = limit
         self.pushed = 0
         self._reading: dict[int, list[tuple[int, int]]] = {}
-        self._limiter = trio.CapacityLimiter(1)  # one store at a time keeps the kernel's locks short
+        self._turn = trio.Lock()  # one store at a time keeps the kernel's locks short
         self._disabled = limit <= 0
 
     @property
@@ -69,20 +69,25 @@ class PageCachePusher:
     def release(self, nbytes: int) -> None:
         self.pushed = max(0, self.pushed - nbytes)
 
-    async def push(self, ino: int, offset: int, data: bytes | memoryview | mmap.mmap) -> bool:
-        """Store `data` at `offset` of `ino` in the page cache; False if skipped."""
+    async def push(self, ino: int, offset: int, data: bytes | memoryview | mmap.mmap,
+                   wanted: Callable[[], bool] = lambda: True) -> bool:
+        """Store `data` at `offset` of `ino` in the page cache; False if skipped. Pushes run one at a
+        time; `wanted` is asked again when this one's turn comes (READs may have taken the bytes while
+        it queued, and a push then would copy them into the page cache a second time)."""
         if self._disabled or self.pushed + len(data) > self.limit:
             return False
-        if self._busy(ino, offset, offset + len(data)):
-            return False
-        self.pushed += len(data)
-        try:
-            await trio.to_thread.run_sync(pyfuse3.notify_store, ino, offset, data, limiter=self._limiter)
-        except OSError as exc:
-            if exc.errno == errno.ENOSYS:
-                log.info("the kernel does not support notify_store; page-cache push disabled")
-                self._disabled = True
-            else:
-                log.debug("notify_store of inode %d at %d failed: %s", ino, offset, exc)
-            return False
+        async with self._turn:
+            if self._disabled or not wanted() or self._busy(ino, offset, offset + len(data)):
+                return False
+            self.pushed += len(data)
+            try:
+                await trio.to_thread.run_sync(pyfuse3.notify_store, ino, offset, data)
+            except OSError as exc:
+                self.pushed -= len(data)
+                if exc.errno == errno.ENOSYS:
+                    log.info("the kernel does not support notify_store; page-cache push disabled")
+                    self._disabled = True
+                else:
+                    log.debug("notify_store of inode %d at %d failed: %s", ino, offset, exc)
+                return False
         return True

@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import trio
+import trio.testing
 
 from fsmount.pagecache import PageCachePusher
 from fsmount.prefetch import ModelPrefetcher
@@ -234,3 +235,55 @@ def test_modelfs_prefetch_while_a_server_loads(moto_server: S3Server, mountpoint
         assert warm.returncode == 0, err
         src = load_file(tmp_path / "m4.safetensors")
         assert got.keys() == src.keys() and all(np.array_equal(got[k], src[k]) for k in src)
+
+
+async def test_chunks_readers_already_read_are_not_pushed_again(autojump_clock, tmp_path, monkeypatch) -> None:  # noqa: ANN001, F811
+    """READs put their bytes in the page cache; pushing the same chunk would copy it there twice."""
+    import fsmount.pagecache
+
+    stored: list[int] = []
+    monkeypatch.setattr(fsmount.pagecache.pyfuse3, "notify_store", lambda ino, off, data: stored.append(off))
+    store = FakeStore()
+    store.put("m.safetensors", model_bytes(tmp_path, 12 * MiB))
+    engine = make_engine(store, conns=4, memory=256 * MiB)
+    prefetcher = ModelPrefetcher(engine, PageCachePusher(1 << 40), max_connections=4)
+
+    async def body() -> None:
+        async with trio.open_nursery() as n:
+            await n.start(prefetcher.run)
+            v = version(store, "m.safetensors")
+            await engine.read(v, 0, 3 * CHUNK + 100)  # a reader got through chunks 0-3 first
+            prefetcher.opened(2, v)
+            await prefetcher._active[(v.key, v.etag)].done.wait()
+            chunks = len(engine.chunk_range(v, 0, v.size))
+            assert sorted(stored) == [i * CHUNK for i in range(4, chunks)]
+            assert prefetcher.skipped_read == 4 * CHUNK
+            prefetcher.closed(v)
+            n.cancel_scope.cancel()
+
+    await run_engine(engine, body)
+
+
+async def test_a_queued_push_asks_again_whether_it_is_wanted(monkeypatch) -> None:
+    import fsmount.pagecache
+
+    stored: list[int] = []
+    monkeypatch.setattr(fsmount.pagecache.pyfuse3, "notify_store", lambda ino, off, data: stored.append(off))
+    pusher = PageCachePusher(1 << 40)
+    wanted = True
+    results: list[bool] = []
+
+    async def push(offset: int) -> None:
+        results.append(await pusher.push(2, offset, b"x" * 4096, wanted=lambda: wanted))
+
+    async with trio.open_nursery() as n:
+        async with pusher._turn:  # another push is running: these two queue behind it
+            n.start_soon(push, 0)
+            await trio.testing.wait_all_tasks_blocked()
+            wanted = False  # meanwhile READs took the bytes
+        await trio.testing.wait_all_tasks_blocked()
+    assert results == [False] and stored == [] and pusher.pushed == 0
+    await push(4096)  # wanted() is still False: skipped at once
+    wanted = True
+    await push(8192)
+    assert results == [False, False, True] and stored == [8192] and pusher.pushed == 4096

@@ -10,16 +10,17 @@ Concurrency rules (everything below runs in the trio thread unless it says "in a
   finished it (or dropped it) and only if it is still the registered one.
 - `_queue` (a heap) and `_queued` (a Semaphore) move together: every heap push releases the
   semaphore once, so a worker that acquired it always finds an entry to pop.
-- Memory budget: `_cached_bytes + _reserved_bytes + _pooled_bytes <= memory_limit` holds at every
-  checkpoint. A worker reserves a chunk's bytes before fetching and converts the reservation into
-  cached bytes when it stores the result; it waits on `_budget_changed` when nothing is evictable.
-- Buffer recycling (cache-level hits only; see RECYCLE_BUFFERS): a chunk read from a level into a
-  buffer of ours (an anonymous mmap) is tracked in `_served` until READs have taken as many bytes as
-  it holds (or it was pushed to the page cache), then queued in `_spent`. When a level read needs a
-  buffer, `_take_buffer` moves spent chunks out of `_memory` into `_pool`, but only a buffer nothing
-  else references (sys.getrefcount: not a READ reply, a page-cache push, a waiter's `_Fetch`), so a
-  buffer is never overwritten while anything can still read it. A buffer taken from the pool is
-  covered by its fetch's reservation, so it leaves `_pooled_bytes`.
+- Memory budget: `_cached_bytes + _reserved_bytes <= memory_limit` holds at every checkpoint. A
+  worker reserves a chunk's bytes before fetching and converts the reservation into cached bytes
+  when it stores the result; it waits on `_budget_changed` when nothing is evictable.
+- Buffer recycling (cache-level hits only): a chunk read from a level into a buffer of ours (an
+  anonymous mmap) is tracked in `_served` until READs have taken as many bytes as it holds (or it was
+  pushed to the page cache), then queued in `_spent`. A fetch that can use a buffer first takes one
+  from a spent chunk (`_recycled_buffer`): the chunk leaves `_memory` and its bytes move from
+  `_cached_bytes` to the fetch's reservation, so the budget is unchanged and nothing else is evicted.
+  Failing that, a buffer that `_reserve` evicts in LRU order is reused the same way.
+  Only a buffer nothing else references is taken (sys.getrefcount: not a READ reply, a page-cache
+  push, a waiter's `_Fetch`), so a buffer is never overwritten while anything can still read it.
 - Cache levels and the store are blocking: they run in threads under their own CapacityLimiters.
 - `_writes_pending` counts write-through tasks started and not finished; `_writes_changed` is set
   (and replaced) whenever it drops, so `drain_writes` can wait for it at unmount.
@@ -54,11 +55,8 @@ DISK_THREADS = 8
 # writer thread competes with the read path for the GIL and the CPU; on the 2-core bench bed 1-2
 # writers were no slower than 8 for a cold read with --cache-dir (noisy: 144-267 MB/s either way).
 PUT_THREADS = 2
-# Spare chunk buffers kept for reading cache-level hits into. A hit that READs have taken whole is in
-# the kernel page cache; its buffer is worth more as the next hit's (a fresh 8 MiB buffer costs 2048
-# page faults and zeroing: 0.25 CPU-s per 800 MiB more than a reused one on the dev box, 20% of a warm
-# read's daemon CPU). A few cover the DISK_THREADS reads in flight.
-RECYCLE_BUFFERS = DISK_THREADS
+# Why cache-level hits reuse the buffers of chunks the kernel already holds: a fresh 8 MiB buffer costs
+# 2048 page faults and zeroing, 0.41 against 0.16 CPU-s per 800 MiB for a reused one on the dev box.
 # A READ that joins a fetch whose deadline passed less than this long ago fails at once: it is the
 # kernel re-sending the READ that just failed (same read(2)), which must not wait a second timeout.
 # A READ arriving later is a new attempt by the application: it gets a new fetch and a new deadline,
@@ -139,8 +137,6 @@ class ChunkEngine:
         self._memory: collections.OrderedDict[ChunkId, Chunk] = collections.OrderedDict()
         self._cached_bytes = 0
         self._reserved_bytes = 0
-        self._pool: list[mmap.mmap] = []
-        self._pooled_bytes = 0
         self._served: dict[ChunkId, int] = {}  # level hits in recyclable buffers: bytes READs took so far
         # Chunks in _memory that READs have taken bytes from: the kernel caches what a READ returned, so
         # pushing such a chunk into the page cache would copy it there a second time.
@@ -169,48 +165,49 @@ class ChunkEngine:
 
     @property
     def memory_used(self) -> int:
-        return self._cached_bytes + self._reserved_bytes + self._pooled_bytes
+        return self._cached_bytes + self._reserved_bytes
 
     def _signal_budget(self) -> None:
         self._budget_changed.set()
         self._budget_changed = trio.Event()
 
-    async def _reserve(self, n: int) -> None:
+    async def _reserve(self, n: int, reuse: bool = False) -> mmap.mmap | None:
+        """Reserve n bytes, evicting in LRU order. With `reuse`, an evicted buffer of ours of n bytes that
+        nothing else references is handed back for the new chunk instead of being freed."""
         while self.memory_used + n > self.memory_limit:
-            if self._pool:
-                self._pooled_bytes -= len(self._pool.pop())
-                continue
             if self._memory:
                 cid, data = self._memory.popitem(last=False)
                 self._cached_bytes -= len(data)
                 self._forget(cid)
+                # 2 references: `data` and getrefcount's argument (_memory let go of it above).
+                if reuse and type(data) is mmap.mmap and len(data) == n and sys.getrefcount(data) == 2:
+                    self._reserved_bytes += n
+                    self.stats.buffers_recycled += 1
+                    return data
                 continue
             await self._budget_changed.wait()
         self._reserved_bytes += n
+        return None
 
-    def _take_buffer(self, length: int) -> mmap.mmap | None:
-        """A buffer for a level read of `length` bytes: recycled if one is free, else new (so that it can
-        be recycled later); None for a short last chunk (the level allocates)."""
-        if length != self.chunk_size:
-            return None
-        while not self._pool and self._spent:
+    def _recycled_buffer(self, length: int) -> mmap.mmap | None:
+        """The buffer of a spent chunk, taken out of `_memory` and `_cached_bytes` (the caller counts it
+        as reserved), or None."""
+        for _ in range(len(self._spent)):
             cid = self._spent.popleft()
             data = self._memory.get(cid)
-            # 3 references: _memory's, `data`, getrefcount's argument. Any other holder may still
-            # read the buffer, so it stays where it is (evicted in LRU order like any chunk).
-            if type(data) is not mmap.mmap or len(data) != length or sys.getrefcount(data) > 3:
+            if type(data) is not mmap.mmap or len(data) != length:
+                continue  # evicted (or replaced) since it was spent
+            # 3 references: _memory's, `data`, getrefcount's argument. Any other holder (a reply being
+            # written, a push, a stale queue entry of its fetch) may still read it: try it again later.
+            if sys.getrefcount(data) > 3:
+                self._spent.append(cid)
                 continue
             del self._memory[cid]
             self._cached_bytes -= length
-            self._read_by_kernel.discard(cid)
-            self._pool.append(data)
-            self._pooled_bytes += length
+            self._forget(cid)
             self.stats.buffers_recycled += 1
-        if not self._pool:
-            return mmap.mmap(-1, length, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-        buffer = self._pool.pop()
-        self._pooled_bytes -= len(buffer)  # the fetch's reservation covers it from here
-        return buffer
+            return data
+        return None
 
     def _forget(self, cid: ChunkId) -> None:
         """A chunk left _memory: drop what was tracked about it."""
@@ -384,9 +381,14 @@ class ChunkEngine:
 
     async def _run_fetch(self, fetch: _Fetch) -> None:
         self.stats.fetches_inflight += 1
-        await self._reserve(fetch.length)
+        reuse = bool(self.levels) and fetch.length == self.chunk_size
+        buffer = self._recycled_buffer(fetch.length) if reuse else None
+        if buffer is not None:
+            self._reserved_bytes += fetch.length  # the bytes it held as a cached chunk
+        else:
+            buffer = await self._reserve(fetch.length, reuse=reuse)
         try:
-            data, hit_level = await self._load(fetch.cid, fetch.length)
+            data, hit_level = await self._load(fetch.cid, fetch.length, buffer)
             fetch.data = data
             fetch.source = "origin" if hit_level is None else "level"
             self._store_in_memory(fetch.cid, data)
@@ -421,12 +423,13 @@ class ChunkEngine:
         self._memory[cid] = data
         self._cached_bytes += len(data)
 
-    async def _load(self, cid: ChunkId, length: int) -> tuple[Chunk, int | None]:
-        """From the first cache level that has it, else from the origin."""
+    async def _load(self, cid: ChunkId, length: int, buffer: mmap.mmap | None) -> tuple[Chunk, int | None]:
+        """From the first cache level that has it (read into `buffer`, or a new one), else from the
+        origin (the buffer is then dropped: this fetch's reservation counted it)."""
+        if buffer is None and self.levels and length == self.chunk_size:
+            # An mmap call only: its pages are faulted in by the read that fills them.
+            buffer = mmap.mmap(-1, length, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         for i, level in enumerate(self.levels):
-            # On a miss the buffer is dropped, not pooled: this fetch's reservation still counts it. A new
-            # one costs an mmap call only (its pages are faulted in by the read that fills them).
-            buffer = self._take_buffer(length)
             data = await self._run_blocking(level.get, cid, buffer, limiter=self._disk_limiter)
             if data is not None and len(data) == length:
                 self.stats.level_hits += 1

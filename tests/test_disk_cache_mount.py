@@ -393,6 +393,51 @@ def test_eviction_keeps_the_cache_under_its_size_while_readers_run(moto_server: 
     assert res.returncode == 0 and ", 0 corrupt" in res.stdout, res
 
 
+def test_recycled_buffers_of_cache_hits_never_serve_wrong_bytes(moto_server: S3Server, mountpoint: Path,
+                                                               tmp_path: Path) -> None:
+    """Warm reads under a small memory limit: cache hits are read into buffers that are reused once READs
+    took them whole. Sequential passes (which spend buffers) race 4 random readers (which hold replies
+    in flight), every byte checked, and the daemon reports that it did recycle."""
+    size = 48 * MiB + 777
+    bucket, body = upload(moto_server, size, seed=11)
+    cache = tmp_path / "cache"
+    args = ("--cache-dir", str(cache), "--cache-size", "1G", *CACHE_ARGS)
+    with mounted(moto_server, bucket, mountpoint, *args):
+        assert file_sha(mountpoint / "w.bin") == sha(body)
+    with mounted(moto_server, bucket, mountpoint, *args, "--memory-limit", "24M", "--no-model-prefetch") as m:
+        fd = os.open(mountpoint / "w.bin", os.O_RDONLY)
+        try:
+            def sequential(_: int) -> list[int]:
+                bad = []
+                for _pass in range(3):
+                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                    for off in range(0, size, 128 * 1024):
+                        if os.pread(fd, 128 * 1024, off) != body[off:off + 128 * 1024]:
+                            bad.append(off)
+                return bad
+
+            def random_reads(seed: int) -> list[int]:
+                rng = np.random.default_rng(seed)
+                bad = []
+                for off in rng.integers(0, size, 150):
+                    n = int(rng.choice([4096, 200_000, MiB, 2 * MiB + 5]))
+                    if os.pread(fd, n, int(off)) != body[off:off + n]:
+                        bad.append(int(off))
+                return bad
+
+            assert sequential(0) == []  # alone first: nearly every chunk is READ whole, then recycled
+            with ThreadPoolExecutor(6) as pool:
+                jobs = [pool.submit(sequential, 0), pool.submit(sequential, 1)]
+                jobs += [pool.submit(random_reads, seed) for seed in range(4)]
+                assert [off for job in jobs for off in job.result()] == []
+        finally:
+            os.close(fd)
+    counts = served(m.log())
+    assert counts["origin_requests"] == 0, counts
+    recycled = re.search(r"buffers recycled=(\d+)", m.log())
+    assert recycled is not None and int(recycled.group(1)) >= size // CHUNK, m.log()[-600:]
+
+
 # -- 6. the cache disk is full --------------------------------------------------------------------
 
 @pytest.mark.parametrize("options, expect_warning", [

@@ -55,8 +55,6 @@ DISK_THREADS = 8
 # writer thread competes with the read path for the GIL and the CPU; on the 2-core bench bed 1-2
 # writers were no slower than 8 for a cold read with --cache-dir (noisy: 144-267 MB/s either way).
 PUT_THREADS = 2
-# Why cache-level hits reuse the buffers of chunks the kernel already holds: a fresh 8 MiB buffer costs
-# 2048 page faults and zeroing, 0.41 against 0.16 CPU-s per 800 MiB for a reused one on the dev box.
 # A READ that joins a fetch whose deadline passed less than this long ago fails at once: it is the
 # kernel re-sending the READ that just failed (same read(2)), which must not wait a second timeout.
 # A READ arriving later is a new attempt by the application: it gets a new fetch and a new deadline,
@@ -64,8 +62,9 @@ PUT_THREADS = 2
 RETRY_GRACE_S = 1.0
 
 # A chunk's bytes in memory: bytes from the origin, a (recyclable) anonymous mmap from a cache level.
-# An mmap rather than a bytearray: a new one is not zero-filled by a pass of its own, and it is freed
-# (munmap) at once when dropped.
+# Recyclable because a fresh 8 MiB buffer costs 2048 page faults and zeroing: 0.41 against 0.16 CPU-s
+# per 800 MiB read into a reused one on the dev box. An mmap rather than a bytearray: a new one is not
+# zero-filled by a pass of its own, and it is freed (munmap) at once when dropped.
 Chunk = bytes | mmap.mmap
 
 # How blocking calls run: in a worker thread under a limiter. Tests substitute a virtual-time fake.

@@ -44,15 +44,11 @@ from fsmount.testing.seaweed import SeaweedServer  # noqa: E402
 BUCKET = "models"
 KEY = "model.safetensors"
 SCENARIOS = ("cold", "fill", "warm", "warm_load", "local", "local_load")
-CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 
 
 def cpu_seconds(pid: int | None) -> tuple[float, float]:
-    """(user, system) CPU seconds of a live process, all its threads."""
-    if pid is None:
-        return 0.0, 0.0
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return int(fields[11]) / CLOCK_TICKS, int(fields[12]) / CLOCK_TICKS
+    """(user, system) CPU seconds of a live process, all its threads; zeros if it is gone."""
+    return (mounts.cpu_seconds(pid) if pid is not None else None) or (0.0, 0.0)
 
 
 def timed(argv: list[str], env: dict[str, str] | None = None) -> float:

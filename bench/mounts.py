@@ -227,6 +227,17 @@ def peak_rss_mib(pid: int) -> float | None:
     return None
 
 
+def cpu_seconds(pid: int) -> tuple[float, float] | None:
+    """(user, system) CPU seconds a live process has used, all its threads (`/proc/PID/stat`)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    ticks = os.sysconf("SC_CLK_TCK")
+    return int(fields[11]) / ticks, int(fields[12]) / ticks
+
+
 class MountedDaemon:
     """`with MountedDaemon(cmd, mountpoint, log) as m:` mounted and answering inside; gone after."""
 
@@ -305,6 +316,11 @@ class MountedDaemon:
 
     def peak_rss_mib(self) -> float | None:
         return peak_rss_mib(self.proc.pid) if self.proc and self.proc.poll() is None else None
+
+    def cpu_seconds(self) -> float | None:
+        """User + system CPU seconds the daemon has used so far (None once it is gone)."""
+        used = cpu_seconds(self.proc.pid) if self.proc and self.proc.poll() is None else None
+        return sum(used) if used else None
 
     def stop(self) -> None:
         """fusermount3 -u; if that fails: lazy unmount, SIGTERM, SIGKILL, abort the FUSE connection."""

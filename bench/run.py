@@ -404,12 +404,15 @@ class Bench:
             daemon = mounts.MountedDaemon(command, mountpoint, log_path)
             with daemon:
                 self.cold()
+                cpu_before = daemon.cpu_seconds()
                 try:
                     result = self.scenario(scenario, model, paths)
                 except RuntimeError as exc:
                     raise RuntimeError(f"{exc}\n--- {tool} log tail:\n{daemon.log_tail()}") from exc
+                cpu_after = daemon.cpu_seconds()
                 rss = daemon.peak_rss_mib()
-            record = self.record(tool, model, scenario, **result, peak_rss_mib=rss)
+            cpu = cpu_after - cpu_before if cpu_before is not None and cpu_after is not None else None
+            record = self.record(tool, model, scenario, **result, peak_rss_mib=rss, daemon_cpu_s=cpu)
             self.check_digest(model, result, record)
             notes = list(daemon.notes)
             if tool == "modelfs-warm":  # the daemon logged what it served at unmount
@@ -497,6 +500,8 @@ def summarize(records: list[Record]) -> list[Record]:
             row["mb_s"] = nbytes / seconds / MB
             rss = [float(r["peak_rss_mib"]) for r in ok if r.get("peak_rss_mib") is not None]
             row["peak_rss_mib"] = max(rss) if rss else None
+            cpu = [float(r["daemon_cpu_s"]) for r in ok if r.get("daemon_cpu_s") is not None]
+            row["daemon_cpu_s"] = statistics.median(cpu) if cpu else None
             ratios = [r["bytes"] / r["seconds"] / MB / curl_mb_s[r["round"]] for r in ok if r["round"] in curl_mb_s]
             row["ratio_to_curl"] = statistics.median(ratios) if ratios else None
             if tool in LOCAL_RATIO_TOOLS:
@@ -516,8 +521,9 @@ def summarize(records: list[Record]) -> list[Record]:
 
 def markdown_table(rows: list[Record]) -> str:
     lines = [
-        "| tool | model | scenario | seconds | MB/s | × curl | × local | daemon peak RSS MiB | origin MB | note |",
-        "|---|---|---|---:|---:|---:|---:|---:|---:|---|",
+        "| tool | model | scenario | seconds | MB/s | × curl | × local | daemon CPU s | daemon peak RSS MiB "
+        "| origin MB | note |",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for row in rows:
         seconds = f"{row['seconds']:.2f}" if row.get("seconds") is not None else str(row["status"])
@@ -525,12 +531,13 @@ def markdown_table(rows: list[Record]) -> str:
         ratio = f"{row['ratio_to_curl']:.2f}" if row.get("ratio_to_curl") else ""
         local = f"{row['ratio_to_local']:.2f}" if row.get("ratio_to_local") else ""
         rss = f"{row['peak_rss_mib']:.0f}" if row.get("peak_rss_mib") else ""
+        cpu = f"{row['daemon_cpu_s']:.2f}" if row.get("daemon_cpu_s") is not None else ""
         origin = f"{row['origin_bytes'] / MB:.1f}" if row.get("origin_bytes") is not None else ""
         note = " ".join(str(row.get("note", "")).replace("|", "/").split())
         note = note[-NOTE_CHARS:] if row["status"] == "error" else note[:NOTE_CHARS]  # errors: the end says why
         if row["status"] != "ok" and row.get("seconds") is not None:
             note = f"{row['status']} in some rounds; {note}"
-        cells = [row["tool"], row["model"], row["scenario"], seconds, mb_s, ratio, local, rss, origin, note]
+        cells = [row["tool"], row["model"], row["scenario"], seconds, mb_s, ratio, local, cpu, rss, origin, note]
         lines.append("| " + " | ".join(str(c) for c in cells) + " |")
     return "\n".join(lines)
 

@@ -30,3 +30,4 @@ def test_quick_bench_runs_every_tool(tmp_path: Path) -> None:
     assert {"load_file", "safe_open", "safe_open_reverse", "natural_threads", "quarters",
             "load_file_threads"} <= {r["scenario"] for r in modelfs}
     assert (tmp_path / "quick.md").read_text().count("| modelfs |") == len(modelfs)
+    assert all(r["daemon_cpu_s"] > 0 for r in modelfs), [r.get("daemon_cpu_s") for r in modelfs]

@@ -167,7 +167,9 @@ def mounted(server: S3Server, bucket: str, mountpoint: Path, *extra: str,
     cmd = modelfs_cmd("mount", bucket, str(mountpoint), "--foreground", "--endpoint-url", server.endpoint_url,
                       "--log-level", "debug", *extra)
     with open(log_path, "wb") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=daemon_env(server))
+        # SIGTERM if this test run dies before the finally below: the daemon then unmounts itself.
+        proc = subprocess.Popen(dying_with_parent(cmd), stdout=log, stderr=subprocess.STDOUT,
+                                env=daemon_env(server))
     m = Mount(mountpoint, proc, log_path)
     try:
         deadline = time.monotonic() + MOUNT_TIMEOUT

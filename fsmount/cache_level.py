@@ -11,8 +11,8 @@ import hashlib
 import mmap
 from typing import Protocol
 
-# A buffer the engine hands a level to read a chunk into (it recycles its chunk buffers).
-WritableBuffer = bytearray | mmap.mmap
+# A buffer the engine hands a level to read a chunk into (it recycles its chunk buffers: anonymous mmaps).
+WritableBuffer = mmap.mmap
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

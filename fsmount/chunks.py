@@ -40,7 +40,7 @@ from typing import Any
 
 import trio
 
-from fsmount.cache_level import ChunkCache, ChunkId
+from fsmount.cache_level import ChunkCache, ChunkId, WritableBuffer
 from fsmount.namespace import ObjectVersion
 from fsmount.store import ObjectStore, StoreError
 
@@ -65,7 +65,7 @@ RETRY_GRACE_S = 1.0
 # Recyclable because a fresh 8 MiB buffer costs 2048 page faults and zeroing: 0.41 against 0.16 CPU-s
 # per 800 MiB read into a reused one on the dev box. An mmap rather than a bytearray: a new one is not
 # zero-filled by a pass of its own, and it is freed (munmap) at once when dropped.
-Chunk = bytes | mmap.mmap
+Chunk = bytes | WritableBuffer
 
 # How blocking calls run: in a worker thread under a limiter. Tests substitute a virtual-time fake.
 RunBlocking = Callable[..., Awaitable[Any]]

@@ -399,7 +399,7 @@ class DiskCache:
         (nothing written) if this filesystem does not take O_DIRECT, which also turns it off here."""
         offset = _data_offset(len(header))
         size = offset + len(data)
-        padded = -(-size // ALIGN) * ALIGN
+        padded = _round_up(size)
         stage = self._take_stage(padded)
         try:
             stage[: len(header)] = header
@@ -525,9 +525,14 @@ def _encode(text: str) -> bytes:
     return text.encode("utf-8", "surrogateescape")
 
 
+def _round_up(n: int) -> int:
+    """n rounded up to a multiple of ALIGN."""
+    return -(-n // ALIGN) * ALIGN
+
+
 def _data_offset(header_len: int) -> int:
     """Where a chunk file's data starts: the header rounded up to ALIGN."""
-    return -(-header_len // ALIGN) * ALIGN
+    return _round_up(header_len)
 
 
 def _pwrite_all(fd: int, view: memoryview, offset: int) -> None:

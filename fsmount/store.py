@@ -25,6 +25,8 @@ GET_ATTEMPTS = 3
 GET_BACKOFF_BASE = 0.2
 # botocore's own retries for request-level failures (5xx, throttling, connection refused).
 BOTO_MAX_ATTEMPTS = 4
+# Keys per ListObjectsV2 page: S3's maximum.
+LIST_PAGE_KEYS = 1000
 # Pre-flight check: one attempt, short timeouts, so a wrong endpoint fails in seconds.
 PREFLIGHT_TIMEOUT = 5.0
 
@@ -163,10 +165,13 @@ def translate_error(exc: Exception, bucket: str, what: str) -> StoreError:
 
 
 def _decode_key(raw: str, encoded: bool) -> str | bytes:
-    """Keys are listed url-encoded so that non-UTF-8 keys survive; those come back as bytes."""
+    """Keys are listed url-encoded so that non-UTF-8 keys survive; those come back as bytes.
+
+    The encoding is form encoding: S3 and SeaweedFS send a space as '+' and a literal '+' as '%2B'
+    (moto sends '%20' for a space, which decodes the same way)."""
     if not encoded:
         return raw
-    data = urllib.parse.unquote_to_bytes(raw)
+    data = urllib.parse.unquote_to_bytes(raw.replace("+", " "))
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError:
@@ -202,6 +207,7 @@ class Boto3Store:
             response_checksum_validation="when_required",
         )
         self._client = session.client("s3", endpoint_url=cfg.endpoint_url, config=botocfg)
+        self.list_page_keys = LIST_PAGE_KEYS
 
     def check_bucket(self, prefix: str) -> None:
         try:
@@ -225,8 +231,10 @@ class Boto3Store:
     def list_pages(self, prefix: str) -> Iterator[ListingPage]:
         token: str | None = None
         while True:
-            kwargs: dict[str, Any] = dict(Bucket=self.bucket, Prefix=prefix, Delimiter="/", EncodingType="url")
+            kwargs: dict[str, Any] = dict(Bucket=self.bucket, Prefix=prefix, Delimiter="/", EncodingType="url",
+                                          MaxKeys=self.list_page_keys)
             if token:
+                # Opaque (S3) or the last key as it is (SeaweedFS): never encoded, so sent back unchanged.
                 kwargs["ContinuationToken"] = token
             try:
                 resp = self._client.list_objects_v2(**kwargs)

@@ -156,6 +156,7 @@ class MountStats:
     levels: Sequence[CountedLevel] = ()
     disk_cache: DiskCache | None = None
     open_files: Callable[[], int] = lambda: 0
+    inodes: Callable[[], int] = lambda: 0
     started: float = dataclasses.field(default_factory=time.monotonic)
 
     def snapshot(self) -> dict[str, Any]:
@@ -191,6 +192,8 @@ class MountStats:
             "memory_used_bytes": self.engine.memory_used,
             "memory_limit_bytes": self.engine.memory_limit,
             "open_files": self.open_files(),
+            # Inodes the kernel holds (root included): they go when it sends FORGET.
+            "inodes": self.inodes(),
             "disk_cache": None,
         }
         if self.disk_cache is not None:

@@ -241,7 +241,7 @@ class Daemon:
                                           enabled=cfg.model_prefetch, siblings=self._files_beside)
         self.stats = MountStats(cfg.store.bucket, self.engine, self.prefetcher, self.pusher, self.origin_latency,
                                 levels=self.levels, disk_cache=self.disk_cache,
-                                open_files=lambda: self.ops.open_files)
+                                open_files=lambda: self.ops.open_files, inodes=lambda: self.namespace.inode_count)
         self.ops = Operations(self.namespace, self.engine, self.prefetcher, self.pusher,
                               max_readahead=cfg.max_readahead, stats=self.stats.json_bytes)
 

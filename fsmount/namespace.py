@@ -119,6 +119,11 @@ class Namespace:
 
     # -- inode table ---------------------------------------------------------------------------
 
+    @property
+    def inode_count(self) -> int:
+        """Inodes the kernel holds (its lookup count is above zero), the root included."""
+        return len(self._nodes)
+
     def node(self, ino: int) -> Node:
         try:
             return self._nodes[ino]

@@ -13,6 +13,11 @@ Concurrency rules (everything below runs in the trio thread unless it says "in a
 - Memory budget: `_cached_bytes + _reserved_bytes <= memory_limit` holds at every checkpoint. A
   worker reserves a chunk's bytes before fetching and converts the reservation into cached bytes
   when it stores the result; it waits on `_budget_changed` when nothing is evictable.
+- Pins: a chunk whose write-through to the cache levels is pending is pinned (`_pins[cid]` > 0) and
+  not evicted until it is written, so the bytes the write holds stay counted in `_cached_bytes`, and a
+  cache level slower than the origin makes fetches wait for room instead of piling chunks up outside
+  the budget. Only work that finishes on its own may pin: a page-cache push may not, since it can wait
+  for a READ that waits for room.
 - Buffer recycling (cache-level hits only): a chunk read from a level into a buffer of ours (an
   anonymous mmap) is tracked in `_served` until READs have taken as many bytes as it holds (or it was
   pushed to the page cache), then queued in `_spent`. A fetch that can use a buffer first takes one
@@ -141,6 +146,7 @@ class ChunkEngine:
         # pushing such a chunk into the page cache would copy it there a second time.
         self._read_by_kernel: set[ChunkId] = set()
         self._spent: collections.deque[ChunkId] = collections.deque()
+        self._pins: collections.Counter[ChunkId] = collections.Counter()
         self._budget_changed = trio.Event()
         self._inflight: dict[ChunkId, _Fetch] = {}
         self._queue: list[tuple[int, int, _Fetch]] = []
@@ -174,8 +180,9 @@ class ChunkEngine:
         """Reserve n bytes, evicting in LRU order. With `reuse`, an evicted buffer of ours of n bytes that
         nothing else references is handed back for the new chunk instead of being freed."""
         while self.memory_used + n > self.memory_limit:
-            if self._memory:
-                cid, data = self._memory.popitem(last=False)
+            cid = self._first_evictable()
+            if cid is not None:
+                data = self._memory.pop(cid)
                 self._cached_bytes -= len(data)
                 self._forget(cid)
                 # 2 references: `data` and getrefcount's argument (_memory let go of it above).
@@ -188,6 +195,26 @@ class ChunkEngine:
         self._reserved_bytes += n
         return None
 
+    def _first_evictable(self) -> ChunkId | None:
+        """The least recently used chunk that is not pinned."""
+        if not self._pins:
+            return next(iter(self._memory), None)
+        return next((cid for cid in self._memory if cid not in self._pins), None)
+
+    def pin(self, cid: ChunkId) -> bool:
+        """Keep an in-memory chunk from eviction until `unpin`; False (nothing pinned) if it is not in
+        memory, in which case the caller must not hold on to its bytes."""
+        if cid not in self._memory:
+            return False
+        self._pins[cid] += 1
+        return True
+
+    def unpin(self, cid: ChunkId) -> None:
+        self._pins[cid] -= 1
+        if self._pins[cid] <= 0:
+            del self._pins[cid]
+            self._signal_budget()
+
     def _recycled_buffer(self, length: int) -> mmap.mmap | None:
         """The buffer of a spent chunk, taken out of `_memory` and `_cached_bytes` (the caller counts it
         as reserved), or None."""
@@ -196,6 +223,9 @@ class ChunkEngine:
             data = self._memory.get(cid)
             if type(data) is not mmap.mmap or len(data) != length:
                 continue  # evicted (or replaced) since it was spent
+            if cid in self._pins:
+                self._spent.append(cid)
+                continue
             # 3 references: _memory's, `data`, getrefcount's argument. Any other holder (a reply being
             # written, a push, a stale queue entry of its fetch) may still read it: try it again later.
             if sys.getrefcount(data) > 3:
@@ -284,6 +314,10 @@ class ChunkEngine:
         fetch = self._fetch_for(cid, self.chunk_length(obj, index), priority)
         fetch.owners.add(owner)
         return fetch
+
+    def in_memory(self, cid: ChunkId) -> Chunk | None:
+        """The chunk's bytes if it is in memory; its place in the LRU order does not change."""
+        return self._memory.get(cid)
 
     def demote(self, cid: ChunkId) -> None:
         """Make a chunk the first to be evicted, and its buffer free to recycle: the kernel page cache
@@ -394,7 +428,7 @@ class ChunkEngine:
             if type(data) is mmap.mmap:
                 self._served[fetch.cid] = 0
             missed = self.levels if hit_level is None else self.levels[:hit_level]
-            if missed and self._nursery is not None:
+            if missed and self._nursery is not None and self.pin(fetch.cid):
                 self._writes_pending += 1
                 self._nursery.start_soon(self._write_through, missed, fetch.cid, data)
         except trio.Cancelled:
@@ -452,6 +486,7 @@ class ChunkEngine:
                 except Exception as exc:  # noqa: BLE001 - a cache level never breaks a read
                     log.warning("cache write of chunk %d of %r failed: %s", cid.index, cid.key, exc)
         finally:
+            self.unpin(cid)
             self._writes_pending -= 1
             self._writes_changed.set()
             self._writes_changed = trio.Event()

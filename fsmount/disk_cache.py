@@ -227,6 +227,12 @@ class DiskCache:
         """Where the chunk's file lives (whether or not it is cached)."""
         return self._path(chunk.digest())
 
+    @staticmethod
+    def staging_bytes(chunk_size: int) -> int:
+        """The most memory the staging buffers of puts hold (they live outside the chunk engine's
+        budget, so the daemon's --memory-limit must leave room for them)."""
+        return PUT_STAGES * _round_up(HEADER_READ_BYTES + chunk_size)
+
     def contains(self, chunk: ChunkId) -> bool:
         digest = chunk.digest()
         with self._lock:

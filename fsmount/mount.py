@@ -230,8 +230,11 @@ class Daemon:
         # The engine sees the store and the cache levels through counting proxies (metrics.py).
         self.origin_latency = LatencyHistogram()
         self.levels = [CountedLevel(level) for level in self._cache_levels()]
+        chunk_memory = cfg.chunk_memory
+        if self.disk_cache is not None:
+            chunk_memory = max(4 * cfg.chunk_size, chunk_memory - self.disk_cache.staging_bytes(cfg.chunk_size))
         self.engine = ChunkEngine(TimedStore(self.store, self.origin_latency), chunk_size=cfg.chunk_size,
-                                  memory_limit=cfg.chunk_memory, max_connections=cfg.store.max_connections,
+                                  memory_limit=chunk_memory, max_connections=cfg.store.max_connections,
                                   read_timeout=cfg.store.read_timeout, levels=self.levels)
         self.namespace = Namespace(self.store, self._store_call, prefix=cfg.store.prefix, ttl=cfg.metadata_ttl,
                                    uid=cfg.uid, gid=cfg.gid, file_mode=cfg.file_mode, dir_mode=cfg.dir_mode)

@@ -14,11 +14,14 @@ from __future__ import annotations
 import contextlib
 import errno
 import logging
-import mmap
 from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
 
 import pyfuse3
 import trio
+
+if TYPE_CHECKING:
+    from fsmount.chunks import Chunk
 
 log = logging.getLogger(__name__)
 
@@ -69,15 +72,19 @@ class PageCachePusher:
     def release(self, nbytes: int) -> None:
         self.pushed = max(0, self.pushed - nbytes)
 
-    async def push(self, ino: int, offset: int, data: bytes | memoryview | mmap.mmap,
-                   wanted: Callable[[], bool] = lambda: True) -> bool:
-        """Store `data` at `offset` of `ino` in the page cache; False if skipped. Pushes run one at a
-        time; `wanted` is asked again when this one's turn comes (READs may have taken the bytes while
-        it queued, and a push then would copy them into the page cache a second time)."""
-        if self._disabled or self.pushed + len(data) > self.limit:
+    async def push(self, ino: int, offset: int, length: int, take: Callable[[], Chunk | None]) -> bool:
+        """Store `length` bytes at `offset` of `ino` in the page cache; False if skipped. Pushes run one
+        at a time, and the bytes are taken only when this one's turn comes: `take` returns them, or None
+        when they are no longer wanted (READs took them meanwhile, or they left the daemon's memory).
+        So queued pushes hold no chunk: a queued push cannot keep bytes the memory budget let go of,
+        and cannot block a READ whose pages the kernel locked, which a push of that range waits for."""
+        if self._disabled or self.pushed + length > self.limit:
             return False
         async with self._turn:
-            if self._disabled or not wanted() or self._busy(ino, offset, offset + len(data)):
+            if self._disabled or self._busy(ino, offset, offset + length):
+                return False
+            data = take()
+            if data is None:
                 return False
             self.pushed += len(data)
             try:
@@ -90,4 +97,6 @@ class PageCachePusher:
                 else:
                     log.debug("notify_store of inode %d at %d failed: %s", ino, offset, exc)
                 return False
+            finally:
+                del data
         return True

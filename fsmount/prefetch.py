@@ -143,23 +143,35 @@ class ModelPrefetcher:
                 await part.done.wait()
                 if part.error is not None or part.data is None:
                     return
-                part = part.data
-            self.prefetched_bytes += len(part)
-            offset = index * self.engine.chunk_size
-            cid = self.engine.chunk_id(job.version, index)
-
-            def unread() -> bool:
-                # Once READs took bytes of the chunk the kernel caches them; pushing it then would copy
-                # it a second time (a sequential `cat` otherwise got 1.7 GB pushed on top of 1.4 GB of
-                # READs for a 1.7 GB file). Its READs, not this, tell the engine when it is spent.
-                return not self.engine.read_by_kernel(cid)
-
-            if job.ino is not None and await self.pusher.push(job.ino, offset, part, wanted=unread):
-                job.pushed += len(part)
-                self.engine.demote(cid)
-            elif not unread():
-                self.skipped_read += len(part)
-            else:
-                job.held_in_memory += len(part)
+            length = len(part.data) if isinstance(part, _Fetch) else len(part)
+            # From here on the chunk is the engine's alone: this task holds no reference while its push
+            # waits its turn (see PageCachePusher.push), and takes it back from memory then.
+            del part
+            self.prefetched_bytes += length
+            await self._push(job, index, length)
         finally:
             slots.release()
+
+    async def _push(self, job: _FilePrefetch, index: int, length: int) -> None:
+        cid = self.engine.chunk_id(job.version, index)
+        skipped = ""
+
+        def take() -> Chunk | None:
+            nonlocal skipped
+            if self.engine.read_by_kernel(cid):
+                # READs took bytes of it and the kernel caches what they returned: pushing it now
+                # would copy it a second time. Its READs, not this, tell the engine when it is spent.
+                skipped = "read"
+                return None
+            data = self.engine.in_memory(cid)
+            if data is None:
+                skipped = "evicted"
+            return data
+
+        if job.ino is not None and await self.pusher.push(job.ino, index * self.engine.chunk_size, length, take):
+            job.pushed += length
+            self.engine.demote(cid)
+        elif skipped == "read" or (not skipped and self.engine.read_by_kernel(cid)):
+            self.skipped_read += length
+        else:
+            job.held_in_memory += length

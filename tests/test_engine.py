@@ -415,6 +415,46 @@ async def test_unmount_drains_write_through_within_its_bound(autojump_clock, tim
     await run_engine(engine, body)
 
 
+async def test_a_write_through_backlog_stays_inside_the_memory_budget(autojump_clock) -> None:  # noqa: ANN001
+    """A cache level slower than the origin: chunks waiting for their write-through stay in memory and
+    in the budget (the reader waits for room) instead of piling up outside it."""
+    store = FakeStore()
+    data = put_object(store, "m", 48 * CHUNK)
+    level = SlowLevel()
+
+    async def run(fn, *args, limiter):  # noqa: ANN001, ANN202
+        async with limiter:
+            await trio.sleep(SlowLevel.PUT_S if fn.__name__ == "put" else LATENCY)
+            return fn(*args)
+
+    engine = ChunkEngine(store, chunk_size=CHUNK, memory_limit=8 * CHUNK, max_connections=4,
+                         read_timeout=3600.0, levels=[level], run_blocking=run)
+    v = version(store, "m")
+    peak_unwritten = 0
+
+    async def watch() -> None:
+        nonlocal peak_unwritten
+        while True:
+            # Every chunk a write-through holds is either in memory (counted) or the budget is broken.
+            peak_unwritten = max(peak_unwritten, engine.writes_pending)
+            assert engine.memory_used <= engine.memory_limit
+            await trio.sleep(0.01)
+
+    async def body() -> None:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(watch)
+            for i in range(48):
+                got = await engine.read(v, i * CHUNK, (i + 1) * CHUNK)
+                assert bytes(got) == data[i * CHUNK:(i + 1) * CHUNK]
+                del got
+            assert await engine.drain_writes(3600.0) == 0
+            nursery.cancel_scope.cancel()
+        assert peak_unwritten <= 8, peak_unwritten
+        assert len(level.chunks) == 48
+
+    await run_engine(engine, body)
+
+
 def warm_engine(store: FakeStore, key: str, memory: int) -> tuple[ChunkEngine, MemoryLevel]:
     """An engine over a level that already holds every chunk of `key`."""
     level = MemoryLevel()

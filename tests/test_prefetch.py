@@ -274,7 +274,7 @@ async def test_a_queued_push_asks_again_whether_it_is_wanted(monkeypatch) -> Non
     results: list[bool] = []
 
     async def push(offset: int) -> None:
-        results.append(await pusher.push(2, offset, b"x" * 4096, wanted=lambda: wanted))
+        results.append(await pusher.push(2, offset, 4096, lambda: b"x" * 4096 if wanted else None))
 
     async with trio.open_nursery() as n:
         async with pusher._turn:  # another push is running: these two queue behind it

@@ -1,0 +1,161 @@
+"""`--memory-limit` bounds the daemon's peak RSS (VmHWM) in every combination that holds chunk bytes:
+with and without `--cache-dir`; cold, filling the cache, and warm; a sequential `cat`, 4 readers at random
+offsets, and `modelfs prefetch` of a sharded model (which also streams each shard through the
+safetensors prefetcher and the page-cache pusher). Real mounts on SeaweedFS, a fresh daemon per run, so
+each peak belongs to one combination.
+
+The bound is the limit plus 64 MiB. The model is larger than the largest limit, so every run has to
+evict.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+import subprocess
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import xxhash
+
+from fsmount.testing.models import write_sharded_model
+from tests.conftest import REPO, S3Server, modelfs_cmd, mounted, new_bucket
+
+pytestmark = [pytest.mark.mount, pytest.mark.seaweedfs]
+
+MiB = 1 << 20
+MODEL_BYTES = 1200 * MiB  # above the 1 GiB limit: the cache must evict
+SHARDS = 4
+MARGIN = 64 * MiB
+RANDOM_READERS = 4
+RANDOM_BYTES_PER_READER = 96 * MiB
+
+
+class Model:
+    def __init__(self, directory: Path, bucket: str):
+        self.directory = directory
+        self.bucket = bucket
+        self.files = sorted(p.name for p in directory.iterdir())
+        self.digests = {name: _digest(directory / name) for name in self.files}
+
+
+def _digest(path: Path) -> str:
+    h = xxhash.xxh3_128()
+    with open(path, "rb") as f:
+        while block := f.read(4 * MiB):
+            h.update(block)
+    return h.hexdigest()
+
+
+@pytest.fixture(scope="module")
+def model(seaweed_server: S3Server, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Model]:
+    directory = tmp_path_factory.mktemp("model")
+    write_sharded_model(directory, MODEL_BYTES, shards=SHARDS, seed=7)
+    bucket = new_bucket(seaweed_server, "mem")
+    client = seaweed_server.client()
+    for path in sorted(directory.iterdir()):
+        client.upload_file(str(path), bucket, f"m/{path.name}")
+    yield Model(directory, bucket)
+    shutil.rmtree(directory, ignore_errors=True)
+
+
+def vm_hwm(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError(f"no VmHWM for {pid}")
+
+
+def read_sequentially(root: Path, model: Model) -> None:
+    for name in model.files:
+        assert _digest(root / name) == model.digests[name], name
+
+
+def read_at_random(root: Path, model: Model) -> None:
+    errors: list[BaseException] = []
+    shards = [name for name in model.files if name.endswith(".safetensors")]
+
+    def reader(seed: int) -> None:
+        rng = random.Random(seed)
+        fds = {name: (os.open(root / name, os.O_RDONLY), open(model.directory / name, "rb")) for name in shards}
+        try:
+            done = 0
+            while done < RANDOM_BYTES_PER_READER:
+                name = rng.choice(shards)
+                fd, local = fds[name]
+                size = os.fstat(local.fileno()).st_size
+                length = rng.choice((4096, 128 * 1024, MiB, 3 * MiB + 5))
+                offset = rng.randrange(0, max(1, size - length))
+                got = os.pread(fd, length, offset)
+                assert got == os.pread(local.fileno(), length, offset), (name, offset, length)
+                # Each read really reaches the daemon, not the page cache of an earlier one.
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                done += len(got)
+        except BaseException as exc:  # noqa: BLE001 - re-raised in the test thread
+            errors.append(exc)
+        finally:
+            for fd, local in fds.values():
+                os.close(fd)
+                local.close()
+
+    threads = [threading.Thread(target=reader, args=(i,)) for i in range(RANDOM_READERS)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+
+
+def prefetch_command(root: Path, model: Model) -> None:
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    done = subprocess.run(modelfs_cmd("prefetch", "--quiet", str(root)), env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert done.returncode == 0, done.stderr
+    read_sequentially(root, model)  # from the page cache and the daemon: still exact
+
+
+PATTERNS = {"cat": read_sequentially, "random": read_at_random, "prefetch": prefetch_command}
+
+
+def peak_of_one_run(server: S3Server, model: Model, mountpoint: Path, limit: str, pattern: str,
+                    cache_dir: Path | None) -> int:
+    extra = ["--memory-limit", limit]
+    if cache_dir is not None:
+        extra += ["--cache-dir", str(cache_dir)]
+    with mounted(server, model.bucket, mountpoint, *extra) as m:
+        PATTERNS[pattern](mountpoint / "m", model)
+        return vm_hwm(m.proc.pid)
+
+
+@pytest.mark.parametrize("limit", ["256M", "1G"])
+def test_peak_rss_stays_within_the_memory_limit(seaweed_server: S3Server, model: Model, tmp_path: Path,
+                                                limit: str) -> None:
+    limit_bytes = {"256M": 256 * MiB, "1G": 1024 * MiB}[limit]
+    cache = tmp_path / "cache"
+    peaks: dict[str, int] = {}
+
+    def run(name: str, pattern: str, cache_dir: Path | None) -> None:
+        subprocess.run(["sh", "-c", "echo 3 > /proc/sys/vm/drop_caches"], check=False)
+        peaks[name] = peak_of_one_run(seaweed_server, model, tmp_path / f"mnt-{name}", limit, pattern, cache_dir)
+
+    for pattern in PATTERNS:
+        run(f"{pattern}/no-cache", pattern, None)
+        shutil.rmtree(cache, ignore_errors=True)
+        run(f"{pattern}/cache-filling", pattern, cache)
+    # A full read fills the cache (the daemon drains its write-through at unmount), then every
+    # pattern runs from it.
+    shutil.rmtree(cache, ignore_errors=True)
+    run("fill", "cat", cache)
+    for pattern in PATTERNS:
+        run(f"{pattern}/cache-warm", pattern, cache)
+
+    print(f"VmHWM MiB at --memory-limit {limit}:", {k: v // MiB for k, v in peaks.items()})
+    over = {name: peak // MiB for name, peak in peaks.items() if peak > limit_bytes + MARGIN}
+    assert not over, f"VmHWM MiB over {limit} + 64 MiB: {over}; all: { {k: v // MiB for k, v in peaks.items()} }"
+    # The runs really filled memory: the bound was exercised, not met by an idle daemon.
+    assert max(peaks.values()) > min(limit_bytes, 512 * MiB) // 2, {k: v // MiB for k, v in peaks.items()}
+

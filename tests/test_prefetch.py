@@ -14,6 +14,9 @@ import pytest
 import trio
 import trio.testing
 
+from fsmount.cache_level import ChunkId
+from fsmount.config import DEFAULT_CHUNK_SIZE
+from fsmount.disk_cache import SHARD_HEX_CHARS
 from fsmount.pagecache import PageCachePusher
 from fsmount.prefetch import ModelPrefetcher
 from fsmount.testing.models import write_model
@@ -22,6 +25,12 @@ from tests.fake_store import FakeStore
 from tests.test_engine import CHUNK, autojump_clock, make_engine, run_engine, version  # noqa: F401
 
 MiB = 1 << 20
+
+
+def cache_file(cache: Path, bucket: str, key: str, etag: str, index: int) -> Path:
+    """Where --cache-dir keeps a chunk (of the default size) once it is written through."""
+    digest = ChunkId(bucket, key, etag, DEFAULT_CHUNK_SIZE, index).digest()
+    return cache / "chunks" / digest[:SHARD_HEX_CHARS] / digest
 
 
 def model_bytes(tmp_path: Path, size: int, seed: int = 0) -> bytes:
@@ -205,7 +214,16 @@ def test_opening_one_shard_warms_the_others(moto_server: S3Server, mountpoint: P
         while not all(f"prefetching 'llm/{name}'" in m.log() for name in shards[1:]):
             assert time.monotonic() < deadline, "the other shards were not warmed"
             time.sleep(0.2)
-        time.sleep(1)
+        # The warming is over once every chunk of the other shards (nothing else reads them) has been
+        # fetched and written through to the NVMe cache.
+        warmed = [cache_file(tmp_path / "cache", bucket, f"llm/{name}",
+                             client.head_object(Bucket=bucket, Key=f"llm/{name}")["ETag"], index)
+                  for name in shards[1:]
+                  for index in range(-(-(tmp_path / "sharded" / name).stat().st_size // DEFAULT_CHUNK_SIZE))]
+        while missing := [p for p in warmed if not p.exists()]:
+            assert time.monotonic() < deadline, f"{len(missing)} of {len(warmed)} chunks of the other shards " \
+                                                "never reached the cache"
+            time.sleep(0.1)
         for path in model.files:
             src = load_file(path)
             got = load_file(mountpoint / "llm" / path.name)

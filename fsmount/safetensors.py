@@ -90,7 +90,7 @@ def _tensor(name: str, entry: object, data_start: int) -> Tensor:
     if not isinstance(entry, dict):
         raise SafetensorsError(f"tensor {name!r}: entry is not an object")
     dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
-    if dtype not in DTYPE_SIZES:
+    if not isinstance(dtype, str) or dtype not in DTYPE_SIZES:
         raise SafetensorsError(f"tensor {name!r}: unknown dtype {dtype!r}")
     if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0
                                               for d in shape):

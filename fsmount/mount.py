@@ -29,7 +29,7 @@ from fsmount.namespace import Namespace, ObjectVersion
 from fsmount.operations import Operations
 from fsmount.pagecache import PageCachePusher, default_push_limit
 from fsmount.prefetch import ModelPrefetcher
-from fsmount.store import Boto3Store, StoreError
+from fsmount.store import Boto3Store, StoreError, TransientError
 
 log = logging.getLogger(__name__)
 
@@ -265,8 +265,14 @@ class Daemon:
             self.disk_cache.close()
 
     async def _store_call(self, fn: Callable, *args: object) -> object:
+        """One metadata request (a HEAD, a probe, one listing page) in a thread, given up after
+        --read-timeout whatever botocore's retries are doing: the FUSE request then fails with EIO
+        (or is answered from what the namespace already knows) instead of waiting them out."""
         assert self._meta_limiter is not None
-        return await trio.to_thread.run_sync(fn, *args, limiter=self._meta_limiter, abandon_on_cancel=True)
+        timeout = self.cfg.store.read_timeout
+        with trio.move_on_after(timeout):
+            return await trio.to_thread.run_sync(fn, *args, limiter=self._meta_limiter, abandon_on_cancel=True)
+        raise TransientError(f"{getattr(fn, '__name__', 'metadata request')} timed out after {timeout:g}s")
 
     async def _files_beside(self, ino: int) -> list[tuple[int | None, ObjectVersion]]:
         return await self.namespace.files_beside(self.namespace.node(ino))

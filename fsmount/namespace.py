@@ -30,7 +30,7 @@ import cachetools
 import pyfuse3
 import trio
 
-from fsmount.store import ListingPage, ObjectMeta, ObjectStore, StoreError, TransientError, Unreachable
+from fsmount.store import ObjectMeta, ObjectStore, StoreError, TransientError, Unreachable
 
 log = logging.getLogger(__name__)
 
@@ -345,9 +345,11 @@ class Namespace:
 
     async def _list(self, path: str) -> dict[bytes, DirEntry]:
         prefix = self._dir_prefix(path)
-        pages: list[ListingPage] = await self._call(lambda: list(self._store.list_pages(prefix)))
+        # One call per page, so each page gets the store call's timeout; a failure on any page fails the
+        # whole listing (nothing partial is cached or served).
+        pages = self._store.list_pages(prefix)
         entries: dict[bytes, DirEntry] = {}
-        for page in pages:
+        while (page := await self._call(next, pages, None)) is not None:
             for raw in page.undecodable:
                 self._skip(raw, "not valid UTF-8")
             for meta in page.objects:

@@ -130,6 +130,7 @@ def _client_error_code(exc: Exception) -> tuple[str, int]:
 def translate_error(exc: Exception, bucket: str, what: str) -> StoreError:
     """Map a botocore/urllib3 exception to a StoreError. The one error mapping of the project."""
     from botocore import exceptions as bex
+    from botocore.parsers import ResponseParserError
 
     if isinstance(exc, StoreError):
         return exc
@@ -155,7 +156,9 @@ def translate_error(exc: Exception, bucket: str, what: str) -> StoreError:
     if isinstance(exc, (bex.EndpointConnectionError, bex.ConnectTimeoutError)):
         return Unreachable(f"cannot reach the endpoint: {exc}")
     if isinstance(exc, (bex.ReadTimeoutError, bex.ResponseStreamingError, bex.IncompleteReadError,
-                        bex.ConnectionClosedError, ConnectionError, TimeoutError)):
+                        bex.ConnectionClosedError, ResponseParserError, ConnectionError, TimeoutError)):
+        # ResponseParserError: a listing or error document cut short (truncated XML) is a broken
+        # response, not an answer.
         return TransientError(f"{what}: {type(exc).__name__}: {exc}")
     if isinstance(exc, bex.BotoCoreError):
         return StoreError(f"{what}: {exc}")

@@ -103,11 +103,16 @@ class Rule:
     times: int | None = None     # applies to this many more requests; None: until cleared
     fraction: float = 1.0        # chance that a matching request is hit
     data_only: bool = True       # only GETs with a Range header
+    kind: str | None = None      # only requests of this kind ("lists", "heads", "data_gets"); wins over data_only
+    skip: int = 0                # the first `skip` requests it matches pass untouched (page 3 of 5: skip=2)
     hits: int = 0
+    seen: int = 0
 
     def matches(self, req: _Request) -> bool:
         if self.times is not None and self.hits >= self.times:
             return False
+        if self.kind is not None:
+            return req.kind == self.kind
         return req.is_data_get or not self.data_only
 
 
@@ -286,14 +291,14 @@ class FaultProxy:
 
     def inject(self, fault: Fault | str, *, seconds: float = 0.0, after_bytes: int | None = None,
                status: int = 503, code: str | None = None, times: int | None = None, fraction: float = 1.0,
-               data_only: bool = True) -> Rule:
+               data_only: bool = True, kind: str | None = None, skip: int = 0) -> Rule:
         """Add a fault rule (checked after those added before it). Returns it; `rule.hits` counts."""
         fault = Fault(fault)
         if fault in (Fault.RESET, Fault.TRUNCATE, Fault.SHORT) and after_bytes is None:
             after_bytes = 0
         rule = Rule(fault, seconds=min(seconds, MAX_HOLD_S), after_bytes=after_bytes, status=status,
                     code=code or S3_ERROR_CODES.get(status, "InternalError"), times=times, fraction=fraction,
-                    data_only=data_only)
+                    data_only=data_only, kind=kind, skip=skip)
         with self._lock:
             self._rules.append(rule)
         return rule
@@ -455,7 +460,12 @@ class FaultProxy:
             if self._down is not None:
                 return self._down, None, release
             for rule in self._rules:
-                if rule.matches(req) and (rule.fraction >= 1.0 or self._rng.random() < rule.fraction):
+                if not rule.matches(req):
+                    continue
+                rule.seen += 1
+                if rule.seen <= rule.skip:
+                    continue
+                if rule.fraction >= 1.0 or self._rng.random() < rule.fraction:
                     rule.hits += 1
                     self._counts["faulted"] += 1
                     self._counts[f"fault:{rule.fault.value}"] += 1
@@ -508,7 +518,9 @@ class FaultProxy:
             self._hold(rule.seconds, release)
             return _send_raw(conn, resp.body[cut:]), upstream
         if rule.fault is Fault.SHORT:
-            return _send(conn, dataclasses.replace(resp, body=resp.body[:cut], content_length=None), req), upstream
+            # A HEAD has no body to cut: its Content-Length is the object's size and stays.
+            length = resp.content_length if req.method == "HEAD" else None
+            return _send(conn, dataclasses.replace(resp, body=resp.body[:cut], content_length=length), req), upstream
         _send(conn, resp, req, body_end=cut)  # RESET or TRUNCATE: the promised length never arrives
         if rule.fault is Fault.RESET:
             _reset(conn)

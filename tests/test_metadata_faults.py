@@ -1,0 +1,143 @@
+"""Faults on metadata requests: 5xx storms, stalls, resets and truncated XML injected into the listings
+behind `readdir` and the HEADs and probes behind `lookup`, through the fault proxy on moto.
+
+What each test asserts:
+- a listing that fails on any page (here page 3 of 5) fails whole, with EIO: never a partial directory
+  served as if it were complete, and nothing partial cached;
+- a failing metadata request ends within one `--read-timeout` plus slack (the same bound as reads);
+- a listing or a name the mount already knows keeps serving while metadata requests fail;
+- once the fault ends, the same mount lists and resolves everything.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from fsmount.testing.fault_proxy import Fault, FaultProxy, synthetic_body
+from tests.conftest import S3Server, new_bucket
+from tests.test_faults import FAILING_READ_BOUND_S, READ_TIMEOUT_S, mounted_via
+
+pytestmark = pytest.mark.mount
+
+PAGES = 5
+NAMES = [f"w{i:05d}.bin" for i in range(PAGES * 1000 - 500)]  # 5 pages of at most 1000 keys
+META_ARGS = ("--read-timeout", f"{READ_TIMEOUT_S:g}", "--metadata-ttl", "300", "--no-model-prefetch")
+META_FAILED = r"(opendir|lookup|getattr) failed: "
+
+# fault, inject() arguments. SHORT is truncated XML with a Content-Length that matches it, so only the
+# parser notices; TRUNCATE promises the whole body and closes early.
+FAULTS = {
+    "500": (Fault.ERROR, {"status": 500}),
+    "503-SlowDown": (Fault.ERROR, {"status": 503}),
+    "stall": (Fault.STALL, {"seconds": 100.0}),
+    "stall-mid-body": (Fault.STALL, {"seconds": 100.0, "after_bytes": 300}),
+    "reset": (Fault.RESET, {"after_bytes": 300}),
+    "truncated-xml": (Fault.SHORT, {"after_bytes": 300}),
+    "truncated-connection": (Fault.TRUNCATE, {"after_bytes": 300}),
+}
+
+
+@pytest.fixture
+def proxy(moto_server: S3Server) -> Iterator[FaultProxy]:
+    with FaultProxy(moto_server.endpoint_url) as p:
+        yield p
+
+
+def timed(fn, *args):  # noqa: ANN001, ANN201
+    """(result or the errno it failed with, seconds it took)."""
+    start = time.monotonic()
+    try:
+        result = fn(*args)
+    except OSError as exc:
+        result = exc.errno
+    return result, time.monotonic() - start
+
+
+@pytest.mark.parametrize("fault", list(FAULTS))
+def test_a_listing_failing_on_page_3_of_5_is_eio_never_partial(moto_server: S3Server, proxy: FaultProxy,
+                                                               mountpoint: Path, fault: str) -> None:
+    bucket = new_bucket(moto_server)
+    moto_server.client().put_object(Bucket=bucket, Key="big/", Body=b"")
+    proxy.serve_directory(bucket, "big/", NAMES, size=16)
+    kind, kwargs = FAULTS[fault]
+    with mounted_via(proxy, moto_server, bucket, mountpoint, *META_ARGS, allowed=(META_FAILED,)):
+        assert (mountpoint / "big").is_dir()  # resolved now; only the listing's pages remain
+        lists_before = proxy.counts()["lists"]
+        # Pages 1 and 2 pass; page 3 and every retry of it fail.
+        rule = proxy.inject(kind, kind="lists", skip=2, **kwargs)
+        got, took = timed(os.listdir, mountpoint / "big")
+        assert got == errno.EIO, f"a listing failing on page 3 gave {got if isinstance(got, int) else len(got)}"
+        assert took <= FAILING_READ_BOUND_S, took
+        assert rule.hits >= 1 and proxy.counts()["lists"] - lists_before >= 3
+        # Nothing partial was kept: asked again while the fault holds, it fails again.
+        got, took = timed(os.listdir, mountpoint / "big")
+        assert got == errno.EIO and took <= FAILING_READ_BOUND_S, (got, took)
+        proxy.clear()
+        assert sorted(os.listdir(mountpoint / "big")) == NAMES
+        assert (mountpoint / "big" / NAMES[-1]).read_bytes() == synthetic_body(f"big/{NAMES[-1]}".encode(), 16)
+
+
+@pytest.mark.parametrize("fault", list(FAULTS))
+def test_lookup_of_a_new_name_fails_with_eio_within_the_timeout(moto_server: S3Server, proxy: FaultProxy,
+                                                                mountpoint: Path, fault: str) -> None:
+    bucket = new_bucket(moto_server)
+    client = moto_server.client()
+    client.put_object(Bucket=bucket, Key="d/known.txt", Body=b"known")
+    client.put_object(Bucket=bucket, Key="d/new.txt", Body=b"new bytes")
+    client.put_object(Bucket=bucket, Key="d/sub/x", Body=b"x")
+    kind, kwargs = FAULTS[fault]
+    if "after_bytes" in kwargs:
+        # The directory probe's empty listing is a few hundred bytes: cut it early. (A HEAD has no body,
+        # so a body fault leaves it whole and the probe's failure alone must give EIO.)
+        kwargs = {**kwargs, "after_bytes": 20}
+    with mounted_via(proxy, moto_server, bucket, mountpoint, *META_ARGS, allowed=(META_FAILED,)):
+        assert (mountpoint / "d" / "known.txt").read_bytes() == b"known"  # resolved by HEAD, not listed
+        # Every metadata request fails: the HEAD of the name and the probe for a directory of that name.
+        proxy.inject(kind, data_only=False, **kwargs)
+        for name in ("new.txt", "sub", "missing"):
+            got, took = timed(os.stat, mountpoint / "d" / name)
+            assert got == errno.EIO, (name, got)
+            assert took <= FAILING_READ_BOUND_S, (name, took)
+        # A name the mount knows still resolves (from its metadata, within the TTL) and reads.
+        assert (mountpoint / "d" / "known.txt").read_bytes() == b"known"
+        proxy.clear()
+        assert (mountpoint / "d" / "new.txt").read_bytes() == b"new bytes"
+        assert os.listdir(mountpoint / "d" / "sub") == ["x"]
+        assert sorted(os.listdir(mountpoint / "d")) == ["known.txt", "new.txt", "sub"]
+        with pytest.raises(FileNotFoundError):
+            os.stat(mountpoint / "d" / "missing")
+
+
+def test_known_listings_and_names_keep_serving_while_metadata_fails(moto_server: S3Server, proxy: FaultProxy,
+                                                                    mountpoint: Path) -> None:
+    """Within the TTL nothing is asked; past it, the expired listing and known names are served while the
+    requests that would refresh them fail."""
+    ttl = 2.0
+    bucket = new_bucket(moto_server)
+    client = moto_server.client()
+    files = {f"m/f{i}.bin": os.urandom(1000 + i) for i in range(3)}
+    for key, body in files.items():
+        client.put_object(Bucket=bucket, Key=key, Body=body)
+    args = ("--read-timeout", f"{READ_TIMEOUT_S:g}", "--metadata-ttl", f"{ttl:g}", "--no-model-prefetch")
+    with mounted_via(proxy, moto_server, bucket, mountpoint, *args,
+                     allowed=(META_FAILED, "origin unavailable")):
+        listed_at = time.monotonic()
+        assert sorted(os.listdir(mountpoint / "m")) == ["f0.bin", "f1.bin", "f2.bin"]
+        for key, body in files.items():
+            assert (mountpoint / key).read_bytes() == body
+        proxy.inject(Fault.ERROR, status=500, data_only=False)
+        assert sorted(os.listdir(mountpoint / "m")) == ["f0.bin", "f1.bin", "f2.bin"]  # cached listing
+        # Past the TTL: the listing and the names are asked for again and fail; what is known is served.
+        time.sleep(max(0.0, listed_at + ttl + 0.5 - time.monotonic()))
+        got, took = timed(os.listdir, mountpoint / "m")
+        assert got == ["f0.bin", "f1.bin", "f2.bin"] or sorted(got) == ["f0.bin", "f1.bin", "f2.bin"], got
+        assert took <= FAILING_READ_BOUND_S, took
+        for key, body in files.items():
+            assert (mountpoint / key).read_bytes() == body
+        assert proxy.counts()["faulted"] >= 1  # the refresh really was attempted and failed

@@ -189,6 +189,8 @@ class MountStats:
             "prefetch_dropped": es.prefetch_dropped,
             "pagecache_pushed_bytes": self.pusher.pushed,
             "fetches_inflight": es.fetches_inflight,
+            # Fetched chunks not yet written to the cache levels (written in the background).
+            "cache_writes_pending": self.engine.writes_pending,
             "memory_used_bytes": self.engine.memory_used,
             "memory_limit_bytes": self.engine.memory_limit,
             "open_files": self.open_files(),

@@ -387,6 +387,13 @@ class SlowLevel(MemoryLevel):
     PUT_S = 1.0
 
 
+async def slow_put_runner(fn, *args, limiter):  # noqa: ANN001, ANN201
+    """Blocking calls in virtual time: a put takes SlowLevel.PUT_S, anything else LATENCY."""
+    async with limiter:
+        await trio.sleep(SlowLevel.PUT_S if fn.__name__ == "put" else LATENCY)
+        return fn(*args)
+
+
 @pytest.mark.parametrize("timeout, unwritten", [(60.0, 0), (2.5, 2)])  # 2 puts at a time, 1 s each
 async def test_unmount_drains_write_through_within_its_bound(autojump_clock, timeout: float,  # noqa: ANN001
                                                              unwritten: int) -> None:
@@ -396,13 +403,8 @@ async def test_unmount_drains_write_through_within_its_bound(autojump_clock, tim
     data = put_object(store, "m", 6 * MiB)
     level = SlowLevel()
 
-    async def run(fn, *args, limiter):  # noqa: ANN001, ANN202
-        async with limiter:
-            await trio.sleep(SlowLevel.PUT_S if fn.__name__ == "put" else LATENCY)
-            return fn(*args)
-
     engine = ChunkEngine(store, chunk_size=CHUNK, memory_limit=64 * MiB, max_connections=4,
-                         read_timeout=30.0, levels=[level], run_blocking=run)
+                         read_timeout=30.0, levels=[level], run_blocking=slow_put_runner)
 
     async def body() -> None:
         assert await engine.read(version(store, "m"), 0, 6 * MiB) == data
@@ -422,13 +424,8 @@ async def test_a_write_through_backlog_stays_inside_the_memory_budget(autojump_c
     data = put_object(store, "m", 48 * CHUNK)
     level = SlowLevel()
 
-    async def run(fn, *args, limiter):  # noqa: ANN001, ANN202
-        async with limiter:
-            await trio.sleep(SlowLevel.PUT_S if fn.__name__ == "put" else LATENCY)
-            return fn(*args)
-
     engine = ChunkEngine(store, chunk_size=CHUNK, memory_limit=8 * CHUNK, max_connections=4,
-                         read_timeout=3600.0, levels=[level], run_blocking=run)
+                         read_timeout=3600.0, levels=[level], run_blocking=slow_put_runner)
     v = version(store, "m")
     peak_unwritten = 0
 

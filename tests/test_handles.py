@@ -11,7 +11,6 @@ condition with a deadline instead of sleeping.
 
 from __future__ import annotations
 
-import json
 import os
 import random
 import threading
@@ -19,12 +18,13 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, NamedTuple, TypeVar
+from typing import NamedTuple, TypeVar
 
 import pytest
 
 from fsmount.config import DEFAULT_MAX_CONNECTIONS
 from tests.conftest import S3Server, mounted, new_bucket
+from tests.test_faults import fds_by_kind, mount_stats
 
 pytestmark = pytest.mark.mount
 
@@ -56,25 +56,6 @@ def proc_status(pid: int, field: str) -> int:
         if line.startswith(field + ":"):
             return int(line.split()[1])
     raise AssertionError(f"{field} not in /proc/{pid}/status")
-
-
-def fds_by_kind(pid: int) -> tuple[int, int]:
-    """(sockets, everything else) open in the process."""
-    sockets = other = 0
-    for name in os.listdir(f"/proc/{pid}/fd"):
-        try:
-            target = os.readlink(f"/proc/{pid}/fd/{name}")
-        except OSError:
-            continue  # closed while we looked
-        if target.startswith("socket:"):
-            sockets += 1
-        else:
-            other += 1
-    return sockets, other
-
-
-def mount_stats(mountpoint: Path) -> dict[str, Any]:
-    return json.loads(os.getxattr(mountpoint, "user.modelfs.stats"))
 
 
 def sample(pid: int, mountpoint: Path) -> Sample:

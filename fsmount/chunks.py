@@ -9,7 +9,9 @@ Concurrency rules (everything below runs in the trio thread unless it says "in a
 - `_inflight[cid]` is the one pending `_Fetch` for a chunk; it is removed only by the worker that
   finished it (or dropped it) and only if it is still the registered one.
 - `_queue` (a heap) and `_queued` (a Semaphore) move together: every heap push releases the
-  semaphore once, so a worker that acquired it always finds an entry to pop.
+  semaphore once, so a worker that acquired it always finds an entry to pop. A priority upgrade
+  pushes a new entry and empties the old one (`_QueueEntry.fetch = None`), so an entry left in the
+  heap never keeps a finished fetch's bytes alive outside the memory budget.
 - Memory budget: `_cached_bytes + _reserved_bytes <= memory_limit` holds at every checkpoint. A
   worker reserves a chunk's bytes before fetching and converts the reservation into cached bytes
   when it stores the result; it waits on `_budget_changed` when nothing is evictable.
@@ -102,9 +104,20 @@ class EngineStats:
     buffers_recycled: int = 0
 
 
+class _QueueEntry:
+    __slots__ = ("priority", "seq", "fetch")
+
+    def __init__(self, priority: int, seq: int, fetch: _Fetch):
+        self.priority, self.seq = priority, seq
+        self.fetch: _Fetch | None = fetch
+
+    def __lt__(self, other: _QueueEntry) -> bool:
+        return (self.priority, self.seq) < (other.priority, other.seq)
+
+
 class _Fetch:
     __slots__ = ("cid", "length", "done", "data", "error", "owners", "demanded", "started",
-                 "abandoned", "source", "deadline")
+                 "abandoned", "source", "deadline", "entry")
 
     def __init__(self, cid: ChunkId, length: int):
         self.cid = cid
@@ -122,6 +135,7 @@ class _Fetch:
         # Set at the first demand read: every READ waiting for this fetch gives up at the same
         # time, so the kernel's retry of a failed READ does not wait a second full timeout.
         self.deadline = float("inf")
+        self.entry: _QueueEntry | None = None  # its place in the queue, until a worker takes it
 
 
 class ChunkEngine:
@@ -149,7 +163,7 @@ class ChunkEngine:
         self._pins: collections.Counter[ChunkId] = collections.Counter()
         self._budget_changed = trio.Event()
         self._inflight: dict[ChunkId, _Fetch] = {}
-        self._queue: list[tuple[int, int, _Fetch]] = []
+        self._queue: list[_QueueEntry] = []
         self._queued = trio.Semaphore(0)
         self._seq = itertools.count()
         self._nursery: trio.Nursery | None = None
@@ -281,7 +295,10 @@ class ChunkEngine:
     # -- requests ------------------------------------------------------------------------------
 
     def _enqueue(self, fetch: _Fetch, priority: int) -> None:
-        heapq.heappush(self._queue, (priority, next(self._seq), fetch))
+        if fetch.entry is not None:
+            fetch.entry.fetch = None  # upgraded: the old entry is skipped, and holds nothing meanwhile
+        fetch.entry = _QueueEntry(priority, next(self._seq), fetch)
+        heapq.heappush(self._queue, fetch.entry)
         self._queued.release()
 
     def _fetch_for(self, cid: ChunkId, length: int, priority: int) -> _Fetch:
@@ -401,9 +418,12 @@ class ChunkEngine:
     async def _worker(self) -> None:
         while True:
             await self._queued.acquire()
-            _, _, fetch = heapq.heappop(self._queue)
+            fetch = heapq.heappop(self._queue).fetch
+            if fetch is None:
+                continue  # the entry a priority upgrade left behind
+            fetch.entry = None
             if fetch.started or fetch.done.is_set():
-                continue  # a duplicate entry left behind by a priority upgrade
+                continue
             if fetch.abandoned:
                 self.stats.prefetch_dropped += 1
                 self._finish(fetch)

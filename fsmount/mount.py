@@ -11,6 +11,7 @@ import ctypes
 import errno
 import logging
 import os
+import re
 import shutil
 import signal
 import socket
@@ -81,6 +82,20 @@ def stderr_is_journal() -> bool:
     return (st.st_dev, st.st_ino) == (dev, ino)
 
 
+class DiscardedReleaseReply(logging.Filter):
+    """pyfuse3 logs an ERROR when the kernel refuses a reply with ENOENT, which means the kernel had
+    already dropped that request. For RELEASE nothing is lost: the handle was closed before the reply,
+    and nobody waits for it. That case is logged at DEBUG; every other reply failure stays an ERROR."""
+
+    PATTERN = re.compile(r"fuse_release(dir)?\(\): fuse_reply_\* failed with No such file or directory")
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno >= logging.ERROR and self.PATTERN.search(record.getMessage()):
+            record.levelno, record.levelname = logging.DEBUG, "DEBUG"
+            return logging.getLogger().isEnabledFor(logging.DEBUG)
+        return True
+
+
 def setup_logging(level: str, log_file: str | None = None, use_syslog: bool = False) -> None:
     handler: logging.Handler
     formatter = logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -102,6 +117,9 @@ def setup_logging(level: str, log_file: str | None = None, use_syslog: bool = Fa
     # These libraries log request headers and credential lookups at debug level: never let them.
     for name in QUIET_LOGGERS:
         logging.getLogger(name).setLevel(max(logging.WARNING, root.level))
+    pyfuse3_log = logging.getLogger("pyfuse3")
+    if not any(isinstance(f, DiscardedReleaseReply) for f in pyfuse3_log.filters):
+        pyfuse3_log.addFilter(DiscardedReleaseReply())
 
 
 def check_fuse_available() -> None:

@@ -539,3 +539,20 @@ def test_oss_virtual_host_sigv4_with_a_profile(clean_aws_env: Path, monkeypatch:
         f"[oss]\naws_access_key_id = LTAI5tProfileKey\naws_secret_access_key = {TEST_SECRET}\n")
     for request in oss_requests([*OSS_ARGV, "--profile", "oss"]):
         check_oss_request(request, "LTAI5tProfileKey", TEST_SECRET)
+
+
+def test_only_a_discarded_release_reply_is_downgraded_from_error() -> None:
+    import logging
+
+    from fsmount.mount import DiscardedReleaseReply
+
+    def record(message: str) -> logging.LogRecord:
+        return logging.LogRecord("pyfuse3", logging.ERROR, __file__, 1, message, None, None)
+
+    release = record("fuse_release(): fuse_reply_* failed with No such file or directory")
+    DiscardedReleaseReply().filter(release)
+    assert release.levelno == logging.DEBUG
+    for message in ("fuse_read(): fuse_reply_* failed with No such file or directory",
+                    "fuse_release(): fuse_reply_* failed with Broken pipe"):
+        other = record(message)
+        assert DiscardedReleaseReply().filter(other) and other.levelno == logging.ERROR, message

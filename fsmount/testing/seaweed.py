@@ -119,7 +119,10 @@ def pick_port_pairs(count: int, host: str = "127.0.0.1") -> list[int]:
 
 
 def port_is_free(port: int, host: str = "127.0.0.1") -> bool:
+    """Whether a listener can bind `port` now, as weed's does: with SO_REUSEADDR (Go sets it), so that
+    TIME-WAIT / FIN-WAIT-2 leftovers of a killed server do not count; another listener still does."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             sock.bind((host, port))
         except OSError:

@@ -7,7 +7,8 @@ per chunk at a time (single-flight); a fixed pool of worker tasks runs fetches i
 
 Concurrency rules (everything below runs in the trio thread unless it says "in a thread"):
 - `_inflight[cid]` is the one pending `_Fetch` for a chunk; it is removed only by the worker that
-  finished it (or dropped it) and only if it is still the registered one.
+  finished it (or dropped it) and only if it is still the registered one. A demanded fetch that
+  failed at its deadline stays registered (done, with its error) until RETRY_GRACE_S after it.
 - `_queue` (a heap) and `_queued` (a Semaphore) move together: every heap push releases the
   semaphore once, so a worker that acquired it always finds an entry to pop. A priority upgrade
   pushes a new entry and empties the old one (`_QueueEntry.fetch = None`), so an entry left in the
@@ -49,7 +50,7 @@ import trio
 
 from fsmount.cache_level import ChunkCache, ChunkId, WritableBuffer
 from fsmount.namespace import ObjectVersion
-from fsmount.store import ObjectStore, StoreError
+from fsmount.store import ObjectStore, StoreError, Unreachable
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +68,10 @@ PUT_THREADS = 2
 # A READ arriving later is a new attempt by the application: it gets a new fetch and a new deadline,
 # instead of inheriting the old fetch's retry chain (botocore's throttling backoff alone reaches 8 s).
 RETRY_GRACE_S = 1.0
+# A demanded fetch whose origin refuses connections (a server restarting) tries again after this long,
+# doubling up to the maximum, until its deadline: an outage shorter than --read-timeout costs time only.
+UNREACHABLE_RETRY_S = 0.25
+UNREACHABLE_RETRY_MAX_S = 4.0
 
 # A chunk's bytes in memory: bytes from the origin, a (recyclable) anonymous mmap from a cache level.
 # Recyclable because a fresh 8 MiB buffer costs 2048 page faults and zeroing: 0.41 against 0.16 CPU-s
@@ -441,7 +446,7 @@ class ChunkEngine:
         else:
             buffer = await self._reserve(fetch.length, reuse=reuse)
         try:
-            data, hit_level = await self._load(fetch.cid, fetch.length, buffer)
+            data, hit_level = await self._load(fetch, buffer)
             fetch.data = data
             fetch.source = "origin" if hit_level is None else "level"
             self._store_in_memory(fetch.cid, data)
@@ -462,9 +467,21 @@ class ChunkEngine:
             self._finish(fetch)
 
     def _finish(self, fetch: _Fetch) -> None:
+        fetch.done.set()
+        if self._inflight.get(fetch.cid) is not fetch:
+            return
+        if (fetch.error is not None and fetch.demanded and self._nursery is not None
+                and trio.current_time() >= fetch.deadline):
+            # Failed at its deadline: it stays the chunk's fetch for RETRY_GRACE_S, so the kernel's
+            # immediate re-send of the READ that just failed joins it and fails at once (see _fetch_for).
+            self._nursery.start_soon(self._unregister_after_grace, fetch)
+            return
+        del self._inflight[fetch.cid]
+
+    async def _unregister_after_grace(self, fetch: _Fetch) -> None:
+        await trio.sleep_until(fetch.deadline + RETRY_GRACE_S)
         if self._inflight.get(fetch.cid) is fetch:
             del self._inflight[fetch.cid]
-        fetch.done.set()
 
     def _store_in_memory(self, cid: ChunkId, data: Chunk) -> None:
         # The reservation made for this chunk is released by the caller right after; until then
@@ -476,9 +493,10 @@ class ChunkEngine:
         self._memory[cid] = data
         self._cached_bytes += len(data)
 
-    async def _load(self, cid: ChunkId, length: int, buffer: mmap.mmap | None) -> tuple[Chunk, int | None]:
+    async def _load(self, fetch: _Fetch, buffer: mmap.mmap | None) -> tuple[Chunk, int | None]:
         """From the first cache level that has it (read into `buffer`, or a new one), else from the
         origin (the buffer is then dropped: this fetch's reservation counted it)."""
+        cid, length = fetch.cid, fetch.length
         if buffer is None and self.levels and length == self.chunk_size:
             # An mmap call only: its pages are faulted in by the read that fills them.
             buffer = mmap.mmap(-1, length, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
@@ -488,13 +506,26 @@ class ChunkEngine:
                 self.stats.level_hits += 1
                 return data, i
         end = cid.offset + length
-        self.stats.origin_requests += 1
-        try:
-            data = await self._run_blocking(self.store.get_range, cid.key, cid.etag, cid.offset, end,
-                                            limiter=self._s3_limiter)
-        except Exception:
-            self.stats.origin_errors += 1
-            raise
+        backoff = UNREACHABLE_RETRY_S
+        while True:
+            self.stats.origin_requests += 1
+            try:
+                data = await self._run_blocking(self.store.get_range, cid.key, cid.etag, cid.offset, end,
+                                                limiter=self._s3_limiter)
+                break
+            except Unreachable as exc:
+                self.stats.origin_errors += 1
+                # A restarting origin refuses connections for a moment: a reader that may still wait
+                # (mmap readers die of a failed READ) waits for it, up to the fetch's deadline.
+                wait = min(backoff, fetch.deadline - trio.current_time())
+                if not fetch.demanded or wait <= 0:
+                    raise
+                log.debug("chunk %d of %r: %s; trying again in %.2fs", cid.index, cid.key, exc.message, wait)
+                await trio.sleep(wait)
+                backoff = min(2 * backoff, UNREACHABLE_RETRY_MAX_S)
+            except Exception:
+                self.stats.origin_errors += 1
+                raise
         self.stats.origin_bytes += len(data)
         return data, None
 

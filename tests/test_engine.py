@@ -12,7 +12,7 @@ import trio.testing
 from fsmount.chunks import ChunkEngine
 from fsmount.handles import OpenFile
 from fsmount.readahead import ReadAhead
-from fsmount.store import StoreError, TransientError
+from fsmount.store import StoreError, TransientError, Unreachable
 from tests.fake_store import FakeStore
 
 MiB = 1 << 20
@@ -290,6 +290,42 @@ async def test_store_error_reaches_the_reader_and_is_not_cached(autojump_clock, 
         with pytest.raises(StoreError):
             await engine.read(version(store, "m"), 0, 100)
         assert await engine.read(version(store, "m"), 0, 100) == data[:100]
+
+    await run_engine(engine, body)
+
+
+@pytest.mark.parametrize("down_s, outcome", [(3.0, "exact"), (3600.0, "error")])
+async def test_an_unreachable_origin_is_waited_for_until_the_deadline(autojump_clock, allowed_logs,  # noqa: ANN001
+                                                                      down_s: float, outcome: str) -> None:
+    """Connections refused (a restarting origin): a demand read waits for it up to --read-timeout, with
+    backed-off retries, and gets exact bytes if it returns in time, an error at the deadline if not."""
+    allowed_logs.append("fetching chunk .* failed")
+    store = FakeStore()
+    data = put_object(store, "m", 3 * MiB)
+    engine = make_engine(store, timeout=30.0)
+    attempts: list[float] = []
+
+    def fault(key: str, start: int, end: int) -> None:
+        attempts.append(trio.current_time())
+        if trio.current_time() < down_s:
+            raise Unreachable("connection refused")
+
+    store.fault = fault
+
+    async def body() -> None:
+        start = trio.current_time()
+        if outcome == "exact":
+            assert await engine.read(version(store, "m"), 0, 100) == data[:100]
+            assert trio.current_time() - start < 30.0
+        else:
+            with pytest.raises(StoreError):
+                await engine.read(version(store, "m"), 0, 100)
+            assert trio.current_time() - start <= 30.0 + LATENCY
+            await trio.sleep(5)  # the fetch gives up at its deadline
+            assert engine.stats.fetches_inflight == 0
+            # Backed off, not a tight loop: 0.25 s doubling to 4 s within 30 s is 11 requests.
+            assert len(attempts) <= 12, attempts
+        assert len(attempts) >= 2
 
     await run_engine(engine, body)
 

@@ -16,6 +16,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -87,7 +88,7 @@ def drop_page_cache(path: Path) -> None:
         os.close(fd)
 
 
-@pytest.mark.parametrize("fault", ["stall-3s", "500-burst", "503-burst"])
+@pytest.mark.parametrize("fault", ["stall-3s", "500-burst", "503-burst", "refused-3s"])
 def test_a_fault_shorter_than_the_read_timeout_lets_an_mmap_loader_finish_exact(
         moto_server: S3Server, proxy: FaultProxy, mountpoint: Path, model_file: Path, fault: str) -> None:
     want = expected(model_file)
@@ -98,13 +99,20 @@ def test_a_fault_shorter_than_the_read_timeout_lets_an_mmap_loader_finish_exact(
             rule = proxy.inject(Fault.STALL, seconds=3.0, times=8)
         elif fault == "500-burst":
             rule = proxy.inject(Fault.ERROR, status=500, times=8)
-        else:
+        elif fault == "503-burst":
             # botocore's throttling backoff grows fast: 3 SlowDowns in a row stay well inside the timeout.
             rule = proxy.inject(Fault.ERROR, status=503, times=3)
+        else:
+            rule = None  # a restarting origin: connections refused for 3 s
+            proxy.origin_down(Down.REFUSE)
+            threading.Timer(3.0, proxy.origin_back).start()
         done = load(mountpoint / "m" / "model.safetensors")
         assert done.returncode == 0, (done.returncode, done.stderr[-2000:])
         assert json.loads(done.stdout) == want
-        assert rule.hits >= 1, "the fault never hit a request"
+        if rule is not None:
+            assert rule.hits >= 1, "the fault never hit a request"
+        else:
+            assert mount_stats(mountpoint)["origin"]["errors"] >= 1, "no request met the refusing origin"
         assert m.proc.poll() is None
 
 

@@ -57,6 +57,7 @@ from tests.test_faults import (
     READ_FAILED,
     READ_TIMEOUT_S,
     RECOVERY_S,
+    TIMEOUT_MARGIN_S,
     open_random,
     rand_bytes,
     read_all_exact,
@@ -293,10 +294,11 @@ def assert_failures_only_while_down(readers: list[Reader], killed_at: float, bac
                 f"{r.name}: a read failed {start + took - back_at:.1f}s after weed was back"
 
 
-def assert_a_body_was_cut(m: Mount) -> int:
-    cut = len(re.findall(CUT_MID_BODY, m.log()))
-    assert cut >= 1, "the kill cut no GET mid-body (no 'GET ... failed (' in the daemon's log)"
-    return cut
+def bodies_cut(m: Mount) -> int:
+    """GETs the daemon saw break mid-body. Usually 1-2: the kill comes while weed is blocked writing a
+    body (asserted before the kill), but the kernel may still deliver what weed had queued, in which
+    case the daemon's next request is simply refused."""
+    return len(re.findall(CUT_MID_BODY, m.log()))
 
 
 def verify_all(mountpoint: Path, objects: dict[str, bytes]) -> None:
@@ -357,7 +359,7 @@ def test_kill9_longer_than_read_timeout_eio_in_time_then_same_mount_recovers(tmp
                                        "every reader reading exactly again after the restart", RECOVERY_S,
                                        problems, m)
                 assert not problems, problems
-                cut = assert_a_body_was_cut(m)
+                cut = bodies_cut(m)
                 assert_failures_only_while_down(readers, killed_at, back_at)
                 print(f"\nkill -9 ({unsent >> 10} KiB unsent, {cut} GET cut mid-body) for "
                       f"{back_at - killed_at:.1f}s: {summary(readers)}; every reader failed late "
@@ -370,8 +372,8 @@ def test_kill9_longer_than_read_timeout_eio_in_time_then_same_mount_recovers(tmp
 
 
 def test_kill9_and_immediate_restart_readers_finish_exact(tmp_path: Path) -> None:
-    """Down for a restart's time only: reads in flight get exact bytes or EIO in time, none fails once
-    weed is back (beyond one bound), and every reader reads its object to the end, exactly."""
+    """Down for a restart's time only: reads in flight wait for it (no EIO when weed is back within the
+    read timeout), none fails once weed is back, and every reader reads its object to the end, exactly."""
     mountpoint = tmp_path / "mnt"
     with own_seaweed(tmp_path) as weed:
         objects = make_objects(weed)
@@ -386,8 +388,12 @@ def test_kill9_and_immediate_restart_readers_finish_exact(tmp_path: Path) -> Non
                                    and all(r.first_ok_started_after(back_at) for r in readers if not r.sequential),
                                    "every reader reading exactly again after the restart", RECOVERY_S, problems, m)
             assert not problems, problems
-            cut = assert_a_body_was_cut(m)
+            cut = bodies_cut(m)
             assert_failures_only_while_down(readers, killed_at, back_at)
+            if back_at - killed_at < READ_TIMEOUT_S - TIMEOUT_MARGIN_S:
+                # Back within the read timeout: a refused connection is retried until the fetch's
+                # deadline, so no reader saw the outage at all.
+                assert not [f for r in readers for f in r.failures()], summary(readers)
             print(f"\nkill -9 ({unsent >> 10} KiB unsent, {cut} GET cut mid-body) and restart in {restart_s:.1f}s: "
                   f"{summary(readers)}; all readers exact again / done {done_at - back_at:.1f}s after it")
             verify_all(mountpoint, objects)

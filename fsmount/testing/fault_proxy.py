@@ -250,8 +250,6 @@ class FaultProxy:
         self._listener: socket.socket | None = None
         self._down: Down | None = None
         self._listening = threading.Event()   # set while the listener is open
-        self._last_request = time.monotonic()
-        self._active_requests = 0
         self._synthetic: list[_SyntheticDirectory] = []
         self.port = 0
 
@@ -350,18 +348,6 @@ class FaultProxy:
         with self._lock:
             return list(self._log)
 
-    def wait_quiet(self, quiet_s: float, timeout_s: float) -> bool:
-        """Wait until no request has been in progress or arrived for `quiet_s`; False on timeout."""
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            with self._lock:
-                idle_for = time.monotonic() - self._last_request
-                busy = self._active_requests > 0
-            if not busy and idle_for >= quiet_s:
-                return True
-            self._stop.wait(min(0.05, quiet_s))
-        return False
-
     # -- accept loop ---------------------------------------------------------------------------
 
     def _open_listener(self, port: int) -> None:
@@ -435,14 +421,7 @@ class FaultProxy:
                 with self._lock:
                     self._counts["requests"] += 1
                     self._counts[req.kind] += 1
-                    self._last_request = time.monotonic()
-                    self._active_requests += 1
-                try:
-                    keep, upstream = self._handle(conn, req, upstream)
-                finally:
-                    with self._lock:
-                        self._active_requests -= 1
-                        self._last_request = time.monotonic()
+                keep, upstream = self._handle(conn, req, upstream)
                 if not keep:
                     return
         finally:

@@ -56,6 +56,3 @@ class ChunkCache(Protocol):
     def put(self, chunk: ChunkId, data: bytes | WritableBuffer) -> None:
         """Store a chunk; failures (full disk, read-only dir) are absorbed and logged, not raised."""
         ...
-
-    def contains(self, chunk: ChunkId) -> bool:
-        ...

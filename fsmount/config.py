@@ -131,7 +131,6 @@ class MountConfig:
     cache_size: str = "80%"
     model_prefetch: bool = True
     pagecache_push_limit: int | None = None  # None: a share of MemAvailable at mount time
-    fsname: str = ""
 
     @property
     def chunk_memory(self) -> int:

@@ -133,9 +133,6 @@ class CountedLevel:
     def put(self, chunk: ChunkId, data: bytes | WritableBuffer) -> None:
         self._level.put(chunk, data)
 
-    def contains(self, chunk: ChunkId) -> bool:
-        return self._level.contains(chunk)
-
 
 # -- the snapshot ---------------------------------------------------------------------------------
 

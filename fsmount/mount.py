@@ -297,7 +297,7 @@ class Daemon:
 
     def fuse_options(self) -> set[str]:
         opts = set(pyfuse3.default_options)
-        opts |= {f"fsname={self.cfg.fsname or self.cfg.store.bucket}", "subtype=modelfs", "ro"}
+        opts |= {f"fsname={self.cfg.store.bucket}", "subtype=modelfs", "ro"}
         if self.cfg.allow_other:
             opts.add("allow_other")
         return opts

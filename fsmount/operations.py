@@ -29,15 +29,6 @@ T = TypeVar("T")
 WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_APPEND | os.O_TRUNC | os.O_CREAT
 
 
-def to_errno(exc: BaseException) -> int:
-    """The one mapping from a failure to what the reader sees."""
-    if isinstance(exc, pyfuse3.FUSEError):
-        return exc.errno
-    if isinstance(exc, StoreError):
-        return exc.errno
-    return errno.EIO
-
-
 def _fuse_errors(fn: Callable[..., Coroutine[Any, Any, T]]) -> Callable[..., Coroutine[Any, Any, T]]:
     @functools.wraps(fn)
     async def wrapper(*args: Any, **kwargs: Any) -> T:

@@ -27,7 +27,6 @@ class Stream:
     next_offset: int
     window: int = 0
     prefetched_to: int = 0
-    hits: int = 0
     last_used: int = 0
 
 
@@ -75,7 +74,6 @@ class ReadAhead:
                 dropped.append(oldest)
             self.streams.append(stream)
         else:
-            stream.hits += 1
             adjacent = abs(offset - stream.next_offset) <= self.chunk_size
             if end > stream.next_offset:
                 stream.next_offset = end

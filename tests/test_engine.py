@@ -410,9 +410,6 @@ class MemoryLevel:
             return buffer
         return data
 
-    def contains(self, cid) -> bool:  # noqa: ANN001
-        return cid in self.chunks
-
     def put(self, cid, data) -> None:  # noqa: ANN001
         self.chunks[cid] = bytes(data)
 

@@ -1,4 +1,5 @@
-"""The narrow interface every chunk-cache level implements, and the chunk id that keys it.
+"""The narrow interface every chunk-cache level implements, the chunk id that keys it, and the object
+version a chunk belongs to.
 
 A level (memory, local NVMe, later a fleet-shared bucket) only stores and returns whole chunks by
 `ChunkId`; it never talks to the origin and never decides what to fetch.
@@ -13,6 +14,15 @@ from typing import Protocol
 
 # A buffer the engine hands a level to read a chunk into (it recycles its chunk buffers: anonymous mmaps).
 WritableBuffer = mmap.mmap
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ObjectVersion:
+    """What an open handle pins: one version of one object."""
+
+    key: str
+    etag: str
+    size: int
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -48,8 +48,7 @@ from typing import Any
 
 import trio
 
-from fsmount.cache_level import ChunkCache, ChunkId, WritableBuffer
-from fsmount.namespace import ObjectVersion
+from fsmount.cache_level import ChunkCache, ChunkId, ObjectVersion, WritableBuffer
 from fsmount.store import ObjectStore, StoreError, Unreachable
 
 log = logging.getLogger(__name__)

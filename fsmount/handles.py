@@ -6,8 +6,8 @@ It never talks to the store directly and never changes the version it pinned at 
 
 from __future__ import annotations
 
+from fsmount.cache_level import ObjectVersion
 from fsmount.chunks import ChunkEngine
-from fsmount.namespace import ObjectVersion
 from fsmount.readahead import ReadAhead
 
 

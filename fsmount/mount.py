@@ -22,11 +22,12 @@ from collections.abc import Callable
 import pyfuse3
 import trio
 
+from fsmount.cache_level import ObjectVersion
 from fsmount.chunks import ChunkEngine
 from fsmount.config import ConfigError, MountConfig, parse_size
 from fsmount.disk_cache import CacheDirBusy, DiskCache, bytes_for_fraction
 from fsmount.metrics import CountedLevel, LatencyHistogram, MetricsAddressError, MetricsServer, MountStats, TimedStore
-from fsmount.namespace import Namespace, ObjectVersion
+from fsmount.namespace import Namespace
 from fsmount.operations import Operations
 from fsmount.pagecache import PageCachePusher, default_push_limit
 from fsmount.prefetch import ModelPrefetcher

@@ -30,6 +30,7 @@ import cachetools
 import pyfuse3
 import trio
 
+from fsmount.cache_level import ObjectVersion
 from fsmount.store import ObjectMeta, ObjectStore, StoreError, TransientError, Unreachable
 
 log = logging.getLogger(__name__)
@@ -46,15 +47,6 @@ STALE_RETRY = 5.0
 SKIP_LOG_MEMORY = 10_000
 
 StoreCall = Callable[..., Awaitable[Any]]
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class ObjectVersion:
-    """What an open handle pins: one version of one object."""
-
-    key: str
-    etag: str
-    size: int
 
 
 @dataclasses.dataclass(slots=True)

@@ -18,8 +18,8 @@ from collections.abc import Awaitable, Callable
 
 import trio
 
+from fsmount.cache_level import ObjectVersion
 from fsmount.chunks import BACKGROUND, PREFETCH, Chunk, ChunkEngine, _Fetch
-from fsmount.namespace import ObjectVersion
 from fsmount.pagecache import PageCachePusher
 from fsmount.safetensors import LENGTH_PREFIX, SafetensorsError, header_length, parse_header
 

@@ -48,7 +48,7 @@ def put_object(store: FakeStore, key: str, size: int) -> bytes:
 
 
 def version(store: FakeStore, key: str):  # noqa: ANN201
-    from fsmount.namespace import ObjectVersion
+    from fsmount.cache_level import ObjectVersion
     m = store.meta(key)
     return ObjectVersion(m.key, m.etag, m.size)
 

@@ -24,7 +24,7 @@ import pytest
 
 from fsmount.config import DEFAULT_MAX_CONNECTIONS
 from tests.conftest import S3Server, mounted, new_bucket
-from tests.test_faults import fds_by_kind, mount_stats
+from tests.test_faults import fds_by_kind, mount_stats, proc_status
 
 pytestmark = pytest.mark.mount
 
@@ -49,13 +49,6 @@ class Sample(NamedTuple):
     other_fds: int
     open_files: int
     inodes: int
-
-
-def proc_status(pid: int, field: str) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1])
-    raise AssertionError(f"{field} not in /proc/{pid}/status")
 
 
 def sample(pid: int, mountpoint: Path) -> Sample:

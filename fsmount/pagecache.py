@@ -97,6 +97,4 @@ class PageCachePusher:
                 else:
                     log.debug("notify_store of inode %d at %d failed: %s", ino, offset, exc)
                 return False
-            finally:
-                del data
         return True

@@ -154,24 +154,16 @@ class ModelPrefetcher:
 
     async def _push(self, job: _FilePrefetch, index: int, length: int) -> None:
         cid = self.engine.chunk_id(job.version, index)
-        skipped = ""
 
         def take() -> Chunk | None:
-            nonlocal skipped
-            if self.engine.read_by_kernel(cid):
-                # READs took bytes of it and the kernel caches what they returned: pushing it now
-                # would copy it a second time. Its READs, not this, tell the engine when it is spent.
-                skipped = "read"
-                return None
-            data = self.engine.in_memory(cid)
-            if data is None:
-                skipped = "evicted"
-            return data
+            # Once READs took bytes of it the kernel caches what they returned: pushing it then would
+            # copy it a second time. Its READs, not this, tell the engine when it is spent.
+            return None if self.engine.read_by_kernel(cid) else self.engine.in_memory(cid)
 
         if job.ino is not None and await self.pusher.push(job.ino, index * self.engine.chunk_size, length, take):
             job.pushed += length
             self.engine.demote(cid)
-        elif skipped == "read" or (not skipped and self.engine.read_by_kernel(cid)):
+        elif self.engine.read_by_kernel(cid):
             self.skipped_read += length
         else:
             job.held_in_memory += length

@@ -26,6 +26,7 @@ from fsmount.config import (
     MountConfig,
     StoreConfig,
     default_memory_limit,
+    parse_cache_size,
     parse_mode,
     parse_size,
     parse_ttl,
@@ -73,10 +74,11 @@ def _argument(parse: Callable[[str], T]) -> Callable[[str], T]:
 _size = _argument(parse_size)
 _ttl = _argument(parse_ttl)
 _mode = _argument(parse_mode)
+_cache_size = _argument(parse_cache_size)
 
 
 def _metrics_addr(text: str) -> str:
-    from fsmount.metrics import MetricsAddressError, parse_metrics_addr
+    from fsmount.prometheus import MetricsAddressError, parse_metrics_addr
 
     try:
         parse_metrics_addr(text)
@@ -129,13 +131,15 @@ def add_mount_arguments(p: argparse.ArgumentParser) -> None:
                    help="largest read-ahead window per reader (default 256M)")
     d.add_argument("--kernel-readahead", type=_size, default=DEFAULT_KERNEL_READAHEAD,
                    help="kernel read_ahead_kb for the mount, 0 to leave it (default 16M)")
-    d.add_argument("--no-model-prefetch", action="store_true",
-                   help="do not stream safetensors files in offset order when they are opened")
+    d.add_argument("--no-model-streaming", "--no-model-prefetch", dest="no_model_streaming", action="store_true",
+                   help="do not stream safetensors files in offset order when they are opened "
+                        "(--no-model-prefetch is the old name)")
     d.add_argument("--pagecache-push-limit", type=_size, default=None,
-                   help="bytes of prefetched data pushed into the kernel page cache for open files, "
+                   help="bytes of streamed model data pushed into the kernel page cache for open files, "
                         "0 to disable (default half of MemAvailable)")
     d.add_argument("--cache-dir", default=None, help="persistent local chunk cache directory (NVMe)")
-    d.add_argument("--cache-size", default="80%", help="cache size, e.g. 500G or 80%% of the disk")
+    d.add_argument("--cache-size", type=_cache_size, default=parse_cache_size("80%"),
+                   help="cache size, e.g. 500G or 80%% of the disk")
     o = p.add_argument_group("logging and metrics")
     o.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error", "critical"))
     o.add_argument("--log-file", default=None, help="log here instead of stderr/syslog")
@@ -184,8 +188,8 @@ def build_config(args: argparse.Namespace) -> MountConfig:
         log_file=args.log_file, chunk_size=args.chunk_size,
         memory_limit=args.memory_limit if args.memory_limit is not None else default_memory_limit(),
         max_readahead=args.max_readahead, kernel_readahead=args.kernel_readahead, cache_dir=args.cache_dir,
-        cache_size=args.cache_size, model_prefetch=not args.no_model_prefetch,
-        pagecache_push_limit=args.pagecache_push_limit)
+        cache_size=args.cache_size, model_streaming=not args.no_model_streaming,
+        pagecache_push_limit=args.pagecache_push_limit, metrics_addr=args.metrics_addr)
 
 
 def make_parser() -> argparse.ArgumentParser:
@@ -228,11 +232,11 @@ def cmd_mount(args: argparse.Namespace, mount_argv: list[str]) -> int:
     except ConfigError as exc:
         return fail(str(exc), 2)
     if cfg.foreground:
-        return run_foreground(cfg, args.ready_fd, args.log_to_syslog, args.metrics_addr)
+        return run_foreground(cfg, args.ready_fd, args.log_to_syslog)
     return run_background(cfg, mount_argv)
 
 
-def run_foreground(cfg: MountConfig, ready_fd: int | None, use_syslog: bool, metrics_addr: str | None = None) -> int:
+def run_foreground(cfg: MountConfig, ready_fd: int | None, use_syslog: bool) -> int:
     from fsmount import mount
 
     mount.setup_logging(cfg.log_level, cfg.log_file, use_syslog)
@@ -247,7 +251,7 @@ def run_foreground(cfg: MountConfig, ready_fd: int | None, use_syslog: bool, met
             except OSError:
                 pass
 
-    return mount.run(cfg, ready, metrics_addr=metrics_addr)
+    return mount.run(cfg, ready)
 
 
 def run_background(cfg: MountConfig, mount_argv: list[str]) -> int:
@@ -306,7 +310,7 @@ def cmd_unmount(args: argparse.Namespace) -> int:
 def cmd_stats(args: argparse.Namespace) -> int:
     import json
 
-    from fsmount.metrics import StatsUnavailable, format_stats, read_stats
+    from fsmount.stats_table import StatsUnavailable, format_stats, read_stats
 
     try:
         snapshot = read_stats(args.mountpoint)
@@ -317,7 +321,7 @@ def cmd_stats(args: argparse.Namespace) -> int:
 
 
 def cmd_prefetch(args: argparse.Namespace) -> int:
-    from fsmount.warm import WarmError, warm
+    from fsmount.prefetch_command import WarmError, warm
 
     started = time.monotonic()
     try:
@@ -333,13 +337,14 @@ def cmd_prefetch(args: argparse.Namespace) -> int:
 
 
 def cmd_cache(args: argparse.Namespace) -> int:
-    from fsmount import disk_cache
+    from fsmount import cache_admin
+    from fsmount.data import CHUNKS_DIR, CacheDirBusy
 
-    if not os.path.isdir(os.path.join(args.cache_dir, disk_cache.CHUNKS_DIR)):
+    if not os.path.isdir(os.path.join(args.cache_dir, CHUNKS_DIR)):
         return fail(f"{args.cache_dir} is not a modelfs cache directory")
     try:
         if args.action == "stats":
-            st = disk_cache.cache_stats(args.cache_dir)
+            st = cache_admin.cache_stats(args.cache_dir)
             print(f"{'chunks':15} {st['chunks']}")
             print(f"{'bytes':15} {st['bytes']} ({int(st['bytes'] or 0) / 2**30:.2f} GiB)")
             for key in ("oldest_access", "newest_access"):
@@ -347,14 +352,14 @@ def cmd_cache(args: argparse.Namespace) -> int:
                 shown = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(value)) if value else "-"
                 print(f"{key.replace('_', ' '):15} {shown}")
         elif args.action == "clear":
-            print(f"removed {disk_cache.cache_clear(args.cache_dir)} chunk files")
+            print(f"removed {cache_admin.cache_clear(args.cache_dir)} chunk files")
         else:
-            ok, bad = disk_cache.cache_verify(args.cache_dir)
+            ok, bad = cache_admin.cache_verify(args.cache_dir)
             print(f"{ok} chunks verified, {len(bad)} corrupt (removed)")
             for path in bad:
                 print(f"  corrupt: {path}")
             return 1 if bad else 0
-    except disk_cache.CacheDirBusy as exc:
+    except CacheDirBusy as exc:
         return fail(str(exc))
     return 0
 

@@ -14,12 +14,12 @@ KiB = 1024
 MiB = 1024 * KiB
 GiB = 1024 * MiB
 
-# 8 MiB chunks: Mountpoint-S3 part size, ossfs 2.0 chunk, Run:ai streamer chunk (architecture.md).
+# 8 MiB chunks: Mountpoint-S3 part size, ossfs 2.0 chunk, Run:ai streamer chunk.
 DEFAULT_CHUNK_SIZE = 8 * MiB
-# 16 parallel 8 MiB GETs reached the origin ceiling here (architecture.md, boto3 530-655 MB/s).
+# 16 parallel 8 MiB GETs reached the origin ceiling here (boto3 530-655 MB/s on the dev box).
 DEFAULT_MAX_CONNECTIONS = 16
 DEFAULT_MAX_READAHEAD = 256 * MiB
-# With read_ahead_kb=16384 the kernel sends 1 MiB READs (architecture.md).
+# With read_ahead_kb=16384 the kernel sends 1 MiB READs (its largest; measured on the dev box).
 DEFAULT_KERNEL_READAHEAD = 16 * MiB
 DEFAULT_METADATA_TTL = 60.0
 # Meant as "never expires" for `--metadata-ttl forever`; the kernel takes 64-bit seconds.
@@ -72,8 +72,39 @@ def parse_mode(text: str) -> int:
     return mode
 
 
+@dataclasses.dataclass(frozen=True)
+class CacheSize:
+    """`--cache-size`: a byte count, or a fraction of the filesystem that holds the cache dir (measured
+    when the cache opens)."""
+
+    bytes: int = 0
+    fraction: float | None = None
+
+    def __str__(self) -> str:
+        return f"{self.fraction * 100:g}%" if self.fraction is not None else str(self.bytes)
+
+
+def parse_cache_size(text: str) -> CacheSize:
+    """'500G' (bytes) or '80%' (of the cache dir's filesystem)."""
+    spec = str(text).strip()
+    if spec.endswith("%"):
+        try:
+            fraction = float(spec[:-1]) / 100
+        except ValueError:
+            raise ConfigError(f"invalid cache size {text!r}: give bytes (500G) or a share of the disk (80%)") \
+                from None
+        if not 0 < fraction <= 1:
+            raise ConfigError(f"cache size {text!r} must be between 0% and 100%")
+        return CacheSize(fraction=fraction)
+    size = parse_size(spec)
+    if size <= 0:
+        raise ConfigError(f"cache size {text!r} must be above zero")
+    return CacheSize(bytes=size)
+
+
 def default_memory_limit() -> int:
-    """min(2 GiB, 10% of RAM), the issue's default."""
+    """min(2 GiB, 10% of RAM): room for a window of read-ahead per reader on a GPU node, and little
+    enough beside the inference server itself."""
     try:
         ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError):
@@ -128,9 +159,10 @@ class MountConfig:
     max_readahead: int = DEFAULT_MAX_READAHEAD
     kernel_readahead: int = DEFAULT_KERNEL_READAHEAD
     cache_dir: str | None = None
-    cache_size: str = "80%"
-    model_prefetch: bool = True
+    cache_size: CacheSize = CacheSize(fraction=0.8)
+    model_streaming: bool = True
     pagecache_push_limit: int | None = None  # None: a share of MemAvailable at mount time
+    metrics_addr: str | None = None  # HOST:PORT of the Prometheus endpoint, checked by the CLI
 
     @property
     def chunk_memory(self) -> int:

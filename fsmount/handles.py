@@ -1,13 +1,12 @@
 """Open files: each FUSE file handle pins one object version and drives read-ahead for it.
 
-A handle turns the read-ahead plan into chunk prefetches and serves READs from the chunk engine.
+A handle turns the read-ahead plan into chunk requests and serves READs from the chunk engine.
 It never talks to the store directly and never changes the version it pinned at open.
 """
 
 from __future__ import annotations
 
-from fsmount.cache_level import ObjectVersion
-from fsmount.chunks import ChunkEngine
+from fsmount.data import ChunkEngine, ObjectVersion
 from fsmount.readahead import ReadAhead
 
 
@@ -30,8 +29,8 @@ class OpenFile:
             engine.abandon(stream)
         # Demand chunks are queued before the read-ahead ones so they are fetched first.
         parts = engine.request(obj, offset, end)
-        for index in engine.chunk_range(obj, plan.prefetch_start, plan.prefetch_end):
-            engine.prefetch(obj, index, plan.stream)
+        for index in engine.chunk_range(obj, plan.ahead_start, plan.ahead_end):
+            engine.read_ahead(obj, index, plan.stream)
         return await engine.collect(parts, offset, end)
 
     def close(self) -> None:

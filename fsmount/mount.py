@@ -1,8 +1,9 @@
 """Mount lifecycle: pre-flight checks, wiring the parts, pyfuse3 init, serving, readiness, kernel
 tuning, signals, and a clean unmount.
 
-It never touches the mountpoint from the serving thread once `pyfuse3.init` has run (that deadlocks,
-see architecture.md); readiness is checked from a worker thread while the loop is serving.
+It never touches the mountpoint from the serving thread once `pyfuse3.init` has run (that deadlocks:
+the stat would wait for the very loop that has to answer it); readiness is checked from a worker thread
+while the loop is serving.
 """
 
 from __future__ import annotations
@@ -22,16 +23,24 @@ from collections.abc import Callable
 import pyfuse3
 import trio
 
-from fsmount.cache_level import ObjectVersion
-from fsmount.chunks import ChunkEngine
-from fsmount.config import ConfigError, MountConfig, parse_size
-from fsmount.disk_cache import CacheDirBusy, DiskCache, bytes_for_fraction
-from fsmount.metrics import CountedLevel, LatencyHistogram, MetricsAddressError, MetricsServer, MountStats, TimedStore
+from fsmount.config import MountConfig
+from fsmount.data import (
+    Boto3Store,
+    CacheDirBusy,
+    ChunkCache,
+    ChunkEngine,
+    DiskCache,
+    ObjectVersion,
+    StoreError,
+    TransientError,
+    cache_bytes,
+)
 from fsmount.namespace import Namespace
-from fsmount.operations import Operations
+from fsmount.operations import Operations, Owner
 from fsmount.pagecache import PageCachePusher, default_push_limit
-from fsmount.prefetch import ModelPrefetcher
-from fsmount.store import Boto3Store, StoreError, TransientError
+from fsmount.prometheus import MetricsAddressError, MetricsServer
+from fsmount.stats import MountStats
+from fsmount.streaming import ModelStreamer
 
 log = logging.getLogger(__name__)
 
@@ -169,28 +178,10 @@ def check_bucket(cfg: MountConfig) -> None:
         raise MountError(exc.message) from None
 
 
-def cache_size_bytes(spec: str, cache_dir: str) -> int:
-    """'500G' or '80%' (of the filesystem holding the cache dir)."""
-    spec = spec.strip()
-    if spec.endswith("%"):
-        try:
-            fraction = float(spec[:-1]) / 100
-        except ValueError:
-            raise MountError(f"invalid --cache-size {spec!r}") from None
-        if not 0 < fraction <= 1:
-            raise MountError(f"--cache-size {spec!r} must be between 0% and 100%")
-        os.makedirs(cache_dir, mode=0o700, exist_ok=True)
-        return bytes_for_fraction(cache_dir, fraction)
-    try:
-        return parse_size(spec)
-    except ConfigError as exc:
-        raise MountError(str(exc)) from None
-
-
 def open_disk_cache(cfg: MountConfig) -> DiskCache:
     assert cfg.cache_dir is not None
     try:
-        return DiskCache(cfg.cache_dir, cache_size_bytes(cfg.cache_size, cfg.cache_dir))
+        return DiskCache(cfg.cache_dir, cache_bytes(cfg.cache_size, cfg.cache_dir))
     except CacheDirBusy as exc:
         raise MountError(str(exc)) from None
     except OSError as exc:
@@ -236,7 +227,7 @@ def sd_notify(message: str) -> None:
 
 
 class Daemon:
-    """One mount, wired: store -> engine -> namespace -> operations."""
+    """One mount, wired: store -> cache levels -> engine -> namespace -> operations."""
 
     def __init__(self, cfg: MountConfig, mountpoint: str, on_ready: Callable[[], None],
                  metrics: MetricsServer | None = None):
@@ -246,40 +237,34 @@ class Daemon:
         self.metrics = metrics
         self.store = Boto3Store(cfg.store)
         self._meta_limiter: trio.CapacityLimiter | None = None
-        # The engine sees the store and the cache levels through counting proxies (metrics.py).
-        self.origin_latency = LatencyHistogram()
-        self.levels = [CountedLevel(level) for level in self._cache_levels()]
+        self.disk_cache = open_disk_cache(cfg) if cfg.cache_dir else None
+        # The cache levels below memory, asked in this order before the origin.
+        levels: list[ChunkCache] = [self.disk_cache] if self.disk_cache is not None else []
         chunk_memory = cfg.chunk_memory
         if self.disk_cache is not None:
             chunk_memory = max(4 * cfg.chunk_size, chunk_memory - self.disk_cache.staging_bytes(cfg.chunk_size))
-        self.engine = ChunkEngine(TimedStore(self.store, self.origin_latency), chunk_size=cfg.chunk_size,
-                                  memory_limit=chunk_memory, max_connections=cfg.store.max_connections,
-                                  read_timeout=cfg.store.read_timeout, levels=self.levels)
-        self.namespace = Namespace(self.store, self._store_call, prefix=cfg.store.prefix, ttl=cfg.metadata_ttl,
-                                   uid=cfg.uid, gid=cfg.gid, file_mode=cfg.file_mode, dir_mode=cfg.dir_mode)
+        self.engine = ChunkEngine(self.store, chunk_size=cfg.chunk_size, memory_limit=chunk_memory,
+                                  max_connections=cfg.store.max_connections, read_timeout=cfg.store.read_timeout,
+                                  levels=levels)
+        self.namespace = Namespace(self.store, self._store_call, prefix=cfg.store.prefix, ttl=cfg.metadata_ttl)
         push_limit = default_push_limit() if cfg.pagecache_push_limit is None else cfg.pagecache_push_limit
         self.pusher = PageCachePusher(push_limit)
-        self.prefetcher = ModelPrefetcher(self.engine, self.pusher, max_connections=cfg.store.max_connections,
-                                          enabled=cfg.model_prefetch, siblings=self._files_beside)
-        self.stats = MountStats(cfg.store.bucket, self.engine, self.prefetcher, self.pusher, self.origin_latency,
-                                levels=self.levels, disk_cache=self.disk_cache,
+        self.streamer = ModelStreamer(self.engine, self.pusher, max_connections=cfg.store.max_connections,
+                                      enabled=cfg.model_streaming, siblings=self._files_beside)
+        self.stats = MountStats(cfg.store.bucket, self.engine, self.streamer, self.pusher, disk_cache=self.disk_cache,
                                 open_files=lambda: self.ops.open_files, inodes=lambda: self.namespace.inode_count)
-        self.ops = Operations(self.namespace, self.engine, self.prefetcher, self.pusher,
-                              max_readahead=cfg.max_readahead, stats=self.stats.json_bytes)
-
-    def _cache_levels(self) -> list[DiskCache]:
-        self.disk_cache = open_disk_cache(self.cfg) if self.cfg.cache_dir else None
-        return [self.disk_cache] if self.disk_cache else []
+        self.ops = Operations(self.namespace, self.engine, self.streamer, self.pusher, max_readahead=cfg.max_readahead,
+                              owner=Owner(cfg.uid, cfg.gid, cfg.file_mode, cfg.dir_mode), stats=self.stats.json_bytes)
 
     def close(self) -> None:
         if self.metrics is not None:
             self.metrics.close()
-        stats = self.engine.stats
+        stats, levels = self.engine.stats, self.engine.levels.stats
         log.info("served bytes: memory=%d cache=%d origin=%d; origin requests=%d bytes=%d errors=%d; "
                  "cache hits=%d; egress saved=%d; buffers recycled=%d", stats.bytes_served_memory,
-                 stats.bytes_served_level, stats.bytes_served_origin, stats.origin_requests, stats.origin_bytes,
-                 stats.origin_errors, stats.level_hits, self.stats.snapshot()["egress_saved_bytes"],
-                 stats.buffers_recycled)
+                 stats.bytes_served_level, stats.bytes_served_origin, levels.origin_requests, levels.origin_bytes,
+                 levels.origin_errors, levels.hits, self.stats.snapshot()["egress_saved_bytes"],
+                 self.engine.memory.buffers_recycled)
         if self.disk_cache is not None:
             self.disk_cache.close()
 
@@ -307,7 +292,7 @@ class Daemon:
         self._meta_limiter = trio.CapacityLimiter(METADATA_THREADS)
         async with trio.open_nursery() as nursery:
             await nursery.start(self.engine.run)
-            await nursery.start(self.prefetcher.run)
+            await nursery.start(self.streamer.run)
             nursery.start_soon(self._watch_signals)
             nursery.start_soon(self._announce_ready)
             await pyfuse3.main()
@@ -315,11 +300,11 @@ class Daemon:
             nursery.cancel_scope.cancel()
 
     async def _drain_cache_writes(self) -> None:
-        pending = self.engine.writes_pending
+        pending = self.engine.levels.writes_pending
         if not pending:
             return
         log.info("unmounted; writing %d fetched chunks to the cache (up to %g s)", pending, WRITE_DRAIN_S)
-        left = await self.engine.drain_writes(WRITE_DRAIN_S)
+        left = await self.engine.levels.drain_writes(WRITE_DRAIN_S)
         if left:
             log.warning("%d fetched chunks were not written to the cache within %g s", left, WRITE_DRAIN_S)
 
@@ -354,15 +339,15 @@ class Daemon:
         sd_notify("READY=1")
 
 
-def run(cfg: MountConfig, ready: Callable[[str | None], None], metrics_addr: str | None = None) -> int:
+def run(cfg: MountConfig, ready: Callable[[str | None], None]) -> int:
     """Check, mount, serve until unmounted or signalled. `ready(None)` once serving, `ready(msg)` on
-    a pre-flight failure. Metrics are served on `metrics_addr` (HOST:PORT) once the mount answers.
+    a pre-flight failure. Metrics are served on `cfg.metrics_addr` (HOST:PORT) once the mount answers.
     Returns the exit status."""
     metrics = None
     try:
         check_fuse_available()
         mountpoint = check_mountpoint(cfg.mountpoint, cfg.allow_non_empty)
-        metrics = bind_metrics(metrics_addr)
+        metrics = bind_metrics(cfg.metrics_addr)
         check_bucket(cfg)
         daemon = Daemon(cfg, mountpoint, lambda: ready(None), metrics)
     except MountError as exc:

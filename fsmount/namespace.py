@@ -1,8 +1,9 @@
 """The directory tree: keys become files, '/'-delimited prefixes become directories, each with an inode.
 
 Holds the inode table (stable numbers for the mount's life, lookup counts), the TTL caches of
-listings and negative lookups, and the rules for keys the kernel cannot represent. It never reads
-object data.
+listings and negative lookups, the rules for keys the kernel cannot represent, and which version of an
+object an open gets. It returns plain data (`Node`, `DirEntry`, `ObjectVersion`) and refuses with
+`PathError(errno)`; it never reads object data and never speaks FUSE (operations does).
 
 A file inode is one *version* of an object: (path, ETag). When an object is replaced, the path gets a
 new inode at the next lookup, while handles (and the kernel's page cache) of the old inode keep the
@@ -21,21 +22,20 @@ from __future__ import annotations
 import dataclasses
 import errno
 import logging
-import stat
+import os
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 import cachetools
-import pyfuse3
 import trio
 
-from fsmount.cache_level import ObjectVersion
-from fsmount.store import ObjectMeta, ObjectStore, StoreError, TransientError, Unreachable
+from fsmount.data import ObjectMeta, ObjectStore, ObjectVersion, StoreError, TransientError, Unreachable
 
 log = logging.getLogger(__name__)
 
-ROOT_INODE = pyfuse3.ROOT_INODE
+# FUSE_ROOT_ID: the kernel's inode number of a mount's root.
+ROOT_INODE = 1
 # Linux NAME_MAX.
 NAME_MAX = 255
 # Upper bound on directory entries held in the listing cache, over all directories (~100 B each).
@@ -47,6 +47,14 @@ STALE_RETRY = 5.0
 SKIP_LOG_MEMORY = 10_000
 
 StoreCall = Callable[..., Awaitable[Any]]
+
+
+class PathError(Exception):
+    """A request the tree refuses; `errno` is what the reader gets."""
+
+    def __init__(self, err: int):
+        super().__init__(os.strerror(err))
+        self.errno = err
 
 
 @dataclasses.dataclass(slots=True)
@@ -86,15 +94,11 @@ def invalid_segment_reason(name: str) -> str | None:
 
 
 class Namespace:
-    def __init__(self, store: ObjectStore, call: StoreCall, *, prefix: str, ttl: float,
-                 uid: int, gid: int, file_mode: int, dir_mode: int):
+    def __init__(self, store: ObjectStore, call: StoreCall, *, prefix: str, ttl: float):
         self._store = store
         self._call = call
         self.prefix = prefix
         self.ttl = ttl
-        self._uid, self._gid = uid, gid
-        self._file_mode, self._dir_mode = file_mode, dir_mode
-        self._mount_time_ns = time.time_ns()
         self._next_ino = ROOT_INODE + 1
         # (path, None) for a directory, (path, etag) for one version of a file.
         self._ino_by_path: dict[tuple[str, str | None], int] = {("", None): ROOT_INODE}
@@ -120,7 +124,7 @@ class Namespace:
         try:
             return self._nodes[ino]
         except KeyError:
-            raise pyfuse3.FUSEError(errno.ENOENT) from None
+            raise PathError(errno.ENOENT) from None
 
     def _node_for(self, path: str, is_dir: bool, meta: ObjectMeta | None) -> Node:
         if not is_dir and meta is None:
@@ -154,30 +158,7 @@ class Namespace:
             if ino != ROOT_INODE:
                 del self._nodes[ino]
 
-    # -- attributes ----------------------------------------------------------------------------
-
-    def attributes(self, node: Node) -> pyfuse3.EntryAttributes:
-        attr = pyfuse3.EntryAttributes()
-        attr.st_ino = node.ino
-        attr.generation = 0
-        attr.entry_timeout = self.ttl
-        attr.attr_timeout = self.ttl
-        if node.is_dir:
-            attr.st_mode = stat.S_IFDIR | self._dir_mode
-            attr.st_nlink = 2
-            attr.st_size = 0
-            mtime = self._mount_time_ns
-        else:
-            attr.st_mode = stat.S_IFREG | self._file_mode
-            attr.st_nlink = 1
-            attr.st_size = node.size
-            mtime = node.mtime_ns or self._mount_time_ns
-        attr.st_uid = self._uid
-        attr.st_gid = self._gid
-        attr.st_blksize = 1 << 20
-        attr.st_blocks = (attr.st_size + 511) // 512
-        attr.st_atime_ns = attr.st_mtime_ns = attr.st_ctime_ns = mtime
-        return attr
+    # -- versions ------------------------------------------------------------------------------
 
     async def refresh(self, node: Node) -> Node:
         """Make a file node's size/etag at most `ttl` old (HEAD). ENOENT if the key is gone."""
@@ -195,7 +176,7 @@ class Namespace:
             return node
         self._stale_logged = False
         if meta is None:
-            raise pyfuse3.FUSEError(errno.ENOENT)
+            raise PathError(errno.ENOENT)
         node.fresh_until = time.monotonic() + self.ttl
         if meta.etag != node.etag:
             # This inode stays the old version; the path's next lookup gets a new inode. The
@@ -203,6 +184,25 @@ class Namespace:
             node.superseded = True
             self._listings.pop(node.path.rpartition("/")[0], None)
         return node
+
+    async def open_file(self, ino: int) -> ObjectVersion:
+        """The version an open of this inode reads: its own, refreshed. ESTALE when the bucket now holds
+        another version, which makes the kernel look the path up again (LOOKUP_REVAL) and open the new
+        version's inode instead."""
+        node = self.node(ino)
+        if node.is_dir:
+            raise PathError(errno.EISDIR)
+        node = await self.refresh(node)
+        if node.superseded:
+            raise PathError(errno.ESTALE)
+        return node.version(self.prefix)
+
+    async def open_dir(self, ino: int) -> list[DirEntry]:
+        """The entries a directory handle lists from opendir to releasedir."""
+        node = self.node(ino)
+        if not node.is_dir:
+            raise PathError(errno.ENOTDIR)
+        return await self.listing(node)
 
     # -- names ---------------------------------------------------------------------------------
 
@@ -224,18 +224,18 @@ class Namespace:
         """Resolve one name; increments the lookup count of the returned node."""
         parent = self.node(parent_ino)
         if not parent.is_dir:
-            raise pyfuse3.FUSEError(errno.ENOTDIR)
+            raise PathError(errno.ENOTDIR)
         try:
             name = name_b.decode("utf-8")
         except UnicodeDecodeError:
-            raise pyfuse3.FUSEError(errno.ENOENT) from None
+            raise PathError(errno.ENOENT) from None
         if name == ".":
             node = parent
         elif name == "..":
             node = self._parent_of(parent)
         else:
             if invalid_segment_reason(name) is not None:
-                raise pyfuse3.FUSEError(errno.ENOENT)
+                raise PathError(errno.ENOENT)
             node = await self._resolve(parent, name_b, name)
         node.lookups += 1
         return node
@@ -250,10 +250,10 @@ class Namespace:
         if listing is not None:
             entry = listing.get(name_b)
             if entry is None:
-                raise pyfuse3.FUSEError(errno.ENOENT)
+                raise PathError(errno.ENOENT)
             return self._node_for(path, entry.is_dir, entry.meta)
         if path in self._negative:
-            raise pyfuse3.FUSEError(errno.ENOENT)
+            raise PathError(errno.ENOENT)
         key = self.prefix + path
         results: dict[str, Any] = {}
 
@@ -279,7 +279,7 @@ class Namespace:
         if results["meta"] is not None:
             return self._node_for(path, False, results["meta"])
         self._negative[path] = True
-        raise pyfuse3.FUSEError(errno.ENOENT)
+        raise PathError(errno.ENOENT)
 
     def _known_while_down(self, path: str, exc: BaseException) -> Node | None:
         """While the origin is unreachable, a name the mount already knows keeps resolving."""
@@ -375,6 +375,15 @@ class Namespace:
             self._node_for(path, False, meta)
 
     def entry_node(self, parent: Node, entry: DirEntry) -> Node:
-        """The node for a listed entry (readdirplus); the caller bumps `lookups` if the kernel took it."""
+        """The node for a listed entry (readdirplus); then `entry_taken` or `entry_refused` by the kernel."""
         return self._node_for(self._join(parent.path, entry.name.decode("utf-8")), entry.is_dir, entry.meta)
+
+    def entry_taken(self, node: Node) -> None:
+        """The kernel took a readdirplus entry: it counts as a lookup."""
+        node.lookups += 1
+
+    def entry_refused(self, node: Node) -> None:
+        """The kernel did not take the entry; a node created just for it must not linger."""
+        if node.lookups == 0:
+            self.forget(node.ino, 0)
 

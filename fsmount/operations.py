@@ -1,27 +1,32 @@
-"""The FUSE request handlers: a thin pyfuse3 adapter over the namespace, the handles and the engine.
+"""The FUSE request handlers: the one place that speaks FUSE, a thin pyfuse3 adapter over the namespace,
+the handles and the engine.
 
-Handlers only translate: arguments in, replies out, and every failure into `FUSEError` in one place
-(`_fuse_errors`). No semantics live here, and nothing but `FUSEError` ever leaves a handler.
+Handlers only translate: arguments in, replies (EntryAttributes built from the namespace's plain nodes)
+out, and every failure into `FUSEError` in one place (`_fuse_errors`). No semantics live here: which
+version an open reads and when it is stale are the namespace's rules. Nothing but `FUSEError` ever
+leaves a handler.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import functools
 import logging
 import os
+import stat
+import time
 from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
 import pyfuse3
 
-from fsmount.chunks import ChunkEngine
+from fsmount.data import ChunkEngine, StoreError
 from fsmount.handles import OpenFile
-from fsmount.metrics import STATS_XATTR
-from fsmount.namespace import DirEntry, Namespace
+from fsmount.namespace import DirEntry, Namespace, Node, PathError
 from fsmount.pagecache import PageCachePusher
-from fsmount.prefetch import ModelPrefetcher
-from fsmount.store import StoreError
+from fsmount.stats import STATS_XATTR
+from fsmount.streaming import ModelStreamer
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +41,8 @@ def _fuse_errors(fn: Callable[..., Coroutine[Any, Any, T]]) -> Callable[..., Cor
             return await fn(*args, **kwargs)
         except pyfuse3.FUSEError:
             raise
+        except PathError as exc:
+            raise pyfuse3.FUSEError(exc.errno) from None
         except StoreError as exc:
             log.warning("%s failed: %s", fn.__name__, exc.message)
             raise pyfuse3.FUSEError(exc.errno) from None
@@ -54,20 +61,33 @@ def _read_only(name: str) -> Callable[..., Coroutine[Any, Any, Any]]:
     return handler
 
 
+@dataclasses.dataclass(frozen=True)
+class Owner:
+    """Who owns every file and directory of the mount, and their permission bits."""
+
+    uid: int
+    gid: int
+    file_mode: int
+    dir_mode: int
+
+
 class Operations(pyfuse3.Operations):
     supports_dot_lookup = True
     enable_writeback_cache = False
     enable_acl = False
 
-    def __init__(self, namespace: Namespace, engine: ChunkEngine, prefetcher: ModelPrefetcher,
-                 pusher: PageCachePusher, *, max_readahead: int, stats: Callable[[], bytes] | None = None):
+    def __init__(self, namespace: Namespace, engine: ChunkEngine, streamer: ModelStreamer,
+                 pusher: PageCachePusher, *, max_readahead: int, owner: Owner,
+                 stats: Callable[[], bytes] | None = None):
         super().__init__()
         self.stats = stats
         self.ns = namespace
         self.engine = engine
-        self.prefetcher = prefetcher
+        self.streamer = streamer
         self.pusher = pusher
         self.max_readahead = max_readahead
+        self.owner = owner
+        self._mount_time_ns = time.time_ns()
         self._files: dict[int, OpenFile] = {}
         self._dirs: dict[int, tuple[int, list[DirEntry]]] = {}  # fh -> (inode, snapshot at opendir)
         self._next_fh = 1
@@ -83,10 +103,32 @@ class Operations(pyfuse3.Operations):
 
     # -- metadata ------------------------------------------------------------------------------
 
+    def _attributes(self, node: Node) -> pyfuse3.EntryAttributes:
+        attr = pyfuse3.EntryAttributes()
+        attr.st_ino = node.ino
+        attr.generation = 0
+        attr.entry_timeout = self.ns.ttl
+        attr.attr_timeout = self.ns.ttl
+        if node.is_dir:
+            attr.st_mode = stat.S_IFDIR | self.owner.dir_mode
+            attr.st_nlink = 2
+            attr.st_size = 0
+            mtime = self._mount_time_ns
+        else:
+            attr.st_mode = stat.S_IFREG | self.owner.file_mode
+            attr.st_nlink = 1
+            attr.st_size = node.size
+            mtime = node.mtime_ns or self._mount_time_ns
+        attr.st_uid = self.owner.uid
+        attr.st_gid = self.owner.gid
+        attr.st_blksize = 1 << 20
+        attr.st_blocks = (attr.st_size + 511) // 512
+        attr.st_atime_ns = attr.st_mtime_ns = attr.st_ctime_ns = mtime
+        return attr
+
     @_fuse_errors
     async def lookup(self, parent_inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
-        node = await self.ns.lookup(parent_inode, name)
-        return self.ns.attributes(node)
+        return self._attributes(await self.ns.lookup(parent_inode, name))
 
     async def forget(self, inode_list: list[tuple[int, int]]) -> None:
         try:
@@ -97,8 +139,7 @@ class Operations(pyfuse3.Operations):
 
     @_fuse_errors
     async def getattr(self, inode: int, ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
-        node = await self.ns.refresh(self.ns.node(inode))
-        return self.ns.attributes(node)
+        return self._attributes(await self.ns.refresh(self.ns.node(inode)))
 
     @_fuse_errors
     async def statfs(self, ctx: pyfuse3.RequestContext) -> pyfuse3.StatvfsData:
@@ -109,7 +150,7 @@ class Operations(pyfuse3.Operations):
 
     @_fuse_errors
     async def getxattr(self, inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> bytes:
-        # The stats of `modelfs stats`; deliberately not listed by listxattr (see metrics.STATS_XATTR).
+        # The stats of `modelfs stats`; deliberately not listed by listxattr (see stats.STATS_XATTR).
         if name == STATS_XATTR and inode == pyfuse3.ROOT_INODE and self.stats is not None:
             return self.stats()
         raise pyfuse3.FUSEError(pyfuse3.ENOATTR)
@@ -126,11 +167,9 @@ class Operations(pyfuse3.Operations):
 
     @_fuse_errors
     async def opendir(self, inode: int, ctx: pyfuse3.RequestContext) -> int:
-        node = self.ns.node(inode)
-        if not node.is_dir:
-            raise pyfuse3.FUSEError(errno.ENOTDIR)
+        entries = await self.ns.open_dir(inode)
         fh = self._new_fh()
-        self._dirs[fh] = (inode, await self.ns.listing(node))
+        self._dirs[fh] = (inode, entries)
         return fh
 
     @_fuse_errors
@@ -141,12 +180,10 @@ class Operations(pyfuse3.Operations):
         parent = self.ns.node(inode)
         for i in range(start_id, len(entries)):
             node = self.ns.entry_node(parent, entries[i])
-            if not pyfuse3.readdir_reply(token, entries[i].name, self.ns.attributes(node), i + 1):
-                # The kernel did not take it; a node created just for it must not linger.
-                if node.lookups == 0:
-                    self.ns.forget(node.ino, 0)
+            if not pyfuse3.readdir_reply(token, entries[i].name, self._attributes(node), i + 1):
+                self.ns.entry_refused(node)
                 return
-            node.lookups += 1
+            self.ns.entry_taken(node)
 
     @_fuse_errors
     async def releasedir(self, fh: int) -> None:
@@ -158,25 +195,16 @@ class Operations(pyfuse3.Operations):
     async def open(self, inode: int, flags: int, ctx: pyfuse3.RequestContext) -> pyfuse3.FileInfo:
         if flags & WRITE_FLAGS:
             raise pyfuse3.FUSEError(errno.EROFS)
-        node = self.ns.node(inode)
-        if node.is_dir:
-            raise pyfuse3.FUSEError(errno.EISDIR)
-        node = await self.ns.refresh(node)
-        if node.superseded:
-            # The bucket holds a newer version: ESTALE makes the kernel look the path up again
-            # (LOOKUP_REVAL) and open the new version's inode instead.
-            raise pyfuse3.FUSEError(errno.ESTALE)
-        version = node.version(self.ns.prefix)
-        # An inode is one object version (namespace.py), so its cached pages are always valid.
-        keep_cache = True
+        version = await self.ns.open_file(inode)
         fh = self._new_fh()
         self._files[fh] = OpenFile(fh, inode, version, self.engine, self.max_readahead)
-        self.prefetcher.opened(inode, version)
-        return pyfuse3.FileInfo(fh=fh, keep_cache=keep_cache)
+        self.streamer.opened(inode, version)
+        # An inode is one object version (namespace.py), so its cached pages are always valid.
+        return pyfuse3.FileInfo(fh=fh, keep_cache=True)
 
     def _window_cap(self) -> int:
         # Under many open files, each gets a share of memory so read-ahead cannot evict itself.
-        return max(self.engine.chunk_size, self.engine.memory_limit // (2 * max(1, len(self._files))))
+        return max(self.engine.chunk_size, self.engine.memory.limit // (2 * max(1, len(self._files))))
 
     @_fuse_errors
     async def read(self, fh: int, off: int, size: int) -> bytes | memoryview:
@@ -193,7 +221,7 @@ class Operations(pyfuse3.Operations):
         handle = self._files.pop(fh, None)
         if handle is not None:
             handle.close()
-            self.prefetcher.closed(handle.version)
+            self.streamer.closed(handle.version)
 
     @_fuse_errors
     async def flush(self, fh: int) -> None:

@@ -1,4 +1,4 @@
-"""Pushing fetched chunks into the kernel page cache (pyfuse3.notify_store), so later READs and mmap
+"""Pushing streamed chunks into the kernel page cache (pyfuse3.notify_store), so later READs and mmap
 faults of those pages never reach the daemon.
 
 It never pushes from the trio thread (the call blocks in the kernel) and never over a range whose READ
@@ -21,7 +21,7 @@ import pyfuse3
 import trio
 
 if TYPE_CHECKING:
-    from fsmount.chunks import Chunk
+    from fsmount.data import Chunk
 
 log = logging.getLogger(__name__)
 

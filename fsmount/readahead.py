@@ -2,7 +2,7 @@
 
 A handle keeps a few independent sequential streams, so interleaved readers sharing one handle (or
 the kernel's reordered readahead requests) are each seen as sequential. It does no I/O and holds no
-data: the handle turns its plans into chunk prefetches.
+data: the handle turns its plans into chunk requests.
 """
 
 from __future__ import annotations
@@ -22,19 +22,19 @@ MAX_STREAMS = 8
 
 @dataclasses.dataclass(eq=False)
 class Stream:
-    """One sequential reader. Identity matters: it owns the prefetches it started."""
+    """One sequential reader. Identity matters: it owns the read-ahead it started."""
 
     next_offset: int
     window: int = 0
-    prefetched_to: int = 0
+    ahead_to: int = 0
     last_used: int = 0
 
 
 @dataclasses.dataclass
 class Plan:
     stream: Stream
-    prefetch_start: int
-    prefetch_end: int
+    ahead_start: int
+    ahead_end: int
     dropped: list[Stream]
 
 
@@ -60,14 +60,14 @@ class ReadAhead:
         return best
 
     def on_read(self, offset: int, size: int, file_size: int, window_cap: int | None = None) -> Plan:
-        """Record a read of [offset, offset+size) and say what to prefetch."""
+        """Record a read of [offset, offset+size) and say what to read ahead."""
         self._clock += 1
         end = offset + size
         dropped: list[Stream] = []
         stream = self._match(offset)
         if stream is None:
             # A new reader or a random access: no read-ahead until it proves sequential.
-            stream = Stream(next_offset=end, prefetched_to=end)
+            stream = Stream(next_offset=end, ahead_to=end)
             if len(self.streams) >= self.max_streams:
                 oldest = min(self.streams, key=lambda s: s.last_used)
                 self.streams.remove(oldest)
@@ -84,10 +84,10 @@ class ReadAhead:
                 stream.window = min(self.max_window, max(self.chunk_size, stream.window * 2))
         stream.last_used = self._clock
         window = stream.window if window_cap is None else min(stream.window, window_cap)
-        start = max(stream.prefetched_to, stream.next_offset)
+        start = max(stream.ahead_to, stream.next_offset)
         stop = min(file_size, stream.next_offset + window)
         if stop > start:
-            stream.prefetched_to = stop
+            stream.ahead_to = stop
         else:
             start = stop = 0
         return Plan(stream, start, stop, dropped)

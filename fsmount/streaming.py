@@ -1,12 +1,13 @@
-"""Model-aware prefetch: when a safetensors file is opened, read its header and stream the whole data
-region through the chunk engine in offset order, pushing each chunk into the kernel page cache.
+"""Model streaming: when a safetensors file is opened, read its header and stream the whole data region
+through the chunk engine in offset order, pushing each chunk into the kernel page cache. (Read-ahead is
+another thing: per handle, driven by sequential READs, in readahead.py.)
 
-One prefetch per object version, shared by all handles of it, cancelled when the last one closes or
+One stream per object version, shared by all handles of it, cancelled when the last one closes or
 at unmount. Opening a shard (or `model.safetensors.index.json`) also warms the other safetensors files
 of that directory, one at a time in name order, at background priority; those run until done or
-unmount. A malformed header only disables the prefetch (one log line); it never fails a read.
+unmount. A malformed header only disables the stream (one log line); it never fails a read.
 
-Concurrency: `_active` maps (key, etag) to a `_FilePrefetch`; it is changed only in the trio thread by
+Concurrency: `_active` maps (key, etag) to a `_FileStream`; it is changed only in the trio thread by
 `opened` / `closed`, which run in FUSE handlers without awaiting. `_warmed_dirs` only grows.
 """
 
@@ -18,8 +19,7 @@ from collections.abc import Awaitable, Callable
 
 import trio
 
-from fsmount.cache_level import ObjectVersion
-from fsmount.chunks import BACKGROUND, PREFETCH, Chunk, ChunkEngine, _Fetch
+from fsmount.data import AHEAD, BACKGROUND, Chunk, ChunkEngine, Fetch, ObjectVersion, StoreError
 from fsmount.pagecache import PageCachePusher
 from fsmount.safetensors import LENGTH_PREFIX, SafetensorsError, header_length, parse_header
 
@@ -27,26 +27,26 @@ log = logging.getLogger(__name__)
 
 SAFETENSORS_SUFFIX = ".safetensors"
 INDEX_SUFFIX = ".safetensors.index.json"
-# Fetches the prefetcher keeps queued ahead: enough to keep every connection busy twice over.
+# Fetches a stream keeps queued ahead: enough to keep every connection busy twice over.
 QUEUE_DEPTH_PER_CONNECTION = 2
 
 
 @dataclasses.dataclass(eq=False)
-class _FilePrefetch:
+class _FileStream:
     version: ObjectVersion
     ino: int | None  # None: the kernel does not know the file yet, so nothing can be pushed
-    priority: int = PREFETCH
+    priority: int = AHEAD
     handles: int = 0
     scope: trio.CancelScope = dataclasses.field(default_factory=trio.CancelScope)
     pushed: int = 0
-    held_in_memory: int = 0  # prefetched bytes that only the memory LRU holds
+    held_in_memory: int = 0  # streamed bytes that only the memory LRU holds
     done: trio.Event = dataclasses.field(default_factory=trio.Event)
 
 
 Siblings = Callable[[int], Awaitable[list[tuple[int | None, ObjectVersion]]]]
 
 
-class ModelPrefetcher:
+class ModelStreamer:
     def __init__(self, engine: ChunkEngine, pusher: PageCachePusher, *, max_connections: int,
                  enabled: bool = True, siblings: Siblings | None = None):
         self.engine = engine
@@ -55,9 +55,9 @@ class ModelPrefetcher:
         self.pusher = pusher
         self.enabled = enabled
         self.depth = max(2, max_connections * QUEUE_DEPTH_PER_CONNECTION)
-        self.prefetched_bytes = 0
-        self.skipped_read = 0  # prefetched bytes not pushed because READs had already taken them
-        self._active: dict[tuple[str, str], _FilePrefetch] = {}
+        self.streamed_bytes = 0
+        self.skipped_read = 0  # streamed bytes not pushed because READs had already taken them
+        self._active: dict[tuple[str, str], _FileStream] = {}
         self._nursery: trio.Nursery | None = None
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
@@ -79,7 +79,7 @@ class ModelPrefetcher:
         key = (version.key, version.etag)
         job = self._active.get(key)
         if job is None:
-            job = self._active[key] = _FilePrefetch(version, ino)
+            job = self._active[key] = _FileStream(version, ino)
             self._nursery.start_soon(self._run_job, job)
         job.handles += 1
 
@@ -104,66 +104,65 @@ class ModelPrefetcher:
         for sib_ino, version in files:
             if not version.key.endswith(SAFETENSORS_SUFFIX) or (version.key, version.etag) in self._active:
                 continue
-            job = _FilePrefetch(version, sib_ino, priority=BACKGROUND)
+            job = _FileStream(version, sib_ino, priority=BACKGROUND)
             await self._run_job(job)
 
-    async def _run_job(self, job: _FilePrefetch) -> None:
+    async def _run_job(self, job: _FileStream) -> None:
         with job.scope:
             try:
                 await self._stream(job)
             except SafetensorsError as exc:
-                log.info("not prefetching %r: %s", job.version.key, exc)
-            except Exception as exc:  # noqa: BLE001 - prefetch failures only cost speed
-                log.info("prefetch of %r stopped: %s", job.version.key, exc)
+                log.info("not streaming %r: %s", job.version.key, exc)
+            except Exception as exc:  # noqa: BLE001 - streaming failures only cost speed
+                log.info("streaming of %r stopped: %s", job.version.key, exc)
         job.done.set()
 
-    async def _stream(self, job: _FilePrefetch) -> None:
+    async def _stream(self, job: _FileStream) -> None:
         obj, engine = job.version, self.engine
         first = await engine.read(obj, 0, min(obj.size, LENGTH_PREFIX))
         n = header_length(bytes(first), obj.size)
         layout = parse_header(bytes(await engine.read(obj, 0, LENGTH_PREFIX + n)), obj.size)
         indices = engine.chunk_range(obj, 0, layout.data_end)
-        log.debug("prefetching %r: %d tensors, %d chunks", obj.key, len(layout.tensors), len(indices))
+        log.debug("streaming %r: %d tensors, %d chunks", obj.key, len(layout.tensors), len(indices))
         async with trio.open_nursery() as nursery:
             slots = trio.Semaphore(self.depth)
             for index in indices:
                 await slots.acquire()
-                if not engine.levels and job.held_in_memory >= engine.memory_limit // 2:
+                if not engine.levels and job.held_in_memory >= engine.memory.limit // 2:
                     # Neither the page cache nor a disk cache takes more: streaming on would
                     # only evict chunks the loader has not read yet.
-                    log.debug("prefetch of %r stops at chunk %d: memory share used", obj.key, index)
+                    log.debug("streaming of %r stops at chunk %d: memory share used", obj.key, index)
                     break
                 # Queued here, in order: tasks started in one batch run in no fixed order.
                 part = self.engine.fetch(obj, index, job, job.priority)
                 nursery.start_soon(self._one_chunk, job, index, part, slots)
 
-    async def _one_chunk(self, job: _FilePrefetch, index: int, part: _Fetch | Chunk, slots: trio.Semaphore) -> None:
+    async def _one_chunk(self, job: _FileStream, index: int, part: Fetch | Chunk, slots: trio.Semaphore) -> None:
         try:
-            if isinstance(part, _Fetch):
-                await part.done.wait()
-                if part.error is not None or part.data is None:
-                    return
-            length = len(part.data) if isinstance(part, _Fetch) else len(part)
+            try:
+                length = len(await part.wait() if isinstance(part, Fetch) else part)
+            except StoreError:
+                return  # logged by the engine; the loader's own READ will try again
             # From here on the chunk is the engine's alone: this task holds no reference while its push
             # waits its turn (see PageCachePusher.push), and takes it back from memory then.
             del part
-            self.prefetched_bytes += length
+            self.streamed_bytes += length
             await self._push(job, index, length)
         finally:
             slots.release()
 
-    async def _push(self, job: _FilePrefetch, index: int, length: int) -> None:
+    async def _push(self, job: _FileStream, index: int, length: int) -> None:
         cid = self.engine.chunk_id(job.version, index)
 
         def take() -> Chunk | None:
             # Once READs took bytes of it the kernel caches what they returned: pushing it then would
             # copy it a second time. Its READs, not this, tell the engine when it is spent.
-            return None if self.engine.read_by_kernel(cid) else self.engine.in_memory(cid)
+            return None if self.engine.memory.read_by_kernel(cid) else self.engine.memory.get(cid)
 
         if job.ino is not None and await self.pusher.push(job.ino, index * self.engine.chunk_size, length, take):
             job.pushed += length
-            self.engine.demote(cid)
-        elif self.engine.read_by_kernel(cid):
+            self.engine.memory.demote(cid)
+        elif self.engine.memory.read_by_kernel(cid):
             self.skipped_read += length
         else:
             job.held_in_memory += length

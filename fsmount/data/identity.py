@@ -1,8 +1,7 @@
-"""The narrow interface every chunk-cache level implements, the chunk id that keys it, and the object
-version a chunk belongs to.
+"""What names a chunk of object data: the object version a handle pins, the chunk id every cache level
+is keyed by, and the in-memory forms a chunk's bytes take.
 
-A level (memory, local NVMe, later a fleet-shared bucket) only stores and returns whole chunks by
-`ChunkId`; it never talks to the origin and never decides what to fetch.
+Plain values only: nothing here does I/O.
 """
 
 from __future__ import annotations
@@ -10,10 +9,15 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import mmap
-from typing import Protocol
 
 # A buffer the engine hands a level to read a chunk into (it recycles its chunk buffers: anonymous mmaps).
 WritableBuffer = mmap.mmap
+
+# A chunk's bytes in memory: bytes from the origin, a (recyclable) anonymous mmap from a cache level.
+# Recyclable because a fresh 8 MiB buffer costs 2048 page faults and zeroing: 0.41 against 0.16 CPU-s
+# per 800 MiB read into a reused one on the dev box. An mmap rather than a bytearray: a new one is not
+# zero-filled by a pass of its own, and it is freed (munmap) at once when dropped.
+Chunk = bytes | WritableBuffer
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -51,18 +55,3 @@ class ChunkId:
             h.update(len(data).to_bytes(8, "little"))
             h.update(data)
         return h.hexdigest()
-
-
-class ChunkCache(Protocol):
-    """get / put / contains by chunk id. Implementations are thread-safe and blocking: the chunk
-    engine calls them from worker threads, never from the trio thread."""
-
-    def get(self, chunk: ChunkId, buffer: WritableBuffer | None = None) -> bytes | WritableBuffer | None:
-        """The chunk's bytes, or None if absent or unreadable (never wrong bytes). `buffer`, if given, is
-        the chunk's exact length and the level's to fill and return instead of new bytes (the engine
-        recycles buffers); a level may ignore it."""
-        ...
-
-    def put(self, chunk: ChunkId, data: bytes | WritableBuffer) -> None:
-        """Store a chunk; failures (full disk, read-only dir) are absorbed and logged, not raised."""
-        ...

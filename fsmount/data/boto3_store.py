@@ -1,21 +1,30 @@
-"""The object store seen by modelfs: an ObjectStore protocol, its boto3 implementation, and the one
-place where S3/OSS errors become `StoreError`s that carry an errno and a message for humans.
+"""The boto3 store client: ranged GETs, HEAD and delimited listings over boto3, and the one place where
+botocore / urllib3 failures become `StoreError`s.
 
 Every method blocks; callers run them in worker threads. Nothing here caches or decides what to fetch.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import errno
 import logging
 import random
 import time
 import urllib.parse
 from collections.abc import Iterator
-from typing import Any, Protocol
+from typing import Any
 
 from fsmount.config import StoreConfig
+from fsmount.data.store import (
+    AccessDenied,
+    BucketMissing,
+    ListingPage,
+    NotFound,
+    ObjectMeta,
+    PreconditionFailed,
+    StoreError,
+    TransientError,
+    Unreachable,
+)
 
 log = logging.getLogger(__name__)
 
@@ -29,88 +38,6 @@ BOTO_MAX_ATTEMPTS = 4
 LIST_PAGE_KEYS = 1000
 # Pre-flight check: one attempt, short timeouts, so a wrong endpoint fails in seconds.
 PREFLIGHT_TIMEOUT = 5.0
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class ObjectMeta:
-    """One object version as listed or HEADed. `key` is the full key in the bucket."""
-
-    key: str
-    size: int
-    etag: str
-    mtime_ns: int
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class ListingPage:
-    """One page of a delimited listing: objects directly under the prefix, and sub-prefixes.
-
-    Keys that are not valid UTF-8 arrive as `bytes` so the namespace can skip them by name.
-    """
-
-    objects: list[ObjectMeta]
-    prefixes: list[str]
-    undecodable: list[bytes]
-
-
-class StoreError(Exception):
-    """A failure talking to the bucket. `errno` is what a FUSE reader sees."""
-
-    errno = errno.EIO
-
-    def __init__(self, message: str):
-        super().__init__(message)
-        self.message = message
-
-
-class NotFound(StoreError):
-    errno = errno.ENOENT
-
-
-class AccessDenied(StoreError):
-    errno = errno.EACCES
-
-
-class BucketMissing(StoreError):
-    errno = errno.ENOENT
-
-
-class Unreachable(StoreError):
-    errno = errno.EIO
-
-
-class PreconditionFailed(StoreError):
-    """The object changed since it was opened (If-Match failed)."""
-
-    errno = errno.EIO
-
-
-class TransientError(StoreError):
-    errno = errno.EIO
-
-
-class ObjectStore(Protocol):
-    bucket: str
-
-    def check_bucket(self, prefix: str) -> None:
-        """Raise a StoreError with a clear message if the bucket cannot be listed."""
-        ...
-
-    def head(self, key: str) -> ObjectMeta | None:
-        """The object's metadata, or None if there is no such key."""
-        ...
-
-    def list_pages(self, prefix: str) -> Iterator[ListingPage]:
-        """Delimited ('/') listing of `prefix`, all pages."""
-        ...
-
-    def has_children(self, prefix: str) -> bool:
-        """Whether any key starts with `prefix` (which ends with '/')."""
-        ...
-
-    def get_range(self, key: str, etag: str, start: int, end: int) -> bytes:
-        """Bytes [start, end) of the object version `etag`; exactly end - start bytes or an error."""
-        ...
 
 
 def _mtime_ns(value: Any) -> int:

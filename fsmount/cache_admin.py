@@ -1,0 +1,73 @@
+"""`modelfs cache stats|clear|verify DIR`: maintenance of a cache directory, run in the CLI process.
+
+`stats` only stats files and is safe beside a live mount; `clear` and `verify` delete files, so they take
+the directory lock and fail with CacheDirBusy while a mount holds it.
+"""
+
+from __future__ import annotations
+
+import os
+
+from fsmount.data.cache_dir import CHUNKS_DIR, acquire_dir_lock, release_dir_lock, scan_chunk_files, scandir
+from fsmount.data.chunk_file import Corrupt, read_chunk_file
+
+
+def cache_stats(root: str | os.PathLike[str]) -> dict[str, int | float | None]:
+    """Counts from a stat-only scan; safe while a mount uses the dir. Access times are epoch seconds."""
+    found, _ = scan_chunk_files(os.path.join(os.fspath(root), CHUNKS_DIR), sweep_tmp=False)
+    stamps = [mtime_ns for mtime_ns, _d, _s, _p in found]
+    return {
+        "chunks": len(found),
+        "bytes": sum(size for _m, _d, size, _p in found),
+        "oldest_access": min(stamps) / 1e9 if stamps else None,
+        "newest_access": max(stamps) / 1e9 if stamps else None,
+    }
+
+
+def cache_clear(root: str | os.PathLike[str]) -> int:
+    """Delete every chunk and temp file; the number removed. CacheDirBusy while a mount holds the dir."""
+    root = os.path.abspath(os.fspath(root))
+    if not os.path.isdir(root):
+        return 0
+    fd = acquire_dir_lock(root)
+    try:
+        removed = 0
+        for shard in scandir(os.path.join(root, CHUNKS_DIR)):
+            for entry in scandir(shard.path):
+                if entry.is_file(follow_symlinks=False):
+                    os.unlink(entry.path)
+                    removed += 1
+        return removed
+    finally:
+        release_dir_lock(fd)
+
+
+def cache_verify(root: str | os.PathLike[str]) -> tuple[int, list[str]]:
+    """Read and check every chunk file (header names the chunk its file name hashes, data checksum);
+    delete the bad ones. (good count, bad paths). Takes the dir lock, as it deletes: CacheDirBusy."""
+    root = os.path.abspath(os.fspath(root))
+    if not os.path.isdir(root):
+        return 0, []
+    fd = acquire_dir_lock(root)
+    try:
+        found, _ = scan_chunk_files(os.path.join(root, CHUNKS_DIR), sweep_tmp=True)
+        good, bad = 0, []
+        for _mtime_ns, digest, _size, path in sorted(found, key=lambda f: f[3]):
+            try:
+                chunk_fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+                try:
+                    stored, _data = read_chunk_file(chunk_fd, os.fstat(chunk_fd).st_size)
+                finally:
+                    os.close(chunk_fd)
+                if stored.digest() != digest:
+                    raise Corrupt("header names another chunk")
+                good += 1
+            except (OSError, Corrupt):
+                bad.append(path)
+                try:
+                    os.unlink(path)
+                except FileNotFoundError:
+                    pass
+        return good, bad
+    finally:
+        release_dir_lock(fd)

@@ -1,0 +1,40 @@
+"""The data path: object bytes from the store, through the cache levels, into chunks in memory.
+
+Everything above this package (namespace, handles, model streaming, operations, the mount) imports from
+here, never from the modules inside, which are private to the package:
+
+- identity: what names a chunk (ObjectVersion, ChunkId) and the forms its bytes take;
+- store: the ObjectStore protocol and its errors; boto3_store: the boto3 client;
+- budget: the memory LRU, reservations, pins and buffer reuse (MemoryBudget);
+- levels: the ChunkCache interface and the level stack (lookup order, origin fallback, write-through,
+  the fetch-path counters);
+- engine: single-flight fetches, workers, priorities and deadlines (ChunkEngine, Fetch);
+- disk_cache: the NVMe cache level; chunk_file: its file format; cache_dir: its directory and lock.
+"""
+
+from fsmount.data.boto3_store import Boto3Store
+from fsmount.data.budget import MemoryBudget
+from fsmount.data.cache_dir import CHUNKS_DIR, CacheDirBusy, cache_bytes
+from fsmount.data.disk_cache import DiskCache
+from fsmount.data.engine import AHEAD, BACKGROUND, DEMAND, ChunkEngine, Fetch, ReadTimeout
+from fsmount.data.identity import Chunk, ChunkId, ObjectVersion, WritableBuffer
+from fsmount.data.levels import ChunkCache, LatencyHistogram, LevelStack
+from fsmount.data.store import (
+    AccessDenied,
+    BucketMissing,
+    ListingPage,
+    NotFound,
+    ObjectMeta,
+    ObjectStore,
+    PreconditionFailed,
+    StoreError,
+    TransientError,
+    Unreachable,
+)
+
+__all__ = [
+    "AHEAD", "BACKGROUND", "CHUNKS_DIR", "DEMAND", "AccessDenied", "Boto3Store", "BucketMissing", "CacheDirBusy",
+    "Chunk", "ChunkCache", "ChunkEngine", "ChunkId", "DiskCache", "Fetch", "LatencyHistogram", "LevelStack",
+    "ListingPage", "MemoryBudget", "NotFound", "ObjectMeta", "ObjectStore", "ObjectVersion", "PreconditionFailed",
+    "ReadTimeout", "StoreError", "TransientError", "Unreachable", "WritableBuffer", "cache_bytes",
+]

@@ -1,0 +1,182 @@
+"""The chunk engine's memory: a byte-bounded LRU of chunks, reservations for fetches in flight, pins,
+and the reuse of chunk buffers. It decides what stays in memory; it never fetches.
+
+Rules (everything here runs in the trio thread; nothing awaits except `reserve`):
+- Budget: `cached + reserved <= limit` holds at every checkpoint. A fetch reserves its chunk's bytes
+  before it starts and `store`s the result before it `release`s the reservation (both are counted in
+  between, which errs on the side of the budget). `reserve` evicts in LRU order and waits on
+  `_changed` when nothing is evictable.
+- Pins: a pinned chunk (`_pins[cid]` > 0) is not evicted until `unpin`. Only work that finishes on its
+  own may pin (the write-through to the cache levels): a page-cache push may not, since it can wait
+  for a READ that waits for room.
+- Buffer reuse (cache-level hits only): a chunk read from a level into a buffer of ours (an anonymous
+  mmap) is tracked in `_served` until READs have taken as many bytes as it holds (or it was pushed to
+  the page cache), then queued in `_spent`. A fetch that can use a buffer first takes one from a spent
+  chunk (`take_spent_buffer`): the chunk leaves memory and its bytes move from `cached` to the
+  fetch's reservation, so the budget is unchanged and nothing else is evicted. Failing that, a buffer
+  that `reserve` evicts in LRU order is reused the same way. Only a buffer nothing else references is
+  taken (sys.getrefcount: not a READ reply, a page-cache push, a waiter's fetch), so a buffer is never
+  overwritten while anything can still read it.
+- `_read_by_kernel`: chunks in memory that READs have taken bytes from. The kernel caches what a READ
+  returned, so pushing such a chunk into the page cache would copy it there a second time.
+"""
+
+from __future__ import annotations
+
+import collections
+import mmap
+import sys
+
+import trio
+
+from fsmount.data.identity import Chunk, ChunkId
+
+
+class MemoryBudget:
+    def __init__(self, limit: int):
+        self.limit = limit
+        self.cached = 0
+        self.reserved = 0
+        self.buffers_recycled = 0
+        self._chunks: collections.OrderedDict[ChunkId, Chunk] = collections.OrderedDict()
+        self._pins: collections.Counter[ChunkId] = collections.Counter()
+        self._served: dict[ChunkId, int] = {}  # level hits in reusable buffers: bytes READs took so far
+        self._spent: collections.deque[ChunkId] = collections.deque()
+        self._read_by_kernel: set[ChunkId] = set()
+        self._changed = trio.Event()
+
+    @property
+    def used(self) -> int:
+        return self.cached + self.reserved
+
+    # -- the LRU -------------------------------------------------------------------------------
+
+    def get(self, cid: ChunkId) -> Chunk | None:
+        """The chunk's bytes if it is in memory; its place in the LRU order does not change."""
+        return self._chunks.get(cid)
+
+    def touch(self, cid: ChunkId) -> Chunk | None:
+        """The chunk's bytes if it is in memory, made the most recently used."""
+        data = self._chunks.get(cid)
+        if data is not None:
+            self._chunks.move_to_end(cid)
+        return data
+
+    def store(self, cid: ChunkId, data: Chunk) -> None:
+        """Hold a fetched chunk (its fetch's reservation is released by the caller right after). A
+        buffer of ours is tracked for reuse from here on."""
+        old = self._chunks.pop(cid, None)
+        if old is not None:
+            self.cached -= len(old)
+            self._forget(cid)
+        self._chunks[cid] = data
+        self.cached += len(data)
+        if type(data) is mmap.mmap:
+            self._served[cid] = 0
+
+    def _forget(self, cid: ChunkId) -> None:
+        """A chunk left memory: drop what was tracked about it."""
+        self._served.pop(cid, None)
+        self._read_by_kernel.discard(cid)
+
+    def _first_evictable(self) -> ChunkId | None:
+        """The least recently used chunk that is not pinned."""
+        if not self._pins:
+            return next(iter(self._chunks), None)
+        return next((cid for cid in self._chunks if cid not in self._pins), None)
+
+    # -- reservations --------------------------------------------------------------------------
+
+    def _signal(self) -> None:
+        self._changed.set()
+        self._changed = trio.Event()
+
+    async def reserve(self, n: int, reuse: bool = False) -> mmap.mmap | None:
+        """Reserve n bytes, evicting in LRU order. With `reuse`, an evicted buffer of ours of n bytes that
+        nothing else references is handed back for the new chunk instead of being freed."""
+        while self.used + n > self.limit:
+            cid = self._first_evictable()
+            if cid is not None:
+                data = self._chunks.pop(cid)
+                self.cached -= len(data)
+                self._forget(cid)
+                # 2 references: `data` and getrefcount's argument (the LRU let go of it above).
+                if reuse and type(data) is mmap.mmap and len(data) == n and sys.getrefcount(data) == 2:
+                    self.reserved += n
+                    self.buffers_recycled += 1
+                    return data
+                continue
+            await self._changed.wait()
+        self.reserved += n
+        return None
+
+    def take_spent_buffer(self, length: int) -> mmap.mmap | None:
+        """The buffer of a spent chunk, taken out of memory with its bytes moved from `cached` to
+        `reserved` (the caller's reservation), or None."""
+        for _ in range(len(self._spent)):
+            cid = self._spent.popleft()
+            data = self._chunks.get(cid)
+            if type(data) is not mmap.mmap or len(data) != length:
+                continue  # evicted (or replaced) since it was spent
+            if cid in self._pins:
+                self._spent.append(cid)
+                continue
+            # 3 references: the LRU's, `data`, getrefcount's argument. Any other holder (a reply being
+            # written, a push, a stale queue entry of its fetch) may still read it: try it again later.
+            if sys.getrefcount(data) > 3:
+                self._spent.append(cid)
+                continue
+            del self._chunks[cid]
+            self.cached -= length
+            self.reserved += length
+            self._forget(cid)
+            self.buffers_recycled += 1
+            return data
+        return None
+
+    def release(self, n: int) -> None:
+        self.reserved -= n
+        self._signal()
+
+    # -- pins ----------------------------------------------------------------------------------
+
+    def pin(self, cid: ChunkId) -> bool:
+        """Keep an in-memory chunk from eviction until `unpin`; False (nothing pinned) if it is not in
+        memory, in which case the caller must not hold on to its bytes."""
+        if cid not in self._chunks:
+            return False
+        self._pins[cid] += 1
+        return True
+
+    def unpin(self, cid: ChunkId) -> None:
+        self._pins[cid] -= 1
+        if self._pins[cid] <= 0:
+            del self._pins[cid]
+            self._signal()
+
+    # -- what READs and the page cache took ----------------------------------------------------
+
+    def note_served(self, cid: ChunkId, nbytes: int, total: int) -> None:
+        """READs took `nbytes` of the chunk (of `total`); a reusable buffer wholly taken is spent."""
+        if cid in self._chunks:
+            self._read_by_kernel.add(cid)
+        served = self._served.get(cid)
+        if served is None:
+            return
+        if served + nbytes >= total:
+            del self._served[cid]
+            self._spent.append(cid)
+        else:
+            self._served[cid] = served + nbytes
+
+    def read_by_kernel(self, cid: ChunkId) -> bool:
+        """True if READs have already taken bytes of this (in-memory) chunk."""
+        return cid in self._read_by_kernel
+
+    def demote(self, cid: ChunkId) -> None:
+        """Make a chunk the first to be evicted, and its buffer free to reuse: the kernel page cache
+        holds it (it was pushed there)."""
+        if cid in self._chunks:
+            self._chunks.move_to_end(cid, last=False)
+            if self._served.pop(cid, None) is not None:
+                self._spent.append(cid)

@@ -1,0 +1,119 @@
+"""The layout of a cache directory and what guards it: `root/lock` (held with flock by the one process
+using the directory, and naming its pid), `root/chunks/<d[:2]>/<d>` where d = ChunkId.digest(), temp
+files `*.tmp` beside them, a stat-only scan of what is there, and the size a `--cache-size` names.
+
+Plain functions; the cache (disk_cache) and the `modelfs cache` commands (cache_admin) both use them.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+from collections.abc import Iterator
+
+from fsmount.config import CacheSize
+
+# 2 hex chars -> 256 shard dirs. At 8 MiB chunks an 8 TB NVMe holds ~1M chunks, ~4k per dir, which
+# ext4/xfs hashed directories handle well; one level keeps the open-time scan at 256 scandir calls.
+SHARD_HEX_CHARS = 2
+CHUNKS_DIR = "chunks"
+LOCK_FILE = "lock"
+TMP_SUFFIX = ".tmp"
+_HEX = frozenset("0123456789abcdef")
+
+
+class CacheDirBusy(Exception):
+    """Another process (another modelfs mount, or a cache maintenance command) holds the cache dir."""
+
+
+def chunk_path(chunks_dir: str, digest: str) -> str:
+    """Where the chunk file of `digest` lives under `root/chunks`."""
+    return os.path.join(chunks_dir, digest[:SHARD_HEX_CHARS], digest)
+
+
+def free_bytes(path: str) -> int:
+    st = os.statvfs(path)
+    return st.f_bavail * st.f_frsize
+
+
+def scan_chunk_files(chunks_dir: str, sweep_tmp: bool) -> tuple[list[tuple[int, str, int, str]], int]:
+    """(mtime_ns, digest, size, path) of every chunk file, stat only, and the number of temp files
+    removed. Names that are neither are left alone."""
+    found: list[tuple[int, str, int, str]] = []
+    swept = 0
+    for shard in scandir(chunks_dir):
+        if len(shard.name) != SHARD_HEX_CHARS or not shard.is_dir(follow_symlinks=False):
+            continue
+        for entry in scandir(shard.path):
+            name = entry.name
+            if name.endswith(TMP_SUFFIX):
+                if sweep_tmp:  # left by a crash or kill mid-put; never renamed, so never indexed
+                    try:
+                        os.unlink(entry.path)
+                        swept += 1
+                    except FileNotFoundError:
+                        pass
+                continue
+            if len(name) != 64 or not name.startswith(shard.name) or not _HEX.issuperset(name):
+                continue
+            try:
+                st = entry.stat(follow_symlinks=False)
+            except FileNotFoundError:
+                continue
+            if entry.is_file(follow_symlinks=False):
+                found.append((st.st_mtime_ns, name, st.st_size, entry.path))
+    return found, swept
+
+
+def scandir(path: str) -> Iterator[os.DirEntry[str]]:
+    try:
+        with os.scandir(path) as entries:
+            yield from entries
+    except FileNotFoundError:
+        return
+
+
+def acquire_dir_lock(root: str) -> int:
+    path = os.path.join(root, LOCK_FILE)
+    # Held through a read-only descriptor (flock ignores the mode): an open-for-write file would make
+    # the filesystem refuse a remount read-only while we run.
+    fd = os.open(path, os.O_RDONLY | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 32, 0).decode("ascii", "replace").strip() or "unknown"
+        os.close(fd)
+        raise CacheDirBusy(
+            f"cache dir {root} is in use by another modelfs mount or cache command (pid {holder}); "
+            f"a cache dir serves one mount at a time: unmount it or pass a different --cache-dir"
+        ) from None
+    try:
+        with open(path, "w") as holder_file:  # only for the CacheDirBusy message of the next comer
+            holder_file.write(f"{os.getpid()}\n")
+    except OSError:
+        pass
+    return fd
+
+
+def release_dir_lock(fd: int) -> None:
+    os.close(fd)  # closing the only descriptor of the open file drops the flock
+
+
+def bytes_for_fraction(root: str | os.PathLike[str], fraction: float) -> int:
+    """`--cache-size 80%`: that fraction of the total size of the filesystem that holds (or will hold)
+    root. The nearest existing parent is measured when root does not exist yet."""
+    if not 0.0 < fraction <= 1.0:
+        raise ValueError(f"cache size fraction must be in (0, 1], got {fraction}")
+    path = os.path.abspath(os.fspath(root))
+    while not os.path.exists(path):
+        path = os.path.dirname(path)
+    st = os.statvfs(path)
+    return int(st.f_blocks * st.f_frsize * fraction)
+
+
+def cache_bytes(size: CacheSize, root: str) -> int:
+    """The bytes a `--cache-size` names for a cache at `root` (a fraction is of its filesystem)."""
+    if size.fraction is None:
+        return size.bytes
+    os.makedirs(root, mode=0o700, exist_ok=True)
+    return bytes_for_fraction(root, size.fraction)

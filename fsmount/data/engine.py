@@ -1,0 +1,315 @@
+"""The chunk engine: every byte of object data passes through here as fixed-size chunks.
+
+A chunk is looked up in memory (`MemoryBudget`), then in the level stack (cache levels, then the
+origin). One fetch per chunk at a time (single-flight); a fixed pool of worker tasks runs fetches in
+priority order (demand reads, then read-ahead and model streaming, then background warming) and every
+demanded fetch has a deadline. It never decides *what* to read ahead: handles and the model streamer
+do that, through `request` / `read_ahead` / `fetch`.
+
+Concurrency rules (everything runs in the trio thread):
+- `_inflight[cid]` is the one pending `Fetch` for a chunk; it is removed only by the worker that
+  finished it (or dropped it) and only if it is still the registered one. A demanded fetch that
+  failed at its deadline stays registered (done, with its error) until RETRY_GRACE_S after it.
+- `_queue` (a heap) and `_queued` (a Semaphore) move together: every heap push releases the
+  semaphore once, so a worker that acquired it always finds an entry to pop. A priority upgrade
+  pushes a new entry and empties the old one (`_QueueEntry.fetch = None`), so an entry left in the
+  heap never keeps a finished fetch's bytes alive outside the memory budget.
+- A fetch reserves its bytes in the budget before it loads (a worker waits there when nothing is
+  evictable) and stores the result before releasing the reservation.
+- A chunk whose write-through to the cache levels is pending is pinned in the budget until it is
+  written, so the bytes the write holds stay counted, and a cache level slower than the origin makes
+  fetches wait for room instead of piling chunks up outside the budget.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import heapq
+import itertools
+import logging
+import math
+from collections.abc import Sequence
+
+import trio
+
+from fsmount.data.budget import MemoryBudget
+from fsmount.data.identity import Chunk, ChunkId, ObjectVersion
+from fsmount.data.levels import ChunkCache, LevelStack, RunBlocking, run_in_thread
+from fsmount.data.store import ObjectStore, StoreError
+
+log = logging.getLogger(__name__)
+
+DEMAND = 0  # a READ waits for it
+AHEAD = 1  # read-ahead of an open handle, model streaming of an open file
+BACKGROUND = 2  # warming files nobody has opened yet (other shards of a model)
+# A READ that joins a fetch whose deadline passed less than this long ago fails at once: it is the
+# kernel re-sending the READ that just failed (same read(2)), which must not wait a second timeout.
+# A READ arriving later is a new attempt by the application: it gets a new fetch and a new deadline,
+# instead of inheriting the old fetch's retry chain (botocore's throttling backoff alone reaches 8 s).
+RETRY_GRACE_S = 1.0
+
+
+class ReadTimeout(StoreError):
+    """A READ waited longer than --read-timeout for its chunk."""
+
+
+@dataclasses.dataclass
+class EngineStats:
+    """Plain counters; updated only in the trio thread (no await between read and write)."""
+
+    bytes_served_memory: int = 0
+    bytes_served_level: int = 0
+    bytes_served_origin: int = 0
+    readahead_dropped: int = 0
+    fetches_inflight: int = 0
+
+
+class _QueueEntry:
+    __slots__ = ("priority", "seq", "fetch")
+
+    def __init__(self, priority: int, seq: int, fetch: Fetch):
+        self.priority, self.seq = priority, seq
+        self.fetch: Fetch | None = fetch
+
+    def __lt__(self, other: _QueueEntry) -> bool:
+        return (self.priority, self.seq) < (other.priority, other.seq)
+
+
+class Fetch:
+    """One chunk on its way into memory; `await fetch.wait()` for its bytes."""
+
+    __slots__ = ("cid", "length", "done", "data", "error", "owners", "demanded", "started",
+                 "abandoned", "source", "deadline", "entry")
+
+    def __init__(self, cid: ChunkId, length: int):
+        self.cid = cid
+        self.length = length
+        self.done = trio.Event()
+        self.data: Chunk | None = None
+        self.error: BaseException | None = None
+        self.owners: set[object] = set()
+        self.demanded = False
+        self.started = False
+        # Dropped before it started (nobody wants it), or superseded after its deadline passed; either
+        # way no longer the chunk's registered fetch for new readers.
+        self.abandoned = False
+        self.source = ""
+        # Set at the first demand read: every READ waiting for this fetch gives up at the same
+        # time, so the kernel's retry of a failed READ does not wait a second full timeout.
+        self.deadline = math.inf
+        self.entry: _QueueEntry | None = None  # its place in the queue, until a worker takes it
+
+    async def wait(self) -> Chunk:
+        """The chunk's bytes once fetched; raises the fetch's StoreError if it failed."""
+        await self.done.wait()
+        if self.error is not None:
+            raise self.error
+        assert self.data is not None
+        return self.data
+
+    def retry_until(self) -> float:
+        """Until when an unreachable origin is tried again: the deadline of a READ waiting for it."""
+        return self.deadline if self.demanded else -math.inf
+
+
+class ChunkEngine:
+    def __init__(self, store: ObjectStore, *, chunk_size: int, memory_limit: int, max_connections: int,
+                 read_timeout: float, levels: Sequence[ChunkCache] = (), run_blocking: RunBlocking = run_in_thread):
+        self.bucket = store.bucket
+        self.chunk_size = chunk_size
+        self.read_timeout = read_timeout
+        self.memory = MemoryBudget(memory_limit)
+        self.levels = LevelStack(store, levels, max_connections=max_connections, run_blocking=run_blocking)
+        self.stats = EngineStats()
+        self._workers = max_connections
+        self._inflight: dict[ChunkId, Fetch] = {}
+        self._queue: list[_QueueEntry] = []
+        self._queued = trio.Semaphore(0)
+        self._seq = itertools.count()
+        self._nursery: trio.Nursery | None = None
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Run the fetch workers until cancelled."""
+        async with trio.open_nursery() as nursery:
+            self._nursery = nursery
+            for _ in range(self._workers):
+                nursery.start_soon(self._worker)
+            task_status.started()
+
+    # -- ids -----------------------------------------------------------------------------------
+
+    def chunk_id(self, obj: ObjectVersion, index: int) -> ChunkId:
+        return ChunkId(self.bucket, obj.key, obj.etag, self.chunk_size, index)
+
+    def chunk_length(self, obj: ObjectVersion, index: int) -> int:
+        return max(0, min(self.chunk_size, obj.size - index * self.chunk_size))
+
+    def chunk_range(self, obj: ObjectVersion, start: int, end: int) -> range:
+        """Indices of the chunks covering bytes [start, end) of obj."""
+        end = min(end, obj.size)
+        if end <= start:
+            return range(0)
+        return range(start // self.chunk_size, (end - 1) // self.chunk_size + 1)
+
+    # -- requests ------------------------------------------------------------------------------
+
+    def _enqueue(self, fetch: Fetch, priority: int) -> None:
+        if fetch.entry is not None:
+            fetch.entry.fetch = None  # upgraded: the old entry is skipped, and holds nothing meanwhile
+        fetch.entry = _QueueEntry(priority, next(self._seq), fetch)
+        heapq.heappush(self._queue, fetch.entry)
+        self._queued.release()
+
+    def _fetch_for(self, cid: ChunkId, length: int, priority: int) -> Fetch:
+        fetch = self._inflight.get(cid)
+        if fetch is not None and fetch.demanded and trio.current_time() > fetch.deadline + RETRY_GRACE_S:
+            # Timed out a while ago and still retrying: leave it to finish in its worker (its bytes
+            # still land in memory if it succeeds) and register a fresh fetch for this chunk.
+            fetch.abandoned = True
+        if fetch is None or fetch.abandoned:
+            fetch = self._inflight[cid] = Fetch(cid, length)
+            self._enqueue(fetch, priority)
+        elif priority == DEMAND and not fetch.demanded and not fetch.started:
+            self._enqueue(fetch, DEMAND)  # jump the read-ahead queue; the older entry is skipped
+        return fetch
+
+    def read_ahead(self, obj: ObjectVersion, index: int, owner: object) -> None:
+        """Ask for a chunk ahead of need; `owner` may later `abandon` it."""
+        self.fetch(obj, index, owner)
+
+    def fetch(self, obj: ObjectVersion, index: int, owner: object, priority: int = AHEAD) -> Fetch | Chunk:
+        """Queue a chunk now (queue order is request order) and hand back its bytes if they are in memory,
+        else its `Fetch` to await later; `owner` may `abandon` it."""
+        cid = self.chunk_id(obj, index)
+        data = self.memory.get(cid)
+        if data is not None:
+            return data
+        fetch = self._fetch_for(cid, self.chunk_length(obj, index), priority)
+        fetch.owners.add(owner)
+        return fetch
+
+    def abandon(self, owner: object) -> None:
+        """`owner` no longer needs what it asked for ahead; queued fetches nobody else wants are dropped."""
+        for fetch in list(self._inflight.values()):
+            if owner in fetch.owners:
+                fetch.owners.discard(owner)
+                if not fetch.owners and not fetch.demanded and not fetch.started:
+                    fetch.abandoned = True
+
+    def request(self, obj: ObjectVersion, start: int, end: int) -> list[tuple[ChunkId, Fetch | Chunk]]:
+        """Start (or join) the fetches covering [start, end) at demand priority; no await."""
+        parts: list[tuple[ChunkId, Fetch | Chunk]] = []
+        for index in self.chunk_range(obj, start, end):
+            cid = self.chunk_id(obj, index)
+            data = self.memory.touch(cid)
+            if data is not None:
+                parts.append((cid, data))
+                continue
+            fetch = self._fetch_for(cid, self.chunk_length(obj, index), DEMAND)
+            if not fetch.demanded:
+                fetch.demanded = True
+                fetch.deadline = trio.current_time() + self.read_timeout
+            parts.append((cid, fetch))
+        return parts
+
+    async def collect(self, parts: list[tuple[ChunkId, Fetch | Chunk]], start: int, end: int) -> bytes | memoryview:
+        """Wait for the parts of `request` and cut bytes [start, end) out of them. A read within one
+        chunk is a zero-copy view of it (pyfuse3 replies from any buffer)."""
+        if len(parts) == 1 and not isinstance(parts[0][1], Fetch):
+            # The common case of a sequential reader: one chunk, already in memory, no waiting.
+            cid, data = parts[0]
+            lo = start - cid.offset
+            hi = min(end - cid.offset, len(data))
+            self.stats.bytes_served_memory += hi - lo
+            self.memory.note_served(cid, hi - lo, len(data))
+            return memoryview(data)[lo:hi]
+        out: list[memoryview] = []
+        deadline = min((p.deadline for _, p in parts if isinstance(p, Fetch)),
+                       default=trio.current_time() + self.read_timeout)
+        with trio.move_on_at(deadline) as scope:
+            for cid, part in parts:
+                if isinstance(part, Fetch):
+                    data, source = await part.wait(), part.source
+                else:
+                    data, source = part, "memory"
+                lo = max(start - cid.offset, 0)
+                hi = min(end - cid.offset, len(data))
+                out.append(memoryview(data)[lo:hi])
+                self._count_served(source, hi - lo)
+                self.memory.note_served(cid, hi - lo, len(data))
+        if scope.cancelled_caught:
+            raise ReadTimeout(f"read of {parts[0][0].key!r} timed out after {self.read_timeout:g}s")
+        return out[0] if len(out) == 1 else b"".join(out)
+
+    async def read(self, obj: ObjectVersion, start: int, end: int) -> bytes | memoryview:
+        return await self.collect(self.request(obj, start, end), start, end)
+
+    def _count_served(self, source: str, n: int) -> None:
+        if source == "memory":
+            self.stats.bytes_served_memory += n
+        elif source == "origin":
+            self.stats.bytes_served_origin += n
+        else:
+            self.stats.bytes_served_level += n
+
+    # -- workers -------------------------------------------------------------------------------
+
+    async def _worker(self) -> None:
+        while True:
+            await self._queued.acquire()
+            fetch = heapq.heappop(self._queue).fetch
+            if fetch is None:
+                continue  # the entry a priority upgrade left behind
+            fetch.entry = None
+            if fetch.started or fetch.done.is_set():
+                continue
+            if fetch.abandoned:
+                self.stats.readahead_dropped += 1
+                self._finish(fetch)
+                continue
+            fetch.started = True
+            await self._run_fetch(fetch)
+            del fetch  # this frame waits for the next job: it must not pin the chunk's buffer meanwhile
+
+    async def _run_fetch(self, fetch: Fetch) -> None:
+        self.stats.fetches_inflight += 1
+        reuse = bool(self.levels) and fetch.length == self.chunk_size
+        buffer = self.memory.take_spent_buffer(fetch.length) if reuse else None
+        if buffer is None:
+            buffer = await self.memory.reserve(fetch.length, reuse=reuse)
+        try:
+            data, hit = await self.levels.load(fetch.cid, fetch.length, buffer, fetch.retry_until)
+            del buffer  # the level filled it (it is `data`), or the origin's bytes replace it
+            fetch.data = data
+            fetch.source = "origin" if hit is None else "level"
+            self.memory.store(fetch.cid, data)
+            missed = self.levels.missed(hit)
+            if missed and self._nursery is not None and self.memory.pin(fetch.cid):
+                cid = fetch.cid
+                self.levels.start_write(self._nursery, missed, cid, data, lambda: self.memory.unpin(cid))
+        except trio.Cancelled:
+            raise
+        except Exception as exc:  # noqa: BLE001 - handed to every waiter of this chunk
+            fetch.error = exc if isinstance(exc, StoreError) else StoreError(f"{type(exc).__name__}: {exc}")
+            log.warning("fetching chunk %d of %r failed: %s", fetch.cid.index, fetch.cid.key, fetch.error)
+        finally:
+            self.memory.release(fetch.length)
+            self.stats.fetches_inflight -= 1
+            self._finish(fetch)
+
+    def _finish(self, fetch: Fetch) -> None:
+        fetch.done.set()
+        if self._inflight.get(fetch.cid) is not fetch:
+            return
+        if (fetch.error is not None and fetch.demanded and self._nursery is not None
+                and trio.current_time() >= fetch.deadline):
+            # Failed at its deadline: it stays the chunk's fetch for RETRY_GRACE_S, so the kernel's
+            # immediate re-send of the READ that just failed joins it and fails at once (see _fetch_for).
+            self._nursery.start_soon(self._unregister_after_grace, fetch)
+            return
+        del self._inflight[fetch.cid]
+
+    async def _unregister_after_grace(self, fetch: Fetch) -> None:
+        await trio.sleep_until(fetch.deadline + RETRY_GRACE_S)
+        if self._inflight.get(fetch.cid) is fetch:
+            del self._inflight[fetch.cid]

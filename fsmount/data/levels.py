@@ -1,0 +1,219 @@
+"""The level stack: where a chunk the engine does not hold in memory comes from. Cache levels are asked
+in order (local NVMe first; a level closer to the origin later), then the origin with a ranged GET
+pinned to the ETag; a chunk a level missed is written back to it in the background.
+
+It counts what it does (hits and bytes per level, origin requests, bytes, errors and GET latency) and
+those counters are the only ones of the fetch path. It never decides what to fetch or what stays in
+memory: the engine asks, the stack answers.
+
+Adding a level is one module implementing `ChunkCache` and one entry in the list the mount passes in.
+
+Rules: every method runs in the trio thread and updates the counters there (no await between read and
+write); levels and the store are blocking and run in threads under the stack's own CapacityLimiters.
+`writes_pending` counts write-throughs started and not finished; `_writes_changed` is set (and
+replaced) whenever it drops, so `drain_writes` can wait for it at unmount. `LatencyHistogram` is read
+from the metrics thread too, so it holds a lock for each update.
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+import logging
+import mmap
+import threading
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, Protocol
+
+import trio
+
+from fsmount.data.identity import Chunk, ChunkId, WritableBuffer
+from fsmount.data.store import ObjectStore, Unreachable
+
+log = logging.getLogger(__name__)
+
+# Threads for cache-level reads; separate from the S3 connections.
+DISK_THREADS = 8
+# Write-through needs little parallelism (a chunk write is one large sequential write) and every extra
+# writer thread competes with the read path for the GIL and the CPU; on the 2-core bench bed 1-2
+# writers were no slower than 8 for a cold read with --cache-dir (noisy: 144-267 MB/s either way).
+PUT_THREADS = 2
+# A demanded fetch whose origin refuses connections (a server restarting) tries again after this long,
+# doubling up to the maximum, until its deadline: an outage shorter than --read-timeout costs time only.
+UNREACHABLE_RETRY_S = 0.25
+UNREACHABLE_RETRY_MAX_S = 4.0
+# Upper bounds (seconds) of one ranged GET of a chunk (8 MiB by default, retries included): ~10 ms
+# from a same-rack server, ~0.1 s at 700 MB/s, seconds when the origin is throttling.
+ORIGIN_GET_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+# How blocking calls run: in a worker thread under a limiter. Tests substitute a virtual-time fake.
+RunBlocking = Callable[..., Awaitable[Any]]
+
+
+async def run_in_thread(fn: Callable[..., Any], *args: Any, limiter: trio.CapacityLimiter) -> Any:
+    # Abandoned on cancel (unmount): a GET stalled in the kernel must not hold the daemon's exit
+    # for its retries; the thread ends on its own socket timeout.
+    return await trio.to_thread.run_sync(fn, *args, limiter=limiter, abandon_on_cancel=True)
+
+
+class ChunkCache(Protocol):
+    """The narrow interface every cache level implements: get / put by chunk id. A level only stores and
+    returns whole chunks; it never talks to the origin and never decides what to fetch.
+    Implementations are thread-safe and blocking: the stack calls them from worker threads."""
+
+    def get(self, chunk: ChunkId, buffer: WritableBuffer | None = None) -> bytes | WritableBuffer | None:
+        """The chunk's bytes, or None if absent or unreadable (never wrong bytes). `buffer`, if given, is
+        the chunk's exact length and the level's to fill and return instead of new bytes (the engine
+        recycles buffers); a level may ignore it."""
+        ...
+
+    def put(self, chunk: ChunkId, data: bytes | WritableBuffer) -> None:
+        """Store a chunk; failures (full disk, read-only dir) are absorbed and logged, not raised."""
+        ...
+
+
+class LatencyHistogram:
+    """Cumulative-bucket histogram of durations; thread-safe."""
+
+    def __init__(self, bounds: Sequence[float] = ORIGIN_GET_BUCKETS):
+        self.bounds = tuple(bounds)
+        self._counts = [0] * (len(self.bounds) + 1)  # last slot: above every bound (+Inf)
+        self._sum = 0.0
+        self._lock = threading.Lock()
+
+    def observe(self, seconds: float) -> None:
+        slot = bisect.bisect_left(self.bounds, seconds)
+        with self._lock:
+            self._counts[slot] += 1
+            self._sum += seconds
+
+    def read(self) -> tuple[list[tuple[float, int]], int, float]:
+        """([(upper bound, cumulative count)...] ending with +Inf, count, sum)."""
+        with self._lock:
+            counts, total = list(self._counts), self._sum
+        cumulative, running = [], 0
+        for bound, n in zip((*self.bounds, float("inf")), counts, strict=True):
+            running += n
+            cumulative.append((bound, running))
+        return cumulative, running, total
+
+
+@dataclasses.dataclass
+class LevelStats:
+    """Plain counters, written in the trio thread."""
+
+    origin_requests: int = 0
+    origin_bytes: int = 0
+    origin_errors: int = 0
+    level_hits: list[int] = dataclasses.field(default_factory=list)  # chunks, per level
+    level_bytes: list[int] = dataclasses.field(default_factory=list)  # bytes loaded, per level
+
+    @property
+    def hits(self) -> int:
+        return sum(self.level_hits)
+
+    @property
+    def loaded_bytes(self) -> int:
+        """Bytes loaded from the cache levels: each of them is a byte the origin did not send."""
+        return sum(self.level_bytes)
+
+
+class LevelStack:
+    def __init__(self, store: ObjectStore, levels: Sequence[ChunkCache], *, max_connections: int,
+                 run_blocking: RunBlocking = run_in_thread):
+        self.store = store
+        self.levels = list(levels)
+        self.stats = LevelStats(level_hits=[0] * len(self.levels), level_bytes=[0] * len(self.levels))
+        self.origin_latency = LatencyHistogram()
+        self._run_blocking = run_blocking
+        self._s3_limiter = trio.CapacityLimiter(max_connections)
+        self._disk_limiter = trio.CapacityLimiter(DISK_THREADS)
+        self._put_limiter = trio.CapacityLimiter(PUT_THREADS)
+        self._writes_pending = 0
+        self._writes_changed = trio.Event()
+
+    def __bool__(self) -> bool:
+        """True if there is any cache level below memory."""
+        return bool(self.levels)
+
+    async def load(self, cid: ChunkId, length: int, buffer: mmap.mmap | None,
+                   retry_until: Callable[[], float]) -> tuple[Chunk, int | None]:
+        """The chunk and the index of the level that had it (read into `buffer` if given, else a new
+        one), or from the origin with index None. While the origin refuses connections the GET is tried
+        again until `retry_until()` (a deadline on trio's clock, re-read at each try)."""
+        if self.levels and buffer is None and length == cid.chunk_size:
+            # An mmap call only: its pages are faulted in by the read that fills them.
+            buffer = mmap.mmap(-1, length, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        for i, level in enumerate(self.levels):
+            data = await self._run_blocking(level.get, cid, buffer, limiter=self._disk_limiter)
+            if data is not None and len(data) == length:
+                self.stats.level_hits[i] += 1
+                self.stats.level_bytes[i] += length
+                return data, i
+        return await self._from_origin(cid, length, retry_until), None
+
+    async def _from_origin(self, cid: ChunkId, length: int, retry_until: Callable[[], float]) -> bytes:
+        backoff = UNREACHABLE_RETRY_S
+        while True:
+            self.stats.origin_requests += 1
+            started = time.monotonic()
+            try:
+                data = await self._run_blocking(self.store.get_range, cid.key, cid.etag, cid.offset,
+                                                cid.offset + length, limiter=self._s3_limiter)
+                break
+            except Unreachable as exc:
+                self.stats.origin_errors += 1
+                # A restarting origin refuses connections for a moment: a reader that may still wait
+                # (mmap readers die of a failed READ) waits for it, up to the fetch's deadline.
+                wait = min(backoff, retry_until() - trio.current_time())
+                if wait <= 0:
+                    raise
+                log.debug("chunk %d of %r: %s; trying again in %.2fs", cid.index, cid.key, exc.message, wait)
+                await trio.sleep(wait)
+                backoff = min(2 * backoff, UNREACHABLE_RETRY_MAX_S)
+            except Exception:
+                self.stats.origin_errors += 1
+                raise
+            finally:
+                self.origin_latency.observe(time.monotonic() - started)
+        self.stats.origin_bytes += len(data)
+        return data
+
+    # -- write-through -------------------------------------------------------------------------
+
+    def missed(self, hit: int | None) -> list[ChunkCache]:
+        """The levels asked before the one that had the chunk (all of them after an origin fetch)."""
+        return self.levels if hit is None else self.levels[:hit]
+
+    def start_write(self, nursery: trio.Nursery, levels: Sequence[ChunkCache], cid: ChunkId, data: Chunk,
+                    done: Callable[[], None]) -> None:
+        """Write the chunk to `levels` in the background; `done()` once it is written (or failed)."""
+        self._writes_pending += 1
+        nursery.start_soon(self._write, levels, cid, data, done)
+
+    async def _write(self, levels: Sequence[ChunkCache], cid: ChunkId, data: Chunk,
+                     done: Callable[[], None]) -> None:
+        try:
+            for level in levels:
+                try:
+                    await self._run_blocking(level.put, cid, data, limiter=self._put_limiter)
+                except Exception as exc:  # noqa: BLE001 - a cache level never breaks a read
+                    log.warning("cache write of chunk %d of %r failed: %s", cid.index, cid.key, exc)
+        finally:
+            done()
+            self._writes_pending -= 1
+            self._writes_changed.set()
+            self._writes_changed = trio.Event()
+
+    @property
+    def writes_pending(self) -> int:
+        return self._writes_pending
+
+    async def drain_writes(self, timeout: float) -> int:
+        """Wait up to `timeout` s for the write-through of chunks already fetched (at unmount: a model
+        read just before a restart is then all in the NVMe cache). The number still unwritten."""
+        with trio.move_on_after(timeout):
+            while self._writes_pending:
+                await self._writes_changed.wait()
+        return self._writes_pending

@@ -1,0 +1,95 @@
+"""The object store seen by modelfs: the ObjectStore protocol every store client implements, the
+metadata it returns, and the `StoreError`s (each with an errno and a message for humans) it raises.
+
+A client module (boto3_store today) turns its library's failures into these errors; nothing above the
+store sees a library exception. Every method blocks; callers run them in worker threads.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import errno
+from collections.abc import Iterator
+from typing import Protocol
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ObjectMeta:
+    """One object version as listed or HEADed. `key` is the full key in the bucket."""
+
+    key: str
+    size: int
+    etag: str
+    mtime_ns: int
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ListingPage:
+    """One page of a delimited listing: objects directly under the prefix, and sub-prefixes.
+
+    Keys that are not valid UTF-8 arrive as `bytes` so the namespace can skip them by name.
+    """
+
+    objects: list[ObjectMeta]
+    prefixes: list[str]
+    undecodable: list[bytes]
+
+
+class StoreError(Exception):
+    """A failure talking to the bucket. `errno` is what a FUSE reader sees."""
+
+    errno = errno.EIO
+
+    def __init__(self, message: str):
+        super().__init__(message)
+        self.message = message
+
+
+class NotFound(StoreError):
+    errno = errno.ENOENT
+
+
+class AccessDenied(StoreError):
+    errno = errno.EACCES
+
+
+class BucketMissing(StoreError):
+    errno = errno.ENOENT
+
+
+class Unreachable(StoreError):
+    errno = errno.EIO
+
+
+class PreconditionFailed(StoreError):
+    """The object changed since it was opened (If-Match failed)."""
+
+    errno = errno.EIO
+
+
+class TransientError(StoreError):
+    errno = errno.EIO
+
+
+class ObjectStore(Protocol):
+    bucket: str
+
+    def check_bucket(self, prefix: str) -> None:
+        """Raise a StoreError with a clear message if the bucket cannot be listed."""
+        ...
+
+    def head(self, key: str) -> ObjectMeta | None:
+        """The object's metadata, or None if there is no such key."""
+        ...
+
+    def list_pages(self, prefix: str) -> Iterator[ListingPage]:
+        """Delimited ('/') listing of `prefix`, all pages."""
+        ...
+
+    def has_children(self, prefix: str) -> bool:
+        """Whether any key starts with `prefix` (which ends with '/')."""
+        ...
+
+    def get_range(self, key: str, etag: str, start: int, end: int) -> bytes:
+        """Bytes [start, end) of the object version `etag`; exactly end - start bytes or an error."""
+        ...

@@ -1,0 +1,166 @@
+"""The Prometheus endpoint of a mount (--metrics-addr): an HTTP server in a daemon thread that turns one
+stats snapshot into metric families at each scrape.
+
+It binds before the mount starts (a port in use is a pre-flight error), never raises into the mount, and
+never exposes credentials.
+"""
+
+from __future__ import annotations
+
+import errno
+import http.server
+import logging
+import socket
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+
+from fsmount.stats import MountStats
+
+log = logging.getLogger(__name__)
+
+METRICS_PATHS = ("/metrics", "/")
+
+
+class MetricsAddressError(ValueError):
+    """--metrics-addr is malformed or cannot be bound; the message is shown as is."""
+
+
+class StatsCollector:
+    """A prometheus_client collector that turns one snapshot into metric families at scrape time."""
+
+    def __init__(self, stats: MountStats):
+        self.stats = stats
+
+    def collect(self) -> Iterator[Metric]:
+        s = self.stats.snapshot()
+        served = CounterMetricFamily("modelfs_served_bytes", "Bytes of READ replies by where the chunk was "
+                                     "(memory LRU, cache levels i.e. NVMe, origin)", labels=["source"])
+        for source, n in s["served_bytes"].items():
+            served.add_metric([source], n)
+        yield served
+        yield GaugeMetricFamily("modelfs_hit_ratio", "Share of READ bytes served without waiting for the origin",
+                                value=s["hit_ratio"])
+        origin = s["origin"]
+        yield CounterMetricFamily("modelfs_origin_requests", "Ranged GETs sent to the origin",
+                                  value=origin["requests"])
+        yield CounterMetricFamily("modelfs_origin_bytes", "Bytes downloaded from the origin", value=origin["bytes"])
+        yield CounterMetricFamily("modelfs_origin_errors", "Ranged GETs that failed after retries",
+                                  value=origin["errors"])
+        latency = origin["get_seconds"]
+        buckets = [(_le(b), n) for b, n in latency["buckets"]] + [("+Inf", latency["count"])]
+        yield HistogramMetricFamily("modelfs_origin_get_seconds", "Duration of one ranged GET of a chunk, "
+                                    "retries included", buckets=buckets, sum_value=latency["sum"])
+        yield CounterMetricFamily("modelfs_cache_loaded_bytes", "Bytes of chunks loaded from the cache levels",
+                                  value=s["cache_loaded_bytes"])
+        yield CounterMetricFamily("modelfs_egress_saved_bytes", "Bytes the origin did not send thanks to caches "
+                                  "(lower bound)", value=s["egress_saved_bytes"])
+        yield CounterMetricFamily("modelfs_streamed_bytes", "Bytes fetched by model streaming (safetensors "
+                                  "files streamed in offset order when opened)", value=s["streamed_bytes"])
+        yield CounterMetricFamily("modelfs_readahead_dropped", "Queued read-ahead fetches dropped unstarted",
+                                  value=s["readahead_dropped"])
+        yield GaugeMetricFamily("modelfs_pagecache_pushed_bytes", "Bytes pushed into the kernel page cache for "
+                                "files still open", value=s["pagecache_pushed_bytes"])
+        yield GaugeMetricFamily("modelfs_fetches_inflight", "Chunk fetches running now",
+                                value=s["fetches_inflight"])
+        yield GaugeMetricFamily("modelfs_memory_used_bytes", "Chunk bytes held or reserved in memory",
+                                value=s["memory_used_bytes"])
+        yield GaugeMetricFamily("modelfs_memory_limit_bytes", "--memory-limit", value=s["memory_limit_bytes"])
+        yield GaugeMetricFamily("modelfs_open_files", "Open file handles", value=s["open_files"])
+        dc = s["disk_cache"]
+        if dc is not None:
+            for name in ("hits", "misses", "corrupt", "read_errors", "write_errors", "evictions", "writes"):
+                yield CounterMetricFamily(f"modelfs_disk_cache_{name}", f"NVMe chunk cache {name.replace('_', ' ')}",
+                                          value=dc[name])
+            yield GaugeMetricFamily("modelfs_disk_cache_hit_ratio", "NVMe chunk cache hits / lookups",
+                                    value=dc["hit_ratio"])
+            yield GaugeMetricFamily("modelfs_disk_cache_used_bytes", "Bytes of chunk files in the NVMe cache",
+                                    value=dc["bytes_used"])
+            yield GaugeMetricFamily("modelfs_disk_cache_size_bytes", "--cache-size in bytes", value=dc["max_bytes"])
+            yield GaugeMetricFamily("modelfs_disk_cache_chunks", "Chunk files in the NVMe cache", value=dc["chunks"])
+
+
+def _le(bound: float) -> str:
+    return repr(float(bound))
+
+
+def parse_metrics_addr(text: str) -> tuple[str, int]:
+    """'HOST:PORT', '[::1]:PORT' or ':PORT' (every interface) -> (host, port)."""
+    host, sep, port_text = text.strip().rpartition(":")
+    if not sep or not port_text.isdigit():
+        raise MetricsAddressError(f"invalid --metrics-addr {text!r}: use HOST:PORT, e.g. 127.0.0.1:9478")
+    port = int(port_text)
+    if port > 65535:
+        raise MetricsAddressError(f"invalid --metrics-addr {text!r}: port out of range")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    return host, port
+
+
+class _Handler(http.server.BaseHTTPRequestHandler):
+    server: _Server
+
+    def do_GET(self) -> None:  # noqa: N802 - the http.server naming
+        if self.path.split("?", 1)[0] not in METRICS_PATHS:
+            self.send_error(404)
+            return
+        body = generate_latest(self.server.registry)
+        self.send_response(200)
+        self.send_header("Content-Type", CONTENT_TYPE_LATEST)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - the http.server signature
+        log.debug("metrics: %s %s", self.address_string(), format % args)
+
+
+class _Server(http.server.ThreadingHTTPServer):
+    daemon_threads = True
+    registry: CollectorRegistry
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        # A broken scrape (client gone, collector bug) costs that scrape, never the mount.
+        log.debug("metrics request from %s failed", client_address, exc_info=True)
+
+
+class _Server6(_Server):
+    address_family = socket.AF_INET6
+
+
+class MetricsServer:
+    """Binds at construction (a pre-flight check: a port in use fails the mount before it starts),
+    serves from a daemon thread once `start()` is called, and stops with `close()`."""
+
+    def __init__(self, addr: str):
+        host, port = parse_metrics_addr(addr)
+        server_class = _Server6 if ":" in host else _Server
+        try:
+            self._server: _Server = server_class((host, port), _Handler)
+        except OSError as exc:
+            if exc.errno == errno.EADDRINUSE:
+                raise MetricsAddressError(f"--metrics-addr {addr}: address already in use") from None
+            raise MetricsAddressError(f"--metrics-addr {addr}: {exc.strerror or exc}") from None
+        self._server.registry = CollectorRegistry(auto_describe=False)
+        self._thread: threading.Thread | None = None
+
+    @property
+    def url(self) -> str:
+        host, port = self._server.server_address[:2]
+        shown = f"[{host}]" if ":" in str(host) else host
+        return f"http://{shown}:{port}/metrics"
+
+    def start(self, stats: MountStats) -> None:
+        self._server.registry.register(StatsCollector(stats))
+        self._thread = threading.Thread(target=self._server.serve_forever, name="modelfs-metrics", daemon=True)
+        self._thread.start()
+        log.info("metrics on %s", self.url)
+
+    def close(self) -> None:
+        if self._thread is not None:
+            self._server.shutdown()
+            self._thread.join(timeout=5)
+        self._server.server_close()

@@ -1,0 +1,100 @@
+"""What a running mount tells operators: one snapshot of the live counters as plain JSON values. The
+Prometheus endpoint (prometheus.py) and `modelfs stats` (through the virtual xattr STATS_XATTR, read by
+stats_table.py in the CLI process) both serve this snapshot.
+
+It counts nothing itself and never raises into the mount. Threads: `snapshot` runs in the metrics HTTP
+thread and in the trio thread; it only reads plain ints that the trio thread (engine, level stack,
+streamer, pusher) or a lock holder (DiskCache, LatencyHistogram) write, so a scrape may see counters a
+few microseconds apart, never a torn value.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # the CLI imports this module for STATS_XATTR alone, without the daemon's parts
+    from fsmount.data import ChunkEngine, DiskCache
+    from fsmount.pagecache import PageCachePusher
+    from fsmount.streaming import ModelStreamer
+
+STATS_FORMAT_VERSION = 1
+# The virtual attribute of the mount root that carries the snapshot as JSON: no socket, no port, and
+# the kernel's own permission check on the mountpoint. Not listed by listxattr, so `cp -a`,
+# `rsync -X` and `tar --xattrs` never copy it.
+STATS_XATTR = b"user.modelfs.stats"
+
+
+def ratio(part: int, whole: int) -> float:
+    return part / whole if whole > 0 else 0.0
+
+
+@dataclasses.dataclass
+class MountStats:
+    """Where a mount's numbers live; `snapshot()` reads them all at once into plain JSON values."""
+
+    bucket: str
+    engine: ChunkEngine
+    streamer: ModelStreamer
+    pusher: PageCachePusher
+    disk_cache: DiskCache | None = None
+    open_files: Callable[[], int] = lambda: 0
+    inodes: Callable[[], int] = lambda: 0
+    started: float = dataclasses.field(default_factory=time.monotonic)
+
+    def snapshot(self) -> dict[str, Any]:
+        es, ls = self.engine.stats, self.engine.levels.stats
+        served = {"memory": es.bytes_served_memory, "cache": es.bytes_served_level, "origin": es.bytes_served_origin}
+        served_total = sum(served.values())
+        cache_loaded = ls.loaded_bytes
+        buckets, count, total = self.engine.levels.origin_latency.read()
+        out: dict[str, Any] = {
+            "format": STATS_FORMAT_VERSION,
+            "bucket": self.bucket,
+            "uptime_seconds": round(time.monotonic() - self.started, 3),
+            # READ reply bytes by where their chunk was when the READ asked for it.
+            "served_bytes": served,
+            # Share of READ bytes that did not wait for the origin.
+            "hit_ratio": ratio(served["memory"] + served["cache"], served_total),
+            "origin": {
+                "requests": ls.origin_requests,
+                "bytes": ls.origin_bytes,
+                "errors": ls.origin_errors,
+                "get_seconds": {"buckets": [[b, n] for b, n in buckets[:-1]], "count": count, "sum": total},
+            },
+            "cache_loaded_bytes": cache_loaded,
+            "cache_chunk_hits": ls.hits,
+            # Bytes the origin did not send thanks to caches: chunks loaded from the cache levels, plus
+            # READ bytes served beyond everything loaded (re-reads answered from memory). Reads that the
+            # kernel page cache answers never reach the daemon, so this is a lower bound.
+            "egress_saved_bytes": cache_loaded + max(0, served_total - ls.origin_bytes - cache_loaded),
+            # Bytes fetched by model streaming (safetensors files streamed in offset order at open).
+            "streamed_bytes": self.streamer.streamed_bytes,
+            # Read-ahead fetches dropped before they started (their reader moved on or closed).
+            "readahead_dropped": es.readahead_dropped,
+            "pagecache_pushed_bytes": self.pusher.pushed,
+            "fetches_inflight": es.fetches_inflight,
+            # Fetched chunks not yet written to the cache levels (written in the background).
+            "cache_writes_pending": self.engine.levels.writes_pending,
+            "memory_used_bytes": self.engine.memory.used,
+            "memory_limit_bytes": self.engine.memory.limit,
+            "open_files": self.open_files(),
+            # Inodes the kernel holds (root included): they go when it sends FORGET.
+            "inodes": self.inodes(),
+            "disk_cache": None,
+        }
+        if self.disk_cache is not None:
+            ds = self.disk_cache.stats
+            out["disk_cache"] = {
+                "hits": ds.hits, "misses": ds.misses, "hit_ratio": ratio(ds.hits, ds.hits + ds.misses),
+                "corrupt": ds.corrupt, "read_errors": ds.read_errors, "write_errors": ds.write_errors,
+                "evictions": ds.evictions, "writes": ds.writes, "bytes_used": ds.bytes_used,
+                "max_bytes": self.disk_cache.max_bytes, "chunks": ds.chunks,
+            }
+        return out
+
+    def json_bytes(self) -> bytes:
+        return json.dumps(self.snapshot(), separators=(",", ":")).encode()

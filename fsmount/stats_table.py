@@ -1,0 +1,108 @@
+"""`modelfs stats MOUNTPOINT`, in the CLI process (never in the daemon): read the running daemon's
+snapshot through the virtual xattr of the mount root, and print it as a table.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+from typing import Any
+
+from fsmount.stats import STATS_FORMAT_VERSION, STATS_XATTR, ratio
+
+
+class StatsUnavailable(Exception):
+    """`modelfs stats` cannot get numbers from this path; the message says why."""
+
+
+def read_stats(mountpoint: str) -> dict[str, Any]:
+    """The running daemon's snapshot, through the virtual xattr of the mount root."""
+    try:
+        raw = os.getxattr(mountpoint, STATS_XATTR.decode())
+    except OSError as exc:
+        if exc.errno in (errno.ENODATA, errno.ENOTSUP):
+            raise StatsUnavailable(f"{mountpoint} is not the root of a modelfs mount") from None
+        if exc.errno == errno.ENOTCONN:
+            raise StatsUnavailable(f"the daemon of {mountpoint} is gone (transport endpoint is not connected)") \
+                from None
+        raise StatsUnavailable(f"cannot read stats of {mountpoint}: {exc.strerror or exc}") from None
+    try:
+        snapshot = json.loads(raw)
+    except ValueError:
+        raise StatsUnavailable(f"{mountpoint}: the daemon sent unreadable stats") from None
+    if not isinstance(snapshot, dict) or snapshot.get("format") != STATS_FORMAT_VERSION:
+        raise StatsUnavailable(f"{mountpoint}: stats format not understood (daemon of another version?)")
+    return snapshot
+
+
+def _size(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+def _percent(ratio: float) -> str:
+    return f"{100 * ratio:.1f}%"
+
+
+def _duration(seconds: float) -> str:
+    minutes, secs = divmod(int(seconds), 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}h{minutes:02d}m{secs:02d}s" if hours else f"{minutes}m{secs:02d}s"
+
+
+def _latency_quantile(buckets: list[list[float]], count: int, q: float) -> str:
+    """The bucket bound under which a fraction q of the GETs finished ('> last bound' beyond it)."""
+    if count == 0:
+        return "-"
+    for bound, n in buckets:
+        if n >= q * count:
+            return f"<= {bound:g}s"
+    return f"> {buckets[-1][0]:g}s" if buckets else "-"
+
+
+def format_stats(s: dict[str, Any], mountpoint: str) -> str:
+    """The human table of `modelfs stats`."""
+    served, origin, dc = s["served_bytes"], s["origin"], s["disk_cache"]
+    get_s = origin["get_seconds"]
+    mean = f"{get_s['sum'] / get_s['count']:.3f}s" if get_s["count"] else "-"
+    served_total = sum(served.values())
+    rows: list[tuple[str, str]] = [
+        ("mount", f"{mountpoint} (bucket {s['bucket']}, up {_duration(s['uptime_seconds'])})"),
+        ("hit ratio", f"{_percent(s['hit_ratio'])} of {_size(served_total)} read did not wait for the origin"),
+        ("read from memory", _size(served["memory"])),
+        ("read from NVMe cache", _size(served["cache"])),
+        ("read from origin", _size(served["origin"])),
+        ("origin egress saved", f"{_size(s['egress_saved_bytes'])} (chunks loaded from the NVMe cache: "
+                                f"{_size(s['cache_loaded_bytes'])})"),
+        ("origin downloads", f"{_size(origin['bytes'])} in {origin['requests']} GETs, {origin['errors']} failed"),
+        ("origin GET latency", f"mean {mean}, p50 {_latency_quantile(get_s['buckets'], get_s['count'], 0.5)}, "
+                               f"p99 {_latency_quantile(get_s['buckets'], get_s['count'], 0.99)}"),
+    ]
+    if dc is None:
+        rows.append(("NVMe cache", "off (no --cache-dir)"))
+    else:
+        used = ratio(dc["bytes_used"], dc["max_bytes"])
+        rows += [
+            ("NVMe cache", f"{_size(dc['bytes_used'])} of {_size(dc['max_bytes'])} ({_percent(used)}), "
+                           f"{dc['chunks']} chunks"),
+            ("NVMe cache lookups", f"{dc['hits']} hits, {dc['misses']} misses ({_percent(dc['hit_ratio'])} hit), "
+                                   f"{dc['evictions']} evictions"),
+        ]
+    rows += [
+        ("memory", f"{_size(s['memory_used_bytes'])} of {_size(s['memory_limit_bytes'])}"),
+        ("model streaming", f"{_size(s['streamed_bytes'])} fetched; page cache holds "
+                            f"{_size(s['pagecache_pushed_bytes'])} "
+                       f"pushed for open files"),
+        ("now", f"{s['fetches_inflight']} fetches in flight, {s['open_files']} open files"),
+    ]
+    errors = [f"origin {origin['errors']}"]
+    if dc is not None:
+        errors += [f"cache corrupt {dc['corrupt']}", f"cache read {dc['read_errors']}",
+                   f"cache write {dc['write_errors']}"]
+    rows.append(("errors", ", ".join(errors)))
+    width = max(len(label) for label, _ in rows)
+    return "\n".join(f"{label:<{width}}  {value}" for label, value in rows)

@@ -337,14 +337,13 @@ def cmd_prefetch(args: argparse.Namespace) -> int:
 
 
 def cmd_cache(args: argparse.Namespace) -> int:
-    from fsmount import cache_admin
-    from fsmount.data import CHUNKS_DIR, CacheDirBusy
+    from fsmount.data import CHUNKS_DIR, CacheDirBusy, cache_clear, cache_stats, cache_verify
 
     if not os.path.isdir(os.path.join(args.cache_dir, CHUNKS_DIR)):
         return fail(f"{args.cache_dir} is not a modelfs cache directory")
     try:
         if args.action == "stats":
-            st = cache_admin.cache_stats(args.cache_dir)
+            st = cache_stats(args.cache_dir)
             print(f"{'chunks':15} {st['chunks']}")
             print(f"{'bytes':15} {st['bytes']} ({int(st['bytes'] or 0) / 2**30:.2f} GiB)")
             for key in ("oldest_access", "newest_access"):
@@ -352,9 +351,9 @@ def cmd_cache(args: argparse.Namespace) -> int:
                 shown = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(value)) if value else "-"
                 print(f"{key.replace('_', ' '):15} {shown}")
         elif args.action == "clear":
-            print(f"removed {cache_admin.cache_clear(args.cache_dir)} chunk files")
+            print(f"removed {cache_clear(args.cache_dir)} chunk files")
         else:
-            ok, bad = cache_admin.cache_verify(args.cache_dir)
+            ok, bad = cache_verify(args.cache_dir)
             print(f"{ok} chunks verified, {len(bad)} corrupt (removed)")
             for path in bad:
                 print(f"  corrupt: {path}")

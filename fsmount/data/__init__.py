@@ -9,11 +9,13 @@ here, never from the modules inside, which are private to the package:
 - levels: the ChunkCache interface and the level stack (lookup order, origin fallback, write-through,
   the fetch-path counters);
 - engine: single-flight fetches, workers, priorities and deadlines (ChunkEngine, Fetch);
-- disk_cache: the NVMe cache level; chunk_file: its file format; cache_dir: its directory and lock.
+- disk_cache: the NVMe cache level; chunk_file: its file format; cache_dir: its directory and lock;
+  cache_admin: `modelfs cache stats|clear|verify` over a cache directory.
 """
 
 from fsmount.data.boto3_store import Boto3Store
 from fsmount.data.budget import MemoryBudget
+from fsmount.data.cache_admin import cache_clear, cache_stats, cache_verify
 from fsmount.data.cache_dir import CHUNKS_DIR, CacheDirBusy, cache_bytes
 from fsmount.data.disk_cache import DiskCache
 from fsmount.data.engine import AHEAD, BACKGROUND, DEMAND, ChunkEngine, Fetch, ReadTimeout
@@ -36,5 +38,6 @@ __all__ = [
     "AHEAD", "BACKGROUND", "CHUNKS_DIR", "DEMAND", "AccessDenied", "Boto3Store", "BucketMissing", "CacheDirBusy",
     "Chunk", "ChunkCache", "ChunkEngine", "ChunkId", "DiskCache", "Fetch", "LatencyHistogram", "LevelStack",
     "ListingPage", "MemoryBudget", "NotFound", "ObjectMeta", "ObjectStore", "ObjectVersion", "PreconditionFailed",
-    "ReadTimeout", "StoreError", "TransientError", "Unreachable", "WritableBuffer", "cache_bytes",
+    "ReadTimeout", "StoreError", "TransientError", "Unreachable", "WritableBuffer", "cache_bytes", "cache_clear",
+    "cache_stats", "cache_verify",
 ]

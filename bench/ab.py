@@ -15,7 +15,7 @@ Scenarios, each after the page cache is dropped, each on a fresh daemon:
   fill       cat through a mount with an emptied --cache-dir (the variant's own)
   warm       cat through a fresh mount on that cache dir (run `fill` first in the same round)
   warm_load  safetensors.numpy.load_file through a fresh mount on that cache dir
-  local      cat of the same file on local disk (the #4 baseline)
+  local      cat of the same file on local disk (the warm-cache baseline)
   local_load load_file of the same file on local disk
 Per measurement it prints seconds, the daemon's user and system CPU seconds and SeaweedFS's CPU seconds,
 then medians per (scenario, variant). Nothing is left behind: server, mounts and the work dir go.

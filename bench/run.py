@@ -45,7 +45,7 @@ Record = dict[str, Any]
 TOOLS = ("curl", "ranged-get", "local-disk", "modelfs", "modelfs-warm", "s3fs", "rclone", "boto3-download")
 MOUNT_TOOLS = ("modelfs", "modelfs-warm", "s3fs", "rclone")
 MODELFS_TOOLS = ("modelfs", "modelfs-warm")
-#: Rows that get a "× local" (throughput / local-disk's in the same round): issue #4's warm-cache target.
+#: Rows that get a "× local" (throughput / local-disk's in the same round): the warm-cache target (local-disk speed).
 LOCAL_RATIO_TOOLS = ("local-disk", "modelfs-warm")
 BUCKET = "models"
 SINGLE_KEY = "single/model.safetensors"

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO
+from tests.helpers import REPO
 
-pytestmark = [pytest.mark.mount, pytest.mark.seaweedfs]
+pytestmark = pytest.mark.seaweedfs
 
 
 def test_quick_bench_runs_every_tool(tmp_path: Path) -> None:

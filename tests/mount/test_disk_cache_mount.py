@@ -15,7 +15,6 @@ which fails the test.
 from __future__ import annotations
 
 import errno
-import hashlib
 import os
 import re
 import shutil
@@ -23,26 +22,34 @@ import signal
 import subprocess
 import threading
 import time
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from fsmount.cache_level import ChunkId
-from fsmount.disk_cache import DiskCache
-from tests.conftest import REPO, S3Server, daemon_env, modelfs_cmd, mounted, new_bucket
+from tests.helpers import (
+    CORRUPT_WARNING,
+    WRITE_FAILED_WARNING,
+    MiB,
+    Mount,
+    S3Server,
+    daemon_env,
+    file_digest,
+    mounted,
+    new_bucket,
+    put_objects,
+    random_bytes,
+    run_modelfs,
+    sha,
+    tmpfs,
+    wait_for,
+    warning_lines,
+)
 
-pytestmark = pytest.mark.mount
-
-MiB = 1 << 20
 CHUNK = MiB
 HEADER_SLACK = 4096  # a chunk file is its data plus a header (56 bytes, bucket/key/etag text, padding to 4 KiB)
 CACHE_ARGS = ("--chunk-size", "1M")
-CORRUPT_WARNING = r"disk cache .*: dropped corrupt chunk file"
-WRITE_FAILED_WARNING = r"disk cache .*: write failed"
 SERVED = re.compile(r"served bytes: memory=(?P<memory>\d+) cache=(?P<cache>\d+) origin=(?P<origin>\d+); "
                     r"origin requests=(?P<origin_requests>\d+) bytes=(?P<origin_bytes>\d+) "
                     r"errors=(?P<origin_errors>\d+); cache hits=(?P<cache_hits>\d+)")
@@ -52,24 +59,17 @@ INDEX_LINE = re.compile(r"disk cache \S+: (?P<chunks>\d+) chunks, (?P<bytes>\d+)
 
 # -- helpers --------------------------------------------------------------------------------------
 
-def random_bytes(n: int, seed: int) -> bytes:
-    return np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8).tobytes()
+def cache_args(cache: Path, size: str = "1G", *more: str) -> tuple[str, ...]:
+    """The options of a mount with `cache` as its --cache-dir, of `size`, and 1 MiB chunks."""
+    return ("--cache-dir", str(cache), "--cache-size", size, *more, *CACHE_ARGS)
 
 
-def sha(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()
-
-
-def file_sha(path: Path, drop_page_cache: bool = False) -> str:
-    """sha256 of a file on the mount. drop_page_cache first evicts the kernel's cached pages of it, so a
-    re-read within one mount really reaches the daemon (open keeps the page cache for an unchanged ETag)."""
-    h = hashlib.sha256()
-    with open(path, "rb", buffering=0) as f:
-        if drop_page_cache:
-            os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
-        while block := f.read(4 * MiB):
-            h.update(block)
-    return h.hexdigest()
+def bucket_with_object(server: S3Server, size: int, seed: int, key: str = "w.bin") -> tuple[str, bytes]:
+    """A new bucket holding one object of `size` random bytes (a single PutObject); (bucket, its bytes)."""
+    bucket = new_bucket(server)
+    body = random_bytes(size, seed)
+    put_objects(server, bucket, {key: body})
+    return bucket, body
 
 
 def n_chunks(size: int) -> int:
@@ -104,10 +104,19 @@ def cache_dir_bytes(cache: Path) -> int:
 
 def wait_for_chunks(cache: Path, want: int, timeout: float = 30.0) -> None:
     """Write-through runs after the read returned: wait until `want` chunk files are on disk."""
-    deadline = time.monotonic() + timeout
-    while (have := len(chunk_files(cache))) != want:
-        assert time.monotonic() < deadline, f"cache holds {have} chunk files, expected {want}"
-        time.sleep(0.05)
+    wait_for(f"chunk files in the cache (want {want})", lambda: len(chunk_files(cache)), lambda n: n == want,
+             timeout)
+
+
+def read_whole_file(server: S3Server, bucket: str, mountpoint: Path, args: tuple[str, ...], body: bytes,
+                    cache: Path | None = None, allowed: tuple[str, ...] = ()) -> Mount:
+    """One mount with `args` that reads w.bin whole and checks it against `body`; with `cache`, it also waits
+    until every chunk of w.bin is a chunk file there. The Mount, once unmounted."""
+    with mounted(server, bucket, mountpoint, *args, allowed=allowed) as m:
+        assert file_digest(mountpoint / "w.bin") == sha(body)
+        if cache is not None:
+            wait_for_chunks(cache, n_chunks(len(body)))
+    return m
 
 
 def served(log: str) -> dict[str, int]:
@@ -123,13 +132,14 @@ def index_line(log: str) -> dict[str, int]:
     return {k: int(v) for k, v in m.groupdict().items()}
 
 
-def warning_lines(log: str) -> list[str]:
-    return [line for line in log.splitlines() if re.search(r" (WARNING|ERROR|CRITICAL) |Traceback", line)]
-
-
 def cache_cmd(action: str, cache: Path) -> subprocess.CompletedProcess:
-    return subprocess.run(modelfs_cmd("cache", action, str(cache)), check=False, capture_output=True,
-                          text=True, timeout=60, env={**os.environ, "PYTHONPATH": str(REPO)})
+    return run_modelfs("cache", action, str(cache))
+
+
+def assert_verified(cache: Path, chunks: int) -> None:
+    """`modelfs cache verify` finds exactly `chunks` chunk files, none corrupt."""
+    res = cache_cmd("verify", cache)
+    assert res.returncode == 0 and res.stdout.startswith(f"{chunks} chunks verified, 0 corrupt"), res
 
 
 def stats(cache: Path) -> dict[str, str]:
@@ -138,35 +148,16 @@ def stats(cache: Path) -> dict[str, str]:
     return {line[:15].strip(): line[16:].strip() for line in res.stdout.splitlines()}  # "name:15 value"
 
 
-def upload(server: S3Server, size: int, seed: int, key: str = "w.bin") -> tuple[str, bytes]:
-    bucket = new_bucket(server)
-    body = random_bytes(size, seed)
-    server.client().put_object(Bucket=bucket, Key=key, Body=body)
-    return bucket, body
-
-
-@contextmanager
-def tmpfs(path: Path, options: str) -> Iterator[Path]:
-    path.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(path)], check=True)
-    try:
-        yield path
-    finally:
-        if subprocess.run(["umount", str(path)], check=False).returncode != 0:
-            subprocess.run(["umount", "-l", str(path)], check=False)
-
-
 # -- 1. persistence across unmount / remount ------------------------------------------------------
 
 def test_cache_survives_remount_and_a_hit_never_touches_the_origin(s3: S3Server, mountpoint: Path,
                                                                     tmp_path: Path) -> None:
     size = 24 * MiB + 12345  # a partial last chunk
-    bucket, body = upload(s3, size, seed=1)
+    bucket, body = bucket_with_object(s3, size, seed=1)
     cache = tmp_path / "cache"
-    args = ("--cache-dir", str(cache), "--cache-size", "1G", *CACHE_ARGS)
-    with mounted(s3, bucket, mountpoint, *args) as m:
-        assert file_sha(mountpoint / "w.bin") == sha(body)
-        # No waiting for write-through here: unmount drains it, so every chunk read is on disk after.
+    args = cache_args(cache)
+    # No waiting for write-through here: unmount drains it, so every chunk read is on disk after.
+    m = read_whole_file(s3, bucket, mountpoint, args, body)
     first = served(m.log())
     assert first["origin_requests"] == n_chunks(size) and first["origin_bytes"] == size
     assert first["cache_hits"] == 0
@@ -176,7 +167,7 @@ def test_cache_survives_remount_and_a_hit_never_touches_the_origin(s3: S3Server,
 
     with mounted(s3, bucket, mountpoint, *args) as m:
         assert index_line(m.log())["chunks"] == n_chunks(size)
-        assert file_sha(mountpoint / "w.bin") == sha(body)
+        assert file_digest(mountpoint / "w.bin") == sha(body)
         with open(mountpoint / "w.bin", "rb") as f:  # the exact tail, from the cache
             f.seek(size - 7)
             assert f.read(100) == body[-7:]
@@ -191,10 +182,9 @@ def test_cache_survives_remount_and_a_hit_never_touches_the_origin(s3: S3Server,
 
 def test_kill_9_mid_read_then_remount_is_exact(moto_server: S3Server, mountpoint: Path, tmp_path: Path) -> None:
     size = 64 * MiB + 777
-    bucket, body = upload(moto_server, size, seed=2)
+    bucket, body = bucket_with_object(moto_server, size, seed=2)
     cache = tmp_path / "cache"
-    args = ("--cache-dir", str(cache), "--cache-size", "1G", "--max-readahead", "4M",
-            "--kernel-readahead", "1M", *CACHE_ARGS)
+    args = cache_args(cache, "1G", "--max-readahead", "4M", "--kernel-readahead", "1M")
     done = [0]
     reader_errors: list[int | None] = []
 
@@ -238,13 +228,12 @@ def test_kill_9_mid_read_then_remount_is_exact(moto_server: S3Server, mountpoint
         index = index_line(m.log())
         assert index["swept"] == left_tmp + 2 and tmp_files(cache) == []
         assert index["chunks"] == cached_before
-        assert file_sha(mountpoint / "w.bin") == sha(body)
+        assert file_digest(mountpoint / "w.bin") == sha(body)
         wait_for_chunks(cache, n_chunks(size))
     again = served(m.log())
     assert again["cache_hits"] == cached_before
     assert again["origin_requests"] == n_chunks(size) - cached_before
-    res = cache_cmd("verify", cache)
-    assert res.returncode == 0 and res.stdout.startswith(f"{n_chunks(size)} chunks verified, 0 corrupt"), res
+    assert_verified(cache, n_chunks(size))
 
 
 # -- 3. corruption on disk ------------------------------------------------------------------------
@@ -252,12 +241,10 @@ def test_kill_9_mid_read_then_remount_is_exact(moto_server: S3Server, mountpoint
 def test_corrupt_chunk_files_are_detected_and_refetched(moto_server: S3Server, mountpoint: Path,
                                                         tmp_path: Path) -> None:
     size = 16 * MiB + 99
-    bucket, body = upload(moto_server, size, seed=3)
+    bucket, body = bucket_with_object(moto_server, size, seed=3)
     cache = tmp_path / "cache"
-    args = ("--cache-dir", str(cache), "--cache-size", "1G", *CACHE_ARGS)
-    with mounted(moto_server, bucket, mountpoint, *args):
-        assert file_sha(mountpoint / "w.bin") == sha(body)
-        wait_for_chunks(cache, n_chunks(size))
+    args = cache_args(cache)
+    read_whole_file(moto_server, bucket, mountpoint, args, body, cache)
 
     # Full-size chunks only: the tail chunk of the file (99 bytes of data) is too small to cut 4 KiB
     # from or to flip a byte 1000 from its end, and where it sorts depends on the bucket name.
@@ -273,10 +260,7 @@ def test_corrupt_chunk_files_are_detected_and_refetched(moto_server: S3Server, m
     emptied.write_bytes(b"")
     broken = 5
 
-    with mounted(moto_server, bucket, mountpoint, *args, allowed=(CORRUPT_WARNING,)) as m:
-        assert file_sha(mountpoint / "w.bin") == sha(body)
-        wait_for_chunks(cache, n_chunks(size))
-    log = m.log()
+    log = read_whole_file(moto_server, bucket, mountpoint, args, body, cache, allowed=(CORRUPT_WARNING,)).log()
     dropped = re.findall(r"dropped corrupt chunk file (\S+) \((.*?)\)", log)
     assert sorted(path for path, _ in dropped) == sorted(str(p) for p in
                                                          (flipped, truncated, bad_header, other_chunk, emptied))
@@ -289,39 +273,34 @@ def test_corrupt_chunk_files_are_detected_and_refetched(moto_server: S3Server, m
     assert len([line for line in warning_lines(log) if "dropped corrupt" in line]) == 1, "one warning, then debug"
     counts = served(log)
     assert counts["origin_requests"] == broken and counts["cache_hits"] == n_chunks(size) - broken
-    res = cache_cmd("verify", cache)  # the refetched chunks were written back whole
-    assert res.returncode == 0 and res.stdout.startswith(f"{n_chunks(size)} chunks verified, 0 corrupt"), res
+    assert_verified(cache, n_chunks(size))  # the refetched chunks were written back whole
 
 
 # -- 4. an object replaced in the bucket ----------------------------------------------------------
 
 def test_new_etag_is_never_served_from_old_chunks(moto_server: S3Server, mountpoint: Path, tmp_path: Path) -> None:
     size = 16 * MiB + 5
-    bucket, old = upload(moto_server, size, seed=4)
+    bucket, old = bucket_with_object(moto_server, size, seed=4)
     new, newer = random_bytes(size, seed=40), random_bytes(size, seed=41)  # same size: only the ETag differs
     client = moto_server.client()
     cache = tmp_path / "cache"
-    args = ("--cache-dir", str(cache), "--cache-size", "1G", *CACHE_ARGS)
-    with mounted(moto_server, bucket, mountpoint, *args):
-        assert file_sha(mountpoint / "w.bin") == sha(old)
-        wait_for_chunks(cache, n_chunks(size))
+    args = cache_args(cache)
+    read_whole_file(moto_server, bucket, mountpoint, args, old, cache)
 
     # replaced while unmounted: the remount's fresh metadata has the new ETag, no old chunk is used
     client.put_object(Bucket=bucket, Key="w.bin", Body=new)
     with mounted(moto_server, bucket, mountpoint, *args, "--metadata-ttl", "0") as m:
-        assert file_sha(mountpoint / "w.bin") == sha(new)
+        assert file_digest(mountpoint / "w.bin") == sha(new)
         wait_for_chunks(cache, 2 * n_chunks(size))
         # replaced while mounted: the next open refreshes the ETag (ttl 0)
         client.put_object(Bucket=bucket, Key="w.bin", Body=newer)
-        assert file_sha(mountpoint / "w.bin") == sha(newer)
+        assert file_digest(mountpoint / "w.bin") == sha(newer)
         wait_for_chunks(cache, 3 * n_chunks(size))
     counts = served(m.log())
     assert counts["cache_hits"] == 0 and counts["origin_requests"] == 2 * n_chunks(size)
 
     # the newest version is now served from the cache alone; old versions' chunks only age out
-    with mounted(moto_server, bucket, mountpoint, *args) as m:
-        assert file_sha(mountpoint / "w.bin") == sha(newer)
-    counts = served(m.log())
+    counts = served(read_whole_file(moto_server, bucket, mountpoint, args, newer).log())
     assert counts["origin_requests"] == 0 and counts["cache_hits"] == n_chunks(size)
     assert stats(cache)["chunks"] == str(3 * n_chunks(size))
 
@@ -332,10 +311,10 @@ def test_eviction_keeps_the_cache_under_its_size_while_readers_run(moto_server: 
                                                                    tmp_path: Path) -> None:
     size = 40 * MiB + 4321
     limit = 8 * MiB
-    bucket, body = upload(moto_server, size, seed=5)
+    bucket, body = bucket_with_object(moto_server, size, seed=5)
     cache = tmp_path / "cache"
     # A 4 MiB memory cache: the second pass must go through the disk cache level, not memory.
-    args = ("--cache-dir", str(cache), "--cache-size", "8M", "--memory-limit", "4M", *CACHE_ARGS)
+    args = cache_args(cache, "8M", "--memory-limit", "4M")
     samples: list[int] = []
     stop = threading.Event()
 
@@ -348,7 +327,7 @@ def test_eviction_keeps_the_cache_under_its_size_while_readers_run(moto_server: 
     try:
         with mounted(moto_server, bucket, mountpoint, *args) as m:
             watcher.start()
-            assert file_sha(mountpoint / "w.bin") == sha(body)
+            assert file_digest(mountpoint / "w.bin") == sha(body)
             # second pass: 4 concurrent readers of random ranges while puts keep evicting
             fd = os.open(mountpoint / "w.bin", os.O_RDONLY)
             try:
@@ -367,7 +346,7 @@ def test_eviction_keeps_the_cache_under_its_size_while_readers_run(moto_server: 
                     assert [bad for found in pool.map(worker, range(4)) for bad in found] == []
             finally:
                 os.close(fd)
-            assert file_sha(mountpoint / "w.bin", drop_page_cache=True) == sha(body)
+            assert file_digest(mountpoint / "w.bin", drop_page_cache=True) == sha(body)
         # Unmounted: the write-through was drained, nothing is put or evicted any more. The sampler ran
         # until here, so it saw every put.
     finally:
@@ -392,11 +371,10 @@ def test_recycled_buffers_of_cache_hits_never_serve_wrong_bytes(moto_server: S3S
     took them whole. Sequential passes (which spend buffers) race 4 random readers (which hold replies
     in flight), every byte checked, and the daemon reports that it did recycle."""
     size = 48 * MiB + 777
-    bucket, body = upload(moto_server, size, seed=11)
+    bucket, body = bucket_with_object(moto_server, size, seed=11)
     cache = tmp_path / "cache"
-    args = ("--cache-dir", str(cache), "--cache-size", "1G", *CACHE_ARGS)
-    with mounted(moto_server, bucket, mountpoint, *args):
-        assert file_sha(mountpoint / "w.bin") == sha(body)
+    args = cache_args(cache)
+    read_whole_file(moto_server, bucket, mountpoint, args, body)
     with mounted(moto_server, bucket, mountpoint, *args, "--memory-limit", "24M", "--no-model-prefetch") as m:
         fd = os.open(mountpoint / "w.bin", os.O_RDONLY)
         try:
@@ -446,12 +424,12 @@ def test_recycled_buffers_of_cache_hits_never_serve_wrong_bytes(moto_server: S3S
 def test_full_cache_disk_costs_speed_not_correctness(moto_server: S3Server, mountpoint: Path, tmp_path: Path,
                                                      options: str, expect_warning: bool) -> None:
     size = 24 * MiB + 3
-    bucket, body = upload(moto_server, size, seed=6)
+    bucket, body = bucket_with_object(moto_server, size, seed=6)
     with tmpfs(tmp_path / "cache", options) as cache:
-        args = ("--cache-dir", str(cache), "--cache-size", "100M", *CACHE_ARGS)
+        args = cache_args(cache, "100M")
         with mounted(moto_server, bucket, mountpoint, *args, allowed=(WRITE_FAILED_WARNING,)) as m:
-            assert file_sha(mountpoint / "w.bin") == sha(body)
-            assert file_sha(mountpoint / "w.bin", drop_page_cache=True) == sha(body)  # still serving
+            assert file_digest(mountpoint / "w.bin") == sha(body)
+            assert file_digest(mountpoint / "w.bin", drop_page_cache=True) == sha(body)  # still serving
             assert (mountpoint / "w.bin").stat().st_size == size
         # Unmounted, so every write-through has ended (drained); the tmpfs is still mounted.
         st = os.statvfs(cache)
@@ -476,18 +454,16 @@ def test_full_cache_disk_costs_speed_not_correctness(moto_server: S3Server, moun
 def test_second_mount_on_a_busy_cache_dir_is_refused(moto_server: S3Server, mountpoint: Path,
                                                      tmp_path: Path) -> None:
     size = 16 * MiB
-    bucket, body = upload(moto_server, size, seed=7)
+    bucket, body = bucket_with_object(moto_server, size, seed=7)
     cache = tmp_path / "cache"
-    args = ("--cache-dir", str(cache), "--cache-size", "1G", *CACHE_ARGS)
+    args = cache_args(cache)
     second_mp = tmp_path / "mnt2"
     second_mp.mkdir()
     with mounted(moto_server, bucket, mountpoint, *args) as m:
-        assert file_sha(mountpoint / "w.bin") == sha(body)
+        assert file_digest(mountpoint / "w.bin") == sha(body)
         started = time.monotonic()
-        res = subprocess.run(modelfs_cmd("mount", bucket, str(second_mp), "--endpoint-url",
-                                         moto_server.endpoint_url, *args),
-                             check=False, capture_output=True, text=True, timeout=90,
-                             env=daemon_env(moto_server))
+        res = run_modelfs("mount", bucket, str(second_mp), "--endpoint-url", moto_server.endpoint_url, *args,
+                          env=daemon_env(moto_server), timeout=90)
         assert time.monotonic() - started < 30
         assert res.returncode == 1, res
         lines = res.stderr.strip().splitlines()
@@ -495,23 +471,22 @@ def test_second_mount_on_a_busy_cache_dir_is_refused(moto_server: S3Server, moun
         assert str(cache) in lines[0] and "in use" in lines[0] and str(m.proc.pid) in lines[0], lines[0]
         assert not os.path.ismount(second_mp)
         # the first mount and its cache are untouched
-        assert file_sha(mountpoint / "w.bin", drop_page_cache=True) == sha(body)
+        assert file_digest(mountpoint / "w.bin", drop_page_cache=True) == sha(body)
         wait_for_chunks(cache, n_chunks(size))
         assert (cache / "lock").read_text().strip() == str(m.proc.pid)
-    res = cache_cmd("verify", cache)
-    assert res.returncode == 0 and res.stdout.startswith(f"{n_chunks(size)} chunks verified, 0 corrupt"), res
+    assert_verified(cache, n_chunks(size))
 
 
 # -- 8. modelfs cache stats | verify | clear ------------------------------------------------------
 
 def test_cache_commands_on_a_real_cache(moto_server: S3Server, mountpoint: Path, tmp_path: Path) -> None:
     size = 20 * MiB + 1
-    bucket, body = upload(moto_server, size, seed=8)
+    bucket, body = bucket_with_object(moto_server, size, seed=8)
     cache = tmp_path / "cache"
-    args = ("--cache-dir", str(cache), "--cache-size", "1G", *CACHE_ARGS)
+    args = cache_args(cache)
     n = n_chunks(size)
     with mounted(moto_server, bucket, mountpoint, *args):
-        assert file_sha(mountpoint / "w.bin") == sha(body)
+        assert file_digest(mountpoint / "w.bin") == sha(body)
         wait_for_chunks(cache, n)
         on_disk = sum(p.stat().st_size for p in chunk_files(cache))
         st = stats(cache)  # a stat-only scan, fine while mounted
@@ -543,117 +518,5 @@ def test_cache_commands_on_a_real_cache(moto_server: S3Server, mountpoint: Path,
     res = cache_cmd("stats", tmp_path / "not-a-cache")
     assert res.returncode == 1 and "not a modelfs cache directory" in res.stderr
 
-    with mounted(moto_server, bucket, mountpoint, *args) as m:  # a cleared cache is a cold cache
-        assert file_sha(mountpoint / "w.bin") == sha(body)
+    m = read_whole_file(moto_server, bucket, mountpoint, args, body)  # a cleared cache is a cold cache
     assert served(m.log())["origin_requests"] == n
-
-
-# -- puts in flight, deterministically in-process ------------------------------------------------
-# Regressions found through the real-mount test above (the free-space floor and out-of-inodes cases); a
-# mount shows them only by timing, so these drive DiskCache directly, holding one put in flight: before or
-# after writing its temp file (the windows every put in flight passes through).
-
-
-def _chunk(index: int) -> ChunkId:
-    return ChunkId("b", "w.bin", '"etag"', CHUNK, index)
-
-
-class _HeldPut:
-    """Runs `cache.put(chunk, data)` in a thread and holds it after (or just before) its temp file is
-    written; `written` is set once it is held."""
-
-    def __init__(self, cache: DiskCache, chunk: ChunkId, data: bytes, before_write: bool = False):
-        self.written, self.release = threading.Event(), threading.Event()
-        real = cache._write_tmp
-
-        def write_tmp_then_wait(digest: str, header: bytes, body: bytes) -> str:
-            if digest != chunk.digest():
-                return real(digest, header, body)
-            path = "" if before_write else real(digest, header, body)
-            self.written.set()
-            self.release.wait(10)
-            return real(digest, header, body) if before_write else path
-
-        cache._write_tmp = write_tmp_then_wait  # type: ignore[method-assign]
-        self.thread = threading.Thread(target=cache.put, args=(chunk, data))
-        self.thread.start()
-        assert self.written.wait(10)
-
-    def finish(self) -> None:
-        self.release.set()
-        self.thread.join(10)
-
-
-def test_a_put_in_flight_is_counted_once_against_the_free_space_floor(tmp_path: Path) -> None:
-    # Was: its reservation and, once its temp file was written, statvfs both counted it, and the shortfall
-    # raised ENOSPC: a spurious 'write failed' warning and 30 s without cache writes.
-    data = random_bytes(CHUNK, seed=9)
-    with tmpfs(tmp_path / "fs", "size=16m") as fs, DiskCache(fs / "cache", max_bytes=1 << 30) as cache:
-        free = os.statvfs(fs).f_bavail * os.statvfs(fs).f_frsize
-        cache.min_free_bytes = free - 3 * MiB  # room for 2 chunk files above the floor, not 3
-        held = _HeldPut(cache, _chunk(0), data)  # its 1 MiB is on the disk, and statvfs shows it
-        try:
-            cache.put(_chunk(1), data)  # 1 MiB written + 1 MiB new <= 3 MiB: fits
-        finally:
-            held.finish()
-        assert (cache.stats.write_errors, cache.stats.writes, cache.stats.chunks) == (0, 2, 2), cache.stats
-        assert (cache._reserved, cache._unwritten) == (0, 0)
-
-
-@pytest.mark.parametrize("before_write", [False, True], ids=["temp-file-written", "temp-file-not-yet-written"])
-def test_no_room_because_of_puts_in_flight_is_a_quiet_skip(tmp_path: Path, before_write: bool) -> None:
-    data = random_bytes(CHUNK, seed=11)
-    with tmpfs(tmp_path / "fs", "size=16m") as fs, DiskCache(fs / "cache", max_bytes=1 << 30) as cache:
-        free = os.statvfs(fs).f_bavail * os.statvfs(fs).f_frsize
-        cache.min_free_bytes = free - 3 * MiB // 2  # room for one chunk file above the floor, not two
-        held = _HeldPut(cache, _chunk(0), data, before_write)
-        try:
-            cache.put(_chunk(1), data)  # the room is the held put's, and nothing is evictable yet
-            assert (cache.stats.writes_skipped, cache.stats.write_errors, cache.stats.writes) == (1, 0, 0)
-        finally:
-            held.finish()
-        assert (cache.stats.writes, cache.stats.chunks) == (1, 1), cache.stats
-        cache.put(_chunk(1), data)  # now chunk 0 is indexed: evicted to make the room, no pause
-        assert (cache.stats.writes, cache.stats.evictions, cache.stats.write_errors) == (2, 1, 0), cache.stats
-        assert cache.get(_chunk(1)) == data and not cache.contains(_chunk(0))
-        assert (cache._reserved, cache._unwritten) == (0, 0)
-
-
-@pytest.mark.parametrize("retry_after_s", [30.0, 0.0], ids=["paused", "retried-at-once"])
-@pytest.mark.parametrize("allowed_logs", [[WRITE_FAILED_WARNING]], ids=["write-failed-allowed"])
-def test_a_full_disk_logs_one_warning(tmp_path: Path, caplog: pytest.LogCaptureFixture, retry_after_s: float,
-                                      allowed_logs: list[str]) -> None:
-    # Was: the success of a put that started before the failure ended the episode, so the next failing put
-    # warned again (plus an info 'writes succeed again'): one warning per put in flight, not one line.
-    data = random_bytes(CHUNK, seed=10)
-    with DiskCache(tmp_path / "cache", max_bytes=1 << 30, min_free_bytes=0, retry_after_s=retry_after_s) as cache:
-        held = _HeldPut(cache, _chunk(0), data)  # started while the disk still had room
-        full = threading.Event()
-        full.set()  # from here on the disk is full: every new temp file fails
-        real = cache._write_tmp
-
-        def write_unless_full(digest: str, header: bytes, body: bytes) -> str:
-            if full.is_set() and digest != _chunk(0).digest():
-                raise OSError(errno.ENOSPC, "No space left on device")
-            return real(digest, header, body)
-
-        cache._write_tmp = write_unless_full  # type: ignore[method-assign]
-        cache.put(_chunk(1), data)  # fails: the one warning
-        held.finish()  # the put from before the failure lands, and says nothing about the disk now
-        assert cache.stats.writes == 1 and cache.contains(_chunk(0))
-        cache.put(_chunk(2), data)  # the disk is still full: skipped while paused, else tried and failed
-        assert cache.stats.write_errors == (1 if retry_after_s else 2), cache.stats
-        assert cache.stats.writes_skipped == (1 if retry_after_s else 0), cache.stats
-        warned = [r.getMessage() for r in caplog.records if "write failed" in r.getMessage()]
-        assert len(warned) == 1, warned
-        assert not any("succeed again" in r.getMessage() for r in caplog.records)
-
-        full.clear()  # space frees: the first put tried after the pause ends the episode
-        cache.retry_after_s = 0
-        cache.put(_chunk(3), data)
-        assert cache.get(_chunk(3)) == data
-        assert [r.getMessage() for r in caplog.records if "succeed again" in r.getMessage()] != []
-        full.set()  # a new episode: a new warning
-        cache.put(_chunk(4), data)
-    warned = [r.getMessage() for r in caplog.records if "write failed" in r.getMessage()]
-    assert len(warned) == 2, warned

@@ -8,7 +8,9 @@ import pyfuse3
 import pytest
 
 from fsmount.namespace import ROOT_INODE, Namespace
-from tests.fake_store import FakeStore
+from fsmount.store import Unreachable
+from tests.helpers import ORIGIN_UNAVAILABLE
+from tests.unit.fake_store import FakeStore
 
 
 async def call(fn, *args):  # noqa: ANN001, ANN201
@@ -21,6 +23,11 @@ def make_ns(store: FakeStore, prefix: str = "", ttl: float = 60.0) -> Namespace:
 
 async def names(ns: Namespace, ino: int) -> dict[bytes, bool]:
     return {e.name: e.is_dir for e in await ns.listing(ns.node(ino))}
+
+
+def origin_down(*args: object) -> None:
+    """Stands in for a store call while the origin is down."""
+    raise Unreachable("cannot reach the endpoint")
 
 
 async def test_keys_become_files_and_prefixes_directories() -> None:
@@ -136,18 +143,12 @@ async def test_prefix_mounts_a_subtree() -> None:
 
 
 async def test_known_files_keep_metadata_while_origin_is_down(allowed_logs) -> None:  # noqa: ANN001
-    from fsmount.store import Unreachable
-
-    allowed_logs.append("origin unavailable")
+    allowed_logs.append(ORIGIN_UNAVAILABLE)
     store = FakeStore()
     store.put("f", b"12345")
     ns = make_ns(store, ttl=0)
     node = await ns.lookup(ROOT_INODE, b"f")
-
-    def down(key: str):  # noqa: ANN202
-        raise Unreachable("cannot reach the endpoint")
-
-    store.head = down
+    store.head = origin_down
     for _ in range(3):
         node.fresh_until = 0
         assert (await ns.refresh(node)).size == 5
@@ -157,21 +158,15 @@ async def test_known_files_keep_metadata_while_origin_is_down(allowed_logs) -> N
 
 
 async def test_known_names_and_listings_resolve_while_origin_is_down(allowed_logs) -> None:  # noqa: ANN001
-    from fsmount.store import Unreachable
-
-    allowed_logs.append("origin unavailable")
+    allowed_logs.append(ORIGIN_UNAVAILABLE)
     store = FakeStore()
     store.put("d/f", b"12345")
     ns = make_ns(store, ttl=0)
     d = await ns.lookup(ROOT_INODE, b"d")
     assert {e.name for e in await ns.listing(d)} == {b"f"}
     f = await ns.lookup(d.ino, b"f")
-
-    def down(*args):  # noqa: ANN002, ANN202
-        raise Unreachable("cannot reach the endpoint")
-
-    store.head = store.has_children = down
-    store.list_pages = down
+    store.head = store.has_children = origin_down
+    store.list_pages = origin_down
     assert (await ns.lookup(d.ino, b"f")).ino == f.ino  # known file: still resolves
     assert (await ns.lookup(ROOT_INODE, b"d")).ino == d.ino  # known directory too
     assert {e.name for e in await ns.listing(d)} == {b"f"}  # the expired listing serves

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import errno
-import hashlib
-import io
 import mmap
 import os
 import random
@@ -17,26 +15,22 @@ import pytest
 from botocore.exceptions import ClientError
 
 from fsmount.namespace import invalid_segment_reason
-from tests.conftest import S3Server, mounted, new_bucket
+from tests.helpers import (
+    MiB,
+    S3Server,
+    bucket_with,
+    file_digest,
+    mounted,
+    new_bucket,
+    proc_status,
+    random_bytes,
+    sha,
+    upload,
+)
 
-pytestmark = pytest.mark.mount
-
-MiB = 1 << 20
 BIG = 300 * 1000 * 1000 + 7  # the issue's 300 MB object, with an odd tail
 
 UNREPRESENTABLE = ["bad//double", "bad/./dot", "bad/../up", "bad/" + "L" * 256, "./lead", "../escape"]
-
-
-def sha(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()
-
-
-def file_sha(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(4 * MiB):
-            h.update(block)
-    return h.hexdigest()
 
 
 def expected_tree(keys: dict[str, str]) -> dict[str, str]:
@@ -57,7 +51,7 @@ def walk(root: Path) -> dict[str, str]:
     for dirpath, _, files in os.walk(root):
         for name in files:
             p = Path(dirpath) / name
-            found[str(p.relative_to(root))] = file_sha(p)
+            found[str(p.relative_to(root))] = file_digest(p)
     return found
 
 
@@ -87,7 +81,7 @@ def upload_tree(server: S3Server, bucket: str, big: bytes) -> dict[str, str]:
 
     with ThreadPoolExecutor(16) as pool:
         list(pool.map(put, objects.items()))
-    client.upload_fileobj(io.BytesIO(big), bucket, "big/weights.bin")
+    upload(server, bucket, {"big/weights.bin": big})
     held = {}
     for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket):
         for item in page.get("Contents", ()):
@@ -102,7 +96,7 @@ def upload_tree(server: S3Server, bucket: str, big: bytes) -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def big_object() -> bytes:
-    return np.random.default_rng(3).integers(0, 256, BIG, dtype=np.uint8).tobytes()
+    return random_bytes(BIG, 3)
 
 
 def test_tree_listing_and_every_byte(s3: S3Server, mountpoint: Path, big_object: bytes) -> None:
@@ -140,8 +134,7 @@ def test_safetensors_safe_open_loads_every_tensor(s3: S3Server, mountpoint: Path
 
     local = tmp_path / "model.safetensors"
     write_model(local, 48 * MiB, seed=5)
-    bucket = new_bucket(s3)
-    s3.client().upload_file(str(local), bucket, "llm/model.safetensors")
+    bucket = bucket_with(s3, {"llm/model.safetensors": local})
     with mounted(s3, bucket, mountpoint):
         with safe_open(local, "np") as src, safe_open(mountpoint / "llm/model.safetensors", "np") as got:
             assert sorted(src.keys()) == sorted(got.keys())
@@ -181,8 +174,7 @@ def test_every_write_operation_is_erofs(moto_server: S3Server, mountpoint: Path)
 
 
 def test_random_preads_from_16_threads_are_exact(s3: S3Server, mountpoint: Path, big_object: bytes) -> None:
-    bucket = new_bucket(s3)
-    s3.client().upload_fileobj(io.BytesIO(big_object), bucket, "big.bin")
+    bucket = bucket_with(s3, {"big.bin": big_object})
     errors: list[str] = []
     with mounted(s3, bucket, mountpoint):
         fd = os.open(mountpoint / "big.bin", os.O_RDONLY)
@@ -237,36 +229,25 @@ def test_replaced_object_is_seen_after_ttl_and_old_handle_never_mixes(moto_serve
         assert (mountpoint / "w.bin").read_bytes() == new
 
 
-def vm_kib(pid: int, field: str) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1])
-    raise AssertionError(f"{field} not in /proc/{pid}/status")
-
-
 def test_memory_limit_respected_under_4_parallel_readers(moto_server: S3Server, mountpoint: Path) -> None:
     """Peak RSS stays within --memory-limit + 64 MiB (the issue's target) under 4 parallel readers."""
     limit_mib = 192
-    bucket = new_bucket(moto_server)
-    client = moto_server.client()
-    files = {f"f{i}.bin": np.random.default_rng(i).integers(0, 256, 120 * MiB, dtype=np.uint8).tobytes()
-             for i in range(4)}
-    for key, data in files.items():
-        client.upload_fileobj(io.BytesIO(data), bucket, key)
+    files = {f"f{i}.bin": random_bytes(120 * MiB, i) for i in range(4)}
+    bucket = bucket_with(moto_server, files)
     with mounted(moto_server, bucket, mountpoint, "--memory-limit", f"{limit_mib}M") as m:
         os.listdir(mountpoint)
-        idle_kib = vm_kib(m.proc.pid, "VmRSS")
+        idle_kib = proc_status(m.proc.pid, "VmRSS")
         results: dict[str, str] = {}
 
         def read(key: str) -> None:
-            results[key] = file_sha(mountpoint / key)
+            results[key] = file_digest(mountpoint / key)
 
         threads = [threading.Thread(target=read, args=(k,)) for k in files]
         for t in threads:
             t.start()
         for t in threads:
             t.join()
-        peak_kib = vm_kib(m.proc.pid, "VmHWM")
+        peak_kib = proc_status(m.proc.pid, "VmHWM")
     assert results == {k: sha(v) for k, v in files.items()}
     assert peak_kib <= (limit_mib + 64) * 1024, (idle_kib // 1024, peak_kib // 1024)
     assert peak_kib > idle_kib + 32 * 1024  # the readers really filled memory: the bound was exercised

@@ -18,9 +18,7 @@ MODELFS_SOAK_SECONDS=600 for that). docs/RELIABILITY.md maps every scenario to i
 
 from __future__ import annotations
 
-import contextlib
 import errno
-import io
 import json
 import os
 import random
@@ -28,8 +26,6 @@ import re
 import subprocess
 import threading
 import time
-from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import NamedTuple
 
@@ -39,28 +35,35 @@ from fsmount.config import DEFAULT_MAX_CONNECTIONS
 from fsmount.namespace import invalid_segment_reason
 from fsmount.store import BOTO_MAX_ATTEMPTS, GET_ATTEMPTS
 from fsmount.testing.fault_proxy import Down, Fault, FaultProxy, synthetic_body
-from tests.conftest import Mount, S3Server, mounted, new_bucket, unmount
+from tests.helpers import (
+    FAILING_READ_BOUND_S,
+    FETCH_FAILED,
+    READ_FAILED,
+    READ_TIMEOUT_S,
+    RECOVERY_S,
+    STALE_METADATA,
+    TIMEOUT_MARGIN_S,
+    KiB,
+    MiB,
+    S3Server,
+    bucket_with,
+    failing_read_bound,
+    fd_count,
+    fds_by_kind,
+    mount_stats,
+    mounted,
+    mounted_via,
+    new_bucket,
+    opened_random,
+    proc_status,
+    random_bytes,
+    read_all_exact,
+    timed_pread,
+    unmount,
+    upload,
+    wait_for,
+)
 
-pytestmark = pytest.mark.mount
-
-MiB = 1 << 20
-KiB = 1 << 10
-READ_TIMEOUT_S = 5.0
-# Scheduling slack on a loaded 2-core machine: FUSE round trips, thread hand-offs, the GIL of the
-# test process (which also runs the proxy).
-TIMEOUT_MARGIN_S = 3.0
-
-
-def failing_read_bound(read_timeout_s: float) -> float:
-    """How long a read(2) that fails may take: one --read-timeout (the READ the kernel re-sends at once after
-    a failure joins the timed-out fetch and fails at once, fix B1), plus the margin."""
-    return read_timeout_s + TIMEOUT_MARGIN_S
-
-
-FAILING_READ_BOUND_S = failing_read_bound(READ_TIMEOUT_S)
-# After a fault ends, how long the same mount may take to serve the bytes again: the fetch in flight
-# finishes its current attempt or backoff (botocore's throttling backoff alone can reach 8 s).
-RECOVERY_S = 30.0
 # botocore's `max_attempts` counts retries, so one call makes up to BOTO_MAX_ATTEMPTS + 1 requests
 # (measured through the proxy); the store repeats a call that failed transiently GET_ATTEMPTS times.
 GETS_PER_FETCH = (BOTO_MAX_ATTEMPTS + 1) * GET_ATTEMPTS
@@ -70,64 +73,18 @@ GETS_PER_FETCH_BODY_FAULT = GET_ATTEMPTS
 # the proxy sees exactly the GETs that read caused.
 FAULT_ARGS = ("--read-timeout", f"{READ_TIMEOUT_S:g}", "--chunk-size", "1M", "--max-readahead", "0",
               "--no-model-prefetch", "--metadata-ttl", "300")
-# What the daemon logs when a fetch or a request fails; each fault test allows exactly these.
-FETCH_FAILED = r"fetching chunk \d+ of .* failed"
-READ_FAILED = r"read failed: "
-# What the daemon logs (once) when it answers a lookup from cached metadata because the origin is down.
-STALE_METADATA = r"origin unavailable \(.*\); serving cached metadata"
+# What the daemon logs when a request of these kinds fails while the origin is down.
+OPS_FAILED = r"(read|open|getattr|lookup|opendir) failed: "
 SOAK_S = float(os.environ.get("MODELFS_SOAK_SECONDS", "60"))
 
 
 # -- helpers --------------------------------------------------------------------------------------
 
-def rand_bytes(n: int, seed: int) -> bytes:
-    return random.Random(seed).randbytes(n)
-
-
-def via(proxy: FaultProxy, server: S3Server) -> S3Server:
-    """The daemon talks to the proxy; the test keeps uploading to the server itself."""
-    return S3Server(f"{server.name} via proxy", proxy.endpoint_url, server.env)
-
-
-def upload(server: S3Server, bucket: str, files: dict[str, bytes]) -> None:
-    client = server.client()
-    with ThreadPoolExecutor(8) as pool:
-        list(pool.map(lambda kv: client.upload_fileobj(io.BytesIO(kv[1]), bucket, kv[0]), files.items()))
-
-
-@contextlib.contextmanager
-def mounted_via(proxy: FaultProxy, server: S3Server, bucket: str, mountpoint: Path, *args: str,
-                allowed: tuple[str, ...] = ()) -> Iterator[Mount]:
-    """`mounted` through the proxy. Faults end before the unmount, so that no test but
-    test_unmount_during_stall_exits_promptly depends on how the daemon exits with fetches stalled."""
-    with mounted(via(proxy, server), bucket, mountpoint, *args, allowed=allowed) as m:
-        try:
-            yield m
-        finally:
-            proxy.clear()
-            proxy.origin_back()
-
-
-@pytest.fixture
-def proxy(moto_server: S3Server) -> Iterator[FaultProxy]:
-    with FaultProxy(moto_server.endpoint_url) as p:
-        yield p
-
-
-def open_random(path: Path) -> int:
-    """An fd with kernel read-ahead off, so a pread asks the daemon for its own range only."""
-    fd = os.open(path, os.O_RDONLY)
-    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
-    return fd
-
-
-def timed_pread(fd: int, size: int, offset: int) -> tuple[bytes | int, float]:
-    """The bytes read, or the errno of the failure; and how long it took."""
-    start = time.monotonic()
-    try:
-        return os.pread(fd, size, offset), time.monotonic() - start
-    except OSError as exc:
-        return exc.errno, time.monotonic() - start
+def fault_args(option: str, value: str) -> list[str]:
+    """FAULT_ARGS with the value of one of its options changed."""
+    args = list(FAULT_ARGS)
+    args[args.index(option) + 1] = value
+    return args
 
 
 def assert_exact_or_eio(result: bytes | int, data: bytes, offset: int, size: int) -> bool:
@@ -158,53 +115,16 @@ def read_until_ok(fd: int, data: bytes, size: int, offset: int) -> float:
         time.sleep(0.2)
 
 
-def read_all_exact(fd: int, data: bytes, step: int = MiB) -> None:
-    for off in range(0, len(data), step):
-        assert os.pread(fd, step, off) == data[off:off + step], f"wrong bytes at {off}"
-
-
 def failed_fetches(log: str) -> int:
     return len(re.findall(FETCH_FAILED, log))
-
-
-def proc_status(pid: int, field: str) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1])
-    raise AssertionError(f"{field} not in /proc/{pid}/status")
-
-
-def fd_count(pid: int) -> int:
-    return len(os.listdir(f"/proc/{pid}/fd"))
-
-
-def fds_by_kind(pid: int) -> tuple[int, int]:
-    """(sockets, everything else) open in the process."""
-    sockets = other = 0
-    for name in os.listdir(f"/proc/{pid}/fd"):
-        try:
-            target = os.readlink(f"/proc/{pid}/fd/{name}")
-        except OSError:
-            continue  # closed while we looked
-        if target.startswith("socket:"):
-            sockets += 1
-        else:
-            other += 1
-    return sockets, other
-
-
-def mount_stats(mountpoint: Path) -> dict:
-    return json.loads(os.getxattr(mountpoint, "user.modelfs.stats"))
 
 
 def wait_no_fetch_in_flight(mountpoint: Path, timeout_s: float = RECOVERY_S) -> None:
     """Until the daemon reports no chunk fetch running: every retry chain has ended, so the proxy has
     counted all its GETs and the daemon has logged every fetch that failed. (No read-ahead or prefetch
     runs under FAULT_ARGS, so no fetch starts without a read.)"""
-    deadline = time.monotonic() + timeout_s
-    while (inflight := mount_stats(mountpoint)["fetches_inflight"]) != 0:
-        assert time.monotonic() < deadline, f"{inflight} fetches still in flight after {timeout_s:g}s"
-        time.sleep(0.05)
+    wait_for("chunk fetches in flight", lambda: mount_stats(mountpoint)["fetches_inflight"], lambda n: n == 0,
+             timeout_s)
 
 
 # -- the proxy itself -----------------------------------------------------------------------------
@@ -215,9 +135,8 @@ def test_fault_proxy_faults_look_as_documented_to_boto3(moto_server: S3Server, p
     from botocore.config import Config
     from botocore.exceptions import ClientError, EndpointConnectionError, ReadTimeoutError, ResponseStreamingError
 
-    bucket = new_bucket(moto_server)
-    data = rand_bytes(256 * KiB, 14)
-    upload(moto_server, bucket, {"k": data})
+    data = random_bytes(256 * KiB, 14)
+    bucket = bucket_with(moto_server, {"k": data})
     client = boto3.client("s3", endpoint_url=proxy.endpoint_url, region_name="us-east-1",
                           aws_access_key_id=moto_server.env["AWS_ACCESS_KEY_ID"],
                           aws_secret_access_key=moto_server.env["AWS_SECRET_ACCESS_KEY"],
@@ -274,14 +193,12 @@ def test_fault_proxy_faults_look_as_documented_to_boto3(moto_server: S3Server, p
 @pytest.mark.seaweedfs
 def test_signed_requests_through_the_proxy_on_seaweedfs(seaweed_server: S3Server, mountpoint: Path) -> None:
     """SeaweedFS verifies SigV4: the proxy keeps the signed Host header, so the daemon's requests pass."""
-    bucket = new_bucket(seaweed_server)
-    data = rand_bytes(3 * MiB, 16)
-    upload(seaweed_server, bucket, {"sw.bin": data})
+    data = random_bytes(3 * MiB, 16)
+    bucket = bucket_with(seaweed_server, {"sw.bin": data})
     with FaultProxy(seaweed_server.endpoint_url) as proxy, \
             mounted_via(proxy, seaweed_server, bucket, mountpoint, *FAULT_ARGS,
                         allowed=(FETCH_FAILED, READ_FAILED)):
-        fd = open_random(mountpoint / "sw.bin")
-        try:
+        with opened_random(mountpoint / "sw.bin") as fd:
             proxy.inject(Fault.RESET, after_bytes=10 * KiB, times=GET_ATTEMPTS - 1)
             assert os.pread(fd, MiB, 0) == data[:MiB]
             proxy.clear()
@@ -290,17 +207,14 @@ def test_signed_requests_through_the_proxy_on_seaweedfs(seaweed_server: S3Server
             proxy.clear()
             read_until_ok(fd, data, MiB, MiB)
             read_all_exact(fd, data)
-        finally:
-            os.close(fd)
 
 
 # -- faults of the origin -------------------------------------------------------------------------
 
 def test_added_latency_reads_exact_and_fetches_each_chunk_once(moto_server: S3Server, proxy: FaultProxy,
                                                                mountpoint: Path) -> None:
-    bucket = new_bucket(moto_server)
-    data = rand_bytes(4 * MiB + 123, 1)
-    upload(moto_server, bucket, {"lat.bin": data})
+    data = random_bytes(4 * MiB + 123, 1)
+    bucket = bucket_with(moto_server, {"lat.bin": data})
     proxy.inject(Fault.LATENCY, seconds=0.3, data_only=False)  # every request, metadata too
     with mounted_via(proxy, moto_server, bucket, mountpoint, *FAULT_ARGS):
         start = time.monotonic()
@@ -313,13 +227,11 @@ def test_added_latency_reads_exact_and_fetches_each_chunk_once(moto_server: S3Se
 @pytest.mark.parametrize("after_bytes", [None, 64 * KiB], ids=["before-headers", "mid-body"])
 def test_stall_gives_eio_within_read_timeout_then_recovers(moto_server: S3Server, proxy: FaultProxy,
                                                            mountpoint: Path, after_bytes: int | None) -> None:
-    bucket = new_bucket(moto_server)
-    data = rand_bytes(4 * MiB, 2)
-    upload(moto_server, bucket, {"stall.bin": data})
+    data = random_bytes(4 * MiB, 2)
+    bucket = bucket_with(moto_server, {"stall.bin": data})
     with mounted_via(proxy, moto_server, bucket, mountpoint, *FAULT_ARGS,
                      allowed=(FETCH_FAILED, READ_FAILED)) as m:
-        fd = open_random(mountpoint / "stall.bin")
-        try:
+        with opened_random(mountpoint / "stall.bin") as fd:
             assert os.pread(fd, MiB, 0) == data[:MiB]
             proxy.inject(Fault.STALL, seconds=100, after_bytes=after_bytes)
             # Two readers of two chunks, both bounded by --read-timeout.
@@ -346,8 +258,6 @@ def test_stall_gives_eio_within_read_timeout_then_recovers(moto_server: S3Server
             read_until_ok(fd, data, MiB, MiB)
             read_until_ok(fd, data, MiB, 2 * MiB)
             read_all_exact(fd, data)
-        finally:
-            os.close(fd)
         # Chunk 0's GET, then the stalled chunks 1 and 2: one fetch chain each while the stall lasted, two at
         # most (a READ more than RETRY_GRACE_S after a fetch's deadline gets a fresh fetch, fix B5).
         assert stalled_gets <= 1 + 2 * 2 * GETS_PER_FETCH, stalled_gets
@@ -355,8 +265,7 @@ def test_stall_gives_eio_within_read_timeout_then_recovers(moto_server: S3Server
 
 
 def test_failing_read_waits_at_most_read_timeout(moto_server: S3Server, proxy: FaultProxy, mountpoint: Path) -> None:
-    bucket = new_bucket(moto_server)
-    upload(moto_server, bucket, {"stall.bin": rand_bytes(2 * MiB, 12)})
+    bucket = bucket_with(moto_server, {"stall.bin": random_bytes(2 * MiB, 12)})
     with mounted_via(proxy, moto_server, bucket, mountpoint, *FAULT_ARGS, allowed=(FETCH_FAILED, READ_FAILED)):
         proxy.inject(Fault.STALL, seconds=100)
         with open(mountpoint / "stall.bin", "rb", buffering=0) as f:  # an ordinary reader, kernel read-ahead on
@@ -372,20 +281,15 @@ UNMOUNT_EXIT_S = 5.0
 
 
 def test_unmount_during_stall_exits_promptly(moto_server: S3Server, proxy: FaultProxy, mountpoint: Path) -> None:
-    bucket = new_bucket(moto_server)
-    upload(moto_server, bucket, {"stall.bin": rand_bytes(2 * MiB, 13)})
+    bucket = bucket_with(moto_server, {"stall.bin": random_bytes(2 * MiB, 13)})
     read_timeout_s = 2.0  # fails reads sooner; the GETs still outlive UNMOUNT_EXIT_S
-    args = list(FAULT_ARGS)
-    args[args.index("--read-timeout") + 1] = f"{read_timeout_s:g}"
+    args = fault_args("--read-timeout", f"{read_timeout_s:g}")
     with mounted_via(proxy, moto_server, bucket, mountpoint, *args,
                      allowed=(FETCH_FAILED, READ_FAILED)) as m:
         proxy.inject(Fault.STALL, seconds=100)
-        fd = open_random(mountpoint / "stall.bin")
-        try:
+        with opened_random(mountpoint / "stall.bin") as fd:
             # A fetch is now stuck: 5 x 3 GETs of 2 s each.
             assert_eio_in_time(fd, MiB, 0, failing_read_bound(read_timeout_s))
-        finally:
-            os.close(fd)
         try:
             unmount(mountpoint)
             try:
@@ -401,13 +305,11 @@ def test_broken_body_is_retried_then_eio_and_bounded(moto_server: S3Server, prox
                                                      mountpoint: Path, fault: Fault) -> None:
     """RESET: RST after 100 KB; TRUNCATE: FIN after 100 KB of a longer Content-Length; SHORT: a 100 KB
     body whose Content-Length says 100 KB (only the store's own length check catches it)."""
-    bucket = new_bucket(moto_server)
-    data = rand_bytes(6 * MiB, 3)
-    upload(moto_server, bucket, {"cut.bin": data})
+    data = random_bytes(6 * MiB, 3)
+    bucket = bucket_with(moto_server, {"cut.bin": data})
     with mounted_via(proxy, moto_server, bucket, mountpoint, *FAULT_ARGS,
                      allowed=(FETCH_FAILED, READ_FAILED)) as m:
-        fd = open_random(mountpoint / "cut.bin")
-        try:
+        with opened_random(mountpoint / "cut.bin") as fd:
             # Transient: one attempt fewer than the store makes is absorbed, bytes exact.
             rule = proxy.inject(fault, after_bytes=100 * KiB, times=GET_ATTEMPTS - 1)
             assert os.pread(fd, MiB, 0) == data[:MiB]
@@ -426,20 +328,16 @@ def test_broken_body_is_retried_then_eio_and_bounded(moto_server: S3Server, prox
             proxy.clear()
             read_until_ok(fd, data, MiB, MiB)
             read_all_exact(fd, data)
-        finally:
-            os.close(fd)
 
 
 @pytest.mark.parametrize("status", [500, 503], ids=["500-InternalError", "503-SlowDown"])
 def test_error_storms_exact_or_eio_bounded_and_recover(moto_server: S3Server, proxy: FaultProxy,
                                                        mountpoint: Path, status: int) -> None:
-    bucket = new_bucket(moto_server)
-    data = rand_bytes(8 * MiB, 4)
-    upload(moto_server, bucket, {"storm.bin": data})
+    data = random_bytes(8 * MiB, 4)
+    bucket = bucket_with(moto_server, {"storm.bin": data})
     with mounted_via(proxy, moto_server, bucket, mountpoint, *FAULT_ARGS,
                      allowed=(FETCH_FAILED, READ_FAILED)) as m:
-        fd = open_random(mountpoint / "storm.bin")
-        try:
+        with opened_random(mountpoint / "storm.bin") as fd:
             # A storm of the next 6 data GETs: retries absorb it. 5xx backoff is 50 ms * 2^n, so the read
             # succeeds; SlowDown backoff is 1 s * 2^n, so the read may time out first (then EIO).
             proxy.inject(Fault.ERROR, status=status, times=6)
@@ -476,8 +374,6 @@ def test_error_storms_exact_or_eio_bounded_and_recover(moto_server: S3Server, pr
             proxy.clear()
             read_until_ok(fd, data, MiB, 6 * MiB)
             read_all_exact(fd, data)
-        finally:
-            os.close(fd)
 
 
 @pytest.mark.parametrize("mode", [Down.REFUSE, Down.BLACKHOLE])
@@ -485,15 +381,11 @@ def test_origin_down_then_back(moto_server: S3Server, proxy: FaultProxy, mountpo
     """REFUSE: nothing listens (connections refused, open ones cut); BLACKHOLE: requests are accepted
     and never answered. Chunks in daemon memory and cached metadata keep serving; the rest fails with EIO
     in time; once the origin is back the same mount serves everything again."""
-    bucket = new_bucket(moto_server)
-    warm, cold = rand_bytes(3 * MiB, 5), rand_bytes(3 * MiB, 6)
-    upload(moto_server, bucket, {"warm.bin": warm, "cold.bin": cold})
-    failed_ops = r"(read|open|getattr|lookup|opendir) failed: "
+    warm, cold = random_bytes(3 * MiB, 5), random_bytes(3 * MiB, 6)
+    bucket = bucket_with(moto_server, {"warm.bin": warm, "cold.bin": cold})
     with mounted_via(proxy, moto_server, bucket, mountpoint, *FAULT_ARGS,
-                     allowed=(FETCH_FAILED, failed_ops)):
-        fd_warm = open_random(mountpoint / "warm.bin")
-        fd_cold = open_random(mountpoint / "cold.bin")
-        try:
+                     allowed=(FETCH_FAILED, OPS_FAILED)):
+        with opened_random(mountpoint / "warm.bin") as fd_warm, opened_random(mountpoint / "cold.bin") as fd_cold:
             read_all_exact(fd_warm, warm)
             assert sorted(os.listdir(mountpoint)) == ["cold.bin", "warm.bin"]
             proxy.origin_down(mode)
@@ -506,46 +398,35 @@ def test_origin_down_then_back(moto_server: S3Server, proxy: FaultProxy, mountpo
             proxy.origin_back()
             read_until_ok(fd_cold, cold, MiB, MiB)
             read_all_exact(fd_cold, cold)
-        finally:
-            os.close(fd_warm)
-            os.close(fd_cold)
 
 
 def test_origin_down_chunks_in_the_nvme_cache_keep_serving(moto_server: S3Server, proxy: FaultProxy,
                                                           mountpoint: Path, tmp_path: Path) -> None:
     """Memory holds 4 of 12 chunks; the other 8 must come from --cache-dir while nothing answers."""
-    bucket = new_bucket(moto_server)
-    data = rand_bytes(12 * MiB, 15)
-    upload(moto_server, bucket, {"cached.bin": data})
+    data = random_bytes(12 * MiB, 15)
+    bucket = bucket_with(moto_server, {"cached.bin": data})
     with mounted_via(proxy, moto_server, bucket, mountpoint, *FAULT_ARGS, "--memory-limit", "4M",
                      "--cache-dir", str(tmp_path / "cache")):
-        fd = open_random(mountpoint / "cached.bin")
-        try:
+        with opened_random(mountpoint / "cached.bin") as fd:
             read_all_exact(fd, data)
-            deadline = time.monotonic() + 10
-            while mount_stats(mountpoint)["disk_cache"]["chunks"] < 12:  # write-through is asynchronous
-                assert time.monotonic() < deadline, mount_stats(mountpoint)["disk_cache"]
-                time.sleep(0.05)
+            wait_for("chunks written through", lambda: mount_stats(mountpoint)["disk_cache"],  # asynchronous
+                     lambda cache: cache["chunks"] >= 12, timeout=10)
             hits_before = mount_stats(mountpoint)["disk_cache"]["hits"]
             proxy.origin_down(Down.REFUSE)
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
             read_all_exact(fd, data)
             assert mount_stats(mountpoint)["disk_cache"]["hits"] - hits_before >= 8
-        finally:
-            os.close(fd)
 
 
 def test_origin_down_known_file_opens_by_path_after_ttl(moto_server: S3Server, proxy: FaultProxy,
                                                        mountpoint: Path) -> None:
     """Issue 7: files whose metadata and chunks are cached keep serving while the origin is down, also
     to a new open() by path once the metadata TTL (and so the kernel's entry timeout) has passed."""
-    bucket = new_bucket(moto_server)
-    data = rand_bytes(2 * MiB, 17)
-    upload(moto_server, bucket, {"known.bin": data})
-    args = list(FAULT_ARGS)
-    args[args.index("--metadata-ttl") + 1] = "1"
+    data = random_bytes(2 * MiB, 17)
+    bucket = bucket_with(moto_server, {"known.bin": data})
+    args = fault_args("--metadata-ttl", "1")
     with mounted_via(proxy, moto_server, bucket, mountpoint, *args,
-                     allowed=(FETCH_FAILED, r"(read|open|getattr|lookup|opendir) failed: ", STALE_METADATA)) as m:
+                     allowed=(FETCH_FAILED, OPS_FAILED, STALE_METADATA)) as m:
         assert (mountpoint / "known.bin").read_bytes() == data  # metadata and every chunk now cached
         fd = os.open(mountpoint / "known.bin", os.O_RDONLY)
         try:
@@ -574,15 +455,12 @@ def test_overwrite_while_open_old_handle_never_mixes_new_open_sees_new(moto_serv
                                                                        mountpoint: Path,
                                                                        old_handle_reads_on: bool) -> None:
     ttl = 2.0
-    bucket = new_bucket(moto_server)
-    old, new = rand_bytes(6 * MiB, 7), rand_bytes(7 * MiB + 5, 8)
-    upload(moto_server, bucket, {"w.bin": old})
-    args = list(FAULT_ARGS)
-    args[args.index("--metadata-ttl") + 1] = f"{ttl:g}"
+    old, new = random_bytes(6 * MiB, 7), random_bytes(7 * MiB + 5, 8)
+    bucket = bucket_with(moto_server, {"w.bin": old})
+    args = fault_args("--metadata-ttl", f"{ttl:g}")
     with mounted_via(proxy, moto_server, bucket, mountpoint, *args,
                      allowed=(FETCH_FAILED, READ_FAILED, "object changed")):
-        fd = open_random(mountpoint / "w.bin")
-        try:
+        with opened_random(mountpoint / "w.bin") as fd:
             assert os.pread(fd, MiB, 0) == old[:MiB]
             changed_at = time.monotonic()
             upload(moto_server, bucket, {"w.bin": new})
@@ -594,28 +472,23 @@ def test_overwrite_while_open_old_handle_never_mixes_new_open_sees_new(moto_serv
                     failures += 1
             assert failures >= 5 * 4, failures
             # Once the TTL has passed (it started before changed_at) a new lookup sees the new version...
-            deadline = changed_at + ttl + TIMEOUT_MARGIN_S
-            while os.stat(mountpoint / "w.bin").st_size != len(new):
-                assert time.monotonic() < deadline, \
-                    f"the old size still shows {ttl + TIMEOUT_MARGIN_S:g}s after the overwrite (TTL {ttl:g}s)"
-                time.sleep(0.05)
+            wait_for(f"the size {ttl + TIMEOUT_MARGIN_S:g}s after the overwrite (TTL {ttl:g}s)",
+                     lambda: os.stat(mountpoint / "w.bin").st_size, lambda size: size == len(new),
+                     timeout=changed_at + ttl + TIMEOUT_MARGIN_S - time.monotonic())
             # ... and a new open reads it whole and exact.
             assert (mountpoint / "w.bin").read_bytes() == new
             if old_handle_reads_on:
                 # The old handle, still open, must go on seeing only its own version.
                 for off in range(0, len(old), MiB):
                     assert_exact_or_eio(timed_pread(fd, MiB, off)[0], old, off, MiB)
-        finally:
-            os.close(fd)
 
 
 # -- load -----------------------------------------------------------------------------------------
 
 def test_16_readers_on_one_file_exact_and_single_flight(moto_server: S3Server, proxy: FaultProxy,
                                                         mountpoint: Path) -> None:
-    bucket = new_bucket(moto_server)
-    data = rand_bytes(32 * MiB, 9)
-    upload(moto_server, bucket, {"shared.bin": data})
+    data = random_bytes(32 * MiB, 9)
+    bucket = bucket_with(moto_server, {"shared.bin": data})
     proxy.inject(Fault.LATENCY, seconds=0.02)
     errors: list[str] = []
     with mounted_via(proxy, moto_server, bucket, mountpoint, "--read-timeout", "30", "--chunk-size", "1M"):
@@ -644,10 +517,9 @@ def test_16_readers_on_one_file_exact_and_single_flight(moto_server: S3Server, p
 
 
 def test_200_files_open_at_once(moto_server: S3Server, proxy: FaultProxy, mountpoint: Path) -> None:
-    bucket = new_bucket(moto_server)
     rng = random.Random(10)
     files = {f"many/f{i:03d}.bin": rng.randbytes(rng.randrange(1, 300 * KiB)) for i in range(200)}
-    upload(moto_server, bucket, files)
+    bucket = bucket_with(moto_server, files)
     with mounted_via(proxy, moto_server, bucket, mountpoint, "--read-timeout", "30") as m:
         os.listdir(mountpoint / "many")
         fds_before = fd_count(m.proc.pid)
@@ -665,10 +537,8 @@ def test_200_files_open_at_once(moto_server: S3Server, proxy: FaultProxy, mountp
         finally:
             for fd in fds.values():
                 os.close(fd)
-        deadline = time.monotonic() + 5
-        while mount_stats(mountpoint)["open_files"] and time.monotonic() < deadline:
-            time.sleep(0.05)  # release is asynchronous to close()
-        assert mount_stats(mountpoint)["open_files"] == 0
+        # release is asynchronous to close()
+        wait_for("open files after close", lambda: mount_stats(mountpoint)["open_files"], lambda n: n == 0, 5)
 
 
 # -- bad input ------------------------------------------------------------------------------------
@@ -691,9 +561,8 @@ def expected_files(keys: list[str]) -> set[str]:
 
 
 def test_hostile_keys_never_escape_or_crash(moto_server: S3Server, proxy: FaultProxy, mountpoint: Path) -> None:
-    bucket = new_bucket(moto_server)
     bodies = {k: f"body of {k!r}".encode() for k in HOSTILE_KEYS}
-    upload(moto_server, bucket, bodies)
+    bucket = bucket_with(moto_server, bodies)
     client = moto_server.client()
     stored = [o["Key"] for p in client.get_paginator("list_objects_v2").paginate(Bucket=bucket)
               for o in p.get("Contents", ())]
@@ -761,8 +630,7 @@ def test_malformed_safetensors_read_exact_with_prefetch_disabled(moto_server: S3
     files = {f"bad/{name}.safetensors": body for name, body in cases.items()}
     write_model(tmp_path / "ok.safetensors", 2 * MiB, seed=1)
     files["bad/ok.safetensors"] = (tmp_path / "ok.safetensors").read_bytes()
-    bucket = new_bucket(moto_server)
-    upload(moto_server, bucket, files)
+    bucket = bucket_with(moto_server, files)
     with mounted(moto_server, bucket, mountpoint, "--read-timeout", "30", "--chunk-size", "1M") as m:
         for key, body in files.items():
             with open(mountpoint / key, "rb") as f:
@@ -824,9 +692,8 @@ def test_soak_random_preads_rss_and_fds_flat(moto_server: S3Server, proxy: Fault
     """SOAK_S seconds of random preads from 4 threads on 192 MiB under --memory-limit 128M (so chunks
     are evicted and fetched again all the time), with 1% of data GETs answered 503 SlowDown."""
     limit_mib, rss_growth_mib = 128, 24
-    bucket = new_bucket(moto_server)
-    files = {f"soak/{i}.bin": rand_bytes(32 * MiB, 20 + i) for i in range(6)}
-    upload(moto_server, bucket, files)
+    files = {f"soak/{i}.bin": random_bytes(32 * MiB, 20 + i) for i in range(6)}
+    bucket = bucket_with(moto_server, files)
     proxy.inject(Fault.ERROR, status=503, fraction=0.01)
     keys = sorted(files)
     errors: list[str] = []

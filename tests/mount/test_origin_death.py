@@ -1,7 +1,7 @@
 """The origin process dies, not just its connections: `kill -9` of the SeaweedFS server (`weed mini`, one
 process) while readers are mid-read, then a restart on the same S3 port over the same data dir.
 
-tests/test_faults.py cuts connections through a proxy, between reads. Here the server itself goes away
+tests/mount/test_faults.py cuts connections through a proxy, between reads. Here the server itself goes away
 while readers are reading and a response body is streaming: that body is cut short, new connections
 are refused, and the daemon's pooled connections point at a dead process. Each test starts its own
 `SeaweedServer` on a fixed S3 port (so the restart serves the endpoint the daemon was mounted with)
@@ -50,25 +50,32 @@ from pathlib import Path
 import pytest
 
 from fsmount.testing.seaweed import SeaweedServer, pick_port_pairs
-from tests.conftest import TEST_KEY, TEST_REGION, TEST_SECRET, Mount, S3Server, mounted
-from tests.test_faults import (
+from tests.helpers import (
     FAILING_READ_BOUND_S,
     FETCH_FAILED,
+    ORIGIN_UNAVAILABLE,
     READ_FAILED,
     READ_TIMEOUT_S,
     RECOVERY_S,
+    TEST_KEY,
+    TEST_REGION,
+    TEST_SECRET,
     TIMEOUT_MARGIN_S,
+    KiB,
+    MiB,
+    Mount,
+    S3Server,
+    mounted,
     open_random,
-    rand_bytes,
+    opened_random,
+    random_bytes,
     read_all_exact,
     timed_pread,
     upload,
 )
 
-pytestmark = [pytest.mark.mount, pytest.mark.seaweedfs]
+pytestmark = pytest.mark.seaweedfs
 
-MiB = 1 << 20
-KiB = 1 << 10
 BUCKET = "origin-death"
 CHUNK = 64 * MiB
 # Two objects of 3 chunks the readers stream from the origin, and a small one read whole before the kill.
@@ -78,7 +85,7 @@ MOUNT_ARGS = ("--read-timeout", f"{READ_TIMEOUT_S:g}", "--chunk-size", f"{CHUNK 
               "--no-model-prefetch", "--metadata-ttl", "300")
 # What the daemon may log while its origin is dead: failed fetches, failed READs, and cached metadata
 # served for a lookup (none is expected: every file is open before the kill and the TTL is 300 s).
-ALLOWED = (FETCH_FAILED, READ_FAILED, r"origin unavailable")
+ALLOWED = (FETCH_FAILED, READ_FAILED, ORIGIN_UNAVAILABLE)
 # How the daemon's debug log shows a GET whose body broke off (the store retries it; a refused
 # connection is `Unreachable`, never retried by the store, so only a cut body logs this line).
 CUT_MID_BODY = r"fsmount\.store: GET .* failed \("
@@ -199,8 +206,8 @@ def as_s3(weed: SeaweedServer) -> S3Server:
 
 
 def make_objects(weed: SeaweedServer) -> dict[str, bytes]:
-    objects = {"a.bin": rand_bytes(BIG_SIZE, 101), "b.bin": rand_bytes(BIG_SIZE + 12345, 102),
-               "warm.bin": rand_bytes(WARM_SIZE, 103)}
+    objects = {"a.bin": random_bytes(BIG_SIZE, 101), "b.bin": random_bytes(BIG_SIZE + 12345, 102),
+               "warm.bin": random_bytes(WARM_SIZE, 103)}
     upload(as_s3(weed), BUCKET, objects)
     return objects
 
@@ -228,9 +235,10 @@ def running(readers: list[Reader], stop: threading.Event) -> Iterator[None]:
         assert not any(r.is_alive() for r in readers), "a reader thread did not end"
 
 
-def wait_for(condition: Callable[[], bool], what: str, timeout_s: float, problems: list[str], m: Mount,
-             poll_s: float = 0.05) -> float:
-    """Poll `condition` until it holds; fail at once on a reader's problem or a dead daemon. When it held."""
+def wait_watching(condition: Callable[[], bool], what: str, timeout_s: float, problems: list[str], m: Mount,
+                  poll_s: float = 0.05) -> float:
+    """Poll `condition` until it holds, like tests.helpers.wait_for, but fail at once on a reader's problem or
+    a dead daemon. When it held."""
     deadline = time.monotonic() + timeout_s
     while True:
         if problems:
@@ -267,8 +275,8 @@ def kill_mid_read(weed: SeaweedServer, readers: list[Reader], problems: list[str
         unsent = unsent_response_bytes(weed.s3_port)
         return sum(r.ok_bytes for r in readers) >= PROGRESS_BEFORE_KILL and unsent >= UNSENT_BEFORE_KILL
 
-    wait_for(streaming, "readers streaming with weed blocked writing a body", CONDITION_S, problems, m,
-             poll_s=0.005)
+    wait_watching(streaming, "readers streaming with weed blocked writing a body", CONDITION_S, problems, m,
+                  poll_s=0.005)
     os.kill(pid, signal.SIGKILL)
     return time.monotonic(), unsent
 
@@ -304,12 +312,9 @@ def bodies_cut(m: Mount) -> int:
 def verify_all(mountpoint: Path, objects: dict[str, bytes]) -> None:
     """Every byte of every object, through the daemon (page cache dropped first)."""
     for key, data in objects.items():
-        fd = open_random(mountpoint / key)
-        try:
+        with opened_random(mountpoint / key) as fd:
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
             read_all_exact(fd, data)
-        finally:
-            os.close(fd)
 
 
 def summary(readers: list[Reader]) -> str:
@@ -327,8 +332,7 @@ def test_kill9_longer_than_read_timeout_eio_in_time_then_same_mount_recovers(tmp
     with own_seaweed(tmp_path) as weed:
         objects = make_objects(weed)
         with mounted(as_s3(weed), BUCKET, mountpoint, *MOUNT_ARGS, allowed=ALLOWED) as m:
-            fd_warm = open_random(mountpoint / "warm.bin")
-            try:
+            with opened_random(mountpoint / "warm.bin") as fd_warm:
                 read_all_exact(fd_warm, objects["warm.bin"])  # now in daemon memory
                 assert sorted(os.listdir(mountpoint)) == sorted(objects)  # the listing too
                 stop, problems = threading.Event(), []
@@ -344,20 +348,20 @@ def test_kill9_longer_than_read_timeout_eio_in_time_then_same_mount_recovers(tmp
                     # started more than --read-timeout after the kill (the chunk cut at the kill, at
                     # least, stays missing).
                     late = killed_at + READ_TIMEOUT_S
-                    all_failed_at = wait_for(lambda: all(any(start >= late for start, _ in r.failures())
-                                                         for r in readers if not r.finished),
-                                             "every reader got EIO > read timeout after the kill", CONDITION_S,
-                                             problems, m)
+                    all_failed_at = wait_watching(lambda: all(any(start >= late for start, _ in r.failures())
+                                                              for r in readers if not r.finished),
+                                                  "every reader got EIO > read timeout after the kill", CONDITION_S,
+                                                  problems, m)
                     assert not all(r.finished for r in readers if r.sequential)
                     assert m.proc.poll() is None and not weed.running
                     back_at, restart_s = restart(weed)
                     # Recovery on the same mount: the sequential readers read on to the end, the random
                     # readers read exact bytes again.
-                    done_at = wait_for(lambda: all(r.finished for r in readers if r.sequential)
-                                       and all(r.first_ok_started_after(back_at) for r in readers
-                                               if not r.sequential),
-                                       "every reader reading exactly again after the restart", RECOVERY_S,
-                                       problems, m)
+                    done_at = wait_watching(lambda: all(r.finished for r in readers if r.sequential)
+                                            and all(r.first_ok_started_after(back_at) for r in readers
+                                                    if not r.sequential),
+                                            "every reader reading exactly again after the restart", RECOVERY_S,
+                                            problems, m)
                 assert not problems, problems
                 cut = bodies_cut(m)
                 assert_failures_only_while_down(readers, killed_at, back_at)
@@ -367,8 +371,6 @@ def test_kill9_longer_than_read_timeout_eio_in_time_then_same_mount_recovers(tmp
                       f"all readers exact again / done {done_at - back_at:.1f}s after it")
                 verify_all(mountpoint, objects)
                 assert m.proc.poll() is None
-            finally:
-                os.close(fd_warm)
 
 
 def test_kill9_and_immediate_restart_readers_finish_exact(tmp_path: Path) -> None:
@@ -384,9 +386,9 @@ def test_kill9_and_immediate_restart_readers_finish_exact(tmp_path: Path) -> Non
                 killed_at, unsent = kill_mid_read(weed, readers, problems, m)
                 back_at, restart_s = restart(weed)
                 # A sequential reader may have finished during the restart, from what was read ahead.
-                done_at = wait_for(lambda: all(r.finished for r in readers if r.sequential)
-                                   and all(r.first_ok_started_after(back_at) for r in readers if not r.sequential),
-                                   "every reader reading exactly again after the restart", RECOVERY_S, problems, m)
+                done_at = wait_watching(lambda: all(r.finished for r in readers if r.sequential)
+                                        and all(r.first_ok_started_after(back_at) for r in readers if not r.sequential),
+                                        "every reader reading exactly again after the restart", RECOVERY_S, problems, m)
             assert not problems, problems
             cut = bodies_cut(m)
             assert_failures_only_while_down(readers, killed_at, back_at)

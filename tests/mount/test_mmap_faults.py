@@ -18,19 +18,25 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from fsmount.testing.fault_proxy import Down, Fault, FaultProxy
 from fsmount.testing.models import write_model
-from tests.conftest import S3Server, new_bucket
-from tests.test_faults import FETCH_FAILED, READ_FAILED, TIMEOUT_MARGIN_S, mount_stats, mounted_via
+from tests.helpers import (
+    FETCH_FAILED,
+    READ_FAILED,
+    TIMEOUT_MARGIN_S,
+    MiB,
+    S3Server,
+    bucket_with,
+    drop_page_cache,
+    mount_stats,
+    mounted_via,
+    wait_for,
+)
 
-pytestmark = pytest.mark.mount
-
-MiB = 1 << 20
 MODEL_BYTES = 24 * MiB
 READ_TIMEOUT_S = 10.0
 # 1 MiB chunks, no read-ahead beyond the kernel's: the loader's page faults decide what is fetched.
@@ -48,12 +54,6 @@ with safe_open(sys.argv[1], "np") as f:
         out[name] = hashlib.sha256(f.get_tensor(name).tobytes()).hexdigest()
 print(json.dumps(out))
 """
-
-
-@pytest.fixture
-def proxy(moto_server: S3Server) -> Iterator[FaultProxy]:
-    with FaultProxy(moto_server.endpoint_url) as p:
-        yield p
 
 
 @pytest.fixture(scope="module")
@@ -74,25 +74,11 @@ def expected(model_file: Path) -> dict[str, str]:
     return json.loads(done.stdout)
 
 
-def upload(server: S3Server, model_file: Path) -> str:
-    bucket = new_bucket(server)
-    server.client().upload_file(str(model_file), bucket, "m/model.safetensors")
-    return bucket
-
-
-def drop_page_cache(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
-
-
 @pytest.mark.parametrize("fault", ["stall-3s", "500-burst", "503-burst", "refused-3s"])
 def test_a_fault_shorter_than_the_read_timeout_lets_an_mmap_loader_finish_exact(
         moto_server: S3Server, proxy: FaultProxy, mountpoint: Path, model_file: Path, fault: str) -> None:
     want = expected(model_file)
-    bucket = upload(moto_server, model_file)
+    bucket = bucket_with(moto_server, {"m/model.safetensors": model_file})
     with mounted_via(proxy, moto_server, bucket, mountpoint, *MMAP_ARGS, allowed=(PREFETCH_STOPPED,)) as m:
         os.stat(mountpoint / "m" / "model.safetensors")
         if fault == "stall-3s":
@@ -119,7 +105,7 @@ def test_a_fault_shorter_than_the_read_timeout_lets_an_mmap_loader_finish_exact(
 def test_an_origin_down_longer_than_the_read_timeout_is_sigbus_for_mmap_eio_for_read(
         moto_server: S3Server, proxy: FaultProxy, mountpoint: Path, model_file: Path) -> None:
     want = expected(model_file)
-    bucket = upload(moto_server, model_file)
+    bucket = bucket_with(moto_server, {"m/model.safetensors": model_file})
     path = mountpoint / "m" / "model.safetensors"
     with mounted_via(proxy, moto_server, bucket, mountpoint, *MMAP_ARGS, "--no-model-prefetch",
                      allowed=(FETCH_FAILED, READ_FAILED)) as m:
@@ -151,7 +137,7 @@ def test_chunks_held_by_the_daemon_never_fault_whatever_the_origin_does(
         moto_server: S3Server, proxy: FaultProxy, mountpoint: Path, model_file: Path, tmp_path: Path,
         where: str) -> None:
     want = expected(model_file)
-    bucket = upload(moto_server, model_file)
+    bucket = bucket_with(moto_server, {"m/model.safetensors": model_file})
     path = mountpoint / "m" / "model.safetensors"
     extra: tuple[str, ...] = ("--no-model-prefetch",)
     if where == "nvme-cache":
@@ -161,10 +147,8 @@ def test_chunks_held_by_the_daemon_never_fault_whatever_the_origin_does(
         with open(path, "rb") as f:  # every chunk through the daemon once
             while f.read(4 * MiB):
                 pass
-        deadline = time.monotonic() + 60
-        while mount_stats(mountpoint)["cache_writes_pending"]:
-            assert time.monotonic() < deadline, "cache writes never finished"
-            time.sleep(0.05)
+        wait_for("cache writes pending", lambda: mount_stats(mountpoint)["cache_writes_pending"], lambda n: not n,
+                 timeout=60)
         origin_bytes = mount_stats(mountpoint)["origin"]["bytes"]
         drop_page_cache(path)  # the loader's faults must reach the daemon
         proxy.origin_down(Down.BLACKHOLE)

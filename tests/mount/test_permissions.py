@@ -27,9 +27,7 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import S3Server, mounted, new_bucket, unmount
-
-pytestmark = pytest.mark.mount
+from tests.helpers import S3Server, mounted, new_bucket, put_objects, unmount
 
 NOBODY = 65534
 # Made up: no passwd or group entry, so nothing but the mount's own modes can let them in.
@@ -118,9 +116,7 @@ EACCES = ("err", "EACCES")
 @pytest.fixture
 def bucket(moto_server: S3Server) -> str:
     name = new_bucket(moto_server)
-    client = moto_server.client()
-    for key, body in OBJECTS.items():
-        client.put_object(Bucket=name, Key=key, Body=body)
+    put_objects(moto_server, name, OBJECTS)
     return name
 
 

@@ -1,5 +1,6 @@
 """Object names that URL (form) encoding changes: listed under their exact names, opened, read byte-exact,
-through a real mount and at the store level across page boundaries, on moto and on SeaweedFS.
+through a real mount and at the store level across page boundaries, on moto and on SeaweedFS. (How the
+store decodes them, without a server: tests/unit/test_names.py.)
 
 S3 and SeaweedFS send a space as '+' in `EncodingType=url` listings (SeaweedFS: in keys, not in common
 prefixes) and a literal '+' as '%2B'; moto sends '%20'. Only a test on both servers sees the difference.
@@ -9,14 +10,13 @@ from __future__ import annotations
 
 import os
 import unicodedata
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 
 from fsmount.config import StoreConfig
-from fsmount.store import Boto3Store, _decode_key
-from tests.conftest import S3Server, mounted, new_bucket
+from fsmount.store import Boto3Store
+from tests.helpers import S3Server, mounted, new_bucket, put_objects
 
 # One name per way an encoder can go wrong.
 NAMES = [
@@ -41,22 +41,11 @@ def _body(key: str) -> bytes:
 
 
 def _upload(server: S3Server, bucket: str, keys: list[str]) -> dict[str, bytes]:
-    client = server.client()
     bodies = {k: _body(k) for k in keys}
-    with ThreadPoolExecutor(8) as pool:
-        list(pool.map(lambda k: client.put_object(Bucket=bucket, Key=k, Body=bodies[k]), keys))
+    put_objects(server, bucket, bodies)
     return bodies
 
 
-def test_form_encoded_names_decode() -> None:
-    assert _decode_key("dir/my+name.txt", True) == "dir/my name.txt"
-    assert _decode_key("a%2Bb", True) == "a+b"
-    assert _decode_key("a%2520b", True) == "a%20b"
-    assert _decode_key("+++", True) == "   "
-    assert _decode_key("a+b", False) == "a+b"
-
-
-@pytest.mark.mount
 def test_names_that_encoding_changes_round_trip_through_a_mount(s3: S3Server, tmp_path: Path) -> None:
     bucket = new_bucket(s3)
     # Each name as a file at the top, inside a directory of the same name, and as a file in a directory
@@ -78,7 +67,6 @@ def test_names_that_encoding_changes_round_trip_through_a_mount(s3: S3Server, tm
             assert os.stat(m.path / nested).st_size == len(bodies[nested])
 
 
-@pytest.mark.mount
 def test_names_that_encoding_changes_open_as_files(s3: S3Server, tmp_path: Path) -> None:
     """The same names as plain files in one directory: looked up by name without a listing first
     (HEAD), then listed, then read again."""

@@ -18,7 +18,7 @@ import sys
 import threading
 import time
 import zlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -33,9 +33,10 @@ from fsmount.disk_cache import (
     cache_stats,
     cache_verify,
 )
+from tests.helpers import CORRUPT_WARNING, KiB, MiB, expects_warning, random_bytes
+from tests.helpers import WRITE_FAILED_WARNING as WRITE_WARNING
+from tests.helpers import tmpfs as mount_tmpfs
 
-KiB = 1024
-MiB = 1024 * KiB
 BIG = 1 << 40  # max_bytes / free-space floor that never binds
 
 
@@ -66,32 +67,12 @@ def warnings_from_cache(caplog: pytest.LogCaptureFixture) -> list[logging.LogRec
     return [r for r in caplog.records if r.name == "fsmount.disk_cache" and r.levelno >= logging.WARNING]
 
 
-CORRUPT_WARNING = r"^disk cache .*: dropped corrupt chunk file "
-WRITE_WARNING = r"^disk cache .*: write failed "
-
-
-def expects_warning(pattern: str) -> pytest.MarkDecorator:
-    """Feeds the shared log checker (tests/conftest.py `allowed_logs`); the test then asserts the count."""
-    return pytest.mark.parametrize("allowed_logs", [[pattern]], ids=["warns"])
-
-
 @pytest.fixture
-def tmpfs(tmp_path: Path) -> Iterator[Callable[[str], contextlib.AbstractContextManager[Path]]]:
+def tmpfs(tmp_path: Path) -> Callable[[str], contextlib.AbstractContextManager[Path]]:
     """Factory: `with tmpfs("size=4m") as d:` mounts a fresh tmpfs at d and always unmounts it."""
     if os.geteuid() != 0:
         pytest.skip("mounting tmpfs needs root")
-
-    @contextlib.contextmanager
-    def mount(options: str) -> Iterator[Path]:
-        where = tmp_path / f"tmpfs{len(list(tmp_path.iterdir()))}"
-        where.mkdir()
-        subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(where)], check=True)
-        try:
-            yield where
-        finally:
-            subprocess.run(["umount", "-l", str(where)], check=True)
-
-    yield mount
+    return lambda options: mount_tmpfs(tmp_path / f"tmpfs{len(list(tmp_path.iterdir()))}", options)
 
 
 # -- basics and persistence -------------------------------------------------------------------------
@@ -672,3 +653,117 @@ def test_bytes_for_fraction(tmpfs) -> None:
         for bad in (0.0, -0.1, 1.5):
             with pytest.raises(ValueError):
                 bytes_for_fraction(fs, bad)
+
+
+# -- puts in flight, deterministically in-process ------------------------------------------------
+# Regressions found through the real-mount test tests/mount/test_disk_cache_mount.py::
+# test_full_cache_disk_costs_speed_not_correctness (the free-space floor and out-of-inodes cases); a mount
+# shows them only by timing, so these drive DiskCache directly, holding one put in flight: before or after
+# writing its temp file (the windows every put in flight passes through).
+
+CHUNK = MiB  # the chunk size of the mount tests' --chunk-size 1M
+
+
+def _chunk(index: int) -> ChunkId:
+    return ChunkId("b", "w.bin", '"etag"', CHUNK, index)
+
+
+class _HeldPut:
+    """Runs `cache.put(chunk, data)` in a thread and holds it after (or just before) its temp file is
+    written; `written` is set once it is held."""
+
+    def __init__(self, cache: DiskCache, chunk: ChunkId, data: bytes, before_write: bool = False):
+        self.written, self.release = threading.Event(), threading.Event()
+        real = cache._write_tmp
+
+        def write_tmp_then_wait(digest: str, header: bytes, body: bytes) -> str:
+            if digest != chunk.digest():
+                return real(digest, header, body)
+            path = "" if before_write else real(digest, header, body)
+            self.written.set()
+            self.release.wait(10)
+            return real(digest, header, body) if before_write else path
+
+        cache._write_tmp = write_tmp_then_wait  # type: ignore[method-assign]
+        self.thread = threading.Thread(target=cache.put, args=(chunk, data))
+        self.thread.start()
+        assert self.written.wait(10)
+
+    def finish(self) -> None:
+        self.release.set()
+        self.thread.join(10)
+
+
+def test_a_put_in_flight_is_counted_once_against_the_free_space_floor(tmpfs) -> None:  # noqa: ANN001
+    # Was: its reservation and, once its temp file was written, statvfs both counted it, and the shortfall
+    # raised ENOSPC: a spurious 'write failed' warning and 30 s without cache writes.
+    data = random_bytes(CHUNK, seed=9)
+    with tmpfs("size=16m") as fs, DiskCache(fs / "cache", max_bytes=1 << 30) as cache:
+        free = _free(fs)
+        cache.min_free_bytes = free - 3 * MiB  # room for 2 chunk files above the floor, not 3
+        held = _HeldPut(cache, _chunk(0), data)  # its 1 MiB is on the disk, and statvfs shows it
+        try:
+            cache.put(_chunk(1), data)  # 1 MiB written + 1 MiB new <= 3 MiB: fits
+        finally:
+            held.finish()
+        assert (cache.stats.write_errors, cache.stats.writes, cache.stats.chunks) == (0, 2, 2), cache.stats
+        assert (cache._reserved, cache._unwritten) == (0, 0)
+
+
+@pytest.mark.parametrize("before_write", [False, True], ids=["temp-file-written", "temp-file-not-yet-written"])
+def test_no_room_because_of_puts_in_flight_is_a_quiet_skip(tmpfs, before_write: bool) -> None:  # noqa: ANN001
+    data = random_bytes(CHUNK, seed=11)
+    with tmpfs("size=16m") as fs, DiskCache(fs / "cache", max_bytes=1 << 30) as cache:
+        free = _free(fs)
+        cache.min_free_bytes = free - 3 * MiB // 2  # room for one chunk file above the floor, not two
+        held = _HeldPut(cache, _chunk(0), data, before_write)
+        try:
+            cache.put(_chunk(1), data)  # the room is the held put's, and nothing is evictable yet
+            assert (cache.stats.writes_skipped, cache.stats.write_errors, cache.stats.writes) == (1, 0, 0)
+        finally:
+            held.finish()
+        assert (cache.stats.writes, cache.stats.chunks) == (1, 1), cache.stats
+        cache.put(_chunk(1), data)  # now chunk 0 is indexed: evicted to make the room, no pause
+        assert (cache.stats.writes, cache.stats.evictions, cache.stats.write_errors) == (2, 1, 0), cache.stats
+        assert cache.get(_chunk(1)) == data and not cache.contains(_chunk(0))
+        assert (cache._reserved, cache._unwritten) == (0, 0)
+
+
+@pytest.mark.parametrize("retry_after_s", [30.0, 0.0], ids=["paused", "retried-at-once"])
+@expects_warning(WRITE_WARNING)
+def test_a_full_disk_logs_one_warning(tmp_path: Path, caplog: pytest.LogCaptureFixture, retry_after_s: float,
+                                      allowed_logs: list[str]) -> None:
+    # Was: the success of a put that started before the failure ended the episode, so the next failing put
+    # warned again (plus an info 'writes succeed again'): one warning per put in flight, not one line.
+    data = random_bytes(CHUNK, seed=10)
+    with DiskCache(tmp_path / "cache", max_bytes=1 << 30, min_free_bytes=0, retry_after_s=retry_after_s) as cache:
+        held = _HeldPut(cache, _chunk(0), data)  # started while the disk still had room
+        full = threading.Event()
+        full.set()  # from here on the disk is full: every new temp file fails
+        real = cache._write_tmp
+
+        def write_unless_full(digest: str, header: bytes, body: bytes) -> str:
+            if full.is_set() and digest != _chunk(0).digest():
+                raise OSError(errno.ENOSPC, "No space left on device")
+            return real(digest, header, body)
+
+        cache._write_tmp = write_unless_full  # type: ignore[method-assign]
+        cache.put(_chunk(1), data)  # fails: the one warning
+        held.finish()  # the put from before the failure lands, and says nothing about the disk now
+        assert cache.stats.writes == 1 and cache.contains(_chunk(0))
+        cache.put(_chunk(2), data)  # the disk is still full: skipped while paused, else tried and failed
+        assert cache.stats.write_errors == (1 if retry_after_s else 2), cache.stats
+        assert cache.stats.writes_skipped == (1 if retry_after_s else 0), cache.stats
+        warned = [r.getMessage() for r in caplog.records if "write failed" in r.getMessage()]
+        assert len(warned) == 1, warned
+        assert not any("succeed again" in r.getMessage() for r in caplog.records)
+
+        full.clear()  # space frees: the first put tried after the pause ends the episode
+        cache.retry_after_s = 0
+        cache.put(_chunk(3), data)
+        assert cache.get(_chunk(3)) == data
+        assert [r.getMessage() for r in caplog.records if "succeed again" in r.getMessage()] != []
+        full.set()  # a new episode: a new warning
+        cache.put(_chunk(4), data)
+    warned = [r.getMessage() for r in caplog.records if "write failed" in r.getMessage()]
+    assert len(warned) == 2, warned

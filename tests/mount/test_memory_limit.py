@@ -13,7 +13,6 @@ from __future__ import annotations
 import os
 import random
 import shutil
-import subprocess
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,11 +21,19 @@ import pytest
 import xxhash
 
 from fsmount.testing.models import write_sharded_model
-from tests.conftest import REPO, S3Server, modelfs_cmd, mounted, new_bucket
+from tests.helpers import (
+    MiB,
+    S3Server,
+    bucket_with,
+    drop_kernel_caches,
+    file_digest,
+    mounted,
+    proc_status,
+    run_modelfs,
+)
 
-pytestmark = [pytest.mark.mount, pytest.mark.seaweedfs]
+pytestmark = pytest.mark.seaweedfs
 
-MiB = 1 << 20
 MODEL_BYTES = 1200 * MiB  # above the 1 GiB limit: the cache must evict
 SHARDS = 4
 MARGIN = 64 * MiB
@@ -43,30 +50,17 @@ class Model:
 
 
 def _digest(path: Path) -> str:
-    h = xxhash.xxh3_128()
-    with open(path, "rb") as f:
-        while block := f.read(4 * MiB):
-            h.update(block)
-    return h.hexdigest()
+    """xxh3-128 of a file: much faster than sha256 over a 1.2 GB model, which every run reads whole."""
+    return file_digest(path, xxhash.xxh3_128)
 
 
 @pytest.fixture(scope="module")
 def model(seaweed_server: S3Server, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Model]:
     directory = tmp_path_factory.mktemp("model")
     write_sharded_model(directory, MODEL_BYTES, shards=SHARDS, seed=7)
-    bucket = new_bucket(seaweed_server, "mem")
-    client = seaweed_server.client()
-    for path in sorted(directory.iterdir()):
-        client.upload_file(str(path), bucket, f"m/{path.name}")
+    bucket = bucket_with(seaweed_server, {f"m/{path.name}": path for path in sorted(directory.iterdir())}, "mem")
     yield Model(directory, bucket)
     shutil.rmtree(directory, ignore_errors=True)
-
-
-def vm_hwm(pid: int) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) * 1024
-    raise AssertionError(f"no VmHWM for {pid}")
 
 
 def read_sequentially(root: Path, model: Model) -> None:
@@ -111,9 +105,7 @@ def read_at_random(root: Path, model: Model) -> None:
 
 
 def prefetch_command(root: Path, model: Model) -> None:
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    done = subprocess.run(modelfs_cmd("prefetch", "--quiet", str(root)), env=env, capture_output=True,
-                          text=True, timeout=600)
+    done = run_modelfs("prefetch", "--quiet", str(root), timeout=600)
     assert done.returncode == 0, done.stderr
     read_sequentially(root, model)  # from the page cache and the daemon: still exact
 
@@ -128,7 +120,7 @@ def peak_of_one_run(server: S3Server, model: Model, mountpoint: Path, limit: str
         extra += ["--cache-dir", str(cache_dir)]
     with mounted(server, model.bucket, mountpoint, *extra) as m:
         PATTERNS[pattern](mountpoint / "m", model)
-        return vm_hwm(m.proc.pid)
+        return proc_status(m.proc.pid, "VmHWM") * 1024
 
 
 @pytest.mark.parametrize("limit", ["256M", "1G"])
@@ -139,7 +131,7 @@ def test_peak_rss_stays_within_the_memory_limit(seaweed_server: S3Server, model:
     peaks: dict[str, int] = {}
 
     def run(name: str, pattern: str, cache_dir: Path | None) -> None:
-        subprocess.run(["sh", "-c", "echo 3 > /proc/sys/vm/drop_caches"], check=False)
+        drop_kernel_caches(3)
         peaks[name] = peak_of_one_run(seaweed_server, model, tmp_path / f"mnt-{name}", limit, pattern, cache_dir)
 
     for pattern in PATTERNS:

@@ -15,22 +15,26 @@ import os
 import random
 import threading
 import time
-from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import NamedTuple, TypeVar
+from typing import NamedTuple
 
 import pytest
 
 from fsmount.config import DEFAULT_MAX_CONNECTIONS
-from tests.conftest import S3Server, mounted, new_bucket
-from tests.test_faults import fds_by_kind, mount_stats, proc_status
-
-pytestmark = pytest.mark.mount
-
-KiB = 1 << 10
-MiB = 1 << 20
-T = TypeVar("T")
+from tests.helpers import (
+    KiB,
+    MiB,
+    S3Server,
+    drop_kernel_caches,
+    fds_by_kind,
+    mount_stats,
+    mounted,
+    new_bucket,
+    proc_status,
+    put_objects,
+    wait_for,
+)
 
 # The chunk memory of these mounts is bounded explicitly, so RSS has a stated ceiling (config.py:
 # --memory-limit bounds the daemon's RSS, chunk data gets it less RUNTIME_RESERVE).
@@ -57,21 +61,9 @@ def sample(pid: int, mountpoint: Path) -> Sample:
                   stats["open_files"], stats["inodes"])
 
 
-def wait_for(what: str, probe: Callable[[], T], done: Callable[[T], bool], timeout: float = SETTLE_S) -> T:
-    """Poll `probe` until `done(value)`; fail with the last value after `timeout` seconds."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = probe()
-        if done(value):
-            return value
-        if time.monotonic() > deadline:
-            pytest.fail(f"{what}: still {value!r} after {timeout:g} s")
-        time.sleep(0.05)
-
-
 def drop_dentries_and_inodes() -> None:
     """Evict unused dentries and inodes everywhere: the kernel sends FORGET for the mount's."""
-    Path("/proc/sys/vm/drop_caches").write_text("2")
+    drop_kernel_caches(2)
 
 
 def forget_all(mountpoint: Path, expected: int) -> int:
@@ -80,13 +72,12 @@ def forget_all(mountpoint: Path, expected: int) -> int:
     def probe() -> int:
         drop_dentries_and_inodes()
         return mount_stats(mountpoint)["inodes"]
-    return wait_for("inodes after drop_caches", probe, lambda n: n <= expected)
+    return wait_for("inodes after drop_caches", probe, lambda n: n <= expected, SETTLE_S)
 
 
-def upload(server: S3Server, bucket: str, files: dict[str, bytes]) -> None:
-    client = server.client()
-    with ThreadPoolExecutor(16) as pool:
-        list(pool.map(lambda kv: client.put_object(Bucket=bucket, Key=kv[0], Body=kv[1]), files.items()))
+def wait_no_open_files(mountpoint: Path, what: str) -> None:
+    """Until the daemon holds no file handle (RELEASE is asynchronous to close())."""
+    wait_for(what, lambda: mount_stats(mountpoint)["open_files"], lambda n: n == 0, SETTLE_S)
 
 
 # -- 1000 files open at once ------------------------------------------------------------------------
@@ -112,7 +103,7 @@ def test_1000_files_open_at_once_leak_nothing(s3: S3Server, tmp_path: Path) -> N
     rng = random.Random(1000)
     files = {f"many/f{i:04d}.bin": rng.randbytes(rng.randrange(1, 4 * KiB)) for i in range(N_FILES)}
     bucket = new_bucket(s3)
-    upload(s3, bucket, files)
+    put_objects(s3, bucket, files)
     mountpoint = tmp_path / "mnt"
     with mounted(s3, bucket, mountpoint, "--memory-limit", MEMORY_LIMIT) as m:
         pid = m.proc.pid
@@ -142,7 +133,7 @@ def test_1000_files_open_at_once_leak_nothing(s3: S3Server, tmp_path: Path) -> N
             finally:
                 for fd in fds.values():
                     os.close(fd)
-            wait_for("open_files after close", lambda: mount_stats(mountpoint)["open_files"], lambda n: n == 0)
+            wait_no_open_files(mountpoint, "open_files after close")
             forget_all(mountpoint, 1)
             after.append(sample(pid, mountpoint))
         print(f"idle {idle}; after round 1 {after[0]}; after round 2 {after[1]}")
@@ -214,14 +205,14 @@ def test_10000_open_read_close_cycles_leak_nothing(s3: S3Server, tmp_path: Path)
     rng = random.Random(10_000)
     files = {f"h{i}.bin": rng.randbytes(size) for i, size in enumerate((1, 33, 4 * KiB, 100 * KiB, MiB + 3))}
     bucket = new_bucket(s3)
-    upload(s3, bucket, files)
+    put_objects(s3, bucket, files)
     mountpoint = tmp_path / "mnt"
     with mounted(s3, bucket, mountpoint, "--memory-limit", MEMORY_LIMIT) as m:
         pid = m.proc.pid
         inos = {key: os.stat(mountpoint / key).st_ino for key in files}
         run_cycles(mountpoint, files, WARMUP_CYCLES, 0)
         inodes_before = inodes_held_open(mountpoint, list(files))
-        wait_for("open_files after warm-up", lambda: mount_stats(mountpoint)["open_files"], lambda n: n == 0)
+        wait_no_open_files(mountpoint, "open_files after warm-up")
         before = sample(pid, mountpoint)
         served_before = served(mountpoint)
 
@@ -244,11 +235,11 @@ def test_10000_open_read_close_cycles_leak_nothing(s3: S3Server, tmp_path: Path)
         elapsed = time.monotonic() - started
         # Every READ reached the daemon (the kernel may ask for more than pread did: read-ahead).
         assert served(mountpoint) - served_before >= read
-        wait_for("open_files after the cycles", lambda: mount_stats(mountpoint)["open_files"], lambda n: n == 0)
+        wait_no_open_files(mountpoint, "open_files after the cycles")
         for key in files:  # the files come back; FORGET did not change what a name means
             assert os.stat(mountpoint / key).st_ino == inos[key], key
         inodes_after = inodes_held_open(mountpoint, list(files))
-        wait_for("open_files after the check", lambda: mount_stats(mountpoint)["open_files"], lambda n: n == 0)
+        wait_no_open_files(mountpoint, "open_files after the check")
         after = sample(pid, mountpoint)
         forgotten = forget_all(mountpoint, 1)
         print(f"{CYCLES} cycles in {elapsed:.1f}s, {len(held)} drops (inodes held {min(held, default=0)}.."

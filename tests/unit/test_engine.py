@@ -7,50 +7,28 @@ import random
 
 import pytest
 import trio
-import trio.testing
 
 from fsmount.chunks import ChunkEngine
 from fsmount.handles import OpenFile
 from fsmount.readahead import ReadAhead
 from fsmount.store import StoreError, TransientError, Unreachable
-from tests.fake_store import FakeStore
-
-MiB = 1 << 20
-CHUNK = 1 * MiB
-LATENCY = 0.05  # virtual seconds per GET
-
-
-@pytest.fixture
-def autojump_clock() -> trio.testing.MockClock:
-    return trio.testing.MockClock(autojump_threshold=0)
-
-
-def virtual_latency_runner(store: FakeStore, latency: float = LATENCY):
-    """Run 'blocking' calls inline after a virtual-time sleep, under the engine's limiter."""
-    async def run(fn, *args, limiter):  # noqa: ANN001, ANN202
-        async with limiter:
-            if fn.__name__ == "get_range":
-                await trio.sleep(latency)
-            return fn(*args)
-    return run
-
-
-def make_engine(store: FakeStore, *, memory=64 * MiB, conns=4, timeout=30.0, latency=LATENCY) -> ChunkEngine:
-    return ChunkEngine(store, chunk_size=CHUNK, memory_limit=memory, max_connections=conns,
-                       read_timeout=timeout, run_blocking=virtual_latency_runner(store, latency))
+from tests.helpers import (
+    CHUNK,
+    LATENCY,
+    MiB,
+    make_engine,
+    random_bytes,
+    run_engine,
+    version,
+    virtual_latency_runner,
+)
+from tests.unit.fake_store import FakeStore
 
 
 def put_object(store: FakeStore, key: str, size: int) -> bytes:
-    import numpy as np
-    data = np.random.default_rng(size).integers(0, 256, size, dtype=np.uint8).tobytes()
+    data = random_bytes(size, seed=size)
     store.put(key, data)
     return data
-
-
-def version(store: FakeStore, key: str):  # noqa: ANN201
-    from fsmount.cache_level import ObjectVersion
-    m = store.meta(key)
-    return ObjectVersion(m.key, m.etag, m.size)
 
 
 # -- pure read-ahead state machine ----------------------------------------------------------------
@@ -128,13 +106,6 @@ def test_dropped_streams_are_reported() -> None:
 
 
 # -- engine + handle with the fake store ----------------------------------------------------------
-
-async def run_engine(engine: ChunkEngine, body) -> None:  # noqa: ANN001
-    async with trio.open_nursery() as nursery:
-        await nursery.start(engine.run)
-        await body()
-        nursery.cancel_scope.cancel()
-
 
 async def test_sequential_read_is_exact_and_prefetches(autojump_clock) -> None:  # noqa: ANN001
     store = FakeStore()

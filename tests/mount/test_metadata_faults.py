@@ -14,16 +14,21 @@ from __future__ import annotations
 import errno
 import os
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from fsmount.testing.fault_proxy import Fault, FaultProxy, synthetic_body
-from tests.conftest import S3Server, new_bucket
-from tests.test_faults import FAILING_READ_BOUND_S, READ_TIMEOUT_S, mounted_via
-
-pytestmark = pytest.mark.mount
+from tests.helpers import (
+    FAILING_READ_BOUND_S,
+    ORIGIN_UNAVAILABLE,
+    READ_TIMEOUT_S,
+    S3Server,
+    mounted_via,
+    new_bucket,
+    put_objects,
+    timed,
+)
 
 PAGES = 5
 NAMES = [f"w{i:05d}.bin" for i in range(PAGES * 1000 - 500)]  # 5 pages of at most 1000 keys
@@ -41,22 +46,6 @@ FAULTS = {
     "truncated-xml": (Fault.SHORT, {"after_bytes": 300}),
     "truncated-connection": (Fault.TRUNCATE, {"after_bytes": 300}),
 }
-
-
-@pytest.fixture
-def proxy(moto_server: S3Server) -> Iterator[FaultProxy]:
-    with FaultProxy(moto_server.endpoint_url) as p:
-        yield p
-
-
-def timed(fn, *args):  # noqa: ANN001, ANN201
-    """(result or the errno it failed with, seconds it took)."""
-    start = time.monotonic()
-    try:
-        result = fn(*args)
-    except OSError as exc:
-        result = exc.errno
-    return result, time.monotonic() - start
 
 
 @pytest.mark.parametrize("fault", list(FAULTS))
@@ -87,10 +76,7 @@ def test_a_listing_failing_on_page_3_of_5_is_eio_never_partial(moto_server: S3Se
 def test_lookup_of_a_new_name_fails_with_eio_within_the_timeout(moto_server: S3Server, proxy: FaultProxy,
                                                                 mountpoint: Path, fault: str) -> None:
     bucket = new_bucket(moto_server)
-    client = moto_server.client()
-    client.put_object(Bucket=bucket, Key="d/known.txt", Body=b"known")
-    client.put_object(Bucket=bucket, Key="d/new.txt", Body=b"new bytes")
-    client.put_object(Bucket=bucket, Key="d/sub/x", Body=b"x")
+    put_objects(moto_server, bucket, {"d/known.txt": b"known", "d/new.txt": b"new bytes", "d/sub/x": b"x"})
     kind, kwargs = FAULTS[fault]
     if "after_bytes" in kwargs:
         # The directory probe's empty listing is a few hundred bytes: cut it early. (A HEAD has no body,
@@ -120,13 +106,11 @@ def test_known_listings_and_names_keep_serving_while_metadata_fails(moto_server:
     requests that would refresh them fail."""
     ttl = 2.0
     bucket = new_bucket(moto_server)
-    client = moto_server.client()
     files = {f"m/f{i}.bin": os.urandom(1000 + i) for i in range(3)}
-    for key, body in files.items():
-        client.put_object(Bucket=bucket, Key=key, Body=body)
+    put_objects(moto_server, bucket, files)
     args = ("--read-timeout", f"{READ_TIMEOUT_S:g}", "--metadata-ttl", f"{ttl:g}", "--no-model-prefetch")
     with mounted_via(proxy, moto_server, bucket, mountpoint, *args,
-                     allowed=(META_FAILED, "origin unavailable")):
+                     allowed=(META_FAILED, ORIGIN_UNAVAILABLE)):
         listed_at = time.monotonic()
         assert sorted(os.listdir(mountpoint / "m")) == ["f0.bin", "f1.bin", "f2.bin"]
         for key, body in files.items():

@@ -1,5 +1,5 @@
-"""The command line: option parsing, the fstab form, and every fail-fast case with its message and
-exit status (the real command, in a subprocess)."""
+"""The real command in a subprocess: help and version, and every fail-fast case with its message and exit
+status; a background mount. Option parsing in-process is tests/unit/test_cli.py."""
 
 from __future__ import annotations
 
@@ -13,49 +13,19 @@ from pathlib import Path
 import pytest
 
 from fsmount import __version__
-from fsmount.cli import build_config, expand_mount_options, make_parser
-from fsmount.config import ConfigError, GiB, MiB, parse_size, parse_ttl
-from tests.conftest import REPO, S3Server, daemon_env, free_port, modelfs_cmd, new_bucket, unmount
+from tests.helpers import (
+    REPO,
+    S3Server,
+    daemon_env,
+    free_port,
+    modelfs_cmd,
+    modelfs_env,
+    new_bucket,
+    run_modelfs,
+    unmount,
+)
 
 FAIL_FAST_LIMIT = 20.0  # seconds; every pre-flight failure must come well within this
-
-
-def run_modelfs(*args: str, env: dict[str, str] | None = None, timeout: float = 60) -> subprocess.CompletedProcess:
-    return subprocess.run(modelfs_cmd(*args), capture_output=True, text=True, timeout=timeout,
-                          env=env or {**os.environ, "PYTHONPATH": str(REPO)})
-
-
-def test_sizes_and_ttls() -> None:
-    assert parse_size("8M") == 8 * MiB
-    assert parse_size("1G") == GiB
-    assert parse_size("1.5G") == int(1.5 * GiB)
-    assert parse_size("4096") == 4096
-    assert parse_size("512KiB") == 512 * 1024
-    with pytest.raises(ConfigError):
-        parse_size("lots")
-    assert parse_ttl("forever") > 10**8
-    assert parse_ttl("2.5") == 2.5
-    with pytest.raises(ConfigError):
-        parse_ttl("-1")
-
-
-def test_fstab_options_expand_and_generic_ones_are_ignored() -> None:
-    argv = expand_mount_options(["mount", "b", "/m", "-o",
-                                 "ro,rw,defaults,_netdev,nofail,noauto,user,nodev,nosuid,noexec,allow_other,"
-                                 "endpoint_url=http://h:1,prefix=llama/,cache_dir=/nvme/x,nonempty,x-systemd.requires=a"])
-    assert argv == ["mount", "b", "/m", "--allow-other", "--endpoint-url", "http://h:1", "--prefix", "llama/",
-                    "--cache-dir", "/nvme/x", "--allow-non-empty"]
-    args = make_parser().parse_args(argv)
-    cfg = build_config(args)
-    assert cfg.allow_other and cfg.store.prefix == "llama/" and cfg.store.endpoint_url == "http://h:1"
-
-
-def test_defaults_are_safe() -> None:
-    cfg = build_config(make_parser().parse_args(["mount", "b", "/m"]))
-    assert not cfg.allow_other
-    assert cfg.chunk_size == 8 * MiB and cfg.store.max_connections == 16
-    assert cfg.memory_limit <= 2 * GiB
-    assert cfg.file_mode == 0o444
 
 
 def test_version_and_help() -> None:
@@ -84,38 +54,36 @@ def assert_fails(res: subprocess.CompletedProcess, message: str, started: float)
     assert time.monotonic() - started < FAIL_FAST_LIMIT
 
 
-@pytest.mark.mount
-def test_bucket_missing(moto_server: S3Server, tmp_path: Path) -> None:
+def mount_fails_fast(bucket: str, path: Path, endpoint_url: str, env: dict[str, str],
+                     message: str) -> subprocess.CompletedProcess:
+    """`modelfs mount` that must fail before mounting (assert_fails), timed from just before it starts."""
     t = time.monotonic()
-    res = run_modelfs("mount", "no-such-bucket-here", str(tmp_path), "--endpoint-url", moto_server.endpoint_url,
-                      env=daemon_env(moto_server))
-    assert_fails(res, "bucket 'no-such-bucket-here' does not exist", t)
+    res = run_modelfs("mount", bucket, str(path), "--endpoint-url", endpoint_url, env=env)
+    assert_fails(res, message, t)
+    return res
 
 
-@pytest.mark.mount
+def test_bucket_missing(moto_server: S3Server, tmp_path: Path) -> None:
+    mount_fails_fast("no-such-bucket-here", tmp_path, moto_server.endpoint_url, daemon_env(moto_server),
+                     "bucket 'no-such-bucket-here' does not exist")
+
+
 @pytest.mark.seaweedfs
 def test_access_denied(seaweed_server: S3Server, tmp_path: Path) -> None:
     bucket = new_bucket(seaweed_server)
     env = daemon_env(seaweed_server)
     env["AWS_SECRET_ACCESS_KEY"] = "wrong-secret"
-    t = time.monotonic()
-    res = run_modelfs("mount", bucket, str(tmp_path), "--endpoint-url", seaweed_server.endpoint_url, env=env)
-    assert_fails(res, "access denied", t)
+    res = mount_fails_fast(bucket, tmp_path, seaweed_server.endpoint_url, env, "access denied")
     assert "wrong-secret" not in res.stderr
 
 
-@pytest.mark.mount
 def test_endpoint_unreachable(tmp_path: Path) -> None:
-    env = {**os.environ, "PYTHONPATH": str(REPO), "AWS_ACCESS_KEY_ID": "k", "AWS_SECRET_ACCESS_KEY": "s"}
-    t = time.monotonic()
-    res = run_modelfs("mount", "b", str(tmp_path), "--endpoint-url", f"http://127.0.0.1:{free_port()}", env=env)
-    assert_fails(res, "cannot reach the endpoint", t)
+    env = {**modelfs_env(), "AWS_ACCESS_KEY_ID": "k", "AWS_SECRET_ACCESS_KEY": "s"}
+    mount_fails_fast("b", tmp_path, f"http://127.0.0.1:{free_port()}", env, "cannot reach the endpoint")
 
 
-@pytest.mark.mount
 def test_mountpoint_problems(moto_server: S3Server, tmp_path: Path) -> None:
     bucket = new_bucket(moto_server)
-    env = daemon_env(moto_server)
     afile = tmp_path / "file"
     afile.write_text("x")
     full = tmp_path / "full"
@@ -123,23 +91,16 @@ def test_mountpoint_problems(moto_server: S3Server, tmp_path: Path) -> None:
     (full / "something").write_text("x")
     cases = [(tmp_path / "missing", "does not exist"), (afile, "is not a directory"), (full, "is not empty")]
     for path, message in cases:
-        t = time.monotonic()
-        res = run_modelfs("mount", bucket, str(path), "--endpoint-url", moto_server.endpoint_url, env=env)
-        assert_fails(res, message, t)
+        mount_fails_fast(bucket, path, moto_server.endpoint_url, daemon_env(moto_server), message)
     assert (full / "something").read_text() == "x"  # nothing lost
 
 
-@pytest.mark.mount
 def test_no_fusermount3(moto_server: S3Server, tmp_path: Path) -> None:
-    bucket = new_bucket(moto_server)
     env = daemon_env(moto_server)
     env["PATH"] = "/nonexistent"
-    t = time.monotonic()
-    res = run_modelfs("mount", bucket, str(tmp_path), "--endpoint-url", moto_server.endpoint_url, env=env)
-    assert_fails(res, "fusermount3 not found", t)
+    mount_fails_fast(new_bucket(moto_server), tmp_path, moto_server.endpoint_url, env, "fusermount3 not found")
 
 
-@pytest.mark.mount
 def test_no_dev_fuse(moto_server: S3Server, tmp_path: Path) -> None:
     if shutil.which("unshare") is None:
         pytest.fail("unshare (util-linux) is needed to hide /dev/fuse")
@@ -153,7 +114,6 @@ def test_no_dev_fuse(moto_server: S3Server, tmp_path: Path) -> None:
     assert_fails(res, "/dev/fuse is not the FUSE device", t)
 
 
-@pytest.mark.mount
 def test_background_mount_returns_when_ready_and_unmount(moto_server: S3Server, tmp_path: Path) -> None:
     bucket = new_bucket(moto_server)
     moto_server.client().put_object(Bucket=bucket, Key="hello.txt", Body=b"hi")

@@ -1,0 +1,164 @@
+"""Model-aware prefetch through real mounts: mmap readers while the page-cache pusher runs, unmount during a
+prefetch, `modelfs prefetch`, and one shard warming the others. In virtual time: tests/unit/test_prefetch.py."""
+
+from __future__ import annotations
+
+import mmap
+import os
+import re
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from fsmount.cache_level import ChunkId
+from fsmount.config import DEFAULT_CHUNK_SIZE
+from fsmount.disk_cache import SHARD_HEX_CHARS
+from tests.helpers import (
+    MiB,
+    S3Server,
+    model_bytes,
+    modelfs_cmd,
+    modelfs_env,
+    mounted,
+    new_bucket,
+    put_objects,
+    run_modelfs,
+    sha,
+    upload,
+)
+
+
+def cache_file(cache: Path, bucket: str, key: str, etag: str, index: int) -> Path:
+    """Where --cache-dir keeps a chunk (of the default size) once it is written through."""
+    digest = ChunkId(bucket, key, etag, DEFAULT_CHUNK_SIZE, index).digest()
+    return cache / "chunks" / digest[:SHARD_HEX_CHARS] / digest
+
+
+@pytest.mark.parametrize("push_limit", ["0", "1G"])
+def test_eight_mmap_readers_while_pushing(moto_server: S3Server, mountpoint: Path, tmp_path: Path,
+                                          push_limit: str) -> None:
+    from safetensors import safe_open
+
+    data = model_bytes(tmp_path, 96 * MiB, seed=1)
+    bucket = new_bucket(moto_server)
+    upload(moto_server, bucket, {"m.safetensors": data})
+    local = tmp_path / "m1.safetensors"
+    errors: list[str] = []
+    with mounted(moto_server, bucket, mountpoint, "--pagecache-push-limit", push_limit) as m:
+        path = mountpoint / "m.safetensors"
+        with safe_open(local, "np") as f:
+            names = sorted(f.keys())
+
+        def reader(i: int) -> None:
+            try:
+                with open(path, "rb") as fh, mmap.mmap(fh.fileno(), 0, prot=mmap.PROT_READ) as mm:
+                    view = memoryview(mm)
+                    step = len(data) // 8
+                    lo = (i * step * 5) % len(data)
+                    for off in list(range(lo, len(data), 1 << 20)) + list(range(0, lo, 1 << 20)):
+                        if view[off:off + 4096] != data[off:off + 4096]:
+                            errors.append(f"reader {i} mismatch at {off}")
+                    view.release()
+                    if sha(mm[:]) != sha(data):
+                        errors.append(f"reader {i} sha mismatch")
+            except Exception as exc:  # noqa: BLE001
+                errors.append(f"reader {i}: {exc!r}")
+
+        threads = [threading.Thread(target=reader, args=(i,)) for i in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        assert not any(t.is_alive() for t in threads), "a reader hung"
+        with safe_open(path, "np") as got, safe_open(local, "np") as src:
+            for name in names:
+                assert np.array_equal(got.get_tensor(name), src.get_tensor(name))
+    assert errors == []
+    assert "prefetching 'm.safetensors'" in m.log()
+
+
+def test_unmount_during_prefetch_is_clean(moto_server: S3Server, mountpoint: Path, tmp_path: Path) -> None:
+    data = model_bytes(tmp_path, 128 * MiB, seed=2)
+    bucket = new_bucket(moto_server)
+    upload(moto_server, bucket, {"m.safetensors": data})
+    with mounted(moto_server, bucket, mountpoint, "--max-connections", "2") as m:
+        with open(mountpoint / "m.safetensors", "rb") as f:
+            assert f.read(8) == data[:8]
+        # the handle is closed: prefetch is cancelled; the unmount below must not wait for it
+    assert "prefetching 'm.safetensors'" in m.log()
+
+
+def test_modelfs_prefetch_command_warms_the_cache(moto_server: S3Server, mountpoint: Path, tmp_path: Path) -> None:
+    bucket = new_bucket(moto_server)
+    payload = {f"model/shard-{i}.bin": os.urandom(5 * MiB + i) for i in range(3)}
+    put_objects(moto_server, bucket, payload)
+    cache = tmp_path / "cache"
+    with mounted(moto_server, bucket, mountpoint, "--cache-dir", str(cache), "--cache-size", "1G") as m:
+        res = run_modelfs("prefetch", str(mountpoint / "model"), timeout=120)
+        assert res.returncode == 0, res.stderr
+        assert f"prefetched {sum(map(len, payload.values()))} bytes" in res.stdout
+        assert "prefetch" in res.stderr  # the progress bar
+        res = run_modelfs("prefetch", str(tmp_path), timeout=None)
+        assert res.returncode == 1 and "not on a modelfs mount" in res.stderr
+        res = run_modelfs("prefetch", str(mountpoint / "nope"), timeout=None)
+        assert res.returncode == 1 and "no such file" in res.stderr
+    stored = sum(f.stat().st_size for f in (cache / "chunks").rglob("*") if f.is_file())
+    assert stored >= sum(map(len, payload.values()))
+    assert "origin requests=" in m.log()
+
+
+def test_opening_one_shard_warms_the_others(moto_server: S3Server, mountpoint: Path, tmp_path: Path) -> None:
+    from safetensors.numpy import load_file
+
+    from fsmount.testing.models import write_sharded_model
+
+    model = write_sharded_model(tmp_path / "sharded", 48 * MiB, shards=4, seed=3)
+    bucket = new_bucket(moto_server)
+    client = moto_server.client()
+    upload(moto_server, bucket, {f"llm/{f.name}": f for f in (tmp_path / "sharded").iterdir()})
+    total = sum(f.stat().st_size for f in model.files)
+    with mounted(moto_server, bucket, mountpoint, "--cache-dir", str(tmp_path / "cache")) as m:
+        shards = sorted(p.name for p in model.files)
+        with open(mountpoint / "llm" / shards[0], "rb") as f:
+            f.read(8)
+        deadline = time.monotonic() + 60
+        while not all(f"prefetching 'llm/{name}'" in m.log() for name in shards[1:]):
+            assert time.monotonic() < deadline, "the other shards were not warmed"
+            time.sleep(0.2)
+        # The warming is over once every chunk of the other shards (nothing else reads them) has been
+        # fetched and written through to the NVMe cache.
+        warmed = [cache_file(tmp_path / "cache", bucket, f"llm/{name}",
+                             client.head_object(Bucket=bucket, Key=f"llm/{name}")["ETag"], index)
+                  for name in shards[1:]
+                  for index in range(-(-(tmp_path / "sharded" / name).stat().st_size // DEFAULT_CHUNK_SIZE))]
+        while missing := [p for p in warmed if not p.exists()]:
+            assert time.monotonic() < deadline, f"{len(missing)} of {len(warmed)} chunks of the other shards " \
+                                                "never reached the cache"
+            time.sleep(0.1)
+        for path in model.files:
+            src = load_file(path)
+            got = load_file(mountpoint / "llm" / path.name)
+            assert src.keys() == got.keys()
+            assert all(np.array_equal(src[k], got[k]) for k in src)
+    origin = int(re.search(r"origin requests=\d+ bytes=(\d+)", m.log()).group(1))
+    assert origin <= total * 1.05, (origin, total)  # every byte fetched from the origin about once
+
+
+def test_modelfs_prefetch_while_a_server_loads(moto_server: S3Server, mountpoint: Path, tmp_path: Path) -> None:
+    from safetensors.numpy import load_file
+
+    data = model_bytes(tmp_path, 64 * MiB, seed=4)
+    bucket = new_bucket(moto_server)
+    upload(moto_server, bucket, {"m/model.safetensors": data})
+    with mounted(moto_server, bucket, mountpoint, "--cache-dir", str(tmp_path / "cache")):
+        warm = subprocess.Popen(modelfs_cmd("prefetch", "-q", str(mountpoint / "m")), env=modelfs_env(),
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        got = load_file(mountpoint / "m/model.safetensors")
+        out, err = warm.communicate(timeout=120)
+        assert warm.returncode == 0, err
+        src = load_file(tmp_path / "m4.safetensors")
+        assert got.keys() == src.keys() and all(np.array_equal(got[k], src[k]) for k in src)

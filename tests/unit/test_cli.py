@@ -1,0 +1,42 @@
+"""The command line in-process: option parsing, the fstab form and the defaults. The real command in a
+subprocess (fail-fast cases, help, version) is tests/mount/test_cli_mount.py."""
+
+from __future__ import annotations
+
+import pytest
+
+from fsmount.cli import build_config, expand_mount_options, make_parser
+from fsmount.config import ConfigError, GiB, MiB, parse_size, parse_ttl
+
+
+def test_sizes_and_ttls() -> None:
+    assert parse_size("8M") == 8 * MiB
+    assert parse_size("1G") == GiB
+    assert parse_size("1.5G") == int(1.5 * GiB)
+    assert parse_size("4096") == 4096
+    assert parse_size("512KiB") == 512 * 1024
+    with pytest.raises(ConfigError):
+        parse_size("lots")
+    assert parse_ttl("forever") > 10**8
+    assert parse_ttl("2.5") == 2.5
+    with pytest.raises(ConfigError):
+        parse_ttl("-1")
+
+
+def test_fstab_options_expand_and_generic_ones_are_ignored() -> None:
+    argv = expand_mount_options(["mount", "b", "/m", "-o",
+                                 "ro,rw,defaults,_netdev,nofail,noauto,user,nodev,nosuid,noexec,allow_other,"
+                                 "endpoint_url=http://h:1,prefix=llama/,cache_dir=/nvme/x,nonempty,x-systemd.requires=a"])
+    assert argv == ["mount", "b", "/m", "--allow-other", "--endpoint-url", "http://h:1", "--prefix", "llama/",
+                    "--cache-dir", "/nvme/x", "--allow-non-empty"]
+    args = make_parser().parse_args(argv)
+    cfg = build_config(args)
+    assert cfg.allow_other and cfg.store.prefix == "llama/" and cfg.store.endpoint_url == "http://h:1"
+
+
+def test_defaults_are_safe() -> None:
+    cfg = build_config(make_parser().parse_args(["mount", "b", "/m"]))
+    assert not cfg.allow_other
+    assert cfg.chunk_size == 8 * MiB and cfg.store.max_connections == 16
+    assert cfg.memory_limit <= 2 * GiB
+    assert cfg.file_mode == 0o444

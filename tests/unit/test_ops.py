@@ -1,0 +1,203 @@
+"""Running modelfs as infrastructure, in-process: the systemd unit and its example configuration, the Alibaba
+OSS client configuration (seen on the wire, no network), and the pyfuse3 log filter. With real daemons
+(READY=1, SIGTERM, fstab, metrics, `modelfs stats`): tests/mount/test_ops_mount.py."""
+
+from __future__ import annotations
+
+import io
+import os
+import shutil
+import subprocess
+import sys
+import urllib.parse
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from fsmount import cli
+from tests.helpers import REPO, TEST_SECRET
+
+UNIT = REPO / "systemd" / "modelfs@.service"
+EXAMPLE_CONF = REPO / "systemd" / "example.conf"
+# Options that give the service a private mount namespace: the bucket would be mounted where the host
+# and the inference servers cannot see it.
+NAMESPACE_OPTIONS = {"PrivateTmp", "PrivateDevices", "PrivateMounts", "ProtectSystem", "ProtectHome",
+                     "ProtectKernelTunables", "ProtectKernelModules", "ProtectKernelLogs", "ProtectControlGroups",
+                     "ProtectProc", "ReadOnlyPaths", "ReadWritePaths", "InaccessiblePaths", "TemporaryFileSystem",
+                     "BindPaths", "BindReadOnlyPaths", "RootDirectory", "RootImage", "DynamicUser", "MountAPIVFS"}
+
+
+def unit_entries(path: Path) -> list[tuple[str, str, str]]:
+    """(section, key, value) in file order; systemd allows repeated keys, so no configparser."""
+    out, section = [], ""
+    for raw in path.read_text().splitlines():
+        line = raw.strip()
+        if not line or line.startswith(("#", ";")):
+            continue
+        if line.startswith("["):
+            section = line.strip("[]")
+            continue
+        key, _, value = line.partition("=")
+        out.append((section, key.strip(), value.strip()))
+    return out
+
+
+def env_file(path: Path) -> dict[str, str]:
+    out = {}
+    for raw in path.read_text().splitlines():
+        line = raw.strip()
+        if line and not line.startswith("#"):
+            key, _, value = line.partition("=")
+            out[key] = value
+    return out
+
+
+# -- the systemd unit -----------------------------------------------------------------------------
+
+@pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="systemd-analyze not installed")
+def test_unit_passes_systemd_analyze_verify(tmp_path: Path) -> None:
+    # verify insists that ExecStart= exists; point it at this checkout's entry point, change nothing else.
+    entry = Path(sys.executable).with_name("modelfs")
+    assert entry.exists(), "install the package (pip install -e .) so the modelfs entry point exists"
+    text = UNIT.read_text()
+    assert "ExecStart=/usr/local/bin/modelfs " in text
+    (tmp_path / UNIT.name).write_text(text.replace("/usr/local/bin/modelfs", str(entry)))
+    (tmp_path / "modelfs@models.service").symlink_to(UNIT.name)
+    res = subprocess.run(["systemd-analyze", "verify", str(tmp_path / "modelfs@models.service")],
+                         capture_output=True, text=True, timeout=60)
+    # Unknown keys and bad values are only printed (exit status 0): any output is a failure.
+    assert res.returncode == 0 and not res.stdout.strip() and not res.stderr.strip(), res.stdout + res.stderr
+
+
+def test_unit_settings() -> None:
+    entries = unit_entries(UNIT)
+    values = {(section, key): value for section, key, value in entries}
+    assert values["Service", "Type"] == "notify"
+    assert values["Service", "Restart"] == "on-failure"
+    assert values["Service", "EnvironmentFile"] == "/etc/modelfs/%i.conf"
+    assert "network-online.target" in values["Unit", "After"]
+    assert "network-online.target" in values["Unit", "Wants"]
+    exec_start = values["Service", "ExecStart"]
+    assert "--foreground" in exec_start and "$MODELFS_OPTS" in exec_start
+    assert values["Service", "KillMode"] == "mixed"  # SIGTERM to the daemon, which unmounts
+    used = {key for _, key, _ in entries}
+    assert not used & NAMESPACE_OPTIONS, f"these hide the mount from the host: {used & NAMESPACE_OPTIONS}"
+    assert values["Service", "DeviceAllow"] == "/dev/fuse rw"
+    assert "CAP_SYS_ADMIN" in values["Service", "CapabilityBoundingSet"]
+
+
+def test_example_conf_is_a_valid_mount_command() -> None:
+    conf = env_file(EXAMPLE_CONF)
+    assert {"BUCKET", "MOUNTPOINT", "MODELFS_OPTS", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"} <= set(conf)
+    oss_opts = [line.split("=", 1)[1] for line in EXAMPLE_CONF.read_text().splitlines()
+                if line.startswith("#MODELFS_OPTS=")]
+    assert oss_opts, "the Alibaba OSS example is missing"
+    for opts in [conf["MODELFS_OPTS"], *oss_opts]:
+        # What ExecStart= runs: `modelfs mount ${BUCKET} ${MOUNTPOINT} --foreground $MODELFS_OPTS`.
+        argv = cli.expand_mount_options(["mount", conf["BUCKET"], conf["MOUNTPOINT"], "--foreground",
+                                         *opts.split()])
+        args = cli.make_parser().parse_args(argv)
+        cfg = cli.build_config(args)
+        assert cfg.foreground and cfg.store.bucket == conf["BUCKET"]
+    assert "AWS_" not in conf["MODELFS_OPTS"] and "SECRET" not in conf["MODELFS_OPTS"]
+
+
+# -- Alibaba OSS: the boto3 client modelfs builds, seen on the wire (no network) ----------------------
+
+class _Body(io.BytesIO):
+    def stream(self, **_: object) -> Iterator[bytes]:
+        yield self.getvalue()
+
+
+LIST_XML = (b'<?xml version="1.0" encoding="UTF-8"?><ListBucketResult '
+            b'xmlns="http://s3.amazonaws.com/doc/2006-03-01/"><Name>my-models</Name><Prefix></Prefix>'
+            b"<KeyCount>0</KeyCount><MaxKeys>1</MaxKeys><Delimiter>/</Delimiter><IsTruncated>false</IsTruncated>"
+            b"</ListBucketResult>")
+
+
+def oss_requests(argv: list[str]) -> list:
+    """Build the store exactly as `modelfs mount` does and record what it would send."""
+    from botocore.awsrequest import AWSResponse
+
+    from fsmount.store import Boto3Store
+
+    cfg = cli.build_config(cli.make_parser().parse_args(cli.expand_mount_options(argv)))
+    store = Boto3Store(cfg.store)
+    sent = []
+
+    def answer(request, **_: object) -> AWSResponse:  # noqa: ANN001 - botocore's AWSPreparedRequest
+        sent.append(request)
+        if request.method == "GET" and "list-type=2" in request.url:
+            return AWSResponse(request.url, 200, {"Content-Type": "application/xml"}, _Body(LIST_XML))
+        return AWSResponse(request.url, 206, {"Content-Length": "4", "ETag": '"e1"',
+                                              "Content-Range": "bytes 0-3/10"}, _Body(b"SAFE"))
+
+    # botocore's documented hook: a handler of before-send that returns a response short-circuits HTTP.
+    store._client.meta.events.register("before-send.s3", answer)
+    store.check_bucket("")
+    assert store.get_range("llama/model-00001.safetensors", '"e1"', 0, 4) == b"SAFE"
+    return sent
+
+
+@pytest.fixture
+def clean_aws_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
+    for var in list(os.environ):
+        if var.startswith("AWS_"):
+            monkeypatch.delenv(var)
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "no-config"))
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "no-credentials"))
+    return tmp_path
+
+
+OSS_ARGV = ["mount", "my-models", "/models", "--endpoint-url", "https://oss-cn-hangzhou.aliyuncs.com",
+            "--region", "cn-hangzhou", "--addressing-style", "virtual"]
+
+
+def check_oss_request(request, access_key: str, secret: str) -> None:  # noqa: ANN001
+    url = urllib.parse.urlsplit(request.url)
+    assert url.scheme == "https"
+    assert url.hostname == "my-models.oss-cn-hangzhou.aliyuncs.com"  # virtual-hosted style
+    assert not url.path.startswith("/my-models")
+    auth = request.headers["Authorization"]
+    auth = auth.decode() if isinstance(auth, bytes) else auth
+    assert auth.startswith(f"AWS4-HMAC-SHA256 Credential={access_key}/")  # SigV4
+    assert "/cn-hangzhou/s3/aws4_request" in auth
+    assert "x-amz-date" in {k.lower() for k in request.headers}
+    assert secret not in request.url and secret not in str(request.headers)
+
+
+def test_oss_virtual_host_sigv4_with_env_credentials(clean_aws_env: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "LTAI5tEnvKey")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", TEST_SECRET)
+    listing, get = oss_requests(OSS_ARGV)
+    for request in (listing, get):
+        check_oss_request(request, "LTAI5tEnvKey", TEST_SECRET)
+    assert listing.method == "GET" and "list-type=2" in listing.url
+    assert get.url.endswith("/llama/model-00001.safetensors")
+    headers = {k.lower(): v.decode() if isinstance(v, bytes) else v for k, v in get.headers.items()}
+    assert headers["range"] == "bytes=0-3" and headers["if-match"] == '"e1"'
+
+
+def test_oss_virtual_host_sigv4_with_a_profile(clean_aws_env: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    (clean_aws_env / "no-credentials").write_text(
+        f"[oss]\naws_access_key_id = LTAI5tProfileKey\naws_secret_access_key = {TEST_SECRET}\n")
+    for request in oss_requests([*OSS_ARGV, "--profile", "oss"]):
+        check_oss_request(request, "LTAI5tProfileKey", TEST_SECRET)
+
+
+def test_only_a_discarded_release_reply_is_downgraded_from_error() -> None:
+    import logging
+
+    from fsmount.mount import DiscardedReleaseReply
+
+    def record(message: str) -> logging.LogRecord:
+        return logging.LogRecord("pyfuse3", logging.ERROR, __file__, 1, message, None, None)
+
+    release = record("fuse_release(): fuse_reply_* failed with No such file or directory")
+    DiscardedReleaseReply().filter(release)
+    assert release.levelno == logging.DEBUG
+    for message in ("fuse_read(): fuse_reply_* failed with No such file or directory",
+                    "fuse_release(): fuse_reply_* failed with Broken pipe"):
+        other = record(message)
+        assert DiscardedReleaseReply().filter(other) and other.levelno == logging.ERROR, message

@@ -29,7 +29,7 @@ import pytest
 import trio
 from botocore.config import Config
 
-from fsmount.chunks import ChunkEngine
+from fsmount.data import ChunkEngine
 from fsmount.testing.models import write_model
 from fsmount.testing.seaweed import dying_with_parent
 
@@ -438,6 +438,6 @@ async def run_engine(engine: ChunkEngine, body) -> None:  # noqa: ANN001
 
 def version(store: FakeStore, key: str):  # noqa: ANN201
     """The ObjectVersion of a key of the fake store."""
-    from fsmount.cache_level import ObjectVersion
+    from fsmount.data import ObjectVersion
     m = store.meta(key)
     return ObjectVersion(m.key, m.etag, m.size)

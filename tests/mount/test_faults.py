@@ -32,8 +32,8 @@ from typing import NamedTuple
 import pytest
 
 from fsmount.config import DEFAULT_MAX_CONNECTIONS
+from fsmount.data.boto3_store import BOTO_MAX_ATTEMPTS, GET_ATTEMPTS
 from fsmount.namespace import invalid_segment_reason
-from fsmount.store import BOTO_MAX_ATTEMPTS, GET_ATTEMPTS
 from fsmount.testing.fault_proxy import Down, Fault, FaultProxy, synthetic_body
 from tests.helpers import (
     FAILING_READ_BOUND_S,
@@ -622,7 +622,7 @@ def test_malformed_safetensors_read_exact_with_prefetch_disabled(moto_server: S3
                                                         "b": ("F32", [256], [512, 1536])}), filler[:1536]),
         "out_of_range": safetensors_bytes(tensor_header({"a": ("F32", [1024], [0, 4096])}), filler[:100]),
         "huge_shape": safetensors_bytes(tensor_header({"a": ("F32", [2**62, 2**62], [0, 16])}), filler[:16]),
-        # A length that fits the file: the prefetcher reads 19 MiB of "header" before giving up.
+        # A length that fits the file: the streamer reads 19 MiB of "header" before giving up.
         "huge_header_fits": safetensors_bytes(b"{" + b" " * (19 * MiB), filler),
         "empty": b"",
         "tiny": b"\x01\x02",
@@ -642,13 +642,13 @@ def test_malformed_safetensors_read_exact_with_prefetch_disabled(moto_server: S3
                 assert f.read() == body, key
         # Every malformed file only turned the prefetch off; the good one was prefetched.
         deadline = time.monotonic() + 10
-        while time.monotonic() < deadline and not all(f"not prefetching 'bad/{n}.safetensors'" in m.log()
+        while time.monotonic() < deadline and not all(f"not streaming 'bad/{n}.safetensors'" in m.log()
                                                       for n in cases):
             time.sleep(0.1)
         log = m.log()
         for name in cases:
-            assert f"not prefetching 'bad/{name}.safetensors'" in log, name
-        assert "prefetching 'bad/ok.safetensors'" in log
+            assert f"not streaming 'bad/{name}.safetensors'" in log, name
+        assert "streaming 'bad/ok.safetensors'" in log
         assert m.proc.poll() is None
 
 

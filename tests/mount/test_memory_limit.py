@@ -1,7 +1,7 @@
 """`--memory-limit` bounds the daemon's peak RSS (VmHWM) in every combination that holds chunk bytes:
 with and without `--cache-dir`; cold, filling the cache, and warm; a sequential `cat`, 4 readers at random
 offsets, and `modelfs prefetch` of a sharded model (which also streams each shard through the
-safetensors prefetcher and the page-cache pusher). Real mounts on SeaweedFS, a fresh daemon per run, so
+safetensors streamer and the page-cache pusher). Real mounts on SeaweedFS, a fresh daemon per run, so
 each peak belongs to one combination.
 
 The bound is the limit plus 64 MiB. The model is larger than the largest limit, so every run has to

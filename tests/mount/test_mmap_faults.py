@@ -42,7 +42,7 @@ READ_TIMEOUT_S = 10.0
 # 1 MiB chunks, no read-ahead beyond the kernel's: the loader's page faults decide what is fetched.
 MMAP_ARGS = ("--read-timeout", f"{READ_TIMEOUT_S:g}", "--chunk-size", "1M", "--max-readahead", "0",
              "--metadata-ttl", "300")
-PREFETCH_STOPPED = r"prefetch of .* stopped"
+PREFETCH_STOPPED = r"streaming of .* stopped"
 
 # Loads every tensor through safe_open (an mmap of the file) and prints {name: digest of its bytes}.
 LOADER = """

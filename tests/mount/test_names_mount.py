@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from fsmount.config import StoreConfig
-from fsmount.store import Boto3Store
+from fsmount.data import Boto3Store
 from tests.helpers import S3Server, mounted, new_bucket, put_objects
 
 # One name per way an encoder can go wrong.

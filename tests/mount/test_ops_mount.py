@@ -212,7 +212,7 @@ def test_metrics_show_bytes_moving_during_a_read(moto_server: S3Server, mountpoi
     assert 0 < after["modelfs_memory_used_bytes"] <= after["modelfs_memory_limit_bytes"]
     assert after["modelfs_egress_saved_bytes_total"] == 0  # a cold read saves nothing
     assert 0 <= after["modelfs_hit_ratio"] <= 1
-    for name in ("modelfs_prefetched_bytes_total", "modelfs_pagecache_pushed_bytes", "modelfs_prefetch_dropped_total",
+    for name in ("modelfs_streamed_bytes_total", "modelfs_pagecache_pushed_bytes", "modelfs_readahead_dropped_total",
                  "modelfs_cache_loaded_bytes_total"):
         assert name in after
     assert "metrics on http://127.0.0.1:" in log
@@ -279,7 +279,7 @@ def test_stats_cold_then_warm_from_the_nvme_cache(moto_server: S3Server, tmp_pat
     assert rows["NVMe cache"].startswith("20.01 MiB of "), res.stdout  # data + a 4 KiB header per chunk
     assert rows["errors"] == "origin 0, cache corrupt 0, cache read 0, cache write 0", res.stdout
     assert {"read from memory", "read from NVMe cache", "read from origin", "origin GET latency",
-            "NVMe cache lookups", "memory", "prefetched", "now", "mount"} <= set(rows), res.stdout
+            "NVMe cache lookups", "memory", "model streaming", "now", "mount"} <= set(rows), res.stdout
 
 
 def test_stats_of_a_path_that_is_not_a_mount(tmp_path: Path) -> None:

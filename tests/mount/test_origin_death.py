@@ -88,7 +88,7 @@ MOUNT_ARGS = ("--read-timeout", f"{READ_TIMEOUT_S:g}", "--chunk-size", f"{CHUNK 
 ALLOWED = (FETCH_FAILED, READ_FAILED, ORIGIN_UNAVAILABLE)
 # How the daemon's debug log shows a GET whose body broke off (the store retries it; a refused
 # connection is `Unreachable`, never retried by the store, so only a cut body logs this line).
-CUT_MID_BODY = r"fsmount\.store: GET .* failed \("
+CUT_MID_BODY = r"fsmount\.data\.boto3_store: GET .* failed \("
 # The kill comes once the readers have read this much (they are streaming, not starting) ...
 PROGRESS_BEFORE_KILL = 16 * MiB
 # ... and one of weed's connections holds this much unsent: the daemon's receive window is full, so

@@ -14,9 +14,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from fsmount.cache_level import ChunkId
 from fsmount.config import DEFAULT_CHUNK_SIZE
-from fsmount.disk_cache import SHARD_HEX_CHARS
+from fsmount.data import ChunkId
+from fsmount.data.cache_dir import SHARD_HEX_CHARS
 from tests.helpers import (
     MiB,
     S3Server,
@@ -78,7 +78,7 @@ def test_eight_mmap_readers_while_pushing(moto_server: S3Server, mountpoint: Pat
             for name in names:
                 assert np.array_equal(got.get_tensor(name), src.get_tensor(name))
     assert errors == []
-    assert "prefetching 'm.safetensors'" in m.log()
+    assert "streaming 'm.safetensors'" in m.log()
 
 
 def test_unmount_during_prefetch_is_clean(moto_server: S3Server, mountpoint: Path, tmp_path: Path) -> None:
@@ -89,7 +89,7 @@ def test_unmount_during_prefetch_is_clean(moto_server: S3Server, mountpoint: Pat
         with open(mountpoint / "m.safetensors", "rb") as f:
             assert f.read(8) == data[:8]
         # the handle is closed: prefetch is cancelled; the unmount below must not wait for it
-    assert "prefetching 'm.safetensors'" in m.log()
+    assert "streaming 'm.safetensors'" in m.log()
 
 
 def test_modelfs_prefetch_command_warms_the_cache(moto_server: S3Server, mountpoint: Path, tmp_path: Path) -> None:
@@ -126,7 +126,7 @@ def test_opening_one_shard_warms_the_others(moto_server: S3Server, mountpoint: P
         with open(mountpoint / "llm" / shards[0], "rb") as f:
             f.read(8)
         deadline = time.monotonic() + 60
-        while not all(f"prefetching 'llm/{name}'" in m.log() for name in shards[1:]):
+        while not all(f"streaming 'llm/{name}'" in m.log() for name in shards[1:]):
             assert time.monotonic() < deadline, "the other shards were not warmed"
             time.sleep(0.2)
         # The warming is over once every chunk of the other shards (nothing else reads them) has been

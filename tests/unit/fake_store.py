@@ -1,6 +1,6 @@
 """An in-memory ObjectStore for unit tests, with injectable latency and faults.
 
-It follows the same contract as `fsmount.store.Boto3Store` (blocking calls, StoreErrors, If-Match).
+It follows the same contract as `fsmount.data.Boto3Store` (blocking calls, StoreErrors, If-Match).
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 
-from fsmount.store import ListingPage, ObjectMeta, PreconditionFailed, StoreError
+from fsmount.data import ListingPage, ObjectMeta, PreconditionFailed, StoreError
 
 PAGE_SIZE = 1000  # S3's ListObjectsV2 page size
 

@@ -23,21 +23,20 @@ from pathlib import Path
 
 import pytest
 
-from fsmount.cache_level import ChunkId
-from fsmount.disk_cache import (
-    ALIGN,
-    CacheDirBusy,
-    DiskCache,
-    bytes_for_fraction,
-    cache_clear,
-    cache_stats,
-    cache_verify,
-)
+from fsmount.data import ChunkId, cache_clear, cache_stats, cache_verify
+from fsmount.data.cache_dir import CHUNKS_DIR, CacheDirBusy, bytes_for_fraction, chunk_path
+from fsmount.data.chunk_file import ALIGN
+from fsmount.data.disk_cache import DiskCache
 from tests.helpers import CORRUPT_WARNING, KiB, MiB, expects_warning, random_bytes
 from tests.helpers import WRITE_FAILED_WARNING as WRITE_WARNING
 from tests.helpers import tmpfs as mount_tmpfs
 
 BIG = 1 << 40  # max_bytes / free-space floor that never binds
+
+
+def chunk_file_of(cache: DiskCache, chunk: ChunkId) -> str:
+    """Where `cache` keeps (or would keep) the file of `chunk`."""
+    return chunk_path(os.path.join(cache.root, CHUNKS_DIR), chunk.digest())
 
 
 def chunk_id(index: int, etag: str = "etag-1", key: str = "models/m/model-00001.safetensors") -> ChunkId:
@@ -49,7 +48,7 @@ def payload(chunk: ChunkId, size: int = 64 * KiB) -> bytes:
 
 
 def file_size_of(cache: DiskCache, chunk: ChunkId) -> int:
-    return os.stat(cache.chunk_path(chunk)).st_size
+    return os.stat(chunk_file_of(cache, chunk)).st_size
 
 
 def chunk_file_size(probe_root: Path, data_len: int) -> int:
@@ -64,7 +63,7 @@ def disk_files(root: Path) -> list[Path]:
 
 
 def warnings_from_cache(caplog: pytest.LogCaptureFixture) -> list[logging.LogRecord]:
-    return [r for r in caplog.records if r.name == "fsmount.disk_cache" and r.levelno >= logging.WARNING]
+    return [r for r in caplog.records if r.name == "fsmount.data.disk_cache" and r.levelno >= logging.WARNING]
 
 
 @pytest.fixture
@@ -97,7 +96,7 @@ def test_put_get_contains_and_persistence_across_reopen(tmp_path: Path) -> None:
 
     assert cache.get(chunks[0]) is None and not cache.contains(chunks[0])  # closed: misses, no raise
     cache.put(chunk_id(99), b"x")  # closed: a no-op
-    assert not Path(cache.chunk_path(chunk_id(99))).exists()
+    assert not Path(chunk_file_of(cache, chunk_id(99))).exists()
 
     with DiskCache(root, BIG, min_free_bytes=0) as again:
         assert again.stats.chunks == 5 and again.stats.bytes_used == used
@@ -125,9 +124,9 @@ def test_hit_refreshes_persisted_lru_stamp_and_reopen_evicts_by_it(tmp_path: Pat
         size = file_size_of(cache, chunks[0])
         hour_ago = time.time_ns() - 3600 * 10**9
         for age, c in enumerate(chunks):  # persisted order: chunk 0 oldest ... chunk 3 newest
-            os.utime(cache.chunk_path(c), ns=(hour_ago + age * 10**9,) * 2)
+            os.utime(chunk_file_of(cache, c), ns=(hour_ago + age * 10**9,) * 2)
         assert cache.get(chunks[0]) == payload(chunks[0])  # a hit stamps "now" on chunk 0
-        assert os.stat(cache.chunk_path(chunks[0])).st_mtime_ns > time.time_ns() - 60 * 10**9
+        assert os.stat(chunk_file_of(cache, chunks[0])).st_mtime_ns > time.time_ns() - 60 * 10**9
 
     with DiskCache(tmp_path, 4 * size, min_free_bytes=0) as cache:
         cache.put(chunk_id(10), payload(chunk_id(10)))  # full: evicts the least recent, chunk 1
@@ -213,7 +212,7 @@ def test_corrupt_file_is_a_counted_miss_and_deleted(tmp_path: Path, damage, capl
     with DiskCache(tmp_path, BIG, min_free_bytes=0) as cache:
         cache.put(wanted, payload(wanted))
         cache.put(other_version, payload(other_version))
-        path, other_path = Path(cache.chunk_path(wanted)), Path(cache.chunk_path(other_version))
+        path, other_path = Path(chunk_file_of(cache, wanted)), Path(chunk_file_of(cache, other_version))
         assert path != other_path
         damage(path, other_path)
 
@@ -234,7 +233,7 @@ def test_only_first_corrupt_file_warns(tmp_path: Path, caplog, allowed_logs) -> 
     with DiskCache(tmp_path, BIG, min_free_bytes=0) as cache:
         for i in range(3):
             cache.put(chunk_id(i), payload(chunk_id(i)))
-            wrong_magic(Path(cache.chunk_path(chunk_id(i))), tmp_path)
+            wrong_magic(Path(chunk_file_of(cache, chunk_id(i))), tmp_path)
         assert [cache.get(chunk_id(i)) for i in range(3)] == [None] * 3
         assert cache.stats.corrupt == 3
         assert len(warnings_from_cache(caplog)) == 1
@@ -254,7 +253,7 @@ def version_2_file(chunk: ChunkId, data: bytes) -> bytes:
 def test_file_of_the_previous_format_version_is_dropped_and_refetched(tmp_path: Path, caplog, allowed_logs) -> None:
     wanted = chunk_id(3)
     with DiskCache(tmp_path, BIG, min_free_bytes=0) as cache:
-        path = Path(cache.chunk_path(wanted))
+        path = Path(chunk_file_of(cache, wanted))
     path.write_bytes(version_2_file(wanted, payload(wanted)))  # whole and valid, as the old version wrote it
     with DiskCache(tmp_path, BIG, min_free_bytes=0) as cache:
         assert cache.contains(wanted)  # the index is built from names and sizes alone
@@ -271,12 +270,12 @@ def test_data_sits_at_an_aligned_offset_and_is_written_around_the_page_cache(tmp
     data = payload(chunk_id(1), 100 * KiB + 17)  # not a multiple of the block size: padded, then truncated
     with DiskCache(tmp_path, BIG, min_free_bytes=0) as cache:
         cache.put(chunk_id(1), data)
-        raw = Path(cache.chunk_path(chunk_id(1))).read_bytes()
+        raw = Path(chunk_file_of(cache, chunk_id(1))).read_bytes()
         assert len(raw) == ALIGN + len(data) and raw[ALIGN:] == data
         header_len = 56 + len("weights") + len(chunk_id(1).key) + len("etag-1")
         assert raw[header_len:ALIGN] == bytes(ALIGN - header_len)
         assert cache.get(chunk_id(1)) == data
-        assert cache._direct  # /tmp here is ext4: the O_DIRECT path ran (the fallback has its own test)
+        assert cache._writer._direct  # /tmp here is ext4: the O_DIRECT path ran (the fallback has its own test)
 
 
 @pytest.mark.parametrize("refused_by", ["open", "write"])
@@ -303,7 +302,7 @@ def test_filesystem_refusing_o_direct_falls_back_to_buffered_writes(tmp_path: Pa
 
     monkeypatch.setattr(os, "open", fake_open)
     monkeypatch.setattr(os, "write", fake_write)
-    caplog.set_level(logging.INFO, logger="fsmount.disk_cache")
+    caplog.set_level(logging.INFO, logger="fsmount.data")
     with DiskCache(tmp_path, BIG, min_free_bytes=0) as cache:
         for i in range(3):
             cache.put(chunk_id(i), payload(chunk_id(i)))
@@ -318,7 +317,7 @@ def test_filesystem_refusing_o_direct_falls_back_to_buffered_writes(tmp_path: Pa
 def test_file_removed_behind_the_cache_is_a_plain_miss(tmp_path: Path) -> None:
     with DiskCache(tmp_path, BIG, min_free_bytes=0) as cache:
         cache.put(chunk_id(1), b"abc")
-        os.unlink(cache.chunk_path(chunk_id(1)))
+        os.unlink(chunk_file_of(cache, chunk_id(1)))
         assert cache.get(chunk_id(1)) is None
         assert cache.stats.corrupt == 0 and cache.stats.misses == 1
         assert cache.stats.chunks == 0 and cache.stats.bytes_used == 0
@@ -426,7 +425,7 @@ def test_real_enospc_from_the_kernel_is_absorbed(tmpfs, caplog, allowed_logs) ->
 def test_read_only_filesystem_pauses_writes_then_resumes(tmpfs, caplog, allowed_logs) -> None:
     with tmpfs("size=4m") as fs, DiskCache(fs / "c", BIG, 0, retry_after_s=3600) as cache:
         cache.put(chunk_id(1), payload(chunk_id(1)))
-        os.utime(cache.chunk_path(chunk_id(1)), ns=(10**18, 10**18))  # stale stamp: a hit will restamp
+        os.utime(chunk_file_of(cache, chunk_id(1)), ns=(10**18, 10**18))  # stale stamp: a hit will restamp
         subprocess.run(["mount", "-o", "remount,ro", str(fs)], check=True)
         for i in range(2, 12):
             cache.put(chunk_id(i), payload(chunk_id(i)))
@@ -539,7 +538,7 @@ def test_second_cache_on_same_dir_is_refused_until_first_closes(tmp_path: Path) 
 def test_lock_is_held_against_other_processes(tmp_path: Path) -> None:
     with DiskCache(tmp_path, BIG, min_free_bytes=0):
         code = (
-            "import sys\nfrom fsmount.disk_cache import DiskCache, CacheDirBusy\n"
+            "import sys\nfrom fsmount.data import DiskCache, CacheDirBusy\n"
             f"try:\n    DiskCache({str(tmp_path)!r}, 1 << 40, 0)\nexcept CacheDirBusy as e:\n"
             "    print(e); sys.exit(3)\n"
         )
@@ -555,7 +554,7 @@ def test_permissions(tmp_path: Path) -> None:
     for root in (tmp_path / "new" / "cache", existing):
         with DiskCache(root, BIG, min_free_bytes=0) as cache:
             cache.put(chunk_id(1), b"data")
-            path = Path(cache.chunk_path(chunk_id(1)))
+            path = Path(chunk_file_of(cache, chunk_id(1)))
             assert stat.S_IMODE(root.stat().st_mode) == 0o700
             assert stat.S_IMODE(path.parent.stat().st_mode) == 0o700
             assert stat.S_IMODE(path.stat().st_mode) == 0o600
@@ -565,7 +564,7 @@ def test_permissions(tmp_path: Path) -> None:
 def test_leftover_temp_files_are_swept_at_open(tmp_path: Path) -> None:
     with DiskCache(tmp_path, BIG, min_free_bytes=0) as cache:
         cache.put(chunk_id(1), b"kept")
-        shard = Path(cache.chunk_path(chunk_id(1))).parent
+        shard = Path(chunk_file_of(cache, chunk_id(1))).parent
     (shard / "0123456789abcdef.x1y2z3.tmp").write_bytes(b"half a chunk")
     (tmp_path / "chunks" / "ff" / "whatever.tmp").write_bytes(b"")
     with DiskCache(tmp_path, BIG, min_free_bytes=0) as cache:
@@ -582,7 +581,7 @@ def test_leftover_temp_files_are_swept_at_open(tmp_path: Path) -> None:
 def test_index_rebuild_of_100k_chunk_files(tmp_path: Path, allowed_logs) -> None:
     n = 100_000
     with DiskCache(tmp_path, BIG, min_free_bytes=0) as cache:
-        paths = [cache.chunk_path(chunk_id(i)) for i in range(n)]
+        paths = [chunk_file_of(cache, chunk_id(i)) for i in range(n)]
     started = time.perf_counter()
     for path in paths:  # tiny fake files: the rebuild only stats, it never reads them
         fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o600)
@@ -621,7 +620,7 @@ def test_cache_stats_clear_verify(tmp_path: Path) -> None:
     with DiskCache(tmp_path, BIG, min_free_bytes=0) as cache:
         for i in range(5):
             cache.put(chunk_id(i), payload(chunk_id(i), 1000))
-        paths = [Path(cache.chunk_path(chunk_id(i))) for i in range(5)]
+        paths = [Path(chunk_file_of(cache, chunk_id(i))) for i in range(5)]
         for i, p in enumerate(paths):
             os.utime(p, ns=(1_700_000_000 * 10**9 + i * 10**9,) * 2)
         stats = cache_stats(tmp_path)  # works while the cache is open

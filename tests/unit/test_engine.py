@@ -8,10 +8,9 @@ import random
 import pytest
 import trio
 
-from fsmount.chunks import ChunkEngine
+from fsmount.data import ChunkEngine, StoreError, TransientError, Unreachable
 from fsmount.handles import OpenFile
 from fsmount.readahead import ReadAhead
-from fsmount.store import StoreError, TransientError, Unreachable
 from tests.helpers import (
     CHUNK,
     LATENCY,
@@ -36,7 +35,7 @@ def put_object(store: FakeStore, key: str, size: int) -> bytes:
 def test_sequential_window_doubles_to_max() -> None:
     ra = ReadAhead(CHUNK, 16 * MiB)
     plan = ra.on_read(0, 128 * 1024, 1 << 30)
-    assert plan.prefetch_end == plan.prefetch_start  # not yet proven sequential
+    assert plan.ahead_end == plan.ahead_start  # not yet proven sequential
     windows = []
     off = 128 * 1024
     for _ in range(8):
@@ -45,7 +44,7 @@ def test_sequential_window_doubles_to_max() -> None:
         windows.append(plan.stream.window)
     assert windows[:5] == [1 * MiB, 2 * MiB, 4 * MiB, 8 * MiB, 16 * MiB]
     assert windows[-1] == 16 * MiB
-    assert plan.prefetch_end == off + 16 * MiB
+    assert plan.ahead_end == off + 16 * MiB
 
 
 def test_prefetch_ranges_do_not_overlap() -> None:
@@ -53,8 +52,8 @@ def test_prefetch_ranges_do_not_overlap() -> None:
     covered = []
     for i in range(40):
         p = ra.on_read(i * MiB, MiB, 1 << 30)
-        if p.prefetch_end > p.prefetch_start:
-            covered.append((p.prefetch_start, p.prefetch_end))
+        if p.ahead_end > p.ahead_start:
+            covered.append((p.ahead_start, p.ahead_end))
     for (_, a1), (b0, _) in zip(covered, covered[1:], strict=False):
         assert a1 <= b0
 
@@ -66,7 +65,7 @@ def test_forward_skip_within_tolerance_stays_sequential() -> None:
     window = ra.streams[0].window
     plan = ra.on_read(4 * MiB + 10 * MiB, MiB, 1 << 30)  # skip 10 MiB forward
     assert len(ra.streams) == 1 and plan.stream.window == window
-    assert plan.prefetch_end == 15 * MiB + window
+    assert plan.ahead_end == 15 * MiB + window
 
 
 def test_far_seek_and_random_access_do_not_prefetch() -> None:
@@ -74,7 +73,7 @@ def test_far_seek_and_random_access_do_not_prefetch() -> None:
     rng = random.Random(1)
     for _ in range(50):
         plan = ra.on_read(rng.randrange(0, 1 << 40) & ~0xFFF, 4096, 1 << 41)
-        assert plan.prefetch_end - plan.prefetch_start == 0
+        assert plan.ahead_end - plan.ahead_start == 0
     assert len(ra.streams) <= ra.max_streams
 
 
@@ -94,7 +93,7 @@ def test_four_interleaved_readers_each_get_a_stream() -> None:
             plan = ra.on_read(r * quarter + step * MiB, MiB, 1 << 30)
     assert len(ra.streams) == 4
     assert all(s.window == 32 * MiB for s in ra.streams)
-    assert plan.prefetch_end > plan.prefetch_start or plan.stream.prefetched_to >= plan.stream.next_offset
+    assert plan.ahead_end > plan.ahead_start or plan.stream.ahead_to >= plan.stream.next_offset
 
 
 def test_dropped_streams_are_reported() -> None:
@@ -202,7 +201,7 @@ async def test_close_during_prefetch_drops_queued_fetches(autojump_clock) -> Non
         await trio.sleep(10)
         # Only what was already running (2 connections) finished after close.
         assert len(store.gets) < 8 + 2 + 2
-        assert engine.stats.prefetch_dropped > 0
+        assert engine.stats.readahead_dropped > 0
         assert not engine._inflight
 
     await run_engine(engine, body)
@@ -221,7 +220,7 @@ async def test_memory_limit_is_never_exceeded(autojump_clock) -> None:  # noqa: 
         async def watch() -> None:
             nonlocal peak
             while True:
-                peak = max(peak, engine.memory_used)
+                peak = max(peak, engine.memory.used)
                 await trio.sleep(0.001)
 
         async def reader(key: str) -> None:
@@ -412,9 +411,9 @@ async def test_unmount_drains_write_through_within_its_bound(autojump_clock, tim
 
     async def body() -> None:
         assert await engine.read(version(store, "m"), 0, 6 * MiB) == data
-        assert engine.writes_pending == 6 and not level.chunks  # 2 put threads, 1 s a put
+        assert engine.levels.writes_pending == 6 and not level.chunks  # 2 put threads, 1 s a put
         start = trio.current_time()
-        assert await engine.drain_writes(timeout) == unwritten
+        assert await engine.levels.drain_writes(timeout) == unwritten
         assert len(level.chunks) == 6 - unwritten
         assert trio.current_time() - start <= timeout
 
@@ -437,8 +436,8 @@ async def test_a_write_through_backlog_stays_inside_the_memory_budget(autojump_c
         nonlocal peak_unwritten
         while True:
             # Every chunk a write-through holds is either in memory (counted) or the budget is broken.
-            peak_unwritten = max(peak_unwritten, engine.writes_pending)
-            assert engine.memory_used <= engine.memory_limit
+            peak_unwritten = max(peak_unwritten, engine.levels.writes_pending)
+            assert engine.memory.used <= engine.memory.limit
             await trio.sleep(0.01)
 
     async def body() -> None:
@@ -448,7 +447,7 @@ async def test_a_write_through_backlog_stays_inside_the_memory_budget(autojump_c
                 got = await engine.read(v, i * CHUNK, (i + 1) * CHUNK)
                 assert bytes(got) == data[i * CHUNK:(i + 1) * CHUNK]
                 del got
-            assert await engine.drain_writes(3600.0) == 0
+            assert await engine.levels.drain_writes(3600.0) == 0
             nursery.cancel_scope.cancel()
         assert peak_unwritten <= 8, peak_unwritten
         assert len(level.chunks) == 48
@@ -478,9 +477,9 @@ async def test_level_hits_read_whole_recycle_their_buffers_and_stay_exact(autoju
             got = await handle.read(off, 256 * 1024)
             assert bytes(got) == data[off:off + 256 * 1024]
             del got  # pyfuse3 drops its reply buffer once written
-            assert engine.memory_used <= engine.memory_limit
-        assert engine.stats.buffers_recycled >= 25, engine.stats
-        assert engine.stats.origin_requests == 0
+            assert engine.memory.used <= engine.memory.limit
+        assert engine.memory.buffers_recycled >= 25, engine.stats
+        assert engine.levels.stats.origin_requests == 0
 
     await run_engine(engine, body)
 
@@ -497,7 +496,7 @@ async def test_a_buffer_anything_still_reads_is_never_recycled(autojump_clock) -
         held = await engine.read(v, 0, CHUNK)  # chunk 0, read whole: spent, but this view still reads it
         for i in range(1, 30):
             assert bytes(await engine.read(v, i * CHUNK, (i + 1) * CHUNK)) == data[i * CHUNK:(i + 1) * CHUNK]
-        assert engine.stats.buffers_recycled >= 20, engine.stats
+        assert engine.memory.buffers_recycled >= 20, engine.stats
         assert bytes(held) == data[:CHUNK]
 
     await run_engine(engine, body)

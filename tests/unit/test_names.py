@@ -3,7 +3,7 @@ mounts and real listings on moto and SeaweedFS: tests/mount/test_names_mount.py.
 
 from __future__ import annotations
 
-from fsmount.store import _decode_key
+from fsmount.data.boto3_store import _decode_key
 
 
 def test_form_encoded_names_decode() -> None:

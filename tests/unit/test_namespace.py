@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import errno
 
-import pyfuse3
 import pytest
 
-from fsmount.namespace import ROOT_INODE, Namespace
-from fsmount.store import Unreachable
+from fsmount.data import Unreachable
+from fsmount.namespace import ROOT_INODE, Namespace, PathError
 from tests.helpers import ORIGIN_UNAVAILABLE
 from tests.unit.fake_store import FakeStore
 
@@ -18,7 +17,7 @@ async def call(fn, *args):  # noqa: ANN001, ANN201
 
 
 def make_ns(store: FakeStore, prefix: str = "", ttl: float = 60.0) -> Namespace:
-    return Namespace(store, call, prefix=prefix, ttl=ttl, uid=0, gid=0, file_mode=0o444, dir_mode=0o555)
+    return Namespace(store, call, prefix=prefix, ttl=ttl)
 
 
 async def names(ns: Namespace, ino: int) -> dict[bytes, bool]:
@@ -41,7 +40,7 @@ async def test_keys_become_files_and_prefixes_directories() -> None:
     empty = await ns.lookup(ROOT_INODE, b"empty-dir")
     assert await names(ns, empty.ino) == {}  # the marker object itself is not listed
     zero = await ns.lookup(ROOT_INODE, b"zero")
-    assert ns.attributes(zero).st_size == 0
+    assert zero.size == 0
 
 
 async def test_directory_wins_over_file_of_same_name() -> None:
@@ -72,7 +71,7 @@ async def test_unrepresentable_keys_are_skipped_with_one_log_line(caplog, allowe
     skipped = [r.getMessage() for r in caplog.records if "skipping key" in r.getMessage()]
     assert len(skipped) == 8  # once per key although the root was listed twice
     assert (await ns.lookup(ROOT_INODE, b"..")).ino == ROOT_INODE  # never the key '..'
-    with pytest.raises(pyfuse3.FUSEError):
+    with pytest.raises(PathError):
         await ns.lookup(ROOT_INODE, b"z" * 256)
 
 
@@ -95,7 +94,7 @@ async def test_inode_numbers_are_stable_and_forget_honours_counts() -> None:
     ns.forget(n1.ino, 1)
     assert ns.node(n1.ino).lookups == 1
     ns.forget(n1.ino, 1)
-    with pytest.raises(pyfuse3.FUSEError):
+    with pytest.raises(PathError):
         ns.node(n1.ino)
     again = await ns.lookup(ROOT_INODE, b"f")
     assert again.ino == n1.ino
@@ -106,7 +105,7 @@ async def test_missing_names_are_enoent_and_cached_negative() -> None:
     store.put("x", b"1")
     ns = make_ns(store)
     for _ in range(3):
-        with pytest.raises(pyfuse3.FUSEError) as exc:
+        with pytest.raises(PathError) as exc:
             await ns.lookup(ROOT_INODE, b"nope")
         assert exc.value.errno == errno.ENOENT
     assert store.heads == 1
@@ -127,7 +126,7 @@ async def test_metadata_refreshes_after_ttl() -> None:
     node = new
     node.fresh_until = 0
     del store.objects["f"]
-    with pytest.raises(pyfuse3.FUSEError):
+    with pytest.raises(PathError):
         await ns.refresh(node)
 
 

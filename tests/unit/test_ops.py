@@ -120,7 +120,7 @@ def oss_requests(argv: list[str]) -> list:
     """Build the store exactly as `modelfs mount` does and record what it would send."""
     from botocore.awsrequest import AWSResponse
 
-    from fsmount.store import Boto3Store
+    from fsmount.data import Boto3Store
 
     cfg = cli.build_config(cli.make_parser().parse_args(cli.expand_mount_options(argv)))
     store = Boto3Store(cfg.store)

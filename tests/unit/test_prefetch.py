@@ -9,27 +9,27 @@ import os
 import trio
 import trio.testing
 
-from fsmount.chunks import ChunkEngine
+from fsmount.data import ChunkEngine
 from fsmount.pagecache import PageCachePusher
-from fsmount.prefetch import ModelPrefetcher
+from fsmount.streaming import ModelStreamer
 from tests.helpers import CHUNK, MiB, make_engine, model_bytes, run_engine, version
 from tests.unit.fake_store import FakeStore
 
 
 def prefetch_rig(key: str, data: bytes, *, conns: int = 4, memory: int = 64 * MiB,
-                 push_limit: int = 0) -> tuple[FakeStore, ChunkEngine, ModelPrefetcher]:
-    """A fake store holding `data` at `key`, an engine over it, and a prefetcher of that engine."""
+                 push_limit: int = 0) -> tuple[FakeStore, ChunkEngine, ModelStreamer]:
+    """A fake store holding `data` at `key`, an engine over it, and a streamer of that engine."""
     store = FakeStore()
     store.put(key, data)
     engine = make_engine(store, conns=conns, memory=memory)
-    return store, engine, ModelPrefetcher(engine, PageCachePusher(push_limit), max_connections=conns)
+    return store, engine, ModelStreamer(engine, PageCachePusher(push_limit), max_connections=conns)
 
 
-async def run_prefetcher(engine: ChunkEngine, prefetcher: ModelPrefetcher, body) -> None:  # noqa: ANN001
-    """Run `await body()` with the engine and the prefetcher running; stop both after."""
+async def run_prefetcher(engine: ChunkEngine, streamer: ModelStreamer, body) -> None:  # noqa: ANN001
+    """Run `await body()` with the engine and the streamer running; stop both after."""
     async def with_prefetcher() -> None:
         async with trio.open_nursery() as n:
-            await n.start(prefetcher.run)
+            await n.start(streamer.run)
             await body()
             n.cancel_scope.cancel()
 
@@ -37,53 +37,53 @@ async def run_prefetcher(engine: ChunkEngine, prefetcher: ModelPrefetcher, body)
 
 
 async def test_streams_whole_data_region_in_offset_order(autojump_clock, tmp_path) -> None:  # noqa: ANN001
-    store, engine, prefetcher = prefetch_rig("m.safetensors", model_bytes(tmp_path, 24 * MiB), memory=256 * MiB)
+    store, engine, streamer = prefetch_rig("m.safetensors", model_bytes(tmp_path, 24 * MiB), memory=256 * MiB)
 
     async def body() -> None:
         v = version(store, "m.safetensors")
-        prefetcher.opened(2, v)
-        job = prefetcher._active[(v.key, v.etag)]
+        streamer.opened(2, v)
+        job = streamer._active[(v.key, v.etag)]
         await job.done.wait()
         chunks = len(engine.chunk_range(v, 0, v.size))
-        assert prefetcher.prefetched_bytes == v.size
+        assert streamer.streamed_bytes == v.size
         starts = [start for _, start, _ in store.gets]
         assert sorted(starts) == [i * CHUNK for i in range(chunks)]
         # Offset order: no chunk is fetched before those more than one round of connections ahead.
         assert all(start // CHUNK <= i + 4 for i, start in enumerate(starts)), starts
-        prefetcher.closed(v)
+        streamer.closed(v)
 
-    await run_prefetcher(engine, prefetcher, body)
+    await run_prefetcher(engine, streamer, body)
 
 
 async def test_close_cancels_prefetch(autojump_clock, tmp_path) -> None:  # noqa: ANN001
-    store, engine, prefetcher = prefetch_rig("m.safetensors", model_bytes(tmp_path, 64 * MiB), conns=2,
+    store, engine, streamer = prefetch_rig("m.safetensors", model_bytes(tmp_path, 64 * MiB), conns=2,
                                              memory=512 * MiB)
 
     async def body() -> None:
         v = version(store, "m.safetensors")
-        prefetcher.opened(2, v)
+        streamer.opened(2, v)
         await trio.sleep(0.2)
-        prefetcher.closed(v)
+        streamer.closed(v)
         await trio.sleep(30)
         assert len(store.gets) < 20  # of 65 chunks
-        assert not prefetcher._active
+        assert not streamer._active
 
-    await run_prefetcher(engine, prefetcher, body)
+    await run_prefetcher(engine, streamer, body)
 
 
 async def test_malformed_header_only_disables_prefetch(autojump_clock, caplog) -> None:  # noqa: ANN001
-    store, engine, prefetcher = prefetch_rig("bad.safetensors", (10**12).to_bytes(8, "little") + os.urandom(3 * MiB))
+    store, engine, streamer = prefetch_rig("bad.safetensors", (10**12).to_bytes(8, "little") + os.urandom(3 * MiB))
 
     async def body() -> None:
         v = version(store, "bad.safetensors")
-        prefetcher.opened(2, v)
-        await prefetcher._active[(v.key, v.etag)].done.wait()
+        streamer.opened(2, v)
+        await streamer._active[(v.key, v.etag)].done.wait()
         assert len(store.gets) == 1
         assert bytes(await engine.read(v, 100, 200)) == store.objects[v.key][100:200]
-        prefetcher.closed(v)
+        streamer.closed(v)
 
-    await run_prefetcher(engine, prefetcher, body)
-    assert any("not prefetching" in r.getMessage() for r in caplog.records)
+    await run_prefetcher(engine, streamer, body)
+    assert any("not streaming" in r.getMessage() for r in caplog.records)
 
 
 async def test_chunks_readers_already_read_are_not_pushed_again(autojump_clock, tmp_path, monkeypatch) -> None:  # noqa: ANN001
@@ -92,20 +92,20 @@ async def test_chunks_readers_already_read_are_not_pushed_again(autojump_clock, 
 
     stored: list[int] = []
     monkeypatch.setattr(fsmount.pagecache.pyfuse3, "notify_store", lambda ino, off, data: stored.append(off))
-    store, engine, prefetcher = prefetch_rig("m.safetensors", model_bytes(tmp_path, 12 * MiB), memory=256 * MiB,
+    store, engine, streamer = prefetch_rig("m.safetensors", model_bytes(tmp_path, 12 * MiB), memory=256 * MiB,
                                              push_limit=1 << 40)
 
     async def body() -> None:
         v = version(store, "m.safetensors")
         await engine.read(v, 0, 3 * CHUNK + 100)  # a reader got through chunks 0-3 first
-        prefetcher.opened(2, v)
-        await prefetcher._active[(v.key, v.etag)].done.wait()
+        streamer.opened(2, v)
+        await streamer._active[(v.key, v.etag)].done.wait()
         chunks = len(engine.chunk_range(v, 0, v.size))
         assert sorted(stored) == [i * CHUNK for i in range(4, chunks)]
-        assert prefetcher.skipped_read == 4 * CHUNK
-        prefetcher.closed(v)
+        assert streamer.skipped_read == 4 * CHUNK
+        streamer.closed(v)
 
-    await run_prefetcher(engine, prefetcher, body)
+    await run_prefetcher(engine, streamer, body)
 
 
 async def test_a_queued_push_asks_again_whether_it_is_wanted(monkeypatch) -> None:

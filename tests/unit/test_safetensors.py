@@ -164,7 +164,8 @@ def lenient_on_purpose(header: bytes) -> bool:
     byte ranges that tile the file, so accepting more costs nothing):
     - a tensor of a sub-byte dtype: we do not check its byte count (packing varies between versions);
     - what Python's json reads and serde_json refuses: lone surrogate escapes; a field given twice in a
-      tensor entry, or `__metadata__` given twice; NaN, Infinity and numbers beyond a double anywhere;
+      tensor entry, a tensor name given twice (json keeps the last entry; the library also checks the
+      ones before it), or `__metadata__` given twice; NaN, Infinity and numbers beyond a double anywhere;
       in a shape or data_offsets, integers beyond u64 or written -0, and shapes whose element count
       (times the dtype's bits) overflows u64 on the way."""
     special: list[str] = []
@@ -186,7 +187,7 @@ def lenient_on_purpose(header: bytes) -> bool:
     doc = json.loads(header, object_pairs_hook=pairs, parse_int=parse_int, parse_float=parse_float,
                      parse_constant=lambda text: special.append(text) or float(text))
     assert isinstance(doc, _Object)
-    if special or "__metadata__" in doc.repeated:
+    if special or doc.repeated:
         return True
     for part in _json_parts(doc):
         if isinstance(part, str) and any(0xD800 <= ord(c) <= 0xDFFF for c in part):
@@ -374,6 +375,8 @@ def entry(dtype: object, shape: object, offsets: object) -> dict:
                  id="lone-surrogate"),
     pytest.param(b'{"a": {"dtype": "U8", "shape": [2], "shape": [2], "data_offsets": [0, 2]}}', 2, True,
                  id="field-twice"),
+    pytest.param(b'{"a": {"dtype": "ZZ", "shape": [2], "data_offsets": [0, 2]}, '
+                 b'"a": {"dtype": "U8", "shape": [2], "data_offsets": [0, 2]}}', 2, True, id="tensor-twice"),
     pytest.param(b'{"a": {"dtype": "U8", "shape": [-0], "data_offsets": [0, 0]}}', 0, True, id="minus-zero"),
     pytest.param(b'{"a": {"dtype": "U8", "shape": [0], "data_offsets": [0, 0], "x": NaN}}', 0, True, id="nan"),
     pytest.param(json.dumps({"a": entry("U8", [2**40, 2**40, 0], [0, 0])}).encode(), 0, True,

@@ -6,15 +6,14 @@ import errno
 
 from botocore.exceptions import ClientError, EndpointConnectionError
 
-from fsmount.store import (
+from fsmount.data.boto3_store import _decode_key, translate_error
+from fsmount.data.store import (
     AccessDenied,
     BucketMissing,
     NotFound,
     PreconditionFailed,
     TransientError,
     Unreachable,
-    _decode_key,
-    translate_error,
 )
 
 

@@ -1,7 +1,7 @@
-"""safetensors header parsing and validation, for planning prefetch of the data region.
+"""safetensors header parsing and validation, for planning the model streaming of the data region.
 
 Pure functions over bytes: they never do I/O and never raise anything but `SafetensorsError`; a bad
-header only means "no model-aware prefetch", never a failed read.
+header only means "no model streaming", never a failed read.
 """
 
 from __future__ import annotations

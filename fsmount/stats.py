@@ -88,8 +88,9 @@ class MountStats:
         }
         if self.disk_cache is not None:
             ds = self.disk_cache.stats
+            hits, misses = self.engine.levels.lookups(self.disk_cache)
             out["disk_cache"] = {
-                "hits": ds.hits, "misses": ds.misses, "hit_ratio": ratio(ds.hits, ds.hits + ds.misses),
+                "hits": hits, "misses": misses, "hit_ratio": ratio(hits, hits + misses),
                 "corrupt": ds.corrupt, "read_errors": ds.read_errors, "write_errors": ds.write_errors,
                 "evictions": ds.evictions, "writes": ds.writes, "bytes_used": ds.bytes_used,
                 "max_bytes": self.disk_cache.max_bytes, "chunks": ds.chunks,

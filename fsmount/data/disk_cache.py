@@ -82,11 +82,9 @@ TOUCH_INTERVAL_NS = 60 * 1_000_000_000
 
 @dataclasses.dataclass(slots=True)
 class CacheStats:
-    """Counters for metrics; updated under the cache lock. hits + misses = get calls (corrupt and
-    read_errors are misses too, counted again on their own)."""
+    """Counters for metrics; updated under the cache lock. Hits and misses are the level stack's to count
+    (every get is one of them); these are what only the cache itself sees."""
 
-    hits: int = 0
-    misses: int = 0
     corrupt: int = 0
     read_errors: int = 0
     evictions: int = 0
@@ -200,7 +198,6 @@ class DiskCache:
         digest = chunk.digest()
         with self._lock:
             if self._closed or digest not in self._index:
-                self.stats.misses += 1
                 return None
             self._index.move_to_end(digest)
         path = self._path(digest)
@@ -231,8 +228,6 @@ class DiskCache:
             return None
         finally:
             os.close(fd)
-        with self._lock:
-            self.stats.hits += 1
         return data
 
     def put(self, chunk: ChunkId, data: bytes | WritableBuffer) -> None:
@@ -373,7 +368,6 @@ class DiskCache:
 
     def _read_failed(self, digest: str, err: OSError) -> None:
         with self._lock:
-            self.stats.misses += 1
             # ENOENT: evicted since we looked (then a re-put may already have brought it back, which the
             # lexists sees, since renames happen under this lock) or removed by someone else.
             if isinstance(err, FileNotFoundError):
@@ -390,7 +384,6 @@ class DiskCache:
 
     def _drop_corrupt(self, digest: str, path: str, read: os.stat_result, why: str) -> None:
         with self._lock:
-            self.stats.misses += 1
             self.stats.corrupt += 1
             first = not self._corrupt_logged
             self._corrupt_logged = True

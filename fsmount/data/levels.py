@@ -106,7 +106,8 @@ class LevelStats:
     origin_requests: int = 0
     origin_bytes: int = 0
     origin_errors: int = 0
-    level_hits: list[int] = dataclasses.field(default_factory=list)  # chunks, per level
+    level_hits: list[int] = dataclasses.field(default_factory=list)  # chunks found, per level
+    level_misses: list[int] = dataclasses.field(default_factory=list)  # chunks asked for and not found
     level_bytes: list[int] = dataclasses.field(default_factory=list)  # bytes loaded, per level
 
     @property
@@ -124,7 +125,8 @@ class LevelStack:
                  run_blocking: RunBlocking = run_in_thread):
         self.store = store
         self.levels = list(levels)
-        self.stats = LevelStats(level_hits=[0] * len(self.levels), level_bytes=[0] * len(self.levels))
+        n = len(self.levels)
+        self.stats = LevelStats(level_hits=[0] * n, level_misses=[0] * n, level_bytes=[0] * n)
         self.origin_latency = LatencyHistogram()
         self._run_blocking = run_blocking
         self._s3_limiter = trio.CapacityLimiter(max_connections)
@@ -132,6 +134,12 @@ class LevelStack:
         self._put_limiter = trio.CapacityLimiter(PUT_THREADS)
         self._writes_pending = 0
         self._writes_changed = trio.Event()
+
+    def lookups(self, level: ChunkCache) -> tuple[int, int]:
+        """(hits, misses) of one of the levels: a miss is any lookup that did not return the chunk whole
+        (absent, corrupt, unreadable)."""
+        i = self.levels.index(level)
+        return self.stats.level_hits[i], self.stats.level_misses[i]
 
     def __bool__(self) -> bool:
         """True if there is any cache level below memory."""
@@ -151,6 +159,7 @@ class LevelStack:
                 self.stats.level_hits[i] += 1
                 self.stats.level_bytes[i] += length
                 return data, i
+            self.stats.level_misses[i] += 1
         return await self._from_origin(cid, length, retry_until), None
 
     async def _from_origin(self, cid: ChunkId, length: int, retry_until: Callable[[], float]) -> bytes:

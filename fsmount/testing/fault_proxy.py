@@ -25,9 +25,10 @@ Facts this relies on:
   and HEADs without one, so faults limited to them leave metadata working.
 
 Besides forwarding, `serve_directory` makes the proxy answer ListObjectsV2, HEAD and GET for a set of
-keys under one prefix itself (deterministic bodies, see `synthetic_body`). It exists because moto lists
-a 100k-key prefix in ~55 s (100 pages, each an O(n) scan; measured here) and cannot store keys that are
-not valid UTF-8; the proxy lists 100k keys in a few seconds and can return any bytes as a key.
+keys under one prefix itself (synthetic_dir.py; deterministic bodies, see `synthetic_body`). It exists
+because moto lists a 100k-key prefix in ~55 s (100 pages, each an O(n) scan; measured here) and cannot
+store keys that are not valid UTF-8; the proxy lists 100k keys in a few seconds and can return any bytes
+as a key. The HTTP wire (parsing, writing, resets) is http_wire.py.
 
 Concurrency: rules, counters and the down state are guarded by `_lock`; a connection thread takes a
 snapshot of what applies to its request under the lock and then works without it. Only the accept
@@ -39,17 +40,26 @@ from __future__ import annotations
 import collections
 import dataclasses
 import enum
-import hashlib
 import http.client
 import random
 import socket
-import struct
 import threading
 import time
 import urllib.parse
 from collections.abc import Iterable
-from typing import BinaryIO, Self
-from xml.sax.saxutils import escape as xml_escape
+from typing import Self
+
+from fsmount.testing.http_wire import (
+    Request,
+    Response,
+    error_response,
+    read_request,
+    reset,
+    send,
+    send_raw,
+    shutdown,
+)
+from fsmount.testing.synthetic_dir import SyntheticDirectory, list_response, object_response, synthetic_body
 
 HOST = "127.0.0.1"
 #: No hold (stall, latency, black hole) lasts longer than this, whatever a test asked for.
@@ -60,17 +70,10 @@ ACCEPT_POLL_S = 0.05
 IDLE_TIMEOUT_S = 60.0
 #: How long the proxy waits on the upstream server for one response.
 UPSTREAM_TIMEOUT_S = 60.0
-#: Request line and header limits (a 4 KB key is ~12 KB once percent-encoded).
-MAX_LINE = 64 * 1024
-MAX_HEADERS = 200
-#: Request bodies larger than this are refused (modelfs sends none; test uploads go to the server).
-MAX_BODY = 1 << 30
 #: How long stop() waits for connection threads.
 STOP_JOIN_S = 5.0
 #: Requests remembered for `log()`.
 LOG_ENTRIES = 20_000
-#: ListObjectsV2 page size when the client does not ask for less (S3's maximum).
-LIST_PAGE_MAX = 1000
 
 HOP_BY_HOP = {"connection", "keep-alive", "proxy-connection", "te", "trailer", "transfer-encoding", "upgrade",
               "expect", "content-length"}
@@ -108,62 +111,12 @@ class Rule:
     hits: int = 0
     seen: int = 0
 
-    def matches(self, req: _Request) -> bool:
+    def matches(self, req: Request) -> bool:
         if self.times is not None and self.hits >= self.times:
             return False
         if self.kind is not None:
             return req.kind == self.kind
         return req.is_data_get or not self.data_only
-
-
-@dataclasses.dataclass
-class _Request:
-    method: str
-    target: str
-    version: str
-    headers: list[tuple[str, str]]
-    body: bytes
-
-    def header(self, name: str) -> str | None:
-        name = name.lower()
-        for k, v in self.headers:
-            if k.lower() == name:
-                return v
-        return None
-
-    @property
-    def is_data_get(self) -> bool:
-        return self.method == "GET" and self.header("range") is not None
-
-    @property
-    def kind(self) -> str:
-        if self.method == "HEAD":
-            return "heads"
-        if self.method == "GET":
-            if self.is_data_get:
-                return "data_gets"
-            query = urllib.parse.urlsplit(self.target).query
-            return "lists" if "list-type=" in query or self.path_parts()[1] == "" else "gets"
-        return "other"
-
-    def path_parts(self) -> tuple[str, bytes]:
-        """(bucket, key as raw bytes) of a path-style request."""
-        path = urllib.parse.urlsplit(self.target).path
-        bucket, _, key = path.lstrip("/").partition("/")
-        return urllib.parse.unquote(bucket), urllib.parse.unquote_to_bytes(key)
-
-    def query(self) -> dict[str, str]:
-        pairs = urllib.parse.parse_qsl(urllib.parse.urlsplit(self.target).query, keep_blank_values=True)
-        return dict(pairs)
-
-
-@dataclasses.dataclass
-class _Response:
-    status: int
-    reason: str
-    headers: list[tuple[str, str]]
-    body: bytes
-    content_length: int | None = None  # what the headers claim; None: len(body)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -173,60 +126,6 @@ class LogEntry:
     target: str
     range: str | None
     outcome: str
-
-
-def synthetic_body(key: bytes, size: int) -> bytes:
-    """The bytes of a key served by `serve_directory`: sha256 chains of the key, cut to `size`."""
-    out = bytearray()
-    block = hashlib.sha256(key).digest()
-    while len(out) < size:
-        out += block
-        block = hashlib.sha256(block).digest()
-    return bytes(out[:size])
-
-
-class _SyntheticDirectory:
-    """Keys (bytes, sorted as S3 sorts: by UTF-8 bytes) that the proxy lists and serves itself."""
-
-    def __init__(self, bucket: str, prefix: bytes, names: Iterable[bytes], size: int):
-        self.bucket = bucket
-        self.prefix = prefix
-        self.size = size
-        self.keys = sorted({prefix + n for n in names})
-        self._key_set = set(self.keys)
-        self._pages: dict[tuple[bytes, bytes], list[tuple[bool, bytes]]] = {}
-
-    def holds(self, key: bytes) -> bool:
-        return key in self._key_set
-
-    def answers_listing(self, prefix: bytes) -> bool:
-        return prefix.startswith(self.prefix)
-
-    def etag(self, key: bytes) -> str:
-        # Any stable value will do: clients compare ETags, they never recompute them.
-        return '"' + hashlib.md5(key + b"\0" + str(self.size).encode()).hexdigest() + '"'
-
-    def entries(self, prefix: bytes, delimiter: bytes) -> list[tuple[bool, bytes]]:
-        """(is_common_prefix, key or prefix) in listing order, memoised per (prefix, delimiter)."""
-        cached = self._pages.get((prefix, delimiter))
-        if cached is not None:
-            return cached
-        out: list[tuple[bool, bytes]] = []
-        seen: set[bytes] = set()
-        for key in self.keys:
-            if not key.startswith(prefix):
-                continue
-            rest = key[len(prefix):]
-            if delimiter and delimiter in rest:
-                common = prefix + rest[:rest.index(delimiter) + len(delimiter)]
-                if common not in seen:
-                    seen.add(common)
-                    out.append((True, common))
-            else:
-                out.append((False, key))
-        out.sort(key=lambda e: e[1])
-        self._pages[(prefix, delimiter)] = out
-        return out
 
 
 class FaultProxy:
@@ -250,7 +149,7 @@ class FaultProxy:
         self._listener: socket.socket | None = None
         self._down: Down | None = None
         self._listening = threading.Event()   # set while the listener is open
-        self._synthetic: list[_SyntheticDirectory] = []
+        self._synthetic: list[SyntheticDirectory] = []
         self.port = 0
 
     # -- lifecycle -----------------------------------------------------------------------------
@@ -280,7 +179,7 @@ class FaultProxy:
         with self._lock:
             conns, threads = list(self._conns), list(self._threads)
         for conn in conns:
-            _shutdown(conn)
+            shutdown(conn)
         deadline = time.monotonic() + STOP_JOIN_S
         for t in threads:
             t.join(max(0.0, deadline - time.monotonic()))
@@ -316,7 +215,7 @@ class FaultProxy:
             conns = list(self._conns)
         if mode is Down.REFUSE:
             for conn in conns:  # a crashed server: every open connection is cut
-                _shutdown(conn)
+                shutdown(conn)
             self._wait_listening(False)
 
     def origin_back(self) -> None:
@@ -329,7 +228,7 @@ class FaultProxy:
     def serve_directory(self, bucket: str, prefix: str, names: Iterable[bytes | str], *, size: int = 0) -> None:
         """Answer listings under `prefix` (which ends with '/') and HEAD/GET of `prefix + name` here."""
         raw = [n.encode() if isinstance(n, str) else n for n in names]
-        directory = _SyntheticDirectory(bucket, prefix.encode(), raw, size)
+        directory = SyntheticDirectory(bucket, prefix.encode(), raw, size)
         with self._lock:
             self._synthetic.append(directory)
 
@@ -413,7 +312,7 @@ class FaultProxy:
         try:
             while not self._stop.is_set():
                 try:
-                    req = _read_request(rfile, conn)
+                    req = read_request(rfile, conn)
                 except (OSError, ValueError):
                     return
                 if req is None:
@@ -433,7 +332,7 @@ class FaultProxy:
             rfile.close()
             conn.close()
 
-    def _pick(self, req: _Request) -> tuple[Down | None, Rule | None, threading.Event]:
+    def _pick(self, req: Request) -> tuple[Down | None, Rule | None, threading.Event]:
         with self._lock:
             release = self._release
             if self._down is not None:
@@ -451,14 +350,14 @@ class FaultProxy:
                     return None, rule, release
         return None, None, release
 
-    def _note(self, req: _Request, outcome: str) -> None:
+    def _note(self, req: Request, outcome: str) -> None:
         with self._lock:
             self._log.append(LogEntry(time.monotonic(), req.method, req.target, req.header("range"), outcome))
 
     def _hold(self, seconds: float, release: threading.Event) -> None:
         release.wait(min(seconds, MAX_HOLD_S))
 
-    def _handle(self, conn: socket.socket, req: _Request,
+    def _handle(self, conn: socket.socket, req: Request,
                 upstream: http.client.HTTPConnection | None) -> tuple[bool, http.client.HTTPConnection | None]:
         """Answer one request. Returns (keep the connection, the upstream connection to reuse)."""
         down, rule, release = self._pick(req)
@@ -472,7 +371,7 @@ class FaultProxy:
         fault = rule.fault if rule is not None else None
         self._note(req, fault.value if fault is not None else "forwarded")
         if rule is not None and rule.fault is Fault.ERROR:
-            _send(conn, _error_response(rule.status, rule.code or "InternalError"), req)
+            send(conn, error_response(rule.status, rule.code or "InternalError"), req)
             return True, upstream
         # Faults that only delay: hold first, then answer in full.
         delay_only = rule is not None and (rule.fault is Fault.LATENCY
@@ -486,27 +385,27 @@ class FaultProxy:
             try:
                 resp, upstream = self._forward(req, upstream)
             except (OSError, http.client.HTTPException):
-                _send(conn, _error_response(502, "BadGateway"), req)
+                send(conn, error_response(502, "BadGateway"), req)
                 return False, None
         if rule is None or delay_only:
-            return _send(conn, resp, req), upstream
+            return send(conn, resp, req), upstream
         cut = rule.after_bytes or 0
         if rule.fault is Fault.STALL:
-            if not _send(conn, resp, req, body_end=cut):
+            if not send(conn, resp, req, body_end=cut):
                 return False, upstream
             self._hold(rule.seconds, release)
-            return _send_raw(conn, resp.body[cut:]), upstream
+            return send_raw(conn, resp.body[cut:]), upstream
         if rule.fault is Fault.SHORT:
             # A HEAD has no body to cut: its Content-Length is the object's size and stays.
             length = resp.content_length if req.method == "HEAD" else None
-            return _send(conn, dataclasses.replace(resp, body=resp.body[:cut], content_length=length), req), upstream
-        _send(conn, resp, req, body_end=cut)  # RESET or TRUNCATE: the promised length never arrives
+            return send(conn, dataclasses.replace(resp, body=resp.body[:cut], content_length=length), req), upstream
+        send(conn, resp, req, body_end=cut)  # RESET or TRUNCATE: the promised length never arrives
         if rule.fault is Fault.RESET:
-            _reset(conn)
+            reset(conn)
         return False, upstream
 
-    def _forward(self, req: _Request, upstream: http.client.HTTPConnection | None
-                 ) -> tuple[_Response, http.client.HTTPConnection]:
+    def _forward(self, req: Request, upstream: http.client.HTTPConnection | None
+                 ) -> tuple[Response, http.client.HTTPConnection]:
         for attempt in (1, 2):  # a kept-alive upstream connection may have been closed by the server
             if upstream is None:
                 upstream = http.client.HTTPConnection(*self._upstream, timeout=UPSTREAM_TIMEOUT_S)
@@ -526,7 +425,7 @@ class FaultProxy:
                 if r.will_close:
                     upstream.close()
                     upstream = None
-                resp = _Response(r.status, r.reason, headers, body, length)
+                resp = Response(r.status, r.reason, headers, body, length)
                 return resp, upstream or http.client.HTTPConnection(*self._upstream, timeout=UPSTREAM_TIMEOUT_S)
             except (OSError, http.client.HTTPException):
                 upstream.close()
@@ -537,7 +436,7 @@ class FaultProxy:
 
     # -- synthetic directories -----------------------------------------------------------------
 
-    def _synthetic_response(self, req: _Request) -> _Response | None:
+    def _synthetic_response(self, req: Request) -> Response | None:
         if req.method not in ("GET", "HEAD") or not self._synthetic:
             return None
         bucket, key = req.path_parts()
@@ -548,159 +447,10 @@ class FaultProxy:
             if key == b"" and req.method == "GET" and query.get("list-type") == "2":
                 prefix = query.get("prefix", "").encode("utf-8", "surrogateescape")
                 if d.answers_listing(prefix):
-                    return _list_response(d, query)
+                    return list_response(d, query)
             elif key and d.holds(key):
-                return _object_response(d, key, req)
+                return object_response(d, key, req)
         return None
 
 
-# -- HTTP plumbing ------------------------------------------------------------------------------
-
-def _read_request(rfile: BinaryIO, conn: socket.socket) -> _Request | None:
-    line = rfile.readline(MAX_LINE + 1)
-    if not line:
-        return None
-    if len(line) > MAX_LINE or not line.endswith(b"\n"):
-        raise ValueError("request line too long")
-    method, target, version = line.decode("latin-1").rstrip("\r\n").split(" ", 2)
-    headers: list[tuple[str, str]] = []
-    for _ in range(MAX_HEADERS):
-        h = rfile.readline(MAX_LINE + 1)
-        if h in (b"\r\n", b"\n", b""):
-            break
-        k, _, v = h.decode("latin-1").partition(":")
-        headers.append((k.strip(), v.strip()))
-    else:
-        raise ValueError("too many headers")
-    req = _Request(method, target, version, headers, b"")
-    if (req.header("transfer-encoding") or "").lower() == "chunked":
-        raise ValueError("chunked request bodies are not supported")
-    length = int(req.header("content-length") or 0)
-    if length > MAX_BODY:
-        raise ValueError("request body too large")
-    if length:
-        if (req.header("expect") or "").lower() == "100-continue":
-            conn.sendall(b"HTTP/1.1 100 Continue\r\n\r\n")
-        req.body = rfile.read(length)
-        if len(req.body) != length:
-            raise ValueError("request body cut short")
-    return req
-
-
-def _head_bytes(resp: _Response, req: _Request) -> bytes:
-    length = resp.content_length if resp.content_length is not None else len(resp.body)
-    lines = [f"HTTP/1.1 {resp.status} {resp.reason}"]
-    lines += [f"{k}: {v}" for k, v in resp.headers]
-    if not (100 <= resp.status < 200 or resp.status in (204, 304)):
-        lines.append(f"Content-Length: {length}")
-    lines.append("Connection: keep-alive")
-    return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
-
-
-def _send(conn: socket.socket, resp: _Response, req: _Request, body_end: int | None = None) -> bool:
-    """Write a response (its body up to `body_end`); False if the client has gone."""
-    body = b"" if req.method == "HEAD" else resp.body[:body_end]
-    return _send_raw(conn, _head_bytes(resp, req) + body)
-
-
-def _send_raw(conn: socket.socket, data: bytes) -> bool:
-    try:
-        conn.sendall(data)
-        return True
-    except OSError:
-        return False
-
-
-def _shutdown(conn: socket.socket) -> None:
-    try:
-        conn.shutdown(socket.SHUT_RDWR)
-    except OSError:
-        pass
-
-
-def _reset(conn: socket.socket) -> None:
-    """Abort the connection with a RST (SO_LINGER 0), as a crashed peer or a middlebox would."""
-    try:
-        conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-    except OSError:
-        pass
-    conn.close()
-
-
-def _error_response(status: int, code: str) -> _Response:
-    body = (f'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>{xml_escape(code)}</Code>'
-            f"<Message>injected by the fault proxy</Message><RequestId>fault-proxy</RequestId></Error>").encode()
-    reason = http.client.responses.get(status, "Error")
-    return _Response(status, reason, [("Content-Type", "application/xml"), ("x-amz-request-id", "fault-proxy")],
-                     body)
-
-
-def _list_response(d: _SyntheticDirectory, query: dict[str, str]) -> _Response:
-    prefix = query.get("prefix", "").encode("utf-8", "surrogateescape")
-    delimiter = query.get("delimiter", "").encode("utf-8", "surrogateescape")
-    encode = query.get("encoding-type") == "url"
-    max_keys = max(0, min(LIST_PAGE_MAX, int(query.get("max-keys") or LIST_PAGE_MAX)))
-    token = query.get("continuation-token")
-    start = int(token.removeprefix("synthetic-")) if token else 0
-    entries = d.entries(prefix, delimiter)
-    page = entries[start:start + max_keys]
-    truncated = start + max_keys < len(entries)
-
-    def text(raw: bytes) -> str:
-        if encode:
-            return urllib.parse.quote(raw, safe="/")
-        return xml_escape(raw.decode("utf-8", "replace"))
-
-    parts = ['<?xml version="1.0" encoding="UTF-8"?>\n'
-             '<ListBucketResult xmlns="http://s3.amazonaws.com/doc/2006-03-01/">',
-             f"<Name>{xml_escape(d.bucket)}</Name><Prefix>{text(prefix)}</Prefix>",
-             f"<KeyCount>{len(page)}</KeyCount><MaxKeys>{max_keys}</MaxKeys>"]
-    if delimiter:
-        parts.append(f"<Delimiter>{text(delimiter)}</Delimiter>")
-    if encode:
-        parts.append("<EncodingType>url</EncodingType>")
-    parts.append(f"<IsTruncated>{'true' if truncated else 'false'}</IsTruncated>")
-    if token:
-        parts.append(f"<ContinuationToken>{xml_escape(token)}</ContinuationToken>")
-    if truncated:
-        parts.append(f"<NextContinuationToken>synthetic-{start + max_keys}</NextContinuationToken>")
-    for is_prefix, raw in page:
-        if is_prefix:
-            parts.append(f"<CommonPrefixes><Prefix>{text(raw)}</Prefix></CommonPrefixes>")
-        else:
-            parts.append(f"<Contents><Key>{text(raw)}</Key><LastModified>2026-01-01T00:00:00.000Z</LastModified>"
-                         f"<ETag>{xml_escape(d.etag(raw))}</ETag><Size>{d.size}</Size>"
-                         "<StorageClass>STANDARD</StorageClass></Contents>")
-    parts.append("</ListBucketResult>")
-    return _Response(200, "OK", [("Content-Type", "application/xml")], "".join(parts).encode())
-
-
-def _object_response(d: _SyntheticDirectory, key: bytes, req: _Request) -> _Response:
-    etag = d.etag(key)
-    if_match = req.header("if-match")
-    if if_match is not None and if_match not in ("*", etag):
-        return _error_response(412, "PreconditionFailed")
-    body = synthetic_body(key, d.size)
-    headers: list[tuple[str, str]] = [("ETag", etag), ("Last-Modified", "Thu, 01 Jan 2026 00:00:00 GMT"),
-                                      ("Accept-Ranges", "bytes"), ("Content-Type", "application/octet-stream")]
-    if req.method == "HEAD":
-        return _Response(200, "OK", headers, b"", len(body))
-    byte_range = _parse_range(req.header("range"), len(body))
-    if byte_range is None:
-        return _Response(200, "OK", headers, body)
-    lo, hi = byte_range
-    headers.append(("Content-Range", f"bytes {lo}-{hi - 1}/{len(body)}"))
-    return _Response(206, "Partial Content", headers, body[lo:hi])
-
-
-def _parse_range(value: str | None, size: int) -> tuple[int, int] | None:
-    """[lo, hi) of a single `bytes=a-b` range, clipped to the size; None: no (usable) range."""
-    if not value or not value.startswith("bytes=") or "," in value:
-        return None
-    first, _, last = value[len("bytes="):].partition("-")
-    if not first:
-        return None
-    lo = int(first)
-    hi = min(size, int(last) + 1) if last else size
-    return (lo, hi) if lo < hi else None
-
+__all__ = ["Down", "Fault", "FaultProxy", "LogEntry", "Rule", "synthetic_body"]

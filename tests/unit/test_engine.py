@@ -412,6 +412,7 @@ async def test_unmount_drains_write_through_within_its_bound(autojump_clock, tim
     async def body() -> None:
         assert await engine.read(version(store, "m"), 0, 6 * MiB) == data
         assert engine.levels.writes_pending == 6 and not level.chunks  # 2 put threads, 1 s a put
+        assert engine.levels.lookups(level) == (0, 6)  # each chunk asked of the level once, then the origin
         start = trio.current_time()
         assert await engine.levels.drain_writes(timeout) == unwritten
         assert len(level.chunks) == 6 - unwritten
@@ -469,7 +470,7 @@ def warm_engine(store: FakeStore, key: str, memory: int) -> tuple[ChunkEngine, M
 async def test_level_hits_read_whole_recycle_their_buffers_and_stay_exact(autojump_clock) -> None:  # noqa: ANN001
     store = FakeStore()
     data = put_object(store, "m", 40 * CHUNK + 123)
-    engine, _ = warm_engine(store, "m", memory=64 * MiB)
+    engine, level = warm_engine(store, "m", memory=64 * MiB)
     handle = OpenFile(1, 1, version(store, "m"), engine, max_readahead=8 * CHUNK)
 
     async def body() -> None:
@@ -480,6 +481,9 @@ async def test_level_hits_read_whole_recycle_their_buffers_and_stay_exact(autoju
             assert engine.memory.used <= engine.memory.limit
         assert engine.memory.buffers_recycled >= 25, engine.stats
         assert engine.levels.stats.origin_requests == 0
+        # Each chunk was looked up once, and found: the stack is where level hits are counted.
+        assert engine.levels.lookups(level) == (41, 0)
+        assert engine.levels.stats.loaded_bytes == len(data)
 
     await run_engine(engine, body)
 

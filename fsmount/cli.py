@@ -22,8 +22,12 @@ from fsmount.config import (
     DEFAULT_MAX_CONNECTIONS,
     DEFAULT_MAX_READAHEAD,
     DEFAULT_READ_TIMEOUT,
+    DEFAULT_SHARED_CACHE_PREFIX,
+    DEFAULT_SHARED_CACHE_TIMEOUT,
+    DEFAULT_SHARED_CACHE_WAIT,
     ConfigError,
     MountConfig,
+    SharedCacheConfig,
     StoreConfig,
     default_memory_limit,
     parse_cache_size,
@@ -140,6 +144,22 @@ def add_mount_arguments(p: argparse.ArgumentParser) -> None:
     d.add_argument("--cache-dir", default=None, help="persistent local chunk cache directory (NVMe)")
     d.add_argument("--cache-size", type=_cache_size, default=parse_cache_size("80%"),
                    help="cache size, e.g. 500G or 80%% of the disk")
+    t = p.add_argument_group("fleet-shared chunk tier (an S3-compatible bucket near the nodes)")
+    t.add_argument("--shared-cache-bucket", default=None,
+                   help="turn the tier on: nodes share chunks through this bucket")
+    t.add_argument("--shared-cache-endpoint-url", type=_endpoint_url, default=None, help="the tier's endpoint")
+    t.add_argument("--shared-cache-region", default=None, help="the tier's region")
+    t.add_argument("--shared-cache-profile", default=None, help="profile for the tier's credentials")
+    t.add_argument("--shared-cache-addressing-style", choices=("auto", "path", "virtual"), default="auto",
+                   help="bucket addressing of the tier")
+    t.add_argument("--shared-cache-prefix", default=DEFAULT_SHARED_CACHE_PREFIX,
+                   help="key prefix of chunk objects in the tier (default %(default)s)")
+    t.add_argument("--shared-cache-read-only", action="store_true", help="use the tier, never write to it")
+    t.add_argument("--shared-cache-wait", type=float, default=DEFAULT_SHARED_CACHE_WAIT,
+                   help="seconds a node waits for a chunk another node is fetching, then fetches it itself "
+                        "(default %(default)s)")
+    t.add_argument("--shared-cache-timeout", type=float, default=DEFAULT_SHARED_CACHE_TIMEOUT,
+                   help="seconds one tier request may take before the origin is asked (default %(default)s)")
     o = p.add_argument_group("logging and metrics")
     o.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error", "critical"))
     o.add_argument("--log-file", default=None, help="log here instead of stderr/syslog")
@@ -189,7 +209,18 @@ def build_config(args: argparse.Namespace) -> MountConfig:
         memory_limit=args.memory_limit if args.memory_limit is not None else default_memory_limit(),
         max_readahead=args.max_readahead, kernel_readahead=args.kernel_readahead, cache_dir=args.cache_dir,
         cache_size=args.cache_size, model_streaming=not args.no_model_streaming,
-        pagecache_push_limit=args.pagecache_push_limit, metrics_addr=args.metrics_addr)
+        pagecache_push_limit=args.pagecache_push_limit, metrics_addr=args.metrics_addr,
+        shared_cache=shared_cache_config(args))
+
+
+def shared_cache_config(args: argparse.Namespace) -> SharedCacheConfig | None:
+    if not args.shared_cache_bucket:
+        return None
+    return SharedCacheConfig(
+        bucket=args.shared_cache_bucket, endpoint_url=args.shared_cache_endpoint_url, region=args.shared_cache_region,
+        profile=args.shared_cache_profile, addressing_style=args.shared_cache_addressing_style,
+        prefix=args.shared_cache_prefix, read_only=args.shared_cache_read_only, wait=args.shared_cache_wait,
+        timeout=args.shared_cache_timeout)
 
 
 def make_parser() -> argparse.ArgumentParser:

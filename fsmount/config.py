@@ -140,6 +140,42 @@ class StoreConfig:
             raise ConfigError("--max-connections must be >= 1")
 
 
+DEFAULT_SHARED_CACHE_PREFIX = "modelfs/"
+# A node waits this long per chunk for another node's fetch of it to appear in the shared tier, then
+# fetches it from the origin itself: 8 MiB at a few hundred MB/s takes tens of ms, so seconds of waiting
+# only pass when the node that claimed the chunk is slow or gone.
+DEFAULT_SHARED_CACHE_WAIT = 5.0
+# Connect and read timeout of one shared-tier request: the tier sits near the nodes, so a request that
+# takes longer means it is down or overloaded, and the origin is the better bet.
+DEFAULT_SHARED_CACHE_TIMEOUT = 5.0
+
+
+@dataclasses.dataclass(frozen=True)
+class SharedCacheConfig:
+    """The fleet-shared chunk tier: an S3-compatible bucket near the nodes. Credentials as for the
+    origin (environment, instance role, or `profile`)."""
+
+    bucket: str
+    endpoint_url: str | None = None
+    region: str | None = None
+    profile: str | None = None
+    addressing_style: str = "auto"
+    prefix: str = DEFAULT_SHARED_CACHE_PREFIX
+    read_only: bool = False
+    wait: float = DEFAULT_SHARED_CACHE_WAIT
+    timeout: float = DEFAULT_SHARED_CACHE_TIMEOUT
+
+    def __post_init__(self) -> None:
+        if not self.bucket or "/" in self.bucket:
+            raise ConfigError(f"invalid --shared-cache-bucket {self.bucket!r}")
+        if self.addressing_style not in ("auto", "path", "virtual"):
+            raise ConfigError("--shared-cache-addressing-style must be auto, path or virtual")
+        if self.prefix and not self.prefix.endswith("/"):
+            object.__setattr__(self, "prefix", self.prefix + "/")
+        if self.wait < 0 or self.timeout <= 0:
+            raise ConfigError("--shared-cache-wait must be >= 0 and --shared-cache-timeout > 0")
+
+
 @dataclasses.dataclass(frozen=True)
 class MountConfig:
     store: StoreConfig
@@ -163,6 +199,7 @@ class MountConfig:
     model_streaming: bool = True
     pagecache_push_limit: int | None = None  # None: a share of MemAvailable at mount time
     metrics_addr: str | None = None  # HOST:PORT of the Prometheus endpoint, checked by the CLI
+    shared_cache: SharedCacheConfig | None = None
 
     @property
     def chunk_memory(self) -> int:

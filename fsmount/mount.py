@@ -23,14 +23,17 @@ from collections.abc import Callable
 import pyfuse3
 import trio
 
-from fsmount.config import MountConfig
+from fsmount.config import MountConfig, StoreConfig
 from fsmount.data import (
+    AccessDenied,
     Boto3Store,
+    BucketMissing,
     CacheDirBusy,
     ChunkCache,
     ChunkEngine,
     DiskCache,
     ObjectVersion,
+    SharedTier,
     StoreError,
     TransientError,
     cache_bytes,
@@ -55,6 +58,8 @@ READY_TIMEOUT = 60.0
 # At unmount, how long to wait for chunks already fetched to reach the NVMe cache. A full default memory
 # budget (2 GiB) writes in ~4 s at the dev box's O_DIRECT rate; systemd's stop timeout is 90 s.
 WRITE_DRAIN_S = 30.0
+# Tries of one shared-tier request (botocore's own retries): few, since the origin is the fallback.
+SHARED_TIER_ATTEMPTS = 2
 # glibc mallopt parameters: return freed chunk buffers to the OS at once, and do not grow one
 # arena per worker thread; otherwise RSS stays at its peak long after the memory limit was hit.
 M_MMAP_THRESHOLD = -3
@@ -188,6 +193,31 @@ def open_disk_cache(cfg: MountConfig) -> DiskCache:
         raise MountError(f"cannot use cache dir {cfg.cache_dir}: {exc.strerror or exc}") from None
 
 
+def open_shared_tier(cfg: MountConfig) -> SharedTier:
+    """The fleet-shared tier's level. A missing bucket or refused credentials fail the mount; a tier that
+    does not answer only logs: it is tried again as reads go."""
+    shared = cfg.shared_cache
+    assert shared is not None
+    tier_store = StoreConfig(bucket=shared.bucket, endpoint_url=shared.endpoint_url, region=shared.region,
+                             profile=shared.profile, addressing_style=shared.addressing_style,
+                             max_connections=cfg.store.max_connections, connect_timeout=shared.timeout,
+                             read_timeout=shared.timeout)
+    try:
+        Boto3Store(tier_store, preflight=True).check_bucket(shared.prefix)
+    except (BucketMissing, AccessDenied) as exc:
+        raise MountError(f"--shared-cache-bucket: {exc.message}") from None
+    except StoreError as exc:
+        log.warning("shared cache %s does not answer (%s); reading from the origin until it does",
+                    shared.bucket, exc.message)
+    origin = cfg.store.endpoint_url or f"s3:{cfg.store.region or ''}"
+    tier = SharedTier(Boto3Store(tier_store, attempts=SHARED_TIER_ATTEMPTS), origin=origin, prefix=shared.prefix,
+                      wait=shared.wait, read_only=shared.read_only, threads=cfg.store.max_connections)
+    tier.probe_claims()
+    log.info("%s: %s", tier, "read-only" if shared.read_only else
+             "claims on" if tier.claims else "claims off")
+    return tier
+
+
 def tune_malloc() -> None:
     try:
         libc = ctypes.CDLL("libc.so.6")
@@ -238,8 +268,9 @@ class Daemon:
         self.store = Boto3Store(cfg.store)
         self._meta_limiter: trio.CapacityLimiter | None = None
         self.disk_cache = open_disk_cache(cfg) if cfg.cache_dir else None
+        self.shared_tier = open_shared_tier(cfg) if cfg.shared_cache else None
         # The cache levels below memory, asked in this order before the origin.
-        levels: list[ChunkCache] = [self.disk_cache] if self.disk_cache is not None else []
+        levels: list[ChunkCache] = [level for level in (self.disk_cache, self.shared_tier) if level is not None]
         chunk_memory = cfg.chunk_memory
         if self.disk_cache is not None:
             chunk_memory = max(4 * cfg.chunk_size, chunk_memory - self.disk_cache.staging_bytes(cfg.chunk_size))
@@ -252,7 +283,8 @@ class Daemon:
         self.streamer = ModelStreamer(self.engine, self.pusher, max_connections=cfg.store.max_connections,
                                       enabled=cfg.model_streaming, siblings=self._files_beside)
         self.stats = MountStats(cfg.store.bucket, self.engine, self.streamer, self.pusher, disk_cache=self.disk_cache,
-                                open_files=lambda: self.ops.open_files, inodes=lambda: self.namespace.inode_count)
+                                shared_tier=self.shared_tier, open_files=lambda: self.ops.open_files,
+                                inodes=lambda: self.namespace.inode_count)
         self.ops = Operations(self.namespace, self.engine, self.streamer, self.pusher, max_readahead=cfg.max_readahead,
                               owner=Owner(cfg.uid, cfg.gid, cfg.file_mode, cfg.dir_mode), stats=self.stats.json_bytes)
 

@@ -81,6 +81,19 @@ class StatsCollector:
                                     value=dc["bytes_used"])
             yield GaugeMetricFamily("modelfs_disk_cache_size_bytes", "--cache-size in bytes", value=dc["max_bytes"])
             yield GaugeMetricFamily("modelfs_disk_cache_chunks", "Chunk files in the NVMe cache", value=dc["chunks"])
+        sc = s["shared_cache"]
+        if sc is not None:
+            for name, what in (("hits", "chunks found in the shared tier"),
+                               ("misses", "chunk lookups the shared tier did not answer"),
+                               ("bytes", "bytes loaded from the shared tier (origin egress saved by it)"),
+                               ("claims", "chunks this node claimed and fetched from the origin for the fleet"),
+                               ("claim_waits", "misses that waited for another node's fetch"),
+                               ("fallbacks", "waits that ended without the chunk (then fetched from the origin)"),
+                               ("writes", "chunk objects written to the shared tier"),
+                               ("write_errors", "chunk writes the shared tier refused"),
+                               ("corrupt", "chunk objects that failed the identity or checksum check"),
+                               ("errors", "shared-tier requests that failed")):
+                yield CounterMetricFamily(f"modelfs_shared_cache_{name}", f"Shared tier: {what}", value=sc[name])
 
 
 def _le(bound: float) -> str:

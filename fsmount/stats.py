@@ -17,7 +17,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # the CLI imports this module for STATS_XATTR alone, without the daemon's parts
-    from fsmount.data import ChunkEngine, DiskCache
+    from fsmount.data import ChunkEngine, DiskCache, SharedTier
     from fsmount.pagecache import PageCachePusher
     from fsmount.streaming import ModelStreamer
 
@@ -41,6 +41,7 @@ class MountStats:
     streamer: ModelStreamer
     pusher: PageCachePusher
     disk_cache: DiskCache | None = None
+    shared_tier: SharedTier | None = None
     open_files: Callable[[], int] = lambda: 0
     inodes: Callable[[], int] = lambda: 0
     started: float = dataclasses.field(default_factory=time.monotonic)
@@ -85,6 +86,7 @@ class MountStats:
             # Inodes the kernel holds (root included): they go when it sends FORGET.
             "inodes": self.inodes(),
             "disk_cache": None,
+            "shared_cache": None,
         }
         if self.disk_cache is not None:
             ds = self.disk_cache.stats
@@ -94,6 +96,19 @@ class MountStats:
                 "corrupt": ds.corrupt, "read_errors": ds.read_errors, "write_errors": ds.write_errors,
                 "evictions": ds.evictions, "writes": ds.writes, "bytes_used": ds.bytes_used,
                 "max_bytes": self.disk_cache.max_bytes, "chunks": ds.chunks,
+            }
+        if self.shared_tier is not None:
+            ts = self.shared_tier.stats
+            hits, misses = self.engine.levels.lookups(self.shared_tier)
+            loaded = self.engine.levels.loaded_bytes(self.shared_tier)
+            out["shared_cache"] = {
+                "bucket": self.shared_tier.client.bucket, "read_only": self.shared_tier.read_only,
+                "claims_enabled": self.shared_tier.claims,
+                "hits": hits, "misses": misses, "hit_ratio": ratio(hits, hits + misses), "bytes": loaded,
+                "claims": ts.claims, "claim_waits": ts.claim_waits, "fallbacks": ts.fallbacks, "writes": ts.writes,
+                "write_errors": ts.write_errors, "corrupt": ts.corrupt, "errors": ts.errors,
+                # Every byte the tier returned is one the origin did not send.
+                "egress_saved_bytes": loaded,
             }
         return out
 

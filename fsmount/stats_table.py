@@ -92,6 +92,15 @@ def format_stats(s: dict[str, Any], mountpoint: str) -> str:
             ("NVMe cache lookups", f"{dc['hits']} hits, {dc['misses']} misses ({_percent(dc['hit_ratio'])} hit), "
                                    f"{dc['evictions']} evictions"),
         ]
+    sc = s.get("shared_cache")
+    if sc is not None:
+        mode = "read-only" if sc["read_only"] else "claims on" if sc["claims_enabled"] else "claims off"
+        rows += [
+            ("shared tier", f"{sc['bucket']} ({mode}): {sc['hits']} hits, {sc['misses']} misses "
+                            f"({_percent(sc['hit_ratio'])} hit), {_size(sc['bytes'])} loaded = origin egress saved"),
+            ("shared tier fleet", f"{sc['claims']} chunks fetched for the fleet, {sc['claim_waits']} waits for "
+                                  f"other nodes, {sc['fallbacks']} fallbacks, {sc['writes']} written"),
+        ]
     rows += [
         ("memory", f"{_size(s['memory_used_bytes'])} of {_size(s['memory_limit_bytes'])}"),
         ("model streaming", f"{_size(s['streamed_bytes'])} fetched; page cache holds "
@@ -103,6 +112,9 @@ def format_stats(s: dict[str, Any], mountpoint: str) -> str:
     if dc is not None:
         errors += [f"cache corrupt {dc['corrupt']}", f"cache read {dc['read_errors']}",
                    f"cache write {dc['write_errors']}"]
+    if sc is not None:
+        errors += [f"shared tier {sc['errors']}", f"shared write {sc['write_errors']}",
+                   f"shared corrupt {sc['corrupt']}"]
     rows.append(("errors", ", ".join(errors)))
     width = max(len(label) for label, _ in rows)
     return "\n".join(f"{label:<{width}}  {value}" for label, value in rows)

@@ -10,7 +10,8 @@ here, never from the modules inside, which are private to the package:
   the fetch-path counters);
 - engine: single-flight fetches, workers, priorities and deadlines (ChunkEngine, Fetch);
 - disk_cache: the NVMe cache level; chunk_file: its file format; cache_dir: its directory and lock;
-  cache_admin: `modelfs cache stats|clear|verify` over a cache directory.
+  cache_admin: `modelfs cache stats|clear|verify` over a cache directory;
+- shared_tier: the fleet-shared chunk tier, a level on an S3-compatible bucket.
 """
 
 from fsmount.data.boto3_store import Boto3Store
@@ -21,6 +22,7 @@ from fsmount.data.disk_cache import DiskCache
 from fsmount.data.engine import AHEAD, BACKGROUND, DEMAND, ChunkEngine, Fetch, ReadTimeout
 from fsmount.data.identity import Chunk, ChunkId, ObjectVersion, WritableBuffer
 from fsmount.data.levels import ChunkCache, LatencyHistogram, LevelStack
+from fsmount.data.shared_tier import SharedTier
 from fsmount.data.store import (
     AccessDenied,
     BucketMissing,
@@ -38,6 +40,6 @@ __all__ = [
     "AHEAD", "BACKGROUND", "CHUNKS_DIR", "DEMAND", "AccessDenied", "Boto3Store", "BucketMissing", "CacheDirBusy",
     "Chunk", "ChunkCache", "ChunkEngine", "ChunkId", "DiskCache", "Fetch", "LatencyHistogram", "LevelStack",
     "ListingPage", "MemoryBudget", "NotFound", "ObjectMeta", "ObjectStore", "ObjectVersion", "PreconditionFailed",
-    "ReadTimeout", "StoreError", "TransientError", "Unreachable", "WritableBuffer", "cache_bytes", "cache_clear",
-    "cache_stats", "cache_verify",
+    "ReadTimeout", "SharedTier", "StoreError", "TransientError", "Unreachable", "WritableBuffer", "cache_bytes",
+    "cache_clear", "cache_stats", "cache_verify",
 ]

@@ -111,7 +111,7 @@ def _decode_key(raw: str, encoded: bool) -> str | bytes:
 class Boto3Store:
     """ObjectStore over boto3. Thread-safe: one client, shared by all worker threads."""
 
-    def __init__(self, cfg: StoreConfig, *, preflight: bool = False):
+    def __init__(self, cfg: StoreConfig, *, preflight: bool = False, attempts: int = BOTO_MAX_ATTEMPTS):
         import boto3
         from botocore import UNSIGNED
         from botocore.config import Config
@@ -127,7 +127,7 @@ class Boto3Store:
             max_pool_connections=cfg.max_connections + 4,
             connect_timeout=timeout,
             read_timeout=PREFLIGHT_TIMEOUT if preflight else cfg.read_timeout,
-            retries={"max_attempts": 1 if preflight else BOTO_MAX_ATTEMPTS, "mode": "standard"},
+            retries={"max_attempts": 1 if preflight else attempts, "mode": "standard"},
             s3={"addressing_style": cfg.addressing_style},
             tcp_keepalive=True,
             # Integrity is the ETag's job (If-Match) and the cache's own checksum; botocore's
@@ -228,3 +228,37 @@ class Boto3Store:
                 log.debug("%s failed (%s), retry %d in %.2fs", what, err.message, attempt, delay)
                 time.sleep(delay)
         raise AssertionError("unreachable")
+
+    # -- whole objects (the shared chunk tier) ---------------------------------------------------
+
+    def get_object(self, key: str) -> bytes | None:
+        """The whole object, or None if there is no such key."""
+        try:
+            resp = self._client.get_object(Bucket=self.bucket, Key=key)
+            return resp["Body"].read()
+        except Exception as exc:  # noqa: BLE001
+            err = translate_error(exc, self.bucket, f"GET {key!r}")
+            if isinstance(err, NotFound):
+                return None
+            raise err from None
+
+    def put_object(self, key: str, body: bytes, *, only_if_absent: bool = False) -> bool:
+        """Store an object; with `only_if_absent` (If-None-Match: *) False if the key exists already."""
+        kwargs: dict[str, Any] = dict(Bucket=self.bucket, Key=key, Body=body)
+        if only_if_absent:
+            kwargs["IfNoneMatch"] = "*"
+        try:
+            self._client.put_object(**kwargs)
+            return True
+        except Exception as exc:  # noqa: BLE001
+            err = translate_error(exc, self.bucket, f"PUT {key!r}")
+            # 412: the key exists; 409: a concurrent conditional write to it is in progress (S3).
+            if only_if_absent and (isinstance(err, PreconditionFailed) or _client_error_code(exc)[1] == 409):
+                return False
+            raise err from None
+
+    def delete_object(self, key: str) -> None:
+        try:
+            self._client.delete_object(Bucket=self.bucket, Key=key)
+        except Exception as exc:  # noqa: BLE001
+            raise translate_error(exc, self.bucket, f"DELETE {key!r}") from None

@@ -24,6 +24,7 @@ import mmap
 import os
 import struct
 import threading
+from collections.abc import Callable
 
 import xxhash
 
@@ -77,7 +78,7 @@ def _decode(raw: bytes) -> str:
     return raw.decode("utf-8", "surrogateescape")
 
 
-def encode_header(chunk: ChunkId, data: bytes) -> bytes:
+def encode_header(chunk: ChunkId, data: bytes | WritableBuffer) -> bytes:
     bucket, key, etag = _encode(chunk.bucket), _encode(chunk.key), _encode(chunk.etag)
     lengths = (len(bucket), len(key), len(etag))
     digest = checksum(data)
@@ -90,7 +91,34 @@ def read_chunk_file(
 ) -> tuple[ChunkId, bytes | WritableBuffer]:
     """The chunk id named by the header and the data (read into `buffer` if it is the data's exact
     size), or Corrupt unless both are whole and consistent."""
-    head = os.pread(fd, min(file_size, HEADER_READ_BYTES), 0)
+
+    def read_into(target: WritableBuffer, offset: int) -> int:
+        return os.preadv(fd, [target], offset)
+
+    return _parse(lambda n, offset: os.pread(fd, n, offset), read_into, file_size, buffer)
+
+
+def decode_chunk(blob: bytes, buffer: WritableBuffer | None = None) -> tuple[ChunkId, bytes | WritableBuffer]:
+    """`read_chunk_file` for a chunk file held in memory (a chunk object of the shared tier)."""
+    view = memoryview(blob)
+
+    def read_into(target: WritableBuffer, offset: int) -> int:
+        part = view[offset:offset + len(target)]
+        target[:len(part)] = part
+        return len(part)
+
+    return _parse(lambda n, offset: bytes(view[offset:offset + n]), read_into, len(blob), buffer)
+
+
+def encode_chunk(chunk: ChunkId, data: bytes | WritableBuffer) -> list[bytes | WritableBuffer]:
+    """The parts of a whole chunk file: header, zero padding, data."""
+    header = encode_header(chunk, data)
+    return [header, bytes(data_offset(len(header)) - len(header)), data]
+
+
+def _parse(pread: Callable[[int, int], bytes], read_into: Callable[[WritableBuffer, int], int], size: int,
+           buffer: WritableBuffer | None) -> tuple[ChunkId, bytes | WritableBuffer]:
+    head = pread(min(size, HEADER_READ_BYTES), 0)
     if len(head) < PREFIX.size:
         raise Corrupt("truncated header")
     fields = PREFIX.unpack_from(head)
@@ -101,10 +129,10 @@ def read_chunk_file(
         raise Corrupt(f"format version {version}.{reserved}, expected {FORMAT_VERSION}.0")
     header_len = PREFIX.size + n_bucket + n_key + n_etag
     data_start = data_offset(header_len)
-    if data_start + n_data != file_size:
-        raise Corrupt(f"file is {file_size} bytes, header says {data_start} + {n_data}")
+    if data_start + n_data != size:
+        raise Corrupt(f"file is {size} bytes, header says {data_start} + {n_data}")
     if data_start > len(head):  # a header longer than HEADER_READ_BYTES (long key or bucket)
-        head = os.pread(fd, data_start, 0)
+        head = pread(data_start, 0)
         if len(head) != data_start:
             raise Corrupt("file shrank while reading")
     if head.count(0, header_len, data_start) != data_start - header_len:
@@ -113,11 +141,11 @@ def read_chunk_file(
     bucket, key, etag = head[PREFIX.size : bucket_end], head[bucket_end:key_end], head[key_end:header_len]
     data: bytes | WritableBuffer
     if buffer is not None and len(buffer) == n_data:
-        if os.preadv(fd, [buffer], data_start) != n_data:
+        if read_into(buffer, data_start) != n_data:
             raise Corrupt("file shrank while reading")
         data = buffer
     else:
-        data = os.pread(fd, n_data, data_start) if n_data else b""
+        data = pread(n_data, data_start) if n_data else b""
         if len(data) != n_data:
             raise Corrupt("file shrank while reading")
     if checksum(data) != data_hash:

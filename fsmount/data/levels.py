@@ -33,7 +33,7 @@ from fsmount.data.store import ObjectStore, Unreachable
 
 log = logging.getLogger(__name__)
 
-# Threads for cache-level reads; separate from the S3 connections.
+# Threads for a cache level's reads, unless it says otherwise; separate from the S3 connections.
 DISK_THREADS = 8
 # Write-through needs little parallelism (a chunk write is one large sequential write) and every extra
 # writer thread competes with the read path for the GIL and the CPU; on the 2-core bench bed 1-2
@@ -130,8 +130,11 @@ class LevelStack:
         self.origin_latency = LatencyHistogram()
         self._run_blocking = run_blocking
         self._s3_limiter = trio.CapacityLimiter(max_connections)
-        self._disk_limiter = trio.CapacityLimiter(DISK_THREADS)
-        self._put_limiter = trio.CapacityLimiter(PUT_THREADS)
+        # Each level gets its own threads: a local disk wants few, a network level (the shared tier) as
+        # many as the origin; a level may say how many with `threads` / `put_threads`.
+        self._get_limiters = [trio.CapacityLimiter(getattr(level, "threads", DISK_THREADS)) for level in self.levels]
+        self._put_limiters = [trio.CapacityLimiter(getattr(level, "put_threads", PUT_THREADS))
+                              for level in self.levels]
         self._writes_pending = 0
         self._writes_changed = trio.Event()
 
@@ -140,6 +143,10 @@ class LevelStack:
         (absent, corrupt, unreadable)."""
         i = self.levels.index(level)
         return self.stats.level_hits[i], self.stats.level_misses[i]
+
+    def loaded_bytes(self, level: ChunkCache) -> int:
+        """Bytes of chunks one of the levels returned: bytes the origin did not send."""
+        return self.stats.level_bytes[self.levels.index(level)]
 
     def __bool__(self) -> bool:
         """True if there is any cache level below memory."""
@@ -154,7 +161,7 @@ class LevelStack:
             # An mmap call only: its pages are faulted in by the read that fills them.
             buffer = mmap.mmap(-1, length, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         for i, level in enumerate(self.levels):
-            data = await self._run_blocking(level.get, cid, buffer, limiter=self._disk_limiter)
+            data = await self._run_blocking(level.get, cid, buffer, limiter=self._get_limiters[i])
             if data is not None and len(data) == length:
                 self.stats.level_hits[i] += 1
                 self.stats.level_bytes[i] += length
@@ -206,7 +213,7 @@ class LevelStack:
         try:
             for level in levels:
                 try:
-                    await self._run_blocking(level.put, cid, data, limiter=self._put_limiter)
+                    await self._run_blocking(level.put, cid, data, limiter=self._put_limiters[self.levels.index(level)])
                 except Exception as exc:  # noqa: BLE001 - a cache level never breaks a read
                     log.warning("cache write of chunk %d of %r failed: %s", cid.index, cid.key, exc)
         finally:

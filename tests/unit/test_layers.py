@@ -16,6 +16,7 @@ LAYERS = {
     "fsmount.data.boto3_store": 3, "fsmount.data.chunk_file": 3, "fsmount.data.cache_dir": 3,
     "fsmount.data.budget": 3,
     "fsmount.data.levels": 4, "fsmount.data.disk_cache": 5, "fsmount.data.cache_admin": 5,
+    "fsmount.data.shared_tier": 5,
     "fsmount.data.engine": 6, "fsmount.data": 7,
     "fsmount.namespace": 8, "fsmount.readahead": 8,
     "fsmount.handles": 9, "fsmount.pagecache": 9,

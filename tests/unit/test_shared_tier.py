@@ -1,0 +1,213 @@
+"""The shared tier's rules in-process, against a dict-backed client: keys, checks on read, claims (taken,
+waited on, broken when stale), and how it backs off when the tier fails. The real thing, with 4 daemons
+on SeaweedFS, is tests/mount/test_shared_tier.py."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from fsmount.data import ChunkId, StoreError, Unreachable
+from fsmount.data.chunk_file import encode_chunk
+from fsmount.data.shared_tier import CLAIM_TTL_S, UNAVAILABLE_RETRY_S, WRITE_RETRY_S, SharedTier
+
+ORIGIN = "http://origin.example:9000"
+CHUNK = 1 << 20
+
+
+class DictClient:
+    """A tier bucket in a dict; `fail` makes every request raise it, `refuse_puts` only PUTs."""
+
+    bucket = "tier"
+
+    def __init__(self) -> None:
+        self.objects: dict[str, bytes] = {}
+        self.fail: StoreError | None = None
+        self.refuse_puts: StoreError | None = None
+        self.requests = 0
+        self._lock = threading.Lock()
+
+    def _request(self) -> None:
+        self.requests += 1
+        if self.fail is not None:
+            raise self.fail
+
+    def get_object(self, key: str) -> bytes | None:
+        self._request()
+        return self.objects.get(key)
+
+    def put_object(self, key: str, body: bytes, *, only_if_absent: bool = False) -> bool:
+        self._request()
+        if self.refuse_puts is not None:
+            raise self.refuse_puts
+        with self._lock:
+            if only_if_absent and key in self.objects:
+                return False
+            self.objects[key] = bytes(body)
+            return True
+
+    def delete_object(self, key: str) -> None:
+        self._request()
+        self.objects.pop(key, None)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def chunk(index: int = 0, etag: str = '"e1"', size: int = CHUNK) -> ChunkId:
+    return ChunkId("models", "llm/model.safetensors", etag, size, index)
+
+
+def data_of(cid: ChunkId) -> bytes:
+    return bytes([cid.index % 251]) * 1000 + cid.etag.encode() * 10
+
+
+def tier(client: DictClient, *, wait: float = 0.2, read_only: bool = False, clock: Clock | None = None,
+         origin: str = ORIGIN) -> SharedTier:
+    """A tier over `client`; real time unless a test steps a `Clock` (waits poll in real time)."""
+    return SharedTier(client, origin=origin, prefix="modelfs/", wait=wait, read_only=read_only, threads=4,
+                      clock=clock or time.monotonic)
+
+
+def test_keys_separate_origins_versions_and_chunk_sizes() -> None:
+    t = tier(DictClient())
+    keys = {t.chunk_key(chunk()), t.chunk_key(chunk(etag='"e2"')), t.chunk_key(chunk(size=2 * CHUNK)),
+            t.chunk_key(chunk(index=1)), tier(DictClient(), origin="http://other:9000").chunk_key(chunk())}
+    assert len(keys) == 5
+    assert all(k.startswith("modelfs/chunks/") and len(k) == len("modelfs/chunks/") + 64 for k in keys)
+    assert t.claim_key(chunk()).startswith("modelfs/claims/")
+
+
+def test_a_put_chunk_reads_back_and_into_the_buffer() -> None:
+    client = DictClient()
+    t = tier(client)
+    cid = chunk()
+    t.put(cid, data_of(cid))
+    assert t.get(cid) == data_of(cid)
+    buffer = bytearray(len(data_of(cid)))
+    assert t.get(cid, buffer) is buffer and bytes(buffer) == data_of(cid)  # type: ignore[arg-type]
+    assert t.stats.writes == 1
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate", "foreign", "garbage", "other-version"])
+def test_a_damaged_or_foreign_object_is_a_miss_never_wrong_bytes(damage: str, allowed_logs: list[str]) -> None:
+    allowed_logs.append("ignoring chunk object")
+    client = DictClient()
+    t = tier(client, read_only=True)  # read-only: a miss returns at once, no claim
+    cid = chunk()
+    key = t.chunk_key(cid)
+    good = b"".join(encode_chunk(cid, data_of(cid)))
+    client.objects[key] = {
+        "flip": good[:-1] + bytes([good[-1] ^ 1]),
+        "truncate": good[:-10],
+        "foreign": b"".join(encode_chunk(chunk(index=7), data_of(chunk(index=7)))),
+        "garbage": b"not a chunk file at all",
+        "other-version": b"".join(encode_chunk(chunk(etag='"e2"'), data_of(cid))),
+    }[damage]
+    assert t.get(cid) is None
+    assert t.stats.corrupt == 1
+
+
+def test_the_first_node_claims_the_others_wait_for_its_chunk() -> None:
+    client = DictClient()
+    first, second = tier(client, wait=5.0), tier(client, wait=5.0)
+    cid = chunk()
+    assert first.get(cid) is None and first.stats.claims == 1  # claimed: fetch it from the origin
+    assert client.objects.get(first.claim_key(cid)) is not None
+
+    got: list[object] = []
+    waiter = threading.Thread(target=lambda: got.append(second.get(cid)))
+    waiter.start()
+    time.sleep(0.2)
+    assert not got  # still waiting for the claimer
+    first.put(cid, data_of(cid))  # the claimer's write-through lands
+    waiter.join(5)
+    assert got == [data_of(cid)]
+    assert second.stats.claim_waits == 1 and second.stats.fallbacks == 0 and second.stats.claims == 0
+    assert first.claim_key(cid) not in client.objects  # the claim went with the write
+
+
+def test_a_wait_ends_in_a_fallback_when_the_claimer_never_writes() -> None:
+    client = DictClient()
+    first, second = tier(client), tier(client, wait=0.3)
+    cid = chunk()
+    assert first.get(cid) is None
+    started = time.monotonic()
+    assert second.get(cid) is None
+    assert 0.3 <= time.monotonic() - started < 2.0
+    assert second.stats.fallbacks == 1
+
+
+def test_a_stale_claim_of_a_dead_node_is_broken_and_taken_over(allowed_logs: list[str]) -> None:
+    client = DictClient()
+    t = tier(client, wait=30.0)
+    cid = chunk()
+    client.objects[t.claim_key(cid)] = f"{time.time() - CLAIM_TTL_S - 5:.3f} deadhost 1".encode()
+    started = time.monotonic()
+    assert t.get(cid) is None  # a miss at once: ours to fetch, no waiting
+    assert time.monotonic() - started < 1.0
+    assert t.stats.claims == 1 and t.stats.claim_waits == 0
+
+
+def test_an_unavailable_tier_is_skipped_for_a_while(allowed_logs: list[str]) -> None:
+    allowed_logs.append("unavailable")
+    client = DictClient()
+    clock = Clock()
+    t = tier(client, clock=clock)
+    client.fail = Unreachable("connection refused")
+    assert t.get(chunk()) is None and t.stats.errors == 1
+    asked = client.requests
+    client.fail = None
+    assert t.get(chunk(index=1)) is None and t.put(chunk(index=1), data_of(chunk(index=1))) is None
+    assert client.requests == asked  # skipped: not one request while the pause lasts
+    clock.now += UNAVAILABLE_RETRY_S + 1
+    t.put(chunk(index=2), data_of(chunk(index=2)))
+    assert t.get(chunk(index=2)) == data_of(chunk(index=2))
+
+
+def test_refused_puts_pause_writes_and_reads_go_on(allowed_logs: list[str]) -> None:
+    allowed_logs.append("writing a chunk failed")
+    client = DictClient()
+    clock = Clock()
+    t = tier(client, clock=clock)
+    client.objects[t.chunk_key(chunk(index=5))] = b"".join(encode_chunk(chunk(index=5), data_of(chunk(index=5))))
+    client.refuse_puts = StoreError("PUT: AccessDenied")
+    t.put(chunk(), data_of(chunk()))
+    t.put(chunk(index=1), data_of(chunk(index=1)))
+    assert t.stats.write_errors == 1  # the second was not even tried
+    assert t.get(chunk(index=5)) == data_of(chunk(index=5))  # reads go on
+    client.refuse_puts = None
+    clock.now += WRITE_RETRY_S + 1
+    t.put(chunk(index=1), data_of(chunk(index=1)))
+    assert t.stats.writes == 1
+
+
+def test_read_only_never_writes_nor_claims() -> None:
+    client = DictClient()
+    t = tier(client, read_only=True)
+    assert t.get(chunk()) is None
+    t.put(chunk(), data_of(chunk()))
+    assert client.objects == {} and t.stats.claims == 0
+
+
+def test_a_tier_that_ignores_conditional_creates_runs_without_claims(allowed_logs: list[str]) -> None:
+    allowed_logs.append("does not support conditional writes")
+
+    class IgnoresConditions(DictClient):
+        def put_object(self, key: str, body: bytes, *, only_if_absent: bool = False) -> bool:
+            return super().put_object(key, body)
+
+    t = tier(IgnoresConditions())
+    t.probe_claims()
+    assert not t.claims
+    assert t.get(chunk()) is None and t.stats.claims == 0
+    good = tier(DictClient())
+    good.probe_claims()
+    assert good.claims and good.client.objects == {}  # type: ignore[attr-defined]

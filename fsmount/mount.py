@@ -271,9 +271,9 @@ class Daemon:
         self.shared_tier = open_shared_tier(cfg) if cfg.shared_cache else None
         # The cache levels below memory, asked in this order before the origin.
         levels: list[ChunkCache] = [level for level in (self.disk_cache, self.shared_tier) if level is not None]
-        chunk_memory = cfg.chunk_memory
-        if self.disk_cache is not None:
-            chunk_memory = max(4 * cfg.chunk_size, chunk_memory - self.disk_cache.staging_bytes(cfg.chunk_size))
+        # What the levels hold outside the engine's budget comes out of it.
+        staging = sum(level.staging_bytes(cfg.chunk_size) for level in levels)
+        chunk_memory = max(4 * cfg.chunk_size, cfg.chunk_memory - staging)
         self.engine = ChunkEngine(self.store, chunk_size=cfg.chunk_size, memory_limit=chunk_memory,
                                   max_connections=cfg.store.max_connections, read_timeout=cfg.store.read_timeout,
                                   levels=levels)

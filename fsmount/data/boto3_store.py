@@ -233,14 +233,23 @@ class Boto3Store:
 
     def get_object(self, key: str) -> bytes | None:
         """The whole object, or None if there is no such key."""
+        reader = self.open_object(key)
+        if reader is None:
+            return None
+        with reader:
+            return reader.read(reader.size)
+
+    def open_object(self, key: str) -> ObjectReader | None:
+        """The object as a stream to read (into a buffer of the caller's), or None if there is no such key."""
+        what = f"GET {key!r}"
         try:
             resp = self._client.get_object(Bucket=self.bucket, Key=key)
-            return resp["Body"].read()
         except Exception as exc:  # noqa: BLE001
-            err = translate_error(exc, self.bucket, f"GET {key!r}")
+            err = translate_error(exc, self.bucket, what)
             if isinstance(err, NotFound):
                 return None
             raise err from None
+        return ObjectReader(resp["Body"], int(resp["ContentLength"]), self.bucket, what)
 
     def put_object(self, key: str, body: bytes, *, only_if_absent: bool = False) -> bool:
         """Store an object; with `only_if_absent` (If-None-Match: *) False if the key exists already."""
@@ -262,3 +271,49 @@ class Boto3Store:
             self._client.delete_object(Bucket=self.bucket, Key=key)
         except Exception as exc:  # noqa: BLE001
             raise translate_error(exc, self.bucket, f"DELETE {key!r}") from None
+
+
+class ObjectReader:
+    """The body of one GET: `read(n)` and `readinto(buffer)` until `size` bytes are in, with botocore's
+    failures turned into StoreErrors. Close it (or use it as a context manager) when done."""
+
+    def __init__(self, body: Any, size: int, bucket: str, what: str):
+        self._body = body
+        self.size = size
+        self._bucket, self._what = bucket, what
+
+    def __enter__(self) -> ObjectReader:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._body.close()
+
+    def read(self, n: int) -> bytes:
+        """Exactly n bytes, or fewer only at the end of the object."""
+        parts, left = [], n
+        while left > 0:
+            part = self._call(self._body.read, left)
+            if not part:
+                break
+            parts.append(part)
+            left -= len(part)
+        return b"".join(parts)
+
+    def readinto(self, buffer: Any) -> int:
+        """Fill `buffer` (fewer bytes only at the end of the object); the count."""
+        view, got = memoryview(buffer).cast("B"), 0
+        while got < len(view):
+            n = self._call(self._body.readinto, view[got:])
+            if not n:
+                break
+            got += n
+        return got
+
+    def _call(self, fn: Any, arg: Any) -> Any:
+        try:
+            return fn(arg)
+        except Exception as exc:  # noqa: BLE001
+            raise translate_error(exc, self._bucket, self._what) from None

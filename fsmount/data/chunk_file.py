@@ -98,16 +98,27 @@ def read_chunk_file(
     return _parse(lambda n, offset: os.pread(fd, n, offset), read_into, file_size, buffer)
 
 
-def decode_chunk(blob: bytes, buffer: WritableBuffer | None = None) -> tuple[ChunkId, bytes | WritableBuffer]:
-    """`read_chunk_file` for a chunk file held in memory (a chunk object of the shared tier)."""
-    view = memoryview(blob)
+def read_chunk_stream(read: Callable[[int], bytes], readinto: Callable[[WritableBuffer], int], size: int,
+                      buffer: WritableBuffer | None = None) -> tuple[ChunkId, bytes | WritableBuffer]:
+    """`read_chunk_file` for a chunk file read once, front to back (the body of a GET of `size` bytes): the
+    header is read first, then the data straight into `buffer` when it is the data's exact size."""
+    head = bytearray()
+
+    def pread(n: int, offset: int) -> bytes:
+        end = min(offset + n, size)
+        while len(head) < end:
+            got = read(end - len(head))
+            if not got:
+                break
+            head.extend(got)
+        return bytes(head[offset:end])
 
     def read_into(target: WritableBuffer, offset: int) -> int:
-        part = view[offset:offset + len(target)]
-        target[:len(part)] = part
-        return len(part)
+        if offset != len(head):  # the header was read exactly up to the data (data_start is a read size)
+            raise Corrupt("chunk data does not follow its header")
+        return readinto(target)
 
-    return _parse(lambda n, offset: bytes(view[offset:offset + n]), read_into, len(blob), buffer)
+    return _parse(pread, read_into, size, buffer)
 
 
 def encode_chunk(chunk: ChunkId, data: bytes | WritableBuffer) -> list[bytes | WritableBuffer]:

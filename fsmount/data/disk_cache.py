@@ -181,8 +181,7 @@ class DiskCache:
 
     # -- ChunkCache ------------------------------------------------------------------------------
 
-    @staticmethod
-    def staging_bytes(chunk_size: int) -> int:
+    def staging_bytes(self, chunk_size: int) -> int:
         """The most memory the staging buffers of puts hold (they live outside the chunk engine's
         budget, so the daemon's --memory-limit must leave room for them)."""
         return ChunkFileWriter.staging_bytes(chunk_size)

@@ -72,6 +72,11 @@ class ChunkCache(Protocol):
         """Store a chunk; failures (full disk, read-only dir) are absorbed and logged, not raised."""
         ...
 
+    def staging_bytes(self, chunk_size: int) -> int:
+        """The most memory the level holds outside the engine's budget (buffers of writes in flight); the
+        mount takes it out of the budget so that --memory-limit still bounds the daemon."""
+        ...
+
 
 class LatencyHistogram:
     """Cumulative-bucket histogram of durations; thread-safe."""

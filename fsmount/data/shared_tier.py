@@ -36,7 +36,7 @@ import time
 from collections.abc import Callable
 from typing import Protocol
 
-from fsmount.data.chunk_file import Corrupt, decode_chunk, encode_chunk
+from fsmount.data.chunk_file import HEADER_READ_BYTES, Corrupt, encode_chunk, read_chunk_stream
 from fsmount.data.identity import ChunkId, WritableBuffer
 from fsmount.data.store import StoreError
 
@@ -53,12 +53,31 @@ POLL_S = 0.05
 UNAVAILABLE_RETRY_S = 10.0
 # After a refused PUT (full, read-only, no permission) writes pause this long.
 WRITE_RETRY_S = 30.0
+# Chunk PUTs at once. Each holds a whole chunk object (header + data) outside the engine's memory budget
+# while it is sent, which the mount subtracts from the budget (staging_bytes).
+PUT_THREADS = 4
+
+
+class ObjectStream(Protocol):
+    """One GET's body (boto3_store.ObjectReader): `size` bytes to read front to back."""
+
+    size: int
+
+    def read(self, n: int) -> bytes: ...
+
+    def readinto(self, buffer: WritableBuffer) -> int: ...
+
+    def __enter__(self) -> ObjectStream: ...
+
+    def __exit__(self, *exc_info: object) -> None: ...
 
 
 class TierClient(Protocol):
     """What the tier needs of a store client (boto3_store.Boto3Store has it). Blocking; StoreErrors."""
 
     bucket: str
+
+    def open_object(self, key: str) -> ObjectStream | None: ...
 
     def get_object(self, key: str) -> bytes | None: ...
 
@@ -90,7 +109,7 @@ class SharedTier:
         self.read_only = read_only
         self.claims = not read_only
         self.threads = threads  # the level stack runs this many lookups at once (network, not disk)
-        self.put_threads = threads
+        self.put_threads = min(threads, PUT_THREADS)
         self.stats = TierStats()
         self._clock = clock
         self._lock = threading.Lock()
@@ -99,6 +118,11 @@ class SharedTier:
         self._corrupt_logged = False
         self._claimed: set[ChunkId] = set()
         self._owner = f"{socket.gethostname()} {os.getpid()}"
+
+    def staging_bytes(self, chunk_size: int) -> int:
+        """The most memory chunk objects being written hold outside the engine's budget (a read goes
+        straight into the engine's buffer and holds none)."""
+        return self.put_threads * (chunk_size + HEADER_READ_BYTES)
 
     def __str__(self) -> str:
         return f"shared cache {self.client.bucket}/{self.prefix}"
@@ -187,16 +211,17 @@ class SharedTier:
     def _read(self, chunk: ChunkId, buffer: WritableBuffer | None) -> bytes | WritableBuffer | None:
         key = self.chunk_key(chunk)
         try:
-            blob = self.client.get_object(key)
+            stream = self.client.open_object(key)
+            if stream is None:
+                return None
+            with stream:
+                # Straight into the engine's buffer: no copy of the chunk outside the memory budget.
+                stored, data = read_chunk_stream(stream.read, stream.readinto, stream.size, buffer)
+            if stored != chunk:
+                raise Corrupt(f"it holds {stored}")
         except StoreError as exc:
             self._failed(exc)
             return None
-        if blob is None:
-            return None
-        try:
-            stored, data = decode_chunk(blob, buffer)
-            if stored != chunk:
-                raise Corrupt(f"it holds {stored}")
         except Corrupt as why:
             with self._lock:
                 self.stats.corrupt += 1

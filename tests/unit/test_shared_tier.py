@@ -4,6 +4,7 @@ on SeaweedFS, is tests/mount/test_shared_tier.py."""
 
 from __future__ import annotations
 
+import io
 import threading
 import time
 
@@ -38,6 +39,10 @@ class DictClient:
         self._request()
         return self.objects.get(key)
 
+    def open_object(self, key: str) -> BytesStream | None:
+        blob = self.get_object(key)
+        return None if blob is None else BytesStream(blob)
+
     def put_object(self, key: str, body: bytes, *, only_if_absent: bool = False) -> bool:
         self._request()
         if self.refuse_puts is not None:
@@ -51,6 +56,14 @@ class DictClient:
     def delete_object(self, key: str) -> None:
         self._request()
         self.objects.pop(key, None)
+
+
+class BytesStream(io.BytesIO):
+    """An object body as the tier reads it: `size`, read, readinto, a context manager."""
+
+    def __init__(self, blob: bytes):
+        super().__init__(blob)
+        self.size = len(blob)
 
 
 class Clock:

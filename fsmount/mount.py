@@ -58,8 +58,9 @@ READY_TIMEOUT = 60.0
 # At unmount, how long to wait for chunks already fetched to reach the NVMe cache. A full default memory
 # budget (2 GiB) writes in ~4 s at the dev box's O_DIRECT rate; systemd's stop timeout is 90 s.
 WRITE_DRAIN_S = 30.0
-# Tries of one shared-tier request (botocore's own retries): few, since the origin is the fallback.
-SHARED_TIER_ATTEMPTS = 2
+# botocore's retries of one shared-tier request: none, since the origin is the fallback; a request then
+# takes at most --shared-cache-timeout.
+SHARED_TIER_RETRIES = 0
 # glibc mallopt parameters: return freed chunk buffers to the OS at once, and do not grow one
 # arena per worker thread; otherwise RSS stays at its peak long after the memory limit was hit.
 M_MMAP_THRESHOLD = -3
@@ -202,16 +203,17 @@ def open_shared_tier(cfg: MountConfig) -> SharedTier:
                              profile=shared.profile, addressing_style=shared.addressing_style,
                              max_connections=cfg.store.max_connections, connect_timeout=shared.timeout,
                              read_timeout=shared.timeout)
+    client = Boto3Store(tier_store, retries=SHARED_TIER_RETRIES)
     try:
-        Boto3Store(tier_store, preflight=True).check_bucket(shared.prefix)
+        client.check_bucket(shared.prefix)
     except (BucketMissing, AccessDenied) as exc:
         raise MountError(f"--shared-cache-bucket: {exc.message}") from None
     except StoreError as exc:
         log.warning("shared cache %s does not answer (%s); reading from the origin until it does",
                     shared.bucket, exc.message)
     origin = cfg.store.endpoint_url or f"s3:{cfg.store.region or ''}"
-    tier = SharedTier(Boto3Store(tier_store, attempts=SHARED_TIER_ATTEMPTS), origin=origin, prefix=shared.prefix,
-                      wait=shared.wait, read_only=shared.read_only, threads=cfg.store.max_connections)
+    tier = SharedTier(client, origin=origin, prefix=shared.prefix, wait=shared.wait, read_only=shared.read_only,
+                      threads=cfg.store.max_connections)
     tier.probe_claims()
     log.info("%s: %s", tier, "read-only" if shared.read_only else
              "claims on" if tier.claims else "claims off")

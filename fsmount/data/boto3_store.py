@@ -77,6 +77,8 @@ def translate_error(exc: Exception, bucket: str, what: str) -> StoreError:
             return AccessDenied(f"access denied to bucket {bucket!r} ({code or status}): check credentials")
         if code == "PreconditionFailed" or status == 412:
             return PreconditionFailed(f"{what}: object changed in the bucket since it was opened")
+        if code == "NotImplemented" or status == 501:  # a feature the server lacks: asking again will not help
+            return StoreError(f"{what}: not implemented by the server")
         if status >= 500 or code in ("SlowDown", "Throttling", "RequestTimeout", "InternalError"):
             return TransientError(f"{what}: server error {code or status}")
         return StoreError(f"{what}: {code or status}")
@@ -111,7 +113,7 @@ def _decode_key(raw: str, encoded: bool) -> str | bytes:
 class Boto3Store:
     """ObjectStore over boto3. Thread-safe: one client, shared by all worker threads."""
 
-    def __init__(self, cfg: StoreConfig, *, preflight: bool = False, attempts: int = BOTO_MAX_ATTEMPTS):
+    def __init__(self, cfg: StoreConfig, *, preflight: bool = False, retries: int = BOTO_MAX_ATTEMPTS):
         import boto3
         from botocore import UNSIGNED
         from botocore.config import Config
@@ -127,7 +129,8 @@ class Boto3Store:
             max_pool_connections=cfg.max_connections + 4,
             connect_timeout=timeout,
             read_timeout=PREFLIGHT_TIMEOUT if preflight else cfg.read_timeout,
-            retries={"max_attempts": 1 if preflight else attempts, "mode": "standard"},
+            # botocore's max_attempts counts retries after the first request.
+            retries={"max_attempts": 1 if preflight else retries, "mode": "standard"},
             s3={"addressing_style": cfg.addressing_style},
             tcp_keepalive=True,
             # Integrity is the ETag's job (If-Match) and the cache's own checksum; botocore's

@@ -38,7 +38,7 @@ from typing import Protocol
 
 from fsmount.data.chunk_file import HEADER_READ_BYTES, Corrupt, encode_chunk, read_chunk_stream
 from fsmount.data.identity import ChunkId, WritableBuffer
-from fsmount.data.store import StoreError
+from fsmount.data.store import StoreError, TransientError, Unreachable
 
 log = logging.getLogger(__name__)
 
@@ -155,6 +155,8 @@ class SharedTier:
             first = self.client.put_object(key, b"probe", only_if_absent=True)
             second = self.client.put_object(key, b"probe", only_if_absent=True)
             self.client.delete_object(key)
+        except (Unreachable, TransientError):
+            return  # not an answer: claims stay on, and the tier is tried as reads go
         except StoreError as exc:
             first, second = False, True
             reason = exc.message
@@ -172,7 +174,7 @@ class SharedTier:
         if self._down():
             return None
         data = self._read(chunk, buffer)
-        if data is not None or not self.claims or self._down():
+        if data is not None or not self.claims or self._down() or self._writes_paused():
             return data
         claimed = self._claim(chunk)
         if claimed is not False:
@@ -249,8 +251,11 @@ class SharedTier:
                 log.info("%s: breaking a claim older than %gs on chunk %d of %r (%s)", self, CLAIM_TTL_S,
                          chunk.index, chunk.key, held[:100].decode("utf-8", "replace"))
                 self.client.delete_object(key)
-            except StoreError as exc:
+            except (Unreachable, TransientError) as exc:
                 self._failed(exc)
+                return None
+            except StoreError as exc:  # refused (no write permission, full): as a refused chunk write
+                self._write_failed(exc)
                 return None
         return False
 

@@ -224,3 +224,23 @@ def test_a_tier_that_ignores_conditional_creates_runs_without_claims(allowed_log
     good = tier(DictClient())
     good.probe_claims()
     assert good.claims and good.client.objects == {}  # type: ignore[attr-defined]
+
+
+def test_a_probe_the_tier_does_not_answer_leaves_claims_on() -> None:
+    client = DictClient()
+    client.fail = Unreachable("connection refused")
+    t = tier(client)
+    t.probe_claims()
+    assert t.claims  # no answer is not a refusal: the tier is tried again as reads go
+
+
+def test_a_refused_claim_pauses_writes_not_reads(allowed_logs: list[str]) -> None:
+    allowed_logs.append("writing a chunk failed")
+    client = DictClient()
+    t = tier(client)
+    held = chunk(index=3)
+    client.objects[t.chunk_key(held)] = b"".join(encode_chunk(held, data_of(held)))
+    client.refuse_puts = StoreError("PUT: AccessDenied")
+    assert t.get(chunk()) is None  # the claim was refused: a miss, for the origin
+    assert t.stats.write_errors == 1 and t.stats.errors == 0
+    assert t.get(held) == data_of(held)  # reads go on

@@ -12,6 +12,7 @@ from fsmount.data.store import (
     BucketMissing,
     NotFound,
     PreconditionFailed,
+    StoreError,
     TransientError,
     Unreachable,
 )
@@ -29,6 +30,9 @@ def test_error_mapping() -> None:
     assert isinstance(translate_error(client_error("SignatureDoesNotMatch", 403), "b", "x"), AccessDenied)
     assert isinstance(translate_error(client_error("PreconditionFailed", 412), "b", "x"), PreconditionFailed)
     assert isinstance(translate_error(client_error("SlowDown", 503), "b", "x"), TransientError)
+    # 501: the server lacks the feature (a conditional write, say); asking again will not help.
+    not_implemented = translate_error(client_error("NotImplemented", 501), "b", "x")
+    assert isinstance(not_implemented, StoreError) and not isinstance(not_implemented, TransientError)
     unreachable = translate_error(EndpointConnectionError(endpoint_url="http://h"), "b", "x")
     assert isinstance(unreachable, Unreachable) and unreachable.errno == errno.EIO
     assert translate_error(client_error("AccessDenied", 403), "b", "x").errno == errno.EACCES

@@ -10,9 +10,11 @@ Scenarios, page cache dropped and every daemon fresh (own empty --cache-dir) bef
   tier-warm  N fresh nodes at once, tier filled by the run before
   tier-curl  the tier read directly: every chunk object of the model with `curl --parallel` (the ceiling
              a warm-tier node is compared with)
+  one-warm   one fresh node, warm tier (the node the curl row is compared with)
   one-empty  one node, empty tier; one-none: one node without a tier (the "no slower alone" check)
 Prints per scenario: wall seconds until the last node finished, origin bytes over all nodes as a
-multiple of the model size, tier bytes, and per-node MB/s.
+multiple of the model size, tier bytes, per-node MB/s, and the CPU seconds of all daemons and of SeaweedFS
+(origin and tier are one server here, so its CPU includes storing what the nodes write to the tier).
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ from fsmount.testing.models import write_model  # noqa: E402
 from fsmount.testing.seaweed import SeaweedServer  # noqa: E402
 
 ORIGIN, TIER, KEY = "models", "tier", "model.safetensors"
-SCENARIOS = ("no-tier", "tier-cold", "tier-warm", "tier-curl", "one-none", "one-empty")
+SCENARIOS = ("no-tier", "tier-cold", "tier-warm", "tier-curl", "one-warm", "one-none", "one-empty")
 READ_BLOCK = 8 << 20
 
 
@@ -78,6 +80,8 @@ class Fleet:
             daemons = [self.node(stack, i, tier) for i in range(nodes)]
             drop_caches()
             results: dict[int, tuple[bool, float]] = {}
+            cpu_before = [sum(mounts.cpu_seconds(d.proc.pid) or (0, 0)) for d in daemons]
+            weed_before = sum(mounts.cpu_seconds(self.server.pid) or (0, 0))
 
             def read(i: int) -> None:
                 started = time.perf_counter()
@@ -92,13 +96,20 @@ class Fleet:
                 t.join()
             wall = time.perf_counter() - started
             stats = [mounts_stats(d.mountpoint) for d in daemons]
+            # Unmount drains the write-through to the tier: wait for it inside the measurement.
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline and any(mounts_stats(d.mountpoint)["cache_writes_pending"]
+                                                      for d in daemons):
+                time.sleep(0.05)
+            daemon_cpu = sum(sum(mounts.cpu_seconds(d.proc.pid) or (0, 0)) for d in daemons) - sum(cpu_before)
+            weed_cpu = sum(mounts.cpu_seconds(self.server.pid) or (0, 0)) - weed_before
         if not all(ok for ok, _ in results.values()):
             raise SystemExit(f"a node read wrong bytes: {results}")
         origin = sum(s["origin"]["bytes"] for s in stats)
         tier_bytes = sum((s["shared_cache"] or {}).get("bytes", 0) for s in stats)
         node_mbs = [self.size / t / 1e6 for _, t in results.values()]
         return {"seconds": wall, "origin_x": origin / self.size, "tier_x": tier_bytes / self.size,
-                "node_mb_s_min": min(node_mbs)}
+                "node_mb_s_min": min(node_mbs), "daemon_cpu": daemon_cpu, "weed_cpu": weed_cpu}
 
     def curl_tier(self) -> dict[str, float]:
         """Every chunk object in the tier, fetched with curl --parallel through presigned URLs."""
@@ -115,7 +126,7 @@ class Fleet:
                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         seconds = time.perf_counter() - started
         return {"seconds": seconds, "origin_x": 0.0, "tier_x": 1.0, "node_mb_s_min": self.size / seconds / 1e6,
-                "objects": len(keys)}
+                "daemon_cpu": 0.0, "weed_cpu": 0.0}
 
     def measure(self, scenario: str) -> dict[str, float]:
         n = self.args.nodes
@@ -128,10 +139,17 @@ class Fleet:
             return self.load(n, tier=True)  # after tier-cold in the same round
         if scenario == "tier-curl":
             return self.curl_tier()
+        if scenario == "one-warm":
+            return self.load(1, tier=True)  # after tier-cold in the same round
         if scenario == "one-none":
             return self.load(1, tier=False)
         self.empty_tier()
         return self.load(1, tier=True)
+
+
+def pin(pid: int | None, cpus: str) -> None:
+    """Every thread of `pid` on `cpus` (taskset's list form); children started later inherit it."""
+    subprocess.run(["taskset", "-a", "-p", "-c", cpus, str(pid)], check=True, stdout=subprocess.DEVNULL)
 
 
 def mounts_stats(mountpoint: Path) -> dict:
@@ -147,6 +165,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--scenarios", default=",".join(SCENARIOS))
     p.add_argument("--work-dir", type=Path, help="scratch dir on local disk (default: a temp dir in /var/tmp)")
+    p.add_argument("--pin", action="store_true",
+                   help="SeaweedFS alone on CPU 0, every daemon and reader (this process) on the other CPUs")
     args = p.parse_args(argv)
     if os.geteuid() != 0:
         raise SystemExit("bench/fleet.py needs root (mounts, drop_caches)")
@@ -159,20 +179,27 @@ def main(argv: list[str] | None = None) -> int:
             size = model.stat().st_size
             server.client().upload_file(str(model), ORIGIN, KEY, Config=UPLOAD_CONFIG)
             fleet = Fleet(args, work, server, sha256_of(model), size)
+            if args.pin:
+                pin(server.pid, "0")
+                pin(os.getpid(), f"1-{os.cpu_count() - 1}")  # daemons and curl inherit it
             model.unlink()
             for round_no in range(1, args.rounds + 1):
                 for scenario in args.scenarios.split(","):
                     out = fleet.measure(scenario)
                     results.setdefault(scenario, []).append(out)
                     print(f"round {round_no} {scenario:10s} {out['seconds']:6.2f} s  origin {out['origin_x']:4.2f}x  "
-                          f"tier {out['tier_x']:4.2f}x  slowest node {out['node_mb_s_min']:6.0f} MB/s", flush=True)
+                          f"tier {out['tier_x']:4.2f}x  slowest node {out['node_mb_s_min']:6.0f} MB/s  daemons "
+                          f"{out['daemon_cpu']:5.2f} weed {out['weed_cpu']:5.2f} CPU-s", flush=True)
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    print(f"medians ({args.nodes} nodes, model {args.size}): scenario seconds origin-x tier-x slowest-node-MB/s")
+    print(f"medians ({args.nodes} nodes, model {args.size}): scenario seconds origin-x tier-x slowest-node-MB/s "
+          "daemons-CPU-s weed-CPU-s")
+    keys = ("seconds", "origin_x", "tier_x", "node_mb_s_min", "daemon_cpu", "weed_cpu")
     for scenario, runs in results.items():
-        med = {k: statistics.median(r[k] for r in runs) for k in ("seconds", "origin_x", "tier_x", "node_mb_s_min")}
+        med = {k: statistics.median(r[k] for r in runs) for k in keys}
         print(f"{scenario:10s} {med['seconds']:6.2f} {med['origin_x']:5.2f} {med['tier_x']:5.2f} "
-              f"{med['node_mb_s_min']:7.0f}  {[round(r['seconds'], 2) for r in runs]}")
+              f"{med['node_mb_s_min']:7.0f} {med['daemon_cpu']:6.2f} {med['weed_cpu']:6.2f}  "
+              f"{[round(r['seconds'], 2) for r in runs]}")
     return 0
 
 

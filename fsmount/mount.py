@@ -203,7 +203,7 @@ def open_shared_tier(cfg: MountConfig) -> SharedTier:
                              profile=shared.profile, addressing_style=shared.addressing_style,
                              max_connections=cfg.store.max_connections, connect_timeout=shared.timeout,
                              read_timeout=shared.timeout)
-    client = Boto3Store(tier_store, retries=SHARED_TIER_RETRIES)
+    client = Boto3Store(tier_store, retries=SHARED_TIER_RETRIES, sign_payloads=False)
     try:
         client.check_bucket(shared.prefix)
     except (BucketMissing, AccessDenied) as exc:

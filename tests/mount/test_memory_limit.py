@@ -28,6 +28,7 @@ from tests.helpers import (
     drop_kernel_caches,
     file_digest,
     mounted,
+    new_bucket,
     proc_status,
     run_modelfs,
 )
@@ -114,8 +115,8 @@ PATTERNS = {"cat": read_sequentially, "random": read_at_random, "prefetch": pref
 
 
 def peak_of_one_run(server: S3Server, model: Model, mountpoint: Path, limit: str, pattern: str,
-                    cache_dir: Path | None) -> int:
-    extra = ["--memory-limit", limit]
+                    cache_dir: Path | None, *flags: str) -> int:
+    extra = ["--memory-limit", limit, *flags]
     if cache_dir is not None:
         extra += ["--cache-dir", str(cache_dir)]
     with mounted(server, model.bucket, mountpoint, *extra) as m:
@@ -151,3 +152,21 @@ def test_peak_rss_stays_within_the_memory_limit(seaweed_server: S3Server, model:
     # The runs really filled memory: the bound was exercised, not met by an idle daemon.
     assert max(peaks.values()) > min(limit_bytes, 512 * MiB) // 2, {k: v // MiB for k, v in peaks.items()}
 
+
+def test_peak_rss_with_a_shared_tier_stays_within_the_memory_limit(seaweed_server: S3Server, model: Model,
+                                                                   tmp_path: Path) -> None:
+    """The shared tier holds no chunk outside the budget: reads go straight into the engine's buffers and
+    the bodies of PUTs in flight are taken out of it. Filling an empty tier (and the NVMe cache), then
+    random readers on the warm tier alone, then the warm tier with an NVMe cache to fill."""
+    tier = new_bucket(seaweed_server, "tier")
+    flags = ("--shared-cache-bucket", tier, "--shared-cache-endpoint-url", seaweed_server.endpoint_url)
+    peaks: dict[str, int] = {}
+    for name, pattern, cache_dir in (("cat/tier-filling", "cat", tmp_path / "cache1"),
+                                     ("random/tier-warm", "random", None),
+                                     ("cat/tier-warm-cache-filling", "cat", tmp_path / "cache2")):
+        drop_kernel_caches(3)
+        peaks[name] = peak_of_one_run(seaweed_server, model, tmp_path / f"mnt-{name.replace('/', '-')}", "256M",
+                                      pattern, cache_dir, *flags)
+    print("VmHWM MiB at --memory-limit 256M with a shared tier:", {k: v // MiB for k, v in peaks.items()})
+    over = {name: peak // MiB for name, peak in peaks.items() if peak > 256 * MiB + MARGIN}
+    assert not over, f"VmHWM MiB over 256M + 64 MiB: {over}"

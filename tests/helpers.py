@@ -216,6 +216,17 @@ def upload(server: S3Server, bucket: str, files: dict[str, bytes | Path]) -> Non
         list(pool.map(one, files, files.values()))
 
 
+def delete_bucket(server: S3Server, bucket: str) -> None:
+    """Empty and delete a bucket. The session's SeaweedFS gives each bucket volumes of its own out of a
+    fixed number, so tests that write much (or create many buckets) give theirs back."""
+    client = server.client()
+    for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket):
+        keys = [{"Key": o["Key"]} for o in page.get("Contents", ())]
+        if keys:
+            client.delete_objects(Bucket=bucket, Delete={"Objects": keys, "Quiet": True})
+    client.delete_bucket(Bucket=bucket)
+
+
 def put_objects(server: S3Server, bucket: str, files: dict[str, bytes]) -> None:
     """One PutObject per key (a single-part ETag whatever the size), 16 at a time."""
     client = server.client()

@@ -41,6 +41,7 @@ from tests.helpers import (
     Mount,
     S3Server,
     daemon_env,
+    delete_bucket,
     file_digest,
     mount_stats,
     mounted,
@@ -167,9 +168,12 @@ class Fleet:
 
 
 @pytest.fixture
-def fleet(seaweed_server: S3Server, tmp_path: Path) -> Fleet:
-    """Two fresh buckets on SeaweedFS: the origin (empty until `put_body`) and the tier."""
-    return Fleet(seaweed_server, tmp_path, new_bucket(seaweed_server, "origin"), new_bucket(seaweed_server, "tier"))
+def fleet(seaweed_server: S3Server, tmp_path: Path) -> Iterator[Fleet]:
+    """Two fresh buckets on SeaweedFS: the origin (empty until `put_body`) and the tier; deleted after."""
+    fleet = Fleet(seaweed_server, tmp_path, new_bucket(seaweed_server, "origin"), new_bucket(seaweed_server, "tier"))
+    yield fleet
+    for bucket in (fleet.origin, fleet.tier):
+        delete_bucket(seaweed_server, bucket)
 
 
 def fleet_with(fleet: Fleet, size: int, seed: int) -> Fleet:

@@ -112,6 +112,19 @@ def default_memory_limit() -> int:
     return min(MEMORY_LIMIT_CAP, int(ram * MEMORY_LIMIT_RAM_FRACTION))
 
 
+def _check_bucket(cfg: StoreConfig | SharedCacheConfig, bad_bucket: str, style_flag: str) -> None:
+    """The rules a bucket, its addressing style and a key prefix follow, for the origin and the shared
+    tier alike; the prefix is normalised in place to 'a/b/' (no leading '/', one trailing '/')."""
+    if not cfg.bucket or "/" in cfg.bucket:
+        raise ConfigError(f"{bad_bucket} {cfg.bucket!r}")
+    if cfg.addressing_style not in ("auto", "path", "virtual"):
+        raise ConfigError(f"{style_flag} must be auto, path or virtual")
+    prefix = cfg.prefix.lstrip("/")
+    if prefix and not prefix.endswith("/"):
+        prefix += "/"
+    object.__setattr__(cfg, "prefix", prefix)
+
+
 @dataclasses.dataclass(frozen=True)
 class StoreConfig:
     """How to reach the bucket. Credentials are never stored here: boto3 finds them itself."""
@@ -128,14 +141,7 @@ class StoreConfig:
     read_timeout: float = DEFAULT_READ_TIMEOUT
 
     def __post_init__(self) -> None:
-        if not self.bucket or "/" in self.bucket:
-            raise ConfigError(f"invalid bucket name {self.bucket!r}")
-        if self.addressing_style not in ("auto", "path", "virtual"):
-            raise ConfigError("--addressing-style must be auto, path or virtual")
-        if self.prefix and not self.prefix.endswith("/"):
-            object.__setattr__(self, "prefix", self.prefix + "/")
-        if self.prefix.startswith("/"):
-            object.__setattr__(self, "prefix", self.prefix.lstrip("/"))
+        _check_bucket(self, "invalid bucket name", "--addressing-style")
         if self.max_connections < 1:
             raise ConfigError("--max-connections must be >= 1")
 
@@ -166,12 +172,7 @@ class SharedCacheConfig:
     timeout: float = DEFAULT_SHARED_CACHE_TIMEOUT
 
     def __post_init__(self) -> None:
-        if not self.bucket or "/" in self.bucket:
-            raise ConfigError(f"invalid --shared-cache-bucket {self.bucket!r}")
-        if self.addressing_style not in ("auto", "path", "virtual"):
-            raise ConfigError("--shared-cache-addressing-style must be auto, path or virtual")
-        if self.prefix and not self.prefix.endswith("/"):
-            object.__setattr__(self, "prefix", self.prefix + "/")
+        _check_bucket(self, "invalid --shared-cache-bucket", "--shared-cache-addressing-style")
         if self.wait < 0 or self.timeout <= 0:
             raise ConfigError("--shared-cache-wait must be >= 0 and --shared-cache-timeout > 0")
 

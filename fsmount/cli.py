@@ -18,6 +18,7 @@ from typing import TypeVar
 from fsmount import __version__
 from fsmount.config import (
     DEFAULT_CHUNK_SIZE,
+    DEFAULT_FUSE_MAX_BACKGROUND,
     DEFAULT_KERNEL_READAHEAD,
     DEFAULT_MAX_CONNECTIONS,
     DEFAULT_MAX_READAHEAD,
@@ -25,6 +26,7 @@ from fsmount.config import (
     DEFAULT_SHARED_CACHE_PREFIX,
     DEFAULT_SHARED_CACHE_TIMEOUT,
     DEFAULT_SHARED_CACHE_WAIT,
+    GET_CLIENTS,
     ConfigError,
     MountConfig,
     SharedCacheConfig,
@@ -116,6 +118,10 @@ def add_mount_arguments(p: argparse.ArgumentParser) -> None:
                    help="parallel ranged GETs (default %(default)s)")
     s.add_argument("--read-timeout", type=float, default=DEFAULT_READ_TIMEOUT,
                    help="seconds after which a READ fails with EIO instead of waiting (default %(default)s)")
+    s.add_argument("--get-client", choices=GET_CLIENTS, default="presigned",
+                   help="what carries the bytes of ranged GETs: presigned URLs read by http.client into "
+                        "recycled buffers (default; less CPU per byte), or boto3's get_object. Signing, "
+                        "credentials and retries are boto3's either way")
     f = p.add_argument_group("file system")
     f.add_argument("--foreground", "-f", action="store_true", help="stay in the foreground (for systemd)")
     f.add_argument("--uid", type=int, default=os.getuid(), help="owner of all files (default: you)")
@@ -135,6 +141,9 @@ def add_mount_arguments(p: argparse.ArgumentParser) -> None:
                    help="largest read-ahead window per reader (default 256M)")
     d.add_argument("--kernel-readahead", type=_size, default=DEFAULT_KERNEL_READAHEAD,
                    help="kernel read_ahead_kb for the mount, 0 to leave it (default 16M)")
+    d.add_argument("--fuse-max-background", type=int, default=DEFAULT_FUSE_MAX_BACKGROUND,
+                   help="FUSE background requests the kernel may queue (its read-ahead READs), set through "
+                        "fusectl when run as root; 0 to leave the kernel's 12 (default %(default)s)")
     d.add_argument("--no-model-streaming", "--no-model-prefetch", dest="no_model_streaming", action="store_true",
                    help="do not stream safetensors files in offset order when they are opened "
                         "(--no-model-prefetch is the old name)")
@@ -200,14 +209,15 @@ def build_config(args: argparse.Namespace) -> MountConfig:
     store = StoreConfig(bucket=args.bucket, prefix=args.prefix, endpoint_url=args.endpoint_url,
                         region=args.region, profile=args.profile, addressing_style=args.addressing_style,
                         no_sign_request=args.no_sign_request, max_connections=args.max_connections,
-                        read_timeout=args.read_timeout)
+                        read_timeout=args.read_timeout, get_client=args.get_client)
     return MountConfig(
         store=store, mountpoint=args.mountpoint, foreground=args.foreground, uid=args.uid, gid=args.gid,
         file_mode=args.file_mode, dir_mode=args.dir_mode, allow_other=args.allow_other,
         allow_non_empty=args.allow_non_empty, metadata_ttl=args.metadata_ttl, log_level=args.log_level,
         log_file=args.log_file, chunk_size=args.chunk_size,
         memory_limit=args.memory_limit if args.memory_limit is not None else default_memory_limit(),
-        max_readahead=args.max_readahead, kernel_readahead=args.kernel_readahead, cache_dir=args.cache_dir,
+        max_readahead=args.max_readahead, kernel_readahead=args.kernel_readahead,
+        fuse_max_background=args.fuse_max_background, cache_dir=args.cache_dir,
         cache_size=args.cache_size, model_streaming=not args.no_model_streaming,
         pagecache_push_limit=args.pagecache_push_limit, metrics_addr=args.metrics_addr,
         shared_cache=shared_cache_config(args))

@@ -1,6 +1,10 @@
 """The boto3 store client: ranged GETs, HEAD and delimited listings over boto3, and the one place where
 botocore / urllib3 failures become `StoreError`s.
 
+The bytes of a ranged GET travel by `presigned.RangeGetter` (http.client into the caller's buffer, less
+CPU per byte) unless `--get-client boto3` or a proxy in the environment says otherwise; the signing, the
+retries and the checks are the same either way.
+
 Every method blocks; callers run them in worker threads. Nothing here caches or decides what to fetch.
 """
 
@@ -14,6 +18,8 @@ from collections.abc import Iterator
 from typing import Any
 
 from fsmount.config import StoreConfig
+from fsmount.data.identity import WritableBuffer, new_buffer
+from fsmount.data.presigned import URL_EXPIRES_S, RangeGetter, proxied, ssl_context
 from fsmount.data.store import (
     AccessDenied,
     BucketMissing,
@@ -24,6 +30,7 @@ from fsmount.data.store import (
     StoreError,
     TransientError,
     Unreachable,
+    error_for_status,
 )
 
 log = logging.getLogger(__name__)
@@ -34,6 +41,10 @@ GET_ATTEMPTS = 3
 GET_BACKOFF_BASE = 0.2
 # botocore's own retries for request-level failures (5xx, throttling, connection refused).
 BOTO_MAX_ATTEMPTS = 4
+# One presigned GET is one request (botocore's retries are not under it): as many tries in all as
+# botocore's standard mode makes, with the same kinds of failure retried (5xx, throttling, resets,
+# refused connections, bodies cut short).
+PRESIGNED_GET_ATTEMPTS = BOTO_MAX_ATTEMPTS + 1
 # Keys per ListObjectsV2 page: S3's maximum.
 LIST_PAGE_KEYS = 1000
 # Pre-flight check: one attempt, short timeouts, so a wrong endpoint fails in seconds.
@@ -68,20 +79,7 @@ def translate_error(exc: Exception, bucket: str, what: str) -> StoreError:
         )
     if isinstance(exc, bex.ClientError):
         code, status = _client_error_code(exc)
-        if code == "NoSuchBucket":
-            return BucketMissing(f"bucket {bucket!r} does not exist")
-        if code in ("NoSuchKey", "NotFound") or status == 404:
-            return NotFound(f"{what}: not found")
-        if code in ("InvalidAccessKeyId", "SignatureDoesNotMatch", "AccessDenied", "AllAccessDisabled",
-                    "InvalidToken", "ExpiredToken") or status == 403:
-            return AccessDenied(f"access denied to bucket {bucket!r} ({code or status}): check credentials")
-        if code == "PreconditionFailed" or status == 412:
-            return PreconditionFailed(f"{what}: object changed in the bucket since it was opened")
-        if code == "NotImplemented" or status == 501:  # a feature the server lacks: asking again will not help
-            return StoreError(f"{what}: not implemented by the server")
-        if status >= 500 or code in ("SlowDown", "Throttling", "RequestTimeout", "InternalError"):
-            return TransientError(f"{what}: server error {code or status}")
-        return StoreError(f"{what}: {code or status}")
+        return error_for_status(code, status, bucket, what)
     if isinstance(exc, (bex.EndpointConnectionError, bex.ConnectTimeoutError)):
         return Unreachable(f"cannot reach the endpoint: {exc}")
     if isinstance(exc, (bex.ReadTimeoutError, bex.ResponseStreamingError, bex.IncompleteReadError,
@@ -94,6 +92,16 @@ def translate_error(exc: Exception, bucket: str, what: str) -> StoreError:
     if isinstance(exc, OSError):
         return TransientError(f"{what}: {exc}")
     return StoreError(f"{what}: {type(exc).__name__}: {exc}")
+
+
+def _ssl_context(profile: str | None) -> Any:
+    """The TLS settings boto3 uses for this profile: its CA bundle (AWS_CA_BUNDLE, the profile's
+    ca_bundle) or botocore's default one."""
+    import botocore.session
+    from botocore.httpsession import get_cert_path
+
+    ca_bundle = botocore.session.Session(profile=profile).get_config_variable("ca_bundle")
+    return ssl_context(ca_bundle or get_cert_path(True))
 
 
 def _decode_key(raw: str, encoded: bool) -> str | bytes:
@@ -131,7 +139,9 @@ class Boto3Store:
             s3_options["payload_signing_enabled"] = False
         botocfg = Config(
             region_name=cfg.region,
-            signature_version=UNSIGNED if cfg.no_sign_request else None,
+            # SigV4 named, not left to botocore: it presigns URLs with SigV2 otherwise (us-east-1 and
+            # custom endpoints), which newer regions refuse.
+            signature_version=UNSIGNED if cfg.no_sign_request else "s3v4",
             # One spare connection for metadata calls next to the data fetches.
             max_pool_connections=cfg.max_connections + 4,
             connect_timeout=timeout,
@@ -148,6 +158,14 @@ class Boto3Store:
         )
         self._client = session.client("s3", endpoint_url=cfg.endpoint_url, config=botocfg)
         self.list_page_keys = LIST_PAGE_KEYS
+        self._ranges: RangeGetter | None = None
+        if cfg.get_client == "presigned" and not preflight:
+            if proxied(self._client.meta.endpoint_url):
+                log.info("a proxy is set for %s: ranged GETs go through boto3", self._client.meta.endpoint_url)
+            else:
+                self._ranges = RangeGetter(self._presign, bucket=self.bucket, pool_size=cfg.max_connections + 4,
+                                           connect_timeout=cfg.connect_timeout, read_timeout=cfg.read_timeout,
+                                           ssl_context=_ssl_context(cfg.profile))
 
     def check_bucket(self, prefix: str) -> None:
         try:
@@ -209,35 +227,62 @@ class Boto3Store:
             raise translate_error(exc, self.bucket, f"listing {prefix!r}") from None
         return bool(resp.get("KeyCount") or resp.get("Contents") or resp.get("CommonPrefixes"))
 
-    def get_range(self, key: str, etag: str, start: int, end: int) -> bytes:
+    def _presign(self, key: str) -> str:
+        try:
+            return self._client.generate_presigned_url(
+                "get_object", Params={"Bucket": self.bucket, "Key": key}, ExpiresIn=URL_EXPIRES_S)
+        except Exception as exc:  # noqa: BLE001
+            raise translate_error(exc, self.bucket, f"signing a GET of {key!r}") from None
+
+    def get_range(self, key: str, etag: str, start: int, end: int,
+                  buffer: WritableBuffer | None = None) -> bytes | WritableBuffer:
         want = end - start
         if want <= 0:
             return b""
         what = f"GET {key!r} bytes {start}-{end - 1}"
-        for attempt in range(1, GET_ATTEMPTS + 1):
+        attempts = GET_ATTEMPTS if self._ranges is None else PRESIGNED_GET_ATTEMPTS
+        for attempt in range(1, attempts + 1):
             try:
-                kwargs: dict[str, Any] = dict(Bucket=self.bucket, Key=key, Range=f"bytes={start}-{end - 1}")
-                if etag:
-                    kwargs["IfMatch"] = etag
-                resp = self._client.get_object(**kwargs)
-                data = resp["Body"].read()
-                if len(data) != want:
-                    raise TransientError(f"{what}: short body, {len(data)} of {want} bytes")
-                content_range = resp.get("ContentRange")
-                if content_range and not content_range.startswith(f"bytes {start}-{end - 1}/"):
-                    raise TransientError(f"{what}: server answered with {content_range!r}")
-                got_etag = resp.get("ETag")
-                if etag and got_etag and got_etag != etag:
-                    raise PreconditionFailed(f"{what}: object changed in the bucket since it was opened")
-                return data
+                if self._ranges is None:
+                    return self._boto3_get_range(key, etag, start, end, buffer, what)
+                if buffer is None:
+                    buffer = new_buffer(want)
+                self._ranges.get_into(key, etag, start, buffer, what)
+                return buffer
             except Exception as exc:  # noqa: BLE001
                 err = translate_error(exc, self.bucket, what)
-                if not isinstance(err, TransientError) or attempt == GET_ATTEMPTS:
+                retry = isinstance(err, TransientError) or (self._ranges is not None and isinstance(err, Unreachable))
+                if not retry or attempt == attempts:
                     raise err from None
                 delay = GET_BACKOFF_BASE * (2 ** (attempt - 1)) * (0.5 + random.random())
                 log.debug("%s failed (%s), retry %d in %.2fs", what, err.message, attempt, delay)
                 time.sleep(delay)
         raise AssertionError("unreachable")
+
+    def _boto3_get_range(self, key: str, etag: str, start: int, end: int, buffer: WritableBuffer | None,
+                         what: str) -> bytes | WritableBuffer:
+        want = end - start
+        kwargs: dict[str, Any] = dict(Bucket=self.bucket, Key=key, Range=f"bytes={start}-{end - 1}")
+        if etag:
+            kwargs["IfMatch"] = etag
+        resp = self._client.get_object(**kwargs)
+        content_range = resp.get("ContentRange")
+        if content_range and not content_range.startswith(f"bytes {start}-{end - 1}/"):
+            raise TransientError(f"{what}: server answered with {content_range!r}")
+        got_etag = resp.get("ETag")
+        if etag and got_etag and got_etag != etag:
+            raise PreconditionFailed(f"{what}: object changed in the bucket since it was opened")
+        # A body longer than the range is as wrong as a short one: ask for one byte more than the range.
+        with ObjectReader(resp["Body"], want, self.bucket, what) as reader:
+            if buffer is None:
+                data: bytes | WritableBuffer = reader.read(want + 1)
+                got = len(data)
+            else:
+                data, got = buffer, reader.readinto(buffer)
+                got += len(reader.read(1))
+        if got != want:
+            raise TransientError(f"{what}: {got} bytes of body, {want} asked for")
+        return data
 
     # -- whole objects (the shared chunk tier) ---------------------------------------------------
 

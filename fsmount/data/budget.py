@@ -9,8 +9,8 @@ Rules (everything here runs in the trio thread; nothing awaits except `reserve`)
 - Pins: a pinned chunk (`_pins[cid]` > 0) is not evicted until `unpin`. Only work that finishes on its
   own may pin (the write-through to the cache levels): a page-cache push may not, since it can wait
   for a READ that waits for room.
-- Buffer reuse (cache-level hits only): a chunk read from a level into a buffer of ours (an anonymous
-  mmap) is tracked in `_served` until READs have taken as many bytes as it holds (or it was pushed to
+- Buffer reuse: a chunk read into a buffer of ours (an anonymous mmap; from the origin or a cache
+  level) is tracked in `_served` until READs have taken as many bytes as it holds (or it was pushed to
   the page cache), then queued in `_spent`. A fetch that can use a buffer first takes one from a spent
   chunk (`take_spent_buffer`): the chunk leaves memory and its bytes move from `cached` to the
   fetch's reservation, so the budget is unchanged and nothing else is evicted. Failing that, a buffer
@@ -19,6 +19,8 @@ Rules (everything here runs in the trio thread; nothing awaits except `reserve`)
   overwritten while anything can still read it.
 - `_read_by_kernel`: chunks in memory that READs have taken bytes from. The kernel caches what a READ
   returned, so pushing such a chunk into the page cache would copy it there a second time.
+- `_in_page_cache`: the last KERNEL_HELD_MAX chunks whose buffer was reused once spent: the page cache
+  holds them (unless it dropped them since), so reading them ahead again would fetch them for nothing.
 """
 
 from __future__ import annotations
@@ -30,6 +32,9 @@ import sys
 import trio
 
 from fsmount.data.identity import Chunk, ChunkId
+
+# Chunk ids remembered as held by the page cache: 4096 x 8 MiB chunks is 32 GiB of models.
+KERNEL_HELD_MAX = 4096
 
 
 class MemoryBudget:
@@ -43,6 +48,7 @@ class MemoryBudget:
         self._served: dict[ChunkId, int] = {}  # level hits in reusable buffers: bytes READs took so far
         self._spent: collections.deque[ChunkId] = collections.deque()
         self._read_by_kernel: set[ChunkId] = set()
+        self._in_page_cache: collections.OrderedDict[ChunkId, None] = collections.OrderedDict()
         self._changed = trio.Event()
 
     @property
@@ -131,6 +137,9 @@ class MemoryBudget:
             self.reserved += length
             self._forget(cid)
             self.buffers_recycled += 1
+            self._in_page_cache[cid] = None
+            if len(self._in_page_cache) > KERNEL_HELD_MAX:
+                self._in_page_cache.popitem(last=False)
             return data
         return None
 
@@ -168,6 +177,10 @@ class MemoryBudget:
             self._spent.append(cid)
         else:
             self._served[cid] = served + nbytes
+
+    def in_page_cache(self, cid: ChunkId) -> bool:
+        """True if the chunk left memory once the kernel had taken all of it (READs or a push)."""
+        return cid in self._in_page_cache
 
     def read_by_kernel(self, cid: ChunkId) -> bool:
         """True if READs have already taken bytes of this (in-memory) chunk."""

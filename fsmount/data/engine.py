@@ -174,8 +174,10 @@ class ChunkEngine:
         return fetch
 
     def read_ahead(self, obj: ObjectVersion, index: int, owner: object) -> None:
-        """Ask for a chunk ahead of need; `owner` may later `abandon` it."""
-        self.fetch(obj, index, owner)
+        """Ask for a chunk ahead of need; `owner` may later `abandon` it. A chunk the kernel took whole is
+        not asked for again: the page cache has it (a READ fetches it, should the kernel have dropped it)."""
+        if not self.memory.in_page_cache(self.chunk_id(obj, index)):
+            self.fetch(obj, index, owner)
 
     def fetch(self, obj: ObjectVersion, index: int, owner: object, priority: int = AHEAD) -> Fetch | Chunk:
         """Queue a chunk now (queue order is request order) and hand back its bytes if they are in memory,
@@ -273,13 +275,13 @@ class ChunkEngine:
 
     async def _run_fetch(self, fetch: Fetch) -> None:
         self.stats.fetches_inflight += 1
-        reuse = bool(self.levels) and fetch.length == self.chunk_size
+        reuse = fetch.length == self.chunk_size
         buffer = self.memory.take_spent_buffer(fetch.length) if reuse else None
         if buffer is None:
             buffer = await self.memory.reserve(fetch.length, reuse=reuse)
         try:
             data, hit = await self.levels.load(fetch.cid, fetch.length, buffer, fetch.retry_until)
-            del buffer  # the level filled it (it is `data`), or the origin's bytes replace it
+            del buffer  # a level or the origin filled it (it is `data`), or a level's own bytes replace it
             fetch.data = data
             fetch.source = "origin" if hit is None else "level"
             self.memory.store(fetch.cid, data)

@@ -1,7 +1,7 @@
 """What names a chunk of object data: the object version a handle pins, the chunk id every cache level
 is keyed by, and the in-memory forms a chunk's bytes take.
 
-Plain values only: nothing here does I/O.
+Plain values only (and the allocation of a chunk buffer): nothing here does I/O.
 """
 
 from __future__ import annotations
@@ -9,6 +9,9 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import mmap
+
+# x86-64's and arm64's (4 KiB base pages) transparent huge page.
+HUGE_PAGE = 2 << 20
 
 # A buffer the engine hands a level to read a chunk into (it recycles its chunk buffers: anonymous mmaps).
 WritableBuffer = mmap.mmap
@@ -18,6 +21,19 @@ WritableBuffer = mmap.mmap
 # per 800 MiB read into a reused one on the dev box. An mmap rather than a bytearray: a new one is not
 # zero-filled by a pass of its own, and it is freed (munmap) at once when dropped.
 Chunk = bytes | WritableBuffer
+
+
+def new_buffer(length: int) -> WritableBuffer:
+    """A fresh chunk buffer: an anonymous mmap, in transparent huge pages where the kernel allows it on
+    request (THP 'madvise' mode, the common default): filling it then takes 4 page faults per 8 MiB
+    instead of 2048, which cost 20 % of the daemon's CPU in a cold read (perf, 1 GiB, no cache dir)."""
+    buffer = mmap.mmap(-1, length, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if length >= HUGE_PAGE and hasattr(mmap, "MADV_HUGEPAGE"):
+        try:
+            buffer.madvise(mmap.MADV_HUGEPAGE)
+        except OSError:  # THP off, or not for this mapping: small pages then
+            pass
+    return buffer
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

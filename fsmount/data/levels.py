@@ -28,7 +28,7 @@ from typing import Any, Protocol
 
 import trio
 
-from fsmount.data.identity import Chunk, ChunkId, WritableBuffer
+from fsmount.data.identity import Chunk, ChunkId, WritableBuffer, new_buffer
 from fsmount.data.store import ObjectStore, Unreachable
 
 log = logging.getLogger(__name__)
@@ -162,9 +162,10 @@ class LevelStack:
         """The chunk and the index of the level that had it (read into `buffer` if given, else a new
         one), or from the origin with index None. While the origin refuses connections the GET is tried
         again until `retry_until()` (a deadline on trio's clock, re-read at each try)."""
-        if self.levels and buffer is None and length == cid.chunk_size:
-            # An mmap call only: its pages are faulted in by the read that fills them.
-            buffer = mmap.mmap(-1, length, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        if buffer is None and length == cid.chunk_size:
+            # An mmap call only: its pages are faulted in by the read that fills them, and the buffer is
+            # reused for later chunks once READs took it (budget.py).
+            buffer = new_buffer(length)
         for i, level in enumerate(self.levels):
             data = await self._run_blocking(level.get, cid, buffer, limiter=self._get_limiters[i])
             if data is not None and len(data) == length:
@@ -172,16 +173,17 @@ class LevelStack:
                 self.stats.level_bytes[i] += length
                 return data, i
             self.stats.level_misses[i] += 1
-        return await self._from_origin(cid, length, retry_until), None
+        return await self._from_origin(cid, length, buffer, retry_until), None
 
-    async def _from_origin(self, cid: ChunkId, length: int, retry_until: Callable[[], float]) -> bytes:
+    async def _from_origin(self, cid: ChunkId, length: int, buffer: mmap.mmap | None,
+                           retry_until: Callable[[], float]) -> Chunk:
         backoff = UNREACHABLE_RETRY_S
         while True:
             self.stats.origin_requests += 1
             started = time.monotonic()
             try:
                 data = await self._run_blocking(self.store.get_range, cid.key, cid.etag, cid.offset,
-                                                cid.offset + length, limiter=self._s3_limiter)
+                                                cid.offset + length, buffer, limiter=self._s3_limiter)
                 break
             except Unreachable as exc:
                 self.stats.origin_errors += 1

@@ -12,6 +12,8 @@ import errno
 from collections.abc import Iterator
 from typing import Protocol
 
+from fsmount.data.identity import WritableBuffer
+
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class ObjectMeta:
@@ -71,6 +73,25 @@ class TransientError(StoreError):
     errno = errno.EIO
 
 
+def error_for_status(code: str, status: int, bucket: str, what: str) -> StoreError:
+    """The StoreError for an S3 error answer (its error code, its HTTP status): the one mapping, used by
+    every client whatever library carried the request."""
+    if code == "NoSuchBucket":
+        return BucketMissing(f"bucket {bucket!r} does not exist")
+    if code in ("NoSuchKey", "NotFound") or status == 404:
+        return NotFound(f"{what}: not found")
+    if code in ("InvalidAccessKeyId", "SignatureDoesNotMatch", "AccessDenied", "AllAccessDisabled",
+                "InvalidToken", "ExpiredToken") or status == 403:
+        return AccessDenied(f"access denied to bucket {bucket!r} ({code or status}): check credentials")
+    if code == "PreconditionFailed" or status == 412:
+        return PreconditionFailed(f"{what}: object changed in the bucket since it was opened")
+    if code == "NotImplemented" or status == 501:  # a feature the server lacks: asking again will not help
+        return StoreError(f"{what}: not implemented by the server")
+    if status >= 500 or code in ("SlowDown", "Throttling", "RequestTimeout", "InternalError"):
+        return TransientError(f"{what}: server error {code or status}")
+    return StoreError(f"{what}: {code or status}")
+
+
 class ObjectStore(Protocol):
     bucket: str
 
@@ -90,6 +111,8 @@ class ObjectStore(Protocol):
         """Whether any key starts with `prefix` (which ends with '/')."""
         ...
 
-    def get_range(self, key: str, etag: str, start: int, end: int) -> bytes:
-        """Bytes [start, end) of the object version `etag`; exactly end - start bytes or an error."""
+    def get_range(self, key: str, etag: str, start: int, end: int,
+                  buffer: WritableBuffer | None = None) -> bytes | WritableBuffer:
+        """Bytes [start, end) of the object version `etag`; exactly end - start bytes or an error. With
+        `buffer` (end - start bytes long) the bytes are read into it and it is returned."""
         ...

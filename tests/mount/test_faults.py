@@ -31,8 +31,8 @@ from typing import NamedTuple
 
 import pytest
 
-from fsmount.config import DEFAULT_MAX_CONNECTIONS
-from fsmount.data.boto3_store import BOTO_MAX_ATTEMPTS, GET_ATTEMPTS
+from fsmount.config import DEFAULT_MAX_CONNECTIONS, GET_CLIENTS
+from fsmount.data.boto3_store import BOTO_MAX_ATTEMPTS, GET_ATTEMPTS, PRESIGNED_GET_ATTEMPTS
 from fsmount.namespace import invalid_segment_reason
 from fsmount.testing.fault_proxy import Down, Fault, FaultProxy, synthetic_body
 from tests.helpers import (
@@ -64,11 +64,12 @@ from tests.helpers import (
     wait_for,
 )
 
-# botocore's `max_attempts` counts retries, so one call makes up to BOTO_MAX_ATTEMPTS + 1 requests
-# (measured through the proxy); the store repeats a call that failed transiently GET_ATTEMPTS times.
-GETS_PER_FETCH = (BOTO_MAX_ATTEMPTS + 1) * GET_ATTEMPTS
-# A body that breaks after the headers is the store's to retry (botocore has already returned).
-GETS_PER_FETCH_BODY_FAULT = GET_ATTEMPTS
+# The most GETs one fetch may send, by what carries the bytes (--get-client). boto3: botocore's
+# `max_attempts` counts retries, so one call makes up to BOTO_MAX_ATTEMPTS + 1 requests (measured
+# through the proxy), and the store repeats a call that failed transiently GET_ATTEMPTS times; a body
+# that breaks after the headers is the store's alone to retry. Presigned: the store's tries are all.
+GETS_PER_FETCH = {"boto3": (BOTO_MAX_ATTEMPTS + 1) * GET_ATTEMPTS, "presigned": PRESIGNED_GET_ATTEMPTS}
+GETS_PER_FETCH_BODY_FAULT = {"boto3": GET_ATTEMPTS, "presigned": PRESIGNED_GET_ATTEMPTS}
 # One MiB chunks, no daemon read-ahead and no model prefetch: each read below maps to one chunk and
 # the proxy sees exactly the GETs that read caused.
 FAULT_ARGS = ("--read-timeout", f"{READ_TIMEOUT_S:g}", "--chunk-size", "1M", "--max-readahead", "0",
@@ -79,6 +80,13 @@ SOAK_S = float(os.environ.get("MODELFS_SOAK_SECONDS", "60"))
 
 
 # -- helpers --------------------------------------------------------------------------------------
+
+
+@pytest.fixture(params=GET_CLIENTS)
+def get_client(request: pytest.FixtureRequest) -> str:
+    """Each value of --get-client: the faults below must look the same whatever carries the bytes."""
+    return request.param
+
 
 def fault_args(option: str, value: str) -> list[str]:
     """FAULT_ARGS with the value of one of its options changed."""
@@ -226,10 +234,11 @@ def test_added_latency_reads_exact_and_fetches_each_chunk_once(moto_server: S3Se
 
 @pytest.mark.parametrize("after_bytes", [None, 64 * KiB], ids=["before-headers", "mid-body"])
 def test_stall_gives_eio_within_read_timeout_then_recovers(moto_server: S3Server, proxy: FaultProxy,
-                                                           mountpoint: Path, after_bytes: int | None) -> None:
+                                                           mountpoint: Path, after_bytes: int | None,
+                                                           get_client: str) -> None:
     data = random_bytes(4 * MiB, 2)
     bucket = bucket_with(moto_server, {"stall.bin": data})
-    with mounted_via(proxy, moto_server, bucket, mountpoint, *FAULT_ARGS,
+    with mounted_via(proxy, moto_server, bucket, mountpoint, *FAULT_ARGS, "--get-client", get_client,
                      allowed=(FETCH_FAILED, READ_FAILED)) as m:
         with opened_random(mountpoint / "stall.bin") as fd:
             assert os.pread(fd, MiB, 0) == data[:MiB]
@@ -260,7 +269,7 @@ def test_stall_gives_eio_within_read_timeout_then_recovers(moto_server: S3Server
             read_all_exact(fd, data)
         # Chunk 0's GET, then the stalled chunks 1 and 2: one fetch chain each while the stall lasted, two at
         # most (a READ more than RETRY_GRACE_S after a fetch's deadline gets a fresh fetch, fix B5).
-        assert stalled_gets <= 1 + 2 * 2 * GETS_PER_FETCH, stalled_gets
+        assert stalled_gets <= 1 + 2 * 2 * GETS_PER_FETCH[get_client], stalled_gets
         assert m.proc.poll() is None
 
 
@@ -302,18 +311,19 @@ def test_unmount_during_stall_exits_promptly(moto_server: S3Server, proxy: Fault
 
 @pytest.mark.parametrize("fault", [Fault.RESET, Fault.TRUNCATE, Fault.SHORT])
 def test_broken_body_is_retried_then_eio_and_bounded(moto_server: S3Server, proxy: FaultProxy,
-                                                     mountpoint: Path, fault: Fault) -> None:
+                                                     mountpoint: Path, fault: Fault, get_client: str) -> None:
     """RESET: RST after 100 KB; TRUNCATE: FIN after 100 KB of a longer Content-Length; SHORT: a 100 KB
     body whose Content-Length says 100 KB (only the store's own length check catches it)."""
     data = random_bytes(6 * MiB, 3)
     bucket = bucket_with(moto_server, {"cut.bin": data})
-    with mounted_via(proxy, moto_server, bucket, mountpoint, *FAULT_ARGS,
+    with mounted_via(proxy, moto_server, bucket, mountpoint, *FAULT_ARGS, "--get-client", get_client,
                      allowed=(FETCH_FAILED, READ_FAILED)) as m:
         with opened_random(mountpoint / "cut.bin") as fd:
             # Transient: one attempt fewer than the store makes is absorbed, bytes exact.
-            rule = proxy.inject(fault, after_bytes=100 * KiB, times=GET_ATTEMPTS - 1)
+            tries = GETS_PER_FETCH_BODY_FAULT[get_client]
+            rule = proxy.inject(fault, after_bytes=100 * KiB, times=tries - 1)
             assert os.pread(fd, MiB, 0) == data[:MiB]
-            assert rule.hits == GET_ATTEMPTS - 1
+            assert rule.hits == tries - 1
             # Persistent: EIO in time, and a bounded number of GETs once the daemon has given up.
             proxy.clear()
             proxy.reset_counts()
@@ -323,7 +333,7 @@ def test_broken_body_is_retried_then_eio_and_bounded(moto_server: S3Server, prox
             fetches = failed_fetches(m.log())
             gets = proxy.counts()["data_gets"]
             assert 1 <= fetches <= 2, fetches
-            assert gets <= fetches * GETS_PER_FETCH_BODY_FAULT, (gets, fetches)
+            assert gets <= fetches * tries, (gets, fetches)
             # Over: the same mount serves exact bytes.
             proxy.clear()
             read_until_ok(fd, data, MiB, MiB)
@@ -332,10 +342,10 @@ def test_broken_body_is_retried_then_eio_and_bounded(moto_server: S3Server, prox
 
 @pytest.mark.parametrize("status", [500, 503], ids=["500-InternalError", "503-SlowDown"])
 def test_error_storms_exact_or_eio_bounded_and_recover(moto_server: S3Server, proxy: FaultProxy,
-                                                       mountpoint: Path, status: int) -> None:
+                                                       mountpoint: Path, status: int, get_client: str) -> None:
     data = random_bytes(8 * MiB, 4)
     bucket = bucket_with(moto_server, {"storm.bin": data})
-    with mounted_via(proxy, moto_server, bucket, mountpoint, *FAULT_ARGS,
+    with mounted_via(proxy, moto_server, bucket, mountpoint, *FAULT_ARGS, "--get-client", get_client,
                      allowed=(FETCH_FAILED, READ_FAILED)) as m:
         with opened_random(mountpoint / "storm.bin") as fd:
             # A storm of the next 6 data GETs: retries absorb it. 5xx backoff is 50 ms * 2^n, so the read
@@ -366,10 +376,10 @@ def test_error_storms_exact_or_eio_bounded_and_recover(moto_server: S3Server, pr
                 fetches = failed_fetches(m.log()) - fetches_before
                 gets = proxy.counts()["data_gets"]
                 assert 1 <= fetches <= 2, fetches
-                assert gets <= fetches * GETS_PER_FETCH, (gets, fetches)
+                assert gets <= fetches * GETS_PER_FETCH[get_client], (gets, fetches)
             else:
                 # SlowDown backs off up to 1 s * 2^n: the chain outlives the read; count what it sent so far.
-                assert proxy.counts()["data_gets"] <= 2 * GETS_PER_FETCH
+                assert proxy.counts()["data_gets"] <= 2 * GETS_PER_FETCH[get_client]
             # Storm over: the same mount recovers.
             proxy.clear()
             read_until_ok(fd, data, MiB, 6 * MiB)
@@ -377,13 +387,14 @@ def test_error_storms_exact_or_eio_bounded_and_recover(moto_server: S3Server, pr
 
 
 @pytest.mark.parametrize("mode", [Down.REFUSE, Down.BLACKHOLE])
-def test_origin_down_then_back(moto_server: S3Server, proxy: FaultProxy, mountpoint: Path, mode: Down) -> None:
+def test_origin_down_then_back(moto_server: S3Server, proxy: FaultProxy, mountpoint: Path, mode: Down,
+                               get_client: str) -> None:
     """REFUSE: nothing listens (connections refused, open ones cut); BLACKHOLE: requests are accepted
     and never answered. Chunks in daemon memory and cached metadata keep serving; the rest fails with EIO
     in time; once the origin is back the same mount serves everything again."""
     warm, cold = random_bytes(3 * MiB, 5), random_bytes(3 * MiB, 6)
     bucket = bucket_with(moto_server, {"warm.bin": warm, "cold.bin": cold})
-    with mounted_via(proxy, moto_server, bucket, mountpoint, *FAULT_ARGS,
+    with mounted_via(proxy, moto_server, bucket, mountpoint, *FAULT_ARGS, "--get-client", get_client,
                      allowed=(FETCH_FAILED, OPS_FAILED)):
         with opened_random(mountpoint / "warm.bin") as fd_warm, opened_random(mountpoint / "cold.bin") as fd_cold:
             read_all_exact(fd_warm, warm)

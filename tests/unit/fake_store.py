@@ -9,6 +9,7 @@ import hashlib
 import threading
 import time
 from collections.abc import Callable, Iterator
+from typing import Any
 
 from fsmount.data import ListingPage, ObjectMeta, PreconditionFailed, StoreError
 
@@ -65,7 +66,7 @@ class FakeStore:
     def has_children(self, prefix: str) -> bool:
         return any(k.startswith(prefix) for k in self.objects)
 
-    def get_range(self, key: str, etag: str, start: int, end: int) -> bytes:
+    def get_range(self, key: str, etag: str, start: int, end: int, buffer: Any = None) -> Any:
         with self._lock:
             self.gets.append((key, start, end))
         if self.latency:
@@ -76,4 +77,8 @@ class FakeStore:
             raise StoreError(f"GET {key!r}: not found")
         if etag and self.etags[key] != etag:
             raise PreconditionFailed(f"GET {key!r}: object changed")
-        return self.objects[key][start:end]
+        data = self.objects[key][start:end]
+        if buffer is None:
+            return data
+        buffer[:] = data
+        return buffer

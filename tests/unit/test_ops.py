@@ -116,15 +116,64 @@ LIST_XML = (b'<?xml version="1.0" encoding="UTF-8"?><ListBucketResult '
             b"</ListBucketResult>")
 
 
-def oss_requests(argv: list[str]) -> list:
-    """Build the store exactly as `modelfs mount` does and record what it would send."""
+class _WireConnection:
+    """Stands in for http.client's connection in fsmount.data.presigned: records the GET it is sent and
+    answers it like OSS would (206, the range, the ETag)."""
+
+    sent: list[tuple[str, int, str, dict[str, str]]] = []
+
+    def __init__(self, host: str, port: int, **_: object):
+        self.host, self.port, self.sock = host, port, None
+
+    def connect(self) -> None:
+        self.sock = _Socket()
+
+    def request(self, method: str, target: str, headers: dict[str, str]) -> None:
+        assert method == "GET"
+        self.sent.append((self.host, self.port, target, dict(headers)))
+
+    def getresponse(self) -> _WireResponse:
+        return _WireResponse()
+
+    def close(self) -> None:
+        self.sock = None
+
+
+class _Socket:
+    def settimeout(self, seconds: float) -> None:
+        pass
+
+
+class _WireResponse:
+    status, will_close = 206, False
+    _headers = {"Content-Length": "4", "ETag": '"e1"', "Content-Range": "bytes 0-3/10"}
+
+    def __init__(self) -> None:
+        self._body = io.BytesIO(b"SAFE")
+
+    def getheader(self, name: str) -> str | None:
+        return self._headers.get(name)
+
+    def readinto(self, buffer: memoryview) -> int:
+        return self._body.readinto(buffer)
+
+    def read(self, n: int) -> bytes:
+        return self._body.read(n)
+
+
+def oss_requests(argv: list[str], monkeypatch: pytest.MonkeyPatch) -> tuple:
+    """Build the store exactly as `modelfs mount` does and record what it would send: the listing (a
+    botocore request) and the ranged GET (a botocore request, or with presigned GETs the URL and headers
+    http.client was given)."""
     from botocore.awsrequest import AWSResponse
 
-    from fsmount.data import Boto3Store
+    from fsmount.data import Boto3Store, presigned
 
     cfg = cli.build_config(cli.make_parser().parse_args(cli.expand_mount_options(argv)))
     store = Boto3Store(cfg.store)
     sent = []
+    _WireConnection.sent = []
+    monkeypatch.setattr(presigned.http.client, "HTTPSConnection", _WireConnection)
 
     def answer(request, **_: object) -> AWSResponse:  # noqa: ANN001 - botocore's AWSPreparedRequest
         sent.append(request)
@@ -136,8 +185,15 @@ def oss_requests(argv: list[str]) -> list:
     # botocore's documented hook: a handler of before-send that returns a response short-circuits HTTP.
     store._client.meta.events.register("before-send.s3", answer)
     store.check_bucket("")
-    assert store.get_range("llama/model-00001.safetensors", '"e1"', 0, 4) == b"SAFE"
-    return sent
+    assert bytes(store.get_range("llama/model-00001.safetensors", '"e1"', 0, 4)) == b"SAFE"
+    if cfg.store.get_client == "boto3":
+        listing, get = sent
+        url, headers = get.url, {k.lower(): v.decode() if isinstance(v, bytes) else v for k, v in get.headers.items()}
+    else:
+        (listing,), ((host, port, target, headers),) = sent, _WireConnection.sent
+        assert port == 443
+        url, headers = f"https://{host}{target}", {k.lower(): v for k, v in headers.items()}
+    return listing, url, headers
 
 
 @pytest.fixture
@@ -154,36 +210,55 @@ OSS_ARGV = ["mount", "my-models", "/models", "--endpoint-url", "https://oss-cn-h
             "--region", "cn-hangzhou", "--addressing-style", "virtual"]
 
 
-def check_oss_request(request, access_key: str, secret: str) -> None:  # noqa: ANN001
-    url = urllib.parse.urlsplit(request.url)
+def check_oss_url(url_text: str) -> urllib.parse.SplitResult:
+    url = urllib.parse.urlsplit(url_text)
     assert url.scheme == "https"
     assert url.hostname == "my-models.oss-cn-hangzhou.aliyuncs.com"  # virtual-hosted style
     assert not url.path.startswith("/my-models")
-    auth = request.headers["Authorization"]
+    return url
+
+
+def check_oss_signature(listing, url: str, headers: dict[str, str], access_key: str, secret: str) -> None:  # noqa: ANN001
+    """SigV4 for the region, on the listing (Authorization header) and on the GET (the header, or the
+    presigned URL's query), and the secret nowhere."""
+    check_oss_url(listing.url)
+    auth = listing.headers["Authorization"]
     auth = auth.decode() if isinstance(auth, bytes) else auth
-    assert auth.startswith(f"AWS4-HMAC-SHA256 Credential={access_key}/")  # SigV4
+    assert auth.startswith(f"AWS4-HMAC-SHA256 Credential={access_key}/")
     assert "/cn-hangzhou/s3/aws4_request" in auth
-    assert "x-amz-date" in {k.lower() for k in request.headers}
-    assert secret not in request.url and secret not in str(request.headers)
-
-
-def test_oss_virtual_host_sigv4_with_env_credentials(clean_aws_env: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "LTAI5tEnvKey")
-    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", TEST_SECRET)
-    listing, get = oss_requests(OSS_ARGV)
-    for request in (listing, get):
-        check_oss_request(request, "LTAI5tEnvKey", TEST_SECRET)
-    assert listing.method == "GET" and "list-type=2" in listing.url
-    assert get.url.endswith("/llama/model-00001.safetensors")
-    headers = {k.lower(): v.decode() if isinstance(v, bytes) else v for k, v in get.headers.items()}
+    assert "x-amz-date" in {k.lower() for k in listing.headers}
+    assert secret not in listing.url and secret not in str(listing.headers)
+    query = dict(urllib.parse.parse_qsl(check_oss_url(url).query))
+    if "authorization" in headers:
+        assert headers["authorization"].startswith(f"AWS4-HMAC-SHA256 Credential={access_key}/")
+        assert "/cn-hangzhou/s3/aws4_request" in headers["authorization"]
+    else:
+        assert query["X-Amz-Algorithm"] == "AWS4-HMAC-SHA256"
+        assert query["X-Amz-Credential"].startswith(f"{access_key}/")
+        assert query["X-Amz-Credential"].endswith("/cn-hangzhou/s3/aws4_request")
+        assert query["X-Amz-Signature"]
+    assert secret not in url and secret not in str(headers)
+    assert urllib.parse.urlsplit(url).path.endswith("/llama/model-00001.safetensors")
     assert headers["range"] == "bytes=0-3" and headers["if-match"] == '"e1"'
 
 
-def test_oss_virtual_host_sigv4_with_a_profile(clean_aws_env: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("get_client", ["presigned", "boto3"])
+def test_oss_virtual_host_sigv4_with_env_credentials(clean_aws_env: Path, monkeypatch: pytest.MonkeyPatch,
+                                                     get_client: str) -> None:
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "LTAI5tEnvKey")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", TEST_SECRET)
+    listing, url, headers = oss_requests([*OSS_ARGV, "--get-client", get_client], monkeypatch)
+    assert listing.method == "GET" and "list-type=2" in listing.url
+    check_oss_signature(listing, url, headers, "LTAI5tEnvKey", TEST_SECRET)
+
+
+@pytest.mark.parametrize("get_client", ["presigned", "boto3"])
+def test_oss_virtual_host_sigv4_with_a_profile(clean_aws_env: Path, monkeypatch: pytest.MonkeyPatch,
+                                               get_client: str) -> None:
     (clean_aws_env / "no-credentials").write_text(
         f"[oss]\naws_access_key_id = LTAI5tProfileKey\naws_secret_access_key = {TEST_SECRET}\n")
-    for request in oss_requests([*OSS_ARGV, "--profile", "oss"]):
-        check_oss_request(request, "LTAI5tProfileKey", TEST_SECRET)
+    listing, url, headers = oss_requests([*OSS_ARGV, "--profile", "oss", "--get-client", get_client], monkeypatch)
+    check_oss_signature(listing, url, headers, "LTAI5tProfileKey", TEST_SECRET)
 
 
 def test_only_a_discarded_release_reply_is_downgraded_from_error() -> None:

@@ -1,0 +1,259 @@
+"""The presigned data plane (fsmount.data.presigned): what it accepts and refuses from a server, on a real
+HTTP/1.1 server in this process whose answers each test scripts."""
+
+from __future__ import annotations
+
+import http.server
+import mmap
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+
+import pytest
+
+from fsmount.data import AccessDenied, NotFound, PreconditionFailed, TransientError, Unreachable
+from fsmount.data.presigned import RangeGetter
+
+DATA = bytes(range(256)) * 64  # 16 KiB
+ETAG = '"abc"'
+
+
+class Origin(http.server.ThreadingHTTPServer):
+    """Serves DATA at any path with Range support; `script(handler, start, end)` may answer instead (return
+    True when it did)."""
+
+    daemon_threads = True
+
+    def __init__(self) -> None:
+        super().__init__(("127.0.0.1", 0), Handler)
+        self.script: Callable[[Handler, int, int], bool] | None = None
+        self.requests: list[dict[str, str]] = []
+        self.connections = 0
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.server_address[1]}"
+
+
+class Handler(http.server.BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    server: Origin
+
+    def setup(self) -> None:
+        super().setup()
+        self.server.connections += 1
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+    def do_GET(self) -> None:  # noqa: N802 - http.server's name
+        self.server.requests.append({"path": self.path, **{k.lower(): v for k, v in self.headers.items()}})
+        spec = self.headers["Range"].removeprefix("bytes=")
+        start, end = (int(x) for x in spec.split("-"))
+        if self.server.script and self.server.script(self, start, end + 1):
+            return
+        self.answer(206, DATA[start:end + 1], {"Content-Range": f"bytes {start}-{end}/{len(DATA)}"})
+
+    def answer(self, status: int, body: bytes, headers: dict[str, str] | None = None, length: int | None = None,
+               etag: str = ETAG) -> None:
+        self.send_response(status)
+        self.send_header("Content-Length", str(len(body) if length is None else length))
+        self.send_header("ETag", etag)
+        for k, v in (headers or {}).items():
+            self.send_header(k, v)
+        self.end_headers()
+        self.wfile.write(body)
+        self.wfile.flush()
+
+
+@pytest.fixture
+def origin() -> Iterator[Origin]:
+    server = Origin()
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield server
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def getter(origin: Origin, presigned: list[str] | None = None, read_timeout: float = 5.0) -> RangeGetter:
+    def presign(key: str) -> str:
+        if presigned is not None:
+            presigned.append(key)
+        return f"{origin.url}/bucket/{key}?X-Amz-Signature=s{len(presigned or ())}"
+
+    return RangeGetter(presign, bucket="bucket", pool_size=4, connect_timeout=2.0, read_timeout=read_timeout)
+
+
+def get(g: RangeGetter, start: int, length: int, key: str = "k", etag: str = ETAG) -> bytes:
+    buffer = mmap.mmap(-1, length)
+    g.get_into(key, etag, start, buffer, f"GET {key}")
+    return bytes(buffer)
+
+
+def test_exact_bytes_on_one_kept_alive_connection_with_range_and_if_match(origin: Origin) -> None:
+    presigned: list[str] = []
+    g = getter(origin, presigned)
+    for start in (0, 1000, 4096, len(DATA) - 100):
+        assert get(g, start, 100) == DATA[start:start + 100]
+    assert origin.connections == 1
+    assert presigned == ["k"]  # signed once, reused
+    assert origin.requests[1]["range"] == "bytes=1000-1099" and origin.requests[1]["if-match"] == ETAG
+    assert origin.requests[1]["path"] == "/bucket/k?X-Amz-Signature=s1"
+
+
+def test_a_whole_object_answer_is_taken_only_when_it_is_the_range(origin: Origin) -> None:
+    origin.script = lambda h, start, end: h.answer(200, DATA) or True
+    g = getter(origin)
+    assert get(g, 0, len(DATA)) == DATA
+    with pytest.raises(TransientError, match="without the range"):
+        get(g, 100, 100)
+
+
+@pytest.mark.parametrize("answer, error", [
+    (lambda h, s, e: h.answer(206, DATA[s:e], {"Content-Range": f"bytes {s + 1}-{e}/{len(DATA)}"}),
+     "answered with"),
+    (lambda h, s, e: h.answer(206, DATA[s:e]), "answered with None"),
+    (lambda h, s, e: h.answer(206, DATA[s:e + 10], {"Content-Range": f"bytes {s}-{e - 1}/{len(DATA)}"}),
+     "sends 110 bytes"),
+], ids=["wrong-range", "no-content-range", "longer-body"])
+def test_an_answer_for_other_bytes_is_refused(origin: Origin, answer: Callable, error: str) -> None:
+    origin.script = lambda h, s, e: answer(h, s, e) or True
+    with pytest.raises(TransientError, match=error):
+        get(getter(origin), 100, 100)
+
+
+def test_a_body_cut_short_is_transient_and_the_connection_is_not_reused(origin: Origin) -> None:
+    def cut(h: Handler, s: int, e: int) -> bool:
+        h.answer(206, DATA[s:s + 10], {"Content-Range": f"bytes {s}-{e - 1}/{len(DATA)}"}, length=e - s)
+        h.close_connection = True
+        return True
+
+    origin.script = cut
+    g = getter(origin)
+    with pytest.raises(TransientError):
+        get(g, 0, 100)
+    origin.script = None
+    assert get(g, 0, 100) == DATA[:100]
+    assert origin.connections == 2
+
+
+def test_another_etag_is_precondition_failed(origin: Origin) -> None:
+    origin.script = lambda h, s, e: h.answer(206, DATA[s:e], {"Content-Range": f"bytes {s}-{e - 1}/{len(DATA)}"},
+                                             etag='"other"') or True
+    with pytest.raises(PreconditionFailed):
+        get(getter(origin), 0, 10)
+
+
+@pytest.mark.parametrize("status, code, error", [
+    (412, "PreconditionFailed", PreconditionFailed),
+    (404, "NoSuchKey", NotFound),
+    (503, "SlowDown", TransientError),
+    (500, "InternalError", TransientError),
+])
+def test_error_answers_map_through_the_one_mapping(origin: Origin, status: int, code: str, error: type) -> None:
+    body = f"<?xml version='1.0'?><Error><Code>{code}</Code><Message>m</Message></Error>".encode()
+    origin.script = lambda h, s, e: h.answer(status, body) or True
+    with pytest.raises(error):
+        get(getter(origin), 0, 10)
+
+
+def test_403_signs_again_once_then_access_denied(origin: Origin) -> None:
+    presigned: list[str] = []
+    body = b"<Error><Code>AccessDenied</Code></Error>"
+    origin.script = lambda h, s, e: h.answer(403, body) or True
+    g = getter(origin, presigned)
+    with pytest.raises(AccessDenied):
+        get(g, 0, 10)
+    assert presigned == ["k", "k"]
+    # Rotated credentials: the first (cached) URL is refused, the fresh one works.
+    origin.script = lambda h, s, e: h.path.endswith("s3") and h.answer(403, body) or False
+    assert get(g, 0, 10) == DATA[:10]
+
+
+def test_an_idle_connection_the_server_closed_is_replaced_at_once(origin: Origin) -> None:
+    def close_after(h: Handler, s: int, e: int) -> bool:
+        h.answer(206, DATA[s:e], {"Content-Range": f"bytes {s}-{e - 1}/{len(DATA)}"})
+        h.close_connection = True  # an idle timeout, as the next request finds out
+        return True
+
+    origin.script = close_after
+    g = getter(origin)
+    assert get(g, 0, 10) == DATA[:10]
+    time.sleep(0.1)
+    origin.script = None
+    started = time.monotonic()
+    assert get(g, 10, 10) == DATA[10:20]
+    assert time.monotonic() - started < 1
+    assert origin.connections == 2
+
+
+def test_refused_connection_is_unreachable() -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # nothing listens once it is closed
+    g = RangeGetter(lambda key: f"http://127.0.0.1:{port}/b/{key}", bucket="b", pool_size=2,
+                    connect_timeout=2.0, read_timeout=2.0)
+    with pytest.raises(Unreachable):
+        get(g, 0, 10)
+
+
+def test_a_stalled_answer_fails_after_the_read_timeout(origin: Origin) -> None:
+    release = threading.Event()
+    origin.script = lambda h, s, e: release.wait(10) or True
+    g = getter(origin, read_timeout=0.5)
+    started = time.monotonic()
+    try:
+        with pytest.raises(TransientError, match="timed out"):
+            get(g, 0, 10)
+    finally:
+        release.set()
+    assert time.monotonic() - started < 3
+
+
+def store_on(origin: Origin, monkeypatch: pytest.MonkeyPatch, **config: object):  # noqa: ANN201
+    from fsmount.config import StoreConfig
+    from fsmount.data import Boto3Store, boto3_store
+
+    monkeypatch.setattr(boto3_store, "GET_BACKOFF_BASE", 0.001)
+    for var, value in (("AWS_ACCESS_KEY_ID", "AKIDTEST"), ("AWS_SECRET_ACCESS_KEY", "s" * 40),
+                       ("AWS_DEFAULT_REGION", "us-east-1")):
+        monkeypatch.setenv(var, value)
+    return Boto3Store(StoreConfig("bucket", endpoint_url=origin.url, addressing_style="path", **config))
+
+
+def test_the_store_retries_transient_answers_a_bounded_number_of_times(origin: Origin,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    from fsmount.data.boto3_store import PRESIGNED_GET_ATTEMPTS
+
+    store = store_on(origin, monkeypatch)
+    failures = iter(range(PRESIGNED_GET_ATTEMPTS - 1))
+    origin.script = lambda h, s, e: next(failures, None) is not None and (h.answer(503, b"") or True)
+    buffer = mmap.mmap(-1, 100)
+    assert store.get_range("some key", ETAG, 10, 110, buffer) is buffer
+    assert bytes(buffer) == DATA[10:110]
+    assert len(origin.requests) == PRESIGNED_GET_ATTEMPTS
+    request = origin.requests[0]
+    assert request["path"].startswith("/bucket/some%20key?X-Amz-Algorithm=AWS4-HMAC-SHA256&")
+    assert "X-Amz-Credential=AKIDTEST" in request["path"]
+    origin.requests.clear()
+    origin.script = lambda h, s, e: h.answer(503, b"<Error><Code>SlowDown</Code></Error>") or True
+    with pytest.raises(TransientError, match="SlowDown"):
+        store.get_range("some key", ETAG, 10, 110)
+    assert len(origin.requests) == PRESIGNED_GET_ATTEMPTS
+    # Not worth another try: one request.
+    origin.requests.clear()
+    origin.script = lambda h, s, e: h.answer(412, b"") or True
+    with pytest.raises(PreconditionFailed):
+        store.get_range("some key", ETAG, 10, 110)
+    assert len(origin.requests) == 1
+
+
+def test_no_sign_request_sends_a_plain_url(origin: Origin, monkeypatch: pytest.MonkeyPatch) -> None:
+    store = store_on(origin, monkeypatch, no_sign_request=True)
+    assert bytes(store.get_range("k", ETAG, 0, 10)) == DATA[:10]
+    assert origin.requests[0]["path"] == "/bucket/k"
+    assert "authorization" not in origin.requests[0]

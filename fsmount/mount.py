@@ -55,6 +55,8 @@ METADATA_THREADS = 8
 # How long readiness may take before the daemon gives up (the first request of a mount is fast;
 # this only bounds a kernel that never answers).
 READY_TIMEOUT = 60.0
+# Where the fuse control file system lives (per-connection settings).
+FUSECTL = "/sys/fs/fuse/connections"
 # At unmount, how long to wait for chunks already fetched to reach the NVMe cache. A full default memory
 # budget (2 GiB) writes in ~4 s at the dev box's O_DIRECT rate; systemd's stop timeout is 90 s.
 WRITE_DRAIN_S = 30.0
@@ -243,6 +245,34 @@ def raise_kernel_readahead(mountpoint: str, kib: int) -> None:
         log.info("could not raise kernel readahead (%s); READs stay at the kernel default", exc.strerror or exc)
 
 
+def raise_fuse_background(mountpoint: str, max_background: int) -> None:
+    """Let the kernel queue `max_background` READs of its read-ahead on this connection (fusectl's
+    max_background, congestion at 3/4 of it). Best effort, as root only. Where fusectl is not mounted
+    (systemd mounts it at boot; containers often do not) it is mounted for the write and unmounted
+    again: the values belong to the connection, not to that mount."""
+    if max_background <= 0:
+        return
+    dev = os.stat(mountpoint).st_dev
+    conn = f"{FUSECTL}/{(os.major(dev) << 20) | os.minor(dev)}"  # the kernel's dev_t encoding
+    mounted_here = False
+    try:
+        if not os.path.isdir(conn):
+            libc = ctypes.CDLL(None, use_errno=True)
+            if libc.mount(b"fusectl", FUSECTL.encode(), b"fusectl", 0, None) != 0:
+                raise OSError(ctypes.get_errno(), os.strerror(ctypes.get_errno()))
+            mounted_here = True
+        with open(f"{conn}/max_background", "w") as f:
+            f.write(str(max_background))
+        with open(f"{conn}/congestion_threshold", "w") as f:
+            f.write(str(max(1, max_background * 3 // 4)))
+        log.info("FUSE background requests for %s set to %d", mountpoint, max_background)
+    except OSError as exc:
+        log.info("could not raise FUSE background requests (%s); the kernel's 12 stay", exc.strerror or exc)
+    finally:
+        if mounted_here:
+            ctypes.CDLL(None, use_errno=True).umount2(FUSECTL.encode(), 0)
+
+
 def sd_notify(message: str) -> None:
     """systemd's notify protocol (Type=notify), without a libsystemd dependency."""
     addr = os.environ.get("NOTIFY_SOCKET")
@@ -365,6 +395,7 @@ class Daemon:
 
         await trio.to_thread.run_sync(probe, abandon_on_cancel=True)
         await trio.to_thread.run_sync(raise_kernel_readahead, self.mountpoint, self.cfg.kernel_readahead // 1024)
+        await trio.to_thread.run_sync(raise_fuse_background, self.mountpoint, self.cfg.fuse_max_background)
         if self.metrics is not None:
             self.metrics.start(self.stats)
         log.info("mounted bucket %s%s at %s", self.cfg.store.bucket,

@@ -6,6 +6,7 @@ import errno
 import mmap
 import os
 import random
+import subprocess
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -251,3 +252,40 @@ def test_memory_limit_respected_under_4_parallel_readers(moto_server: S3Server, 
     assert results == {k: sha(v) for k, v in files.items()}
     assert peak_kib <= (limit_mib + 64) * 1024, (idle_kib // 1024, peak_kib // 1024)
     assert peak_kib > idle_kib + 32 * 1024  # the readers really filled memory: the bound was exercised
+
+
+FUSECTL = Path("/sys/fs/fuse/connections")
+
+
+def fuse_connection_settings(mountpoint: Path) -> dict[str, int]:
+    """max_background and congestion_threshold of the mount's FUSE connection, read through fusectl (mounted
+    for the read if it is not, and unmounted again)."""
+    dev = os.stat(mountpoint).st_dev
+    conn = FUSECTL / str((os.major(dev) << 20) | os.minor(dev))
+    mounted_here = not conn.is_dir()
+    if mounted_here:
+        subprocess.run(["mount", "-t", "fusectl", "fusectl", str(FUSECTL)], check=True)
+    try:
+        return {name: int((conn / name).read_text()) for name in ("max_background", "congestion_threshold")}
+    finally:
+        if mounted_here:
+            subprocess.run(["umount", str(FUSECTL)], check=True)
+
+
+@pytest.mark.parametrize("flag, expected", [
+    ((), {"max_background": 64, "congestion_threshold": 48}),
+    (("--fuse-max-background", "0"), {"max_background": 12, "congestion_threshold": 9}),  # the kernel's
+    (("-o", "fuse_max_background=32"), {"max_background": 32, "congestion_threshold": 24}),
+], ids=["default", "left-alone", "fstab-form"])
+def test_fuse_background_requests_are_raised(moto_server: S3Server, mountpoint: Path, flag: tuple[str, ...],
+                                             expected: dict[str, int]) -> None:
+    bucket = bucket_with(moto_server, {"x.bin": b"x" * 100})
+    fusectl_before = fusectl_mounts()
+    with mounted(moto_server, bucket, mountpoint, *flag):
+        assert fusectl_mounts() == fusectl_before  # mounted for the write only, if at all
+        assert fuse_connection_settings(mountpoint) == expected
+        assert (mountpoint / "x.bin").read_bytes() == b"x" * 100
+
+
+def fusectl_mounts() -> int:
+    return sum(1 for line in Path("/proc/mounts").read_text().splitlines() if line.split()[2] == str(FUSECTL))

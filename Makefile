@@ -3,7 +3,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 APT_PACKAGES := fuse3 libfuse3-dev pkg-config curl util-linux s3fs rclone
 
-.PHONY: install demo test bench bench-quick lint clean
+.PHONY: install bench-install demo test bench bench-quick lint clean
 
 install: $(VENV)/.installed
 
@@ -24,7 +24,12 @@ demo: install
 test: install
 	$(PY) -m pytest -q -p no:cacheprovider $(PYTEST_ARGS)
 
-bench: install
+# The bench's own extras: matplotlib (the chart), py-spy (profiles), and the other HTTP clients of the
+# data-plane A/B (bench/clients.py: obstore, awscrt).
+bench-install: install
+	$(PY) -m pip install -q -e '.[test,bench]'
+
+bench: bench-install
 	$(PY) bench/run.py
 
 bench-quick: install

@@ -8,7 +8,11 @@ CPU each process spent (from /proc/PID/stat), which is steadier than wall time:
         --scenarios fill,warm,warm_load,local --rounds 3
 
 A variant is a source tree (a clean clone of another commit, or `.`) put first on PYTHONPATH of the
-daemon; both run with this interpreter, so a variant must not need packages this venv lacks.
+daemon, and optionally mount flags of its own after a colon; all run with this interpreter, so a
+variant must not need packages this venv lacks. The data-plane A/B of one tree:
+
+    .venv/bin/python bench/ab.py --variant presigned=. --variant 'boto3=.:--get-client boto3' \
+        --scenarios cold --rounds 5
 
 Scenarios, each after the page cache is dropped, each on a fresh daemon:
   cold       cat through a mount without --cache-dir
@@ -17,8 +21,10 @@ Scenarios, each after the page cache is dropped, each on a fresh daemon:
   warm_load  safetensors.numpy.load_file through a fresh mount on that cache dir
   local      cat of the same file on local disk (the warm-cache baseline)
   local_load load_file of the same file on local disk
-Per measurement it prints seconds, the daemon's user and system CPU seconds and SeaweedFS's CPU seconds,
-then medians per (scenario, variant). Nothing is left behind: server, mounts and the work dir go.
+Per measurement it prints seconds, the daemon's user and system CPU seconds, its CPU seconds per GB read
+and SeaweedFS's CPU seconds, then medians per (scenario, variant). On 2 CPUs or more the bed is pinned
+as in bench/run.py (`--pin`, the default there too): SeaweedFS alone on the first CPU, the daemons and the
+readers on the others. Nothing is left behind: server, mounts and the work dir go.
 """
 
 from __future__ import annotations
@@ -36,7 +42,18 @@ from pathlib import Path
 sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parent.parent)]
 
 import mounts  # noqa: E402 - bench/ is not a package
-from run import BENCH_DIR, REPO_ROOT, UPLOAD_CONFIG, drop_caches, parse_size  # noqa: E402
+from run import (  # noqa: E402
+    BENCH_DIR,
+    GB,
+    PIN_HELP,
+    REPO_ROOT,
+    UPLOAD_CONFIG,
+    bed_text,
+    drop_caches,
+    parse_size,
+    pin_bed,
+    pin_choice,
+)
 
 from fsmount.testing.models import write_model  # noqa: E402
 from fsmount.testing.seaweed import SeaweedServer  # noqa: E402
@@ -73,9 +90,10 @@ class AB:
         self.mountpoint = work / "mnt"
 
     def daemon(self, variant: str, cache_dir: Path | None) -> mounts.MountedDaemon:
+        source, _, flags = self.args.variants[variant].partition(":")
         command = mounts.modelfs_command([sys.executable, "-m", "fsmount"], self.endpoint, self.mountpoint,
-                                         self.args.modelfs_args.split(), cache_dir, "info")
-        command.env["PYTHONPATH"] = str(Path(self.args.variants[variant]).resolve())
+                                         [*self.args.modelfs_args.split(), *flags.split()], cache_dir, "info")
+        command.env["PYTHONPATH"] = str(Path(source).resolve())
         return mounts.MountedDaemon(command, self.mountpoint, self.work / f"{variant}.log")
 
     def through_mount(self, variant: str, cache_dir: Path | None, workload: str) -> tuple[float, float, float, float]:
@@ -107,14 +125,17 @@ class AB:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--variant", action="append", required=True, metavar="NAME=SOURCE_DIR",
-                   help="a modelfs source tree to run the daemon from (repeat: 2 or more)")
+    p.add_argument("--variant", action="append", required=True, metavar="NAME=SOURCE_DIR[:FLAGS]",
+                   help="a modelfs source tree to run the daemon from, and mount flags of this variant only "
+                        "(e.g. 'boto3=.:--get-client boto3'); repeat: 2 or more")
     p.add_argument("--scenarios", default="fill,warm,local", help=f"comma-separated from {','.join(SCENARIOS)}")
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--size", default="1.6G", help="model size, K/M/G binary suffixes")
     p.add_argument("--modelfs-args", default="", help="extra mount flags for every variant")
     p.add_argument("--work-dir", type=Path, help="scratch dir on local disk (default: a temp dir in /var/tmp)")
+    p.add_argument("--pin", action=argparse.BooleanOptionalAction, default=None, help=PIN_HELP)
     args = p.parse_args(argv)
+    args.pin = pin_choice(p, args.pin)
     args.variants = dict(v.split("=", 1) for v in args.variant)
     args.scenario_list = args.scenarios.split(",")
     unknown = set(args.scenario_list) - set(SCENARIOS)
@@ -131,8 +152,11 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[tuple[str, str], list[tuple[float, float, float, float]]] = {}
     try:
         with SeaweedServer(work / "weed", buckets=[BUCKET]) as server:
+            bed = bed_text(pin_bed(server, args.pin))  # daemons and readers started from here on inherit it
+            print(bed, flush=True)
             ab = AB(args, work, server)
             write_model(ab.model, parse_size(args.size))
+            gb = ab.model.stat().st_size / GB
             server.client().upload_file(str(ab.model), BUCKET, KEY, Config=UPLOAD_CONFIG)
             for round_no in range(1, args.rounds + 1):
                 for variant in args.variants:
@@ -140,15 +164,16 @@ def main(argv: list[str] | None = None) -> int:
                         out = ab.measure(variant, scenario)
                         results.setdefault((scenario, variant), []).append(out)
                         print(f"round {round_no} {variant:8s} {scenario:10s} {out[0]:6.2f} s  daemon user "
-                              f"{out[1]:5.2f} sys {out[2]:5.2f}  weed {out[3]:5.2f} CPU-s", flush=True)
+                              f"{out[1]:5.2f} sys {out[2]:5.2f} ({(out[1] + out[2]) / gb:5.2f} CPU-s/GB)  "
+                              f"weed {out[3]:5.2f} CPU-s", flush=True)
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    print("medians: scenario variant seconds daemon-CPU-s weed-CPU-s (every run's seconds)")
+    print(f"medians ({bed}): scenario variant seconds daemon-CPU-s daemon-CPU-s/GB weed-CPU-s (every run's seconds)")
     for (scenario, variant), runs in sorted(results.items()):
         seconds = statistics.median(r[0] for r in runs)
         daemon = statistics.median(r[1] + r[2] for r in runs)
         weed = statistics.median(r[3] for r in runs)
-        print(f"{scenario:10s} {variant:8s} {seconds:6.2f} {daemon:6.2f} {weed:6.2f}  "
+        print(f"{scenario:10s} {variant:8s} {seconds:6.2f} {daemon:6.2f} {daemon / gb:6.2f} {weed:6.2f}  "
               f"{[round(r[0], 2) for r in runs]}")
     return 0
 

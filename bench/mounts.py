@@ -50,6 +50,7 @@ class Endpoint:
             "AWS_ACCESS_KEY_ID": self.access_key,
             "AWS_SECRET_ACCESS_KEY": self.secret_key,
             "AWS_DEFAULT_REGION": self.region,
+            "AWS_REGION": self.region,
         }
 
 

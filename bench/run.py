@@ -1,8 +1,10 @@
-"""Cold-read benchmark, side by side in one run: origin ceiling, local disk, modelfs (cold and with a warm
-persistent cache), s3fs, rclone, boto3 download.
+"""Cold-read benchmark, side by side in one run: origin ceiling, the GET and FUSE floors, local disk, modelfs
+(cold and with a warm persistent cache), s3fs, rclone, boto3 download.
 
 It starts its own SeaweedFS, generates and uploads the models, and drops the page cache before every
 measurement; it must never leave a mount, daemon or server behind, and never let one slow tool hang it.
+On 2 CPUs or more the bed is pinned (`--pin`): SeaweedFS alone on the first CPU, every client-side process
+on the others, so the server does not steal the CPU whose work per byte is measured.
 
     .venv/bin/python bench/run.py [--quick] [--out bench/out/results.json] [--size 1.6G] [--only NAME,...]
 
@@ -12,10 +14,12 @@ See bench/README.md for what each column means.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import os
 import platform
+import resource
 import shlex
 import shutil
 import signal
@@ -24,7 +28,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -42,8 +46,18 @@ from fsmount.testing.seaweed import SeaweedServer  # noqa: E402
 #: One measurement (or one summary row): tool, model, scenario, status, seconds, bytes, ...
 Record = dict[str, Any]
 
-TOOLS = ("curl", "ranged-get", "local-disk", "modelfs", "modelfs-warm", "s3fs", "rclone", "boto3-download")
-MOUNT_TOOLS = ("modelfs", "modelfs-warm", "s3fs", "rclone")
+TOOLS = (
+    "curl",
+    "get-floor",
+    "fuse-floor",
+    "local-disk",
+    "modelfs",
+    "modelfs-warm",
+    "s3fs",
+    "rclone",
+    "boto3-download",
+)
+MOUNT_TOOLS = ("fuse-floor", "modelfs", "modelfs-warm", "s3fs", "rclone")
 MODELFS_TOOLS = ("modelfs", "modelfs-warm")
 #: Rows that get a "× local" (throughput / local-disk's in the same round): the warm-cache target (local-disk speed).
 LOCAL_RATIO_TOOLS = ("local-disk", "modelfs-warm")
@@ -66,6 +80,20 @@ SHM = Path("/dev/shm")
 ORIGIN_FOOTPRINT = 2.2
 ORIGIN_SLACK = 1 << 30
 MB = 1e6  # throughput in decimal MB/s, as curl reports it; sizes on the command line are binary (1G = 2**30)
+GB = 1e9  # CPU seconds per GB read: decimal too
+#: The floors (bench/clients.py and bench/fuse_floor.py, each run as its own process): a parallel ranged GET
+#: of the single model by a plain S3 client, and a minimal pyfuse3 daemon serving the same bytes from memory.
+CLIENTS = BENCH_DIR / "clients.py"
+FUSE_FLOOR = BENCH_DIR / "fuse_floor.py"
+FUSE_FLOOR_FILE = "floor.bin"
+FLOOR_THREADS = 16
+FLOOR_PART = "8M"
+#: The CPU-seconds per measurement in records and summary rows, and their columns in the table.
+CPU_COLUMNS = {"daemon_cpu_s": "daemon CPU-s/GB", "reader_cpu_s": "reader CPU-s/GB", "origin_cpu_s": "origin CPU-s/GB"}
+PIN_HELP = (
+    "pin the bed: SeaweedFS alone on the first CPU, every client-side process (daemons, readers, curl) on the "
+    "others (default: on with 2 CPUs or more)"
+)
 NOTE_CHARS = 300  # of a note shown in the table; the JSON has all of it
 SIZE_SUFFIXES = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 
@@ -96,6 +124,89 @@ def drop_caches() -> bool:
     return True
 
 
+def cpu_list(cpus: Iterable[int]) -> str:
+    """CPU numbers in taskset's list form: [0, 1, 2, 5] -> "0-2,5"."""
+    spans: list[list[int]] = []
+    for cpu in sorted(cpus):
+        if spans and cpu == spans[-1][1] + 1:
+            spans[-1][1] = cpu
+        else:
+            spans.append([cpu, cpu])
+    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in spans)
+
+
+def can_pin() -> bool:
+    """Whether this process may run on 2 CPUs or more: one for the origin, the rest for the clients."""
+    return len(os.sched_getaffinity(0)) >= 2
+
+
+def pin_choice(parser: argparse.ArgumentParser, pin: bool | None) -> bool:
+    """`--pin/--no-pin` as given, else whether the bed can be pinned; an error if asked for and it cannot."""
+    if pin and not can_pin():
+        parser.error(f"--pin needs 2 CPUs or more; this process may use CPUs {cpu_list(os.sched_getaffinity(0))}")
+    return can_pin() if pin is None else pin
+
+
+def tree_threads(pid: int) -> set[int]:
+    """Thread ids of `pid` and of every process below it, from /proc (gone ones are left out)."""
+    threads: set[int] = set()
+    pending = [pid]
+    while pending:
+        process = pending.pop()
+        try:
+            tids = [int(t) for t in os.listdir(f"/proc/{process}/task")]
+        except OSError:
+            continue
+        threads.update(tids)
+        for tid in tids:
+            with contextlib.suppress(OSError):
+                pending += [int(c) for c in Path(f"/proc/{process}/task/{tid}/children").read_text().split()]
+    return threads
+
+
+def set_affinity(pid: int, cpus: set[int]) -> None:
+    """Every thread of `pid` and of its descendants on `cpus`; what they start later inherits it. Passes
+    again until one finds no thread it has not pinned (a thread may start while it runs)."""
+    pinned: set[int] = set()
+    while fresh := tree_threads(pid) - pinned:
+        for tid in fresh:
+            with contextlib.suppress(ProcessLookupError):
+                os.sched_setaffinity(tid, cpus)
+        pinned |= fresh
+
+
+def pin_bed(server: SeaweedServer, pin: bool) -> Record:
+    """With `pin`: SeaweedFS (already started; `weed mini` is one process) alone on the first CPU this
+    process may use, and this process on the others, so that every client-side process it starts from
+    now on (curl, the FUSE daemons, cat, scenarios.py, the floors) inherits them. What the bed is, for the
+    results: {"pinned", "server_cpus", "client_cpus"} (unpinned: both are every CPU)."""
+    allowed = os.sched_getaffinity(0)
+    if not pin:
+        return {"pinned": False, "server_cpus": cpu_list(allowed), "client_cpus": cpu_list(allowed)}
+    assert server.pid is not None, "pin the bed once the server runs"
+    origin, clients = {min(allowed)}, allowed - {min(allowed)}
+    set_affinity(os.getpid(), clients)  # the server too, being this process's child: hence it comes second
+    set_affinity(server.pid, origin)
+    return {"pinned": True, "server_cpus": cpu_list(origin), "client_cpus": cpu_list(clients)}
+
+
+def bed_text(bed: Record) -> str:
+    """One line for logs, the Markdown header and the chart's title."""
+
+    def cpus(text: str) -> str:
+        return f"CPUs {text}" if "," in text or "-" in text else f"CPU {text}"
+
+    if bed["pinned"]:
+        return f"pinned: SeaweedFS on {cpus(bed['server_cpus'])}, clients on {cpus(bed['client_cpus'])}"
+    return f"unpinned: everything on {cpus(bed['client_cpus'])}"
+
+
+def children_cpu_seconds() -> float:
+    """User + system CPU seconds of the child processes this one has waited for, and of theirs."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
 def tool_version(argv: list[str]) -> str:
     try:
         done = subprocess.run(argv, check=False, capture_output=True, text=True, timeout=mounts.COMMAND_TIMEOUT_S)
@@ -105,7 +216,7 @@ def tool_version(argv: list[str]) -> str:
     return lines[0] if lines else "unknown"
 
 
-def environment(weed: str) -> Record:
+def environment(weed: str, bed: Record) -> Record:
     git = subprocess.run(
         ["git", "-C", str(REPO_ROOT), "describe", "--always", "--dirty"],
         check=False,
@@ -116,6 +227,7 @@ def environment(weed: str) -> Record:
         "kernel": platform.release(),
         "python": platform.python_version(),
         "cpus": os.cpu_count(),
+        "bed": bed,
         "git": git.stdout.strip(),
         "weed": tool_version([weed, "version"]),
         "curl": tool_version(["curl", "--version"]),
@@ -201,6 +313,27 @@ class Bench:
     def cold(self) -> None:
         self.cache_dropped = drop_caches() and self.cache_dropped
 
+    def origin_cpu_seconds(self) -> float | None:
+        used = mounts.cpu_seconds(self.server.pid) if self.server.pid is not None else None
+        return sum(used) if used else None
+
+    @contextlib.contextmanager
+    def cpu_meter(self, daemon: mounts.MountedDaemon | None = None) -> Iterator[Record]:
+        """CPU seconds spent while the block runs, put into the dict it yields when the block ends:
+        `reader_cpu_s` by the processes it ran and waited for (curl, cat, scenarios.py with its children),
+        `origin_cpu_s` by SeaweedFS and, given a mounted daemon, `daemon_cpu_s` by it (None if unknown)."""
+        reader, origin = children_cpu_seconds(), self.origin_cpu_seconds()
+        daemon_cpu = daemon.cpu_seconds() if daemon is not None else None
+        used: Record = {}
+        yield used
+        used["reader_cpu_s"] = children_cpu_seconds() - reader
+        origin_after = self.origin_cpu_seconds()
+        used["origin_cpu_s"] = origin_after - origin if origin is not None and origin_after is not None else None
+        if daemon is not None:
+            daemon_after = daemon.cpu_seconds()
+            known = daemon_cpu is not None and daemon_after is not None
+            used["daemon_cpu_s"] = daemon_after - daemon_cpu if known else None
+
     def timed_command(self, argv: list[str], env: dict[str, str] | None = None) -> tuple[float, str]:
         start = time.perf_counter()
         done = subprocess.run(
@@ -217,20 +350,26 @@ class Bench:
             raise RuntimeError(f"{argv[0]} exited {done.returncode}: {done.stderr.strip()[-500:]}")
         return seconds, (done.stdout or "").strip()
 
+    def json_command(self, argv: list[str], env: dict[str, str] | None = None) -> Record:
+        """Run a command whose last line on stdout is one JSON object (scenarios.py, clients.py): that
+        object, plus the command's wall time as `process_seconds`."""
+        start = time.perf_counter()
+        done = subprocess.run(argv, check=False, capture_output=True, text=True, timeout=self.args.timeout, env=env)
+        wall = time.perf_counter() - start
+        if done.returncode != 0:
+            what = f"{Path(argv[1]).name} {argv[2]}"
+            raise RuntimeError(f"{what} exited {done.returncode}: {done.stderr.strip()[-800:]}")
+        result = json.loads(done.stdout.strip().splitlines()[-1])
+        result["process_seconds"] = wall
+        return result
+
     def workload(self, name: str, targets: list[str], env: dict[str, str] | None = None) -> Record:
         argv = [sys.executable, str(BENCH_DIR / "scenarios.py"), name, *targets]
         if self.args.verify:
             argv.append("--digest")
         if name == "download_load":
             argv += ["--tmp", str(self.work / "download")]
-        start = time.perf_counter()
-        done = subprocess.run(argv, check=False, capture_output=True, text=True, timeout=self.args.timeout, env=env)
-        wall = time.perf_counter() - start
-        if done.returncode != 0:
-            raise RuntimeError(f"{name} exited {done.returncode}: {done.stderr.strip()[-800:]}")
-        result = json.loads(done.stdout.strip().splitlines()[-1])
-        result["process_seconds"] = wall
-        return result
+        return self.json_command(argv, env)
 
     def check_digest(self, model: str, result: Record, record: Record) -> None:
         digest = result.get("digest")
@@ -262,22 +401,35 @@ class Bench:
             argv = ["curl", "-sS", "-f", "-o", "/dev/null", "-w", "%{size_download}", "--aws-sigv4", sigv4]
             argv += ["--user", user, url]
             self.cold()
-            seconds, out = self.timed_command(argv)
+            with self.cpu_meter() as cpu:
+                seconds, out = self.timed_command(argv)
             if int(out) != self.model_bytes("single"):
                 raise RuntimeError(f"curl got {out} bytes, expected {self.model_bytes('single')}")
-            return self.record("curl", "single", "GET to /dev/null", seconds=seconds, bytes=int(out))
+            return self.record("curl", "single", "GET to /dev/null", seconds=seconds, bytes=int(out), **cpu)
 
         return self.guarded("curl", "single", "GET to /dev/null", body)
 
-    def run_ranged_get(self) -> Record:
-        scenario = f"{scenarios.RANGE_THREADS} x {scenarios.RANGE_BYTES >> 20} MiB ranged GETs"
+    def run_get_floor(self) -> Record:
+        """`clients.py one`: the single model by a plain S3 client in parallel ranged GETs, bytes discarded.
+        Its reader CPU is what the client reports for its timed part (not its interpreter start)."""
+        client = self.args.floor_client
+        scenario = f"{client}, {FLOOR_THREADS} x {FLOOR_PART} ranged GETs"
 
         def body() -> Record:
+            argv = [sys.executable, str(CLIENTS), "one", "--endpoint", self.endpoint.url, "--bucket", BUCKET]
+            argv += ["--key", SINGLE_KEY, "--client", client, "--threads", str(FLOOR_THREADS), "--part", FLOOR_PART]
             self.cold()
-            result = self.workload("ranged_get", self.keys["single"], env=self.s3_env())
-            return self.record("ranged-get", "single", scenario, **result)
+            with self.cpu_meter() as cpu:
+                result = self.json_command(argv, env=self.s3_env())
+            if result.get("error"):
+                raise RuntimeError(f"{client}: {result['error']}")
+            if int(result["bytes"]) != self.model_bytes("single"):
+                raise RuntimeError(f"{client} got {result['bytes']} bytes, expected {self.model_bytes('single')}")
+            cpu["reader_cpu_s"] = float(result["cpu_user_s"]) + float(result["cpu_sys_s"])
+            fields = {key: result[key] for key in ("seconds", "bytes", "process_seconds")}
+            return self.record("get-floor", "single", scenario, **fields, **cpu)
 
-        return self.guarded("ranged-get", "single", scenario, body)
+        return self.guarded("get-floor", "single", scenario, body)
 
     def run_download(self, model: str) -> Record:
         scenario = "download + load_file"
@@ -286,10 +438,11 @@ class Bench:
             shutil.rmtree(self.work / "download", ignore_errors=True)
             self.cold()
             try:
-                result = self.workload("download_load", self.keys[model], env=self.s3_env())
+                with self.cpu_meter() as cpu:
+                    result = self.workload("download_load", self.keys[model], env=self.s3_env())
             finally:
                 shutil.rmtree(self.work / "download", ignore_errors=True)
-            record = self.record("boto3-download", model, scenario, **result)
+            record = self.record("boto3-download", model, scenario, **result, **cpu)
             self.check_digest(model, result, record)
             return record
 
@@ -309,8 +462,9 @@ class Bench:
         def body() -> Record:
             paths = [str(p) for p in self.files[model]]
             self.cold()
-            result = self.scenario(scenario, model, paths)
-            record = self.record("local-disk", model, scenario, **result)
+            with self.cpu_meter() as cpu:
+                result = self.scenario(scenario, model, paths)
+            record = self.record("local-disk", model, scenario, **result, **cpu)
             self.check_digest(model, result, record)
             return record
 
@@ -381,6 +535,9 @@ class Bench:
         return fill
 
     def daemon_command(self, tool: str, mountpoint: Path, model: str) -> mounts.DaemonCommand:
+        if tool == "fuse-floor":  # the single model's size, served from memory as one file
+            argv = [sys.executable, str(FUSE_FLOOR), str(mountpoint), "--size", str(self.model_bytes("single"))]
+            return mounts.DaemonCommand(argv, mounts.base_env())
         if tool == "modelfs":
             return self.modelfs_daemon(mountpoint, self.modelfs_cache_dir, "warning")
         if tool == "modelfs-warm":  # info: it logs the bytes served from cache and origin at unmount
@@ -393,7 +550,8 @@ class Bench:
         def body() -> Record:
             mountpoint = self.work / "mnt" / tool
             command = self.daemon_command(tool, mountpoint, model)
-            paths = [str(mountpoint / key) for key in self.keys[model]]
+            keys = [FUSE_FLOOR_FILE] if tool == "fuse-floor" else self.keys[model]
+            paths = [str(mountpoint / key) for key in keys]
             if tool == "modelfs":
                 self.empty_modelfs_cache()  # before the daemon opens it
             elif tool == "modelfs-warm":
@@ -404,15 +562,13 @@ class Bench:
             daemon = mounts.MountedDaemon(command, mountpoint, log_path)
             with daemon:
                 self.cold()
-                cpu_before = daemon.cpu_seconds()
                 try:
-                    result = self.scenario(scenario, model, paths)
+                    with self.cpu_meter(daemon) as cpu:
+                        result = self.scenario(scenario, model, paths)
                 except RuntimeError as exc:
                     raise RuntimeError(f"{exc}\n--- {tool} log tail:\n{daemon.log_tail()}") from exc
-                cpu_after = daemon.cpu_seconds()
                 rss = daemon.peak_rss_mib()
-            cpu = cpu_after - cpu_before if cpu_before is not None and cpu_after is not None else None
-            record = self.record(tool, model, scenario, **result, peak_rss_mib=rss, daemon_cpu_s=cpu)
+            record = self.record(tool, model, scenario, **result, **cpu, peak_rss_mib=rss)
             self.check_digest(model, result, record)
             notes = list(daemon.notes)
             if tool == "modelfs-warm":  # the daemon logged what it served at unmount
@@ -436,6 +592,9 @@ class Bench:
             return "this modelfs has no --cache-dir"
         if tool == "modelfs-warm" and "--cache-dir" in self.args.modelfs_args:
             return "--modelfs-args sets --cache-dir; modelfs-warm uses its own (put --work-dir on the disk to test)"
+        script = {"get-floor": CLIENTS, "fuse-floor": FUSE_FLOOR}.get(tool)
+        if script and not script.is_file():
+            return f"bench/{script.name} is not there (yet)"
         binary = {"curl": "curl", "s3fs": "s3fs", "rclone": "rclone"}.get(tool)
         if binary and shutil.which(binary) is None:
             return f"`{binary}` not installed (apt-get install {binary})"
@@ -451,8 +610,10 @@ class Bench:
                 continue
             if tool == "curl":
                 yield self.run_curl()
-            elif tool == "ranged-get":
-                yield self.run_ranged_get()
+            elif tool == "get-floor":
+                yield self.run_get_floor()
+            elif tool == "fuse-floor":
+                yield self.run_mounted(tool, "single", "cat")
             elif tool == "boto3-download":
                 for model in self.args.models:
                     yield self.run_download(model)
@@ -470,10 +631,10 @@ class Bench:
 
 
 def summarize(records: list[Record]) -> list[Record]:
-    """One row per (tool, model, scenario): median seconds over the ok rounds, max peak RSS, max origin bytes
-    (modelfs-warm), and the medians over rounds of throughput / curl's and (local-disk, modelfs-warm)
-    throughput / local-disk's same model and scenario, each in the same round, so drift between rounds
-    cancels."""
+    """One row per (tool, model, scenario): median seconds and CPU seconds (daemon, reader, origin; also per
+    GB read) over the ok rounds, max peak RSS, max origin bytes (modelfs-warm), and the medians over rounds
+    of throughput / curl's and (local-disk, modelfs-warm) throughput / local-disk's same model and scenario,
+    each in the same round, so drift between rounds cancels."""
     ok_records = [r for r in records if r["status"] == "ok"]
     curl_mb_s = {r["round"]: r["bytes"] / r["seconds"] / MB for r in ok_records if r["tool"] == "curl"}
     local_mb_s = {
@@ -500,8 +661,10 @@ def summarize(records: list[Record]) -> list[Record]:
             row["mb_s"] = nbytes / seconds / MB
             rss = [float(r["peak_rss_mib"]) for r in ok if r.get("peak_rss_mib") is not None]
             row["peak_rss_mib"] = max(rss) if rss else None
-            cpu = [float(r["daemon_cpu_s"]) for r in ok if r.get("daemon_cpu_s") is not None]
-            row["daemon_cpu_s"] = statistics.median(cpu) if cpu else None
+            for field in CPU_COLUMNS:
+                used = [float(r[field]) for r in ok if r.get(field) is not None]
+                row[field] = statistics.median(used) if used else None
+                row[f"{field}_per_gb"] = row[field] / (nbytes / GB) if used and nbytes else None
             ratios = [r["bytes"] / r["seconds"] / MB / curl_mb_s[r["round"]] for r in ok if r["round"] in curl_mb_s]
             row["ratio_to_curl"] = statistics.median(ratios) if ratios else None
             if tool in LOCAL_RATIO_TOOLS:
@@ -520,10 +683,11 @@ def summarize(records: list[Record]) -> list[Record]:
 
 
 def markdown_table(rows: list[Record]) -> str:
+    cpu_headers = " | ".join(CPU_COLUMNS.values())
     lines = [
-        "| tool | model | scenario | seconds | MB/s | × curl | × local | daemon CPU s | daemon peak RSS MiB "
+        f"| tool | model | scenario | seconds | MB/s | × curl | × local | {cpu_headers} | daemon peak RSS MiB "
         "| origin MB | note |",
-        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---|",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for row in rows:
         seconds = f"{row['seconds']:.2f}" if row.get("seconds") is not None else str(row["status"])
@@ -531,15 +695,124 @@ def markdown_table(rows: list[Record]) -> str:
         ratio = f"{row['ratio_to_curl']:.2f}" if row.get("ratio_to_curl") else ""
         local = f"{row['ratio_to_local']:.2f}" if row.get("ratio_to_local") else ""
         rss = f"{row['peak_rss_mib']:.0f}" if row.get("peak_rss_mib") else ""
-        cpu = f"{row['daemon_cpu_s']:.2f}" if row.get("daemon_cpu_s") is not None else ""
+        cpu = [
+            f"{row[f'{field}_per_gb']:.2f}" if row.get(f"{field}_per_gb") is not None else "" for field in CPU_COLUMNS
+        ]
         origin = f"{row['origin_bytes'] / MB:.1f}" if row.get("origin_bytes") is not None else ""
         note = " ".join(str(row.get("note", "")).replace("|", "/").split())
         note = note[-NOTE_CHARS:] if row["status"] == "error" else note[:NOTE_CHARS]  # errors: the end says why
         if row["status"] != "ok" and row.get("seconds") is not None:
             note = f"{row['status']} in some rounds; {note}"
-        cells = [row["tool"], row["model"], row["scenario"], seconds, mb_s, ratio, local, cpu, rss, origin, note]
+        cells = [row["tool"], row["model"], row["scenario"], seconds, mb_s, ratio, local, *cpu, rss, origin, note]
         lines.append("| " + " | ".join(str(c) for c in cells) + " |")
     return "\n".join(lines)
+
+
+def find_row(rows: list[Record], tool: str, scenario: str | None = None) -> Record | None:
+    """The summary row of `tool` on the single model (in `scenario` if given) that has a time, if any."""
+    for row in rows:
+        wanted = row["tool"] == tool and row["model"] == "single" and scenario in (None, row["scenario"])
+        if wanted and row.get("seconds") is not None:
+            return row
+    return None
+
+
+def targets_line(rows: list[Record]) -> str:
+    """Issue #13's targets for `cat` of the single model, those this run's rows allow, as ratios of medians:
+    modelfs's daemon CPU-s/GB against the floors' sum and against s3fs's, its seconds against curl's,
+    s3fs's seconds against modelfs's."""
+    modelfs, s3fs = find_row(rows, "modelfs", "cat"), find_row(rows, "s3fs", "cat")
+    curl, get_floor, fuse_floor = find_row(rows, "curl"), find_row(rows, "get-floor"), find_row(rows, "fuse-floor")
+
+    def value(row: Record | None, field: str) -> float | None:
+        return row.get(field) if row else None
+
+    get_cpu, fuse_cpu = value(get_floor, "reader_cpu_s_per_gb"), value(fuse_floor, "daemon_cpu_s_per_gb")
+    floors = get_cpu + fuse_cpu if get_cpu is not None and fuse_cpu is not None else None
+    checks = [
+        (
+            "modelfs daemon CPU-s/GB ÷ (get-floor reader + fuse-floor daemon CPU-s/GB)",
+            value(modelfs, "daemon_cpu_s_per_gb"),
+            floors,
+            "≤",
+            1.3,
+        ),
+        (
+            "modelfs ÷ s3fs daemon CPU",
+            value(modelfs, "daemon_cpu_s_per_gb"),
+            value(s3fs, "daemon_cpu_s_per_gb"),
+            "≤",
+            0.75,
+        ),
+        ("modelfs `cat` ÷ curl seconds", value(modelfs, "seconds"), value(curl, "seconds"), "≤", 1.25),
+        ("s3fs ÷ modelfs `cat` seconds", value(s3fs, "seconds"), value(modelfs, "seconds"), "≥", 1.3),
+    ]
+    parts = []
+    for name, numerator, denominator, sense, target in checks:
+        if numerator is None or not denominator:
+            continue
+        ratio = numerator / denominator
+        met = ratio <= target if sense == "≤" else ratio >= target
+        parts.append(f"{name} = {ratio:.2f}× (target {sense} {target}×: {'met' if met else 'not met'})")
+    return "Issue #13 targets, `cat` of the single model: " + "; ".join(parts) + "." if parts else ""
+
+
+def grouped_bars(axes: Any, rows: list[Record], field: str, colors: dict[str, Any]) -> None:
+    """Bars of `field`: one group per (model, scenario), models and scenarios in SCENARIOS' order (the rows
+    of curl, the floors and downloads first), one bar per tool in the group, in TOOLS' order."""
+
+    def order(row: Record) -> tuple[int, int]:
+        scenarios = SCENARIOS.get(row["model"], ())
+        in_list = row["scenario"] in scenarios
+        return list(SCENARIOS).index(row["model"]), scenarios.index(row["scenario"]) if in_list else -1
+
+    groups: dict[tuple[str, str], list[Record]] = {}
+    for row in sorted(rows, key=order):
+        groups.setdefault((row["model"], row["scenario"]), []).append(row)
+    width = 0.8 / max(3, *(len(members) for members in groups.values()))
+    labelled: set[str] = set()
+    for x, members in enumerate(groups.values()):
+        members.sort(key=lambda r: TOOLS.index(r["tool"]))
+        for i, row in enumerate(members):
+            tool = row["tool"]
+            offset = (i - (len(members) - 1) / 2) * width
+            label = tool if tool not in labelled else None
+            axes.bar(x + offset, row[field], width, color=colors[tool], label=label)
+            labelled.add(tool)
+    axes.set_xticks(range(len(groups)), [f"{model}/{scenario}" for model, scenario in groups], rotation=30, ha="right")
+    axes.set_xlim(-0.5, len(groups) - 0.5)
+    axes.legend(loc="upper left", bbox_to_anchor=(1.01, 1), fontsize="small")
+
+
+def write_chart(rows: list[Record], path: Path, title: str) -> str:
+    """`path` (PNG): median seconds per model/scenario, a bar per tool, and below them the daemon CPU-s/GB
+    of each mount's `cat`. Returns a line for the log (also when matplotlib is missing: no chart)."""
+    try:
+        import matplotlib
+    except ImportError:
+        return "no chart: matplotlib is not installed (.venv/bin/pip install matplotlib)"
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    timed = [r for r in rows if r.get("seconds") is not None]
+    if not timed:
+        return "no chart: no measurement succeeded"
+    cat_cpu = [r for r in timed if r["scenario"] == "cat" and r.get("daemon_cpu_s_per_gb") is not None]
+    colors = {tool: plt.get_cmap("tab10")(i % 10) for i, tool in enumerate(TOOLS)}
+    groups = len({(r["model"], r["scenario"]) for r in timed})
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(max(10, 0.9 * groups + 3), 9), height_ratios=(2, 1))
+    fig.suptitle(title)
+    grouped_bars(top, timed, "seconds", colors)
+    top.set_ylabel("seconds (median)")
+    if cat_cpu:
+        grouped_bars(bottom, cat_cpu, "daemon_cpu_s_per_gb", colors)
+        for bars in bottom.containers:
+            bottom.bar_label(bars, fmt="%.2f", fontsize="x-small")
+    bottom.set_ylabel("daemon CPU-s/GB, cat")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100, bbox_inches="tight")
+    plt.close(fig)
+    return f"chart: {path}"
 
 
 # ---- main --------------------------------------------------------------------------------------------
@@ -579,6 +852,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="do not give the (cold) modelfs tool a --cache-dir; modelfs-warm always has one",
     )
     p.add_argument("--verify", action=argparse.BooleanOptionalAction, default=None, help="check tensor digests")
+    p.add_argument("--pin", action=argparse.BooleanOptionalAction, default=None, help=PIN_HELP)
+    p.add_argument(
+        "--floor-client",
+        default="presigned",
+        help=f"the S3 client of get-floor (bench/clients.py --client; {FLOOR_THREADS} threads x {FLOOR_PART}); "
+        "default: presigned, what modelfs's ranged GETs use",
+    )
     p.add_argument(
         "--origin",
         choices=("ram", "disk"),
@@ -599,6 +879,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.rounds = args.rounds or (1 if args.quick else FULL_ROUNDS)
     args.timeout = args.timeout or (QUICK_TIMEOUT_S if args.quick else FULL_TIMEOUT_S)
     args.verify = args.quick if args.verify is None else args.verify
+    args.pin = pin_choice(p, args.pin)
     args.tools = [t for t in (s.strip() for s in args.only.split(",")) if t]
     args.models = [m for m in (s.strip() for s in args.models.split(",")) if m]
     for tool in args.tools:
@@ -631,6 +912,8 @@ def main(argv: list[str] | None = None) -> int:
         origin_dir = (origin_scratch or work) / "weed"
         log(f"origin data: {origin_note}")
         with SeaweedServer(origin_dir, buckets=[BUCKET], log_path=work / "weed.log") as server:
+            bed = pin_bed(server, args.pin)  # before anything else starts: it all inherits the client CPUs
+            log(bed_text(bed))
             bench = Bench(args, work, server)
             if set(MODELFS_TOOLS) & set(args.tools):
                 bench.modelfs, help_or_reason = mounts.find_modelfs(args.modelfs_cmd)
@@ -649,7 +932,7 @@ def main(argv: list[str] | None = None) -> int:
                     bench.modelfs_cache_dir = work / "modelfs-cache"
             log(f"SeaweedFS at {server.endpoint_url}; generating and uploading {args.size / MB:.0f} MB models")
             bench.prepare_models(args.size)
-            env = environment(str(server.weed_binary or "weed"))
+            env = environment(str(server.weed_binary or "weed"), bed)
             for round_index in range(args.rounds):
                 for record in bench.round(args.tools):
                     record["round"] = round_index
@@ -669,9 +952,9 @@ def main(argv: list[str] | None = None) -> int:
 
     rows = summarize(records)
     table = markdown_table(rows)
-    local_note = local_disk_note(args, work, bench)
-    if local_note:
-        table += "\n\n" + local_note
+    for line in (targets_line(rows), local_disk_note(args, work, bench)):
+        if line:
+            table += "\n\n" + line
     print(table)
     if not bench.cache_dropped:
         print("\nWARNING: the page cache could not be dropped (not root?): these are not cold reads.")
@@ -697,8 +980,11 @@ def main(argv: list[str] | None = None) -> int:
     args.out.write_text(json.dumps(document, indent=2) + "\n")
     started_text = document["started"]
     args.out.with_suffix(".md").write_text(
-        f"`{command}` ({started_text}, {env['kernel']}, {env['cpus']} CPUs)\n\n{table}\n"
+        f"`{command}` ({started_text}, {env['kernel']}, {env['cpus']} CPUs, {bed_text(bed)})\n\n{table}\n"
     )
+    size = f"{args.size / (1 << 30):.1f} GiB" if args.size >= 1 << 30 else f"{args.size >> 20} MiB"
+    rounds = f"median of {args.rounds} rounds" if args.rounds > 1 else "1 round"
+    log(write_chart(rows, args.out.with_suffix(".png"), f"{bed_text(bed)}; models of {size}, {rounds}"))
     failed = [r for r in rows if r["status"] in ("error", "wrong-data")]
     return 1 if failed else 0
 

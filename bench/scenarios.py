@@ -12,7 +12,6 @@ Workloads (each reads whole files, so `bytes` is their total size):
                              (transformers v5's loader)
   quarters FILE...           4 processes, each loading every 4th tensor of every file, all at once
                              (tensor-parallel ranks mmapping the same shard); wall time of all four
-  ranged_get KEY...          boto3 ranged GETs of RANGE_BYTES in RANGE_THREADS threads, to nowhere
   download_load KEY...       boto3 download_file of each key to --tmp, then load_file of each
 S3 workloads read BENCH_BUCKET, BENCH_ENDPOINT_URL and the AWS_* credentials from the environment.
 With --digest, a sha256 over every tensor (name, dtype, shape, sha256 of its bytes; sorted by name) is
@@ -37,9 +36,8 @@ from typing import Any
 
 import numpy as np
 
-#: Origin ceiling workload, as in the architecture notes: 8 MiB ranges, 16 in flight.
-RANGE_BYTES = 8 << 20
-RANGE_THREADS = 16
+#: boto3's connections for download_file (its transfer manager uses 10 threads).
+DOWNLOAD_THREADS = 16
 #: Touch one byte per page of every tensor, as a copy to the GPU would, so lazy (mmap-backed)
 #: results cannot pass for loaded ones.
 PAGE_BYTES = 4096
@@ -184,7 +182,7 @@ def run_quarters(paths: list[str], digest: bool, ranks: int = 4) -> str | None:
     return lines_digest(line for out in outputs for line in out.splitlines()) if digest else None
 
 
-def s3_client(max_connections: int = RANGE_THREADS) -> Any:
+def s3_client(max_connections: int = DOWNLOAD_THREADS) -> Any:
     import boto3
     from botocore.config import Config
 
@@ -193,28 +191,6 @@ def s3_client(max_connections: int = RANGE_THREADS) -> Any:
         endpoint_url=os.environ["BENCH_ENDPOINT_URL"],
         config=Config(max_pool_connections=max_connections, s3={"addressing_style": "path"}),
     )
-
-
-def run_ranged_get(client: Any, keys: list[str]) -> int:
-    bucket = os.environ["BENCH_BUCKET"]
-    total = 0
-    for key in keys:
-        size = client.head_object(Bucket=bucket, Key=key)["ContentLength"]
-
-        def fetch(start: int, key: str = key, size: int = size) -> int:
-            end = min(start + RANGE_BYTES, size) - 1
-            body = client.get_object(Bucket=bucket, Key=key, Range=f"bytes={start}-{end}")["Body"]
-            got = 0
-            while chunk := body.read(1 << 20):
-                got += len(chunk)
-            return got
-
-        with concurrent.futures.ThreadPoolExecutor(max_workers=RANGE_THREADS) as pool:
-            got = sum(pool.map(fetch, range(0, size, RANGE_BYTES)))
-        if got != size:
-            raise RuntimeError(f"{key}: read {got} bytes, expected {size}")
-        total += size
-    return total
 
 
 def run_download_load(client: Any, keys: list[str], tmp: Path, keep: list[tuple[str, np.ndarray]] | None) -> int:
@@ -234,7 +210,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "workload",
         choices=("load_file", "load_file_threads", "safe_open", "safe_open_reverse", "natural_threads",
-                 "quarters", "ranged_get", "download_load"),
+                 "quarters", "download_load"),
     )
     parser.add_argument("targets", nargs="+", help="files (mount workloads) or object keys (S3 workloads)")
     parser.add_argument("--digest", action="store_true", help="also print a sha256 of all tensors")
@@ -249,13 +225,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.workload == "download_load" and args.tmp is None:
         parser.error("download_load needs --tmp")
     # Client setup is not timed, as mounting is not timed for the file systems.
-    client = s3_client() if args.workload in ("ranged_get", "download_load") else None
+    client = s3_client() if args.workload == "download_load" else None
 
     start = time.perf_counter()
     digest = None
-    if args.workload == "ranged_get":
-        nbytes = run_ranged_get(client, args.targets)
-    elif args.workload == "download_load":
+    if args.workload == "download_load":
         nbytes = run_download_load(client, args.targets, args.tmp, keep)
     elif args.workload == "quarters":
         digest = run_quarters(args.targets, args.digest)  # the ranks hash their own tensors, in the timing
@@ -274,7 +248,7 @@ def main(argv: list[str] | None = None) -> int:
     result: dict[str, object] = {"seconds": seconds, "bytes": nbytes}
     if digest is not None:
         result["digest"] = digest
-    elif keep is not None and args.workload not in ("ranged_get", "quarters"):
+    elif keep is not None and args.workload != "quarters":
         result["digest"] = tensors_digest(keep)
     sys.stdout.write(json.dumps(result) + "\n")
     return 0

@@ -23,7 +23,9 @@ def test_quick_bench_runs_every_tool(tmp_path: Path) -> None:
     doc = json.loads(out.read_text())
     rows = doc["summary"]
     tools = {r["tool"] for r in rows}
-    assert {"curl", "ranged-get", "modelfs", "boto3-download"} <= tools
+    assert {"curl", "get-floor", "fuse-floor", "modelfs", "boto3-download"} <= tools
+    floors = [r for r in rows if r["tool"] in ("get-floor", "fuse-floor")]
+    assert all(r["status"] == "ok" and r["reader_cpu_s"] > 0 for r in floors), floors
     modelfs = [r for r in rows if r["tool"] == "modelfs"]
     assert modelfs and all(r["status"] == "ok" for r in modelfs), modelfs
     # issue #5's access patterns, each checked against the source tensors (status "wrong-data" otherwise)

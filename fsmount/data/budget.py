@@ -12,8 +12,10 @@ Rules (everything here runs in the trio thread; nothing awaits except `reserve`)
 - Buffer reuse: a chunk read into a buffer of ours (an anonymous mmap; from the origin or a cache
   level) is tracked in `_served` until READs have taken as many bytes as it holds (or it was pushed to
   the page cache), then queued in `_spent`. A fetch that can use a buffer first takes one from a spent
-  chunk (`take_spent_buffer`): the chunk leaves memory and its bytes move from `cached` to the
-  fetch's reservation, so the budget is unchanged and nothing else is evicted. Failing that, a buffer
+  chunk (`take_spent_buffer`) once memory is more than SPENT_KEEP_SHARE full, or at once when a cache
+  level can give the chunk back (`reuse_spent`, decided by the engine): the chunk leaves memory and
+  its bytes move from `cached` to the fetch's reservation, so the budget is unchanged and nothing else
+  is evicted. Failing that, a buffer
   that `reserve` evicts in LRU order is reused the same way. Only a buffer nothing else references is
   taken (sys.getrefcount: not a READ reply, a page-cache push, a waiter's fetch), so a buffer is never
   overwritten while anything can still read it.
@@ -33,6 +35,10 @@ import trio
 
 from fsmount.data.identity import Chunk, ChunkId
 
+# Spent chunks (the kernel took all of their bytes, so the page cache holds them) stay in memory, a
+# second copy that serves them again should the kernel drop them even while the origin is down, until
+# this share of the budget is used; past it a fetch takes a spent chunk's buffer before a fresh one.
+SPENT_KEEP_SHARE = 1 / 8
 # Chunk ids remembered as held by the page cache: 4096 x 8 MiB chunks is 32 GiB of models.
 KERNEL_HELD_MAX = 4096
 
@@ -54,6 +60,11 @@ class MemoryBudget:
     @property
     def used(self) -> int:
         return self.cached + self.reserved
+
+    def reuse_spent(self, n: int) -> bool:
+        """Whether a fetch of n bytes should take a spent chunk's buffer rather than a fresh one: once
+        more than SPENT_KEEP_SHARE of the budget is used (see the module's rules)."""
+        return self.used + n > self.limit * SPENT_KEEP_SHARE
 
     # -- the LRU -------------------------------------------------------------------------------
 

@@ -276,7 +276,10 @@ class ChunkEngine:
     async def _run_fetch(self, fetch: Fetch) -> None:
         self.stats.fetches_inflight += 1
         reuse = fetch.length == self.chunk_size
-        buffer = self.memory.take_spent_buffer(fetch.length) if reuse else None
+        # A fresh buffer costs page faults; a spent chunk's costs its second copy (the page cache has
+        # the first): given up at once when a cache level holds the chunk too, else past a share of memory.
+        spent = reuse and (bool(self.levels) or self.memory.reuse_spent(fetch.length))
+        buffer = self.memory.take_spent_buffer(fetch.length) if spent else None
         if buffer is None:
             buffer = await self.memory.reserve(fetch.length, reuse=reuse)
         try:

@@ -21,6 +21,9 @@ Scenarios, each after the page cache is dropped, each on a fresh daemon:
   warm_load  safetensors.numpy.load_file through a fresh mount on that cache dir
   local      cat of the same file on local disk (the warm-cache baseline)
   local_load load_file of the same file on local disk
+With --gil each mounted measurement is also sampled by `py-spy record --gil` (the bench extra): the seconds
+the daemon held the GIL per GB read, and the trio thread's own CPU-s per GB. Their inverses are the
+projected ceilings of a node with cores to spare: one GIL, one FUSE thread.
 Per measurement it prints seconds, the daemon's user and system CPU seconds, its CPU seconds per GB read
 and SeaweedFS's CPU seconds, then medians per (scenario, variant). On 2 CPUs or more the bed is pinned
 as in bench/run.py (`--pin`, the default there too): SeaweedFS alone on the first CPU, the daemons and the
@@ -30,8 +33,11 @@ readers on the others. Nothing is left behind: server, mounts and the work dir g
 from __future__ import annotations
 
 import argparse
+import collections
+import dataclasses
 import os
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -68,6 +74,58 @@ def cpu_seconds(pid: int | None) -> tuple[float, float]:
     return (mounts.cpu_seconds(pid) if pid is not None else None) or (0.0, 0.0)
 
 
+@dataclasses.dataclass
+class Measured:
+    """One measurement: wall seconds, the daemon's user and system CPU-s, SeaweedFS's CPU-s; with --gil
+    also the seconds the daemon's threads held the GIL (py-spy samples / rate), split into the trio
+    thread's (it answers every FUSE request) and the rest's, and the trio thread's own CPU-s."""
+
+    seconds: float
+    user: float = 0.0
+    sys: float = 0.0
+    weed: float = 0.0
+    gil_main: float | None = None
+    gil_other: float | None = None
+    main_cpu: float | None = None
+
+
+# py-spy's sampling rate for --gil: 1000 samples a second resolve the GIL's share of a 1-2 s read to ~1 ms.
+GIL_RATE = 1000
+
+
+def thread_cpu_seconds(pid: int, tid: int) -> float:
+    """User + system CPU seconds of one thread of a live process (0 if it is gone)."""
+    try:
+        fields = Path(f"/proc/{pid}/task/{tid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+class GilSampler:
+    """`py-spy record --gil` on a live daemon: only the thread holding the GIL is sampled, so samples
+    divided by the rate are the seconds the GIL was held. `--nonblocking`: the daemon is never paused."""
+
+    def __init__(self, pid: int, out: Path):
+        self.pid, self.out = pid, out
+        spy = Path(sys.executable).parent / "py-spy"
+        self.proc = subprocess.Popen(
+            [str(spy), "record", "--gil", "--nonblocking", "--threads", "-r", str(GIL_RATE), "-f", "raw",
+             "-o", str(out), "-p", str(pid)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        time.sleep(1.0)  # py-spy attaches
+
+    def stop(self) -> tuple[float, float]:
+        """(seconds the trio thread held the GIL, seconds all other threads did)."""
+        self.proc.send_signal(signal.SIGINT)
+        self.proc.wait(timeout=60)
+        by_thread: collections.Counter[str] = collections.Counter()
+        for line in self.out.read_text().splitlines():
+            stack, _, count = line.rpartition(" ")
+            by_thread[stack.split(";", 1)[0]] += int(count)
+        main = sum(n for name, n in by_thread.items() if f"({self.pid})" in name or "MainThread" in name)
+        return main / GIL_RATE, (sum(by_thread.values()) - main) / GIL_RATE
+
+
 def timed(argv: list[str], env: dict[str, str] | None = None) -> float:
     start = time.perf_counter()
     subprocess.run(argv, check=True, stdout=subprocess.DEVNULL, env=env, timeout=600)
@@ -96,17 +154,22 @@ class AB:
         command.env["PYTHONPATH"] = str(Path(source).resolve())
         return mounts.MountedDaemon(command, self.mountpoint, self.work / f"{variant}.log")
 
-    def through_mount(self, variant: str, cache_dir: Path | None, workload: str) -> tuple[float, float, float, float]:
+    def through_mount(self, variant: str, cache_dir: Path | None, workload: str) -> Measured:
         with self.daemon(variant, cache_dir) as daemon:
+            assert daemon.pid is not None
             drop_caches()
+            sampler = GilSampler(daemon.pid, self.work / "gil.txt") if self.args.gil else None
             daemon_before, server_before = cpu_seconds(daemon.pid), cpu_seconds(self.server.pid)
+            main_before = thread_cpu_seconds(daemon.pid, daemon.pid)
             path = self.mountpoint / KEY
             seconds = timed(["cat", str(path)]) if workload == "cat" else load_file(path)
             daemon_after, server_after = cpu_seconds(daemon.pid), cpu_seconds(self.server.pid)
-        return (seconds, daemon_after[0] - daemon_before[0], daemon_after[1] - daemon_before[1],
-                sum(server_after) - sum(server_before))
+            main_cpu = thread_cpu_seconds(daemon.pid, daemon.pid) - main_before
+            gil = sampler.stop() if sampler else (None, None)
+        return Measured(seconds, daemon_after[0] - daemon_before[0], daemon_after[1] - daemon_before[1],
+                        sum(server_after) - sum(server_before), *gil, main_cpu)
 
-    def measure(self, variant: str, scenario: str) -> tuple[float, float, float, float]:
+    def measure(self, variant: str, scenario: str) -> Measured:
         cache_dir = self.work / f"cache-{variant}"
         if scenario == "cold":
             return self.through_mount(variant, None, "cat")
@@ -119,8 +182,7 @@ class AB:
                 raise SystemExit(f"{scenario} needs a filled cache: put fill before it in --scenarios")
             return self.through_mount(variant, cache_dir, "cat" if scenario == "warm" else "load_file")
         drop_caches()
-        seconds = timed(["cat", str(self.model)]) if scenario == "local" else load_file(self.model)
-        return seconds, 0.0, 0.0, 0.0
+        return Measured(timed(["cat", str(self.model)]) if scenario == "local" else load_file(self.model))
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -134,6 +196,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--modelfs-args", default="", help="extra mount flags for every variant")
     p.add_argument("--work-dir", type=Path, help="scratch dir on local disk (default: a temp dir in /var/tmp)")
     p.add_argument("--pin", action=argparse.BooleanOptionalAction, default=None, help=PIN_HELP)
+    p.add_argument("--gil", action="store_true",
+                   help="also sample the daemon with py-spy --gil (bench extra): GIL-held seconds per GB, the "
+                        "trio thread's and the others', and the trio thread's CPU-s per GB")
     args = p.parse_args(argv)
     args.pin = pin_choice(p, args.pin)
     args.variants = dict(v.split("=", 1) for v in args.variant)
@@ -149,7 +214,7 @@ def main(argv: list[str] | None = None) -> int:
     if os.geteuid() != 0:
         raise SystemExit("bench/ab.py needs root (mounts, drop_caches)")
     work = Path(tempfile.mkdtemp(prefix="modelfs-ab-", dir=args.work_dir or "/var/tmp"))
-    results: dict[tuple[str, str], list[tuple[float, float, float, float]]] = {}
+    results: dict[tuple[str, str], list[Measured]] = {}
     try:
         with SeaweedServer(work / "weed", buckets=[BUCKET]) as server:
             bed = bed_text(pin_bed(server, args.pin))  # daemons and readers started from here on inherit it
@@ -163,18 +228,27 @@ def main(argv: list[str] | None = None) -> int:
                     for scenario in args.scenario_list:
                         out = ab.measure(variant, scenario)
                         results.setdefault((scenario, variant), []).append(out)
-                        print(f"round {round_no} {variant:8s} {scenario:10s} {out[0]:6.2f} s  daemon user "
-                              f"{out[1]:5.2f} sys {out[2]:5.2f} ({(out[1] + out[2]) / gb:5.2f} CPU-s/GB)  "
-                              f"weed {out[3]:5.2f} CPU-s", flush=True)
+                        gil = "" if out.gil_main is None else (
+                            f"  GIL held {out.gil_main / gb:5.3f} (trio) + {out.gil_other / gb:5.3f} (others) s/GB,"
+                            f" trio thread {out.main_cpu / gb:5.3f} CPU-s/GB")
+                        print(f"round {round_no} {variant:8s} {scenario:10s} {out.seconds:6.2f} s  daemon user "
+                              f"{out.user:5.2f} sys {out.sys:5.2f} ({(out.user + out.sys) / gb:5.2f} CPU-s/GB)  "
+                              f"weed {out.weed:5.2f} CPU-s{gil}", flush=True)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     print(f"medians ({bed}): scenario variant seconds daemon-CPU-s daemon-CPU-s/GB weed-CPU-s (every run's seconds)")
     for (scenario, variant), runs in sorted(results.items()):
-        seconds = statistics.median(r[0] for r in runs)
-        daemon = statistics.median(r[1] + r[2] for r in runs)
-        weed = statistics.median(r[3] for r in runs)
+        seconds = statistics.median(r.seconds for r in runs)
+        daemon = statistics.median(r.user + r.sys for r in runs)
+        weed = statistics.median(r.weed for r in runs)
         print(f"{scenario:10s} {variant:8s} {seconds:6.2f} {daemon:6.2f} {daemon / gb:6.2f} {weed:6.2f}  "
-              f"{[round(r[0], 2) for r in runs]}")
+              f"{[round(r.seconds, 2) for r in runs]}")
+        sampled = [r for r in runs if r.gil_main is not None and r.gil_other is not None and r.main_cpu is not None]
+        if sampled:
+            held = statistics.median((r.gil_main + r.gil_other) / gb for r in sampled)
+            main = statistics.median(r.main_cpu / gb for r in sampled)
+            print(f"{'':10s} {variant:8s} GIL held {held:.3f} s/GB -> GIL-bound ceiling {1 / held:.1f} GB/s; "
+                  f"trio thread {main:.3f} CPU-s/GB -> its own ceiling {1 / main:.1f} GB/s")
     return 0
 
 

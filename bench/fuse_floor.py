@@ -29,9 +29,10 @@ It prints medians per variant: seconds, server CPU-s per GB, reader CPU-s per GB
 READ. With --pin everything (this process, the server, the reader) runs on CPU 1.
 
 --max-background N sets the FUSE connection's max_background (kernel default 12) and congestion_threshold
-(default 9; set to 3N/4) through /sys/fs/fuse/connections (fusectl must be mounted there; pyfuse3 cannot set
-them at init). With the defaults and a 16 MiB read_ahead_kb, FUSE declines readahead it is congested for
-and the kernel frees the folios it had just allocated (read_pages -> filemap_remove_folio), which costs
+(default 9; set to 3N/4) through /sys/fs/fuse/connections, with modelfs's own function (default: modelfs's
+--fuse-max-background; pyfuse3 cannot set them at init). With the kernel's defaults and a 16 MiB
+read_ahead_kb, FUSE declines readahead it is congested for and the kernel frees the folios it had just
+allocated (read_pages -> filemap_remove_folio), which costs
 the reader CPU and time; cat's FADV_SEQUENTIAL (a 32 MiB window) makes it worse.
 """
 
@@ -59,6 +60,9 @@ from typing import Any
 
 BENCH_DIR = Path(__file__).resolve().parent
 REPO_ROOT = BENCH_DIR.parent
+sys.path.insert(0, str(REPO_ROOT))
+
+from fsmount.config import DEFAULT_FUSE_MAX_BACKGROUND, DEFAULT_KERNEL_READAHEAD  # noqa: E402
 
 FILE_NAME = b"floor.bin"
 FILE_INODE = 2  # pyfuse3.ROOT_INODE is 1
@@ -68,7 +72,7 @@ PATTERN_BYTES = (1 << 20) + 4093
 PUSH_CHUNK = 8 << 20
 TTL_S = 60.0  # modelfs's default --metadata-ttl
 BLKSIZE = 1 << 20  # st_blksize as modelfs reports it: cat reads 1 MiB at a time
-READ_AHEAD_KB = 16 << 10  # modelfs's default --kernel-readahead (16 MiB)
+READ_AHEAD_KB = DEFAULT_KERNEL_READAHEAD >> 10  # modelfs's default --kernel-readahead
 GB = 1e9
 READY = "READY"
 PUSH_DONE = "PUSH_DONE"
@@ -278,27 +282,29 @@ def make_operations(view: memoryview, size: int, pusher: Pusher) -> Any:
     return FloorFS()
 
 
-def set_read_ahead(mountpoint: str, kib: int) -> str:
-    dev = os.stat(mountpoint).st_dev
-    path = f"/sys/class/bdi/{os.major(dev)}:{os.minor(dev)}/read_ahead_kb"
-    try:
-        with open(path, "w") as f:
-            f.write(str(kib))
-    except OSError as exc:
-        return f"could not set {path}: {exc}"
-    return f"{path} = {kib}"
+def tune_like_modelfs(mountpoint: str, max_background: int) -> str:
+    """The kernel settings modelfs applies to its mount, by modelfs's own functions: bdi read_ahead_kb,
+    and fusectl's max_background / congestion_threshold (pyfuse3 cannot set those at init). A note of what
+    was set: the same lines modelfs logs."""
+    import logging
 
+    from fsmount.mount import raise_fuse_background, raise_kernel_readahead
 
-def set_max_background(mountpoint: str, requests: int) -> str:
-    """The connection's max_background (and congestion_threshold at 3/4 of it) through fusectl; pyfuse3 has
-    no way to set them at init. Needs /sys/fs/fuse/connections mounted (`mount -t fusectl none ...`)."""
-    connection = Path("/sys/fs/fuse/connections") / str(os.minor(os.stat(mountpoint).st_dev))
+    lines: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            lines.append(record.getMessage())
+
+    logger = logging.getLogger("fsmount.mount")
+    logger.setLevel(logging.INFO)
+    logger.addHandler(keep := Keep())
     try:
-        (connection / "max_background").write_text(f"{requests}\n")
-        (connection / "congestion_threshold").write_text(f"{max(1, requests * 3 // 4)}\n")
-    except OSError as exc:
-        return f"could not set max_background ({exc}; is fusectl mounted?)"
-    return f"max_background = {requests}, congestion_threshold = {max(1, requests * 3 // 4)}"
+        raise_kernel_readahead(mountpoint, READ_AHEAD_KB)
+        raise_fuse_background(mountpoint, max_background)
+    finally:
+        logger.removeHandler(keep)
+    return "; ".join(lines)
 
 
 def serve(args: argparse.Namespace) -> int:
@@ -324,10 +330,7 @@ def serve(args: argparse.Namespace) -> int:
                     if exc.errno != errno.ENOTCONN or time.monotonic() > deadline:
                         raise
                     time.sleep(0.01)
-            note = set_read_ahead(mountpoint, READ_AHEAD_KB)
-            if args.max_background:
-                note += "; " + set_max_background(mountpoint, args.max_background)
-            return note
+            return tune_like_modelfs(mountpoint, args.max_background)
 
         # Never stat the mountpoint from the trio thread: its answer comes from this very loop.
         note = await trio.to_thread.run_sync(probe)
@@ -465,7 +468,7 @@ def check_samples(path: Path, size: int, block: bytes) -> str | None:
 
 
 def measure(args: argparse.Namespace, work: Path, variant: str, round_index: int, block: bytes) -> dict[str, Any]:
-    sys.path[:0] = [str(REPO_ROOT), str(BENCH_DIR)]
+    sys.path[:0] = [str(BENCH_DIR)]
     import mounts
     from run import drop_caches
 
@@ -651,8 +654,8 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--variants", default=DEFAULT_VARIANTS,
                        help=f"comma-separated: reads, pread, pushK, pushK-only (default {DEFAULT_VARIANTS})")
         p.add_argument("--block", type=parse_size, default=parse_size("1M"), help="pread size of the pread variant")
-        p.add_argument("--max-background", type=int, default=0, metavar="N",
-                       help="passed to every server (needs fusectl mounted on /sys/fs/fuse/connections)")
+        p.add_argument("--max-background", type=int, default=DEFAULT_FUSE_MAX_BACKGROUND, metavar="N",
+                       help="passed to every server (default modelfs's, %(default)s; 0: the kernel's 12)")
         p.add_argument("--out", help="write every run and the summary as JSON here")
         args = p.parse_args(argv[1:])
         args.variants = [v for v in (s.strip() for s in args.variants.split(",")) if v]
@@ -674,9 +677,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--push-threads", type=int, default=0, metavar="K",
                    help="push the file with notify_store from K threads on the first open (0: READs only)")
     p.add_argument("--stats", help="write the READ count, READ sizes, CPU and push results here (JSON) at exit")
-    p.add_argument("--max-background", type=int, default=0, metavar="N",
-                   help="set the connection's max_background to N (congestion_threshold 3N/4) through fusectl "
-                        "(default: the kernel's 12 / 9)")
+    p.add_argument("--max-background", type=int, default=DEFAULT_FUSE_MAX_BACKGROUND, metavar="N",
+                   help="the connection's max_background (congestion_threshold 3N/4), set through fusectl as "
+                        "modelfs sets it (default modelfs's, %(default)s; 0: the kernel's 12 / 9)")
     args = p.parse_args(argv)
     if args.push_threads < 0 or args.size < 0:
         p.error("--push-threads and --size must be >= 0")

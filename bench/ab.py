@@ -16,14 +16,19 @@ variant must not need packages this venv lacks. The data-plane A/B of one tree:
 
 Scenarios, each after the page cache is dropped, each on a fresh daemon:
   cold       cat through a mount without --cache-dir
+  cold_load  safetensors.numpy.load_file through a mount without --cache-dir
+  cold_safe_open  safe_open + get_tensor of every key (vLLM's order) through a mount without --cache-dir
   fill       cat through a mount with an emptied --cache-dir (the variant's own)
   warm       cat through a fresh mount on that cache dir (run `fill` first in the same round)
   warm_load  safetensors.numpy.load_file through a fresh mount on that cache dir
   local      cat of the same file on local disk (the warm-cache baseline)
   local_load load_file of the same file on local disk
-With --gil each mounted measurement is also sampled by `py-spy record --gil` (the bench extra): the seconds
-the daemon held the GIL per GB read, and the trio thread's own CPU-s per GB. Their inverses are the
-projected ceilings of a node with cores to spare: one GIL, one FUSE thread.
+Every mounted measurement also reads the trio thread's CPU (it answers every FUSE request). With --gil it
+is sampled by `py-spy record --gil` too (the bench extra), and the medians give the GIL's share two ways:
+sampled (wall seconds a thread held it; high on a busy CPU, where a holder gets preempted) and bounded
+from /proc (the trio thread's CPU, whose READ replies are copied with the GIL held, plus the other
+threads' user CPU). 1 / that bound is the projected ceiling of a node with cores to spare (one GIL);
+1 / the trio thread's CPU per GB is the FUSE thread's own.
 Per measurement it prints seconds, the daemon's user and system CPU seconds, its CPU seconds per GB read
 and SeaweedFS's CPU seconds, then medians per (scenario, variant). On 2 CPUs or more the bed is pinned
 as in bench/run.py (`--pin`, the default there too): SeaweedFS alone on the first CPU, the daemons and the
@@ -66,7 +71,7 @@ from fsmount.testing.seaweed import SeaweedServer  # noqa: E402
 
 BUCKET = "models"
 KEY = "model.safetensors"
-SCENARIOS = ("cold", "fill", "warm", "warm_load", "local", "local_load")
+SCENARIOS = ("cold", "cold_load", "cold_safe_open", "fill", "warm", "warm_load", "local", "local_load")
 
 
 def cpu_seconds(pid: int | None) -> tuple[float, float]:
@@ -76,42 +81,55 @@ def cpu_seconds(pid: int | None) -> tuple[float, float]:
 
 @dataclasses.dataclass
 class Measured:
-    """One measurement: wall seconds, the daemon's user and system CPU-s, SeaweedFS's CPU-s; with --gil
-    also the seconds the daemon's threads held the GIL (py-spy samples / rate), split into the trio
-    thread's (it answers every FUSE request) and the rest's, and the trio thread's own CPU-s."""
+    """One measurement: wall seconds, the daemon's user and system CPU-s, SeaweedFS's CPU-s, the trio
+    thread's user and system CPU-s (it answers every FUSE request); with --gil also the seconds the
+    daemon's threads held the GIL (py-spy samples / rate), the trio thread's and the rest's."""
 
     seconds: float
     user: float = 0.0
     sys: float = 0.0
     weed: float = 0.0
+    main_user: float = 0.0
+    main_sys: float = 0.0
     gil_main: float | None = None
     gil_other: float | None = None
-    main_cpu: float | None = None
+
+    @property
+    def gil_bound(self) -> float:
+        """CPU-s that can have held the GIL: all of the trio thread's (pyfuse3 copies each READ reply
+        into the kernel without releasing it) and the other threads' user time (their system time is
+        recv() and file I/O, which run without it)."""
+        return self.main_user + self.main_sys + (self.user - self.main_user)
 
 
 # py-spy's sampling rate for --gil: 1000 samples a second resolve the GIL's share of a 1-2 s read to ~1 ms.
 GIL_RATE = 1000
 
 
-def thread_cpu_seconds(pid: int, tid: int) -> float:
-    """User + system CPU seconds of one thread of a live process (0 if it is gone)."""
+def thread_cpu_seconds(pid: int, tid: int) -> tuple[float, float]:
+    """(user, system) CPU seconds of one thread of a live process (zeros if it is gone)."""
     try:
         fields = Path(f"/proc/{pid}/task/{tid}/stat").read_text().rsplit(")", 1)[1].split()
     except OSError:
-        return 0.0
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        return 0.0, 0.0
+    ticks = os.sysconf("SC_CLK_TCK")
+    return int(fields[11]) / ticks, int(fields[12]) / ticks
 
 
 class GilSampler:
     """`py-spy record --gil` on a live daemon: only the thread holding the GIL is sampled, so samples
-    divided by the rate are the seconds the GIL was held. `--nonblocking`: the daemon is never paused."""
+    divided by the rate are the seconds the GIL was held. `--nonblocking`: the daemon is never paused.
+    On a pinned bed py-spy runs on the CPUs the bench leaves to the origin, not on the daemon's. Wall
+    time: a thread preempted while it holds the GIL still counts, so on a busy CPU this reads high."""
 
     def __init__(self, pid: int, out: Path):
         self.pid, self.out = pid, out
         spy = Path(sys.executable).parent / "py-spy"
+        elsewhere = set(range(os.cpu_count() or 1)) - os.sched_getaffinity(0)
         self.proc = subprocess.Popen(
             [str(spy), "record", "--gil", "--nonblocking", "--threads", "-r", str(GIL_RATE), "-f", "raw",
-             "-o", str(out), "-p", str(pid)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+             "-o", str(out), "-p", str(pid)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            preexec_fn=(lambda: os.sched_setaffinity(0, elsewhere)) if elsewhere else None)
         time.sleep(1.0)  # py-spy attaches
 
     def stop(self) -> tuple[float, float]:
@@ -132,9 +150,10 @@ def timed(argv: list[str], env: dict[str, str] | None = None) -> float:
     return time.perf_counter() - start
 
 
-def load_file(path: Path) -> float:
+def load(path: Path, workload: str = "load_file") -> float:
+    """A bench/scenarios.py workload (load_file, safe_open, ...) of one file, in a fresh process."""
     env = {**mounts.base_env(), "PYTHONPATH": str(REPO_ROOT)}
-    return timed([sys.executable, str(BENCH_DIR / "scenarios.py"), "load_file", str(path)], env)
+    return timed([sys.executable, str(BENCH_DIR / "scenarios.py"), workload, str(path)], env)
 
 
 class AB:
@@ -149,7 +168,9 @@ class AB:
 
     def daemon(self, variant: str, cache_dir: Path | None) -> mounts.MountedDaemon:
         source, _, flags = self.args.variants[variant].partition(":")
-        command = mounts.modelfs_command([sys.executable, "-m", "fsmount"], self.endpoint, self.mountpoint,
+        # -P: the working directory (this repo, for `.`) must not come before the variant's PYTHONPATH,
+        # or every variant would run this checkout's code (as every A/B before this fix did).
+        command = mounts.modelfs_command([sys.executable, "-P", "-m", "fsmount"], self.endpoint, self.mountpoint,
                                          [*self.args.modelfs_args.split(), *flags.split()], cache_dir, "info")
         command.env["PYTHONPATH"] = str(Path(source).resolve())
         return mounts.MountedDaemon(command, self.mountpoint, self.work / f"{variant}.log")
@@ -162,17 +183,19 @@ class AB:
             daemon_before, server_before = cpu_seconds(daemon.pid), cpu_seconds(self.server.pid)
             main_before = thread_cpu_seconds(daemon.pid, daemon.pid)
             path = self.mountpoint / KEY
-            seconds = timed(["cat", str(path)]) if workload == "cat" else load_file(path)
+            seconds = timed(["cat", str(path)]) if workload == "cat" else load(path, workload)
             daemon_after, server_after = cpu_seconds(daemon.pid), cpu_seconds(self.server.pid)
-            main_cpu = thread_cpu_seconds(daemon.pid, daemon.pid) - main_before
+            main_after = thread_cpu_seconds(daemon.pid, daemon.pid)
             gil = sampler.stop() if sampler else (None, None)
         return Measured(seconds, daemon_after[0] - daemon_before[0], daemon_after[1] - daemon_before[1],
-                        sum(server_after) - sum(server_before), *gil, main_cpu)
+                        sum(server_after) - sum(server_before), main_after[0] - main_before[0],
+                        main_after[1] - main_before[1], *gil)
 
     def measure(self, variant: str, scenario: str) -> Measured:
         cache_dir = self.work / f"cache-{variant}"
-        if scenario == "cold":
-            return self.through_mount(variant, None, "cat")
+        if scenario.startswith("cold"):
+            workload = {"cold": "cat", "cold_load": "load_file", "cold_safe_open": "safe_open"}[scenario]
+            return self.through_mount(variant, None, workload)
         if scenario == "fill":
             shutil.rmtree(cache_dir, ignore_errors=True)
             cache_dir.mkdir()
@@ -182,7 +205,7 @@ class AB:
                 raise SystemExit(f"{scenario} needs a filled cache: put fill before it in --scenarios")
             return self.through_mount(variant, cache_dir, "cat" if scenario == "warm" else "load_file")
         drop_caches()
-        return Measured(timed(["cat", str(self.model)]) if scenario == "local" else load_file(self.model))
+        return Measured(timed(["cat", str(self.model)]) if scenario == "local" else load(self.model))
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -228,9 +251,10 @@ def main(argv: list[str] | None = None) -> int:
                     for scenario in args.scenario_list:
                         out = ab.measure(variant, scenario)
                         results.setdefault((scenario, variant), []).append(out)
-                        gil = "" if out.gil_main is None else (
-                            f"  GIL held {out.gil_main / gb:5.3f} (trio) + {out.gil_other / gb:5.3f} (others) s/GB,"
-                            f" trio thread {out.main_cpu / gb:5.3f} CPU-s/GB")
+                        gil = "" if out.gil_main is None or out.gil_other is None else (
+                            f"  GIL held (py-spy) {out.gil_main / gb:5.3f} (trio) + {out.gil_other / gb:5.3f} "
+                            f"(others) s/GB, at most (CPU) {out.gil_bound / gb:5.3f} s/GB, trio thread "
+                            f"{(out.main_user + out.main_sys) / gb:5.3f} CPU-s/GB")
                         print(f"round {round_no} {variant:8s} {scenario:10s} {out.seconds:6.2f} s  daemon user "
                               f"{out.user:5.2f} sys {out.sys:5.2f} ({(out.user + out.sys) / gb:5.2f} CPU-s/GB)  "
                               f"weed {out.weed:5.2f} CPU-s{gil}", flush=True)
@@ -243,12 +267,13 @@ def main(argv: list[str] | None = None) -> int:
         weed = statistics.median(r.weed for r in runs)
         print(f"{scenario:10s} {variant:8s} {seconds:6.2f} {daemon:6.2f} {daemon / gb:6.2f} {weed:6.2f}  "
               f"{[round(r.seconds, 2) for r in runs]}")
-        sampled = [r for r in runs if r.gil_main is not None and r.gil_other is not None and r.main_cpu is not None]
-        if sampled:
-            held = statistics.median((r.gil_main + r.gil_other) / gb for r in sampled)
-            main = statistics.median(r.main_cpu / gb for r in sampled)
-            print(f"{'':10s} {variant:8s} GIL held {held:.3f} s/GB -> GIL-bound ceiling {1 / held:.1f} GB/s; "
-                  f"trio thread {main:.3f} CPU-s/GB -> its own ceiling {1 / main:.1f} GB/s")
+        if args.gil and scenario in ("cold", "fill", "warm", "warm_load"):
+            sampled = [(r.gil_main or 0.0) + (r.gil_other or 0.0) for r in runs]
+            bound = statistics.median(r.gil_bound / gb for r in runs)
+            main = statistics.median((r.main_user + r.main_sys) / gb for r in runs)
+            print(f"{'':10s} {variant:8s} GIL held: {statistics.median(sampled) / gb:.3f} s/GB sampled, at most "
+                  f"{bound:.3f} CPU-s/GB -> GIL-bound ceiling >= {1 / bound:.1f} GB/s; trio thread {main:.3f} "
+                  f"CPU-s/GB -> its own ceiling {1 / main:.1f} GB/s")
     return 0
 
 

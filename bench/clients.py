@@ -4,8 +4,9 @@ modelfs spends most of its CPU receiving bytes; this asks how much of that is th
 client reads the same object as PART-byte ranged GETs from THREADS threads and drops the bytes:
 
   boto3           client.get_object(Range=..., IfMatch=etag)["Body"].read() (config like fsmount's store)
-  presigned       one presigned URL (boto3), then http.client: a kept-alive connection per thread,
-                  Range + If-Match headers, body readinto() a reused per-thread buffer
+  presigned       modelfs's own data plane (fsmount.data.presigned): a presigned URL (boto3), kept-alive
+                  http.client connections, Range + If-Match headers, body readinto() a reused per-thread
+                  buffer, every check of the daemon's GETs
   obstore         obstore.get_range(S3Store, key, start=, length=) (sync API; Rust, returns a buffer); no If-Match
   obstore-ifmatch obstore.get(store, key, options={range, if_match}).bytes()
   awscrt          awscrt.s3.S3Client, one GET_OBJECT meta request per part (Range + If-Match headers) made from
@@ -34,7 +35,6 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import http.client
 import importlib.metadata
 import json
 import os
@@ -56,6 +56,9 @@ from typing import Any
 
 BENCH_DIR = Path(__file__).resolve().parent
 REPO_ROOT = BENCH_DIR.parent
+sys.path.insert(0, str(REPO_ROOT))
+
+from fsmount.config import parse_size  # noqa: E402 - K/M/G/T binary suffixes, as the mount's flags
 
 GB = 1e9  # CPU-seconds per decimal GB, as bench/run.py reports MB/s
 CLIENTS = ("boto3", "presigned", "obstore", "obstore-ifmatch", "awscrt", "awscrt-whole")
@@ -67,16 +70,6 @@ BUCKET = "bench"
 KEY = "floor/object.bin"
 ONE_TIMEOUT_S = 300.0
 WRITE_BLOCK = 8 << 20
-SIZE_SUFFIXES = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
-
-
-def parse_size(text: str) -> int:
-    text = text.strip().upper().removesuffix("B").removesuffix("I")
-    factor = SIZE_SUFFIXES.get(text[-1:], 1)
-    number = text[:-1] if text[-1:] in SIZE_SUFFIXES else text
-    return int(float(number) * factor)
-
-
 # ---- one client, one read of the whole object ----------------------------------------------------------
 
 
@@ -190,37 +183,32 @@ class Boto3Client(Client):
 
 
 class PresignedClient(Client):
+    """modelfs's own data plane (fsmount.data.presigned.RangeGetter, checks included): the GET floor of
+    what the daemon runs."""
+
     name = "presigned"
 
     def setup(self) -> None:
-        url = self.t.boto3_client(1).generate_presigned_url(
-            "get_object", Params={"Bucket": self.t.bucket, "Key": self.t.key}, ExpiresIn=3600)
-        parsed = urllib.parse.urlsplit(url)
-        self.path = parsed.path + ("?" + parsed.query if parsed.query else "")
-        self.connection_class = http.client.HTTPSConnection if parsed.scheme == "https" else http.client.HTTPConnection
+        from fsmount.data.presigned import URL_EXPIRES_S, RangeGetter
+
+        client = self.t.boto3_client(1)
+
+        def presign(key: str) -> str:
+            return client.generate_presigned_url(
+                "get_object", Params={"Bucket": self.t.bucket, "Key": key}, ExpiresIn=URL_EXPIRES_S)
+
+        self.getter = RangeGetter(presign, bucket=self.t.bucket, pool_size=self.threads, connect_timeout=60,
+                                  read_timeout=60)
 
     def thread_state(self) -> Any:
-        return self.connection_class(self.t.host, self.t.port, timeout=60), memoryview(bytearray(self.part))
+        return memoryview(bytearray(self.part))
 
     def read(self, state: Any, start: int, length: int, sink: memoryview | None) -> int:
-        conn, buffer = state
-        conn.request("GET", self.path, headers={"Range": f"bytes={start}-{start + length - 1}",
-                                                "If-Match": self.t.etag})
-        resp = conn.getresponse()
-        if resp.status != 206:
-            raise RuntimeError(f"GET at {start}: HTTP {resp.status}: {resp.read()[:300]!r}")
-        view = buffer[:length]
-        filled = 0
-        while filled < length:
-            n = resp.readinto(view[filled:])
-            if not n:
-                raise RuntimeError(f"short body at {start}: {filled} of {length}")
-            filled += n
-        if resp.read(1):  # also lets http.client release the connection for the next request
-            raise RuntimeError(f"long body at {start}")
+        view = state[:length]
+        self.getter.get_into(self.t.key, self.t.etag, start, view, f"GET at {start}")
         if sink is not None:
             sink[start:start + length] = view
-        return filled
+        return length
 
 
 class ObstoreClient(Client):

@@ -62,7 +62,7 @@ BENCH_DIR = Path(__file__).resolve().parent
 REPO_ROOT = BENCH_DIR.parent
 sys.path.insert(0, str(REPO_ROOT))
 
-from fsmount.config import DEFAULT_FUSE_MAX_BACKGROUND, DEFAULT_KERNEL_READAHEAD  # noqa: E402
+from fsmount.config import DEFAULT_FUSE_MAX_BACKGROUND, DEFAULT_KERNEL_READAHEAD, parse_size  # noqa: E402
 
 FILE_NAME = b"floor.bin"
 FILE_INODE = 2  # pyfuse3.ROOT_INODE is 1
@@ -80,15 +80,7 @@ READY_TIMEOUT_S = 60.0
 PUSH_TIMEOUT_S = 120.0
 READER_TIMEOUT_S = 300.0
 SAMPLES = 64
-SIZE_SUFFIXES = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 DEFAULT_VARIANTS = "reads,push1,push2,push4,pread"
-
-
-def parse_size(text: str) -> int:
-    text = text.strip().upper().removesuffix("B").removesuffix("I")
-    factor = SIZE_SUFFIXES.get(text[-1:], 1)
-    number = text[:-1] if text[-1:] in SIZE_SUFFIXES else text
-    return int(float(number) * factor)
 
 
 def pattern_block() -> bytes:

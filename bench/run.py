@@ -40,6 +40,7 @@ import mounts  # noqa: E402 - bench/ is not a package; sys.path above makes thes
 import scenarios  # noqa: E402
 from boto3.s3.transfer import TransferConfig  # noqa: E402
 
+from fsmount.config import parse_size  # noqa: E402 - K/M/G/T binary suffixes, as the mount's flags
 from fsmount.testing.models import write_model, write_sharded_model  # noqa: E402
 from fsmount.testing.seaweed import SeaweedServer  # noqa: E402
 
@@ -95,20 +96,12 @@ PIN_HELP = (
     "others (default: on with 2 CPUs or more)"
 )
 NOTE_CHARS = 300  # of a note shown in the table; the JSON has all of it
-SIZE_SUFFIXES = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 
 #: Workloads per model. `cat` runs the cat binary; the others run bench/scenarios.py in a fresh process.
 SCENARIOS = {
     "single": ("cat", "load_file", "safe_open", "safe_open_reverse", "natural_threads", "quarters"),
     "sharded": ("cat", "load_file", "load_file_threads", "safe_open"),
 }
-
-
-def parse_size(text: str) -> int:
-    text = text.strip().upper().removesuffix("B").removesuffix("I")
-    factor = SIZE_SUFFIXES.get(text[-1:], 1)
-    number = text[:-1] if text[-1:] in SIZE_SUFFIXES else text
-    return int(float(number) * factor)
 
 
 # ---- environment -------------------------------------------------------------------------------------

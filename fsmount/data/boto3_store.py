@@ -45,6 +45,10 @@ BOTO_MAX_ATTEMPTS = 4
 # botocore's standard mode makes, with the same kinds of failure retried (5xx, throttling, resets,
 # refused connections, bodies cut short).
 PRESIGNED_GET_ATTEMPTS = BOTO_MAX_ATTEMPTS + 1
+# Its backoff: 50 ms doubling, with jitter (0.025-0.075, ..., 0.2-0.6 s: at most 1.1 s in all). A
+# chain that gives up before the READ's deadline hands the kernel's re-sent READ a fresh fetch and a
+# fresh deadline, so a slow chain (0.2 s doubling: up to 4.5 s) let one failing read(2) take 8 s.
+PRESIGNED_BACKOFF_BASE = 0.05
 # Keys per ListObjectsV2 page: S3's maximum.
 LIST_PAGE_KEYS = 1000
 # Pre-flight check: one attempt, short timeouts, so a wrong endpoint fails in seconds.
@@ -254,7 +258,8 @@ class Boto3Store:
                 retry = isinstance(err, TransientError) or (self._ranges is not None and isinstance(err, Unreachable))
                 if not retry or attempt == attempts:
                     raise err from None
-                delay = GET_BACKOFF_BASE * (2 ** (attempt - 1)) * (0.5 + random.random())
+                base = GET_BACKOFF_BASE if self._ranges is None else PRESIGNED_BACKOFF_BASE
+                delay = base * (2 ** (attempt - 1)) * (0.5 + random.random())
                 log.debug("%s failed (%s), retry %d in %.2fs", what, err.message, attempt, delay)
                 time.sleep(delay)
         raise AssertionError("unreachable")

@@ -218,7 +218,7 @@ def store_on(origin: Origin, monkeypatch: pytest.MonkeyPatch, **config: object):
     from fsmount.config import StoreConfig
     from fsmount.data import Boto3Store, boto3_store
 
-    monkeypatch.setattr(boto3_store, "GET_BACKOFF_BASE", 0.001)
+    monkeypatch.setattr(boto3_store, "PRESIGNED_BACKOFF_BASE", 0.001)
     for var, value in (("AWS_ACCESS_KEY_ID", "AKIDTEST"), ("AWS_SECRET_ACCESS_KEY", "s" * 40),
                        ("AWS_DEFAULT_REGION", "us-east-1")):
         monkeypatch.setenv(var, value)

@@ -255,9 +255,9 @@ def raise_fuse_background(mountpoint: str, max_background: int) -> None:
     dev = os.stat(mountpoint).st_dev
     conn = f"{FUSECTL}/{(os.major(dev) << 20) | os.minor(dev)}"  # the kernel's dev_t encoding
     mounted_here = False
+    libc = ctypes.CDLL(None, use_errno=True)
     try:
         if not os.path.isdir(conn):
-            libc = ctypes.CDLL(None, use_errno=True)
             if libc.mount(b"fusectl", FUSECTL.encode(), b"fusectl", 0, None) != 0:
                 raise OSError(ctypes.get_errno(), os.strerror(ctypes.get_errno()))
             mounted_here = True
@@ -270,7 +270,7 @@ def raise_fuse_background(mountpoint: str, max_background: int) -> None:
         log.info("could not raise FUSE background requests (%s); the kernel's 12 stay", exc.strerror or exc)
     finally:
         if mounted_here:
-            ctypes.CDLL(None, use_errno=True).umount2(FUSECTL.encode(), 0)
+            libc.umount2(FUSECTL.encode(), 0)
 
 
 def sd_notify(message: str) -> None:

@@ -19,7 +19,7 @@ from typing import Any
 
 from fsmount.config import StoreConfig
 from fsmount.data.identity import WritableBuffer, new_buffer
-from fsmount.data.presigned import URL_EXPIRES_S, RangeGetter, proxied, ssl_context
+from fsmount.data.presigned import URL_EXPIRES_S, RangeGetter, proxied
 from fsmount.data.store import (
     AccessDenied,
     BucketMissing,
@@ -101,11 +101,13 @@ def translate_error(exc: Exception, bucket: str, what: str) -> StoreError:
 def _ssl_context(profile: str | None) -> Any:
     """The TLS settings boto3 uses for this profile: its CA bundle (AWS_CA_BUNDLE, the profile's
     ca_bundle) or botocore's default one."""
+    import ssl
+
     import botocore.session
     from botocore.httpsession import get_cert_path
 
     ca_bundle = botocore.session.Session(profile=profile).get_config_variable("ca_bundle")
-    return ssl_context(ca_bundle or get_cert_path(True))
+    return ssl.create_default_context(cafile=ca_bundle or get_cert_path(True))
 
 
 def _decode_key(raw: str, encoded: bool) -> str | bytes:
@@ -170,6 +172,9 @@ class Boto3Store:
                 self._ranges = RangeGetter(self._presign, bucket=self.bucket, pool_size=cfg.max_connections + 4,
                                            connect_timeout=cfg.connect_timeout, read_timeout=cfg.read_timeout,
                                            ssl_context=_ssl_context(cfg.profile))
+        # How many tries a ranged GET gets, and the backoff between them, by what carries its bytes.
+        self._get_attempts, self._backoff_base = ((GET_ATTEMPTS, GET_BACKOFF_BASE) if self._ranges is None
+                                                  else (PRESIGNED_GET_ATTEMPTS, PRESIGNED_BACKOFF_BASE))
 
     def check_bucket(self, prefix: str) -> None:
         try:
@@ -244,7 +249,7 @@ class Boto3Store:
         if want <= 0:
             return b""
         what = f"GET {key!r} bytes {start}-{end - 1}"
-        attempts = GET_ATTEMPTS if self._ranges is None else PRESIGNED_GET_ATTEMPTS
+        attempts = self._get_attempts
         for attempt in range(1, attempts + 1):
             try:
                 if self._ranges is None:
@@ -258,8 +263,7 @@ class Boto3Store:
                 retry = isinstance(err, TransientError) or (self._ranges is not None and isinstance(err, Unreachable))
                 if not retry or attempt == attempts:
                     raise err from None
-                base = GET_BACKOFF_BASE if self._ranges is None else PRESIGNED_BACKOFF_BASE
-                delay = base * (2 ** (attempt - 1)) * (0.5 + random.random())
+                delay = self._backoff_base * (2 ** (attempt - 1)) * (0.5 + random.random())
                 log.debug("%s failed (%s), retry %d in %.2fs", what, err.message, attempt, delay)
                 time.sleep(delay)
         raise AssertionError("unreachable")

@@ -176,13 +176,16 @@ class ChunkEngine:
     def read_ahead(self, obj: ObjectVersion, index: int, owner: object) -> None:
         """Ask for a chunk ahead of need; `owner` may later `abandon` it. A chunk the kernel took whole is
         not asked for again: the page cache has it (a READ fetches it, should the kernel have dropped it)."""
-        if not self.memory.in_page_cache(self.chunk_id(obj, index)):
-            self.fetch(obj, index, owner)
+        cid = self.chunk_id(obj, index)
+        if not self.memory.in_page_cache(cid):
+            self._fetch(cid, obj, index, owner, AHEAD)
 
     def fetch(self, obj: ObjectVersion, index: int, owner: object, priority: int = AHEAD) -> Fetch | Chunk:
         """Queue a chunk now (queue order is request order) and hand back its bytes if they are in memory,
         else its `Fetch` to await later; `owner` may `abandon` it."""
-        cid = self.chunk_id(obj, index)
+        return self._fetch(self.chunk_id(obj, index), obj, index, owner, priority)
+
+    def _fetch(self, cid: ChunkId, obj: ObjectVersion, index: int, owner: object, priority: int) -> Fetch | Chunk:
         data = self.memory.get(cid)
         if data is not None:
             return data

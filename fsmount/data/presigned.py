@@ -65,7 +65,7 @@ class RangeGetter:
         self._pool_size = pool_size
         self._connect_timeout = connect_timeout
         self._read_timeout = read_timeout
-        self._ssl_context = ssl_context
+        self._ssl_context = ssl_context if ssl_context is not None else ssl.create_default_context()
         self._lock = threading.Lock()
         self._idle: list[tuple[tuple[str, str, int], http.client.HTTPConnection]] = []
         self._urls: dict[str, tuple[float, str]] = {}
@@ -95,7 +95,7 @@ class RangeGetter:
         scheme, host, port = origin
         if scheme == "https":
             return http.client.HTTPSConnection(host, port, timeout=self._connect_timeout,
-                                               context=self._ssl_context or ssl.create_default_context())
+                                               context=self._ssl_context)
         return http.client.HTTPConnection(host, port, timeout=self._connect_timeout)
 
     def _give_back(self, origin: tuple[str, str, int], conn: http.client.HTTPConnection) -> None:
@@ -104,12 +104,6 @@ class RangeGetter:
                 self._idle.append((origin, conn))
                 return
         conn.close()
-
-    def close(self) -> None:
-        with self._lock:
-            idle, self._idle = self._idle, []
-        for _, conn in idle:
-            conn.close()
 
     # -- one GET ---------------------------------------------------------------------------------
 
@@ -194,7 +188,3 @@ class RangeGetter:
         # Nothing may follow the body on a connection we keep (a server sending more is not trusted).
         return not resp.will_close and resp.read(1) == b""
 
-
-def ssl_context(ca_bundle: str | None) -> ssl.SSLContext:
-    """Certificate checks against `ca_bundle` (a file of CA certificates), else the system's."""
-    return ssl.create_default_context(cafile=ca_bundle) if ca_bundle else ssl.create_default_context()

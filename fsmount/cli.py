@@ -26,6 +26,7 @@ from fsmount.config import (
     DEFAULT_SHARED_CACHE_PREFIX,
     DEFAULT_SHARED_CACHE_TIMEOUT,
     DEFAULT_SHARED_CACHE_WAIT,
+    DEFAULT_WRITE_PART_SIZE,
     GET_CLIENTS,
     ConfigError,
     MountConfig,
@@ -126,8 +127,10 @@ def add_mount_arguments(p: argparse.ArgumentParser) -> None:
     f.add_argument("--foreground", "-f", action="store_true", help="stay in the foreground (for systemd)")
     f.add_argument("--uid", type=int, default=os.getuid(), help="owner of all files (default: you)")
     f.add_argument("--gid", type=int, default=os.getgid(), help="group of all files (default: yours)")
-    f.add_argument("--file-mode", type=_mode, default=0o444, help="permission bits of files (default 0444)")
-    f.add_argument("--dir-mode", type=_mode, default=0o555, help="permission bits of directories (default 0555)")
+    f.add_argument("--file-mode", type=_mode, default=None,
+                   help="permission bits of files (default 0444, 0644 with --writable)")
+    f.add_argument("--dir-mode", type=_mode, default=None,
+                   help="permission bits of directories (default 0555, 0755 with --writable)")
     f.add_argument("--allow-other", action="store_true", help="let other users see the mount (off by default)")
     f.add_argument("--allow-non-empty", action="store_true", help="mount over a non-empty directory")
     f.add_argument("--metadata-ttl", type=_ttl, default=60.0,
@@ -153,6 +156,16 @@ def add_mount_arguments(p: argparse.ArgumentParser) -> None:
     d.add_argument("--cache-dir", default=None, help="persistent local chunk cache directory (NVMe)")
     d.add_argument("--cache-size", type=_cache_size, default=parse_cache_size("80%"),
                    help="cache size, e.g. 500G or 80%% of the disk")
+    w = p.add_argument_group("writing (off by default: the mount is read-only)")
+    w.add_argument("--writable", action="store_true",
+                   help="accept new files (written sequentially, streamed to the bucket as a multipart upload "
+                        "and stored at close) and new directories")
+    w.add_argument("--allow-overwrite", action="store_true", help="let new files and renames replace existing keys")
+    w.add_argument("--allow-delete", action="store_true",
+                   help="let unlink, rmdir and renames of files this mount did not write delete keys")
+    w.add_argument("--write-part-size", type=_size, default=DEFAULT_WRITE_PART_SIZE,
+                   help="size of the first upload parts; it grows every 200 parts, so files up to 255,000 x "
+                        "this fit in S3's 10,000 parts (default 8M)")
     t = p.add_argument_group("fleet-shared chunk tier (an S3-compatible bucket near the nodes)")
     t.add_argument("--shared-cache-bucket", default=None,
                    help="turn the tier on: nodes share chunks through this bucket")
@@ -212,7 +225,8 @@ def build_config(args: argparse.Namespace) -> MountConfig:
                         read_timeout=args.read_timeout, get_client=args.get_client)
     return MountConfig(
         store=store, mountpoint=args.mountpoint, foreground=args.foreground, uid=args.uid, gid=args.gid,
-        file_mode=args.file_mode, dir_mode=args.dir_mode, allow_other=args.allow_other,
+        file_mode=_default(args.file_mode, 0o644 if args.writable else 0o444),
+        dir_mode=_default(args.dir_mode, 0o755 if args.writable else 0o555), allow_other=args.allow_other,
         allow_non_empty=args.allow_non_empty, metadata_ttl=args.metadata_ttl, log_level=args.log_level,
         log_file=args.log_file, chunk_size=args.chunk_size,
         memory_limit=args.memory_limit if args.memory_limit is not None else default_memory_limit(),
@@ -220,7 +234,12 @@ def build_config(args: argparse.Namespace) -> MountConfig:
         fuse_max_background=args.fuse_max_background, cache_dir=args.cache_dir,
         cache_size=args.cache_size, model_streaming=not args.no_model_streaming,
         pagecache_push_limit=args.pagecache_push_limit, metrics_addr=args.metrics_addr,
-        shared_cache=shared_cache_config(args))
+        shared_cache=shared_cache_config(args), writable=args.writable, allow_overwrite=args.allow_overwrite,
+        allow_delete=args.allow_delete, write_part_size=args.write_part_size)
+
+
+def _default(value: T | None, default: T) -> T:
+    return default if value is None else value
 
 
 def shared_cache_config(args: argparse.Namespace) -> SharedCacheConfig | None:

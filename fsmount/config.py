@@ -34,6 +34,10 @@ DEFAULT_CONNECT_TIMEOUT = 10.0
 # What carries the bytes of a ranged GET: presigned URLs read by http.client into recycled buffers
 # (the default: less CPU per byte), or boto3's get_object.
 GET_CLIENTS = ("presigned", "boto3")
+# --write-part-size: S3 part sizes are 5 MiB to 5 GiB; 8 MiB as Mountpoint-S3 (and our chunks).
+DEFAULT_WRITE_PART_SIZE = 8 * MiB
+MIN_WRITE_PART_SIZE = 5 * MiB
+MAX_WRITE_PART_SIZE = 5 * GiB
 MEMORY_LIMIT_CAP = 2 * GiB
 MEMORY_LIMIT_RAM_FRACTION = 0.10
 # --memory-limit bounds the daemon's RSS. The interpreter, boto3, pyfuse3 and prometheus-client
@@ -213,6 +217,10 @@ class MountConfig:
     pagecache_push_limit: int | None = None  # None: a share of MemAvailable at mount time
     metrics_addr: str | None = None  # HOST:PORT of the Prometheus endpoint, checked by the CLI
     shared_cache: SharedCacheConfig | None = None
+    writable: bool = False
+    allow_overwrite: bool = False
+    allow_delete: bool = False
+    write_part_size: int = DEFAULT_WRITE_PART_SIZE
 
     @property
     def chunk_memory(self) -> int:
@@ -235,5 +243,12 @@ class MountConfig:
             raise ConfigError("--kernel-readahead must be >= 0")
         if not 0 <= self.fuse_max_background <= 65535:
             raise ConfigError("--fuse-max-background must be between 0 and 65535")
+        if (self.allow_overwrite or self.allow_delete) and not self.writable:
+            raise ConfigError("--allow-overwrite and --allow-delete need --writable")
+        if not MIN_WRITE_PART_SIZE <= self.write_part_size <= MAX_WRITE_PART_SIZE:
+            raise ConfigError("--write-part-size must be between 5M and 5G (S3's part sizes)")
+        if self.writable and 2 * self.write_part_size > self.chunk_memory:
+            raise ConfigError("--write-part-size must be at most half of --memory-limit's chunk memory "
+                              "(parts are held in memory while they upload)")
         if self.log_level.lower() not in ("debug", "info", "warning", "error", "critical"):
             raise ConfigError("--log-level must be debug, info, warning, error or critical")

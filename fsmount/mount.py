@@ -36,6 +36,7 @@ from fsmount.data import (
     SharedTier,
     StoreError,
     TransientError,
+    Uploads,
     cache_bytes,
 )
 from fsmount.namespace import Namespace
@@ -44,6 +45,7 @@ from fsmount.pagecache import PageCachePusher, default_push_limit
 from fsmount.prometheus import MetricsAddressError, MetricsServer
 from fsmount.stats import MountStats
 from fsmount.streaming import ModelStreamer
+from fsmount.writes import Writes
 
 log = logging.getLogger(__name__)
 
@@ -314,11 +316,16 @@ class Daemon:
         self.pusher = PageCachePusher(push_limit)
         self.streamer = ModelStreamer(self.engine, self.pusher, max_connections=cfg.store.max_connections,
                                       enabled=cfg.model_streaming, siblings=self._files_beside)
+        self.writes = Writes(self.namespace, Uploads(self.store), self.engine.memory, part_size=cfg.write_part_size,
+                             max_connections=cfg.store.max_connections, timeout=cfg.store.read_timeout,
+                             allow_overwrite=cfg.allow_overwrite, allow_delete=cfg.allow_delete) \
+            if cfg.writable else None
         self.stats = MountStats(cfg.store.bucket, self.engine, self.streamer, self.pusher, disk_cache=self.disk_cache,
-                                shared_tier=self.shared_tier, open_files=lambda: self.ops.open_files,
-                                inodes=lambda: self.namespace.inode_count)
+                                shared_tier=self.shared_tier, writes=self.writes,
+                                open_files=lambda: self.ops.open_files, inodes=lambda: self.namespace.inode_count)
         self.ops = Operations(self.namespace, self.engine, self.streamer, self.pusher, max_readahead=cfg.max_readahead,
-                              owner=Owner(cfg.uid, cfg.gid, cfg.file_mode, cfg.dir_mode), stats=self.stats.json_bytes)
+                              owner=Owner(cfg.uid, cfg.gid, cfg.file_mode, cfg.dir_mode), stats=self.stats.json_bytes,
+                              writes=self.writes)
 
     def close(self) -> None:
         if self.metrics is not None:
@@ -347,7 +354,9 @@ class Daemon:
 
     def fuse_options(self) -> set[str]:
         opts = set(pyfuse3.default_options)
-        opts |= {f"fsname={self.cfg.store.bucket}", "subtype=modelfs", "ro"}
+        opts |= {f"fsname={self.cfg.store.bucket}", "subtype=modelfs"}
+        if not self.cfg.writable:
+            opts.add("ro")
         if self.cfg.allow_other:
             opts.add("allow_other")
         return opts
@@ -357,9 +366,13 @@ class Daemon:
         async with trio.open_nursery() as nursery:
             await nursery.start(self.engine.run)
             await nursery.start(self.streamer.run)
+            if self.writes is not None:
+                await nursery.start(self.writes.run)
             nursery.start_soon(self._watch_signals)
             nursery.start_soon(self._announce_ready)
             await pyfuse3.main()
+            if self.writes is not None:
+                await self.writes.abort_all()
             await self._drain_cache_writes()
             nursery.cancel_scope.cancel()
 

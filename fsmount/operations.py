@@ -3,8 +3,9 @@ the handles and the engine.
 
 Handlers only translate: arguments in, replies (EntryAttributes built from the namespace's plain nodes)
 out, and every failure into `FUSEError` in one place (`_fuse_errors`). No semantics live here: which
-version an open reads and when it is stale are the namespace's rules. Nothing but `FUSEError` ever
-leaves a handler.
+version an open reads and when it is stale are the namespace's rules, what a writable mount may change
+is writes.py's. Nothing but `FUSEError` ever leaves a handler. Without `--writable` every request that
+would change something fails with EROFS.
 """
 
 from __future__ import annotations
@@ -24,9 +25,11 @@ import pyfuse3
 from fsmount.data import ChunkEngine, StoreError
 from fsmount.handles import OpenFile
 from fsmount.namespace import DirEntry, Namespace, Node, PathError
+from fsmount.new_file import NewFile
 from fsmount.pagecache import PageCachePusher
 from fsmount.stats import STATS_XATTR
 from fsmount.streaming import ModelStreamer
+from fsmount.writes import Writes
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +64,25 @@ def _read_only(name: str) -> Callable[..., Coroutine[Any, Any, Any]]:
     return handler
 
 
+def _unsupported(name: str) -> Callable[..., Coroutine[Any, Any, Any]]:
+    async def handler(self: Operations, *args: Any) -> Any:
+        raise pyfuse3.FUSEError(errno.EROFS if self.writes is None else errno.EPERM)
+
+    handler.__name__ = name
+    return handler
+
+
+def _writable(fn: Callable[..., Coroutine[Any, Any, T]]) -> Callable[..., Coroutine[Any, Any, T]]:
+    """A handler that changes the tree: EROFS unless the mount is --writable."""
+    @functools.wraps(fn)
+    async def wrapper(self: Operations, *args: Any) -> T:
+        if self.writes is None:
+            raise pyfuse3.FUSEError(errno.EROFS)
+        return await fn(self, *args)
+
+    return _fuse_errors(wrapper)
+
+
 @dataclasses.dataclass(frozen=True)
 class Owner:
     """Who owns every file and directory of the mount, and their permission bits."""
@@ -78,8 +100,9 @@ class Operations(pyfuse3.Operations):
 
     def __init__(self, namespace: Namespace, engine: ChunkEngine, streamer: ModelStreamer,
                  pusher: PageCachePusher, *, max_readahead: int, owner: Owner,
-                 stats: Callable[[], bytes] | None = None):
+                 stats: Callable[[], bytes] | None = None, writes: Writes | None = None):
         super().__init__()
+        self.writes = writes
         self.stats = stats
         self.ns = namespace
         self.engine = engine
@@ -90,6 +113,7 @@ class Operations(pyfuse3.Operations):
         self._mount_time_ns = time.time_ns()
         self._files: dict[int, OpenFile] = {}
         self._dirs: dict[int, tuple[int, list[DirEntry]]] = {}  # fh -> (inode, snapshot at opendir)
+        self._writers: dict[int, NewFile] = {}  # fh -> the file it writes
         self._next_fh = 1
 
     def _new_fh(self) -> int:
@@ -99,7 +123,7 @@ class Operations(pyfuse3.Operations):
 
     @property
     def open_files(self) -> int:
-        return len(self._files)
+        return len(self._files) + len(self._writers)
 
     # -- metadata ------------------------------------------------------------------------------
 
@@ -194,7 +218,11 @@ class Operations(pyfuse3.Operations):
     @_fuse_errors
     async def open(self, inode: int, flags: int, ctx: pyfuse3.RequestContext) -> pyfuse3.FileInfo:
         if flags & WRITE_FLAGS:
-            raise pyfuse3.FUSEError(errno.EROFS)
+            if self.writes is None:
+                raise pyfuse3.FUSEError(errno.EROFS)
+            return self._writer_handle(self.writes.open_existing(self.ns.node(inode), flags))
+        if self.ns.node(inode).writing:
+            raise pyfuse3.FUSEError(errno.EBUSY)  # readable once it is closed and stored
         version = await self.ns.open_file(inode)
         fh = self._new_fh()
         self._files[fh] = OpenFile(fh, inode, version, self.engine, self.max_readahead)
@@ -206,11 +234,18 @@ class Operations(pyfuse3.Operations):
         # Under many open files, each gets a share of memory so read-ahead cannot evict itself.
         return max(self.engine.chunk_size, self.engine.memory.limit // (2 * max(1, len(self._files))))
 
+    def _writer_handle(self, new: NewFile) -> pyfuse3.FileInfo:
+        fh = self._new_fh()
+        self._writers[fh] = new
+        new.handles += 1
+        return pyfuse3.FileInfo(fh=fh)
+
     @_fuse_errors
     async def read(self, fh: int, off: int, size: int) -> bytes | memoryview:
         handle = self._files.get(fh)
         if handle is None:
-            raise pyfuse3.FUSEError(errno.EBADF)
+            # A handle that writes a file cannot read it back before it is stored.
+            raise pyfuse3.FUSEError(errno.EBUSY if fh in self._writers else errno.EBADF)
         if not self.pusher.enabled:
             return await handle.read(off, size, self._window_cap())
         with self.pusher.reading(handle.ino, off, off + size):
@@ -222,32 +257,105 @@ class Operations(pyfuse3.Operations):
         if handle is not None:
             handle.close()
             self.streamer.closed(handle.version)
+        new = self._writers.pop(fh, None)
+        if new is not None:
+            new.handles -= 1
+            if new.handles == 0 and new.stored is None:
+                # flush comes first on every close; this is a handle that was never flushed.
+                await new.commit()
 
     @_fuse_errors
     async def flush(self, fh: int) -> None:
-        return None
+        new = self._writers.get(fh)
+        if new is not None:
+            await new.commit()  # close(2) reports whether the file was stored
 
     @_fuse_errors
     async def fsync(self, fh: int, datasync: bool) -> None:
-        return None  # nothing is ever dirty
+        new = self._writers.get(fh)
+        if new is not None:
+            await new.commit()
 
     @_fuse_errors
     async def access(self, inode: int, mode: int, ctx: pyfuse3.RequestContext) -> bool:
-        if mode & os.W_OK:
+        if mode & os.W_OK and self.writes is None:
             raise pyfuse3.FUSEError(errno.EROFS)
         return True
 
-    # -- everything that would write -----------------------------------------------------------
+    # -- changes (--writable; writes.py has the rules) -----------------------------------------
 
-    setattr = _read_only("setattr")
-    mknod = _read_only("mknod")
-    mkdir = _read_only("mkdir")
-    unlink = _read_only("unlink")
-    rmdir = _read_only("rmdir")
-    symlink = _read_only("symlink")
-    rename = _read_only("rename")
-    link = _read_only("link")
-    create = _read_only("create")
-    write = _read_only("write")
+    @_writable
+    async def create(self, parent_inode: int, name: bytes, mode: int, flags: int,
+                     ctx: pyfuse3.RequestContext) -> tuple[pyfuse3.FileInfo, pyfuse3.EntryAttributes]:
+        assert self.writes is not None
+        new = await self.writes.create(self.ns.node(parent_inode), name)
+        return self._writer_handle(new), self._attributes(new.node)
+
+    @_writable
+    async def write(self, fh: int, off: int, buf: bytes) -> int:
+        new = self._writers.get(fh)
+        if new is None:
+            raise pyfuse3.FUSEError(errno.EBADF)
+        return await new.write(off, buf)
+
+    @_writable
+    async def setattr(self, inode: int, attr: pyfuse3.EntryAttributes, fields: pyfuse3.SetattrFields,
+                      fh: int | None, ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
+        assert self.writes is not None
+        node = self.ns.node(inode)
+        if fields.update_size:
+            new = self.writes.writing(node)
+            if new is not None:
+                new.truncate(attr.st_size)
+            elif attr.st_size != node.size or node.is_dir:
+                raise pyfuse3.FUSEError(errno.EOPNOTSUPP)
+        # Modes, owners and times are not stored in the bucket: accepted and left as they are.
+        return self._attributes(node)
+
+    @_writable
+    async def mkdir(self, parent_inode: int, name: bytes, mode: int,
+                    ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
+        assert self.writes is not None
+        if await self._child(parent_inode, name) is not None:
+            raise pyfuse3.FUSEError(errno.EEXIST)
+        return self._attributes(await self.writes.mkdir(self.ns.node(parent_inode), name))
+
+    async def _child(self, parent_inode: int, name: bytes) -> Node | None:
+        try:
+            return await self.ns.resolve(parent_inode, name)
+        except PathError as exc:
+            if exc.errno == errno.ENOENT:
+                return None
+            raise
+
+    async def _existing(self, parent_inode: int, name: bytes) -> Node:
+        node = await self._child(parent_inode, name)
+        if node is None:
+            raise pyfuse3.FUSEError(errno.ENOENT)
+        return node
+
+    @_writable
+    async def unlink(self, parent_inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> None:
+        assert self.writes is not None
+        await self.writes.unlink(await self._existing(parent_inode, name))
+
+    @_writable
+    async def rmdir(self, parent_inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> None:
+        assert self.writes is not None
+        await self.writes.rmdir(await self._existing(parent_inode, name))
+
+    @_writable
+    async def rename(self, parent_inode_old: int, name_old: bytes, parent_inode_new: int, name_new: bytes,
+                     flags: int, ctx: pyfuse3.RequestContext) -> None:
+        assert self.writes is not None
+        node = await self._existing(parent_inode_old, name_old)
+        target = await self._child(parent_inode_new, name_new)
+        await self.writes.rename(node, self.ns.node(parent_inode_new), name_new, target, flags)
+
+    # -- what no mount does (S3 has no such things) --------------------------------------------
+
+    mknod = _unsupported("mknod")
+    symlink = _unsupported("symlink")
+    link = _unsupported("link")
     setxattr = _read_only("setxattr")
     removexattr = _read_only("removexattr")

@@ -81,6 +81,14 @@ class StatsCollector:
                                     value=dc["bytes_used"])
             yield GaugeMetricFamily("modelfs_disk_cache_size_bytes", "--cache-size in bytes", value=dc["max_bytes"])
             yield GaugeMetricFamily("modelfs_disk_cache_chunks", "Chunk files in the NVMe cache", value=dc["chunks"])
+        wr = s.get("writes")
+        if wr is not None:
+            for name, what in (("files_stored", "files written through the mount and stored in the bucket"),
+                               ("files_failed", "files written through the mount that were not stored"),
+                               ("bytes_uploaded", "bytes uploaded by writes"),
+                               ("parts_uploaded", "upload parts (and single PUTs) sent"),
+                               ("renames", "renames done"), ("deletes", "files deleted")):
+                yield CounterMetricFamily(f"modelfs_writes_{name}", f"Writes: {what}", value=wr[name])
         sc = s["shared_cache"]
         if sc is not None:
             for name, what in (("hits", "chunks found in the shared tier"),

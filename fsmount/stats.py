@@ -20,6 +20,7 @@ if TYPE_CHECKING:  # the CLI imports this module for STATS_XATTR alone, without 
     from fsmount.data import ChunkEngine, DiskCache, SharedTier
     from fsmount.pagecache import PageCachePusher
     from fsmount.streaming import ModelStreamer
+    from fsmount.writes import Writes
 
 STATS_FORMAT_VERSION = 1
 # The virtual attribute of the mount root that carries the snapshot as JSON: no socket, no port, and
@@ -42,6 +43,7 @@ class MountStats:
     pusher: PageCachePusher
     disk_cache: DiskCache | None = None
     shared_tier: SharedTier | None = None
+    writes: Writes | None = None
     open_files: Callable[[], int] = lambda: 0
     inodes: Callable[[], int] = lambda: 0
     started: float = dataclasses.field(default_factory=time.monotonic)
@@ -87,7 +89,12 @@ class MountStats:
             "inodes": self.inodes(),
             "disk_cache": None,
             "shared_cache": None,
+            "writes": None,
         }
+        if self.writes is not None:
+            # --writable: files stored (closed and complete in the bucket) or failed, bytes and parts
+            # uploaded, renames and deletes done.
+            out["writes"] = dataclasses.asdict(self.writes.stats)
         if self.disk_cache is not None:
             ds = self.disk_cache.stats
             hits, misses = self.engine.levels.lookups(self.disk_cache)

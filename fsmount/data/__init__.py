@@ -11,7 +11,8 @@ here, never from the modules inside, which are private to the package:
 - engine: single-flight fetches, workers, priorities and deadlines (ChunkEngine, Fetch);
 - disk_cache: the NVMe cache level; chunk_file: its file format; cache_dir: its directory and lock;
   cache_admin: `modelfs cache stats|clear|verify` over a cache directory;
-- shared_tier: the fleet-shared chunk tier, a level on an S3-compatible bucket.
+- shared_tier: the fleet-shared chunk tier, a level on an S3-compatible bucket;
+- uploads: the write requests of `--writable` (PUT, multipart, copy, delete, incomplete uploads).
 """
 
 from fsmount.data.boto3_store import Boto3Store
@@ -35,11 +36,13 @@ from fsmount.data.store import (
     TransientError,
     Unreachable,
 )
+from fsmount.data.uploads import COPY_OBJECT_MAX, MAX_PART_SIZE, MAX_PARTS, MIN_PART_SIZE, PendingUpload, Uploads
 
 __all__ = [
     "AHEAD", "BACKGROUND", "CHUNKS_DIR", "DEMAND", "AccessDenied", "Boto3Store", "BucketMissing", "CacheDirBusy",
     "Chunk", "ChunkCache", "ChunkEngine", "ChunkId", "DiskCache", "Fetch", "LatencyHistogram", "LevelStack",
     "ListingPage", "MemoryBudget", "NotFound", "ObjectMeta", "ObjectStore", "ObjectVersion", "PreconditionFailed",
     "ReadTimeout", "SharedTier", "StoreError", "TransientError", "Unreachable", "WritableBuffer", "cache_bytes",
-    "cache_clear", "cache_stats", "cache_verify",
+    "cache_clear", "cache_stats", "cache_verify", "MAX_PART_SIZE", "MAX_PARTS", "MIN_PART_SIZE", "PendingUpload",
+    "COPY_OBJECT_MAX", "Uploads",
 ]

@@ -176,6 +176,11 @@ class Boto3Store:
         self._get_attempts, self._backoff_base = ((GET_ATTEMPTS, GET_BACKOFF_BASE) if self._ranges is None
                                                   else (PRESIGNED_GET_ATTEMPTS, PRESIGNED_BACKOFF_BASE))
 
+    @property
+    def client(self) -> Any:
+        """The boto3 client (for the write requests of `uploads.Uploads`, which share it)."""
+        return self._client
+
     def check_bucket(self, prefix: str) -> None:
         try:
             self._client.list_objects_v2(Bucket=self.bucket, Prefix=prefix, Delimiter="/", MaxKeys=1)

@@ -106,7 +106,8 @@ class Rule:
     times: int | None = None     # applies to this many more requests; None: until cleared
     fraction: float = 1.0        # chance that a matching request is hit
     data_only: bool = True       # only GETs with a Range header
-    kind: str | None = None      # only requests of this kind ("lists", "heads", "data_gets"); wins over data_only
+    kind: str | None = None      # only requests of this kind (http_wire.Request.kind: "lists", "heads",
+                                 # "data_gets", "parts", "completes", ...); wins over data_only
     skip: int = 0                # the first `skip` requests it matches pass untouched (page 3 of 5: skip=2)
     hits: int = 0
     seen: int = 0

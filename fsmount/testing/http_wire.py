@@ -48,6 +48,11 @@ class Request:
                 return "data_gets"
             query = urllib.parse.urlsplit(self.target).query
             return "lists" if "list-type=" in query or self.path_parts()[1] == "" else "gets"
+        query = self.query()
+        if self.method == "PUT" and "partNumber" in query:
+            return "parts"  # UploadPart (and UploadPartCopy)
+        if self.method == "POST" and "uploadId" in query:
+            return "completes"  # CompleteMultipartUpload
         return "other"
 
     def path_parts(self) -> tuple[str, bytes]:

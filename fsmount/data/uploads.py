@@ -1,0 +1,114 @@
+"""The write side of the store (`--writable`): single PUTs, multipart uploads, server-side copies, deletes,
+and the listing of incomplete uploads that `modelfs cleanup` aborts.
+
+It sends what it is told and maps failures through the one error mapping (`boto3_store.translate_error`);
+which bytes go where, and when, is `writes.py`'s business. botocore retries each request (5xx, throttling,
+resets) in its standard mode, so a failure that reaches the caller is final. Every method blocks; callers
+run them in worker threads. Thread-safe: one boto3 client, shared.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from datetime import datetime
+from typing import Any
+
+from fsmount.data.boto3_store import Boto3Store, translate_error
+from fsmount.data.store import NotFound
+
+# S3's limits on multipart uploads (and what OSS, SeaweedFS and MinIO accept).
+MIN_PART_SIZE = 5 * 1024 * 1024
+MAX_PART_SIZE = 5 * 1024 * 1024 * 1024
+MAX_PARTS = 10_000
+# One CopyObject copies at most this much; above it a copy is a multipart upload of UploadPartCopy parts.
+COPY_OBJECT_MAX = 5 * 1024 * 1024 * 1024
+
+
+def quoted(etag: str) -> str:
+    """ETags as HEAD and GET give them: in double quotes (SeaweedFS answers CopyObject without them)."""
+    return etag if etag.startswith('"') or etag.startswith('W/"') else f'"{etag}"'
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class PendingUpload:
+    """An incomplete multipart upload in the bucket."""
+
+    key: str
+    upload_id: str
+    initiated: datetime | None
+
+
+class Uploads:
+    """Write requests on the bucket of a `Boto3Store` (its client, its credentials, its addressing)."""
+
+    def __init__(self, store: Boto3Store):
+        self.bucket = store.bucket
+        self._client = store.client
+        self.head = store.head
+
+    def _call(self, what: str, fn: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(Bucket=self.bucket, **kwargs)
+        except Exception as exc:  # noqa: BLE001 - every failure becomes one StoreError
+            raise translate_error(exc, self.bucket, what) from None
+
+    def put(self, key: str, body: bytes | bytearray) -> str:
+        """Store a whole object in one PUT; its ETag."""
+        return quoted(self._call(f"PUT {key!r}", self._client.put_object, Key=key, Body=body)["ETag"])
+
+    def start(self, key: str) -> str:
+        """Begin a multipart upload; its upload id."""
+        return self._call(f"starting an upload of {key!r}", self._client.create_multipart_upload, Key=key)["UploadId"]
+
+    def put_part(self, key: str, upload_id: str, number: int, body: bytes | bytearray) -> str:
+        """Upload part `number` (1-based); its ETag."""
+        resp = self._call(f"uploading part {number} of {key!r}", self._client.upload_part, Key=key,
+                          UploadId=upload_id, PartNumber=number, Body=body)
+        return resp["ETag"]
+
+    def copy_part(self, key: str, upload_id: str, number: int, source: str, source_etag: str, start: int,
+                  end: int) -> str:
+        """Part `number` of `key` is bytes [start, end) of `source` (version `source_etag`), copied by the
+        server; its ETag."""
+        resp = self._call(f"copying part {number} of {key!r}", self._client.upload_part_copy, Key=key,
+                          UploadId=upload_id, PartNumber=number,
+                          CopySource={"Bucket": self.bucket, "Key": source}, CopySourceIfMatch=source_etag,
+                          CopySourceRange=f"bytes={start}-{end - 1}")
+        return resp["CopyPartResult"]["ETag"]
+
+    def finish(self, key: str, upload_id: str, etags: list[str]) -> str:
+        """Complete the upload from its parts' ETags, in part order; the object's ETag."""
+        parts = [{"PartNumber": i, "ETag": etag} for i, etag in enumerate(etags, 1)]
+        resp = self._call(f"completing the upload of {key!r}", self._client.complete_multipart_upload, Key=key,
+                          UploadId=upload_id, MultipartUpload={"Parts": parts})
+        return quoted(resp["ETag"])
+
+    def abort(self, key: str, upload_id: str) -> None:
+        """Drop an incomplete upload and its parts (one already gone counts as done)."""
+        try:
+            self._call(f"aborting the upload of {key!r}", self._client.abort_multipart_upload, Key=key,
+                       UploadId=upload_id)
+        except NotFound:
+            pass
+
+    def copy(self, source: str, source_etag: str, key: str) -> str:
+        """Copy an object of at most COPY_OBJECT_MAX bytes, as it is at `source_etag`; the copy's ETag."""
+        resp = self._call(f"copying {source!r} to {key!r}", self._client.copy_object, Key=key,
+                          CopySource={"Bucket": self.bucket, "Key": source}, CopySourceIfMatch=source_etag)
+        return quoted(resp["CopyObjectResult"]["ETag"])
+
+    def delete(self, key: str) -> None:
+        """Delete a key (S3 answers a missing key with success too)."""
+        self._call(f"DELETE {key!r}", self._client.delete_object, Key=key)
+
+    def pending(self, prefix: str) -> list[PendingUpload]:
+        """Every incomplete multipart upload of a key under `prefix`, all pages."""
+        out: list[PendingUpload] = []
+        kwargs: dict[str, Any] = {"Prefix": prefix}
+        while True:
+            resp = self._call(f"listing uploads under {prefix!r}", self._client.list_multipart_uploads, **kwargs)
+            for item in resp.get("Uploads", ()):
+                out.append(PendingUpload(item["Key"], item["UploadId"], item.get("Initiated")))
+            if not resp.get("IsTruncated"):
+                return out
+            kwargs.update(KeyMarker=resp.get("NextKeyMarker", ""), UploadIdMarker=resp.get("NextUploadIdMarker", ""))

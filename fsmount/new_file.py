@@ -1,0 +1,272 @@
+"""One file this mount is writing (`--writable`): sequential bytes in, a streaming multipart upload out,
+with bounded memory.
+
+Bytes are copied from each WRITE into a part buffer. A full buffer becomes a part, uploaded in the
+background while the next one fills; the upload begins with the first full part, and a file closed
+before that is one PUT. Part buffers are reserved from the engine's `MemoryBudget`, so they count
+against `--memory-limit`, and a writer whose parts cannot leave fast enough waits in `write` for
+room (backpressure). Part sizes grow every PART_GROWTH_EVERY parts (see `part_size`), so files up to
+255,000 x `--write-part-size` (2 TiB at 8 MiB) fit in S3's 10,000 parts.
+
+Only appends are accepted: a write anywhere but at the current end fails (EINVAL) and the file can no
+longer become an object. The one exception is an extending `ftruncate` of a file with nothing written
+yet (safetensors' `save_file` does it): the size is recorded, and what was never written is uploaded
+as zeros at close. `commit` (close, fsync) completes the upload, or aborts it and fails with EIO; a
+file never appears in the bucket half-written.
+
+Rules (everything runs in the trio thread; store calls run in threads under `Writes`' limiter):
+- `_lock` serialises `write`, `truncate`'s caller checks and `commit`, so parts are numbered in offset
+  order whatever the kernel interleaves.
+- A part task owns its buffer and its reservation from the moment it is started; it records its ETag or
+  the first failure in `error`, and releases both. `_idle` is set whenever no part is in flight.
+- `error` once set never clears; `stored` once set never changes.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any, Protocol
+
+import trio
+
+from fsmount.data import MAX_PART_SIZE, MAX_PARTS, MemoryBudget, ObjectMeta, StoreError, Uploads
+from fsmount.namespace import Node, PathError
+
+log = logging.getLogger(__name__)
+
+# The part size grows by the base size every this many parts: 200 x (1 + 2 + ... + 50) = 255,000 base
+# parts in 10,000, and the largest part is 50 x the base (400 MiB at 8 MiB).
+PART_GROWTH_EVERY = 200
+# Zeros for the never-written tail of an extended file, appended this many bytes at a time.
+ZEROS = bytes(1 << 20)
+# An abort (failure, unmount) waits this long for the store, then leaves the parts to `modelfs cleanup`.
+ABORT_TIMEOUT_S = 10.0
+
+
+class Writes(Protocol):
+    """What a file being written needs of the mount's writes (writes.Writes)."""
+
+    memory: MemoryBudget
+    uploads: Uploads
+
+    async def call(self, fn: Callable[..., Any], *args: Any) -> Any: ...
+    def spawn(self, fn: Callable[..., Awaitable[None]], *args: Any) -> None: ...
+    def key_of(self, node: Node) -> str: ...
+    def register(self, new: NewFile) -> None: ...
+    def unregister(self, new: NewFile) -> None: ...
+    def count_part(self, n: int) -> None: ...
+    def stored(self, new: NewFile) -> None: ...
+    def dropped(self, new: NewFile) -> None: ...
+    async def move_object(self, meta: ObjectMeta, key: str) -> ObjectMeta: ...
+
+
+def part_size(base: int, number: int) -> int:
+    """The size of part `number` (1-based) of an upload whose first parts are `base` bytes."""
+    return min(MAX_PART_SIZE, base * (1 + (number - 1) // PART_GROWTH_EVERY))
+
+
+class NewFile:
+    def __init__(self, writes: Writes, node: Node, base_part_size: int):
+        self._writes = writes
+        self.node = node
+        self._base = base_part_size
+        self.written = 0  # bytes accepted, all at the end
+        self.declared = 0  # the size an extending ftruncate of the empty file asked for
+        self.error: str | None = None
+        self.stored: ObjectMeta | None = None
+        self.handles = 0  # open file handles on it
+        self._lock = trio.Lock()
+        self._buf: bytearray | None = None
+        self._fill = 0
+        self._parts = 0  # parts started
+        self._etags: dict[int, str] = {}
+        self._key: str | None = None  # the key the multipart upload is under, once it began
+        self._upload_id: str | None = None
+        self._in_flight = 0
+        self._idle = trio.Event()
+        self._idle.set()
+
+    @property
+    def size(self) -> int:
+        return max(self.written, self.declared)
+
+    def _fail(self, message: str) -> None:
+        if self.error is None:
+            self.error = message
+            log.warning("%s: %s; the file will not be stored", self.node.path, message)
+
+    # -- bytes in --------------------------------------------------------------------------------
+
+    async def write(self, offset: int, data: bytes) -> int:
+        async with self._lock:
+            if self.stored is not None:
+                log.warning("%s: write after the file was stored (closed or fsynced); S3 objects cannot be "
+                            "appended to", self.node.path)
+                raise PathError(errno.EIO)
+            if self.error is not None:
+                raise PathError(errno.EIO)
+            if offset != self.written:
+                self._fail(f"write at offset {offset}, but only sequential writes are supported (the file "
+                           f"ends at {self.written})")
+                raise PathError(errno.EINVAL)
+            await self._append(memoryview(data))
+            self.node.size = self.size
+            return len(data)
+
+    def truncate(self, size: int) -> None:
+        """`ftruncate`/`truncate` to `size`: only to the size it has, or extending a file still empty."""
+        if size == self.size:
+            return
+        if self.written == 0 and self.stored is None and self.error is None:
+            self.declared = size
+            self.node.size = self.size
+            return
+        log.warning("%s: truncate to %d after %d bytes were written is not supported (only sequential "
+                    "writes)", self.node.path, size, self.written)
+        raise PathError(errno.EOPNOTSUPP)
+
+    async def _append(self, view: memoryview) -> None:
+        while view:
+            if self._buf is None:
+                await self._new_buffer()
+            buf = self._buf
+            assert buf is not None
+            take = min(len(view), len(buf) - self._fill)
+            buf[self._fill:self._fill + take] = view[:take]
+            self._fill += take
+            self.written += take
+            view = view[take:]
+            if self._fill == len(buf):
+                await self._send_part()
+            if self.error is not None:
+                raise PathError(errno.EIO)
+
+    async def _new_buffer(self) -> None:
+        number = self._parts + 1
+        if number > MAX_PARTS:
+            self._fail(f"larger than {MAX_PARTS} parts can hold")
+            raise PathError(errno.EFBIG)
+        size = part_size(self._base, number)
+        memory = self._writes.memory
+        if size > memory.limit // 2:
+            self._fail(f"part {number} ({size} bytes) does not fit in half of --memory-limit's chunk memory")
+            raise PathError(errno.EFBIG)
+        await memory.reserve(size)
+        self._buf = bytearray(size)
+        self._fill = 0
+
+    async def _send_part(self) -> None:
+        """Hand the filled buffer to a background part upload (the first one begins the upload)."""
+        buf, n = self._buf, self._fill
+        assert buf is not None
+        self._buf, self._fill = None, 0
+        self._parts += 1
+        if self._upload_id is None:
+            self._key = self._writes.key_of(self.node)
+            try:
+                self._upload_id = await self._writes.call(self._writes.uploads.start, self._key)
+            except StoreError as exc:
+                self._writes.memory.release(len(buf))
+                self._fail(exc.message)
+                raise PathError(errno.EIO) from None
+            self._writes.register(self)
+        body = buf if n == len(buf) else buf[:n]
+        self._in_flight += 1
+        self._idle = trio.Event()
+        self._writes.spawn(self._put_part, self._parts, body, len(buf))
+
+    async def _put_part(self, number: int, body: bytearray, reserved: int) -> None:
+        try:
+            assert self._key is not None and self._upload_id is not None
+            if self.error is None:
+                self._etags[number] = await self._writes.call(self._writes.uploads.put_part, self._key,
+                                                              self._upload_id, number, body)
+                self._writes.count_part(len(body))
+        except StoreError as exc:
+            self._fail(f"part {number}: {exc.message}")
+        finally:
+            del body
+            self._writes.memory.release(reserved)
+            self._in_flight -= 1
+            if self._in_flight == 0:
+                self._idle.set()
+
+    # -- the object out --------------------------------------------------------------------------
+
+    async def commit(self) -> ObjectMeta:
+        """Make the file an object under its current name (close, fsync); idempotent. EIO if it cannot be:
+        the upload is then aborted and the file leaves the tree."""
+        async with self._lock:
+            if self.stored is not None:
+                return self.stored
+            if self.error is None:
+                try:
+                    self.stored = await self._complete()
+                except StoreError as exc:
+                    self._fail(exc.message)
+                except PathError:
+                    pass
+            if self.stored is None:
+                await self.abort()
+                raise PathError(errno.EIO)
+            self._writes.stored(self)
+            return self.stored
+
+    async def _complete(self) -> ObjectMeta:
+        if self.declared > self.written:
+            tail = self.declared - self.written
+            while tail:
+                await self._append(memoryview(ZEROS)[:min(tail, len(ZEROS))])
+                tail = self.declared - self.written
+        writes = self._writes
+        final_key = writes.key_of(self.node)
+        if self._upload_id is None:
+            buf, n = self._buf, self._fill
+            self._buf, self._fill = None, 0
+            try:
+                body = bytes(memoryview(buf)[:n]) if buf is not None else b""
+                etag = await writes.call(writes.uploads.put, final_key, body)
+            finally:
+                if buf is not None:
+                    writes.memory.release(len(buf))
+            writes.count_part(n)
+            return ObjectMeta(final_key, n, etag, time.time_ns())
+        if self._fill or self._buf is not None:
+            await self._send_part()
+        await self._idle.wait()
+        if self.error is not None:
+            raise StoreError(self.error)
+        assert self._key is not None
+        etag = await writes.call(writes.uploads.finish, self._key, self._upload_id,
+                                 [self._etags[i] for i in range(1, self._parts + 1)])
+        self._upload_id = None
+        writes.unregister(self)
+        meta = ObjectMeta(self._key, self.written, etag, time.time_ns())
+        if self._key != final_key:
+            # Renamed while it was written (safetensors renames its temp file before closing it): the
+            # object was uploaded under the old name and is moved now.
+            meta = await writes.move_object(meta, final_key)
+        return meta
+
+    async def abort(self) -> None:
+        """Drop the upload and its parts (at a failure, or when the mount stops); the file leaves the tree.
+        Parts still in flight fail on their own (the upload is gone) and release their memory then."""
+        if self._buf is not None:
+            self._writes.memory.release(len(self._buf))
+            self._buf = None
+        if self._upload_id is not None:
+            upload_id, self._upload_id = self._upload_id, None
+            assert self._key is not None
+            with trio.move_on_after(ABORT_TIMEOUT_S, shield=True):
+                try:
+                    await self._writes.call(self._writes.uploads.abort, self._key, upload_id)
+                    upload_id = None
+                except StoreError as exc:
+                    log.warning("%s: %s", self.node.path, exc.message)
+            if upload_id is not None:
+                log.warning("%s: its upload could not be aborted; `modelfs cleanup` removes it", self.node.path)
+            self._writes.unregister(self)
+        self._writes.dropped(self)

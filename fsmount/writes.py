@@ -1,0 +1,272 @@
+"""What `--writable` lets a mount change, and the rules it follows: new files (each a `new_file.NewFile`),
+directories, deletes and renames, each done in the bucket first and then told to the namespace.
+
+The rules (README "Writing"):
+- Without `--allow-overwrite` nothing replaces an existing key: a create checks the bucket (HEAD) first,
+  and an open with O_TRUNC or a rename onto an existing file fails with EPERM.
+- Without `--allow-delete` nothing is deleted: unlink and rmdir fail with EPERM, and so does renaming a
+  file this mount did not write (a rename deletes the old key).
+- A rename is a server-side copy and then a delete of the old key, not atomic: for a moment both names
+  exist in the bucket. Renaming a file still being written only renames it in this mount; the object is
+  stored under its final name at close (moved by a copy if its upload had begun under the old one). A
+  directory with anything in it is not renamed (EXDEV).
+- One writer per file: opening a file that is being written fails with EBUSY, for reading or writing.
+
+Rules between tasks (all in the trio thread): `_open` holds the files with an upload under way (for
+aborting at unmount); `_written` the inodes of files this mount stored. Store calls run in threads under
+`_limiter` (`--max-connections`), given up after `--read-timeout`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import errno
+import logging
+import math
+import os
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import trio
+
+from fsmount.data import COPY_OBJECT_MAX, MAX_PARTS, MemoryBudget, ObjectMeta, StoreError, TransientError, Uploads
+from fsmount.namespace import Namespace, Node, PathError
+from fsmount.new_file import NewFile
+
+log = logging.getLogger(__name__)
+
+# Renames copy objects above this size as parallel UploadPartCopy parts (at least this big each, at most
+# --max-connections at once); a single CopyObject copies at one stream's speed.
+COPY_PART_MIN = 64 * 1024 * 1024
+# At unmount, how long aborting the uploads of files still open may take in all.
+ABORT_ALL_S = 15.0
+# linux/fs.h renameat2 flags.
+RENAME_NOREPLACE = 1
+RENAME_EXCHANGE = 2
+
+
+@dataclasses.dataclass
+class WriteStats:
+    files_stored: int = 0
+    files_failed: int = 0
+    bytes_uploaded: int = 0
+    parts_uploaded: int = 0
+    renames: int = 0
+    deletes: int = 0
+
+
+class Writes:
+    def __init__(self, namespace: Namespace, uploads: Uploads, memory: MemoryBudget, *, part_size: int,
+                 max_connections: int, timeout: float, allow_overwrite: bool, allow_delete: bool):
+        self.ns = namespace
+        self.uploads = uploads
+        self.memory = memory
+        self.part_size = part_size
+        self.allow_overwrite = allow_overwrite
+        self.allow_delete = allow_delete
+        self.stats = WriteStats()
+        self._timeout = timeout
+        self._max_connections = max_connections
+        self._limiter = trio.CapacityLimiter(max_connections)
+        self._nursery: trio.Nursery | None = None
+        self._files: dict[int, NewFile] = {}  # inode -> the file being written
+        self._open: set[NewFile] = set()
+        self._written: set[int] = set()
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """The nursery of part uploads, open for the mount's life."""
+        async with trio.open_nursery() as nursery:
+            self._nursery = nursery
+            task_status.started()
+            await trio.sleep_forever()
+
+    # -- for NewFile -----------------------------------------------------------------------------
+
+    async def call(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """One store request in a thread, given up after --read-timeout."""
+        with trio.move_on_after(self._timeout):
+            return await trio.to_thread.run_sync(fn, *args, limiter=self._limiter, abandon_on_cancel=True)
+        raise TransientError(f"{getattr(fn, '__name__', 'request')} timed out after {self._timeout:g}s")
+
+    def spawn(self, fn: Callable[..., Awaitable[None]], *args: Any) -> None:
+        assert self._nursery is not None
+        self._nursery.start_soon(fn, *args)
+
+    def key_of(self, node: Node) -> str:
+        return self.ns.key_of(node.path)
+
+    def register(self, new: NewFile) -> None:
+        self._open.add(new)
+
+    def unregister(self, new: NewFile) -> None:
+        self._open.discard(new)
+
+    def count_part(self, n: int) -> None:
+        self.stats.parts_uploaded += 1
+        self.stats.bytes_uploaded += n
+
+    def stored(self, new: NewFile) -> None:
+        assert new.stored is not None
+        self._files.pop(new.node.ino, None)
+        self._written.add(new.node.ino)
+        self.ns.end_file(new.node, new.stored)
+        self.stats.files_stored += 1
+        log.info("stored %s (%d bytes)", new.stored.key, new.stored.size)
+
+    def dropped(self, new: NewFile) -> None:
+        if self._files.get(new.node.ino) is new:
+            del self._files[new.node.ino]
+            self.ns.end_file(new.node, None)
+            self.stats.files_failed += 1
+
+    # -- files -----------------------------------------------------------------------------------
+
+    def writing(self, node: Node) -> NewFile | None:
+        return self._files.get(node.ino)
+
+    async def _absent(self, path: str) -> None:
+        """EPERM unless overwriting is allowed or nothing is at `path` in the bucket (asked, not cached)."""
+        if self.allow_overwrite:
+            return
+        meta = await self.call(self.uploads.head, self.ns.key_of(path))
+        if meta is not None:
+            log.warning("%s exists; replacing it needs --allow-overwrite", path)
+            raise PathError(errno.EPERM)
+
+    async def create(self, parent: Node, name: bytes) -> NewFile:
+        path = self.ns.child_path(parent, name)
+        if self.ns.pending(path) is not None:
+            raise PathError(errno.EBUSY)
+        await self._absent(path)
+        return self._start(self.ns.begin_file(path))
+
+    def open_existing(self, node: Node, flags: int) -> NewFile:
+        """An open for writing of a stored file: only a whole rewrite (O_TRUNC, or an empty file)."""
+        if node.is_dir:
+            raise PathError(errno.EISDIR)
+        if node.writing:
+            raise PathError(errno.EBUSY)
+        if not self.allow_overwrite:
+            log.warning("%s exists; replacing it needs --allow-overwrite", node.path)
+            raise PathError(errno.EPERM)
+        if (flags & os.O_APPEND) or not (flags & os.O_TRUNC or node.size == 0):
+            log.warning("%s: only whole rewrites (O_TRUNC) of existing files are supported", node.path)
+            raise PathError(errno.EOPNOTSUPP)
+        return self._start(self.ns.begin_file(node.path, node))
+
+    def _start(self, node: Node) -> NewFile:
+        new = NewFile(self, node, self.part_size)
+        self._files[node.ino] = new
+        return new
+
+    async def abort_all(self) -> None:
+        """At unmount: the uploads of files never closed are aborted."""
+        files = list(self._files.values())
+        with trio.move_on_after(ABORT_ALL_S):
+            for new in files:
+                await new.abort()
+        if self._open:
+            log.warning("%d uploads could not be aborted at unmount; `modelfs cleanup` removes them",
+                        len(self._open))
+
+    # -- directories and names -------------------------------------------------------------------
+
+    async def mkdir(self, parent: Node, name: bytes) -> Node:
+        path = self.ns.child_path(parent, name)
+        await self.call(self.uploads.put, self.ns.dir_key(path), b"")
+        return self.ns.dir_added(path)
+
+    async def unlink(self, node: Node) -> None:
+        if not self.allow_delete:
+            raise PathError(errno.EPERM)
+        if node.is_dir:
+            raise PathError(errno.EISDIR)
+        if node.writing:
+            raise PathError(errno.EBUSY)
+        await self.call(self.uploads.delete, self.ns.key_of(node.path))
+        self.ns.removed(node.path, is_dir=False)
+        self.stats.deletes += 1
+
+    async def rmdir(self, node: Node) -> None:
+        if not self.allow_delete:
+            raise PathError(errno.EPERM)
+        if not node.is_dir:
+            raise PathError(errno.ENOTDIR)
+        if not node.path:
+            raise PathError(errno.EBUSY)
+        if not await self.ns.dir_is_empty(node):
+            raise PathError(errno.ENOTEMPTY)
+        # The marker mkdir made, if any; SeaweedFS also keeps an emptied directory until this delete.
+        await self.call(self.uploads.delete, self.ns.dir_key(node.path))
+        self.ns.removed(node.path, is_dir=True)
+
+    async def rename(self, node: Node, new_parent: Node, new_name: bytes, target: Node | None, flags: int) -> None:
+        if flags & RENAME_EXCHANGE:
+            raise PathError(errno.EINVAL)
+        path = self.ns.child_path(new_parent, new_name)
+        if target is not None:
+            if flags & RENAME_NOREPLACE:
+                raise PathError(errno.EEXIST)
+            if target.is_dir or node.is_dir:
+                raise PathError(errno.EISDIR if target.is_dir else errno.ENOTDIR)
+            if target.writing:
+                raise PathError(errno.EBUSY)
+            if not self.allow_overwrite:
+                log.warning("rename onto %s: replacing it needs --allow-overwrite", path)
+                raise PathError(errno.EPERM)
+        if node.is_dir:
+            await self._rename_dir(node, path)
+        elif node.writing:
+            self.ns.move_pending(node, path)
+        else:
+            if node.ino not in self._written and not self.allow_delete:
+                log.warning("rename of %s: a file this mount did not write needs --allow-delete", node.path)
+                raise PathError(errno.EPERM)
+            meta = await self.move_object(ObjectMeta(self.ns.key_of(node.path), node.size, node.etag, node.mtime_ns),
+                                          self.ns.key_of(path))
+            self.ns.moved(node, path, meta)
+        self.stats.renames += 1
+
+    async def _rename_dir(self, node: Node, path: str) -> None:
+        if not await self.ns.dir_is_empty(node):
+            log.warning("rename of %s: a directory with anything in it is not renamed (EXDEV)", node.path)
+            raise PathError(errno.EXDEV)
+        await self.call(self.uploads.put, self.ns.dir_key(path), b"")
+        await self.call(self.uploads.delete, self.ns.dir_key(node.path))
+        self.ns.dir_moved(node, path)
+
+    async def move_object(self, meta: ObjectMeta, key: str) -> ObjectMeta:
+        """Copy an object to `key` on the server, then delete the old key; the new object's metadata."""
+        if meta.size <= COPY_PART_MIN or (meta.size <= COPY_OBJECT_MAX and self._max_connections == 1):
+            etag = await self.call(self.uploads.copy, meta.key, meta.etag, key)
+        else:
+            etag = await self._copy_in_parts(meta, key)
+        await self.call(self.uploads.delete, meta.key)
+        return ObjectMeta(key, meta.size, etag, time.time_ns())
+
+    async def _copy_in_parts(self, meta: ObjectMeta, key: str) -> str:
+        size = max(COPY_PART_MIN, math.ceil(meta.size / self._max_connections), math.ceil(meta.size / MAX_PARTS))
+        ranges = [(start, min(start + size, meta.size)) for start in range(0, meta.size, size)]
+        upload_id = await self.call(self.uploads.start, key)
+        etags: dict[int, str] = {}
+        try:
+            async def one(number: int, start: int, end: int) -> None:
+                etags[number] = await self.call(self.uploads.copy_part, key, upload_id, number, meta.key,
+                                                meta.etag, start, end)
+
+            async with trio.open_nursery() as nursery:
+                for number, (start, end) in enumerate(ranges, 1):
+                    nursery.start_soon(one, number, start, end)
+            return await self.call(self.uploads.finish, key, upload_id, [etags[i] for i in range(1, len(ranges) + 1)])
+        except BaseException as exc:
+            with trio.move_on_after(ABORT_ALL_S, shield=True):
+                try:
+                    await self.call(self.uploads.abort, key, upload_id)
+                except StoreError:
+                    pass
+            if isinstance(exc, BaseExceptionGroup):
+                first = exc.exceptions[0]
+                if isinstance(first, StoreError):
+                    raise first from None
+            raise

@@ -1,0 +1,348 @@
+"""`--writable`: what real checkpoint writers do, on real mounts against moto and SeaweedFS, each read back
+byte-exact (or torch.load-equal) on a fresh mount; and the rules (sequential only, no overwrite or delete
+without their flags, renames, directories, read after write)."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import MiB, S3Server, bucket_with, delete_bucket, mounted, new_bucket, random_bytes, sha
+
+WRITABLE = ("--writable", "--metadata-ttl", "60")
+# Warnings a test that provokes them expects.
+SEQUENTIAL_ONLY = r"only sequential writes are supported"
+NEEDS_OVERWRITE = r"needs --allow-overwrite"
+
+
+def keys(server: S3Server, bucket: str) -> dict[str, int]:
+    client = server.client()
+    out: dict[str, int] = {}
+    for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket):
+        out.update({o["Key"]: o["Size"] for o in page.get("Contents", ())})
+    return out
+
+
+def uploads_in(server: S3Server, bucket: str) -> list[str]:
+    return [u["Key"] for u in server.client().list_multipart_uploads(Bucket=bucket).get("Uploads", ())]
+
+
+def run_python(code: str, *args: str, timeout: float = 240) -> str:
+    """A writer or reader in a process of its own (as a trainer is), its stdout; fails the test on error."""
+    res = subprocess.run([sys.executable, "-c", textwrap.dedent(code), *args], capture_output=True, text=True,
+                         timeout=timeout)
+    assert res.returncode == 0, res.stderr[-3000:]
+    return res.stdout
+
+
+def test_read_only_by_default(s3: S3Server, mountpoint: Path) -> None:
+    bucket = bucket_with(s3, {"a.bin": b"x"})
+    with mounted(s3, bucket, mountpoint):
+        for attempt in (lambda: open(mountpoint / "new.bin", "wb"), lambda: os.mkdir(mountpoint / "d"),
+                        lambda: os.unlink(mountpoint / "a.bin"), lambda: open(mountpoint / "a.bin", "r+b")):
+            with pytest.raises(OSError) as info:
+                attempt()
+            assert info.value.errno == errno.EROFS
+    assert keys(s3, bucket) == {"a.bin": 1}
+
+
+def test_new_files_small_and_multipart_read_back_at_once_and_on_a_fresh_mount(s3: S3Server, mountpoint: Path,
+                                                                              tmp_path: Path) -> None:
+    bucket = new_bucket(s3)
+    small, big = random_bytes(1000, 1), random_bytes(23 * MiB + 17, 2)
+    with mounted(s3, bucket, mountpoint, *WRITABLE, "--write-part-size", "5M", "--max-connections", "4"):
+        os.makedirs(mountpoint / "run" / "ckpt")
+        (mountpoint / "run" / "small.txt").write_bytes(small)
+        with open(mountpoint / "run" / "ckpt" / "big.bin", "wb") as f:
+            for i in range(0, len(big), 128 * 1024 + 3):  # writes of an odd size, across part boundaries
+                f.write(big[i:i + 128 * 1024 + 3])
+        (mountpoint / "empty").write_bytes(b"")
+        # Read after write, on the same mount: listed, stat-able, readable, final sizes.
+        assert sorted(os.listdir(mountpoint)) == ["empty", "run"]
+        assert sorted(os.listdir(mountpoint / "run")) == ["ckpt", "small.txt"]
+        assert os.stat(mountpoint / "run" / "ckpt" / "big.bin").st_size == len(big)
+        assert (mountpoint / "run" / "small.txt").read_bytes() == small
+        assert sha((mountpoint / "run" / "ckpt" / "big.bin").read_bytes()) == sha(big)
+        assert (mountpoint / "empty").read_bytes() == b""
+    assert keys(s3, bucket) == {"run/small.txt": 1000, "run/ckpt/": 0, "run/": 0,
+                                "run/ckpt/big.bin": len(big), "empty": 0}
+    head = s3.client().head_object(Bucket=bucket, Key="run/ckpt/big.bin")
+    assert head["ETag"].strip('"').endswith("-5")  # 5 parts of 5 MiB: a streamed multipart upload
+    assert uploads_in(s3, bucket) == []
+    other = tmp_path / "fresh"
+    with mounted(s3, bucket, other):
+        assert sha((other / "run" / "ckpt" / "big.bin").read_bytes()) == sha(big)
+        assert (other / "run" / "small.txt").read_bytes() == small
+    delete_bucket(s3, bucket)
+
+
+def test_out_of_order_write_fails_and_stores_nothing(s3: S3Server, mountpoint: Path) -> None:
+    bucket = new_bucket(s3)
+    with mounted(s3, bucket, mountpoint, *WRITABLE, "--write-part-size", "5M",
+                 allowed=(SEQUENTIAL_ONLY, "will not be stored")):
+        fd = os.open(mountpoint / "x.bin", os.O_WRONLY | os.O_CREAT)
+        try:
+            os.write(fd, random_bytes(6 * MiB, 3))  # one part is on its way
+            with pytest.raises(OSError) as info:
+                os.pwrite(fd, b"back", 10)
+            assert info.value.errno == errno.EINVAL
+            with pytest.raises(OSError) as info:
+                os.write(fd, b"more")  # the file is spoiled: nothing more goes in
+            assert info.value.errno == errno.EIO
+        finally:
+            with pytest.raises(OSError) as info:
+                os.close(fd)
+            assert info.value.errno == errno.EIO
+        assert not os.path.exists(mountpoint / "x.bin")
+    assert keys(s3, bucket) == {}
+    assert uploads_in(s3, bucket) == []
+
+
+def test_overwrite_and_delete_need_their_flags(s3: S3Server, mountpoint: Path, tmp_path: Path) -> None:
+    bucket = bucket_with(s3, {"a.bin": b"old", "d/b.bin": b"bee"})
+    with mounted(s3, bucket, mountpoint, *WRITABLE, allowed=(NEEDS_OVERWRITE, "needs --allow-delete")):
+        for attempt, err in ((lambda: open(mountpoint / "a.bin", "wb"), errno.EPERM),
+                             (lambda: os.unlink(mountpoint / "a.bin"), errno.EPERM),
+                             (lambda: os.rmdir(mountpoint / "d"), errno.EPERM),
+                             (lambda: os.rename(mountpoint / "a.bin", mountpoint / "c.bin"), errno.EPERM)):
+            with pytest.raises(OSError) as info:
+                attempt()
+            assert info.value.errno == err
+        (mountpoint / "new.bin").write_bytes(b"new")
+        with pytest.raises(OSError) as info:
+            os.rename(mountpoint / "new.bin", mountpoint / "a.bin")  # onto an existing key
+        assert info.value.errno == errno.EPERM
+        os.rename(mountpoint / "new.bin", mountpoint / "renamed.bin")  # a file this mount wrote
+    assert keys(s3, bucket) == {"a.bin": 3, "d/b.bin": 3, "renamed.bin": 3}
+    other = tmp_path / "other"
+    with mounted(s3, bucket, other, *WRITABLE, "--allow-overwrite", "--allow-delete", allowed=("is not renamed",)):
+        (other / "a.bin").write_bytes(b"replaced")
+        assert (other / "a.bin").read_bytes() == b"replaced"
+        os.rename(other / "renamed.bin", other / "a.bin")
+        assert (other / "a.bin").read_bytes() == b"new"
+        assert sorted(os.listdir(other)) == ["a.bin", "d"]
+        with pytest.raises(OSError) as info:
+            os.rmdir(other / "d")
+        assert info.value.errno == errno.ENOTEMPTY
+        with pytest.raises(OSError) as info:
+            os.rename(other / "d", other / "e")
+        assert info.value.errno == errno.EXDEV
+        os.unlink(other / "d" / "b.bin")
+        os.rmdir(other / "d")
+        assert os.listdir(other) == ["a.bin"]
+    assert keys(s3, bucket) == {"a.bin": 3}
+
+
+def test_mkdir_is_visible_at_once_and_empty_and_rmdir_removes_it(s3: S3Server, mountpoint: Path,
+                                                                 tmp_path: Path) -> None:
+    bucket = bucket_with(s3, {"keep/x": b"1"})
+    with mounted(s3, bucket, mountpoint, *WRITABLE, "--allow-delete"):
+        os.listdir(mountpoint)  # the root's listing is cached before the change
+        os.mkdir(mountpoint / "new")
+        assert sorted(os.listdir(mountpoint)) == ["keep", "new"]
+        assert os.listdir(mountpoint / "new") == []
+        with pytest.raises(FileExistsError):
+            os.mkdir(mountpoint / "new")
+        os.mkdir(mountpoint / "gone")
+        os.rmdir(mountpoint / "gone")
+        assert sorted(os.listdir(mountpoint)) == ["keep", "new"]
+        os.rename(mountpoint / "new", mountpoint / "moved")  # an empty directory
+        assert sorted(os.listdir(mountpoint)) == ["keep", "moved"]
+    other = tmp_path / "other"
+    with mounted(s3, bucket, other):
+        assert sorted(os.listdir(other)) == ["keep", "moved"]
+        assert os.listdir(other / "moved") == []
+
+
+def test_names_the_read_side_would_skip_are_refused(s3: S3Server, mountpoint: Path) -> None:
+    bucket = new_bucket(s3)
+    with mounted(s3, bucket, mountpoint, *WRITABLE):
+        with pytest.raises(OSError) as info:
+            open(mountpoint / b"bad\xff".decode("utf-8", "surrogateescape"), "wb")
+        assert info.value.errno == errno.EINVAL
+    assert keys(s3, bucket) == {}
+
+
+def test_a_file_being_written_is_busy_for_other_handles(s3: S3Server, mountpoint: Path) -> None:
+    bucket = new_bucket(s3)
+    with mounted(s3, bucket, mountpoint, *WRITABLE, "--allow-overwrite"):
+        with open(mountpoint / "w.bin", "wb") as f:
+            f.write(b"abc")
+            f.flush()
+            for mode in ("rb", "wb"):
+                with pytest.raises(OSError) as info:
+                    open(mountpoint / "w.bin", mode)
+                assert info.value.errno == errno.EBUSY
+            assert os.stat(mountpoint / "w.bin").st_size == 3
+            assert os.listdir(mountpoint) == ["w.bin"]
+        assert (mountpoint / "w.bin").read_bytes() == b"abc"
+
+
+def test_safetensors_save_file_temp_ftruncate_rename(s3: S3Server, mountpoint: Path, tmp_path: Path) -> None:
+    """safetensors 0.8: a temp file beside the target, ftruncate to the full size, sequential writes, and
+    the rename over the target before the file is closed."""
+    import numpy as np
+    from safetensors.numpy import load_file
+
+    bucket = new_bucket(s3)
+    rng = np.random.default_rng(7)
+    tensors = {"big": rng.standard_normal((3 * 1024, 1024), dtype=np.float32),  # 12 MiB: a multipart upload
+               "small": np.arange(10, dtype=np.int64)}
+    ref = tmp_path / "ref.safetensors"
+    code = """
+        import sys, numpy as np
+        from safetensors.numpy import save_file
+        rng = np.random.default_rng(7)
+        t = {"big": rng.standard_normal((3 * 1024, 1024), dtype=np.float32), "small": np.arange(10, dtype=np.int64)}
+        for path in sys.argv[1:]:
+            save_file(t, path, metadata={"format": "np"})
+    """
+    with mounted(s3, bucket, mountpoint, *WRITABLE, "--write-part-size", "5M"):
+        (mountpoint / "model").mkdir()
+        run_python(code, str(ref), str(mountpoint / "model" / "model.safetensors"))
+        assert os.listdir(mountpoint / "model") == ["model.safetensors"]
+        assert sha((mountpoint / "model" / "model.safetensors").read_bytes()) == sha(ref.read_bytes())
+    assert set(keys(s3, bucket)) == {"model/", "model/model.safetensors"}
+    assert uploads_in(s3, bucket) == []
+    other = tmp_path / "fresh"
+    with mounted(s3, bucket, other):
+        assert sha((other / "model" / "model.safetensors").read_bytes()) == sha(ref.read_bytes())
+        loaded = load_file(other / "model" / "model.safetensors")
+        assert all(np.array_equal(loaded[k], v) for k, v in tensors.items())
+    delete_bucket(s3, bucket)
+
+
+def test_torch_save_and_load(s3: S3Server, mountpoint: Path, tmp_path: Path) -> None:
+    torch = pytest.importorskip("torch")
+    bucket = new_bucket(s3)
+    code = """
+        import sys, torch
+        torch.manual_seed(3)
+        state = {"w": torch.randn(1024, 2048), "b": torch.arange(7), "step": 12}
+        torch.save(state, sys.argv[1])
+    """
+    with mounted(s3, bucket, mountpoint, *WRITABLE, "--write-part-size", "5M"):
+        run_python(code, str(mountpoint / "state.pt"))
+        (tmp_path / "ref").mkdir()
+        run_python(code, str(tmp_path / "ref" / "state.pt"))  # the same name: torch.save records it
+        assert sha((mountpoint / "state.pt").read_bytes()) == sha((tmp_path / "ref" / "state.pt").read_bytes())
+    other = tmp_path / "fresh"
+    with mounted(s3, bucket, other):
+        got = torch.load(other / "state.pt")
+        want = torch.load(tmp_path / "ref" / "state.pt")
+        assert got.keys() == want.keys() and got["step"] == 12
+        assert torch.equal(got["w"], want["w"]) and torch.equal(got["b"], want["b"])
+    delete_bucket(s3, bucket)
+
+
+TRANSFORMERS_ROUND_TRIP = """
+    import json, sys, torch
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import BertConfig, BertModel, PreTrainedTokenizerFast
+    where, action = sys.argv[1], sys.argv[2]
+    if action == "save":
+        torch.manual_seed(0)
+        model = BertModel(BertConfig(vocab_size=64, hidden_size=64, num_hidden_layers=2, num_attention_heads=2,
+                                     intermediate_size=128))
+        vocab = {w: i for i, w in enumerate(["[UNK]", "[PAD]", "hello", "world"])}
+        tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+        tok.pre_tokenizer = pre_tokenizers.Whitespace()
+        PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]", pad_token="[PAD]").save_pretrained(where)
+        model.save_pretrained(where)
+        torch.save(model.state_dict(), sys.argv[3])
+    else:
+        model = BertModel.from_pretrained(where)
+        tok = PreTrainedTokenizerFast.from_pretrained(where)
+        want = torch.load(sys.argv[3])
+        got = model.state_dict()
+        assert set(got) == set(want), set(got) ^ set(want)
+        assert all(torch.equal(got[k], want[k]) for k in want)
+        print(json.dumps(tok("hello world")["input_ids"]))
+"""
+
+
+def test_transformers_save_pretrained_from_pretrained(s3: S3Server, mountpoint: Path, tmp_path: Path) -> None:
+    pytest.importorskip("transformers")
+    bucket = new_bucket(s3)
+    with mounted(s3, bucket, mountpoint, *WRITABLE):
+        run_python(TRANSFORMERS_ROUND_TRIP, str(mountpoint / "bert"), "save", str(tmp_path / "ref.pt"))
+        names = set(os.listdir(mountpoint / "bert"))
+        assert {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"} <= names
+    other = tmp_path / "fresh"
+    with mounted(s3, bucket, other):
+        out = run_python(TRANSFORMERS_ROUND_TRIP, str(other / "bert"), "load", str(tmp_path / "ref.pt"))
+        assert json.loads(out) == [2, 3]
+    delete_bucket(s3, bucket)
+
+
+ROTATION = """
+    import json, os, shutil, sys, torch
+    from safetensors.torch import save_file
+    root, keep = sys.argv[1], 3
+    torch.manual_seed(1)
+    for step in range(1, 6):
+        d = os.path.join(root, f"checkpoint-{step}")
+        os.makedirs(d)
+        save_file({"w": torch.full((256, 1024), float(step))}, os.path.join(d, "model.safetensors"))
+        torch.save({"exp_avg": torch.full((256, 1024), step * 0.5)}, os.path.join(d, "optimizer.pt"))
+        with open(os.path.join(d, "trainer_state.json"), "w") as f:
+            json.dump({"global_step": step}, f)
+        torch.save({"cpu": torch.get_rng_state()}, os.path.join(d, "rng_state.pth"))
+        kept = sorted((n for n in os.listdir(root) if n.startswith("checkpoint-")), key=lambda n: int(n[11:]))
+        for old in kept[:-keep]:
+            shutil.rmtree(os.path.join(root, old))
+    print(json.dumps(sorted(os.listdir(root))))
+"""
+
+
+def test_checkpoint_rotation_with_rmtree(s3: S3Server, mountpoint: Path, tmp_path: Path) -> None:
+    torch = pytest.importorskip("torch")
+    from safetensors.torch import load_file
+
+    bucket = new_bucket(s3)
+    with mounted(s3, bucket, mountpoint, *WRITABLE, "--allow-delete"):
+        out = run_python(ROTATION, str(mountpoint / "run"))
+        assert json.loads(out) == ["checkpoint-3", "checkpoint-4", "checkpoint-5"]
+    assert {k.split("/")[1] for k in keys(s3, bucket)} - {""} == {"checkpoint-3", "checkpoint-4", "checkpoint-5"}
+    other = tmp_path / "fresh"
+    with mounted(s3, bucket, other):
+        assert sorted(os.listdir(other / "run")) == ["checkpoint-3", "checkpoint-4", "checkpoint-5"]
+        for step in (3, 4, 5):
+            d = other / "run" / f"checkpoint-{step}"
+            assert sorted(os.listdir(d)) == ["model.safetensors", "optimizer.pt", "rng_state.pth",
+                                             "trainer_state.json"]
+            assert torch.equal(load_file(d / "model.safetensors")["w"], torch.full((256, 1024), float(step)))
+            assert torch.equal(torch.load(d / "optimizer.pt")["exp_avg"], torch.full((256, 1024), step * 0.5))
+            assert json.loads((d / "trainer_state.json").read_text()) == {"global_step": step}
+    delete_bucket(s3, bucket)
+
+
+def test_rename_of_a_large_file_being_written_copies_in_parts(seaweed_server: S3Server, mountpoint: Path,
+                                                             tmp_path: Path) -> None:
+    """A file renamed while open whose upload had begun under the old name is moved at close by a server-side
+    copy, in parallel UploadPartCopy parts above 64 MiB."""
+    s3 = seaweed_server
+    bucket = new_bucket(s3)
+    data = random_bytes(70 * MiB + 5, 9)
+    with mounted(s3, bucket, mountpoint, *WRITABLE):
+        fd = os.open(mountpoint / ".tmp123", os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.ftruncate(fd, len(data))
+            for i in range(0, len(data), MiB):
+                os.write(fd, data[i:i + MiB])
+            os.rename(mountpoint / ".tmp123", mountpoint / "final.bin")
+            assert os.listdir(mountpoint) == ["final.bin"]
+        finally:
+            os.close(fd)
+        assert sha((mountpoint / "final.bin").read_bytes()) == sha(data)
+    assert keys(s3, bucket) == {"final.bin": len(data)}
+    shutil.rmtree(tmp_path / "unused", ignore_errors=True)
+    delete_bucket(s3, bucket)

@@ -52,7 +52,7 @@ examples:
   modelfs unmount /models
 """
 
-SUBCOMMANDS = ("mount", "unmount", "umount", "cache", "prefetch", "stats")
+SUBCOMMANDS = ("mount", "unmount", "umount", "cache", "prefetch", "stats", "cleanup")
 # mount(8) generic options that mean nothing to a FUSE daemon; accepted and ignored.
 IGNORED_MOUNT_OPTIONS = {"defaults", "_netdev", "nofail", "noauto", "auto", "user", "users", "nouser",
                          "owner", "group", "dev", "nodev", "suid", "nosuid", "exec", "noexec", "atime",
@@ -60,6 +60,9 @@ IGNORED_MOUNT_OPTIONS = {"defaults", "_netdev", "nofail", "noauto", "auto", "use
                          "ro", "rw", "silent", "loud"}
 # -o flags that map to a differently named command-line flag.
 MOUNT_OPTION_ALIASES = {"nonempty": "allow_non_empty"}
+# `modelfs cleanup` leaves uploads younger than this alone (a mount may still be writing them); the
+# lifecycle rule in the README aborts after one day too.
+DEFAULT_CLEANUP_AGE = 86400.0
 # How long `modelfs mount` waits for the background daemon to answer before giving up.
 STARTUP_TIMEOUT = 120.0
 
@@ -103,17 +106,22 @@ def _endpoint_url(text: str) -> str:
     return text
 
 
-def add_mount_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("bucket", help="bucket name (S3 or OSS)")
-    p.add_argument("mountpoint", help="an existing empty directory")
-    s = p.add_argument_group("object store")
-    s.add_argument("--prefix", default="", help="mount only keys under this prefix")
+def add_origin_arguments(s: argparse._ArgumentGroup | argparse.ArgumentParser, prefix_help: str) -> None:
+    """Where the bucket is: the flags `mount` and `cleanup` share."""
+    s.add_argument("--prefix", default="", help=prefix_help)
     s.add_argument("--endpoint-url", type=_endpoint_url, default=os.environ.get("AWS_ENDPOINT_URL"),
                    help="S3-compatible endpoint (default: AWS, or $AWS_ENDPOINT_URL)")
     s.add_argument("--region", default=None, help="region name (default: from the AWS configuration)")
     s.add_argument("--profile", default=None, help="profile from ~/.aws/credentials")
     s.add_argument("--addressing-style", choices=("auto", "path", "virtual"), default="auto",
                    help="bucket addressing; Alibaba OSS needs virtual")
+
+
+def add_mount_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("bucket", help="bucket name (S3 or OSS)")
+    p.add_argument("mountpoint", help="an existing empty directory")
+    s = p.add_argument_group("object store")
+    add_origin_arguments(s, "mount only keys under this prefix")
     s.add_argument("--no-sign-request", action="store_true", help="anonymous access to a public bucket")
     s.add_argument("--max-connections", type=int, default=DEFAULT_MAX_CONNECTIONS,
                    help="parallel ranged GETs (default %(default)s)")
@@ -269,6 +277,14 @@ def make_parser() -> argparse.ArgumentParser:
     st = sub.add_parser("stats", help="hit ratio, bytes by source, egress saved and errors of a running mount")
     st.add_argument("mountpoint")
     st.add_argument("--json", action="store_true", help="the raw numbers as JSON")
+    k = sub.add_parser("cleanup", help="abort incomplete multipart uploads (parts left by a writable mount that "
+                                       "was killed) under a prefix of a bucket")
+    k.add_argument("bucket")
+    add_origin_arguments(k, "only uploads of keys under this prefix")
+    k.add_argument("--older-than", type=_ttl, default=DEFAULT_CLEANUP_AGE,
+                   help="only uploads begun at least this many seconds ago: a running mount may be writing the "
+                        "newer ones (default %(default)g, one day)")
+    k.add_argument("--dry-run", action="store_true", help="list them, abort nothing")
     c = sub.add_parser("cache", help="inspect or empty a local chunk cache directory")
     c.add_argument("action", choices=("stats", "clear", "verify"))
     c.add_argument("cache_dir")
@@ -396,6 +412,22 @@ def cmd_prefetch(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_cleanup(args: argparse.Namespace) -> int:
+    from fsmount.cleanup_command import CleanupError, cleanup
+
+    try:
+        store = StoreConfig(bucket=args.bucket, prefix=args.prefix, endpoint_url=args.endpoint_url,
+                            region=args.region, profile=args.profile, addressing_style=args.addressing_style)
+        found, aborted = cleanup(store, args.older_than, dry_run=args.dry_run, out=sys.stdout)
+    except ConfigError as exc:
+        return fail(str(exc), 2)
+    except CleanupError as exc:
+        return fail(str(exc))
+    verb = "would abort" if args.dry_run else "aborted"
+    print(f"{found} incomplete uploads older than {args.older_than:g}s; {verb} {aborted}")
+    return 0 if aborted == found or args.dry_run else 1
+
+
 def cmd_cache(args: argparse.Namespace) -> int:
     from fsmount.data import CHUNKS_DIR, CacheDirBusy, cache_clear, cache_stats, cache_verify
 
@@ -443,6 +475,8 @@ def main(argv: list[str] | None = None) -> int:
         return cmd_prefetch(args)
     if args.command == "stats":
         return cmd_stats(args)
+    if args.command == "cleanup":
+        return cmd_cleanup(args)
     parser.print_help()
     return 2
 

@@ -1,0 +1,183 @@
+"""`--writable` under faults: a store that fails parts, an origin gone at close, a daemon killed mid-write,
+and memory held to `--memory-limit` while several writers stream. Mounted on moto through the fault proxy
+(`fsmount.testing.fault_proxy`), or on SeaweedFS where the volume matters.
+
+What every test asserts: a file is in the bucket whole and exact, or not at all; a failure reaches the
+writer as an errno (EIO at close); no upload is left behind except by a killed daemon, and
+`modelfs cleanup` finds and aborts those.
+"""
+
+from __future__ import annotations
+
+import errno
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from fsmount.testing.fault_proxy import Down, Fault, FaultProxy
+from tests.helpers import (
+    MiB,
+    S3Server,
+    daemon_env,
+    delete_bucket,
+    mount_stats,
+    mounted,
+    mounted_via,
+    new_bucket,
+    proc_status,
+    random_bytes,
+    run_modelfs,
+    sha,
+    wait_for,
+)
+
+WRITE_ARGS = ("--writable", "--write-part-size", "5M", "--read-timeout", "5", "--max-connections", "4")
+
+
+def uploads_in(server: S3Server, bucket: str) -> list[str]:
+    return [u["Key"] for u in server.client().list_multipart_uploads(Bucket=bucket).get("Uploads", ())]
+
+
+def objects_in(server: S3Server, bucket: str) -> list[str]:
+    return [o["Key"] for o in server.client().list_objects_v2(Bucket=bucket).get("Contents", ())]
+
+
+def cleanup(server: S3Server, bucket: str, *args: str) -> subprocess.CompletedProcess:
+    return run_modelfs("cleanup", bucket, "--endpoint-url", server.endpoint_url, *args, env=daemon_env(server))
+
+
+def test_5xx_on_parts_and_completion_are_retried(moto_server: S3Server, proxy: FaultProxy, mountpoint: Path) -> None:
+    bucket = new_bucket(moto_server)
+    data = random_bytes(17 * MiB, 11)
+    with mounted_via(proxy, moto_server, bucket, mountpoint, *WRITE_ARGS) as m:
+        parts = proxy.inject(Fault.ERROR, status=500, kind="parts", times=3)
+        completes = proxy.inject(Fault.ERROR, status=503, kind="completes", times=1)
+        (mountpoint / "a.bin").write_bytes(data)
+        assert parts.hits == 3 and completes.hits == 1
+        assert mount_stats(m.path)["writes"]["files_stored"] == 1
+    got = moto_server.client().get_object(Bucket=bucket, Key="a.bin")["Body"].read()
+    assert sha(got) == sha(data)
+    assert uploads_in(moto_server, bucket) == []
+
+
+def test_parts_refused_for_good_fail_the_close_and_store_nothing(moto_server: S3Server, proxy: FaultProxy,
+                                                                 mountpoint: Path) -> None:
+    bucket = new_bucket(moto_server)
+    with mounted_via(proxy, moto_server, bucket, mountpoint, *WRITE_ARGS,
+                     allowed=(r"will not be stored", r"part \d+")):
+        proxy.inject(Fault.ERROR, status=500, kind="parts")
+        with pytest.raises(OSError) as info:
+            with open(mountpoint / "a.bin", "wb") as f:
+                for _ in range(12):
+                    f.write(random_bytes(MiB, 1))
+        assert info.value.errno == errno.EIO
+        assert not (mountpoint / "a.bin").exists()
+        proxy.clear()
+    assert objects_in(moto_server, bucket) == []
+    assert uploads_in(moto_server, bucket) == []
+
+
+def test_origin_down_at_close_is_eio_no_object_and_cleanup_finds_the_parts(
+        moto_server: S3Server, proxy: FaultProxy, mountpoint: Path) -> None:
+    bucket = new_bucket(moto_server)
+    with mounted_via(proxy, moto_server, bucket, mountpoint, *WRITE_ARGS,
+                     allowed=(r"will not be stored", r"could not be aborted", r"cannot reach", r"timed out",
+                              r"aborting the upload")):
+        f = open(mountpoint / "a.bin", "wb")
+        f.write(random_bytes(11 * MiB, 2))  # two parts sent
+        f.flush()
+        wait_for("parts uploaded", lambda: mount_stats(mountpoint)["writes"]["parts_uploaded"], lambda n: n >= 2)
+        proxy.origin_down(Down.REFUSE)
+        started = time.monotonic()
+        with pytest.raises(OSError) as info:
+            f.close()
+        assert info.value.errno == errno.EIO
+        assert time.monotonic() - started < 5 + 10 + 5  # --read-timeout, the abort's bound, slack
+        proxy.origin_back()
+        assert not (mountpoint / "a.bin").exists()
+    assert objects_in(moto_server, bucket) == []
+    # The abort could not reach the origin either: the parts wait for `modelfs cleanup`.
+    assert uploads_in(moto_server, bucket) == ["a.bin"]
+    done = cleanup(moto_server, bucket, "--older-than", "0")
+    assert done.returncode == 0, done.stderr
+    assert "aborted a.bin" in done.stdout
+    assert uploads_in(moto_server, bucket) == []
+
+
+WRITER = """
+    import os, sys
+    block = os.urandom(1 << 20)
+    with open(sys.argv[1], "wb") as f:
+        for i in range(int(sys.argv[2])):
+            f.write(block)
+            if i == 12:
+                print("written", flush=True)
+        f.flush()
+        sys.stdin.read()  # held open until the test kills the daemon
+"""
+
+
+def test_kill_9_mid_write_leaves_no_object_and_cleanup_aborts_the_parts(seaweed_server: S3Server,
+                                                                        mountpoint: Path) -> None:
+    s3 = seaweed_server
+    bucket = new_bucket(s3)
+    with mounted(s3, bucket, mountpoint, *WRITE_ARGS, check_log=False) as m:
+        writer = subprocess.Popen([sys.executable, "-c", textwrap.dedent(WRITER), str(mountpoint / "ckpt.bin"), "20"],
+                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        try:
+            assert writer.stdout is not None and writer.stdout.readline().strip() == "written"
+            wait_for("parts uploaded", lambda: mount_stats(mountpoint)["writes"]["parts_uploaded"],
+                     lambda n: n >= 2)
+            m.proc.send_signal(signal.SIGKILL)
+            m.proc.wait(10)
+        finally:
+            writer.kill()
+            writer.wait(10)
+    assert objects_in(s3, bucket) == []
+    assert uploads_in(s3, bucket) == ["ckpt.bin"]
+    # A day by default: a running mount may own a young upload (moto dates every upload 2010: not there).
+    young = cleanup(s3, bucket)
+    assert young.returncode == 0 and uploads_in(s3, bucket) == ["ckpt.bin"], young.stdout + young.stderr
+    listed = cleanup(s3, bucket, "--older-than", "0", "--dry-run")
+    assert "would abort ckpt.bin" in listed.stdout and uploads_in(s3, bucket) == ["ckpt.bin"]
+    done = cleanup(s3, bucket, "--older-than", "0")
+    assert done.returncode == 0 and "aborted ckpt.bin" in done.stdout, done.stdout + done.stderr
+    assert uploads_in(s3, bucket) == []
+    delete_bucket(s3, bucket)
+
+
+def test_memory_bound_held_while_4_writers_stream_1_gb_each(seaweed_server: S3Server, mountpoint: Path) -> None:
+    s3 = seaweed_server
+    bucket = new_bucket(s3)
+    limit_mib, blocks = 256, 1024
+    with mounted(s3, bucket, mountpoint, "--writable", "--memory-limit", f"{limit_mib}M") as m:
+        peak = [0]
+        done = threading.Event()
+
+        def sample() -> None:
+            while not done.is_set():
+                peak[0] = max(peak[0], proc_status(m.proc.pid, "VmRSS"))
+                time.sleep(0.05)
+
+        sampler = threading.Thread(target=sample)
+        sampler.start()
+        try:
+            writers = [subprocess.Popen([sys.executable, "-c", textwrap.dedent(WRITER).replace("sys.stdin.read()", ""),
+                                         str(mountpoint / f"w{i}.bin"), str(blocks)], stdout=subprocess.DEVNULL)
+                       for i in range(4)]
+            for w in writers:
+                assert w.wait(600) == 0
+        finally:
+            done.set()
+            sampler.join()
+        assert peak[0] <= (limit_mib + 64) * 1024, f"daemon RSS peaked at {peak[0] // 1024} MiB"
+        assert mount_stats(mountpoint)["writes"]["files_stored"] == 4
+    sizes = {o["Key"]: o["Size"] for o in s3.client().list_objects_v2(Bucket=bucket)["Contents"]}
+    assert sizes == {f"w{i}.bin": blocks * MiB for i in range(4)}
+    delete_bucket(s3, bucket)

@@ -149,15 +149,18 @@ def served_bytes(log_text: str) -> dict[str, int] | None:
     }
 
 
-def s3fs_command(endpoint: Endpoint, mountpoint: Path, passwd_file: Path) -> DaemonCommand:
+def s3fs_command(endpoint: Endpoint, mountpoint: Path, passwd_file: Path, writable: bool = False) -> DaemonCommand:
     passwd_file.write_text(f"{endpoint.access_key}:{endpoint.secret_key}\n")
     passwd_file.chmod(0o600)
-    options = f"passwd_file={passwd_file},url={endpoint.url},use_path_request_style,ro,dbglevel=warn"
+    mode = "rw" if writable else "ro"
+    options = f"passwd_file={passwd_file},url={endpoint.url},use_path_request_style,{mode},dbglevel=warn"
     argv = ["s3fs", endpoint.bucket, str(mountpoint), "-f", "-o", options]
     return DaemonCommand(argv, base_env())
 
 
-def rclone_command(endpoint: Endpoint, mountpoint: Path) -> DaemonCommand:
+def rclone_command(endpoint: Endpoint, mountpoint: Path, writable: bool = False) -> DaemonCommand:
+    """Read-only, or with `writable` rclone's own advice for applications that write: --vfs-cache-mode
+    writes (files are written to a local cache and uploaded after close)."""
     env = base_env()  # rclone fails TLS setup here when AWS_CA_BUNDLE is set; base_env drops it
     env.update(
         RCLONE_CONFIG_BENCH_TYPE="s3",
@@ -169,7 +172,8 @@ def rclone_command(endpoint: Endpoint, mountpoint: Path) -> DaemonCommand:
         RCLONE_CONFIG_BENCH_FORCE_PATH_STYLE="true",
         RCLONE_CONFIG="/dev/null",
     )
-    argv = ["rclone", "mount", f"BENCH:{endpoint.bucket}", str(mountpoint), "--read-only"]
+    argv = ["rclone", "mount", f"BENCH:{endpoint.bucket}", str(mountpoint)]
+    argv += ["--vfs-cache-mode", "writes", "--vfs-write-back", "0s"] if writable else ["--read-only"]
     return DaemonCommand(argv, env)
 
 

@@ -318,7 +318,9 @@ class Daemon:
                                       enabled=cfg.model_streaming, siblings=self._files_beside)
         self.writes = Writes(self.namespace, Uploads(self.store), self.engine.memory, part_size=cfg.write_part_size,
                              max_connections=cfg.store.max_connections, timeout=cfg.store.read_timeout,
-                             allow_overwrite=cfg.allow_overwrite, allow_delete=cfg.allow_delete) \
+                             allow_overwrite=cfg.allow_overwrite, allow_delete=cfg.allow_delete,
+                             cache=None if self.disk_cache is None or cfg.cache_dir is None else
+                             (self.disk_cache, cfg.cache_dir, self.engine.chunk_id, cfg.chunk_size)) \
             if cfg.writable else None
         self.stats = MountStats(cfg.store.bucket, self.engine, self.streamer, self.pusher, disk_cache=self.disk_cache,
                                 shared_tier=self.shared_tier, writes=self.writes,
@@ -373,6 +375,7 @@ class Daemon:
             await pyfuse3.main()
             if self.writes is not None:
                 await self.writes.abort_all()
+                await self.writes.drain_cache_fills()
             await self._drain_cache_writes()
             nursery.cancel_scope.cancel()
 

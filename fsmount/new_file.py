@@ -3,10 +3,11 @@ with bounded memory.
 
 Bytes are copied from each WRITE into a part buffer. A full buffer becomes a part, uploaded in the
 background while the next one fills; the upload begins with the first full part, and a file closed
-before that is one PUT. Part buffers are reserved from the engine's `MemoryBudget`, so they count
-against `--memory-limit`, and a writer whose parts cannot leave fast enough waits in `write` for
-room (backpressure). Part sizes grow every PART_GROWTH_EVERY parts (see `part_size`), so files up to
-255,000 x `--write-part-size` (2 TiB at 8 MiB) fit in S3's 10,000 parts.
+before that is one PUT. A file holds at most `--max-connections` + 1 part buffers (the one filling and
+those uploading), reserved from the engine's `MemoryBudget`, so they count against `--memory-limit`; a
+writer whose parts cannot leave fast enough waits in `write` for one of them (backpressure): more
+buffered parts would not upload any faster. Part sizes grow every PART_GROWTH_EVERY parts (see
+`part_size`), so files up to 255,000 x `--write-part-size` (2 TiB at 8 MiB) fit in S3's 10,000 parts.
 
 Only appends are accepted: a write anywhere but at the current end fails (EINVAL) and the file can no
 longer become an object. The one exception is an extending `ftruncate` of a file with nothing written
@@ -17,8 +18,10 @@ file never appears in the bucket half-written.
 Rules (everything runs in the trio thread; store calls run in threads under `Writes`' limiter):
 - `_lock` serialises `write`, `truncate`'s caller checks and `commit`, so parts are numbered in offset
   order whatever the kernel interleaves.
-- A part task owns its buffer and its reservation from the moment it is started; it records its ETag or
-  the first failure in `error`, and releases both. `_idle` is set whenever no part is in flight.
+- A part task owns its buffer, its reservation and its slot (of `_slots`) from the moment it is
+  started; it records its ETag or the first failure in `error`, and releases all three. The filling
+  buffer's reservation and slot are `_buf`'s: released by whoever drops `_buf` (`_drop_buffer`).
+  `_idle` is set whenever no part is in flight.
 - `error` once set never clears; `stored` once set never changes.
 """
 
@@ -34,6 +37,7 @@ import trio
 
 from fsmount.data import MAX_PART_SIZE, MAX_PARTS, MemoryBudget, ObjectMeta, StoreError, Uploads
 from fsmount.namespace import Node, PathError
+from fsmount.write_staging import StagedFile
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +55,7 @@ class Writes(Protocol):
 
     memory: MemoryBudget
     uploads: Uploads
+    parts_per_file: int
 
     async def call(self, fn: Callable[..., Any], *args: Any) -> Any: ...
     def spawn(self, fn: Callable[..., Awaitable[None]], *args: Any) -> None: ...
@@ -61,6 +66,9 @@ class Writes(Protocol):
     def stored(self, new: NewFile) -> None: ...
     def dropped(self, new: NewFile) -> None: ...
     async def move_object(self, meta: ObjectMeta, key: str) -> ObjectMeta: ...
+    def stage_open(self) -> StagedFile | None: ...
+    async def stage(self, staged: StagedFile | None, offset: int, data: bytes | bytearray) -> None: ...
+    def fill_cache(self, staged: StagedFile | None, meta: ObjectMeta) -> None: ...
 
 
 def part_size(base: int, number: int) -> int:
@@ -88,6 +96,9 @@ class NewFile:
         self._in_flight = 0
         self._idle = trio.Event()
         self._idle.set()
+        self._slots = trio.Semaphore(writes.parts_per_file)
+        self._sent = 0  # bytes handed to parts so far: the next part's offset
+        self._staged = writes.stage_open()  # with --cache-dir: the local copy for the NVMe cache
 
     @property
     def size(self) -> int:
@@ -154,9 +165,17 @@ class NewFile:
         if size > memory.limit // 2:
             self._fail(f"part {number} ({size} bytes) does not fit in half of --memory-limit's chunk memory")
             raise PathError(errno.EFBIG)
+        await self._slots.acquire()
         await memory.reserve(size)
         self._buf = bytearray(size)
         self._fill = 0
+
+    def _drop_buffer(self) -> None:
+        """Let go of the filling buffer (sent as a PUT, or abandoned): its reservation and slot."""
+        if self._buf is not None:
+            self._writes.memory.release(len(self._buf))
+            self._slots.release()
+            self._buf, self._fill = None, 0
 
     async def _send_part(self) -> None:
         """Hand the filled buffer to a background part upload (the first one begins the upload)."""
@@ -170,17 +189,20 @@ class NewFile:
                 self._upload_id = await self._writes.call(self._writes.uploads.start, self._key)
             except StoreError as exc:
                 self._writes.memory.release(len(buf))
+                self._slots.release()
                 self._fail(exc.message)
                 raise PathError(errno.EIO) from None
             self._writes.register(self)
         body = buf if n == len(buf) else buf[:n]
         self._in_flight += 1
         self._idle = trio.Event()
-        self._writes.spawn(self._put_part, self._parts, body, len(buf))
+        self._writes.spawn(self._put_part, self._parts, body, len(buf), self._sent)
+        self._sent += n
 
-    async def _put_part(self, number: int, body: bytearray, reserved: int) -> None:
+    async def _put_part(self, number: int, body: bytearray, reserved: int, offset: int) -> None:
         try:
             assert self._key is not None and self._upload_id is not None
+            await self._writes.stage(self._staged, offset, body)
             if self.error is None:
                 self._etags[number] = await self._writes.call(self._writes.uploads.put_part, self._key,
                                                               self._upload_id, number, body)
@@ -190,6 +212,7 @@ class NewFile:
         finally:
             del body
             self._writes.memory.release(reserved)
+            self._slots.release()
             self._in_flight -= 1
             if self._in_flight == 0:
                 self._idle.set()
@@ -213,6 +236,8 @@ class NewFile:
                 await self.abort()
                 raise PathError(errno.EIO)
             self._writes.stored(self)
+            self._writes.fill_cache(self._staged, self.stored)
+            self._staged = None
             return self.stored
 
     async def _complete(self) -> ObjectMeta:
@@ -224,14 +249,13 @@ class NewFile:
         writes = self._writes
         final_key = writes.key_of(self.node)
         if self._upload_id is None:
-            buf, n = self._buf, self._fill
-            self._buf, self._fill = None, 0
+            n = self._fill
             try:
-                body = bytes(memoryview(buf)[:n]) if buf is not None else b""
+                body = bytes(memoryview(self._buf)[:n]) if self._buf is not None else b""
+                await writes.stage(self._staged, 0, body)
                 etag = await writes.call(writes.uploads.put, final_key, body)
             finally:
-                if buf is not None:
-                    writes.memory.release(len(buf))
+                self._drop_buffer()
             writes.count_part(n)
             return ObjectMeta(final_key, n, etag, time.time_ns())
         if self._fill or self._buf is not None:
@@ -248,15 +272,19 @@ class NewFile:
         if self._key != final_key:
             # Renamed while it was written (safetensors renames its temp file before closing it): the
             # object was uploaded under the old name and is moved now.
+            started = time.monotonic()
             meta = await writes.move_object(meta, final_key)
+            log.info("%s: moved from %s by a server-side copy (%d bytes, %.2f s)", final_key, self._key, meta.size,
+                     time.monotonic() - started)
         return meta
 
     async def abort(self) -> None:
         """Drop the upload and its parts (at a failure, or when the mount stops); the file leaves the tree.
         Parts still in flight fail on their own (the upload is gone) and release their memory then."""
-        if self._buf is not None:
-            self._writes.memory.release(len(self._buf))
-            self._buf = None
+        self._drop_buffer()
+        if self._staged is not None:
+            self._staged.discard()
+            self._staged = None
         if self._upload_id is not None:
             upload_id, self._upload_id = self._upload_id, None
             assert self._key is not None

@@ -87,7 +87,8 @@ class StatsCollector:
                                ("files_failed", "files written through the mount that were not stored"),
                                ("bytes_uploaded", "bytes uploaded by writes"),
                                ("parts_uploaded", "upload parts (and single PUTs) sent"),
-                               ("renames", "renames done"), ("deletes", "files deleted")):
+                               ("renames", "renames done"), ("deletes", "files deleted"),
+                               ("chunks_cached", "chunks of stored files put into the NVMe cache")):
                 yield CounterMetricFamily(f"modelfs_writes_{name}", f"Writes: {what}", value=wr[name])
         sc = s["shared_cache"]
         if sc is not None:

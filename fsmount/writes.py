@@ -30,17 +30,33 @@ from typing import Any
 
 import trio
 
-from fsmount.data import COPY_OBJECT_MAX, MAX_PARTS, MemoryBudget, ObjectMeta, StoreError, TransientError, Uploads
+from fsmount.data import (
+    COPY_OBJECT_MAX,
+    MAX_PARTS,
+    ChunkCache,
+    ChunkId,
+    MemoryBudget,
+    ObjectMeta,
+    ObjectVersion,
+    StoreError,
+    TransientError,
+    Uploads,
+)
 from fsmount.namespace import Namespace, Node, PathError
 from fsmount.new_file import NewFile
+from fsmount.write_staging import StagedFile, Staging
 
 log = logging.getLogger(__name__)
 
 # Renames copy objects above this size as parallel UploadPartCopy parts (at least this big each, at most
 # --max-connections at once); a single CopyObject copies at one stream's speed.
 COPY_PART_MIN = 64 * 1024 * 1024
-# At unmount, how long aborting the uploads of files still open may take in all.
+# At unmount, how long aborting the uploads of files still open may take in all, and how long stored
+# files may take to reach the NVMe cache.
 ABORT_ALL_S = 15.0
+CACHE_FILL_S = 30.0
+# Threads for the local copies of files being written (--cache-dir): one large sequential write each.
+STAGING_THREADS = 2
 # linux/fs.h renameat2 flags.
 RENAME_NOREPLACE = 1
 RENAME_EXCHANGE = 2
@@ -54,15 +70,21 @@ class WriteStats:
     parts_uploaded: int = 0
     renames: int = 0
     deletes: int = 0
+    chunks_cached: int = 0  # chunks of stored files put into the NVMe cache
 
 
 class Writes:
     def __init__(self, namespace: Namespace, uploads: Uploads, memory: MemoryBudget, *, part_size: int,
-                 max_connections: int, timeout: float, allow_overwrite: bool, allow_delete: bool):
+                 max_connections: int, timeout: float, allow_overwrite: bool, allow_delete: bool,
+                 cache: tuple[ChunkCache, str, Callable[[ObjectVersion, int], ChunkId], int] | None = None):
+        """`cache`: with --cache-dir, (the NVMe level, the cache dir, the engine's chunk_id, chunk size):
+        stored files go into it (write_staging)."""
         self.ns = namespace
         self.uploads = uploads
         self.memory = memory
         self.part_size = part_size
+        # Part buffers one file may hold: the one filling, and one per connection uploading.
+        self.parts_per_file = max_connections + 1
         self.allow_overwrite = allow_overwrite
         self.allow_delete = allow_delete
         self.stats = WriteStats()
@@ -73,6 +95,11 @@ class Writes:
         self._files: dict[int, NewFile] = {}  # inode -> the file being written
         self._open: set[NewFile] = set()
         self._written: set[int] = set()
+        self._staging = Staging(cache[1]) if cache is not None else None
+        self._cache = cache
+        self._staging_limiter = trio.CapacityLimiter(STAGING_THREADS)
+        self._fills = 0  # cache fills running
+        self._fills_done = trio.Event()
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """The nursery of part uploads, open for the mount's life."""
@@ -88,6 +115,43 @@ class Writes:
         with trio.move_on_after(self._timeout):
             return await trio.to_thread.run_sync(fn, *args, limiter=self._limiter, abandon_on_cancel=True)
         raise TransientError(f"{getattr(fn, '__name__', 'request')} timed out after {self._timeout:g}s")
+
+    def stage_open(self) -> StagedFile | None:
+        return self._staging.open() if self._staging is not None else None
+
+    async def stage(self, staged: StagedFile | None, offset: int, data: bytes | bytearray) -> None:
+        if staged is not None and staged.ok:
+            await trio.to_thread.run_sync(staged.write, offset, data, limiter=self._staging_limiter)
+
+    def fill_cache(self, staged: StagedFile | None, meta: ObjectMeta) -> None:
+        """In the background: a stored file's chunks from its local copy into the NVMe cache."""
+        if staged is None or not staged.ok or self._cache is None:
+            return
+        cache, _, chunk_id, chunk_size = self._cache
+        version = ObjectVersion(meta.key, meta.etag, meta.size)
+
+        async def fill() -> None:
+            try:
+                cached = await trio.to_thread.run_sync(
+                    staged.to_cache, cache, lambda i: chunk_id(version, i), meta.size, chunk_size,
+                    limiter=self._staging_limiter, abandon_on_cancel=True)
+                self.stats.chunks_cached += cached  # after the await: fills run side by side
+            finally:
+                self._fills -= 1
+                if self._fills == 0:
+                    self._fills_done.set()
+                    self._fills_done = trio.Event()
+
+        self._fills += 1
+        self.spawn(fill)
+
+    async def drain_cache_fills(self) -> None:
+        """At unmount: let stored files reach the NVMe cache (bounded)."""
+        with trio.move_on_after(CACHE_FILL_S):
+            while self._fills:
+                await self._fills_done.wait()
+        if self._fills:
+            log.warning("%d written files did not reach the cache within %g s", self._fills, CACHE_FILL_S)
 
     def spawn(self, fn: Callable[..., Awaitable[None]], *args: Any) -> None:
         assert self._nursery is not None

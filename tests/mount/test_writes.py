@@ -15,7 +15,18 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import MiB, S3Server, bucket_with, delete_bucket, mounted, new_bucket, random_bytes, sha
+from tests.helpers import (
+    MiB,
+    S3Server,
+    bucket_with,
+    delete_bucket,
+    mount_stats,
+    mounted,
+    new_bucket,
+    random_bytes,
+    sha,
+    wait_for,
+)
 
 WRITABLE = ("--writable", "--metadata-ttl", "60")
 # Warnings a test that provokes them expects.
@@ -81,6 +92,26 @@ def test_new_files_small_and_multipart_read_back_at_once_and_on_a_fresh_mount(s3
     with mounted(s3, bucket, other):
         assert sha((other / "run" / "ckpt" / "big.bin").read_bytes()) == sha(big)
         assert (other / "run" / "small.txt").read_bytes() == small
+    delete_bucket(s3, bucket)
+
+
+def test_with_a_cache_dir_a_stored_file_is_read_back_from_the_nvme_cache(s3: S3Server, mountpoint: Path,
+                                                                         tmp_path: Path) -> None:
+    """A resume on the same node reads what it wrote at local speed: its chunks went into the cache."""
+    bucket = new_bucket(s3)
+    cache = tmp_path / "cache"
+    data, small = random_bytes(21 * MiB, 5), b"{}"
+    with mounted(s3, bucket, mountpoint, *WRITABLE, "--cache-dir", str(cache), "--write-part-size", "5M"):
+        (mountpoint / "ckpt.bin").write_bytes(data)
+        (mountpoint / "state.json").write_bytes(small)
+        wait_for("chunks cached", lambda: mount_stats(mountpoint)["writes"]["chunks_cached"], lambda n: n == 3 + 1)
+        assert os.listdir(cache / "writes") == []  # the local copies are gone once in the cache
+    other = tmp_path / "resume"
+    with mounted(s3, bucket, other, "--cache-dir", str(cache)):
+        assert sha((other / "ckpt.bin").read_bytes()) == sha(data)
+        assert (other / "state.json").read_bytes() == small
+        stats = mount_stats(other)
+        assert stats["origin"]["bytes"] == 0 and stats["disk_cache"]["hits"] == 4, stats
     delete_bucket(s3, bucket)
 
 

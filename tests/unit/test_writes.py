@@ -1,0 +1,288 @@
+"""The write side in-process: part sizes, a file being written (NewFile) against a scripted uploader, the
+namespace's record of changes, and the flags' rules. Real mounts are in tests/mount/test_writes.py."""
+
+from __future__ import annotations
+
+import errno
+import threading
+from typing import Any
+
+import pytest
+import trio
+
+from fsmount.cli import build_config, expand_mount_options, make_parser
+from fsmount.config import ConfigError, MountConfig, StoreConfig
+from fsmount.data import MAX_PARTS, MemoryBudget, ObjectMeta, StoreError, TransientError
+from fsmount.namespace import ROOT_INODE, Namespace, PathError
+from fsmount.new_file import PART_GROWTH_EVERY, NewFile, part_size
+from fsmount.writes import Writes
+from tests.unit.fake_store import FakeStore
+
+MiB = 1 << 20
+TiB = 1 << 40
+
+
+def test_part_sizes_grow_so_that_a_tebibyte_fits_in_10000_parts() -> None:
+    for base in (5 * MiB, 8 * MiB):
+        sizes = [part_size(base, n) for n in range(1, MAX_PARTS + 1)]
+        assert sizes[0] == base and sizes[PART_GROWTH_EVERY - 1] == base and sizes[PART_GROWTH_EVERY] == 2 * base
+        assert all(a <= b for a, b in zip(sizes, sizes[1:], strict=False))
+        assert sum(sizes) >= TiB
+    assert max(part_size(8 * MiB, n) for n in range(1, MAX_PARTS + 1)) == 50 * 8 * MiB
+
+
+class FakeUploads:
+    """The write requests of `data.Uploads` on a FakeStore (which the namespace lists and HEADs), with a gate
+    to hold parts and a fault to fail them."""
+
+    def __init__(self, store: FakeStore) -> None:
+        self.store = store
+        self.objects = store.objects
+        self.parts: dict[str, dict[int, bytes]] = {}
+        self.aborted: list[str] = []
+        self.puts = 0
+        self.gate = threading.Event()
+        self.gate.set()
+        self.fail_parts = False
+        self.fail_finish = False
+        self._next = 0
+
+    def head(self, key: str) -> ObjectMeta | None:
+        data = self.objects.get(key)
+        return None if data is None else ObjectMeta(key, len(data), f'"{hash(data)}"', 0)
+
+    def put(self, key: str, body: bytes) -> str:
+        self.puts += 1
+        return self._store(key, bytes(body), f'"put-{len(body)}"')
+
+    def _store(self, key: str, data: bytes, etag: str) -> str:
+        self.store.put(key, data)
+        self.store.etags[key] = etag
+        return etag
+
+    def start(self, key: str) -> str:
+        self._next += 1
+        upload_id = f"u{self._next}"
+        self.parts[upload_id] = {}
+        return upload_id
+
+    def put_part(self, key: str, upload_id: str, number: int, body: bytearray) -> str:
+        self.gate.wait(10)
+        if self.fail_parts:
+            raise TransientError("part refused")
+        self.parts[upload_id][number] = bytes(body)
+        return f'"p{number}"'
+
+    def finish(self, key: str, upload_id: str, etags: list[str]) -> str:
+        if self.fail_finish:
+            raise TransientError("complete refused")
+        parts = self.parts.pop(upload_id)
+        assert etags == [f'"p{n}"' for n in sorted(parts)]
+        return self._store(key, b"".join(parts[n] for n in sorted(parts)), f'"mp-{len(parts)}"')
+
+    def abort(self, key: str, upload_id: str) -> None:
+        self.aborted.append(key)
+        self.parts.pop(upload_id, None)
+
+    def copy(self, source: str, etag: str, key: str) -> str:
+        return self._store(key, self.objects[source], '"copy"')
+
+    def delete(self, key: str) -> None:
+        self.objects.pop(key, None)
+
+
+async def call(fn: Any, *args: Any) -> Any:
+    return fn(*args)
+
+
+def make(memory: int = 64 * MiB, part: int = 5 * MiB, **flags: bool) -> tuple[Writes, FakeUploads, Namespace]:
+    store = FakeStore()
+    ns = Namespace(store, call, prefix="", ttl=60.0)
+    uploads = FakeUploads(store)
+    writes = Writes(ns, uploads, MemoryBudget(memory), part_size=part, max_connections=2, timeout=30.0,  # type: ignore[arg-type]
+                    allow_overwrite=flags.get("allow_overwrite", False), allow_delete=flags.get("allow_delete", False))
+    return writes, uploads, ns
+
+
+async def new_file(writes: Writes, ns: Namespace, name: bytes) -> NewFile:
+    return await writes.create(ns.node(ROOT_INODE), name)
+
+
+async def test_small_file_is_one_put_and_enters_the_tree() -> None:
+    writes, uploads, ns = make()
+    async with trio.open_nursery() as nursery:
+        await nursery.start(writes.run)
+        new = await new_file(writes, ns, b"a.json")
+        assert await new.write(0, b"{}") == 2
+        assert (await ns.lookup(ROOT_INODE, b"a.json")).writing
+        meta = await new.commit()
+        assert uploads.objects == {"a.json": b"{}"} and uploads.puts == 1 and uploads.parts == {}
+        assert meta.etag == '"put-2"' and await new.commit() is meta  # idempotent (close after fsync)
+        node = await ns.lookup(ROOT_INODE, b"a.json")
+        assert not node.writing and node.size == 2 and node.etag == '"put-2"'
+        assert writes.memory.used == 0
+        nursery.cancel_scope.cancel()
+
+
+async def test_parts_stream_in_order_and_memory_is_bounded_with_backpressure() -> None:
+    writes, uploads, ns = make(memory=20 * MiB, part=5 * MiB)  # room for 2 parts (half the budget each at most)
+    data = bytes(range(256)) * (4 * 23 * MiB // 1024)  # 23 MiB: 4 full parts and a short one
+    async with trio.open_nursery() as nursery:
+        await nursery.start(writes.run)
+        new = await new_file(writes, ns, b"big.bin")
+        uploads.gate.clear()  # parts hold on: the writer must wait for room
+        written = 0
+
+        async def writer() -> None:
+            nonlocal written
+            for i in range(0, len(data), MiB):
+                written += await new.write(i, data[i:i + MiB])
+
+        nursery.start_soon(writer)
+        await trio.sleep(0.2)
+        assert written < len(data)
+        assert writes.memory.used <= writes.memory.limit
+        uploads.gate.set()
+        while written < len(data):
+            await trio.sleep(0.01)
+        meta = await new.commit()
+        assert uploads.objects["big.bin"] == data and meta.size == len(data) and meta.etag == '"mp-5"'
+        assert writes.memory.used == 0 and writes.stats.parts_uploaded == 5
+        nursery.cancel_scope.cancel()
+
+
+async def test_extending_ftruncate_of_an_empty_file_stores_zeros_for_what_was_never_written(
+        allowed_logs: list[str]) -> None:
+    allowed_logs.append("truncate to 5 after 4 bytes")
+    writes, uploads, ns = make()
+    async with trio.open_nursery() as nursery:
+        await nursery.start(writes.run)
+        new = await new_file(writes, ns, b"st")
+        new.truncate(12 * MiB)
+        await new.write(0, b"head")
+        with pytest.raises(PathError) as info:
+            new.truncate(5)
+        assert info.value.errno == errno.EOPNOTSUPP
+        await new.commit()
+        assert uploads.objects["st"] == b"head" + bytes(12 * MiB - 4)
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_write_off_the_end_spoils_the_file_and_commit_aborts(caplog: pytest.LogCaptureFixture,
+                                                                    allowed_logs: list[str]) -> None:
+    allowed_logs.append("only sequential writes")
+    writes, uploads, ns = make()
+    async with trio.open_nursery() as nursery:
+        await nursery.start(writes.run)
+        new = await new_file(writes, ns, b"x")
+        await new.write(0, bytes(6 * MiB))  # a part is sent: the upload began
+        with pytest.raises(PathError) as info:
+            await new.write(10, b"back")
+        assert info.value.errno == errno.EINVAL
+        with pytest.raises(PathError) as info:
+            await new.write(6 * MiB, b"more")
+        assert info.value.errno == errno.EIO
+        with pytest.raises(PathError) as info:
+            await new.commit()
+        assert info.value.errno == errno.EIO
+        assert uploads.objects == {} and uploads.aborted == ["x"] and uploads.parts == {}
+        with pytest.raises(PathError):
+            await ns.lookup(ROOT_INODE, b"x")
+        assert writes.memory.used == 0 and writes.stats.files_failed == 1
+        nursery.cancel_scope.cancel()
+
+
+@pytest.mark.parametrize("fault", ["parts", "finish"])
+async def test_a_failed_upload_is_eio_at_close_and_aborted(fault: str, allowed_logs: list[str]) -> None:
+    allowed_logs.append("will not be stored")
+    writes, uploads, ns = make()
+    setattr(uploads, f"fail_{fault}", True)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(writes.run)
+        new = await new_file(writes, ns, b"x")
+        try:
+            await new.write(0, bytes(11 * MiB))
+        except PathError:
+            pass  # a part failed before the last write: the write says so already
+        with pytest.raises(PathError) as info:
+            await new.commit()
+        assert info.value.errno == errno.EIO
+        assert uploads.objects == {} and uploads.aborted == ["x"]
+        nursery.cancel_scope.cancel()
+
+
+async def test_rename_while_written_stores_under_the_final_name() -> None:
+    writes, uploads, ns = make()
+    async with trio.open_nursery() as nursery:
+        await nursery.start(writes.run)
+        root = ns.node(ROOT_INODE)
+        small = await new_file(writes, ns, b".tmp1")  # no part sent yet: stored under the new name at once
+        await small.write(0, b"x")
+        await writes.rename(small.node, root, b"small", None, 0)
+        await small.commit()
+        big = await new_file(writes, ns, b".tmp2")  # its upload began under .tmp2: moved by a copy at close
+        await big.write(0, bytes(7 * MiB))
+        await writes.rename(big.node, root, b"big", None, 0)
+        assert {e.name for e in await ns.listing(root)} == {b"small", b"big"}
+        await big.commit()
+        assert set(uploads.objects) == {"small", "big"} and len(uploads.objects["big"]) == 7 * MiB
+        assert (await ns.lookup(ROOT_INODE, b"big")).etag == '"copy"'
+        nursery.cancel_scope.cancel()
+
+
+async def test_overwrite_and_delete_need_their_flags(allowed_logs: list[str]) -> None:
+    allowed_logs.append("needs --allow")
+    writes, uploads, ns = make()
+    uploads.store.put("old", b"1")
+    root = ns.node(ROOT_INODE)
+    with pytest.raises(PathError) as info:
+        await writes.create(root, b"old")
+    assert info.value.errno == errno.EPERM
+    node = await ns.lookup(ROOT_INODE, b"old")
+    for attempt in (lambda: writes.unlink(node), lambda: writes.rename(node, root, b"new", None, 0)):
+        with pytest.raises(PathError) as info:
+            await attempt()
+        assert info.value.errno == errno.EPERM
+    with pytest.raises(PathError) as info:
+        writes.open_existing(node, 0o1)
+    assert info.value.errno == errno.EPERM
+
+
+async def test_a_listing_under_way_gets_the_changes_made_meanwhile() -> None:
+    store = FakeStore()
+    store.put("a", b"1")
+    ns = Namespace(store, call, prefix="", ttl=60.0)
+    root = ns.node(ROOT_INODE)
+    pages = store.list_pages
+
+    def slow_pages(prefix: str):  # noqa: ANN202 - the change lands while this listing is under way
+        ns._stored(ns.begin_file("b"), ObjectMeta("b", 1, '"b"', 0))
+        ns.removed("a", is_dir=False)
+        return pages(prefix)
+
+    store.list_pages = slow_pages  # type: ignore[method-assign]
+    assert {e.name for e in await ns.listing(root)} == {b"b"}
+    store.list_pages = pages  # type: ignore[method-assign]
+    # Once a listing that began after the change lands, the bucket's word is final again.
+    store.put("b", b"1")
+    del store.objects["a"]
+    await ns._list("")
+    assert ns._changes == {}
+
+
+def test_flags_and_fstab_forms() -> None:
+    argv = expand_mount_options(["mount", "b", "/m", "-o", "rw,writable,allow_delete,write_part_size=16M"])
+    cfg = build_config(make_parser().parse_args(argv))
+    assert cfg.writable and cfg.allow_delete and not cfg.allow_overwrite and cfg.write_part_size == 16 * MiB
+    assert (cfg.file_mode, cfg.dir_mode) == (0o644, 0o755)
+    ro = build_config(make_parser().parse_args(["mount", "b", "/m"]))
+    assert not ro.writable and (ro.file_mode, ro.dir_mode) == (0o444, 0o555)
+    store = StoreConfig(bucket="b")
+    for bad in ({"allow_delete": True}, {"allow_overwrite": True}, {"writable": True, "write_part_size": MiB},
+                {"writable": True, "write_part_size": 64 * MiB, "memory_limit": 160 * MiB}):
+        with pytest.raises(ConfigError):
+            MountConfig(store=store, mountpoint="/m", **bad)  # type: ignore[arg-type]
+
+
+def test_store_errors_of_writes_are_store_errors() -> None:
+    assert issubclass(TransientError, StoreError)

@@ -267,8 +267,12 @@ class Operations(pyfuse3.Operations):
     @_fuse_errors
     async def flush(self, fh: int) -> None:
         new = self._writers.get(fh)
-        if new is not None:
-            await new.commit()  # close(2) reports whether the file was stored
+        # Every close(2) of a descriptor flushes, dup()s included: a shell's `> file` opens the file, dup2()s
+        # it onto stdout and closes the first descriptor before anything is written. So a flush stores the
+        # file (and close(2) reports whether it was stored) once bytes were written; a file never written
+        # is stored when its last descriptor is released.
+        if new is not None and new.size > 0:
+            await new.commit()
 
     @_fuse_errors
     async def fsync(self, fh: int, datasync: bool) -> None:

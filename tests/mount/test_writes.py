@@ -217,6 +217,50 @@ def test_a_file_being_written_is_busy_for_other_handles(s3: S3Server, mountpoint
         assert (mountpoint / "w.bin").read_bytes() == b"abc"
 
 
+def test_shell_tools(s3: S3Server, mountpoint: Path, tmp_path: Path) -> None:
+    """What a user types: `>` (the shell dup2()s the file onto stdout and closes it before writing: a flush
+    with nothing written must not store the file), dd, cp, touch, mv, rm -r."""
+    bucket = new_bucket(s3)
+    src = tmp_path / "src.bin"
+    src.write_bytes(random_bytes(9 * MiB + 1, 8))
+    script = f"""
+        set -e
+        echo hello > greeting.txt
+        dd if={src} of=dd.bin bs=1M status=none
+        cp {src} cp.bin
+        touch empty
+        mkdir -p a/b
+        mv cp.bin a/b/
+        echo again > greeting.txt
+        rm -r a/b
+    """
+    with mounted(s3, bucket, mountpoint, *WRITABLE, "--allow-overwrite", "--allow-delete",
+                 allowed=("only whole rewrites",)):
+        subprocess.run(["bash", "-c", textwrap.dedent(script)], cwd=mountpoint, check=True, timeout=120)
+        assert sorted(os.listdir(mountpoint)) == ["a", "dd.bin", "empty", "greeting.txt"]
+        assert (mountpoint / "greeting.txt").read_text() == "again\n"
+        assert (mountpoint / "dd.bin").read_bytes() == src.read_bytes()
+        appended = subprocess.run(["bash", "-c", "echo more >> greeting.txt"], cwd=mountpoint, capture_output=True,
+                                  text=True)
+        assert appended.returncode != 0 and "Operation not supported" in appended.stderr  # S3 cannot append
+    assert keys(s3, bucket) == {"greeting.txt": 6, "dd.bin": src.stat().st_size, "empty": 0, "a/": 0}
+    delete_bucket(s3, bucket)
+
+
+@pytest.mark.parametrize("name", ["with space.bin", "plus+sign.bin", "ünïcödé-ß.bin", "percent%20.bin"])
+def test_names_written_are_the_keys_and_list_back(s3: S3Server, mountpoint: Path, name: str) -> None:
+    bucket = new_bucket(s3)
+    with mounted(s3, bucket, mountpoint, *WRITABLE):
+        (mountpoint / "d").mkdir()
+        (mountpoint / "d" / name).write_bytes(name.encode())
+        assert os.listdir(mountpoint / "d") == [name]
+    assert keys(s3, bucket) == {"d/": 0, f"d/{name}": len(name.encode())}
+    other = mountpoint.parent / "fresh"
+    with mounted(s3, bucket, other):
+        assert os.listdir(other / "d") == [name]
+        assert (other / "d" / name).read_bytes() == name.encode()
+
+
 def test_safetensors_save_file_temp_ftruncate_rename(s3: S3Server, mountpoint: Path, tmp_path: Path) -> None:
     """safetensors 0.8: a temp file beside the target, ftruncate to the full size, sequential writes, and
     the rename over the target before the file is closed."""

@@ -7,6 +7,8 @@ Rows (each a fresh bucket, deleted after; the page cache of the source dropped b
   upload_file      boto3 `upload_file` of the model file (s3transfer defaults: 8 MiB parts, 10 threads)
   modelfs          `save_file` onto `modelfs --writable` (temp file, ftruncate, 1 MiB writes, rename before
                    close: the object is uploaded under the temp name and moved at close by a server-side copy)
+  modelfs-nvme     the same with `--cache-dir` on local disk: save_file's temp file (extended by ftruncate
+                   first) goes to the local copy and is uploaded once, under its final name, at close
   modelfs-cp       the same bytes written sequentially to their final name (`cp`): the upload path alone
   s3fs, rclone     `save_file` onto `s3fs -o rw` and `rclone mount --vfs-cache-mode writes`
 Time is from the start of the write until the object is in the bucket whole: `save_file` (or the copy)
@@ -37,7 +39,7 @@ from run import bed_text, can_pin, drop_caches, origin_scratch_dir, parse_size, 
 from fsmount.testing.models import write_model  # noqa: E402
 from fsmount.testing.seaweed import SeaweedServer  # noqa: E402
 
-TOOLS = ("upload_file", "modelfs", "modelfs-cp", "s3fs", "rclone")
+TOOLS = ("upload_file", "modelfs", "modelfs-nvme", "modelfs-cp", "s3fs", "rclone")
 KEY = "model.safetensors"
 MB = 1e6
 MEMORY_LIMIT = "1G"
@@ -92,8 +94,9 @@ def wait_for_object(server: SeaweedServer, bucket: str, key: str, size: int, tim
 
 def daemon_for(tool: str, endpoint: mounts.Endpoint, mnt: Path, work: Path) -> mounts.DaemonCommand:
     if tool.startswith("modelfs"):
+        cache = work / f"cache-{mnt.name}" if tool == "modelfs-nvme" else None
         return mounts.modelfs_command([sys.executable, "-m", "fsmount"], endpoint, mnt,
-                                      ["--writable", "--memory-limit", MEMORY_LIMIT], None, "info")
+                                      ["--writable", "--memory-limit", MEMORY_LIMIT], cache, "info")
     if tool == "s3fs":
         return mounts.s3fs_command(endpoint, mnt, work / "s3fs.passwd", writable=True)
     return mounts.rclone_command(endpoint, mnt, writable=True)

@@ -12,8 +12,16 @@ buffered parts would not upload any faster. Part sizes grow every PART_GROWTH_EV
 Only appends are accepted: a write anywhere but at the current end fails (EINVAL) and the file can no
 longer become an object. The one exception is an extending `ftruncate` of a file with nothing written
 yet (safetensors' `save_file` does it): the size is recorded, and what was never written is uploaded
-as zeros at close. `commit` (close, fsync) completes the upload, or aborts it and fails with EIO; a
-file never appears in the bucket half-written.
+as zeros at close.
+
+Such a file is about to be renamed (save_file writes a temporary file, renames it, then closes it), and
+an upload that began under the temporary name can only be moved by a server-side copy of the whole
+object (a second pass over every byte for the server). So with `--cache-dir` such a file is *deferred*:
+its parts go to the local copy only (write_staging), and at close it is uploaded from there, once,
+under its final name. Without a local copy it streams, and is moved at close.
+
+`commit` (close, fsync) completes the upload, or aborts it and fails with EIO; a file never appears in
+the bucket half-written.
 
 Rules (everything runs in the trio thread; store calls run in threads under `Writes`' limiter):
 - `_lock` serialises `write`, `truncate`'s caller checks and `commit`, so parts are numbered in offset
@@ -27,10 +35,11 @@ Rules (everything runs in the trio thread; store calls run in threads under `Wri
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, Protocol
 
 import trio
@@ -69,6 +78,7 @@ class Writes(Protocol):
     def stage_open(self) -> StagedFile | None: ...
     async def stage(self, staged: StagedFile | None, offset: int, data: bytes | bytearray) -> None: ...
     def fill_cache(self, staged: StagedFile | None, meta: ObjectMeta) -> None: ...
+    async def read_staged(self, staged: StagedFile | None, offset: int, buf: bytearray) -> bool: ...
 
 
 def part_size(base: int, number: int) -> int:
@@ -99,6 +109,7 @@ class NewFile:
         self._slots = trio.Semaphore(writes.parts_per_file)
         self._sent = 0  # bytes handed to parts so far: the next part's offset
         self._staged = writes.stage_open()  # with --cache-dir: the local copy for the NVMe cache
+        self._deferred = False  # parts go to the local copy only; uploaded at close (see above)
 
     @property
     def size(self) -> int:
@@ -134,6 +145,7 @@ class NewFile:
         if self.written == 0 and self.stored is None and self.error is None:
             self.declared = size
             self.node.size = self.size
+            self._deferred = size > 0 and self._staged is not None and self._staged.ok
             return
         log.warning("%s: truncate to %d after %d bytes were written is not supported (only sequential "
                     "writes)", self.node.path, size, self.written)
@@ -178,11 +190,18 @@ class NewFile:
             self._buf, self._fill = None, 0
 
     async def _send_part(self) -> None:
-        """Hand the filled buffer to a background part upload (the first one begins the upload)."""
+        """Hand the filled buffer to a background part upload (the first one begins the upload), or for a
+        deferred file to the local copy."""
         buf, n = self._buf, self._fill
         assert buf is not None
         self._buf, self._fill = None, 0
         self._parts += 1
+        if self._deferred:
+            self._in_flight += 1
+            self._idle = trio.Event()
+            self._writes.spawn(self._stage_part, buf if n == len(buf) else buf[:n], len(buf), self._sent)
+            self._sent += n
+            return
         if self._upload_id is None:
             self._key = self._writes.key_of(self.node)
             try:
@@ -211,11 +230,23 @@ class NewFile:
             self._fail(f"part {number}: {exc.message}")
         finally:
             del body
-            self._writes.memory.release(reserved)
-            self._slots.release()
-            self._in_flight -= 1
-            if self._in_flight == 0:
-                self._idle.set()
+            self._part_done(reserved)
+
+    async def _stage_part(self, body: bytearray, reserved: int, offset: int) -> None:
+        try:
+            await self._writes.stage(self._staged, offset, body)
+            if self._staged is None or not self._staged.ok:
+                self._fail("its local copy failed")
+        finally:
+            del body
+            self._part_done(reserved)
+
+    def _part_done(self, reserved: int) -> None:
+        self._writes.memory.release(reserved)
+        self._slots.release()
+        self._in_flight -= 1
+        if self._in_flight == 0:
+            self._idle.set()
 
     # -- the object out --------------------------------------------------------------------------
 
@@ -248,6 +279,13 @@ class NewFile:
                 tail = self.declared - self.written
         writes = self._writes
         final_key = writes.key_of(self.node)
+        if self._deferred:
+            if self._buf is not None:
+                await self._send_part()
+            await self._idle.wait()
+            if self.error is not None:
+                raise StoreError(self.error)
+            return await self._upload_copy(final_key)
         if self._upload_id is None:
             n = self._fill
             try:
@@ -277,6 +315,63 @@ class NewFile:
             log.info("%s: moved from %s by a server-side copy (%d bytes, %.2f s)", final_key, self._key, meta.size,
                      time.monotonic() - started)
         return meta
+
+    async def _upload_copy(self, key: str) -> ObjectMeta:
+        """A deferred file: uploaded from its local copy under its final name, --max-connections parts at
+        once, each read into a buffer reserved from the budget."""
+        writes, size = self._writes, self.written
+        ranges, start = [], 0
+        while start < size or not ranges:
+            end = min(size, start + part_size(self._base, len(ranges) + 1))
+            ranges.append((start, end))
+            start = end
+        if len(ranges) == 1:
+            async with self._reserved(size):
+                etag = await writes.call(writes.uploads.put, key, await self._read_copy(0, size))
+            writes.count_part(size)
+            return ObjectMeta(key, size, etag, time.time_ns())
+        self._key = key
+        self._upload_id = await writes.call(writes.uploads.start, key)
+        writes.register(self)
+
+        async def one(number: int, start: int, end: int) -> None:
+            async with self._slots, self._reserved(end - start):
+                if self.error is not None:
+                    return
+                try:
+                    body = await self._read_copy(start, end)
+                    self._etags[number] = await writes.call(writes.uploads.put_part, key, self._upload_id,
+                                                            number, body)
+                    writes.count_part(end - start)
+                except StoreError as exc:
+                    self._fail(f"part {number}: {exc.message}")
+
+        async with trio.open_nursery() as nursery:
+            for number, (start, end) in enumerate(ranges, 1):
+                nursery.start_soon(one, number, start, end)
+        if self.error is not None:
+            raise StoreError(self.error)
+        etag = await writes.call(writes.uploads.finish, key, self._upload_id,
+                                 [self._etags[i] for i in range(1, len(ranges) + 1)])
+        self._upload_id = None
+        writes.unregister(self)
+        return ObjectMeta(key, size, etag, time.time_ns())
+
+    @contextlib.asynccontextmanager
+    async def _reserved(self, n: int) -> AsyncIterator[None]:
+        """n bytes of the budget, held for the body of the block."""
+        await self._writes.memory.reserve(n)
+        try:
+            yield
+        finally:
+            self._writes.memory.release(n)
+
+    async def _read_copy(self, start: int, end: int) -> bytearray:
+        """Bytes [start, end) of the local copy (the caller holds their reservation)."""
+        buf = bytearray(end - start)
+        if not await self._writes.read_staged(self._staged, start, buf):
+            raise StoreError("its local copy could not be read")
+        return buf
 
     async def abort(self) -> None:
         """Drop the upload and its parts (at a failure, or when the mount stops); the file leaves the tree.

@@ -82,6 +82,24 @@ class StagedFile:
                 self._staging.failed(exc)
         self.discard()
 
+    def read_into(self, offset: int, buf: bytearray) -> bool:
+        """Fill `buf` with the copy's bytes at `offset`; False (the copy is then gone) if it could not."""
+        with self._lock:
+            if self._fd is None:
+                return False
+            try:
+                view, done = memoryview(buf), 0
+                while done < len(view):
+                    n = os.preadv(self._fd, [view[done:]], offset + done)
+                    if n == 0:
+                        raise OSError(f"{self._path} ends at {offset + done}")
+                    done += n
+                return True
+            except OSError as exc:
+                self._staging.failed(exc)
+        self.discard()
+        return False
+
     def to_cache(self, cache: ChunkCache, chunk_id: Callable[[int], ChunkId], size: int, chunk_size: int) -> int:
         """Hand every chunk of the stored file (`size` bytes) to `cache`; then the copy is gone. The number of
         chunks handed over."""

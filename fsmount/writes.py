@@ -123,6 +123,12 @@ class Writes:
         if staged is not None and staged.ok:
             await trio.to_thread.run_sync(staged.write, offset, data, limiter=self._staging_limiter)
 
+    async def read_staged(self, staged: StagedFile | None, offset: int, buf: bytearray) -> bool:
+        """Fill `buf` from a local copy at `offset`; False if it failed (or there is none)."""
+        if staged is None or not staged.ok:
+            return False
+        return await trio.to_thread.run_sync(staged.read_into, offset, buf, limiter=self._staging_limiter)
+
     def fill_cache(self, staged: StagedFile | None, meta: ObjectMeta) -> None:
         """In the background: a stored file's chunks from its local copy into the NVMe cache."""
         if staged is None or not staged.ok or self._cache is None:

@@ -261,9 +261,13 @@ def test_names_written_are_the_keys_and_list_back(s3: S3Server, mountpoint: Path
         assert (other / "d" / name).read_bytes() == name.encode()
 
 
-def test_safetensors_save_file_temp_ftruncate_rename(s3: S3Server, mountpoint: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("cache_dir", [False, True], ids=["streamed", "cache-dir"])
+def test_safetensors_save_file_temp_ftruncate_rename(s3: S3Server, mountpoint: Path, tmp_path: Path,
+                                                     cache_dir: bool) -> None:
     """safetensors 0.8: a temp file beside the target, ftruncate to the full size, sequential writes, and
-    the rename over the target before the file is closed."""
+    the rename over the target before the file is closed. Streamed, the upload began under the temp name
+    and the object is moved by a server-side copy at close; with --cache-dir the file is uploaded once,
+    from the local copy, under its final name."""
     import numpy as np
     from safetensors.numpy import load_file
 
@@ -280,11 +284,13 @@ def test_safetensors_save_file_temp_ftruncate_rename(s3: S3Server, mountpoint: P
         for path in sys.argv[1:]:
             save_file(t, path, metadata={"format": "np"})
     """
-    with mounted(s3, bucket, mountpoint, *WRITABLE, "--write-part-size", "5M"):
+    cache = ("--cache-dir", str(tmp_path / "cache")) if cache_dir else ()
+    with mounted(s3, bucket, mountpoint, *WRITABLE, "--write-part-size", "5M", *cache) as m:
         (mountpoint / "model").mkdir()
         run_python(code, str(ref), str(mountpoint / "model" / "model.safetensors"))
         assert os.listdir(mountpoint / "model") == ["model.safetensors"]
         assert sha((mountpoint / "model" / "model.safetensors").read_bytes()) == sha(ref.read_bytes())
+        assert ("server-side copy" in m.log()) is not cache_dir
     assert set(keys(s3, bucket)) == {"model/", "model/model.safetensors"}
     assert uploads_in(s3, bucket) == []
     other = tmp_path / "fresh"

@@ -4,7 +4,9 @@ namespace's record of changes, and the flags' rules. Real mounts are in tests/mo
 from __future__ import annotations
 
 import errno
+import os
 import threading
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -12,7 +14,7 @@ import trio
 
 from fsmount.cli import build_config, expand_mount_options, make_parser
 from fsmount.config import ConfigError, MountConfig, StoreConfig
-from fsmount.data import MAX_PARTS, MemoryBudget, ObjectMeta, StoreError, TransientError
+from fsmount.data import MAX_PARTS, ChunkId, MemoryBudget, ObjectMeta, ObjectVersion, StoreError, TransientError
 from fsmount.namespace import ROOT_INODE, Namespace, PathError
 from fsmount.new_file import PART_GROWTH_EVERY, NewFile, part_size
 from fsmount.writes import Writes
@@ -286,3 +288,55 @@ def test_flags_and_fstab_forms() -> None:
 
 def test_store_errors_of_writes_are_store_errors() -> None:
     assert issubclass(TransientError, StoreError)
+
+
+class FakeCache:
+    """A ChunkCache that keeps what it is given."""
+
+    def __init__(self) -> None:
+        self.chunks: dict[ChunkId, bytes] = {}
+
+    def get(self, chunk: ChunkId, buffer: Any = None) -> None:
+        return None
+
+    def put(self, chunk: ChunkId, data: bytes) -> None:
+        self.chunks[chunk] = bytes(data)
+
+    def staging_bytes(self, chunk_size: int) -> int:
+        return 0
+
+
+@pytest.mark.parametrize("declared", [True, False], ids=["ftruncate-first", "streamed"])
+async def test_with_a_local_copy_a_file_extended_first_is_uploaded_once_under_its_final_name(
+        tmp_path: Path, declared: bool) -> None:
+    """save_file's pattern (create, ftruncate, write, rename, close) with --cache-dir: no server-side copy;
+    either way the stored file's chunks reach the cache."""
+    store = FakeStore()
+    ns = Namespace(store, call, prefix="", ttl=60.0)
+    uploads, cache = FakeUploads(store), FakeCache()
+    copies: list[str] = []
+    uploads.copy = lambda source, etag, key: copies.append(key) or FakeUploads.copy(uploads, source, etag, key)
+    chunk = 4 * MiB
+
+    def chunk_id(version: ObjectVersion, index: int) -> ChunkId:
+        return ChunkId("bucket", version.key, version.etag, chunk, index)
+
+    writes = Writes(ns, uploads, MemoryBudget(64 * MiB), part_size=5 * MiB, max_connections=2, timeout=30.0,  # type: ignore[arg-type]
+                    allow_overwrite=False, allow_delete=False, cache=(cache, str(tmp_path), chunk_id, chunk))
+    data = bytes(range(256)) * (13 * MiB // 256)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(writes.run)
+        new = await new_file(writes, ns, b".tmpA1")
+        if declared:
+            new.truncate(len(data))
+        for i in range(0, len(data), MiB):
+            await new.write(i, data[i:i + MiB])
+        await writes.rename(new.node, ns.node(ROOT_INODE), b"model.safetensors", None, 0)
+        meta = await new.commit()
+        await writes.drain_cache_fills()
+        assert uploads.objects == {"model.safetensors": data} and meta.etag == ('"mp-3"' if declared else '"copy"')
+        assert copies == ([] if declared else ["model.safetensors"])
+        assert b"".join(cache.chunks[chunk_id(ObjectVersion(meta.key, meta.etag, meta.size), i)]
+                        for i in range(4)) == data
+        assert os.listdir(tmp_path / "writes") == [] and writes.memory.used == 0
+        nursery.cancel_scope.cancel()

@@ -102,6 +102,16 @@ def invalid_segment_reason(name: str) -> str | None:
     return None
 
 
+def _child_name(parent: Node, name_b: bytes, undecodable: int) -> str:
+    """A name in directory `parent` as text; ENOTDIR if `parent` is a file, `undecodable` if not UTF-8."""
+    if not parent.is_dir:
+        raise PathError(errno.ENOTDIR)
+    try:
+        return name_b.decode("utf-8")
+    except UnicodeDecodeError:
+        raise PathError(undecodable) from None
+
+
 class Namespace:
     def __init__(self, store: ObjectStore, call: StoreCall, *, prefix: str, ttl: float):
         self._store = store
@@ -242,12 +252,7 @@ class Namespace:
     async def resolve(self, parent_ino: int, name_b: bytes) -> Node:
         """Resolve one name (ENOENT if there is none) without counting a lookup."""
         parent = self.node(parent_ino)
-        if not parent.is_dir:
-            raise PathError(errno.ENOTDIR)
-        try:
-            name = name_b.decode("utf-8")
-        except UnicodeDecodeError:
-            raise PathError(errno.ENOENT) from None
+        name = _child_name(parent, name_b, errno.ENOENT)
         if name == ".":
             node = parent
         elif name == "..":
@@ -432,12 +437,7 @@ class Namespace:
     def child_path(self, parent: Node, name_b: bytes) -> str:
         """The path of a new entry `name_b` of `parent`; refused (EINVAL) where the read side would skip
         the name, so that nothing this mount writes is invisible to it."""
-        if not parent.is_dir:
-            raise PathError(errno.ENOTDIR)
-        try:
-            name = name_b.decode("utf-8")
-        except UnicodeDecodeError:
-            raise PathError(errno.EINVAL) from None
+        name = _child_name(parent, name_b, errno.EINVAL)
         if invalid_segment_reason(name) is not None or "/" in name:
             raise PathError(errno.EINVAL)
         return self._join(parent.path, name)

@@ -3,9 +3,11 @@ namespace's record of changes, and the flags' rules. Real mounts are in tests/mo
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import threading
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -106,14 +108,22 @@ def make(memory: int = 64 * MiB, part: int = 5 * MiB, **flags: bool) -> tuple[Wr
     return writes, uploads, ns
 
 
+@contextlib.asynccontextmanager
+async def serving(writes: Writes) -> AsyncIterator[trio.Nursery]:
+    """The writes' nursery of part uploads, open for the block (which may start tasks in it too)."""
+    async with trio.open_nursery() as nursery:
+        await nursery.start(writes.run)
+        yield nursery
+        nursery.cancel_scope.cancel()
+
+
 async def new_file(writes: Writes, ns: Namespace, name: bytes) -> NewFile:
     return await writes.create(ns.node(ROOT_INODE), name)
 
 
 async def test_small_file_is_one_put_and_enters_the_tree() -> None:
     writes, uploads, ns = make()
-    async with trio.open_nursery() as nursery:
-        await nursery.start(writes.run)
+    async with serving(writes):
         new = await new_file(writes, ns, b"a.json")
         assert await new.write(0, b"{}") == 2
         assert (await ns.lookup(ROOT_INODE, b"a.json")).writing
@@ -123,14 +133,12 @@ async def test_small_file_is_one_put_and_enters_the_tree() -> None:
         node = await ns.lookup(ROOT_INODE, b"a.json")
         assert not node.writing and node.size == 2 and node.etag == '"put-2"'
         assert writes.memory.used == 0
-        nursery.cancel_scope.cancel()
 
 
 async def test_parts_stream_in_order_and_memory_is_bounded_with_backpressure() -> None:
     writes, uploads, ns = make(memory=20 * MiB, part=5 * MiB)  # room for 2 parts (half the budget each at most)
     data = bytes(range(256)) * (4 * 23 * MiB // 1024)  # 23 MiB: 4 full parts and a short one
-    async with trio.open_nursery() as nursery:
-        await nursery.start(writes.run)
+    async with serving(writes) as nursery:
         new = await new_file(writes, ns, b"big.bin")
         uploads.gate.clear()  # parts hold on: the writer must wait for room
         written = 0
@@ -150,15 +158,13 @@ async def test_parts_stream_in_order_and_memory_is_bounded_with_backpressure() -
         meta = await new.commit()
         assert uploads.objects["big.bin"] == data and meta.size == len(data) and meta.etag == '"mp-5"'
         assert writes.memory.used == 0 and writes.stats.parts_uploaded == 5
-        nursery.cancel_scope.cancel()
 
 
 async def test_extending_ftruncate_of_an_empty_file_stores_zeros_for_what_was_never_written(
         allowed_logs: list[str]) -> None:
     allowed_logs.append("truncate to 5 after 4 bytes")
     writes, uploads, ns = make()
-    async with trio.open_nursery() as nursery:
-        await nursery.start(writes.run)
+    async with serving(writes):
         new = await new_file(writes, ns, b"st")
         new.truncate(12 * MiB)
         await new.write(0, b"head")
@@ -167,15 +173,13 @@ async def test_extending_ftruncate_of_an_empty_file_stores_zeros_for_what_was_ne
         assert info.value.errno == errno.EOPNOTSUPP
         await new.commit()
         assert uploads.objects["st"] == b"head" + bytes(12 * MiB - 4)
-        nursery.cancel_scope.cancel()
 
 
 async def test_a_write_off_the_end_spoils_the_file_and_commit_aborts(caplog: pytest.LogCaptureFixture,
                                                                     allowed_logs: list[str]) -> None:
     allowed_logs.append("only sequential writes")
     writes, uploads, ns = make()
-    async with trio.open_nursery() as nursery:
-        await nursery.start(writes.run)
+    async with serving(writes):
         new = await new_file(writes, ns, b"x")
         await new.write(0, bytes(6 * MiB))  # a part is sent: the upload began
         with pytest.raises(PathError) as info:
@@ -191,7 +195,6 @@ async def test_a_write_off_the_end_spoils_the_file_and_commit_aborts(caplog: pyt
         with pytest.raises(PathError):
             await ns.lookup(ROOT_INODE, b"x")
         assert writes.memory.used == 0 and writes.stats.files_failed == 1
-        nursery.cancel_scope.cancel()
 
 
 @pytest.mark.parametrize("fault", ["parts", "finish"])
@@ -199,8 +202,7 @@ async def test_a_failed_upload_is_eio_at_close_and_aborted(fault: str, allowed_l
     allowed_logs.append("will not be stored")
     writes, uploads, ns = make()
     setattr(uploads, f"fail_{fault}", True)
-    async with trio.open_nursery() as nursery:
-        await nursery.start(writes.run)
+    async with serving(writes):
         new = await new_file(writes, ns, b"x")
         try:
             await new.write(0, bytes(11 * MiB))
@@ -210,13 +212,11 @@ async def test_a_failed_upload_is_eio_at_close_and_aborted(fault: str, allowed_l
             await new.commit()
         assert info.value.errno == errno.EIO
         assert uploads.objects == {} and uploads.aborted == ["x"]
-        nursery.cancel_scope.cancel()
 
 
 async def test_rename_while_written_stores_under_the_final_name() -> None:
     writes, uploads, ns = make()
-    async with trio.open_nursery() as nursery:
-        await nursery.start(writes.run)
+    async with serving(writes):
         root = ns.node(ROOT_INODE)
         small = await new_file(writes, ns, b".tmp1")  # no part sent yet: stored under the new name at once
         await small.write(0, b"x")
@@ -229,7 +229,6 @@ async def test_rename_while_written_stores_under_the_final_name() -> None:
         await big.commit()
         assert set(uploads.objects) == {"small", "big"} and len(uploads.objects["big"]) == 7 * MiB
         assert (await ns.lookup(ROOT_INODE, b"big")).etag == '"copy"'
-        nursery.cancel_scope.cancel()
 
 
 async def test_overwrite_and_delete_need_their_flags(allowed_logs: list[str]) -> None:
@@ -324,8 +323,7 @@ async def test_with_a_local_copy_a_file_extended_first_is_uploaded_once_under_it
     writes = Writes(ns, uploads, MemoryBudget(64 * MiB), part_size=5 * MiB, max_connections=2, timeout=30.0,  # type: ignore[arg-type]
                     allow_overwrite=False, allow_delete=False, cache=(cache, str(tmp_path), chunk_id, chunk))
     data = bytes(range(256)) * (13 * MiB // 256)
-    async with trio.open_nursery() as nursery:
-        await nursery.start(writes.run)
+    async with serving(writes):
         new = await new_file(writes, ns, b".tmpA1")
         if declared:
             new.truncate(len(data))
@@ -339,4 +337,3 @@ async def test_with_a_local_copy_a_file_extended_first_is_uploaded_once_under_it
         assert b"".join(cache.chunks[chunk_id(ObjectVersion(meta.key, meta.etag, meta.size), i)]
                         for i in range(4)) == data
         assert os.listdir(tmp_path / "writes") == [] and writes.memory.used == 0
-        nursery.cancel_scope.cancel()

@@ -11,8 +11,10 @@ Rows (each a fresh bucket, deleted after; the page cache of the source dropped b
                    first) goes to the local copy and is uploaded once, under its final name, at close
   modelfs-cp       the same bytes written sequentially to their final name (`cp`): the upload path alone
   s3fs, rclone     `save_file` onto `s3fs -o rw` and `rclone mount --vfs-cache-mode writes`
-Time is from the start of the write until the object is in the bucket whole: `save_file` (or the copy)
-returned and a HEAD shows the final size (rclone uploads after close: the HEAD waits for it). Every
+Time is from the start of the write until the object is in the bucket whole: the writer times its own
+`save_file` (or copy, or `upload_file`; loading the tensors and starting Python are not counted), and for
+a mount the time from the writer's exit until a HEAD shows the final size is added (rclone uploads after
+close). Every
 object is read back from the server and checked against the model's sha256. CPU: the writer process,
 the FUSE daemon (from /proc/PID/stat), and the server's. RSS: the daemon's peak (VmHWM).
 """
@@ -123,15 +125,15 @@ def measure(tool: str, server: SeaweedServer, source: Path, digest: str, work: P
             with mounts.MountedDaemon(daemon_for(tool, endpoint, mnt, work), mnt, work / f"{tool}.log") as d:
                 daemon0 = d.cpu_seconds() or 0.0
                 how = "cp" if tool == "modelfs-cp" else "save_file"
-                started = time.monotonic()
                 out = subprocess.run([sys.executable, "-c", textwrap.dedent(WRITER), str(source), str(mnt / KEY), how],
                                      env=mounts.base_env(), capture_output=True, text=True, timeout=900)
                 if out.returncode != 0:
                     return {**row, "status": "error", "note": out.stderr.strip().splitlines()[-1][:200]}
+                exited = time.monotonic()
                 if not wait_for_object(server, bucket, KEY, size):
                     return {**row, "status": "error", "note": "the object never appeared whole"}
-                took = time.monotonic() - started
-                writer_cpu = float(out.stdout.split()[1])
+                writer_took, writer_cpu = map(float, out.stdout.split())
+                took = writer_took + time.monotonic() - exited
                 row.update(daemon_cpu=(d.cpu_seconds() or 0.0) - daemon0, rss_mib=d.peak_rss_mib())
         row.update(status="ok", seconds=took, mb_s=size / took / MB, writer_cpu=writer_cpu,
                    server_cpu=server_cpu(server) - cpu0)

@@ -17,8 +17,9 @@ as zeros at close.
 Such a file is about to be renamed (save_file writes a temporary file, renames it, then closes it), and
 an upload that began under the temporary name can only be moved by a server-side copy of the whole
 object (a second pass over every byte for the server). So with `--cache-dir` such a file is *deferred*:
-its parts go to the local copy only (write_staging), and at close it is uploaded from there, once,
-under its final name. Without a local copy it streams, and is moved at close.
+its WRITEs go straight to the local copy (write_staging; no part buffers, and the never-written tail is
+a hole in it), and at close it is uploaded from there, once, under its final name, `--max-connections`
+parts at once. Without a local copy it streams, and is moved at close.
 
 `commit` (close, fsync) completes the upload, or aborts it and fails with EIO; a file never appears in
 the bucket half-written.
@@ -76,7 +77,8 @@ class Writes(Protocol):
     def dropped(self, new: NewFile) -> None: ...
     async def move_object(self, meta: ObjectMeta, key: str) -> ObjectMeta: ...
     def stage_open(self) -> StagedFile | None: ...
-    async def stage(self, staged: StagedFile | None, offset: int, data: bytes | bytearray) -> None: ...
+    async def stage(self, staged: StagedFile | None, offset: int, data: bytes | bytearray | memoryview) -> None: ...
+    async def stage_extend(self, staged: StagedFile | None, size: int) -> None: ...
     def fill_cache(self, staged: StagedFile | None, meta: ObjectMeta) -> None: ...
     async def read_staged(self, staged: StagedFile | None, offset: int, buf: bytearray) -> bool: ...
 
@@ -109,7 +111,7 @@ class NewFile:
         self._slots = trio.Semaphore(writes.parts_per_file)
         self._sent = 0  # bytes handed to parts so far: the next part's offset
         self._staged = writes.stage_open()  # with --cache-dir: the local copy for the NVMe cache
-        self._deferred = False  # parts go to the local copy only; uploaded at close (see above)
+        self._deferred = False  # WRITEs go to the local copy only; uploaded at close (see above)
 
     @property
     def size(self) -> int:
@@ -152,6 +154,13 @@ class NewFile:
         raise PathError(errno.EOPNOTSUPP)
 
     async def _append(self, view: memoryview) -> None:
+        if self._deferred:
+            await self._writes.stage(self._staged, self.written, view)
+            if self._staged is None or not self._staged.ok:
+                self._fail("its local copy failed")
+                raise PathError(errno.EIO)
+            self.written += len(view)
+            return
         while view:
             if self._buf is None:
                 await self._new_buffer()
@@ -196,12 +205,6 @@ class NewFile:
         assert buf is not None
         self._buf, self._fill = None, 0
         self._parts += 1
-        if self._deferred:
-            self._in_flight += 1
-            self._idle = trio.Event()
-            self._writes.spawn(self._stage_part, buf if n == len(buf) else buf[:n], len(buf), self._sent)
-            self._sent += n
-            return
         if self._upload_id is None:
             self._key = self._writes.key_of(self.node)
             try:
@@ -228,15 +231,6 @@ class NewFile:
                 self._writes.count_part(len(body))
         except StoreError as exc:
             self._fail(f"part {number}: {exc.message}")
-        finally:
-            del body
-            self._part_done(reserved)
-
-    async def _stage_part(self, body: bytearray, reserved: int, offset: int) -> None:
-        try:
-            await self._writes.stage(self._staged, offset, body)
-            if self._staged is None or not self._staged.ok:
-                self._fail("its local copy failed")
         finally:
             del body
             self._part_done(reserved)
@@ -272,20 +266,20 @@ class NewFile:
             return self.stored
 
     async def _complete(self) -> ObjectMeta:
+        writes = self._writes
+        final_key = writes.key_of(self.node)
+        if self._deferred:
+            if self.declared > self.written:
+                await writes.stage_extend(self._staged, self.declared)
+                self.written = self.declared
+            if self._staged is None or not self._staged.ok:
+                raise StoreError("its local copy failed")
+            return await self._upload_copy(final_key)
         if self.declared > self.written:
             tail = self.declared - self.written
             while tail:
                 await self._append(memoryview(ZEROS)[:min(tail, len(ZEROS))])
                 tail = self.declared - self.written
-        writes = self._writes
-        final_key = writes.key_of(self.node)
-        if self._deferred:
-            if self._buf is not None:
-                await self._send_part()
-            await self._idle.wait()
-            if self.error is not None:
-                raise StoreError(self.error)
-            return await self._upload_copy(final_key)
         if self._upload_id is None:
             n = self._fill
             try:
@@ -320,6 +314,7 @@ class NewFile:
         """A deferred file: uploaded from its local copy under its final name, --max-connections parts at
         once, each read into a buffer reserved from the budget."""
         writes, size = self._writes, self.written
+        log.debug("%s: uploading %d bytes from its local copy", key, size)
         ranges, start = [], 0
         while start < size or not ranges:
             end = min(size, start + part_size(self._base, len(ranges) + 1))

@@ -69,7 +69,19 @@ class StagedFile:
     def ok(self) -> bool:
         return self._fd is not None
 
-    def write(self, offset: int, data: bytes | bytearray) -> None:
+    def extend(self, size: int) -> None:
+        """The copy is `size` bytes long; what was never written reads as zeros (a hole)."""
+        with self._lock:
+            if self._fd is None:
+                return
+            try:
+                os.ftruncate(self._fd, size)
+                return
+            except OSError as exc:
+                self._staging.failed(exc)
+        self.discard()
+
+    def write(self, offset: int, data: bytes | bytearray | memoryview) -> None:
         with self._lock:
             if self._fd is None:
                 return

@@ -119,9 +119,13 @@ class Writes:
     def stage_open(self) -> StagedFile | None:
         return self._staging.open() if self._staging is not None else None
 
-    async def stage(self, staged: StagedFile | None, offset: int, data: bytes | bytearray) -> None:
+    async def stage(self, staged: StagedFile | None, offset: int, data: bytes | bytearray | memoryview) -> None:
         if staged is not None and staged.ok:
             await trio.to_thread.run_sync(staged.write, offset, data, limiter=self._staging_limiter)
+
+    async def stage_extend(self, staged: StagedFile | None, size: int) -> None:
+        if staged is not None and staged.ok:
+            await trio.to_thread.run_sync(staged.extend, size, limiter=self._staging_limiter)
 
     async def read_staged(self, staged: StagedFile | None, offset: int, buf: bytearray) -> bool:
         """Fill `buf` from a local copy at `offset`; False if it failed (or there is none)."""

@@ -45,6 +45,7 @@ from fsmount.pagecache import PageCachePusher, default_push_limit
 from fsmount.prometheus import MetricsAddressError, MetricsServer
 from fsmount.stats import MountStats
 from fsmount.streaming import ModelStreamer
+from fsmount.tree_changes import WritableNamespace
 from fsmount.writes import Writes
 
 log = logging.getLogger(__name__)
@@ -311,17 +312,22 @@ class Daemon:
         self.engine = ChunkEngine(self.store, chunk_size=cfg.chunk_size, memory_limit=chunk_memory,
                                   max_connections=cfg.store.max_connections, read_timeout=cfg.store.read_timeout,
                                   levels=levels)
-        self.namespace = Namespace(self.store, self._store_call, prefix=cfg.store.prefix, ttl=cfg.metadata_ttl)
+        self.writes: Writes | None = None
+        if cfg.writable:
+            namespace = WritableNamespace(self.store, self._store_call, prefix=cfg.store.prefix, ttl=cfg.metadata_ttl)
+            # With --cache-dir, stored files go into the NVMe cache (write_staging).
+            cache = None if self.disk_cache is None or cfg.cache_dir is None else \
+                (self.disk_cache, cfg.cache_dir, self.engine.chunk_id, cfg.chunk_size)
+            self.writes = Writes(namespace, Uploads(self.store), self.engine.memory, part_size=cfg.write_part_size,
+                                 max_connections=cfg.store.max_connections, timeout=cfg.store.read_timeout,
+                                 allow_overwrite=cfg.allow_overwrite, allow_delete=cfg.allow_delete, cache=cache)
+            self.namespace: Namespace = namespace
+        else:
+            self.namespace = Namespace(self.store, self._store_call, prefix=cfg.store.prefix, ttl=cfg.metadata_ttl)
         push_limit = default_push_limit() if cfg.pagecache_push_limit is None else cfg.pagecache_push_limit
         self.pusher = PageCachePusher(push_limit)
         self.streamer = ModelStreamer(self.engine, self.pusher, max_connections=cfg.store.max_connections,
                                       enabled=cfg.model_streaming, siblings=self._files_beside)
-        self.writes = Writes(self.namespace, Uploads(self.store), self.engine.memory, part_size=cfg.write_part_size,
-                             max_connections=cfg.store.max_connections, timeout=cfg.store.read_timeout,
-                             allow_overwrite=cfg.allow_overwrite, allow_delete=cfg.allow_delete,
-                             cache=None if self.disk_cache is None or cfg.cache_dir is None else
-                             (self.disk_cache, cfg.cache_dir, self.engine.chunk_id, cfg.chunk_size)) \
-            if cfg.writable else None
         self.stats = MountStats(cfg.store.bucket, self.engine, self.streamer, self.pusher, disk_cache=self.disk_cache,
                                 shared_tier=self.shared_tier, writes=self.writes,
                                 open_files=lambda: self.ops.open_files, inodes=lambda: self.namespace.inode_count)

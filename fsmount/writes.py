@@ -42,8 +42,9 @@ from fsmount.data import (
     TransientError,
     Uploads,
 )
-from fsmount.namespace import Namespace, Node, PathError
+from fsmount.namespace import Node, PathError
 from fsmount.new_file import NewFile
+from fsmount.tree_changes import WritableNamespace
 from fsmount.write_staging import StagedFile, Staging
 
 log = logging.getLogger(__name__)
@@ -74,7 +75,7 @@ class WriteStats:
 
 
 class Writes:
-    def __init__(self, namespace: Namespace, uploads: Uploads, memory: MemoryBudget, *, part_size: int,
+    def __init__(self, namespace: WritableNamespace, uploads: Uploads, memory: MemoryBudget, *, part_size: int,
                  max_connections: int, timeout: float, allow_overwrite: bool, allow_delete: bool,
                  cache: tuple[ChunkCache, str, Callable[[ObjectVersion, int], ChunkId], int] | None = None):
         """`cache`: with --cache-dir, (the NVMe level, the cache dir, the engine's chunk_id, chunk size):

@@ -20,7 +20,7 @@ LAYERS = {
     "fsmount.data.engine": 6, "fsmount.data": 7,
     "fsmount.namespace": 8, "fsmount.readahead": 8,
     "fsmount.handles": 9, "fsmount.pagecache": 9, "fsmount.new_file": 9,
-    "fsmount.write_staging": 8,
+    "fsmount.write_staging": 8, "fsmount.tree_changes": 9,
     "fsmount.streaming": 10, "fsmount.writes": 10,
     "fsmount.stats": 11,
     "fsmount.operations": 12, "fsmount.prometheus": 12, "fsmount.stats_table": 12, "fsmount.prefetch_command": 12,

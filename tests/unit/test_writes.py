@@ -17,8 +17,9 @@ import trio
 from fsmount.cli import build_config, expand_mount_options, make_parser
 from fsmount.config import ConfigError, MountConfig, StoreConfig
 from fsmount.data import MAX_PARTS, ChunkId, MemoryBudget, ObjectMeta, ObjectVersion, StoreError, TransientError
-from fsmount.namespace import ROOT_INODE, Namespace, PathError
+from fsmount.namespace import ROOT_INODE, PathError
 from fsmount.new_file import PART_GROWTH_EVERY, NewFile, part_size
+from fsmount.tree_changes import WritableNamespace as Namespace
 from fsmount.writes import Writes
 from tests.unit.fake_store import FakeStore
 

@@ -1,0 +1,148 @@
+"""The tree's changes made through a `--writable` mount: the namespace, told what writes.py did in the
+bucket, so that this mount lists, looks up and reads it at once.
+
+A subclass of `namespace.Namespace`, which keeps the state both use: `_pending` (the files being
+written) and `_changes`/`_seq` (changes kept for listings under way). Rules (all in the trio thread):
+- A file being written is a node with `writing` set, in `_pending` by path until it is closed (kept
+  as (path, "") in `_ino_by_path`): it is listed and looked up on this mount only, never HEADed.
+- Every other change (a file closed, a directory made, a key deleted or renamed) is applied at once
+  to the parent's cached listing, and recorded in `_changes` with a sequence number: a listing that
+  was already under way when the change was made is patched with it when it lands, and a change is
+  forgotten once a listing that started after it has landed (the bucket's listing has it then).
+"""
+
+from __future__ import annotations
+
+import errno
+import time
+
+from fsmount.data import ObjectMeta
+from fsmount.namespace import DirEntry, Namespace, Node, PathError, child_name, invalid_segment_reason
+
+
+class WritableNamespace(Namespace):
+    def child_path(self, parent: Node, name_b: bytes) -> str:
+        """The path of a new entry `name_b` of `parent`; refused (EINVAL) where the read side would skip
+        the name, so that nothing this mount writes is invisible to it."""
+        name = child_name(parent, name_b, errno.EINVAL)
+        if invalid_segment_reason(name) is not None or "/" in name:
+            raise PathError(errno.EINVAL)
+        return self._join(parent.path, name)
+
+    def key_of(self, path: str) -> str:
+        return self.prefix + path
+
+    def dir_key(self, path: str) -> str:
+        """The key of a directory's marker object (what `mkdir` creates)."""
+        return self._dir_prefix(path)
+
+    def pending(self, path: str) -> Node | None:
+        return self._pending.get(path)
+
+    def begin_file(self, path: str, node: Node | None = None) -> Node:
+        """A file this mount starts writing at `path`: a new node (counted as looked up, as CREATE's
+        reply is), or `node`, an existing version being replaced, which becomes the new file."""
+        if node is None:
+            ino = self._next_ino
+            self._next_ino += 1
+            node = self._nodes[ino] = Node(ino, path, False, lookups=1)
+        else:
+            self._ino_by_path.pop((node.path, node.etag), None)
+        node.size, node.etag, node.mtime_ns, node.writing, node.superseded = 0, "", time.time_ns(), True, False
+        self._ino_by_path[(path, "")] = node.ino
+        self._pending[path] = node
+        self._negative.pop(path, None)
+        return node
+
+    def end_file(self, node: Node, meta: ObjectMeta | None) -> None:
+        """The file is in the bucket as `meta` (its key may differ: renamed while written), or, with None,
+        never will be: it leaves the tree."""
+        self._pending.pop(node.path, None)
+        self._ino_by_path.pop((node.path, ""), None)
+        node.writing = False
+        if meta is None:
+            node.superseded = True
+            return
+        self._stored(node, meta)
+
+    def _stored(self, node: Node, meta: ObjectMeta) -> None:
+        """`node` is the version `meta` of its path, now in the bucket."""
+        node.size, node.etag, node.mtime_ns = meta.size, meta.etag, meta.mtime_ns
+        node.fresh_until = time.monotonic() + self.ttl
+        node.superseded = False
+        old = self._latest_file.get(node.path)
+        if old is not None and old != node.ino and old in self._nodes:
+            self._nodes[old].superseded = True
+        self._ino_by_path[(node.path, meta.etag)] = node.ino
+        self._latest_file[node.path] = node.ino
+        parent, _, name = node.path.rpartition("/")
+        self._change(parent, name, DirEntry(name.encode("utf-8", "surrogateescape"), False, meta))
+
+    def move_pending(self, node: Node, path: str) -> None:
+        """A file still being written now has the name `path`."""
+        self._pending.pop(node.path, None)
+        self._ino_by_path.pop((node.path, ""), None)
+        node.path = path
+        self._ino_by_path[(path, "")] = node.ino
+        self._pending[path] = node
+        self._negative.pop(path, None)
+
+    def moved(self, node: Node, path: str, meta: ObjectMeta) -> None:
+        """A stored file was copied to `path` as `meta` and its old key deleted."""
+        self.removed(node.path, is_dir=False)
+        node.path = path
+        self._stored(node, meta)
+
+    def removed(self, path: str, *, is_dir: bool) -> None:
+        """A key (or a directory's last trace) was deleted through this mount."""
+        if not is_dir:
+            ino = self._latest_file.pop(path, None)
+            node = self._nodes.get(ino) if ino is not None else None
+            if node is not None:
+                node.superseded = True
+        parent, _, name = path.rpartition("/")
+        self._change(parent, name, None)
+        if is_dir:
+            self._listings.pop(path, None)
+        self._negative[path] = True
+
+    def dir_moved(self, node: Node, path: str) -> None:
+        """An empty directory now has the name `path` (its inode stays)."""
+        old = node.path
+        self._ino_by_path.pop((old, None), None)
+        self._ino_by_path[(path, None)] = node.ino
+        self.removed(old, is_dir=True)
+        node.path = path
+        parent, _, name = path.rpartition("/")
+        self._change(parent, name, DirEntry(name.encode("utf-8", "surrogateescape"), True, None))
+        self._negative.pop(path, None)
+
+    def dir_added(self, path: str) -> Node:
+        """A directory made through this mount (counted as looked up, as MKDIR's reply is)."""
+        parent, _, name = path.rpartition("/")
+        self._change(parent, name, DirEntry(name.encode("utf-8", "surrogateescape"), True, None))
+        self._negative.pop(path, None)
+        node = self._node_for(path, True, None)
+        node.lookups += 1
+        return node
+
+    def _change(self, parent: str, name: str, entry: DirEntry | None) -> None:
+        """Apply one change to the cached listing of `parent` and keep it for listings under way."""
+        self._seq += 1
+        name_b = name.encode("utf-8", "surrogateescape")
+        self._changes.setdefault(parent, {})[name_b] = (self._seq, entry)
+        for cache in (self._listings, self._last_listings):
+            listing = cache.get(parent)
+            if listing is None:
+                continue
+            if entry is None:
+                listing.pop(name_b, None)
+            else:
+                listing[name_b] = entry
+
+    async def dir_is_empty(self, node: Node) -> bool:
+        """Whether a directory has nothing in it but its own marker: asked of the bucket, not the cache."""
+        if any(p.rpartition("/")[0] == node.path for p in self._pending):
+            return False
+        listing = await self._list(node.path)
+        return not listing

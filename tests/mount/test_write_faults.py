@@ -152,6 +152,30 @@ def test_kill_9_mid_write_leaves_no_object_and_cleanup_aborts_the_parts(seaweed_
     delete_bucket(s3, bucket)
 
 
+def test_stopping_the_daemon_aborts_the_uploads_of_files_still_open(seaweed_server: S3Server,
+                                                                    mountpoint: Path) -> None:
+    """SIGTERM (systemctl stop) with a file half written: the daemon aborts its upload before it exits."""
+    s3 = seaweed_server
+    bucket = new_bucket(s3)
+    with mounted(s3, bucket, mountpoint, *WRITE_ARGS, check_log=False) as m:
+        writer = subprocess.Popen([sys.executable, "-c", textwrap.dedent(WRITER), str(mountpoint / "half.bin"), "20"],
+                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        try:
+            assert writer.stdout is not None and writer.stdout.readline().strip() == "written"
+            wait_for("parts uploaded", lambda: mount_stats(mountpoint)["writes"]["parts_uploaded"],
+                     lambda n: n >= 2)
+            assert uploads_in(s3, bucket) == ["half.bin"]
+            m.proc.send_signal(signal.SIGTERM)
+            assert m.proc.wait(30) == 0
+        finally:
+            writer.kill()
+            writer.wait(10)
+        assert "uploads could not be aborted" not in m.log()
+    assert objects_in(s3, bucket) == []
+    assert uploads_in(s3, bucket) == []
+    delete_bucket(s3, bucket)
+
+
 def test_memory_bound_held_while_4_writers_stream_1_gb_each(seaweed_server: S3Server, mountpoint: Path) -> None:
     s3 = seaweed_server
     bucket = new_bucket(s3)

@@ -137,6 +137,22 @@ def test_out_of_order_write_fails_and_stores_nothing(s3: S3Server, mountpoint: P
     assert uploads_in(s3, bucket) == []
 
 
+def test_fsync_stores_the_file_and_later_writes_fail(s3: S3Server, mountpoint: Path) -> None:
+    bucket = new_bucket(s3)
+    with mounted(s3, bucket, mountpoint, *WRITABLE, allowed=(r"write after the file was stored",)):
+        fd = os.open(mountpoint / "f.bin", os.O_WRONLY | os.O_CREAT)
+        try:
+            os.write(fd, b"abc")
+            os.fsync(fd)
+            assert list(keys(s3, bucket)) == ["f.bin"]  # stored by fsync, before close
+            with pytest.raises(OSError) as info:
+                os.write(fd, b"d")  # S3 objects cannot be appended to
+            assert info.value.errno == errno.EIO
+        finally:
+            os.close(fd)
+        assert (mountpoint / "f.bin").read_bytes() == b"abc"
+
+
 def test_overwrite_and_delete_need_their_flags(s3: S3Server, mountpoint: Path, tmp_path: Path) -> None:
     bucket = bucket_with(s3, {"a.bin": b"old", "d/b.bin": b"bee"})
     with mounted(s3, bucket, mountpoint, *WRITABLE, allowed=(NEEDS_OVERWRITE, "needs --allow-delete")):

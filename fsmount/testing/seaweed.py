@@ -57,6 +57,11 @@ STOP_TIMEOUT_S = 15.0
 #: Readiness probe cadence and per-probe limits: short, so a slow probe never eats the start budget.
 PROBE_INTERVAL_S = 0.1
 PROBE_TIMEOUT_S = 2.0
+#: Volumes the volume server may have. Left to itself weed allows one per GiB of free disk, and each bucket
+#: takes volumes of its own, so a test run on a busy shared disk (24 GiB free: 23 volumes) ran out
+#: ("No writable volumes and no free volumes left": InternalError on every PUT). Volumes are sparse
+#: files, so a fixed count costs only what is written.
+VOLUME_MAX = 300
 #: How many times to pick fresh ports when another process grabbed one between our pick and weed's bind.
 PORT_RETRIES = 3
 #: Lines of weed's log quoted in start errors.
@@ -307,6 +312,7 @@ class SeaweedServer:
             "-s3.port.iceberg=0",
             "-s3.port.lance=0",
             "-master.telemetry=false",
+            f"-volume.max={VOLUME_MAX}",
         ]
         args += [f"-{flag}={port}" for flag, port in self.ports.items()]
         s3_socket = self.data_dir / "s3.sock"

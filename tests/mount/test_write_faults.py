@@ -64,6 +64,7 @@ def test_5xx_on_parts_and_completion_are_retried(moto_server: S3Server, proxy: F
     got = moto_server.client().get_object(Bucket=bucket, Key="a.bin")["Body"].read()
     assert sha(got) == sha(data)
     assert uploads_in(moto_server, bucket) == []
+    delete_bucket(moto_server, bucket)
 
 
 def test_parts_refused_for_good_fail_the_close_and_store_nothing(moto_server: S3Server, proxy: FaultProxy,
@@ -81,6 +82,7 @@ def test_parts_refused_for_good_fail_the_close_and_store_nothing(moto_server: S3
         proxy.clear()
     assert objects_in(moto_server, bucket) == []
     assert uploads_in(moto_server, bucket) == []
+    delete_bucket(moto_server, bucket)
 
 
 def test_origin_down_at_close_is_eio_no_object_and_cleanup_finds_the_parts(
@@ -108,6 +110,7 @@ def test_origin_down_at_close_is_eio_no_object_and_cleanup_finds_the_parts(
     assert done.returncode == 0, done.stderr
     assert "aborted a.bin" in done.stdout
     assert uploads_in(moto_server, bucket) == []
+    delete_bucket(moto_server, bucket)
 
 
 WRITER = """

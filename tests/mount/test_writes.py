@@ -63,6 +63,7 @@ def test_read_only_by_default(s3: S3Server, mountpoint: Path) -> None:
                 attempt()
             assert info.value.errno == errno.EROFS
     assert keys(s3, bucket) == {"a.bin": 1}
+    delete_bucket(s3, bucket)
 
 
 def test_new_files_small_and_multipart_read_back_at_once_and_on_a_fresh_mount(s3: S3Server, mountpoint: Path,
@@ -135,6 +136,7 @@ def test_out_of_order_write_fails_and_stores_nothing(s3: S3Server, mountpoint: P
         assert not os.path.exists(mountpoint / "x.bin")
     assert keys(s3, bucket) == {}
     assert uploads_in(s3, bucket) == []
+    delete_bucket(s3, bucket)
 
 
 def test_fsync_stores_the_file_and_later_writes_fail(s3: S3Server, mountpoint: Path) -> None:
@@ -151,6 +153,7 @@ def test_fsync_stores_the_file_and_later_writes_fail(s3: S3Server, mountpoint: P
         finally:
             os.close(fd)
         assert (mountpoint / "f.bin").read_bytes() == b"abc"
+    delete_bucket(s3, bucket)
 
 
 def test_overwrite_and_delete_need_their_flags(s3: S3Server, mountpoint: Path, tmp_path: Path) -> None:
@@ -186,6 +189,7 @@ def test_overwrite_and_delete_need_their_flags(s3: S3Server, mountpoint: Path, t
         os.rmdir(other / "d")
         assert os.listdir(other) == ["a.bin"]
     assert keys(s3, bucket) == {"a.bin": 3}
+    delete_bucket(s3, bucket)
 
 
 def test_mkdir_is_visible_at_once_and_empty_and_rmdir_removes_it(s3: S3Server, mountpoint: Path,
@@ -207,6 +211,7 @@ def test_mkdir_is_visible_at_once_and_empty_and_rmdir_removes_it(s3: S3Server, m
     with mounted(s3, bucket, other):
         assert sorted(os.listdir(other)) == ["keep", "moved"]
         assert os.listdir(other / "moved") == []
+    delete_bucket(s3, bucket)
 
 
 def test_names_the_read_side_would_skip_are_refused(s3: S3Server, mountpoint: Path) -> None:
@@ -216,6 +221,7 @@ def test_names_the_read_side_would_skip_are_refused(s3: S3Server, mountpoint: Pa
             open(mountpoint / b"bad\xff".decode("utf-8", "surrogateescape"), "wb")
         assert info.value.errno == errno.EINVAL
     assert keys(s3, bucket) == {}
+    delete_bucket(s3, bucket)
 
 
 def test_a_file_being_written_is_busy_for_other_handles(s3: S3Server, mountpoint: Path) -> None:
@@ -231,6 +237,7 @@ def test_a_file_being_written_is_busy_for_other_handles(s3: S3Server, mountpoint
             assert os.stat(mountpoint / "w.bin").st_size == 3
             assert os.listdir(mountpoint) == ["w.bin"]
         assert (mountpoint / "w.bin").read_bytes() == b"abc"
+    delete_bucket(s3, bucket)
 
 
 def test_shell_tools(s3: S3Server, mountpoint: Path, tmp_path: Path) -> None:
@@ -275,6 +282,7 @@ def test_names_written_are_the_keys_and_list_back(s3: S3Server, mountpoint: Path
     with mounted(s3, bucket, other):
         assert os.listdir(other / "d") == [name]
         assert (other / "d" / name).read_bytes() == name.encode()
+    delete_bucket(s3, bucket)
 
 
 @pytest.mark.parametrize("cache_dir", [False, True], ids=["streamed", "cache-dir"])

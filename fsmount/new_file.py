@@ -97,6 +97,7 @@ class NewFile:
         self.declared = 0  # the size an extending ftruncate of the empty file asked for
         self.error: str | None = None
         self.stored: ObjectMeta | None = None
+        self.unlinked = False  # unlinked while open: its upload is gone, what it is sent is dropped
         self.handles = 0  # open file handles on it
         self._lock = trio.Lock()
         self._buf: bytearray | None = None
@@ -126,6 +127,8 @@ class NewFile:
 
     async def write(self, offset: int, data: bytes) -> int:
         async with self._lock:
+            if self.unlinked:
+                return len(data)  # as on a local disk: writes to an unlinked file go nowhere
             if self.stored is not None:
                 log.warning("%s: write after the file was stored (closed or fsynced); S3 objects cannot be "
                             "appended to", self.node.path)
@@ -218,19 +221,26 @@ class NewFile:
         body = buf if n == len(buf) else buf[:n]
         self._in_flight += 1
         self._idle = trio.Event()
-        self._writes.spawn(self._put_part, self._parts, body, len(buf), self._sent)
+        self._writes.spawn(self._put_part, self._parts, body, len(buf), self._sent, self._key, self._upload_id)
         self._sent += n
 
-    async def _put_part(self, number: int, body: bytearray, reserved: int, offset: int) -> None:
+    async def _put_part(self, number: int, body: bytearray, reserved: int, offset: int, key: str,
+                        upload_id: str) -> None:
+        """One part, in the writes' nursery: nothing may leave it but its result in `_etags` or `error`."""
         try:
-            assert self._key is not None and self._upload_id is not None
             await self._writes.stage(self._staged, offset, body)
-            if self.error is None:
-                self._etags[number] = await self._writes.call(self._writes.uploads.put_part, self._key,
-                                                              self._upload_id, number, body)
+            if self.error is None and self._upload_id == upload_id:
+                self._etags[number] = await self._writes.call(self._writes.uploads.put_part, key, upload_id,
+                                                              number, body)
                 self._writes.count_part(len(body))
         except StoreError as exc:
-            self._fail(f"part {number}: {exc.message}")
+            if self._upload_id != upload_id:  # aborted meanwhile (unlinked, failed, unmounted): it had to fail
+                log.debug("%s: part %d of an aborted upload: %s", self.node.path, number, exc.message)
+            else:
+                self._fail(f"part {number}: {exc.message}")
+        except Exception:  # noqa: BLE001 - a bug must cost this file, never the mount's nursery
+            log.exception("%s: part %d failed unexpectedly", self.node.path, number)
+            self._fail(f"part {number} failed unexpectedly")
         finally:
             del body
             self._part_done(reserved)
@@ -244,10 +254,12 @@ class NewFile:
 
     # -- the object out --------------------------------------------------------------------------
 
-    async def commit(self) -> ObjectMeta:
+    async def commit(self) -> ObjectMeta | None:
         """Make the file an object under its current name (close, fsync); idempotent. EIO if it cannot be:
-        the upload is then aborted and the file leaves the tree."""
+        the upload is then aborted and the file leaves the tree. None for a file unlinked while open."""
         async with self._lock:
+            if self.unlinked:
+                return None
             if self.stored is not None:
                 return self.stored
             if self.error is None:
@@ -368,8 +380,18 @@ class NewFile:
             raise StoreError("its local copy could not be read")
         return buf
 
+    async def unlink(self) -> bool:
+        """Unlinked while open (a temporary file deleted before it is closed): nothing will be stored. False
+        if it was stored meanwhile (a close got there first): then it is an object to delete."""
+        async with self._lock:
+            if self.stored is not None:
+                return False
+            self.unlinked = True
+            await self.abort()
+            return True
+
     async def abort(self) -> None:
-        """Drop the upload and its parts (at a failure, or when the mount stops); the file leaves the tree.
+        """Drop the upload and its parts (at a failure, unlink, or when the mount stops); the file leaves the tree.
         Parts still in flight fail on their own (the upload is gone) and release their memory then."""
         self._drop_buffer()
         if self._staged is not None:

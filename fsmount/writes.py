@@ -11,6 +11,8 @@ The rules (README "Writing"):
   stored under its final name at close (moved by a copy if its upload had begun under the old one). A
   directory with anything in it is not renamed (EXDEV).
 - One writer per file: opening a file that is being written fails with EBUSY, for reading or writing.
+- Unlinking a file that is being written needs no `--allow-delete` (nothing of it is in the bucket yet):
+  its upload is aborted, and what its handles still write goes nowhere, as on a local disk.
 
 Rules between tasks (all in the trio thread): `_open` holds the files with an upload under way (for
 aborting at unmount); `_written` the inodes of files this mount stored. Store calls run in threads under
@@ -165,8 +167,17 @@ class Writes:
             log.warning("%d written files did not reach the cache within %g s", self._fills, CACHE_FILL_S)
 
     def spawn(self, fn: Callable[..., Awaitable[None]], *args: Any) -> None:
+        """Run `fn(*args)` in the writes' nursery; an exception it lets out is logged, and goes no further
+        (it would take the mount's nursery down with it)."""
         assert self._nursery is not None
-        self._nursery.start_soon(fn, *args)
+
+        async def guarded() -> None:
+            try:
+                await fn(*args)
+            except Exception:  # noqa: BLE001 - one file's task, never the mount
+                log.exception("a background write task failed")
+
+        self._nursery.start_soon(guarded)
 
     def key_of(self, node: Node) -> str:
         return self.ns.key_of(node.path)
@@ -193,7 +204,8 @@ class Writes:
         if self._files.get(new.node.ino) is new:
             del self._files[new.node.ino]
             self.ns.end_file(new.node, None)
-            self.stats.files_failed += 1
+            if not new.unlinked:
+                self.stats.files_failed += 1
 
     # -- files -----------------------------------------------------------------------------------
 
@@ -253,12 +265,13 @@ class Writes:
         return self.ns.dir_added(path)
 
     async def unlink(self, node: Node) -> None:
-        if not self.allow_delete:
-            raise PathError(errno.EPERM)
         if node.is_dir:
             raise PathError(errno.EISDIR)
-        if node.writing:
-            raise PathError(errno.EBUSY)
+        new = self._files.get(node.ino) if node.writing else None
+        if new is not None and await new.unlink():
+            return
+        if not self.allow_delete:
+            raise PathError(errno.EPERM)
         await self.call(self.uploads.delete, self.ns.key_of(node.path))
         self.ns.removed(node.path, is_dir=False)
         self.stats.deletes += 1

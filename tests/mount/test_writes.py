@@ -325,6 +325,25 @@ def test_safetensors_save_file_temp_ftruncate_rename(s3: S3Server, mountpoint: P
     delete_bucket(s3, bucket)
 
 
+def test_a_refused_save_file_leaves_nothing_behind(s3: S3Server, mountpoint: Path) -> None:
+    """save_file over an existing model without --allow-overwrite: its rename is refused (EPERM), safetensors
+    deletes its temporary file before closing it, and the upload of that file is dropped: no stray object."""
+    bucket = bucket_with(s3, {"model.safetensors": b"old"})
+    code = """
+        import sys, numpy as np
+        from safetensors.numpy import save_file
+        save_file({"w": np.ones((1024, 2048), dtype=np.float32)}, sys.argv[1])
+    """
+    with mounted(s3, bucket, mountpoint, *WRITABLE, "--write-part-size", "5M", allowed=(NEEDS_OVERWRITE,)):
+        res = subprocess.run([sys.executable, "-c", textwrap.dedent(code), str(mountpoint / "model.safetensors")],
+                             capture_output=True, text=True, timeout=120)
+        assert res.returncode != 0 and "Operation not permitted" in res.stderr, res.stderr[-2000:]
+        assert os.listdir(mountpoint) == ["model.safetensors"]
+    assert keys(s3, bucket) == {"model.safetensors": 3}
+    assert uploads_in(s3, bucket) == []
+    delete_bucket(s3, bucket)
+
+
 def test_torch_save_and_load(s3: S3Server, mountpoint: Path, tmp_path: Path) -> None:
     torch = pytest.importorskip("torch")
     bucket = new_bucket(s3)

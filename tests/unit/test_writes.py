@@ -340,3 +340,18 @@ async def test_with_a_local_copy_a_file_extended_first_is_uploaded_once_under_it
         assert b"".join(cache.chunks[chunk_id(ObjectVersion(meta.key, meta.etag, meta.size), i)]
                         for i in range(-(-len(data) // chunk))) == data
         assert os.listdir(tmp_path / "writes") == [] and writes.memory.used == 0
+
+
+async def test_unlinking_a_file_being_written_drops_it_without_allow_delete() -> None:
+    """A temporary file deleted before it is closed (tempfile's cleanup after a failed rename): its upload is
+    aborted, later writes go nowhere, its close stores nothing, and no --allow-delete is needed."""
+    writes, uploads, ns = make()
+    async with serving(writes):
+        new = await new_file(writes, ns, b".tmpX")
+        await new.write(0, bytes(6 * MiB))  # the upload began
+        await writes.unlink(new.node)
+        assert await new.write(6 * MiB, b"more") == 4
+        assert await new.commit() is None
+        assert uploads.objects == {} and uploads.aborted == [".tmpX"] and writes.stats.files_failed == 0
+        assert {e.name for e in await ns.listing(ns.node(ROOT_INODE))} == set()
+        assert writes.memory.used == 0

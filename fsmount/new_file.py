@@ -56,8 +56,6 @@ log = logging.getLogger(__name__)
 PART_GROWTH_EVERY = 200
 # Zeros for the never-written tail of an extended file, appended this many bytes at a time.
 ZEROS = bytes(1 << 20)
-# An abort (failure, unmount) waits this long for the store, then leaves the parts to `modelfs cleanup`.
-ABORT_TIMEOUT_S = 10.0
 
 
 class Writes(Protocol):
@@ -76,6 +74,7 @@ class Writes(Protocol):
     def stored(self, new: NewFile) -> None: ...
     def dropped(self, new: NewFile) -> None: ...
     async def move_object(self, meta: ObjectMeta, key: str) -> ObjectMeta: ...
+    async def abort_upload(self, key: str, upload_id: str) -> bool: ...
     def stage_open(self) -> StagedFile | None: ...
     async def stage(self, staged: StagedFile | None, offset: int, data: bytes | bytearray | memoryview) -> None: ...
     async def stage_extend(self, staged: StagedFile | None, size: int) -> None: ...
@@ -194,16 +193,19 @@ class NewFile:
         self._buf = bytearray(size)
         self._fill = 0
 
+    def _release(self, reserved: int) -> None:
+        """A part buffer is gone: its reservation and its slot go back."""
+        self._writes.memory.release(reserved)
+        self._slots.release()
+
     def _drop_buffer(self) -> None:
-        """Let go of the filling buffer (sent as a PUT, or abandoned): its reservation and slot."""
+        """Let go of the filling buffer (sent as a PUT, or abandoned)."""
         if self._buf is not None:
-            self._writes.memory.release(len(self._buf))
-            self._slots.release()
+            self._release(len(self._buf))
             self._buf, self._fill = None, 0
 
     async def _send_part(self) -> None:
-        """Hand the filled buffer to a background part upload (the first one begins the upload), or for a
-        deferred file to the local copy."""
+        """Hand the filled buffer to a background part upload (the first one begins the upload)."""
         buf, n = self._buf, self._fill
         assert buf is not None
         self._buf, self._fill = None, 0
@@ -213,8 +215,7 @@ class NewFile:
             try:
                 self._upload_id = await self._writes.call(self._writes.uploads.start, self._key)
             except StoreError as exc:
-                self._writes.memory.release(len(buf))
-                self._slots.release()
+                self._release(len(buf))
                 self._fail(exc.message)
                 raise PathError(errno.EIO) from None
             self._writes.register(self)
@@ -246,8 +247,7 @@ class NewFile:
             self._part_done(reserved)
 
     def _part_done(self, reserved: int) -> None:
-        self._writes.memory.release(reserved)
-        self._slots.release()
+        self._release(reserved)
         self._in_flight -= 1
         if self._in_flight == 0:
             self._idle.set()
@@ -400,13 +400,6 @@ class NewFile:
         if self._upload_id is not None:
             upload_id, self._upload_id = self._upload_id, None
             assert self._key is not None
-            with trio.move_on_after(ABORT_TIMEOUT_S, shield=True):
-                try:
-                    await self._writes.call(self._writes.uploads.abort, self._key, upload_id)
-                    upload_id = None
-                except StoreError as exc:
-                    log.warning("%s: %s", self.node.path, exc.message)
-            if upload_id is not None:
-                log.warning("%s: its upload could not be aborted; `modelfs cleanup` removes it", self.node.path)
+            await self._writes.abort_upload(self._key, upload_id)
             self._writes.unregister(self)
         self._writes.dropped(self)

@@ -54,8 +54,10 @@ log = logging.getLogger(__name__)
 # Renames copy objects above this size as parallel UploadPartCopy parts (at least this big each, at most
 # --max-connections at once); a single CopyObject copies at one stream's speed.
 COPY_PART_MIN = 64 * 1024 * 1024
-# At unmount, how long aborting the uploads of files still open may take in all, and how long stored
-# files may take to reach the NVMe cache.
+# One abort (a failed file, a failed copy) waits this long for the store, then leaves the parts to
+# `modelfs cleanup`. At unmount, how long aborting the uploads of files still open may take in all, and
+# how long stored files may take to reach the NVMe cache.
+ABORT_TIMEOUT_S = 10.0
 ABORT_ALL_S = 15.0
 CACHE_FILL_S = 30.0
 # Threads for the local copies of files being written (--cache-dir): one large sequential write each.
@@ -165,6 +167,19 @@ class Writes:
                 await self._fills_done.wait()
         if self._fills:
             log.warning("%d written files did not reach the cache within %g s", self._fills, CACHE_FILL_S)
+
+    async def abort_upload(self, key: str, upload_id: str) -> bool:
+        """Abort a multipart upload, bounded by ABORT_TIMEOUT_S and shielded from cancellation (an unmount
+        must still abort); False, with a warning, if it could not be (`modelfs cleanup` removes it)."""
+        reason = f"no answer in {ABORT_TIMEOUT_S:g} s"
+        with trio.move_on_after(ABORT_TIMEOUT_S, shield=True):
+            try:
+                await self.call(self.uploads.abort, key, upload_id)
+                return True
+            except StoreError as exc:
+                reason = exc.message
+        log.warning("the upload of %s could not be aborted (%s); `modelfs cleanup` removes it", key, reason)
+        return False
 
     def spawn(self, fn: Callable[..., Awaitable[None]], *args: Any) -> None:
         """Run `fn(*args)` in the writes' nursery; an exception it lets out is logged, and goes no further
@@ -338,23 +353,25 @@ class Writes:
         ranges = [(start, min(start + size, meta.size)) for start in range(0, meta.size, size)]
         upload_id = await self.call(self.uploads.start, key)
         etags: dict[int, str] = {}
-        try:
-            async def one(number: int, start: int, end: int) -> None:
+        failures: list[StoreError] = []
+
+        async def one(number: int, start: int, end: int) -> None:
+            try:
                 etags[number] = await self.call(self.uploads.copy_part, key, upload_id, number, meta.key,
                                                 meta.etag, start, end)
+            except StoreError as exc:
+                failures.append(exc)
 
+        finished = False
+        try:
             async with trio.open_nursery() as nursery:
                 for number, (start, end) in enumerate(ranges, 1):
                     nursery.start_soon(one, number, start, end)
-            return await self.call(self.uploads.finish, key, upload_id, [etags[i] for i in range(1, len(ranges) + 1)])
-        except BaseException as exc:
-            with trio.move_on_after(ABORT_ALL_S, shield=True):
-                try:
-                    await self.call(self.uploads.abort, key, upload_id)
-                except StoreError:
-                    pass
-            if isinstance(exc, BaseExceptionGroup):
-                first = exc.exceptions[0]
-                if isinstance(first, StoreError):
-                    raise first from None
-            raise
+            if failures:
+                raise failures[0]
+            etag = await self.call(self.uploads.finish, key, upload_id, [etags[i] for i in range(1, len(ranges) + 1)])
+            finished = True
+            return etag
+        finally:
+            if not finished:
+                await self.abort_upload(key, upload_id)

@@ -9,6 +9,7 @@ writer as an errno (EIO at close); no upload is left behind except by a killed d
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import signal
 import subprocess
@@ -16,6 +17,7 @@ import sys
 import textwrap
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -126,22 +128,29 @@ WRITER = """
 """
 
 
+@contextlib.contextmanager
+def writer_with_parts_sent(path: Path) -> Iterator[None]:
+    """A process writing 20 MiB to `path` on a mount, holding it open once two parts were uploaded; killed
+    when the block ends."""
+    writer = subprocess.Popen([sys.executable, "-c", textwrap.dedent(WRITER), str(path), "20"],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert writer.stdout is not None and writer.stdout.readline().strip() == "written"
+        wait_for("parts uploaded", lambda: mount_stats(path.parent)["writes"]["parts_uploaded"], lambda n: n >= 2)
+        yield
+    finally:
+        writer.kill()
+        writer.wait(10)
+
+
 def test_kill_9_mid_write_leaves_no_object_and_cleanup_aborts_the_parts(seaweed_server: S3Server,
                                                                         mountpoint: Path) -> None:
     s3 = seaweed_server
     bucket = new_bucket(s3)
     with mounted(s3, bucket, mountpoint, *WRITE_ARGS, check_log=False) as m:
-        writer = subprocess.Popen([sys.executable, "-c", textwrap.dedent(WRITER), str(mountpoint / "ckpt.bin"), "20"],
-                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-        try:
-            assert writer.stdout is not None and writer.stdout.readline().strip() == "written"
-            wait_for("parts uploaded", lambda: mount_stats(mountpoint)["writes"]["parts_uploaded"],
-                     lambda n: n >= 2)
+        with writer_with_parts_sent(mountpoint / "ckpt.bin"):
             m.proc.send_signal(signal.SIGKILL)
             m.proc.wait(10)
-        finally:
-            writer.kill()
-            writer.wait(10)
     assert objects_in(s3, bucket) == []
     assert uploads_in(s3, bucket) == ["ckpt.bin"]
     # A day by default: a running mount may own a young upload (moto dates every upload 2010: not there).
@@ -161,18 +170,10 @@ def test_stopping_the_daemon_aborts_the_uploads_of_files_still_open(seaweed_serv
     s3 = seaweed_server
     bucket = new_bucket(s3)
     with mounted(s3, bucket, mountpoint, *WRITE_ARGS, check_log=False) as m:
-        writer = subprocess.Popen([sys.executable, "-c", textwrap.dedent(WRITER), str(mountpoint / "half.bin"), "20"],
-                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-        try:
-            assert writer.stdout is not None and writer.stdout.readline().strip() == "written"
-            wait_for("parts uploaded", lambda: mount_stats(mountpoint)["writes"]["parts_uploaded"],
-                     lambda n: n >= 2)
+        with writer_with_parts_sent(mountpoint / "half.bin"):
             assert uploads_in(s3, bucket) == ["half.bin"]
             m.proc.send_signal(signal.SIGTERM)
             assert m.proc.wait(30) == 0
-        finally:
-            writer.kill()
-            writer.wait(10)
         assert "uploads could not be aborted" not in m.log()
     assert objects_in(s3, bucket) == []
     assert uploads_in(s3, bucket) == []

@@ -16,7 +16,16 @@ import trio
 
 from fsmount.cli import build_config, expand_mount_options, make_parser
 from fsmount.config import ConfigError, MountConfig, StoreConfig
-from fsmount.data import MAX_PARTS, ChunkId, MemoryBudget, ObjectMeta, ObjectVersion, StoreError, TransientError
+from fsmount.data import (
+    MAX_PARTS,
+    ChunkId,
+    MemoryBudget,
+    NotFound,
+    ObjectMeta,
+    ObjectVersion,
+    StoreError,
+    TransientError,
+)
 from fsmount.namespace import ROOT_INODE, PathError
 from fsmount.new_file import PART_GROWTH_EVERY, NewFile, part_size
 from fsmount.tree_changes import WritableNamespace as Namespace
@@ -75,6 +84,8 @@ class FakeUploads:
         self.gate.wait(10)
         if self.fail_parts:
             raise TransientError("part refused")
+        if upload_id not in self.parts:
+            raise NotFound(f"uploading part {number} of {key!r}: not found")  # NoSuchUpload: aborted
         self.parts[upload_id][number] = bytes(body)
         return f'"p{number}"'
 
@@ -116,6 +127,14 @@ async def serving(writes: Writes) -> AsyncIterator[trio.Nursery]:
         await nursery.start(writes.run)
         yield nursery
         nursery.cancel_scope.cancel()
+
+
+async def parts_ended(writes: Writes) -> None:
+    """Wait (5 s at most) until parts in flight when their upload was aborted have ended: each gives back its
+    buffer's reservation then, not at the abort."""
+    with trio.move_on_after(5):
+        while writes.memory.used:
+            await trio.sleep(0.01)
 
 
 async def new_file(writes: Writes, ns: Namespace, name: bytes) -> NewFile:
@@ -195,6 +214,7 @@ async def test_a_write_off_the_end_spoils_the_file_and_commit_aborts(caplog: pyt
         assert uploads.objects == {} and uploads.aborted == ["x"] and uploads.parts == {}
         with pytest.raises(PathError):
             await ns.lookup(ROOT_INODE, b"x")
+        await parts_ended(writes)
         assert writes.memory.used == 0 and writes.stats.files_failed == 1
 
 
@@ -354,4 +374,5 @@ async def test_unlinking_a_file_being_written_drops_it_without_allow_delete() ->
         assert await new.commit() is None
         assert uploads.objects == {} and uploads.aborted == [".tmpX"] and writes.stats.files_failed == 0
         assert {e.name for e in await ns.listing(ns.node(ROOT_INODE))} == set()
+        await parts_ended(writes)
         assert writes.memory.used == 0

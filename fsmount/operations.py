@@ -56,15 +56,8 @@ def _fuse_errors(fn: Callable[..., Coroutine[Any, Any, T]]) -> Callable[..., Cor
     return wrapper
 
 
-def _read_only(name: str) -> Callable[..., Coroutine[Any, Any, Any]]:
-    async def handler(self: Operations, *args: Any) -> Any:
-        raise pyfuse3.FUSEError(errno.EROFS)
-
-    handler.__name__ = name
-    return handler
-
-
 def _unsupported(name: str) -> Callable[..., Coroutine[Any, Any, Any]]:
+    """What no mount does (S3 has no such thing): EROFS on a read-only mount, EPERM on a writable one."""
     async def handler(self: Operations, *args: Any) -> Any:
         raise pyfuse3.FUSEError(errno.EROFS if self.writes is None else errno.EPERM)
 
@@ -261,7 +254,8 @@ class Operations(pyfuse3.Operations):
         if new is not None:
             new.handles -= 1
             if new.handles == 0 and new.stored is None:
-                # flush comes first on every close; this is a handle that was never flushed.
+                # The last descriptor is gone and nothing stored the file: it was never written (a flush
+                # stores only a file with bytes in it), or never flushed.
                 await new.commit()
 
     @_fuse_errors
@@ -361,5 +355,5 @@ class Operations(pyfuse3.Operations):
     mknod = _unsupported("mknod")
     symlink = _unsupported("symlink")
     link = _unsupported("link")
-    setxattr = _read_only("setxattr")
-    removexattr = _read_only("removexattr")
+    setxattr = _unsupported("setxattr")
+    removexattr = _unsupported("removexattr")

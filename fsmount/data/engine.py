@@ -292,14 +292,19 @@ class ChunkEngine:
             fetch.source = "origin" if hit is None else "level"
             self.memory.store(fetch.cid, data)
             missed = self.levels.missed(hit)
-            if missed and self._nursery is not None and self.memory.pin(fetch.cid):
+            if missed and self._nursery is not None:
                 cid = fetch.cid
-                self.levels.start_write(self._nursery, missed, cid, data, lambda: self.memory.unpin(cid))
+                if self.memory.pin(cid):
+                    self.levels.start_write(self._nursery, missed, cid, data, lambda: self.memory.unpin(cid))
+                else:
+                    self.levels.start_abandon(self._nursery, missed, cid)
         except trio.Cancelled:
             raise
         except Exception as exc:  # noqa: BLE001 - handed to every waiter of this chunk
             fetch.error = exc if isinstance(exc, StoreError) else StoreError(f"{type(exc).__name__}: {exc}")
             log.warning("fetching chunk %d of %r failed: %s", fetch.cid.index, fetch.cid.key, fetch.error)
+            if self._nursery is not None:
+                self.levels.start_abandon(self._nursery, self.levels.levels, fetch.cid)
         finally:
             self.memory.release(fetch.length)
             self.stats.fetches_inflight -= 1

@@ -78,6 +78,11 @@ class ChunkCache(Protocol):
         ...
 
 
+# A level may also have `abandon(chunk)`: called (in a worker thread) when a chunk it missed will not be
+# put after all (its origin fetch failed, or memory no longer held it). The shared tier drops its claim
+# there, so other nodes fetch the chunk at once instead of waiting for a write that never comes.
+
+
 class LatencyHistogram:
     """Cumulative-bucket histogram of durations; thread-safe."""
 
@@ -228,6 +233,19 @@ class LevelStack:
             self._writes_pending -= 1
             self._writes_changed.set()
             self._writes_changed = trio.Event()
+
+    def start_abandon(self, nursery: trio.Nursery, levels: Sequence[ChunkCache], cid: ChunkId) -> None:
+        """Tell `levels` (those with `abandon`) in the background that `cid` will not be written to them."""
+        for level in levels:
+            abandon = getattr(level, "abandon", None)
+            if abandon is not None:
+                nursery.start_soon(self._abandon, abandon, cid, self._put_limiters[self.levels.index(level)])
+
+    async def _abandon(self, abandon: Callable[[ChunkId], None], cid: ChunkId, limiter: trio.CapacityLimiter) -> None:
+        try:
+            await self._run_blocking(abandon, cid, limiter=limiter)
+        except Exception as exc:  # noqa: BLE001 - a cache level never breaks a read
+            log.warning("cache level: giving up chunk %d of %r failed: %s", cid.index, cid.key, exc)
 
     @property
     def writes_pending(self) -> int:

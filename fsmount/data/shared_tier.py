@@ -10,8 +10,9 @@ logged once and taken as a miss, so a wrong byte is never served.
 
 Simultaneous cold start: on a miss a node claims the chunk by creating `PREFIX claims/<h>` only if it is
 absent (If-None-Match: *). The claimer fetches the chunk from the origin; the level stack writes it back
-here, and `put` then drops the claim. The other nodes poll for the chunk object for up to `wait` seconds,
-then fetch it from the origin themselves. A claim older than CLAIM_TTL_S (its node died) is broken and
+here, and `put` then drops the claim (`abandon` drops it when the fetch failed, so that the others need
+not wait for it). The other nodes poll for the chunk object for up to `wait` seconds, then fetch it from
+the origin themselves. A claim older than CLAIM_TTL_S (its node died) is broken and
 taken over. A tier that does not honour conditional writes is found at mount (`probe_claims`) and run
 without claims.
 
@@ -207,6 +208,10 @@ class SharedTier:
                 self._writes_paused_until = None
         finally:
             self._release(chunk)
+
+    def abandon(self, chunk: ChunkId) -> None:
+        """The chunk will not be put (this node's origin fetch failed): drop our claim on it, if any."""
+        self._release(chunk)
 
     # -- internals -----------------------------------------------------------------------------
 

@@ -4,7 +4,8 @@ origin and the tier are two buckets on one server; several daemons ("nodes") sha
 What is covered: a simultaneous cold start of 4 nodes costs the origin about one copy; a warmed tier
 serves fresh nodes with no origin byte and its hits land in their NVMe cache; corrupt, foreign, garbage
 and truncated chunk objects are never served; a tier that is down or a black hole costs time, not bytes
-or errors; a tier that refuses PUTs; stale and live claims (also those of a daemon killed with -9); two
+or errors; a tier that refuses PUTs; stale and live claims (also those of a daemon killed with -9, and
+those of a daemon whose origin fetch failed); two
 versions of one key and two chunk sizes never share a chunk object; --shared-cache-read-only; a tier
 without conditional writes; a missing tier bucket or refused tier credentials fail the mount.
 
@@ -490,6 +491,31 @@ def test_claims_of_a_node_killed_mid_fetch_cost_others_one_wait(fleet: Fleet) ->
     assert s["origin"]["bytes"] == len(fleet.body)
     assert t["writes"] == fleet.chunks
     assert fleet.tier_chunk_objects() == set(fleet.chunk_keys(origin_endpoint=origin_proxy.endpoint_url))
+
+
+def test_a_node_whose_origin_fetch_fails_drops_its_claims_at_once(fleet: Fleet) -> None:
+    """Node A claims chunks, then the origin refuses its GETs (403 through a proxy): its reader gets EIO
+    and A drops its claims, so node B, started while A is still mounted, claims and fetches every chunk
+    itself without waiting for A (before, A's fresh claims made B wait --shared-cache-wait per chunk)."""
+    fleet = fleet_with(fleet, 32 * MiB, seed=12)
+    with FaultProxy(fleet.server.endpoint_url) as origin_proxy:
+        origin = via(origin_proxy, fleet.server)
+        refused = origin_proxy.inject(Fault.ERROR, status=403, code="AccessDenied")  # data GETs only
+        with fleet.node("a", origin=origin, allowed=["fetching chunk .* failed", "read failed"]) as a:
+            with pytest.raises(OSError):
+                (a.path / KEY).read_bytes()
+            claimed = tier_stats(a)["claims"]
+            assert claimed >= 1 and refused.hits >= 1
+            wait_for("claims of node A", fleet.tier_claim_objects, lambda keys: keys == set(), timeout=10)
+            origin_proxy.clear()
+            with fleet.node("b", "--shared-cache-wait", "10", origin=origin) as b:
+                elapsed = timed_read(b, fleet.body)
+                wait_writes_done(b)
+                t = tier_stats(b)
+    assert elapsed < MARGIN_S, elapsed  # no chunk waited for a claim of A's
+    assert t["claims"] == fleet.chunks and t["claim_waits"] == 0 and t["fallbacks"] == 0, t
+    assert fleet.tier_chunk_objects() == set(fleet.chunk_keys(origin_endpoint=origin_proxy.endpoint_url))
+    assert fleet.tier_claim_objects() == set()
 
 
 # -- 7. versions and chunk sizes never share a chunk object ----------------------------------------

@@ -8,7 +8,7 @@ import random
 import pytest
 import trio
 
-from fsmount.data import ChunkEngine, StoreError, TransientError, Unreachable
+from fsmount.data import AccessDenied, ChunkEngine, StoreError, TransientError, Unreachable
 from fsmount.handles import OpenFile
 from fsmount.readahead import ReadAhead
 from tests.helpers import (
@@ -452,6 +452,47 @@ async def test_a_write_through_backlog_stays_inside_the_memory_budget(autojump_c
             nursery.cancel_scope.cancel()
         assert peak_unwritten <= 8, peak_unwritten
         assert len(level.chunks) == 48
+
+    await run_engine(engine, body)
+
+
+class ClaimingLevel(MemoryLevel):
+    """A level that records what it was told would not be written to it (the shared tier drops a claim)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.abandoned: list = []
+
+    def abandon(self, cid) -> None:  # noqa: ANN001
+        self.abandoned.append(cid)
+
+
+async def test_a_failed_origin_fetch_is_abandoned_to_the_levels_that_missed(autojump_clock,  # noqa: ANN001
+                                                                            allowed_logs) -> None:  # noqa: ANN001
+    """A chunk the levels missed and the origin failed to send is given up to each level (so the shared
+    tier drops its claim at once); a chunk that was fetched is written, never given up."""
+    allowed_logs.append("fetching chunk .* failed")
+    store = FakeStore()
+    data = put_object(store, "m", 2 * CHUNK)
+    level = ClaimingLevel()
+    engine = ChunkEngine(store, chunk_size=CHUNK, memory_limit=64 * MiB, max_connections=4, read_timeout=30.0,
+                         levels=[level], run_blocking=virtual_latency_runner(store))
+
+    def fault(key: str, start: int, end: int) -> None:
+        if start == 0:
+            raise AccessDenied("injected")
+
+    store.fault = fault
+    v = version(store, "m")
+
+    async def body() -> None:
+        with pytest.raises(StoreError):
+            await engine.read(v, 0, 100)
+        assert await engine.read(v, CHUNK, CHUNK + 100) == data[CHUNK:CHUNK + 100]
+        assert await engine.levels.drain_writes(60.0) == 0
+        await trio.sleep(1.0)  # the background abandon
+        assert level.abandoned == [engine.chunk_id(v, 0)]
+        assert set(level.chunks) == {engine.chunk_id(v, 1)}
 
     await run_engine(engine, body)
 

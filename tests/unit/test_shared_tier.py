@@ -158,6 +158,23 @@ def test_a_wait_ends_in_a_fallback_when_the_claimer_never_writes() -> None:
     assert second.stats.fallbacks == 1
 
 
+def test_a_claimer_whose_fetch_failed_drops_its_claim_and_the_next_node_claims_at_once() -> None:
+    client = DictClient()
+    first, second = tier(client, wait=30.0), tier(client, wait=30.0)
+    cid, other = chunk(), chunk(index=1)
+    assert first.get(cid) is None and first.stats.claims == 1
+    first.abandon(cid)  # its origin fetch failed: nothing will be put
+    assert first.claim_key(cid) not in client.objects
+    requests = client.requests
+    first.abandon(other)  # never claimed: no request
+    first.abandon(cid)  # already dropped: no request
+    assert client.requests == requests
+    started = time.monotonic()
+    assert second.get(cid) is None  # no claim to wait for: ours to fetch
+    assert time.monotonic() - started < 1.0
+    assert second.stats.claims == 1 and second.stats.claim_waits == 0
+
+
 def test_a_stale_claim_of_a_dead_node_is_broken_and_taken_over(allowed_logs: list[str]) -> None:
     client = DictClient()
     t = tier(client, wait=30.0)

@@ -27,6 +27,7 @@ import time
 import urllib.parse
 import urllib.request
 from collections.abc import Callable
+from typing import Any, TypeVar
 
 from fsmount.data.identity import WritableBuffer
 from fsmount.data.store import (
@@ -45,6 +46,8 @@ URL_REUSE_S = 600
 # The most of an error body read to find its S3 error code (an XML document of a few hundred bytes).
 ERROR_BODY_MAX = 64 * 1024
 _CODE_RE = re.compile(rb"<Code>([^<]{1,128})</Code>")
+
+T = TypeVar("T")
 
 
 def proxied(url: str) -> bool:
@@ -117,34 +120,77 @@ class RangeGetter:
 
     def _get(self, key: str, etag: str, start: int, buffer: WritableBuffer | bytearray, what: str,
              fresh_url: bool) -> None:
-        url = urllib.parse.urlsplit(self._url(key, fresh_url))
-        origin = (url.scheme, url.hostname or "", url.port or (443 if url.scheme == "https" else 80))
-        target = url.path + ("?" + url.query if url.query else "")
         want = len(buffer)
         headers = {"Range": f"bytes={start}-{start + want - 1}", "Accept-Encoding": "identity"}
         if etag:
             headers["If-Match"] = etag
-        conn = self._connection(origin)
-        kept_alive = conn.sock is not None
+        origin, conn, resp = self._request(key, headers, what, fresh_url)
         reusable = False
         try:
-            try:
-                resp = self._send(conn, target, headers, origin)
-            except (http.client.RemoteDisconnected, ConnectionError) as exc:
-                if not kept_alive:
-                    raise TransientError(f"{what}: {type(exc).__name__}: {exc}") from None
-                # The server closed the idle connection meanwhile (an idle timeout): a new one, at once.
-                conn.close()
-                resp = self._send(conn, target, headers, origin)
             reusable = self._read(resp, start, want, etag, buffer, what)
         except (http.client.HTTPException, OSError) as exc:
-            # Reset, timeout, a response cut short or not HTTP at all: worth another try.
+            # Reset, timeout, a response cut short: worth another try.
             raise TransientError(f"{what}: {type(exc).__name__}: {exc}") from None
         finally:
             if reusable:
                 self._give_back(origin, conn)
             else:
                 conn.close()
+
+    def open(self, key: str, what: str) -> Body:
+        """A GET of the whole object (the current version), its body left to read: for objects whose
+        length is not known beforehand (the shared tier's chunk objects). Failures, a missing key
+        included (NotFound), are raised as StoreErrors; nothing is retried but a stale kept-alive
+        connection and a URL signed with rotated credentials."""
+        try:
+            return self._open(key, what, fresh_url=False)
+        except AccessDenied:
+            return self._open(key, what, fresh_url=True)
+
+    def _open(self, key: str, what: str, fresh_url: bool) -> Body:
+        origin, conn, resp = self._request(key, {"Accept-Encoding": "identity"}, what, fresh_url)
+        try:
+            if resp.status >= 300:
+                raise self._error(resp, what)
+            length = resp.getheader("Content-Length")
+            if resp.status != 200 or length is None or not length.isdigit():
+                raise TransientError(f"{what}: server answered {resp.status} with length {length!r}")
+        except (http.client.HTTPException, OSError) as exc:
+            conn.close()
+            raise TransientError(f"{what}: {type(exc).__name__}: {exc}") from None
+        except BaseException:
+            if resp.isclosed() and not resp.will_close:  # an error document read whole: keep the connection
+                self._give_back(origin, conn)
+            else:
+                conn.close()
+            raise
+        return Body(self, origin, conn, resp, int(length), what)
+
+    def _request(self, key: str, headers: dict[str, str], what: str, fresh_url: bool
+                 ) -> tuple[tuple[str, str, int], http.client.HTTPConnection, http.client.HTTPResponse]:
+        """Send one GET of `key` on a pooled connection; the connection and the response, whose body the
+        caller reads and then gives the connection back (or closes it)."""
+        url = urllib.parse.urlsplit(self._url(key, fresh_url))
+        origin = (url.scheme, url.hostname or "", url.port or (443 if url.scheme == "https" else 80))
+        target = url.path + ("?" + url.query if url.query else "")
+        conn = self._connection(origin)
+        kept_alive = conn.sock is not None
+        try:
+            try:
+                return origin, conn, self._send(conn, target, headers, origin)
+            except (http.client.RemoteDisconnected, ConnectionError) as exc:
+                if not kept_alive:
+                    raise TransientError(f"{what}: {type(exc).__name__}: {exc}") from None
+                # The server closed the idle connection meanwhile (an idle timeout): a new one, at once.
+                conn.close()
+                return origin, conn, self._send(conn, target, headers, origin)
+        except (http.client.HTTPException, OSError) as exc:
+            conn.close()
+            # Reset, timeout, a response cut short or not HTTP at all: worth another try.
+            raise TransientError(f"{what}: {type(exc).__name__}: {exc}") from None
+        except BaseException:
+            conn.close()
+            raise
 
     def _send(self, conn: http.client.HTTPConnection, target: str, headers: dict[str, str],
               origin: tuple[str, str, int]) -> http.client.HTTPResponse:
@@ -161,10 +207,7 @@ class RangeGetter:
               buffer: WritableBuffer | bytearray, what: str) -> bool:
         """Check the response and read its body into `buffer`; True if the connection may be reused."""
         if resp.status >= 300:
-            body = resp.read(ERROR_BODY_MAX)
-            match = _CODE_RE.search(body)
-            code = match.group(1).decode("utf-8", "replace") if match else ""
-            raise error_for_status(code, resp.status, self.bucket, what)
+            raise self._error(resp, what)
         length = resp.getheader("Content-Length")
         content_range = resp.getheader("Content-Range")
         if resp.status == 206:
@@ -187,4 +230,70 @@ class RangeGetter:
                 got += n
         # Nothing may follow the body on a connection we keep (a server sending more is not trusted).
         return not resp.will_close and resp.read(1) == b""
+
+    def _error(self, resp: http.client.HTTPResponse, what: str) -> Exception:
+        """The StoreError an error response stands for (its S3 error code read from the body)."""
+        body = resp.read(ERROR_BODY_MAX)
+        match = _CODE_RE.search(body)
+        code = match.group(1).decode("utf-8", "replace") if match else ""
+        return error_for_status(code, resp.status, self.bucket, what)
+
+
+class Body:
+    """The body of `RangeGetter.open`: `size` bytes, read front to back with `read` / `readinto`. `close`
+    gives the connection back only when the body was read whole and the server keeps it open. Used by
+    one thread at a time."""
+
+    def __init__(self, getter: RangeGetter, origin: tuple[str, str, int], conn: http.client.HTTPConnection,
+                 resp: http.client.HTTPResponse, size: int, what: str):
+        self.size = size
+        self._getter, self._origin, self._conn, self._resp, self._what = getter, origin, conn, resp, what
+        self._got = 0
+
+    def __enter__(self) -> Body:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def read(self, n: int) -> bytes:
+        """Exactly n bytes, or fewer only at the end of the object."""
+        parts, left = [], min(n, self.size - self._got)
+        while left > 0:
+            part = self._io(self._resp.read, left)
+            self._count(len(part))
+            parts.append(part)
+            left -= len(part)
+        return b"".join(parts)
+
+    def readinto(self, buffer: WritableBuffer | bytearray) -> int:
+        """Fill `buffer` (fewer bytes only at the end of the object); the count."""
+        with memoryview(buffer) as whole:
+            view, got = whole.cast("B"), 0
+            want = min(len(view), self.size - self._got)
+            while got < want:
+                n = self._io(self._resp.readinto, view[got:want])
+                self._count(n)
+                got += n
+        return got
+
+    def _io(self, fn: Callable[[Any], T], arg: Any) -> T:
+        try:
+            return fn(arg)
+        except (http.client.HTTPException, OSError) as exc:
+            raise TransientError(f"{self._what}: {type(exc).__name__}: {exc}") from None
+
+    def _count(self, n: int) -> None:
+        if not n:
+            raise TransientError(f"{self._what}: short body, {self._got} of {self.size} bytes")
+        self._got += n
+
+    def close(self) -> None:
+        conn, self._conn = self._conn, None
+        if conn is None:
+            return
+        if self._got == self.size and not self._resp.will_close and self._resp.isclosed():
+            self._getter._give_back(self._origin, conn)
+        else:
+            conn.close()
 

@@ -261,6 +261,44 @@ def test_oss_virtual_host_sigv4_with_a_profile(clean_aws_env: Path, monkeypatch:
     check_oss_signature(listing, url, headers, "LTAI5tProfileKey", TEST_SECRET)
 
 
+@pytest.mark.parametrize("endpoint, oss", [("https://oss-cn-hangzhou-internal.aliyuncs.com", True),
+                                           ("https://s3.us-east-1.amazonaws.com", False)])
+def test_a_create_only_put_says_it_in_the_endpoints_own_words(clean_aws_env: Path, monkeypatch: pytest.MonkeyPatch,
+                                                               endpoint: str, oss: bool) -> None:
+    """The shared tier's claims: OSS gets x-oss-forbid-overwrite (signed), other endpoints If-None-Match: *; the
+    key already there (OSS: 409 FileAlreadyExists; S3: 412) is a False, not an error."""
+    from botocore.awsrequest import AWSResponse
+
+    from fsmount.config import StoreConfig
+    from fsmount.data import Boto3Store
+
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "LTAI5tEnvKey")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", TEST_SECRET)
+    store = Boto3Store(StoreConfig("tier", endpoint_url=endpoint, region="cn-hangzhou", addressing_style="virtual"))
+    sent = []
+
+    def answer(request, **_: object) -> AWSResponse:  # noqa: ANN001 - botocore's AWSPreparedRequest
+        sent.append({k.lower(): v.decode() if isinstance(v, bytes) else v for k, v in request.headers.items()})
+        if len(sent) == 1:
+            return AWSResponse(request.url, 200, {"ETag": '"e1"'}, _Body(b""))
+        status, code = (409, "FileAlreadyExists") if oss else (412, "PreconditionFailed")
+        return AWSResponse(request.url, status, {}, _Body(f"<Error><Code>{code}</Code></Error>".encode()))
+
+    store._client.meta.events.register("before-send.s3", answer)
+    assert store.put_object("claims/c1", b"claim", only_if_absent=True) is True
+    assert store.put_object("claims/c1", b"claim", only_if_absent=True) is False
+    headers = sent[0]
+    signed = headers["authorization"].split("SignedHeaders=")[1].split(",")[0].split(";")
+    if oss:
+        assert headers["x-oss-forbid-overwrite"] == "true" and "if-none-match" not in headers
+        assert "x-oss-forbid-overwrite" in signed
+    else:
+        assert headers["if-none-match"] == "*" and "x-oss-forbid-overwrite" not in headers
+    sent.clear()
+    store.put_object("chunks/c1", b"data")  # a plain PUT stays plain
+    assert "if-none-match" not in sent[0] and "x-oss-forbid-overwrite" not in sent[0]
+
+
 def test_only_a_discarded_release_reply_is_downgraded_from_error() -> None:
     import logging
 

@@ -49,11 +49,14 @@ class Handler(http.server.BaseHTTPRequestHandler):
 
     def do_GET(self) -> None:  # noqa: N802 - http.server's name
         self.server.requests.append({"path": self.path, **{k.lower(): v for k, v in self.headers.items()}})
-        spec = self.headers["Range"].removeprefix("bytes=")
+        spec = (self.headers["Range"] or f"bytes=0-{len(DATA) - 1}").removeprefix("bytes=")
         start, end = (int(x) for x in spec.split("-"))
         if self.server.script and self.server.script(self, start, end + 1):
             return
-        self.answer(206, DATA[start:end + 1], {"Content-Range": f"bytes {start}-{end}/{len(DATA)}"})
+        if self.headers["Range"] is None:  # a whole-object GET (RangeGetter.open)
+            self.answer(200, DATA)
+        else:
+            self.answer(206, DATA[start:end + 1], {"Content-Range": f"bytes {start}-{end}/{len(DATA)}"})
 
     def answer(self, status: int, body: bytes, headers: dict[str, str] | None = None, length: int | None = None,
                etag: str = ETAG) -> None:
@@ -212,6 +215,68 @@ def test_a_stalled_answer_fails_after_the_read_timeout(origin: Origin) -> None:
     finally:
         release.set()
     assert time.monotonic() - started < 3
+
+
+# -- whole objects (the shared tier's chunk objects) -------------------------------------------------
+
+def test_open_reads_a_whole_object_into_the_callers_buffer_on_a_kept_alive_connection(origin: Origin) -> None:
+    g = getter(origin)
+    for _ in range(2):
+        with g.open("k", "GET k") as body:
+            assert body.size == len(DATA)
+            assert body.read(100) == DATA[:100]
+            buffer = mmap.mmap(-1, len(DATA))  # bigger than what is left: filled up to the end only
+            assert body.readinto(buffer) == len(DATA) - 100
+            assert buffer[:len(DATA) - 100] == DATA[100:]
+            assert body.read(10) == b""  # at the end
+    assert origin.connections == 1
+    assert "range" not in origin.requests[0] and "if-match" not in origin.requests[0]
+
+
+def test_a_body_left_unread_closes_its_connection(origin: Origin) -> None:
+    g = getter(origin)
+    with g.open("k", "GET k") as body:
+        assert body.read(10) == DATA[:10]
+    with g.open("k", "GET k") as body:
+        assert body.read(len(DATA)) == DATA
+    assert origin.connections == 2  # the half-read one was not reused
+
+
+def test_a_whole_object_cut_short_is_transient(origin: Origin) -> None:
+    def cut(h: Handler, s: int, e: int) -> bool:
+        h.answer(200, DATA[:10], length=len(DATA))
+        h.close_connection = True
+        return True
+
+    origin.script = cut
+    with getter(origin).open("k", "GET k") as body, pytest.raises(TransientError, match="short body"):
+        body.readinto(bytearray(len(DATA)))
+
+
+@pytest.mark.parametrize("status, code, error", [
+    (404, "NoSuchKey", NotFound),
+    (503, "SlowDown", TransientError),
+    (206, None, TransientError),  # a partial answer to a whole-object GET
+])
+def test_open_errors_map_through_the_one_mapping_and_keep_the_connection(origin: Origin, status: int,
+                                                                         code: str | None, error: type) -> None:
+    body = f"<Error><Code>{code}</Code></Error>".encode() if code else DATA[:10]
+    origin.script = lambda h, s, e: h.answer(status, body) or True
+    g = getter(origin)
+    for _ in range(2):  # a waiting node polls for a missing chunk object: one connection for the polls
+        with pytest.raises(error):
+            g.open("k", "GET k")
+    assert origin.connections == (1 if code else 2)
+
+
+def test_the_store_opens_objects_by_the_presigned_path(origin: Origin, monkeypatch: pytest.MonkeyPatch) -> None:
+    store = store_on(origin, monkeypatch)
+    with store.open_object("a key") as body:
+        assert body.read(body.size) == DATA
+    assert origin.requests[0]["path"].startswith("/bucket/a%20key?X-Amz-Algorithm=AWS4-HMAC-SHA256&")
+    origin.script = lambda h, s, e: h.answer(404, b"<Error><Code>NoSuchKey</Code></Error>") or True
+    assert store.open_object("a key") is None
+    assert store.get_object("a key") is None
 
 
 def store_on(origin: Origin, monkeypatch: pytest.MonkeyPatch, **config: object):  # noqa: ANN201

@@ -26,7 +26,7 @@ import threading
 import time
 import urllib.parse
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 from fsmount.data.identity import WritableBuffer
@@ -61,9 +61,12 @@ class RangeGetter:
     """Ranged GETs of presigned URLs into caller buffers. Thread-safe (see the module's rules)."""
 
     def __init__(self, presign: Callable[[str], str], *, bucket: str, pool_size: int, connect_timeout: float,
-                 read_timeout: float, ssl_context: ssl.SSLContext | None = None):
-        """`presign(key)` returns a signed GET URL of the key, valid for URL_EXPIRES_S."""
+                 read_timeout: float, ssl_context: ssl.SSLContext | None = None,
+                 presign_put: Callable[[str], str] | None = None):
+        """`presign(key)` returns a signed GET URL of the key, valid for URL_EXPIRES_S; `presign_put(key)` a
+        signed PUT URL (for `put`)."""
         self._presign = presign
+        self._presign_put = presign_put
         self.bucket = bucket
         self._pool_size = pool_size
         self._connect_timeout = connect_timeout
@@ -166,24 +169,52 @@ class RangeGetter:
             raise
         return Body(self, origin, conn, resp, int(length), what)
 
-    def _request(self, key: str, headers: dict[str, str], what: str, fresh_url: bool
+    def put(self, key: str, parts: Sequence[bytes | WritableBuffer], what: str) -> None:
+        """Store `parts`, joined, as the object `key` (one PUT; each part is sent as it is, not copied into
+        one body). Failures are raised as StoreErrors; nothing is retried but a stale kept-alive
+        connection and a URL signed with rotated credentials."""
+        assert self._presign_put is not None, "RangeGetter built without presign_put"
+        try:
+            self._put(key, parts, what, self._presign_put(key))
+        except AccessDenied:
+            self._put(key, parts, what, self._presign_put(key))
+
+    def _put(self, key: str, parts: Sequence[bytes | WritableBuffer], what: str, url_text: str) -> None:
+        length = sum(memoryview(p).nbytes for p in parts)
+        headers = {"Content-Length": str(length)}
+        origin, conn, resp = self._request(key, headers, what, False, method="PUT", body=parts, url_text=url_text)
+        try:
+            if resp.status >= 300:
+                raise self._error(resp, what)
+            resp.read(ERROR_BODY_MAX)
+        except (http.client.HTTPException, OSError) as exc:
+            raise TransientError(f"{what}: {type(exc).__name__}: {exc}") from None
+        finally:  # an answer read whole (an error document too) leaves the connection fit for the next
+            if resp.isclosed() and not resp.will_close:
+                self._give_back(origin, conn)
+            else:
+                conn.close()
+
+    def _request(self, key: str, headers: dict[str, str], what: str, fresh_url: bool, *, method: str = "GET",
+                 body: Sequence[bytes | WritableBuffer] = (), url_text: str | None = None
                  ) -> tuple[tuple[str, str, int], http.client.HTTPConnection, http.client.HTTPResponse]:
-        """Send one GET of `key` on a pooled connection; the connection and the response, whose body the
-        caller reads and then gives the connection back (or closes it)."""
-        url = urllib.parse.urlsplit(self._url(key, fresh_url))
+        """Send one request for `key` (a GET of its presigned URL, or `method` to `url_text` with `body`'s
+        parts) on a pooled connection; the connection and the response, whose body the caller reads and
+        then gives the connection back (or closes it)."""
+        url = urllib.parse.urlsplit(url_text or self._url(key, fresh_url))
         origin = (url.scheme, url.hostname or "", url.port or (443 if url.scheme == "https" else 80))
         target = url.path + ("?" + url.query if url.query else "")
         conn = self._connection(origin)
         kept_alive = conn.sock is not None
         try:
             try:
-                return origin, conn, self._send(conn, target, headers, origin)
+                return origin, conn, self._send(conn, target, headers, origin, method, body)
             except (http.client.RemoteDisconnected, ConnectionError) as exc:
                 if not kept_alive:
                     raise TransientError(f"{what}: {type(exc).__name__}: {exc}") from None
                 # The server closed the idle connection meanwhile (an idle timeout): a new one, at once.
                 conn.close()
-                return origin, conn, self._send(conn, target, headers, origin)
+                return origin, conn, self._send(conn, target, headers, origin, method, body)
         except (http.client.HTTPException, OSError) as exc:
             conn.close()
             # Reset, timeout, a response cut short or not HTTP at all: worth another try.
@@ -193,14 +224,20 @@ class RangeGetter:
             raise
 
     def _send(self, conn: http.client.HTTPConnection, target: str, headers: dict[str, str],
-              origin: tuple[str, str, int]) -> http.client.HTTPResponse:
+              origin: tuple[str, str, int], method: str = "GET",
+              body: Sequence[bytes | WritableBuffer] = ()) -> http.client.HTTPResponse:
         if conn.sock is None:
             try:
                 conn.connect()
             except OSError as exc:
                 raise Unreachable(f"cannot reach the endpoint {origin[1]}:{origin[2]}: {exc}") from None
             conn.sock.settimeout(self._read_timeout)
-        conn.request("GET", target, headers=headers)
+        conn.putrequest(method, target, skip_accept_encoding="Accept-Encoding" in headers)
+        for name, value in headers.items():
+            conn.putheader(name, value)
+        conn.endheaders()
+        for part in body:  # straight from the caller's buffers: http.client would copy a body it is given
+            conn.sock.sendall(part)
         return conn.getresponse()
 
     def _read(self, resp: http.client.HTTPResponse, start: int, want: int, etag: str,

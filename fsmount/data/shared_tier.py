@@ -34,7 +34,7 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 from fsmount.data.chunk_file import HEADER_READ_BYTES, Corrupt, encode_chunk, read_chunk_stream
@@ -82,7 +82,8 @@ class TierClient(Protocol):
 
     def get_object(self, key: str) -> bytes | None: ...
 
-    def put_object(self, key: str, body: bytes, *, only_if_absent: bool = False) -> bool: ...
+    def put_object(self, key: str, body: bytes | Sequence[bytes | WritableBuffer], *,
+                   only_if_absent: bool = False) -> bool: ...
 
     def delete_object(self, key: str) -> None: ...
 
@@ -199,7 +200,7 @@ class SharedTier:
             if self._writes_paused() or self._down():
                 return
             try:
-                self.client.put_object(self.chunk_key(chunk), b"".join(encode_chunk(chunk, data)))
+                self.client.put_object(self.chunk_key(chunk), encode_chunk(chunk, data))
             except StoreError as exc:
                 self._write_failed(exc)
                 return

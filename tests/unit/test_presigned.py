@@ -58,6 +58,14 @@ class Handler(http.server.BaseHTTPRequestHandler):
         else:
             self.answer(206, DATA[start:end + 1], {"Content-Range": f"bytes {start}-{end}/{len(DATA)}"})
 
+    def do_PUT(self) -> None:  # noqa: N802 - http.server's name
+        body = self.rfile.read(int(self.headers["Content-Length"]))
+        self.server.requests.append({"method": "PUT", "path": self.path, "body": body,
+                                     **{k.lower(): v for k, v in self.headers.items()}})
+        if self.server.script and self.server.script(self, 0, len(body)):
+            return
+        self.answer(200, b"")
+
     def answer(self, status: int, body: bytes, headers: dict[str, str] | None = None, length: int | None = None,
                etag: str = ETAG) -> None:
         self.send_response(status)
@@ -88,7 +96,8 @@ def getter(origin: Origin, presigned: list[str] | None = None, read_timeout: flo
             presigned.append(key)
         return f"{origin.url}/bucket/{key}?X-Amz-Signature=s{len(presigned or ())}"
 
-    return RangeGetter(presign, bucket="bucket", pool_size=4, connect_timeout=2.0, read_timeout=read_timeout)
+    return RangeGetter(presign, presign_put=presign, bucket="bucket", pool_size=4, connect_timeout=2.0,
+                       read_timeout=read_timeout)
 
 
 def get(g: RangeGetter, start: int, length: int, key: str = "k", etag: str = ETAG) -> bytes:
@@ -277,6 +286,39 @@ def test_the_store_opens_objects_by_the_presigned_path(origin: Origin, monkeypat
     origin.script = lambda h, s, e: h.answer(404, b"<Error><Code>NoSuchKey</Code></Error>") or True
     assert store.open_object("a key") is None
     assert store.get_object("a key") is None
+
+
+def test_put_sends_the_parts_as_one_body_on_a_kept_alive_connection(origin: Origin) -> None:
+    g = getter(origin)
+    data = mmap.mmap(-1, 3000)
+    data[:] = DATA[:3000]
+    g.put("a", [b"head", bytes(4), data], "PUT a")
+    g.put("b", [b"x"], "PUT b")
+    assert [r["body"] for r in origin.requests] == [b"head" + bytes(4) + DATA[:3000], b"x"]
+    assert origin.requests[0]["content-length"] == "3008" and origin.requests[0]["method"] == "PUT"
+    assert origin.connections == 1
+
+
+@pytest.mark.parametrize("status, code, error", [
+    (403, "AccessDenied", AccessDenied),
+    (503, "SlowDown", TransientError),
+    (507, "InsufficientStorage", TransientError),
+])
+def test_a_refused_put_maps_through_the_one_mapping(origin: Origin, status: int, code: str, error: type) -> None:
+    presigned: list[str] = []
+    origin.script = lambda h, s, e: h.answer(status, f"<Error><Code>{code}</Code></Error>".encode()) or True
+    with pytest.raises(error):
+        getter(origin, presigned).put("a", [b"body"], "PUT a")
+    assert presigned == (["a", "a"] if status == 403 else ["a"])  # a 403 signs again, once
+
+
+def test_the_store_puts_unconditional_objects_by_the_presigned_path(origin: Origin,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    store = store_on(origin, monkeypatch)
+    assert store.put_object("chunks/a b", [b"head", b"data"]) is True
+    request = origin.requests[0]
+    assert request["method"] == "PUT" and request["body"] == b"headdata"
+    assert request["path"].startswith("/bucket/chunks/a%20b?X-Amz-Algorithm=AWS4-HMAC-SHA256&")
 
 
 def store_on(origin: Origin, monkeypatch: pytest.MonkeyPatch, **config: object):  # noqa: ANN201

@@ -43,8 +43,9 @@ class DictClient:
         blob = self.get_object(key)
         return None if blob is None else BytesStream(blob)
 
-    def put_object(self, key: str, body: bytes, *, only_if_absent: bool = False) -> bool:
+    def put_object(self, key: str, body: bytes | list, *, only_if_absent: bool = False) -> bool:
         self._request()
+        body = body if isinstance(body, bytes) else b"".join(body)
         if self.refuse_puts is not None:
             raise self.refuse_puts
         with self._lock:

@@ -1,5 +1,6 @@
 """The bytes of a ranged GET: a presigned URL per object, read with http.client on kept-alive
-connections straight into the caller's buffer.
+connections straight into the caller's buffer. The shared tier's whole-object GETs (`open`) and chunk
+PUTs (`put`, the parts sent from the caller's buffers) take the same path.
 
 boto3 stays the control plane: it signs the URL, so credentials (environment, profile, instance role,
 --no-sign-request), the addressing style (OSS virtual hosts) and the endpoint are exactly boto3's. What
@@ -8,7 +9,7 @@ read cost 0.18-0.19 CPU-s/GB this way against 0.25-0.28 with `get_object().read(
 measurements; bench/clients.py), and reading into a recycled buffer takes no page faults.
 
 One call is one request; it retries nothing and checks what it got (status, Content-Range, length,
-ETag). Retries, backoff and the choice of this path over boto3's belong to `Boto3Store.get_range`.
+ETag). Retries, backoff and the choice of this path over boto3's belong to `Boto3Store`.
 Failures leave as `StoreError`s through the store's one mapping (`store.error_for_status`).
 
 Threading: `RangeGetter` is shared by every fetch thread. Its connection pool (a list under a lock)

@@ -54,8 +54,9 @@ POLL_S = 0.05
 UNAVAILABLE_RETRY_S = 10.0
 # After a refused PUT (full, read-only, no permission) writes pause this long.
 WRITE_RETRY_S = 30.0
-# Chunk PUTs at once. Each holds a whole chunk object (header + data) outside the engine's memory budget
-# while it is sent, which the mount subtracts from the budget (staging_bytes).
+# Chunk PUTs at once. A PUT by the presigned path sends the engine's buffer as it is; by botocore's (a
+# proxy in the environment) it joins a whole chunk object (header + data) outside the engine's memory
+# budget while it is sent, which the mount subtracts from the budget either way (staging_bytes).
 PUT_THREADS = 4
 
 

@@ -259,19 +259,15 @@ class Boto3Store:
             raise translate_error(exc, self.bucket, f"listing {prefix!r}") from None
         return bool(resp.get("KeyCount") or resp.get("Contents") or resp.get("CommonPrefixes"))
 
-    def _presign(self, key: str) -> str:
+    def _presign(self, key: str, operation: str = "get_object") -> str:
         try:
             return self._client.generate_presigned_url(
-                "get_object", Params={"Bucket": self.bucket, "Key": key}, ExpiresIn=URL_EXPIRES_S)
+                operation, Params={"Bucket": self.bucket, "Key": key}, ExpiresIn=URL_EXPIRES_S)
         except Exception as exc:  # noqa: BLE001
-            raise translate_error(exc, self.bucket, f"signing a GET of {key!r}") from None
+            raise translate_error(exc, self.bucket, f"signing a {operation} of {key!r}") from None
 
     def _presign_put(self, key: str) -> str:
-        try:
-            return self._client.generate_presigned_url(
-                "put_object", Params={"Bucket": self.bucket, "Key": key}, ExpiresIn=URL_EXPIRES_S)
-        except Exception as exc:  # noqa: BLE001
-            raise translate_error(exc, self.bucket, f"signing a PUT of {key!r}") from None
+        return self._presign(key, "put_object")
 
     def get_range(self, key: str, etag: str, start: int, end: int,
                   buffer: WritableBuffer | None = None) -> bytes | WritableBuffer:

@@ -297,7 +297,7 @@ class NewFile:
             try:
                 body = bytes(memoryview(self._buf)[:n]) if self._buf is not None else b""
                 await writes.stage(self._staged, 0, body)
-                etag = await writes.call(writes.uploads.put, final_key, body)
+                etag = await writes.call(writes.uploads.put, final_key, body, writes.create_only)
             finally:
                 self._drop_buffer()
             writes.count_part(n)
@@ -309,7 +309,7 @@ class NewFile:
             raise StoreError(self.error)
         assert self._key is not None
         etag = await writes.call(writes.uploads.finish, self._key, self._upload_id,
-                                 [self._etags[i] for i in range(1, self._parts + 1)])
+                                 [self._etags[i] for i in range(1, self._parts + 1)], writes.create_only)
         self._upload_id = None
         writes.unregister(self)
         meta = ObjectMeta(self._key, self.written, etag, time.time_ns())
@@ -334,7 +334,7 @@ class NewFile:
             start = end
         if len(ranges) == 1:
             async with self._reserved(size):
-                etag = await writes.call(writes.uploads.put, key, await self._read_copy(0, size))
+                etag = await writes.call(writes.uploads.put, key, await self._read_copy(0, size), writes.create_only)
             writes.count_part(size)
             return ObjectMeta(key, size, etag, time.time_ns())
         self._key = key
@@ -359,7 +359,7 @@ class NewFile:
         if self.error is not None:
             raise StoreError(self.error)
         etag = await writes.call(writes.uploads.finish, key, self._upload_id,
-                                 [self._etags[i] for i in range(1, len(ranges) + 1)])
+                                 [self._etags[i] for i in range(1, len(ranges) + 1)], writes.create_only)
         self._upload_id = None
         writes.unregister(self)
         return ObjectMeta(key, size, etag, time.time_ns())

@@ -3,7 +3,10 @@ directories, deletes and renames, each done in the bucket first and then told to
 
 The rules (README "Writing"):
 - Without `--allow-overwrite` nothing replaces an existing key: a create checks the bucket (HEAD) first,
-  and an open with O_TRUNC or a rename onto an existing file fails with EPERM.
+  and an open with O_TRUNC or a rename onto an existing file fails with EPERM. The file's final PUT or
+  completion is create-only too, so a key another mount stored meanwhile is not replaced: that close
+  gets EIO and stores nothing. (A file renamed while written and moved at close by a copy is not
+  covered: CopyObject has no create-only form.)
 - Without `--allow-delete` nothing is deleted: unlink and rmdir fail with EPERM, and so does renaming a
   file this mount did not write (a rename deletes the old key).
 - A rename is a server-side copy and then a delete of the old key, not atomic: for a moment both names
@@ -91,6 +94,9 @@ class Writes:
         # Part buffers one file may hold: the one filling, and one per connection uploading.
         self.parts_per_file = max_connections + 1
         self.allow_overwrite = allow_overwrite
+        # A file's final PUT or completion is create-only (If-None-Match: *) unless overwriting is allowed:
+        # the HEAD at create is not atomic, and another mount may store the key while this one writes it.
+        self.create_only = not allow_overwrite
         self.allow_delete = allow_delete
         self.stats = WriteStats()
         self._timeout = timeout

@@ -179,7 +179,8 @@ class Boto3Store:
         )
         self._client = session.client("s3", endpoint_url=cfg.endpoint_url, config=botocfg)
         if is_oss(self._client.meta.endpoint_url):
-            self._client.meta.events.register("before-sign.s3.PutObject", _oss_forbid_overwrite)
+            for operation in ("PutObject", "CompleteMultipartUpload"):
+                self._client.meta.events.register(f"before-sign.s3.{operation}", _oss_forbid_overwrite)
         self.list_page_keys = LIST_PAGE_KEYS
         self._ranges: RangeGetter | None = None
         if cfg.get_client == "presigned" and not preflight:

@@ -13,8 +13,8 @@ import dataclasses
 from datetime import datetime
 from typing import Any
 
-from fsmount.data.boto3_store import Boto3Store, translate_error
-from fsmount.data.store import NotFound
+from fsmount.data.boto3_store import Boto3Store, _client_error_code, translate_error
+from fsmount.data.store import NotFound, PreconditionFailed, StoreError
 
 # S3's limits on multipart uploads (and what OSS, SeaweedFS and MinIO accept).
 MIN_PART_SIZE = 5 * 1024 * 1024
@@ -22,6 +22,14 @@ MAX_PART_SIZE = 5 * 1024 * 1024 * 1024
 MAX_PARTS = 10_000
 # One CopyObject copies at most this much; above it a copy is a multipart upload of UploadPartCopy parts.
 COPY_OBJECT_MAX = 5 * 1024 * 1024 * 1024
+
+
+class Exists(StoreError):
+    """A create-only PUT or completion found the key there: another writer created it meanwhile."""
+
+
+def _if_absent(only_if_absent: bool) -> dict[str, str]:
+    return {"IfNoneMatch": "*"} if only_if_absent else {}
 
 
 def quoted(etag: str) -> str:
@@ -50,11 +58,18 @@ class Uploads:
         try:
             return fn(Bucket=self.bucket, **kwargs)
         except Exception as exc:  # noqa: BLE001 - every failure becomes one StoreError
-            raise translate_error(exc, self.bucket, what) from None
+            err = translate_error(exc, self.bucket, what)
+            # 412 (S3, SeaweedFS, MinIO) or 409 (OSS's FileAlreadyExists; S3's conflicting conditional write)
+            # to a create-only request: the key exists.
+            if "IfNoneMatch" in kwargs and (isinstance(err, PreconditionFailed) or _client_error_code(exc)[1] == 409):
+                raise Exists(f"{what}: the key was created meanwhile by another writer (replacing it needs "
+                             "--allow-overwrite)") from None
+            raise err from None
 
-    def put(self, key: str, body: bytes | bytearray) -> str:
-        """Store a whole object in one PUT; its ETag."""
-        return quoted(self._call(f"PUT {key!r}", self._client.put_object, Key=key, Body=body)["ETag"])
+    def put(self, key: str, body: bytes | bytearray, only_if_absent: bool = False) -> str:
+        """Store a whole object in one PUT; its ETag. `only_if_absent`: see `finish`."""
+        return quoted(self._call(f"PUT {key!r}", self._client.put_object, Key=key, Body=body,
+                                 **_if_absent(only_if_absent))["ETag"])
 
     def start(self, key: str) -> str:
         """Begin a multipart upload; its upload id."""
@@ -76,11 +91,13 @@ class Uploads:
                           CopySourceRange=f"bytes={start}-{end - 1}")
         return resp["CopyPartResult"]["ETag"]
 
-    def finish(self, key: str, upload_id: str, etags: list[str]) -> str:
-        """Complete the upload from its parts' ETags, in part order; the object's ETag."""
+    def finish(self, key: str, upload_id: str, etags: list[str], only_if_absent: bool = False) -> str:
+        """Complete the upload from its parts' ETags, in part order; the object's ETag. With `only_if_absent`
+        the server refuses it if the key exists by then (If-None-Match: *, on OSS x-oss-forbid-overwrite):
+        `Exists`, and the upload is left to abort."""
         parts = [{"PartNumber": i, "ETag": etag} for i, etag in enumerate(etags, 1)]
         resp = self._call(f"completing the upload of {key!r}", self._client.complete_multipart_upload, Key=key,
-                          UploadId=upload_id, MultipartUpload={"Parts": parts})
+                          UploadId=upload_id, MultipartUpload={"Parts": parts}, **_if_absent(only_if_absent))
         return quoted(resp["ETag"])
 
     def abort(self, key: str, upload_id: str) -> None:

@@ -156,6 +156,33 @@ def test_fsync_stores_the_file_and_later_writes_fail(s3: S3Server, mountpoint: P
     delete_bucket(s3, bucket)
 
 
+@pytest.mark.parametrize("size", [1000, 12 * MiB], ids=["one-put", "multipart"])
+def test_two_mounts_creating_one_key_only_the_first_close_stores_it(s3: S3Server, mountpoint: Path,
+                                                                  tmp_path: Path, size: int) -> None:
+    """Two writable mounts of one bucket, without --allow-overwrite, both create ckpt.bin (each HEAD finds
+    nothing) and write it; A closes first. B's final PUT or completion is create-only: B's close gets EIO
+    and A's bytes stay, with no upload left behind."""
+    bucket = new_bucket(s3)
+    first, second = random_bytes(size, 31), random_bytes(size, 32)
+    other = tmp_path / "b"
+    with mounted(s3, bucket, mountpoint, *WRITABLE, "--write-part-size", "5M") as a, \
+            mounted(s3, bucket, other, *WRITABLE, "--write-part-size", "5M",
+                    allowed=("created meanwhile by another writer", "will not be stored")) as b:
+        fa = open(a.path / "ckpt.bin", "wb")  # noqa: SIM115 - both open at once, closed below
+        fb = open(b.path / "ckpt.bin", "wb")  # noqa: SIM115
+        fa.write(first)
+        fb.write(second)
+        fa.close()
+        with pytest.raises(OSError) as info:
+            fb.close()
+        assert info.value.errno == errno.EIO
+        assert "created meanwhile by another writer" in b.log()
+    assert keys(s3, bucket) == {"ckpt.bin": size}
+    assert sha(s3.client().get_object(Bucket=bucket, Key="ckpt.bin")["Body"].read()) == sha(first)
+    assert uploads_in(s3, bucket) == []
+    delete_bucket(s3, bucket)
+
+
 def test_overwrite_and_delete_need_their_flags(s3: S3Server, mountpoint: Path, tmp_path: Path) -> None:
     bucket = bucket_with(s3, {"a.bin": b"old", "d/b.bin": b"bee"})
     with mounted(s3, bucket, mountpoint, *WRITABLE, allowed=(NEEDS_OVERWRITE, "needs --allow-delete")):

@@ -26,6 +26,7 @@ from fsmount.data import (
     StoreError,
     TransientError,
 )
+from fsmount.data.uploads import Exists
 from fsmount.namespace import ROOT_INODE, PathError
 from fsmount.new_file import PART_GROWTH_EVERY, NewFile, part_size
 from fsmount.tree_changes import WritableNamespace as Namespace
@@ -65,9 +66,14 @@ class FakeUploads:
         data = self.objects.get(key)
         return None if data is None else ObjectMeta(key, len(data), f'"{hash(data)}"', 0)
 
-    def put(self, key: str, body: bytes) -> str:
+    def put(self, key: str, body: bytes, only_if_absent: bool = False) -> str:
+        self._check_absent(key, only_if_absent)
         self.puts += 1
         return self._store(key, bytes(body), f'"put-{len(body)}"')
+
+    def _check_absent(self, key: str, only_if_absent: bool) -> None:
+        if only_if_absent and key in self.objects:
+            raise Exists(f"{key}: the key was created meanwhile by another writer")
 
     def _store(self, key: str, data: bytes, etag: str) -> str:
         self.store.put(key, data)
@@ -89,9 +95,10 @@ class FakeUploads:
         self.parts[upload_id][number] = bytes(body)
         return f'"p{number}"'
 
-    def finish(self, key: str, upload_id: str, etags: list[str]) -> str:
+    def finish(self, key: str, upload_id: str, etags: list[str], only_if_absent: bool = False) -> str:
         if self.fail_finish:
             raise TransientError("complete refused")
+        self._check_absent(key, only_if_absent)
         parts = self.parts.pop(upload_id)
         assert etags == [f'"p{n}"' for n in sorted(parts)]
         return self._store(key, b"".join(parts[n] for n in sorted(parts)), f'"mp-{len(parts)}"')
@@ -233,6 +240,30 @@ async def test_a_failed_upload_is_eio_at_close_and_aborted(fault: str, allowed_l
             await new.commit()
         assert info.value.errno == errno.EIO
         assert uploads.objects == {} and uploads.aborted == ["x"]
+
+
+@pytest.mark.parametrize("size", [1000, 11 * MiB], ids=["one-put", "multipart"])
+@pytest.mark.parametrize("allow_overwrite", [False, True])
+async def test_a_key_another_writer_stored_meanwhile_is_replaced_only_with_allow_overwrite(
+        size: int, allow_overwrite: bool, allowed_logs: list[str]) -> None:
+    """The HEAD at create found nothing; another mount stores the key while this one writes it. Without
+    --allow-overwrite the final PUT or completion is create-only: close is EIO, the other writer's bytes
+    stay, the upload is aborted. With it, the last close wins."""
+    allowed_logs.append("will not be stored")
+    writes, uploads, ns = make(allow_overwrite=allow_overwrite)
+    async with serving(writes):
+        new = await new_file(writes, ns, b"ckpt")
+        await new.write(0, bytes(size))
+        uploads.store.put("ckpt", b"theirs")  # the other mount's close
+        if allow_overwrite:
+            await new.commit()
+            assert uploads.objects["ckpt"] == bytes(size)
+        else:
+            with pytest.raises(PathError) as info:
+                await new.commit()
+            assert info.value.errno == errno.EIO
+            assert uploads.objects["ckpt"] == b"theirs"
+            assert uploads.aborted == ([] if size < 5 * MiB else ["ckpt"]) and uploads.parts == {}
 
 
 async def test_rename_while_written_stores_under_the_final_name() -> None:

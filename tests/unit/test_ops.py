@@ -271,40 +271,50 @@ def test_oss_virtual_host_sigv4_with_a_profile(clean_aws_env: Path, monkeypatch:
                                            ("https://s3.us-east-1.amazonaws.com", False)])
 def test_a_create_only_put_says_it_in_the_endpoints_own_words(clean_aws_env: Path, monkeypatch: pytest.MonkeyPatch,
                                                                endpoint: str, oss: bool) -> None:
-    """The shared tier's claims: OSS gets x-oss-forbid-overwrite (signed), other endpoints If-None-Match: *; the
-    key already there (OSS: 409 FileAlreadyExists; S3: 412) is a False, not an error."""
+    """The shared tier's claims and a writable mount's create-only PUT and completion: OSS gets
+    x-oss-forbid-overwrite (signed), other endpoints If-None-Match: *; the key already there (OSS: 409
+    FileAlreadyExists; S3: 412) is a False or `Exists`, not another error. A plain PUT stays plain."""
     from botocore.awsrequest import AWSResponse
 
     from fsmount.config import StoreConfig
     from fsmount.data import Boto3Store
+    from fsmount.data.uploads import Exists, Uploads
 
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", "LTAI5tEnvKey")
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", TEST_SECRET)
-    # get_client boto3: the plain PUT at the end goes through botocore too (by default it is presigned).
+    # get_client boto3: the plain PUT goes through botocore too (by default it is presigned).
     store = Boto3Store(StoreConfig("tier", endpoint_url=endpoint, region="cn-hangzhou", addressing_style="virtual",
                                    get_client="boto3"))
-    sent = []
+    sent: list[dict[str, str]] = []
+    exists = False
 
     def answer(request, **_: object) -> AWSResponse:  # noqa: ANN001 - botocore's AWSPreparedRequest
         sent.append({k.lower(): v.decode() if isinstance(v, bytes) else v for k, v in request.headers.items()})
-        if len(sent) == 1:
+        if not exists:
             return AWSResponse(request.url, 200, {"ETag": '"e1"'}, _Body(b""))
         status, code = (409, "FileAlreadyExists") if oss else (412, "PreconditionFailed")
         return AWSResponse(request.url, status, {}, _Body(f"<Error><Code>{code}</Code></Error>".encode()))
 
+    def create_only(headers: dict[str, str]) -> None:
+        if oss:
+            assert headers["x-oss-forbid-overwrite"] == "true" and "if-none-match" not in headers
+            assert "x-oss-forbid-overwrite" in headers["authorization"].split("SignedHeaders=")[1].split(",")[0]
+        else:
+            assert headers["if-none-match"] == "*" and "x-oss-forbid-overwrite" not in headers
+
     store._client.meta.events.register("before-send.s3", answer)
     assert store.put_object("claims/c1", b"claim", only_if_absent=True) is True
+    store.put_object("chunks/c1", b"data")
+    exists = True
     assert store.put_object("claims/c1", b"claim", only_if_absent=True) is False
-    headers = sent[0]
-    signed = headers["authorization"].split("SignedHeaders=")[1].split(",")[0].split(";")
-    if oss:
-        assert headers["x-oss-forbid-overwrite"] == "true" and "if-none-match" not in headers
-        assert "x-oss-forbid-overwrite" in signed
-    else:
-        assert headers["if-none-match"] == "*" and "x-oss-forbid-overwrite" not in headers
-    sent.clear()
-    store.put_object("chunks/c1", b"data")  # a plain PUT stays plain
-    assert "if-none-match" not in sent[0] and "x-oss-forbid-overwrite" not in sent[0]
+    with pytest.raises(Exists):
+        Uploads(store).put("ckpt.bin", b"x", True)
+    with pytest.raises(Exists):
+        Uploads(store).finish("ckpt.bin", "upload-1", ['"p1"'], True)
+    claim, plain, *more = sent
+    for headers in (claim, *more):
+        create_only(headers)
+    assert "if-none-match" not in plain and "x-oss-forbid-overwrite" not in plain
 
 
 def test_only_a_discarded_release_reply_is_downgraded_from_error() -> None:

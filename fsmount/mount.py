@@ -63,6 +63,8 @@ FUSECTL = "/sys/fs/fuse/connections"
 # At unmount, how long to wait for chunks already fetched to reach the NVMe cache. A full default memory
 # budget (2 GiB) writes in ~4 s at the dev box's O_DIRECT rate; systemd's stop timeout is 90 s.
 WRITE_DRAIN_S = 30.0
+# At most this long dropping the shared-tier claims of fetches the unmount cut short (one DELETE each).
+CLAIM_DROP_S = 10.0
 # botocore's retries of one shared-tier request: none, since the origin is the fallback; a request then
 # takes at most --shared-cache-timeout.
 SHARED_TIER_RETRIES = 0
@@ -383,7 +385,18 @@ class Daemon:
                 await self.writes.abort_all()
                 await self.writes.drain_cache_fills()
             await self._drain_cache_writes()
+            await self._drop_claims()
             nursery.cancel_scope.cancel()
+
+    async def _drop_claims(self) -> None:
+        """Claims on the shared tier for chunks whose fetch the unmount cut short: dropped, each request
+        bounded by the tier's own timeout, the whole by CLAIM_DROP_S."""
+        if self.shared_tier is None:
+            return
+        with trio.move_on_after(CLAIM_DROP_S):
+            dropped = await trio.to_thread.run_sync(self.shared_tier.drop_claims, abandon_on_cancel=True)
+            if dropped:
+                log.info("unmounted; dropped %d claims on the shared cache", dropped)
 
     async def _drain_cache_writes(self) -> None:
         pending = self.engine.levels.writes_pending

@@ -215,6 +215,15 @@ class SharedTier:
         """The chunk will not be put (this node's origin fetch failed): drop our claim on it, if any."""
         self._release(chunk)
 
+    def drop_claims(self) -> int:
+        """At unmount: drop every claim this node still holds (fetches cut short), so that other nodes need
+        not wait for them until they are CLAIM_TTL_S old. How many there were."""
+        with self._lock:
+            held = list(self._claimed)
+        for chunk in held:
+            self._release(chunk)
+        return len(held)
+
     # -- internals -----------------------------------------------------------------------------
 
     def _read(self, chunk: ChunkId, buffer: WritableBuffer | None) -> bytes | WritableBuffer | None:

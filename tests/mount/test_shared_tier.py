@@ -518,6 +518,35 @@ def test_a_node_whose_origin_fetch_fails_drops_its_claims_at_once(fleet: Fleet) 
     assert fleet.tier_claim_objects() == set()
 
 
+def test_a_node_stopped_mid_fetch_drops_its_claims(fleet: Fleet) -> None:
+    """Node A claims every chunk, its origin GETs stall, and it is stopped with SIGTERM (systemd's stop): its
+    readers fail at --read-timeout, it exits, and it leaves no claim behind (those of failed fetches are
+    dropped at once, those of fetches the unmount cut short at unmount), so no other node waits for them.
+    A node killed with -9 cannot: test_claims_of_a_node_killed_mid_fetch_cost_others_one_wait."""
+    fleet = fleet_with(fleet, 32 * MiB, seed=13)
+    with FaultProxy(fleet.server.endpoint_url) as origin_proxy:
+        origin = via(origin_proxy, fleet.server)
+        claim_keys = set(fleet.claim_keys(origin_endpoint=origin_proxy.endpoint_url))
+        origin_proxy.inject(Fault.STALL, seconds=60)  # data GETs only
+        with fleet.node("a", "--read-timeout", "5", origin=origin, check_log=False) as a:
+            reader = threading.Thread(target=touch_until_killed, args=(a.path / KEY, fleet.body), daemon=True)
+            try:
+                reader.start()
+                wait_for("claims of node A", fleet.tier_claim_objects, lambda keys: keys == claim_keys)
+                a.proc.send_signal(signal.SIGTERM)
+                a.proc.wait(30)
+            finally:
+                if a.proc.poll() is None:
+                    os.kill(a.proc.pid, signal.SIGKILL)
+                    a.proc.wait(10)
+                reader.join(30)
+                subprocess.run(["fusermount3", "-uz", str(a.path)], check=False, capture_output=True)
+            assert not reader.is_alive(), "a reader of the stopped mount hangs"
+        assert a.proc.returncode == 0, a.log()[-3000:]
+        assert fleet.tier_claim_objects() == set()
+        origin_proxy.clear()
+
+
 # -- 7. versions and chunk sizes never share a chunk object ----------------------------------------
 
 def test_new_version_and_other_chunk_size_never_hit_old_chunk_objects(fleet: Fleet) -> None:

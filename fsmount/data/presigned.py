@@ -128,7 +128,7 @@ class RangeGetter:
         headers = {"Range": f"bytes={start}-{start + want - 1}", "Accept-Encoding": "identity"}
         if etag:
             headers["If-Match"] = etag
-        origin, conn, resp = self._request(key, headers, what, fresh_url)
+        origin, conn, resp = self._request(self._url(key, fresh_url), headers, what)
         reusable = False
         try:
             reusable = self._read(resp, start, want, etag, buffer, what)
@@ -152,7 +152,7 @@ class RangeGetter:
             return self._open(key, what, fresh_url=True)
 
     def _open(self, key: str, what: str, fresh_url: bool) -> Body:
-        origin, conn, resp = self._request(key, {"Accept-Encoding": "identity"}, what, fresh_url)
+        origin, conn, resp = self._request(self._url(key, fresh_url), {"Accept-Encoding": "identity"}, what)
         try:
             if resp.status >= 300:
                 raise self._error(resp, what)
@@ -163,10 +163,7 @@ class RangeGetter:
             conn.close()
             raise TransientError(f"{what}: {type(exc).__name__}: {exc}") from None
         except BaseException:
-            if resp.isclosed() and not resp.will_close:  # an error document read whole: keep the connection
-                self._give_back(origin, conn)
-            else:
-                conn.close()
+            self._release(origin, conn, resp)  # an error document read whole leaves the connection fit
             raise
         return Body(self, origin, conn, resp, int(length), what)
 
@@ -183,26 +180,22 @@ class RangeGetter:
     def _put(self, key: str, parts: Sequence[bytes | WritableBuffer], what: str, url_text: str) -> None:
         length = sum(memoryview(p).nbytes for p in parts)
         headers = {"Content-Length": str(length)}
-        origin, conn, resp = self._request(key, headers, what, False, method="PUT", body=parts, url_text=url_text)
+        origin, conn, resp = self._request(url_text, headers, what, method="PUT", body=parts)
         try:
             if resp.status >= 300:
                 raise self._error(resp, what)
             resp.read(ERROR_BODY_MAX)
         except (http.client.HTTPException, OSError) as exc:
             raise TransientError(f"{what}: {type(exc).__name__}: {exc}") from None
-        finally:  # an answer read whole (an error document too) leaves the connection fit for the next
-            if resp.isclosed() and not resp.will_close:
-                self._give_back(origin, conn)
-            else:
-                conn.close()
+        finally:
+            self._release(origin, conn, resp)
 
-    def _request(self, key: str, headers: dict[str, str], what: str, fresh_url: bool, *, method: str = "GET",
-                 body: Sequence[bytes | WritableBuffer] = (), url_text: str | None = None
+    def _request(self, url_text: str, headers: dict[str, str], what: str, *, method: str = "GET",
+                 body: Sequence[bytes | WritableBuffer] = ()
                  ) -> tuple[tuple[str, str, int], http.client.HTTPConnection, http.client.HTTPResponse]:
-        """Send one request for `key` (a GET of its presigned URL, or `method` to `url_text` with `body`'s
-        parts) on a pooled connection; the connection and the response, whose body the caller reads and
-        then gives the connection back (or closes it)."""
-        url = urllib.parse.urlsplit(url_text or self._url(key, fresh_url))
+        """Send one request to a presigned URL (with `body`'s parts) on a pooled connection; the connection
+        and the response, whose body the caller reads and then gives the connection back (or closes it)."""
+        url = urllib.parse.urlsplit(url_text)
         origin = (url.scheme, url.hostname or "", url.port or (443 if url.scheme == "https" else 80))
         target = url.path + ("?" + url.query if url.query else "")
         conn = self._connection(origin)
@@ -269,6 +262,14 @@ class RangeGetter:
         # Nothing may follow the body on a connection we keep (a server sending more is not trusted).
         return not resp.will_close and resp.read(1) == b""
 
+    def _release(self, origin: tuple[str, str, int], conn: http.client.HTTPConnection,
+                 resp: http.client.HTTPResponse) -> None:
+        """Back to the pool if the response was read whole and the server keeps the connection; else closed."""
+        if resp.isclosed() and not resp.will_close:
+            self._give_back(origin, conn)
+        else:
+            conn.close()
+
     def _error(self, resp: http.client.HTTPResponse, what: str) -> Exception:
         """The StoreError an error response stands for (its S3 error code read from the body)."""
         body = resp.read(ERROR_BODY_MAX)
@@ -330,8 +331,8 @@ class Body:
         conn, self._conn = self._conn, None
         if conn is None:
             return
-        if self._got == self.size and not self._resp.will_close and self._resp.isclosed():
-            self._getter._give_back(self._origin, conn)
+        if self._got == self.size:
+            self._getter._release(self._origin, conn, self._resp)
         else:
             conn.close()
 

@@ -449,6 +449,28 @@ def test_live_claims_are_waited_for_up_to_the_wait_then_the_origin(fleet: Fleet)
     assert "breaking a claim" not in m.log()
 
 
+@contextlib.contextmanager
+def claiming_node(fleet: Fleet, origin_proxy: FaultProxy, *more: str) -> Iterator[Mount]:
+    """Node "a" on the origin through `origin_proxy`, whose data GETs stall, with a reader touching every
+    chunk: yields once A holds a claim on each, for the test to stop A. Afterwards A is killed if it still
+    runs, the reader is joined (it must not hang) and the mount detached (a dead mount answers ENOTCONN)."""
+    claim_keys = set(fleet.claim_keys(origin_endpoint=origin_proxy.endpoint_url))
+    origin_proxy.inject(Fault.STALL, seconds=60)  # data GETs only
+    with fleet.node("a", *more, origin=via(origin_proxy, fleet.server), check_log=False) as a:
+        reader = threading.Thread(target=touch_until_killed, args=(a.path / KEY, fleet.body), daemon=True)
+        try:
+            reader.start()
+            wait_for("claims of node A", fleet.tier_claim_objects, lambda keys: keys == claim_keys)
+            yield a
+        finally:  # with its GETs stalled A would not exit on unmount
+            if a.proc.poll() is None:
+                os.kill(a.proc.pid, signal.SIGKILL)
+            a.proc.wait(10)
+            reader.join(30)
+            subprocess.run(["fusermount3", "-uz", str(a.path)], check=False, capture_output=True)
+        assert not reader.is_alive(), "a reader of the stopped mount hangs"
+
+
 def test_claims_of_a_node_killed_mid_fetch_cost_others_one_wait(fleet: Fleet) -> None:
     """Node A claims every chunk, its origin GETs stall (a proxy between A and the origin), and it is killed
     with -9: its claims stay, fresh. Node B (the same origin endpoint, so the same tier keys) waits
@@ -457,22 +479,9 @@ def test_claims_of_a_node_killed_mid_fetch_cost_others_one_wait(fleet: Fleet) ->
     wait_s = 2.0
     with FaultProxy(fleet.server.endpoint_url) as origin_proxy:
         origin = via(origin_proxy, fleet.server)
-        claim_keys = set(fleet.claim_keys(origin_endpoint=origin_proxy.endpoint_url))
-        origin_proxy.inject(Fault.STALL, seconds=60)  # data GETs only
-        with fleet.node("a", origin=origin, check_log=False) as a:
-            reader = threading.Thread(target=touch_until_killed, args=(a.path / KEY, fleet.body), daemon=True)
-            try:
-                reader.start()
-                wait_for("claims of node A", fleet.tier_claim_objects, lambda keys: keys == claim_keys)
-                log_before_kill = a.log()
-            finally:  # killed whatever happened: with its GETs stalled it would not exit on unmount
-                if a.proc.poll() is None:
-                    os.kill(a.proc.pid, signal.SIGKILL)
-                a.proc.wait(10)
-                reader.join(30)
-                # The dead mount answers ENOTCONN; detach it.
-                subprocess.run(["fusermount3", "-uz", str(a.path)], check=False, capture_output=True)
-            assert not reader.is_alive(), "a reader of the dead mount hangs"
+        with claiming_node(fleet, origin_proxy) as a:
+            log_before_kill = a.log()
+            os.kill(a.proc.pid, signal.SIGKILL)
         assert a.proc.returncode == -signal.SIGKILL
         assert warning_lines(log_before_kill) == []
         assert fleet.tier_chunk_objects() == set()
@@ -525,26 +534,11 @@ def test_a_node_stopped_mid_fetch_drops_its_claims(fleet: Fleet) -> None:
     A node killed with -9 cannot: test_claims_of_a_node_killed_mid_fetch_cost_others_one_wait."""
     fleet = fleet_with(fleet, 32 * MiB, seed=13)
     with FaultProxy(fleet.server.endpoint_url) as origin_proxy:
-        origin = via(origin_proxy, fleet.server)
-        claim_keys = set(fleet.claim_keys(origin_endpoint=origin_proxy.endpoint_url))
-        origin_proxy.inject(Fault.STALL, seconds=60)  # data GETs only
-        with fleet.node("a", "--read-timeout", "5", origin=origin, check_log=False) as a:
-            reader = threading.Thread(target=touch_until_killed, args=(a.path / KEY, fleet.body), daemon=True)
-            try:
-                reader.start()
-                wait_for("claims of node A", fleet.tier_claim_objects, lambda keys: keys == claim_keys)
-                a.proc.send_signal(signal.SIGTERM)
-                a.proc.wait(30)
-            finally:
-                if a.proc.poll() is None:
-                    os.kill(a.proc.pid, signal.SIGKILL)
-                    a.proc.wait(10)
-                reader.join(30)
-                subprocess.run(["fusermount3", "-uz", str(a.path)], check=False, capture_output=True)
-            assert not reader.is_alive(), "a reader of the stopped mount hangs"
+        with claiming_node(fleet, origin_proxy, "--read-timeout", "5") as a:
+            a.proc.send_signal(signal.SIGTERM)
+            a.proc.wait(30)
         assert a.proc.returncode == 0, a.log()[-3000:]
         assert fleet.tier_claim_objects() == set()
-        origin_proxy.clear()
 
 
 # -- 7. versions and chunk sizes never share a chunk object ----------------------------------------

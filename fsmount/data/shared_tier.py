@@ -12,9 +12,9 @@ Simultaneous cold start: on a miss a node claims the chunk by creating `PREFIX c
 absent (If-None-Match: *). The claimer fetches the chunk from the origin; the level stack writes it back
 here, and `put` then drops the claim (`abandon` drops it when the fetch failed, so that the others need
 not wait for it). The other nodes poll for the chunk object for up to `wait` seconds, then fetch it from
-the origin themselves. A claim older than CLAIM_TTL_S (its node died) is broken and
-taken over. A tier that does not honour conditional writes is found at mount (`probe_claims`) and run
-without claims.
+the origin themselves; every CLAIM_CHECK_S they also look at the claim, and once it is gone (dropped) or
+older than CLAIM_TTL_S (its node died; it is broken) they claim the chunk and fetch it at once. A tier
+that does not honour conditional writes is found at mount (`probe_claims`) and run without claims.
 
 Failures never reach a reader: every request has the tier client's own timeout; a tier that fails a
 request is skipped for UNAVAILABLE_RETRY_S (one warning per episode) and reads go to the origin; a
@@ -48,8 +48,9 @@ CLAIMS = "claims/"
 # A claim this old is taken to belong to a node that died: long enough for a slow origin GET of one
 # chunk and its write to the tier, short enough that a dead node costs others seconds, not minutes.
 CLAIM_TTL_S = 30.0
-# How often a node waiting for another node's fetch looks for the chunk object.
+# How often a node waiting for another node's fetch looks for the chunk object, and for the claim.
 POLL_S = 0.05
+CLAIM_CHECK_S = 0.5
 # After a failed request the tier is skipped this long: a down tier must not cost every chunk a timeout.
 UNAVAILABLE_RETRY_S = 10.0
 # After a refused PUT (full, read-only, no permission) writes pause this long.
@@ -185,11 +186,27 @@ class SharedTier:
         with self._lock:
             self.stats.claim_waits += 1
         deadline = self._clock() + self.wait
+        next_check = self._clock() + CLAIM_CHECK_S
         while self._clock() < deadline and not self._down():
             time.sleep(POLL_S)
             data = self._read(chunk, buffer)
             if data is not None:
                 return data
+            if self._clock() < next_check:
+                continue
+            # The claim may be gone (its node's fetch failed, or the node stopped) or stale (the node died):
+            # then this node claims the chunk and fetches it, instead of waiting out `wait` for nothing.
+            claimed = self._claim(chunk)
+            if claimed:
+                data = self._read(chunk, buffer)  # the claimer may have written it just before it let go
+                if data is not None:  # a hit after all: this claim fetches nothing, so it is not counted
+                    self._release(chunk)
+                    with self._lock:
+                        self.stats.claims -= 1
+                return data
+            if claimed is None:
+                break
+            next_check = self._clock() + CLAIM_CHECK_S
         with self._lock:
             self.stats.fallbacks += 1
         return None

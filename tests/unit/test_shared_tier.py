@@ -10,9 +10,9 @@ import time
 
 import pytest
 
-from fsmount.data import ChunkId, StoreError, Unreachable
+from fsmount.data import ChunkId, StoreError, Unreachable, shared_tier
 from fsmount.data.chunk_file import encode_chunk
-from fsmount.data.shared_tier import CLAIM_TTL_S, UNAVAILABLE_RETRY_S, WRITE_RETRY_S, SharedTier
+from fsmount.data.shared_tier import CLAIM_CHECK_S, CLAIM_TTL_S, UNAVAILABLE_RETRY_S, WRITE_RETRY_S, SharedTier
 
 ORIGIN = "http://origin.example:9000"
 CHUNK = 1 << 20
@@ -174,6 +174,52 @@ def test_a_claimer_whose_fetch_failed_drops_its_claim_and_the_next_node_claims_a
     assert second.get(cid) is None  # no claim to wait for: ours to fetch
     assert time.monotonic() - started < 1.0
     assert second.stats.claims == 1 and second.stats.claim_waits == 0
+
+
+@pytest.mark.parametrize("end", ["dropped", "stale"])
+def test_a_waiter_takes_over_a_claim_that_is_dropped_or_goes_stale_while_it_waits(end: str,
+                                                                                  allowed_logs: list[str]) -> None:
+    """A node waiting for another node's chunk also watches the claim: once the claimer drops it (its fetch
+    failed, it was stopped) or it goes stale (the node died), the waiter claims the chunk and fetches it
+    within a claim check, instead of waiting out --shared-cache-wait (it waited all of it)."""
+    client = DictClient()
+    claimer, waiter = tier(client, wait=60.0), tier(client, wait=60.0)
+    cid = chunk()
+    if end == "dropped":
+        assert claimer.get(cid) is None and claimer.stats.claims == 1
+        threading.Timer(1.0, claimer.abandon, (cid,)).start()
+    else:  # a dead node's claim, 1 s short of stale
+        client.objects[waiter.claim_key(cid)] = f"{time.time() - CLAIM_TTL_S + 1:.3f} deadhost 1".encode()
+    started = time.monotonic()
+    assert waiter.get(cid) is None  # ours to fetch now
+    assert 1.0 <= time.monotonic() - started < 1.0 + 2 * CLAIM_CHECK_S + 1.0
+    assert waiter.stats.claim_waits == 1 and waiter.stats.claims == 1 and waiter.stats.fallbacks == 0
+    assert waiter.claim_key(cid) in client.objects  # the waiter's own claim now: the others wait for it
+
+
+def test_a_waiter_that_wins_a_claim_just_after_the_chunk_landed_reads_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The claimer writes the chunk and drops its claim between two looks of a waiter: the waiter's claim
+    check then succeeds, but the chunk is there, so it reads it and lets its claim go (no origin fetch)."""
+    client = DictClient()
+    claimer, waiter = tier(client, wait=60.0), tier(client, wait=60.0)
+    cid = chunk()
+    assert claimer.get(cid) is None
+    reads = 0
+    real_read = waiter._read
+
+    def read(c: ChunkId, buffer: object) -> object:
+        nonlocal reads
+        reads += 1
+        if reads == 2:  # the first look of the wait finds nothing; then the chunk lands, the claim goes
+            claimer.put(cid, data_of(cid))
+            return None
+        return real_read(c, buffer) if reads > 2 else None
+
+    waiter._read = read  # type: ignore[method-assign]
+    monkeypatch.setattr(shared_tier, "CLAIM_CHECK_S", 0.0)  # a claim check after every look
+    assert waiter.get(cid) == data_of(cid)
+    assert waiter.claim_key(cid) not in client.objects and waiter.stats.fallbacks == 0
+    assert waiter.stats.claims == 0  # a hit, not a claim: each chunk load counts as one of the two
 
 
 def test_a_stale_claim_of_a_dead_node_is_broken_and_taken_over(allowed_logs: list[str]) -> None:

@@ -75,6 +75,7 @@ class Writes(Protocol):
     def dropped(self, new: NewFile) -> None: ...
     async def move_object(self, meta: ObjectMeta, key: str) -> ObjectMeta: ...
     async def abort_upload(self, key: str, upload_id: str) -> bool: ...
+    async def drop_object(self, key: str) -> None: ...
     def stage_open(self) -> StagedFile | None: ...
     async def stage(self, staged: StagedFile | None, offset: int, data: bytes | bytearray | memoryview) -> None: ...
     async def stage_extend(self, staged: StagedFile | None, size: int) -> None: ...
@@ -98,6 +99,10 @@ class NewFile:
         self.stored: ObjectMeta | None = None
         self.unlinked = False  # unlinked while open: its upload is gone, what it is sent is dropped
         self.handles = 0  # open file handles on it
+        # A descriptor of it was closed while it was still empty and nothing was written since: it is stored
+        # at RELEASE, which the kernel sends only after close(2) returned (see Writes.settle).
+        self.closed_empty = False
+        self.settled = trio.Event()  # set once it is stored or dropped: no longer a file being written
         self._lock = trio.Lock()
         self._buf: bytearray | None = None
         self._fill = 0
@@ -125,6 +130,7 @@ class NewFile:
     # -- bytes in --------------------------------------------------------------------------------
 
     async def write(self, offset: int, data: bytes) -> int:
+        self.closed_empty = False  # still in use through another descriptor (a shell's dup2)
         async with self._lock:
             if self.unlinked:
                 return len(data)  # as on a local disk: writes to an unlinked file go nowhere
@@ -317,7 +323,13 @@ class NewFile:
             # Renamed while it was written (safetensors renames its temp file before closing it): the
             # object was uploaded under the old name and is moved now.
             started = time.monotonic()
-            meta = await writes.move_object(meta, final_key)
+            try:
+                meta = await writes.move_object(meta, final_key)
+            except StoreError:
+                # Not stored under its name (another writer created it meanwhile, or the copy failed): its
+                # bytes under the old name are no file of this tree any more, so they go too.
+                await writes.drop_object(self._key)
+                raise
             log.info("%s: moved from %s by a server-side copy (%d bytes, %.2f s)", final_key, self._key, meta.size,
                      time.monotonic() - started)
         return meta

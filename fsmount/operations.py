@@ -37,6 +37,11 @@ T = TypeVar("T")
 WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_APPEND | os.O_TRUNC | os.O_CREAT
 
 
+# What statfs reports for a writable mount (in 1 MiB blocks): a bucket has no size.
+UNLIMITED_BLOCKS = 1 << 40
+UNLIMITED_FILES = 1 << 32
+
+
 def _fuse_errors(fn: Callable[..., Coroutine[Any, Any, T]]) -> Callable[..., Coroutine[Any, Any, T]]:
     @functools.wraps(fn)
     async def wrapper(*args: Any, **kwargs: Any) -> T:
@@ -163,6 +168,11 @@ class Operations(pyfuse3.Operations):
         st = pyfuse3.StatvfsData()
         st.f_bsize = st.f_frsize = 1 << 20
         st.f_namemax = 255
+        if self.writes is not None:
+            # A bucket has no size: report room to spare (1 EiB, 2^32 files), or a writer that checks free
+            # space first (shutil.disk_usage, df) refuses to save a checkpoint at all.
+            st.f_blocks = st.f_bfree = st.f_bavail = UNLIMITED_BLOCKS
+            st.f_files = st.f_ffree = st.f_favail = UNLIMITED_FILES
         return st
 
     @_fuse_errors
@@ -210,6 +220,8 @@ class Operations(pyfuse3.Operations):
 
     @_fuse_errors
     async def open(self, inode: int, flags: int, ctx: pyfuse3.RequestContext) -> pyfuse3.FileInfo:
+        if self.writes is not None:
+            await self.writes.settle(self.ns.node(inode))
         if flags & WRITE_FLAGS:
             if self.writes is None:
                 raise pyfuse3.FUSEError(errno.EROFS)
@@ -265,8 +277,11 @@ class Operations(pyfuse3.Operations):
         # it onto stdout and closes the first descriptor before anything is written. So a flush stores the
         # file (and close(2) reports whether it was stored) once bytes were written; a file never written
         # is stored when its last descriptor is released.
-        if new is not None and new.size > 0:
-            await new.commit()
+        if new is not None:
+            if new.size > 0:
+                await new.commit()
+            else:
+                new.closed_empty = True
 
     @_fuse_errors
     async def fsync(self, fh: int, datasync: bool) -> None:
@@ -355,5 +370,13 @@ class Operations(pyfuse3.Operations):
     mknod = _unsupported("mknod")
     symlink = _unsupported("symlink")
     link = _unsupported("link")
-    setxattr = _unsupported("setxattr")
-    removexattr = _unsupported("removexattr")
+
+    @_writable
+    async def setxattr(self, inode: int, name: bytes, value: bytes, ctx: pyfuse3.RequestContext) -> None:
+        # Not supported, in the words tools expect: `cp -a` and `mv` carry on without ACLs and xattrs after
+        # ENOTSUP, but fail (exit 1) after EPERM.
+        raise pyfuse3.FUSEError(errno.ENOTSUP)
+
+    @_writable
+    async def removexattr(self, inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> None:
+        raise pyfuse3.FUSEError(errno.ENOTSUP)

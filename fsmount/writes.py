@@ -5,8 +5,9 @@ The rules (README "Writing"):
 - Without `--allow-overwrite` nothing replaces an existing key: a create checks the bucket (HEAD) first,
   and an open with O_TRUNC or a rename onto an existing file fails with EPERM. The file's final PUT or
   completion is create-only too, so a key another mount stored meanwhile is not replaced: that close
-  gets EIO and stores nothing. (A file renamed while written and moved at close by a copy is not
-  covered: CopyObject has no create-only form.)
+  gets EIO and stores nothing. A rename's copy is create-only as well: CopyObject has no create-only
+  form, so without --allow-overwrite every copy is a multipart upload of UploadPartCopy parts (one, for
+  a small file) whose completion is create-only.
 - Without `--allow-delete` nothing is deleted: unlink and rmdir fail with EPERM, and so does renaming a
   file this mount did not write (a rename deletes the old key).
 - A rename is a server-side copy and then a delete of the old key, not atomic: for a moment both names
@@ -37,6 +38,7 @@ import trio
 
 from fsmount.data import (
     COPY_OBJECT_MAX,
+    MAX_PART_SIZE,
     MAX_PARTS,
     ChunkCache,
     ChunkId,
@@ -57,6 +59,9 @@ log = logging.getLogger(__name__)
 # Renames copy objects above this size as parallel UploadPartCopy parts (at least this big each, at most
 # --max-connections at once); a single CopyObject copies at one stream's speed.
 COPY_PART_MIN = 64 * 1024 * 1024
+# How long an open waits for the RELEASE of a file whose last descriptor was just closed (Writes.settle):
+# the kernel sends it asynchronously right after close(2), within milliseconds.
+RELEASE_WAIT_S = 1.0
 # One abort (a failed file, a failed copy) waits this long for the store, then leaves the parts to
 # `modelfs cleanup`. At unmount, how long aborting the uploads of files still open may take in all, and
 # how long stored files may take to reach the NVMe cache.
@@ -177,15 +182,28 @@ class Writes:
     async def abort_upload(self, key: str, upload_id: str) -> bool:
         """Abort a multipart upload, bounded by ABORT_TIMEOUT_S and shielded from cancellation (an unmount
         must still abort); False, with a warning, if it could not be (`modelfs cleanup` removes it)."""
+        reason = await self._cleanup(self.uploads.abort, key, upload_id)
+        if reason is not None:
+            log.warning("the upload of %s could not be aborted (%s); `modelfs cleanup` removes it", key, reason)
+        return reason is None
+
+    async def drop_object(self, key: str) -> None:
+        """Delete an object this mount stored that no file of the tree holds any more (a file renamed while
+        written whose move failed), bounded and shielded like `abort_upload`; a warning if it stays."""
+        reason = await self._cleanup(self.uploads.delete, key)
+        if reason is not None:
+            log.warning("%s could not be deleted (%s); it is left in the bucket", key, reason)
+
+    async def _cleanup(self, fn: Callable[..., Any], *args: Any) -> str | None:
+        """One cleanup request, at most ABORT_TIMEOUT_S, shielded; None once done, else why not."""
         reason = f"no answer in {ABORT_TIMEOUT_S:g} s"
         with trio.move_on_after(ABORT_TIMEOUT_S, shield=True):
             try:
-                await self.call(self.uploads.abort, key, upload_id)
-                return True
+                await self.call(fn, *args)
+                return None
             except StoreError as exc:
                 reason = exc.message
-        log.warning("the upload of %s could not be aborted (%s); `modelfs cleanup` removes it", key, reason)
-        return False
+        return reason
 
     def spawn(self, fn: Callable[..., Awaitable[None]], *args: Any) -> None:
         """Run `fn(*args)` in the writes' nursery; an exception it lets out is logged, and goes no further
@@ -218,6 +236,7 @@ class Writes:
         self._files.pop(new.node.ino, None)
         self._written.add(new.node.ino)
         self.ns.end_file(new.node, new.stored)
+        new.settled.set()
         self.stats.files_stored += 1
         log.info("stored %s (%d bytes)", new.stored.key, new.stored.size)
 
@@ -225,6 +244,7 @@ class Writes:
         if self._files.get(new.node.ino) is new:
             del self._files[new.node.ino]
             self.ns.end_file(new.node, None)
+            new.settled.set()
             if not new.unlinked:
                 self.stats.files_failed += 1
 
@@ -232,6 +252,17 @@ class Writes:
 
     def writing(self, node: Node) -> NewFile | None:
         return self._files.get(node.ino)
+
+    async def settle(self, node: Node) -> None:
+        """Before an open of a file being written: if its last descriptor looks closed (closed while empty,
+        nothing written since), wait up to RELEASE_WAIT_S for the RELEASE that stores it. An empty file is
+        stored at RELEASE, not at FLUSH (a shell's `> file` closes a first descriptor before it writes), and
+        the kernel sends RELEASE after close(2) returned: without this wait `open(p, "w").close();
+        open(p)` would get EBUSY."""
+        new = self._files.get(node.ino) if node.writing else None
+        if new is not None and new.closed_empty:
+            with trio.move_on_after(RELEASE_WAIT_S):
+                await new.settled.wait()
 
     async def _absent(self, path: str) -> None:
         """EPERM unless overwriting is allowed or nothing is at `path` in the bucket (asked, not cached)."""
@@ -271,6 +302,10 @@ class Writes:
     async def abort_all(self) -> None:
         """At unmount: the uploads of files never closed are aborted."""
         files = list(self._files.values())
+        for new in files:
+            if not new.unlinked:
+                log.warning("%s was still being written when the mount stopped: it is not stored (%d bytes "
+                            "written; its upload is aborted)", new.node.path, new.written)
         with trio.move_on_after(ABORT_ALL_S):
             for new in files:
                 await new.abort()
@@ -346,16 +381,22 @@ class Writes:
         self.ns.dir_moved(node, path)
 
     async def move_object(self, meta: ObjectMeta, key: str) -> ObjectMeta:
-        """Copy an object to `key` on the server, then delete the old key; the new object's metadata."""
-        if meta.size <= COPY_PART_MIN or (meta.size <= COPY_OBJECT_MAX and self._max_connections == 1):
-            etag = await self.call(self.uploads.copy, meta.key, meta.etag, key)
-        else:
+        """Copy an object to `key` on the server, then delete the old key; the new object's metadata. Without
+        --allow-overwrite the copy is create-only (`Exists` if another writer stored `key` meanwhile; the old
+        key is then left as it is, for the caller to decide)."""
+        if self.create_only and meta.size == 0:
+            etag = await self.call(self.uploads.put, key, b"", True)  # nothing to copy
+        elif self.create_only or meta.size > COPY_OBJECT_MAX or (
+                meta.size > COPY_PART_MIN and self._max_connections > 1):
             etag = await self._copy_in_parts(meta, key)
+        else:
+            etag = await self.call(self.uploads.copy, meta.key, meta.etag, key)
         await self.call(self.uploads.delete, meta.key)
         return ObjectMeta(key, meta.size, etag, time.time_ns())
 
     async def _copy_in_parts(self, meta: ObjectMeta, key: str) -> str:
-        size = max(COPY_PART_MIN, math.ceil(meta.size / self._max_connections), math.ceil(meta.size / MAX_PARTS))
+        size = min(MAX_PART_SIZE, max(COPY_PART_MIN, math.ceil(meta.size / self._max_connections),
+                                      math.ceil(meta.size / MAX_PARTS)))
         ranges = [(start, min(start + size, meta.size)) for start in range(0, meta.size, size)]
         upload_id = await self.call(self.uploads.start, key)
         etags: dict[int, str] = {}
@@ -375,7 +416,8 @@ class Writes:
                     nursery.start_soon(one, number, start, end)
             if failures:
                 raise failures[0]
-            etag = await self.call(self.uploads.finish, key, upload_id, [etags[i] for i in range(1, len(ranges) + 1)])
+            etag = await self.call(self.uploads.finish, key, upload_id, [etags[i] for i in range(1, len(ranges) + 1)],
+                                   self.create_only)
             finished = True
             return etag
         finally:

@@ -158,6 +158,7 @@ def test_kill_9_mid_write_leaves_no_object_and_cleanup_aborts_the_parts(seaweed_
     assert young.returncode == 0 and uploads_in(s3, bucket) == ["ckpt.bin"], young.stdout + young.stderr
     listed = cleanup(s3, bucket, "--older-than", "0", "--dry-run")
     assert "would abort ckpt.bin" in listed.stdout and uploads_in(s3, bucket) == ["ckpt.bin"]
+    assert listed.stdout.strip().endswith("; would abort 1"), listed.stdout  # it said "would abort 0"
     done = cleanup(s3, bucket, "--older-than", "0")
     assert done.returncode == 0 and "aborted ckpt.bin" in done.stdout, done.stdout + done.stderr
     assert uploads_in(s3, bucket) == []
@@ -175,6 +176,7 @@ def test_stopping_the_daemon_aborts_the_uploads_of_files_still_open(seaweed_serv
             m.proc.send_signal(signal.SIGTERM)
             assert m.proc.wait(30) == 0
         assert "uploads could not be aborted" not in m.log()
+        assert "half.bin was still being written when the mount stopped: it is not stored" in m.log()
     assert objects_in(s3, bucket) == []
     assert uploads_in(s3, bucket) == []
     delete_bucket(s3, bucket)

@@ -183,6 +183,34 @@ def test_two_mounts_creating_one_key_only_the_first_close_stores_it(s3: S3Server
     delete_bucket(s3, bucket)
 
 
+def test_a_file_renamed_while_written_does_not_replace_a_key_another_mount_stored(s3: S3Server, mountpoint: Path,
+                                                                                 tmp_path: Path) -> None:
+    """save_file's order on mount A (write a temp file, rename it over the final name, close) while mount B
+    creates the final name and closes first. A's upload began under the temp name, so A's close moves it
+    by a copy, which is create-only without --allow-overwrite: A gets EIO, B's bytes stay, and neither A's
+    temp object nor an upload is left."""
+    bucket = new_bucket(s3)
+    size = 12 * MiB
+    first, second = random_bytes(size, 33), random_bytes(1000, 34)
+    other = tmp_path / "b"
+    with mounted(s3, bucket, mountpoint, *WRITABLE, "--write-part-size", "5M",
+                 allowed=("created meanwhile by another writer", "will not be stored")) as a, \
+            mounted(s3, bucket, other, *WRITABLE) as b:
+        fa = open(a.path / ".tmpA", "wb")  # noqa: SIM115 - closed below, after the race
+        fa.write(first)
+        os.rename(a.path / ".tmpA", a.path / "model.safetensors")
+        (b.path / "model.safetensors").write_bytes(second)
+        with pytest.raises(OSError) as info:
+            fa.close()
+        assert info.value.errno == errno.EIO
+        assert "created meanwhile by another writer" in a.log()
+        assert sorted(os.listdir(a.path)) == ["model.safetensors"]
+    assert keys(s3, bucket) == {"model.safetensors": 1000}
+    assert s3.client().get_object(Bucket=bucket, Key="model.safetensors")["Body"].read() == second
+    assert uploads_in(s3, bucket) == []
+    delete_bucket(s3, bucket)
+
+
 def test_overwrite_and_delete_need_their_flags(s3: S3Server, mountpoint: Path, tmp_path: Path) -> None:
     bucket = bucket_with(s3, {"a.bin": b"old", "d/b.bin": b"bee"})
     with mounted(s3, bucket, mountpoint, *WRITABLE, allowed=(NEEDS_OVERWRITE, "needs --allow-delete")):
@@ -294,6 +322,57 @@ def test_shell_tools(s3: S3Server, mountpoint: Path, tmp_path: Path) -> None:
                                   text=True)
         assert appended.returncode != 0 and "Operation not supported" in appended.stderr  # S3 cannot append
     assert keys(s3, bucket) == {"greeting.txt": 6, "dd.bin": src.stat().st_size, "empty": 0, "a/": 0}
+    delete_bucket(s3, bucket)
+
+
+def test_an_empty_file_just_closed_opens_at_once(s3: S3Server, mountpoint: Path) -> None:
+    """Markers (`DONE`, `_SUCCESS`): an empty file is stored at RELEASE, which the kernel sends only after
+    close(2) returned, so an open right after the close must wait for it, not get EBUSY. A file another
+    descriptor still writes stays EBUSY."""
+    bucket = new_bucket(s3)
+    with mounted(s3, bucket, mountpoint, *WRITABLE, "--allow-overwrite"):
+        for i in range(20):
+            marker = mountpoint / f"DONE-{i}"
+            open(marker, "w").close()  # noqa: SIM115 - the close, then at once the open, is the point
+            assert marker.read_bytes() == b""
+        script = "for i in $(seq 20); do : > t$i; : > t$i; cat t$i; done"
+        subprocess.run(["bash", "-c", script], cwd=mountpoint, check=True, timeout=60)
+        with open(mountpoint / "busy", "wb") as f:
+            f.write(b"x")
+            with pytest.raises(OSError) as info:
+                open(mountpoint / "busy").close()  # noqa: SIM115
+            assert info.value.errno == errno.EBUSY
+    assert len(keys(s3, bucket)) == 41
+    delete_bucket(s3, bucket)
+
+
+def test_a_writable_mount_has_room_to_spare(s3: S3Server, mountpoint: Path) -> None:
+    """df and shutil.disk_usage: a bucket has no size, so a writable mount reports 1 EiB free (it reported
+    0, and a writer that checks free space first would refuse to save); a read-only one reports none."""
+    bucket = new_bucket(s3)
+    with mounted(s3, bucket, mountpoint, *WRITABLE):
+        usage = shutil.disk_usage(mountpoint)
+        assert usage.free == usage.total >= 1 << 60 and usage.used == 0
+        assert os.statvfs(mountpoint).f_favail >= 1 << 32
+    with mounted(s3, bucket, mountpoint):
+        assert shutil.disk_usage(mountpoint).free == 0
+    delete_bucket(s3, bucket)
+
+
+def test_cp_a_into_the_mount_goes_on_without_xattrs(s3: S3Server, mountpoint: Path, tmp_path: Path) -> None:
+    """xattrs and ACLs are not stored: ENOTSUP, after which `cp -a` and `mv` carry on (after EPERM they exit 1)."""
+    bucket = new_bucket(s3)
+    src = tmp_path / "ckpt"
+    (src / "sub").mkdir(parents=True)
+    (src / "sub" / "w.bin").write_bytes(random_bytes(3 * MiB, 9))
+    (src / "config.json").write_text("{}")
+    os.setxattr(src / "config.json", "user.origin", b"trainer")
+    with mounted(s3, bucket, mountpoint, *WRITABLE):
+        subprocess.run(["cp", "-a", str(src), str(mountpoint / "ckpt")], check=True, capture_output=True, timeout=60)
+        with pytest.raises(OSError) as info:
+            os.setxattr(mountpoint / "ckpt" / "config.json", "user.origin", b"x")
+        assert info.value.errno == errno.ENOTSUP
+    assert keys(s3, bucket) == {"ckpt/": 0, "ckpt/sub/": 0, "ckpt/sub/w.bin": 3 * MiB, "ckpt/config.json": 2}
     delete_bucket(s3, bucket)
 
 

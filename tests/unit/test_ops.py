@@ -81,6 +81,10 @@ def test_unit_settings() -> None:
     exec_start = values["Service", "ExecStart"]
     assert "--foreground" in exec_start and "$MODELFS_OPTS" in exec_start
     assert values["Service", "KillMode"] == "mixed"  # SIGTERM to the daemon, which unmounts
+    assert values["Service", "ExecReload"] == "/bin/kill -HUP $MAINPID"  # reopens the log; the mount stays
+    # The service's UMask=0077 would make the mountpoint's new parents 0700, unreachable for its users.
+    mkdir = next(v for s, k, v in entries if k == "ExecStartPre" and "mkdir" in v)
+    assert "umask 022" in mkdir
     used = {key for _, key, _ in entries}
     assert not used & NAMESPACE_OPTIONS, f"these hide the mount from the host: {used & NAMESPACE_OPTIONS}"
     assert values["Service", "DeviceAllow"] == "/dev/fuse rw"

@@ -17,6 +17,7 @@ import trio
 from fsmount.cli import build_config, expand_mount_options, make_parser
 from fsmount.config import ConfigError, MountConfig, StoreConfig
 from fsmount.data import (
+    MAX_PART_SIZE,
     MAX_PARTS,
     ChunkId,
     MemoryBudget,
@@ -109,6 +110,10 @@ class FakeUploads:
 
     def copy(self, source: str, etag: str, key: str) -> str:
         return self._store(key, self.objects[source], '"copy"')
+
+    def copy_part(self, key: str, upload_id: str, number: int, source: str, etag: str, start: int, end: int) -> str:
+        self.parts[upload_id][number] = self.objects[source][start:end]
+        return f'"p{number}"'
 
     def delete(self, key: str) -> None:
         self.objects.pop(key, None)
@@ -266,8 +271,9 @@ async def test_a_key_another_writer_stored_meanwhile_is_replaced_only_with_allow
             assert uploads.aborted == ([] if size < 5 * MiB else ["ckpt"]) and uploads.parts == {}
 
 
-async def test_rename_while_written_stores_under_the_final_name() -> None:
-    writes, uploads, ns = make()
+@pytest.mark.parametrize("allow_overwrite", [False, True])
+async def test_rename_while_written_stores_under_the_final_name(allow_overwrite: bool) -> None:
+    writes, uploads, ns = make(allow_overwrite=allow_overwrite)
     async with serving(writes):
         root = ns.node(ROOT_INODE)
         small = await new_file(writes, ns, b".tmp1")  # no part sent yet: stored under the new name at once
@@ -280,7 +286,59 @@ async def test_rename_while_written_stores_under_the_final_name() -> None:
         assert {e.name for e in await ns.listing(root)} == {b"small", b"big"}
         await big.commit()
         assert set(uploads.objects) == {"small", "big"} and len(uploads.objects["big"]) == 7 * MiB
-        assert (await ns.lookup(ROOT_INODE, b"big")).etag == '"copy"'
+        # Without --allow-overwrite the copy is a multipart upload of one UploadPartCopy part, completed
+        # create-only; with it, one CopyObject.
+        assert (await ns.lookup(ROOT_INODE, b"big")).etag == ('"copy"' if allow_overwrite else '"mp-1"')
+        assert uploads.parts == {}
+
+
+@pytest.mark.parametrize("allow_overwrite", [False, True])
+async def test_a_file_renamed_while_written_replaces_a_key_stored_meanwhile_only_with_allow_overwrite(
+        allow_overwrite: bool, allowed_logs: list[str]) -> None:
+    """safetensors' pattern (write a temp file, rename it, close) racing another mount that stores the final
+    name first. Without --allow-overwrite the move's completion is create-only: close is EIO, the other
+    writer's bytes stay, and neither the temp object nor an upload is left behind."""
+    allowed_logs.append("will not be stored")
+    writes, uploads, ns = make(allow_overwrite=allow_overwrite)
+    async with serving(writes):
+        root = ns.node(ROOT_INODE)
+        new = await new_file(writes, ns, b".tmp3")
+        await new.write(0, bytes(7 * MiB))
+        await writes.rename(new.node, root, b"model", None, 0)
+        uploads.store.put("model", b"theirs")  # the other mount's close
+        if allow_overwrite:
+            await new.commit()
+            assert uploads.objects["model"] == bytes(7 * MiB)
+        else:
+            with pytest.raises(PathError) as info:
+                await new.commit()
+            assert info.value.errno == errno.EIO
+            assert uploads.objects["model"] == b"theirs"
+        assert set(uploads.objects) == {"model"} and uploads.parts == {}
+
+
+@pytest.mark.parametrize("connections", [1, 2])
+async def test_a_copy_above_copy_object_max_is_cut_into_parts_s3_takes(connections: int) -> None:
+    """A 12 GiB move (CopyObject takes at most 5 GiB): UploadPartCopy parts of at most MAX_PART_SIZE that
+    cover the object exactly, even with one connection."""
+    writes, uploads, ns = make(allow_overwrite=True)
+    writes._max_connections = connections
+    size = 12 * (1 << 30)
+    uploads.objects["big"] = b""  # only the ranges are recorded; nothing is copied
+    ranges: list[tuple[int, int]] = []
+
+    def copy_part(key: str, upload_id: str, number: int, source: str, etag: str, start: int, end: int) -> str:
+        ranges.append((start, end))
+        uploads.parts[upload_id][number] = b""
+        return f'"p{number}"'
+
+    uploads.copy_part = copy_part  # type: ignore[method-assign]
+    async with serving(writes):
+        meta = await writes.move_object(ObjectMeta("big", size, '"e"', 0), "moved")
+    ranges.sort()
+    assert meta.key == "moved" and ranges[0][0] == 0 and ranges[-1][1] == size
+    assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:], strict=False))
+    assert max(end - start for start, end in ranges) <= MAX_PART_SIZE and "big" not in uploads.objects
 
 
 async def test_overwrite_and_delete_need_their_flags(allowed_logs: list[str]) -> None:
@@ -366,7 +424,7 @@ async def test_with_a_local_copy_a_file_extended_first_is_uploaded_once_under_it
     ns = Namespace(store, call, prefix="", ttl=60.0)
     uploads, cache = FakeUploads(store), FakeCache()
     copies: list[str] = []
-    uploads.copy = lambda source, etag, key: copies.append(key) or FakeUploads.copy(uploads, source, etag, key)
+    uploads.copy_part = lambda key, *args: copies.append(key) or FakeUploads.copy_part(uploads, key, *args)
     chunk = 4 * MiB
 
     def chunk_id(version: ObjectVersion, index: int) -> ChunkId:
@@ -386,7 +444,7 @@ async def test_with_a_local_copy_a_file_extended_first_is_uploaded_once_under_it
         meta = await new.commit()
         await writes.drain_cache_fills()
         data += bytes(tail)
-        assert uploads.objects == {"model.safetensors": data} and meta.etag == ('"mp-4"' if declared else '"copy"')
+        assert uploads.objects == {"model.safetensors": data} and meta.etag == ('"mp-4"' if declared else '"mp-1"')
         assert copies == ([] if declared else ["model.safetensors"])
         assert b"".join(cache.chunks[chunk_id(ObjectVersion(meta.key, meta.etag, meta.size), i)]
                         for i in range(-(-len(data) // chunk))) == data

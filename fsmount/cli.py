@@ -57,7 +57,7 @@ SUBCOMMANDS = ("mount", "unmount", "umount", "cache", "prefetch", "stats", "clea
 IGNORED_MOUNT_OPTIONS = {"defaults", "_netdev", "nofail", "noauto", "auto", "user", "users", "nouser",
                          "owner", "group", "dev", "nodev", "suid", "nosuid", "exec", "noexec", "atime",
                          "noatime", "relatime", "strictatime", "nodiratime", "diratime", "sync", "async",
-                         "ro", "rw", "silent", "loud"}
+                         "rw", "silent", "loud"}
 # -o flags that map to a differently named command-line flag.
 MOUNT_OPTION_ALIASES = {"nonempty": "allow_non_empty"}
 # `modelfs cleanup` leaves uploads younger than this alone (a mount may still be writing them); the
@@ -84,6 +84,19 @@ def _argument(parse: Callable[[str], T]) -> Callable[[str], T]:
 _size = _argument(parse_size)
 _ttl = _argument(parse_ttl)
 _mode = _argument(parse_mode)
+
+
+def _age_seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid age {text!r}: give seconds (86400 is a day)") from None
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"invalid age {text!r}: must be >= 0")
+    return value
+
+
+_age_seconds.__name__ = "age"
 _cache_size = _argument(parse_cache_size)
 
 
@@ -199,6 +212,7 @@ def add_mount_arguments(p: argparse.ArgumentParser) -> None:
                    help="fstab-style options: ro,allow_other,endpoint_url=URL,prefix=P,...")
     p.add_argument("--ready-fd", type=int, default=None, help=argparse.SUPPRESS)
     p.add_argument("--log-to-syslog", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--mount-ro", action="store_true", help=argparse.SUPPRESS)  # mount(8)'s -o ro
 
 
 def expand_mount_options(argv: list[str]) -> list[str]:
@@ -219,6 +233,9 @@ def expand_mount_options(argv: list[str]) -> list[str]:
             key, has_value, value = opt.partition("=")
             if key in IGNORED_MOUNT_OPTIONS or key.startswith(("x-systemd.", "x-", "comment")):
                 continue
+            if key == "ro":  # read-only is the default; with `writable` too it is a contradiction (build_config)
+                out.append("--mount-ro")
+                continue
             key = MOUNT_OPTION_ALIASES.get(key, key)
             out.append("--" + key.replace("_", "-"))
             if has_value:
@@ -227,6 +244,8 @@ def expand_mount_options(argv: list[str]) -> list[str]:
 
 
 def build_config(args: argparse.Namespace) -> MountConfig:
+    if args.mount_ro and args.writable:
+        raise ConfigError("-o ro and writable contradict each other: drop one")
     store = StoreConfig(bucket=args.bucket, prefix=args.prefix, endpoint_url=args.endpoint_url,
                         region=args.region, profile=args.profile, addressing_style=args.addressing_style,
                         no_sign_request=args.no_sign_request, max_connections=args.max_connections,
@@ -263,7 +282,8 @@ def shared_cache_config(args: argparse.Namespace) -> SharedCacheConfig | None:
 def make_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="modelfs", formatter_class=argparse.RawDescriptionHelpFormatter, epilog=EPILOG,
-        description="Mount an S3 or Alibaba OSS bucket read-only, tuned for loading model weights.")
+        description="Mount an S3 or Alibaba OSS bucket, tuned for loading model weights (read-only unless "
+                    "--writable, for checkpoints).")
     p.add_argument("--version", action="version", version=f"modelfs {__version__}")
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
     m = sub.add_parser("mount", help="mount a bucket", epilog=EPILOG,
@@ -281,17 +301,16 @@ def make_parser() -> argparse.ArgumentParser:
                                        "was killed) under a prefix of a bucket")
     k.add_argument("bucket")
     add_origin_arguments(k, "only uploads of keys under this prefix")
-    k.add_argument("--older-than", type=_ttl, default=DEFAULT_CLEANUP_AGE,
+    k.add_argument("--older-than", type=_age_seconds, default=DEFAULT_CLEANUP_AGE,
                    help="only uploads begun at least this many seconds ago: a running mount may be writing the "
                         "newer ones (default %(default)g, one day)")
     k.add_argument("--dry-run", action="store_true", help="list them, abort nothing")
     c = sub.add_parser("cache", help="inspect or empty a local chunk cache directory")
     c.add_argument("action", choices=("stats", "clear", "verify"))
     c.add_argument("cache_dir")
-    for name in ("unmount", "umount"):
-        u = sub.add_parser(name, help="unmount a modelfs mount" if name == "unmount" else argparse.SUPPRESS)
-        u.add_argument("mountpoint")
-        u.add_argument("--lazy", "-z", action="store_true", help="detach now even if files are open")
+    u = sub.add_parser("unmount", aliases=["umount"], help="unmount a modelfs mount")
+    u.add_argument("mountpoint")
+    u.add_argument("--lazy", "-z", action="store_true", help="detach now even if files are open")
     return p
 
 
@@ -358,6 +377,11 @@ def run_background(cfg: MountConfig, mount_argv: list[str]) -> int:
         os.close(read_fd)
     line = buf.decode(errors="replace").strip()
     if line == "READY":
+        from fsmount.mount import SYSLOG_SOCKET, syslog_available
+
+        if not cfg.log_file and not syslog_available():
+            print(f"modelfs: note: there is no syslog here ({SYSLOG_SOCKET}), so the daemon's log (warnings "
+                  "included) goes nowhere; mount with --log-file FILE to keep it", file=sys.stderr)
         return 0
     if line.startswith("ERROR "):
         proc.wait(timeout=30)
@@ -368,8 +392,11 @@ def run_background(cfg: MountConfig, mount_argv: list[str]) -> int:
 
 
 def cmd_unmount(args: argparse.Namespace) -> int:
+    from fsmount.mount import daemon_gone
+
     path = os.path.abspath(args.mountpoint)
-    if not os.path.ismount(path):
+    # A mount whose daemon was killed is not a mount to os.path.ismount (stat fails), but it is one to undo.
+    if not os.path.ismount(path) and not daemon_gone(path):
         return fail(f"{args.mountpoint} is not mounted")
     tool = shutil.which("fusermount3") or shutil.which("fusermount")
     if tool is None:
@@ -402,7 +429,7 @@ def cmd_prefetch(args: argparse.Namespace) -> int:
     started = time.monotonic()
     try:
         n = warm(args.paths, keep_pagecache=not args.no_pagecache, threads=max(1, args.threads),
-                 progress=not args.quiet)
+                 progress=not args.quiet and sys.stderr.isatty())
     except WarmError as exc:
         return fail(f"prefetch failed: {exc}")
     except KeyboardInterrupt:
@@ -423,8 +450,10 @@ def cmd_cleanup(args: argparse.Namespace) -> int:
         return fail(str(exc), 2)
     except CleanupError as exc:
         return fail(str(exc))
-    verb = "would abort" if args.dry_run else "aborted"
-    print(f"{found} incomplete uploads older than {args.older_than:g}s; {verb} {aborted}")
+    if args.dry_run:
+        print(f"{found} incomplete uploads older than {args.older_than:g}s; would abort {found}")
+    else:
+        print(f"{found} incomplete uploads older than {args.older_than:g}s; aborted {aborted}")
     return 0 if aborted == found or args.dry_run else 1
 
 
@@ -456,6 +485,17 @@ def cmd_cache(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    try:
+        code = _main(argv)
+        sys.stdout.flush()
+        return code
+    except BrokenPipeError:
+        # Whoever read the output went away (`modelfs stats --json | head`): not a failure worth a traceback.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the exit's own flush must not fail
+        return 128 + 13  # as if killed by SIGPIPE, like other tools in a pipeline
+
+
+def _main(argv: list[str] | None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     # The fstab / mount.fuse3 form: `modelfs BUCKET MOUNTPOINT -o opts` (no subcommand).
     if argv and not argv[0].startswith("-") and argv[0] not in SUBCOMMANDS:

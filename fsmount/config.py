@@ -159,6 +159,10 @@ class StoreConfig:
             raise ConfigError(f"--get-client must be one of {', '.join(GET_CLIENTS)}")
         if self.max_connections < 1:
             raise ConfigError("--max-connections must be >= 1")
+        if not self.read_timeout > 0:
+            raise ConfigError("--read-timeout must be > 0")
+        if not self.connect_timeout > 0:
+            raise ConfigError("the connect timeout must be > 0")
 
 
 DEFAULT_SHARED_CACHE_PREFIX = "modelfs/"
@@ -188,8 +192,8 @@ class SharedCacheConfig:
 
     def __post_init__(self) -> None:
         _check_bucket(self, "invalid --shared-cache-bucket", "--shared-cache-addressing-style")
-        if self.wait < 0 or self.timeout <= 0:
-            raise ConfigError("--shared-cache-wait must be >= 0 and --shared-cache-timeout > 0")
+        if not (math.isfinite(self.wait) and math.isfinite(self.timeout)) or self.wait < 0 or self.timeout <= 0:
+            raise ConfigError("--shared-cache-wait must be >= 0 and --shared-cache-timeout > 0, both in seconds")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -229,6 +233,8 @@ class MountConfig:
         return max(4 * self.chunk_size, self.memory_limit - RUNTIME_RESERVE)
 
     def __post_init__(self) -> None:
+        if self.uid < 0 or self.gid < 0:
+            raise ConfigError("--uid and --gid must be >= 0")
         if self.chunk_size < 64 * KiB or self.chunk_size > 256 * MiB:
             raise ConfigError("--chunk-size must be between 64K and 256M")
         # Room for at least a few chunks in flight, or read-ahead could never make progress.

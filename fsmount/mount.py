@@ -119,15 +119,26 @@ class DiscardedReleaseReply(logging.Filter):
         return True
 
 
+SYSLOG_SOCKET = "/dev/log"
+
+
+def syslog_available() -> bool:
+    """Whether syslog/journald takes messages here (containers often have no /dev/log)."""
+    return os.path.exists(SYSLOG_SOCKET)
+
+
 def setup_logging(level: str, log_file: str | None = None, use_syslog: bool = False) -> None:
     handler: logging.Handler
     formatter = logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s")
     if log_file:
-        handler = logging.FileHandler(log_file)
-    elif use_syslog and os.path.exists("/dev/log"):
+        # Reopened when it is moved or deleted (logrotate without copytruncate), checked at each line.
+        from logging.handlers import WatchedFileHandler
+
+        handler = WatchedFileHandler(log_file)
+    elif use_syslog and syslog_available():
         from logging.handlers import SysLogHandler
 
-        handler = SysLogHandler(address="/dev/log")
+        handler = SysLogHandler(address=SYSLOG_SOCKET)
         formatter = logging.Formatter("modelfs[%(process)d]: %(levelname)s %(name)s: %(message)s")
     else:
         handler = logging.StreamHandler()
@@ -156,8 +167,22 @@ def check_fuse_available() -> None:
         raise MountError("fusermount3 not found: install the fuse3 package (apt-get install fuse3)")
 
 
+def daemon_gone(path: str) -> bool:
+    """True if `path` is a FUSE mount whose daemon is gone (killed, OOM): every access to it fails with
+    ENOTCONN until it is unmounted, and os.path.exists / ismount call it missing / not mounted. Asked with
+    statfs, which the kernel always sends to the daemon (a stat may be answered from cached attributes)."""
+    try:
+        os.statvfs(path)
+    except OSError as exc:
+        return exc.errno == errno.ENOTCONN
+    return False
+
+
 def check_mountpoint(path: str, allow_non_empty: bool) -> str:
     """Validate and resolve the mountpoint; must run before pyfuse3.init."""
+    if daemon_gone(path):
+        raise MountError(f"mountpoint {path} is still mounted, but its daemon is gone (killed?): run "
+                         f"`modelfs unmount {path}` first")
     if not os.path.lexists(path):
         raise MountError(f"mountpoint {path} does not exist")
     real = os.path.realpath(path)
@@ -210,7 +235,10 @@ def open_shared_tier(cfg: MountConfig) -> SharedTier:
                              profile=shared.profile, addressing_style=shared.addressing_style,
                              max_connections=cfg.store.max_connections, connect_timeout=shared.timeout,
                              read_timeout=shared.timeout)
-    client = Boto3Store(tier_store, retries=SHARED_TIER_RETRIES, sign_payloads=False)
+    try:
+        client = Boto3Store(tier_store, retries=SHARED_TIER_RETRIES, sign_payloads=False)
+    except Exception as exc:  # noqa: BLE001 - botocore's ProfileNotFound and the like: say it is the tier's
+        raise MountError(f"--shared-cache-*: {exc}") from None
     try:
         client.check_bucket(shared.prefix)
     except (BucketMissing, AccessDenied) as exc:
@@ -410,6 +438,11 @@ class Daemon:
     async def _watch_signals(self) -> None:
         with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as signals:
             async for signum in signals:
+                if signum == signal.SIGHUP:
+                    # What logrotate's postrotate and `systemctl reload` send: the log file is reopened
+                    # (WatchedFileHandler does that by itself); a mount in use must not go away.
+                    log.info("received SIGHUP: still mounted (the log file is reopened when it moves)")
+                    continue
                 log.info("received %s, unmounting", signal.Signals(signum).name)
                 sd_notify("STOPPING=1")
                 pyfuse3.terminate()
@@ -450,10 +483,12 @@ def run(cfg: MountConfig, ready: Callable[[str | None], None]) -> int:
         metrics = bind_metrics(cfg.metrics_addr)
         check_bucket(cfg)
         daemon = Daemon(cfg, mountpoint, lambda: ready(None), metrics)
-    except MountError as exc:
+    except Exception as exc:  # noqa: BLE001 - whatever stops the mount, the user is told why in one line
         if metrics is not None:
             metrics.close()
-        ready(str(exc))
+        if not isinstance(exc, MountError):  # one we did not foresee (botocore's ProfileNotFound, ...)
+            log.debug("pre-flight failed", exc_info=True)
+        ready(str(exc) if isinstance(exc, MountError) else f"cannot mount: {exc}")
         return 1
     tune_malloc()
     try:

@@ -5,6 +5,7 @@ kernel page cache. It runs in the user's process, never inside the daemon.
 
 from __future__ import annotations
 
+import errno
 import os
 import sys
 import threading
@@ -35,10 +36,14 @@ def mount_fstype(path: str) -> str | None:
     return best_type
 
 
+def _raise(exc: OSError) -> None:
+    raise exc  # a directory that cannot be listed is a failure, not an empty directory
+
+
 def files_under(paths: list[str]) -> Iterator[tuple[str, int]]:
     for path in paths:
         if os.path.isdir(path):
-            for dirpath, dirnames, filenames in os.walk(path):
+            for dirpath, dirnames, filenames in os.walk(path, onerror=_raise):
                 dirnames.sort()
                 for name in sorted(filenames):
                     p = os.path.join(dirpath, name)
@@ -51,11 +56,20 @@ def warm(paths: list[str], *, keep_pagecache: bool = True, threads: int = THREAD
          progress: bool = True) -> int:
     """Read every file under `paths`; returns bytes read. Raises WarmError naming the first failure."""
     for path in paths:
-        if not os.path.exists(path):
-            raise WarmError(f"{path}: no such file or directory")
+        try:
+            os.stat(path)
+            os.statvfs(path)  # always asks the daemon: a stat may be answered from cached attributes
+        except OSError as exc:
+            if exc.errno == errno.ENOTCONN:
+                raise WarmError(f"{path}: the daemon of its mount is gone (transport endpoint is not connected); "
+                                "`modelfs unmount` it and mount again") from None
+            raise WarmError(f"{path}: {exc.strerror.lower() if exc.strerror else exc}") from None
         if mount_fstype(path) != MODELFS_FSTYPE:
             raise WarmError(f"{path} is not on a modelfs mount")
-    files = list(files_under(paths))
+    try:
+        files = list(files_under(paths))
+    except OSError as exc:
+        raise WarmError(f"{exc.filename or paths[0]}: {exc.strerror or exc}") from None
     total = sum(size for _, size in files)
     bar = None
     if progress:

@@ -85,7 +85,8 @@ def acquire_dir_lock(root: str) -> int:
         os.close(fd)
         raise CacheDirBusy(
             f"cache dir {root} is in use by another modelfs mount or cache command (pid {holder}); "
-            f"a cache dir serves one mount at a time: unmount it or pass a different --cache-dir"
+            f"a cache dir serves one mount or command at a time: unmount it (or let the command finish) first, "
+            f"or use another cache dir"
         ) from None
     try:
         with open(path, "w") as holder_file:  # only for the CacheDirBusy message of the next comer

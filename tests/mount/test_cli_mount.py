@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -13,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from fsmount import __version__
+from fsmount.data.disk_cache import DiskCache
 from tests.helpers import (
     REPO,
     S3Server,
@@ -20,6 +22,7 @@ from tests.helpers import (
     free_port,
     modelfs_cmd,
     modelfs_env,
+    mounted,
     new_bucket,
     run_modelfs,
     unmount,
@@ -45,6 +48,22 @@ def test_invalid_memory_limit_is_a_clear_error(tmp_path: Path) -> None:
     assert res.returncode == 2 and "--memory-limit must be at least" in res.stderr
 
 
+@pytest.mark.parametrize("args, message", [
+    (("--uid", "-5"), "--uid and --gid must be >= 0"),
+    (("--gid", "-1"), "--uid and --gid must be >= 0"),
+    (("--read-timeout", "0"), "--read-timeout must be > 0"),
+    (("--read-timeout", "-1"), "--read-timeout must be > 0"),
+    (("--shared-cache-bucket", "t", "--shared-cache-wait", "inf"), "--shared-cache-wait must be >= 0"),
+    (("--shared-cache-bucket", "t", "--shared-cache-wait", "nan"), "--shared-cache-wait must be >= 0"),
+])
+def test_values_the_daemon_cannot_use_are_refused_up_front(tmp_path: Path, args: tuple[str, ...],
+                                                           message: str) -> None:
+    """Each used to pass the CLI and kill the daemon with a traceback (or, in the background, with "run with
+    --foreground to see why")."""
+    res = run_modelfs("mount", "b", str(tmp_path), *args)
+    assert res.returncode == 2 and message in res.stderr and "Traceback" not in res.stderr, res.stderr
+
+
 # -- fail fast before mounting --------------------------------------------------------------------
 
 def assert_fails(res: subprocess.CompletedProcess, message: str, started: float) -> None:
@@ -55,10 +74,10 @@ def assert_fails(res: subprocess.CompletedProcess, message: str, started: float)
 
 
 def mount_fails_fast(bucket: str, path: Path, endpoint_url: str, env: dict[str, str],
-                     message: str) -> subprocess.CompletedProcess:
+                     message: str, *extra: str) -> subprocess.CompletedProcess:
     """`modelfs mount` that must fail before mounting (assert_fails), timed from just before it starts."""
     t = time.monotonic()
-    res = run_modelfs("mount", bucket, str(path), "--endpoint-url", endpoint_url, env=env)
+    res = run_modelfs("mount", bucket, str(path), "--endpoint-url", endpoint_url, *extra, env=env)
     assert_fails(res, message, t)
     return res
 
@@ -75,6 +94,22 @@ def test_access_denied(seaweed_server: S3Server, tmp_path: Path) -> None:
     env["AWS_SECRET_ACCESS_KEY"] = "wrong-secret"
     res = mount_fails_fast(bucket, tmp_path, seaweed_server.endpoint_url, env, "access denied")
     assert "wrong-secret" not in res.stderr
+
+
+@pytest.mark.parametrize("foreground", [False, True], ids=["background", "foreground"])
+def test_a_missing_profile_is_named(moto_server: S3Server, tmp_path: Path, foreground: bool) -> None:
+    """A failure nobody foresaw in pre-flight (botocore's ProfileNotFound) still reaches the user in one
+    line, in the background too (it said only "the daemon exited with status 1")."""
+    env = {**daemon_env(moto_server), "AWS_CONFIG_FILE": str(tmp_path / "none"),
+           "AWS_SHARED_CREDENTIALS_FILE": str(tmp_path / "none")}
+    mp = tmp_path / "mnt"
+    mp.mkdir()
+    mount_fails_fast(new_bucket(moto_server), mp, moto_server.endpoint_url, env,
+                     "cannot mount: The config profile (nope) could not be found", "--profile", "nope",
+                     *(["--foreground"] if foreground else []))
+    mount_fails_fast(new_bucket(moto_server), mp, moto_server.endpoint_url, env,
+                     "--shared-cache-*: The config profile (nope) could not be found", "--shared-cache-bucket",
+                     "tier", "--shared-cache-profile", "nope", *(["--foreground"] if foreground else []))
 
 
 def test_endpoint_unreachable(tmp_path: Path) -> None:
@@ -140,3 +175,101 @@ def test_python_m_entry_point() -> None:
     res = subprocess.run([sys.executable, "-m", "fsmount", "--version"], capture_output=True, text=True,
                          cwd=REPO)
     assert res.returncode == 0
+
+
+def test_a_mount_whose_daemon_was_killed_is_named_so_and_unmounts(moto_server: S3Server, tmp_path: Path) -> None:
+    """After kill -9 (or the OOM killer) the mountpoint answers ENOTCONN until it is unmounted: `modelfs
+    unmount` undoes it, and `mount` and `prefetch` say what is wrong instead of "does not exist"."""
+    bucket = new_bucket(moto_server)
+    moto_server.client().put_object(Bucket=bucket, Key="w.bin", Body=b"w" * 1000)
+    mp = tmp_path / "mnt"
+    with mounted(moto_server, bucket, mp, check_log=False) as m:
+        m.proc.send_signal(signal.SIGKILL)
+        m.proc.wait(10)
+        prefetch = run_modelfs("prefetch", str(mp))
+        assert prefetch.returncode != 0 and "daemon of its mount is gone" in prefetch.stderr, prefetch.stderr
+        again = run_modelfs("mount", bucket, str(mp), "--endpoint-url", moto_server.endpoint_url,
+                            env=daemon_env(moto_server))
+        assert again.returncode == 1 and "its daemon is gone" in again.stderr, again.stderr
+        res = run_modelfs("unmount", str(mp))
+        assert res.returncode == 0, res.stderr
+        assert not os.path.ismount(mp) and mp.is_dir()
+        res = run_modelfs("mount", bucket, str(mp), "--endpoint-url", moto_server.endpoint_url,
+                          env=daemon_env(moto_server))
+        assert res.returncode == 0, res.stderr
+        assert (mp / "w.bin").read_bytes() == b"w" * 1000
+
+
+def test_a_background_mount_says_when_its_log_would_go_nowhere(moto_server: S3Server, tmp_path: Path) -> None:
+    """Without --log-file the daemon logs to syslog; where there is none (most containers) its warnings
+    were dropped without a word. The mount command now says so (and still mounts)."""
+    bucket = new_bucket(moto_server)
+    mp = tmp_path / "mnt"
+    mp.mkdir()
+    try:
+        res = run_modelfs("mount", bucket, str(mp), "--endpoint-url", moto_server.endpoint_url,
+                          env=daemon_env(moto_server))
+        assert res.returncode == 0 and os.path.ismount(mp), res.stderr
+        assert ("there is no syslog here" in res.stderr) == (not os.path.exists("/dev/log")), res.stderr
+    finally:
+        unmount(mp)
+
+
+def test_umount_is_unmount_and_a_closed_pipe_is_no_traceback(tmp_path: Path) -> None:
+    """`modelfs umount` is an alias (it showed as "umount ==SUPPRESS==" in --help); output into a pipe whose
+    reader is gone (`modelfs stats --json | head`) ends quietly with 141, not a BrokenPipeError traceback."""
+    res = run_modelfs("umount", str(tmp_path))
+    assert res.returncode == 1 and "is not mounted" in res.stderr
+    help_text = run_modelfs("--help").stdout
+    assert "unmount (umount)" in help_text and "SUPPRESS" not in help_text
+    DiskCache(tmp_path / "cache", 1 << 30).close()
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        res = subprocess.run(modelfs_cmd("cache", "stats", str(tmp_path / "cache")), stdout=write_end,
+                             stderr=subprocess.PIPE, text=True, env=modelfs_env(), timeout=60)
+    finally:
+        os.close(write_end)
+    assert res.returncode == 141 and "Traceback" not in res.stderr and "BrokenPipe" not in res.stderr, res.stderr
+
+
+def test_cleanup_says_what_a_dry_run_would_do(tmp_path: Path) -> None:
+    res = run_modelfs("cleanup", "b", "--older-than", "1d")
+    assert res.returncode == 2 and "invalid age '1d': give seconds" in res.stderr
+
+
+def daemon_pid(mountpoint: Path) -> int:
+    """The pid of the (background) daemon serving `mountpoint`."""
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            argv = (entry / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"--foreground" in argv and str(mountpoint).encode() in argv:
+            return int(entry.name)
+    raise AssertionError(f"no daemon serves {mountpoint}")
+
+
+def test_sighup_keeps_the_mount_and_a_rotated_log_file_is_reopened(moto_server: S3Server, tmp_path: Path) -> None:
+    """logrotate moves the log and sends SIGHUP (postrotate): the mount stays (SIGHUP unmounted it), and the
+    daemon's next lines go to a new file at the log's path (they went to the moved file, or nowhere)."""
+    bucket = new_bucket(moto_server)
+    moto_server.client().put_object(Bucket=bucket, Key="a.bin", Body=b"a" * 100)
+    mp, log = tmp_path / "mnt", tmp_path / "modelfs.log"
+    mp.mkdir()
+    try:
+        res = run_modelfs("mount", bucket, str(mp), "--endpoint-url", moto_server.endpoint_url, "--log-file",
+                          str(log), "--log-level", "info", env=daemon_env(moto_server))
+        assert res.returncode == 0, res.stderr
+        log.rename(tmp_path / "modelfs.log.1")
+        os.kill(daemon_pid(mp), signal.SIGHUP)
+        deadline = time.monotonic() + 10
+        while not (log.exists() and "received SIGHUP" in log.read_text()):
+            assert time.monotonic() < deadline, "no new log file after the rotation"
+            time.sleep(0.05)
+        assert os.path.ismount(mp) and (mp / "a.bin").read_bytes() == b"a" * 100
+        assert "mounted bucket" in (tmp_path / "modelfs.log.1").read_text()
+    finally:
+        unmount(mp)

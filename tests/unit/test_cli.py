@@ -27,11 +27,21 @@ def test_fstab_options_expand_and_generic_ones_are_ignored() -> None:
     argv = expand_mount_options(["mount", "b", "/m", "-o",
                                  "ro,rw,defaults,_netdev,nofail,noauto,user,nodev,nosuid,noexec,allow_other,"
                                  "endpoint_url=http://h:1,prefix=llama/,cache_dir=/nvme/x,nonempty,x-systemd.requires=a"])
-    assert argv == ["mount", "b", "/m", "--allow-other", "--endpoint-url", "http://h:1", "--prefix", "llama/",
-                    "--cache-dir", "/nvme/x", "--allow-non-empty"]
+    assert argv == ["mount", "b", "/m", "--mount-ro", "--allow-other", "--endpoint-url", "http://h:1", "--prefix",
+                    "llama/", "--cache-dir", "/nvme/x", "--allow-non-empty"]
     args = make_parser().parse_args(argv)
     cfg = build_config(args)
     assert cfg.allow_other and cfg.store.prefix == "llama/" and cfg.store.endpoint_url == "http://h:1"
+    assert not cfg.writable
+
+
+def test_ro_and_writable_together_are_refused() -> None:
+    """`-o ro,writable` used to give a read-write mount without a word."""
+    writable = make_parser().parse_args(expand_mount_options(["mount", "b", "/m", "-o", "rw,writable"]))
+    assert build_config(writable).writable
+    both = make_parser().parse_args(expand_mount_options(["mount", "b", "/m", "-o", "ro,writable"]))
+    with pytest.raises(ConfigError, match="-o ro and writable contradict"):
+        build_config(both)
 
 
 def test_defaults_are_safe() -> None:

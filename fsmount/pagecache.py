@@ -88,7 +88,11 @@ class PageCachePusher:
                 return False
             self.pushed += len(data)
             try:
-                await trio.to_thread.run_sync(pyfuse3.notify_store, ino, offset, data)
+                # Shielded: a push that ran is counted by its caller (streaming gives a file's pushes back
+                # when it closes); a cancelled wait would leave these bytes counted forever. It is one
+                # bounded copy into the page cache, and the trio thread stays free to answer READs.
+                with trio.CancelScope(shield=True):
+                    await trio.to_thread.run_sync(pyfuse3.notify_store, ino, offset, data)
             except OSError as exc:
                 self.pushed -= len(data)
                 if exc.errno == errno.ENOSYS:

@@ -3,18 +3,21 @@ through the chunk engine in offset order, pushing each chunk into the kernel pag
 another thing: per handle, driven by sequential READs, in readahead.py.)
 
 One stream per object version, shared by all handles of it, cancelled when the last one closes or
-at unmount. Opening a shard (or `model.safetensors.index.json`) also warms the other safetensors files
-of that directory, one at a time in name order, at background priority; those run until done or
-unmount. A malformed header only disables the stream (one log line); it never fails a read.
+at unmount. Opening a shard of a sharded model (Hugging Face's names: `model-00001-of-00004.safetensors`)
+or its index (`model.safetensors.index.json`) also warms the model's other shards, one at a time in name
+order, at background priority; those run until done or unmount. Other safetensors files of the
+directory (checkpoints of other steps, an adapter) are not warmed: only what belongs to the model opened.
+A malformed header only disables the stream (one log line); it never fails a read.
 
 Concurrency: `_active` maps (key, etag) to a `_FileStream`; it is changed only in the trio thread by
-`opened` / `closed`, which run in FUSE handlers without awaiting. `_warmed_dirs` only grows.
+`opened` / `closed`, which run in FUSE handlers without awaiting. `_warmed_models` only grows.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+import re
 from collections.abc import Awaitable, Callable
 
 import trio
@@ -27,6 +30,27 @@ log = logging.getLogger(__name__)
 
 SAFETENSORS_SUFFIX = ".safetensors"
 INDEX_SUFFIX = ".safetensors.index.json"
+# A shard of a sharded model, as Hugging Face (transformers, diffusers) names them.
+SHARD_NAME = re.compile(r"(?P<stem>.+)-\d+-of-(?P<count>\d+)\.safetensors")
+
+
+def model_of(key: str) -> tuple[str, str | None] | None:
+    """Which sharded model a key belongs to, for warming its other shards: (directory/stem, shard count)
+    for a shard, (directory/stem, None) for an index (any count), None for anything else."""
+    directory, _, name = key.rpartition("/")
+    if name.endswith(INDEX_SUFFIX):
+        return f"{directory}/{name.removesuffix(INDEX_SUFFIX)}", None
+    m = SHARD_NAME.fullmatch(name)
+    return (f"{directory}/{m['stem']}", m["count"]) if m else None
+
+
+def same_model(model: tuple[str, str | None], key: str) -> bool:
+    """Whether `key` is a shard of `model` (what `model_of` said of the file that was opened)."""
+    other = model_of(key)
+    return (other is not None and other[1] is not None and other[0] == model[0]
+            and model[1] in (None, other[1]))
+
+
 # Fetches a stream keeps queued ahead: enough to keep every connection busy twice over.
 QUEUE_DEPTH_PER_CONNECTION = 2
 
@@ -51,7 +75,7 @@ class ModelStreamer:
                  enabled: bool = True, siblings: Siblings | None = None):
         self.engine = engine
         self.siblings = siblings
-        self._warmed_dirs: set[str] = set()
+        self._warmed_models: set[str] = set()
         self.pusher = pusher
         self.enabled = enabled
         self.depth = max(2, max_connections * QUEUE_DEPTH_PER_CONNECTION)
@@ -69,11 +93,10 @@ class ModelStreamer:
     def opened(self, ino: int, version: ObjectVersion) -> None:
         if not self.enabled or self._nursery is None:
             return
-        if version.key.endswith((SAFETENSORS_SUFFIX, INDEX_SUFFIX)) and self.siblings is not None:
-            directory = version.key.rpartition("/")[0]
-            if directory not in self._warmed_dirs:
-                self._warmed_dirs.add(directory)
-                self._nursery.start_soon(self._warm_siblings, ino)
+        model = model_of(version.key) if self.siblings is not None else None
+        if model is not None and model[0] not in self._warmed_models:
+            self._warmed_models.add(model[0])
+            self._nursery.start_soon(self._warm_siblings, ino, model)
         if not version.key.endswith(SAFETENSORS_SUFFIX):
             return
         key = (version.key, version.etag)
@@ -92,9 +115,10 @@ class ModelStreamer:
             job.scope.cancel()
             del self._active[(version.key, version.etag)]
             self.engine.abandon(job)
-            self.pusher.release(job.pushed)
+            if job.done.is_set():  # else _run_job gives its pushes back once the push in flight ended
+                self.pusher.release(job.pushed)
 
-    async def _warm_siblings(self, ino: int) -> None:
+    async def _warm_siblings(self, ino: int, model: tuple[str, str | None]) -> None:
         assert self.siblings is not None
         try:
             files = await self.siblings(ino)
@@ -102,7 +126,7 @@ class ModelStreamer:
             log.info("not warming the other shards: %s", exc)
             return
         for sib_ino, version in files:
-            if not version.key.endswith(SAFETENSORS_SUFFIX) or (version.key, version.etag) in self._active:
+            if not same_model(model, version.key) or (version.key, version.etag) in self._active:
                 continue
             job = _FileStream(version, sib_ino, priority=BACKGROUND)
             await self._run_job(job)
@@ -116,6 +140,11 @@ class ModelStreamer:
             except Exception as exc:  # noqa: BLE001 - streaming failures only cost speed
                 log.info("streaming of %r stopped: %s", job.version.key, exc)
         job.done.set()
+        if job.handles <= 0:
+            # No handle holds the file open (closed meanwhile, or a shard warmed for nobody yet): what it
+            # pushed is the kernel's to keep or evict, and no longer counts against the push limit, which
+            # is for files still open (pagecache.py). Given back here, after the last push ended.
+            self.pusher.release(job.pushed)
 
     async def _stream(self, job: _FileStream) -> None:
         obj, engine = job.version, self.engine
@@ -145,8 +174,9 @@ class ModelStreamer:
                 return  # logged by the engine; the loader's own READ will try again
             # From here on the chunk is the engine's alone: this task holds no reference while its push
             # waits its turn (see PageCachePusher.push), and takes it back from memory then.
+            if isinstance(part, Fetch):  # not a chunk that was in memory already
+                self.streamed_bytes += length
             del part
-            self.streamed_bytes += length
             await self._push(job, index, length)
         finally:
             slots.release()

@@ -3,10 +3,14 @@ prefetch, `modelfs prefetch`, and one shard warming the others. In virtual time:
 
 from __future__ import annotations
 
+import fcntl
 import mmap
 import os
+import pty
 import re
+import struct
 import subprocess
+import termios
 import threading
 import time
 from pathlib import Path
@@ -23,12 +27,14 @@ from tests.helpers import (
     model_bytes,
     modelfs_cmd,
     modelfs_env,
+    mount_stats,
     mounted,
     new_bucket,
     put_objects,
     run_modelfs,
     sha,
     upload,
+    wait_for,
 )
 
 
@@ -92,6 +98,32 @@ def test_unmount_during_prefetch_is_clean(moto_server: S3Server, mountpoint: Pat
     assert "streaming 'm.safetensors'" in m.log()
 
 
+def prefetch_on_a_terminal(path: Path) -> str:
+    """What `modelfs prefetch PATH` writes to stderr when stderr is a terminal (a pty)."""
+    main, sub = pty.openpty()
+    fcntl.ioctl(sub, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 100, 0, 0))  # a terminal 100 columns wide
+    try:
+        proc = subprocess.run(modelfs_cmd("prefetch", str(path)), stdout=subprocess.DEVNULL, stderr=sub,
+                              env=modelfs_env(), timeout=120)
+        os.close(sub)
+        sub = -1
+        out = b""
+        while True:
+            try:
+                chunk = os.read(main, 65536)
+            except OSError:  # EIO: the other side is closed and drained
+                break
+            if not chunk:
+                break
+            out += chunk
+    finally:
+        os.close(main)
+        if sub >= 0:
+            os.close(sub)
+    assert proc.returncode == 0, out
+    return out.decode(errors="replace")
+
+
 def test_modelfs_prefetch_command_warms_the_cache(moto_server: S3Server, mountpoint: Path, tmp_path: Path) -> None:
     bucket = new_bucket(moto_server)
     payload = {f"model/shard-{i}.bin": os.urandom(5 * MiB + i) for i in range(3)}
@@ -101,7 +133,8 @@ def test_modelfs_prefetch_command_warms_the_cache(moto_server: S3Server, mountpo
         res = run_modelfs("prefetch", str(mountpoint / "model"), timeout=120)
         assert res.returncode == 0, res.stderr
         assert f"prefetched {sum(map(len, payload.values()))} bytes" in res.stdout
-        assert "prefetch" in res.stderr  # the progress bar
+        assert res.stderr == ""  # no progress bar into a pipe or a log file
+        assert "prefetch: " in prefetch_on_a_terminal(mountpoint / "model")  # the progress bar
         res = run_modelfs("prefetch", str(tmp_path), timeout=None)
         assert res.returncode == 1 and "not on a modelfs mount" in res.stderr
         res = run_modelfs("prefetch", str(mountpoint / "nope"), timeout=None)
@@ -112,17 +145,23 @@ def test_modelfs_prefetch_command_warms_the_cache(moto_server: S3Server, mountpo
 
 
 def test_opening_one_shard_warms_the_others(moto_server: S3Server, mountpoint: Path, tmp_path: Path) -> None:
+    """Opening one shard warms the model's other shards (not an adapter beside them, which sorts first), and
+    what the warming pushed into the page cache for files nobody opened does not stay counted against the
+    push limit (it did, so pushing stopped for good once the limit was reached)."""
     from safetensors.numpy import load_file
 
-    from fsmount.testing.models import write_sharded_model
+    from fsmount.testing.models import write_model, write_sharded_model
 
     model = write_sharded_model(tmp_path / "sharded", 48 * MiB, shards=4, seed=3)
+    write_model(tmp_path / "sharded" / "adapter.safetensors", 12 * MiB, seed=4)
     bucket = new_bucket(moto_server)
     client = moto_server.client()
     upload(moto_server, bucket, {f"llm/{f.name}": f for f in (tmp_path / "sharded").iterdir()})
     total = sum(f.stat().st_size for f in model.files)
     with mounted(moto_server, bucket, mountpoint, "--cache-dir", str(tmp_path / "cache")) as m:
         shards = sorted(p.name for p in model.files)
+        for path in (mountpoint / "llm").iterdir():
+            path.stat()  # the kernel knows every file: the warming pushes them into the page cache
         with open(mountpoint / "llm" / shards[0], "rb") as f:
             f.read(8)
         deadline = time.monotonic() + 60
@@ -139,6 +178,10 @@ def test_opening_one_shard_warms_the_others(moto_server: S3Server, mountpoint: P
             assert time.monotonic() < deadline, f"{len(missing)} of {len(warmed)} chunks of the other shards " \
                                                 "never reached the cache"
             time.sleep(0.1)
+        stats = wait_for("the warming's pushes given back", lambda: mount_stats(mountpoint),
+                         lambda st: st["pagecache_pushed_bytes"] == 0, timeout=30, interval=0.1)
+        assert stats["open_files"] == 0 and stats["streamed_bytes"] <= total
+        assert "streaming 'llm/adapter.safetensors'" not in m.log()
         for path in model.files:
             src = load_file(path)
             got = load_file(mountpoint / "llm" / path.name)

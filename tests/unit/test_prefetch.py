@@ -45,7 +45,9 @@ async def test_streams_whole_data_region_in_offset_order(autojump_clock, tmp_pat
         job = streamer._active[(v.key, v.etag)]
         await job.done.wait()
         chunks = len(engine.chunk_range(v, 0, v.size))
-        assert streamer.streamed_bytes == v.size
+        # Every chunk but the first, which the header read had brought into memory: a chunk already in memory
+        # is not counted again (it was, and a model loaded once could show several times its size).
+        assert streamer.streamed_bytes == v.size - CHUNK
         starts = [start for _, start, _ in store.gets]
         assert sorted(starts) == [i * CHUNK for i in range(chunks)]
         # Offset order: no chunk is fetched before those more than one round of connections ahead.
@@ -131,3 +133,24 @@ async def test_a_queued_push_asks_again_whether_it_is_wanted(monkeypatch) -> Non
     wanted = True
     await push(8192)
     assert results == [False, False, True] and stored == [8192] and pusher.pushed == 4096
+
+
+def test_only_the_shards_of_the_model_opened_are_warmed() -> None:
+    """Hugging Face's shard names tie the shards (and the index) of one model together; other safetensors
+    files of the directory (checkpoints of other steps, an adapter, another model's shards) are not warmed."""
+    from fsmount.streaming import model_of, same_model
+
+    shard = model_of("llm/model-00001-of-00004.safetensors")
+    index = model_of("llm/model.safetensors.index.json")
+    assert shard == ("llm/model", "00004") and index == ("llm/model", None)
+    for opened in (shard, index):
+        assert opened is not None
+        assert same_model(opened, "llm/model-00003-of-00004.safetensors")
+        assert not same_model(opened, "llm/adapter.safetensors")
+        assert not same_model(opened, "llm/model.safetensors")
+        assert not same_model(opened, "llm/other-00001-of-00004.safetensors")
+        assert not same_model(opened, "other/model-00002-of-00004.safetensors")
+        assert not same_model(opened, "llm/model.safetensors.index.json")
+    assert shard is not None and not same_model(shard, "llm/model-00001-of-00002.safetensors")  # another count
+    assert model_of("ckpts/step-1000.safetensors") is None and model_of("llm/model.safetensors") is None
+    assert model_of("diffusion_pytorch_model-00001-of-00002.safetensors") == ("/diffusion_pytorch_model", "00002")

@@ -38,7 +38,8 @@ class StatsCollector:
     def collect(self) -> Iterator[Metric]:
         s = self.stats.snapshot()
         served = CounterMetricFamily("modelfs_served_bytes", "Bytes of READ replies by where the chunk was "
-                                     "(memory LRU, cache levels i.e. NVMe, origin)", labels=["source"])
+                                     "(memory LRU, cache levels: the NVMe cache and the shared tier, origin)",
+                                     labels=["source"])
         for source, n in s["served_bytes"].items():
             served.add_metric([source], n)
         yield served

@@ -13,9 +13,10 @@ import json
 MAX_HEADER_LEN = 100_000_000
 LENGTH_PREFIX = 8
 # Bytes of dtype per element, for checking that data_offsets agree with shape (safetensors' dtypes).
-DTYPE_SIZES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E5M2": 1, "F8_E4M3": 1, "F8_E8M0": 1, "I16": 2, "U16": 2,
-               "F16": 2, "BF16": 2, "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8,
-               "C64": 8, "F4": 1, "F6_E2M3": 1, "F6_E3M2": 1}
+# Every dtype of safetensors 0.8 (a file with any other gets no model streaming; the library rejects it).
+DTYPE_SIZES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E5M2": 1, "F8_E4M3": 1, "F8_E8M0": 1, "F8_E4M3FNUZ": 1,
+               "F8_E5M2FNUZ": 1, "I16": 2, "U16": 2, "F16": 2, "BF16": 2, "I32": 4, "U32": 4, "F32": 4,
+               "I64": 8, "U64": 8, "F64": 8, "C64": 8, "F4": 1, "F6_E2M3": 1, "F6_E3M2": 1}
 SUB_BYTE_DTYPES = {"F4", "F6_E2M3", "F6_E3M2"}
 
 

@@ -70,14 +70,19 @@ def format_stats(s: dict[str, Any], mountpoint: str) -> str:
     get_s = origin["get_seconds"]
     mean = f"{get_s['sum'] / get_s['count']:.3f}s" if get_s["count"] else "-"
     served_total = sum(served.values())
+    sc = s.get("shared_cache")
+    # Chunks loaded from the cache levels: the NVMe cache's, and the shared tier's (once counted as NVMe).
+    tier_loaded = sc["bytes"] if sc is not None else 0
+    loaded = f"chunks loaded from the NVMe cache: {_size(s['cache_loaded_bytes'] - tier_loaded)}"
+    if sc is not None:
+        loaded += f", from the shared tier: {_size(tier_loaded)}"
     rows: list[tuple[str, str]] = [
         ("mount", f"{mountpoint} (bucket {s['bucket']}, up {_duration(s['uptime_seconds'])})"),
         ("hit ratio", f"{_percent(s['hit_ratio'])} of {_size(served_total)} read did not wait for the origin"),
         ("read from memory", _size(served["memory"])),
-        ("read from NVMe cache", _size(served["cache"])),
+        ("read from NVMe cache" if sc is None else "read from NVMe cache or shared tier", _size(served["cache"])),
         ("read from origin", _size(served["origin"])),
-        ("origin egress saved", f"{_size(s['egress_saved_bytes'])} (chunks loaded from the NVMe cache: "
-                                f"{_size(s['cache_loaded_bytes'])})"),
+        ("origin egress saved", f"{_size(s['egress_saved_bytes'])} ({loaded})"),
         ("origin downloads", f"{_size(origin['bytes'])} in {origin['requests']} GETs, {origin['errors']} failed"),
         ("origin GET latency", f"mean {mean}, p50 {_latency_quantile(get_s['buckets'], get_s['count'], 0.5)}, "
                                f"p99 {_latency_quantile(get_s['buckets'], get_s['count'], 0.99)}"),
@@ -92,7 +97,6 @@ def format_stats(s: dict[str, Any], mountpoint: str) -> str:
             ("NVMe cache lookups", f"{dc['hits']} hits, {dc['misses']} misses ({_percent(dc['hit_ratio'])} hit), "
                                    f"{dc['evictions']} evictions"),
         ]
-    sc = s.get("shared_cache")
     if sc is not None:
         mode = "read-only" if sc["read_only"] else "claims on" if sc["claims_enabled"] else "claims off"
         rows += [
@@ -101,6 +105,11 @@ def format_stats(s: dict[str, Any], mountpoint: str) -> str:
             ("shared tier fleet", f"{sc['claims']} chunks fetched for the fleet, {sc['claim_waits']} waits for "
                                   f"other nodes, {sc['fallbacks']} fallbacks, {sc['writes']} written"),
         ]
+    ws = s.get("writes")
+    if ws is not None:
+        rows.append(("writes", f"{ws['files_stored']} files stored ({_size(ws['bytes_uploaded'])} in "
+                               f"{ws['parts_uploaded']} parts), {ws['files_failed']} not stored, {ws['renames']} "
+                               f"renames, {ws['deletes']} deletes"))
     rows += [
         ("memory", f"{_size(s['memory_used_bytes'])} of {_size(s['memory_limit_bytes'])}"),
         ("model streaming", f"{_size(s['streamed_bytes'])} fetched; page cache holds "
@@ -115,6 +124,8 @@ def format_stats(s: dict[str, Any], mountpoint: str) -> str:
     if sc is not None:
         errors += [f"shared tier {sc['errors']}", f"shared write {sc['write_errors']}",
                    f"shared corrupt {sc['corrupt']}"]
+    if ws is not None:
+        errors.append(f"files not stored {ws['files_failed']}")
     rows.append(("errors", ", ".join(errors)))
     width = max(len(label) for label, _ in rows)
     return "\n".join(f"{label:<{width}}  {value}" for label, value in rows)

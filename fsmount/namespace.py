@@ -413,9 +413,15 @@ class Namespace:
         path = self._join(parent.path, entry.name.decode("utf-8"))
         if entry.meta is None and not entry.is_dir:
             pending = self._pending.get(path)
-            if pending is None:  # closed or dropped since the listing was taken
+            if pending is not None:
+                return pending
+            # Closed since the directory was opened: once stored, it is the same node; dropped, it is gone
+            # (ENOENT, which readdir skips).
+            ino = self._latest_file.get(path)
+            node = self._nodes.get(ino) if ino is not None else None
+            if node is None or node.superseded or node.writing:
                 raise PathError(errno.ENOENT)
-            return pending
+            return node
         return self._node_for(path, entry.is_dir, entry.meta)
 
     def entry_taken(self, node: Node) -> None:

@@ -206,7 +206,12 @@ class Operations(pyfuse3.Operations):
         inode, entries = self._dirs[fh]
         parent = self.ns.node(inode)
         for i in range(start_id, len(entries)):
-            node = self.ns.entry_node(parent, entries[i])
+            try:
+                node = self.ns.entry_node(parent, entries[i])
+            except PathError:
+                # Gone since opendir (a file being written that was dropped). Skipped: an error here would
+                # end the listing, and glibc's readdir reports ENOENT as the end of the directory.
+                continue
             if not pyfuse3.readdir_reply(token, entries[i].name, self._attributes(node), i + 1):
                 self.ns.entry_refused(node)
                 return

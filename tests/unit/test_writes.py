@@ -28,7 +28,7 @@ from fsmount.data import (
     TransientError,
 )
 from fsmount.data.uploads import Exists
-from fsmount.namespace import ROOT_INODE, PathError
+from fsmount.namespace import ROOT_INODE, DirEntry, PathError
 from fsmount.new_file import PART_GROWTH_EVERY, NewFile, part_size
 from fsmount.tree_changes import WritableNamespace as Namespace
 from fsmount.writes import Writes
@@ -465,3 +465,34 @@ async def test_unlinking_a_file_being_written_drops_it_without_allow_delete() ->
         assert {e.name for e in await ns.listing(ns.node(ROOT_INODE))} == set()
         await parts_ended(writes)
         assert writes.memory.used == 0
+
+
+async def test_a_directory_opened_while_files_in_it_were_written_lists_what_became_of_them(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """opendir takes the entries once; a file still being written then (an empty file is stored at RELEASE,
+    just after close returned) may be stored or dropped before READDIR comes. Stored, it is listed as the
+    version stored; dropped, it is left out, and the listing goes on: an error there ends it, since glibc's
+    readdir takes ENOENT for the end of the directory (`os.listdir` gave [] on SeaweedFS)."""
+    import pyfuse3
+
+    from fsmount.operations import Operations, Owner
+
+    listed: list[tuple[bytes, int]] = []
+    monkeypatch.setattr(pyfuse3, "readdir_reply",
+                        lambda token, name, attr, next_id: listed.append((name, attr.st_size)) or True)
+    writes, uploads, ns = make()
+    ops = Operations(ns, None, None, None, max_readahead=0, owner=Owner(0, 0, 0o644, 0o755),  # type: ignore[arg-type]
+                     writes=writes)
+    async with serving(writes):
+        gone = await new_file(writes, ns, b"a-gone")
+        kept = await new_file(writes, ns, b"b-kept")
+        later = await new_file(writes, ns, b"c-later")
+        fh = await ops.opendir(ROOT_INODE, None)  # type: ignore[arg-type]
+        await writes.unlink(gone.node)
+        assert await gone.commit() is None
+        await kept.write(0, b"xyz")
+        await kept.commit()
+        await ops.readdir(fh, 0, None)  # type: ignore[arg-type]
+        assert listed == [(b"b-kept", 3), (b"c-later", 0)]
+        assert not ns.entry_node(ns.node(ROOT_INODE), DirEntry(b"b-kept", False, None)).writing
+        await later.commit()

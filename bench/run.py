@@ -612,12 +612,15 @@ class Bench:
                     yield self.run_download(model)
             elif tool == "local-disk":
                 for model in self.args.models:
-                    for scenario in SCENARIOS[model]:
+                    for scenario in self.scenarios(model):
                         yield self.run_local(model, scenario)
             else:
                 for model in self.args.models:
-                    for scenario in SCENARIOS[model]:
+                    for scenario in self.scenarios(model):
                         yield self.run_mounted(tool, model, scenario)
+
+    def scenarios(self, model: str) -> list[str]:
+        return [s for s in SCENARIOS[model] if self.args.scenarios is None or s in self.args.scenarios]
 
 
 # ---- summary -----------------------------------------------------------------------------------------
@@ -835,6 +838,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--size", default=None, help=f"model size, K/M/G binary suffixes (default {FULL_SIZE})")
     p.add_argument("--only", default=",".join(TOOLS), help=f"comma-separated tools from {','.join(TOOLS)}")
     p.add_argument("--models", default="single,sharded", help="comma-separated: single, sharded")
+    p.add_argument("--scenarios", default=None,
+                   help="comma-separated scenarios to run of each model's (default all): "
+                   + "; ".join(f"{m}: {','.join(names)}" for m, names in SCENARIOS.items()))
     p.add_argument("--rounds", type=int, default=None, help=f"rounds, median reported (default {FULL_ROUNDS}; 1 quick)")
     p.add_argument("--timeout", type=float, default=None, help="seconds per measurement before it is abandoned")
     p.add_argument("--modelfs-args", default="", help='extra modelfs mount flags, e.g. "--chunk-size 16M"')
@@ -881,6 +887,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     for model in args.models:
         if model not in SCENARIOS:
             p.error(f"unknown model {model!r}; choose from {', '.join(SCENARIOS)}")
+    if args.scenarios is not None:
+        args.scenarios = {s.strip() for s in args.scenarios.split(",") if s.strip()}
+        known = {name for names in SCENARIOS.values() for name in names}
+        for name in sorted(args.scenarios - known):
+            p.error(f"unknown scenario {name!r}; choose from {', '.join(sorted(known))}")
     return args
 
 

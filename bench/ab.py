@@ -21,6 +21,9 @@ Scenarios, each after the page cache is dropped, each on a fresh daemon:
   fill       cat through a mount with an emptied --cache-dir (the variant's own)
   warm       cat through a fresh mount on that cache dir (run `fill` first in the same round)
   warm_load  safetensors.numpy.load_file through a fresh mount on that cache dir
+  shards_load       load_file of each shard of the same tensors in 4 shards (Hugging Face's names, the
+                    index beside them), one after the other in one process, without --cache-dir
+  shards_fill_load  the same through a mount with an emptied --cache-dir
   local      cat of the same file on local disk (the warm-cache baseline)
   local_load load_file of the same file on local disk
 Every mounted measurement also reads the trio thread's CPU (it answers every FUSE request). With --gil it
@@ -66,12 +69,14 @@ from run import (  # noqa: E402
     pin_choice,
 )
 
-from fsmount.testing.models import write_model  # noqa: E402
+from fsmount.testing.models import write_model, write_sharded_model  # noqa: E402
 from fsmount.testing.seaweed import SeaweedServer  # noqa: E402
 
 BUCKET = "models"
 KEY = "model.safetensors"
-SCENARIOS = ("cold", "cold_load", "cold_safe_open", "fill", "warm", "warm_load", "local", "local_load")
+SHARDS = 4
+SCENARIOS = ("cold", "cold_load", "cold_safe_open", "shards_load", "shards_fill_load", "fill", "warm", "warm_load",
+             "local", "local_load")
 
 
 def cpu_seconds(pid: int | None) -> tuple[float, float]:
@@ -150,10 +155,10 @@ def timed(argv: list[str], env: dict[str, str] | None = None) -> float:
     return time.perf_counter() - start
 
 
-def load(path: Path, workload: str = "load_file") -> float:
-    """A bench/scenarios.py workload (load_file, safe_open, ...) of one file, in a fresh process."""
+def load(paths: list[Path], workload: str = "load_file") -> float:
+    """A bench/scenarios.py workload (load_file, safe_open, ...) of these files, in a fresh process."""
     env = {**mounts.base_env(), "PYTHONPATH": str(REPO_ROOT)}
-    return timed([sys.executable, str(BENCH_DIR / "scenarios.py"), workload, str(path)], env)
+    return timed([sys.executable, str(BENCH_DIR / "scenarios.py"), workload, *map(str, paths)], env)
 
 
 class AB:
@@ -164,6 +169,7 @@ class AB:
         self.endpoint = mounts.Endpoint(server.endpoint_url, BUCKET, server.access_key, server.secret_key,
                                         server.region)
         self.model = work / KEY
+        self.shards: list[str] = []  # keys of the sharded model, set once it is uploaded
         self.mountpoint = work / "mnt"
 
     def daemon(self, variant: str, cache_dir: Path | None) -> mounts.MountedDaemon:
@@ -182,8 +188,11 @@ class AB:
             sampler = GilSampler(daemon.pid, self.work / "gil.txt") if self.args.gil else None
             daemon_before, server_before = cpu_seconds(daemon.pid), cpu_seconds(self.server.pid)
             main_before = thread_cpu_seconds(daemon.pid, daemon.pid)
-            path = self.mountpoint / KEY
-            seconds = timed(["cat", str(path)]) if workload == "cat" else load(path, workload)
+            paths = [self.mountpoint / key for key in (self.shards if workload == "shards" else [KEY])]
+            if workload == "cat":
+                seconds = timed(["cat", *map(str, paths)])
+            else:
+                seconds = load(paths, "load_file" if workload == "shards" else workload)
             daemon_after, server_after = cpu_seconds(daemon.pid), cpu_seconds(self.server.pid)
             main_after = thread_cpu_seconds(daemon.pid, daemon.pid)
             gil = sampler.stop() if sampler else (None, None)
@@ -196,16 +205,18 @@ class AB:
         if scenario.startswith("cold"):
             workload = {"cold": "cat", "cold_load": "load_file", "cold_safe_open": "safe_open"}[scenario]
             return self.through_mount(variant, None, workload)
-        if scenario == "fill":
+        if scenario == "shards_load":
+            return self.through_mount(variant, None, "shards")
+        if scenario in ("fill", "shards_fill_load"):
             shutil.rmtree(cache_dir, ignore_errors=True)
             cache_dir.mkdir()
-            return self.through_mount(variant, cache_dir, "cat")
+            return self.through_mount(variant, cache_dir, "cat" if scenario == "fill" else "shards")
         if scenario in ("warm", "warm_load"):
             if not cache_dir.is_dir():
                 raise SystemExit(f"{scenario} needs a filled cache: put fill before it in --scenarios")
             return self.through_mount(variant, cache_dir, "cat" if scenario == "warm" else "load_file")
         drop_caches()
-        return Measured(timed(["cat", str(self.model)]) if scenario == "local" else load(self.model))
+        return Measured(timed(["cat", str(self.model)]) if scenario == "local" else load([self.model]))
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -246,6 +257,11 @@ def main(argv: list[str] | None = None) -> int:
             write_model(ab.model, parse_size(args.size))
             gb = ab.model.stat().st_size / GB
             server.client().upload_file(str(ab.model), BUCKET, KEY, Config=UPLOAD_CONFIG)
+            if any(s.startswith("shards") for s in args.scenario_list):
+                sharded = write_sharded_model(work / "sharded", parse_size(args.size), shards=SHARDS)
+                for path in [*sharded.files, work / "sharded" / "model.safetensors.index.json"]:
+                    server.client().upload_file(str(path), BUCKET, f"sharded/{path.name}", Config=UPLOAD_CONFIG)
+                ab.shards = [f"sharded/{path.name}" for path in sharded.files]
             for round_no in range(1, args.rounds + 1):
                 for variant in args.variants:
                     for scenario in args.scenario_list:

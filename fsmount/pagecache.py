@@ -45,6 +45,7 @@ class PageCachePusher:
     def __init__(self, limit: int):
         self.limit = limit
         self.pushed = 0
+        self.stored_total = 0  # every byte notify_store put in the page cache (a counter: never given back)
         self._reading: dict[int, list[tuple[int, int]]] = {}
         self._turn = trio.Lock()  # one store at a time keeps the kernel's locks short
         self._disabled = limit <= 0
@@ -101,4 +102,5 @@ class PageCachePusher:
                 else:
                     log.debug("notify_store of inode %d at %d failed: %s", ino, offset, exc)
                 return False
+        self.stored_total += len(data)
         return True

@@ -63,6 +63,8 @@ class StatsCollector:
                                   "files streamed in offset order when opened)", value=s["streamed_bytes"])
         yield CounterMetricFamily("modelfs_readahead_dropped", "Queued read-ahead fetches dropped unstarted",
                                   value=s["readahead_dropped"])
+        yield CounterMetricFamily("modelfs_pagecache_stored_bytes", "Bytes pushed into the kernel page cache "
+                                  "so far (notify_store)", value=s["pagecache_stored_bytes"])
         yield GaugeMetricFamily("modelfs_pagecache_pushed_bytes", "Bytes pushed into the kernel page cache for "
                                 "files still open", value=s["pagecache_pushed_bytes"])
         yield GaugeMetricFamily("modelfs_fetches_inflight", "Chunk fetches running now",

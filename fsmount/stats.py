@@ -79,6 +79,8 @@ class MountStats:
             # Read-ahead fetches dropped before they started (their reader moved on or closed).
             "readahead_dropped": es.readahead_dropped,
             "pagecache_pushed_bytes": self.pusher.pushed,
+            # Every byte pushed into the page cache so far (notify_store), files since closed included.
+            "pagecache_stored_bytes": self.pusher.stored_total,
             "fetches_inflight": es.fetches_inflight,
             # Fetched chunks not yet written to the cache levels (written in the background).
             "cache_writes_pending": self.engine.levels.writes_pending,

@@ -9,8 +9,11 @@ order, at background priority; those run until done or unmount. Other safetensor
 directory (checkpoints of other steps, an adapter) are not warmed: only what belongs to the model opened.
 A malformed header only disables the stream (one log line); it never fails a read.
 
-Concurrency: `_active` maps (key, etag) to a `_FileStream`; it is changed only in the trio thread by
-`opened` / `closed`, which run in FUSE handlers without awaiting. `_warmed_models` only grows.
+Concurrency: `_active` maps (key, etag) to the one `_FileStream` of that version, a shard being warmed
+included (opening it joins that stream); it is changed only in the trio thread, by `opened` / `closed`,
+which run in FUSE handlers without awaiting, and by `_warm_siblings` before and after each shard.
+`_warmed_models` only grows. A chunk the page cache holds (`MemoryBudget.in_page_cache`) is not streamed
+again.
 """
 
 from __future__ import annotations
@@ -104,6 +107,10 @@ class ModelStreamer:
         if job is None:
             job = self._active[key] = _FileStream(version, ino)
             self._nursery.start_soon(self._run_job, job)
+        elif job.priority > AHEAD:
+            # A shard being warmed in the background is opened: the same stream goes on for this handle,
+            # at the priority of an open file, and can push now that the kernel knows the inode.
+            job.priority, job.ino = AHEAD, ino
         job.handles += 1
 
     def closed(self, version: ObjectVersion) -> None:
@@ -126,10 +133,15 @@ class ModelStreamer:
             log.info("not warming the other shards: %s", exc)
             return
         for sib_ino, version in files:
-            if not same_model(model, version.key) or (version.key, version.etag) in self._active:
+            key = (version.key, version.etag)
+            if not same_model(model, version.key) or key in self._active:
                 continue
-            job = _FileStream(version, sib_ino, priority=BACKGROUND)
+            # In `_active` while it runs, so that opening the shard joins this stream instead of starting a
+            # second one over the same chunks; a handle opened meanwhile keeps it there until it closes.
+            job = self._active[key] = _FileStream(version, sib_ino, priority=BACKGROUND)
             await self._run_job(job)
+            if job.handles <= 0 and self._active.get(key) is job:
+                del self._active[key]
 
     async def _run_job(self, job: _FileStream) -> None:
         with job.scope:
@@ -156,6 +168,8 @@ class ModelStreamer:
         async with trio.open_nursery() as nursery:
             slots = trio.Semaphore(self.depth)
             for index in indices:
+                if engine.memory.in_page_cache(engine.chunk_id(obj, index)):
+                    continue  # pushed already (a shard warmed before it was opened), or read whole
                 await slots.acquire()
                 if not engine.levels and job.held_in_memory >= engine.memory.limit // 2:
                     # Neither the page cache nor a disk cache takes more: streaming on would

@@ -21,8 +21,9 @@ Rules (everything here runs in the trio thread; nothing awaits except `reserve`)
   overwritten while anything can still read it.
 - `_read_by_kernel`: chunks in memory that READs have taken bytes from. The kernel caches what a READ
   returned, so pushing such a chunk into the page cache would copy it there a second time.
-- `_in_page_cache`: the last KERNEL_HELD_MAX chunks whose buffer was reused once spent: the page cache
-  holds them (unless it dropped them since), so reading them ahead again would fetch them for nothing.
+- `_in_page_cache`: the last KERNEL_HELD_MAX chunks pushed to the page cache (`demote`) or whose buffer
+  was reused once spent: the page cache holds them (unless it dropped them since), so reading or
+  streaming them ahead again would fetch them for nothing.
 """
 
 from __future__ import annotations
@@ -148,9 +149,7 @@ class MemoryBudget:
             self.reserved += length
             self._forget(cid)
             self.buffers_recycled += 1
-            self._in_page_cache[cid] = None
-            if len(self._in_page_cache) > KERNEL_HELD_MAX:
-                self._in_page_cache.popitem(last=False)
+            self._held_by_kernel(cid)
             return data
         return None
 
@@ -190,8 +189,15 @@ class MemoryBudget:
             self._served[cid] = served + nbytes
 
     def in_page_cache(self, cid: ChunkId) -> bool:
-        """True if the chunk left memory once the kernel had taken all of it (READs or a push)."""
+        """True if the kernel took all of the chunk: it was pushed, or READs took all of it and its buffer
+        was reused (unless the kernel dropped it since; a READ then fetches it)."""
         return cid in self._in_page_cache
+
+    def _held_by_kernel(self, cid: ChunkId) -> None:
+        self._in_page_cache[cid] = None
+        self._in_page_cache.move_to_end(cid)
+        if len(self._in_page_cache) > KERNEL_HELD_MAX:
+            self._in_page_cache.popitem(last=False)
 
     def read_by_kernel(self, cid: ChunkId) -> bool:
         """True if READs have already taken bytes of this (in-memory) chunk."""
@@ -200,6 +206,7 @@ class MemoryBudget:
     def demote(self, cid: ChunkId) -> None:
         """Make a chunk the first to be evicted, and its buffer free to reuse: the kernel page cache
         holds it (it was pushed there)."""
+        self._held_by_kernel(cid)
         if cid in self._chunks:
             self._chunks.move_to_end(cid, last=False)
             if self._served.pop(cid, None) is not None:

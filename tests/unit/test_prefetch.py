@@ -154,3 +154,77 @@ def test_only_the_shards_of_the_model_opened_are_warmed() -> None:
     assert shard is not None and not same_model(shard, "llm/model-00001-of-00002.safetensors")  # another count
     assert model_of("ckpts/step-1000.safetensors") is None and model_of("llm/model.safetensors") is None
     assert model_of("diffusion_pytorch_model-00001-of-00002.safetensors") == ("/diffusion_pytorch_model", "00002")
+
+
+SHARD_1, SHARD_2 = "llm/model-00001-of-00002.safetensors", "llm/model-00002-of-00002.safetensors"
+
+
+def shards_rig(tmp_path, monkeypatch, sibling_ino: int | None):  # noqa: ANN001, ANN201
+    """Two shards of one model in the fake store, a streamer that warms the second when the first opens
+    (the kernel knows the second as `sibling_ino`, or not yet), and the pushes it makes, as (inode, offset)."""
+    import fsmount.pagecache
+
+    pushes: list[tuple[int, int]] = []
+    monkeypatch.setattr(fsmount.pagecache.pyfuse3, "notify_store", lambda ino, off, data: pushes.append((ino, off)))
+    store = FakeStore()
+    store.put(SHARD_1, model_bytes(tmp_path, 6 * MiB, seed=1))
+    store.put(SHARD_2, model_bytes(tmp_path, 12 * MiB, seed=2))
+    engine = make_engine(store, conns=2, memory=256 * MiB)
+
+    async def siblings(ino: int) -> list:  # noqa: ARG001
+        return [(2, version(store, SHARD_1)), (sibling_ino, version(store, SHARD_2))]
+
+    streamer = ModelStreamer(engine, PageCachePusher(1 << 40), max_connections=2, siblings=siblings)
+    return store, engine, streamer, pushes
+
+
+def shard_2_gets(store: FakeStore) -> list[int]:
+    return sorted(start for key, start, _ in store.gets if key == SHARD_2)
+
+
+async def test_a_shard_opened_while_it_is_warmed_joins_that_stream(autojump_clock, tmp_path, monkeypatch) -> None:  # noqa: ANN001
+    store, engine, streamer, pushes = shards_rig(tmp_path, monkeypatch, sibling_ino=None)
+
+    async def body() -> None:
+        one, two = version(store, SHARD_1), version(store, SHARD_2)
+        streamer.opened(2, one)
+        with trio.fail_after(60):
+            while not shard_2_gets(store):  # the second shard is being warmed, for nobody yet
+                await trio.sleep(0.01)
+        warming = streamer._active[(two.key, two.etag)]
+        streamer.opened(3, two)
+        assert streamer._active[(two.key, two.etag)] is warming and warming.ino == 3 and warming.handles == 1
+        await warming.done.wait()
+        chunks = len(engine.chunk_range(two, 0, two.size))
+        assert shard_2_gets(store) == [i * CHUNK for i in range(chunks)]  # each chunk fetched once
+        mine = [off for ino, off in pushes if ino == 3]
+        assert len(mine) == len(set(mine)) and mine, pushes  # pushed once each, once the kernel knew the file
+        streamer.closed(two)
+        streamer.closed(one)
+        assert not streamer._active
+
+    await run_prefetcher(engine, streamer, body)
+
+
+async def test_a_shard_warmed_before_it_is_opened_is_not_streamed_again(autojump_clock, tmp_path, monkeypatch) -> None:  # noqa: ANN001
+    store, engine, streamer, pushes = shards_rig(tmp_path, monkeypatch, sibling_ino=3)
+
+    async def body() -> None:
+        one, two = version(store, SHARD_1), version(store, SHARD_2)
+        streamer.opened(2, one)
+        with trio.fail_after(60):
+            while not shard_2_gets(store):
+                await trio.sleep(0.01)
+            while (two.key, two.etag) in streamer._active:  # until warmed, and held by no handle
+                await trio.sleep(0.01)
+        assert len([1 for ino, _ in pushes if ino == 3]) >= len(engine.chunk_range(two, 0, two.size)) - 1
+        gets, pushed = list(store.gets), list(pushes)
+        streamer.opened(3, two)
+        await streamer._active[(two.key, two.etag)].done.wait()
+        # Its header is read again (memory may have let it go); no chunk the page cache holds is fetched or
+        # pushed a second time.
+        assert store.gets == gets and pushes == pushed, (store.gets[len(gets):], pushes[len(pushed):])
+        streamer.closed(two)
+        streamer.closed(one)
+
+    await run_prefetcher(engine, streamer, body)

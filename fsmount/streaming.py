@@ -104,13 +104,20 @@ class ModelStreamer:
             return
         key = (version.key, version.etag)
         job = self._active.get(key)
+        if job is not None and job.priority > AHEAD:
+            # A shard being warmed in the background is opened. If the kernel knew it, the warming pushed
+            # what it fetched and goes on for this handle, at an open file's priority. If not, none of it
+            # could be pushed: a stream of its own pushes what is in memory and fetches the rest (chunks
+            # in flight are joined, not fetched twice).
+            if job.ino is not None:
+                job.priority = AHEAD
+            else:
+                job.scope.cancel()
+                self.engine.abandon(job)
+                job = None
         if job is None:
             job = self._active[key] = _FileStream(version, ino)
             self._nursery.start_soon(self._run_job, job)
-        elif job.priority > AHEAD:
-            # A shard being warmed in the background is opened: the same stream goes on for this handle,
-            # at the priority of an open file, and can push now that the kernel knows the inode.
-            job.priority, job.ino = AHEAD, ino
         job.handles += 1
 
     def closed(self, version: ObjectVersion) -> None:

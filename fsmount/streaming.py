@@ -10,7 +10,8 @@ directory (checkpoints of other steps, an adapter) are not warmed: only what bel
 A malformed header only disables the stream (one log line); it never fails a read.
 
 Concurrency: `_active` maps (key, etag) to the one `_FileStream` of that version, a shard being warmed
-included (opening it joins that stream); it is changed only in the trio thread, by `opened` / `closed`,
+included (opening it joins that stream, or replaces it when the kernel did not know the shard and so
+nothing of it could be pushed); it is changed only in the trio thread, by `opened` / `closed`,
 which run in FUSE handlers without awaiting, and by `_warm_siblings` before and after each shard.
 `_warmed_models` only grows. A chunk the page cache holds (`MemoryBudget.in_page_cache`) is not streamed
 again.

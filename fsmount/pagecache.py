@@ -5,12 +5,18 @@ It never pushes from the trio thread (the call blocks in the kernel) and never o
 is being served; bytes pushed for files that are still open never exceed `limit` (a file's share is
 given back with `release` when its last handle closes).
 
-Concurrency: `_reading` is changed only in the trio thread (`reading()` context); `push` checks it
-there before handing the data to a worker thread.
+It also leaves alone what a reader is about to READ: the range from the end of an inode's latest READ
+to the kernel's read-ahead window past it (`reader_window`). A sequential reader's READs take those
+bytes within moments, and a push racing them copies them into the page cache a second time (a `cat`
+got 10-25 % of its bytes twice); random readers' faults elsewhere are still pushed ahead of them.
+
+Concurrency: `_reading` and `_reader_at` are changed only in the trio thread (`reading()` context);
+`push` checks them there before handing the data to a worker thread.
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import errno
 import logging
@@ -28,6 +34,8 @@ log = logging.getLogger(__name__)
 # Default share of MemAvailable that may be pushed: the page cache is the kernel's to evict, but
 # pushing more than the machine can hold would only evict what was pushed a moment earlier.
 DEFAULT_PUSH_FRACTION = 0.5
+# Inodes whose latest READ is remembered (a few dozen bytes each).
+READERS_MAX = 4096
 
 
 def default_push_limit() -> int:
@@ -42,8 +50,10 @@ def default_push_limit() -> int:
 
 
 class PageCachePusher:
-    def __init__(self, limit: int):
+    def __init__(self, limit: int, reader_window: int = 0):
         self.limit = limit
+        self.reader_window = reader_window
+        self._reader_at: collections.OrderedDict[int, int] = collections.OrderedDict()  # ino -> end of its latest READ
         self.pushed = 0
         self.stored_total = 0  # every byte notify_store put in the page cache (a counter: never given back)
         self._reading: dict[int, list[tuple[int, int]]] = {}
@@ -59,6 +69,10 @@ class PageCachePusher:
         """Marks a READ in flight so no push overlaps it."""
         ranges = self._reading.setdefault(ino, [])
         entry = (start, end)
+        self._reader_at[ino] = end
+        self._reader_at.move_to_end(ino)
+        if len(self._reader_at) > READERS_MAX:
+            self._reader_at.popitem(last=False)
         ranges.append(entry)
         try:
             yield
@@ -69,6 +83,11 @@ class PageCachePusher:
 
     def _busy(self, ino: int, start: int, end: int) -> bool:
         return any(s < end and start < e for s, e in self._reading.get(ino, ()))
+
+    def reader_near(self, ino: int, start: int, end: int) -> bool:
+        """Whether [start, end) of `ino` lies where its latest reader's next READs are about to land."""
+        at = self._reader_at.get(ino)
+        return at is not None and start < at + self.reader_window and at < end
 
     def release(self, nbytes: int) -> None:
         self.pushed = max(0, self.pushed - nbytes)

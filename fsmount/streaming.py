@@ -206,15 +206,23 @@ class ModelStreamer:
     async def _push(self, job: _FileStream, index: int, length: int) -> None:
         cid = self.engine.chunk_id(job.version, index)
 
+        offset = index * self.engine.chunk_size
+        reader_near = False
+
         def take() -> Chunk | None:
             # Once READs took bytes of it the kernel caches what they returned: pushing it then would
-            # copy it a second time. Its READs, not this, tell the engine when it is spent.
-            return None if self.engine.memory.read_by_kernel(cid) else self.engine.memory.get(cid)
+            # copy it a second time; so would a push racing the READs of a reader that is about to get
+            # there. Its READs, not this, tell the engine when it is spent.
+            nonlocal reader_near
+            reader_near = job.ino is not None and self.pusher.reader_near(job.ino, offset, offset + length)
+            if reader_near or self.engine.memory.read_by_kernel(cid):
+                return None
+            return self.engine.memory.get(cid)
 
-        if job.ino is not None and await self.pusher.push(job.ino, index * self.engine.chunk_size, length, take):
+        if job.ino is not None and await self.pusher.push(job.ino, offset, length, take):
             job.pushed += length
             self.engine.memory.demote(cid)
-        elif self.engine.memory.read_by_kernel(cid):
+        elif reader_near or self.engine.memory.read_by_kernel(cid):
             self.skipped_read += length
         else:
             job.held_in_memory += length

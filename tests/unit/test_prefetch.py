@@ -111,6 +111,37 @@ async def test_chunks_readers_already_read_are_not_pushed_again(autojump_clock, 
     await run_prefetcher(engine, streamer, body)
 
 
+async def test_what_a_reader_is_about_to_read_is_left_to_its_reads(autojump_clock, tmp_path, monkeypatch) -> None:  # noqa: ANN001
+    """From the end of an inode's latest READ to the kernel's read-ahead window past it, a sequential reader's
+    READs take the bytes within moments: a push there would race them and copy those bytes twice."""
+    import fsmount.pagecache
+
+    stored: list[int] = []
+    monkeypatch.setattr(fsmount.pagecache.pyfuse3, "notify_store", lambda ino, off, data: stored.append(off))
+    store = FakeStore()
+    store.put("m.safetensors", model_bytes(tmp_path, 12 * MiB))
+    engine = make_engine(store, memory=256 * MiB)
+    pusher = PageCachePusher(1 << 40, reader_window=2 * CHUNK)
+    streamer = ModelStreamer(engine, pusher, max_connections=4)
+
+    async def body() -> None:
+        v = version(store, "m.safetensors")
+        with pusher.reading(2, 0, 3 * CHUNK + 100):  # a READ of inode 2 that ended in chunk 3
+            await engine.read(v, 0, 3 * CHUNK + 100)
+        assert not pusher.reader_near(3, 3 * CHUNK, 4 * CHUNK)  # another inode
+        assert not pusher.reader_near(2, 2 * CHUNK, 3 * CHUNK)  # behind the reader
+        assert pusher.reader_near(2, 5 * CHUNK, 6 * CHUNK) and not pusher.reader_near(2, 6 * CHUNK, 7 * CHUNK)
+        streamer.opened(2, v)
+        await streamer._active[(v.key, v.etag)].done.wait()
+        chunks = len(engine.chunk_range(v, 0, v.size))
+        # 0-3 were read; 3-5 lie where the reader's next READs land; the rest is pushed ahead of it.
+        assert sorted(stored) == [i * CHUNK for i in range(6, chunks)]
+        assert streamer.skipped_read == 6 * CHUNK
+        streamer.closed(v)
+
+    await run_prefetcher(engine, streamer, body)
+
+
 async def test_a_queued_push_asks_again_whether_it_is_wanted(monkeypatch) -> None:
     import fsmount.pagecache
 

@@ -17,13 +17,14 @@ from tests.helpers import CHUNK, MiB, make_engine, model_bytes, run_engine, vers
 from tests.unit.fake_store import FakeStore
 
 
-def prefetch_rig(key: str, data: bytes, *, conns: int = 4, memory: int = 64 * MiB,
-                 push_limit: int = 0) -> tuple[FakeStore, ChunkEngine, ModelStreamer]:
+def prefetch_rig(key: str, data: bytes, *, conns: int = 4, memory: int = 64 * MiB, push_limit: int = 0,
+                 reader_window: int = 0) -> tuple[FakeStore, ChunkEngine, ModelStreamer]:
     """A fake store holding `data` at `key`, an engine over it, and a streamer of that engine."""
     store = FakeStore()
     store.put(key, data)
     engine = make_engine(store, conns=conns, memory=memory)
-    return store, engine, ModelStreamer(engine, PageCachePusher(push_limit), max_connections=conns)
+    pusher = PageCachePusher(push_limit, reader_window=reader_window)
+    return store, engine, ModelStreamer(engine, pusher, max_connections=conns)
 
 
 async def run_prefetcher(engine: ChunkEngine, streamer: ModelStreamer, body) -> None:  # noqa: ANN001
@@ -118,11 +119,9 @@ async def test_what_a_reader_is_about_to_read_is_left_to_its_reads(autojump_cloc
 
     stored: list[int] = []
     monkeypatch.setattr(fsmount.pagecache.pyfuse3, "notify_store", lambda ino, off, data: stored.append(off))
-    store = FakeStore()
-    store.put("m.safetensors", model_bytes(tmp_path, 12 * MiB))
-    engine = make_engine(store, memory=256 * MiB)
-    pusher = PageCachePusher(1 << 40, reader_window=2 * CHUNK)
-    streamer = ModelStreamer(engine, pusher, max_connections=4)
+    store, engine, streamer = prefetch_rig("m.safetensors", model_bytes(tmp_path, 12 * MiB), memory=256 * MiB,
+                                             push_limit=1 << 40, reader_window=2 * CHUNK)
+    pusher = streamer.pusher
 
     async def body() -> None:
         v = version(store, "m.safetensors")

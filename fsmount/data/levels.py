@@ -69,7 +69,8 @@ class ChunkCache(Protocol):
         ...
 
     def put(self, chunk: ChunkId, data: bytes | WritableBuffer) -> None:
-        """Store a chunk; failures (full disk, read-only dir) are absorbed and logged, not raised."""
+        """Store a chunk; failures (full disk, read-only dir) are absorbed and logged, not raised. `data` is the
+        caller's again once put returns (callers refill their buffers): a level copies what it keeps."""
         ...
 
     def staging_bytes(self, chunk_size: int) -> int:

@@ -61,6 +61,7 @@ class FakeUploads:
         self.gate.set()
         self.fail_parts = False
         self.fail_finish = False
+        self.bodies: list[bytearray] = []  # every part body sent, kept (so that distinct ones have distinct ids)
         self._next = 0
 
     def head(self, key: str) -> ObjectMeta | None:
@@ -94,6 +95,7 @@ class FakeUploads:
         if upload_id not in self.parts:
             raise NotFound(f"uploading part {number} of {key!r}: not found")  # NoSuchUpload: aborted
         self.parts[upload_id][number] = bytes(body)
+        self.bodies.append(body)
         return f'"p{number}"'
 
     def finish(self, key: str, upload_id: str, etags: list[str], only_if_absent: bool = False) -> str:
@@ -496,3 +498,62 @@ async def test_a_directory_opened_while_files_in_it_were_written_lists_what_beca
         assert listed == [(b"b-kept", 3), (b"c-later", 0)]
         assert not ns.entry_node(ns.node(ROOT_INODE), DirEntry(b"b-kept", False, None)).writing
         await later.commit()
+
+
+def distinct(objects: list[bytearray]) -> int:
+    return len({id(obj) for obj in objects})
+
+
+async def test_part_buffers_are_recycled_and_every_part_keeps_its_bytes() -> None:
+    """A streamed upload of 10 parts fills at most parts_per_file buffers, a part being sent never shares its
+    buffer with the one filling, and the budget gets every reservation back."""
+    writes, uploads, ns = make(part=5 * MiB)
+    data = os.urandom(50 * MiB + 123)  # 10 full parts and a short one (its own, shorter body)
+    async with serving(writes):
+        new = await new_file(writes, ns, b"big.bin")
+        for i in range(0, len(data), MiB):
+            await new.write(i, data[i:i + MiB])
+        await new.commit()
+    assert uploads.objects["big.bin"] == data and len(uploads.bodies) == 11
+    assert distinct(uploads.bodies[:10]) <= writes.parts_per_file
+    assert writes.memory.used == 0
+
+
+async def test_a_deferred_upload_reads_its_parts_into_recycled_buffers(tmp_path: Path) -> None:
+    store = FakeStore()
+    ns = Namespace(store, call, prefix="", ttl=60.0)
+    uploads = FakeUploads(store)
+    writes = Writes(ns, uploads, MemoryBudget(64 * MiB), part_size=5 * MiB, max_connections=2, timeout=30.0,  # type: ignore[arg-type]
+                    allow_overwrite=False, allow_delete=False,
+                    cache=(FakeCache(), str(tmp_path), lambda v, i: ChunkId("b", v.key, v.etag, 4 * MiB, i), 4 * MiB))
+    data = os.urandom(40 * MiB)
+    async with serving(writes):
+        new = await new_file(writes, ns, b".tmpB")
+        new.truncate(len(data))
+        for i in range(0, len(data), MiB):
+            await new.write(i, data[i:i + MiB])
+        await writes.rename(new.node, ns.node(ROOT_INODE), b"model.safetensors", None, 0)
+        await new.commit()
+        await writes.drain_cache_fills()
+    assert uploads.objects == {"model.safetensors": data} and len(uploads.bodies) == 8
+    assert distinct(uploads.bodies) <= writes.parts_per_file
+    assert writes.memory.used == 0
+
+
+async def test_a_part_that_succeeds_after_its_file_was_dropped_gives_its_memory_back() -> None:
+    writes, uploads, ns = make(part=5 * MiB)
+    succeed_anyway = uploads.put_part
+
+    def put_part(key: str, upload_id: str, number: int, body: bytearray) -> str:
+        uploads.parts.setdefault(upload_id, {})  # the server took the part before it saw the abort
+        return succeed_anyway(key, upload_id, number, body)
+
+    uploads.put_part = put_part  # type: ignore[method-assign]
+    async with serving(writes):
+        new = await new_file(writes, ns, b".tmpC")
+        uploads.gate.clear()
+        await new.write(0, bytes(6 * MiB))  # part 1 in flight, held
+        await writes.unlink(new.node)
+        uploads.gate.set()
+        await parts_ended(writes)
+    assert uploads.bodies and writes.memory.used == 0

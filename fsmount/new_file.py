@@ -31,10 +31,12 @@ Rules (everything runs in the trio thread; store calls run in threads under `Wri
   started; it records its ETag or the first failure in `error`, and releases its slot. The filling
   buffer's reservation and slot are `_buf`'s: released by whoever drops `_buf` (`_drop_buffer`).
   `_idle` is set whenever no part is in flight.
-- Part buffers are recycled: a part whose request returned successfully hands its buffer, reservation
-  included, to `_free`, where the next part of the same size takes it (a fresh 8 MiB bytearray is
-  zeroed and faulted in, then unmapped when dropped: a third of the daemon's CPU in a deferred
-  upload, measured). Only a successful request gives its buffer back: a request given up on time-out
+- Part buffers are recycled: a part whose request returned successfully, while another part of the
+  same file waits for the slot it gives up, hands its buffer, reservation included, to `_free`, where
+  that part takes it (a fresh 8 MiB bytearray is zeroed and faulted in, then unmapped when dropped: a
+  third of the daemon's CPU in a deferred upload, measured). Otherwise, or while any task waits in
+  `MemoryBudget.reserve`, the reservation is released as before, so an idle file never sits on memory
+  another file needs. Only a successful request gives its buffer on: a request given up on time-out
   may still be sending from it in its thread, and it fails the file. `_free` holds at most
   `parts_per_file` buffers, and is emptied (reservations released) for good when the file is stored or
   dropped (`_recycling` turns False: a part that succeeds after an abort releases its own).
@@ -217,12 +219,19 @@ class NewFile:
         await self._writes.memory.reserve(size)
         return bytearray(size)
 
-    def _recycle(self, buf: bytearray) -> None:
-        """A part's request returned successfully: its buffer (and reservation) is free for the next part."""
-        if self._recycling and self.error is None and len(self._free) < self._writes.parts_per_file:
+    def _recycle(self, buf: bytearray, handed_on: bool) -> None:
+        """A part's request returned successfully: its buffer (and reservation) goes to the next part, if
+        `handed_on` (a part of this file was waiting for the slot this one gave up) and nobody waits for
+        room in the budget; otherwise it is released."""
+        if (handed_on and self._recycling and self.error is None and not self._writes.memory.waiting
+                and len(self._free) < self._writes.parts_per_file):
             self._free.append(buf)
         else:
             self._writes.memory.release(len(buf))
+
+    def _slot_wanted(self) -> bool:
+        """Whether a part of this file waits for a slot (it takes the next buffer once one is released)."""
+        return self._slots.statistics().tasks_waiting > 0
 
     def _drop_free(self) -> None:
         self._recycling = False
@@ -285,9 +294,10 @@ class NewFile:
             self._part_done(buf, sent)
 
     def _part_done(self, buf: bytearray, sent: bool) -> None:
+        handed_on = self._slot_wanted()
         self._slots.release()
         if sent:
-            self._recycle(buf)
+            self._recycle(buf, handed_on)
         else:
             self._writes.memory.release(len(buf))
         self._in_flight -= 1
@@ -393,24 +403,27 @@ class NewFile:
         writes.register(self)
 
         async def one(number: int, start: int, end: int) -> None:
-            async with self._slots:
-                if self.error is not None:
-                    return
-                body = await self._part_buffer(end - start)
-                sent = False
-                try:
-                    await self._read_copy(start, body)
-                    self._etags[number] = await writes.call(writes.uploads.put_part, key, self._upload_id,
-                                                            number, body)
-                    writes.count_part(end - start)
-                    sent = True
-                except StoreError as exc:
-                    self._fail(f"part {number}: {exc.message}")
-                finally:
-                    if sent:
-                        self._recycle(body)
-                    else:
-                        writes.memory.release(len(body))
+            await self._slots.acquire()
+            if self.error is not None:
+                self._slots.release()
+                return
+            body = await self._part_buffer(end - start)
+            sent = False
+            try:
+                await self._read_copy(start, body)
+                self._etags[number] = await writes.call(writes.uploads.put_part, key, self._upload_id,
+                                                        number, body)
+                writes.count_part(end - start)
+                sent = True
+            except StoreError as exc:
+                self._fail(f"part {number}: {exc.message}")
+            finally:
+                handed_on = self._slot_wanted()
+                self._slots.release()
+                if sent:
+                    self._recycle(body, handed_on)
+                else:
+                    writes.memory.release(len(body))
 
         async with trio.open_nursery() as nursery:
             for number, (start, end) in enumerate(ranges, 1):

@@ -21,8 +21,7 @@ import shutil
 import threading
 from collections.abc import Callable
 
-from fsmount.data import ChunkCache, ChunkId
-from fsmount.data.identity import new_buffer
+from fsmount.data import ChunkCache, ChunkId, new_buffer
 
 log = logging.getLogger(__name__)
 

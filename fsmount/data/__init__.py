@@ -21,7 +21,7 @@ from fsmount.data.cache_admin import cache_clear, cache_stats, cache_verify
 from fsmount.data.cache_dir import CHUNKS_DIR, CacheDirBusy, cache_bytes
 from fsmount.data.disk_cache import DiskCache
 from fsmount.data.engine import AHEAD, BACKGROUND, DEMAND, ChunkEngine, Fetch, ReadTimeout
-from fsmount.data.identity import Chunk, ChunkId, ObjectVersion, WritableBuffer
+from fsmount.data.identity import Chunk, ChunkId, ObjectVersion, WritableBuffer, new_buffer
 from fsmount.data.levels import ChunkCache, LatencyHistogram, LevelStack
 from fsmount.data.shared_tier import SharedTier
 from fsmount.data.store import (
@@ -44,5 +44,5 @@ __all__ = [
     "ListingPage", "MemoryBudget", "NotFound", "ObjectMeta", "ObjectStore", "ObjectVersion", "PreconditionFailed",
     "ReadTimeout", "SharedTier", "StoreError", "TransientError", "Unreachable", "WritableBuffer", "cache_bytes",
     "cache_clear", "cache_stats", "cache_verify", "MAX_PART_SIZE", "MAX_PARTS", "MIN_PART_SIZE", "PendingUpload",
-    "COPY_OBJECT_MAX", "Uploads",
+    "COPY_OBJECT_MAX", "Uploads", "new_buffer",
 ]

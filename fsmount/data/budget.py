@@ -50,6 +50,7 @@ class MemoryBudget:
         self.cached = 0
         self.reserved = 0
         self.buffers_recycled = 0
+        self.waiting = 0  # tasks in `reserve` waiting for room: holders of idle reservations should let go
         self._chunks: collections.OrderedDict[ChunkId, Chunk] = collections.OrderedDict()
         self._pins: collections.Counter[ChunkId] = collections.Counter()
         self._served: dict[ChunkId, int] = {}  # level hits in reusable buffers: bytes READs took so far
@@ -124,7 +125,11 @@ class MemoryBudget:
                     self.buffers_recycled += 1
                     return data
                 continue
-            await self._changed.wait()
+            self.waiting += 1
+            try:
+                await self._changed.wait()
+            finally:
+                self.waiting -= 1
         self.reserved += n
         return None
 

@@ -7,6 +7,7 @@ import contextlib
 import errno
 import os
 import threading
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -504,15 +505,50 @@ def distinct(objects: list[bytearray]) -> int:
     return len({id(obj) for obj in objects})
 
 
+def slow_parts(uploads: FakeUploads, seconds: float = 0.02) -> None:
+    """Parts take a while, so that the writer waits for a slot (as it does when the server is slower)."""
+    put_part = uploads.put_part
+
+    def slowly(*args: Any) -> str:
+        time.sleep(seconds)
+        return put_part(*args)
+
+    uploads.put_part = slowly  # type: ignore[method-assign]
+
+
 async def test_part_buffers_are_recycled_and_every_part_keeps_its_bytes() -> None:
-    """A streamed upload of 10 parts fills at most parts_per_file buffers, a part being sent never shares its
-    buffer with the one filling, and the budget gets every reservation back."""
+    """A streamed upload of 10 parts whose writer waits for slots (each part is let go only then) fills at
+    most parts_per_file buffers, a part being sent never shares its buffer with the one filling, and the
+    budget gets every reservation back."""
     writes, uploads, ns = make(part=5 * MiB)
+    permits, put_part = threading.Semaphore(0), uploads.put_part
+
+    def when_let_go(*args: Any) -> str:
+        assert permits.acquire(timeout=10)
+        return put_part(*args)
+
+    uploads.put_part = when_let_go  # type: ignore[method-assign]
     data = os.urandom(50 * MiB + 123)  # 10 full parts and a short one (its own, shorter body)
-    async with serving(writes):
+    async with serving(writes) as nursery:
         new = await new_file(writes, ns, b"big.bin")
-        for i in range(0, len(data), MiB):
-            await new.write(i, data[i:i + MiB])
+        done = trio.Event()
+
+        async def writer() -> None:
+            for i in range(0, len(data), MiB):
+                await new.write(i, data[i:i + MiB])
+            done.set()
+
+        nursery.start_soon(writer)
+        with trio.fail_after(10):
+            while not done.is_set():
+                if new._slots.statistics().tasks_waiting:  # the writer waits for a buffer: one part may end
+                    sent = len(uploads.bodies)
+                    permits.release()
+                    while len(uploads.bodies) == sent or new._slots.statistics().tasks_waiting:
+                        await trio.sleep(0.001)
+                await trio.sleep(0.001)
+        for _ in range(writes.parts_per_file + 1):
+            permits.release()
         await new.commit()
     assert uploads.objects["big.bin"] == data and len(uploads.bodies) == 11
     assert distinct(uploads.bodies[:10]) <= writes.parts_per_file
@@ -523,6 +559,7 @@ async def test_a_deferred_upload_reads_its_parts_into_recycled_buffers(tmp_path:
     store = FakeStore()
     ns = Namespace(store, call, prefix="", ttl=60.0)
     uploads = FakeUploads(store)
+    slow_parts(uploads)
     writes = Writes(ns, uploads, MemoryBudget(64 * MiB), part_size=5 * MiB, max_connections=2, timeout=30.0,  # type: ignore[arg-type]
                     allow_overwrite=False, allow_delete=False,
                     cache=(FakeCache(), str(tmp_path), lambda v, i: ChunkId("b", v.key, v.etag, 4 * MiB, i), 4 * MiB))
@@ -540,11 +577,37 @@ async def test_a_deferred_upload_reads_its_parts_into_recycled_buffers(tmp_path:
     assert writes.memory.used == 0
 
 
+async def test_a_file_that_stops_writing_holds_no_recycled_buffer_another_file_needs() -> None:
+    """Recycling hands a buffer only to a part of the same file that is waiting for it: a file left open
+    after its parts went out keeps nothing but its filling buffer, and another writer gets the room."""
+    writes, uploads, ns = make(memory=20 * MiB, part=5 * MiB)  # room for 4 part buffers
+    slow_parts(uploads)
+    async with serving(writes):
+        idle = await new_file(writes, ns, b"idle.bin")
+        for i in range(12):
+            await idle.write(i * MiB, bytes(MiB))  # 2 parts sent, the third filling
+        with trio.fail_after(5):
+            while idle._in_flight:
+                await trio.sleep(0.01)
+        assert writes.memory.used == 5 * MiB  # the filling buffer only
+        other = await new_file(writes, ns, b"other.bin")
+        data = os.urandom(30 * MiB)
+        with trio.fail_after(10):
+            for i in range(0, len(data), MiB):
+                await other.write(i, data[i:i + MiB])
+            await other.commit()
+        assert uploads.objects["other.bin"] == data
+        await idle.commit()
+    assert writes.memory.used == 0
+
+
 async def test_a_part_that_succeeds_after_its_file_was_dropped_gives_its_memory_back() -> None:
     writes, uploads, ns = make(part=5 * MiB)
-    succeed_anyway = uploads.put_part
+    succeed_anyway, entered = uploads.put_part, threading.Event()
 
     def put_part(key: str, upload_id: str, number: int, body: bytearray) -> str:
+        entered.set()
+        uploads.gate.wait(10)
         uploads.parts.setdefault(upload_id, {})  # the server took the part before it saw the abort
         return succeed_anyway(key, upload_id, number, body)
 
@@ -552,7 +615,8 @@ async def test_a_part_that_succeeds_after_its_file_was_dropped_gives_its_memory_
     async with serving(writes):
         new = await new_file(writes, ns, b".tmpC")
         uploads.gate.clear()
-        await new.write(0, bytes(6 * MiB))  # part 1 in flight, held
+        await new.write(0, bytes(6 * MiB))  # part 1 goes out, and is held
+        assert await trio.to_thread.run_sync(entered.wait, 5)
         await writes.unlink(new.node)
         uploads.gate.set()
         await parts_ended(writes)

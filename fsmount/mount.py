@@ -68,11 +68,18 @@ CLAIM_DROP_S = 10.0
 # botocore's retries of one shared-tier request: none, since the origin is the fallback; a request then
 # takes at most --shared-cache-timeout.
 SHARED_TIER_RETRIES = 0
-# glibc mallopt parameters: return freed chunk buffers to the OS at once, and do not grow one
-# arena per worker thread; otherwise RSS stays at its peak long after the memory limit was hit.
+# glibc mallopt parameters: return freed chunk-sized blocks to the OS at once, and do not grow one
+# arena per worker thread; otherwise RSS stays at its peak long after the memory limit was hit. The mmap
+# threshold sits above the largest FUSE request (1 MiB of data and its header), and the heap keeps up to
+# TRIM_THRESHOLD_BYTES free at its top: pyfuse3 copies every WRITE into a fresh bytes object, and with a
+# 1 MiB threshold each of those was a fresh mmap, faulted in and unmapped again (with a 128 KiB trim
+# threshold, a fresh piece of heap given back at once): 260k page faults and ~0.5 daemon CPU-s per GiB
+# written, measured (bench/RESULTS.md).
+M_TRIM_THRESHOLD = -1
 M_MMAP_THRESHOLD = -3
 M_ARENA_MAX = -8
-MMAP_THRESHOLD_BYTES = 1 << 20
+MMAP_THRESHOLD_BYTES = 2 << 20
+TRIM_THRESHOLD_BYTES = 4 << 20
 ARENA_MAX = 2
 
 QUIET_LOGGERS = ("botocore", "boto3", "urllib3", "s3transfer")
@@ -256,9 +263,11 @@ def open_shared_tier(cfg: MountConfig) -> SharedTier:
 
 
 def tune_malloc() -> None:
+    """glibc's allocator for a FUSE daemon (see MMAP_THRESHOLD_BYTES); best effort, elsewhere a no-op."""
     try:
         libc = ctypes.CDLL("libc.so.6")
         libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES)
+        libc.mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES)
         libc.mallopt(M_ARENA_MAX, ARENA_MAX)
     except (OSError, AttributeError):
         log.debug("mallopt not available; memory may be returned to the OS later")

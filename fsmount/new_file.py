@@ -186,7 +186,10 @@ class NewFile:
             buf = self._buf
             assert buf is not None
             take = min(len(view), len(buf) - self._fill)
-            buf[self._fill:self._fill + take] = view[:take]
+            # Through a memoryview: a bytearray slice assigned a memoryview first copies it into a temporary
+            # bytearray (a second copy of every byte written, into fresh pages).
+            with memoryview(buf) as target:
+                target[self._fill:self._fill + take] = view[:take]
             self._fill += take
             self.written += take
             view = view[take:]

@@ -8,6 +8,7 @@ import errno
 import os
 import threading
 import time
+import tracemalloc
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -514,6 +515,25 @@ def slow_parts(uploads: FakeUploads, seconds: float = 0.02) -> None:
         return put_part(*args)
 
     uploads.put_part = slowly  # type: ignore[method-assign]
+
+
+async def test_a_write_is_copied_once_into_its_part_buffer() -> None:
+    """The bytes of a WRITE go straight into the part buffer: no temporary copy of them on the way (a
+    bytearray slice assigned a memoryview makes one, a second pass over every byte written)."""
+    writes, uploads, ns = make(part=5 * MiB)
+    data = os.urandom(MiB)
+    async with serving(writes):
+        new = await new_file(writes, ns, b"once.bin")
+        await new.write(0, data)  # the part buffer is allocated here
+        tracemalloc.start()
+        try:
+            await new.write(MiB, data)
+            _, peak = tracemalloc.get_traced_memory()
+        finally:
+            tracemalloc.stop()
+        await new.commit()
+    assert peak < MiB // 8, f"{peak} bytes allocated while writing 1 MiB into a part buffer"
+    assert uploads.objects["once.bin"] == data + data
 
 
 async def test_part_buffers_are_recycled_and_every_part_keeps_its_bytes() -> None:

@@ -31,15 +31,16 @@ Rules (everything runs in the trio thread; store calls run in threads under `Wri
   started; it records its ETag or the first failure in `error`, and releases its slot. The filling
   buffer's reservation and slot are `_buf`'s: released by whoever drops `_buf` (`_drop_buffer`).
   `_idle` is set whenever no part is in flight.
-- Part buffers are recycled: a part whose request returned successfully, while another part of the
-  same file waits for the slot it gives up, hands its buffer, reservation included, to `_free`, where
-  that part takes it (a fresh 8 MiB bytearray is zeroed and faulted in, then unmapped when dropped: a
-  third of the daemon's CPU in a deferred upload, measured). Otherwise, or while any task waits in
-  `MemoryBudget.reserve`, the reservation is released as before, so an idle file never sits on memory
-  another file needs. Only a successful request gives its buffer on: a request given up on time-out
-  may still be sending from it in its thread, and it fails the file. `_free` holds at most
-  `parts_per_file` buffers, and is emptied (reservations released) for good when the file is stored or
-  dropped (`_recycling` turns False: a part that succeeds after an abort releases its own).
+- Part buffers are recycled: a part whose request returned successfully hands its buffer, reservation
+  included, to `_free`, where the file's next part of the same size takes it (a fresh 8 MiB buffer is
+  zeroed and faulted in, then unmapped when dropped: a third of the daemon's CPU in a deferred upload,
+  measured). A buffer in `_free` is idle memory another file or a fetch may need: `release_free` gives
+  every one back, and the budget calls it (through `Writes`, a reclaimer of `MemoryBudget`) whenever a
+  `reserve` would otherwise wait for room, and `_recycle` does not keep one while a task waits there.
+  (Holding them regardless deadlocked: 4 writers under --memory-limit 256M.) Only a successful request
+  gives its buffer on: a request given up on time-out may still be sending from it in its thread, and it
+  fails the file. `_free` holds at most `parts_per_file` buffers, and is emptied for good when the file
+  is stored or dropped (`_recycling` turns False: a part that succeeds after an abort releases its own).
 - `error` once set never clears; `stored` once set never changes.
 """
 
@@ -222,24 +223,23 @@ class NewFile:
         await self._writes.memory.reserve(size)
         return bytearray(size)
 
-    def _recycle(self, buf: bytearray, handed_on: bool) -> None:
-        """A part's request returned successfully: its buffer (and reservation) goes to the next part, if
-        `handed_on` (a part of this file was waiting for the slot this one gave up) and nobody waits for
-        room in the budget; otherwise it is released."""
-        if (handed_on and self._recycling and self.error is None and not self._writes.memory.waiting
+    def _recycle(self, buf: bytearray) -> None:
+        """A part's request returned successfully: its buffer (and reservation) is kept for the next part,
+        unless a task waits for room in the budget."""
+        if (self._recycling and self.error is None and not self._writes.memory.waiting
                 and len(self._free) < self._writes.parts_per_file):
             self._free.append(buf)
         else:
             self._writes.memory.release(len(buf))
 
-    def _slot_wanted(self) -> bool:
-        """Whether a part of this file waits for a slot (it takes the next buffer once one is released)."""
-        return self._slots.statistics().tasks_waiting > 0
+    def release_free(self) -> None:
+        """Give back the idle recycled buffers and their reservations (the budget needs the room)."""
+        while self._free:
+            self._writes.memory.release(len(self._free.pop()))
 
     def _drop_free(self) -> None:
         self._recycling = False
-        while self._free:
-            self._writes.memory.release(len(self._free.pop()))
+        self.release_free()
 
     def _release(self, reserved: int) -> None:
         """A part buffer is gone: its reservation and its slot go back."""
@@ -297,10 +297,9 @@ class NewFile:
             self._part_done(buf, sent)
 
     def _part_done(self, buf: bytearray, sent: bool) -> None:
-        handed_on = self._slot_wanted()
         self._slots.release()
         if sent:
-            self._recycle(buf, handed_on)
+            self._recycle(buf)
         else:
             self._writes.memory.release(len(buf))
         self._in_flight -= 1
@@ -421,10 +420,9 @@ class NewFile:
             except StoreError as exc:
                 self._fail(f"part {number}: {exc.message}")
             finally:
-                handed_on = self._slot_wanted()
                 self._slots.release()
                 if sent:
-                    self._recycle(body, handed_on)
+                    self._recycle(body)
                 else:
                     writes.memory.release(len(body))
 

@@ -116,6 +116,7 @@ class Writes:
         self._staging_limiter = trio.CapacityLimiter(STAGING_THREADS)
         self._fills = 0  # cache fills running
         self._fills_done = trio.Event()
+        memory.add_reclaimer(self._release_idle_buffers)
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """The nursery of part uploads, open for the mount's life."""
@@ -125,6 +126,11 @@ class Writes:
             await trio.sleep_forever()
 
     # -- for NewFile -----------------------------------------------------------------------------
+
+    def _release_idle_buffers(self) -> None:
+        """The budget's reclaimer: every file's recycled part buffers back to the budget (no await)."""
+        for new in self._files.values():
+            new.release_free()
 
     async def call(self, fn: Callable[..., Any], *args: Any) -> Any:
         """One store request in a thread, given up after --read-timeout."""

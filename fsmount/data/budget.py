@@ -4,8 +4,9 @@ and the reuse of chunk buffers. It decides what stays in memory; it never fetche
 Rules (everything here runs in the trio thread; nothing awaits except `reserve`):
 - Budget: `cached + reserved <= limit` holds at every checkpoint. A fetch reserves its chunk's bytes
   before it starts and `store`s the result before it `release`s the reservation (both are counted in
-  between, which errs on the side of the budget). `reserve` evicts in LRU order and waits on
-  `_changed` when nothing is evictable.
+  between, which errs on the side of the budget). `reserve` evicts in LRU order; when nothing is
+  evictable it has the reclaimers give back what they hold idle (`add_reclaimer`: the writes' recycled
+  part buffers), and waits on `_changed` only if that freed nothing.
 - Pins: a pinned chunk (`_pins[cid]` > 0) is not evicted until `unpin`. Only work that finishes on its
   own may pin (the write-through to the cache levels): a page-cache push may not, since it can wait
   for a READ that waits for room.
@@ -31,6 +32,7 @@ from __future__ import annotations
 import collections
 import mmap
 import sys
+from collections.abc import Callable
 
 import trio
 
@@ -51,6 +53,7 @@ class MemoryBudget:
         self.reserved = 0
         self.buffers_recycled = 0
         self.waiting = 0  # tasks in `reserve` waiting for room: holders of idle reservations should let go
+        self._reclaimers: list[Callable[[], None]] = []
         self._chunks: collections.OrderedDict[ChunkId, Chunk] = collections.OrderedDict()
         self._pins: collections.Counter[ChunkId] = collections.Counter()
         self._served: dict[ChunkId, int] = {}  # level hits in reusable buffers: bytes READs took so far
@@ -125,6 +128,8 @@ class MemoryBudget:
                     self.buffers_recycled += 1
                     return data
                 continue
+            if self._reclaim():
+                continue
             self.waiting += 1
             try:
                 await self._changed.wait()
@@ -132,6 +137,18 @@ class MemoryBudget:
                 self.waiting -= 1
         self.reserved += n
         return None
+
+    def add_reclaimer(self, reclaim: Callable[[], None]) -> None:
+        """`reclaim()` releases reservations its owner holds only to reuse them later (idle buffers): called,
+        without awaiting, by a `reserve` that would otherwise wait for room."""
+        self._reclaimers.append(reclaim)
+
+    def _reclaim(self) -> bool:
+        """Whether the reclaimers gave reservations back."""
+        before = self.reserved
+        for reclaim in self._reclaimers:
+            reclaim()
+        return self.reserved < before
 
     def take_spent_buffer(self, length: int) -> mmap.mmap | None:
         """The buffer of a spent chunk, taken out of memory with its bytes moved from `cached` to

@@ -2,7 +2,8 @@
 NVMe cache and a resume on the same node reads them at local speed.
 
 A file's chunk ids name its ETag, which the bucket gives only when the upload completes; until then its
-bytes are kept in `CACHE_DIR/writes/<n>` (each part as it is sent), and once the file is stored they are
+bytes are kept in `CACHE_DIR/writes/<n>` (each part as it is sent, or each WRITE of a deferred file; with
+O_DIRECT where the filesystem takes it, see `StagedFile`), and once the file is stored they are
 cut into chunks and handed to the cache level with `put`, as the read path's write-through does. The
 copy is removed when that is done, or when the file fails. The folder is emptied when a mount opens it
 (the cache directory's lock says no other process uses it), so a killed daemon's copies do not pile up.
@@ -14,6 +15,7 @@ disk) loses the cache fill only, never the upload: it is logged once and the fil
 
 from __future__ import annotations
 
+import errno
 import itertools
 import logging
 import os
@@ -21,11 +23,14 @@ import shutil
 import threading
 from collections.abc import Callable
 
-from fsmount.data import ChunkCache, ChunkId, new_buffer
+from fsmount.data import ALIGN, ChunkCache, ChunkId, new_buffer, pwrite_all, round_up
 
 log = logging.getLogger(__name__)
 
 WRITES_DIR = "writes"
+# A copy's O_DIRECT unit: the bytes gathered before a write, and read at once. 1 MiB writes ran at 1.8 GB/s
+# on the dev box's disk (dd oflag=direct), as fast as 8 MiB ones; each open copy holds one such buffer.
+BLOCK = 1 << 20
 
 
 class Staging:
@@ -37,14 +42,32 @@ class Staging:
         os.makedirs(self.root, mode=0o700, exist_ok=True)
         self._names = itertools.count(1)
         self._failed_logged = False
+        self._direct = True  # O_DIRECT for the copies, until the filesystem refuses it
 
     def open(self) -> StagedFile | None:
         path = os.path.join(self.root, str(next(self._names)))
         try:
-            return StagedFile(self, os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600), path)
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
         except OSError as exc:
             self.failed(exc)
             return None
+        direct_fd = None
+        if self._direct:
+            try:
+                direct_fd = os.open(path, os.O_RDWR | os.O_DIRECT | os.O_CLOEXEC)
+            except OSError as exc:
+                if exc.errno != errno.EINVAL:
+                    os.close(fd)
+                    self.failed(exc)
+                    return None
+                self.direct_refused(exc)
+        return StagedFile(self, fd, path, direct_fd)
+
+    def direct_refused(self, exc: OSError) -> None:
+        if self._direct:
+            self._direct = False
+            log.info("%s: O_DIRECT not supported here (%s); the copies of written files go through the page cache",
+                     self.root, exc)
 
     def failed(self, exc: OSError) -> None:
         if not self._failed_logged:
@@ -55,15 +78,28 @@ class Staging:
 
 class StagedFile:
     """The local copy of one file being written. `ok` turns False at the first failure, which ends it.
-    Thread-safe: `_lock` is held around every use of the descriptor, so `discard` (from the trio thread,
-    when the file fails) never closes it under a write in a worker thread, whose number could then name
-    another file."""
+    Thread-safe: `_lock` is held around every use of the descriptors and of `_block`, so `discard` (from the
+    trio thread, when the file fails) never closes them under a write in a worker thread, whose number could
+    then name another file.
 
-    def __init__(self, staging: Staging, fd: int, path: str):
+    The copy bypasses the page cache (O_DIRECT) where the filesystem allows it, as the NVMe cache's chunk
+    files do: a checkpoint's bytes would otherwise take their size in page cache (evicting a node's model
+    pages), fresh pages that cost first-touch faults. Writes arrive in order, mostly (a deferred file's
+    WRITEs; a streamed file's parts, a few at once): bytes that continue the ones before gather in `_block`
+    (page-aligned, BLOCK bytes from an aligned offset) and go out a whole block at a time. A write elsewhere
+    sends what was gathered first; a partial block waits for the next write and is sent through the page
+    cache when the copy is read (`_settle`). The first EINVAL from O_DIRECT turns it off for the staging
+    folder (one info line) and the copy goes on through the page cache."""
+
+    def __init__(self, staging: Staging, fd: int, path: str, direct_fd: int | None):
         self._staging = staging
         self._fd: int | None = fd
+        self._direct_fd = direct_fd
         self._path = path
         self._lock = threading.Lock()
+        self._block = new_buffer(BLOCK) if direct_fd is not None else None
+        self._block_at = 0  # the file offset of _block's first byte (a multiple of ALIGN)
+        self._gathered = 0  # bytes in _block, not yet in the file
 
     @property
     def ok(self) -> bool:
@@ -75,6 +111,7 @@ class StagedFile:
             if self._fd is None:
                 return
             try:
+                self._settle()
                 os.ftruncate(self._fd, size)
                 return
             except OSError as exc:
@@ -86,13 +123,96 @@ class StagedFile:
             if self._fd is None:
                 return
             try:
-                view, done = memoryview(data), 0
-                while done < len(view):
-                    done += os.pwrite(self._fd, view[done:], offset + done)
+                with memoryview(data) as view:
+                    self._write(offset, view.cast("B") if view.format != "B" else view)
                 return
             except OSError as exc:
                 self._staging.failed(exc)
         self.discard()
+
+    def _write(self, offset: int, view: memoryview) -> None:
+        if self._block is None:
+            pwrite_all(self._fd, view, offset)
+            return
+        if self._gathered and offset != self._block_at + self._gathered:
+            self._settle()  # not a continuation: what was gathered goes first
+        if not self._gathered:
+            head = min(len(view), -offset % ALIGN)
+            if head:  # up to the next aligned offset, where a block can start
+                pwrite_all(self._fd, view[:head], offset)
+                view, offset = view[head:], offset + head
+            self._block_at = offset
+        while view and self._block is not None:
+            take = min(len(view), BLOCK - self._gathered)
+            self._block[self._gathered:self._gathered + take] = view[:take]
+            self._gathered += take
+            view = view[take:]
+            if self._gathered == BLOCK:
+                self._send_block()
+        if view:  # O_DIRECT was refused meanwhile
+            pwrite_all(self._fd, view, self._block_at + self._gathered)
+
+    def _send_block(self) -> None:
+        """The whole gathered block into the file, with O_DIRECT (through the page cache if refused)."""
+        assert self._block is not None and self._direct_fd is not None
+        refused = False
+        with memoryview(self._block) as block:
+            try:
+                pwrite_all(self._direct_fd, block, self._block_at)
+            except OSError as exc:
+                if exc.errno != errno.EINVAL:
+                    raise
+                self._staging.direct_refused(exc)
+                pwrite_all(self._fd, block, self._block_at)
+                refused = True
+        if refused:
+            self._end_direct()
+        self._block_at += BLOCK
+        self._gathered = 0
+
+    def _settle(self) -> None:
+        """What was gathered into the file, through the page cache (a partial block is no O_DIRECT write)."""
+        if self._gathered and self._block is not None:
+            with memoryview(self._block) as block:
+                pwrite_all(self._fd, block[:self._gathered], self._block_at)
+            self._gathered = 0
+
+    def _end_direct(self) -> None:
+        if self._direct_fd is not None:
+            os.close(self._direct_fd)
+            self._direct_fd = None
+        if self._block is not None:
+            self._block.close()
+            self._block = None
+
+    def _pread(self, offset: int, view: memoryview, view_aligned: bool = False) -> None:
+        """Fill `view` from the copy at `offset`. With O_DIRECT when `offset` is aligned: straight into `view`
+        if it is page-aligned whole blocks (`view_aligned`), else through `_block` a block at a time;
+        otherwise (or once refused) through the page cache."""
+        self._settle()
+        done = 0
+        while done < len(view):
+            at = offset + done
+            if self._block is not None and at % ALIGN == 0:
+                try:
+                    if view_aligned and (len(view) - done) % ALIGN == 0:
+                        n = os.preadv(self._direct_fd, [view[done:]], at)
+                    else:
+                        want = min(BLOCK, round_up(len(view) - done))
+                        with memoryview(self._block) as block:
+                            n = min(os.preadv(self._direct_fd, [block[:want]], at), len(view) - done)
+                            view[done:done + n] = block[:n]
+                except OSError as exc:
+                    if exc.errno != errno.EINVAL:
+                        raise
+                    self._staging.direct_refused(exc)
+                    self._end_direct()
+                    continue
+            else:
+                n = os.preadv(self._fd, [view[done:]], at)
+            if n == 0:
+                raise OSError(f"{self._path} ends at {at}")
+            done += n
 
     def read_into(self, offset: int, buf: bytearray) -> bool:
         """Fill `buf` with the copy's bytes at `offset`; False (the copy is then gone) if it could not."""
@@ -100,12 +220,8 @@ class StagedFile:
             if self._fd is None:
                 return False
             try:
-                view, done = memoryview(buf), 0
-                while done < len(view):
-                    n = os.preadv(self._fd, [view[done:]], offset + done)
-                    if n == 0:
-                        raise OSError(f"{self._path} ends at {offset + done}")
-                    done += n
+                with memoryview(buf) as view:
+                    self._pread(offset, view)
                 return True
             except OSError as exc:
                 self._staging.failed(exc)
@@ -128,9 +244,8 @@ class StagedFile:
                 with self._lock:
                     if self._fd is None:
                         return count
-                    read = os.preadv(self._fd, [buf], start)
-                if read != length:
-                    raise OSError(f"short read of {self._path}")
+                    with memoryview(buf) as view:
+                        self._pread(start, view, view_aligned=True)  # new_buffer: an anonymous map
                 cache.put(chunk_id(index), buf)
                 count += 1
             return count
@@ -146,6 +261,7 @@ class StagedFile:
                 return
             os.close(self._fd)
             self._fd = None
+            self._end_direct()
         try:
             os.unlink(self._path)
         except OSError:

@@ -19,6 +19,7 @@ from fsmount.data.boto3_store import Boto3Store
 from fsmount.data.budget import MemoryBudget
 from fsmount.data.cache_admin import cache_clear, cache_stats, cache_verify
 from fsmount.data.cache_dir import CHUNKS_DIR, CacheDirBusy, cache_bytes
+from fsmount.data.chunk_file import ALIGN, pwrite_all, round_up
 from fsmount.data.disk_cache import DiskCache
 from fsmount.data.engine import AHEAD, BACKGROUND, DEMAND, ChunkEngine, Fetch, ReadTimeout
 from fsmount.data.identity import Chunk, ChunkId, ObjectVersion, WritableBuffer, new_buffer
@@ -39,10 +40,11 @@ from fsmount.data.store import (
 from fsmount.data.uploads import COPY_OBJECT_MAX, MAX_PART_SIZE, MAX_PARTS, MIN_PART_SIZE, PendingUpload, Uploads
 
 __all__ = [
-    "AHEAD", "BACKGROUND", "CHUNKS_DIR", "DEMAND", "AccessDenied", "Boto3Store", "BucketMissing", "CacheDirBusy",
+    "AHEAD", "ALIGN", "BACKGROUND", "CHUNKS_DIR", "DEMAND", "AccessDenied", "Boto3Store", "BucketMissing",
+    "CacheDirBusy",
     "Chunk", "ChunkCache", "ChunkEngine", "ChunkId", "DiskCache", "Fetch", "LatencyHistogram", "LevelStack",
     "ListingPage", "MemoryBudget", "NotFound", "ObjectMeta", "ObjectStore", "ObjectVersion", "PreconditionFailed",
     "ReadTimeout", "SharedTier", "StoreError", "TransientError", "Unreachable", "WritableBuffer", "cache_bytes",
     "cache_clear", "cache_stats", "cache_verify", "MAX_PART_SIZE", "MAX_PARTS", "MIN_PART_SIZE", "PendingUpload",
-    "COPY_OBJECT_MAX", "Uploads", "new_buffer",
+    "COPY_OBJECT_MAX", "Uploads", "new_buffer", "pwrite_all", "round_up",
 ]

@@ -171,3 +171,33 @@ def test_a_discarded_copy_frees_its_descriptors(tmp_path: Path) -> None:
     assert not staged.ok and not staged.read_into(0, bytearray(1))
     staged.write(0, b"late")  # a write racing the discard is dropped, never raises
     assert os.listdir(staging.root) == []
+
+
+@pytest.mark.parametrize("fails", ["direct", "buffered"])
+def test_a_full_disk_ends_the_copy_with_one_warning(tmp_path: Path, monkeypatch, caplog, allowed_logs,
+                                                    fails: str) -> None:
+    """ENOSPC (not EINVAL) is no reason to leave O_DIRECT: the copy ends, is removed, and says so once."""
+    allowed_logs.append("cannot keep written files")
+    fds = CountingFds(monkeypatch)
+    real_pwrite = os.pwrite
+
+    def full_disk(fd, data, offset):  # noqa: ANN001, ANN202
+        if (fd in fds.direct_fds) == (fails == "direct") and offset >= 2 * BLOCK:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_pwrite(fd, data, offset)
+
+    monkeypatch.setattr(os, "pwrite", full_disk)
+    caplog.set_level(logging.INFO, logger="fsmount.write_staging")
+    staging = Staging(str(tmp_path))
+    copies = [staging.open(), staging.open()]
+    for staged in copies:
+        assert staged is not None
+        staged.write(0, b"h" * 100)  # the unaligned head goes through the page cache
+        for at in range(100, 4 * BLOCK, BLOCK):
+            staged.write(at, b"x" * BLOCK)
+        staged.extend(5 * BLOCK)  # settles the partial block: through the page cache
+        assert not staged.ok and not staged.read_into(0, bytearray(10))
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "No space left" in warnings[0].getMessage()
+    assert not any("O_DIRECT not supported" in r.getMessage() for r in caplog.records)
+    assert os.listdir(staging.root) == []

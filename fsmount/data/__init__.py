@@ -41,10 +41,9 @@ from fsmount.data.uploads import COPY_OBJECT_MAX, MAX_PART_SIZE, MAX_PARTS, MIN_
 
 __all__ = [
     "AHEAD", "ALIGN", "BACKGROUND", "CHUNKS_DIR", "DEMAND", "AccessDenied", "Boto3Store", "BucketMissing",
-    "CacheDirBusy",
-    "Chunk", "ChunkCache", "ChunkEngine", "ChunkId", "DiskCache", "Fetch", "LatencyHistogram", "LevelStack",
-    "ListingPage", "MemoryBudget", "NotFound", "ObjectMeta", "ObjectStore", "ObjectVersion", "PreconditionFailed",
-    "ReadTimeout", "SharedTier", "StoreError", "TransientError", "Unreachable", "WritableBuffer", "cache_bytes",
-    "cache_clear", "cache_stats", "cache_verify", "MAX_PART_SIZE", "MAX_PARTS", "MIN_PART_SIZE", "PendingUpload",
-    "COPY_OBJECT_MAX", "Uploads", "new_buffer", "pwrite_all", "round_up",
+    "CacheDirBusy", "Chunk", "ChunkCache", "ChunkEngine", "ChunkId", "DiskCache", "Fetch", "LatencyHistogram",
+    "LevelStack", "ListingPage", "MemoryBudget", "NotFound", "ObjectMeta", "ObjectStore", "ObjectVersion",
+    "PreconditionFailed", "ReadTimeout", "SharedTier", "StoreError", "TransientError", "Unreachable", "WritableBuffer",
+    "cache_bytes", "cache_clear", "cache_stats", "cache_verify", "MAX_PART_SIZE", "MAX_PARTS", "MIN_PART_SIZE",
+    "PendingUpload", "COPY_OBJECT_MAX", "Uploads", "new_buffer", "pwrite_all", "round_up",
 ]

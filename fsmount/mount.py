@@ -46,6 +46,7 @@ from fsmount.prometheus import MetricsAddressError, MetricsServer
 from fsmount.stats import MountStats
 from fsmount.streaming import ModelStreamer
 from fsmount.tree_changes import WritableNamespace
+from fsmount.write_staging import STAGING_BYTES
 from fsmount.writes import Writes
 
 log = logging.getLogger(__name__)
@@ -347,6 +348,8 @@ class Daemon:
         levels: list[ChunkCache] = [level for level in (self.disk_cache, self.shared_tier) if level is not None]
         # What the levels hold outside the engine's budget comes out of it.
         staging = sum(level.staging_bytes(cfg.chunk_size) for level in levels)
+        if cfg.writable and self.disk_cache is not None:
+            staging += STAGING_BYTES  # the O_DIRECT blocks of written files' local copies
         chunk_memory = max(4 * cfg.chunk_size, cfg.chunk_memory - staging)
         self.engine = ChunkEngine(self.store, chunk_size=cfg.chunk_size, memory_limit=chunk_memory,
                                   max_connections=cfg.store.max_connections, read_timeout=cfg.store.read_timeout,

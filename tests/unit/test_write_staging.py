@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from fsmount.data import ChunkId
-from fsmount.write_staging import BLOCK, StagedFile, Staging
+from fsmount.write_staging import BLOCK, DIRECT_COPIES, StagedFile, Staging
 
 MiB = 1 << 20
 
@@ -201,3 +201,22 @@ def test_a_full_disk_ends_the_copy_with_one_warning(tmp_path: Path, monkeypatch,
     assert len(warnings) == 1 and "No space left" in warnings[0].getMessage()
     assert not any("O_DIRECT not supported" in r.getMessage() for r in caplog.records)
     assert os.listdir(staging.root) == []
+
+
+def test_at_most_direct_copies_hold_a_block_at_once(tmp_path: Path, monkeypatch) -> None:
+    """The blocks' memory is bounded (the mount takes STAGING_BYTES out of the budget): copies past
+    DIRECT_COPIES go through the page cache, and a copy that ends gives its block back."""
+    fds = CountingFds(monkeypatch)
+    staging = Staging(str(tmp_path))
+    copies = [staging.open() for _ in range(DIRECT_COPIES + 2)]
+    assert fds.direct_opens == DIRECT_COPIES
+    rng = random.Random(3)
+    refs = [write_deferred(staged, rng) for staged in copies if staged is not None]
+    assert [read_back(staged, len(ref), rng) for staged, ref in zip(copies, refs, strict=True)] == refs
+    copies[0].discard()
+    copies[1].discard()
+    again = [staging.open(), staging.open(), staging.open()]
+    assert fds.direct_opens == DIRECT_COPIES + 2  # the two blocks given back, then the page cache again
+    for staged in copies[2:] + again:
+        staged.discard()
+    assert staging.open() is not None and fds.direct_opens == DIRECT_COPIES + 3

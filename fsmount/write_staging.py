@@ -61,13 +61,12 @@ class Staging:
         if self._direct and self._take_block():
             try:
                 direct_fd = os.open(path, os.O_RDWR | os.O_DIRECT | os.O_CLOEXEC)
-            except OSError as exc:
+            except OSError as exc:  # this copy goes through the page cache; EINVAL: every copy does
                 self.block_returned()
-                if exc.errno != errno.EINVAL:
-                    os.close(fd)
-                    self.failed(exc)
-                    return None
-                self.direct_refused(exc)
+                if exc.errno == errno.EINVAL:
+                    self.direct_refused(exc)
+                else:
+                    log.debug("%s: no O_DIRECT descriptor (%s); this copy goes through the page cache", path, exc)
         return StagedFile(self, fd, path, direct_fd)
 
     def _take_block(self) -> bool:

@@ -32,6 +32,8 @@ class CountingFds:
                 self.direct_opens += 1
                 if refuse == "open":
                     raise OSError(errno.EINVAL, "Invalid argument")
+                if refuse == "no fds":
+                    raise OSError(errno.EMFILE, "Too many open files")
                 fd = real_open(path, flags, *args, **kwargs)
                 self.direct_fds.add(fd)
                 return fd
@@ -220,3 +222,19 @@ def test_at_most_direct_copies_hold_a_block_at_once(tmp_path: Path, monkeypatch)
     for staged in copies[2:] + again:
         staged.discard()
     assert staging.open() is not None and fds.direct_opens == DIRECT_COPIES + 3
+
+
+def test_a_copy_without_an_o_direct_descriptor_still_works_and_the_next_one_tries_again(tmp_path: Path, monkeypatch,
+                                                                                       caplog) -> None:
+    fds = CountingFds(monkeypatch, refuse="no fds")
+    caplog.set_level(logging.INFO, logger="fsmount.write_staging")
+    staging = Staging(str(tmp_path))
+    rng = random.Random(11)
+    for tries in (1, 2):
+        staged = staging.open()
+        assert staged is not None
+        ref = write_deferred(staged, rng)
+        assert to_cache(staged, len(ref), 4 * MiB) == ref
+        assert fds.direct_opens == tries  # EMFILE is not the filesystem refusing O_DIRECT
+    assert not any(r.levelno >= logging.INFO for r in caplog.records)
+    assert os.listdir(staging.root) == []

@@ -43,6 +43,7 @@ from __future__ import annotations
 import argparse
 import collections
 import dataclasses
+import mmap
 import os
 import shutil
 import signal
@@ -98,6 +99,7 @@ class Measured:
     main_sys: float = 0.0
     gil_main: float | None = None
     gil_other: float | None = None
+    faults: int = 0  # the daemon's minor page faults: first touches of fresh memory, each zeroed
 
     @property
     def gil_bound(self) -> float:
@@ -109,6 +111,14 @@ class Measured:
 
 # py-spy's sampling rate for --gil: 1000 samples a second resolve the GIL's share of a 1-2 s read to ~1 ms.
 GIL_RATE = 1000
+
+
+def minor_faults(pid: int | None) -> int:
+    """A live process's minor page faults so far, all its threads (0 if it is gone)."""
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[7])
+    except (OSError, TypeError):
+        return 0
 
 
 def thread_cpu_seconds(pid: int, tid: int) -> tuple[float, float]:
@@ -149,6 +159,23 @@ class GilSampler:
         return main / GIL_RATE, (sum(by_thread.values()) - main) / GIL_RATE
 
 
+class PerfRecorder:
+    """`perf record -e cpu-clock -g` of a live daemon into one file, on the CPUs the bench leaves to the
+    origin (as GilSampler): the kernel side (copies, page faults) that py-spy cannot see."""
+
+    def __init__(self, pid: int, out: Path):
+        elsewhere = set(range(os.cpu_count() or 1)) - os.sched_getaffinity(0)
+        self.proc = subprocess.Popen(
+            ["perf", "record", "-q", "-e", "cpu-clock", "-F", "997", "-g", "-o", str(out), "-p", str(pid)],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            preexec_fn=(lambda: os.sched_setaffinity(0, elsewhere)) if elsewhere else None)
+        time.sleep(0.5)  # perf attaches
+
+    def stop(self) -> None:
+        self.proc.send_signal(signal.SIGINT)
+        self.proc.wait(timeout=60)
+
+
 def timed(argv: list[str], env: dict[str, str] | None = None) -> float:
     start = time.perf_counter()
     subprocess.run(argv, check=True, stdout=subprocess.DEVNULL, env=env, timeout=600)
@@ -171,6 +198,7 @@ class AB:
         self.model = work / KEY
         self.shards: list[str] = []  # keys of the sharded model, set once it is uploaded
         self.mountpoint = work / "mnt"
+        self.runs: dict[tuple[str, str], int] = {}  # measurements so far per (variant, scenario), for --perf
 
     def daemon(self, variant: str, cache_dir: Path | None) -> mounts.MountedDaemon:
         source, _, flags = self.args.variants[variant].partition(":")
@@ -181,13 +209,20 @@ class AB:
         command.env["PYTHONPATH"] = str(Path(source).resolve())
         return mounts.MountedDaemon(command, self.mountpoint, self.work / f"{variant}.log")
 
-    def through_mount(self, variant: str, cache_dir: Path | None, workload: str) -> Measured:
+    def through_mount(self, variant: str, scenario: str, cache_dir: Path | None, workload: str) -> Measured:
         with self.daemon(variant, cache_dir) as daemon:
             assert daemon.pid is not None
             drop_caches()
             sampler = GilSampler(daemon.pid, self.work / "gil.txt") if self.args.gil else None
+            perf = None
+            if self.args.perf:
+                self.args.perf.mkdir(parents=True, exist_ok=True)
+                self.runs[variant, scenario] = self.runs.get((variant, scenario), 0) + 1
+                name = f"{variant}-{scenario}-{self.runs[variant, scenario]}.data"
+                perf = PerfRecorder(daemon.pid, self.args.perf / name)
             daemon_before, server_before = cpu_seconds(daemon.pid), cpu_seconds(self.server.pid)
             main_before = thread_cpu_seconds(daemon.pid, daemon.pid)
+            faults_before = minor_faults(daemon.pid)
             paths = [self.mountpoint / key for key in (self.shards if workload == "shards" else [KEY])]
             if workload == "cat":
                 seconds = timed(["cat", *map(str, paths)])
@@ -195,26 +230,29 @@ class AB:
                 seconds = load(paths, "load_file" if workload == "shards" else workload)
             daemon_after, server_after = cpu_seconds(daemon.pid), cpu_seconds(self.server.pid)
             main_after = thread_cpu_seconds(daemon.pid, daemon.pid)
+            faults = minor_faults(daemon.pid) - faults_before
             gil = sampler.stop() if sampler else (None, None)
+            if perf:
+                perf.stop()
         return Measured(seconds, daemon_after[0] - daemon_before[0], daemon_after[1] - daemon_before[1],
                         sum(server_after) - sum(server_before), main_after[0] - main_before[0],
-                        main_after[1] - main_before[1], *gil)
+                        main_after[1] - main_before[1], *gil, faults)
 
     def measure(self, variant: str, scenario: str) -> Measured:
         cache_dir = self.work / f"cache-{variant}"
         if scenario.startswith("cold"):
             workload = {"cold": "cat", "cold_load": "load_file", "cold_safe_open": "safe_open"}[scenario]
-            return self.through_mount(variant, None, workload)
+            return self.through_mount(variant, scenario, None, workload)
         if scenario == "shards_load":
-            return self.through_mount(variant, None, "shards")
+            return self.through_mount(variant, scenario, None, "shards")
         if scenario in ("fill", "shards_fill_load"):
             shutil.rmtree(cache_dir, ignore_errors=True)
             cache_dir.mkdir()
-            return self.through_mount(variant, cache_dir, "cat" if scenario == "fill" else "shards")
+            return self.through_mount(variant, scenario, cache_dir, "cat" if scenario == "fill" else "shards")
         if scenario in ("warm", "warm_load"):
             if not cache_dir.is_dir():
                 raise SystemExit(f"{scenario} needs a filled cache: put fill before it in --scenarios")
-            return self.through_mount(variant, cache_dir, "cat" if scenario == "warm" else "load_file")
+            return self.through_mount(variant, scenario, cache_dir, "cat" if scenario == "warm" else "load_file")
         drop_caches()
         return Measured(timed(["cat", str(self.model)]) if scenario == "local" else load([self.model]))
 
@@ -233,6 +271,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--gil", action="store_true",
                    help="also sample the daemon with py-spy --gil (bench extra): GIL-held seconds per GB, the "
                         "trio thread's and the others', and the trio thread's CPU-s per GB")
+    p.add_argument("--perf", type=Path, metavar="DIR",
+                   help="also record each mounted measurement's daemon with `perf record -g` into DIR "
+                        "(VARIANT-SCENARIO-ROUND.data; read with `perf report -i`)")
     args = p.parse_args(argv)
     args.pin = pin_choice(p, args.pin)
     args.variants = dict(v.split("=", 1) for v in args.variant)
@@ -273,16 +314,19 @@ def main(argv: list[str] | None = None) -> int:
                             f"{(out.main_user + out.main_sys) / gb:5.3f} CPU-s/GB")
                         print(f"round {round_no} {variant:8s} {scenario:10s} {out.seconds:6.2f} s  daemon user "
                               f"{out.user:5.2f} sys {out.sys:5.2f} ({(out.user + out.sys) / gb:5.2f} CPU-s/GB)  "
-                              f"weed {out.weed:5.2f} CPU-s{gil}", flush=True)
+                              f"weed {out.weed:5.2f} CPU-s  faulted {out.faults * mmap.PAGESIZE / 2**20:5.0f} MiB{gil}",
+                              flush=True)
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    print(f"medians ({bed}): scenario variant seconds daemon-CPU-s daemon-CPU-s/GB weed-CPU-s (every run's seconds)")
+    print(f"medians ({bed}): scenario variant seconds daemon-CPU-s daemon-CPU-s/GB weed-CPU-s "
+          "daemon-faulted-MiB (every run's seconds)")
     for (scenario, variant), runs in sorted(results.items()):
         seconds = statistics.median(r.seconds for r in runs)
         daemon = statistics.median(r.user + r.sys for r in runs)
         weed = statistics.median(r.weed for r in runs)
-        print(f"{scenario:10s} {variant:8s} {seconds:6.2f} {daemon:6.2f} {daemon / gb:6.2f} {weed:6.2f}  "
-              f"{[round(r.seconds, 2) for r in runs]}")
+        faulted = statistics.median(r.faults for r in runs) * mmap.PAGESIZE / 2**20
+        print(f"{scenario:10s} {variant:8s} {seconds:6.2f} {daemon:6.2f} {daemon / gb:6.2f} {weed:6.2f} "
+              f"{faulted:6.0f}  {[round(r.seconds, 2) for r in runs]}")
         if args.gil and scenario in ("cold", "fill", "warm", "warm_load"):
             sampled = [(r.gil_main or 0.0) + (r.gil_other or 0.0) for r in runs]
             bound = statistics.median(r.gil_bound / gb for r in runs)

@@ -24,7 +24,8 @@ class OpenFile:
         if offset >= end:
             return b""
         engine = self._engine
-        plan = self.readahead.on_read(offset, end - offset, obj.size, window_cap)
+        plan = self.readahead.on_read(offset, end - offset, obj.size, window_cap,
+                                      lambda at: engine.held_locally(obj, at // engine.chunk_size))
         for stream in plan.dropped:
             engine.abandon(stream)
         # Demand chunks are queued before the read-ahead ones so they are fetched first.

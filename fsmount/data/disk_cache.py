@@ -8,6 +8,7 @@ Concurrency rules (callers are worker threads of the chunk engine):
 - One `threading.Lock` guards the in-memory index, the counters and the namespace operations that
   must agree with the index: the final `os.replace` of a new file and the `os.unlink` of an evicted
   or corrupt one. Reading and writing chunk *data* (and checksumming it) happens outside the lock.
+  The one read of the index without it is `contains`, a read-ahead hint that may be stale.
 - Space accounting is read under that lock too: a put reserves its file size against max_bytes from
   its room check until its file is indexed (`_reserved`), and against free space only until its temp
   file is written (`_unwritten`); from then on statvfs shows those bytes. statvfs is read under the
@@ -187,9 +188,10 @@ class DiskCache:
         return ChunkFileWriter.staging_bytes(chunk_size)
 
     def contains(self, chunk: ChunkId) -> bool:
-        digest = chunk.digest()
-        with self._lock:
-            return not self._closed and digest in self._index
+        """Whether the chunk is indexed: a hint for read-ahead, called from the trio thread, so it does not
+        wait for the lock (a puts' rename or an eviction's unlinks may hold it). One dict lookup is atomic
+        under the GIL; the answer may be stale by the time it is used, which costs only speed."""
+        return not self._closed and chunk.digest() in self._index
 
     def get(self, chunk: ChunkId, buffer: WritableBuffer | None = None) -> bytes | WritableBuffer | None:
         """The chunk's data, or None. Given a `buffer` of exactly the data's length, reads into it and

@@ -173,6 +173,11 @@ class ChunkEngine:
             self._enqueue(fetch, DEMAND)  # jump the read-ahead queue; the older entry is skipped
         return fetch
 
+    def held_locally(self, obj: ObjectVersion, index: int) -> bool:
+        """Whether a local cache level holds the chunk (a hint): it can be had in milliseconds, so reading
+        it far ahead only takes memory (a buffer each, fresh at first) early."""
+        return self.levels.holds(self.chunk_id(obj, index))
+
     def read_ahead(self, obj: ObjectVersion, index: int, owner: object) -> None:
         """Ask for a chunk ahead of need; `owner` may later `abandon` it. A chunk the kernel took whole is
         not asked for again: the page cache has it (a READ fetches it, should the kernel have dropped it)."""

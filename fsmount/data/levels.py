@@ -82,6 +82,9 @@ class ChunkCache(Protocol):
 # A level may also have `abandon(chunk)`: called (in a worker thread) when a chunk it missed will not be
 # put after all (its origin fetch failed, or memory no longer held it). The shared tier drops its claim
 # there, so other nodes fetch the chunk at once instead of waiting for a write that never comes.
+# A local level with an index in memory may also have `contains(chunk) -> bool`, answered without I/O and
+# safe to call from the trio thread: the chunks it holds come back in milliseconds, so the engine's
+# callers read them ahead less far (a chunk read ahead sits in a buffer of its own until it is taken).
 
 
 class LatencyHistogram:
@@ -146,8 +149,13 @@ class LevelStack:
         self._get_limiters = [trio.CapacityLimiter(getattr(level, "threads", DISK_THREADS)) for level in self.levels]
         self._put_limiters = [trio.CapacityLimiter(getattr(level, "put_threads", PUT_THREADS))
                               for level in self.levels]
+        self._contains = [level.contains for level in self.levels if hasattr(level, "contains")]
         self._writes_pending = 0
         self._writes_changed = trio.Event()
+
+    def holds(self, cid: ChunkId) -> bool:
+        """Whether a local level says it holds the chunk (its `contains`, no I/O); False if none can tell."""
+        return any(contains(cid) for contains in self._contains)
 
     def lookups(self, level: ChunkCache) -> tuple[int, int]:
         """(hits, misses) of one of the levels: a miss is any lookup that did not return the chunk whole

@@ -8,9 +8,10 @@ import random
 import pytest
 import trio
 
+import fsmount.readahead
 from fsmount.data import AccessDenied, ChunkEngine, StoreError, TransientError, Unreachable
 from fsmount.handles import OpenFile
-from fsmount.readahead import ReadAhead
+from fsmount.readahead import LOCAL_WINDOW, ReadAhead
 from tests.helpers import (
     CHUNK,
     LATENCY,
@@ -45,6 +46,28 @@ def test_sequential_window_doubles_to_max() -> None:
     assert windows[:5] == [1 * MiB, 2 * MiB, 4 * MiB, 8 * MiB, 16 * MiB]
     assert windows[-1] == 16 * MiB
     assert plan.ahead_end == off + 16 * MiB
+
+
+def test_a_window_over_chunks_a_local_level_holds_reaches_local_window_only() -> None:
+    """Chunks on local disk take milliseconds: reading them the whole window ahead only takes buffers early.
+    Chunks only the origin has still get the whole window, in the same stream."""
+    ra = ReadAhead(CHUNK, 256 * MiB)
+    on_disk_from = 512 * MiB  # the second half of the file is on local disk
+    asked: list[tuple[int, int]] = []
+
+    def held_locally(at: int) -> bool:
+        asked.append((at, ra.streams[0].ahead_to))
+        return at >= on_disk_from
+
+    ahead = {}
+    for i in range(1024):
+        plan = ra.on_read(i * MiB, MiB, 1 << 30, None, held_locally)
+        ahead[i] = plan.stream.ahead_to - plan.stream.next_offset
+    assert min(ahead[i] for i in range(128, 250)) >= 255 * MiB  # in the origin's half: the whole window
+    assert max(ahead[i] for i in range(on_disk_from // MiB, 1023)) <= LOCAL_WINDOW
+    assert min(ahead[i] for i in range(on_disk_from // MiB, 1000)) > 0  # ahead still, only not as far
+    # It is asked about the first byte the plan would read ahead, nothing else.
+    assert all(at == max(ahead_to, at) for at, ahead_to in asked)
 
 
 def test_prefetch_ranges_do_not_overlap() -> None:
@@ -382,6 +405,55 @@ class MemoryLevel:
 
     def put(self, cid, data) -> None:  # noqa: ANN001
         self.chunks[cid] = bytes(data)
+
+
+class IndexedLevel(MemoryLevel):
+    """A local level with an index in memory (`contains`, as DiskCache has); records the chunks asked of it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.asked: list[int] = []
+
+    def contains(self, cid) -> bool:  # noqa: ANN001
+        return cid in self.chunks
+
+    def get(self, cid, buffer=None):  # noqa: ANN001, ANN201
+        self.asked.append(cid.index)
+        return super().get(cid, buffer)
+
+
+@pytest.mark.parametrize("indexed", [True, False])
+async def test_a_reader_of_chunks_on_local_disk_is_read_ahead_only_the_local_window(autojump_clock, monkeypatch,  # noqa: ANN001
+                                                                                   indexed: bool) -> None:
+    """Each chunk read ahead holds a buffer of its own until READs take it: chunks a local level says it
+    holds are read ahead LOCAL_WINDOW far, not --max-readahead. A level that cannot tell gets the whole
+    window, as before."""
+    monkeypatch.setattr(fsmount.readahead, "LOCAL_WINDOW", 4 * MiB)
+    store = FakeStore()
+    data = put_object(store, "m", 64 * MiB)
+    level = IndexedLevel() if indexed else MemoryLevel()
+    engine = ChunkEngine(store, chunk_size=CHUNK, memory_limit=256 * MiB, max_connections=4, read_timeout=30.0,
+                         levels=[level], run_blocking=virtual_latency_runner(store))
+    v = version(store, "m")
+    for i in range(64):
+        level.put(engine.chunk_id(v, i), data[i * CHUNK:(i + 1) * CHUNK])
+    farthest = []
+
+    async def body() -> None:
+        h = OpenFile(1, 2, v, engine, max_readahead=32 * MiB)
+        for off in range(0, 24 * MiB, 128 * 1024):
+            assert await h.read(off, 128 * 1024) == data[off:off + 128 * 1024]
+            await trio.sleep(0.001)
+            inflight = [cid.index for cid in engine._inflight] + [cid.index for cid in engine.memory._chunks]
+            farthest.append(max(inflight) * CHUNK - (off + 128 * 1024))
+        h.close()
+
+    await run_engine(engine, body)
+    assert not store.gets  # every chunk came from the level
+    if indexed:
+        assert max(farthest) <= 4 * MiB, max(farthest)
+    else:
+        assert max(farthest) >= 24 * MiB, max(farthest)
 
 
 class SlowLevel(MemoryLevel):

@@ -13,7 +13,7 @@ import trio.testing
 from fsmount.data import ChunkEngine
 from fsmount.pagecache import PageCachePusher
 from fsmount.streaming import ModelStreamer
-from tests.helpers import CHUNK, MiB, make_engine, model_bytes, run_engine, version
+from tests.helpers import CHUNK, LATENCY, MiB, make_engine, model_bytes, run_engine, version
 from tests.unit.fake_store import FakeStore
 
 
@@ -57,6 +57,65 @@ async def test_streams_whole_data_region_in_offset_order(autojump_clock, tmp_pat
         streamer.closed(v)
 
     await run_prefetcher(engine, streamer, body)
+
+
+class IndexedLevel:
+    """A local cache level in a dict with an index in memory (`contains`, as DiskCache has)."""
+
+    def __init__(self, indexed: bool) -> None:
+        self.chunks: dict = {}
+        if indexed:
+            self.contains = self.chunks.__contains__
+
+    def get(self, cid, buffer=None):  # noqa: ANN001, ANN201
+        return self.chunks.get(cid)
+
+    def put(self, cid, data) -> None:  # noqa: ANN001
+        self.chunks[cid] = bytes(data)
+
+
+@pytest.mark.parametrize("indexed", [True, False])
+async def test_a_model_on_local_disk_is_streamed_only_a_few_chunks_ahead(autojump_clock, tmp_path,  # noqa: ANN001
+                                                                         indexed: bool) -> None:
+    """Each chunk a stream has queued holds a buffer until its push: chunks a local level says it holds take
+    milliseconds, so at most NEARBY_DEPTH of them are under way at once, not 2 per connection."""
+    from fsmount.streaming import NEARBY_DEPTH
+
+    store = FakeStore()
+    store.put("m.safetensors", model_bytes(tmp_path, 40 * MiB))
+    level = IndexedLevel(indexed)
+    running = peak = 0
+
+    async def runner(fn, *args, limiter):  # noqa: ANN001, ANN202
+        nonlocal running, peak
+        async with limiter:
+            running += 1
+            peak = max(peak, running)
+            try:
+                await trio.sleep(LATENCY)
+                return fn(*args)
+            finally:
+                running -= 1
+
+    engine = ChunkEngine(store, chunk_size=CHUNK, memory_limit=256 * MiB, max_connections=8, read_timeout=30.0,
+                         levels=[level], run_blocking=runner)
+    streamer = ModelStreamer(engine, PageCachePusher(0), max_connections=8)
+    v = version(store, "m.safetensors")
+    data = store.objects[v.key]
+    for i in engine.chunk_range(v, 0, v.size):
+        level.put(engine.chunk_id(v, i), data[i * CHUNK:(i + 1) * CHUNK])
+
+    async def body() -> None:
+        nonlocal peak
+        await engine.read(v, 0, 100)  # the header's chunk, as the loader's first READ brings it
+        peak = 0
+        streamer.opened(2, v)
+        await streamer._active[(v.key, v.etag)].done.wait()
+        streamer.closed(v)
+
+    await run_prefetcher(engine, streamer, body)
+    assert not store.gets and streamer.streamed_bytes == v.size - CHUNK  # all of it, from the level
+    assert peak <= NEARBY_DEPTH if indexed else peak == 8, peak
 
 
 async def test_close_cancels_prefetch(autojump_clock, tmp_path) -> None:  # noqa: ANN001

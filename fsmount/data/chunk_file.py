@@ -98,6 +98,49 @@ def read_chunk_file(
     return _parse(lambda n, offset: os.pread(fd, n, offset), read_into, file_size, buffer)
 
 
+# Each reading thread's staging for O_DIRECT reads: the first ALIGN bytes of a file (its header) and the
+# ALIGN-sized block holding the data's last bytes, which need not fill it.
+_direct_stage = threading.local()
+
+
+def read_chunk_direct(
+    fd: int, file_size: int, buffer: WritableBuffer | None
+) -> tuple[ChunkId, bytes | WritableBuffer] | None:
+    """`read_chunk_file` for a descriptor opened with O_DIRECT, in one preadv straight into `buffer`
+    (no page-cache copy); None, with nothing known of the file, where that does not apply: `buffer` is
+    not a page-aligned mmap of exactly the data's length, or the header does not fit the first ALIGN
+    bytes (a key of several KiB). The caller then reads the file without O_DIRECT; `buffer`'s contents
+    are undefined either way unless the chunk is returned."""
+    n_data = file_size - ALIGN
+    if type(buffer) is not mmap.mmap or len(buffer) != n_data or n_data <= 0:
+        return None
+    stage = getattr(_direct_stage, "buffer", None)
+    if stage is None:
+        stage = _direct_stage.buffer = mmap.mmap(-1, 2 * ALIGN)
+    whole = n_data - n_data % ALIGN
+    views = [memoryview(stage)[:ALIGN], memoryview(buffer)[:whole]]
+    if whole < n_data:
+        views.append(memoryview(stage)[ALIGN:])
+    try:
+        got = os.preadv(fd, views, 0)
+    finally:
+        for view in views:
+            view.release()
+    if got >= PREFIX.size:
+        fields = PREFIX.unpack_from(stage)
+        if data_offset(PREFIX.size + fields[3] + fields[4] + fields[5]) != ALIGN:
+            return None
+    if got != file_size:
+        raise Corrupt("file shrank while reading")
+    if whole < n_data:
+        buffer[whole:] = stage[ALIGN : ALIGN + n_data - whole]
+
+    def read_into(target: WritableBuffer, offset: int) -> int:
+        return n_data  # read above, straight into `buffer`, which _parse passes here (header checked first)
+
+    return _parse(lambda n, offset: stage[offset : min(offset + n, ALIGN)], read_into, file_size, buffer)
+
+
 def read_chunk_stream(read: Callable[[int], bytes], readinto: Callable[[WritableBuffer], int], size: int,
                       buffer: WritableBuffer | None = None) -> tuple[ChunkId, bytes | WritableBuffer]:
     """`read_chunk_file` for a chunk file read once, front to back (the body of a GET of `size` bytes): the

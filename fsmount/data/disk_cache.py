@@ -20,7 +20,9 @@ Concurrency rules (callers are worker threads of the chunk engine):
 - A failed write starts an episode: one warning, then puts are skipped for retry_after_s. Only a put
   that passed the pause check after the episode began can end it; a put already past that check when
   the failure happened may still succeed, but says nothing about the disk now.
-- Writes bypass the page cache where the filesystem allows it (ChunkFileWriter, in chunk_file).
+- Writes bypass the page cache where the filesystem allows it (ChunkFileWriter, in chunk_file), and so
+  do reads into the engine's buffers (read_chunk_direct: no copy out of the page cache, no pages to drop
+  after). `_direct_reads` only ever turns off (a benign race between get threads: each sees a refusal).
 - Files are never modified in place: a chunk is written to `*.tmp` and renamed over its final name.
   So a reader that opened a file always sees one complete file; if eviction unlinks it meanwhile, Linux
   keeps the open inode readable. A reader that loses the race to the unlink gets ENOENT -> a miss.
@@ -37,7 +39,9 @@ from __future__ import annotations
 import collections
 import dataclasses
 import errno
+import fcntl
 import logging
+import mmap
 import os
 import tempfile
 import threading
@@ -59,6 +63,7 @@ from fsmount.data.chunk_file import (
     Corrupt,
     data_offset,
     encode_header,
+    read_chunk_direct,
     read_chunk_file,
 )
 from fsmount.data.identity import ChunkId, WritableBuffer
@@ -131,6 +136,9 @@ class DiskCache:
         self._corrupt_logged = False
         self._closed = False
         self._writer = ChunkFileWriter(self.root)
+        # Hits are read with O_DIRECT straight into the engine's buffer (read_chunk_direct) until the
+        # filesystem refuses it once (EINVAL: tmpfs, some overlays); then through the page cache.
+        self._direct_reads = True
         self.swept_tmp_files = 0
 
         os.makedirs(self.root, mode=0o700, exist_ok=True)
@@ -202,23 +210,29 @@ class DiskCache:
                 return None
             self._index.move_to_end(digest)
         path = self._path(digest)
+        direct = self._direct_reads and type(buffer) is mmap.mmap
         try:
-            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+            fd = self._open_for_read(path, direct)
         except OSError as err:
             self._read_failed(digest, err)
             return None
         try:
             st = os.fstat(fd)
             try:
-                stored, data = read_chunk_file(fd, st.st_size, buffer)
+                read = self._read_direct(fd, st.st_size, buffer) if direct else None
+                if read is None:
+                    if direct:  # not for O_DIRECT after all: the same descriptor, through the page cache
+                        fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_DIRECT)
+                    read = read_chunk_file(fd, st.st_size, buffer)
+                    # The bytes are about to sit in the engine's memory and the FUSE file's page cache; a
+                    # third copy in this file's page cache would only push other pages out.
+                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                stored, data = read
                 if stored != chunk:
                     raise Corrupt(f"header names {stored}")
             except Corrupt as why:
                 self._drop_corrupt(digest, path, st, str(why))
                 return None
-            # The bytes are about to sit in the engine's memory and the FUSE file's page cache; a third
-            # copy in this file's page cache would only push other pages out.
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
             if time.time_ns() - st.st_mtime_ns > TOUCH_INTERVAL_NS:
                 try:
                     os.utime(fd)
@@ -230,6 +244,32 @@ class DiskCache:
         finally:
             os.close(fd)
         return data
+
+    def _open_for_read(self, path: str, direct: bool) -> int:
+        if direct:
+            try:
+                return os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_DIRECT)
+            except OSError as err:
+                if err.errno != errno.EINVAL:
+                    raise
+                self._direct_refused(err)
+        return os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+
+    def _read_direct(self, fd: int, size: int, buffer: WritableBuffer | None
+                     ) -> tuple[ChunkId, bytes | WritableBuffer] | None:
+        try:
+            return read_chunk_direct(fd, size, buffer)
+        except OSError as err:
+            if err.errno != errno.EINVAL:
+                raise
+            self._direct_refused(err)
+            return None
+
+    def _direct_refused(self, err: OSError) -> None:
+        if self._direct_reads:
+            self._direct_reads = False
+            log.info("disk cache %s: O_DIRECT reads not supported here (%s); reading through the page cache",
+                     self.root, err)
 
     def put(self, chunk: ChunkId, data: bytes | WritableBuffer) -> None:
         digest = chunk.digest()

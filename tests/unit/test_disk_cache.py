@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import logging
 import mmap
 import os
@@ -185,6 +186,13 @@ def zeroed_page(path: Path, _other: Path) -> None:
     path.write_bytes(bytes(raw))
 
 
+def key_length_past_the_block(path: Path, _other: Path) -> None:
+    """The header's key length says the data starts after the first block (the size does not agree)."""
+    raw = bytearray(path.read_bytes())
+    struct.pack_into("<I", raw, 16, 5000)  # magic(8) version(2) reserved(2) len(bucket)(4), then len(key)
+    path.write_bytes(bytes(raw))
+
+
 def flip_padding_byte(path: Path, _other: Path) -> None:
     """Between header and data: harmless to the data, but the file is not what the cache wrote."""
     raw = bytearray(path.read_bytes())
@@ -205,9 +213,11 @@ def flip_padding_byte(path: Path, _other: Path) -> None:
         other_etags_file_at_this_path,
         empty_file,
         zeroed_page,
+        key_length_past_the_block,
     ],
 )
-def test_corrupt_file_is_a_counted_miss_and_deleted(tmp_path: Path, damage, caplog, allowed_logs) -> None:
+@pytest.mark.parametrize("into", ["new-bytes", "engine-buffer"])  # the engine's buffers are read with O_DIRECT
+def test_corrupt_file_is_a_counted_miss_and_deleted(tmp_path: Path, damage, caplog, allowed_logs, into: str) -> None:
     wanted, other_version = chunk_id(7), chunk_id(7, etag="etag-OTHER")
     with DiskCache(tmp_path, BIG, min_free_bytes=0) as cache:
         cache.put(wanted, payload(wanted))
@@ -216,7 +226,7 @@ def test_corrupt_file_is_a_counted_miss_and_deleted(tmp_path: Path, damage, capl
         assert path != other_path
         damage(path, other_path)
 
-        assert cache.get(wanted) is None
+        assert cache.get(wanted, mmap.mmap(-1, len(payload(wanted))) if into == "engine-buffer" else None) is None
         assert cache.stats.corrupt == 1
         assert not path.exists()
         assert not cache.contains(wanted)
@@ -332,6 +342,83 @@ def test_filesystem_refusing_o_direct_falls_back_to_buffered_writes(tmp_path: Pa
     refusals = [r for r in caplog.records if "O_DIRECT not supported" in r.getMessage()]
     assert len(refusals) == 1 and refusals[0].levelno == logging.INFO
     assert cache_verify(tmp_path) == (3, [])
+
+
+class ReadsSeen:
+    """preadv calls of the cache, and whether each went through a descriptor opened with O_DIRECT."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.direct: list[bool] = []
+        real_preadv = os.preadv
+
+        def preadv(fd, buffers, offset):  # noqa: ANN001, ANN202
+            self.direct.append(bool(fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT))
+            return real_preadv(fd, buffers, offset)
+
+        monkeypatch.setattr(os, "preadv", preadv)
+
+
+@pytest.mark.parametrize("length", [2 * MiB, 2 * MiB - 100])
+def test_a_hit_into_an_engine_buffer_is_one_o_direct_read(tmp_path: Path, monkeypatch, length: int) -> None:
+    """A hit the engine gives a buffer for (an anonymous mmap of the data's size) is read with O_DIRECT, header
+    and data in one call straight into that buffer: no copy out of the page cache. Data that does not end on
+    a block boundary gets its last bytes from the staged block."""
+    data = random_bytes(length, 9)
+    reads = ReadsSeen(monkeypatch)
+    with DiskCache(tmp_path, BIG, min_free_bytes=0) as cache:
+        cache.put(chunk_id(1), data)
+        buffer = mmap.mmap(-1, length)
+        assert cache.get(chunk_id(1), buffer) is buffer and buffer[:] == data
+        assert reads.direct == [True]
+        assert cache.get(chunk_id(1)) == data  # bytes of its own: through the page cache (pread), as before
+        assert reads.direct == [True]
+
+
+def test_a_header_longer_than_a_block_is_read_through_the_page_cache(tmp_path: Path, monkeypatch) -> None:
+    """A key of several KiB pushes the data past the first block: the O_DIRECT read does not apply (the file
+    is a block longer than the data plus one block), and the file is read through the page cache, exactly."""
+    long_key = chunk_id(1, key="k/" + "x" * 5000)
+    data = random_bytes(2 * MiB, 3)
+    reads = ReadsSeen(monkeypatch)
+    with DiskCache(tmp_path, BIG, min_free_bytes=0) as cache:
+        cache.put(long_key, data)
+        buffer = mmap.mmap(-1, len(data))
+        assert cache.get(long_key, buffer) is buffer and buffer[:] == data
+        assert reads.direct == [False]  # the descriptor's O_DIRECT was turned off before the read
+        assert cache._direct_reads and cache.stats.corrupt == 0
+
+
+@pytest.mark.parametrize("refused_by", ["open", "read"])
+def test_filesystem_refusing_o_direct_reads_falls_back_to_the_page_cache(tmp_path: Path, monkeypatch, caplog,
+                                                                         refused_by: str) -> None:
+    with DiskCache(tmp_path, BIG, min_free_bytes=0) as cache:
+        for i in range(3):
+            cache.put(chunk_id(i), payload(chunk_id(i), 2 * MiB))
+        real_open, real_preadv = os.open, os.preadv
+        attempts = []
+
+        def fake_open(path, flags, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+            if flags & os.O_DIRECT:
+                attempts.append(path)
+                if refused_by == "open":
+                    raise OSError(errno.EINVAL, "Invalid argument")
+            return real_open(path, flags, *args, **kwargs)
+
+        def fake_preadv(fd, buffers, offset):  # noqa: ANN001, ANN202
+            if fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT:
+                raise OSError(errno.EINVAL, "Invalid argument")
+            return real_preadv(fd, buffers, offset)
+
+        monkeypatch.setattr(os, "open", fake_open)
+        monkeypatch.setattr(os, "preadv", fake_preadv)
+        caplog.set_level(logging.INFO, logger="fsmount.data")
+        for i in range(3):
+            buffer = mmap.mmap(-1, 2 * MiB)
+            assert cache.get(chunk_id(i), buffer) is buffer and buffer[:] == payload(chunk_id(i), 2 * MiB)
+        assert len(attempts) == 1 and not cache._direct_reads  # turned off after the first refusal
+        assert cache.stats.corrupt == 0 and cache.stats.read_errors == 0
+    refusals = [r for r in caplog.records if "O_DIRECT reads not supported" in r.getMessage()]
+    assert len(refusals) == 1 and refusals[0].levelno == logging.INFO
 
 
 def test_file_removed_behind_the_cache_is_a_plain_miss(tmp_path: Path) -> None:

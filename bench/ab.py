@@ -24,6 +24,9 @@ Scenarios, each after the page cache is dropped, each on a fresh daemon:
   shards_load       load_file of each shard of the same tensors in 4 shards (Hugging Face's names, the
                     index beside them), one after the other in one process, without --cache-dir
   shards_fill_load  the same through a mount with an emptied --cache-dir
+  fill_load_file, fill_safe_open, fill_natural_threads, fill_quarters
+             that loader of bench/scenarios.py through a mount with an emptied --cache-dir (bench/run.py's
+             modelfs row)
   local      cat of the same file on local disk (the warm-cache baseline)
   local_load load_file of the same file on local disk
 Every mounted measurement also reads the trio thread's CPU (it answers every FUSE request). With --gil it
@@ -76,8 +79,11 @@ from fsmount.testing.seaweed import SeaweedServer  # noqa: E402
 BUCKET = "models"
 KEY = "model.safetensors"
 SHARDS = 4
+# A cold read of the loaders of bench/scenarios.py through a mount with an emptied --cache-dir (the bench's
+# modelfs row): fill_<workload>.
+FILL_WORKLOADS = ("load_file", "safe_open", "natural_threads", "quarters")
 SCENARIOS = ("cold", "cold_load", "cold_safe_open", "shards_load", "shards_fill_load", "fill", "warm", "warm_load",
-             "local", "local_load")
+             "local", "local_load", *(f"fill_{w}" for w in FILL_WORKLOADS))
 
 
 def cpu_seconds(pid: int | None) -> tuple[float, float]:
@@ -245,10 +251,11 @@ class AB:
             return self.through_mount(variant, scenario, None, workload)
         if scenario == "shards_load":
             return self.through_mount(variant, scenario, None, "shards")
-        if scenario in ("fill", "shards_fill_load"):
+        if scenario in ("fill", "shards_fill_load") or scenario.removeprefix("fill_") in FILL_WORKLOADS:
             shutil.rmtree(cache_dir, ignore_errors=True)
             cache_dir.mkdir()
-            return self.through_mount(variant, scenario, cache_dir, "cat" if scenario == "fill" else "shards")
+            workload = {"fill": "cat", "shards_fill_load": "shards"}.get(scenario, scenario.removeprefix("fill_"))
+            return self.through_mount(variant, scenario, cache_dir, workload)
         if scenario in ("warm", "warm_load"):
             if not cache_dir.is_dir():
                 raise SystemExit(f"{scenario} needs a filled cache: put fill before it in --scenarios")

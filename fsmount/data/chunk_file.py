@@ -108,9 +108,9 @@ def read_chunk_direct(
 ) -> tuple[ChunkId, bytes | WritableBuffer] | None:
     """`read_chunk_file` for a descriptor opened with O_DIRECT, in one preadv straight into `buffer`
     (no page-cache copy); None, with nothing known of the file, where that does not apply: `buffer` is
-    not a page-aligned mmap of exactly the data's length, or the header does not fit the first ALIGN
-    bytes (a key of several KiB). The caller then reads the file without O_DIRECT; `buffer`'s contents
-    are undefined either way unless the chunk is returned."""
+    not a page-aligned mmap of exactly the data's length, the header does not fit the first ALIGN bytes
+    (a key of several KiB), or the read came back short. The caller then reads the file without O_DIRECT;
+    `buffer`'s contents are undefined either way unless the chunk is returned."""
     n_data = file_size - ALIGN
     if type(buffer) is not mmap.mmap or len(buffer) != n_data or n_data <= 0:
         return None
@@ -126,12 +126,11 @@ def read_chunk_direct(
     finally:
         for view in views:
             view.release()
-    if got >= PREFIX.size:
-        fields = PREFIX.unpack_from(stage)
-        if data_offset(PREFIX.size + fields[3] + fields[4] + fields[5]) != ALIGN:
-            return None
     if got != file_size:
-        raise Corrupt("file shrank while reading")
+        return None  # short: read it again through the page cache, whose checks say what is wrong
+    fields = PREFIX.unpack_from(stage)
+    if data_offset(PREFIX.size + fields[3] + fields[4] + fields[5]) != ALIGN:
+        return None
     if whole < n_data:
         buffer[whole:] = stage[ALIGN : ALIGN + n_data - whole]
 

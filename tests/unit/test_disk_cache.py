@@ -388,6 +388,28 @@ def test_a_header_longer_than_a_block_is_read_through_the_page_cache(tmp_path: P
         assert cache._direct_reads and cache.stats.corrupt == 0
 
 
+def test_a_short_o_direct_read_is_read_again_not_called_corrupt(tmp_path: Path, monkeypatch) -> None:
+    """A short count from the O_DIRECT read proves nothing about the file: it is read again through the
+    page cache, whose checks decide (here: a whole, valid file)."""
+    data = random_bytes(2 * MiB, 4)
+    real_preadv = os.preadv
+    direct_reads = []
+
+    def short_preadv(fd, buffers, offset):  # noqa: ANN001, ANN202
+        got = real_preadv(fd, buffers, offset)
+        if fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT:
+            direct_reads.append(got)
+            return got - ALIGN
+        return got
+
+    monkeypatch.setattr(os, "preadv", short_preadv)
+    with DiskCache(tmp_path, BIG, min_free_bytes=0) as cache:
+        cache.put(chunk_id(1), data)
+        buffer = mmap.mmap(-1, len(data))
+        assert cache.get(chunk_id(1), buffer) is buffer and buffer[:] == data
+        assert len(direct_reads) == 1 and cache.stats.corrupt == 0 and cache.contains(chunk_id(1))
+
+
 @pytest.mark.parametrize("refused_by", ["open", "read"])
 def test_filesystem_refusing_o_direct_reads_falls_back_to_the_page_cache(tmp_path: Path, monkeypatch, caplog,
                                                                          refused_by: str) -> None:

@@ -229,12 +229,13 @@ class ChunkFileWriter:
     used by one write at a time) and writes it in one call. Buffered writes cost 1.5-10x the CPU on the
     dev box (the page-cache copy, and first-touch faults of fresh pages under the VM) and double the
     memory a cold read takes (chunk-file pages beside the FUSE file's). The first EINVAL from O_DIRECT
-    turns it off for this writer (one info line) and the write is redone buffered."""
+    turns it off for the directory (`direct`, one info line): the write is redone buffered, and the cache's
+    reads, which ask `direct` too and report their own refusal here (`refuse_direct`), go buffered as well."""
 
     def __init__(self, where: str):
         self.where = where  # for the log line
         self._lock = threading.Lock()
-        self._direct = True  # O_DIRECT writes, until the filesystem refuses them
+        self._direct = True  # O_DIRECT writes and reads, until the filesystem refuses them
         self._stages: list[mmap.mmap] = []  # free staging buffers (page-aligned anonymous maps)
 
     @staticmethod
@@ -271,7 +272,7 @@ class ChunkFileWriter:
             except OSError as err:
                 if err.errno != errno.EINVAL:
                     raise
-                self._direct_refused(err)
+                self.refuse_direct(err)
                 return False
             views = [memoryview(stage)[:offset], memoryview(data)] if in_place else [memoryview(stage)[:padded]]
             try:
@@ -280,7 +281,7 @@ class ChunkFileWriter:
                 except OSError as err:
                     if err.errno != errno.EINVAL:
                         raise
-                    self._direct_refused(err)
+                    self.refuse_direct(err)
                     return False
                 finally:
                     os.close(direct_fd)
@@ -313,8 +314,15 @@ class ChunkFileWriter:
                 return
         stage.close()
 
-    def _direct_refused(self, err: OSError) -> None:
+    @property
+    def direct(self) -> bool:
+        """Whether chunk files of this directory are written and read with O_DIRECT."""
+        return self._direct
+
+    def refuse_direct(self, err: OSError) -> None:
+        """The filesystem refused O_DIRECT (EINVAL): writes and reads go through the page cache from now on.
+        Only ever turns off, so racing threads at worst each see a refusal; one line is logged."""
         if self._direct:
             self._direct = False
-            log.info("disk cache %s: O_DIRECT not supported here (%s); writing through the page cache",
-                     self.where, err)
+            log.info("disk cache %s: O_DIRECT not supported here (%s); chunk files are written and read through "
+                     "the page cache", self.where, err)

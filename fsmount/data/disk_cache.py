@@ -22,7 +22,7 @@ Concurrency rules (callers are worker threads of the chunk engine):
   the failure happened may still succeed, but says nothing about the disk now.
 - Writes bypass the page cache where the filesystem allows it (ChunkFileWriter, in chunk_file), and so
   do reads into the engine's buffers (read_chunk_direct: no copy out of the page cache, no pages to drop
-  after). `_direct_reads` only ever turns off (a benign race between get threads: each sees a refusal).
+  after); the writer's `direct` says whether the directory's filesystem takes O_DIRECT, for both.
 - Files are never modified in place: a chunk is written to `*.tmp` and renamed over its final name.
   So a reader that opened a file always sees one complete file; if eviction unlinks it meanwhile, Linux
   keeps the open inode readable. A reader that loses the race to the unlink gets ENOENT -> a miss.
@@ -135,10 +135,9 @@ class DiskCache:
         self._write_episode = 0  # counts episodes, so a put knows whether it started inside this one
         self._corrupt_logged = False
         self._closed = False
+        # Writes chunk files, and says whether this filesystem takes O_DIRECT (tmpfs and some overlays
+        # refuse it with EINVAL): hits are read with O_DIRECT straight into the engine's buffer as long as it does.
         self._writer = ChunkFileWriter(self.root)
-        # Hits are read with O_DIRECT straight into the engine's buffer (read_chunk_direct) until the
-        # filesystem refuses it once (EINVAL: tmpfs, some overlays); then through the page cache.
-        self._direct_reads = True
         self.swept_tmp_files = 0
 
         os.makedirs(self.root, mode=0o700, exist_ok=True)
@@ -210,7 +209,7 @@ class DiskCache:
                 return None
             self._index.move_to_end(digest)
         path = self._path(digest)
-        direct = self._direct_reads and type(buffer) is mmap.mmap
+        direct = self._writer.direct and type(buffer) is mmap.mmap
         try:
             fd = self._open_for_read(path, direct)
         except OSError as err:
@@ -252,7 +251,7 @@ class DiskCache:
             except OSError as err:
                 if err.errno != errno.EINVAL:
                     raise
-                self._direct_refused(err)
+                self._writer.refuse_direct(err)
         return os.open(path, os.O_RDONLY | os.O_CLOEXEC)
 
     def _read_direct(self, fd: int, size: int, buffer: WritableBuffer | None
@@ -262,14 +261,8 @@ class DiskCache:
         except OSError as err:
             if err.errno != errno.EINVAL:
                 raise
-            self._direct_refused(err)
+            self._writer.refuse_direct(err)
             return None
-
-    def _direct_refused(self, err: OSError) -> None:
-        if self._direct_reads:
-            self._direct_reads = False
-            log.info("disk cache %s: O_DIRECT reads not supported here (%s); reading through the page cache",
-                     self.root, err)
 
     def put(self, chunk: ChunkId, data: bytes | WritableBuffer) -> None:
         digest = chunk.digest()

@@ -308,29 +308,38 @@ def test_a_chunk_in_an_engine_buffer_is_written_from_where_it_is(tmp_path: Path,
     assert cache_verify(tmp_path) == (1, [])
 
 
+def o_direct_opens(monkeypatch: pytest.MonkeyPatch, refuse: bool) -> tuple[list[str], set[int]]:
+    """Patch os.open: the paths opened with O_DIRECT and their descriptors, or EINVAL for each if `refuse`
+    (a filesystem that does not take O_DIRECT)."""
+    real_open = os.open
+    attempts: list[str] = []
+    direct_fds: set[int] = set()
+
+    def fake_open(path, flags, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+        if not flags & os.O_DIRECT:
+            return real_open(path, flags, *args, **kwargs)
+        attempts.append(path)
+        if refuse:
+            raise OSError(errno.EINVAL, "Invalid argument")
+        fd = real_open(path, flags, *args, **kwargs)
+        direct_fds.add(fd)
+        return fd
+
+    monkeypatch.setattr(os, "open", fake_open)
+    return attempts, direct_fds
+
+
 @pytest.mark.parametrize("refused_by", ["open", "write"])
 def test_filesystem_refusing_o_direct_falls_back_to_buffered_writes(tmp_path: Path, monkeypatch, caplog,
                                                                     refused_by: str) -> None:
-    real_open, real_pwritev = os.open, os.pwritev
-    direct_fds: set[int] = set()
-    attempts = []
-
-    def fake_open(path, flags, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
-        if flags & os.O_DIRECT:
-            attempts.append(path)
-            if refused_by == "open":
-                raise OSError(errno.EINVAL, "Invalid argument")
-            fd = real_open(path, flags, *args, **kwargs)
-            direct_fds.add(fd)
-            return fd
-        return real_open(path, flags, *args, **kwargs)
+    real_pwritev = os.pwritev
+    attempts, direct_fds = o_direct_opens(monkeypatch, refuse=refused_by == "open")
 
     def fake_pwritev(fd, buffers, offset):  # noqa: ANN001, ANN202
         if fd in direct_fds:
             raise OSError(errno.EINVAL, "Invalid argument")
         return real_pwritev(fd, buffers, offset)
 
-    monkeypatch.setattr(os, "open", fake_open)
     monkeypatch.setattr(os, "pwritev", fake_pwritev)
     caplog.set_level(logging.INFO, logger="fsmount.data")
     with DiskCache(tmp_path, BIG, min_free_bytes=0) as cache:
@@ -385,7 +394,7 @@ def test_a_header_longer_than_a_block_is_read_through_the_page_cache(tmp_path: P
         buffer = mmap.mmap(-1, len(data))
         assert cache.get(long_key, buffer) is buffer and buffer[:] == data
         assert reads.direct == [False]  # the descriptor's O_DIRECT was turned off before the read
-        assert cache._direct_reads and cache.stats.corrupt == 0
+        assert cache._writer.direct and cache.stats.corrupt == 0
 
 
 def test_a_short_o_direct_read_is_read_again_not_called_corrupt(tmp_path: Path, monkeypatch) -> None:
@@ -416,30 +425,22 @@ def test_filesystem_refusing_o_direct_reads_falls_back_to_the_page_cache(tmp_pat
     with DiskCache(tmp_path, BIG, min_free_bytes=0) as cache:
         for i in range(3):
             cache.put(chunk_id(i), payload(chunk_id(i), 2 * MiB))
-        real_open, real_preadv = os.open, os.preadv
-        attempts = []
-
-        def fake_open(path, flags, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
-            if flags & os.O_DIRECT:
-                attempts.append(path)
-                if refused_by == "open":
-                    raise OSError(errno.EINVAL, "Invalid argument")
-            return real_open(path, flags, *args, **kwargs)
+        real_preadv = os.preadv
+        attempts, _ = o_direct_opens(monkeypatch, refuse=refused_by == "open")
 
         def fake_preadv(fd, buffers, offset):  # noqa: ANN001, ANN202
             if fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT:
                 raise OSError(errno.EINVAL, "Invalid argument")
             return real_preadv(fd, buffers, offset)
 
-        monkeypatch.setattr(os, "open", fake_open)
         monkeypatch.setattr(os, "preadv", fake_preadv)
         caplog.set_level(logging.INFO, logger="fsmount.data")
         for i in range(3):
             buffer = mmap.mmap(-1, 2 * MiB)
             assert cache.get(chunk_id(i), buffer) is buffer and buffer[:] == payload(chunk_id(i), 2 * MiB)
-        assert len(attempts) == 1 and not cache._direct_reads  # turned off after the first refusal
+        assert len(attempts) == 1 and not cache._writer.direct  # turned off after the first refusal
         assert cache.stats.corrupt == 0 and cache.stats.read_errors == 0
-    refusals = [r for r in caplog.records if "O_DIRECT reads not supported" in r.getMessage()]
+    refusals = [r for r in caplog.records if "O_DIRECT not supported" in r.getMessage()]
     assert len(refusals) == 1 and refusals[0].levelno == logging.INFO
 
 

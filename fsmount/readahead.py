@@ -93,9 +93,9 @@ class ReadAhead:
         stream.last_used = self._clock
         window = stream.window if window_cap is None else min(stream.window, window_cap)
         start = max(stream.ahead_to, stream.next_offset)
-        if window > LOCAL_WINDOW and start < file_size and held_locally is not None and held_locally(start):
-            window = LOCAL_WINDOW
         stop = min(file_size, stream.next_offset + window)
+        if stop > start and window > LOCAL_WINDOW and held_locally is not None and held_locally(start):
+            stop = min(stop, stream.next_offset + LOCAL_WINDOW)  # asked only when there is something to plan
         if stop > start:
             stream.ahead_to = stop
         else:

@@ -55,6 +55,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parent.parent)]
@@ -137,6 +138,13 @@ def thread_cpu_seconds(pid: int, tid: int) -> tuple[float, float]:
     return int(fields[11]) / ticks, int(fields[12]) / ticks
 
 
+def on_the_other_cpus() -> Callable[[], None] | None:
+    """A preexec_fn that moves a sampler onto the CPUs this process is not pinned to (the origin's on a
+    pinned bed), so it does not take the measured daemon's CPU; None when there are none."""
+    elsewhere = set(range(os.cpu_count() or 1)) - os.sched_getaffinity(0)
+    return (lambda: os.sched_setaffinity(0, elsewhere)) if elsewhere else None
+
+
 class GilSampler:
     """`py-spy record --gil` on a live daemon: only the thread holding the GIL is sampled, so samples
     divided by the rate are the seconds the GIL was held. `--nonblocking`: the daemon is never paused.
@@ -146,11 +154,10 @@ class GilSampler:
     def __init__(self, pid: int, out: Path):
         self.pid, self.out = pid, out
         spy = Path(sys.executable).parent / "py-spy"
-        elsewhere = set(range(os.cpu_count() or 1)) - os.sched_getaffinity(0)
         self.proc = subprocess.Popen(
             [str(spy), "record", "--gil", "--nonblocking", "--threads", "-r", str(GIL_RATE), "-f", "raw",
              "-o", str(out), "-p", str(pid)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-            preexec_fn=(lambda: os.sched_setaffinity(0, elsewhere)) if elsewhere else None)
+            preexec_fn=on_the_other_cpus())
         time.sleep(1.0)  # py-spy attaches
 
     def stop(self) -> tuple[float, float]:
@@ -170,11 +177,10 @@ class PerfRecorder:
     origin (as GilSampler): the kernel side (copies, page faults) that py-spy cannot see."""
 
     def __init__(self, pid: int, out: Path):
-        elsewhere = set(range(os.cpu_count() or 1)) - os.sched_getaffinity(0)
         self.proc = subprocess.Popen(
             ["perf", "record", "-q", "-e", "cpu-clock", "-F", "997", "-g", "-o", str(out), "-p", str(pid)],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-            preexec_fn=(lambda: os.sched_setaffinity(0, elsewhere)) if elsewhere else None)
+            preexec_fn=on_the_other_cpus())
         time.sleep(0.5)  # perf attaches
 
     def stop(self) -> None:

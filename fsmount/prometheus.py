@@ -103,6 +103,10 @@ class StatsCollector:
                                ("fallbacks", "waits that ended without the chunk (then fetched from the origin)"),
                                ("writes", "chunk objects written to the shared tier"),
                                ("write_errors", "chunk writes the shared tier refused"),
+                               ("trailed", "chunk writes held back until this node's origin reads were done"),
+                               ("trail_dropped", "trailing chunk writes given up (the NVMe cache no longer held "
+                                                 "the chunk)"),
+                               ("waiters_seen", "listings of waiting markers that found another node waiting"),
                                ("corrupt", "chunk objects that failed the identity or checksum check"),
                                ("errors", "shared-tier requests that failed")):
                 yield CounterMetricFamily(f"modelfs_shared_cache_{name}", f"Shared tier: {what}", value=sc[name])

@@ -103,7 +103,8 @@ def format_stats(s: dict[str, Any], mountpoint: str) -> str:
             ("shared tier", f"{sc['bucket']} ({mode}): {sc['hits']} hits, {sc['misses']} misses "
                             f"({_percent(sc['hit_ratio'])} hit), {_size(sc['bytes'])} loaded = origin egress saved"),
             ("shared tier fleet", f"{sc['claims']} chunks fetched for the fleet, {sc['claim_waits']} waits for "
-                                  f"other nodes, {sc['fallbacks']} fallbacks, {sc['writes']} written"),
+                                  f"other nodes, {sc['fallbacks']} fallbacks, {sc['writes']} written "
+                                  f"({sc['trailed']} after the load, {sc['trail_dropped']} given up)"),
         ]
     ws = s.get("writes")
     if ws is not None:

@@ -119,7 +119,8 @@ class ChunkEngine:
         self.chunk_size = chunk_size
         self.read_timeout = read_timeout
         self.memory = MemoryBudget(memory_limit)
-        self.levels = LevelStack(store, levels, max_connections=max_connections, run_blocking=run_blocking)
+        self.levels = LevelStack(store, levels, max_connections=max_connections, chunk_size=chunk_size,
+                                 run_blocking=run_blocking)
         self.stats = EngineStats()
         self._workers = max_connections
         self._inflight: dict[ChunkId, Fetch] = {}

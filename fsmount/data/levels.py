@@ -1,6 +1,7 @@
 """The level stack: where a chunk the engine does not hold in memory comes from. Cache levels are asked
 in order (local NVMe first; a level closer to the origin later), then the origin with a ranged GET
-pinned to the ETag; a chunk a level missed is written back to it in the background.
+pinned to the ETag; a chunk a level missed is written back to it in the background (to a level that
+allows it, such as the shared tier, only once this node's origin reads are done: trailing.py).
 
 It counts what it does (hits and bytes per level, origin requests, bytes, errors and GET latency) and
 those counters are the only ones of the fetch path. It never decides what to fetch or what stays in
@@ -10,9 +11,9 @@ Adding a level is one module implementing `ChunkCache` and one entry in the list
 
 Rules: every method runs in the trio thread and updates the counters there (no await between read and
 write); levels and the store are blocking and run in threads under the stack's own CapacityLimiters.
-`writes_pending` counts write-throughs started and not finished; `_writes_changed` is set (and
-replaced) whenever it drops, so `drain_writes` can wait for it at unmount. `LatencyHistogram` is read
-from the metrics thread too, so it holds a lock for each update.
+`writes_pending` counts write-throughs started and not finished, trailing writes included;
+`_writes_changed` is set (and replaced) whenever it drops, so `drain_writes` can wait for it at unmount.
+`LatencyHistogram` is read from the metrics thread too, so it holds a lock for each update.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ import trio
 
 from fsmount.data.identity import Chunk, ChunkId, WritableBuffer, new_buffer
 from fsmount.data.store import ObjectStore, Unreachable
+from fsmount.data.trailing import TrailingWrites
 
 log = logging.getLogger(__name__)
 
@@ -135,7 +137,7 @@ class LevelStats:
 
 
 class LevelStack:
-    def __init__(self, store: ObjectStore, levels: Sequence[ChunkCache], *, max_connections: int,
+    def __init__(self, store: ObjectStore, levels: Sequence[ChunkCache], *, max_connections: int, chunk_size: int,
                  run_blocking: RunBlocking = run_in_thread):
         self.store = store
         self.levels = list(levels)
@@ -152,6 +154,7 @@ class LevelStack:
         self._contains = [level.contains for level in self.levels if hasattr(level, "contains")]
         self._writes_pending = 0
         self._writes_changed = trio.Event()
+        self.trailing = TrailingWrites(run_blocking, chunk_size, self._write_done)
 
     def holds(self, cid: ChunkId) -> bool:
         """Whether a local level says it holds the chunk (its `contains`, no I/O); False if none can tell."""
@@ -195,6 +198,7 @@ class LevelStack:
         while True:
             self.stats.origin_requests += 1
             started = time.monotonic()
+            self.trailing.origin_started()
             try:
                 data = await self._run_blocking(self.store.get_range, cid.key, cid.etag, cid.offset,
                                                 cid.offset + length, buffer, limiter=self._s3_limiter)
@@ -213,6 +217,7 @@ class LevelStack:
                 self.stats.origin_errors += 1
                 raise
             finally:
+                self.trailing.origin_finished()
                 self.origin_latency.observe(time.monotonic() - started)
         self.stats.origin_bytes += len(data)
         return data
@@ -227,21 +232,35 @@ class LevelStack:
                     done: Callable[[], None]) -> None:
         """Write the chunk to `levels` in the background; `done()` once it is written (or failed)."""
         self._writes_pending += 1
-        nursery.start_soon(self._write, levels, cid, data, done)
+        nursery.start_soon(self._write, nursery, levels, cid, data, done)
 
-    async def _write(self, levels: Sequence[ChunkCache], cid: ChunkId, data: Chunk,
+    async def _write(self, nursery: trio.Nursery, levels: Sequence[ChunkCache], cid: ChunkId, data: Chunk,
                      done: Callable[[], None]) -> None:
         try:
+            written: list[ChunkCache] = []
             for level in levels:
+                i = self.levels.index(level)
+                # A level whose writes may trail gets them once the origin reads are done, read back
+                # from a local level written just before (the chunk's memory is let go meanwhile).
+                local = next((w for w in written if hasattr(w, "contains")), None)
+                if local is not None and self.trailing.offer(nursery, cid, len(data), level, self._put_limiters[i],
+                                                             local, self._get_limiters[self.levels.index(local)]):
+                    self._writes_pending += 1  # until the trailing write ran (_write_done)
+                    continue
                 try:
-                    await self._run_blocking(level.put, cid, data, limiter=self._put_limiters[self.levels.index(level)])
+                    await self._run_blocking(level.put, cid, data, limiter=self._put_limiters[i])
                 except Exception as exc:  # noqa: BLE001 - a cache level never breaks a read
                     log.warning("cache write of chunk %d of %r failed: %s", cid.index, cid.key, exc)
+                else:
+                    written.append(level)
         finally:
             done()
-            self._writes_pending -= 1
-            self._writes_changed.set()
-            self._writes_changed = trio.Event()
+            self._write_done()
+
+    def _write_done(self) -> None:
+        self._writes_pending -= 1
+        self._writes_changed.set()
+        self._writes_changed = trio.Event()
 
     def start_abandon(self, nursery: trio.Nursery, levels: Sequence[ChunkCache], cid: ChunkId) -> None:
         """Tell `levels` (those with `abandon`) in the background that `cid` will not be written to them."""
@@ -263,6 +282,7 @@ class LevelStack:
     async def drain_writes(self, timeout: float) -> int:
         """Wait up to `timeout` s for the write-through of chunks already fetched (at unmount: a model
         read just before a restart is then all in the NVMe cache). The number still unwritten."""
+        self.trailing.drain()
         with trio.move_on_after(timeout):
             while self._writes_pending:
                 await self._writes_changed.wait()

@@ -16,13 +16,23 @@ the origin themselves; every CLAIM_CHECK_S they also look at the claim, and once
 older than CLAIM_TTL_S (its node died; it is broken) they claim the chunk and fetch it at once. A tier
 that does not honour conditional writes is found at mount (`probe_claims`) and run without claims.
 
+Trailing writes: while no other node is seen, the level stack may hold this node's chunk writes back
+until its origin GETs are done (trailing.py), so that a node loading alone is not slowed by filling the
+tier. It asks `trails()`. A node that waits for another node's claim says so with a marker object,
+`PREFIX waiting/<node>`, refreshed every MARKER_REFRESH_S while it waits and deleted at unmount; the
+trailing node lists those markers (`look_for_waiters`) and writes at once when it finds a fresh one, as it
+does when it has itself found another node's claim in the last FLEET_QUIET_S. Freshness compares a
+marker's LastModified with this node's clock: clocks off by more than WAITING_FRESH_S only make a node
+write at once (or trail, for at most trailing.TRAIL_MAX_S, below CLAIM_TTL_S), never a wrong byte.
+
 Failures never reach a reader: every request has the tier client's own timeout; a tier that fails a
 request is skipped for UNAVAILABLE_RETRY_S (one warning per episode) and reads go to the origin; a
 refused PUT pauses writes for WRITE_RETRY_S (one warning per episode) while reads go on. get and put never
 raise.
 
-Threads: get and put run in the level stack's worker threads. `_lock` guards the counters, the failure
-episodes, the log-once flags and `_claimed` (chunks this node has claimed and not yet written).
+Threads: get, put and look_for_waiters run in the level stack's worker threads; trails() runs in the trio
+thread. `_lock` guards the counters, the failure episodes, the log-once flags, `_claimed` (chunks this
+node has claimed and not yet written), `_others_seen_at` and `_marker_put_at`.
 """
 
 from __future__ import annotations
@@ -34,17 +44,19 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Protocol
 
 from fsmount.data.chunk_file import HEADER_READ_BYTES, Corrupt, encode_chunk, read_chunk_stream
 from fsmount.data.identity import ChunkId, WritableBuffer
-from fsmount.data.store import StoreError, TransientError, Unreachable
+from fsmount.data.store import ListingPage, StoreError, TransientError, Unreachable
+from fsmount.data.trailing import TRAIL_WORKERS
 
 log = logging.getLogger(__name__)
 
 CHUNKS = "chunks/"
 CLAIMS = "claims/"
+WAITING = "waiting/"
 # A claim this old is taken to belong to a node that died: long enough for a slow origin GET of one
 # chunk and its write to the tier, short enough that a dead node costs others seconds, not minutes.
 CLAIM_TTL_S = 30.0
@@ -53,6 +65,12 @@ POLL_S = 0.05
 CLAIM_CHECK_S = 0.5
 # After a failed request the tier is skipped this long: a down tier must not cost every chunk a timeout.
 UNAVAILABLE_RETRY_S = 10.0
+# A node waiting for other nodes' claims refreshes its marker this often (one small PUT per node, not per
+# chunk); a marker younger than WAITING_FRESH_S means another node is waiting now.
+MARKER_REFRESH_S = 1.0
+WAITING_FRESH_S = 15.0
+# Having met another node's claim or marker, a node writes its chunks at once for this long.
+FLEET_QUIET_S = 60.0
 # After a refused PUT (full, read-only, no permission) writes pause this long.
 WRITE_RETRY_S = 30.0
 # Chunk PUTs at once. A PUT by the presigned path sends the engine's buffer as it is; by botocore's (a
@@ -89,6 +107,8 @@ class TierClient(Protocol):
 
     def delete_object(self, key: str) -> None: ...
 
+    def list_pages(self, prefix: str) -> Iterator[ListingPage]: ...
+
 
 @dataclasses.dataclass
 class TierStats:
@@ -101,6 +121,7 @@ class TierStats:
     write_errors: int = 0
     corrupt: int = 0  # chunk objects that failed the identity or checksum check
     errors: int = 0  # requests that failed (the tier was then skipped for a while)
+    waiters_seen: int = 0  # listings of the waiting markers that found another node waiting
 
 
 class SharedTier:
@@ -122,11 +143,17 @@ class SharedTier:
         self._corrupt_logged = False
         self._claimed: set[ChunkId] = set()
         self._owner = f"{socket.gethostname()} {os.getpid()}"
+        node = hashlib.sha256(f"{self._owner} {time.time_ns()}".encode()).hexdigest()[:32]
+        self._marker_key = prefix + WAITING + node
+        self._marker_put_at: float | None = None  # None: this node has no waiting marker in the tier
+        self._others_seen_at: float | None = None  # when this node last met another node's claim or marker
 
     def staging_bytes(self, chunk_size: int) -> int:
         """The most memory chunk objects being written hold outside the engine's budget (a read goes
-        straight into the engine's buffer and holds none)."""
-        return self.put_threads * (chunk_size + HEADER_READ_BYTES)
+        straight into the engine's buffer and holds none), with the buffers trailing writes read their
+        chunks back into from the NVMe cache."""
+        trailing = 0 if self.read_only else TRAIL_WORKERS * chunk_size
+        return self.put_threads * (chunk_size + HEADER_READ_BYTES) + trailing
 
     def __str__(self) -> str:
         return f"shared cache {self.client.bucket}/{self.prefix}"
@@ -185,6 +212,8 @@ class SharedTier:
             return None  # ours to fetch from the origin (True), or the tier failed (None)
         with self._lock:
             self.stats.claim_waits += 1
+            self._others_seen_at = self._clock()
+        self._mark_waiting()
         deadline = self._clock() + self.wait
         next_check = self._clock() + CLAIM_CHECK_S
         while self._clock() < deadline and not self._down():
@@ -206,6 +235,7 @@ class SharedTier:
                 return data
             if claimed is None:
                 break
+            self._mark_waiting()
             next_check = self._clock() + CLAIM_CHECK_S
         with self._lock:
             self.stats.fallbacks += 1
@@ -234,12 +264,46 @@ class SharedTier:
 
     def drop_claims(self) -> int:
         """At unmount: drop every claim this node still holds (fetches cut short), so that other nodes need
-        not wait for them until they are CLAIM_TTL_S old. How many there were."""
+        not wait for them until they are CLAIM_TTL_S old, and its waiting marker. How many claims there were."""
         with self._lock:
             held = list(self._claimed)
+            marked, self._marker_put_at = self._marker_put_at is not None, None
         for chunk in held:
             self._release(chunk)
+        if marked:
+            try:
+                self.client.delete_object(self._marker_key)
+            except StoreError as exc:  # it goes stale on its own
+                log.debug("%s: dropping this node's waiting marker failed: %s", self, exc)
         return len(held)
+
+    # -- trailing writes -----------------------------------------------------------------------
+
+    def trails(self) -> bool:
+        """Whether this node's chunk writes may trail its origin reads: no other node has been seen lately
+        (none may be waiting for them). Cheap: no request."""
+        if self.read_only:
+            return False
+        with self._lock:
+            return self._others_seen_at is None or self._clock() - self._others_seen_at > FLEET_QUIET_S
+
+    def look_for_waiters(self) -> bool:
+        """List the waiting markers; True (and trails() turns False) if another node's is fresh. A tier
+        that fails the listing answers False: its writes would fail too."""
+        try:
+            pages = list(self.client.list_pages(self.prefix + WAITING))
+        except StoreError as exc:
+            log.debug("%s: listing waiting markers failed: %s", self, exc)
+            return False
+        fresh_after = time.time_ns() - int(WAITING_FRESH_S * 1e9)
+        for page in pages:
+            for marker in page.objects:
+                if marker.key != self._marker_key and marker.mtime_ns >= fresh_after:
+                    with self._lock:
+                        self._others_seen_at = self._clock()
+                        self.stats.waiters_seen += 1
+                    return True
+        return False
 
     # -- internals -----------------------------------------------------------------------------
 
@@ -291,6 +355,17 @@ class SharedTier:
                 self._write_failed(exc)
                 return None
         return False
+
+    def _mark_waiting(self) -> None:
+        """Tell trailing nodes that this one waits for a claimed chunk (at most one PUT per MARKER_REFRESH_S)."""
+        with self._lock:
+            if self._marker_put_at is not None and self._clock() - self._marker_put_at < MARKER_REFRESH_S:
+                return
+            self._marker_put_at = self._clock()
+        try:
+            self.client.put_object(self._marker_key, self._owner.encode())
+        except StoreError as exc:  # the claimer then writes at its own pace (TRAIL_MAX_S at most)
+            log.debug("%s: writing this node's waiting marker failed: %s", self, exc)
 
     def _release(self, chunk: ChunkId) -> None:
         with self._lock:

@@ -280,6 +280,63 @@ def test_four_nodes_cold_at_once_cost_the_origin_about_one_copy(fleet: Fleet) ->
     assert fleet.tier_claim_objects() == set()  # every claimer dropped its claim once its chunk was written
 
 
+def test_a_node_alone_fills_the_tier_after_its_load_from_its_nvme_copy(fleet: Fleet) -> None:
+    """With nobody else around, a node's tier writes trail its origin reads (trailing.py): every chunk is
+    queued, then written from the NVMe cache once the load is done; the claims go with the writes."""
+    fleet = fleet_with(fleet, 40 * MiB + 777, seed=11)
+    with fleet.node("alone", cache=True) as m:
+        assert_exact(m, fleet.body)
+        wait_writes_done(m)
+        t = tier_stats(m)
+    assert t["claims"] == fleet.chunks and t["writes"] == fleet.chunks, t
+    assert t["trailed"] == fleet.chunks and t["trail_dropped"] == 0 and t["write_errors"] == 0, t
+    assert fleet.tier_chunk_objects() == set(fleet.chunk_keys())
+    assert fleet.tier_claim_objects() == set()
+    with fleet.node("fresh") as m:  # what was written back from NVMe is the model, exact
+        assert_exact(m, fleet.body)
+        assert origin_bytes(m) == 0 and tier_stats(m)["hits"] == fleet.chunks
+
+
+def test_a_node_waiting_on_trailing_claims_gets_them_written_at_once(fleet: Fleet) -> None:
+    """Node A loads slowly (one connection, each origin GET delayed), so its tier writes trail. Node B
+    then wants chunks A has fetched and still holds claims on: B waits, leaves its waiting marker, A finds
+    it in its next listing and writes at once. B is served from the tier long before A's load ends (without
+    the marker B would wait until then)."""
+    chunk_size = 1 * MiB
+    fleet = fleet_with(fleet, 24 * MiB, seed=12)
+    with FaultProxy(fleet.server.endpoint_url) as origin_proxy:
+        origin_proxy.inject(Fault.LATENCY, seconds=0.3)  # data GETs only: 24 chunks, one at a time, >= 7 s
+        origin = via(origin_proxy, fleet.server)
+        more = ("--chunk-size", "1M", "--shared-cache-wait", "30")
+        with fleet.node("a", *more, "--max-connections", "1", cache=True, origin=origin) as a, \
+                fleet.node("b", *more, origin=origin) as b:
+            done: dict[str, float] = {}
+
+            def load_a() -> None:
+                assert_exact(a, fleet.body)
+                done["a"] = time.monotonic()
+
+            loader = threading.Thread(target=load_a)
+            loader.start()
+            try:
+                wait_for("chunks trailing on A", lambda: tier_stats(a)["trailed"], lambda n: n >= 4)
+                with opened_random(b.path / KEY) as fd:  # B wants A's first chunks only (backwards: no read-ahead)
+                    for i in (3, 2, 1, 0):
+                        assert os.pread(fd, 4096, i * chunk_size) == fleet.body[i * chunk_size:i * chunk_size + 4096]
+                done["b"] = time.monotonic()
+            finally:
+                loader.join(120)
+            ta, tb, b_origin = tier_stats(a), tier_stats(b), origin_bytes(b)
+            wait_writes_done(a)
+    assert "a" in done, "node A's load failed"
+    assert done["b"] < done["a"] - 1.0, (done, ta, tb)
+    assert tb["hits"] == 4 and tb["claim_waits"] >= 1 and tb["fallbacks"] == 0 and tb["claims"] == 0, tb
+    assert b_origin == 0
+    assert ta["waiters_seen"] >= 1 and ta["claim_waits"] == 0, ta
+    assert fleet.tier_claim_objects() == set()
+    assert not [k for k in fleet.tier_keys() if k.startswith(PREFIX + "waiting/")]  # B's marker went at unmount
+
+
 # -- 2. a warmed tier serves fresh nodes, and its hits reach their NVMe cache -----------------------
 
 def test_warm_tier_serves_fresh_nodes_without_origin_and_fills_their_nvme_cache(fleet: Fleet) -> None:

@@ -8,8 +8,10 @@ import random
 import pytest
 import trio
 
+import fsmount.data.trailing
 import fsmount.readahead
 from fsmount.data import AccessDenied, ChunkEngine, StoreError, TransientError, Unreachable
+from fsmount.data.trailing import TRAIL_IDLE_S, WAITERS_CHECK_S
 from fsmount.handles import OpenFile
 from fsmount.readahead import LOCAL_WINDOW, ReadAhead
 from tests.helpers import (
@@ -567,6 +569,176 @@ async def test_a_failed_origin_fetch_is_abandoned_to_the_levels_that_missed(auto
         assert set(level.chunks) == {engine.chunk_id(v, 1)}
 
     await run_engine(engine, body)
+
+
+class TrailingTier(ClaimingLevel):
+    """A shared tier's part in trailing writes: it `trails()` until `fleet` is set, or until a listing of
+    waiting markers (`look_for_waiters`) finds `waiter` set; records when each chunk was put."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fleet = False
+        self.waiter = False
+        self.listings = 0
+        self.put_at: dict = {}
+
+    def trails(self) -> bool:
+        return not self.fleet
+
+    def look_for_waiters(self) -> bool:
+        self.listings += 1
+        self.fleet = self.fleet or self.waiter
+        return self.waiter
+
+    def put(self, cid, data) -> None:  # noqa: ANN001
+        self.put_at[cid] = trio.current_time()
+        super().put(cid, data)
+
+
+def trailing_engine(levels: list, store: FakeStore) -> tuple[ChunkEngine, list[float]]:
+    """An engine of 1 MiB chunks over `levels`, GETs taking LATENCY virtual seconds; the list gets the
+    virtual time each origin GET ended."""
+    get_ends: list[float] = []
+
+    async def run(fn, *args, limiter):  # noqa: ANN001, ANN202
+        async with limiter:
+            if fn.__name__ == "get_range":
+                await trio.sleep(LATENCY)
+                get_ends.append(trio.current_time())
+            return fn(*args)
+
+    engine = ChunkEngine(store, chunk_size=CHUNK, memory_limit=64 * MiB, max_connections=4, read_timeout=30.0,
+                         levels=levels, run_blocking=run)
+    return engine, get_ends
+
+
+async def read_chunk_by_chunk(engine: ChunkEngine, v, data: bytes, pause: float,  # noqa: ANN001
+                              after: dict | None = None) -> None:
+    """A reader taking the object one chunk at a time, `pause` virtual seconds apart (a loader's pace:
+    the origin's GETs never stop for TRAIL_IDLE_S); `after[i]()` runs once chunk i was read."""
+    for i in range(len(data) // CHUNK):
+        assert await engine.read(v, i * CHUNK, (i + 1) * CHUNK) == data[i * CHUNK:(i + 1) * CHUNK]
+        if after and i in after:
+            after[i]()
+        await trio.sleep(pause)
+
+
+@pytest.mark.parametrize("local", [True, False])
+async def test_tier_writes_of_a_node_alone_trail_its_origin_reads(autojump_clock, local: bool) -> None:  # noqa: ANN001
+    """A node loading alone writes nothing to the shared tier while its origin GETs run (the tier's server
+    is not kept busy storing while it serves the load), then writes every chunk, read back from its NVMe
+    cache, exact. Without a local copy to read back, the writes go at once, holding the chunk's memory."""
+    store = FakeStore()
+    data = put_object(store, "m", 24 * CHUNK)
+    nvme, tier = IndexedLevel(), TrailingTier()
+    engine, get_ends = trailing_engine([nvme, tier] if local else [tier], store)
+    v = version(store, "m")
+
+    async def body() -> None:
+        await read_chunk_by_chunk(engine, v, data, pause=0.02)
+        if local:
+            assert not tier.put_at and len(engine.levels.trailing) == 24 and engine.levels.writes_pending == 24
+        await trio.sleep(30.0)
+        assert engine.levels.writes_pending == 0
+
+    await run_engine(engine, body)
+    assert len(get_ends) == 24
+    assert {cid.index: bytes(d) for cid, d in tier.chunks.items()} == \
+        {i: data[i * CHUNK:(i + 1) * CHUNK] for i in range(24)}
+    first_put = min(tier.put_at.values())
+    if local:
+        assert first_put >= get_ends[-1] + TRAIL_IDLE_S, (first_put, get_ends[-1])
+        assert engine.levels.trailing.queued == 24 and engine.levels.trailing.dropped == 0
+        assert not tier.abandoned
+    else:
+        assert first_put < get_ends[-1] and engine.levels.trailing.queued == 0
+
+
+async def test_tier_writes_go_at_once_once_another_node_is_seen_or_found_waiting(autojump_clock) -> None:  # noqa: ANN001
+    """A node that met another node (its own claim lost: `trails()` turns False) writes at once; a node
+    still trailing lists the waiting markers every WAITERS_CHECK_S and, once one shows up, writes what
+    trailed at once, long before its load ends."""
+    store = FakeStore()
+    data = put_object(store, "m", 40 * CHUNK)
+    nvme, tier = IndexedLevel(), TrailingTier()
+    engine, get_ends = trailing_engine([nvme, tier], store)
+    v = version(store, "m")
+    marked: list[float] = []
+
+    def another_node_waits() -> None:
+        tier.waiter = True
+        marked.append(trio.current_time())
+
+    async def body() -> None:
+        await read_chunk_by_chunk(engine, v, data, pause=0.05, after={9: another_node_waits})
+        await trio.sleep(30.0)
+
+    await run_engine(engine, body)
+    assert tier.listings >= 1
+    first_10 = [tier.put_at[engine.chunk_id(v, i)] for i in range(10)]
+    assert max(first_10) <= marked[0] + 2 * WAITERS_CHECK_S, (first_10, marked)
+    assert max(first_10) < get_ends[-1] - 1.0
+    later = [tier.put_at[engine.chunk_id(v, i)] for i in range(12, 40)]
+    assert all(t < get_ends[-1] for t in later[:-4])  # written as they come, no longer trailing
+    assert len(tier.chunks) == 40 and engine.levels.trailing.queued < 14
+
+
+async def test_a_tier_write_trails_at_most_trail_max_s(autojump_clock, monkeypatch) -> None:  # noqa: ANN001
+    """A long load does not hold a chunk's tier write (and its claim) past TRAIL_MAX_S."""
+    monkeypatch.setattr(fsmount.data.trailing, "TRAIL_MAX_S", 1.0)
+    store = FakeStore()
+    data = put_object(store, "m", 40 * CHUNK)
+    nvme, tier = IndexedLevel(), TrailingTier()
+    engine, get_ends = trailing_engine([nvme, tier], store)
+    v = version(store, "m")
+    queued_at: dict = {}
+
+    async def body() -> None:
+        await read_chunk_by_chunk(engine, v, data, pause=0.05,
+                                  after={i: (lambda i=i: queued_at.setdefault(i, trio.current_time()))
+                                         for i in range(40)})
+        await trio.sleep(30.0)
+
+    await run_engine(engine, body)
+    assert get_ends[-1] > 3.0 + get_ends[0]  # a load of several TRAIL_MAX_S
+    for i in range(40):
+        assert tier.put_at[engine.chunk_id(v, i)] <= queued_at[i] + 1.0 + 2 * 0.05 + 2 * LATENCY, i
+
+
+async def test_a_trailing_write_whose_local_copy_is_gone_is_given_up_and_its_claim_dropped(autojump_clock,  # noqa: ANN001
+                                                                                           ) -> None:
+    store = FakeStore()
+    data = put_object(store, "m", 8 * CHUNK)
+    nvme, tier = IndexedLevel(), TrailingTier()
+    engine, _ = trailing_engine([nvme, tier], store)
+    v = version(store, "m")
+
+    async def body() -> None:
+        await read_chunk_by_chunk(engine, v, data, pause=0.02)
+        del nvme.chunks[engine.chunk_id(v, 3)]  # evicted before its turn
+        await trio.sleep(30.0)
+        assert engine.levels.writes_pending == 0
+
+    await run_engine(engine, body)
+    assert tier.abandoned == [engine.chunk_id(v, 3)]
+    assert sorted(cid.index for cid in tier.chunks) == [0, 1, 2, 4, 5, 6, 7]
+    assert engine.levels.trailing.dropped == 1
+
+
+async def test_unmount_runs_trailing_writes_at_once(autojump_clock) -> None:  # noqa: ANN001
+    store = FakeStore()
+    data = put_object(store, "m", 8 * CHUNK)
+    nvme, tier = IndexedLevel(), TrailingTier()
+    engine, get_ends = trailing_engine([nvme, tier], store)
+    v = version(store, "m")
+
+    async def body() -> None:
+        await read_chunk_by_chunk(engine, v, data, pause=0.0)
+        assert await engine.levels.drain_writes(60.0) == 0
+
+    await run_engine(engine, body)
+    assert len(tier.chunks) == 8
+    assert max(tier.put_at.values()) < get_ends[-1] + TRAIL_IDLE_S
 
 
 def warm_engine(store: FakeStore, key: str, memory: int) -> tuple[ChunkEngine, MemoryLevel]:

@@ -7,12 +7,23 @@ from __future__ import annotations
 import io
 import threading
 import time
+from collections.abc import Iterator
 
 import pytest
 
 from fsmount.data import ChunkId, StoreError, Unreachable, shared_tier
 from fsmount.data.chunk_file import encode_chunk
-from fsmount.data.shared_tier import CLAIM_CHECK_S, CLAIM_TTL_S, UNAVAILABLE_RETRY_S, WRITE_RETRY_S, SharedTier
+from fsmount.data.shared_tier import (
+    CLAIM_CHECK_S,
+    CLAIM_TTL_S,
+    FLEET_QUIET_S,
+    UNAVAILABLE_RETRY_S,
+    WAITING,
+    WAITING_FRESH_S,
+    WRITE_RETRY_S,
+    SharedTier,
+)
+from fsmount.data.store import ListingPage, ObjectMeta
 
 ORIGIN = "http://origin.example:9000"
 CHUNK = 1 << 20
@@ -25,6 +36,7 @@ class DictClient:
 
     def __init__(self) -> None:
         self.objects: dict[str, bytes] = {}
+        self.mtime_ns: dict[str, int] = {}
         self.fail: StoreError | None = None
         self.refuse_puts: StoreError | None = None
         self.requests = 0
@@ -52,11 +64,17 @@ class DictClient:
             if only_if_absent and key in self.objects:
                 return False
             self.objects[key] = bytes(body)
+            self.mtime_ns[key] = time.time_ns()
             return True
 
     def delete_object(self, key: str) -> None:
         self._request()
         self.objects.pop(key, None)
+
+    def list_pages(self, prefix: str) -> Iterator[ListingPage]:
+        self._request()
+        yield ListingPage([ObjectMeta(k, len(v), '"x"', self.mtime_ns[k]) for k, v in sorted(self.objects.items())
+                           if k.startswith(prefix) and "/" not in k[len(prefix):]], [], [])
 
 
 class BytesStream(io.BytesIO):
@@ -308,3 +326,62 @@ def test_a_refused_claim_pauses_writes_not_reads(allowed_logs: list[str]) -> Non
     assert t.get(chunk()) is None  # the claim was refused: a miss, for the origin
     assert t.stats.write_errors == 1 and t.stats.errors == 0
     assert t.get(held) == data_of(held)  # reads go on
+
+
+# -- trailing writes: who may hold its writes back, and how a waiting node says so -----------------
+
+def markers(client: DictClient) -> list[str]:
+    return [k for k in client.objects if k.startswith("modelfs/" + WAITING)]
+
+
+def test_a_node_alone_trails_until_it_meets_another_nodes_claim() -> None:
+    client, shift = DictClient(), [0.0]
+
+    def clock() -> float:  # real time (a wait polls in it), moved on by the test
+        return time.monotonic() + shift[0]
+
+    first, second = tier(client), tier(client, wait=0.2, clock=clock)  # type: ignore[arg-type]
+    assert first.trails() and second.trails()
+    assert first.get(chunk()) is None  # claimed: no other node met
+    assert first.trails()
+    assert second.get(chunk()) is None  # waited on first's claim (then fell back)
+    assert not second.trails() and first.trails()
+    shift[0] += FLEET_QUIET_S + 1
+    assert second.trails()
+    assert not tier(client, read_only=True).trails()
+
+
+def test_a_waiting_node_leaves_a_marker_that_makes_a_trailing_node_write_at_once() -> None:
+    client = DictClient()
+    claimer, waiter, bystander = tier(client), tier(client, wait=0.3), tier(client)
+    assert claimer.get(chunk()) is None
+    assert not claimer.look_for_waiters() and claimer.trails()
+    assert waiter.get(chunk()) is None
+    assert claimer.get(chunk(index=1)) is None
+    assert waiter.get(chunk(index=1)) is None and waiter.stats.claim_waits == 2
+    assert len(markers(client)) == 1  # one marker per node, refreshed, not one per chunk
+    assert claimer.look_for_waiters() and not claimer.trails()
+    assert claimer.stats.waiters_seen == 1
+    assert not waiter.look_for_waiters()  # its own marker is not another node's
+    assert bystander.look_for_waiters()
+    waiter.drop_claims()  # unmount
+    assert markers(client) == []
+    assert not tier(client).look_for_waiters()
+
+
+def test_a_stale_marker_of_a_dead_waiter_is_not_a_waiting_node() -> None:
+    client = DictClient()
+    key = "modelfs/" + WAITING + "dead-node"
+    client.put_object(key, b"gone 1")
+    client.mtime_ns[key] -= int((WAITING_FRESH_S + 1) * 1e9)
+    trailing = tier(client)
+    assert not trailing.look_for_waiters() and trailing.trails()
+    client.mtime_ns[key] += int(2 * 1e9)  # refreshed: fresh again
+    assert trailing.look_for_waiters() and not trailing.trails()
+
+
+def test_a_failing_marker_listing_is_no_waiter(allowed_logs: list[str]) -> None:
+    client = DictClient()
+    trailing = tier(client)
+    client.fail = Unreachable("tier down")
+    assert not trailing.look_for_waiters() and trailing.trails()

@@ -34,8 +34,10 @@ def rows(text: str) -> dict[str, str]:
 def test_shared_tier_loads_are_not_called_nvme_ones() -> None:
     tier = {"bucket": "tier", "read_only": False, "claims_enabled": True, "hits": 1, "misses": 1, "hit_ratio": 0.5,
             "bytes": 8 * MiB, "claims": 1, "claim_waits": 0, "fallbacks": 0, "writes": 1, "write_errors": 0,
-            "corrupt": 0, "errors": 0, "egress_saved_bytes": 8 * MiB}
+            "corrupt": 0, "errors": 0, "egress_saved_bytes": 8 * MiB, "trailed": 1, "trail_dropped": 0,
+            "waiters_seen": 0}
     text = format_stats(snapshot(shared_cache=tier), "/models")
+    assert "1 written (1 after the load, 0 given up)" in text, text
     assert "read from NVMe cache or shared tier" in text and "read from NVMe cache  " not in text
     assert "(chunks loaded from the NVMe cache: 8.00 MiB, from the shared tier: 8.00 MiB)" in text, text
     alone = format_stats(snapshot(), "/models")

@@ -1,0 +1,172 @@
+"""Trailing writes: a chunk write to a slow, remote cache level (the shared tier) that waits until this
+node's origin reads are done, so that a node loading a model alone is not slowed by filling the tier.
+
+The level decides whether its writes may trail (`trails()`: the shared tier says no once another node
+may be waiting for them). A write trails only when a local level written before it (the NVMe cache)
+holds the chunk: the chunk's memory is then released at once, and the write reads the chunk back from
+that level when it runs. Without a local copy the write goes at once, as before.
+
+Queued writes run, TRAIL_WORKERS at a time, as soon as any of these holds:
+- no origin GET has been in flight for TRAIL_IDLE_S (the load is done, or paused);
+- the oldest has waited TRAIL_MAX_S (well below the tier's claim TTL, so a claim is never taken for a
+  dead node's while its chunk trails);
+- the level no longer trails (another node was seen) or a listing of its waiting markers
+  (`look_for_waiters`, every WAITERS_CHECK_S while writes trail) finds another node waiting;
+- the mount is draining its writes (unmount).
+A chunk the local level no longer holds when its turn comes (evicted, corrupt) is given up: the level's
+`abandon` drops its claim, and the write is counted in `dropped`.
+
+Rules: everything here runs in the trio thread; the deque, the counters and `_origin_*` are touched
+only there, with no await between a read and its write. Blocking calls (local reads, the level's put,
+the marker listing) run in threads under the limiters the level stack hands in.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any, Protocol
+
+import trio
+
+from fsmount.data.identity import ChunkId, WritableBuffer, new_buffer
+
+log = logging.getLogger(__name__)
+
+# A load counts as done once no origin GET has been in flight this long (read-ahead keeps GETs going
+# back to back while a reader streams, so gaps this long are pauses of the reader, not of the pipeline).
+TRAIL_IDLE_S = 0.5
+# The longest a write trails: below the shared tier's CLAIM_TTL_S (30 s), so nodes waiting on its claim
+# never take the claim for a dead node's.
+TRAIL_MAX_S = 20.0
+# Trailing writes run this many at a time, each with one chunk buffer of its own (held outside the
+# engine's budget: the shared tier counts them in its staging_bytes).
+TRAIL_WORKERS = 2
+# How often a node with trailing writes lists the tier's waiting markers.
+WAITERS_CHECK_S = 0.5
+# How often a queued write looks again at its conditions.
+POLL_S = 0.05
+
+
+class TrailingLevel(Protocol):
+    """A cache level whose writes may trail (shared_tier.SharedTier)."""
+
+    def trails(self) -> bool: ...
+
+    def look_for_waiters(self) -> bool: ...
+
+    def put(self, chunk: ChunkId, data: bytes | WritableBuffer) -> None: ...
+
+    def abandon(self, chunk: ChunkId) -> None: ...
+
+
+class LocalLevel(Protocol):
+    """A level that keeps a local copy the trailing write reads back (disk_cache.DiskCache)."""
+
+    def contains(self, chunk: ChunkId) -> bool: ...
+
+    def get(self, chunk: ChunkId, buffer: WritableBuffer | None = None) -> bytes | WritableBuffer | None: ...
+
+
+RunBlocking = Callable[..., Awaitable[Any]]
+
+
+class TrailingWrites:
+    def __init__(self, run_blocking: RunBlocking, chunk_size: int, on_done: Callable[[], None]):
+        self._run_blocking = run_blocking
+        self._chunk_size = chunk_size
+        self._on_done = on_done  # one call per queued write once it ran or was given up
+        self._queue: collections.deque[tuple[ChunkId, int, TrailingLevel, trio.CapacityLimiter,
+                                             LocalLevel, trio.CapacityLimiter, float]] = collections.deque()
+        self._workers = 0
+        self._origin_in_flight = 0
+        self._origin_idle_since = 0.0
+        self._draining = False
+        self._waiters_checked_at = 0.0
+        self._waiter_check_running = False
+        self.queued = 0  # writes that trailed (counted when queued)
+        self.dropped = 0  # trailing writes given up: the local copy was gone by their turn
+
+    # -- what the level stack tells it --
+
+    def origin_started(self) -> None:
+        self._origin_in_flight += 1
+
+    def origin_finished(self) -> None:
+        self._origin_in_flight -= 1
+        if not self._origin_in_flight:
+            self._origin_idle_since = trio.current_time()
+
+    def drain(self) -> None:
+        """Unmount: run every queued write now."""
+        self._draining = True
+
+    def __len__(self) -> int:
+        return len(self._queue)
+
+    def offer(self, nursery: trio.Nursery, cid: ChunkId, length: int, level: Any, put_limiter: trio.CapacityLimiter,
+              local: Any, get_limiter: trio.CapacityLimiter) -> bool:
+        """Queue the write of `cid` to `level` if it may trail and `local` holds the chunk; False: write it now."""
+        if self._draining or not getattr(level, "trails", None) or not level.trails() or not local.contains(cid):
+            return False
+        self._queue.append((cid, length, level, put_limiter, local, get_limiter, trio.current_time()))
+        self.queued += 1
+        if self._workers < TRAIL_WORKERS:
+            self._workers += 1
+            nursery.start_soon(self._worker, nursery)
+        return True
+
+    # -- running them --
+
+    def _may_run(self, level: TrailingLevel, queued_at: float) -> bool:
+        now = trio.current_time()
+        return (self._draining or not level.trails() or now - queued_at >= TRAIL_MAX_S
+                or (not self._origin_in_flight and now - self._origin_idle_since >= TRAIL_IDLE_S))
+
+    async def _worker(self, nursery: trio.Nursery) -> None:
+        buffer: WritableBuffer | None = None
+        try:
+            while self._queue:
+                cid, length, level, put_limiter, local, get_limiter, queued_at = self._queue[0]
+                if not self._may_run(level, queued_at):
+                    self._check_waiters(nursery, level, put_limiter)
+                    await trio.sleep(POLL_S)
+                    continue
+                self._queue.popleft()
+                try:
+                    if buffer is None:
+                        buffer = new_buffer(self._chunk_size)
+                    into = buffer if length == self._chunk_size else None
+                    data = await self._run_blocking(local.get, cid, into, limiter=get_limiter)
+                    if data is not None and len(data) == length:
+                        await self._run_blocking(level.put, cid, data, limiter=put_limiter)
+                    else:
+                        self.dropped += 1
+                        log.info("chunk %d of %r left the local cache before its trailing write: not written "
+                                 "to %s", cid.index, cid.key, level)
+                        await self._run_blocking(level.abandon, cid, limiter=put_limiter)
+                except trio.Cancelled:
+                    raise
+                except Exception as exc:  # noqa: BLE001 - a cache level never breaks a read
+                    log.warning("trailing cache write of chunk %d of %r failed: %s", cid.index, cid.key, exc)
+                finally:
+                    self._on_done()
+        finally:
+            self._workers -= 1
+
+    def _check_waiters(self, nursery: trio.Nursery, level: TrailingLevel, limiter: trio.CapacityLimiter) -> None:
+        now = trio.current_time()
+        if self._waiter_check_running or now - self._waiters_checked_at < WAITERS_CHECK_S:
+            return
+        self._waiter_check_running = True
+        self._waiters_checked_at = now
+        nursery.start_soon(self._look_for_waiters, level, limiter)
+
+    async def _look_for_waiters(self, level: TrailingLevel, limiter: trio.CapacityLimiter) -> None:
+        try:
+            await self._run_blocking(level.look_for_waiters, limiter=limiter)
+        except Exception as exc:  # noqa: BLE001 - the level logs its own failures; this is a hint only
+            log.debug("looking for waiting nodes failed: %s", exc)
+        finally:
+            self._waiter_check_running = False

@@ -125,9 +125,13 @@ class Fleet:
             raise SystemExit(f"a node read wrong bytes: {results}")
         origin = sum(s["origin"]["bytes"] for s in stats)
         tier_bytes = sum((s["shared_cache"] or {}).get("bytes", 0) for s in stats)
+        # What the nodes did in the tier (counted when the reads were done; writes may trail them).
+        tier_counts = {name: sum((s["shared_cache"] or {}).get(name, 0) for s in stats)
+                       for name in ("claims", "claim_waits", "fallbacks", "trailed", "waiters_seen")}
         node_mbs = [self.size / t / 1e6 for _, t in results.values()]
         return {"seconds": wall, "origin_x": origin / self.size, "tier_x": tier_bytes / self.size,
-                "node_mb_s_min": min(node_mbs), "daemon_cpu": daemon_cpu, "weed_cpu": weed_cpu}
+                "node_mb_s_min": min(node_mbs), "daemon_cpu": daemon_cpu, "weed_cpu": weed_cpu,
+                "tier_counts": tier_counts if tier else {}}
 
     def curl_tier(self) -> dict[str, float]:
         """Every chunk object in the tier, fetched with curl --parallel through presigned URLs."""
@@ -209,7 +213,8 @@ def main(argv: list[str] | None = None) -> int:
                     results.setdefault(scenario, []).append(out)
                     print(f"round {round_no} {scenario:10s} {out['seconds']:6.2f} s  origin {out['origin_x']:4.2f}x  "
                           f"tier {out['tier_x']:4.2f}x  slowest node {out['node_mb_s_min']:6.0f} MB/s  daemons "
-                          f"{out['daemon_cpu']:5.2f} weed {out['weed_cpu']:5.2f} CPU-s", flush=True)
+                          f"{out['daemon_cpu']:5.2f} weed {out['weed_cpu']:5.2f} CPU-s  "
+                          f"{' '.join(f'{k}={v}' for k, v in out.get('tier_counts', {}).items())}", flush=True)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     print(f"medians ({args.nodes} nodes, model {args.size}): scenario seconds origin-x tier-x slowest-node-MB/s "

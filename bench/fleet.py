@@ -82,7 +82,9 @@ class Fleet:
         shutil.rmtree(cache, ignore_errors=True)
         cache.mkdir()
         extra = ["--shared-cache-bucket", TIER, "--shared-cache-endpoint-url", self.server.endpoint_url] if tier else []
-        command = mounts.modelfs_command([sys.executable, "-m", "fsmount"], self.endpoint, self.work / f"mnt{i}",
+        # -P: the working directory must not come before PYTHONPATH (this tree, mounts.REPO_ROOT), so that a
+        # fleet.py in a clone of another commit runs that commit's daemon.
+        command = mounts.modelfs_command([sys.executable, "-P", "-m", "fsmount"], self.endpoint, self.work / f"mnt{i}",
                                          extra + self.args.node_flags.split(),
                                          None if self.args.no_cache_dir else cache, "info")
         return stack.enter_context(mounts.MountedDaemon(command, self.work / f"mnt{i}", self.work / f"node{i}.log"))

@@ -63,6 +63,9 @@ MOUNT_OPTION_ALIASES = {"nonempty": "allow_non_empty"}
 # `modelfs cleanup` leaves uploads younger than this alone (a mount may still be writing them); the
 # lifecycle rule in the README aborts after one day too.
 DEFAULT_CLEANUP_AGE = 86400.0
+# `modelfs prefetch` then waits this long for the daemon's cache writes (a model's tier writes trail its
+# load, at the tier's pace: minutes for hundreds of GB).
+DEFAULT_PREFETCH_WRITE_WAIT = 600.0
 # How long `modelfs mount` waits for the background daemon to answer before giving up.
 STARTUP_TIMEOUT = 120.0
 
@@ -294,6 +297,9 @@ def make_parser() -> argparse.ArgumentParser:
     w.add_argument("--no-pagecache", action="store_true", help="warm only the daemon's caches, not the page cache")
     w.add_argument("--threads", type=int, default=8, help="parallel readers (default %(default)s)")
     w.add_argument("--quiet", "-q", action="store_true", help="no progress bar")
+    w.add_argument("--write-wait", type=float, default=DEFAULT_PREFETCH_WRITE_WAIT, metavar="SECONDS",
+                   help="then wait up to this long for the daemon to write what it fetched to its NVMe cache and "
+                        "shared tier (0: do not wait; default %(default)g)")
     st = sub.add_parser("stats", help="hit ratio, bytes by source, egress saved and errors of a running mount")
     st.add_argument("mountpoint")
     st.add_argument("--json", action="store_true", help="the raw numbers as JSON")
@@ -424,18 +430,25 @@ def cmd_stats(args: argparse.Namespace) -> int:
 
 
 def cmd_prefetch(args: argparse.Namespace) -> int:
-    from fsmount.prefetch_command import WarmError, warm
+    from fsmount.prefetch_command import WarmError, wait_for_writes, warm
 
+    if not args.write_wait >= 0:
+        return fail("--write-wait must be >= 0 seconds", 2)
     started = time.monotonic()
     try:
         n = warm(args.paths, keep_pagecache=not args.no_pagecache, threads=max(1, args.threads),
                  progress=not args.quiet and sys.stderr.isatty())
+        elapsed = max(time.monotonic() - started, 1e-9)
+        print(f"prefetched {n} bytes in {elapsed:.1f}s ({n / elapsed / 1e6:.0f} MB/s)", flush=True)
+        pending = wait_for_writes(args.paths, args.write_wait, say=lambda line: print(line, flush=True)) \
+            if args.write_wait else 0
     except WarmError as exc:
         return fail(f"prefetch failed: {exc}")
     except KeyboardInterrupt:
         return fail("prefetch interrupted", 130)
-    elapsed = max(time.monotonic() - started, 1e-9)
-    print(f"prefetched {n} bytes in {elapsed:.1f}s ({n / elapsed / 1e6:.0f} MB/s)")
+    if pending:
+        return fail(f"prefetch: {pending} fetched chunks were still not written to the cache levels after "
+                    f"{args.write_wait:g}s (the reads succeeded; the daemon keeps writing them)")
     return 0
 
 

@@ -1,21 +1,27 @@
 """`modelfs prefetch PATH...`: warm a mounted tree by reading it through the mount, in parallel, with a
 progress bar. The daemon does the fetching; reading fills its NVMe cache and (unless told not to) the
-kernel page cache. It runs in the user's process, never inside the daemon.
+kernel page cache. Then it waits until the daemon has written what it fetched to its cache levels (the
+NVMe cache, and the shared tier, whose writes trail the load): once it returns, the tier is warm for the
+fleet. It runs in the user's process, never inside the daemon.
 """
 
 from __future__ import annotations
 
 import errno
+import json
 import os
 import sys
 import threading
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 # Large reads keep many chunks in flight in the daemon; several threads per file spread them.
 BLOCK = 8 << 20
 THREADS = 8
 MODELFS_FSTYPE = "fuse.modelfs"
+# How often the daemon's pending cache writes are looked at while waiting for them.
+WRITES_POLL_S = 0.2
 
 
 class WarmError(Exception):
@@ -24,6 +30,11 @@ class WarmError(Exception):
 
 def mount_fstype(path: str) -> str | None:
     """The file system type of the mount holding `path` (from /proc/self/mountinfo)."""
+    return mount_of(path)[1]
+
+
+def mount_of(path: str) -> tuple[str, str | None]:
+    """(mount point, file system type) of the mount holding `path` (from /proc/self/mountinfo)."""
     real = os.path.realpath(path)
     best, best_type = "", None
     with open("/proc/self/mountinfo") as f:
@@ -33,7 +44,7 @@ def mount_fstype(path: str) -> str | None:
             fstype = fields[fields.index("-") + 1]
             if (real == mnt or real.startswith(mnt.rstrip("/") + "/")) and len(mnt) >= len(best):
                 best, best_type = mnt, fstype
-    return best_type
+    return best, best_type
 
 
 def _raise(exc: OSError) -> None:
@@ -114,3 +125,30 @@ def warm(paths: list[str], *, keep_pagecache: bool = True, threads: int = THREAD
         if bar is not None:
             bar.close()
     return done
+
+
+def pending_writes(mountpoint: str) -> int:
+    """Chunks the daemon of `mountpoint` fetched and has not yet written to its cache levels."""
+    from fsmount.stats import STATS_XATTR
+
+    try:
+        return int(json.loads(os.getxattr(mountpoint, STATS_XATTR.decode()))["cache_writes_pending"])
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise WarmError(f"cannot read the stats of {mountpoint}: {exc}") from None
+
+
+def wait_for_writes(paths: list[str], timeout: float, *, say: Callable[[str], None] = lambda line: None,
+                    clock: Callable[[], float] = time.monotonic) -> int:
+    """Wait until the daemons of the mounts holding `paths` have no cache write pending, up to `timeout`
+    seconds; the number still pending then (0: all written)."""
+    mounts = sorted({mount_of(path)[0] for path in paths})
+    deadline = clock() + timeout
+    said = False
+    while True:
+        pending = sum(pending_writes(m) for m in mounts)
+        if not pending or clock() >= deadline:
+            return pending
+        if not said:
+            say(f"waiting for {pending} fetched chunks to be written to the cache levels")
+            said = True
+        time.sleep(WRITES_POLL_S)

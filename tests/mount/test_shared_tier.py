@@ -297,6 +297,18 @@ def test_a_node_alone_fills_the_tier_after_its_load_from_its_nvme_copy(fleet: Fl
         assert origin_bytes(m) == 0 and tier_stats(m)["hits"] == fleet.chunks
 
 
+def test_modelfs_prefetch_returns_once_the_tier_is_warm(fleet: Fleet) -> None:
+    """The deploy pattern "prefetch on one node, then start the fleet": prefetch waits for the writes that
+    trail the load, so the tier holds every chunk when it returns (the node still mounted)."""
+    fleet = fleet_with(fleet, 48 * MiB + 99, seed=13)
+    with fleet.node("warmer", cache=True) as m:
+        res = run_modelfs("prefetch", "-q", str(m.path / KEY), timeout=120)
+        assert res.returncode == 0, res.stderr
+        assert fleet.tier_chunk_objects() == set(fleet.chunk_keys())
+        assert mount_stats(m.path)["cache_writes_pending"] == 0
+        assert tier_stats(m)["trailed"] == fleet.chunks
+
+
 def test_a_node_waiting_on_trailing_claims_gets_them_written_at_once(fleet: Fleet) -> None:
     """Node A loads slowly (one connection, each origin GET delayed), so its tier writes trail. Node B
     then wants chunks A has fetched and still holds claims on: B waits, leaves its waiting marker, A finds

@@ -50,3 +50,25 @@ def test_defaults_are_safe() -> None:
     assert cfg.chunk_size == 8 * MiB and cfg.store.max_connections == 16
     assert cfg.memory_limit <= 2 * GiB
     assert cfg.file_mode == 0o444
+
+
+def test_prefetch_waits_for_the_daemons_pending_cache_writes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`modelfs prefetch` returns once the daemon wrote what it fetched (its tier writes trail the load),
+    and says how many were left when its --write-wait ran out."""
+    import fsmount.prefetch_command as pc
+
+    pending = iter([3, 2, 0, 5])
+    monkeypatch.setattr(pc, "pending_writes", lambda mountpoint: next(pending))
+    monkeypatch.setattr(pc, "mount_of", lambda path: ("/models", "fuse.modelfs"))
+    monkeypatch.setattr(pc, "WRITES_POLL_S", 0.0)
+    said: list[str] = []
+    assert pc.wait_for_writes(["/models/m"], 60.0, say=said.append) == 0
+    assert said == ["waiting for 3 fetched chunks to be written to the cache levels"]
+    now = [0.0]
+
+    def clock() -> float:
+        now[0] += 1.0
+        return now[0]
+
+    monkeypatch.setattr(pc, "pending_writes", lambda mountpoint: 7)
+    assert pc.wait_for_writes(["/models/m", "/models/n"], 5.0, clock=clock) == 7

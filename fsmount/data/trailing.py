@@ -9,7 +9,8 @@ that level when it runs. Without a local copy the write goes at once, as before.
 Queued writes run, TRAIL_WORKERS at a time, as soon as any of these holds:
 - no origin GET has been in flight for TRAIL_IDLE_S (the load is done, or paused);
 - the oldest has waited TRAIL_MAX_S (well below the tier's claim TTL, so a claim is never taken for a
-  dead node's while its chunk trails);
+  dead node's while its chunk trails), or more than TRAIL_MAX_BYTES trail (what is left to write when a
+  long load ends, and what an unmount right after it has to drain, stays bounded);
 - the level no longer trails (another node was seen) or a listing of its waiting markers
   (`look_for_waiters`, every WAITERS_CHECK_S while writes trail) finds another node waiting;
 - the mount is draining its writes (unmount).
@@ -40,6 +41,7 @@ TRAIL_IDLE_S = 0.5
 # The longest a write trails: below the shared tier's CLAIM_TTL_S (30 s), so nodes waiting on its claim
 # never take the claim for a dead node's.
 TRAIL_MAX_S = 20.0
+TRAIL_MAX_BYTES = 4 << 30
 # Trailing writes run this many at a time, each with one chunk buffer of its own (held outside the
 # engine's budget: the shared tier counts them in its staging_bytes).
 TRAIL_WORKERS = 2
@@ -80,6 +82,7 @@ class TrailingWrites:
         self._queue: collections.deque[tuple[ChunkId, int, TrailingLevel, trio.CapacityLimiter,
                                              LocalLevel, trio.CapacityLimiter, float]] = collections.deque()
         self._workers = 0
+        self._queued_bytes = 0
         self._origin_in_flight = 0
         self._origin_idle_since = 0.0
         self._draining = False
@@ -111,6 +114,7 @@ class TrailingWrites:
         if self._draining or not getattr(level, "trails", None) or not level.trails() or not local.contains(cid):
             return False
         self._queue.append((cid, length, level, put_limiter, local, get_limiter, trio.current_time()))
+        self._queued_bytes += length
         self.queued += 1
         if self._workers < TRAIL_WORKERS:
             self._workers += 1
@@ -122,6 +126,7 @@ class TrailingWrites:
     def _may_run(self, level: TrailingLevel, queued_at: float) -> bool:
         now = trio.current_time()
         return (self._draining or not level.trails() or now - queued_at >= TRAIL_MAX_S
+                or self._queued_bytes > TRAIL_MAX_BYTES
                 or (not self._origin_in_flight and now - self._origin_idle_since >= TRAIL_IDLE_S))
 
     async def _worker(self, nursery: trio.Nursery) -> None:
@@ -134,6 +139,7 @@ class TrailingWrites:
                     await trio.sleep(POLL_S)
                     continue
                 self._queue.popleft()
+                self._queued_bytes -= length
                 try:
                     if buffer is None:
                         buffer = new_buffer(self._chunk_size)

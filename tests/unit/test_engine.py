@@ -705,6 +705,32 @@ async def test_a_tier_write_trails_at_most_trail_max_s(autojump_clock, monkeypat
         assert tier.put_at[engine.chunk_id(v, i)] <= queued_at[i] + 1.0 + 2 * 0.05 + 2 * LATENCY, i
 
 
+async def test_no_more_than_trail_max_bytes_trail(autojump_clock, monkeypatch) -> None:  # noqa: ANN001
+    """What is left to write when a long load ends (and what an unmount right after has to drain) stays
+    bounded: past TRAIL_MAX_BYTES the oldest writes run while the load goes on."""
+    monkeypatch.setattr(fsmount.data.trailing, "TRAIL_MAX_BYTES", 4 * CHUNK)
+    store = FakeStore()
+    data = put_object(store, "m", 24 * CHUNK)
+    nvme, tier = IndexedLevel(), TrailingTier()
+    engine, get_ends = trailing_engine([nvme, tier], store)
+    v = version(store, "m")
+    trailing_at_most = 0
+
+    def note() -> None:
+        nonlocal trailing_at_most
+        trailing_at_most = max(trailing_at_most, len(engine.levels.trailing))
+
+    async def body() -> None:
+        await read_chunk_by_chunk(engine, v, data, pause=0.02, after={i: note for i in range(24)})
+        assert len(engine.levels.trailing) <= 5
+        await trio.sleep(30.0)
+
+    await run_engine(engine, body)
+    assert trailing_at_most <= 5, trailing_at_most
+    assert sum(t < get_ends[-1] for t in tier.put_at.values()) >= 18
+    assert len(tier.chunks) == 24 and engine.levels.trailing.queued == 24
+
+
 async def test_a_trailing_write_whose_local_copy_is_gone_is_given_up_and_its_claim_dropped(autojump_clock,  # noqa: ANN001
                                                                                            ) -> None:
     store = FakeStore()

@@ -167,24 +167,33 @@ class RangeGetter:
             raise
         return Body(self, origin, conn, resp, int(length), what)
 
-    def put(self, key: str, parts: Sequence[bytes | WritableBuffer], what: str) -> None:
+    def put(self, key: str, parts: Sequence[bytes | WritableBuffer], what: str, *,
+            only_if_absent: bool = False) -> bool:
         """Store `parts`, joined, as the object `key` (one PUT; each part is sent as it is, not copied into
-        one body). Failures are raised as StoreErrors; nothing is retried but a stale kept-alive
-        connection and a URL signed with rotated credentials."""
+        one body); with `only_if_absent` (If-None-Match: *, an unsigned header the URL allows) False if the
+        key exists (412, or 409 for a concurrent conditional write). Failures are raised as StoreErrors;
+        nothing is retried but a stale kept-alive connection and a URL signed with rotated credentials."""
         assert self._presign_put is not None, "RangeGetter built without presign_put"
         try:
-            self._put(key, parts, what, self._presign_put(key))
+            return self._put(key, parts, what, self._presign_put(key), only_if_absent)
         except AccessDenied:
-            self._put(key, parts, what, self._presign_put(key))
+            return self._put(key, parts, what, self._presign_put(key), only_if_absent)
 
-    def _put(self, key: str, parts: Sequence[bytes | WritableBuffer], what: str, url_text: str) -> None:
+    def _put(self, key: str, parts: Sequence[bytes | WritableBuffer], what: str, url_text: str,
+             only_if_absent: bool) -> bool:
         length = sum(memoryview(p).nbytes for p in parts)
         headers = {"Content-Length": str(length)}
+        if only_if_absent:
+            headers["If-None-Match"] = "*"
         origin, conn, resp = self._request(url_text, headers, what, method="PUT", body=parts)
         try:
+            if only_if_absent and resp.status in (409, 412):
+                resp.read(ERROR_BODY_MAX)
+                return False
             if resp.status >= 300:
                 raise self._error(resp, what)
             resp.read(ERROR_BODY_MAX)
+            return True
         except (http.client.HTTPException, OSError) as exc:
             raise TransientError(f"{what}: {type(exc).__name__}: {exc}") from None
         finally:

@@ -321,6 +321,32 @@ def test_a_create_only_put_says_it_in_the_endpoints_own_words(clean_aws_env: Pat
     assert "if-none-match" not in plain and "x-oss-forbid-overwrite" not in plain
 
 
+def test_oss_claims_stay_with_botocore_when_bytes_go_presigned(clean_aws_env: Path,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """Elsewhere a claim is a presigned PUT with If-None-Match (test_presigned.py); OSS's create-only header
+    is x-oss-*, which the URL would have to sign, so on OSS the claim goes through botocore, signed."""
+    from botocore.awsrequest import AWSResponse
+
+    from fsmount.config import StoreConfig
+    from fsmount.data import Boto3Store
+
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "LTAI5tEnvKey")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", TEST_SECRET)
+    store = Boto3Store(StoreConfig("tier", endpoint_url="https://oss-cn-hangzhou-internal.aliyuncs.com",
+                                   region="cn-hangzhou", addressing_style="virtual"))
+    assert store._ranges is not None  # the bytes of GETs and plain PUTs go presigned
+    sent: list[dict[str, str]] = []
+
+    def answer(request, **_: object) -> AWSResponse:  # noqa: ANN001 - botocore's AWSPreparedRequest
+        sent.append({k.lower(): v.decode() if isinstance(v, bytes) else v for k, v in request.headers.items()})
+        return AWSResponse(request.url, 200, {"ETag": '"e1"'}, _Body(b""))
+
+    store._client.meta.events.register("before-send.s3", answer)
+    assert store.put_object("claims/c1", b"claim", only_if_absent=True) is True
+    assert len(sent) == 1 and sent[0]["x-oss-forbid-overwrite"] == "true"
+    assert "x-oss-forbid-overwrite" in sent[0]["authorization"].split("SignedHeaders=")[1].split(",")[0]
+
+
 def test_only_a_discarded_release_reply_is_downgraded_from_error() -> None:
     import logging
 

@@ -321,6 +321,29 @@ def test_the_store_puts_unconditional_objects_by_the_presigned_path(origin: Orig
     assert request["path"].startswith("/bucket/chunks/a%20b?X-Amz-Algorithm=AWS4-HMAC-SHA256&")
 
 
+@pytest.mark.parametrize("status", [412, 409])
+def test_a_conditional_put_says_whether_it_created_the_key(origin: Origin, status: int) -> None:
+    """A claim: If-None-Match: * on the presigned PUT; 412 (the key exists) or 409 (a concurrent conditional
+    write) is False, not an error, and the connection stays fit."""
+    g = getter(origin)
+    assert g.put("claim", [b"1.0 node"], "PUT claim", only_if_absent=True) is True
+    origin.script = lambda h, s, e: h.answer(status, b"<Error><Code>PreconditionFailed</Code></Error>") or True
+    assert g.put("claim", [b"1.0 other"], "PUT claim", only_if_absent=True) is False
+    origin.script = None
+    assert g.put("chunk", [b"x"], "PUT chunk") is True
+    assert [r.get("if-none-match") for r in origin.requests] == ["*", "*", None]
+    assert origin.connections == 1
+
+
+def test_the_store_claims_by_the_presigned_path(origin: Origin, monkeypatch: pytest.MonkeyPatch) -> None:
+    store = store_on(origin, monkeypatch)
+    assert store.put_object("claims/a", b"1.0 node", only_if_absent=True) is True
+    origin.script = lambda h, s, e: h.answer(412, b"<Error><Code>PreconditionFailed</Code></Error>") or True
+    assert store.put_object("claims/a", b"1.0 node", only_if_absent=True) is False
+    assert [r["if-none-match"] for r in origin.requests] == ["*", "*"]
+    assert all(r["path"].startswith("/bucket/claims/a?X-Amz-Algorithm=AWS4-HMAC-SHA256&") for r in origin.requests)
+
+
 def store_on(origin: Origin, monkeypatch: pytest.MonkeyPatch, **config: object):  # noqa: ANN201
     from fsmount.config import StoreConfig
     from fsmount.data import Boto3Store, boto3_store

@@ -63,11 +63,12 @@ class RangeGetter:
 
     def __init__(self, presign: Callable[[str], str], *, bucket: str, pool_size: int, connect_timeout: float,
                  read_timeout: float, ssl_context: ssl.SSLContext | None = None,
-                 presign_put: Callable[[str], str] | None = None):
+                 presign_put: Callable[[str], str] | None = None, presign_delete: Callable[[str], str] | None = None):
         """`presign(key)` returns a signed GET URL of the key, valid for URL_EXPIRES_S; `presign_put(key)` a
-        signed PUT URL (for `put`)."""
+        signed PUT URL (for `put`), `presign_delete(key)` a signed DELETE URL (for `delete`)."""
         self._presign = presign
         self._presign_put = presign_put
+        self._presign_delete = presign_delete
         self.bucket = bucket
         self._pool_size = pool_size
         self._connect_timeout = connect_timeout
@@ -194,6 +195,27 @@ class RangeGetter:
                 raise self._error(resp, what)
             resp.read(ERROR_BODY_MAX)
             return True
+        except (http.client.HTTPException, OSError) as exc:
+            raise TransientError(f"{what}: {type(exc).__name__}: {exc}") from None
+        finally:
+            self._release(origin, conn, resp)
+
+    def delete(self, key: str, what: str) -> None:
+        """Delete the object `key` (the shared tier's claims and markers). Failures are raised as StoreErrors,
+        as botocore's would be; nothing is retried but a stale kept-alive connection and a URL signed with
+        rotated credentials."""
+        assert self._presign_delete is not None, "RangeGetter built without presign_delete"
+        try:
+            self._delete(what, self._presign_delete(key))
+        except AccessDenied:
+            self._delete(what, self._presign_delete(key))
+
+    def _delete(self, what: str, url_text: str) -> None:
+        origin, conn, resp = self._request(url_text, {"Content-Length": "0"}, what, method="DELETE")
+        try:
+            if resp.status >= 300:
+                raise self._error(resp, what)
+            resp.read(ERROR_BODY_MAX)
         except (http.client.HTTPException, OSError) as exc:
             raise TransientError(f"{what}: {type(exc).__name__}: {exc}") from None
         finally:

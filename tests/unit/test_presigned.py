@@ -66,6 +66,13 @@ class Handler(http.server.BaseHTTPRequestHandler):
             return
         self.answer(200, b"")
 
+    def do_DELETE(self) -> None:  # noqa: N802 - http.server's name
+        self.server.requests.append({"method": "DELETE", "path": self.path,
+                                     **{k.lower(): v for k, v in self.headers.items()}})
+        if self.server.script and self.server.script(self, 0, 0):
+            return
+        self.answer(204, b"")
+
     def answer(self, status: int, body: bytes, headers: dict[str, str] | None = None, length: int | None = None,
                etag: str = ETAG) -> None:
         self.send_response(status)
@@ -96,8 +103,8 @@ def getter(origin: Origin, presigned: list[str] | None = None, read_timeout: flo
             presigned.append(key)
         return f"{origin.url}/bucket/{key}?X-Amz-Signature=s{len(presigned or ())}"
 
-    return RangeGetter(presign, presign_put=presign, bucket="bucket", pool_size=4, connect_timeout=2.0,
-                       read_timeout=read_timeout)
+    return RangeGetter(presign, presign_put=presign, presign_delete=presign, bucket="bucket", pool_size=4,
+                       connect_timeout=2.0, read_timeout=read_timeout)
 
 
 def get(g: RangeGetter, start: int, length: int, key: str = "k", etag: str = ETAG) -> bytes:
@@ -342,6 +349,31 @@ def test_the_store_claims_by_the_presigned_path(origin: Origin, monkeypatch: pyt
     assert store.put_object("claims/a", b"1.0 node", only_if_absent=True) is False
     assert [r["if-none-match"] for r in origin.requests] == ["*", "*"]
     assert all(r["path"].startswith("/bucket/claims/a?X-Amz-Algorithm=AWS4-HMAC-SHA256&") for r in origin.requests)
+
+
+def test_delete_on_a_kept_alive_connection_and_its_errors_through_the_one_mapping(origin: Origin) -> None:
+    presigned: list[str] = []
+    g = getter(origin, presigned)
+    g.delete("claims/a", "DELETE a")
+    g.delete("claims/b", "DELETE b")
+    assert [(r["method"], r["path"].split("?")[0]) for r in origin.requests] == \
+        [("DELETE", "/bucket/claims/a"), ("DELETE", "/bucket/claims/b")]
+    assert origin.connections == 1
+    origin.script = lambda h, s, e: h.answer(403, b"<Error><Code>AccessDenied</Code></Error>") or True
+    with pytest.raises(AccessDenied):
+        g.delete("claims/c", "DELETE c")
+    assert presigned[-2:] == ["claims/c", "claims/c"]  # a 403 signs again, once
+    origin.script = lambda h, s, e: h.answer(503, b"<Error><Code>SlowDown</Code></Error>") or True
+    with pytest.raises(TransientError):
+        g.delete("claims/c", "DELETE c")
+
+
+def test_the_store_deletes_by_the_presigned_path(origin: Origin, monkeypatch: pytest.MonkeyPatch) -> None:
+    store = store_on(origin, monkeypatch)
+    store.delete_object("claims/a b")
+    request = origin.requests[0]
+    assert request["method"] == "DELETE"
+    assert request["path"].startswith("/bucket/claims/a%20b?X-Amz-Algorithm=AWS4-HMAC-SHA256&")
 
 
 def store_on(origin: Origin, monkeypatch: pytest.MonkeyPatch, **config: object):  # noqa: ANN201

@@ -27,7 +27,7 @@ from __future__ import annotations
 import collections
 import logging
 from collections.abc import Awaitable, Callable
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import trio
 
@@ -74,13 +74,24 @@ class LocalLevel(Protocol):
 RunBlocking = Callable[..., Awaitable[Any]]
 
 
+class Queued(NamedTuple):
+    """One write waiting for its turn: the chunk, where it goes and where it is read back from."""
+
+    cid: ChunkId
+    length: int
+    level: TrailingLevel
+    put_limiter: trio.CapacityLimiter
+    local: LocalLevel
+    get_limiter: trio.CapacityLimiter
+    queued_at: float  # trio time
+
+
 class TrailingWrites:
     def __init__(self, run_blocking: RunBlocking, chunk_size: int, on_done: Callable[[], None]):
         self._run_blocking = run_blocking
         self._chunk_size = chunk_size
         self._on_done = on_done  # one call per queued write once it ran or was given up
-        self._queue: collections.deque[tuple[ChunkId, int, TrailingLevel, trio.CapacityLimiter,
-                                             LocalLevel, trio.CapacityLimiter, float]] = collections.deque()
+        self._queue: collections.deque[Queued] = collections.deque()
         self._workers = 0
         self._queued_bytes = 0
         self._origin_in_flight = 0
@@ -113,7 +124,7 @@ class TrailingWrites:
         """Queue the write of `cid` to `level` if it may trail and `local` holds the chunk; False: write it now."""
         if self._draining or not getattr(level, "trails", None) or not level.trails() or not local.contains(cid):
             return False
-        self._queue.append((cid, length, level, put_limiter, local, get_limiter, trio.current_time()))
+        self._queue.append(Queued(cid, length, level, put_limiter, local, get_limiter, trio.current_time()))
         self._queued_bytes += length
         self.queued += 1
         if self._workers < TRAIL_WORKERS:
@@ -133,12 +144,12 @@ class TrailingWrites:
         buffer: WritableBuffer | None = None
         try:
             while self._queue:
-                cid, length, level, put_limiter, local, get_limiter, queued_at = self._queue[0]
-                if not self._may_run(level, queued_at):
-                    self._check_waiters(nursery, level, put_limiter)
+                head = self._queue[0]
+                if not self._may_run(head.level, head.queued_at):
+                    self._check_waiters(nursery, head.level, head.put_limiter)
                     await trio.sleep(POLL_S)
                     continue
-                self._queue.popleft()
+                cid, length, level, put_limiter, local, get_limiter, _ = self._queue.popleft()
                 self._queued_bytes -= length
                 try:
                     if buffer is None:

@@ -175,47 +175,38 @@ class RangeGetter:
         key exists (412, or 409 for a concurrent conditional write). Failures are raised as StoreErrors;
         nothing is retried but a stale kept-alive connection and a URL signed with rotated credentials."""
         assert self._presign_put is not None, "RangeGetter built without presign_put"
-        try:
-            return self._put(key, parts, what, self._presign_put(key), only_if_absent)
-        except AccessDenied:
-            return self._put(key, parts, what, self._presign_put(key), only_if_absent)
-
-    def _put(self, key: str, parts: Sequence[bytes | WritableBuffer], what: str, url_text: str,
-             only_if_absent: bool) -> bool:
-        length = sum(memoryview(p).nbytes for p in parts)
-        headers = {"Content-Length": str(length)}
+        headers = {"Content-Length": str(sum(memoryview(p).nbytes for p in parts))}
         if only_if_absent:
             headers["If-None-Match"] = "*"
-        origin, conn, resp = self._request(url_text, headers, what, method="PUT", body=parts)
-        try:
-            if only_if_absent and resp.status in (409, 412):
-                resp.read(ERROR_BODY_MAX)
-                return False
-            if resp.status >= 300:
-                raise self._error(resp, what)
-            resp.read(ERROR_BODY_MAX)
-            return True
-        except (http.client.HTTPException, OSError) as exc:
-            raise TransientError(f"{what}: {type(exc).__name__}: {exc}") from None
-        finally:
-            self._release(origin, conn, resp)
+        return self._change(self._presign_put, key, "PUT", headers, parts, what, conditional=only_if_absent)
 
     def delete(self, key: str, what: str) -> None:
         """Delete the object `key` (the shared tier's claims and markers). Failures are raised as StoreErrors,
         as botocore's would be; nothing is retried but a stale kept-alive connection and a URL signed with
         rotated credentials."""
         assert self._presign_delete is not None, "RangeGetter built without presign_delete"
-        try:
-            self._delete(what, self._presign_delete(key))
-        except AccessDenied:
-            self._delete(what, self._presign_delete(key))
+        self._change(self._presign_delete, key, "DELETE", {"Content-Length": "0"}, (), what, conditional=False)
 
-    def _delete(self, what: str, url_text: str) -> None:
-        origin, conn, resp = self._request(url_text, {"Content-Length": "0"}, what, method="DELETE")
+    def _change(self, presign: Callable[[str], str], key: str, method: str, headers: dict[str, str],
+                body: Sequence[bytes | WritableBuffer], what: str, *, conditional: bool) -> bool:
+        """One PUT or DELETE whose answer has no body worth reading, signed again once on a 403 (rotated
+        credentials). True; False if `conditional` and the server says the precondition failed (409, 412)."""
         try:
+            return self._send_change(presign(key), method, headers, body, what, conditional)
+        except AccessDenied:
+            return self._send_change(presign(key), method, headers, body, what, conditional)
+
+    def _send_change(self, url_text: str, method: str, headers: dict[str, str],
+                     body: Sequence[bytes | WritableBuffer], what: str, conditional: bool) -> bool:
+        origin, conn, resp = self._request(url_text, headers, what, method=method, body=body)
+        try:
+            if conditional and resp.status in (409, 412):
+                resp.read(ERROR_BODY_MAX)
+                return False
             if resp.status >= 300:
                 raise self._error(resp, what)
             resp.read(ERROR_BODY_MAX)
+            return True
         except (http.client.HTTPException, OSError) as exc:
             raise TransientError(f"{what}: {type(exc).__name__}: {exc}") from None
         finally:

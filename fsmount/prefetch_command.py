@@ -8,7 +8,6 @@ fleet. It runs in the user's process, never inside the daemon.
 from __future__ import annotations
 
 import errno
-import json
 import os
 import sys
 import threading
@@ -129,12 +128,12 @@ def warm(paths: list[str], *, keep_pagecache: bool = True, threads: int = THREAD
 
 def pending_writes(mountpoint: str) -> int:
     """Chunks the daemon of `mountpoint` fetched and has not yet written to its cache levels."""
-    from fsmount.stats import STATS_XATTR
+    from fsmount.stats_table import StatsUnavailable, read_stats
 
     try:
-        return int(json.loads(os.getxattr(mountpoint, STATS_XATTR.decode()))["cache_writes_pending"])
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise WarmError(f"cannot read the stats of {mountpoint}: {exc}") from None
+        return int(read_stats(mountpoint)["cache_writes_pending"])
+    except StatsUnavailable as exc:
+        raise WarmError(str(exc)) from None
 
 
 def wait_for_writes(paths: list[str], timeout: float, *, say: Callable[[str], None] = lambda line: None,

@@ -23,9 +23,9 @@ LAYERS = {
     "fsmount.write_staging": 8, "fsmount.tree_changes": 9,
     "fsmount.streaming": 10, "fsmount.writes": 10,
     "fsmount.stats": 11,
-    "fsmount.operations": 12, "fsmount.prometheus": 12, "fsmount.stats_table": 12, "fsmount.prefetch_command": 12,
+    "fsmount.operations": 12, "fsmount.prometheus": 12, "fsmount.stats_table": 12,
     "fsmount.cleanup_command": 12,
-    "fsmount.mount": 13,
+    "fsmount.mount": 13, "fsmount.prefetch_command": 13,
     "fsmount.cli": 14,
     "fsmount.__main__": 15,
 }

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import random
 
@@ -595,9 +596,23 @@ class TrailingTier(ClaimingLevel):
         super().put(cid, data)
 
 
-def trailing_engine(levels: list, store: FakeStore) -> tuple[ChunkEngine, list[float]]:
-    """An engine of 1 MiB chunks over `levels`, GETs taking LATENCY virtual seconds; the list gets the
-    virtual time each origin GET ended."""
+@dataclasses.dataclass
+class TrailingBed:
+    """An engine of 1 MiB chunks over an NVMe-like level and a trailing tier (or the tier alone), GETs
+    taking LATENCY virtual seconds, and one object "m" in its store."""
+
+    engine: ChunkEngine
+    v: object  # the object's ObjectVersion
+    data: bytes
+    nvme: IndexedLevel
+    tier: TrailingTier
+    get_ends: list[float]  # the virtual time each origin GET ended
+
+
+def trailing_engine(size: int, local: bool = True) -> TrailingBed:
+    store = FakeStore()
+    data = put_object(store, "m", size)
+    nvme, tier = IndexedLevel(), TrailingTier()
     get_ends: list[float] = []
 
     async def run(fn, *args, limiter):  # noqa: ANN001, ANN202
@@ -608,8 +623,8 @@ def trailing_engine(levels: list, store: FakeStore) -> tuple[ChunkEngine, list[f
             return fn(*args)
 
     engine = ChunkEngine(store, chunk_size=CHUNK, memory_limit=64 * MiB, max_connections=4, read_timeout=30.0,
-                         levels=levels, run_blocking=run)
-    return engine, get_ends
+                         levels=[nvme, tier] if local else [tier], run_blocking=run)
+    return TrailingBed(engine, version(store, "m"), data, nvme, tier, get_ends)
 
 
 async def read_chunk_by_chunk(engine: ChunkEngine, v, data: bytes, pause: float,  # noqa: ANN001
@@ -628,11 +643,8 @@ async def test_tier_writes_of_a_node_alone_trail_its_origin_reads(autojump_clock
     """A node loading alone writes nothing to the shared tier while its origin GETs run (the tier's server
     is not kept busy storing while it serves the load), then writes every chunk, read back from its NVMe
     cache, exact. Without a local copy to read back, the writes go at once, holding the chunk's memory."""
-    store = FakeStore()
-    data = put_object(store, "m", 24 * CHUNK)
-    nvme, tier = IndexedLevel(), TrailingTier()
-    engine, get_ends = trailing_engine([nvme, tier] if local else [tier], store)
-    v = version(store, "m")
+    bed = trailing_engine(24 * CHUNK, local)
+    engine, v, data, tier, get_ends = bed.engine, bed.v, bed.data, bed.tier, bed.get_ends
 
     async def body() -> None:
         await read_chunk_by_chunk(engine, v, data, pause=0.02)
@@ -658,11 +670,8 @@ async def test_tier_writes_go_at_once_once_another_node_is_seen_or_found_waiting
     """A node that met another node (its own claim lost: `trails()` turns False) writes at once; a node
     still trailing lists the waiting markers every WAITERS_CHECK_S and, once one shows up, writes what
     trailed at once, long before its load ends."""
-    store = FakeStore()
-    data = put_object(store, "m", 40 * CHUNK)
-    nvme, tier = IndexedLevel(), TrailingTier()
-    engine, get_ends = trailing_engine([nvme, tier], store)
-    v = version(store, "m")
+    bed = trailing_engine(40 * CHUNK)
+    engine, v, data, tier, get_ends = bed.engine, bed.v, bed.data, bed.tier, bed.get_ends
     marked: list[float] = []
 
     def another_node_waits() -> None:
@@ -686,11 +695,8 @@ async def test_tier_writes_go_at_once_once_another_node_is_seen_or_found_waiting
 async def test_a_tier_write_trails_at_most_trail_max_s(autojump_clock, monkeypatch) -> None:  # noqa: ANN001
     """A long load does not hold a chunk's tier write (and its claim) past TRAIL_MAX_S."""
     monkeypatch.setattr(fsmount.data.trailing, "TRAIL_MAX_S", 1.0)
-    store = FakeStore()
-    data = put_object(store, "m", 40 * CHUNK)
-    nvme, tier = IndexedLevel(), TrailingTier()
-    engine, get_ends = trailing_engine([nvme, tier], store)
-    v = version(store, "m")
+    bed = trailing_engine(40 * CHUNK)
+    engine, v, data, tier, get_ends = bed.engine, bed.v, bed.data, bed.tier, bed.get_ends
     queued_at: dict = {}
 
     async def body() -> None:
@@ -709,11 +715,8 @@ async def test_no_more_than_trail_max_bytes_trail(autojump_clock, monkeypatch) -
     """What is left to write when a long load ends (and what an unmount right after has to drain) stays
     bounded: past TRAIL_MAX_BYTES the oldest writes run while the load goes on."""
     monkeypatch.setattr(fsmount.data.trailing, "TRAIL_MAX_BYTES", 4 * CHUNK)
-    store = FakeStore()
-    data = put_object(store, "m", 24 * CHUNK)
-    nvme, tier = IndexedLevel(), TrailingTier()
-    engine, get_ends = trailing_engine([nvme, tier], store)
-    v = version(store, "m")
+    bed = trailing_engine(24 * CHUNK)
+    engine, v, data, tier, get_ends = bed.engine, bed.v, bed.data, bed.tier, bed.get_ends
     trailing_at_most = 0
 
     def note() -> None:
@@ -733,11 +736,8 @@ async def test_no_more_than_trail_max_bytes_trail(autojump_clock, monkeypatch) -
 
 async def test_a_trailing_write_whose_local_copy_is_gone_is_given_up_and_its_claim_dropped(autojump_clock,  # noqa: ANN001
                                                                                            ) -> None:
-    store = FakeStore()
-    data = put_object(store, "m", 8 * CHUNK)
-    nvme, tier = IndexedLevel(), TrailingTier()
-    engine, _ = trailing_engine([nvme, tier], store)
-    v = version(store, "m")
+    bed = trailing_engine(8 * CHUNK)
+    engine, v, data, nvme, tier = bed.engine, bed.v, bed.data, bed.nvme, bed.tier
 
     async def body() -> None:
         await read_chunk_by_chunk(engine, v, data, pause=0.02)
@@ -752,11 +752,8 @@ async def test_a_trailing_write_whose_local_copy_is_gone_is_given_up_and_its_cla
 
 
 async def test_unmount_runs_trailing_writes_at_once(autojump_clock) -> None:  # noqa: ANN001
-    store = FakeStore()
-    data = put_object(store, "m", 8 * CHUNK)
-    nvme, tier = IndexedLevel(), TrailingTier()
-    engine, get_ends = trailing_engine([nvme, tier], store)
-    v = version(store, "m")
+    bed = trailing_engine(8 * CHUNK)
+    engine, v, data, tier, get_ends = bed.engine, bed.v, bed.data, bed.tier, bed.get_ends
 
     async def body() -> None:
         await read_chunk_by_chunk(engine, v, data, pause=0.0)

@@ -36,7 +36,8 @@ from /proc (the trio thread's CPU, whose READ replies are copied with the GIL he
 threads' user CPU). 1 / that bound is the projected ceiling of a node with cores to spare (one GIL);
 1 / the trio thread's CPU per GB is the FUSE thread's own.
 Per measurement it prints seconds, the daemon's user and system CPU seconds, its CPU seconds per GB read
-and SeaweedFS's CPU seconds, then medians per (scenario, variant). On 2 CPUs or more the bed is pinned
+SeaweedFS's CPU seconds, the daemon's faulted memory and the reader's CPU seconds (user + system: on the
+pinned bed it shares the daemon's CPU), then medians per (scenario, variant). On 2 CPUs or more the bed is pinned
 as in bench/run.py (`--pin`, the default there too): SeaweedFS alone on the first CPU, the daemons and the
 readers on the others. Nothing is left behind: server, mounts and the work dir go.
 """
@@ -48,6 +49,7 @@ import collections
 import dataclasses
 import mmap
 import os
+import resource
 import shutil
 import signal
 import statistics
@@ -107,6 +109,7 @@ class Measured:
     gil_main: float | None = None
     gil_other: float | None = None
     faults: int = 0  # the daemon's minor page faults: first touches of fresh memory, each zeroed
+    reader: float = 0.0  # the reader's CPU-s (user + system)
 
     @property
     def gil_bound(self) -> float:
@@ -188,13 +191,17 @@ class PerfRecorder:
         self.proc.wait(timeout=60)
 
 
-def timed(argv: list[str], env: dict[str, str] | None = None) -> float:
+def timed(argv: list[str], env: dict[str, str] | None = None) -> tuple[float, float]:
+    """Runs a reader to its end: (wall seconds, its user + system CPU-s, its children's included)."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     start = time.perf_counter()
     subprocess.run(argv, check=True, stdout=subprocess.DEVNULL, env=env, timeout=600)
-    return time.perf_counter() - start
+    seconds = time.perf_counter() - start
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return seconds, (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
 
 
-def load(paths: list[Path], workload: str = "load_file") -> float:
+def load(paths: list[Path], workload: str = "load_file") -> tuple[float, float]:
     """A bench/scenarios.py workload (load_file, safe_open, ...) of these files, in a fresh process."""
     env = {**mounts.base_env(), "PYTHONPATH": str(REPO_ROOT)}
     return timed([sys.executable, str(BENCH_DIR / "scenarios.py"), workload, *map(str, paths)], env)
@@ -237,9 +244,9 @@ class AB:
             faults_before = minor_faults(daemon.pid)
             paths = [self.mountpoint / key for key in (self.shards if workload == "shards" else [KEY])]
             if workload == "cat":
-                seconds = timed(["cat", *map(str, paths)])
+                seconds, reader = timed(["cat", *map(str, paths)])
             else:
-                seconds = load(paths, "load_file" if workload == "shards" else workload)
+                seconds, reader = load(paths, "load_file" if workload == "shards" else workload)
             daemon_after, server_after = cpu_seconds(daemon.pid), cpu_seconds(self.server.pid)
             main_after = thread_cpu_seconds(daemon.pid, daemon.pid)
             faults = minor_faults(daemon.pid) - faults_before
@@ -248,7 +255,7 @@ class AB:
                 perf.stop()
         return Measured(seconds, daemon_after[0] - daemon_before[0], daemon_after[1] - daemon_before[1],
                         sum(server_after) - sum(server_before), main_after[0] - main_before[0],
-                        main_after[1] - main_before[1], *gil, faults)
+                        main_after[1] - main_before[1], *gil, faults, reader)
 
     def measure(self, variant: str, scenario: str) -> Measured:
         cache_dir = self.work / f"cache-{variant}"
@@ -267,7 +274,8 @@ class AB:
                 raise SystemExit(f"{scenario} needs a filled cache: put fill before it in --scenarios")
             return self.through_mount(variant, scenario, cache_dir, "cat" if scenario == "warm" else "load_file")
         drop_caches()
-        return Measured(timed(["cat", str(self.model)]) if scenario == "local" else load([self.model]))
+        seconds, reader = timed(["cat", str(self.model)]) if scenario == "local" else load([self.model])
+        return Measured(seconds, reader=reader)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -327,19 +335,21 @@ def main(argv: list[str] | None = None) -> int:
                             f"{(out.main_user + out.main_sys) / gb:5.3f} CPU-s/GB")
                         print(f"round {round_no} {variant:8s} {scenario:10s} {out.seconds:6.2f} s  daemon user "
                               f"{out.user:5.2f} sys {out.sys:5.2f} ({(out.user + out.sys) / gb:5.2f} CPU-s/GB)  "
-                              f"weed {out.weed:5.2f} CPU-s  faulted {out.faults * mmap.PAGESIZE / 2**20:5.0f} MiB{gil}",
+                              f"weed {out.weed:5.2f} CPU-s  faulted {out.faults * mmap.PAGESIZE / 2**20:5.0f} MiB  "
+                              f"reader {out.reader:5.2f} CPU-s{gil}",
                               flush=True)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     print(f"medians ({bed}): scenario variant seconds daemon-CPU-s daemon-CPU-s/GB weed-CPU-s "
-          "daemon-faulted-MiB (every run's seconds)")
+          "daemon-faulted-MiB reader-CPU-s (every run's seconds)")
     for (scenario, variant), runs in sorted(results.items()):
         seconds = statistics.median(r.seconds for r in runs)
         daemon = statistics.median(r.user + r.sys for r in runs)
         weed = statistics.median(r.weed for r in runs)
         faulted = statistics.median(r.faults for r in runs) * mmap.PAGESIZE / 2**20
+        reader = statistics.median(r.reader for r in runs)
         print(f"{scenario:10s} {variant:8s} {seconds:6.2f} {daemon:6.2f} {daemon / gb:6.2f} {weed:6.2f} "
-              f"{faulted:6.0f}  {[round(r.seconds, 2) for r in runs]}")
+              f"{faulted:6.0f} {reader:6.2f}  {[round(r.seconds, 2) for r in runs]}")
         if args.gil and scenario in ("cold", "fill", "warm", "warm_load"):
             sampled = [(r.gil_main or 0.0) + (r.gil_other or 0.0) for r in runs]
             bound = statistics.median(r.gil_bound / gb for r in runs)

@@ -49,7 +49,6 @@ import collections
 import dataclasses
 import mmap
 import os
-import resource
 import shutil
 import signal
 import statistics
@@ -70,7 +69,9 @@ from run import (  # noqa: E402
     REPO_ROOT,
     UPLOAD_CONFIG,
     bed_text,
+    children_cpu_seconds,
     drop_caches,
+    fresh_memory_cost,
     parse_size,
     pin_bed,
     pin_choice,
@@ -193,12 +194,10 @@ class PerfRecorder:
 
 def timed(argv: list[str], env: dict[str, str] | None = None) -> tuple[float, float]:
     """Runs a reader to its end: (wall seconds, its user + system CPU-s, its children's included)."""
-    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = children_cpu_seconds()
     start = time.perf_counter()
     subprocess.run(argv, check=True, stdout=subprocess.DEVNULL, env=env, timeout=600)
-    seconds = time.perf_counter() - start
-    after = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return seconds, (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    return time.perf_counter() - start, children_cpu_seconds() - cpu
 
 
 def load(paths: list[Path], workload: str = "load_file") -> tuple[float, float]:
@@ -325,6 +324,7 @@ def main(argv: list[str] | None = None) -> int:
                     server.client().upload_file(str(path), BUCKET, f"sharded/{path.name}", Config=UPLOAD_CONFIG)
                 ab.shards = [f"sharded/{path.name}" for path in sharded.files]
             for round_no in range(1, args.rounds + 1):
+                print(f"round {round_no}: fresh memory costs {fresh_memory_cost():.2f} CPU-s/GB", flush=True)
                 for variant in args.variants:
                     for scenario in args.scenario_list:
                         out = ab.measure(variant, scenario)

@@ -15,8 +15,10 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import ctypes
 import datetime
 import json
+import mmap
 import os
 import platform
 import resource
@@ -192,6 +194,30 @@ def bed_text(bed: Record) -> str:
     if bed["pinned"]:
         return f"pinned: SeaweedFS on {cpus(bed['server_cpus'])}, clients on {cpus(bed['client_cpus'])}"
     return f"unpinned: everything on {cpus(bed['client_cpus'])}"
+
+
+#: The fresh-memory probe: a new anonymous mapping of this size, every page written once.
+PROBE_BYTES = 256 << 20
+
+
+def fresh_memory_cost() -> float:
+    """CPU-s per GB this process spends writing fresh memory: a new anonymous mapping, each page faulted in
+    and zeroed by the kernel on its first write. Every page that a daemon, a reader or a page-cache fill
+    touches for the first time costs this. On the dev VM it swings several-fold within an hour (RESULTS.md,
+    2026-12-03), and every CPU column of a run swings with it; run on the client CPUs before each round, it
+    says which state the round ran in."""
+    buf = mmap.mmap(-1, PROBE_BYTES, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    try:
+        view = (ctypes.c_char * PROBE_BYTES).from_buffer(buf)
+        try:
+            start = time.thread_time()
+            ctypes.memset(view, 1, PROBE_BYTES)
+            spent = time.thread_time() - start
+        finally:
+            del view  # the mapping cannot close while ctypes holds it
+    finally:
+        buf.close()
+    return spent / (PROBE_BYTES / GB)
 
 
 def children_cpu_seconds() -> float:
@@ -906,6 +932,7 @@ def main(argv: list[str] | None = None) -> int:
     work.mkdir(parents=True, exist_ok=True)
     started = time.time()
     records: list[Record] = []
+    probes: list[float] = []  # fresh_memory_cost() before each round
 
     def log(message: str) -> None:
         print(f"[{time.time() - started:6.1f}s] {message}", file=sys.stderr, flush=True)
@@ -938,6 +965,8 @@ def main(argv: list[str] | None = None) -> int:
             bench.prepare_models(args.size)
             env = environment(str(server.weed_binary or "weed"), bed)
             for round_index in range(args.rounds):
+                probes.append(fresh_memory_cost())
+                log(f"round {round_index + 1}: fresh memory costs {probes[-1]:.2f} CPU-s/GB on the client CPUs")
                 for record in bench.round(args.tools):
                     record["round"] = round_index
                     records.append(record)
@@ -977,14 +1006,17 @@ def main(argv: list[str] | None = None) -> int:
         "local_disk": {"dir": str(work), "fs": bench.work_fs},
         "modelfs_warm_fills": list(bench.warm_fills.values()),
         "environment": env,
+        "fresh_memory_cpu_s_per_gb": probes,
         "summary": rows,
         "records": records,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(document, indent=2) + "\n")
     started_text = document["started"]
+    fresh = ", ".join(f"{p:.2f}" for p in probes)
     args.out.with_suffix(".md").write_text(
-        f"`{command}` ({started_text}, {env['kernel']}, {env['cpus']} CPUs, {bed_text(bed)})\n\n{table}\n"
+        f"`{command}` ({started_text}, {env['kernel']}, {env['cpus']} CPUs, {bed_text(bed)}; fresh memory "
+        f"{fresh} CPU-s/GB before each round)\n\n{table}\n"
     )
     size = f"{args.size / (1 << 30):.1f} GiB" if args.size >= 1 << 30 else f"{args.size >> 20} MiB"
     rounds = f"median of {args.rounds} rounds" if args.rounds > 1 else "1 round"

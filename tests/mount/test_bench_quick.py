@@ -33,3 +33,7 @@ def test_quick_bench_runs_every_tool(tmp_path: Path) -> None:
             "load_file_threads"} <= {r["scenario"] for r in modelfs}
     assert (tmp_path / "quick.md").read_text().count("| modelfs |") == len(modelfs)
     assert all(r["daemon_cpu_s"] > 0 for r in modelfs), [r.get("daemon_cpu_s") for r in modelfs]
+    # the host's state: what a fresh page cost before each round (--quick runs one), and the header says it
+    probes = doc["fresh_memory_cpu_s_per_gb"]
+    assert len(probes) == doc["rounds"] == 1 and 0 < probes[0] < 100, probes
+    assert f"fresh memory {probes[0]:.2f} CPU-s/GB" in (tmp_path / "quick.md").read_text()

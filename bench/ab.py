@@ -68,10 +68,10 @@ from run import (  # noqa: E402
     PIN_HELP,
     REPO_ROOT,
     UPLOAD_CONFIG,
+    HostProbe,
     bed_text,
     children_cpu_seconds,
     drop_caches,
-    fresh_memory_cost,
     parse_size,
     pin_bed,
     pin_choice,
@@ -323,8 +323,9 @@ def main(argv: list[str] | None = None) -> int:
                 for path in [*sharded.files, work / "sharded" / "model.safetensors.index.json"]:
                     server.client().upload_file(str(path), BUCKET, f"sharded/{path.name}", Config=UPLOAD_CONFIG)
                 ab.shards = [f"sharded/{path.name}" for path in sharded.files]
+            host = HostProbe()
             for round_no in range(1, args.rounds + 1):
-                print(f"round {round_no}: fresh memory costs {fresh_memory_cost():.2f} CPU-s/GB", flush=True)
+                print(f"round {round_no}: {host.probe()[1]}", flush=True)
                 for variant in args.variants:
                     for scenario in args.scenario_list:
                         out = ab.measure(variant, scenario)

@@ -198,14 +198,17 @@ def bed_text(bed: Record) -> str:
 
 #: The fresh-memory probe: a new anonymous mapping of this size, every page written once.
 PROBE_BYTES = 256 << 20
+#: Free page reporting (virtio-balloon): the freed memory this VM has handed back to its host, where the
+#: kernel says (the dev VM's does; upstream kernels have no such counter).
+REPORTED_KIB = Path("/sys/module/page_reporting/parameters/reported_kib")
 
 
 def fresh_memory_cost() -> float:
     """CPU-s per GB this process spends writing fresh memory: a new anonymous mapping, each page faulted in
     and zeroed by the kernel on its first write. Every page that a daemon, a reader or a page-cache fill
-    touches for the first time costs this. On the dev VM it swings several-fold within an hour (RESULTS.md,
-    2026-12-03), and every CPU column of a run swings with it; run on the client CPUs before each round, it
-    says which state the round ran in."""
+    touches for the first time costs this, at least: on the dev VM a page reused after the VM handed it back to
+    its host (free page reporting) costs a fault in the host too, 2-3x in all, and a probe this small is
+    served from recently freed pages, so it shows a host's baseline, not that state (HostProbe counts it)."""
     buf = mmap.mmap(-1, PROBE_BYTES, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     try:
         view = (ctypes.c_char * PROBE_BYTES).from_buffer(buf)
@@ -218,6 +221,32 @@ def fresh_memory_cost() -> float:
     finally:
         buf.close()
     return spent / (PROBE_BYTES / GB)
+
+
+def memory_returned_to_host() -> int | None:
+    """Bytes of freed memory this VM has handed back to its host so far, or None where the kernel does not say."""
+    try:
+        return int(REPORTED_KIB.read_text()) * 1024
+    except (OSError, ValueError):
+        return None
+
+
+class HostProbe:
+    """The host's state before each round, as one log line: what fresh memory costs now, and how much freed
+    memory the VM handed back to its host since the last probe (each such page costs more when reused)."""
+
+    def __init__(self) -> None:
+        self._returned = memory_returned_to_host()
+
+    def probe(self) -> tuple[float, str]:
+        cost = fresh_memory_cost()
+        text = f"fresh memory costs {cost:.2f} CPU-s/GB"
+        returned = memory_returned_to_host()
+        if returned is not None and self._returned is not None:
+            back = (returned - self._returned) / GB
+            text += f"; {back:.1f} GB of freed memory went back to the host since the last probe"
+        self._returned = returned
+        return cost, text
 
 
 def children_cpu_seconds() -> float:
@@ -933,6 +962,7 @@ def main(argv: list[str] | None = None) -> int:
     started = time.time()
     records: list[Record] = []
     probes: list[float] = []  # fresh_memory_cost() before each round
+    host = HostProbe()
 
     def log(message: str) -> None:
         print(f"[{time.time() - started:6.1f}s] {message}", file=sys.stderr, flush=True)
@@ -965,8 +995,9 @@ def main(argv: list[str] | None = None) -> int:
             bench.prepare_models(args.size)
             env = environment(str(server.weed_binary or "weed"), bed)
             for round_index in range(args.rounds):
-                probes.append(fresh_memory_cost())
-                log(f"round {round_index + 1}: fresh memory costs {probes[-1]:.2f} CPU-s/GB on the client CPUs")
+                cost, text = host.probe()
+                probes.append(cost)
+                log(f"round {round_index + 1}: {text}")
                 for record in bench.round(args.tools):
                     record["round"] = round_index
                     records.append(record)

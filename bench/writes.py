@@ -36,7 +36,15 @@ from typing import Any
 sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parent.parent)]
 
 import mounts  # noqa: E402 - bench/ is not a package
-from run import bed_text, can_pin, drop_caches, origin_scratch_dir, parse_size, pin_bed  # noqa: E402
+from run import (  # noqa: E402
+    HostProbe,
+    bed_text,
+    can_pin,
+    drop_caches,
+    origin_scratch_dir,
+    parse_size,
+    pin_bed,
+)
 
 from fsmount.testing.models import write_model  # noqa: E402
 from fsmount.testing.seaweed import SeaweedServer  # noqa: E402
@@ -193,7 +201,9 @@ def main() -> int:
             bed = pin_bed(server, pin)
             print(f"# {size / 1e9:.2f} GB model; SeaweedFS data {where}; {bed_text(bed)}", flush=True)
             rows, n = [], 0
+            host = HostProbe()
             for rnd in range(args.rounds):
+                print(f"# round {rnd + 1}: {host.probe()[1]}", flush=True)
                 for tool in tools:
                     n += 1
                     row = measure(tool, server, source, digest, work, n)

@@ -237,14 +237,16 @@ class HostProbe:
 
     def __init__(self) -> None:
         self._returned = memory_returned_to_host()
+        self.returned_gb: float | None = None  # since the probe before the last one, if the kernel says
 
     def probe(self) -> tuple[float, str]:
         cost = fresh_memory_cost()
         text = f"fresh memory costs {cost:.2f} CPU-s/GB"
         returned = memory_returned_to_host()
+        self.returned_gb = None
         if returned is not None and self._returned is not None:
-            back = (returned - self._returned) / GB
-            text += f"; {back:.1f} GB of freed memory went back to the host since the last probe"
+            self.returned_gb = (returned - self._returned) / GB
+            text += f"; {self.returned_gb:.1f} GB of freed memory went back to the host since the last probe"
         self._returned = returned
         return cost, text
 
@@ -962,6 +964,7 @@ def main(argv: list[str] | None = None) -> int:
     started = time.time()
     records: list[Record] = []
     probes: list[float] = []  # fresh_memory_cost() before each round
+    returned: list[float | None] = []  # GB the VM handed back to its host before each round (None: not counted)
     host = HostProbe()
 
     def log(message: str) -> None:
@@ -997,6 +1000,7 @@ def main(argv: list[str] | None = None) -> int:
             for round_index in range(args.rounds):
                 cost, text = host.probe()
                 probes.append(cost)
+                returned.append(host.returned_gb)
                 log(f"round {round_index + 1}: {text}")
                 for record in bench.round(args.tools):
                     record["round"] = round_index
@@ -1038,6 +1042,7 @@ def main(argv: list[str] | None = None) -> int:
         "modelfs_warm_fills": list(bench.warm_fills.values()),
         "environment": env,
         "fresh_memory_cpu_s_per_gb": probes,
+        "memory_returned_to_host_gb": returned,
         "summary": rows,
         "records": records,
     }

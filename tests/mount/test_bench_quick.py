@@ -37,3 +37,5 @@ def test_quick_bench_runs_every_tool(tmp_path: Path) -> None:
     probes = doc["fresh_memory_cpu_s_per_gb"]
     assert len(probes) == doc["rounds"] == 1 and 0 < probes[0] < 100, probes
     assert f"fresh memory {probes[0]:.2f} CPU-s/GB" in (tmp_path / "quick.md").read_text()
+    returned = doc["memory_returned_to_host_gb"]  # GB handed back to the host, where the kernel counts it
+    assert len(returned) == 1 and (returned[0] is None or returned[0] >= 0), returned

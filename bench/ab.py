@@ -325,7 +325,7 @@ def main(argv: list[str] | None = None) -> int:
                 ab.shards = [f"sharded/{path.name}" for path in sharded.files]
             host = HostProbe()
             for round_no in range(1, args.rounds + 1):
-                print(f"round {round_no}: {host.probe()[1]}", flush=True)
+                print(f"round {round_no}: {host.probe().text()}", flush=True)
                 for variant in args.variants:
                     for scenario in args.scenario_list:
                         out = ab.measure(variant, scenario)

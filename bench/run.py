@@ -32,7 +32,7 @@ import tempfile
 import time
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 BENCH_DIR = Path(__file__).resolve().parent
 REPO_ROOT = BENCH_DIR.parent
@@ -231,24 +231,34 @@ def memory_returned_to_host() -> int | None:
         return None
 
 
+class HostState(NamedTuple):
+    """What HostProbe saw before a round."""
+
+    fresh_memory_cpu_s_per_gb: float
+    returned_gb: float | None  # freed memory the VM handed back to its host since the last look (None: not counted)
+
+    def text(self) -> str:
+        line = f"fresh memory costs {self.fresh_memory_cpu_s_per_gb:.2f} CPU-s/GB"
+        if self.returned_gb is not None:
+            line += f"; {self.returned_gb:.1f} GB of freed memory went back to the host since the last probe"
+        return line
+
+
 class HostProbe:
-    """The host's state before each round, as one log line: what fresh memory costs now, and how much freed
-    memory the VM handed back to its host since the last probe (each such page costs more when reused)."""
+    """The host's state before each round: what fresh memory costs now, and how much freed memory the VM
+    handed back to its host since the last probe (the first: since the probe was made), each such page
+    costing more when reused."""
 
     def __init__(self) -> None:
         self._returned = memory_returned_to_host()
-        self.returned_gb: float | None = None  # since the probe before the last one, if the kernel says
 
-    def probe(self) -> tuple[float, str]:
+    def probe(self) -> HostState:
         cost = fresh_memory_cost()
-        text = f"fresh memory costs {cost:.2f} CPU-s/GB"
         returned = memory_returned_to_host()
-        self.returned_gb = None
-        if returned is not None and self._returned is not None:
-            self.returned_gb = (returned - self._returned) / GB
-            text += f"; {self.returned_gb:.1f} GB of freed memory went back to the host since the last probe"
+        known = returned is not None and self._returned is not None
+        state = HostState(cost, (returned - self._returned) / GB if known else None)
         self._returned = returned
-        return cost, text
+        return state
 
 
 def children_cpu_seconds() -> float:
@@ -998,10 +1008,10 @@ def main(argv: list[str] | None = None) -> int:
             bench.prepare_models(args.size)
             env = environment(str(server.weed_binary or "weed"), bed)
             for round_index in range(args.rounds):
-                cost, text = host.probe()
-                probes.append(cost)
-                returned.append(host.returned_gb)
-                log(f"round {round_index + 1}: {text}")
+                state = host.probe()
+                probes.append(state.fresh_memory_cpu_s_per_gb)
+                returned.append(state.returned_gb)
+                log(f"round {round_index + 1}: {state.text()}")
                 for record in bench.round(args.tools):
                     record["round"] = round_index
                     records.append(record)

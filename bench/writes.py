@@ -203,7 +203,7 @@ def main() -> int:
             rows, n = [], 0
             host = HostProbe()
             for rnd in range(args.rounds):
-                print(f"# round {rnd + 1}: {host.probe()[1]}", flush=True)
+                print(f"# round {rnd + 1}: {host.probe().text()}", flush=True)
                 for tool in tools:
                     n += 1
                     row = measure(tool, server, source, digest, work, n)

@@ -47,6 +47,7 @@ from __future__ import annotations
 import argparse
 import collections
 import dataclasses
+import json
 import mmap
 import os
 import shutil
@@ -77,6 +78,7 @@ from run import (  # noqa: E402
     pin_choice,
 )
 
+from fsmount.stats import STATS_XATTR  # noqa: E402
 from fsmount.testing.models import write_model, write_sharded_model  # noqa: E402
 from fsmount.testing.seaweed import SeaweedServer  # noqa: E402
 
@@ -111,6 +113,10 @@ class Measured:
     gil_other: float | None = None
     faults: int = 0  # the daemon's minor page faults: first touches of fresh memory, each zeroed
     reader: float = 0.0  # the reader's CPU-s (user + system)
+    # From the mount's stats: bytes the daemon answered READs with, and bytes it pushed into the page cache
+    # (together more than the file: the same bytes went to the kernel twice). None: no stats to read.
+    replied: int | None = None
+    pushed: int | None = None
 
     @property
     def gil_bound(self) -> float:
@@ -122,14 +128,6 @@ class Measured:
 
 # py-spy's sampling rate for --gil: 1000 samples a second resolve the GIL's share of a 1-2 s read to ~1 ms.
 GIL_RATE = 1000
-
-
-def minor_faults(pid: int | None) -> int:
-    """A live process's minor page faults so far, all its threads (0 if it is gone)."""
-    try:
-        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[7])
-    except (OSError, TypeError):
-        return 0
 
 
 def thread_cpu_seconds(pid: int, tid: int) -> tuple[float, float]:
@@ -206,6 +204,15 @@ def load(paths: list[Path], workload: str = "load_file") -> tuple[float, float]:
     return timed([sys.executable, str(BENCH_DIR / "scenarios.py"), workload, *map(str, paths)], env)
 
 
+def moved_bytes(mountpoint: Path) -> tuple[int | None, int | None]:
+    """(READ reply bytes, bytes pushed into the page cache) of a mounted daemon so far, from its stats."""
+    try:
+        stats = json.loads(os.getxattr(mountpoint, STATS_XATTR))
+        return sum(stats["served_bytes"].values()), stats["pagecache_stored_bytes"]
+    except (OSError, ValueError, KeyError):
+        return None, None
+
+
 class AB:
     def __init__(self, args: argparse.Namespace, work: Path, server: SeaweedServer) -> None:
         self.args = args
@@ -240,7 +247,7 @@ class AB:
                 perf = PerfRecorder(daemon.pid, self.args.perf / name)
             daemon_before, server_before = cpu_seconds(daemon.pid), cpu_seconds(self.server.pid)
             main_before = thread_cpu_seconds(daemon.pid, daemon.pid)
-            faults_before = minor_faults(daemon.pid)
+            faults_before = mounts.minor_faults(daemon.pid)
             paths = [self.mountpoint / key for key in (self.shards if workload == "shards" else [KEY])]
             if workload == "cat":
                 seconds, reader = timed(["cat", *map(str, paths)])
@@ -248,13 +255,14 @@ class AB:
                 seconds, reader = load(paths, "load_file" if workload == "shards" else workload)
             daemon_after, server_after = cpu_seconds(daemon.pid), cpu_seconds(self.server.pid)
             main_after = thread_cpu_seconds(daemon.pid, daemon.pid)
-            faults = minor_faults(daemon.pid) - faults_before
+            faults = mounts.minor_faults(daemon.pid) - faults_before
+            replied, pushed = moved_bytes(self.mountpoint)
             gil = sampler.stop() if sampler else (None, None)
             if perf:
                 perf.stop()
         return Measured(seconds, daemon_after[0] - daemon_before[0], daemon_after[1] - daemon_before[1],
                         sum(server_after) - sum(server_before), main_after[0] - main_before[0],
-                        main_after[1] - main_before[1], *gil, faults, reader)
+                        main_after[1] - main_before[1], *gil, faults, reader, replied, pushed)
 
     def measure(self, variant: str, scenario: str) -> Measured:
         cache_dir = self.work / f"cache-{variant}"
@@ -275,6 +283,12 @@ class AB:
         drop_caches()
         seconds, reader = timed(["cat", str(self.model)]) if scenario == "local" else load([self.model])
         return Measured(seconds, reader=reader)
+
+
+def moved(out: Measured, gb: float) -> str:
+    if out.replied is None or out.pushed is None:
+        return ""
+    return f"  replied {out.replied / GB / gb:4.2f} pushed {out.pushed / GB / gb:4.2f} x the file"
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -337,7 +351,7 @@ def main(argv: list[str] | None = None) -> int:
                         print(f"round {round_no} {variant:8s} {scenario:10s} {out.seconds:6.2f} s  daemon user "
                               f"{out.user:5.2f} sys {out.sys:5.2f} ({(out.user + out.sys) / gb:5.2f} CPU-s/GB)  "
                               f"weed {out.weed:5.2f} CPU-s  faulted {out.faults * mmap.PAGESIZE / 2**20:5.0f} MiB  "
-                              f"reader {out.reader:5.2f} CPU-s{gil}",
+                              f"reader {out.reader:5.2f} CPU-s{moved(out, gb)}{gil}",
                               flush=True)
     finally:
         shutil.rmtree(work, ignore_errors=True)

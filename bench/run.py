@@ -231,6 +231,28 @@ def memory_returned_to_host() -> int | None:
         return None
 
 
+#: settle_memory: the counter must stay still this long (the kernel reports every 2 s), waiting at most MAX.
+SETTLE_QUIET_S = 4.0
+SETTLE_MAX_S = 60.0
+
+
+def settle_memory(quiet_s: float = SETTLE_QUIET_S, max_s: float = SETTLE_MAX_S) -> tuple[float, float] | None:
+    """Wait until this VM has handed back to its host all the memory freed so far (free page reporting: the
+    counter stops rising), so that a measurement that follows finds every free page in the same state,
+    whichever tool ran before it and whatever it freed. Returns (seconds waited, GB handed back meanwhile), or
+    None where the kernel does not count it (nothing to wait for)."""
+    first = last = memory_returned_to_host()
+    if first is None:
+        return None
+    started = still_since = time.monotonic()
+    while (now := time.monotonic()) - still_since < quiet_s and now - started < max_s:
+        time.sleep(0.25)
+        current = memory_returned_to_host()
+        if current is not None and current != last:
+            last, still_since = current, time.monotonic()
+    return time.monotonic() - started, (last - first) / GB
+
+
 class HostState(NamedTuple):
     """What HostProbe saw before a round."""
 
@@ -336,6 +358,7 @@ class Bench:
         self.warm_fills: dict[str, Record] = {}
         self.work_fs = mounts.fs_type(work)
         self.measurement = 0  # numbers the daemon logs
+        self.settle_waits: list[float] = []  # --settle: seconds waited before each measurement
 
     # models ---------------------------------------------------------------------------------------------
 
@@ -372,6 +395,8 @@ class Bench:
 
     def cold(self) -> None:
         self.cache_dropped = drop_caches() and self.cache_dropped
+        if self.args.settle and (settled := settle_memory()) is not None:
+            self.settle_waits.append(round(settled[0], 1))
 
     def origin_cpu_seconds(self) -> float | None:
         used = mounts.cpu_seconds(self.server.pid) if self.server.pid is not None else None
@@ -940,6 +965,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "in /var/tmp)",
     )
     p.add_argument("--keep-work", action="store_true", help="keep the scratch dir (logs, models) afterwards")
+    p.add_argument(
+        "--settle",
+        action="store_true",
+        help="after dropping the page cache, wait until the VM has handed all freed memory back to its host (free "
+        "page reporting), so that every measurement starts in the same memory state (see README)",
+    )
     args = p.parse_args(argv)
     args.size = parse_size(args.size or (QUICK_SIZE if args.quick else FULL_SIZE))
     args.rounds = args.rounds or (1 if args.quick else FULL_ROUNDS)
@@ -1053,6 +1084,7 @@ def main(argv: list[str] | None = None) -> int:
         "environment": env,
         "fresh_memory_cpu_s_per_gb": probes,
         "memory_returned_to_host_gb": returned,
+        "settle_waits_s": bench.settle_waits if args.settle else None,
         "summary": rows,
         "records": records,
     }
@@ -1062,7 +1094,8 @@ def main(argv: list[str] | None = None) -> int:
     fresh = ", ".join(f"{p:.2f}" for p in probes)
     args.out.with_suffix(".md").write_text(
         f"`{command}` ({started_text}, {env['kernel']}, {env['cpus']} CPUs, {bed_text(bed)}; fresh memory "
-        f"{fresh} CPU-s/GB before each round)\n\n{table}\n"
+        f"{fresh} CPU-s/GB before each round{'; memory settled before each measurement' if args.settle else ''})"
+        f"\n\n{table}\n"
     )
     size = f"{args.size / (1 << 30):.1f} GiB" if args.size >= 1 << 30 else f"{args.size >> 20} MiB"
     rounds = f"median of {args.rounds} rounds" if args.rounds > 1 else "1 round"

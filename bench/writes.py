@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import shlex
 import shutil
 import statistics
 import subprocess
@@ -41,9 +42,11 @@ from run import (  # noqa: E402
     bed_text,
     can_pin,
     drop_caches,
+    memory_returned_to_host,
     origin_scratch_dir,
     parse_size,
     pin_bed,
+    settle_memory,
 )
 
 from fsmount.testing.models import write_model  # noqa: E402
@@ -102,24 +105,28 @@ def wait_for_object(server: SeaweedServer, bucket: str, key: str, size: int, tim
     return False
 
 
-def daemon_for(tool: str, endpoint: mounts.Endpoint, mnt: Path, work: Path) -> mounts.DaemonCommand:
+def daemon_for(tool: str, endpoint: mounts.Endpoint, mnt: Path, work: Path,
+               modelfs_args: list[str]) -> mounts.DaemonCommand:
     if tool.startswith("modelfs"):
         cache = work / f"cache-{mnt.name}" if tool == "modelfs-nvme" else None
         return mounts.modelfs_command([sys.executable, "-m", "fsmount"], endpoint, mnt,
-                                      ["--writable", "--memory-limit", MEMORY_LIMIT], cache, "info")
+                                      ["--writable", "--memory-limit", MEMORY_LIMIT, *modelfs_args], cache, "info")
     if tool == "s3fs":
         return mounts.s3fs_command(endpoint, mnt, work / "s3fs.passwd", writable=True)
     return mounts.rclone_command(endpoint, mnt, writable=True)
 
 
-def measure(tool: str, server: SeaweedServer, source: Path, digest: str, work: Path, n: int) -> dict[str, Any]:
+def measure(tool: str, server: SeaweedServer, source: Path, digest: str, work: Path, n: int,
+            args: argparse.Namespace) -> dict[str, Any]:
     bucket = f"writes-{n}"
     server.client().create_bucket(Bucket=bucket)
     endpoint = mounts.Endpoint(server.endpoint_url, bucket, server.access_key, server.secret_key, server.region)
     size = source.stat().st_size
     row: dict[str, Any] = {"tool": tool}
     drop_caches()
-    cpu0 = server_cpu(server)
+    if args.settle and (settled := settle_memory()) is not None:
+        row.update(settled_s=round(settled[0], 1), settled_gb=round(settled[1], 2))
+    cpu0, faults0, returned0 = server_cpu(server), mounts.minor_faults(server.pid), memory_returned_to_host()
     try:
         if tool == "upload_file":
             env = {**mounts.base_env(), **endpoint.aws_env()}
@@ -130,7 +137,8 @@ def measure(tool: str, server: SeaweedServer, source: Path, digest: str, work: P
             row.update(daemon_cpu=0.0, rss_mib=None)
         else:
             mnt = work / f"mnt-{n}"
-            with mounts.MountedDaemon(daemon_for(tool, endpoint, mnt, work), mnt, work / f"{tool}.log") as d:
+            command = daemon_for(tool, endpoint, mnt, work, shlex.split(args.modelfs_args))
+            with mounts.MountedDaemon(command, mnt, work / f"{tool}.log") as d:
                 daemon0 = d.cpu_seconds() or 0.0
                 how = "cp" if tool == "modelfs-cp" else "save_file"
                 out = subprocess.run([sys.executable, "-c", textwrap.dedent(WRITER), str(source), str(mnt / KEY), how],
@@ -144,7 +152,9 @@ def measure(tool: str, server: SeaweedServer, source: Path, digest: str, work: P
                 took = writer_took + time.monotonic() - exited
                 row.update(daemon_cpu=(d.cpu_seconds() or 0.0) - daemon0, rss_mib=d.peak_rss_mib())
         row.update(status="ok", seconds=took, mb_s=size / took / MB, writer_cpu=writer_cpu,
-                   server_cpu=server_cpu(server) - cpu0)
+                   server_cpu=server_cpu(server) - cpu0, server_faults=mounts.minor_faults(server.pid) - faults0)
+        if returned0 is not None and (returned := memory_returned_to_host()) is not None:
+            row.update(returned_gb=round((returned - returned0) / 1e9, 2))
         if sha256_object(server, bucket, KEY) != digest:
             row.update(status="wrong bytes")
         return row
@@ -187,6 +197,9 @@ def main() -> int:
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--tools", default=",".join(TOOLS))
     p.add_argument("--pin", action=argparse.BooleanOptionalAction, default=None)
+    p.add_argument("--settle", action=argparse.BooleanOptionalAction, default=False,
+                   help="wait for freed memory to go back to the host before each measurement (README)")
+    p.add_argument("--modelfs-args", default="", help='extra flags for the modelfs mounts, e.g. "--max-connections 8"')
     args = p.parse_args()
     tools = [t for t in args.tools.split(",") if t]
     pin = can_pin() if args.pin is None else args.pin
@@ -206,7 +219,7 @@ def main() -> int:
                 print(f"# round {rnd + 1}: {host.probe().text()}", flush=True)
                 for tool in tools:
                     n += 1
-                    row = measure(tool, server, source, digest, work, n)
+                    row = measure(tool, server, source, digest, work, n, args)
                     row["round"] = rnd
                     rows.append(row)
                     print(row, flush=True)

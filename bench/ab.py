@@ -76,6 +76,7 @@ from run import (  # noqa: E402
     parse_size,
     pin_bed,
     pin_choice,
+    settle_memory,
 )
 
 from fsmount.stats import STATS_XATTR  # noqa: E402
@@ -225,6 +226,11 @@ class AB:
         self.mountpoint = work / "mnt"
         self.runs: dict[tuple[str, str], int] = {}  # measurements so far per (variant, scenario), for --perf
 
+    def cold(self) -> None:
+        drop_caches()
+        if self.args.settle:
+            settle_memory()
+
     def daemon(self, variant: str, cache_dir: Path | None) -> mounts.MountedDaemon:
         source, _, flags = self.args.variants[variant].partition(":")
         # -P: the working directory (this repo, for `.`) must not come before the variant's PYTHONPATH,
@@ -237,7 +243,7 @@ class AB:
     def through_mount(self, variant: str, scenario: str, cache_dir: Path | None, workload: str) -> Measured:
         with self.daemon(variant, cache_dir) as daemon:
             assert daemon.pid is not None
-            drop_caches()
+            self.cold()
             sampler = GilSampler(daemon.pid, self.work / "gil.txt") if self.args.gil else None
             perf = None
             if self.args.perf:
@@ -280,7 +286,7 @@ class AB:
             if not cache_dir.is_dir():
                 raise SystemExit(f"{scenario} needs a filled cache: put fill before it in --scenarios")
             return self.through_mount(variant, scenario, cache_dir, "cat" if scenario == "warm" else "load_file")
-        drop_caches()
+        self.cold()
         seconds, reader = timed(["cat", str(self.model)]) if scenario == "local" else load([self.model])
         return Measured(seconds, reader=reader)
 
@@ -305,6 +311,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--gil", action="store_true",
                    help="also sample the daemon with py-spy --gil (bench extra): GIL-held seconds per GB, the "
                         "trio thread's and the others', and the trio thread's CPU-s per GB")
+    p.add_argument("--settle", action="store_true",
+                   help="after each drop of the page cache, wait until the VM has handed the freed memory back to its "
+                        "host (bench/README.md, the host's state)")
     p.add_argument("--perf", type=Path, metavar="DIR",
                    help="also record each mounted measurement's daemon with `perf record -g` into DIR "
                         "(VARIANT-SCENARIO-ROUND.data; read with `perf report -i`)")

@@ -969,7 +969,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--settle",
         action="store_true",
         help="after dropping the page cache, wait until the VM has handed all freed memory back to its host (free "
-        "page reporting), so that every measurement starts in the same memory state (see README)",
+        "page reporting), so that no measurement runs while it does (see README)",
     )
     args = p.parse_args(argv)
     args.size = parse_size(args.size or (QUICK_SIZE if args.quick else FULL_SIZE))

@@ -292,6 +292,7 @@ class AB:
 
 
 def moved(out: Measured, gb: float) -> str:
+    """The bytes a mount replied with and pushed, as multiples of the file's `gb`, for a measurement's line."""
     if out.replied is None or out.pushed is None:
         return ""
     return f"  replied {out.replied / GB / gb:4.2f} pushed {out.pushed / GB / gb:4.2f} x the file"

@@ -238,9 +238,9 @@ SETTLE_MAX_S = 60.0
 
 def settle_memory(quiet_s: float = SETTLE_QUIET_S, max_s: float = SETTLE_MAX_S) -> tuple[float, float] | None:
     """Wait until this VM has handed back to its host all the memory freed so far (free page reporting: the
-    counter stops rising), so that a measurement that follows finds every free page in the same state,
-    whichever tool ran before it and whatever it freed. Returns (seconds waited, GB handed back meanwhile), or
-    None where the kernel does not count it (nothing to wait for)."""
+    counter stops rising), so that the measurement that follows does not run while it hands back what the tool
+    before it, or a drop of the page cache, freed. Returns (seconds waited, GB handed back meanwhile), or None
+    where the kernel does not count it (nothing to wait for)."""
     first = last = memory_returned_to_host()
     if first is None:
         return None

@@ -16,7 +16,10 @@ Time is from the start of the write until the object is in the bucket whole: the
 a mount the time from the writer's exit until a HEAD shows the final size is added (rclone uploads after
 close). Every
 object is read back from the server and checked against the model's sha256. CPU: the writer process,
-the FUSE daemon (from /proc/PID/stat), and the server's. RSS: the daemon's peak (VmHWM).
+the FUSE daemon (from /proc/PID/stat), and the server's. RSS: the daemon's peak (VmHWM). Each row printed also
+has the server's page faults (`server_faults`) and the GB of freed memory the VM handed back to its host while
+the row ran (`returned_gb`, where the kernel counts it); `--settle` waits for that to stop before each row
+(bench/README.md, the host's state).
 """
 
 from __future__ import annotations

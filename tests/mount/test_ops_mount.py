@@ -257,7 +257,10 @@ def test_stats_cold_then_warm_from_the_nvme_cache(moto_server: S3Server, tmp_pat
         assert "user.modelfs.stats" not in os.listxattr(mp)  # virtual, never copied by cp -a / rsync -X
         sub = stats_cmd(mp / "..")
         assert sub.returncode == 1 and "is not the root of a modelfs mount" in sub.stderr
-    assert cold["served_bytes"]["origin"] + cold["served_bytes"]["memory"] == size
+    # Every READ was answered from the origin's fetches or memory. The kernel may ask for a page twice (a
+    # read-ahead folio it dropped under load and read again), so the replies are at least the file, not exactly.
+    assert cold["served_bytes"]["cache"] == 0
+    assert size <= cold["served_bytes"]["origin"] + cold["served_bytes"]["memory"] <= size + MiB
     assert cold["origin"]["bytes"] == size and cold["egress_saved_bytes"] == 0
     assert cold["hit_ratio"] < 1
 

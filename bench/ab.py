@@ -72,11 +72,10 @@ from run import (  # noqa: E402
     HostProbe,
     bed_text,
     children_cpu_seconds,
-    drop_caches,
+    go_cold,
     parse_size,
     pin_bed,
     pin_choice,
-    settle_memory,
 )
 
 from fsmount.stats import STATS_XATTR  # noqa: E402
@@ -114,8 +113,8 @@ class Measured:
     gil_other: float | None = None
     faults: int = 0  # the daemon's minor page faults: first touches of fresh memory, each zeroed
     reader: float = 0.0  # the reader's CPU-s (user + system)
-    # From the mount's stats: bytes the daemon answered READs with, and bytes it pushed into the page cache
-    # (together more than the file: the same bytes went to the kernel twice). None: no stats to read.
+    # From the mount's stats: bytes the daemon answered READs with, and bytes it pushed into the page cache.
+    # Together more than the file means some bytes went to the kernel twice. None: no stats to read.
     replied: int | None = None
     pushed: int | None = None
 
@@ -226,11 +225,6 @@ class AB:
         self.mountpoint = work / "mnt"
         self.runs: dict[tuple[str, str], int] = {}  # measurements so far per (variant, scenario), for --perf
 
-    def cold(self) -> None:
-        drop_caches()
-        if self.args.settle:
-            settle_memory()
-
     def daemon(self, variant: str, cache_dir: Path | None) -> mounts.MountedDaemon:
         source, _, flags = self.args.variants[variant].partition(":")
         # -P: the working directory (this repo, for `.`) must not come before the variant's PYTHONPATH,
@@ -243,7 +237,7 @@ class AB:
     def through_mount(self, variant: str, scenario: str, cache_dir: Path | None, workload: str) -> Measured:
         with self.daemon(variant, cache_dir) as daemon:
             assert daemon.pid is not None
-            self.cold()
+            go_cold(self.args.settle)
             sampler = GilSampler(daemon.pid, self.work / "gil.txt") if self.args.gil else None
             perf = None
             if self.args.perf:
@@ -286,7 +280,7 @@ class AB:
             if not cache_dir.is_dir():
                 raise SystemExit(f"{scenario} needs a filled cache: put fill before it in --scenarios")
             return self.through_mount(variant, scenario, cache_dir, "cat" if scenario == "warm" else "load_file")
-        self.cold()
+        go_cold(self.args.settle)
         seconds, reader = timed(["cat", str(self.model)]) if scenario == "local" else load([self.model])
         return Measured(seconds, reader=reader)
 

@@ -253,6 +253,12 @@ def settle_memory(quiet_s: float = SETTLE_QUIET_S, max_s: float = SETTLE_MAX_S) 
     return time.monotonic() - started, (last - first) / GB
 
 
+def go_cold(settle: bool) -> tuple[bool, tuple[float, float] | None]:
+    """drop_caches, then with `settle` settle_memory: (whether the cache was dropped, what settling waited)."""
+    dropped = drop_caches()
+    return dropped, settle_memory() if settle else None
+
+
 class HostState(NamedTuple):
     """What HostProbe saw before a round."""
 
@@ -394,8 +400,9 @@ class Bench:
             self.modelfs_cache_dir.mkdir(parents=True)
 
     def cold(self) -> None:
-        self.cache_dropped = drop_caches() and self.cache_dropped
-        if self.args.settle and (settled := settle_memory()) is not None:
+        dropped, settled = go_cold(self.args.settle)
+        self.cache_dropped = dropped and self.cache_dropped
+        if settled is not None:
             self.settle_waits.append(round(settled[0], 1))
 
     def origin_cpu_seconds(self) -> float | None:

@@ -44,12 +44,11 @@ from run import (  # noqa: E402
     HostProbe,
     bed_text,
     can_pin,
-    drop_caches,
+    go_cold,
     memory_returned_to_host,
     origin_scratch_dir,
     parse_size,
     pin_bed,
-    settle_memory,
 )
 
 from fsmount.testing.models import write_model  # noqa: E402
@@ -126,8 +125,8 @@ def measure(tool: str, server: SeaweedServer, source: Path, digest: str, work: P
     endpoint = mounts.Endpoint(server.endpoint_url, bucket, server.access_key, server.secret_key, server.region)
     size = source.stat().st_size
     row: dict[str, Any] = {"tool": tool}
-    drop_caches()
-    if args.settle and (settled := settle_memory()) is not None:
+    _, settled = go_cold(args.settle)
+    if settled is not None:
         row.update(settled_s=round(settled[0], 1), settled_gb=round(settled[1], 2))
     cpu0, faults0, returned0 = server_cpu(server), mounts.minor_faults(server.pid), memory_returned_to_host()
     try:
@@ -200,7 +199,7 @@ def main() -> int:
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--tools", default=",".join(TOOLS))
     p.add_argument("--pin", action=argparse.BooleanOptionalAction, default=None)
-    p.add_argument("--settle", action=argparse.BooleanOptionalAction, default=False,
+    p.add_argument("--settle", action="store_true",
                    help="wait for freed memory to go back to the host before each measurement (README)")
     p.add_argument("--modelfs-args", default="", help='extra flags for the modelfs mounts, e.g. "--max-connections 8"')
     args = p.parse_args()

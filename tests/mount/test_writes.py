@@ -295,6 +295,31 @@ def test_a_file_being_written_is_busy_for_other_handles(s3: S3Server, mountpoint
     delete_bucket(s3, bucket)
 
 
+@pytest.mark.parametrize("cache_dir", [False, True], ids=["streamed", "cache-dir"])
+def test_a_writing_descriptor_bypasses_the_page_cache_and_one_large_write_is_stored_in_order(
+        s3: S3Server, mountpoint: Path, tmp_path: Path, cache_dir: bool) -> None:
+    """Writing descriptors are direct I/O (operations._writer_handle): the writer's own descriptor reads nothing
+    back from the page cache before the file is stored (EBUSY, as any other handle), and one write() far above
+    the kernel's 1 MiB requests, which it sends as several WRITEs at once, is stored in order."""
+    bucket = new_bucket(s3)
+    data = random_bytes(40 * MiB + 4101, 17)
+    extra = ["--cache-dir", str(tmp_path / "cache")] if cache_dir else []
+    with mounted(s3, bucket, mountpoint, *WRITABLE, "--write-part-size", "5M", *extra):
+        fd = os.open(mountpoint / "big.bin", os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
+        try:
+            assert os.write(fd, data[:4101]) == 4101
+            with pytest.raises(OSError) as info:
+                os.pread(fd, 4096, 0)  # through the page cache this would have read the bytes just written
+            assert info.value.errno == errno.EBUSY
+            assert os.write(fd, data[4101:]) == len(data) - 4101
+        finally:
+            os.close(fd)
+        assert sha((mountpoint / "big.bin").read_bytes()) == sha(data)
+    with mounted(s3, bucket, mountpoint):
+        assert sha((mountpoint / "big.bin").read_bytes()) == sha(data)
+    delete_bucket(s3, bucket)
+
+
 def test_shell_tools(s3: S3Server, mountpoint: Path, tmp_path: Path) -> None:
     """What a user types: `>` (the shell dup2()s the file onto stdout and closes it before writing: a flush
     with nothing written must not store the file), dd, cp, touch, mv, rm -r."""

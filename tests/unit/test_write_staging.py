@@ -7,6 +7,8 @@ import errno
 import logging
 import os
 import random
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -20,7 +22,7 @@ MiB = 1 << 20
 class CountingFds:
     """Bytes written per descriptor opened with O_DIRECT or without, by wrapping os.open and os.pwrite."""
 
-    def __init__(self, monkeypatch: pytest.MonkeyPatch, refuse: str = "") -> None:
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, refuse: str = "", direct_delay: float = 0.0) -> None:
         self.direct_fds: set[int] = set()
         self.direct_bytes = 0
         self.buffered_bytes = 0
@@ -43,6 +45,7 @@ class CountingFds:
             if fd in self.direct_fds:
                 if refuse == "write":
                     raise OSError(errno.EINVAL, "Invalid argument")
+                time.sleep(direct_delay)  # a slow disk: later writes and reads must wait for this one
                 n = real_pwrite(fd, data, offset)
                 self.direct_bytes += n
                 return n
@@ -127,9 +130,10 @@ def write_mixed(staged: StagedFile, rng: random.Random) -> bytearray:
 
 @pytest.mark.parametrize("pattern", [write_deferred, write_parts, write_mixed])
 @pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("disk", ["fast", "slow"])
 def test_the_copy_reads_back_as_written_and_bypasses_the_page_cache(tmp_path: Path, monkeypatch, pattern,
-                                                                   seed: int) -> None:
-    fds = CountingFds(monkeypatch)
+                                                                   seed: int, disk: str) -> None:
+    fds = CountingFds(monkeypatch, direct_delay=0.01 if disk == "slow" else 0.0)
     rng = random.Random(seed)
     staging = Staging(str(tmp_path))
     staged = staging.open()
@@ -238,3 +242,84 @@ def test_a_copy_without_an_o_direct_descriptor_still_works_and_the_next_one_trie
         assert fds.direct_opens == tries  # EMFILE is not the filesystem refusing O_DIRECT
     assert not any(r.levelno >= logging.INFO for r in caplog.records)
     assert os.listdir(staging.root) == []
+
+
+class GatedDisk:
+    """O_DIRECT writes wait until `open()`: a disk that has not finished the block it was given."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.fds = CountingFds(monkeypatch)
+        self.gate = threading.Event()
+        counting = os.pwrite
+
+        def gated(fd, data, offset):  # noqa: ANN001, ANN202
+            if fd in self.fds.direct_fds:
+                assert self.gate.wait(10)
+            return counting(fd, data, offset)
+
+        monkeypatch.setattr(os, "pwrite", gated)
+
+    def open(self) -> None:
+        self.gate.set()
+
+
+def blocked(fn, *args) -> threading.Thread:  # noqa: ANN001
+    """`fn(*args)` in a thread that, 0.2 s later, has still not returned."""
+    thread = threading.Thread(target=fn, args=args, daemon=True)
+    thread.start()
+    thread.join(0.2)
+    assert thread.is_alive(), f"{fn.__name__} did not wait for the disk"
+    return thread
+
+
+def test_a_full_block_is_written_while_the_next_one_gathers(tmp_path: Path, monkeypatch) -> None:
+    """A WRITE that fills a block returns without waiting for the disk: the block goes to a staging thread and the
+    second one gathers. Only the next full block, which needs the first one's buffer, waits for its write."""
+    disk = GatedDisk(monkeypatch)
+    staged = Staging(str(tmp_path)).open()
+    assert staged is not None
+    data = random.Random(5).randbytes(2 * BLOCK + 300)
+    staged.write(0, data[:BLOCK])  # block 0: to the staging thread, whose disk has not written it yet
+    staged.write(BLOCK, data[BLOCK:BLOCK + 100])  # gathers into the other block
+    third = blocked(staged.write, BLOCK + 100, data[BLOCK + 100:])  # fills block 1: waits for block 0's buffer
+    disk.open()
+    third.join(10)
+    assert staged.ok and read_back(staged, len(data), random.Random(1)) == data
+    assert disk.fds.direct_bytes == 2 * BLOCK
+    staged.discard()
+
+
+def test_reads_and_writes_elsewhere_wait_for_the_block_being_written(tmp_path: Path, monkeypatch) -> None:
+    """A write that does not continue the gathered bytes may land in the range of the block being written, and a
+    read needs that block on the disk: both wait for it, so the copy holds the last write to every offset."""
+    disk = GatedDisk(monkeypatch)
+    staged = Staging(str(tmp_path)).open()
+    assert staged is not None
+    data = bytearray(random.Random(6).randbytes(BLOCK + 10))
+    staged.write(0, bytes(data[:BLOCK]))
+    rewrite = blocked(staged.write, 100, b"later")  # inside block 0, which the disk is still writing
+    data[100:105] = b"later"
+    reader_got = bytearray(BLOCK)
+    reader = threading.Thread(target=staged.read_into, args=(0, reader_got), daemon=True)
+    reader.start()
+    disk.open()
+    rewrite.join(10)
+    reader.join(10)
+    staged.write(BLOCK, bytes(data[BLOCK:]))
+    assert read_back(staged, len(data), random.Random(2)) == data
+    staged.discard()
+
+
+def test_a_discard_waits_for_the_block_being_written_before_closing(tmp_path: Path, monkeypatch) -> None:
+    """The staging thread's write is never left with a closed descriptor, whose number could name another file by
+    then: `discard` (the trio thread, when a file fails) waits for it."""
+    disk = GatedDisk(monkeypatch)
+    staging = Staging(str(tmp_path))
+    staged = staging.open()
+    assert staged is not None
+    staged.write(0, b"x" * BLOCK)
+    discard = blocked(staged.discard)
+    assert staged.ok  # nothing closed yet
+    disk.open()
+    discard.join(10)
+    assert not staged.ok and os.listdir(staging.root) == []

@@ -27,7 +27,7 @@ the bucket half-written.
 Rules (everything runs in the trio thread; store calls run in threads under `Writes`' limiter):
 - `_lock` serialises `write`, `truncate`'s caller checks and `commit`, so parts are numbered in offset
   order whatever the kernel interleaves. `write` takes it before its first await: WRITEs that pyfuse3 reads
-  one after the other (the pieces of one large direct-I/O write(), sent at once) queue on it in that order.
+  one after the other (the pieces of one asynchronous O_DIRECT write, sent at once) queue on it in that order.
 - A part task owns its buffer, its reservation and its slot (of `_slots`) from the moment it is
   started; it records its ETag or the first failure in `error`, and releases its slot. The filling
   buffer's reservation and slot are `_buf`'s: released by whoever drops `_buf` (`_drop_buffer`).

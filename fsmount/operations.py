@@ -250,8 +250,9 @@ class Operations(pyfuse3.Operations):
         dropped once it is stored; the write phase of a 1.72 GB `save_file` took ~1.5 s instead of ~4, measured).
         So it reads nothing back from the page cache either (EBUSY until the file is stored, as for every
         handle), and a shared mmap of it is refused (ENODEV) instead of faulting on its first touch. A write()
-        above the kernel's request size arrives as several WRITEs at once (async direct I/O), queued in offset
-        order; NewFile.write takes its lock before anything else can run, so they are appended in that order."""
+        above the kernel's request size (1 MiB) still arrives as WRITEs one after the other; only asynchronous
+        I/O with O_DIRECT (io_submit) sends its pieces at once, queued in offset order, and NewFile.write takes
+        its lock before its first await, so they are appended in that order."""
         fh = self._new_fh()
         self._writers[fh] = new
         new.handles += 1

@@ -300,7 +300,7 @@ def test_a_writing_descriptor_bypasses_the_page_cache_and_one_large_write_is_sto
         s3: S3Server, mountpoint: Path, tmp_path: Path, cache_dir: bool) -> None:
     """Writing descriptors are direct I/O (operations._writer_handle): the writer's own descriptor reads nothing
     back from the page cache before the file is stored (EBUSY, as any other handle), and one write() far above
-    the kernel's 1 MiB requests, which it sends as several WRITEs at once, is stored in order."""
+    the kernel's 1 MiB requests (sent from the writer's buffer, not from page-cache pages) is stored in order."""
     bucket = new_bucket(s3)
     data = random_bytes(40 * MiB + 4101, 17)
     extra = ["--cache-dir", str(tmp_path / "cache")] if cache_dir else []

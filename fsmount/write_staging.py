@@ -30,7 +30,7 @@ log = logging.getLogger(__name__)
 
 WRITES_DIR = "writes"
 # A copy's O_DIRECT unit: the bytes gathered before a write, and read at once. 1 MiB writes ran at 1.8 GB/s
-# on the dev box's disk (dd oflag=direct), as fast as 8 MiB ones; each open copy holds one such buffer.
+# on the dev box's disk (dd oflag=direct), as fast as 8 MiB ones; each O_DIRECT copy holds BLOCKS_PER_COPY.
 BLOCK = 1 << 20
 # An O_DIRECT copy holds two blocks: one gathers while the other is written by a staging thread, so that a
 # WRITE is answered without waiting for the disk (the writer's next WRITE and the disk overlap).
@@ -117,7 +117,7 @@ class StagedFile:
     sends what was gathered first; a partial block waits for the next write and is sent through the page
     cache when the copy is read (`_settle`). A full block is written in the background while the other one
     gathers, so the writer's next WRITE does not wait for the disk (the write phase of a 1.72 GB `save_file`
-    spent 1.5-2.5 s of its 3.6-4.4 s waiting for this copy's blocks, measured by leaving them out). The first
+    spent 1.5-2.9 s of its 3.6-4.4 s on this copy's blocks, measured by leaving them out). The first
     EINVAL from O_DIRECT turns it off for the staging folder (one info line) and the copy goes on through the
     page cache."""
 

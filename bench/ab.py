@@ -1,8 +1,9 @@
 """A/B: two (or more) versions of the modelfs source, alternated in one run against one SeaweedFS.
 
 On this shared 2-core bed the same cold `cat` swings by ±40 % within minutes, so a change is judged by
-running the old and the new daemon one after the other, round after round, in the same run, and by the
-CPU each process spent (from /proc/PID/stat), which is steadier than wall time:
+running the old and the new daemon one after the other, scenario by scenario and round after round
+(the variants' order turned by one each round), in the same run, and by the CPU each process spent
+(from /proc/PID/stat), which is steadier than wall time:
 
     .venv/bin/python bench/ab.py --variant old=/path/to/clone --variant new=. \\
         --scenarios fill,warm,warm_load,local --rounds 3
@@ -344,8 +345,13 @@ def main(argv: list[str] | None = None) -> int:
             host = HostProbe()
             for round_no in range(1, args.rounds + 1):
                 print(f"round {round_no}: {host.probe().text()}", flush=True)
-                for variant in args.variants:
-                    for scenario in args.scenario_list:
+                # Each scenario by every variant back to back, the variants' order turned by one each
+                # round, so that no variant always runs first (an A/B of a one-line change read 10-20 %
+                # better for whichever variant ran second, both ways round).
+                names = list(args.variants)
+                shift = (round_no - 1) % len(names)
+                for scenario in args.scenario_list:
+                    for variant in names[shift:] + names[:shift]:
                         out = ab.measure(variant, scenario)
                         results.setdefault((scenario, variant), []).append(out)
                         gil = "" if out.gil_main is None or out.gil_other is None else (

@@ -6,9 +6,12 @@ is being served; bytes pushed for files that are still open never exceed `limit`
 given back with `release` when its last handle closes).
 
 It also leaves alone what a reader is about to READ: the range from the end of an inode's latest READ
-to the kernel's read-ahead window past it (`reader_window`). A sequential reader's READs take those
-bytes within moments, and a push racing them copies them into the page cache a second time (a `cat`
-got 10-25 % of its bytes twice); random readers' faults elsewhere are still pushed ahead of them.
+to two of the kernel's read-ahead windows past it (`reader_window`). A sequential reader's READs take
+those bytes within moments, and a push racing them copies them into the page cache a second time (a
+`cat` got 10-25 % of its bytes twice); random readers' faults elsewhere are still pushed ahead of them.
+Two windows: the kernel keeps a sequential reader's next window requested while it reads the current
+one (asynchronous read-ahead), and those READs may still wait in /dev/fuse, unseen by the daemon. With
+one window a warm `cat` still got 3-9 % of its bytes twice, with two 1-3 % (bench/RESULTS.md).
 
 Concurrency: `_reading` and `_reader_at` are changed only in the trio thread (`reading()` context);
 `push` checks them there before handing the data to a worker thread.
@@ -36,6 +39,8 @@ log = logging.getLogger(__name__)
 DEFAULT_PUSH_FRACTION = 0.5
 # Inodes whose latest READ is remembered (a few dozen bytes each).
 READERS_MAX = 4096
+# Read-ahead windows a sequential reader has requested past its position: the one it reads, the next.
+KERNEL_WINDOWS_AHEAD = 2
 
 
 def default_push_limit() -> int:
@@ -50,9 +55,9 @@ def default_push_limit() -> int:
 
 
 class PageCachePusher:
-    def __init__(self, limit: int, reader_window: int = 0):
+    def __init__(self, limit: int, kernel_readahead: int = 0):
         self.limit = limit
-        self.reader_window = reader_window
+        self.reader_window = KERNEL_WINDOWS_AHEAD * kernel_readahead
         self._reader_at: collections.OrderedDict[int, int] = collections.OrderedDict()  # ino -> end of its latest READ
         self.pushed = 0
         self.stored_total = 0  # every byte notify_store put in the page cache (a counter: never given back)

@@ -18,12 +18,12 @@ from tests.unit.fake_store import FakeStore
 
 
 def prefetch_rig(key: str, data: bytes, *, conns: int = 4, memory: int = 64 * MiB, push_limit: int = 0,
-                 reader_window: int = 0) -> tuple[FakeStore, ChunkEngine, ModelStreamer]:
+                 kernel_readahead: int = 0) -> tuple[FakeStore, ChunkEngine, ModelStreamer]:
     """A fake store holding `data` at `key`, an engine over it, and a streamer of that engine."""
     store = FakeStore()
     store.put(key, data)
     engine = make_engine(store, conns=conns, memory=memory)
-    pusher = PageCachePusher(push_limit, reader_window=reader_window)
+    pusher = PageCachePusher(push_limit, kernel_readahead=kernel_readahead)
     return store, engine, ModelStreamer(engine, pusher, max_connections=conns)
 
 
@@ -172,14 +172,15 @@ async def test_chunks_readers_already_read_are_not_pushed_again(autojump_clock, 
 
 
 async def test_what_a_reader_is_about_to_read_is_left_to_its_reads(autojump_clock, tmp_path, monkeypatch) -> None:  # noqa: ANN001
-    """From the end of an inode's latest READ to the kernel's read-ahead window past it, a sequential reader's
-    READs take the bytes within moments: a push there would race them and copy those bytes twice."""
+    """From the end of an inode's latest READ to two kernel read-ahead windows past it (the one being read
+    and the next, which the kernel may have asked for already), a sequential reader's READs take the bytes
+    within moments: a push there would race them and copy those bytes twice."""
     import fsmount.pagecache
 
     stored: list[int] = []
     monkeypatch.setattr(fsmount.pagecache.pyfuse3, "notify_store", lambda ino, off, data: stored.append(off))
     store, engine, streamer = prefetch_rig("m.safetensors", model_bytes(tmp_path, 12 * MiB), memory=256 * MiB,
-                                             push_limit=1 << 40, reader_window=2 * CHUNK)
+                                             push_limit=1 << 40, kernel_readahead=CHUNK)
     pusher = streamer.pusher
 
     async def body() -> None:
@@ -188,6 +189,7 @@ async def test_what_a_reader_is_about_to_read_is_left_to_its_reads(autojump_cloc
             await engine.read(v, 0, 3 * CHUNK + 100)
         assert not pusher.reader_near(3, 3 * CHUNK, 4 * CHUNK)  # another inode
         assert not pusher.reader_near(2, 2 * CHUNK, 3 * CHUNK)  # behind the reader
+        # Two windows of one chunk: up to 5 * CHUNK + 100.
         assert pusher.reader_near(2, 5 * CHUNK, 6 * CHUNK) and not pusher.reader_near(2, 6 * CHUNK, 7 * CHUNK)
         streamer.opened(2, v)
         await streamer._active[(v.key, v.etag)].done.wait()

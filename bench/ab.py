@@ -239,13 +239,14 @@ class AB:
         with self.daemon(variant, cache_dir) as daemon:
             assert daemon.pid is not None
             go_cold(self.args.settle)
-            sampler = GilSampler(daemon.pid, self.work / "gil.txt") if self.args.gil else None
-            perf = None
+            perf, gil_out = None, self.work / "gil.txt"
             if self.args.perf:
                 self.args.perf.mkdir(parents=True, exist_ok=True)
                 self.runs[variant, scenario] = self.runs.get((variant, scenario), 0) + 1
-                name = f"{variant}-{scenario}-{self.runs[variant, scenario]}.data"
-                perf = PerfRecorder(daemon.pid, self.args.perf / name)
+                name = f"{variant}-{scenario}-{self.runs[variant, scenario]}"
+                perf = PerfRecorder(daemon.pid, self.args.perf / f"{name}.data")
+                gil_out = self.args.perf / f"{name}.gil.txt"  # py-spy's raw stacks, kept beside it
+            sampler = GilSampler(daemon.pid, gil_out) if self.args.gil else None
             daemon_before, server_before = cpu_seconds(daemon.pid), cpu_seconds(self.server.pid)
             main_before = thread_cpu_seconds(daemon.pid, daemon.pid)
             faults_before = mounts.minor_faults(daemon.pid)
@@ -312,7 +313,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "host (bench/README.md, the host's state)")
     p.add_argument("--perf", type=Path, metavar="DIR",
                    help="also record each mounted measurement's daemon with `perf record -g` into DIR "
-                        "(VARIANT-SCENARIO-ROUND.data; read with `perf report -i`)")
+                        "(VARIANT-SCENARIO-ROUND.data; read with `perf report -i`); with --gil, py-spy's "
+                        "stacks go there too (VARIANT-SCENARIO-ROUND.gil.txt, one stack and its count a line)")
     args = p.parse_args(argv)
     args.pin = pin_choice(p, args.pin)
     args.variants = dict(v.split("=", 1) for v in args.variant)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import http.client
 import re
+import socket
 import ssl
 import threading
 import time
@@ -47,8 +48,42 @@ URL_REUSE_S = 600
 # The most of an error body read to find its S3 error code (an XML document of a few hundred bytes).
 ERROR_BODY_MAX = 64 * 1024
 _CODE_RE = re.compile(rb"<Code>([^<]{1,128})</Code>")
+# A body longer than twice this is received with the socket's receive low-water mark (SO_RCVLOWAT) at this
+# many bytes, up to its last this-many bytes: a fetch thread then wakes once per MiB that arrived instead of
+# once per burst of segments (~180 KB on loopback). 16 threads of 8 MiB GETs of 1 GiB from SeaweedFS on
+# the pinned bed, 8 paired rounds: 0.22 against 0.28 CPU-s and 1.1k against 6.0k voluntary context switches
+# (512 KiB and 2 MiB read the same as 1 MiB). The last bytes are read at the default mark (1) again, so a
+# body's end never waits for bytes that will not come and a kept connection goes back as it was. A GET must
+# then receive a MiB, not any byte, within the read timeout (120 s by default: 9 KB/s).
+RECEIVE_LOWAT = 1 << 20
 
 T = TypeVar("T")
+
+
+def _set_lowat(sock: socket.socket, nbytes: int) -> bool:
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, nbytes)
+    except OSError:
+        return False
+    return True
+
+
+def _receive(sock: socket.socket | None, view: memoryview, read_some: Callable[[memoryview], int],
+             short: Callable[[int], Exception]) -> None:
+    """Fill `view` by calls of `read_some(the rest of it)`, each returning the bytes it read; `short(got)` is
+    raised when one reads none. A view longer than twice RECEIVE_LOWAT is received with the low-water mark
+    raised until its last RECEIVE_LOWAT bytes (see there)."""
+    want = len(view)
+    raised = sock is not None and want > 2 * RECEIVE_LOWAT and _set_lowat(sock, RECEIVE_LOWAT)
+    got = 0
+    for stop in (want - RECEIVE_LOWAT, want) if raised else (want,):
+        if raised and stop == want and sock is not None:
+            _set_lowat(sock, 1)
+        while got < stop:
+            n = read_some(view[got:stop])
+            if not n:
+                raise short(got)
+            got += n
 
 
 def proxied(url: str) -> bool:
@@ -132,7 +167,7 @@ class RangeGetter:
         origin, conn, resp = self._request(self._url(key, fresh_url), headers, what)
         reusable = False
         try:
-            reusable = self._read(resp, start, want, etag, buffer, what)
+            reusable = self._read(resp, conn.sock, start, want, etag, buffer, what)
         except (http.client.HTTPException, OSError) as exc:
             # Reset, timeout, a response cut short: worth another try.
             raise TransientError(f"{what}: {type(exc).__name__}: {exc}") from None
@@ -256,7 +291,7 @@ class RangeGetter:
             conn.sock.sendall(part)
         return conn.getresponse()
 
-    def _read(self, resp: http.client.HTTPResponse, start: int, want: int, etag: str,
+    def _read(self, resp: http.client.HTTPResponse, sock: socket.socket | None, start: int, want: int, etag: str,
               buffer: WritableBuffer | bytearray, what: str) -> bool:
         """Check the response and read its body into `buffer`; True if the connection may be reused."""
         if resp.status >= 300:
@@ -275,12 +310,8 @@ class RangeGetter:
         if etag and got_etag and got_etag != etag:
             raise PreconditionFailed(f"{what}: object changed in the bucket since it was opened")
         with memoryview(buffer) as view:
-            got = 0
-            while got < want:
-                n = resp.readinto(view[got:])
-                if not n:
-                    raise TransientError(f"{what}: short body, {got} of {want} bytes")
-                got += n
+            _receive(sock, view, resp.readinto,
+                     lambda got: TransientError(f"{what}: short body, {got} of {want} bytes"))
         # Nothing may follow the body on a connection we keep (a server sending more is not trusted).
         return not resp.will_close and resp.read(1) == b""
 
@@ -330,13 +361,13 @@ class Body:
     def readinto(self, buffer: WritableBuffer | bytearray) -> int:
         """Fill `buffer` (fewer bytes only at the end of the object); the count."""
         with memoryview(buffer) as whole:
-            view, got = whole.cast("B"), 0
-            want = min(len(view), self.size - self._got)
-            while got < want:
-                n = self._io(self._resp.readinto, view[got:want])
-                self._count(n)
-                got += n
-        return got
+            want = min(whole.nbytes, self.size - self._got)
+            at = self._got
+            _receive(self._conn.sock if self._conn is not None else None, whole.cast("B")[:want],
+                     lambda part: self._io(self._resp.readinto, part),
+                     lambda got: TransientError(f"{self._what}: short body, {at + got} of {self.size} bytes"))
+            self._got += want
+        return want
 
     def _io(self, fn: Callable[[Any], T], arg: Any) -> T:
         try:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import http.server
 import mmap
+import random
 import socket
 import threading
 import time
@@ -13,7 +14,7 @@ from collections.abc import Callable, Iterator
 import pytest
 
 from fsmount.data import AccessDenied, NotFound, PreconditionFailed, TransientError, Unreachable
-from fsmount.data.presigned import RangeGetter
+from fsmount.data.presigned import RECEIVE_LOWAT, RangeGetter
 
 DATA = bytes(range(256)) * 64  # 16 KiB
 ETAG = '"abc"'
@@ -232,6 +233,91 @@ def test_a_stalled_answer_fails_after_the_read_timeout(origin: Origin) -> None:
         release.set()
     assert time.monotonic() - started < 3
 
+
+
+LONG = random.Random(7).randbytes(3 * RECEIVE_LOWAT + 5)  # longer than twice the raised mark, not a multiple
+
+
+def serve_long(h: Handler, s: int, e: int) -> bool:
+    """LONG at any range of it (a whole-object GET gets all of it), its last 5 bytes 0.2 s after the rest."""
+    whole = h.headers["Range"] is None
+    s, e = (0, len(LONG)) if whole else (s, e)
+    h.send_response(200 if whole else 206)
+    h.send_header("Content-Length", str(e - s))
+    h.send_header("ETag", ETAG)
+    if not whole:
+        h.send_header("Content-Range", f"bytes {s}-{e - 1}/{len(LONG)}")
+    h.end_headers()
+    h.wfile.write(LONG[s:e - 5])
+    h.wfile.flush()
+    time.sleep(0.2)
+    h.wfile.write(LONG[e - 5:e])
+    h.wfile.flush()
+    return True
+
+
+def test_a_long_body_is_received_with_a_raised_low_water_mark_then_the_connection_is_as_before(
+        origin: Origin, monkeypatch: pytest.MonkeyPatch) -> None:
+    """While the mark is raised a read waits for a MiB (or the timeout): the last bytes of a body and the
+    next answer on the kept connection are read at the default mark, so neither waits the read timeout."""
+    import fsmount.data.presigned as presigned
+
+    marks: list[int] = []
+    real = presigned._set_lowat
+    monkeypatch.setattr(presigned, "_set_lowat", lambda sock, n: marks.append(n) or real(sock, n))
+    origin.script = serve_long
+    g = getter(origin, read_timeout=2.0)
+    started = time.monotonic()
+    # Once its last 5 bytes arrive, less than a MiB is left to read: read at the raised mark, that waits.
+    assert get(g, 0, len(LONG)) == LONG
+    assert marks == [RECEIVE_LOWAT, 1]
+    assert get(g, 100, 10) == LONG[100:110]  # 10 bytes on the same connection: the mark is 1 again
+    assert get(g, 5, 2 * RECEIVE_LOWAT) == LONG[5:5 + 2 * RECEIVE_LOWAT]  # not longer than twice: not raised
+    assert marks == [RECEIVE_LOWAT, 1]
+    assert time.monotonic() - started < 1.8  # 3 x 0.2 s held back by the server; no read waited for the 2 s timeout
+    assert origin.connections == 1
+
+
+def test_a_long_whole_object_is_received_with_a_raised_low_water_mark(
+        origin: Origin, monkeypatch: pytest.MonkeyPatch) -> None:
+    import fsmount.data.presigned as presigned
+
+    marks: list[int] = []
+    real = presigned._set_lowat
+    monkeypatch.setattr(presigned, "_set_lowat", lambda sock, n: marks.append(n) or real(sock, n))
+    origin.script = serve_long
+    g = getter(origin, read_timeout=2.0)
+    started = time.monotonic()
+    with g.open("k", "GET k") as body:
+        assert body.read(16) == LONG[:16]
+        buffer = mmap.mmap(-1, len(LONG))
+        assert body.readinto(buffer) == len(LONG) - 16
+        assert buffer[:len(LONG) - 16] == LONG[16:]
+    assert marks == [RECEIVE_LOWAT, 1]
+    assert get(g, 0, 10) == LONG[:10]
+    assert time.monotonic() - started < 1.5  # 2 x 0.2 s held back by the server
+    assert origin.connections == 1
+
+
+def test_a_long_body_cut_short_fails_at_once_with_the_mark_raised(origin: Origin) -> None:
+    """A server that closes mid-body wakes the reader whatever the mark (end of stream)."""
+    def cut(h: Handler, s: int, e: int) -> bool:
+        h.send_response(206)
+        h.send_header("Content-Length", str(e - s))
+        h.send_header("Content-Range", f"bytes {s}-{e - 1}/{len(LONG)}")
+        h.send_header("ETag", ETAG)
+        h.end_headers()
+        h.wfile.write(LONG[s:s + RECEIVE_LOWAT + RECEIVE_LOWAT // 2])
+        h.wfile.flush()
+        h.close_connection = True
+        return True
+
+    origin.script = cut
+    g = getter(origin, read_timeout=5.0)
+    started = time.monotonic()
+    with pytest.raises(TransientError, match="short body|IncompleteRead"):
+        get(g, 0, len(LONG))
+    assert time.monotonic() - started < 2
 
 # -- whole objects (the shared tier's chunk objects) -------------------------------------------------
 

@@ -1,8 +1,9 @@
 """The FUSE floor: what a pyfuse3 + trio file system costs when it has every byte in memory already.
 
 A minimal read-only file system (no modelfs code) with one file, `floor.bin`, of --size bytes of a
-deterministic pattern held in one anonymous mmap. READs are answered with memoryview slices of it (no
-copy of ours: pyfuse3 hands the buffer to fuse_reply_buf). Mounted like modelfs (fsmount/mount.py):
+deterministic pattern, held as WINDOW_PERIODS periods of it (plus one push's length) in one anonymous mmap
+(`Content`). READs are answered with memoryview slices of it (no copy of ours: pyfuse3 hands the buffer to
+fuse_reply_buf). Mounted like modelfs (fsmount/mount.py):
 pyfuse3.default_options + fsname/subtype/ro, FileInfo(keep_cache=True) (direct_io off), 60 s entry/attr
 timeouts, st_blksize 1 MiB, and the mount's bdi read_ahead_kb raised to 16 MiB, so a `cat` gets READs
 of the size modelfs gets (1 MiB: libfuse's max_pages of 256).
@@ -70,6 +71,13 @@ FILE_INODE = 2  # pyfuse3.ROOT_INODE is 1
 PATTERN_SEED = 20240601
 PATTERN_BYTES = (1 << 20) + 4093
 PUSH_CHUNK = 8 << 20
+# The file is served from this many periods of the pattern (~64 MiB: more than a CPU cache holds, so READ
+# replies copy from memory as modelfs's do), not from a buffer of the whole file. A floor that held a 1 GiB
+# file allocated it just before each measurement, took the memory freed last (still the guest's) and left
+# its READ replies' page-cache pages to come from memory the VM had handed back to its host (see
+# bench/README.md, the host's state): in one run it cost 0.34, then 1.91 and 1.51 CPU-s per 1.07 GB read,
+# while modelfs's daemon, between those rounds, cost 0.79-0.90.
+WINDOW_PERIODS = 64
 TTL_S = 60.0  # modelfs's default --metadata-ttl
 BLKSIZE = 1 << 20  # st_blksize as modelfs reports it: cat reads 1 MiB at a time
 READ_AHEAD_KB = DEFAULT_KERNEL_READAHEAD >> 10  # modelfs's default --kernel-readahead
@@ -96,6 +104,26 @@ def expected(block: bytes, offset: int, length: int) -> bytes:
     return bytes(out)
 
 
+class Content:
+    """The file's bytes [offset, offset + length) as a slice of one buffer that repeats the pattern: the
+    whole file if it is no bigger than the window, else the window's bytes at the same offset modulo its
+    whole periods (the file's byte at `offset` is the pattern's at `offset % PATTERN_BYTES`)."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self.span = WINDOW_PERIODS * PATTERN_BYTES
+        self.buffer = make_content(min(size, self.span + PUSH_CHUNK))
+        self.view = memoryview(self.buffer)
+
+    def slice(self, offset: int, length: int) -> memoryview:
+        length = max(0, min(length, self.size - offset))
+        if self.size <= len(self.view):
+            return self.view[offset:offset + length]
+        assert length <= PUSH_CHUNK, length
+        start = offset % self.span
+        return self.view[start:start + length]
+
+
 def make_content(size: int) -> mmap.mmap:
     """An anonymous mapping of `size` bytes filled with the pattern (generated once, touched once)."""
     block = pattern_block()
@@ -116,8 +144,8 @@ def log(message: str) -> None:
 class Pusher:
     """K plain threads storing the file into the page cache with notify_store, chunk i on thread i % K."""
 
-    def __init__(self, view: memoryview, size: int, threads: int) -> None:
-        self.view = view
+    def __init__(self, content: Content, size: int, threads: int) -> None:
+        self.content = content
         self.size = size
         self.threads = threads
         self.stop = threading.Event()
@@ -150,7 +178,7 @@ class Pusher:
             if self.stop.is_set():
                 break
             offset = chunk * PUSH_CHUNK
-            data = self.view[offset:offset + PUSH_CHUNK]
+            data = self.content.slice(offset, PUSH_CHUNK)
             t0 = time.perf_counter()
             try:
                 pyfuse3.notify_store(FILE_INODE, offset, data)
@@ -195,7 +223,7 @@ def _process_cpu() -> tuple[float, float]:
     return usage.ru_utime, usage.ru_stime
 
 
-def make_operations(view: memoryview, size: int, pusher: Pusher) -> Any:
+def make_operations(content: Content, size: int, pusher: Pusher) -> Any:
     import pyfuse3
 
     uid, gid = os.getuid(), os.getgid()
@@ -261,7 +289,7 @@ def make_operations(view: memoryview, size: int, pusher: Pusher) -> Any:
         async def read(self, fh: int, off: int, size_: int) -> memoryview:
             self.reads += 1
             self.read_sizes[size_] = self.read_sizes.get(size_, 0) + 1
-            data = view[off:off + size_]
+            data = content.slice(off, size_)
             self.read_bytes += len(data)
             return data
 
@@ -304,10 +332,9 @@ def serve(args: argparse.Namespace) -> int:
     import trio
 
     mountpoint = str(Path(args.mountpoint).absolute())
-    content = make_content(args.size)
-    view = memoryview(content)
-    pusher = Pusher(view, args.size, args.push_threads)
-    ops = make_operations(view, args.size, pusher)
+    content = Content(args.size)
+    pusher = Pusher(content, args.size, args.push_threads)
+    ops = make_operations(content, args.size, pusher)
     options = set(pyfuse3.default_options) | {"fsname=floor", "subtype=fusefloor", "ro"}
     marks: dict[str, Any] = {}
 

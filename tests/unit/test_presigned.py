@@ -256,15 +256,21 @@ def serve_long(h: Handler, s: int, e: int) -> bool:
     return True
 
 
-def test_a_long_body_is_received_with_a_raised_low_water_mark_then_the_connection_is_as_before(
-        origin: Origin, monkeypatch: pytest.MonkeyPatch) -> None:
-    """While the mark is raised a read waits for a MiB (or the timeout): the last bytes of a body and the
-    next answer on the kept connection are read at the default mark, so neither waits the read timeout."""
+@pytest.fixture
+def marks(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Every receive low-water mark the getter sets, in order (it still sets them)."""
     import fsmount.data.presigned as presigned
 
-    marks: list[int] = []
+    seen: list[int] = []
     real = presigned._set_lowat
-    monkeypatch.setattr(presigned, "_set_lowat", lambda sock, n: marks.append(n) or real(sock, n))
+    monkeypatch.setattr(presigned, "_set_lowat", lambda sock, n: seen.append(n) or real(sock, n))
+    return seen
+
+
+def test_a_long_body_is_received_with_a_raised_low_water_mark_then_the_connection_is_as_before(
+        origin: Origin, marks: list[int]) -> None:
+    """While the mark is raised a read waits for a MiB (or the timeout): the last bytes of a body and the
+    next answer on the kept connection are read at the default mark, so neither waits the read timeout."""
     origin.script = serve_long
     g = getter(origin, read_timeout=2.0)
     started = time.monotonic()
@@ -278,13 +284,7 @@ def test_a_long_body_is_received_with_a_raised_low_water_mark_then_the_connectio
     assert origin.connections == 1
 
 
-def test_a_long_whole_object_is_received_with_a_raised_low_water_mark(
-        origin: Origin, monkeypatch: pytest.MonkeyPatch) -> None:
-    import fsmount.data.presigned as presigned
-
-    marks: list[int] = []
-    real = presigned._set_lowat
-    monkeypatch.setattr(presigned, "_set_lowat", lambda sock, n: marks.append(n) or real(sock, n))
+def test_a_long_whole_object_is_received_with_a_raised_low_water_mark(origin: Origin, marks: list[int]) -> None:
     origin.script = serve_long
     g = getter(origin, read_timeout=2.0)
     started = time.monotonic()
@@ -318,6 +318,7 @@ def test_a_long_body_cut_short_fails_at_once_with_the_mark_raised(origin: Origin
     with pytest.raises(TransientError, match="short body|IncompleteRead"):
         get(g, 0, len(LONG))
     assert time.monotonic() - started < 2
+
 
 # -- whole objects (the shared tier's chunk objects) -------------------------------------------------
 

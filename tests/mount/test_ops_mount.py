@@ -201,7 +201,9 @@ def test_metrics_show_bytes_moving_during_a_read(moto_server: S3Server, mountpoi
     assert 16 * MiB <= served(during) < size
     assert 16 * MiB <= during["modelfs_origin_bytes_total"] < size
     assert during["modelfs_open_files"] == 1
-    assert served(after) == size
+    # The kernel may ask for a page twice (a read-ahead folio dropped under load); memory answers it again.
+    asked_again = served(after) - size
+    assert 0 <= asked_again <= MiB
     assert after["modelfs_origin_bytes_total"] == size  # every chunk fetched once
     assert after["modelfs_origin_requests_total"] == after["modelfs_origin_get_seconds_count"] >= 6
     assert after["modelfs_origin_get_seconds_sum"] > 0
@@ -210,7 +212,7 @@ def test_metrics_show_bytes_moving_during_a_read(moto_server: S3Server, mountpoi
     assert after["modelfs_open_files"] == 0
     assert after["modelfs_fetches_inflight"] == 0
     assert 0 < after["modelfs_memory_used_bytes"] <= after["modelfs_memory_limit_bytes"]
-    assert after["modelfs_egress_saved_bytes_total"] == 0  # a cold read saves nothing
+    assert after["modelfs_egress_saved_bytes_total"] == asked_again  # a cold read saves only pages asked again
     assert 0 <= after["modelfs_hit_ratio"] <= 1
     for name in ("modelfs_streamed_bytes_total", "modelfs_pagecache_pushed_bytes",
                  "modelfs_pagecache_stored_bytes_total", "modelfs_readahead_dropped_total",
@@ -258,10 +260,12 @@ def test_stats_cold_then_warm_from_the_nvme_cache(moto_server: S3Server, tmp_pat
         sub = stats_cmd(mp / "..")
         assert sub.returncode == 1 and "is not the root of a modelfs mount" in sub.stderr
     # Every READ was answered from the origin's fetches or memory. The kernel may ask for a page twice (a
-    # read-ahead folio it dropped under load and read again), so the replies are at least the file, not exactly.
+    # read-ahead folio it dropped under load and read again), so the replies are at least the file, not exactly;
+    # a page asked for again is answered from memory, and that counts as egress saved.
     assert cold["served_bytes"]["cache"] == 0
-    assert size <= cold["served_bytes"]["origin"] + cold["served_bytes"]["memory"] <= size + MiB
-    assert cold["origin"]["bytes"] == size and cold["egress_saved_bytes"] == 0
+    asked_again = sum(cold["served_bytes"].values()) - size
+    assert 0 <= asked_again <= MiB
+    assert cold["origin"]["bytes"] == size and cold["egress_saved_bytes"] == asked_again
     assert cold["hit_ratio"] < 1
 
     # A new mount (empty memory and page cache) over the same NVMe cache: no byte from the origin.
@@ -273,12 +277,15 @@ def test_stats_cold_then_warm_from_the_nvme_cache(moto_server: S3Server, tmp_pat
     rows = table(res.stdout)
     assert warm["origin"]["bytes"] == 0 and warm["origin"]["requests"] == 0
     assert warm["cache_loaded_bytes"] == size
-    assert warm["egress_saved_bytes"] == size
+    asked_again = sum(warm["served_bytes"].values()) - size
+    assert 0 <= asked_again <= MiB
+    assert warm["egress_saved_bytes"] == size + asked_again
     assert warm["served_bytes"]["origin"] == 0
     assert warm["hit_ratio"] == 1.0
     assert warm["disk_cache"]["hits"] == 3 and warm["disk_cache"]["misses"] == 0
-    assert rows["hit ratio"].startswith("100.0% of 20.00 MiB read"), res.stdout
-    assert rows["origin egress saved"].startswith("20.00 MiB"), res.stdout
+    # 20 MiB + 5 bytes, plus any page the kernel asked for twice (at most 1 MiB: 20.00 to 21.00 MiB).
+    assert re.match(r"100\.0% of 2[01]\.\d\d MiB read", rows["hit ratio"]), res.stdout
+    assert re.match(r"2[01]\.\d\d MiB", rows["origin egress saved"]), res.stdout
     assert rows["origin downloads"] == "0 B in 0 GETs, 0 failed", res.stdout
     assert rows["NVMe cache"].startswith("20.01 MiB of "), res.stdout  # data + a 4 KiB header per chunk
     assert rows["errors"] == "origin 0, cache corrupt 0, cache read 0, cache write 0", res.stdout

@@ -172,9 +172,9 @@ class ModelStreamer:
 
     async def _stream(self, job: _FileStream) -> None:
         obj, engine = job.version, self.engine
-        first = await engine.read(obj, 0, min(obj.size, LENGTH_PREFIX))
+        first = await engine.peek(obj, 0, min(obj.size, LENGTH_PREFIX))
         n = header_length(bytes(first), obj.size)
-        layout = parse_header(bytes(await engine.read(obj, 0, LENGTH_PREFIX + n)), obj.size)
+        layout = parse_header(bytes(await engine.peek(obj, 0, LENGTH_PREFIX + n)), obj.size)
         indices = engine.chunk_range(obj, 0, layout.data_end)
         log.debug("streaming %r: %d tensors, %d chunks", obj.key, len(layout.tensors), len(indices))
         async with trio.open_nursery() as nursery:

@@ -223,10 +223,12 @@ class ChunkEngine:
             parts.append((cid, fetch))
         return parts
 
-    async def collect(self, parts: list[tuple[ChunkId, Fetch | Chunk]], start: int, end: int) -> bytes | memoryview:
+    async def collect(self, parts: list[tuple[ChunkId, Fetch | Chunk]], start: int, end: int, *,
+                      served: bool = True) -> bytes | memoryview:
         """Wait for the parts of `request` and cut bytes [start, end) out of them. A read within one
-        chunk is a zero-copy view of it (pyfuse3 replies from any buffer)."""
-        if len(parts) == 1 and not isinstance(parts[0][1], Fetch):
+        chunk is a zero-copy view of it (pyfuse3 replies from any buffer). `served`: the bytes answer a
+        READ, so the kernel caches them (counted in the stats, and a chunk READs took is not pushed)."""
+        if len(parts) == 1 and not isinstance(parts[0][1], Fetch) and served:
             # The common case of a sequential reader: one chunk, already in memory, no waiting.
             cid, data = parts[0]
             lo = start - cid.offset
@@ -246,14 +248,22 @@ class ChunkEngine:
                 lo = max(start - cid.offset, 0)
                 hi = min(end - cid.offset, len(data))
                 out.append(memoryview(data)[lo:hi])
-                self._count_served(source, hi - lo)
-                self.memory.note_served(cid, hi - lo, len(data))
+                if served:
+                    self._count_served(source, hi - lo)
+                    self.memory.note_served(cid, hi - lo, len(data))
         if scope.cancelled_caught:
             raise ReadTimeout(f"read of {parts[0][0].key!r} timed out after {self.read_timeout:g}s")
         return out[0] if len(out) == 1 else b"".join(out)
 
     async def read(self, obj: ObjectVersion, start: int, end: int) -> bytes | memoryview:
+        """Bytes [start, end) of obj to answer a READ with (`request` then `collect`)."""
         return await self.collect(self.request(obj, start, end), start, end)
+
+    async def peek(self, obj: ObjectVersion, start: int, end: int) -> bytes | memoryview:
+        """Bytes [start, end) of obj for the daemon's own use (a safetensors header to parse), fetched at
+        demand priority like a READ's but not served to the kernel: not counted as served, and their
+        chunk is still pushed into the page cache by model streaming."""
+        return await self.collect(self.request(obj, start, end), start, end, served=False)
 
     def _count_served(self, source: str, n: int) -> None:
         if source == "memory":

@@ -87,6 +87,25 @@ def test_eight_mmap_readers_while_pushing(moto_server: S3Server, mountpoint: Pat
     assert "streaming 'm.safetensors'" in m.log()
 
 
+def test_a_file_held_open_is_pushed_whole_and_read_without_a_request(moto_server: S3Server, mountpoint: Path,
+                                                                        tmp_path: Path) -> None:
+    """Model streaming pushes every chunk of a safetensors file opened and not read, the header's too (its own
+    header reads are not READs), so the whole file is then read from the page cache: no READ reaches the
+    daemon, and its stats count no byte as served."""
+    data = model_bytes(tmp_path, 40 * MiB, seed=3)
+    bucket = new_bucket(moto_server)
+    upload(moto_server, bucket, {"m.safetensors": data})
+    with mounted(moto_server, bucket, mountpoint, "--pagecache-push-limit", "1G"):
+        path = mountpoint / "m.safetensors"
+        with open(path, "rb"):
+            wait_for("bytes pushed", lambda: mount_stats(mountpoint)["pagecache_stored_bytes"],
+                     lambda n: n >= len(data))
+            assert path.read_bytes() == data
+        stats = mount_stats(mountpoint)
+        assert sum(stats["served_bytes"].values()) == 0, stats["served_bytes"]
+        assert stats["pagecache_stored_bytes"] == len(data)
+
+
 def test_unmount_during_prefetch_is_clean(moto_server: S3Server, mountpoint: Path, tmp_path: Path) -> None:
     data = model_bytes(tmp_path, 128 * MiB, seed=2)
     bucket = new_bucket(moto_server)

@@ -19,9 +19,13 @@ Scenarios, each after the page cache is dropped, each on a fresh daemon:
   cold       cat through a mount without --cache-dir
   cold_load  safetensors.numpy.load_file through a mount without --cache-dir
   cold_safe_open  safe_open + get_tensor of every key (vLLM's order) through a mount without --cache-dir
+  cold_stream  open the file through a mount without --cache-dir and hold it, reading nothing, until model
+             streaming has pushed all of it into the page cache (the mount's stats): the rate of the
+             streaming pipeline alone, with no reader's CPU beside it
   fill       cat through a mount with an emptied --cache-dir (the variant's own)
   warm       cat through a fresh mount on that cache dir (run `fill` first in the same round)
   warm_load  safetensors.numpy.load_file through a fresh mount on that cache dir
+  warm_stream  cold_stream through a fresh mount on that cache dir
   shards_load       load_file of each shard of the same tensors in 4 shards (Hugging Face's names, the
                     index beside them), one after the other in one process, without --cache-dir
   shards_fill_load  the same through a mount with an emptied --cache-dir
@@ -89,8 +93,11 @@ SHARDS = 4
 # A cold read of the loaders of bench/scenarios.py through a mount with an emptied --cache-dir (the bench's
 # modelfs row): fill_<workload>.
 FILL_WORKLOADS = ("load_file", "safe_open", "natural_threads", "quarters")
-SCENARIOS = ("cold", "cold_load", "cold_safe_open", "shards_load", "shards_fill_load", "fill", "warm", "warm_load",
-             "local", "local_load", *(f"fill_{w}" for w in FILL_WORKLOADS))
+SCENARIOS = ("cold", "cold_load", "cold_safe_open", "cold_stream", "shards_load", "shards_fill_load", "fill", "warm",
+             "warm_load", "warm_stream", "local", "local_load", *(f"fill_{w}" for w in FILL_WORKLOADS))
+# How long `*_stream` waits for model streaming to push the whole file before it gives up, and how often it asks.
+STREAM_TIMEOUT_S = 300
+STREAM_POLL_S = 0.01
 
 
 def cpu_seconds(pid: int | None) -> tuple[float, float]:
@@ -205,6 +212,23 @@ def load(paths: list[Path], workload: str = "load_file") -> tuple[float, float]:
     return timed([sys.executable, str(BENCH_DIR / "scenarios.py"), workload, *map(str, paths)], env)
 
 
+def streamed(path: Path, mountpoint: Path) -> tuple[float, float]:
+    """Opens `path` and holds it, reading nothing, until the mount has pushed all of it into the page cache
+    (model streaming, on a fresh daemon): (wall seconds, 0 reader CPU-s)."""
+    size = path.stat().st_size
+    start = time.perf_counter()
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        while (moved_bytes(mountpoint)[1] or 0) < size:
+            if time.perf_counter() - start > STREAM_TIMEOUT_S:
+                raise SystemExit(f"model streaming pushed {moved_bytes(mountpoint)[1]} of {size} bytes "
+                                 f"in {STREAM_TIMEOUT_S} s")
+            time.sleep(STREAM_POLL_S)
+        return time.perf_counter() - start, 0.0
+    finally:
+        os.close(fd)
+
+
 def moved_bytes(mountpoint: Path) -> tuple[int | None, int | None]:
     """(READ reply bytes, bytes pushed into the page cache) of a mounted daemon so far, from its stats."""
     try:
@@ -253,6 +277,8 @@ class AB:
             paths = [self.mountpoint / key for key in (self.shards if workload == "shards" else [KEY])]
             if workload == "cat":
                 seconds, reader = timed(["cat", *map(str, paths)])
+            elif workload == "stream":
+                seconds, reader = streamed(paths[0], self.mountpoint)
             else:
                 seconds, reader = load(paths, "load_file" if workload == "shards" else workload)
             daemon_after, server_after = cpu_seconds(daemon.pid), cpu_seconds(self.server.pid)
@@ -269,7 +295,8 @@ class AB:
     def measure(self, variant: str, scenario: str) -> Measured:
         cache_dir = self.work / f"cache-{variant}"
         if scenario.startswith("cold"):
-            workload = {"cold": "cat", "cold_load": "load_file", "cold_safe_open": "safe_open"}[scenario]
+            workload = {"cold": "cat", "cold_load": "load_file", "cold_safe_open": "safe_open",
+                        "cold_stream": "stream"}[scenario]
             return self.through_mount(variant, scenario, None, workload)
         if scenario == "shards_load":
             return self.through_mount(variant, scenario, None, "shards")
@@ -278,10 +305,11 @@ class AB:
             cache_dir.mkdir()
             workload = {"fill": "cat", "shards_fill_load": "shards"}.get(scenario, scenario.removeprefix("fill_"))
             return self.through_mount(variant, scenario, cache_dir, workload)
-        if scenario in ("warm", "warm_load"):
+        if scenario in ("warm", "warm_load", "warm_stream"):
             if not cache_dir.is_dir():
                 raise SystemExit(f"{scenario} needs a filled cache: put fill before it in --scenarios")
-            return self.through_mount(variant, scenario, cache_dir, "cat" if scenario == "warm" else "load_file")
+            workload = {"warm": "cat", "warm_load": "load_file", "warm_stream": "stream"}[scenario]
+            return self.through_mount(variant, scenario, cache_dir, workload)
         go_cold(self.args.settle)
         seconds, reader = timed(["cat", str(self.model)]) if scenario == "local" else load([self.model])
         return Measured(seconds, reader=reader)

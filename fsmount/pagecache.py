@@ -14,7 +14,8 @@ one (asynchronous read-ahead), and those READs may still wait in /dev/fuse, unse
 one window a warm `cat` still got 3-9 % of its bytes twice, with two 1-3 % (bench/RESULTS.md).
 
 Concurrency: `_reading` and `_reader_at` are changed only in the trio thread (`reading()` context);
-`push` checks them there before handing the data to a worker thread.
+`push` checks them there before handing the data to a worker thread. Up to `pushes_at_once` pushes copy at
+once, each in its own thread; `pushed` and `stored_total` are counted in the trio thread around them.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import collections
 import contextlib
 import errno
 import logging
+import os
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
@@ -39,8 +41,25 @@ log = logging.getLogger(__name__)
 DEFAULT_PUSH_FRACTION = 0.5
 # Inodes whose latest READ is remembered (a few dozen bytes each).
 READERS_MAX = 4096
+# Pushes that may run at once, each in a thread of its own, where the daemon may use PARALLEL_PUSH_CPUS
+# CPUs or more (a core each for the trio thread, the fetch threads and two pushes). notify_store copies
+# with the GIL released (pyfuse3's `with nogil:`), and two pushes from two threads overlapped in the kernel,
+# so one at a time would cap model streaming at one core's copy rate. With fewer cores, one: on one client
+# core two at once pushed more of a loader's bytes ahead of its READs, which cost the daemon more CPU per
+# byte than the READs they replaced (bench/RESULTS.md).
+PARALLEL_PUSHES = 2
+PARALLEL_PUSH_CPUS = 4
 # Read-ahead windows a sequential reader has requested past its position: the one it reads, the next.
 KERNEL_WINDOWS_AHEAD = 2
+
+
+def default_pushes_at_once() -> int:
+    """PARALLEL_PUSHES where this process may run on PARALLEL_PUSH_CPUS CPUs or more, else 1."""
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cpus = os.cpu_count() or 1
+    return PARALLEL_PUSHES if cpus >= PARALLEL_PUSH_CPUS else 1
 
 
 def default_push_limit() -> int:
@@ -55,14 +74,15 @@ def default_push_limit() -> int:
 
 
 class PageCachePusher:
-    def __init__(self, limit: int, kernel_readahead: int = 0):
+    def __init__(self, limit: int, kernel_readahead: int = 0, pushes_at_once: int | None = None):
         self.limit = limit
         self.reader_window = KERNEL_WINDOWS_AHEAD * kernel_readahead
         self._reader_at: collections.OrderedDict[int, int] = collections.OrderedDict()  # ino -> end of its latest READ
         self.pushed = 0
         self.stored_total = 0  # every byte notify_store put in the page cache (a counter: never given back)
         self._reading: dict[int, list[tuple[int, int]]] = {}
-        self._turn = trio.Lock()  # one store at a time keeps the kernel's locks short
+        self.pushes_at_once = pushes_at_once or default_pushes_at_once()
+        self._turn = trio.Semaphore(self.pushes_at_once)  # FIFO: turns go in the order pushes came
         self._disabled = limit <= 0
 
     @property
@@ -98,8 +118,9 @@ class PageCachePusher:
         self.pushed = max(0, self.pushed - nbytes)
 
     async def push(self, ino: int, offset: int, length: int, take: Callable[[], Chunk | None]) -> bool:
-        """Store `length` bytes at `offset` of `ino` in the page cache; False if skipped. Pushes run one
-        at a time, and the bytes are taken only when this one's turn comes: `take` returns them, or None
+        """Store `length` bytes at `offset` of `ino` in the page cache; False if skipped. At most
+        `pushes_at_once` run at once, the others wait for a turn in the order they came, and the bytes are
+        taken only when this one's turn comes: `take` returns them, or None
         when they are no longer wanted (READs took them meanwhile, or they left the daemon's memory).
         So queued pushes hold no chunk: a queued push cannot keep bytes the memory budget let go of,
         and cannot block a READ whose pages the kernel locked, which a push of that range waits for."""

@@ -59,6 +59,30 @@ async def test_streams_whole_data_region_in_offset_order(autojump_clock, tmp_pat
     await run_prefetcher(engine, streamer, body)
 
 
+async def test_a_file_opened_and_not_read_is_pushed_whole_and_nothing_counts_as_served(
+        autojump_clock, tmp_path, monkeypatch) -> None:  # noqa: ANN001
+    """The stream's own reads of the header are not READs: the header's chunk is pushed like every other (it
+    was skipped as "read by the kernel"), and the stats count no byte as served to the kernel."""
+    import fsmount.pagecache
+
+    stored: list[int] = []
+    monkeypatch.setattr(fsmount.pagecache.pyfuse3, "notify_store", lambda ino, off, data: stored.append(off))
+    store, engine, streamer = prefetch_rig("m.safetensors", model_bytes(tmp_path, 24 * MiB), memory=256 * MiB,
+                                           push_limit=1 << 40)
+
+    async def body() -> None:
+        v = version(store, "m.safetensors")
+        streamer.opened(2, v)
+        await streamer._active[(v.key, v.etag)].done.wait()
+        assert sorted(stored) == [i * CHUNK for i in engine.chunk_range(v, 0, v.size)]
+        assert streamer.pusher.stored_total == v.size and streamer.skipped_read == 0
+        s = engine.stats
+        assert s.bytes_served_memory == s.bytes_served_level == s.bytes_served_origin == 0
+        streamer.closed(v)
+
+    await run_prefetcher(engine, streamer, body)
+
+
 class IndexedLevel:
     """A local cache level in a dict with an index in memory (`contains`, as DiskCache has)."""
 
@@ -207,7 +231,7 @@ async def test_a_queued_push_asks_again_whether_it_is_wanted(monkeypatch) -> Non
 
     stored: list[int] = []
     monkeypatch.setattr(fsmount.pagecache.pyfuse3, "notify_store", lambda ino, off, data: stored.append(off))
-    pusher = PageCachePusher(1 << 40)
+    pusher = PageCachePusher(1 << 40, pushes_at_once=2)
     wanted = True
     results: list[bool] = []
 
@@ -215,16 +239,62 @@ async def test_a_queued_push_asks_again_whether_it_is_wanted(monkeypatch) -> Non
         results.append(await pusher.push(2, offset, 4096, lambda: b"x" * 4096 if wanted else None))
 
     async with trio.open_nursery() as n:
-        async with pusher._turn:  # another push is running: these two queue behind it
-            n.start_soon(push, 0)
-            await trio.testing.wait_all_tasks_blocked()
-            wanted = False  # meanwhile READs took the bytes
+        for _ in range(pusher.pushes_at_once):  # as many other pushes are running: this one queues behind them
+            await pusher._turn.acquire()
+        n.start_soon(push, 0)
+        await trio.testing.wait_all_tasks_blocked()
+        wanted = False  # meanwhile READs took the bytes
+        for _ in range(pusher.pushes_at_once):
+            pusher._turn.release()
         await trio.testing.wait_all_tasks_blocked()
     assert results == [False] and stored == [] and pusher.pushed == 0
     await push(4096)  # wanted() is still False: skipped at once
     wanted = True
     await push(8192)
     assert results == [False, False, True] and stored == [8192] and pusher.pushed == 4096
+
+
+@pytest.mark.parametrize("at_once", [1, 2, 3])
+async def test_pushes_run_in_threads_at_once_and_take_turns_in_the_order_they_were_queued(monkeypatch,
+                                                                                          at_once: int) -> None:
+    """notify_store releases the GIL, so `pushes_at_once` pushes copy in parallel (past one core); further
+    pushes wait for a turn, first come first served, so a stream's pushes keep to its offset order."""
+    import threading
+
+    import fsmount.pagecache
+
+    together = threading.Barrier(at_once, timeout=5)  # broken unless that many stores overlap
+    monkeypatch.setattr(fsmount.pagecache.pyfuse3, "notify_store", lambda ino, off, data: together.wait())
+    pusher = PageCachePusher(1 << 40, pushes_at_once=at_once)
+    taken: list[int] = []
+    results: dict[int, bool] = {}
+
+    async def push(offset: int) -> None:
+        results[offset] = await pusher.push(2, offset, 4096, lambda: taken.append(offset) or b"x" * 4096)
+
+    offsets = [i * 4096 for i in range(3 * at_once)]
+    async with trio.open_nursery() as n:
+        for _ in range(at_once):  # every turn busy while the pushes queue
+            await pusher._turn.acquire()
+        for offset in offsets:
+            n.start_soon(push, offset)
+            await trio.testing.wait_all_tasks_blocked()
+        for _ in range(at_once):
+            pusher._turn.release()
+    assert results == {offset: True for offset in offsets} and pusher.stored_total == len(offsets) * 4096
+    # Turns go first come first served; pushes given turns at the same moment run in either order.
+    assert sorted(taken) == offsets and all(abs(taken.index(o) - i) < at_once for i, o in enumerate(offsets))
+
+
+@pytest.mark.parametrize(("cpus", "expected"), [({1}, 1), ({0, 1}, 1), ({0, 1, 2}, 1), (set(range(4)), 2),
+                                                 (set(range(16)), 2)])
+def test_pushes_go_in_parallel_only_where_the_daemon_has_the_cores(monkeypatch, cpus: set[int],
+                                                                     expected: int) -> None:
+    import fsmount.pagecache
+
+    monkeypatch.setattr(fsmount.pagecache.os, "sched_getaffinity", lambda pid: cpus)
+    assert fsmount.pagecache.default_pushes_at_once() == expected
+    assert PageCachePusher(1 << 30).pushes_at_once == expected
 
 
 def test_only_the_shards_of_the_model_opened_are_warmed() -> None:

@@ -405,7 +405,7 @@ def main(argv: list[str] | None = None) -> int:
         reader = statistics.median(r.reader for r in runs)
         print(f"{scenario:10s} {variant:8s} {seconds:6.2f} {daemon:6.2f} {daemon / gb:6.2f} {weed:6.2f} "
               f"{faulted:6.0f} {reader:6.2f}  {[round(r.seconds, 2) for r in runs]}")
-        if args.gil and scenario in ("cold", "fill", "warm", "warm_load"):
+        if args.gil and scenario in ("cold", "fill", "warm", "warm_load", "cold_stream", "warm_stream"):
             sampled = [(r.gil_main or 0.0) + (r.gil_other or 0.0) for r in runs]
             bound = statistics.median(r.gil_bound / gb for r in runs)
             main = statistics.median((r.main_user + r.main_sys) / gb for r in runs)

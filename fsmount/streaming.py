@@ -172,8 +172,8 @@ class ModelStreamer:
 
     async def _stream(self, job: _FileStream) -> None:
         obj, engine = job.version, self.engine
-        first = await engine.peek(obj, 0, min(obj.size, LENGTH_PREFIX))
-        n = header_length(bytes(first), obj.size)
+        # Copied out at once: a view would pin chunk 0's buffer (no reuse) for as long as the stream runs.
+        n = header_length(bytes(await engine.peek(obj, 0, min(obj.size, LENGTH_PREFIX))), obj.size)
         layout = parse_header(bytes(await engine.peek(obj, 0, LENGTH_PREFIX + n)), obj.size)
         indices = engine.chunk_range(obj, 0, layout.data_end)
         log.debug("streaming %r: %d tensors, %d chunks", obj.key, len(layout.tensors), len(indices))

@@ -27,6 +27,15 @@ def prefetch_rig(key: str, data: bytes, *, conns: int = 4, memory: int = 64 * Mi
     return store, engine, ModelStreamer(engine, pusher, max_connections=conns)
 
 
+def recorded_stores(monkeypatch) -> list[int]:  # noqa: ANN001
+    """Replaces notify_store with a recorder: the offsets pushed, in the order their stores ran."""
+    import fsmount.pagecache
+
+    stored: list[int] = []
+    monkeypatch.setattr(fsmount.pagecache.pyfuse3, "notify_store", lambda ino, off, data: stored.append(off))
+    return stored
+
+
 async def run_prefetcher(engine: ChunkEngine, streamer: ModelStreamer, body) -> None:  # noqa: ANN001
     """Run `await body()` with the engine and the streamer running; stop both after."""
     async def with_prefetcher() -> None:
@@ -63,10 +72,7 @@ async def test_a_file_opened_and_not_read_is_pushed_whole_and_nothing_counts_as_
         autojump_clock, tmp_path, monkeypatch) -> None:  # noqa: ANN001
     """The stream's own reads of the header are not READs: the header's chunk is pushed like every other (it
     was skipped as "read by the kernel"), and the stats count no byte as served to the kernel."""
-    import fsmount.pagecache
-
-    stored: list[int] = []
-    monkeypatch.setattr(fsmount.pagecache.pyfuse3, "notify_store", lambda ino, off, data: stored.append(off))
+    stored = recorded_stores(monkeypatch)
     store, engine, streamer = prefetch_rig("m.safetensors", model_bytes(tmp_path, 24 * MiB), memory=256 * MiB,
                                            push_limit=1 << 40)
 
@@ -175,10 +181,7 @@ async def test_malformed_header_only_disables_prefetch(autojump_clock, caplog) -
 
 async def test_chunks_readers_already_read_are_not_pushed_again(autojump_clock, tmp_path, monkeypatch) -> None:  # noqa: ANN001
     """READs put their bytes in the page cache; pushing the same chunk would copy it there twice."""
-    import fsmount.pagecache
-
-    stored: list[int] = []
-    monkeypatch.setattr(fsmount.pagecache.pyfuse3, "notify_store", lambda ino, off, data: stored.append(off))
+    stored = recorded_stores(monkeypatch)
     store, engine, streamer = prefetch_rig("m.safetensors", model_bytes(tmp_path, 12 * MiB), memory=256 * MiB,
                                              push_limit=1 << 40)
 
@@ -199,10 +202,7 @@ async def test_what_a_reader_is_about_to_read_is_left_to_its_reads(autojump_cloc
     """From the end of an inode's latest READ to two kernel read-ahead windows past it (the one being read
     and the next, which the kernel may have asked for already), a sequential reader's READs take the bytes
     within moments: a push there would race them and copy those bytes twice."""
-    import fsmount.pagecache
-
-    stored: list[int] = []
-    monkeypatch.setattr(fsmount.pagecache.pyfuse3, "notify_store", lambda ino, off, data: stored.append(off))
+    stored = recorded_stores(monkeypatch)
     store, engine, streamer = prefetch_rig("m.safetensors", model_bytes(tmp_path, 12 * MiB), memory=256 * MiB,
                                              push_limit=1 << 40, kernel_readahead=CHUNK)
     pusher = streamer.pusher
@@ -227,10 +227,7 @@ async def test_what_a_reader_is_about_to_read_is_left_to_its_reads(autojump_cloc
 
 
 async def test_a_queued_push_asks_again_whether_it_is_wanted(monkeypatch) -> None:
-    import fsmount.pagecache
-
-    stored: list[int] = []
-    monkeypatch.setattr(fsmount.pagecache.pyfuse3, "notify_store", lambda ino, off, data: stored.append(off))
+    stored = recorded_stores(monkeypatch)
     pusher = PageCachePusher(1 << 40, pushes_at_once=2)
     wanted = True
     results: list[bool] = []

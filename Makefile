@@ -3,7 +3,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 APT_PACKAGES := fuse3 libfuse3-dev pkg-config curl util-linux s3fs rclone
 
-.PHONY: install bench-install demo test bench bench-quick lint clean
+.PHONY: install bench-install demo test bench bench-quick device-kit lint clean
 
 install: $(VENV)/.installed
 
@@ -34,6 +34,10 @@ bench: bench-install
 
 bench-quick: install
 	$(PY) bench/run.py --quick
+
+# What the device machine (no registry there) needs for bench/device.sh run: see bench/README.md.
+device-kit: install
+	bash bench/device.sh kit
 
 lint: install
 	$(VENV)/bin/ruff check fsmount tests bench

@@ -161,9 +161,15 @@ class GilSampler:
     On a pinned bed py-spy runs on the CPUs the bench leaves to the origin, not on the daemon's. Wall
     time: a thread preempted while it holds the GIL still counts, so on a busy CPU this reads high."""
 
-    def __init__(self, pid: int, out: Path):
+    @staticmethod
+    def find() -> Path | None:
+        """py-spy beside the interpreter (the bench extra), else on PATH; None: --gil gives the CPU bound only."""
+        beside = Path(sys.executable).parent / "py-spy"
+        found = beside if beside.is_file() else shutil.which("py-spy")
+        return Path(found) if found else None
+
+    def __init__(self, pid: int, out: Path, spy: Path):
         self.pid, self.out = pid, out
-        spy = Path(sys.executable).parent / "py-spy"
         self.proc = subprocess.Popen(
             [str(spy), "record", "--gil", "--nonblocking", "--threads", "-r", str(GIL_RATE), "-f", "raw",
              "-o", str(out), "-p", str(pid)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
@@ -270,7 +276,8 @@ class AB:
                 name = f"{variant}-{scenario}-{self.runs[variant, scenario]}"
                 perf = PerfRecorder(daemon.pid, self.args.perf / f"{name}.data")
                 gil_out = self.args.perf / f"{name}.gil.txt"  # py-spy's raw stacks, kept beside it
-            sampler = GilSampler(daemon.pid, gil_out) if self.args.gil else None
+            spy = GilSampler.find() if self.args.gil else None
+            sampler = GilSampler(daemon.pid, gil_out, spy) if spy else None
             daemon_before, server_before = cpu_seconds(daemon.pid), cpu_seconds(self.server.pid)
             main_before = thread_cpu_seconds(daemon.pid, daemon.pid)
             faults_before = mounts.minor_faults(daemon.pid)
@@ -334,8 +341,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--work-dir", type=Path, help="scratch dir on local disk (default: a temp dir in /var/tmp)")
     p.add_argument("--pin", action=argparse.BooleanOptionalAction, default=None, help=PIN_HELP)
     p.add_argument("--gil", action="store_true",
-                   help="also sample the daemon with py-spy --gil (bench extra): GIL-held seconds per GB, the "
-                        "trio thread's and the others', and the trio thread's CPU-s per GB")
+                   help="the GIL's share: at most the trio thread's CPU and the others' user CPU per GB, and, "
+                        "sampled by py-spy --gil (bench extra; skipped where it is missing), the seconds the trio "
+                        "thread and the others held it")
     p.add_argument("--settle", action="store_true",
                    help="after each drop of the page cache, wait until the VM has handed the freed memory back to its "
                         "host (bench/README.md, the host's state)")
@@ -384,9 +392,10 @@ def main(argv: list[str] | None = None) -> int:
                     for variant in names[shift:] + names[:shift]:
                         out = ab.measure(variant, scenario)
                         results.setdefault((scenario, variant), []).append(out)
-                        gil = "" if out.gil_main is None or out.gil_other is None else (
-                            f"  GIL held (py-spy) {out.gil_main / gb:5.3f} (trio) + {out.gil_other / gb:5.3f} "
-                            f"(others) s/GB, at most (CPU) {out.gil_bound / gb:5.3f} s/GB, trio thread "
+                        spied = "" if out.gil_main is None or out.gil_other is None else (
+                            f" (py-spy) {out.gil_main / gb:5.3f} (trio) + {out.gil_other / gb:5.3f} (others) s/GB,")
+                        gil = "" if not args.gil else (
+                            f"  GIL held{spied} at most (CPU) {out.gil_bound / gb:5.3f} s/GB, trio thread "
                             f"{(out.main_user + out.main_sys) / gb:5.3f} CPU-s/GB")
                         print(f"round {round_no} {variant:8s} {scenario:10s} {out.seconds:6.2f} s  daemon user "
                               f"{out.user:5.2f} sys {out.sys:5.2f} ({(out.user + out.sys) / gb:5.2f} CPU-s/GB)  "
@@ -406,10 +415,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{scenario:10s} {variant:8s} {seconds:6.2f} {daemon:6.2f} {daemon / gb:6.2f} {weed:6.2f} "
               f"{faulted:6.0f} {reader:6.2f}  {[round(r.seconds, 2) for r in runs]}")
         if args.gil and scenario in ("cold", "fill", "warm", "warm_load", "cold_stream", "warm_stream"):
-            sampled = [(r.gil_main or 0.0) + (r.gil_other or 0.0) for r in runs]
+            sampled = [r.gil_main + r.gil_other for r in runs if r.gil_main is not None and r.gil_other is not None]
             bound = statistics.median(r.gil_bound / gb for r in runs)
             main = statistics.median((r.main_user + r.main_sys) / gb for r in runs)
-            print(f"{'':10s} {variant:8s} GIL held: {statistics.median(sampled) / gb:.3f} s/GB sampled, at most "
+            by_spy = f"{statistics.median(sampled) / gb:.3f} s/GB sampled" if sampled else "not sampled (no py-spy)"
+            print(f"{'':10s} {variant:8s} GIL held: {by_spy}, at most "
                   f"{bound:.3f} CPU-s/GB -> GIL-bound ceiling >= {1 / bound:.1f} GB/s; trio thread {main:.3f} "
                   f"CPU-s/GB -> its own ceiling {1 / main:.1f} GB/s")
     return 0

@@ -371,14 +371,18 @@ class Bench:
     def prepare_models(self, size: int) -> None:
         client = self.server.client(max_pool_connections=UPLOAD_CONFIG.max_concurrency)
         models = self.work / "models"
+        # The single model always: curl and the GET floor read it whatever --models says.
         single = write_model(models / "single" / "model.safetensors", size)
-        sharded = write_sharded_model(models / SHARDED_PREFIX, size, shards=SHARDS)
-        self.files = {"single": single.files, "sharded": sharded.files}
-        self.keys = {"single": [SINGLE_KEY], "sharded": [f"{SHARDED_PREFIX}/{f.name}" for f in sharded.files]}
+        self.files = {"single": single.files}
+        self.keys = {"single": [SINGLE_KEY]}
         uploads = [(single.files[0], SINGLE_KEY)]
-        uploads += [(f, f"{SHARDED_PREFIX}/{f.name}") for f in sharded.files]
-        index = models / SHARDED_PREFIX / "model.safetensors.index.json"
-        uploads.append((index, f"{SHARDED_PREFIX}/{index.name}"))
+        if "sharded" in self.args.models:
+            sharded = write_sharded_model(models / SHARDED_PREFIX, size, shards=SHARDS)
+            self.files["sharded"] = sharded.files
+            self.keys["sharded"] = [f"{SHARDED_PREFIX}/{f.name}" for f in sharded.files]
+            uploads += [(f, f"{SHARDED_PREFIX}/{f.name}") for f in sharded.files]
+            index = models / SHARDED_PREFIX / "model.safetensors.index.json"
+            uploads.append((index, f"{SHARDED_PREFIX}/{index.name}"))
         for path, key in uploads:
             client.upload_file(str(path), BUCKET, key, Config=UPLOAD_CONFIG)
         if self.args.verify:

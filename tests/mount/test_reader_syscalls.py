@@ -1,0 +1,146 @@
+"""The other ways a loader reads a file, through a real mount: each must return exactly the object's bytes.
+
+- O_DIRECT `preadv`, large and from several threads at once: GPUDirect Storage's compatibility mode (cuFile
+  without GDS falls back to O_DIRECT reads) and loaders that bypass the page cache. The kernel sends them as
+  READs of up to max_read each, in parallel, at any offset; they must not be confused with a sequential
+  reader's, nor short except at the end of the file.
+- `sendfile` and `splice`: a file copied to a socket or a pipe (servers handing weights to another process;
+  `shutil.copyfile` uses `sendfile`).
+- mmap with `MADV_RANDOM` / `MADV_SEQUENTIAL`: the kernel then faults in single pages, 4 KiB READs in
+  page order (both, on this kernel, for local files too), so thousands of small READs per file.
+- `posix_fadvise(WILLNEED)` and `readahead(2)` before a read: read-ahead the kernel starts on its own.
+The files are a safetensors model (model streaming runs beside the reader and pushes pages into the page
+cache meanwhile) and a plain blob of the same size (READs only), neither a multiple of 4 KiB, over 1 MiB
+chunks so that every read crosses chunk boundaries.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+import os
+import random
+import shutil
+import socket
+import threading
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from fsmount.testing.models import write_model
+from tests.helpers import MiB, S3Server, bucket_with, drop_page_cache, mounted, random_bytes
+
+SIZE = 6 * MiB + 1234
+ARGS = ("--chunk-size", "1M", "--metadata-ttl", "300")
+
+
+@pytest.fixture(scope="module")
+def sources(tmp_path_factory: pytest.TempPathFactory) -> dict[str, bytes]:
+    path = tmp_path_factory.mktemp("syscalls") / "model.safetensors"
+    write_model(path, SIZE, seed=11)
+    return {"m/model.safetensors": path.read_bytes(), "m/blob.bin": random_bytes(SIZE, seed=12)}
+
+
+@pytest.fixture
+def files(moto_server: S3Server, mountpoint: Path, sources: dict[str, bytes]) -> Iterator[dict[Path, bytes]]:
+    bucket = bucket_with(moto_server, dict(sources))
+    with mounted(moto_server, bucket, mountpoint, *ARGS):
+        yield {mountpoint / key: data for key, data in sources.items()}
+
+
+def each_cold(files: dict[Path, bytes], check: Callable[[Path, bytes], None]) -> None:
+    for path, data in files.items():
+        drop_page_cache(path)
+        check(path, data)
+
+
+def test_o_direct_reads_large_and_concurrent_are_exact(files: dict[Path, bytes]) -> None:
+    def check(path: Path, data: bytes) -> None:
+        rng = random.Random(path.name)
+        n = len(data)
+        ranges = [(rng.randrange(0, n // 4096) * 4096, rng.choice([4096, MiB, 3 * MiB + 4096, 5 * MiB]))
+                  for _ in range(24)]
+        ranges += [(0, n + MiB), (n // 4096 * 4096, MiB), (n - n % 4096 - 8192, 2 * MiB)]  # past the end
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+        try:
+            def read(r: tuple[int, int]) -> bytes:
+                buf = mmap.mmap(-1, r[1])  # page-aligned, as O_DIRECT asks
+                return bytes(buf[:os.preadv(fd, [buf], r[0])])
+
+            with ThreadPoolExecutor(8) as pool:
+                got = list(pool.map(read, ranges))
+        finally:
+            os.close(fd)
+        for (offset, size), chunk in zip(ranges, got, strict=True):
+            assert chunk == data[offset:offset + size], (path.name, offset, size, len(chunk))
+
+    each_cold(files, check)
+
+
+def test_sendfile_and_splice_copy_exact_bytes(files: dict[Path, bytes], tmp_path: Path) -> None:
+    def check(path: Path, data: bytes) -> None:
+        copy = tmp_path / f"{path.name}.copy"
+        shutil.copyfile(path, copy)  # sendfile(2) on Linux
+        assert copy.read_bytes() == data
+        drop_page_cache(path)
+        # To a socket, as a server would hand the file to a client.
+        left, right = socket.socketpair()
+        received: list[bytes] = []
+        reader = threading.Thread(target=lambda: received.extend(iter_socket(right)), daemon=True)
+        reader.start()
+        with open(path, "rb") as f, left:
+            offset = 0
+            while offset < len(data):
+                sent = os.sendfile(left.fileno(), f.fileno(), offset, len(data) - offset)
+                assert sent > 0
+                offset += sent
+        reader.join(timeout=60)
+        right.close()
+        assert b"".join(received) == data
+        drop_page_cache(path)
+        # Through a pipe, in 64 KiB splices.
+        r, w = os.pipe()
+        out = bytearray()
+        try:
+            with open(path, "rb") as f:
+                while moved := os.splice(f.fileno(), w, 1 << 16):
+                    out += os.read(r, moved)
+        finally:
+            os.close(r)
+            os.close(w)
+        assert bytes(out) == data
+
+    each_cold(files, check)
+
+
+def iter_socket(sock: socket.socket) -> Iterator[bytes]:
+    while block := sock.recv(1 << 20):
+        yield block
+
+
+@pytest.mark.parametrize("advice", ["MADV_RANDOM", "MADV_SEQUENTIAL"])
+def test_mmap_with_access_advice_faults_page_by_page_and_is_exact(files: dict[Path, bytes], advice: str) -> None:
+    def check(path: Path, data: bytes) -> None:
+        with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ) as m:
+            m.madvise(getattr(mmap, advice))
+            pages = list(range(0, len(data), mmap.PAGESIZE))
+            random.Random(advice).shuffle(pages)  # random order for one, and the order matters not
+            for offset in pages if advice == "MADV_RANDOM" else sorted(pages):
+                assert m[offset:offset + mmap.PAGESIZE] == data[offset:offset + mmap.PAGESIZE], (path.name, offset)
+
+    each_cold(files, check)
+
+
+def test_read_ahead_hints_then_reads_are_exact(files: dict[Path, bytes]) -> None:
+    libc = ctypes.CDLL(None, use_errno=True)
+
+    def check(path: Path, data: bytes) -> None:
+        with open(path, "rb", buffering=0) as f:
+            os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_WILLNEED)
+            os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_SEQUENTIAL)
+            assert libc.readahead(f.fileno(), ctypes.c_longlong(0), ctypes.c_size_t(len(data))) == 0
+            assert f.read() == data
+
+    each_cold(files, check)

@@ -120,8 +120,9 @@ run_device() {
     local size=${DEVICE_SIZE:-2G} rounds=${DEVICE_ROUNDS:-2} stages=${DEVICE_STAGES:-run,gil}
     cd "$ROOT"
     # A smoke test of the install (32M models, one round): not in the default stages, which fit one call.
+    # Its log alone goes to $OUT: 8 files come back at most (machine.txt, run.log, results.json/.md/.png, gil.log).
     if [[ ,$stages, == *,quick,* ]]; then
-        stage quick 120 "$py" bench/run.py --quick --no-pin --only get-floor,fuse-floor,modelfs --out "$OUT/quick.json"
+        stage quick 120 "$py" bench/run.py --quick --no-pin --only get-floor,fuse-floor,modelfs --out /tmp/quick.json
     fi
     # The unpinned bed: SeaweedFS and the clients share every core, as on a GPU node with a nearby origin.
     if [[ ,$stages, == *,run,* ]]; then

@@ -11,10 +11,12 @@ from fsmount.readahead import ReadAhead
 
 
 class OpenFile:
-    def __init__(self, fh: int, ino: int, version: ObjectVersion, engine: ChunkEngine, max_readahead: int):
+    def __init__(self, fh: int, ino: int, version: ObjectVersion, engine: ChunkEngine, max_readahead: int,
+                 direct: bool = False):
         self.fh = fh
         self.ino = ino
         self.version = version
+        self.direct = direct  # opened with O_DIRECT: its READs bypass the page cache and say nothing of it
         self._engine = engine
         self.readahead = ReadAhead(engine.chunk_size, max_readahead)
 

@@ -235,7 +235,8 @@ class Operations(pyfuse3.Operations):
             raise pyfuse3.FUSEError(errno.EBUSY)  # readable once it is closed and stored
         version = await self.ns.open_file(inode)
         fh = self._new_fh()
-        self._files[fh] = OpenFile(fh, inode, version, self.engine, self.max_readahead)
+        self._files[fh] = OpenFile(fh, inode, version, self.engine, self.max_readahead,
+                                   direct=bool(flags & os.O_DIRECT))
         self.streamer.opened(inode, version)
         # An inode is one object version (namespace.py), so its cached pages are always valid.
         return pyfuse3.FileInfo(fh=fh, keep_cache=True)
@@ -265,6 +266,8 @@ class Operations(pyfuse3.Operations):
         if handle is None:
             # A handle that writes a file cannot read it back before it is stored.
             raise pyfuse3.FUSEError(errno.EBUSY if fh in self._writers else errno.EBADF)
+        if not handle.direct and self.engine.kernel_lacks(handle.version, off, off + size):
+            self.streamer.dropped(handle.version)
         if not self.pusher.enabled:
             return await handle.read(off, size, self._window_cap())
         with self.pusher.reading(handle.ino, off, off + size):

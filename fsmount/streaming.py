@@ -14,7 +14,8 @@ included (opening it joins that stream, or replaces it when the kernel did not k
 nothing of it could be pushed); it is changed only in the trio thread, by `opened` / `closed`,
 which run in FUSE handlers without awaiting, and by `_warm_siblings` before and after each shard.
 `_warmed_models` only grows. A chunk the page cache holds (`MemoryBudget.in_page_cache`) is not streamed
-again.
+again; when a READ shows the kernel dropped chunks of an open file since (`dropped`), a stream that ended
+is replaced by one more run.
 """
 
 from __future__ import annotations
@@ -72,6 +73,7 @@ class _FileStream:
     scope: trio.CancelScope = dataclasses.field(default_factory=trio.CancelScope)
     pushed: int = 0
     held_in_memory: int = 0  # streamed bytes that only the memory LRU holds
+    again: bool = False  # run again because the kernel dropped what an earlier run pushed (`dropped`)
     done: trio.Event = dataclasses.field(default_factory=trio.Event)
 
 
@@ -136,6 +138,20 @@ class ModelStreamer:
             self.engine.abandon(job)
             if job.done.is_set():  # else _run_job gives its pushes back once the push in flight ended
                 self.pusher.release(job.pushed)
+
+    def dropped(self, version: ObjectVersion) -> None:
+        """The kernel dropped pages of an open file that were believed held (a READ came for them): a stream
+        that ended is run again, once while the file stays open (should the kernel drop them again, a page
+        cache too small for the file would only make it fetch and push the file over and over), for what the
+        page cache now lacks. A stream still running sees it chunk by chunk."""
+        key = (version.key, version.etag)
+        job = self._active.get(key)
+        if job is None or job.again or not job.done.is_set() or job.handles <= 0 or self._nursery is None:
+            return
+        self.pusher.release(job.pushed)  # what it pushed is gone from the page cache, or the kernel's to evict
+        again = self._active[key] = _FileStream(version, job.ino, priority=job.priority, handles=job.handles,
+                                                again=True)
+        self._nursery.start_soon(self._run_job, again)
 
     async def _warm_siblings(self, ino: int, model: tuple[str, str | None]) -> None:
         assert self.siblings is not None

@@ -24,7 +24,8 @@ Rules (everything here runs in the trio thread; nothing awaits except `reserve`)
   returned, so pushing such a chunk into the page cache would copy it there a second time.
 - `_in_page_cache`: the last KERNEL_HELD_MAX chunks pushed to the page cache (`demote`) or whose buffer
   was reused once spent: the page cache holds them (unless it dropped them since), so reading or
-  streaming them ahead again would fetch them for nothing.
+  streaming them ahead again would fetch them for nothing. A READ of one of them proves the kernel dropped
+  it: then its file's entries go (`kernel_dropped`).
 """
 
 from __future__ import annotations
@@ -220,6 +221,19 @@ class MemoryBudget:
         self._in_page_cache.move_to_end(cid)
         if len(self._in_page_cache) > KERNEL_HELD_MAX:
             self._in_page_cache.popitem(last=False)
+
+    def kernel_dropped(self, cid: ChunkId) -> bool:
+        """A READ came for bytes of `cid`, so the kernel does not hold them. If it was believed to (pushed, or
+        read whole), it dropped them since (evicted them, or the page cache was dropped), and with them, most
+        likely, the rest of that file, whose pages aged together: every chunk of that object version believed
+        held is forgotten, so that read-ahead and model streaming fetch them again. True if there was a belief.
+        (Believed held wrongly, a chunk the kernel still has is at most fetched once more for nothing.)"""
+        if cid not in self._in_page_cache:
+            return False
+        same = (cid.bucket, cid.key, cid.etag, cid.chunk_size)
+        for held in [c for c in self._in_page_cache if (c.bucket, c.key, c.etag, c.chunk_size) == same]:
+            del self._in_page_cache[held]
+        return True
 
     def read_by_kernel(self, cid: ChunkId) -> bool:
         """True if READs have already taken bytes of this (in-memory) chunk."""

@@ -179,6 +179,17 @@ class ChunkEngine:
         it far ahead only takes memory (a buffer each, fresh at first) early."""
         return self.levels.holds(self.chunk_id(obj, index))
 
+    def kernel_lacks(self, obj: ObjectVersion, start: int, end: int) -> bool:
+        """A READ of [start, end) came through the page cache: the kernel does not hold those bytes. Where it
+        was believed to, the belief is dropped for the whole file (`MemoryBudget.kernel_dropped`) and True
+        returned; without that, read-ahead skipped every chunk of a file read again after the kernel evicted
+        it, each fetched only when its own READ came, and model streaming skipped them all."""
+        for index in self.chunk_range(obj, start, end):
+            if self.memory.kernel_dropped(self.chunk_id(obj, index)):
+                log.debug("the page cache dropped %r: its chunks are read ahead and streamed again", obj.key)
+                return True
+        return False
+
     def read_ahead(self, obj: ObjectVersion, index: int, owner: object) -> None:
         """Ask for a chunk ahead of need; `owner` may later `abandon` it. A chunk the kernel took whole is
         not asked for again: the page cache has it (a READ fetches it, should the kernel have dropped it)."""

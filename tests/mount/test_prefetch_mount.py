@@ -21,16 +21,21 @@ import pytest
 from fsmount.config import DEFAULT_CHUNK_SIZE
 from fsmount.data import ChunkId
 from fsmount.data.cache_dir import SHARD_HEX_CHARS
+from fsmount.testing.fault_proxy import Fault, FaultProxy
 from tests.helpers import (
     MiB,
     S3Server,
+    bucket_with,
+    drop_page_cache,
     model_bytes,
     modelfs_cmd,
     modelfs_env,
     mount_stats,
     mounted,
+    mounted_via,
     new_bucket,
     put_objects,
+    random_bytes,
     run_modelfs,
     sha,
     upload,
@@ -104,6 +109,60 @@ def test_a_file_held_open_is_pushed_whole_and_read_without_a_request(moto_server
         stats = mount_stats(mountpoint)
         assert sum(stats["served_bytes"].values()) == 0, stats["served_bytes"]
         assert stats["pagecache_stored_bytes"] == len(data)
+
+
+def test_a_file_the_kernel_dropped_while_open_is_streamed_again(moto_server: S3Server, mountpoint: Path,
+                                                                 tmp_path: Path) -> None:
+    """Pushed chunks are believed held by the page cache and not streamed again. The kernel may drop them
+    while the file is open (memory pressure; here POSIX_FADV_DONTNEED): the next READ of one shows it, and the
+    stream, which had ended, runs once more, so the rest of the file is pushed again before the loader faults
+    on it."""
+    data = model_bytes(tmp_path, 64 * MiB, seed=4)
+    bucket = new_bucket(moto_server)
+    upload(moto_server, bucket, {"m.safetensors": data})
+    with mounted(moto_server, bucket, mountpoint, "--pagecache-push-limit", "1G"):
+        path = mountpoint / "m.safetensors"
+        stored = lambda: mount_stats(mountpoint)["pagecache_stored_bytes"]  # noqa: E731
+        with open(path, "rb", buffering=0) as f:
+            wait_for("the file pushed", stored, lambda n: n >= len(data))
+            os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+            assert os.pread(f.fileno(), 4096, 0) == data[:4096]
+            # Pushed again beyond the reader's two read-ahead windows: the last chunks at least.
+            wait_for("the file pushed again", stored, lambda n: n >= len(data) + 8 * MiB)
+            assert f.read() == data
+
+
+def gets_within(times: list[float], seconds: float) -> int:
+    """The most requests that started within any `seconds` of each other."""
+    times = sorted(times)
+    return max((sum(1 for u in times[i:] if u < t + seconds) for i, t in enumerate(times)), default=0)
+
+
+def test_a_file_read_again_after_the_kernel_dropped_it_is_read_ahead_again(moto_server: S3Server,
+                                                                           proxy: FaultProxy,
+                                                                           mountpoint: Path) -> None:
+    """A chunk READs took whole is believed held by the page cache, and read-ahead skips it. Once the kernel
+    dropped the file, a second reader's READs show it, and its chunks are read ahead again: with 0.3 s per GET,
+    several GETs start within 0.3 s of each other, as they did for the first reader, where without that each
+    chunk was fetched only when its own READ came (1 MiB chunks, 1 MiB kernel read-ahead: 1 or 2 at a time).
+    The daemon's memory (16 MiB of chunks) holds a third of the file, so most chunks come from the origin again."""
+    data = random_bytes(48 * MiB, seed=5)
+    bucket = bucket_with(moto_server, {"blob.bin": data})
+    latency = 0.3
+    with mounted_via(proxy, moto_server, bucket, mountpoint, "--chunk-size", "1M", "--kernel-readahead", "1M",
+                     "--max-readahead", "16M", "--memory-limit", "112M"):
+        path = mountpoint / "blob.bin"
+        proxy.inject(Fault.LATENCY, seconds=latency)
+        bursts = []
+        for _ in range(2):
+            drop_page_cache(path)
+            seen = len(proxy.log())
+            with open(path, "rb", buffering=0) as f:
+                out = b"".join(iter(lambda: f.read(128 * 1024), b""))
+            assert out == data
+            bursts.append(gets_within([e.t for e in proxy.log()[seen:] if e.range], latency))
+        assert bursts[0] >= 5, bursts
+        assert bursts[1] >= 5, bursts
 
 
 def test_unmount_during_prefetch_is_clean(moto_server: S3Server, mountpoint: Path, tmp_path: Path) -> None:

@@ -158,6 +158,44 @@ async def test_sequential_read_is_exact_and_prefetches(autojump_clock) -> None: 
     await run_engine(engine, body)
 
 
+async def test_a_read_of_a_chunk_believed_in_the_page_cache_has_its_file_read_ahead_again(autojump_clock) -> None:  # noqa: ANN001, E501
+    """Chunks pushed (or read whole) are believed held by the page cache and not read ahead. A READ of one
+    proves the kernel dropped it since (evicted, or the page cache dropped): every belief about that file goes,
+    so a sequential re-read is read ahead again instead of waiting for each chunk in turn; other files keep
+    theirs. Operations.read calls kernel_lacks before each READ, as here."""
+    store = FakeStore()
+    data = put_object(store, "m", 40 * MiB + 123)
+    put_object(store, "other", 4 * MiB)
+    engine = make_engine(store)
+    m, other = version(store, "m"), version(store, "other")
+    for v in (m, other):
+        for index in engine.chunk_range(v, 0, v.size):
+            engine.memory.demote(engine.chunk_id(v, index))  # as model streaming does after each push
+
+    async def body() -> None:
+        h = OpenFile(1, 2, m, engine, max_readahead=16 * MiB)
+        out = bytearray()
+        dropped = []
+        start = trio.current_time()
+        held = {v.key: lambda v=v: [engine.memory.in_page_cache(engine.chunk_id(v, i))
+                                    for i in engine.chunk_range(v, 0, v.size)] for v in (m, other)}
+        while len(out) < len(data):
+            dropped.append(engine.kernel_lacks(m, len(out), len(out) + 128 * 1024))
+            if len(dropped) == 1:
+                assert not any(held["m"]()) and all(held["other"]())
+            out += await h.read(len(out), 128 * 1024)
+        elapsed = trio.current_time() - start
+        assert bytes(out) == data
+        # The first READ told; later ones find only chunks READs took whole since (believed held again).
+        assert dropped[0] and not any(dropped[1:])
+        # Read ahead as a first read is (test_sequential_read_is_exact_and_prefetches); each chunk in turn
+        # would take 41 latencies.
+        assert elapsed < 41 * LATENCY / 2.5
+        h.close()
+
+    await run_engine(engine, body)
+
+
 async def test_random_reads_fetch_single_chunks(autojump_clock) -> None:  # noqa: ANN001
     store = FakeStore()
     data = put_object(store, "m", 64 * MiB)

@@ -76,7 +76,20 @@ install_kit() {
     local py=$1 root=/tmp/device-root
     [ -d "$KIT/wheels" ] || { log "no kit at $KIT: run 'bash bench/device.sh kit' where pip works, carry .device-kit"; exit 2; }
     mkdir -p "$root"
-    for deb in "$KIT"/debs/*.deb; do dpkg -x "$deb" "$root"; done
+    local deb
+    for deb in "$KIT"/debs/*.deb; do
+        if command -v dpkg >/dev/null; then dpkg -x "$deb" "$root"; else "$py" - "$deb" "$root" <<'PY'; fi
+# No dpkg: a .deb is an ar archive whose data.tar.* member holds the files.
+import io, sys, tarfile
+blob = open(sys.argv[1], "rb").read()
+pos = 8  # after the "!<arch>\n" magic; each member has a 60-byte header, its size in bytes 48..58
+while pos < len(blob):
+    name, size = blob[pos:pos + 16].strip().decode(), int(blob[pos + 48:pos + 58])
+    if name.startswith("data.tar"):
+        tarfile.open(fileobj=io.BytesIO(blob[pos + 60:pos + 60 + size])).extractall(sys.argv[2], filter="tar")
+    pos += 60 + size + size % 2
+PY
+    done
     export PATH="$root/usr/bin:$root/bin:$(pkg_config_shim "$root"):$PATH"
     export LD_LIBRARY_PATH="$root/lib/x86_64-linux-gnu${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
     log "installing the wheels into $($py -c 'import sys; print(sys.prefix)')"

@@ -232,6 +232,14 @@ class MountConfig:
         never less than four chunks (tiny limits are for tests, not for RSS)."""
         return max(4 * self.chunk_size, self.memory_limit - RUNTIME_RESERVE)
 
+    @property
+    def kernel_window(self) -> int:
+        """The kernel read-ahead the mount asks for: --kernel-readahead, but at most an eighth of the chunk
+        memory. A sequential reader keeps two such windows of READs requested (pagecache.KERNEL_WINDOWS_AHEAD),
+        and their chunks must fit in memory beside what is fetched ahead of them: with 16 MiB windows and
+        32 MiB of chunk memory (--memory-limit 128M) a `cat` fetched its chunks up to 1.5 times each."""
+        return min(self.kernel_readahead, self.chunk_memory // 8)
+
     def __post_init__(self) -> None:
         if self.uid < 0 or self.gid < 0:
             raise ConfigError("--uid and --gid must be >= 0")

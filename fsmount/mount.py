@@ -367,7 +367,7 @@ class Daemon:
         else:
             self.namespace = Namespace(self.store, self._store_call, prefix=cfg.store.prefix, ttl=cfg.metadata_ttl)
         push_limit = default_push_limit() if cfg.pagecache_push_limit is None else cfg.pagecache_push_limit
-        self.pusher = PageCachePusher(push_limit, kernel_readahead=cfg.kernel_readahead)
+        self.pusher = PageCachePusher(push_limit, kernel_readahead=cfg.kernel_window)
         self.streamer = ModelStreamer(self.engine, self.pusher, max_connections=cfg.store.max_connections,
                                       enabled=cfg.model_streaming, siblings=self._files_beside)
         self.stats = MountStats(cfg.store.bucket, self.engine, self.streamer, self.pusher, disk_cache=self.disk_cache,
@@ -474,7 +474,7 @@ class Daemon:
                     time.sleep(0.01)
 
         await trio.to_thread.run_sync(probe, abandon_on_cancel=True)
-        await trio.to_thread.run_sync(raise_kernel_readahead, self.mountpoint, self.cfg.kernel_readahead // 1024)
+        await trio.to_thread.run_sync(raise_kernel_readahead, self.mountpoint, self.cfg.kernel_window // 1024)
         await trio.to_thread.run_sync(raise_fuse_background, self.mountpoint, self.cfg.fuse_max_background)
         if self.metrics is not None:
             self.metrics.start(self.stats)

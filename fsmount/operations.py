@@ -242,8 +242,12 @@ class Operations(pyfuse3.Operations):
         return pyfuse3.FileInfo(fh=fh, keep_cache=True)
 
     def _window_cap(self) -> int:
-        # Under many open files, each gets a share of memory so read-ahead cannot evict itself.
-        return max(self.engine.chunk_size, self.engine.memory.limit // (2 * max(1, len(self._files))))
+        # Read-ahead of all open files together keeps within half the chunk memory left beside the chunks
+        # their kernel windows are READing (each file a share, so read-ahead cannot evict itself); model
+        # streams keep within the other half (streaming.STREAM_MEMORY_SHARE). Without the kernel windows
+        # counted, a budget of a few chunks evicted chunks fetched ahead before their READs came.
+        files = max(1, len(self._files))
+        return max(self.engine.chunk_size, self.pusher.beside_readers(self.engine.memory.limit, files) // (2 * files))
 
     def _writer_handle(self, new: NewFile) -> pyfuse3.FileInfo:
         """A descriptor that writes is opened with direct I/O: the writer's bytes come to `write` straight from

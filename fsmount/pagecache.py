@@ -114,6 +114,11 @@ class PageCachePusher:
         at = self._reader_at.get(ino)
         return at is not None and start < at + self.reader_window and at < end
 
+    def beside_readers(self, memory: int, readers: int) -> int:
+        """Of `memory` bytes of chunks, what is left for fetching ahead beside the chunks that `readers` files
+        being read sequentially have READs requested for (`reader_window` bytes each); never below 0."""
+        return max(0, memory - max(1, readers) * self.reader_window)
+
     def release(self, nbytes: int) -> None:
         self.pushed = max(0, self.pushed - nbytes)
 

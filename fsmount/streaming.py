@@ -13,9 +13,13 @@ Concurrency: `_active` maps (key, etag) to the one `_FileStream` of that version
 included (opening it joins that stream, or replaces it when the kernel did not know the shard and so
 nothing of it could be pushed); it is changed only in the trio thread, by `opened` / `closed`,
 which run in FUSE handlers without awaiting, and by `_warm_siblings` before and after each shard.
-`_warmed_models` only grows. A chunk the page cache holds (`MemoryBudget.in_page_cache`) is not streamed
-again; when a READ shows the kernel dropped chunks of an open file since (`dropped`), a stream that ended
-is replaced by one more run.
+`_warmed_models` only grows. `_in_room` counts the chunks of every stream from the fetch it queues to the end
+of its push, up to `room()` (STREAM_MEMORY_SHARE); a stream takes one (`_take_room`) right before it queues a
+fetch, with no checkpoint between, and `_one_chunk` gives it back whatever happens (`_leave`). `open_files`
+counts the handles `opened` and not yet `closed`, safetensors or not. A chunk the page cache holds
+(`MemoryBudget.in_page_cache`) is not streamed, looked up again once the stream has room for it; when a READ
+shows the kernel dropped chunks of an open file since (`dropped`), a stream that ended is replaced by one
+more run.
 """
 
 from __future__ import annotations
@@ -58,6 +62,13 @@ def same_model(model: tuple[str, str | None], key: str) -> bool:
 
 # Fetches a stream keeps queued ahead: enough to keep every connection busy twice over.
 QUEUE_DEPTH_PER_CONNECTION = 2
+# Share of the chunk memory that all streams together may hold in chunks fetched or queued for their pushes
+# (`ModelStreamer.room`). Read-ahead of all open handles together keeps within the other half
+# (`Operations._window_cap`). Without this bound, a memory limit below the streams' queues (16 connections
+# x 2 x 8 MiB = 256 MiB per stream) made each stream evict from memory what it or the loader's read-ahead
+# had fetched and not yet pushed or read, and fetch it again: a `cat` of a 1 GiB model at
+# `--memory-limit 256M` fetched 1.1-1.4 times its bytes, measured (bench/RESULTS.md).
+STREAM_MEMORY_SHARE = 1 / 2
 # Of those, chunks a local cache level holds (engine.held_locally): each takes milliseconds,
 # and each one ahead holds a buffer until its push, so a deep queue of them only draws fresh memory
 # (first-touch faults cost ~0.4 CPU-s per GB on the dev box) and buys no speed.
@@ -89,6 +100,9 @@ class ModelStreamer:
         self.pusher = pusher
         self.enabled = enabled
         self.depth = max(2, max_connections * QUEUE_DEPTH_PER_CONNECTION)
+        self.open_files = 0
+        self._in_room = 0
+        self._room_freed = trio.Event()
         self.streamed_bytes = 0
         self.skipped_read = 0  # streamed bytes not pushed because READs had already taken them
         self._active: dict[tuple[str, str], _FileStream] = {}
@@ -100,7 +114,24 @@ class ModelStreamer:
             task_status.started()
             await trio.sleep_forever()
 
+    def room(self) -> int:
+        """Chunks all streams may hold at once: their share of the chunk memory left beside the kernel windows
+        of the files open."""
+        ahead = self.pusher.beside_readers(self.engine.memory.limit, self.open_files)
+        return max(2, int(ahead * STREAM_MEMORY_SHARE) // self.engine.chunk_size)
+
+    async def _take_room(self) -> None:
+        while self._in_room >= self.room():
+            await self._room_freed.wait()
+        self._in_room += 1
+
+    def _give_room(self) -> None:
+        self._in_room -= 1
+        self._room_freed.set()
+        self._room_freed = trio.Event()
+
     def opened(self, ino: int, version: ObjectVersion) -> None:
+        self.open_files += 1
         if not self.enabled or self._nursery is None:
             return
         model = model_of(version.key) if self.siblings is not None else None
@@ -128,6 +159,7 @@ class ModelStreamer:
         job.handles += 1
 
     def closed(self, version: ObjectVersion) -> None:
+        self.open_files -= 1
         job = self._active.get((version.key, version.etag))
         if job is None:
             return
@@ -194,9 +226,12 @@ class ModelStreamer:
         indices = engine.chunk_range(obj, 0, layout.data_end)
         log.debug("streaming %r: %d tensors, %d chunks", obj.key, len(layout.tensors), len(indices))
         async with trio.open_nursery() as nursery:
-            slots, nearby = trio.Semaphore(self.depth), trio.Semaphore(NEARBY_DEPTH)
+            # A shard warmed in the background leaves half the room to the streams of files that are open.
+            depth = self.depth if job.priority <= AHEAD else max(1, min(self.depth, self.room() // 2))
+            slots, nearby = trio.Semaphore(depth), trio.Semaphore(NEARBY_DEPTH)
             for index in indices:
-                if engine.memory.in_page_cache(engine.chunk_id(obj, index)):
+                cid = engine.chunk_id(obj, index)
+                if engine.memory.in_page_cache(cid):
                     continue  # pushed already (a shard warmed before it was opened), or read whole
                 near = nearby if engine.held_locally(obj, index) else None
                 if near is not None:
@@ -207,6 +242,12 @@ class ModelStreamer:
                     # only evict chunks the loader has not read yet.
                     log.debug("streaming of %r stops at chunk %d: memory share used", obj.key, index)
                     break
+                await self._take_room()
+                if engine.memory.in_page_cache(cid):
+                    # The loader's READs took it whole while this stream waited: fetched again, it would
+                    # only be skipped (measured: 3-14 chunks of 98 fetched twice, two models read at once).
+                    self._leave(slots, near)
+                    continue
                 # Queued here, in order: tasks started in one batch run in no fixed order.
                 part = self.engine.fetch(obj, index, job, job.priority)
                 nursery.start_soon(self._one_chunk, job, index, part, slots, near)
@@ -225,9 +266,14 @@ class ModelStreamer:
             del part
             await self._push(job, index, length)
         finally:
-            slots.release()
-            if near is not None:
-                near.release()
+            self._leave(slots, near)
+
+    def _leave(self, slots: trio.Semaphore, near: trio.Semaphore | None) -> None:
+        """A chunk of a stream is done with (pushed, skipped, or not fetched): its room and slots are free."""
+        self._give_room()
+        slots.release()
+        if near is not None:
+            near.release()
 
     async def _push(self, job: _FileStream, index: int, length: int) -> None:
         cid = self.engine.chunk_id(job.version, index)

@@ -52,6 +52,19 @@ def test_defaults_are_safe() -> None:
     assert cfg.file_mode == 0o444
 
 
+def test_the_kernel_window_is_at_most_an_eighth_of_the_chunk_memory() -> None:
+    """A reader keeps two kernel windows of READs requested, and their chunks must fit beside what is fetched
+    ahead of them: --kernel-readahead is lowered where the memory is small, never raised."""
+    def window(*flags: str) -> int:
+        return build_config(make_parser().parse_args(["mount", "b", "/m", *flags])).kernel_window
+
+    assert window("--memory-limit", "2G") == 16 * MiB
+    assert window("--memory-limit", "256M") == 16 * MiB  # 160 MiB of chunk memory
+    assert window("--memory-limit", "128M") == 4 * MiB  # 32 MiB
+    assert window("--memory-limit", "104M", "--chunk-size", "1M") == 1 * MiB  # 8 MiB
+    assert window("--memory-limit", "2G", "--kernel-readahead", "4M") == 4 * MiB
+
+
 def test_prefetch_waits_for_the_daemons_pending_cache_writes(monkeypatch: pytest.MonkeyPatch) -> None:
     """`modelfs prefetch` returns once the daemon wrote what it fetched (its tier writes trail the load),
     and says how many were left when its --write-wait ran out."""

@@ -148,6 +148,63 @@ async def test_a_model_on_local_disk_is_streamed_only_a_few_chunks_ahead(autojum
     assert peak <= NEARBY_DEPTH if indexed else peak == 8, peak
 
 
+@pytest.mark.parametrize("files", [1, 2])
+async def test_streams_together_hold_at_most_their_share_of_memory(autojump_clock, tmp_path,  # noqa: ANN001
+                                                                   monkeypatch, files: int) -> None:
+    """A chunk a stream fetches holds memory from its GET to its push. All streams together keep within half
+    the chunk memory left beside the kernel windows of the files open (`ModelStreamer.room`), so that they
+    never evict what they or a loader's read-ahead fetched before its push or READ: with 8 chunks of memory
+    and two 1-chunk windows per open file, 3 chunks at most for one file and 2 for two, where each stream
+    used to queue 2 per connection (8 connections). Every chunk is still fetched once, and pushed."""
+    import threading
+
+    import fsmount.pagecache
+
+    store = FakeStore()
+    models = {f"m{i}.safetensors": model_bytes(tmp_path, 12 * MiB, seed=i) for i in range(files)}
+    for key, data in models.items():
+        store.put(key, data)
+    lock = threading.Lock()
+    held = peak = 0
+    stored: list[int] = []
+
+    def notify_store(ino: int, offset: int, data: object) -> None:
+        nonlocal held
+        with lock:
+            stored.append(offset)
+            held -= offset > 0
+
+    monkeypatch.setattr(fsmount.pagecache.pyfuse3, "notify_store", notify_store)
+
+    async def runner(fn, *args, limiter):  # noqa: ANN001, ANN202
+        nonlocal held, peak
+        async with limiter:
+            if fn.__name__ == "get_range" and args[2] > 0:  # chunk 0: the streams' own header reads
+                with lock:
+                    held += 1
+                    peak = max(peak, held)
+                await trio.sleep(LATENCY)
+            return fn(*args)
+
+    engine = ChunkEngine(store, chunk_size=CHUNK, memory_limit=8 * MiB, max_connections=8, read_timeout=30.0,
+                         run_blocking=runner)
+    streamer = ModelStreamer(engine, PageCachePusher(1 << 40, kernel_readahead=CHUNK), max_connections=8)
+    versions = [version(store, key) for key in models]
+
+    async def body() -> None:
+        for ino, v in enumerate(versions, start=2):
+            streamer.opened(ino, v)
+        for v in versions:
+            await streamer._active[(v.key, v.etag)].done.wait()
+        for v in versions:
+            streamer.closed(v)
+
+    await run_prefetcher(engine, streamer, body)
+    assert peak == {1: 3, 2: 2}[files], peak
+    assert len(store.gets) == len(set(store.gets)), "a chunk fetched twice"
+    assert len(stored) == sum(len(engine.chunk_range(v, 0, v.size)) for v in versions)
+
+
 async def test_close_cancels_prefetch(autojump_clock, tmp_path) -> None:  # noqa: ANN001
     store, engine, streamer = prefetch_rig("m.safetensors", model_bytes(tmp_path, 64 * MiB), conns=2,
                                              memory=512 * MiB)

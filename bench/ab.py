@@ -125,6 +125,7 @@ class Measured:
     # Together more than the file means some bytes went to the kernel twice. None: no stats to read.
     replied: int | None = None
     pushed: int | None = None
+    fetched: int | None = None  # bytes its GETs brought from the origin: more than the file, some twice
 
     @property
     def gil_bound(self) -> float:
@@ -235,13 +236,14 @@ def streamed(path: Path, mountpoint: Path) -> tuple[float, float]:
         os.close(fd)
 
 
-def moved_bytes(mountpoint: Path) -> tuple[int | None, int | None]:
-    """(READ reply bytes, bytes pushed into the page cache) of a mounted daemon so far, from its stats."""
+def moved_bytes(mountpoint: Path) -> tuple[int | None, int | None, int | None]:
+    """(READ reply bytes, bytes pushed into the page cache, bytes fetched from the origin) of a mounted daemon
+    so far, from its stats."""
     try:
         stats = json.loads(os.getxattr(mountpoint, STATS_XATTR))
-        return sum(stats["served_bytes"].values()), stats["pagecache_stored_bytes"]
+        return sum(stats["served_bytes"].values()), stats["pagecache_stored_bytes"], stats["origin"]["bytes"]
     except (OSError, ValueError, KeyError):
-        return None, None
+        return None, None, None
 
 
 class AB:
@@ -291,13 +293,13 @@ class AB:
             daemon_after, server_after = cpu_seconds(daemon.pid), cpu_seconds(self.server.pid)
             main_after = thread_cpu_seconds(daemon.pid, daemon.pid)
             faults = mounts.minor_faults(daemon.pid) - faults_before
-            replied, pushed = moved_bytes(self.mountpoint)
+            replied, pushed, fetched = moved_bytes(self.mountpoint)
             gil = sampler.stop() if sampler else (None, None)
             if perf:
                 perf.stop()
         return Measured(seconds, daemon_after[0] - daemon_before[0], daemon_after[1] - daemon_before[1],
                         sum(server_after) - sum(server_before), main_after[0] - main_before[0],
-                        main_after[1] - main_before[1], *gil, faults, reader, replied, pushed)
+                        main_after[1] - main_before[1], *gil, faults, reader, replied, pushed, fetched)
 
     def measure(self, variant: str, scenario: str) -> Measured:
         cache_dir = self.work / f"cache-{variant}"
@@ -324,9 +326,10 @@ class AB:
 
 def moved(out: Measured, gb: float) -> str:
     """The bytes a mount replied with and pushed, as multiples of the file's `gb`, for a measurement's line."""
-    if out.replied is None or out.pushed is None:
+    if out.replied is None or out.pushed is None or out.fetched is None:
         return ""
-    return f"  replied {out.replied / GB / gb:4.2f} pushed {out.pushed / GB / gb:4.2f} x the file"
+    return (f"  replied {out.replied / GB / gb:4.2f} pushed {out.pushed / GB / gb:4.2f} "
+            f"fetched {out.fetched / GB / gb:4.2f} x the file")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

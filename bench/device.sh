@@ -13,7 +13,8 @@
 #
 # KIT_PYTHON_VERSION (default 3.12) is the target's Python; the kit's wheels are pure Python except Cython's.
 # DEVICE_SIZE (default 2G) and DEVICE_ROUNDS (default 2) size the run; DEVICE_STAGES (default run,gil; also
-# quick) picks the stages. The default stages end within about 7 minutes of the call's start, install included.
+# quick, and ab: `bench/ab.py --no-pin $DEVICE_AB_ARGS`, its variants' source trees carried beside the repo)
+# picks the stages. The default stages end within about 7 minutes of the call's start, install included.
 set -euo pipefail
 
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
@@ -151,6 +152,11 @@ run_device() {
         sed -i 's/^PARALLEL_PUSHES = .*/PARALLEL_PUSHES = 1/' "$one/fsmount/pagecache.py"
         stage gil 150 "$py" bench/ab.py --no-pin --variant one="$one" --variant parallel=. \
             --scenarios cold,cold_stream,fill,warm,warm_stream --rounds 1 --size "$size" --gil
+    fi
+    # An A/B of the caller's choosing (variants, scenarios), e.g. this tree against an earlier one carried along.
+    if [[ ,$stages, == *,ab,* ]]; then
+        # shellcheck disable=SC2086 # DEVICE_AB_ARGS is a list of arguments
+        stage ab "${DEVICE_AB_LIMIT:-300}" "$py" bench/ab.py --no-pin --size "$size" --rounds "$rounds" $DEVICE_AB_ARGS
     fi
     log "done; results in $OUT"
 }

@@ -369,7 +369,8 @@ class Daemon:
         push_limit = default_push_limit() if cfg.pagecache_push_limit is None else cfg.pagecache_push_limit
         self.pusher = PageCachePusher(push_limit, kernel_readahead=cfg.kernel_window)
         self.streamer = ModelStreamer(self.engine, self.pusher, max_connections=cfg.store.max_connections,
-                                      enabled=cfg.model_streaming, siblings=self._files_beside)
+                                      enabled=cfg.model_streaming, siblings=self._files_beside,
+                                      look_up=self._look_up)
         self.stats = MountStats(cfg.store.bucket, self.engine, self.streamer, self.pusher, disk_cache=self.disk_cache,
                                 shared_tier=self.shared_tier, writes=self.writes,
                                 open_files=lambda: self.ops.open_files, inodes=lambda: self.namespace.inode_count)
@@ -401,6 +402,19 @@ class Daemon:
 
     async def _files_beside(self, ino: int) -> list[tuple[int | None, ObjectVersion]]:
         return await self.namespace.files_beside(self.namespace.node(ino))
+
+    async def _look_up(self, version: ObjectVersion) -> int | None:
+        """Has the kernel look a file up through this mount (a stat from a worker thread, whose LOOKUP this
+        daemon's trio thread answers meanwhile), so that model streaming can push a shard nobody opened yet:
+        its inode, or None if it could not be looked up."""
+        path = os.path.join(self.mountpoint, version.key[len(self.namespace.prefix):])
+        with trio.move_on_after(self.cfg.store.read_timeout):
+            try:
+                await trio.to_thread.run_sync(os.stat, path, abandon_on_cancel=True)
+            except OSError as exc:
+                log.debug("could not look %r up through the mount: %s", version.key, exc)
+                return None
+        return self.namespace.kernel_ino(version)
 
     def fuse_options(self) -> set[str]:
         opts = set(pyfuse3.default_options)

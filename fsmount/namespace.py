@@ -361,11 +361,17 @@ class Namespace:
             entry = entries[name_b]
             if entry.is_dir or entry.meta is None:
                 continue
-            ino = self._ino_by_path.get((self._join(parent_path, name_b.decode("utf-8")), entry.meta.etag))
-            known = self._nodes.get(ino) if ino is not None else None
-            out.append((ino if known is not None and known.lookups > 0 else None,
-                        ObjectVersion(entry.meta.key, entry.meta.etag, entry.meta.size)))
+            version = ObjectVersion(entry.meta.key, entry.meta.etag, entry.meta.size)
+            out.append((self.kernel_ino(version), version))
         return out
+
+    def kernel_ino(self, version: ObjectVersion) -> int | None:
+        """The inode of this object version if the kernel has looked it up (and not forgotten it), else None."""
+        if not version.key.startswith(self.prefix):
+            return None
+        ino = self._ino_by_path.get((version.key[len(self.prefix):], version.etag))
+        known = self._nodes.get(ino) if ino is not None else None
+        return ino if known is not None and known.lookups > 0 else None
 
     async def _list(self, path: str) -> dict[bytes, DirEntry]:
         prefix = self._dir_prefix(path)

@@ -89,13 +89,15 @@ class _FileStream:
 
 
 Siblings = Callable[[int], Awaitable[list[tuple[int | None, ObjectVersion]]]]
+LookUp = Callable[[ObjectVersion], Awaitable[int | None]]
 
 
 class ModelStreamer:
     def __init__(self, engine: ChunkEngine, pusher: PageCachePusher, *, max_connections: int,
-                 enabled: bool = True, siblings: Siblings | None = None):
+                 enabled: bool = True, siblings: Siblings | None = None, look_up: LookUp | None = None):
         self.engine = engine
         self.siblings = siblings
+        self.look_up = look_up  # has the kernel look a file up, so its pushes can land: its inode, or None
         self._warmed_models: set[str] = set()
         self.pusher = pusher
         self.enabled = enabled
@@ -196,6 +198,14 @@ class ModelStreamer:
             key = (version.key, version.etag)
             if not same_model(model, version.key) or key in self._active:
                 continue
+            if sib_ino is None and self.look_up is not None:
+                # A loader that opens shards by name, from the index (transformers), leaves the next ones
+                # unknown to the kernel: their chunks could not be pushed, only held in memory, where the
+                # shard being loaded evicted them before they were opened (1.12-1.25x the bytes fetched at
+                # --memory-limit 256M, bench/RESULTS.md). Looked up now, just before its turn.
+                sib_ino = await self.look_up(version)
+                if key in self._active:
+                    continue  # opened meanwhile: its own stream runs
             # In `_active` while it runs, so that opening the shard joins this stream instead of starting a
             # second one over the same chunks; a handle opened meanwhile keeps it there until it closes.
             job = self._active[key] = _FileStream(version, sib_ino, priority=BACKGROUND)

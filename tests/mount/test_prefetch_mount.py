@@ -309,26 +309,28 @@ def test_opening_one_shard_warms_the_others(moto_server: S3Server, mountpoint: P
     assert origin <= total * 1.05, (origin, total)  # every byte fetched from the origin about once
 
 
-def test_shards_opened_by_name_are_warmed_into_the_page_cache(moto_server: S3Server, mountpoint: Path,
+def test_shards_opened_by_name_are_warmed_into_the_page_cache(s3: S3Server, mountpoint: Path,
                                                                tmp_path: Path) -> None:
     """transformers opens each shard by name, from the index, so the kernel has not looked the next shards up
     while the current one loads. Warming could not push them, only hold their chunks in memory, where the
     shard being loaded evicted them before they were opened (1.12-1.25x the bytes fetched at
-    --memory-limit 256M). The daemon now looks them up through its own mount: opening one shard, and nothing
-    else, pushes every shard into the page cache, and reading them after that sends no READ."""
+    --memory-limit 256M). The daemon now looks them up through its own mount, by the names their keys give
+    (a space and a non-ASCII letter here, on both servers): opening one shard, and nothing else, pushes every
+    shard into the page cache, and reading them after that sends no READ."""
     from fsmount.testing.models import write_sharded_model
 
     model = write_sharded_model(tmp_path / "sharded", 24 * MiB, shards=3, seed=6)
-    bucket = new_bucket(moto_server)
-    upload(moto_server, bucket, {f"llm/{f.name}": f for f in (tmp_path / "sharded").iterdir()})
+    folder = "my llm/größe"
+    bucket = new_bucket(s3)
+    upload(s3, bucket, {f"{folder}/{f.name}": f for f in (tmp_path / "sharded").iterdir()})
     total = sum(f.stat().st_size for f in model.files)
-    with mounted(moto_server, bucket, mountpoint, "--pagecache-push-limit", "1G"):
+    with mounted(s3, bucket, mountpoint, "--pagecache-push-limit", "1G"):
         shards = sorted(model.files)
-        with open(mountpoint / "llm" / shards[0].name, "rb"):
+        with open(mountpoint / folder / shards[0].name, "rb"):
             wait_for("every shard pushed", lambda: mount_stats(mountpoint)["pagecache_stored_bytes"],
                      lambda n: n >= total, timeout=30, interval=0.1)
         for shard in shards:
-            assert (mountpoint / "llm" / shard.name).read_bytes() == shard.read_bytes()
+            assert (mountpoint / folder / shard.name).read_bytes() == shard.read_bytes()
         stats = mount_stats(mountpoint)
         assert sum(stats["served_bytes"].values()) == 0, stats["served_bytes"]
         assert stats["origin"]["bytes"] == total  # the index was never read

@@ -17,9 +17,10 @@ which run in FUSE handlers without awaiting, and by `_warm_siblings` before and 
 of its push, up to `room()` (STREAM_MEMORY_SHARE); a stream takes one (`_take_room`) right before it queues a
 fetch, with no checkpoint between, and `_one_chunk` gives it back whatever happens (`_leave`). `open_files`
 counts the handles `opened` and not yet `closed`, safetensors or not. A chunk the page cache holds
-(`MemoryBudget.in_page_cache`) is not streamed, looked up again once the stream has room for it; when a READ
+(`MemoryBudget.in_page_cache`) is not streamed, checked again once the stream has room for it; when a READ
 shows the kernel dropped chunks of an open file since (`dropped`), a stream that ended is replaced by one
-more run.
+more run. A shard to warm that the kernel has not looked up is looked up through the mount (`look_up`) just
+before its turn, so that its pushes can land.
 """
 
 from __future__ import annotations

@@ -370,7 +370,7 @@ class Daemon:
         self.pusher = PageCachePusher(push_limit, kernel_readahead=cfg.kernel_window)
         self.streamer = ModelStreamer(self.engine, self.pusher, max_connections=cfg.store.max_connections,
                                       enabled=cfg.model_streaming, siblings=self._files_beside,
-                                      look_up=self._look_up)
+                                      look_up=self._look_up, readers=lambda: self.ops.readers)
         self.stats = MountStats(cfg.store.bucket, self.engine, self.streamer, self.pusher, disk_cache=self.disk_cache,
                                 shared_tier=self.shared_tier, writes=self.writes,
                                 open_files=lambda: self.ops.open_files, inodes=lambda: self.namespace.inode_count)

@@ -121,7 +121,12 @@ class Operations(pyfuse3.Operations):
 
     @property
     def open_files(self) -> int:
-        return len(self._files) + len(self._writers)
+        return self.readers + len(self._writers)
+
+    @property
+    def readers(self) -> int:
+        """Handles open for reading: each may have a kernel window of READs requested."""
+        return len(self._files)
 
     # -- metadata ------------------------------------------------------------------------------
 
@@ -246,7 +251,7 @@ class Operations(pyfuse3.Operations):
         # their kernel windows are READing (each file a share, so read-ahead cannot evict itself); model
         # streams keep within the other half (streaming.STREAM_MEMORY_SHARE). Without the kernel windows
         # counted, a budget of a few chunks evicted chunks fetched ahead before their READs came.
-        files = max(1, len(self._files))
+        files = max(1, self.readers)
         return max(self.engine.chunk_size, self.pusher.beside_readers(self.engine.memory.limit, files) // (2 * files))
 
     def _writer_handle(self, new: NewFile) -> pyfuse3.FileInfo:

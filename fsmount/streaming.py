@@ -15,8 +15,8 @@ nothing of it could be pushed); it is changed only in the trio thread, by `opene
 which run in FUSE handlers without awaiting, and by `_warm_siblings` before and after each shard.
 `_warmed_models` only grows. `_in_room` counts the chunks of every stream from the fetch it queues to the end
 of its push, up to `room()` (STREAM_MEMORY_SHARE); a stream takes one (`_take_room`) right before it queues a
-fetch, with no checkpoint between, and `_one_chunk` gives it back whatever happens (`_leave`). `open_files`
-counts the handles `opened` and not yet `closed`, safetensors or not. A chunk the page cache holds
+fetch, with no checkpoint between, and `_one_chunk` gives it back whatever happens (`_leave`). A chunk the
+page cache holds
 (`MemoryBudget.in_page_cache`) is not streamed, checked again once the stream has room for it; when a READ
 shows the kernel dropped chunks of an open file since (`dropped`), a stream that ended is replaced by one
 more run. A shard to warm that the kernel has not looked up is looked up through the mount (`look_up`) just
@@ -91,19 +91,21 @@ class _FileStream:
 
 Siblings = Callable[[int], Awaitable[list[tuple[int | None, ObjectVersion]]]]
 LookUp = Callable[[ObjectVersion], Awaitable[int | None]]
+Readers = Callable[[], int]
 
 
 class ModelStreamer:
     def __init__(self, engine: ChunkEngine, pusher: PageCachePusher, *, max_connections: int,
-                 enabled: bool = True, siblings: Siblings | None = None, look_up: LookUp | None = None):
+                 enabled: bool = True, siblings: Siblings | None = None, look_up: LookUp | None = None,
+                 readers: Readers = lambda: 1):
         self.engine = engine
+        self.readers = readers  # handles open for reading (Operations.readers), each with its kernel windows
         self.siblings = siblings
         self.look_up = look_up  # has the kernel look a file up, so its pushes can land: its inode, or None
         self._warmed_models: set[str] = set()
         self.pusher = pusher
         self.enabled = enabled
         self.depth = max(2, max_connections * QUEUE_DEPTH_PER_CONNECTION)
-        self.open_files = 0
         self._in_room = 0
         self._room_freed = trio.Event()
         self.streamed_bytes = 0
@@ -120,7 +122,7 @@ class ModelStreamer:
     def room(self) -> int:
         """Chunks all streams may hold at once: their share of the chunk memory left beside the kernel windows
         of the files open."""
-        ahead = self.pusher.beside_readers(self.engine.memory.limit, self.open_files)
+        ahead = self.pusher.beside_readers(self.engine.memory.limit, self.readers())
         return max(2, int(ahead * STREAM_MEMORY_SHARE) // self.engine.chunk_size)
 
     async def _take_room(self) -> None:
@@ -134,7 +136,6 @@ class ModelStreamer:
         self._room_freed = trio.Event()
 
     def opened(self, ino: int, version: ObjectVersion) -> None:
-        self.open_files += 1
         if not self.enabled or self._nursery is None:
             return
         model = model_of(version.key) if self.siblings is not None else None
@@ -162,7 +163,6 @@ class ModelStreamer:
         job.handles += 1
 
     def closed(self, version: ObjectVersion) -> None:
-        self.open_files -= 1
         job = self._active.get((version.key, version.etag))
         if job is None:
             return

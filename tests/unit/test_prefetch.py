@@ -188,7 +188,8 @@ async def test_streams_together_hold_at_most_their_share_of_memory(autojump_cloc
 
     engine = ChunkEngine(store, chunk_size=CHUNK, memory_limit=8 * MiB, max_connections=8, read_timeout=30.0,
                          run_blocking=runner)
-    streamer = ModelStreamer(engine, PageCachePusher(1 << 40, kernel_readahead=CHUNK), max_connections=8)
+    streamer = ModelStreamer(engine, PageCachePusher(1 << 40, kernel_readahead=CHUNK), max_connections=8,
+                             readers=lambda: files)
     versions = [version(store, key) for key in models]
 
     async def body() -> None:

@@ -259,7 +259,8 @@ def build_config(args: argparse.Namespace) -> MountConfig:
         dir_mode=_default(args.dir_mode, 0o755 if args.writable else 0o555), allow_other=args.allow_other,
         allow_non_empty=args.allow_non_empty, metadata_ttl=args.metadata_ttl, log_level=args.log_level,
         log_file=args.log_file, chunk_size=args.chunk_size,
-        memory_limit=args.memory_limit if args.memory_limit is not None else default_memory_limit(),
+        memory_limit=args.memory_limit if args.memory_limit is not None else
+        max(default_memory_limit(), 4 * args.chunk_size),  # a tiny pod: the least the daemon works with
         max_readahead=args.max_readahead, kernel_readahead=args.kernel_readahead,
         fuse_max_background=args.fuse_max_background, cache_dir=args.cache_dir,
         cache_size=args.cache_size, model_streaming=not args.no_model_streaming,

@@ -10,6 +10,8 @@ import math
 import os
 import re
 
+from fsmount.sysmem import ram as usable_ram
+
 KiB = 1024
 MiB = 1024 * KiB
 GiB = 1024 * MiB
@@ -116,10 +118,9 @@ def parse_cache_size(text: str) -> CacheSize:
 
 def default_memory_limit() -> int:
     """min(2 GiB, 10% of RAM): room for a window of read-ahead per reader on a GPU node, and little
-    enough beside the inference server itself."""
-    try:
-        ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError):
+    enough beside the inference server itself. RAM is the cgroup's limit where that is lower (a pod)."""
+    ram = usable_ram()
+    if ram is None:
         return MEMORY_LIMIT_CAP
     return min(MEMORY_LIMIT_CAP, int(ram * MEMORY_LIMIT_RAM_FRACTION))
 

@@ -284,12 +284,13 @@ def unmount(path: Path) -> None:
 
 @contextlib.contextmanager
 def mounted(server: S3Server, bucket: str, mountpoint: Path, *extra: str,
-            allowed: tuple[str, ...] = (), check_log: bool = True) -> Iterator[Mount]:
-    """A foreground daemon in a subprocess; always unmounted; its log checked for warnings."""
+            allowed: tuple[str, ...] = (), check_log: bool = True, wrap: tuple[str, ...] = ()) -> Iterator[Mount]:
+    """A foreground daemon in a subprocess (started by the command `wrap`, if given, with the daemon's
+    command line after it); always unmounted; its log checked for warnings."""
     mountpoint.mkdir(parents=True, exist_ok=True)
     log_path = mountpoint.parent / f"{mountpoint.name}.daemon.log"
-    cmd = modelfs_cmd("mount", bucket, str(mountpoint), "--foreground", "--endpoint-url", server.endpoint_url,
-                      "--log-level", "debug", *extra)
+    cmd = [*wrap, *modelfs_cmd("mount", bucket, str(mountpoint), "--foreground", "--endpoint-url",
+                               server.endpoint_url, "--log-level", "debug", *extra)]
     with open(log_path, "wb") as log:
         # SIGTERM if this test run dies before the finally below: the daemon then unmounts itself.
         proc = subprocess.Popen(dying_with_parent(cmd), stdout=log, stderr=subprocess.STDOUT,

@@ -52,6 +52,18 @@ def test_defaults_are_safe() -> None:
     assert cfg.file_mode == 0o444
 
 
+def test_the_default_memory_limit_in_a_tiny_cgroup_is_four_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A tenth of a 200 MiB pod is less than the daemon works with: it starts with four chunks, and the
+    option's own check still refuses less when asked for."""
+    import fsmount.config
+
+    monkeypatch.setattr(fsmount.config, "usable_ram", lambda: 200 * MiB)
+    assert build_config(make_parser().parse_args(["mount", "b", "/m"])).memory_limit == 32 * MiB
+    assert build_config(make_parser().parse_args(["mount", "b", "/m", "--chunk-size", "16M"])).memory_limit == 64 * MiB
+    with pytest.raises(ConfigError, match="at least 4 chunks"):
+        build_config(make_parser().parse_args(["mount", "b", "/m", "--memory-limit", "20M"]))
+
+
 def test_the_kernel_window_is_at_most_an_eighth_of_the_chunk_memory() -> None:
     """A reader keeps two kernel windows of READs requested, and their chunks must fit beside what is fetched
     ahead of them: --kernel-readahead is lowered where the memory is small, never raised."""

@@ -278,9 +278,9 @@ class Operations(pyfuse3.Operations):
         if not handle.direct and self.engine.kernel_lacks(handle.version, off, off + size):
             self.streamer.dropped(handle.version)
         if not self.pusher.enabled:
-            return await handle.read(off, size, self._window_cap())
+            return await handle.read(off, size, self._window_cap(), self.streamer.tensor_end)
         with self.pusher.reading(handle.ino, off, off + size):
-            return await handle.read(off, size, self._window_cap())
+            return await handle.read(off, size, self._window_cap(), self.streamer.tensor_end)
 
     @_fuse_errors
     async def release(self, fh: int) -> None:

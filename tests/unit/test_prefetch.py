@@ -12,18 +12,20 @@ import trio.testing
 
 from fsmount.data import ChunkEngine
 from fsmount.pagecache import PageCachePusher
+from fsmount.safetensors import header_length, parse_header
 from fsmount.streaming import ModelStreamer
 from tests.helpers import CHUNK, LATENCY, MiB, make_engine, model_bytes, run_engine, version
 from tests.unit.fake_store import FakeStore
 
 
 def prefetch_rig(key: str, data: bytes, *, conns: int = 4, memory: int = 64 * MiB, push_limit: int = 0,
-                 kernel_readahead: int = 0) -> tuple[FakeStore, ChunkEngine, ModelStreamer]:
-    """A fake store holding `data` at `key`, an engine over it, and a streamer of that engine."""
+                 kernel_readahead: int = 0, free_memory: int = 1 << 40) -> tuple[FakeStore, ChunkEngine, ModelStreamer]:
+    """A fake store holding `data` at `key`, an engine over it, and a streamer of that engine; the machine has
+    `free_memory` free."""
     store = FakeStore()
     store.put(key, data)
     engine = make_engine(store, conns=conns, memory=memory)
-    pusher = PageCachePusher(push_limit, kernel_readahead=kernel_readahead)
+    pusher = PageCachePusher(push_limit, kernel_readahead=kernel_readahead, free_memory=lambda: free_memory)
     return store, engine, ModelStreamer(engine, pusher, max_connections=conns)
 
 
@@ -84,6 +86,72 @@ async def test_a_file_opened_and_not_read_is_pushed_whole_and_nothing_counts_as_
         assert streamer.pusher.stored_total == v.size and streamer.skipped_read == 0
         s = engine.stats
         assert s.bytes_served_memory == s.bytes_served_level == s.bytes_served_origin == 0
+        streamer.closed(v)
+
+    await run_prefetcher(engine, streamer, body)
+
+
+async def test_tensor_ends_are_known_while_the_file_is_open(autojump_clock, tmp_path) -> None:  # noqa: ANN001
+    data = model_bytes(tmp_path, 24 * MiB)
+    store, engine, streamer = prefetch_rig("m.safetensors", data, memory=256 * MiB)
+    layout = parse_header(data[:8 + header_length(data[:8], len(data))], len(data))
+
+    async def body() -> None:
+        v = version(store, "m.safetensors")
+        assert streamer.tensor_end(v, 0) is None  # not open
+        streamer.opened(2, v)
+        await streamer._active[(v.key, v.etag)].done.wait()
+        assert streamer.tensor_end(v, 0) == streamer.tensor_end(v, layout.data_start - 1) == layout.data_start
+        for t in layout.tensors:
+            if t.end > t.start:
+                assert streamer.tensor_end(v, t.start) == streamer.tensor_end(v, t.end - 1) == t.end
+        assert streamer.tensor_end(v, layout.data_end) is None
+        streamer.closed(v)
+        assert streamer.tensor_end(v, 0) is None
+
+    await run_prefetcher(engine, streamer, body)
+
+
+def test_the_push_limit_halves_at_each_eviction_under_memory_pressure() -> None:
+    """Pushed pages of an open file dropped while little memory is free: the page cache cannot hold what is
+    pushed. With memory free, the drop was explicit (drop_caches) and the limit stays."""
+    free = [300 * MiB]
+    pusher = PageCachePusher(1000 * MiB, free_memory=lambda: free[0])
+    assert not pusher.evicted() and pusher.limit == 1000 * MiB  # 300 MiB free: a quarter of 1000 MiB and more
+    free[0] = 200 * MiB
+    assert pusher.evicted() and pusher.limit == 500 * MiB
+    assert pusher.evicted() and pusher.limit == 250 * MiB
+    pusher.pushed = 300 * MiB
+    pusher.release(100 * MiB)
+    assert pusher.limit == 250 * MiB  # files still hold pushes
+    pusher.release(200 * MiB)
+    assert pusher.limit == 1000 * MiB  # none does: the next load starts with the whole limit
+    assert not PageCachePusher(0, free_memory=lambda: 0).evicted()  # pushes off: nothing to shrink
+
+
+@pytest.mark.parametrize("pressure", [False, True])
+async def test_a_file_the_kernel_dropped_is_streamed_again_unless_memory_is_short(
+        autojump_clock, tmp_path, monkeypatch, pressure: bool) -> None:  # noqa: ANN001
+    stored = recorded_stores(monkeypatch)
+    data = model_bytes(tmp_path, 24 * MiB)
+    store, engine, streamer = prefetch_rig("m.safetensors", data, memory=256 * MiB, push_limit=1 << 30,
+                                           free_memory=(1 << 20) if pressure else (1 << 30))
+
+    async def body() -> None:
+        v = version(store, "m.safetensors")
+        streamer.opened(2, v)
+        first = streamer._active[(v.key, v.etag)]
+        await first.done.wait()
+        pushed = len(stored)
+        streamer.dropped(v)
+        job = streamer._active[(v.key, v.etag)]
+        if pressure:
+            assert job is first and streamer.pusher.limit == 1 << 29
+        else:
+            assert job is not first and job.again
+            await job.done.wait()
+            assert streamer.pusher.limit == 1 << 30
+        assert len(stored) == pushed  # believed held still: nothing pushed again in this rig
         streamer.closed(v)
 
     await run_prefetcher(engine, streamer, body)

@@ -163,7 +163,7 @@ def add_mount_arguments(p: argparse.ArgumentParser) -> None:
     d.add_argument("--chunk-size", type=_size, default=DEFAULT_CHUNK_SIZE, help="fetch unit (default 8M)")
     d.add_argument("--memory-limit", type=_size, default=None,
                    help="bound on the daemon's memory (RSS); chunk data gets this less ~96M for the runtime "
-                        "(default min(2G, 10%% of RAM))")
+                        "(default min(2G, 10%% of RAM or of the cgroup's memory limit))")
     d.add_argument("--max-readahead", type=_size, default=DEFAULT_MAX_READAHEAD,
                    help="largest read-ahead window per reader (default 256M)")
     d.add_argument("--kernel-readahead", type=_size, default=DEFAULT_KERNEL_READAHEAD,
@@ -176,7 +176,7 @@ def add_mount_arguments(p: argparse.ArgumentParser) -> None:
                         "(--no-model-prefetch is the old name)")
     d.add_argument("--pagecache-push-limit", type=_size, default=None,
                    help="bytes of streamed model data pushed into the kernel page cache for open files, "
-                        "0 to disable (default half of MemAvailable)")
+                        "0 to disable (default half of MemAvailable, or of what the cgroup has left)")
     d.add_argument("--cache-dir", default=None, help="persistent local chunk cache directory (NVMe)")
     d.add_argument("--cache-size", type=_cache_size, default=parse_cache_size("80%"),
                    help="cache size, e.g. 500G or 80%% of the disk")

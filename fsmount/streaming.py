@@ -178,8 +178,8 @@ class ModelStreamer:
 
     def tensor_end(self, version: ObjectVersion, offset: int) -> int | None:
         """Where the tensor holding byte `offset` ends (the header counts as one), for a file open and
-        streamed (its header parsed); else None. Read-ahead stops there (`ReadAhead.on_read`) unless the
-        reader reads the whole file in a row: a loader that takes the tensors in another order than the
+        streamed (its header parsed); else None. Where memory is short (`Operations.read`), read-ahead stops
+        there (`ReadAhead.on_read`) unless the reader reads the whole file in a row: a loader that takes the tensors in another order than the
         file's (safe_open's keys are sorted by name) would read ahead of its tensor into tensors it wants
         later, and the stream fetches those in offset order anyway. With little chunk memory, those fetched
         ahead were evicted before their READs and fetched again: a 1 GiB model read with safe_open at

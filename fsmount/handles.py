@@ -6,8 +6,6 @@ It never talks to the store directly and never changes the version it pinned at 
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 from fsmount.data import ChunkEngine, ObjectVersion
 from fsmount.readahead import ReadAhead
 
@@ -22,18 +20,14 @@ class OpenFile:
         self._engine = engine
         self.readahead = ReadAhead(engine.chunk_size, max_readahead)
 
-    async def read(self, offset: int, size: int, window_cap: int | None = None,
-                   tensor_end: Callable[[ObjectVersion, int], int | None] | None = None) -> bytes | memoryview:
-        """The bytes of a READ; read-ahead within `window_cap`, and while `tensor_end(version, offset)` says
-        where a tensor ends (the model streams), not past the end of the reader's tensor."""
+    async def read(self, offset: int, size: int, window_cap: int | None = None) -> bytes | memoryview:
         obj = self.version
         end = min(offset + size, obj.size)
         if offset >= end:
             return b""
         engine = self._engine
         plan = self.readahead.on_read(offset, end - offset, obj.size, window_cap,
-                                      lambda at: engine.held_locally(obj, at // engine.chunk_size),
-                                      None if tensor_end is None else lambda at: tensor_end(obj, at))
+                                      lambda at: engine.held_locally(obj, at // engine.chunk_size))
         for stream in plan.dropped:
             engine.abandon(stream)
         # Demand chunks are queued before the read-ahead ones so they are fetched first.

@@ -278,14 +278,17 @@ class Operations(pyfuse3.Operations):
         if not handle.direct and self.engine.kernel_lacks(handle.version, off, off + size):
             self.streamer.dropped(handle.version)
         cap = self._window_cap()
-        # Where memory holds less than a whole window per reader, read-ahead does not guess past the reader's
-        # tensor (ModelStreamer.tensor_end): what it fetched there was evicted before its READs came. With room,
-        # it still reads on (4 ranks loading every 4th tensor each were 5-10 % slower with it stopped there).
-        tensor_end = self.streamer.tensor_end if cap < self.max_readahead else None
+        if cap < self.max_readahead and self.streamer.streaming(handle.version):
+            # Memory holds less than a whole window per reader, and the model stream fetches this file in offset
+            # order: it is the file's read-ahead. A handle's own went past the reader's tensor into tensors a loader
+            # in name order (safe_open) wants later, and they were evicted before their READs came: a 1 GiB model
+            # at --memory-limit 256M was fetched 1.34-1.37 times, now once, with `cat` and `load_file` unchanged
+            # (bench/RESULTS.md). With room, read-ahead stays: there the model is fetched once either way.
+            cap = 0
         if not self.pusher.enabled:
-            return await handle.read(off, size, cap, tensor_end)
+            return await handle.read(off, size, cap)
         with self.pusher.reading(handle.ino, off, off + size):
-            return await handle.read(off, size, cap, tensor_end)
+            return await handle.read(off, size, cap)
 
     @_fuse_errors
     async def release(self, fh: int) -> None:

@@ -23,11 +23,6 @@ MAX_STREAMS = 8
 # milliseconds, and every chunk ahead holds a buffer of its own until READs take it (first-touch faults of
 # fresh buffers cost ~0.4 CPU-s per GB on the dev box). Chunks only the origin has get the whole window.
 LOCAL_WINDOW = 32 * MiB
-# A reader that has read this much in a row reads the file, not one piece of it (a tensor: `extent_end`):
-# its read-ahead is no longer stopped at the end of the piece. Above the kernel's read-around of an mmap
-# fault (its read-ahead window, 16 MiB by default, around the faulting page), whose READs run in a row across
-# the small tensors near a fault.
-PIECE_RUN_MAX = 64 * MiB
 
 
 @dataclasses.dataclass(eq=False)
@@ -35,7 +30,6 @@ class Stream:
     """One sequential reader. Identity matters: it owns the read-ahead it started."""
 
     next_offset: int
-    start: int = 0  # where its run of reads in a row began
     window: int = 0
     ahead_to: int = 0
     last_used: int = 0
@@ -71,20 +65,17 @@ class ReadAhead:
         return best
 
     def on_read(self, offset: int, size: int, file_size: int, window_cap: int | None = None,
-                held_locally: Callable[[int], bool] | None = None,
-                extent_end: Callable[[int], int | None] | None = None) -> Plan:
+                held_locally: Callable[[int], bool] | None = None) -> Plan:
         """Record a read of [offset, offset+size) and say what to read ahead. `held_locally(offset)` says
         whether a local cache level holds the byte at `offset`: if it holds the first byte the plan would
-        read ahead, the window is at most LOCAL_WINDOW. `extent_end(offset)` says where the piece of the file
-        holding the byte at `offset` ends (a tensor), or None: the plan stops there, until the reader has read
-        PIECE_RUN_MAX in a row."""
+        read ahead, the window is at most LOCAL_WINDOW."""
         self._clock += 1
         end = offset + size
         dropped: list[Stream] = []
         stream = self._match(offset)
         if stream is None:
             # A new reader or a random access: no read-ahead until it proves sequential.
-            stream = Stream(next_offset=end, start=offset, ahead_to=end)
+            stream = Stream(next_offset=end, ahead_to=end)
             if len(self.streams) >= self.max_streams:
                 oldest = min(self.streams, key=lambda s: s.last_used)
                 self.streams.remove(oldest)
@@ -103,10 +94,6 @@ class ReadAhead:
         window = stream.window if window_cap is None else min(stream.window, window_cap)
         start = max(stream.ahead_to, stream.next_offset)
         stop = min(file_size, stream.next_offset + window)
-        if stop > start and extent_end is not None and stream.next_offset - stream.start < PIECE_RUN_MAX:
-            piece_end = extent_end(stream.next_offset - 1)
-            if piece_end is not None:
-                stop = min(stop, piece_end)
         if stop > start and window > LOCAL_WINDOW and held_locally is not None and held_locally(start):
             stop = min(stop, stream.next_offset + LOCAL_WINDOW)  # asked only when there is something to plan
         if stop > start:

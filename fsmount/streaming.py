@@ -25,7 +25,6 @@ before its turn, so that its pushes can land.
 
 from __future__ import annotations
 
-import bisect
 import dataclasses
 import logging
 import re
@@ -88,7 +87,6 @@ class _FileStream:
     held_in_memory: int = 0  # streamed bytes that only the memory LRU holds
     again: bool = False  # run again because the kernel dropped what an earlier run pushed (`dropped`)
     done: trio.Event = dataclasses.field(default_factory=trio.Event)
-    ends: list[int] = dataclasses.field(default_factory=list)  # where the header and each tensor end, in order
 
 
 Siblings = Callable[[int], Awaitable[list[tuple[int | None, ObjectVersion]]]]
@@ -176,19 +174,10 @@ class ModelStreamer:
             if job.done.is_set():  # else _run_job gives its pushes back once the push in flight ended
                 self.pusher.release(job.pushed)
 
-    def tensor_end(self, version: ObjectVersion, offset: int) -> int | None:
-        """Where the tensor holding byte `offset` ends (the header counts as one), for a file open and
-        streamed (its header parsed); else None. Where memory is short (`Operations.read`), read-ahead stops
-        there (`ReadAhead.on_read`) unless the reader reads the whole file in a row: a loader that takes the tensors in another order than the
-        file's (safe_open's keys are sorted by name) would read ahead of its tensor into tensors it wants
-        later, and the stream fetches those in offset order anyway. With little chunk memory, those fetched
-        ahead were evicted before their READs and fetched again: a 1 GiB model read with safe_open at
-        --memory-limit 256M was fetched 1.4 times (bench/RESULTS.md)."""
+    def streaming(self, version: ObjectVersion) -> bool:
+        """Whether a stream of this open file is fetching it in offset order (or waiting to)."""
         job = self._active.get((version.key, version.etag))
-        if job is None or not job.ends:
-            return None
-        i = bisect.bisect_right(job.ends, offset)
-        return job.ends[i] if i < len(job.ends) else None
+        return job is not None and not job.done.is_set()
 
     def dropped(self, version: ObjectVersion) -> None:
         """The kernel dropped pages of an open file that were believed held (a READ came for them): a stream
@@ -253,7 +242,6 @@ class ModelStreamer:
         # Copied out at once: a view would pin chunk 0's buffer (no reuse) for as long as the stream runs.
         n = header_length(bytes(await engine.peek(obj, 0, min(obj.size, LENGTH_PREFIX))), obj.size)
         layout = parse_header(bytes(await engine.peek(obj, 0, LENGTH_PREFIX + n)), obj.size)
-        job.ends = [layout.data_start, *(t.end for t in layout.tensors)]
         indices = engine.chunk_range(obj, 0, layout.data_end)
         log.debug("streaming %r: %d tensors, %d chunks", obj.key, len(layout.tensors), len(indices))
         async with trio.open_nursery() as nursery:

@@ -14,7 +14,7 @@ import fsmount.readahead
 from fsmount.data import AccessDenied, ChunkEngine, StoreError, TransientError, Unreachable
 from fsmount.data.trailing import TRAIL_IDLE_S, WAITERS_CHECK_S
 from fsmount.handles import OpenFile
-from fsmount.readahead import LOCAL_WINDOW, PIECE_RUN_MAX, ReadAhead
+from fsmount.readahead import LOCAL_WINDOW, ReadAhead
 from tests.helpers import (
     CHUNK,
     LATENCY,
@@ -71,34 +71,6 @@ def test_a_window_over_chunks_a_local_level_holds_reaches_local_window_only() ->
     assert min(ahead[i] for i in range(on_disk_from // MiB, 1000)) > 0  # ahead still, only not as far
     # It is asked about the first byte the plan would read ahead, nothing else.
     assert all(at == max(ahead_to, at) for at, ahead_to in asked)
-
-
-def test_read_ahead_stops_at_the_end_of_the_reader_s_tensor_until_it_reads_on() -> None:
-    """Where a file's pieces are known (its tensors, while the model streams), read-ahead stops at the end of
-    the reader's: a loader taking tensors out of file order wants the next one later, if ever. A reader that
-    reads PIECE_RUN_MAX in a row reads the file: then the whole window, across tensors."""
-    ra = ReadAhead(CHUNK, 64 * MiB)
-    ends = [10 * MiB, 12 * MiB, 70 * MiB, 300 * MiB]
-
-    def extent_end(at: int) -> int | None:
-        return next((e for e in ends if e > at), None)
-
-    for i in range(9):
-        plan = ra.on_read(i * MiB, MiB, 1 << 30, None, None, extent_end)
-    assert plan.stream.window == 64 * MiB and plan.stream.ahead_to == 10 * MiB  # not 9 + 64 MiB
-    plan = ra.on_read(10 * MiB, MiB, 1 << 30, None, None, extent_end)
-    assert plan.stream.ahead_to == 12 * MiB and plan.ahead_end == 12 * MiB  # the next tensor, to its end
-    for i in range(11, PIECE_RUN_MAX // MiB + 1):
-        plan = ra.on_read(i * MiB, MiB, 1 << 30, None, None, extent_end)
-    assert plan.stream.ahead_to == PIECE_RUN_MAX + MiB + 64 * MiB  # read on in a row: the whole window
-    # A new reader elsewhere (a jump) starts a run of its own, and is stopped at its tensor's end again.
-    ends.append(400 * MiB)
-    for i in range(350, 359):
-        plan = ra.on_read(i * MiB, MiB, 1 << 30, None, None, extent_end)
-    assert plan.stream.ahead_to == 400 * MiB
-    # Nothing known of the pieces: as before.
-    plan = ra.on_read(359 * MiB, MiB, 1 << 30, None, None, lambda at: None)
-    assert plan.stream.ahead_to == 360 * MiB + 64 * MiB
 
 
 def test_prefetch_ranges_do_not_overlap() -> None:

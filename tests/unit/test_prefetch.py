@@ -12,7 +12,6 @@ import trio.testing
 
 from fsmount.data import ChunkEngine
 from fsmount.pagecache import PageCachePusher
-from fsmount.safetensors import header_length, parse_header
 from fsmount.streaming import ModelStreamer
 from tests.helpers import CHUNK, LATENCY, MiB, make_engine, model_bytes, run_engine, version
 from tests.unit.fake_store import FakeStore
@@ -91,23 +90,17 @@ async def test_a_file_opened_and_not_read_is_pushed_whole_and_nothing_counts_as_
     await run_prefetcher(engine, streamer, body)
 
 
-async def test_tensor_ends_are_known_while_the_file_is_open(autojump_clock, tmp_path) -> None:  # noqa: ANN001
-    data = model_bytes(tmp_path, 24 * MiB)
-    store, engine, streamer = prefetch_rig("m.safetensors", data, memory=256 * MiB)
-    layout = parse_header(data[:8 + header_length(data[:8], len(data))], len(data))
+async def test_a_file_is_streaming_from_its_open_until_its_stream_ends(autojump_clock, tmp_path) -> None:  # noqa: ANN001
+    store, engine, streamer = prefetch_rig("m.safetensors", model_bytes(tmp_path, 24 * MiB), memory=256 * MiB)
 
     async def body() -> None:
         v = version(store, "m.safetensors")
-        assert streamer.tensor_end(v, 0) is None  # not open
+        assert not streamer.streaming(v)  # not open
         streamer.opened(2, v)
+        assert streamer.streaming(v)
         await streamer._active[(v.key, v.etag)].done.wait()
-        assert streamer.tensor_end(v, 0) == streamer.tensor_end(v, layout.data_start - 1) == layout.data_start
-        for t in layout.tensors:
-            if t.end > t.start:
-                assert streamer.tensor_end(v, t.start) == streamer.tensor_end(v, t.end - 1) == t.end
-        assert streamer.tensor_end(v, layout.data_end) is None
+        assert not streamer.streaming(v)  # every chunk fetched (and pushed where it could be)
         streamer.closed(v)
-        assert streamer.tensor_end(v, 0) is None
 
     await run_prefetcher(engine, streamer, body)
 

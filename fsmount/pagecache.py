@@ -17,7 +17,9 @@ Two windows: the kernel keeps a sequential reader's next window requested while 
 one (asynchronous read-ahead), and those READs may still wait in /dev/fuse, unseen by the daemon. With
 one window a warm `cat` still got 3-9 % of its bytes twice, with two 1-3 % (bench/RESULTS.md).
 
-Concurrency: `_reading` and `_reader_at` are changed only in the trio thread (`reading()` context);
+Concurrency: `_reading` and `_reader_at` are changed only in the trio thread (`reading()` context), and so is
+`limit` (`evicted`, `release`; `evicted` reads /proc/meminfo and the cgroup's counters there, ~0.1 ms, once
+per eviction seen);
 `push` checks them there before handing the data to a worker thread. Up to `pushes_at_once` pushes copy at
 once, each in its own thread; `pushed` and `stored_total` are counted in the trio thread around them.
 """

@@ -15,6 +15,7 @@ per request. Anything unreadable or malformed counts as no limit.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import re
 from pathlib import Path
@@ -99,14 +100,16 @@ def cgroup_memory(proc: Path = Path("/proc/self")) -> CgroupMemory | None:
     return CgroupMemory(limit, avail, unused)
 
 
-def memory_cgroup_dirs(proc: Path) -> list[Path]:
+@functools.cache
+def memory_cgroup_dirs(proc: Path) -> tuple[Path, ...]:
     """The directories of this process's memory cgroup and of its ancestors up to the hierarchy's mount,
-    nearest first: cgroup v1's memory hierarchy where one is mounted, else cgroup v2's."""
+    nearest first: cgroup v1's memory hierarchy where one is mounted, else cgroup v2's. Found once per
+    process (a daemon is not moved to another cgroup once it runs), so `free` costs a few small reads."""
     try:
         cgroups = (proc / "cgroup").read_text().splitlines()
         mounts = (proc / "mountinfo").read_text().splitlines()
     except OSError:
-        return []
+        return ()
     paths: dict[str, str] = {}
     for line in cgroups:
         parts = line.split(":", 2)
@@ -130,8 +133,8 @@ def memory_cgroup_dirs(proc: Path) -> list[Path]:
             if version == "v1" and (fstype != "cgroup" or "memory" not in options.split(",")):
                 continue
             root, mountpoint = _unescape(fields[3]), Path(_unescape(fields[4]))
-            return _up_to(mountpoint, root, paths[version])
-    return []
+            return tuple(_up_to(mountpoint, root, paths[version]))
+    return ()
 
 
 def _up_to(mountpoint: Path, root: str, path: str) -> list[Path]:

@@ -108,9 +108,10 @@ def test_ram_available_and_free_take_the_lower_of_machine_and_cgroup(tmp_path: P
     assert sysmem.ram(proc) == 900 * MiB
     assert sysmem.available(proc, meminfo) == 800 * MiB
     assert sysmem.free(proc, meminfo) == 40 * MiB  # the machine has less free than the cgroup
-    (proc / "cgroup").unlink()
-    assert sysmem.ram(proc) == 16 << 30
-    assert sysmem.available(proc, meminfo) == 8000000 * 1024
+    unlimited, mount = v2_tree(tmp_path / "other", "/b")
+    v2_group(mount / "b", "max", 400 * MiB)
+    assert sysmem.ram(unlimited) == 16 << 30
+    assert sysmem.available(unlimited, meminfo) == 8000000 * 1024
 
 
 def test_the_default_memory_limit_is_a_tenth_of_the_cgroup_s(monkeypatch) -> None:  # noqa: ANN001

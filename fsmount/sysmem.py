@@ -39,10 +39,6 @@ def physical_ram() -> int | None:
         return None
 
 
-def mem_available(meminfo: Path = Path("/proc/meminfo")) -> int | None:
-    return _meminfo_field(meminfo, "MemAvailable")
-
-
 def _meminfo_field(meminfo: Path, name: str) -> int | None:
     try:
         with open(meminfo) as f:
@@ -54,18 +50,22 @@ def _meminfo_field(meminfo: Path, name: str) -> int | None:
     return None
 
 
+def _lower(machine: int | None, cgroup: int | None) -> int | None:
+    """The machine's figure, or the cgroup's where that is lower; None where neither is known."""
+    known = [n for n in (machine, cgroup) if n is not None]
+    return min(known) if known else None
+
+
 def ram(proc: Path = Path("/proc/self")) -> int | None:
     """Physical RAM, or the cgroup's limit where that is lower."""
     cg = cgroup_memory(proc)
-    sizes = [n for n in (physical_ram(), cg.limit if cg else None) if n is not None]
-    return min(sizes) if sizes else None
+    return _lower(physical_ram(), cg.limit if cg else None)
 
 
 def available(proc: Path = Path("/proc/self"), meminfo: Path = Path("/proc/meminfo")) -> int | None:
     """MemAvailable, or what the cgroup has left where that is lower."""
     cg = cgroup_memory(proc)
-    sizes = [n for n in (mem_available(meminfo), cg.available if cg else None) if n is not None]
-    return min(sizes) if sizes else None
+    return _lower(_meminfo_field(meminfo, "MemAvailable"), cg.available if cg else None)
 
 
 def free(proc: Path = Path("/proc/self"), meminfo: Path = Path("/proc/meminfo")) -> int | None:
@@ -73,8 +73,7 @@ def free(proc: Path = Path("/proc/self"), meminfo: Path = Path("/proc/meminfo"))
     that is less. Low while the kernel evicts page cache to make room (at the cgroup's limit, its usage is
     the limit), high after the page cache was dropped."""
     cg = cgroup_memory(proc)
-    sizes = [n for n in (_meminfo_field(meminfo, "MemFree"), cg.free if cg else None) if n is not None]
-    return min(sizes) if sizes else None
+    return _lower(_meminfo_field(meminfo, "MemFree"), cg.free if cg else None)
 
 
 def cgroup_memory(proc: Path = Path("/proc/self")) -> CgroupMemory | None:

@@ -75,6 +75,7 @@ class WritableNamespace(Namespace):
             self._nodes[old].superseded = True
         self._ino_by_path[(node.path, meta.etag)] = node.ino
         self._latest_file[node.path] = node.ino
+        self._negative.pop(node.path, None)  # a rename looked the name up first, and found it missing
         parent, _, name = node.path.rpartition("/")
         self._change(parent, name, DirEntry(name.encode("utf-8", "surrogateescape"), False, meta))
 

@@ -363,6 +363,26 @@ async def test_overwrite_and_delete_need_their_flags(allowed_logs: list[str]) ->
     assert info.value.errno == errno.EPERM
 
 
+async def test_a_stored_file_renamed_onto_a_name_looked_up_before_is_found_there() -> None:
+    """torch.save to a temporary name, then os.replace: the rename looked the target up first (not there, so
+    remembered as missing); the file must be found under its new name at once, not after the TTL."""
+    writes, uploads, ns = make()
+    async with serving(writes):
+        root = ns.node(ROOT_INODE)
+        new = await new_file(writes, ns, b"s.pt.tmp")
+        await new.write(0, b"weights")
+        await new.commit()
+        with pytest.raises(PathError) as info:
+            await ns.lookup(ROOT_INODE, b"s.pt")
+        assert info.value.errno == errno.ENOENT
+        await writes.rename(await ns.lookup(ROOT_INODE, b"s.pt.tmp"), root, b"s.pt", None, 0)
+        node = await ns.lookup(ROOT_INODE, b"s.pt")
+        assert node.size == 7 and uploads.objects == {"s.pt": b"weights"}
+        with pytest.raises(PathError) as info:
+            await ns.lookup(ROOT_INODE, b"s.pt.tmp")
+        assert info.value.errno == errno.ENOENT
+
+
 async def test_a_listing_under_way_gets_the_changes_made_meanwhile() -> None:
     store = FakeStore()
     store.put("a", b"1")

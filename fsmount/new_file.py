@@ -19,7 +19,8 @@ an upload that began under the temporary name can only be moved by a server-side
 object (a second pass over every byte for the server). So with `--cache-dir` such a file is *deferred*:
 its WRITEs go straight to the local copy (write_staging; no part buffers, and the never-written tail is
 a hole in it), and at close it is uploaded from there, once, under its final name, `--max-connections`
-parts at once. Without a local copy it streams, and is moved at close.
+parts at once. Without a local copy, or where the cache's disk has no room for the whole file beside the
+other deferred files, it streams, and is moved at close.
 
 `commit` (close, fsync) completes the upload, or aborts it and fails with EIO; a file never appears in
 the bucket half-written.
@@ -169,6 +170,13 @@ class NewFile:
             self.declared = size
             self.node.size = self.size
             self._deferred = size > 0 and self._staged is not None and self._staged.ok
+            if self._deferred and not self._staged.promise(size):
+                # Its bytes would be nowhere else until close: a copy that filled the disk would fail the file.
+                log.info("%s: no room for a local copy of %d bytes in the cache directory: it streams, and is "
+                         "not cached on this node", self.node.path, size)
+                self._deferred = False
+                self._staged.discard()  # nothing written yet: nothing to wait for
+                self._staged = None
             return
         log.warning("%s: truncate to %d after %d bytes were written is not supported (only sequential "
                     "writes)", self.node.path, size, self.written)

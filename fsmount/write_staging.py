@@ -10,7 +10,10 @@ copy is removed when that is done, or when the file fails. The folder is emptied
 It does not count against `--cache-size`: it lasts as long as a file is open.
 
 Every method blocks (disk I/O); `writes.Writes` runs them in threads. A failure of the copy (a full
-disk) loses the cache fill only, never the upload: it is logged once and the file goes on without it.
+disk) loses the cache fill only, never the upload: it is logged once and the file goes on without it. A
+deferred file (new_file.py) is the exception, its bytes being nowhere else until close, so it is deferred
+only where the disk has room for its whole size beside the other deferred copies (`promise`); elsewhere it
+streams.
 """
 
 from __future__ import annotations
@@ -51,8 +54,10 @@ class Staging:
         self._names = itertools.count(1)
         self._failed_logged = False
         self._direct = True  # O_DIRECT for the copies, until the filesystem refuses it
-        self._blocks_lock = threading.Lock()  # open() runs in the trio thread, block_returned() in workers
+        # open() and promise() run in the trio thread, block_returned() and discard() in workers.
+        self._blocks_lock = threading.Lock()
         self._blocks = 0  # copies holding their blocks (writing with O_DIRECT), at most DIRECT_COPIES
+        self._promised = 0  # bytes promised to deferred copies not yet discarded (`StagedFile.promise`)
         # Where the copies' full blocks are written; a copy has at most one block there at a time.
         self.block_writer = concurrent.futures.ThreadPoolExecutor(DIRECT_COPIES, thread_name_prefix="staging")
 
@@ -85,6 +90,25 @@ class Staging:
     def block_returned(self) -> None:
         with self._blocks_lock:
             self._blocks -= 1
+
+    def promise(self, size: int) -> bool:
+        """Whether the folder's filesystem has room for `size` more bytes beside what was promised to other
+        copies (counted against the room left now, so a copy's own bytes written since count twice: on the
+        safe side); if so, they are promised until `unpromise`."""
+        try:
+            st = os.statvfs(self.root)
+        except OSError as exc:
+            self.failed(exc)
+            return False
+        with self._blocks_lock:
+            if st.f_bavail * st.f_frsize - self._promised < size:
+                return False
+            self._promised += size
+            return True
+
+    def unpromise(self, size: int) -> None:
+        with self._blocks_lock:
+            self._promised -= size
 
     def direct_refused(self, exc: OSError) -> None:
         if self._direct:
@@ -135,10 +159,19 @@ class StagedFile:
         # always where a write continues the ones before.
         self._block_at = 0
         self._gathered = 0  # bytes in _block, not yet in the file
+        self._promised = 0  # what `promise` reserved for this copy on the disk
 
     @property
     def ok(self) -> bool:
         return self._fd is not None
+
+    def promise(self, size: int) -> bool:
+        """Whether the disk has room for this copy to grow to `size` bytes (a deferred file, whose bytes are
+        nowhere else until close); the room stays promised to it until it is discarded. Called once."""
+        if self._fd is None or not self._staging.promise(size):
+            return False
+        self._promised = size
+        return True
 
     def extend(self, size: int) -> None:
         """The copy is `size` bytes long; what was never written reads as zeros (a hole)."""
@@ -209,6 +242,7 @@ class StagedFile:
         try:
             pending.result()
         except OSError as exc:
+            del pending  # the future holds the exception, whose traceback holds this frame: no cycle
             if exc.errno != errno.EINVAL or self._spare is None:
                 raise
             self._staging.direct_refused(exc)
@@ -232,8 +266,13 @@ class StagedFile:
             os.close(self._direct_fd)
             self._direct_fd = None
         if self._block is not None and self._spare is not None:
-            self._block.close()
-            self._spare.close()
+            for block in (self._block, self._spare):
+                try:
+                    block.close()
+                except BufferError:
+                    # A failed write's traceback still holds a view of it (pwrite_all's slice, kept alive by
+                    # the exception until it is collected): the map is unmapped when that view goes.
+                    pass
             self._block = self._spare = None
             self._staging.block_returned()
 
@@ -317,6 +356,8 @@ class StagedFile:
             os.close(self._fd)
             self._fd = None
             self._end_direct()
+            self._staging.unpromise(self._promised)
+            self._promised = 0
         try:
             os.unlink(self._path)
         except OSError:

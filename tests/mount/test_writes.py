@@ -116,6 +116,34 @@ def test_with_a_cache_dir_a_stored_file_is_read_back_from_the_nvme_cache(s3: S3S
     delete_bucket(s3, bucket)
 
 
+@pytest.mark.parametrize("writer", ["write", "save_file"])
+def test_a_cache_dir_that_fills_up_costs_the_local_copy_not_the_file(s3: S3Server, mountpoint: Path,
+                                                                     tmp_path: Path, writer: str) -> None:
+    """A checkpoint bigger than the room left on the cache's disk: the local copy ends (one warning) and the
+    file is stored all the same, byte for byte; nothing of the copy is left behind."""
+    bucket = new_bucket(s3)
+    small = tmp_path / "small"
+    small.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=24M", "tmpfs", str(small)], check=True)
+    try:
+        data = random_bytes(40 * MiB, 8)
+        with mounted(s3, bucket, mountpoint, *WRITABLE, "--cache-dir", str(small / "cache"),
+                     "--write-part-size", "5M", allowed=("cannot keep written files",)):
+            if writer == "write":
+                with open(mountpoint / "ckpt.bin", "wb") as f:
+                    for at in range(0, len(data), MiB):
+                        f.write(data[at:at + MiB])
+            else:  # save_file's pattern: create, ftruncate to the full size, write, close
+                with open(mountpoint / "ckpt.bin", "wb") as f:
+                    f.truncate(len(data))
+                    f.write(data)
+            assert os.listdir(small / "cache" / "writes") == []
+        assert sha(s3.client().get_object(Bucket=bucket, Key="ckpt.bin")["Body"].read()) == sha(data)
+    finally:
+        subprocess.run(["umount", "-l", str(small)], check=False)
+    delete_bucket(s3, bucket)
+
+
 def test_out_of_order_write_fails_and_stores_nothing(s3: S3Server, mountpoint: Path) -> None:
     bucket = new_bucket(s3)
     with mounted(s3, bucket, mountpoint, *WRITABLE, "--write-part-size", "5M",

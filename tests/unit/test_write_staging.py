@@ -323,3 +323,28 @@ def test_a_discard_waits_for_the_block_being_written_before_closing(tmp_path: Pa
     disk.open()
     discard.join(10)
     assert not staged.ok and os.listdir(staging.root) == []
+
+
+def test_a_deferred_copy_is_promised_room_on_the_disk_beside_the_others(tmp_path: Path, monkeypatch) -> None:
+    """A deferred file's bytes are nowhere else until close: its copy is made only where the disk has room for
+    its whole size beside what other deferred copies were promised, and a discarded copy gives its room back."""
+    real_statvfs = os.statvfs
+
+    class Room:
+        def __init__(self, st: os.statvfs_result):
+            self.f_frsize, self.f_bavail = 4096, (10 * MiB) // 4096
+
+    monkeypatch.setattr(os, "statvfs", lambda path: Room(real_statvfs(path)))
+    staging = Staging(str(tmp_path))
+    first, second, third = staging.open(), staging.open(), staging.open()
+    assert first is not None and second is not None and third is not None
+    assert not first.promise(11 * MiB)
+    assert first.promise(6 * MiB)
+    assert not second.promise(5 * MiB)
+    assert second.promise(4 * MiB)
+    first.discard()
+    assert third.promise(6 * MiB)
+    assert not first.promise(1)  # a discarded copy promises nothing
+    second.discard()
+    third.discard()
+    assert staging.promise(10 * MiB)

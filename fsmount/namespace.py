@@ -68,6 +68,17 @@ class DirEntry:
     meta: ObjectMeta | None = None
 
 
+class Listing(dict[bytes, DirEntry]):
+    """A directory's entries by name, as one listing of the bucket gave them; `at` is when that listing
+    began (monotonic): what it says of a file is trusted until `at` + the metadata TTL, not longer."""
+
+    __slots__ = ("at",)
+
+    def __init__(self, at: float):
+        super().__init__()
+        self.at = at
+
+
 @dataclasses.dataclass(slots=True)
 class Node:
     ino: int
@@ -119,13 +130,13 @@ class Namespace:
         self._ino_by_path: dict[tuple[str, str | None], int] = {("", None): ROOT_INODE}
         self._latest_file: dict[str, int] = {}
         self._nodes: dict[int, Node] = {ROOT_INODE: Node(ROOT_INODE, "", True, lookups=1)}
-        self._listings: cachetools.TTLCache[str, dict[bytes, DirEntry]] = cachetools.TTLCache(
+        self._listings: cachetools.TTLCache[str, Listing] = cachetools.TTLCache(
             maxsize=LISTING_CACHE_ENTRIES, ttl=ttl, getsizeof=lambda entries: max(1, len(entries)))
         self._negative: cachetools.TTLCache[str, bool] = cachetools.TTLCache(NEGATIVE_CACHE_ENTRIES, ttl)
         self._skips_logged: cachetools.LRUCache[str, bool] = cachetools.LRUCache(SKIP_LOG_MEMORY)
         self._stale_logged = False
         # The same listing dicts as `_listings`, kept past their TTL for outages (no extra copies).
-        self._last_listings: cachetools.LRUCache[str, dict[bytes, DirEntry]] = cachetools.LRUCache(
+        self._last_listings: cachetools.LRUCache[str, Listing] = cachetools.LRUCache(
             maxsize=LISTING_CACHE_ENTRIES, getsizeof=lambda entries: max(1, len(entries)))
         # Changes made through this mount (see the module's rules).
         self._pending: dict[str, Node] = {}
@@ -145,7 +156,9 @@ class Namespace:
         except KeyError:
             raise PathError(errno.ENOENT) from None
 
-    def _node_for(self, path: str, is_dir: bool, meta: ObjectMeta | None) -> Node:
+    def _node_for(self, path: str, is_dir: bool, meta: ObjectMeta | None, as_of: float | None = None) -> Node:
+        """The node of a directory, or of the file version `meta` (asked of the bucket at `as_of`, monotonic;
+        now if None): known for `ttl` from then, or for longer if a later answer said so."""
         if not is_dir and meta is None:
             raise ValueError("a file node needs its object metadata")
         key = (path, None if is_dir else meta.etag)  # type: ignore[union-attr]
@@ -159,7 +172,8 @@ class Namespace:
             node = self._nodes[ino] = Node(ino, path, is_dir)
         if meta is not None:
             node.size, node.etag, node.mtime_ns = meta.size, meta.etag, meta.mtime_ns
-            node.fresh_until = time.monotonic() + self.ttl
+            at = time.monotonic() if as_of is None else as_of
+            node.fresh_until = max(node.fresh_until, at + self.ttl)
             self._latest_file[path] = ino
         return node
 
@@ -204,6 +218,26 @@ class Namespace:
             self._listings.pop(node.path.rpartition("/")[0], None)
         return node
 
+    def gone(self, version: ObjectVersion) -> tuple[int, bytes] | None:
+        """The bucket no longer holds `version`: a GET pinned to its ETag was refused (412: replaced) or found
+        nothing (404: deleted). Its inode is superseded at once, whatever the TTL, so the next open of it gets
+        ESTALE and the kernel looks the path up again; the parent's listing, which names it, goes too. The
+        kernel's entry to drop, (parent inode, name), if the kernel knows the parent."""
+        if not version.key.startswith(self.prefix):
+            return None
+        path = version.key[len(self.prefix):]
+        ino = self._ino_by_path.get((path, version.etag))
+        node = self._nodes.get(ino) if ino is not None else None
+        if node is not None and not node.writing:
+            node.superseded = True
+        parent, _, name = path.rpartition("/")
+        self._listings.pop(parent, None)
+        self._negative.pop(path, None)
+        parent_ino = self._ino_by_path.get((parent, None))
+        if parent_ino is None or parent_ino not in self._nodes:
+            return None
+        return parent_ino, name.encode("utf-8", "surrogateescape")
+
     async def open_file(self, ino: int) -> ObjectVersion:
         """The version an open of this inode reads: its own, refreshed. ESTALE when the bucket now holds
         another version, which makes the kernel look the path up again (LOOKUP_REVAL) and open the new
@@ -216,12 +250,13 @@ class Namespace:
             raise PathError(errno.ESTALE)
         return node.version(self.prefix)
 
-    async def open_dir(self, ino: int) -> list[DirEntry]:
-        """The entries a directory handle lists from opendir to releasedir."""
+    async def open_dir(self, ino: int) -> tuple[list[DirEntry], float]:
+        """The entries a directory handle lists from opendir to releasedir, and when their listing began
+        (for `entry_node`)."""
         node = self.node(ino)
         if not node.is_dir:
             raise PathError(errno.ENOTDIR)
-        return await self.listing(node)
+        return await self._listing(node)
 
     # -- names ---------------------------------------------------------------------------------
 
@@ -273,7 +308,7 @@ class Namespace:
             entry = listing.get(name_b)
             if entry is None:
                 raise PathError(errno.ENOENT)
-            return self._node_for(path, entry.is_dir, entry.meta)
+            return self._node_for(path, entry.is_dir, entry.meta, listing.at)
         if path in self._negative:
             raise PathError(errno.ENOENT)
         key = self.prefix + path
@@ -324,6 +359,10 @@ class Namespace:
 
     async def listing(self, node: Node) -> list[DirEntry]:
         """Entries of a directory, from the TTL cache or one paginated delimited listing."""
+        return (await self._listing(node))[0]
+
+    async def _listing(self, node: Node) -> tuple[list[DirEntry], float]:
+        """`listing`, and when that listing began (monotonic)."""
         cached = self._listings.get(node.path)
         if cached is None:
             try:
@@ -334,10 +373,16 @@ class Namespace:
                 if cached is None:
                     raise
                 self._log_stale(exc)
-                return self._with_pending(node.path, cached)
-            self._listings[node.path] = cached
-            self._last_listings[node.path] = cached
-        return self._with_pending(node.path, cached)
+                return self._with_pending(node.path, cached), cached.at
+            self._keep(node.path, cached)
+        return self._with_pending(node.path, cached), cached.at
+
+    def _keep(self, path: str, entries: Listing) -> None:
+        """Cache a directory's listing, unless it alone is bigger than the whole cache (cachetools refuses
+        it: such a directory is listed anew by every opendir, and still listed)."""
+        if len(entries) <= LISTING_CACHE_ENTRIES:
+            self._listings[path] = entries
+            self._last_listings[path] = entries
 
     def _with_pending(self, path: str, entries: dict[bytes, DirEntry]) -> list[DirEntry]:
         """A directory's entries and the files being written in it (which no listing has yet)."""
@@ -355,7 +400,7 @@ class Namespace:
         entries = self._listings.get(parent_path)
         if entries is None:
             entries = await self._list(parent_path)
-            self._listings[parent_path] = entries
+            self._keep(parent_path, entries)
         out = []
         for name_b in sorted(entries):
             entry = entries[name_b]
@@ -373,13 +418,13 @@ class Namespace:
         known = self._nodes.get(ino) if ino is not None else None
         return ino if known is not None and known.lookups > 0 else None
 
-    async def _list(self, path: str) -> dict[bytes, DirEntry]:
+    async def _list(self, path: str) -> Listing:
         prefix = self._dir_prefix(path)
         started = self._seq
         # One call per page, so each page gets the store call's timeout; a failure on any page fails the
         # whole listing (nothing partial is cached or served).
         pages = self._store.list_pages(prefix)
-        entries: dict[bytes, DirEntry] = {}
+        entries = Listing(time.monotonic())
         while (page := await self._call(next, pages, None)) is not None:
             for raw in page.undecodable:
                 self._skip(raw, "not valid UTF-8")
@@ -405,17 +450,18 @@ class Namespace:
         self._patch(path, entries, started)
         for name_b, entry in entries.items():
             if not entry.is_dir:
-                self._refresh_known(self._join(path, name_b.decode("utf-8")), entry.meta)
+                self._refresh_known(self._join(path, name_b.decode("utf-8")), entry.meta, entries.at)
         return entries
 
-    def _refresh_known(self, path: str, meta: ObjectMeta | None) -> None:
+    def _refresh_known(self, path: str, meta: ObjectMeta | None, as_of: float) -> None:
         """A listing also refreshes file nodes the kernel already knows."""
         ino = self._ino_by_path.get((path, meta.etag)) if meta is not None else None
         if ino is not None and ino in self._nodes and meta is not None:
-            self._node_for(path, False, meta)
+            self._node_for(path, False, meta, as_of)
 
-    def entry_node(self, parent: Node, entry: DirEntry) -> Node:
-        """The node for a listed entry (readdirplus); then `entry_taken` or `entry_refused` by the kernel."""
+    def entry_node(self, parent: Node, entry: DirEntry, as_of: float) -> Node:
+        """The node for an entry of a listing begun at `as_of` (readdirplus); then `entry_taken` or
+        `entry_refused` by the kernel."""
         path = self._join(parent.path, entry.name.decode("utf-8"))
         if entry.meta is None and not entry.is_dir:
             pending = self._pending.get(path)
@@ -428,7 +474,7 @@ class Namespace:
             if node is None or node.superseded or node.writing:
                 raise PathError(errno.ENOENT)
             return node
-        return self._node_for(path, entry.is_dir, entry.meta)
+        return self._node_for(path, entry.is_dir, entry.meta, as_of)
 
     def entry_taken(self, node: Node) -> None:
         """The kernel took a readdirplus entry: it counts as a lookup."""

@@ -22,7 +22,7 @@ from typing import Any, TypeVar
 
 import pyfuse3
 
-from fsmount.data import ChunkEngine, StoreError
+from fsmount.data import ChunkEngine, NotFound, PreconditionFailed, StoreError
 from fsmount.handles import OpenFile
 from fsmount.namespace import DirEntry, Namespace, Node, PathError
 from fsmount.new_file import NewFile
@@ -110,7 +110,8 @@ class Operations(pyfuse3.Operations):
         self.owner = owner
         self._mount_time_ns = time.time_ns()
         self._files: dict[int, OpenFile] = {}
-        self._dirs: dict[int, tuple[int, list[DirEntry]]] = {}  # fh -> (inode, snapshot at opendir)
+        # fh -> (inode, snapshot at opendir, when its listing began)
+        self._dirs: dict[int, tuple[int, list[DirEntry], float]] = {}
         self._writers: dict[int, NewFile] = {}  # fh -> the file it writes
         self._next_fh = 1
 
@@ -199,20 +200,20 @@ class Operations(pyfuse3.Operations):
 
     @_fuse_errors
     async def opendir(self, inode: int, ctx: pyfuse3.RequestContext) -> int:
-        entries = await self.ns.open_dir(inode)
+        entries, listed_at = await self.ns.open_dir(inode)
         fh = self._new_fh()
-        self._dirs[fh] = (inode, entries)
+        self._dirs[fh] = (inode, entries, listed_at)
         return fh
 
     @_fuse_errors
     async def readdir(self, fh: int, start_id: int, token: pyfuse3.ReaddirToken) -> None:
         if fh not in self._dirs:
             raise pyfuse3.FUSEError(errno.EBADF)
-        inode, entries = self._dirs[fh]
+        inode, entries, listed_at = self._dirs[fh]
         parent = self.ns.node(inode)
         for i in range(start_id, len(entries)):
             try:
-                node = self.ns.entry_node(parent, entries[i])
+                node = self.ns.entry_node(parent, entries[i], listed_at)
             except PathError:
                 # Gone since opendir (a file being written that was dropped). Skipped: an error here would
                 # end the listing, and glibc's readdir reports ENOENT as the end of the directory.
@@ -285,10 +286,18 @@ class Operations(pyfuse3.Operations):
             # at --memory-limit 256M was fetched 1.34-1.37 times, now once, with `cat` and `load_file` unchanged
             # (bench/RESULTS.md). With room, read-ahead stays: there the model is fetched once either way.
             cap = 0
-        if not self.pusher.enabled:
-            return await handle.read(off, size, cap)
-        with self.pusher.reading(handle.ino, off, off + size):
-            return await handle.read(off, size, cap)
+        try:
+            if not self.pusher.enabled:
+                return await handle.read(off, size, cap)
+            with self.pusher.reading(handle.ino, off, off + size):
+                return await handle.read(off, size, cap)
+        except (PreconditionFailed, NotFound) as exc:
+            # The bucket no longer holds this version (replaced or deleted): this handle gets EIO (it never
+            # mixes versions), and the next open of the path gets the bucket's current one, TTL or not.
+            entry = self.ns.gone(handle.version)
+            if entry is not None:  # so that a stat, too, looks the name up again (the TTL may be forever)
+                pyfuse3.invalidate_entry_async(*entry, ignore_enoent=True)
+            raise StoreError(f"{exc.message}; new opens get what the bucket holds now") from None
 
     @_fuse_errors
     async def release(self, fh: int) -> None:

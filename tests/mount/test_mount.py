@@ -230,6 +230,35 @@ def test_replaced_object_is_seen_after_ttl_and_old_handle_never_mixes(moto_serve
         assert (mountpoint / "w.bin").read_bytes() == new
 
 
+@pytest.mark.parametrize("change", ["replaced", "deleted"])
+def test_with_ttl_forever_a_version_the_bucket_no_longer_holds_costs_one_read_not_every_open(
+        s3: S3Server, mountpoint: Path, change: str) -> None:
+    """An object replaced (or deleted) in the bucket after the mount listed it, with the README's
+    `--metadata-ttl forever`: the read that finds out gets EIO (never the old bytes mixed with the new), and
+    the next open gets what the bucket holds now, as an inference server restarted after the change must."""
+    bucket = new_bucket(s3)
+    c = s3.client()
+    old, new = random_bytes(3 * MiB, 1), random_bytes(5 * MiB + 7, 2)
+    c.put_object(Bucket=bucket, Key="d/config.json", Body=old)
+    path = mountpoint / "d" / "config.json"
+    with mounted(s3, bucket, mountpoint, "--metadata-ttl", "forever",
+                 allowed=("object changed", "not found", "fetching chunk")):
+        assert os.listdir(mountpoint / "d") == ["config.json"]
+        assert path.stat().st_size == len(old)
+        if change == "replaced":
+            c.put_object(Bucket=bucket, Key="d/config.json", Body=new)
+        else:
+            c.delete_object(Bucket=bucket, Key="d/config.json")
+        with pytest.raises(OSError) as exc:
+            path.read_bytes()
+        assert exc.value.errno == errno.EIO  # not ENOENT from read(2), whatever the bucket answered
+        if change == "replaced":
+            assert sha(path.read_bytes()) == sha(new)
+            assert path.stat().st_size == len(new)
+        else:
+            assert not path.exists()
+
+
 def test_memory_limit_respected_under_4_parallel_readers(moto_server: S3Server, mountpoint: Path) -> None:
     """Peak RSS stays within --memory-limit + 64 MiB (the issue's target) under 4 parallel readers."""
     limit_mib = 192

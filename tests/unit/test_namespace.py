@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import errno
 
+import cachetools
 import pytest
 
+from fsmount import namespace
 from fsmount.data import Unreachable
 from fsmount.namespace import ROOT_INODE, Namespace, PathError
 from tests.helpers import ORIGIN_UNAVAILABLE
@@ -128,6 +130,77 @@ async def test_metadata_refreshes_after_ttl() -> None:
     del store.objects["f"]
     with pytest.raises(PathError):
         await ns.refresh(node)
+
+
+@pytest.mark.parametrize("change", ["replaced", "deleted"])
+async def test_a_version_the_bucket_no_longer_holds_is_superseded_whatever_the_ttl(change: str) -> None:
+    """A GET pinned to a version failed (412 or 404): with --metadata-ttl forever the next open must still get
+    ESTALE, and the path's next lookup ask the bucket (not the cached listing) for what it holds now."""
+    store = FakeStore()
+    store.put("d/f", b"old")
+    ns = make_ns(store, ttl=float("inf"))
+    d = await ns.lookup(ROOT_INODE, b"d")
+    await names(ns, d.ino)  # the listing names the old version
+    node = await ns.lookup(d.ino, b"f")
+    old = node.version("")
+    if change == "replaced":
+        store.put("d/f", b"newer!")
+    else:
+        del store.objects["d/f"]
+    assert await ns.open_file(node.ino) == old  # nothing says so yet: the TTL is forever
+    assert ns.gone(old) == (d.ino, b"f")  # the kernel entry to drop
+    with pytest.raises(PathError) as exc:
+        await ns.open_file(node.ino)
+    assert exc.value.errno == errno.ESTALE
+    if change == "replaced":
+        new = await ns.lookup(d.ino, b"f")
+        assert new.ino != node.ino and new.size == 6 and await ns.open_file(new.ino) == new.version("")
+    else:
+        with pytest.raises(PathError) as exc:
+            await ns.lookup(d.ino, b"f")
+        assert exc.value.errno == errno.ENOENT
+
+
+async def test_what_a_listing_says_of_a_file_is_trusted_for_the_ttl_from_the_listing_not_from_its_use(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A name looked up from a listing made 8 s ago with a 10 s TTL is asked of the bucket again 2 s later,
+    not 10 s later: a replaced object is seen within one TTL (README), not two."""
+    clock = [1000.0]
+    monkeypatch.setattr(namespace.time, "monotonic", lambda: clock[0])
+    store = FakeStore()
+    store.put("f", b"old")
+    ns = make_ns(store, ttl=10.0)
+    await names(ns, ROOT_INODE)
+    clock[0] += 8
+    node = await ns.lookup(ROOT_INODE, b"f")
+    assert node.fresh_until == 1010.0
+    assert store.heads == 0
+    store.put("f", b"newer!")
+    clock[0] += 2.5
+    assert (await ns.refresh(node)).superseded and store.heads == 1
+    new = await ns.lookup(ROOT_INODE, b"f")  # the listing expired with the TTL: asked again
+    assert new.size == 6 and new.fresh_until == clock[0] + 10
+
+
+async def test_a_directory_bigger_than_the_listing_cache_is_listed_every_time(monkeypatch: pytest.MonkeyPatch) -> None:
+    """cachetools refuses a value bigger than the cache: such a directory must still list (uncached)."""
+    monkeypatch.setattr(namespace, "LISTING_CACHE_ENTRIES", 3)
+    store = FakeStore()
+    for i in range(5):
+        store.put(f"big/{i}", b"x")
+    store.put("small/a", b"y")
+    ns = Namespace(store, call, prefix="", ttl=60.0)
+    ns._listings = cachetools.TTLCache(maxsize=3, ttl=60.0, getsizeof=lambda entries: max(1, len(entries)))
+    ns._last_listings = cachetools.LRUCache(maxsize=3, getsizeof=lambda entries: max(1, len(entries)))
+    big = await ns.lookup(ROOT_INODE, b"big")
+    for _ in range(2):
+        assert len(await names(ns, big.ino)) == 5
+    assert (await ns.lookup(big.ino, b"4")).size == 1
+    small = await ns.lookup(ROOT_INODE, b"small")
+    lists = store.lists
+    await names(ns, small.ino)
+    await names(ns, small.ino)
+    assert store.lists == lists + 1  # a directory that fits is cached as before
 
 
 async def test_prefix_mounts_a_subtree() -> None:

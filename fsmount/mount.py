@@ -64,6 +64,12 @@ FUSECTL = "/sys/fs/fuse/connections"
 # At unmount, how long to wait for chunks already fetched to reach the NVMe cache. A full default memory
 # budget (2 GiB) writes in ~4 s at the dev box's O_DIRECT rate; systemd's stop timeout is 90 s.
 WRITE_DRAIN_S = 30.0
+# After SIGTERM/SIGINT, how long requests already in flight may take before they are cut short: pyfuse3's main
+# loop waits for every handler, and a READ stalled on the origin would hold the stop for --read-timeout (120 s,
+# past systemd's stop timeout, whose SIGKILL leaves a dead mount). Their readers then get ENOTCONN, as from any
+# unmount. Longer while a file is open for writing, so that a close storing it may finish.
+STOP_GRACE_S = 5.0
+STOP_GRACE_WRITING_S = 20.0
 # At most this long dropping the shared-tier claims of fetches the unmount cut short (one DELETE each).
 CLAIM_DROP_S = 10.0
 # botocore's retries of one shared-tier request: none, since the origin is the fallback; a request then
@@ -342,6 +348,10 @@ class Daemon:
         self.metrics = metrics
         self.store = Boto3Store(cfg.store)
         self._meta_limiter: trio.CapacityLimiter | None = None
+        # pyfuse3's main loop and the handlers it runs: cancelled by _watch_signals once a stop's grace is over,
+        # unless main() returned first (_served).
+        self._requests = trio.CancelScope()
+        self._served = False
         self.disk_cache = open_disk_cache(cfg) if cfg.cache_dir else None
         self.shared_tier = open_shared_tier(cfg) if cfg.shared_cache else None
         # The cache levels below memory, asked in this order before the origin.
@@ -436,7 +446,9 @@ class Daemon:
                 await nursery.start(self.writes.run)
             nursery.start_soon(self._watch_signals)
             nursery.start_soon(self._announce_ready)
-            await pyfuse3.main()
+            with self._requests:
+                await pyfuse3.main()
+            self._served = True
             if self.writes is not None:
                 await self.writes.abort_all()
                 await self.writes.drain_cache_fills()
@@ -471,9 +483,16 @@ class Daemon:
                     # (WatchedFileHandler does that by itself); a mount in use must not go away.
                     log.info("received SIGHUP: still mounted (the log file is reopened when it moves)")
                     continue
-                log.info("received %s, unmounting", signal.Signals(signum).name)
+                name = signal.Signals(signum).name
+                log.info("received %s, unmounting", name)
                 sd_notify("STOPPING=1")
                 pyfuse3.terminate()
+                grace = STOP_GRACE_WRITING_S if self.ops.writers else STOP_GRACE_S
+                await trio.sleep(grace)
+                if not self._served:
+                    log.warning("requests still in flight %g s after %s were cut short (their callers get "
+                                "ENOTCONN)", grace, name)
+                    self._requests.cancel()
                 return
 
     async def _announce_ready(self) -> None:

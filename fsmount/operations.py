@@ -122,7 +122,12 @@ class Operations(pyfuse3.Operations):
 
     @property
     def open_files(self) -> int:
-        return self.readers + len(self._writers)
+        return self.readers + self.writers
+
+    @property
+    def writers(self) -> int:
+        """Files open for writing."""
+        return len(self._writers)
 
     @property
     def readers(self) -> int:

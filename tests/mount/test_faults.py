@@ -18,11 +18,13 @@ MODELFS_SOAK_SECONDS=600 for that). docs/RELIABILITY.md maps every scenario to i
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
 import random
 import re
+import signal
 import subprocess
 import threading
 import time
@@ -33,6 +35,7 @@ import pytest
 
 from fsmount.config import DEFAULT_MAX_CONNECTIONS, GET_CLIENTS
 from fsmount.data.boto3_store import BOTO_MAX_ATTEMPTS, GET_ATTEMPTS, PRESIGNED_GET_ATTEMPTS
+from fsmount.mount import STOP_GRACE_S
 from fsmount.namespace import invalid_segment_reason
 from fsmount.testing.fault_proxy import Down, Fault, FaultProxy, synthetic_body
 from tests.helpers import (
@@ -54,6 +57,7 @@ from tests.helpers import (
     mounted,
     mounted_via,
     new_bucket,
+    open_random,
     opened_random,
     proc_status,
     random_bytes,
@@ -307,6 +311,42 @@ def test_unmount_during_stall_exits_promptly(moto_server: S3Server, proxy: Fault
                 pytest.fail(f"the daemon was still running {UNMOUNT_EXIT_S:g}s after the unmount")
         finally:
             proxy.clear()  # lets the stuck fetch finish, so the fixture sees the daemon exit
+
+
+def test_sigterm_during_a_stall_stops_within_its_grace_not_the_read_timeout(moto_server: S3Server, proxy: FaultProxy,
+                                                                             mountpoint: Path) -> None:
+    """systemctl stop while a READ waits on a stalled origin, with a read timeout past systemd's stop timeout:
+    the daemon unmounts within its stop grace (pyfuse3's main loop waits for every handler), and the reader
+    gets an error, not a hang."""
+    bucket = bucket_with(moto_server, {"stall.bin": random_bytes(2 * MiB, 14)})
+    with mounted_via(proxy, moto_server, bucket, mountpoint, *fault_args("--read-timeout", "90"),
+                     allowed=("were cut short",)) as m:
+        proxy.inject(Fault.STALL, seconds=100)
+        errors: list[int] = []
+        fd = open_random(mountpoint / "stall.bin")
+
+        def read() -> None:
+            try:
+                os.pread(fd, MiB, 0)
+            except OSError as exc:
+                errors.append(exc.errno)
+
+        try:
+            reader = threading.Thread(target=read, daemon=True)
+            reader.start()
+            reader.join(1.0)
+            assert reader.is_alive()  # its READ waits on the stalled GET
+            m.proc.send_signal(signal.SIGTERM)
+            try:
+                m.proc.wait(STOP_GRACE_S + UNMOUNT_EXIT_S)
+            except subprocess.TimeoutExpired:
+                pytest.fail(f"the daemon was still running {STOP_GRACE_S + UNMOUNT_EXIT_S:g}s after SIGTERM")
+            reader.join(UNMOUNT_EXIT_S)
+            assert not reader.is_alive() and errors in ([errno.ENOTCONN], [errno.EIO]), errors
+        finally:
+            with contextlib.suppress(OSError):  # ENOTCONN: the mount is gone
+                os.close(fd)
+    assert "were cut short" in m.log_path.read_text()
 
 
 @pytest.mark.parametrize("fault", [Fault.RESET, Fault.TRUNCATE, Fault.SHORT])

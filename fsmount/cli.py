@@ -178,8 +178,8 @@ def add_mount_arguments(p: argparse.ArgumentParser) -> None:
                    help="bytes of streamed model data pushed into the kernel page cache for open files, "
                         "0 to disable (default half of MemAvailable, or of what the cgroup has left)")
     d.add_argument("--cache-dir", default=None, help="persistent local chunk cache directory (NVMe)")
-    d.add_argument("--cache-size", type=_cache_size, default=parse_cache_size("80%"),
-                   help="cache size, e.g. 500G or 80%% of the disk")
+    d.add_argument("--cache-size", type=_cache_size, default=None,
+                   help="cache size, e.g. 500G or 80%% of the disk (default 80%%; needs --cache-dir)")
     w = p.add_argument_group("writing (off by default: the mount is read-only)")
     w.add_argument("--writable", action="store_true",
                    help="accept new files (written sequentially, streamed to the bucket as a multipart upload "
@@ -249,6 +249,11 @@ def expand_mount_options(argv: list[str]) -> list[str]:
 def build_config(args: argparse.Namespace) -> MountConfig:
     if args.mount_ro and args.writable:
         raise ConfigError("-o ro and writable contradict each other: drop one")
+    if args.cache_size is not None and args.cache_dir is None:
+        raise ConfigError("--cache-size needs --cache-dir: without a cache directory no chunk is kept on disk")
+    if args.cache_size is not None and args.cache_size.fraction is None and args.cache_size.bytes < args.chunk_size:
+        raise ConfigError(f"--cache-size of {args.cache_size.bytes} bytes cannot hold one chunk "
+                          f"(--chunk-size {args.chunk_size})")
     store = StoreConfig(bucket=args.bucket, prefix=args.prefix, endpoint_url=args.endpoint_url,
                         region=args.region, profile=args.profile, addressing_style=args.addressing_style,
                         no_sign_request=args.no_sign_request, max_connections=args.max_connections,
@@ -263,7 +268,7 @@ def build_config(args: argparse.Namespace) -> MountConfig:
         max(default_memory_limit(), 4 * args.chunk_size),  # a tiny pod: the least the daemon works with
         max_readahead=args.max_readahead, kernel_readahead=args.kernel_readahead,
         fuse_max_background=args.fuse_max_background, cache_dir=args.cache_dir,
-        cache_size=args.cache_size, model_streaming=not args.no_model_streaming,
+        cache_size=_default(args.cache_size, parse_cache_size("80%")), model_streaming=not args.no_model_streaming,
         pagecache_push_limit=args.pagecache_push_limit, metrics_addr=args.metrics_addr,
         shared_cache=shared_cache_config(args), writable=args.writable, allow_overwrite=args.allow_overwrite,
         allow_delete=args.allow_delete, write_part_size=args.write_part_size)

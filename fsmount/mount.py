@@ -38,6 +38,7 @@ from fsmount.data import (
     TransientError,
     Uploads,
     cache_bytes,
+    default_min_free,
 )
 from fsmount.namespace import Namespace
 from fsmount.operations import Operations, Owner
@@ -70,6 +71,8 @@ WRITE_DRAIN_S = 30.0
 # unmount. Longer while a file is open for writing, so that a close storing it may finish.
 STOP_GRACE_S = 5.0
 STOP_GRACE_WRITING_S = 20.0
+# A cache dir with room for fewer chunks than this is worth a warning at mount.
+CACHE_ROOM_CHUNKS = 4
 # At most this long dropping the shared-tier claims of fetches the unmount cut short (one DELETE each).
 CLAIM_DROP_S = 10.0
 # botocore's retries of one shared-tier request: none, since the origin is the fallback; a request then
@@ -225,19 +228,33 @@ def bind_metrics(addr: str | None) -> MetricsServer | None:
 
 def check_bucket(cfg: MountConfig) -> None:
     try:
-        Boto3Store(cfg.store, preflight=True).check_bucket(cfg.store.prefix)
+        store = Boto3Store(cfg.store, preflight=True)
+        store.check_bucket(cfg.store.prefix)
+        empty = bool(cfg.store.prefix) and not cfg.writable and not store.has_children(cfg.store.prefix)
     except StoreError as exc:
         raise MountError(exc.message) from None
+    if empty:  # a typo would look like an empty model directory
+        log.warning("no key in bucket %s starts with %r: the mount is empty (is --prefix right?)", cfg.store.bucket,
+                    cfg.store.prefix)
 
 
 def open_disk_cache(cfg: MountConfig) -> DiskCache:
     assert cfg.cache_dir is not None
     try:
-        return DiskCache(cfg.cache_dir, cache_bytes(cfg.cache_size, cfg.cache_dir))
+        cache = DiskCache(cfg.cache_dir, cache_bytes(cfg.cache_size, cfg.cache_dir),
+                          min_free_bytes=default_min_free(cfg.cache_dir))
+        st = os.statvfs(cache.root)
     except CacheDirBusy as exc:
         raise MountError(str(exc)) from None
     except OSError as exc:
         raise MountError(f"cannot use cache dir {cfg.cache_dir}: {exc.strerror or exc}") from None
+    free = st.f_bavail * st.f_frsize
+    room = min(cache.max_bytes, cache.stats.bytes_used + free - cache.min_free_bytes)
+    if room < CACHE_ROOM_CHUNKS * cfg.chunk_size:
+        log.warning("cache dir %s has room for %d MiB of chunks only (--cache-size %d MiB; %d MiB free on its "
+                    "filesystem, %d MiB of which stay free): it will hold next to nothing", cache.root,
+                    max(0, room) // MiB, cache.max_bytes // MiB, free // MiB, cache.min_free_bytes // MiB)
+    return cache
 
 
 def open_shared_tier(cfg: MountConfig) -> SharedTier:

@@ -20,7 +20,7 @@ from fsmount.data.budget import MemoryBudget
 from fsmount.data.cache_admin import cache_clear, cache_stats, cache_verify
 from fsmount.data.cache_dir import CHUNKS_DIR, CacheDirBusy, cache_bytes
 from fsmount.data.chunk_file import ALIGN, pwrite_all, round_up
-from fsmount.data.disk_cache import DiskCache
+from fsmount.data.disk_cache import DiskCache, default_min_free
 from fsmount.data.engine import AHEAD, BACKGROUND, DEMAND, ChunkEngine, Fetch, ReadTimeout
 from fsmount.data.identity import Chunk, ChunkId, ObjectVersion, WritableBuffer, new_buffer
 from fsmount.data.levels import ChunkCache, LatencyHistogram, LevelStack
@@ -44,6 +44,7 @@ __all__ = [
     "CacheDirBusy", "Chunk", "ChunkCache", "ChunkEngine", "ChunkId", "DiskCache", "Fetch", "LatencyHistogram",
     "LevelStack", "ListingPage", "MemoryBudget", "NotFound", "ObjectMeta", "ObjectStore", "ObjectVersion",
     "PreconditionFailed", "ReadTimeout", "SharedTier", "StoreError", "TransientError", "Unreachable", "WritableBuffer",
-    "cache_bytes", "cache_clear", "cache_stats", "cache_verify", "MAX_PART_SIZE", "MAX_PARTS", "MIN_PART_SIZE",
+    "cache_bytes", "default_min_free", "cache_clear", "cache_stats", "cache_verify", "MAX_PART_SIZE", "MAX_PARTS",
+    "MIN_PART_SIZE",
     "PendingUpload", "COPY_OBJECT_MAX", "Uploads", "new_buffer", "pwrite_all", "round_up",
 ]

@@ -53,6 +53,7 @@ from fsmount.data.cache_dir import (
     SHARD_HEX_CHARS,
     TMP_SUFFIX,
     acquire_dir_lock,
+    bytes_for_fraction,
     chunk_path,
     free_bytes,
     release_dir_lock,
@@ -77,6 +78,9 @@ GiB = 1024**3
 # scale with the disk, and callers wanting Mountpoint's rule pass bytes_for_fraction(root, 0.05).
 # 4 GiB is a judgement call: room for several hundred 8 MiB chunks in flight plus log growth.
 DEFAULT_MIN_FREE = 4 * GiB
+# ... but at most this share of the filesystem (Mountpoint's 5 %), so that a small one (a test VM's disk, a
+# tmpfs) can cache at all: with the fixed 4 GiB, a 64 MiB cache dir never stored a chunk.
+MIN_FREE_SHARE = 0.05
 # After a failed write, puts are skipped for this long before one is tried again. A full disk rarely frees
 # within seconds; 30 s bounds the wasted attempts to 2 a minute and resumes within a minute of space
 # freeing. A judgement call, not a measurement.
@@ -443,6 +447,12 @@ class DiskCache:
             why,
             "; further ones are logged at debug level and counted in stats.corrupt" if first else "",
         )
+
+
+def default_min_free(root: str | os.PathLike[str]) -> int:
+    """The free space a cache at `root` leaves to the rest of the node: DEFAULT_MIN_FREE, or MIN_FREE_SHARE of
+    a smaller filesystem."""
+    return min(DEFAULT_MIN_FREE, bytes_for_fraction(root, MIN_FREE_SHARE))
 
 
 def unlink_quietly(path: str) -> None:

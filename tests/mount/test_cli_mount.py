@@ -171,6 +171,21 @@ def test_background_mount_returns_when_ready_and_unmount(moto_server: S3Server, 
     assert "mounted bucket" in log.read_text()
 
 
+def test_a_prefix_that_matches_nothing_is_named_at_mount(s3: S3Server, tmp_path: Path) -> None:
+    """`--prefix lama/` for `llama/`: an empty tree, which looks like an empty model directory; the mount warns.
+    Read-only only: a writable mount's new prefix is empty by nature."""
+    bucket = new_bucket(s3)
+    s3.client().put_object(Bucket=bucket, Key="llama/config.json", Body=b"{}")
+    mp = tmp_path / "mnt"
+    warning = "no key in bucket .* starts with 'lama/'"
+    with mounted(s3, bucket, mp, "--prefix", "lama/", allowed=(warning,)) as m:
+        assert os.listdir(mp) == []
+    assert "starts with 'lama/': the mount is empty" in m.log()
+    for flags in (("--prefix", "llama/"), ("--prefix", "new-run/", "--writable")):
+        with mounted(s3, bucket, mp, *flags) as m:  # the log check fails the test on any warning
+            os.listdir(mp)
+
+
 def test_python_m_entry_point() -> None:
     res = subprocess.run([sys.executable, "-m", "fsmount", "--version"], capture_output=True, text=True,
                          cwd=REPO)

@@ -44,6 +44,21 @@ def test_ro_and_writable_together_are_refused() -> None:
         build_config(both)
 
 
+def test_cache_options_that_would_do_nothing_are_refused() -> None:
+    """--cache-size without --cache-dir, or too small for one chunk, used to be accepted and keep nothing."""
+    def cfg(*flags: str):  # noqa: ANN202
+        return build_config(make_parser().parse_args(expand_mount_options(["mount", "b", "/m", *flags])))
+
+    for flags in (["--cache-size", "10G"], ["-o", "cache_size=50%"]):
+        with pytest.raises(ConfigError, match="--cache-size needs --cache-dir"):
+            cfg(*flags)
+    with pytest.raises(ConfigError, match="cannot hold one chunk"):
+        cfg("--cache-dir", "/nvme/x", "--cache-size", "1K")
+    assert cfg("--cache-dir", "/nvme/x", "--cache-size", "8M").cache_size.bytes == 8 * MiB
+    assert cfg("--cache-dir", "/nvme/x").cache_size.fraction == 0.8  # the default
+    assert cfg("--cache-dir", "/nvme/x", "--cache-size", "50%").cache_size.fraction == 0.5
+
+
 def test_defaults_are_safe() -> None:
     cfg = build_config(make_parser().parse_args(["mount", "b", "/m"]))
     assert not cfg.allow_other

@@ -140,8 +140,12 @@ class Operations(pyfuse3.Operations):
         attr = pyfuse3.EntryAttributes()
         attr.st_ino = node.ino
         attr.generation = 0
-        attr.entry_timeout = self.ns.ttl
-        attr.attr_timeout = self.ns.ttl
+        # What the kernel may keep without asking: a file's version only for what is left of its TTL (it may come
+        # from a listing made a while ago), so that a stat sees a replaced object within one TTL, not two.
+        timeout = self.ns.ttl
+        if not node.is_dir and not node.writing:
+            timeout = min(timeout, max(0.0, node.fresh_until - time.monotonic()))
+        attr.entry_timeout = attr.attr_timeout = timeout
         if node.is_dir:
             attr.st_mode = stat.S_IFDIR | self.owner.dir_mode
             attr.st_nlink = 2

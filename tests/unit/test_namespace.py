@@ -182,6 +182,28 @@ async def test_what_a_listing_says_of_a_file_is_trusted_for_the_ttl_from_the_lis
     assert new.size == 6 and new.fresh_until == clock[0] + 10
 
 
+async def test_the_kernel_keeps_a_files_attributes_for_what_is_left_of_its_ttl(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """An entry from a listing made 8 s ago with a 10 s TTL is the kernel's for 2 s, not 10: otherwise a stat
+    of a replaced object shows the old size for up to two TTLs. Directories keep the whole TTL."""
+    from fsmount.operations import Operations, Owner
+
+    clock = [1000.0]
+    monkeypatch.setattr(namespace.time, "monotonic", lambda: clock[0])
+    store = FakeStore()
+    store.put("d/f", b"old")
+    ns = make_ns(store, ttl=10.0)
+    ops = Operations(ns, None, None, None, max_readahead=0, owner=Owner(0, 0, 0o444, 0o555))  # type: ignore[arg-type]
+    d = await ns.lookup(ROOT_INODE, b"d")
+    await names(ns, d.ino)
+    clock[0] += 8
+    attr = ops._attributes(await ns.lookup(d.ino, b"f"))
+    assert attr.entry_timeout == attr.attr_timeout == pytest.approx(2.0)
+    assert ops._attributes(d).entry_timeout == 10.0
+    clock[0] += 5
+    assert ops._attributes(await ns.lookup(d.ino, b"f")).attr_timeout == 0.0  # expired: asked again next time
+
+
 async def test_a_directory_bigger_than_the_listing_cache_is_listed_every_time(monkeypatch: pytest.MonkeyPatch) -> None:
     """cachetools refuses a value bigger than the cache: such a directory must still list (uncached)."""
     monkeypatch.setattr(namespace, "LISTING_CACHE_ENTRIES", 3)

@@ -218,8 +218,17 @@ def add_mount_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mount-ro", action="store_true", help=argparse.SUPPRESS)  # mount(8)'s -o ro
 
 
+def mount_option_strings() -> set[str]:
+    """Every option string `modelfs mount` takes (`--cache-dir`, ...)."""
+    p = argparse.ArgumentParser(add_help=False)
+    add_mount_arguments(p)
+    return set(p._option_string_actions)
+
+
 def expand_mount_options(argv: list[str]) -> list[str]:
-    """Turn every `-o a,b=c` into `--a --b c`, dropping mount(8)'s generic options."""
+    """Turn every `-o a,b=c` into `--a --b c`, dropping mount(8)'s generic options. ConfigError for a key
+    that is no option (argparse would name a `--flag` the user never typed, under the top-level usage)."""
+    known: set[str] | None = None
     out: list[str] = []
     i = 0
     while i < len(argv):
@@ -240,6 +249,9 @@ def expand_mount_options(argv: list[str]) -> list[str]:
                 out.append("--mount-ro")
                 continue
             key = MOUNT_OPTION_ALIASES.get(key, key)
+            known = mount_option_strings() if known is None else known
+            if "--" + key.replace("_", "-") not in known:
+                raise ConfigError(f"unknown mount option {opt.partition('=')[0]!r} in -o {opts}")
             out.append("--" + key.replace("_", "-"))
             if has_value:
                 out.append(value)
@@ -520,7 +532,10 @@ def _main(argv: list[str] | None) -> int:
     if argv and not argv[0].startswith("-") and argv[0] not in SUBCOMMANDS:
         argv = ["mount", *argv]
     if argv and argv[0] == "mount":
-        argv = expand_mount_options(argv)
+        try:
+            argv = expand_mount_options(argv)
+        except ConfigError as exc:
+            return fail(str(exc), 2)
     parser = make_parser()
     args = parser.parse_args(argv)
     if args.command == "mount":

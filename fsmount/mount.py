@@ -55,6 +55,8 @@ log = logging.getLogger(__name__)
 FUSE_DEVICE = "/dev/fuse"
 # /dev/fuse is the misc character device 10:229 (Documentation/admin-guide/devices.txt).
 FUSE_DEVICE_NUMBER = (10, 229)
+# fusermount3's configuration (user_allow_other).
+FUSE_CONF = "/etc/fuse.conf"
 # Metadata calls (HEAD, LIST) get their own threads so a burst of lookups never waits behind data.
 METADATA_THREADS = 8
 # How long readiness may take before the daemon gives up (the first request of a mount is fast;
@@ -173,7 +175,18 @@ def setup_logging(level: str, log_file: str | None = None, use_syslog: bool = Fa
         pyfuse3_log.addFilter(DiscardedReleaseReply())
 
 
-def check_fuse_available() -> None:
+def user_allow_other(fuse_conf: str = FUSE_CONF) -> bool:
+    """Whether fusermount3 lets users other than root mount with allow_other (`user_allow_other` in its conf)."""
+    try:
+        with open(fuse_conf, encoding="utf-8", errors="replace") as f:
+            return any(line.split("#", 1)[0].strip() == "user_allow_other" for line in f)
+    except OSError:
+        return False
+
+
+def check_fuse_available(allow_other: bool = False, fuse_conf: str = FUSE_CONF) -> None:
+    """What a mount needs of the machine, each missing piece named: libfuse's own failure says only
+    "fuse_session_mount failed", and a background mount loses libfuse's line that says why."""
     try:
         st = os.stat(FUSE_DEVICE)
     except OSError:
@@ -182,6 +195,11 @@ def check_fuse_available() -> None:
         raise MountError(f"{FUSE_DEVICE} is not the FUSE device: load the fuse kernel module")
     if shutil.which("fusermount3") is None:
         raise MountError("fusermount3 not found: install the fuse3 package (apt-get install fuse3)")
+    if not os.access(FUSE_DEVICE, os.R_OK | os.W_OK):
+        raise MountError(f"cannot open {FUSE_DEVICE}: permission denied (run as root, or give this user "
+                         f"read-write access to it)")
+    if allow_other and os.geteuid() != 0 and not user_allow_other(fuse_conf):
+        raise MountError(f"--allow-other as a user other than root needs 'user_allow_other' in {fuse_conf}")
 
 
 def daemon_gone(path: str) -> bool:
@@ -542,7 +560,7 @@ def run(cfg: MountConfig, ready: Callable[[str | None], None]) -> int:
     Returns the exit status."""
     metrics = None
     try:
-        check_fuse_available()
+        check_fuse_available(cfg.allow_other)
         mountpoint = check_mountpoint(cfg.mountpoint, cfg.allow_non_empty)
         metrics = bind_metrics(cfg.metrics_addr)
         check_bucket(cfg)

@@ -71,7 +71,8 @@ class StatsCollector:
                                 value=s["fetches_inflight"])
         yield GaugeMetricFamily("modelfs_memory_used_bytes", "Chunk bytes held or reserved in memory",
                                 value=s["memory_used_bytes"])
-        yield GaugeMetricFamily("modelfs_memory_limit_bytes", "--memory-limit", value=s["memory_limit_bytes"])
+        yield GaugeMetricFamily("modelfs_memory_limit_bytes", "Chunk memory: --memory-limit less the runtime's share",
+                                value=s["memory_limit_bytes"])
         yield GaugeMetricFamily("modelfs_open_files", "Open file handles", value=s["open_files"])
         dc = s["disk_cache"]
         if dc is not None:

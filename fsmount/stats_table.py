@@ -112,7 +112,7 @@ def format_stats(s: dict[str, Any], mountpoint: str) -> str:
                                f"{ws['parts_uploaded']} parts), {ws['files_failed']} not stored, {ws['renames']} "
                                f"renames, {ws['deletes']} deletes"))
     rows += [
-        ("memory", f"{_size(s['memory_used_bytes'])} of {_size(s['memory_limit_bytes'])}"),
+        ("chunk memory", f"{_size(s['memory_used_bytes'])} of {_size(s['memory_limit_bytes'])}"),
         ("model streaming", f"{_size(s['streamed_bytes'])} fetched, {_size(s['pagecache_stored_bytes'])} pushed "
                             f"into the page cache ({_size(s['pagecache_pushed_bytes'])} for files still open)"),
         ("now", f"{s['fetches_inflight']} fetches in flight, {s['open_files']} open files"),

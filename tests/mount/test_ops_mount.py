@@ -290,7 +290,7 @@ def test_stats_cold_then_warm_from_the_nvme_cache(moto_server: S3Server, tmp_pat
     assert rows["NVMe cache"].startswith("20.01 MiB of "), res.stdout  # data + a 4 KiB header per chunk
     assert rows["errors"] == "origin 0, cache corrupt 0, cache read 0, cache write 0", res.stdout
     assert {"read from memory", "read from NVMe cache", "read from origin", "origin GET latency",
-            "NVMe cache lookups", "memory", "model streaming", "now", "mount"} <= set(rows), res.stdout
+            "NVMe cache lookups", "chunk memory", "model streaming", "now", "mount"} <= set(rows), res.stdout
 
 
 def test_stats_of_a_path_that_is_not_a_mount(tmp_path: Path) -> None:

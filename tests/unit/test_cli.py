@@ -3,6 +3,8 @@ subprocess (fail-fast cases, help, version) is tests/mount/test_cli_mount.py."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from fsmount.cli import build_config, expand_mount_options, make_parser
@@ -33,6 +35,14 @@ def test_fstab_options_expand_and_generic_ones_are_ignored() -> None:
     cfg = build_config(args)
     assert cfg.allow_other and cfg.store.prefix == "llama/" and cfg.store.endpoint_url == "http://h:1"
     assert not cfg.writable
+
+
+def test_an_unknown_fstab_option_is_named_as_written() -> None:
+    """argparse named `--bogus-opt 1`, a flag the user never typed, under the top-level usage line."""
+    with pytest.raises(ConfigError, match=r"unknown mount option 'bogus_opt' in -o ro,bogus_opt=1"):
+        expand_mount_options(["mount", "b", "/m", "-o", "ro,bogus_opt=1"])
+    assert expand_mount_options(["mount", "b", "/m", "-o", "cache-dir=/x,allow_other"]) == [
+        "mount", "b", "/m", "--cache-dir", "/x", "--allow-other"]
 
 
 def test_ro_and_writable_together_are_refused() -> None:
@@ -112,3 +122,32 @@ def test_prefetch_waits_for_the_daemons_pending_cache_writes(monkeypatch: pytest
 
     monkeypatch.setattr(pc, "pending_writes", lambda mountpoint: 7)
     assert pc.wait_for_writes(["/models/m", "/models/n"], 5.0, clock=clock) == 7
+
+
+def test_a_user_without_dev_fuse_or_user_allow_other_is_told_which(monkeypatch: pytest.MonkeyPatch,
+                                                                     tmp_path) -> None:  # noqa: ANN001
+    """As a user other than root, libfuse fails with "fuse_session_mount failed" alone (and a background mount
+    loses its line saying why): the pre-flight names the missing piece."""
+    from fsmount import mount
+    from fsmount.mount import MountError, check_fuse_available
+
+    if not os.path.exists(mount.FUSE_DEVICE):
+        pytest.skip("no /dev/fuse here")
+    conf = tmp_path / "fuse.conf"
+    conf.write_text("# user_allow_other\nmount_max = 1000\n")
+    monkeypatch.setattr(mount.shutil, "which", lambda name: "/usr/bin/" + name)
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    real_access = os.access
+    monkeypatch.setattr(os, "access", lambda path, mode: path != mount.FUSE_DEVICE and real_access(path, mode))
+    with pytest.raises(MountError, match="cannot open /dev/fuse: permission denied"):
+        check_fuse_available(False, str(conf))
+    monkeypatch.setattr(os, "access", lambda path, mode: True)
+    check_fuse_available(False, str(conf))
+    with pytest.raises(MountError, match="needs 'user_allow_other' in"):
+        check_fuse_available(True, str(conf))
+    with pytest.raises(MountError, match="needs 'user_allow_other' in"):
+        check_fuse_available(True, str(tmp_path / "missing.conf"))
+    conf.write_text("mount_max = 1000\n  user_allow_other  # for --allow-other\n")
+    check_fuse_available(True, str(conf))
+    monkeypatch.setattr(os, "geteuid", lambda: 0)
+    check_fuse_available(True, str(tmp_path / "missing.conf"))  # root needs no user_allow_other

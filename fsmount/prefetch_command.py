@@ -7,13 +7,16 @@ fleet. It runs in the user's process, never inside the daemon.
 
 from __future__ import annotations
 
+import collections
+import concurrent.futures
 import errno
 import os
+import re
 import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 
 # Large reads keep many chunks in flight in the daemon; several threads per file spread them.
 BLOCK = 8 << 20
@@ -21,6 +24,8 @@ THREADS = 8
 MODELFS_FSTYPE = "fuse.modelfs"
 # How often the daemon's pending cache writes are looked at while waiting for them.
 WRITES_POLL_S = 0.2
+# mountinfo writes a space, tab, newline and backslash of a path as \ooo (octal); every other byte as it is.
+MOUNTINFO_ESCAPE = re.compile(rb"\\([0-7]{3})")
 
 
 class WarmError(Exception):
@@ -32,15 +37,15 @@ def mount_fstype(path: str) -> str | None:
     return mount_of(path)[1]
 
 
-def mount_of(path: str) -> tuple[str, str | None]:
+def mount_of(path: str, mountinfo: str = "/proc/self/mountinfo") -> tuple[str, str | None]:
     """(mount point, file system type) of the mount holding `path` (from /proc/self/mountinfo)."""
     real = os.path.realpath(path)
     best, best_type = "", None
-    with open("/proc/self/mountinfo") as f:
+    with open(mountinfo, "rb") as f:
         for line in f:
             fields = line.split()
-            mnt = fields[4].encode().decode("unicode_escape")
-            fstype = fields[fields.index("-") + 1]
+            mnt = os.fsdecode(MOUNTINFO_ESCAPE.sub(lambda m: bytes([int(m[1], 8)]), fields[4]))
+            fstype = os.fsdecode(fields[fields.index(b"-") + 1])
             if (real == mnt or real.startswith(mnt.rstrip("/") + "/")) and len(mnt) >= len(best):
                 best, best_type = mnt, fstype
     return best, best_type
@@ -106,21 +111,35 @@ def warm(paths: list[str], *, keep_pagecache: bool = True, threads: int = THREAD
             if bar is not None:
                 bar.update(size)
 
+    # Files whose blocks are submitted and not yet waited for, oldest first: up to `threads` of them, so that
+    # small files are read side by side too (one at a time, 3000 files of 4 KB took 14 s).
+    open_files: collections.deque[tuple[str, int, list[Future[None]]]] = collections.deque()
+
+    def finish() -> None:
+        path, fd, futures = open_files.popleft()
+        try:
+            concurrent.futures.wait(futures)  # every block, failed or not, before its descriptor closes
+            for fut in futures:
+                try:
+                    fut.result()
+                except OSError as exc:
+                    raise WarmError(f"{path}: {exc.strerror or exc}") from None
+        finally:
+            os.close(fd)
+
     try:
         with ThreadPoolExecutor(threads) as pool:
             for path, size in files:
                 fd = os.open(path, os.O_RDONLY)
-                try:
-                    futures = [pool.submit(read_block, fd, off, min(BLOCK, size - off))
-                               for off in range(0, size, BLOCK)]
-                    for fut in futures:
-                        try:
-                            fut.result()
-                        except OSError as exc:
-                            raise WarmError(f"{path}: {exc.strerror or exc}") from None
-                finally:
-                    os.close(fd)
+                open_files.append((path, fd, [pool.submit(read_block, fd, off, min(BLOCK, size - off))
+                                              for off in range(0, size, BLOCK)]))
+                while len(open_files) > threads:
+                    finish()
+            while open_files:
+                finish()
     finally:
+        for _, fd, _ in open_files:  # a failure left these: the pool has waited for their blocks
+            os.close(fd)
         if bar is not None:
             bar.close()
     return done

@@ -372,10 +372,15 @@ class SharedTier:
             if chunk not in self._claimed:
                 return
             self._claimed.discard(chunk)
+        if self._writes_paused() or self._down():
+            # Left to expire (CLAIM_TTL_S): against a tier that stopped answering, each DELETE waited out the
+            # tier's timeout, one claim after another, and held the unmount's drain of writes past its bound.
+            return
         try:
             self.client.delete_object(self.claim_key(chunk))
         except StoreError as exc:  # the claim then expires on its own
             log.debug("%s: dropping the claim on chunk %d of %r failed: %s", self, chunk.index, chunk.key, exc)
+            self._write_failed(exc, "dropping a claim")
 
     def _down(self) -> bool:
         with self._lock:
@@ -398,14 +403,14 @@ class SharedTier:
         with self._lock:
             return self._writes_paused_until is not None and self._clock() < self._writes_paused_until
 
-    def _write_failed(self, exc: StoreError) -> None:
+    def _write_failed(self, exc: StoreError, what: str = "writing a chunk") -> None:
         with self._lock:
             self.stats.write_errors += 1
             first = self._writes_paused_until is None
             self._writes_paused_until = self._clock() + WRITE_RETRY_S
         if first:
-            log.warning("%s: writing a chunk failed (%s); reads go on, writes pause and are retried every %gs",
-                        self, exc.message, WRITE_RETRY_S)
+            log.warning("%s: %s failed (%s); reads go on, writes pause and are retried every %gs",
+                        self, what, exc.message, WRITE_RETRY_S)
 
 
 def _expired(claim: bytes) -> bool:

@@ -11,7 +11,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from fsmount.data import ChunkId, StoreError, Unreachable, shared_tier
+from fsmount.data import ChunkId, ReadTimeout, StoreError, Unreachable, shared_tier
 from fsmount.data.chunk_file import encode_chunk
 from fsmount.data.shared_tier import (
     CLAIM_CHECK_S,
@@ -282,6 +282,39 @@ def test_refused_puts_pause_writes_and_reads_go_on(allowed_logs: list[str]) -> N
     clock.now += WRITE_RETRY_S + 1
     t.put(chunk(index=1), data_of(chunk(index=1)))
     assert t.stats.writes == 1
+
+
+def test_claims_of_a_tier_that_stopped_answering_are_left_to_expire(allowed_logs: list[str]) -> None:
+    """A tier that turns into a black hole after this node claimed its chunks: once a write has failed, the
+    claims are not DELETEd one after another (each DELETE waited out the tier's timeout, and the unmount's
+    drain of writes ran past its bound); they expire on their own. A failed DELETE pauses writes too."""
+    allowed_logs.append("failed .*writes pause")
+    client = DictClient()
+    clock = Clock()
+    t = tier(client, clock=clock)
+    cids = [chunk(index=i) for i in range(4)]
+    for cid in cids:
+        assert t.get(cid) is None  # a miss: this node claims the chunk to fetch it
+    assert t.stats.claims == 4
+    client.fail = ReadTimeout("PUT: timed out")
+    t.put(cids[0], data_of(cids[0]))  # the PUT fails: writes pause
+    requests = client.requests
+    for cid in cids[1:]:
+        t.put(cid, data_of(cid))
+    assert client.requests == requests  # neither a PUT nor a DELETE was sent
+    assert all(t.claim_key(cid) in client.objects for cid in cids)  # left to expire (CLAIM_TTL_S)
+
+    client.fail = None
+    clock.now += WRITE_RETRY_S + 1
+    t2 = tier(client, clock=clock)
+    for cid in cids:
+        client.objects.pop(t2.claim_key(cid), None)
+    assert t2.get(cids[0]) is None and t2.get(cids[1]) is None  # two fresh claims
+    client.fail = ReadTimeout("DELETE: timed out")
+    t2.abandon(cids[0])  # its DELETE fails: writes pause, and the next claim is not sent a DELETE
+    requests = client.requests
+    t2.abandon(cids[1])
+    assert client.requests == requests and t2.stats.write_errors == 1
 
 
 def test_read_only_never_writes_nor_claims() -> None:

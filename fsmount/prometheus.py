@@ -51,6 +51,9 @@ class StatsCollector:
         yield CounterMetricFamily("modelfs_origin_bytes", "Bytes downloaded from the origin", value=origin["bytes"])
         yield CounterMetricFamily("modelfs_origin_errors", "Ranged GETs that failed after retries",
                                   value=origin["errors"])
+        yield CounterMetricFamily("modelfs_origin_refetched_bytes", "Of the origin's bytes, those of chunks it "
+                                  "had sent before (evicted from memory before they were read)",
+                                  value=origin["refetched_bytes"])
         latency = origin["get_seconds"]
         buckets = [(_le(b), n) for b, n in latency["buckets"]] + [("+Inf", latency["count"])]
         yield HistogramMetricFamily("modelfs_origin_get_seconds", "Duration of one ranged GET of a chunk, "

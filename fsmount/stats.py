@@ -66,6 +66,8 @@ class MountStats:
                 "requests": ls.origin_requests,
                 "bytes": ls.origin_bytes,
                 "errors": ls.origin_errors,
+                # Of "bytes", those of chunks the origin had sent before (evicted before they were read).
+                "refetched_bytes": ls.origin_refetched_bytes,
                 "get_seconds": {"buckets": [[b, n] for b, n in buckets[:-1]], "count": count, "sum": total},
             },
             "cache_loaded_bytes": cache_loaded,

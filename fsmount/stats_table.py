@@ -84,6 +84,7 @@ def format_stats(s: dict[str, Any], mountpoint: str) -> str:
         ("read from origin", _size(served["origin"])),
         ("origin egress saved", f"{_size(s['egress_saved_bytes'])} ({loaded})"),
         ("origin downloads", f"{_size(origin['bytes'])} in {origin['requests']} GETs, {origin['errors']} failed"),
+        ("origin fetched again", _size(origin.get("refetched_bytes", 0))),
         ("origin GET latency", f"mean {mean}, p50 {_latency_quantile(get_s['buckets'], get_s['count'], 0.5)}, "
                                f"p99 {_latency_quantile(get_s['buckets'], get_s['count'], 0.99)}"),
     ]

@@ -3,7 +3,8 @@ in order (local NVMe first; a level closer to the origin later), then the origin
 pinned to the ETag; a chunk a level missed is written back to it in the background (to a level that
 allows it, such as the shared tier, only once this node's origin reads are done: trailing.py).
 
-It counts what it does (hits and bytes per level, origin requests, bytes, errors and GET latency) and
+It counts what it does (hits and bytes per level, origin requests, bytes, errors and GET latency, and the
+bytes of chunks the origin sent more than once, among the last REFETCH_MEMORY fetched) and
 those counters are the only ones of the fetch path. It never decides what to fetch or what stays in
 memory: the engine asks, the stack answers.
 
@@ -19,6 +20,7 @@ write); levels and the store are blocking and run in threads under the stack's o
 from __future__ import annotations
 
 import bisect
+import collections
 import dataclasses
 import logging
 import mmap
@@ -43,6 +45,9 @@ DISK_THREADS = 8
 PUT_THREADS = 2
 # A demanded fetch whose origin refuses connections (a server restarting) tries again after this long,
 # doubling up to the maximum, until its deadline: an outage shorter than --read-timeout costs time only.
+# Chunk ids of the latest origin fetches remembered to count a chunk fetched again (`origin_refetched_bytes`):
+# 65536 x 8 MiB is 512 GiB of models, for ~10 MiB of ids.
+REFETCH_MEMORY = 65536
 UNREACHABLE_RETRY_S = 0.25
 UNREACHABLE_RETRY_MAX_S = 4.0
 # Upper bounds (seconds) of one ranged GET of a chunk (8 MiB by default, retries included): ~10 ms
@@ -122,6 +127,9 @@ class LevelStats:
     origin_requests: int = 0
     origin_bytes: int = 0
     origin_errors: int = 0
+    # Of origin_bytes, those of chunks the origin had sent before: evicted from memory (or dropped by the
+    # kernel) before every READ that wanted them came, so the origin sent them again.
+    origin_refetched_bytes: int = 0
     level_hits: list[int] = dataclasses.field(default_factory=list)  # chunks found, per level
     level_misses: list[int] = dataclasses.field(default_factory=list)  # chunks asked for and not found
     level_bytes: list[int] = dataclasses.field(default_factory=list)  # bytes loaded, per level
@@ -143,6 +151,7 @@ class LevelStack:
         self.levels = list(levels)
         n = len(self.levels)
         self.stats = LevelStats(level_hits=[0] * n, level_misses=[0] * n, level_bytes=[0] * n)
+        self._fetched: collections.OrderedDict[ChunkId, None] = collections.OrderedDict()  # latest origin fetches
         self.origin_latency = LatencyHistogram()
         self._run_blocking = run_blocking
         self._s3_limiter = trio.CapacityLimiter(max_connections)
@@ -220,6 +229,13 @@ class LevelStack:
                 self.trailing.origin_finished()
                 self.origin_latency.observe(time.monotonic() - started)
         self.stats.origin_bytes += len(data)
+        if cid in self._fetched:
+            self.stats.origin_refetched_bytes += len(data)
+            self._fetched.move_to_end(cid)
+        else:
+            self._fetched[cid] = None
+            if len(self._fetched) > REFETCH_MEMORY:
+                self._fetched.popitem(last=False)
         return data
 
     # -- write-through -------------------------------------------------------------------------

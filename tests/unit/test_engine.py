@@ -271,6 +271,28 @@ async def test_close_during_prefetch_drops_queued_fetches(autojump_clock) -> Non
     await run_engine(engine, body)
 
 
+async def test_a_chunk_the_origin_sends_again_is_counted(autojump_clock) -> None:  # noqa: ANN001
+    """Bytes the origin sent twice (a chunk evicted from memory before a READ wanted it again) show in the
+    stats, so that over-fetch under a small --memory-limit is visible without comparing sizes by hand."""
+    store = FakeStore()
+    data = put_object(store, "m", 8 * CHUNK)
+    engine = make_engine(store, memory=4 * CHUNK)
+    v = version(store, "m")
+
+    async def body() -> None:
+        assert await engine.read(v, 0, 10) == data[:10]
+        assert await engine.read(v, 20, 30) == data[20:30]  # in memory: no GET
+        assert engine.levels.stats.origin_refetched_bytes == 0
+        for i in range(1, 8):  # four chunks of memory: chunk 0 is evicted
+            assert await engine.read(v, i * CHUNK, i * CHUNK + 10) == data[i * CHUNK:i * CHUNK + 10]
+        assert engine.levels.stats.origin_refetched_bytes == 0
+        assert await engine.read(v, 5, 15) == data[5:15]
+        stats = engine.levels.stats
+        assert stats.origin_refetched_bytes == CHUNK and stats.origin_bytes == 9 * CHUNK
+
+    await run_engine(engine, body)
+
+
 async def test_memory_limit_is_never_exceeded(autojump_clock) -> None:  # noqa: ANN001
     store = FakeStore()
     files = {f"f{i}": put_object(store, f"f{i}", 32 * MiB + i) for i in range(4)}

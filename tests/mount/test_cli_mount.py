@@ -40,7 +40,9 @@ def test_version_and_help() -> None:
 
 def test_unknown_option_is_rejected() -> None:
     res = run_modelfs("b", "/tmp", "-o", "no_such_option=1")
-    assert res.returncode == 2 and "no-such-option" in res.stderr
+    assert res.returncode == 2 and "unknown mount option 'no_such_option'" in res.stderr, res.stderr
+    res = run_modelfs("mount", "b", "/tmp", "--no-such-option")
+    assert res.returncode == 2 and "--no-such-option" in res.stderr, res.stderr
 
 
 def test_invalid_memory_limit_is_a_clear_error(tmp_path: Path) -> None:

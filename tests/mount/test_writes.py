@@ -124,10 +124,11 @@ def test_a_cache_dir_that_fills_up_costs_the_local_copy_not_the_file(s3: S3Serve
     bucket = new_bucket(s3)
     small = tmp_path / "small"
     small.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=24M", "tmpfs", str(small)], check=True)
+    # 36 MiB: room for a cache of 4 chunks (--cache-size 32M), not for the 40 MiB checkpoint beside it
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=36M", "tmpfs", str(small)], check=True)
     try:
         data = random_bytes(40 * MiB, 8)
-        with mounted(s3, bucket, mountpoint, *WRITABLE, "--cache-dir", str(small / "cache"),
+        with mounted(s3, bucket, mountpoint, *WRITABLE, "--cache-dir", str(small / "cache"), "--cache-size", "32M",
                      "--write-part-size", "5M", allowed=("cannot keep written files",)):
             if writer == "write":
                 with open(mountpoint / "ckpt.bin", "wb") as f:

@@ -43,11 +43,11 @@ DISK_THREADS = 8
 # writer thread competes with the read path for the GIL and the CPU; on the 2-core bench bed 1-2
 # writers were no slower than 8 for a cold read with --cache-dir (noisy: 144-267 MB/s either way).
 PUT_THREADS = 2
-# A demanded fetch whose origin refuses connections (a server restarting) tries again after this long,
-# doubling up to the maximum, until its deadline: an outage shorter than --read-timeout costs time only.
 # Chunk ids of the latest origin fetches remembered to count a chunk fetched again (`origin_refetched_bytes`):
 # 65536 x 8 MiB is 512 GiB of models, for ~10 MiB of ids.
 REFETCH_MEMORY = 65536
+# A demanded fetch whose origin refuses connections (a server restarting) tries again after this long,
+# doubling up to the maximum, until its deadline: an outage shorter than --read-timeout costs time only.
 UNREACHABLE_RETRY_S = 0.25
 UNREACHABLE_RETRY_MAX_S = 4.0
 # Upper bounds (seconds) of one ranged GET of a chunk (8 MiB by default, retries included): ~10 ms

@@ -212,11 +212,14 @@ class Namespace:
             raise PathError(errno.ENOENT)
         node.fresh_until = time.monotonic() + self.ttl
         if meta.etag != node.etag:
-            # This inode stays the old version; the path's next lookup gets a new inode. The
-            # parent's listing still names the old version, so it goes too.
-            node.superseded = True
-            self._listings.pop(node.path.rpartition("/")[0], None)
+            self._supersede(node)
         return node
+
+    def _supersede(self, node: Node) -> None:
+        """The bucket holds another version of this path (or none): this inode stays the old version, and the
+        path's next lookup gets a new inode. The parent's listing still names the old version, so it goes too."""
+        node.superseded = True
+        self._listings.pop(node.path.rpartition("/")[0], None)
 
     def gone(self, version: ObjectVersion) -> tuple[int, bytes] | None:
         """The bucket no longer holds `version`: a GET pinned to its ETag was refused (412: replaced) or found
@@ -229,9 +232,9 @@ class Namespace:
         ino = self._ino_by_path.get((path, version.etag))
         node = self._nodes.get(ino) if ino is not None else None
         if node is not None and not node.writing:
-            node.superseded = True
+            self._supersede(node)
         parent, _, name = path.rpartition("/")
-        self._listings.pop(parent, None)
+        self._listings.pop(parent, None)  # also when the kernel has forgotten the inode
         self._negative.pop(path, None)
         parent_ino = self._ino_by_path.get((parent, None))
         if parent_ino is None or parent_ino not in self._nodes:

@@ -68,6 +68,8 @@ class StatsCollector:
                                   value=s["readahead_dropped"])
         yield CounterMetricFamily("modelfs_pagecache_stored_bytes", "Bytes pushed into the kernel page cache "
                                   "so far (notify_store)", value=s["pagecache_stored_bytes"])
+        yield CounterMetricFamily("modelfs_pagecache_drops", "READs that found the kernel had dropped pages "
+                                  "it was believed to hold (pushed or read whole)", value=s["pagecache_drops"])
         yield GaugeMetricFamily("modelfs_pagecache_pushed_bytes", "Bytes pushed into the kernel page cache for "
                                 "files still open", value=s["pagecache_pushed_bytes"])
         yield GaugeMetricFamily("modelfs_fetches_inflight", "Chunk fetches running now",

@@ -83,6 +83,9 @@ class MountStats:
             "pagecache_pushed_bytes": self.pusher.pushed,
             # Every byte pushed into the page cache so far (notify_store), files since closed included.
             "pagecache_stored_bytes": self.pusher.stored_total,
+            # Times a READ came for pages the kernel was believed to hold (pushed, or read whole): it dropped
+            # them (memory pressure, or a drop_caches). Each drop forgets the file's pushes, so it counts once.
+            "pagecache_drops": es.pagecache_drops,
             "fetches_inflight": es.fetches_inflight,
             # Fetched chunks not yet written to the cache levels (written in the background).
             "cache_writes_pending": self.engine.levels.writes_pending,

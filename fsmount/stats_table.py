@@ -115,7 +115,8 @@ def format_stats(s: dict[str, Any], mountpoint: str) -> str:
     rows += [
         ("chunk memory", f"{_size(s['memory_used_bytes'])} of {_size(s['memory_limit_bytes'])}"),
         ("model streaming", f"{_size(s['streamed_bytes'])} fetched, {_size(s['pagecache_stored_bytes'])} pushed "
-                            f"into the page cache ({_size(s['pagecache_pushed_bytes'])} for files still open)"),
+                            f"into the page cache ({_size(s['pagecache_pushed_bytes'])} for files still open), "
+                            f"{s['pagecache_drops']} dropped by the kernel"),
         ("now", f"{s['fetches_inflight']} fetches in flight, {s['open_files']} open files"),
     ]
     errors = [f"origin {origin['errors']}"]

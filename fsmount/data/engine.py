@@ -61,6 +61,7 @@ class EngineStats:
     bytes_served_level: int = 0
     bytes_served_origin: int = 0
     readahead_dropped: int = 0
+    pagecache_drops: int = 0  # READs that showed the kernel had dropped pages it was believed to hold
     fetches_inflight: int = 0
 
 
@@ -186,6 +187,7 @@ class ChunkEngine:
         it, each fetched only when its own READ came, and model streaming skipped them all."""
         for index in self.chunk_range(obj, start, end):
             if self.memory.kernel_dropped(self.chunk_id(obj, index)):
+                self.stats.pagecache_drops += 1
                 log.debug("the page cache dropped %r: its chunks are read ahead and streamed again", obj.key)
                 return True
         return False

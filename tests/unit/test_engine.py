@@ -188,6 +188,7 @@ async def test_a_read_of_a_chunk_believed_in_the_page_cache_has_its_file_read_ah
         assert bytes(out) == data
         # The first READ told; later ones find only chunks READs took whole since (believed held again).
         assert dropped[0] and not any(dropped[1:])
+        assert engine.stats.pagecache_drops == 1  # what `modelfs stats` shows
         # Read ahead as a first read is (test_sequential_read_is_exact_and_prefetches); each chunk in turn
         # would take 41 latencies.
         assert elapsed < 41 * LATENCY / 2.5

@@ -19,6 +19,7 @@ def snapshot(**extra: Any) -> dict[str, Any]:
                    "get_seconds": {"buckets": [[0.1, 1]], "count": 1, "sum": 0.05}},
         "cache_loaded_bytes": 16 * MiB, "cache_chunk_hits": 2, "egress_saved_bytes": 16 * MiB,
         "streamed_bytes": 0, "readahead_dropped": 0, "pagecache_pushed_bytes": 0, "pagecache_stored_bytes": 0,
+        "pagecache_drops": 0,
         "fetches_inflight": 0,
         "cache_writes_pending": 0, "memory_used_bytes": 0, "memory_limit_bytes": 64 * MiB, "open_files": 0,
         "inodes": 1, "disk_cache": None, "shared_cache": None, "writes": None,

@@ -290,14 +290,15 @@ class Namespace:
         if name == ".":
             node = parent
         elif name == "..":
-            node = self._parent_of(parent)
+            node = self.parent_of(parent)
         else:
             if invalid_segment_reason(name) is not None:
                 raise PathError(errno.ENOENT)
             node = await self._resolve(parent, name_b, name)
         return node
 
-    def _parent_of(self, node: Node) -> Node:
+    def parent_of(self, node: Node) -> Node:
+        """The directory holding `node` (the root's is the root)."""
         parent_path = node.path.rpartition("/")[0]
         return self._node_for(parent_path, True, None)
 

@@ -35,6 +35,8 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_APPEND | os.O_TRUNC | os.O_CREAT
+# A listing starts with '.' and '..' (`ls -a`, and programs that count on them), then the directory's entries.
+DOT_ENTRIES = 2
 
 
 # What statfs reports for a writable mount (in 1 MiB blocks): a bucket has no size.
@@ -220,14 +222,19 @@ class Operations(pyfuse3.Operations):
             raise pyfuse3.FUSEError(errno.EBADF)
         inode, entries, listed_at = self._dirs[fh]
         parent = self.ns.node(inode)
-        for i in range(start_id, len(entries)):
+        # Positions: 0 is '.', 1 is '..', 2 + i is entries[i]; a reply's next_id is the position after it.
+        # The kernel takes no lookup of '.' and '..' (libfuse's rule for readdirplus), so they count none here.
+        for pos, name, node in ((0, b".", parent), (1, b"..", self.ns.parent_of(parent))):
+            if start_id <= pos and not pyfuse3.readdir_reply(token, name, self._attributes(node), pos + 1):
+                return
+        for i in range(max(0, start_id - DOT_ENTRIES), len(entries)):
             try:
                 node = self.ns.entry_node(parent, entries[i], listed_at)
             except PathError:
                 # Gone since opendir (a file being written that was dropped). Skipped: an error here would
                 # end the listing, and glibc's readdir reports ENOENT as the end of the directory.
                 continue
-            if not pyfuse3.readdir_reply(token, entries[i].name, self._attributes(node), i + 1):
+            if not pyfuse3.readdir_reply(token, entries[i].name, self._attributes(node), DOT_ENTRIES + i + 1):
                 self.ns.entry_refused(node)
                 return
             self.ns.entry_taken(node)

@@ -108,6 +108,14 @@ def test_tree_listing_and_every_byte(s3: S3Server, mountpoint: Path, big_object:
         assert sorted(os.listdir(mountpoint / "many")) == [f"f{i:04d}.txt" for i in range(1500)]
         assert os.listdir(mountpoint / "marker-only") == []
         assert (mountpoint / "dup").is_dir()
+        # `ls -a`: a directory's listing starts with '.' and '..', with the inode numbers stat gives them.
+        for folder in (mountpoint, mountpoint / "nested/a/b", mountpoint / "many"):
+            listed = subprocess.run(["ls", "-f1i", str(folder)], capture_output=True, text=True, check=True)
+            lines = [line.split(maxsplit=1) for line in listed.stdout.splitlines()]
+            # (For the mount's root, ls shows the inode of the directory it is mounted in, as stat does.)
+            assert lines[:2] == [[str(folder.stat().st_ino), "."], [str(folder.parent.stat().st_ino), ".."]], \
+                lines[:3]
+            assert sorted(name for _, name in lines[2:]) == sorted(os.listdir(folder))
         st = os.stat(mountpoint / "big/weights.bin")
         assert st.st_size == BIG and st.st_mode & 0o777 == 0o444
         assert os.stat(mountpoint / "zero/empty-1").st_size == 0

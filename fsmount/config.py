@@ -6,6 +6,7 @@ Everything here is pure and validated at construction; nothing here touches the 
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 import math
 import os
 import re
@@ -136,6 +137,22 @@ def _check_bucket(cfg: StoreConfig | SharedCacheConfig, bad_bucket: str, style_f
     if prefix and not prefix.endswith("/"):
         prefix += "/"
     object.__setattr__(cfg, "prefix", prefix)
+
+
+def virtual_style_ignored(endpoint_url: str | None, addressing_style: str) -> str | None:
+    """The host of an endpoint that botocore addresses with path style although `virtual` was asked for (an IP
+    address: a bucket cannot be a name under it), or None. It does so without a word; a server that takes
+    virtual-hosted requests only (OSS) then refuses every one."""
+    if addressing_style != "virtual" or not endpoint_url:
+        return None
+    from urllib.parse import urlsplit
+
+    try:
+        host = urlsplit(endpoint_url).hostname
+        ipaddress.ip_address(host or "")
+    except ValueError:
+        return None
+    return host
 
 
 @dataclasses.dataclass(frozen=True)

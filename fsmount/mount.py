@@ -23,7 +23,7 @@ from collections.abc import Callable
 import pyfuse3
 import trio
 
-from fsmount.config import MiB, MountConfig, StoreConfig
+from fsmount.config import MiB, MountConfig, StoreConfig, virtual_style_ignored
 from fsmount.data import (
     AccessDenied,
     Boto3Store,
@@ -244,7 +244,15 @@ def bind_metrics(addr: str | None) -> MetricsServer | None:
         raise MountError(str(exc)) from None
 
 
+def warn_path_style(endpoint_url: str | None, addressing_style: str, flag: str) -> None:
+    host = virtual_style_ignored(endpoint_url, addressing_style)
+    if host is not None:
+        log.warning("%s virtual: %s is an IP address, under which a bucket cannot be a host name, so requests "
+                    "use path style (a server that takes only virtual-hosted requests needs its DNS name)", flag, host)
+
+
 def check_bucket(cfg: MountConfig) -> None:
+    warn_path_style(cfg.store.endpoint_url, cfg.store.addressing_style, "--addressing-style")
     try:
         store = Boto3Store(cfg.store, preflight=True)
         store.check_bucket(cfg.store.prefix)
@@ -280,6 +288,7 @@ def open_shared_tier(cfg: MountConfig) -> SharedTier:
     does not answer only logs: it is tried again as reads go."""
     shared = cfg.shared_cache
     assert shared is not None
+    warn_path_style(shared.endpoint_url, shared.addressing_style, "--shared-cache-addressing-style")
     tier_store = StoreConfig(bucket=shared.bucket, endpoint_url=shared.endpoint_url, region=shared.region,
                              profile=shared.profile, addressing_style=shared.addressing_style,
                              max_connections=cfg.store.max_connections, connect_timeout=shared.timeout,

@@ -175,7 +175,7 @@ def test_background_mount_returns_when_ready_and_unmount(moto_server: S3Server, 
 
 def test_a_prefix_that_matches_nothing_is_named_at_mount(s3: S3Server, tmp_path: Path) -> None:
     """`--prefix lama/` for `llama/`: an empty tree, which looks like an empty model directory; the mount warns.
-    Read-only only: a writable mount's new prefix is empty by nature."""
+    Read-only only: a writable mount's new prefix is empty by nature. So is virtual addressing that cannot be."""
     bucket = new_bucket(s3)
     s3.client().put_object(Bucket=bucket, Key="llama/config.json", Body=b"{}")
     mp = tmp_path / "mnt"
@@ -186,6 +186,11 @@ def test_a_prefix_that_matches_nothing_is_named_at_mount(s3: S3Server, tmp_path:
     for flags in (("--prefix", "llama/"), ("--prefix", "new-run/", "--writable")):
         with mounted(s3, bucket, mp, *flags) as m:  # the log check fails the test on any warning
             os.listdir(mp)
+    # The test servers listen on 127.0.0.1: botocore uses path style there whatever is asked, and the mount says so.
+    warning = "--addressing-style virtual: 127.0.0.1 is an IP address"
+    with mounted(s3, bucket, mp, "--prefix", "llama/", "--addressing-style", "virtual", allowed=(warning,)) as m:
+        assert os.listdir(mp) == ["config.json"]
+    assert warning in m.log()
 
 
 def test_python_m_entry_point() -> None:

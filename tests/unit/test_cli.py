@@ -8,7 +8,7 @@ import os
 import pytest
 
 from fsmount.cli import build_config, expand_mount_options, make_parser
-from fsmount.config import ConfigError, GiB, MiB, parse_size, parse_ttl
+from fsmount.config import ConfigError, GiB, MiB, parse_size, parse_ttl, virtual_style_ignored
 
 
 def test_sizes_and_ttls() -> None:
@@ -43,6 +43,17 @@ def test_an_unknown_fstab_option_is_named_as_written() -> None:
         expand_mount_options(["mount", "b", "/m", "-o", "ro,bogus_opt=1"])
     assert expand_mount_options(["mount", "b", "/m", "-o", "cache-dir=/x,allow_other"]) == [
         "mount", "b", "/m", "--cache-dir", "/x", "--allow-other"]
+
+
+def test_virtual_addressing_of_an_ip_endpoint_is_named() -> None:
+    """botocore addresses an IP endpoint with path style whatever --addressing-style says (a bucket cannot be a
+    host name under an address); a DNS name, `localhost` included, does get virtual-hosted requests."""
+    assert virtual_style_ignored("http://10.0.0.5:9000", "virtual") == "10.0.0.5"
+    assert virtual_style_ignored("https://[fd00::1]/", "virtual") == "fd00::1"
+    for url, style in (("http://10.0.0.5:9000", "auto"), ("http://10.0.0.5:9000", "path"),
+                       ("https://oss-cn-hangzhou.aliyuncs.com", "virtual"), ("http://localhost:9000", "virtual"),
+                       (None, "virtual")):
+        assert virtual_style_ignored(url, style) is None, (url, style)
 
 
 def test_ro_and_writable_together_are_refused() -> None:

@@ -24,8 +24,9 @@ def read_stats(mountpoint: str) -> dict[str, Any]:
         if exc.errno in (errno.ENODATA, errno.ENOTSUP):
             raise StatsUnavailable(f"{mountpoint} is not the root of a modelfs mount") from None
         if exc.errno == errno.ENOTCONN:
-            raise StatsUnavailable(f"the daemon of {mountpoint} is gone (transport endpoint is not connected)") \
-                from None
+            raise StatsUnavailable(f"the daemon of {mountpoint} is gone (transport endpoint is not connected); "
+                                   f"its counters went with it: run `modelfs unmount {mountpoint}`, then mount "
+                                   "again") from None
         raise StatsUnavailable(f"cannot read stats of {mountpoint}: {exc.strerror or exc}") from None
     try:
         snapshot = json.loads(raw)

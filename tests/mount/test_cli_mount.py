@@ -210,6 +210,9 @@ def test_a_mount_whose_daemon_was_killed_is_named_so_and_unmounts(moto_server: S
         m.proc.wait(10)
         prefetch = run_modelfs("prefetch", str(mp))
         assert prefetch.returncode != 0 and "daemon of its mount is gone" in prefetch.stderr, prefetch.stderr
+        stats = run_modelfs("stats", str(mp))
+        assert stats.returncode == 1 and f"is gone (transport endpoint is not connected); its counters went with " \
+            f"it: run `modelfs unmount {mp}`" in stats.stderr, stats.stderr
         again = run_modelfs("mount", bucket, str(mp), "--endpoint-url", moto_server.endpoint_url,
                             env=daemon_env(moto_server))
         assert again.returncode == 1 and "its daemon is gone" in again.stderr, again.stderr

@@ -209,11 +209,14 @@ def test_models_larger_than_memory_are_fetched_once(moto_server: S3Server, mount
         for t in threads:
             t.join(120)
         assert errors == []
-        fetched = mount_stats(mountpoint)["origin"]["bytes"] - before
+        stats = mount_stats(mountpoint)
+        fetched = stats["origin"]["bytes"] - before
     total = sum(len(d) for d in models.values())
     # Up to one chunk per model more: a read-ahead fetch may still be evicted by the READ of a chunk the
-    # kernel asked for out of turn.
-    assert total <= fetched <= total + readers * MiB, (fetched / total, fetched, total)
+    # kernel asked for out of turn. (Unless the kernel dropped pushed pages meanwhile, on a busy host: then
+    # they are fetched again, at most once more.)
+    most = total + readers * MiB if stats["pagecache_drops"] == 0 else 2 * total + readers * MiB
+    assert total <= fetched <= most, (fetched / total, fetched, total, stats["pagecache_drops"])
 
 
 @pytest.mark.parametrize("memory", ["256M", "2G"])

@@ -449,6 +449,7 @@ def cmd_stats(args: argparse.Namespace) -> int:
 
 def cmd_prefetch(args: argparse.Namespace) -> int:
     from fsmount.prefetch_command import WarmError, wait_for_writes, warm
+    from fsmount.stats_table import human_size
 
     if not args.write_wait >= 0:
         return fail("--write-wait must be >= 0 seconds", 2)
@@ -457,7 +458,7 @@ def cmd_prefetch(args: argparse.Namespace) -> int:
         n = warm(args.paths, keep_pagecache=not args.no_pagecache, threads=max(1, args.threads),
                  progress=not args.quiet and sys.stderr.isatty())
         elapsed = max(time.monotonic() - started, 1e-9)
-        print(f"prefetched {n} bytes in {elapsed:.1f}s ({n / elapsed / 1e6:.0f} MB/s)", flush=True)
+        print(f"prefetched {n} bytes ({human_size(n)}) in {elapsed:.1f}s ({human_size(n / elapsed)}/s)", flush=True)
         pending = wait_for_writes(args.paths, args.write_wait, say=lambda line: print(line, flush=True)) \
             if args.write_wait else 0
     except WarmError as exc:
@@ -490,6 +491,7 @@ def cmd_cleanup(args: argparse.Namespace) -> int:
 
 def cmd_cache(args: argparse.Namespace) -> int:
     from fsmount.data import CHUNKS_DIR, CacheDirBusy, cache_clear, cache_stats, cache_verify
+    from fsmount.stats_table import human_size
 
     if not os.path.isdir(os.path.join(args.cache_dir, CHUNKS_DIR)):
         return fail(f"{args.cache_dir} is not a modelfs cache directory")
@@ -497,7 +499,7 @@ def cmd_cache(args: argparse.Namespace) -> int:
         if args.action == "stats":
             st = cache_stats(args.cache_dir)
             print(f"{'chunks':15} {st['chunks']}")
-            print(f"{'bytes':15} {st['bytes']} ({int(st['bytes'] or 0) / 2**30:.2f} GiB)")
+            print(f"{'bytes':15} {st['bytes']} ({human_size(int(st['bytes'] or 0))})")
             for key in ("oldest_access", "newest_access"):
                 value = st[key]
                 shown = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(value)) if value else "-"

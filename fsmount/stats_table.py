@@ -37,7 +37,7 @@ def read_stats(mountpoint: str) -> dict[str, Any]:
     return snapshot
 
 
-def _size(n: float) -> str:
+def human_size(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if abs(n) < 1024 or unit == "TiB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
@@ -74,18 +74,18 @@ def format_stats(s: dict[str, Any], mountpoint: str) -> str:
     sc = s.get("shared_cache")
     # Chunks loaded from the cache levels: the NVMe cache's, and the shared tier's (once counted as NVMe).
     tier_loaded = sc["bytes"] if sc is not None else 0
-    loaded = f"chunks loaded from the NVMe cache: {_size(s['cache_loaded_bytes'] - tier_loaded)}"
+    loaded = f"chunks loaded from the NVMe cache: {human_size(s['cache_loaded_bytes'] - tier_loaded)}"
     if sc is not None:
-        loaded += f", from the shared tier: {_size(tier_loaded)}"
+        loaded += f", from the shared tier: {human_size(tier_loaded)}"
     rows: list[tuple[str, str]] = [
         ("mount", f"{mountpoint} (bucket {s['bucket']}, up {_duration(s['uptime_seconds'])})"),
-        ("hit ratio", f"{_percent(s['hit_ratio'])} of {_size(served_total)} read did not wait for the origin"),
-        ("read from memory", _size(served["memory"])),
-        ("read from NVMe cache" if sc is None else "read from NVMe cache or shared tier", _size(served["cache"])),
-        ("read from origin", _size(served["origin"])),
-        ("origin egress saved", f"{_size(s['egress_saved_bytes'])} ({loaded})"),
-        ("origin downloads", f"{_size(origin['bytes'])} in {origin['requests']} GETs, {origin['errors']} failed"),
-        ("origin fetched again", _size(origin.get("refetched_bytes", 0))),
+        ("hit ratio", f"{_percent(s['hit_ratio'])} of {human_size(served_total)} read did not wait for the origin"),
+        ("read from memory", human_size(served["memory"])),
+        ("read from NVMe cache" if sc is None else "read from NVMe cache or shared tier", human_size(served["cache"])),
+        ("read from origin", human_size(served["origin"])),
+        ("origin egress saved", f"{human_size(s['egress_saved_bytes'])} ({loaded})"),
+        ("origin downloads", f"{human_size(origin['bytes'])} in {origin['requests']} GETs, {origin['errors']} failed"),
+        ("origin fetched again", human_size(origin.get("refetched_bytes", 0))),
         ("origin GET latency", f"mean {mean}, p50 {_latency_quantile(get_s['buckets'], get_s['count'], 0.5)}, "
                                f"p99 {_latency_quantile(get_s['buckets'], get_s['count'], 0.99)}"),
     ]
@@ -94,7 +94,7 @@ def format_stats(s: dict[str, Any], mountpoint: str) -> str:
     else:
         used = ratio(dc["bytes_used"], dc["max_bytes"])
         rows += [
-            ("NVMe cache", f"{_size(dc['bytes_used'])} of {_size(dc['max_bytes'])} ({_percent(used)}), "
+            ("NVMe cache", f"{human_size(dc['bytes_used'])} of {human_size(dc['max_bytes'])} ({_percent(used)}), "
                            f"{dc['chunks']} chunks"),
             ("NVMe cache lookups", f"{dc['hits']} hits, {dc['misses']} misses ({_percent(dc['hit_ratio'])} hit), "
                                    f"{dc['evictions']} evictions"),
@@ -103,20 +103,22 @@ def format_stats(s: dict[str, Any], mountpoint: str) -> str:
         mode = "read-only" if sc["read_only"] else "claims on" if sc["claims_enabled"] else "claims off"
         rows += [
             ("shared tier", f"{sc['bucket']} ({mode}): {sc['hits']} hits, {sc['misses']} misses "
-                            f"({_percent(sc['hit_ratio'])} hit), {_size(sc['bytes'])} loaded = origin egress saved"),
+                            f"({_percent(sc['hit_ratio'])} hit), {human_size(sc['bytes'])} loaded = origin egress "
+                            "saved"),
             ("shared tier fleet", f"{sc['claims']} chunks fetched for the fleet, {sc['claim_waits']} waits for "
                                   f"other nodes, {sc['fallbacks']} fallbacks, {sc['writes']} written "
                                   f"({sc['trailed']} after the load, {sc['trail_dropped']} given up)"),
         ]
     ws = s.get("writes")
     if ws is not None:
-        rows.append(("writes", f"{ws['files_stored']} files stored ({_size(ws['bytes_uploaded'])} in "
+        rows.append(("writes", f"{ws['files_stored']} files stored ({human_size(ws['bytes_uploaded'])} in "
                                f"{ws['parts_uploaded']} parts), {ws['files_failed']} not stored, {ws['renames']} "
                                f"renames, {ws['deletes']} deletes"))
     rows += [
-        ("chunk memory", f"{_size(s['memory_used_bytes'])} of {_size(s['memory_limit_bytes'])}"),
-        ("model streaming", f"{_size(s['streamed_bytes'])} fetched, {_size(s['pagecache_stored_bytes'])} pushed "
-                            f"into the page cache ({_size(s['pagecache_pushed_bytes'])} for files still open), "
+        ("chunk memory", f"{human_size(s['memory_used_bytes'])} of {human_size(s['memory_limit_bytes'])}"),
+        ("model streaming", f"{human_size(s['streamed_bytes'])} fetched, "
+                            f"{human_size(s['pagecache_stored_bytes'])} pushed into the page cache "
+                            f"({human_size(s['pagecache_pushed_bytes'])} for files still open), "
                             f"{s['pagecache_drops']} dropped by the kernel"),
         ("now", f"{s['fetches_inflight']} fetches in flight, {s['open_files']} open files"),
     ]

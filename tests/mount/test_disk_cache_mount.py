@@ -496,7 +496,7 @@ def test_cache_commands_on_a_real_cache(moto_server: S3Server, mountpoint: Path,
         wait_for_chunks(cache, n)
         on_disk = sum(p.stat().st_size for p in chunk_files(cache))
         st = stats(cache)  # a stat-only scan, fine while mounted
-        assert st["chunks"] == str(n) and st["bytes"].split()[0] == str(on_disk)
+        assert st["chunks"] == str(n) and st["bytes"] == f"{on_disk} ({on_disk / MiB:.2f} MiB)", st
         assert st["oldest access"] != "-" and st["newest access"] != "-"
         for action in ("clear", "verify"):  # both take the dir lock
             res = cache_cmd(action, cache)
@@ -520,7 +520,7 @@ def test_cache_commands_on_a_real_cache(moto_server: S3Server, mountpoint: Path,
     assert (res.returncode, res.stdout) == (0, f"removed {n - 1} chunk files\n")
     assert chunk_files(cache) == []
     st = stats(cache)
-    assert st["chunks"] == "0" and st["bytes"].split()[0] == "0" and st["oldest access"] == "-"
+    assert st["chunks"] == "0" and st["bytes"] == "0 (0 B)" and st["oldest access"] == "-"
     res = cache_cmd("stats", tmp_path / "not-a-cache")
     assert res.returncode == 1 and "not a modelfs cache directory" in res.stderr
 

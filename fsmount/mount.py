@@ -541,18 +541,17 @@ class Daemon:
 
     async def _announce_ready(self) -> None:
         # stat() of the mountpoint goes through our own loop: when it returns, the mount answers.
-        def probe() -> None:
+        def probe() -> int:
             deadline = time.monotonic() + READY_TIMEOUT
             while True:
                 try:
-                    os.stat(self.mountpoint)
-                    return
+                    return os.stat(self.mountpoint).st_dev
                 except OSError as exc:
                     if exc.errno != errno.ENOTCONN or time.monotonic() > deadline:
                         raise
                     time.sleep(0.01)
 
-        await trio.to_thread.run_sync(probe, abandon_on_cancel=True)
+        self.ops.device = await trio.to_thread.run_sync(probe, abandon_on_cancel=True)
         await trio.to_thread.run_sync(raise_kernel_readahead, self.mountpoint, self.cfg.kernel_window // 1024)
         await trio.to_thread.run_sync(raise_fuse_background, self.mountpoint, self.cfg.fuse_max_background)
         if self.metrics is not None:

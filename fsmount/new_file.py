@@ -22,8 +22,9 @@ a hole in it), and at close it is uploaded from there, once, under its final nam
 parts at once. Without a local copy, or where the cache's disk has no room for the whole file beside the
 other deferred files, it streams, and is moved at close.
 
-`commit` (close, fsync) completes the upload, or aborts it and fails with EIO; a file never appears in
-the bucket half-written.
+`commit` (the close of its last descriptor, or RELEASE) completes the upload, or aborts it and fails with
+EIO; a file never appears in the bucket half-written. `sync` (fsync) waits for the parts sent so far and
+reports a failure, but stores nothing: the file stays open for more bytes.
 
 Rules (everything runs in the trio thread; store calls run in threads under `Writes`' limiter):
 - `_lock` serialises `write`, `truncate`'s caller checks and `commit`, so parts are numbered in offset
@@ -111,6 +112,7 @@ class NewFile:
         self.stored: ObjectMeta | None = None
         self.unlinked = False  # unlinked while open: its upload is gone, what it is sent is dropped
         self.handles = 0  # open file handles on it
+        self.opener: int | None = None  # the process that opened it (holders.py), None where unknown
         # A descriptor of it was closed while it was still empty and nothing was written since: it is stored
         # at RELEASE, which the kernel sends only after close(2) returned (see Writes.settle).
         self.closed_empty = False
@@ -149,8 +151,8 @@ class NewFile:
             if self.unlinked:
                 return len(data)  # as on a local disk: writes to an unlinked file go nowhere
             if self.stored is not None:
-                log.warning("%s: write after the file was stored (closed or fsynced); S3 objects cannot be "
-                            "appended to", self.node.path)
+                log.warning("%s: write after the file was stored (its last descriptor was closed); S3 objects "
+                            "cannot be appended to", self.node.path)
                 raise PathError(errno.EIO)
             if self.error is not None:
                 raise PathError(errno.EIO)
@@ -317,8 +319,19 @@ class NewFile:
 
     # -- the object out --------------------------------------------------------------------------
 
+    async def sync(self) -> None:
+        """fsync: wait until the parts sent so far are uploaded; EIO if the file can no longer be stored. It is
+        not stored here: an S3 object cannot be appended to, so every later write would fail, and writers do
+        write after fsync (torch.distributed.checkpoint fsyncs its metadata file before its buffered bytes
+        reach it, then closes it)."""
+        async with self._lock:
+            await self._idle.wait()
+            if self.error is not None and not self.unlinked:
+                raise PathError(errno.EIO)
+
     async def commit(self) -> ObjectMeta | None:
-        """Make the file an object under its current name (close, fsync); idempotent. EIO if it cannot be:
+        """Make the file an object under its current name (the close of its last descriptor); idempotent. EIO
+        if it cannot be:
         the upload is then aborted and the file leaves the tree. None for a file unlinked while open."""
         async with self._lock:
             if self.unlinked:

@@ -21,7 +21,9 @@ from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
 import pyfuse3
+import trio
 
+from fsmount import holders
 from fsmount.data import ChunkEngine, NotFound, PreconditionFailed, StoreError
 from fsmount.handles import OpenFile
 from fsmount.namespace import DirEntry, Namespace, Node, PathError
@@ -116,6 +118,9 @@ class Operations(pyfuse3.Operations):
         self._dirs: dict[int, tuple[int, list[DirEntry], float]] = {}
         self._writers: dict[int, NewFile] = {}  # fh -> the file it writes
         self._next_fh = 1
+        # This mount's device number (st_dev), set once it answers: which of a process's descriptors are on it
+        # (holders.py). Inode numbers alone repeat across mounts.
+        self.device: int | None = None
 
     def _new_fh(self) -> int:
         fh = self._next_fh
@@ -252,7 +257,7 @@ class Operations(pyfuse3.Operations):
         if flags & WRITE_FLAGS:
             if self.writes is None:
                 raise pyfuse3.FUSEError(errno.EROFS)
-            return self._writer_handle(self.writes.open_existing(self.ns.node(inode), flags))
+            return await self._writer_handle(self.writes.open_existing(self.ns.node(inode), flags), ctx)
         if self.ns.node(inode).writing:
             raise pyfuse3.FUSEError(errno.EBUSY)  # readable once it is closed and stored
         version = await self.ns.open_file(inode)
@@ -271,7 +276,7 @@ class Operations(pyfuse3.Operations):
         files = max(1, self.readers)
         return max(self.engine.chunk_size, self.pusher.beside_readers(self.engine.memory.limit, files) // (2 * files))
 
-    def _writer_handle(self, new: NewFile) -> pyfuse3.FileInfo:
+    async def _writer_handle(self, new: NewFile, ctx: pyfuse3.RequestContext) -> pyfuse3.FileInfo:
         """A descriptor that writes is opened with direct I/O: the writer's bytes come to `write` straight from
         its buffer, not first copied into page-cache pages of the file (a checkpoint's size of fresh pages,
         dropped once it is stored; a plain writer's 1.72 GB write phase took 1.8-2.6 s instead of 3.6-4.2, and 1.3-1.5 s
@@ -281,6 +286,8 @@ class Operations(pyfuse3.Operations):
         above the kernel's request size (1 MiB) still arrives as WRITEs one after the other; only asynchronous
         I/O with O_DIRECT (io_submit) sends its pieces at once, queued in offset order, and NewFile.write takes
         its lock before its first await, so they are appended in that order."""
+        if new.opener is None:
+            new.opener = await trio.to_thread.run_sync(holders.thread_group, ctx.pid)
         fh = self._new_fh()
         self._writers[fh] = new
         new.handles += 1
@@ -326,27 +333,44 @@ class Operations(pyfuse3.Operations):
             new.handles -= 1
             if new.handles == 0 and new.stored is None:
                 # The last descriptor is gone and nothing stored the file: it was never written (a flush
-                # stores only a file with bytes in it), or never flushed.
+                # stores only a file with bytes in it), or its last close was not seen as the last (below).
                 await new.commit()
 
     @_fuse_errors
     async def flush(self, fh: int) -> None:
         new = self._writers.get(fh)
-        # Every close(2) of a descriptor flushes, dup()s included: a shell's `> file` opens the file, dup2()s
-        # it onto stdout and closes the first descriptor before anything is written. So a flush stores the
-        # file (and close(2) reports whether it was stored) once bytes were written; a file never written
-        # is stored when its last descriptor is released.
+        # Every close(2) of a descriptor flushes, in every process that holds one: dup()s, a forked child's
+        # exit, a subprocess's close-on-exec. A shell's `> file` opens the file, dup2()s it onto stdout and
+        # closes the first descriptor before anything is written. So a flush stores the file (and close(2)
+        # reports whether it was stored) once bytes were written and no other descriptor of it is left in the
+        # opener's process tree (holders.py); otherwise, and for a file never written, the last descriptor's
+        # flush or RELEASE stores it. (Storing at the first flush cut files short: `(echo a; /bin/true;
+        # echo b) > f` stored "a", and a DataLoader's workers forked beside an open file stored it as they exited,
+        # failing the writes that came after with EIO.)
         if new is not None:
-            if new.size > 0:
-                await new.commit()
-            else:
+            if new.size == 0:
                 new.closed_empty = True
+            elif new.stored is None and await self._held_elsewhere(new):
+                return
+            else:
+                await new.commit()
+
+    async def _held_elsewhere(self, new: NewFile) -> bool:
+        if new.opener is None:
+            return False
+        name = new.node.path.rpartition("/")[2]
+        pid = await trio.to_thread.run_sync(holders.holder, new.opener, self.device, new.node.ino, name)
+        if pid is None:
+            return False
+        log.debug("%s: a descriptor was closed, but process %d still holds one: stored at the last close",
+                  new.node.path, pid)
+        return True
 
     @_fuse_errors
     async def fsync(self, fh: int, datasync: bool) -> None:
         new = self._writers.get(fh)
         if new is not None:
-            await new.commit()
+            await new.sync()
 
     @_fuse_errors
     async def access(self, inode: int, mode: int, ctx: pyfuse3.RequestContext) -> bool:
@@ -361,7 +385,7 @@ class Operations(pyfuse3.Operations):
                      ctx: pyfuse3.RequestContext) -> tuple[pyfuse3.FileInfo, pyfuse3.EntryAttributes]:
         assert self.writes is not None
         new = await self.writes.create(self.ns.node(parent_inode), name)
-        return self._writer_handle(new), self._attributes(new.node)
+        return await self._writer_handle(new, ctx), self._attributes(new.node)
 
     @_writable
     async def write(self, fh: int, off: int, buf: bytes) -> int:

@@ -168,20 +168,100 @@ def test_out_of_order_write_fails_and_stores_nothing(s3: S3Server, mountpoint: P
     delete_bucket(s3, bucket)
 
 
-def test_fsync_stores_the_file_and_later_writes_fail(s3: S3Server, mountpoint: Path) -> None:
+def test_fsync_reports_on_the_bytes_so_far_and_the_file_goes_on(s3: S3Server, mountpoint: Path) -> None:
+    """fsync waits for the parts sent so far and stores nothing: an S3 object cannot be appended to, and
+    writers write after fsync (torch.distributed.checkpoint fsyncs its metadata file before its buffered
+    bytes reach it). The close of the last descriptor stores the file."""
     bucket = new_bucket(s3)
-    with mounted(s3, bucket, mountpoint, *WRITABLE, allowed=(r"write after the file was stored",)):
+    head, tail = random_bytes(11 * MiB, 41), random_bytes(3 * MiB, 42)
+    with mounted(s3, bucket, mountpoint, *WRITABLE, "--write-part-size", "5M"):
         fd = os.open(mountpoint / "f.bin", os.O_WRONLY | os.O_CREAT)
         try:
-            os.write(fd, b"abc")
+            os.write(fd, head)
+            os.fsync(fd)  # two parts uploaded, one MiB waiting for the next
+            assert keys(s3, bucket) == {} and uploads_in(s3, bucket) == ["f.bin"]
+            os.write(fd, tail)
             os.fsync(fd)
-            assert list(keys(s3, bucket)) == ["f.bin"]  # stored by fsync, before close
-            with pytest.raises(OSError) as info:
-                os.write(fd, b"d")  # S3 objects cannot be appended to
-            assert info.value.errno == errno.EIO
         finally:
             os.close(fd)
-        assert (mountpoint / "f.bin").read_bytes() == b"abc"
+        assert keys(s3, bucket) == {"f.bin": len(head) + len(tail)}
+        assert sha((mountpoint / "f.bin").read_bytes()) == sha(head + tail)
+    delete_bucket(s3, bucket)
+
+
+# A writer whose descriptors are closed in other processes too, before it is done: a shell's subshell runs a
+# command (its exit closes the inherited stdout), Python starts a subprocess (close-on-exec) and forks a child
+# that exits (a DataLoader worker), and a child goes on writing after the parent closed its descriptor.
+SHARED_DESCRIPTORS = """
+    import os, subprocess, sys, time
+    root = sys.argv[1]
+    part = 6 * 1024 * 1024
+    subprocess.run(["bash", "-c", "(echo line1; /bin/true; echo line2) > shell.txt"], cwd=root, check=True)
+    with open(os.path.join(root, "forked.bin"), "wb") as f:
+        f.write(b"a" * part)
+        f.flush()
+        subprocess.run(["true"], check=True)
+        pid = os.fork()
+        if pid == 0:
+            os._exit(0)
+        os.waitpid(pid, 0)
+        f.write(b"b" * part)
+    fd = os.open(os.path.join(root, "handed.txt"), os.O_WRONLY | os.O_CREAT)
+    os.write(fd, b"parent ")
+    pid = os.fork()
+    if pid == 0:
+        try:
+            time.sleep(0.5)
+            os.write(fd, b"child")
+        finally:
+            os._exit(0)  # never the parent's code below, whatever the write did
+    os.close(fd)  # returns at once: the child still holds the file
+    os.waitpid(pid, 0)
+"""
+
+
+def test_a_close_in_another_process_leaves_the_file_open_for_the_others(s3: S3Server, mountpoint: Path) -> None:
+    """Every close(2) of a descriptor is a FLUSH, in whichever process holds it. A FLUSH stored the file, so a
+    forked child's exit, or a subprocess's close-on-exec, cut the file short under its final name, and the
+    writer's next write failed with EIO. Now a FLUSH stores the file only when no other descriptor of it is
+    left in the opener's process tree; the last one's does."""
+    bucket = new_bucket(s3)
+    part = 6 * MiB
+    with mounted(s3, bucket, mountpoint, *WRITABLE, "--write-part-size", "5M"):
+        run_python(SHARED_DESCRIPTORS, str(mountpoint))
+        assert (mountpoint / "shell.txt").read_bytes() == b"line1\nline2\n"
+        assert sha((mountpoint / "forked.bin").read_bytes()) == sha(b"a" * part + b"b" * part)
+        wait_for("the child's close stores handed.txt", lambda: keys(s3, bucket).get("handed.txt"),
+                 lambda n: n is not None)
+        assert (mountpoint / "handed.txt").read_bytes() == b"parent child"
+    assert keys(s3, bucket) == {"shell.txt": 12, "forked.bin": 2 * part, "handed.txt": 12}
+    assert uploads_in(s3, bucket) == []
+    delete_bucket(s3, bucket)
+
+
+def test_torch_distributed_checkpoint_saves_and_loads(s3: S3Server, mountpoint: Path) -> None:
+    """torch.distributed.checkpoint's FileSystemWriter, as a trainer saves a sharded state dict (here one
+    process): it fsyncs each file, its metadata file before the buffered bytes reach it, and renames the
+    metadata file into place. Loaded back on a fresh mount."""
+    bucket = new_bucket(s3)
+    code = """
+        import sys, torch
+        import torch.distributed.checkpoint as dcp
+        torch.manual_seed(0)
+        state = {"w": torch.randn(512, 1024), "b": torch.randn(1024), "step": torch.tensor(7)}
+        if sys.argv[2] == "save":
+            dcp.save(state, storage_writer=dcp.FileSystemWriter(sys.argv[1]))
+        else:
+            got = {k: torch.zeros_like(v) for k, v in state.items()}
+            dcp.load(got, storage_reader=dcp.FileSystemReader(sys.argv[1]))
+            assert all(torch.equal(got[k], state[k]) for k in state), "loaded tensors differ"
+            print("equal")
+    """
+    with mounted(s3, bucket, mountpoint, *WRITABLE):
+        run_python(code, str(mountpoint / "step-7"), "save")
+    assert ".metadata" in {k.rpartition("/")[2] for k in keys(s3, bucket)}, keys(s3, bucket)
+    with mounted(s3, bucket, mountpoint):
+        assert run_python(code, str(mountpoint / "step-7"), "load").strip() == "equal"
     delete_bucket(s3, bucket)
 
 

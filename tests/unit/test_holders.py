@@ -1,0 +1,65 @@
+"""holders.py against real processes and descriptors (on a local filesystem: the /proc reading is the same)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+from fsmount import holders
+
+HOLD = "import sys, time; sys.stdin.read()"  # holds its inherited descriptors until its stdin closes
+
+
+def test_a_child_holding_the_file_is_found_and_nothing_once_it_exits(tmp_path: Path) -> None:
+    path = tmp_path / "ckpt.bin"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT)
+    ino, dev = os.fstat(fd).st_ino, os.fstat(fd).st_dev
+    me = os.getpid()
+    assert holders.holder(me, dev, ino, path.name) == me  # the opener's own descriptor
+    child = subprocess.Popen([sys.executable, "-c", HOLD], stdin=subprocess.PIPE, pass_fds=(fd,))
+    try:
+        os.close(fd)  # as the opener's close(2): its descriptor is gone before FUSE would send the FLUSH
+        assert holders.holder(me, dev, ino, path.name) == child.pid
+        assert holders.holder(me, dev, ino + 1, path.name) is None  # another inode of the same name
+        assert holders.holder(me, dev, ino, "other.bin") is None
+        assert holders.holder(me, dev + 1, ino, path.name) is None  # the same inode number on another mount
+        assert holders.holder(me, None, ino, path.name) == child.pid  # before the mount knows its device
+    finally:
+        child.communicate(b"", timeout=30)
+    assert holders.holder(me, dev, ino, path.name) is None
+
+
+def test_a_grandchild_is_found_and_a_process_out_of_the_tree_is_not(tmp_path: Path) -> None:
+    path = tmp_path / "log.txt"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT)
+    ino, dev = os.fstat(fd).st_ino, os.fstat(fd).st_dev
+    # A shell that starts the holder as its own child, then closes its own copy: the opener's grandchild holds it.
+    shell = subprocess.Popen(["bash", "-c", f"{sys.executable} -c '{HOLD}' <&0 & exec {fd}>&-; wait"],
+                             stdin=subprocess.PIPE, pass_fds=(fd,))
+    os.close(fd)
+    try:
+        found = None
+        for _ in range(500):  # until the shell has started the holder and closed its copy
+            found = holders.holder(os.getpid(), dev, ino, path.name)
+            if found is not None and found != shell.pid:
+                break
+            threading.Event().wait(0.02)
+        assert found is not None and found != shell.pid, found
+        assert holders.holder(os.getppid(), dev, ino, path.name) == found  # a wider tree finds it too
+        assert holders.holder(found, dev, ino, path.name) == found
+        assert holders.holder(1 << 30, dev, ino, path.name) is None  # no such process
+    finally:
+        shell.communicate(b"", timeout=30)
+
+
+def test_the_process_of_a_thread() -> None:
+    got: list[int | None] = []
+    t = threading.Thread(target=lambda: got.append(holders.thread_group(threading.get_native_id())))
+    t.start()
+    t.join()
+    assert got == [os.getpid()]
+    assert holders.thread_group(0) is None  # a writer outside this daemon's PID namespace
+    assert holders.thread_group(1 << 30) is None

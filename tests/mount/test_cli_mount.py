@@ -163,14 +163,32 @@ def test_background_mount_returns_when_ready_and_unmount(moto_server: S3Server, 
         assert res.returncode == 0, res.stderr
         assert os.path.ismount(mp)  # already mounted when the command returns
         assert (mp / "hello.txt").read_bytes() == b"hi"
-        res = run_modelfs("unmount", str(mp))
+        link = tmp_path / "models"
+        link.symlink_to(mp)
+        res = run_modelfs("unmount", str(link))  # the mountpoint through a symlink to it
         assert res.returncode == 0, res.stderr
         assert not os.path.ismount(mp)
         res = run_modelfs("unmount", str(mp))
         assert res.returncode == 1 and "is not mounted" in res.stderr
+        res = run_modelfs("unmount", str(tmp_path / "missing"))
+        assert res.returncode == 1 and "does not exist" in res.stderr
     finally:
         unmount(mp)
     assert "mounted bucket" in log.read_text()
+
+
+def test_unmount_leaves_a_mount_that_is_not_modelfs_alone(tmp_path: Path) -> None:
+    """fusermount3, run as root, unmounts whatever is mounted there: `modelfs unmount /data` by mistake took a
+    disk away. Only a modelfs mount is unmounted."""
+    other = tmp_path / "tmpfs"
+    other.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1M", "tmpfs", str(other)], check=True)
+    try:
+        res = run_modelfs("unmount", str(other))
+        assert res.returncode == 1 and "is a tmpfs mount, not a modelfs one: left mounted" in res.stderr, res.stderr
+        assert os.path.ismount(other)
+    finally:
+        subprocess.run(["umount", str(other)], check=True)
 
 
 def test_a_prefix_that_matches_nothing_is_named_at_mount(s3: S3Server, tmp_path: Path) -> None:

@@ -85,6 +85,9 @@ def test_unit_settings() -> None:
     # The service's UMask=0077 would make the mountpoint's new parents 0700, unreachable for its users.
     mkdir = next(v for s, k, v in entries if k == "ExecStartPre" and "mkdir" in v)
     assert "umask 022" in mkdir
+    # Dead mounts are cleared by `modelfs unmount`, which leaves anything but a modelfs mount alone.
+    clear = [v for _, k, v in entries if k in ("ExecStartPre", "ExecStopPost") and "mkdir" not in v]
+    assert clear == ["-/usr/local/bin/modelfs unmount --lazy ${MOUNTPOINT}"] * 2, clear
     used = {key for _, key, _ in entries}
     assert not used & NAMESPACE_OPTIONS, f"these hide the mount from the host: {used & NAMESPACE_OPTIONS}"
     assert values["Service", "DeviceAllow"] == "/dev/fuse rw"

@@ -136,6 +136,9 @@ def _check_bucket(cfg: StoreConfig | SharedCacheConfig, bad_bucket: str, style_f
     prefix = cfg.prefix.lstrip("/")
     if prefix and not prefix.endswith("/"):
         prefix += "/"
+    if any(part in ("", ".", "..") for part in prefix.split("/")[:-1]):
+        # Keys under such a prefix cannot be paths of the tree (`dir//` listed entries stat could not find).
+        raise ConfigError(f"prefix {cfg.prefix!r}: its path segments may not be empty, '.' or '..'")
     object.__setattr__(cfg, "prefix", prefix)
 
 

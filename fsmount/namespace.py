@@ -28,13 +28,21 @@ import errno
 import logging
 import os
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
 
 import cachetools
 import trio
 
-from fsmount.data import ObjectMeta, ObjectStore, ObjectVersion, StoreError, TransientError, Unreachable
+from fsmount.data import (
+    ListingPage,
+    ObjectMeta,
+    ObjectStore,
+    ObjectVersion,
+    StoreError,
+    TransientError,
+    Unreachable,
+)
 
 log = logging.getLogger(__name__)
 
@@ -94,6 +102,11 @@ class Node:
 
     def version(self, prefix: str) -> ObjectVersion:
         return ObjectVersion(prefix + self.path, self.etag, self.size)
+
+
+def listing_page(pages: Iterator[ListingPage]) -> ListingPage | None:
+    """The next page of a listing, None after the last (a store call of its own: its name is in timeout errors)."""
+    return next(pages, None)
 
 
 def invalid_segment_reason(name: str) -> str | None:
@@ -429,10 +442,13 @@ class Namespace:
         # whole listing (nothing partial is cached or served).
         pages = self._store.list_pages(prefix)
         entries = Listing(time.monotonic())
-        while (page := await self._call(next, pages, None)) is not None:
+        while (page := await self._call(listing_page, pages)) is not None:
             for raw in page.undecodable:
                 self._skip(raw, "not valid UTF-8")
             for meta in page.objects:
+                if not meta.key.startswith(prefix):
+                    self._skip(meta.key, "outside the prefix listed")
+                    continue
                 name = meta.key[len(prefix):]
                 if name == "":
                     continue  # the directory's own marker object ("dir/")
@@ -444,6 +460,9 @@ class Namespace:
                 if name_b not in entries:  # a directory of the same name wins
                     entries[name_b] = DirEntry(name_b, False, meta)
             for sub in page.prefixes:
+                if not sub.startswith(prefix):
+                    self._skip(sub, "outside the prefix listed")
+                    continue
                 name = sub[len(prefix):-1]
                 reason = invalid_segment_reason(name)
                 if reason:

@@ -56,6 +56,15 @@ def test_virtual_addressing_of_an_ip_endpoint_is_named() -> None:
         assert virtual_style_ignored(url, style) is None, (url, style)
 
 
+def test_a_prefix_with_empty_dot_or_dotdot_segments_is_refused() -> None:
+    for prefix in ("dir//", "a//b", "./dir", "dir/../st", "..", "a/./"):
+        with pytest.raises(ConfigError, match="path segments may not be empty"):
+            build_config(make_parser().parse_args(["mount", "b", "/mnt", "--prefix", prefix]))
+    for prefix, normal in (("/llama", "llama/"), ("llama/", "llama/"), ("a/b.c", "a/b.c/"), ("/", "")):
+        assert build_config(make_parser().parse_args(["mount", "b", "/mnt", "--prefix", prefix])).store.prefix \
+            == normal
+
+
 def test_ro_and_writable_together_are_refused() -> None:
     """`-o ro,writable` used to give a read-write mount without a word."""
     writable = make_parser().parse_args(expand_mount_options(["mount", "b", "/m", "-o", "rw,writable"]))

@@ -77,6 +77,36 @@ async def test_unrepresentable_keys_are_skipped_with_one_log_line(caplog, allowe
         await ns.lookup(ROOT_INODE, b"z" * 256)
 
 
+async def test_entries_a_server_lists_outside_the_prefix_are_skipped(caplog, allowed_logs) -> None:  # noqa: ANN001
+    """SeaweedFS answered a listing of `dir//` with `dir//dir/` and `dir/sub/`: cut at the prefix's length,
+    the second became an entry `ub` that no lookup could find. What does not start with the prefix is
+    skipped. The listing's store calls are named (a timeout said "next timed out")."""
+    from fsmount.data import ListingPage
+
+    allowed_logs.append("skipping key")
+
+    class Stray(FakeStore):
+        def list_pages(self, prefix: str):  # noqa: ANN202
+            for page in super().list_pages(prefix):
+                yield ListingPage([*page.objects, self.meta("elsewhere.bin")], [*page.prefixes, "other/"],
+                                  page.undecodable)
+
+    store = Stray()
+    for key in ("m/a.bin", "m/sub/b.bin", "elsewhere.bin"):
+        store.put(key, b"x")
+    calls: list[str] = []
+
+    async def named(fn, *args):  # noqa: ANN001, ANN202
+        calls.append(fn.__name__)
+        return fn(*args)
+
+    ns = Namespace(store, named, prefix="m/", ttl=60.0)
+    assert await names(ns, ROOT_INODE) == {b"a.bin": False, b"sub": True}
+    assert "listing_page" in calls
+    skipped = [r.getMessage() for r in caplog.records if "skipping key" in r.getMessage()]
+    assert any("elsewhere.bin" in m for m in skipped) and any("other/" in m for m in skipped), skipped
+
+
 async def test_more_than_1000_entries_paginate() -> None:
     store = FakeStore()
     for i in range(2500):

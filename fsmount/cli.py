@@ -68,6 +68,8 @@ DEFAULT_CLEANUP_AGE = 86400.0
 DEFAULT_PREFETCH_WRITE_WAIT = 600.0
 # How long `modelfs mount` waits for the background daemon to answer before giving up.
 STARTUP_TIMEOUT = 120.0
+# How long a daemon stopped by Ctrl-C during `modelfs mount` gets to exit before it is killed.
+STOP_WAIT_S = 10.0
 
 T = TypeVar("T")
 
@@ -261,6 +263,8 @@ def expand_mount_options(argv: list[str]) -> list[str]:
 def build_config(args: argparse.Namespace) -> MountConfig:
     if args.mount_ro and args.writable:
         raise ConfigError("-o ro and writable contradict each other: drop one")
+    if args.cache_dir == "" or args.log_file == "":
+        raise ConfigError(f"--{'cache-dir' if args.cache_dir == '' else 'log-file'} is empty: give a path")
     if args.cache_size is not None and args.cache_dir is None:
         raise ConfigError("--cache-size needs --cache-dir: without a cache directory no chunk is kept on disk")
     if args.cache_size is not None and args.cache_size.fraction is None and args.cache_size.bytes < args.chunk_size:
@@ -275,11 +279,13 @@ def build_config(args: argparse.Namespace) -> MountConfig:
         file_mode=_default(args.file_mode, 0o644 if args.writable else 0o444),
         dir_mode=_default(args.dir_mode, 0o755 if args.writable else 0o555), allow_other=args.allow_other,
         allow_non_empty=args.allow_non_empty, metadata_ttl=args.metadata_ttl, log_level=args.log_level,
-        log_file=args.log_file, chunk_size=args.chunk_size,
+        # Absolute: the daemon works from / (it must not keep a directory of the caller's busy).
+        log_file=os.path.abspath(args.log_file) if args.log_file else None, chunk_size=args.chunk_size,
         memory_limit=args.memory_limit if args.memory_limit is not None else
         max(default_memory_limit(), 4 * args.chunk_size),  # a tiny pod: the least the daemon works with
         max_readahead=args.max_readahead, kernel_readahead=args.kernel_readahead,
-        fuse_max_background=args.fuse_max_background, cache_dir=args.cache_dir,
+        fuse_max_background=args.fuse_max_background,
+        cache_dir=os.path.abspath(args.cache_dir) if args.cache_dir else None,
         cache_size=_default(args.cache_size, parse_cache_size("80%")), model_streaming=not args.no_model_streaming,
         pagecache_push_limit=args.pagecache_push_limit, metrics_addr=args.metrics_addr,
         shared_cache=shared_cache_config(args), writable=args.writable, allow_overwrite=args.allow_overwrite,
@@ -358,8 +364,6 @@ def cmd_mount(args: argparse.Namespace, mount_argv: list[str]) -> int:
 def run_foreground(cfg: MountConfig, ready_fd: int | None, use_syslog: bool) -> int:
     from fsmount import mount
 
-    mount.setup_logging(cfg.log_level, cfg.log_file, use_syslog)
-
     def ready(error: str | None) -> None:
         if error is not None:
             print(f"modelfs: {error}", file=sys.stderr)
@@ -370,6 +374,11 @@ def run_foreground(cfg: MountConfig, ready_fd: int | None, use_syslog: bool) -> 
             except OSError:
                 pass
 
+    try:
+        mount.setup_logging(cfg.log_level, cfg.log_file, use_syslog)
+    except OSError as exc:
+        ready(f"cannot write the log file {cfg.log_file}: {exc.strerror or exc}")
+        return 1
     return mount.run(cfg, ready)
 
 
@@ -397,6 +406,15 @@ def run_background(cfg: MountConfig, mount_argv: list[str]) -> int:
             if not data:
                 break
             buf += data
+    except KeyboardInterrupt:
+        # Ctrl-C while waiting: the detached daemon (its own session, so it got no SIGINT) would go on and
+        # mount once the endpoint answers, behind the back of a user who cancelled. Stop it.
+        proc.terminate()
+        try:
+            proc.wait(STOP_WAIT_S)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        return fail("interrupted: the daemon was stopped and nothing is mounted", 130)
     finally:
         os.close(read_fd)
     line = buf.decode(errors="replace").strip()

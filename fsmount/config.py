@@ -126,6 +126,10 @@ def default_memory_limit() -> int:
     return min(MEMORY_LIMIT_CAP, int(ram * MEMORY_LIMIT_RAM_FRACTION))
 
 
+# The longest --read-timeout taken: a day (a request that waits longer is a hung one).
+MAX_READ_TIMEOUT = 86400.0
+
+
 def _check_bucket(cfg: StoreConfig | SharedCacheConfig, bad_bucket: str, style_flag: str) -> None:
     """The rules a bucket, its addressing style and a key prefix follow, for the origin and the shared
     tier alike; the prefix is normalised in place to 'a/b/' (no leading '/', one trailing '/')."""
@@ -180,8 +184,9 @@ class StoreConfig:
             raise ConfigError(f"--get-client must be one of {', '.join(GET_CLIENTS)}")
         if self.max_connections < 1:
             raise ConfigError("--max-connections must be >= 1")
-        if not self.read_timeout > 0:
-            raise ConfigError("--read-timeout must be > 0")
+        if not 0 < self.read_timeout <= MAX_READ_TIMEOUT:
+            # Unbounded, it was taken (inf, 1e12) and every request then failed: no deadline that far ahead.
+            raise ConfigError(f"--read-timeout must be > 0 and at most {MAX_READ_TIMEOUT:g} seconds")
         if not self.connect_timeout > 0:
             raise ConfigError("the connect timeout must be > 0")
 

@@ -264,6 +264,17 @@ def check_bucket(cfg: MountConfig) -> None:
                     cfg.store.prefix)
 
 
+def check_cache_dir_outside(cache_dir: str | None, mountpoint: str) -> None:
+    """A cache dir in (or at) the mountpoint would be hidden under the mount the moment it mounts: the cache
+    could never write a chunk, and what it created there made the next mount find the mountpoint not empty."""
+    if cache_dir is None:
+        return
+    real = os.path.realpath(cache_dir)
+    if real == mountpoint or real.startswith(mountpoint.rstrip("/") + "/"):
+        raise MountError(f"--cache-dir {cache_dir} is inside the mountpoint {mountpoint}: give a directory "
+                         "outside it (on local NVMe)")
+
+
 def open_disk_cache(cfg: MountConfig) -> DiskCache:
     assert cfg.cache_dir is not None
     try:
@@ -274,6 +285,8 @@ def open_disk_cache(cfg: MountConfig) -> DiskCache:
         raise MountError(str(exc)) from None
     except OSError as exc:
         raise MountError(f"cannot use cache dir {cfg.cache_dir}: {exc.strerror or exc}") from None
+    except ValueError as exc:  # a filesystem that reports no size (--cache-size as a share of it)
+        raise MountError(f"cannot use cache dir {cfg.cache_dir}: {exc}") from None
     free = st.f_bavail * st.f_frsize
     room = min(cache.max_bytes, cache.stats.bytes_used + free - cache.min_free_bytes)
     if room < CACHE_ROOM_CHUNKS * cfg.chunk_size:
@@ -570,6 +583,8 @@ def run(cfg: MountConfig, ready: Callable[[str | None], None]) -> int:
     try:
         check_fuse_available(cfg.allow_other)
         mountpoint = check_mountpoint(cfg.mountpoint, cfg.allow_non_empty)
+        check_cache_dir_outside(cfg.cache_dir, mountpoint)
+        os.chdir("/")  # a daemon keeps no directory of its caller busy (the paths in cfg are absolute)
         metrics = bind_metrics(cfg.metrics_addr)
         check_bucket(cfg)
         daemon = Daemon(cfg, mountpoint, lambda: ready(None), metrics)

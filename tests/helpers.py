@@ -284,7 +284,8 @@ def unmount(path: Path) -> None:
 
 @contextlib.contextmanager
 def mounted(server: S3Server, bucket: str, mountpoint: Path, *extra: str,
-            allowed: tuple[str, ...] = (), check_log: bool = True, wrap: tuple[str, ...] = ()) -> Iterator[Mount]:
+            allowed: tuple[str, ...] = (), check_log: bool = True, wrap: tuple[str, ...] = (),
+            cwd: Path | None = None) -> Iterator[Mount]:
     """A foreground daemon in a subprocess (started by the command `wrap`, if given, with the daemon's
     command line after it); always unmounted; its log checked for warnings."""
     mountpoint.mkdir(parents=True, exist_ok=True)
@@ -294,7 +295,7 @@ def mounted(server: S3Server, bucket: str, mountpoint: Path, *extra: str,
     with open(log_path, "wb") as log:
         # SIGTERM if this test run dies before the finally below: the daemon then unmounts itself.
         proc = subprocess.Popen(dying_with_parent(cmd), stdout=log, stderr=subprocess.STDOUT,
-                                env=daemon_env(server))
+                                env=daemon_env(server), cwd=cwd)
     m = Mount(mountpoint, proc, log_path)
     try:
         deadline = time.monotonic() + MOUNT_TIMEOUT

@@ -109,6 +109,9 @@ def bytes_for_fraction(root: str | os.PathLike[str], fraction: float) -> int:
     while not os.path.exists(path):
         path = os.path.dirname(path)
     st = os.statvfs(path)
+    if st.f_blocks == 0:
+        raise ValueError(f"the filesystem of {path} reports a size of 0 (a FUSE or virtual filesystem?), so "
+                         f"--cache-size cannot be a share of it: give it in bytes, or use a local disk")
     return int(st.f_blocks * st.f_frsize * fraction)
 
 

@@ -26,6 +26,7 @@ from tests.helpers import (
     new_bucket,
     run_modelfs,
     unmount,
+    wait_for,
 )
 
 FAIL_FAST_LIMIT = 20.0  # seconds; every pre-flight failure must come well within this
@@ -315,4 +316,87 @@ def test_sighup_keeps_the_mount_and_a_rotated_log_file_is_reopened(moto_server: 
         assert os.path.ismount(mp) and (mp / "a.bin").read_bytes() == b"a" * 100
         assert "mounted bucket" in (tmp_path / "modelfs.log.1").read_text()
     finally:
+        unmount(mp)
+
+
+def test_mount_refuses_what_would_break_it_and_says_why(moto_server: S3Server, tmp_path: Path) -> None:
+    """A cache dir inside the mountpoint (hidden by the mount: it could never cache, and what it created
+    there made the next mount find the mountpoint not empty), an empty --cache-dir (silently no cache), a
+    --read-timeout without bound (taken, then every request failed), a log file that cannot be written (a
+    traceback in the foreground, "exited with status 1" in the background)."""
+    bucket = new_bucket(moto_server)
+    mp = tmp_path / "mnt"
+    mp.mkdir()
+    base = ("mount", bucket, str(mp), "--endpoint-url", moto_server.endpoint_url)
+    try:
+        for extra, message, code in (
+                (("--cache-dir", str(mp)), "is inside the mountpoint", 1),
+                (("--cache-dir", str(mp / "cache")), "is inside the mountpoint", 1),
+                (("--cache-dir", ""), "--cache-dir is empty", 2),
+                (("--read-timeout", "inf"), "--read-timeout must be > 0 and at most", 2),
+                (("--read-timeout", "1e12"), "--read-timeout must be > 0 and at most", 2),
+                (("--log-file", str(tmp_path / "missing" / "x.log")), "cannot write the log file", 1),
+                (("--log-file", str(tmp_path / "missing" / "x.log"), "--foreground"), "cannot write the log file",
+                 1)):
+            res = run_modelfs(*base, *extra, env=daemon_env(moto_server))
+            assert res.returncode == code and message in res.stderr, (extra, res.returncode, res.stderr)
+            assert "Traceback" not in res.stderr, res.stderr
+            assert not os.path.ismount(mp) and os.listdir(mp) == [], extra
+    finally:
+        unmount(mp)
+
+
+def test_a_daemon_works_from_the_root_directory(moto_server: S3Server, tmp_path: Path) -> None:
+    """It kept its caller's working directory, which then could not be unmounted for as long as the mount
+    lived ("target is busy"). A relative --cache-dir is taken from where the command ran."""
+    bucket = new_bucket(moto_server)
+    moto_server.client().put_object(Bucket=bucket, Key="w.bin", Body=b"w" * 1000)
+    work = tmp_path / "work"
+    work.mkdir()
+    with mounted(moto_server, bucket, tmp_path / "mnt", "--cache-dir", "cache", cwd=work) as m:
+        assert os.readlink(f"/proc/{m.proc.pid}/cwd") == "/"
+        assert (m.path / "w.bin").read_bytes() == b"w" * 1000
+        assert (work / "cache" / "chunks").is_dir()
+
+
+def daemons_for(mountpoint: Path) -> list[int]:
+    """The pids of background daemons started for `mountpoint` (their command lines name it and a ready fd)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        try:
+            argv = Path(f"/proc/{entry}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if entry.isdigit() and os.fsencode(mountpoint) in argv and b"--ready-fd" in argv:
+            found.append(int(entry))
+    return found
+
+
+def test_ctrl_c_while_mount_waits_stops_its_daemon(tmp_path: Path) -> None:
+    """`modelfs mount` against an endpoint that does not answer waits for the pre-flight; Ctrl-C there printed
+    a traceback and left the detached daemon running, which mounted once the endpoint answered. Now the
+    daemon is stopped and the command says so."""
+    import socket
+
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(16)  # connections complete in the backlog; nothing ever answers them
+    mp = tmp_path / "mnt"
+    mp.mkdir()
+    env = {**modelfs_env(), "AWS_ACCESS_KEY_ID": "k", "AWS_SECRET_ACCESS_KEY": "s"}
+    proc = subprocess.Popen(modelfs_cmd("mount", "b", str(mp), "--endpoint-url",
+                                        f"http://127.0.0.1:{silent.getsockname()[1]}"),
+                            stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        daemons = wait_for("the daemon in its pre-flight", lambda: daemons_for(mp), bool)
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=30)
+        assert proc.returncode == 130 and "interrupted: the daemon was stopped" in err, (proc.returncode, err)
+        assert "Traceback" not in err
+        assert not [pid for pid in daemons if Path(f"/proc/{pid}").exists()]
+        assert not os.path.ismount(mp)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        silent.close()
         unmount(mp)

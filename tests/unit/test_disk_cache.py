@@ -896,3 +896,17 @@ def test_a_full_disk_logs_one_warning(tmp_path: Path, caplog: pytest.LogCaptureF
         cache.put(_chunk(4), data)
     warned = [r.getMessage() for r in caplog.records if "write failed" in r.getMessage()]
     assert len(warned) == 2, warned
+
+
+def test_a_cache_size_share_of_a_filesystem_without_a_size_is_a_clear_error(monkeypatch: pytest.MonkeyPatch,
+                                                                            tmp_path: Path) -> None:
+    """A cache dir on a FUSE or virtual filesystem (statvfs: 0 blocks) gave 80 % of nothing, and the mount
+    failed with "max_bytes must be > 0 and min_free_bytes >= 0, got 0, 0"."""
+    from fsmount.data.cache_dir import bytes_for_fraction
+
+    real = os.statvfs(tmp_path)
+    assert bytes_for_fraction(tmp_path, 0.5) == int(real.f_blocks * real.f_frsize * 0.5)
+    empty = os.statvfs_result((4096, 4096, 0, 0, 0, 0, 0, 0, 0, 255))
+    monkeypatch.setattr(os, "statvfs", lambda path: empty)
+    with pytest.raises(ValueError, match="reports a size of 0"):
+        bytes_for_fraction(tmp_path / "cache", 0.8)

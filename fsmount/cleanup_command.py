@@ -8,11 +8,18 @@ are left alone, since a running mount may be writing them.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import TextIO
 
 from fsmount.config import StoreConfig
 from fsmount.data import Boto3Store, StoreError, Uploads
+
+# A command someone waits for, not the daemon: each request gets this long to answer, and one retry, so that
+# an endpoint that accepts connections and never answers fails it in a minute (with the daemon's 120 s and
+# four attempts it hung for ten).
+REQUEST_TIMEOUT_S = 20.0
+RETRIES = 1
 
 
 class CleanupError(Exception):
@@ -21,7 +28,13 @@ class CleanupError(Exception):
 
 def cleanup(cfg: StoreConfig, older_than: float, *, dry_run: bool, out: TextIO) -> tuple[int, int]:
     """(uploads found old enough, uploads aborted); one line per upload on `out`."""
-    uploads = Uploads(Boto3Store(cfg))
+    cfg = dataclasses.replace(cfg, read_timeout=REQUEST_TIMEOUT_S, connect_timeout=min(cfg.connect_timeout,
+                                                                                       REQUEST_TIMEOUT_S))
+    try:
+        store = Boto3Store(cfg, retries=RETRIES)
+    except Exception as exc:  # noqa: BLE001 - botocore's ProfileNotFound and the like: one line, no traceback
+        raise CleanupError(str(exc)) from None
+    uploads = Uploads(store)
     try:
         pending = uploads.pending(cfg.prefix)
     except StoreError as exc:

@@ -505,6 +505,8 @@ def cmd_cleanup(args: argparse.Namespace) -> int:
         return fail(str(exc), 2)
     except CleanupError as exc:
         return fail(str(exc))
+    except KeyboardInterrupt:
+        return fail("cleanup interrupted", 130)
     if args.dry_run:
         print(f"{found} incomplete uploads older than {args.older_than:g}s; would abort {found}")
     else:

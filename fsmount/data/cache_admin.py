@@ -6,9 +6,10 @@ the directory lock and fail with CacheDirBusy while a mount holds it.
 
 from __future__ import annotations
 
+import contextlib
 import os
 
-from fsmount.data.cache_dir import CHUNKS_DIR, acquire_dir_lock, release_dir_lock, scan_chunk_files, scandir
+from fsmount.data.cache_dir import CHUNKS_DIR, acquire_dir_lock, release_dir_lock, scan_chunk_files
 from fsmount.data.chunk_file import Corrupt, read_chunk_file
 
 
@@ -25,18 +26,19 @@ def cache_stats(root: str | os.PathLike[str]) -> dict[str, int | float | None]:
 
 
 def cache_clear(root: str | os.PathLike[str]) -> int:
-    """Delete every chunk and temp file; the number removed. CacheDirBusy while a mount holds the dir."""
+    """Delete every chunk and temp file; the number removed. Files named neither, and anything that is not a
+    shard directory, are left alone (a file there made it fail with a traceback, and it deleted what it did not
+    write). CacheDirBusy while a mount holds the dir."""
     root = os.path.abspath(os.fspath(root))
     if not os.path.isdir(root):
         return 0
     fd = acquire_dir_lock(root)
     try:
-        removed = 0
-        for shard in scandir(os.path.join(root, CHUNKS_DIR)):
-            for entry in scandir(shard.path):
-                if entry.is_file(follow_symlinks=False):
-                    os.unlink(entry.path)
-                    removed += 1
+        found, removed = scan_chunk_files(os.path.join(root, CHUNKS_DIR), sweep_tmp=True)
+        for _mtime_ns, _digest, _size, path in found:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+                removed += 1
         return removed
     finally:
         release_dir_lock(fd)

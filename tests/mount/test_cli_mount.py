@@ -32,6 +32,20 @@ from tests.helpers import (
 FAIL_FAST_LIMIT = 20.0  # seconds; every pre-flight failure must come well within this
 
 
+def daemons_for(mountpoint: Path) -> list[int]:
+    """The pids of daemons started for `mountpoint` (their command lines name it and --foreground, as the
+    background mount's daemon's does too)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        try:
+            argv = Path(f"/proc/{entry}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if entry.isdigit() and os.fsencode(mountpoint) in argv and b"--foreground" in argv:
+            found.append(int(entry))
+    return found
+
+
 def test_version_and_help() -> None:
     res = run_modelfs("--version")
     assert res.returncode == 0 and __version__ in res.stdout
@@ -280,20 +294,40 @@ def test_umount_is_unmount_and_a_closed_pipe_is_no_traceback(tmp_path: Path) -> 
 def test_cleanup_says_what_a_dry_run_would_do(tmp_path: Path) -> None:
     res = run_modelfs("cleanup", "b", "--older-than", "1d")
     assert res.returncode == 2 and "invalid age '1d': give seconds" in res.stderr
+    # A profile that is not there: one line (it was botocore's ProfileNotFound traceback).
+    env = {**modelfs_env(), "AWS_SHARED_CREDENTIALS_FILE": str(tmp_path / "none"),
+           "AWS_CONFIG_FILE": str(tmp_path / "none")}
+    res = run_modelfs("cleanup", "b", "--profile", "missing", "--endpoint-url", "http://127.0.0.1:9", env=env)
+    assert res.returncode == 1 and "could not be found" in res.stderr and "Traceback" not in res.stderr, res.stderr
+
+
+def test_cleanup_gives_a_silent_endpoint_a_minute_not_ten(monkeypatch: pytest.MonkeyPatch) -> None:
+    """It used the daemon's request settings (120 s, four attempts): against an endpoint that never answers it
+    ran ten minutes without a word. A command someone waits for gets 20 s per request and one retry."""
+    import io
+
+    from fsmount import cleanup_command
+    from fsmount.config import StoreConfig
+
+    built = []
+
+    class Store:
+        def __init__(self, cfg: StoreConfig, retries: int) -> None:
+            built.append((cfg.read_timeout, cfg.connect_timeout, retries))
+            raise RuntimeError("stop here")
+
+    monkeypatch.setattr(cleanup_command, "Boto3Store", Store)
+    with pytest.raises(cleanup_command.CleanupError, match="stop here"):
+        cleanup_command.cleanup(StoreConfig(bucket="b"), 0, dry_run=True, out=io.StringIO())
+    (read, connect, retries), = built
+    assert read * (retries + 1) <= 60 and connect <= read
 
 
 def daemon_pid(mountpoint: Path) -> int:
     """The pid of the (background) daemon serving `mountpoint`."""
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            argv = (entry / "cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if b"--foreground" in argv and str(mountpoint).encode() in argv:
-            return int(entry.name)
-    raise AssertionError(f"no daemon serves {mountpoint}")
+    found = daemons_for(mountpoint)
+    assert found, f"no daemon serves {mountpoint}"
+    return found[0]
 
 
 def test_sighup_keeps_the_mount_and_a_rotated_log_file_is_reopened(moto_server: S3Server, tmp_path: Path) -> None:
@@ -357,19 +391,6 @@ def test_a_daemon_works_from_the_root_directory(moto_server: S3Server, tmp_path:
         assert os.readlink(f"/proc/{m.proc.pid}/cwd") == "/"
         assert (m.path / "w.bin").read_bytes() == b"w" * 1000
         assert (work / "cache" / "chunks").is_dir()
-
-
-def daemons_for(mountpoint: Path) -> list[int]:
-    """The pids of background daemons started for `mountpoint` (their command lines name it and a ready fd)."""
-    found = []
-    for entry in os.listdir("/proc"):
-        try:
-            argv = Path(f"/proc/{entry}/cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if entry.isdigit() and os.fsencode(mountpoint) in argv and b"--ready-fd" in argv:
-            found.append(int(entry))
-    return found
 
 
 def test_ctrl_c_while_mount_waits_stops_its_daemon(tmp_path: Path) -> None:

@@ -516,9 +516,16 @@ def test_cache_commands_on_a_real_cache(moto_server: S3Server, mountpoint: Path,
     assert res.stdout.splitlines() == [f"{n - 1} chunks verified, 1 corrupt (removed)", f"  corrupt: {victim}"]
     assert not victim.exists()
 
+    # Files the cache did not write are left alone, a file among the shard directories included (it made
+    # `clear` fail with NotADirectoryError, and `clear` deleted foreign files in the shards).
+    stray, foreign = cache / "chunks" / "stray.txt", victim.parent / "notes.txt"
+    stray.write_text("x")
+    foreign.write_text("y")
     res = cache_cmd("clear", cache)
-    assert (res.returncode, res.stdout) == (0, f"removed {n - 1} chunk files\n")
-    assert chunk_files(cache) == []
+    assert (res.returncode, res.stdout) == (0, f"removed {n - 1} chunk files\n"), res
+    assert chunk_files(cache) == [foreign] and stray.read_text() == "x" and foreign.read_text() == "y"
+    stray.unlink()
+    foreign.unlink()
     st = stats(cache)
     assert st["chunks"] == "0" and st["bytes"] == "0 (0 B)" and st["oldest access"] == "-"
     res = cache_cmd("stats", tmp_path / "not-a-cache")

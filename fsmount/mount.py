@@ -59,6 +59,8 @@ FUSE_DEVICE_NUMBER = (10, 229)
 FUSE_CONF = "/etc/fuse.conf"
 # Metadata calls (HEAD, LIST) get their own threads so a burst of lookups never waits behind data.
 METADATA_THREADS = 8
+# Metadata requests given up on (--read-timeout) whose threads may still be running, beyond METADATA_THREADS.
+ABANDONED_METADATA_THREADS = 32
 # How long readiness may take before the daemon gives up (the first request of a mount is fast;
 # this only bounds a kernel that never answers).
 READY_TIMEOUT = 60.0
@@ -404,7 +406,8 @@ class Daemon:
         self.on_ready = on_ready
         self.metrics = metrics
         self.store = Boto3Store(cfg.store)
-        self._meta_limiter: trio.CapacityLimiter | None = None
+        self._meta_limiter: trio.CapacityLimiter | None = None  # metadata requests waited for (METADATA_THREADS)
+        self._meta_threads: trio.CapacityLimiter | None = None  # their threads, given-up ones included
         # pyfuse3's main loop and the handlers it runs: cancelled by _watch_signals once a stop's grace is over,
         # unless main() returned first (_served).
         self._requests = trio.CancelScope()
@@ -463,10 +466,15 @@ class Daemon:
         """One metadata request (a HEAD, a probe, one listing page) in a thread, given up after
         --read-timeout whatever botocore's retries are doing: the FUSE request then fails with EIO
         (or is answered from what the namespace already knows) instead of waiting them out."""
-        assert self._meta_limiter is not None
+        assert self._meta_limiter is not None and self._meta_threads is not None
         timeout = self.cfg.store.read_timeout
-        with trio.move_on_after(timeout):
-            return await trio.to_thread.run_sync(fn, *args, limiter=self._meta_limiter, abandon_on_cancel=True)
+        # A request given up on is left to end in its thread (botocore's own timeouts and retries end it, up to
+        # a few --read-timeouts later), but gives its slot back at once: trio frees an abandoned thread's limiter
+        # token only when the thread ends, so a few of them kept every lookup waiting long after the origin was
+        # back. Threads, abandoned ones included, are bounded by `_meta_threads`.
+        with trio.move_on_after(timeout):  # the wait for a slot included
+            async with self._meta_limiter:
+                return await trio.to_thread.run_sync(fn, *args, limiter=self._meta_threads, abandon_on_cancel=True)
         raise TransientError(f"{getattr(fn, '__name__', 'metadata request')} timed out after {timeout:g}s")
 
     async def _files_beside(self, ino: int) -> list[tuple[int | None, ObjectVersion]]:
@@ -496,6 +504,7 @@ class Daemon:
 
     async def serve(self) -> None:
         self._meta_limiter = trio.CapacityLimiter(METADATA_THREADS)
+        self._meta_threads = trio.CapacityLimiter(METADATA_THREADS + ABANDONED_METADATA_THREADS)
         async with trio.open_nursery() as nursery:
             await nursery.start(self.engine.run)
             await nursery.start(self.streamer.run)

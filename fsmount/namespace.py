@@ -55,6 +55,11 @@ LISTING_CACHE_ENTRIES = 2_000_000
 NEGATIVE_CACHE_ENTRIES = 100_000
 # While the origin is unreachable, known files keep their metadata and are re-checked this often.
 STALE_RETRY = 5.0
+# After a metadata request found the origin unreachable or timed out, the next ones fail at once for this long
+# (names the mount knows keep resolving) instead of each waiting out --read-timeout: the kernel sends the
+# LOOKUPs of one directory one at a time (libfuse 3.14 never asks it for parallel directory operations, and
+# pyfuse3 cannot), so ten stats of new names in one directory took ten timeouts in a row, 20 minutes at 120 s.
+DOWN_FAST_FAIL_S = 5.0
 # Keys whose skip was already logged; bounded so a hostile bucket cannot grow it without limit.
 SKIP_LOG_MEMORY = 10_000
 
@@ -135,7 +140,12 @@ def child_name(parent: Node, name_b: bytes, undecodable: int) -> str:
 class Namespace:
     def __init__(self, store: ObjectStore, call: StoreCall, *, prefix: str, ttl: float):
         self._store = store
-        self._call = call
+        self._ask = call
+        # Until when metadata requests fail at once (DOWN_FAST_FAIL_S), and why; only `_call` touches them, in
+        # the trio thread.
+        self._down_until = 0.0
+        self._down_error: type[StoreError] = TransientError
+        self._down_reason = ""
         self.prefix = prefix
         self.ttl = ttl
         self._next_ino = ROOT_INODE + 1
@@ -157,6 +167,21 @@ class Namespace:
         self._seq = 0
 
     # -- inode table ---------------------------------------------------------------------------
+
+    async def _call(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """One metadata request through the mount's store call, failing at once (the same error again) within
+        DOWN_FAST_FAIL_S of one that found the origin unreachable or timed out."""
+        now = time.monotonic()
+        if now < self._down_until:
+            raise self._down_error(f"{self._down_reason} (asked again in {self._down_until - now:.1f}s)")
+        try:
+            result = await self._ask(fn, *args)
+        except (Unreachable, TransientError) as exc:
+            self._down_until = time.monotonic() + DOWN_FAST_FAIL_S
+            self._down_error, self._down_reason = type(exc), exc.message
+            raise
+        self._down_until = 0.0
+        return result
 
     @property
     def inode_count(self) -> int:

@@ -41,6 +41,7 @@ from fsmount.testing.fault_proxy import Down, Fault, FaultProxy, synthetic_body
 from tests.helpers import (
     FAILING_READ_BOUND_S,
     FETCH_FAILED,
+    ORIGIN_UNAVAILABLE,
     READ_FAILED,
     READ_TIMEOUT_S,
     RECOVERY_S,
@@ -811,3 +812,43 @@ def test_soak_random_preads_rss_and_fds_flat(moto_server: S3Server, proxy: Fault
     assert final["fetches_inflight"] == 0 and final["open_files"] == 0, final
     assert reads[0] > 100
 
+
+
+def test_an_outage_costs_new_names_one_timeout_not_one_each_and_they_resolve_once_it_ends(
+        moto_server: S3Server, proxy: FaultProxy, mountpoint: Path) -> None:
+    """The kernel sends the LOOKUPs of one directory one at a time (libfuse 3.14 never asks it for parallel
+    directory operations). With the origin a black hole, six stats of new names in one directory failed one
+    --read-timeout after another (1, 2, ... 6 timeouts; 20 minutes at the default). Now a request that found
+    the origin gone makes the next ones fail at once for DOWN_FAST_FAIL_S. And when it is back, a lookup is
+    answered: the given-up requests' threads no longer hold the metadata slots until botocore ends them."""
+    from fsmount.namespace import DOWN_FAST_FAIL_S
+
+    bucket = bucket_with(moto_server, {"d/a.txt": b"a", "d/b.txt": b"b"} | {f"d{i}/a.txt": b"a" for i in range(8)})
+    timeout = 3.0
+    with mounted_via(proxy, moto_server, bucket, mountpoint, "--read-timeout", str(timeout), "--metadata-ttl", "60",
+                     allowed=(ORIGIN_UNAVAILABLE, "lookup failed", "timed out")):
+        for name in ["d", *(f"d{i}" for i in range(8))]:
+            os.stat(mountpoint / name)
+        proxy.origin_down(Down.BLACKHOLE)
+        finished: list[float] = []
+        start = time.monotonic()
+
+        def look(path: Path) -> None:
+            with contextlib.suppress(OSError):
+                os.stat(path)
+            finished.append(time.monotonic() - start)
+
+        # Six new names in one directory, and one in each of eight others (those LOOKUPs run side by side:
+        # more requests at once than the metadata threads, every one of them given up on).
+        paths = [mountpoint / "d" / f"new-{i}" for i in range(6)] + [mountpoint / f"d{i}" / "new" for i in range(8)]
+        threads = [threading.Thread(target=look, args=(path,)) for path in paths]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert len(finished) == len(paths) and max(finished) < timeout + 2, finished  # not timeouts in a row
+        proxy.origin_back()
+        time.sleep(DOWN_FAST_FAIL_S)
+        began = time.monotonic()
+        assert os.stat(mountpoint / "d" / "b.txt").st_size == 1  # a name not looked up before the outage
+        assert time.monotonic() - began < timeout, time.monotonic() - began

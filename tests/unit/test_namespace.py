@@ -8,7 +8,7 @@ import cachetools
 import pytest
 
 from fsmount import namespace
-from fsmount.data import Unreachable
+from fsmount.data import TransientError, Unreachable
 from fsmount.namespace import ROOT_INODE, Namespace, PathError
 from tests.helpers import ORIGIN_UNAVAILABLE
 from tests.unit.fake_store import FakeStore
@@ -296,3 +296,38 @@ async def test_known_names_and_listings_resolve_while_origin_is_down(allowed_log
     assert {e.name for e in await ns.listing(d)} == {b"f"}  # the expired listing serves
     with pytest.raises(Unreachable):
         await ns.lookup(d.ino, b"never-seen")
+
+
+async def test_metadata_requests_given_up_on_leave_their_slots_to_the_next() -> None:
+    """Requests past --read-timeout are given up on, but their threads run on until botocore's own timeouts
+    and retries end them (minutes). They held every metadata slot meanwhile, so lookups failed for that long
+    after the origin was back. Now the next request gets a slot at once."""
+    import threading
+    import types
+
+    import trio
+
+    from fsmount import mount
+
+    release = threading.Event()
+    daemon = types.SimpleNamespace(cfg=types.SimpleNamespace(store=types.SimpleNamespace(read_timeout=0.5)),
+                                   _meta_limiter=trio.CapacityLimiter(mount.METADATA_THREADS),
+                                   _meta_threads=trio.CapacityLimiter(mount.METADATA_THREADS
+                                                                      + mount.ABANDONED_METADATA_THREADS))
+
+    def hung() -> None:
+        release.wait(30)  # a request into a black hole
+
+    async def given_up() -> None:
+        with pytest.raises(TransientError, match="timed out"):
+            await mount.Daemon._store_call(daemon, hung)  # type: ignore[arg-type]
+
+    try:
+        async with trio.open_nursery() as nursery:
+            for _ in range(mount.METADATA_THREADS):
+                nursery.start_soon(given_up)
+        began = trio.current_time()
+        assert await mount.Daemon._store_call(daemon, lambda: "answered") == "answered"  # type: ignore[arg-type]
+        assert trio.current_time() - began < 0.25
+    finally:
+        release.set()

@@ -118,6 +118,9 @@ def _metrics_addr(text: str) -> str:
 def _endpoint_url(text: str) -> str:
     # A URL like https://KEY:SECRET@host would put the secret in argv, the process list and the logs.
     parts = urllib.parse.urlsplit(text)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an http:// or https:// URL (e.g. http://{text})"
+                                         if "://" not in text else f"{text!r} is not an http:// or https:// URL")
     if parts.username or parts.password:
         raise argparse.ArgumentTypeError("credentials in the endpoint URL are refused (they would show in the "
                                          "process list): use AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY or --profile")
@@ -476,9 +479,11 @@ def cmd_prefetch(args: argparse.Namespace) -> int:
 
     if not args.write_wait >= 0:
         return fail("--write-wait must be >= 0 seconds", 2)
+    if args.threads < 1:
+        return fail("--threads must be at least 1", 2)
     started = time.monotonic()
     try:
-        n = warm(args.paths, keep_pagecache=not args.no_pagecache, threads=max(1, args.threads),
+        n = warm(args.paths, keep_pagecache=not args.no_pagecache, threads=args.threads,
                  progress=not args.quiet and sys.stderr.isatty())
         elapsed = max(time.monotonic() - started, 1e-9)
         print(f"prefetched {n} bytes ({human_size(n)}) in {elapsed:.1f}s ({human_size(n / elapsed)}/s)", flush=True)

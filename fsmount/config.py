@@ -82,8 +82,9 @@ def parse_mode(text: str) -> int:
         mode = int(str(text), 8)
     except ValueError:
         raise ConfigError(f"invalid mode {text!r}: give octal permission bits, e.g. 0444") from None
-    if not 0 <= mode <= 0o7777:
-        raise ConfigError(f"invalid mode {text!r}")
+    if not 0 <= mode <= 0o777:
+        # setuid, setgid and sticky bits mean nothing on a mount of objects (and it is mounted nosuid).
+        raise ConfigError(f"invalid mode {text!r}: permission bits only, 0 to 0777")
     return mode
 
 
@@ -134,7 +135,13 @@ def _check_bucket(cfg: StoreConfig | SharedCacheConfig, bad_bucket: str, style_f
     """The rules a bucket, its addressing style and a key prefix follow, for the origin and the shared
     tier alike; the prefix is normalised in place to 'a/b/' (no leading '/', one trailing '/')."""
     if not cfg.bucket or "/" in cfg.bucket:
-        raise ConfigError(f"{bad_bucket} {cfg.bucket!r}")
+        hint = ""
+        if cfg.bucket.startswith(("s3://", "oss://")):
+            name, _, key_prefix = cfg.bucket.split("://", 1)[1].partition("/")
+            hint = f": give the bucket's name alone ({name!r})" + (f" and --prefix {key_prefix}" if key_prefix else "")
+        elif "/" in cfg.bucket:
+            hint = ": a bucket name has no '/' (a path inside the bucket is --prefix)"
+        raise ConfigError(f"{bad_bucket} {cfg.bucket!r}{hint}")
     if cfg.addressing_style not in ("auto", "path", "virtual"):
         raise ConfigError(f"{style_flag} must be auto, path or virtual")
     prefix = cfg.prefix.lstrip("/")

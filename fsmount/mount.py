@@ -18,6 +18,7 @@ import signal
 import socket
 import stat
 import time
+import urllib.parse
 from collections.abc import Callable
 
 import pyfuse3
@@ -67,7 +68,7 @@ READY_TIMEOUT = 60.0
 # Where the fuse control file system lives (per-connection settings).
 FUSECTL = "/sys/fs/fuse/connections"
 # At unmount, how long to wait for chunks already fetched to reach the NVMe cache. A full default memory
-# budget (2 GiB) writes in ~4 s at the dev box's O_DIRECT rate; systemd's stop timeout is 90 s.
+# budget (2 GiB) writes in ~4 s at the dev box's O_DIRECT rate; the unit's TimeoutStopSec is 60 s.
 WRITE_DRAIN_S = 30.0
 # After SIGTERM/SIGINT, how long requests already in flight may take before they are cut short: pyfuse3's main
 # loop waits for every handler, and a READ stalled on the origin would hold the stop for --read-timeout (120 s,
@@ -260,7 +261,10 @@ def check_bucket(cfg: MountConfig) -> None:
         store.check_bucket(cfg.store.prefix)
         empty = bool(cfg.store.prefix) and not cfg.writable and not store.has_children(cfg.store.prefix)
     except StoreError as exc:
-        raise MountError(exc.message) from None
+        path = urllib.parse.urlsplit(cfg.store.endpoint_url or "").path.strip("/")
+        hint = (f" (the endpoint URL has a path, /{path}: the bucket is the first argument, a path inside it "
+                "--prefix)") if isinstance(exc, BucketMissing) and path else ""
+        raise MountError(exc.message + hint) from None
     if empty:  # a typo would look like an empty model directory
         log.warning("no key in bucket %s starts with %r: the mount is empty (is --prefix right?)", cfg.store.bucket,
                     cfg.store.prefix)

@@ -82,7 +82,8 @@ def warm(paths: list[str], *, keep_pagecache: bool = True, threads: int = THREAD
         if mount_fstype(path) != MODELFS_FSTYPE:
             raise WarmError(f"{path} is not on a modelfs mount")
     try:
-        files = list(files_under(paths))
+        # Each file once, however many of the paths name it (a directory and a file in it, a path twice).
+        files = list({os.path.realpath(path): (path, size) for path, size in files_under(paths)}.values())
     except OSError as exc:
         raise WarmError(f"{exc.filename or paths[0]}: {exc.strerror or exc}") from None
     total = sum(size for _, size in files)

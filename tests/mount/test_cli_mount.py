@@ -102,6 +102,10 @@ def mount_fails_fast(bucket: str, path: Path, endpoint_url: str, env: dict[str, 
 def test_bucket_missing(moto_server: S3Server, tmp_path: Path) -> None:
     mount_fails_fast("no-such-bucket-here", tmp_path, moto_server.endpoint_url, daemon_env(moto_server),
                      "bucket 'no-such-bucket-here' does not exist")
+    # The bucket put in the endpoint URL as well (a path there): the error says where to look.
+    bucket = new_bucket(moto_server)
+    mount_fails_fast("llama", tmp_path, f"{moto_server.endpoint_url}/{bucket}", daemon_env(moto_server),
+                     f"(the endpoint URL has a path, /{bucket}: the bucket is the first argument")
 
 
 @pytest.mark.seaweedfs

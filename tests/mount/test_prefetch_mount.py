@@ -291,10 +291,14 @@ def test_modelfs_prefetch_command_warms_the_cache(moto_server: S3Server, mountpo
     put_objects(moto_server, bucket, payload)
     cache = tmp_path / "cache"
     with mounted(moto_server, bucket, mountpoint, "--cache-dir", str(cache), "--cache-size", "1G") as m:
-        res = run_modelfs("prefetch", str(mountpoint / "model"), timeout=120)
+        # A file named twice (by its directory and by itself) is read and counted once.
+        res = run_modelfs("prefetch", str(mountpoint / "model"), str(mountpoint / "model" / "shard-1.bin"),
+                          timeout=120)
         assert res.returncode == 0, res.stderr
         assert f"prefetched {sum(map(len, payload.values()))} bytes" in res.stdout
         assert res.stderr == ""  # no progress bar into a pipe or a log file
+        res = run_modelfs("prefetch", "--threads", "0", str(mountpoint / "model"))
+        assert res.returncode == 2 and "--threads must be at least 1" in res.stderr
         assert "prefetch: " in prefetch_on_a_terminal(mountpoint / "model")  # the progress bar
         res = run_modelfs("prefetch", str(tmp_path), timeout=None)
         assert res.returncode == 1 and "not on a modelfs mount" in res.stderr

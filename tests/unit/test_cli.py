@@ -4,11 +4,12 @@ subprocess (fail-fast cases, help, version) is tests/mount/test_cli_mount.py."""
 from __future__ import annotations
 
 import os
+import re
 
 import pytest
 
 from fsmount.cli import build_config, expand_mount_options, make_parser
-from fsmount.config import ConfigError, GiB, MiB, parse_size, parse_ttl, virtual_style_ignored
+from fsmount.config import ConfigError, GiB, MiB, parse_mode, parse_size, parse_ttl, virtual_style_ignored
 
 
 def test_sizes_and_ttls() -> None:
@@ -63,6 +64,28 @@ def test_a_prefix_with_empty_dot_or_dotdot_segments_is_refused() -> None:
     for prefix, normal in (("/llama", "llama/"), ("llama/", "llama/"), ("a/b.c", "a/b.c/"), ("/", "")):
         assert build_config(make_parser().parse_args(["mount", "b", "/mnt", "--prefix", prefix])).store.prefix \
             == normal
+
+
+def test_flags_a_new_user_gets_wrong_are_refused_with_the_fix() -> None:
+    def config(*argv: str):  # noqa: ANN202
+        return build_config(make_parser().parse_args(["mount", *argv]))
+
+    for bucket, hint in (("s3://models/llama-3", "give the bucket's name alone ('models') and --prefix llama-3"),
+                         ("oss://models", "give the bucket's name alone ('models')"),
+                         ("models/llama-3", "a path inside the bucket is --prefix")):
+        with pytest.raises(ConfigError, match=re.escape(hint)):
+            config(bucket, "/mnt")
+    with pytest.raises(ConfigError, match="permission bits only"):
+        parse_mode("4755")
+    assert config("b", "/mnt", "--file-mode", "0640").file_mode == 0o640
+
+
+def test_an_endpoint_without_a_scheme_is_refused_with_one(capsys: pytest.CaptureFixture[str]) -> None:
+    for text, said in (("127.0.0.1:9000", "e.g. http://127.0.0.1:9000"), ("ftp://host", "not an http:// or")):
+        with pytest.raises(SystemExit):
+            make_parser().parse_args(["mount", "b", "/mnt", "--endpoint-url", text])
+        assert said in capsys.readouterr().err
+    assert make_parser().parse_args(["mount", "b", "/mnt", "--endpoint-url", "https://s3.example.com/"]).endpoint_url
 
 
 def test_ro_and_writable_together_are_refused() -> None:

@@ -293,7 +293,10 @@ class Writes:
         if node.writing:
             raise PathError(errno.EBUSY)
         if not self.allow_overwrite:
-            log.warning("%s exists; replacing it needs --allow-overwrite", node.path)
+            # `touch` of a stored file opens it for writing without O_TRUNC, then sets its times by path: it
+            # replaces nothing, so it is not worth a warning (it still gets EPERM, as any such open does).
+            log.log(logging.WARNING if flags & os.O_TRUNC else logging.INFO,
+                    "%s exists; replacing it needs --allow-overwrite", node.path)
             raise PathError(errno.EPERM)
         if (flags & os.O_APPEND) or not (flags & os.O_TRUNC or node.size == 0):
             log.warning("%s: only whole rewrites (O_TRUNC) of existing files are supported", node.path)

@@ -5,7 +5,9 @@ the background until it answers. It holds no filesystem logic.
 from __future__ import annotations
 
 import argparse
+import logging
 import os
+import re
 import select
 import shutil
 import subprocess
@@ -70,6 +72,8 @@ DEFAULT_PREFETCH_WRITE_WAIT = 600.0
 STARTUP_TIMEOUT = 120.0
 # How long a daemon stopped by Ctrl-C during `modelfs mount` gets to exit before it is killed.
 STOP_WAIT_S = 10.0
+# Warnings a background daemon logs before it is ready that `modelfs mount` prints (the rest are in its log).
+EARLY_WARNINGS_MAX = 20
 
 T = TypeVar("T")
 
@@ -367,12 +371,19 @@ def cmd_mount(args: argparse.Namespace, mount_argv: list[str]) -> int:
 def run_foreground(cfg: MountConfig, ready_fd: int | None, use_syslog: bool) -> int:
     from fsmount import mount
 
+    # A background mount's warnings before it is ready (a --prefix that matches nothing, a cache dir with no
+    # room) went only to syslog or the log file; they also go to the waiting `modelfs mount`, which prints them.
+    early = _EarlyWarnings()
+
     def ready(error: str | None) -> None:
+        logging.getLogger().removeHandler(early)
         if error is not None:
             print(f"modelfs: {error}", file=sys.stderr)
         if ready_fd is not None:
+            lines = [f"WARN {' '.join(w.split())}" for w in early.messages]
+            lines.append("READY" if error is None else f"ERROR {error}")
             try:
-                os.write(ready_fd, b"READY\n" if error is None else f"ERROR {error}\n".encode())
+                os.write(ready_fd, "".join(f"{line}\n" for line in lines).encode())
                 os.close(ready_fd)
             except OSError:
                 pass
@@ -382,7 +393,21 @@ def run_foreground(cfg: MountConfig, ready_fd: int | None, use_syslog: bool) -> 
     except OSError as exc:
         ready(f"cannot write the log file {cfg.log_file}: {exc.strerror or exc}")
         return 1
+    if ready_fd is not None:
+        logging.getLogger().addHandler(early)
     return mount.run(cfg, ready)
+
+
+class _EarlyWarnings(logging.Handler):
+    """Keeps the messages of warnings logged before the mount is ready (at most EARLY_WARNINGS_MAX)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if len(self.messages) < EARLY_WARNINGS_MAX:
+            self.messages.append(record.getMessage())
 
 
 def run_background(cfg: MountConfig, mount_argv: list[str]) -> int:
@@ -397,7 +422,7 @@ def run_background(cfg: MountConfig, mount_argv: list[str]) -> int:
     buf = b""
     deadline = time.monotonic() + STARTUP_TIMEOUT
     try:
-        while b"\n" not in buf:
+        while not re.search(rb"^(READY|ERROR)", buf, re.MULTILINE):
             left = deadline - time.monotonic()
             if left <= 0:
                 proc.kill()
@@ -420,7 +445,10 @@ def run_background(cfg: MountConfig, mount_argv: list[str]) -> int:
         return fail("interrupted: the daemon was stopped and nothing is mounted", 130)
     finally:
         os.close(read_fd)
-    line = buf.decode(errors="replace").strip()
+    *warnings, line = buf.decode(errors="replace").strip().splitlines() or [""]
+    for warning in warnings:
+        if warning.startswith("WARN "):
+            print(f"modelfs: warning: {warning[len('WARN '):]}", file=sys.stderr)
     if line == "READY":
         from fsmount.mount import SYSLOG_SOCKET, syslog_available
 

@@ -223,6 +223,14 @@ def test_a_prefix_that_matches_nothing_is_named_at_mount(s3: S3Server, tmp_path:
     for flags in (("--prefix", "llama/"), ("--prefix", "new-run/", "--writable")):
         with mounted(s3, bucket, mp, *flags) as m:  # the log check fails the test on any warning
             os.listdir(mp)
+    # In the background the warning went only to the daemon's log; `modelfs mount` prints it too.
+    try:
+        res = run_modelfs("mount", bucket, str(mp), "--endpoint-url", s3.endpoint_url, "--prefix", "lama/",
+                          "--log-file", str(tmp_path / "bg.log"), env=daemon_env(s3))
+        assert res.returncode == 0 and os.path.ismount(mp), res.stderr
+        assert "modelfs: warning: no key in bucket" in res.stderr and "starts with 'lama/'" in res.stderr, res.stderr
+    finally:
+        unmount(mp)
     # The test servers listen on 127.0.0.1: botocore uses path style there whatever is asked, and the mount says so.
     warning = "--addressing-style virtual: 127.0.0.1 is an IP address"
     with mounted(s3, bucket, mp, "--prefix", "llama/", "--addressing-style", "virtual", allowed=(warning,)) as m:

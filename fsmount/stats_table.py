@@ -11,15 +11,41 @@ from typing import Any
 
 from fsmount.stats import STATS_FORMAT_VERSION, STATS_XATTR, ratio
 
+# How long `modelfs stats` waits for the daemon's answer (it comes in milliseconds from a daemon that runs).
+STATS_TIMEOUT_S = 10.0
+
 
 class StatsUnavailable(Exception):
     """`modelfs stats` cannot get numbers from this path; the message says why."""
 
 
-def read_stats(mountpoint: str) -> dict[str, Any]:
+def _getxattr(mountpoint: str, timeout: float) -> bytes:
+    """The stats xattr, read in a thread of its own: a daemon that is stopped (SIGSTOP) or hung never answers,
+    and a getxattr waiting on it cannot be interrupted; the command then says so instead of hanging."""
+    import threading
+
+    out: list[bytes | OSError] = []
+
+    def read() -> None:
+        try:
+            out.append(os.getxattr(mountpoint, STATS_XATTR.decode()))
+        except OSError as exc:
+            out.append(exc)
+
+    reader = threading.Thread(target=read, daemon=True)  # left behind if it never returns
+    reader.start()
+    reader.join(timeout)
+    if not out:
+        raise StatsUnavailable(f"the daemon of {mountpoint} does not answer within {timeout:g}s (stopped or hung?)")
+    if isinstance(out[0], OSError):
+        raise out[0]
+    return out[0]
+
+
+def read_stats(mountpoint: str, timeout: float = STATS_TIMEOUT_S) -> dict[str, Any]:
     """The running daemon's snapshot, through the virtual xattr of the mount root."""
     try:
-        raw = os.getxattr(mountpoint, STATS_XATTR.decode())
+        raw = _getxattr(mountpoint, timeout)
     except OSError as exc:
         if exc.errno in (errno.ENODATA, errno.ENOTSUP):
             raise StatsUnavailable(f"{mountpoint} is not the root of a modelfs mount") from None

@@ -433,3 +433,20 @@ def test_ctrl_c_while_mount_waits_stops_its_daemon(tmp_path: Path) -> None:
             proc.kill()
         silent.close()
         unmount(mp)
+
+
+def test_stats_of_a_daemon_that_does_not_answer_says_so(moto_server: S3Server, tmp_path: Path) -> None:
+    """A stopped (SIGSTOP) or hung daemon never answers the stats xattr: `modelfs stats` hung with it."""
+    from fsmount.stats_table import StatsUnavailable, read_stats
+
+    bucket = new_bucket(moto_server)
+    with mounted(moto_server, bucket, tmp_path / "mnt") as m:
+        m.proc.send_signal(signal.SIGSTOP)
+        try:
+            began = time.monotonic()
+            with pytest.raises(StatsUnavailable, match="does not answer within 1s"):
+                read_stats(str(m.path), timeout=1.0)
+            assert time.monotonic() - began < 5
+        finally:
+            m.proc.send_signal(signal.SIGCONT)
+        assert read_stats(str(m.path))["format"]

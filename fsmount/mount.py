@@ -411,6 +411,8 @@ class Daemon:
         self.metrics = metrics
         self.store = Boto3Store(cfg.store)
         self._meta_limiter: trio.CapacityLimiter | None = None  # metadata requests waited for (METADATA_THREADS)
+        self.metadata_requests = 0  # counters (trio thread): every metadata request, and those that failed
+        self.metadata_errors = 0
         self._meta_threads: trio.CapacityLimiter | None = None  # their threads, given-up ones included
         # pyfuse3's main loop and the handlers it runs: cancelled by _watch_signals once a stop's grace is over,
         # unless main() returned first (_served).
@@ -449,7 +451,8 @@ class Daemon:
                                       look_up=self._look_up, readers=lambda: self.ops.readers)
         self.stats = MountStats(cfg.store.bucket, self.engine, self.streamer, self.pusher, disk_cache=self.disk_cache,
                                 shared_tier=self.shared_tier, writes=self.writes,
-                                open_files=lambda: self.ops.open_files, inodes=lambda: self.namespace.inode_count)
+                                open_files=lambda: self.ops.open_files, inodes=lambda: self.namespace.inode_count,
+                                metadata=lambda: (self.metadata_requests, self.metadata_errors))
         self.ops = Operations(self.namespace, self.engine, self.streamer, self.pusher, max_readahead=cfg.max_readahead,
                               owner=Owner(cfg.uid, cfg.gid, cfg.file_mode, cfg.dir_mode), stats=self.stats.json_bytes,
                               writes=self.writes)
@@ -476,9 +479,16 @@ class Daemon:
         # a few --read-timeouts later), but gives its slot back at once: trio frees an abandoned thread's limiter
         # token only when the thread ends, so a few of them kept every lookup waiting long after the origin was
         # back. Threads, abandoned ones included, are bounded by `_meta_threads`.
-        with trio.move_on_after(timeout):  # the wait for a slot included
-            async with self._meta_limiter:
-                return await trio.to_thread.run_sync(fn, *args, limiter=self._meta_threads, abandon_on_cancel=True)
+        self.metadata_requests += 1
+        try:
+            with trio.move_on_after(timeout):  # the wait for a slot included
+                async with self._meta_limiter:
+                    return await trio.to_thread.run_sync(fn, *args, limiter=self._meta_threads,
+                                                         abandon_on_cancel=True)
+        except Exception:
+            self.metadata_errors += 1
+            raise
+        self.metadata_errors += 1
         raise TransientError(f"{getattr(fn, '__name__', 'metadata request')} timed out after {timeout:g}s")
 
     async def _files_beside(self, ino: int) -> list[tuple[int | None, ObjectVersion]]:

@@ -51,6 +51,10 @@ class StatsCollector:
         yield CounterMetricFamily("modelfs_origin_bytes", "Bytes downloaded from the origin", value=origin["bytes"])
         yield CounterMetricFamily("modelfs_origin_errors", "Ranged GETs that failed after retries",
                                   value=origin["errors"])
+        yield CounterMetricFamily("modelfs_origin_metadata_requests", "HEADs and listing pages sent to the origin",
+                                  value=origin["metadata_requests"])
+        yield CounterMetricFamily("modelfs_origin_metadata_errors", "Metadata requests that failed or timed out",
+                                  value=origin["metadata_errors"])
         yield CounterMetricFamily("modelfs_origin_refetched_bytes", "Of the origin's bytes, those of chunks it "
                                   "had sent before (evicted from memory before they were read)",
                                   value=origin["refetched_bytes"])

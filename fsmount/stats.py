@@ -46,6 +46,7 @@ class MountStats:
     writes: Writes | None = None
     open_files: Callable[[], int] = lambda: 0
     inodes: Callable[[], int] = lambda: 0
+    metadata: Callable[[], tuple[int, int]] = lambda: (0, 0)  # metadata requests sent, and those that failed
     started: float = dataclasses.field(default_factory=time.monotonic)
 
     def snapshot(self) -> dict[str, Any]:
@@ -54,6 +55,7 @@ class MountStats:
         served_total = sum(served.values())
         cache_loaded = ls.loaded_bytes
         buckets, count, total = self.engine.levels.origin_latency.read()
+        metadata = self.metadata()
         out: dict[str, Any] = {
             "format": STATS_FORMAT_VERSION,
             "bucket": self.bucket,
@@ -68,6 +70,9 @@ class MountStats:
                 "errors": ls.origin_errors,
                 # Of "bytes", those of chunks the origin had sent before (evicted before they were read).
                 "refetched_bytes": ls.origin_refetched_bytes,
+                # HEADs and listing pages (lookups, `ls`), and those that failed or timed out.
+                "metadata_requests": metadata[0],
+                "metadata_errors": metadata[1],
                 "get_seconds": {"buckets": [[b, n] for b, n in buckets[:-1]], "count": count, "sum": total},
             },
             "cache_loaded_bytes": cache_loaded,

@@ -111,6 +111,8 @@ def format_stats(s: dict[str, Any], mountpoint: str) -> str:
         ("read from origin", human_size(served["origin"])),
         ("origin egress saved", f"{human_size(s['egress_saved_bytes'])} ({loaded})"),
         ("origin downloads", f"{human_size(origin['bytes'])} in {origin['requests']} GETs, {origin['errors']} failed"),
+        ("origin metadata", f"{origin['metadata_requests']} HEADs and listing pages, "
+                            f"{origin['metadata_errors']} failed"),
         ("origin fetched again", human_size(origin.get("refetched_bytes", 0))),
         ("origin GET latency", f"mean {mean}, p50 {_latency_quantile(get_s['buckets'], get_s['count'], 0.5)}, "
                                f"p99 {_latency_quantile(get_s['buckets'], get_s['count'], 0.99)}"),

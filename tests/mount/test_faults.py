@@ -847,6 +847,8 @@ def test_an_outage_costs_new_names_one_timeout_not_one_each_and_they_resolve_onc
         for t in threads:
             t.join(60)
         assert len(finished) == len(paths) and max(finished) < timeout + 2, finished  # not timeouts in a row
+        origin = mount_stats(mountpoint)["origin"]
+        assert 1 <= origin["metadata_errors"] <= origin["metadata_requests"], origin  # what `modelfs stats` shows
         proxy.origin_back()
         time.sleep(DOWN_FAST_FAIL_S)
         began = time.monotonic()

@@ -216,7 +216,8 @@ def test_metrics_show_bytes_moving_during_a_read(moto_server: S3Server, mountpoi
     assert 0 <= after["modelfs_hit_ratio"] <= 1
     for name in ("modelfs_streamed_bytes_total", "modelfs_pagecache_pushed_bytes",
                  "modelfs_pagecache_stored_bytes_total", "modelfs_readahead_dropped_total",
-                 "modelfs_pagecache_drops_total", "modelfs_cache_loaded_bytes_total"):
+                 "modelfs_pagecache_drops_total", "modelfs_cache_loaded_bytes_total",
+                 "modelfs_origin_metadata_requests_total", "modelfs_origin_metadata_errors_total"):
         assert name in after
     assert "metrics on http://127.0.0.1:" in log
 

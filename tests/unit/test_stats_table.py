@@ -15,7 +15,7 @@ def snapshot(**extra: Any) -> dict[str, Any]:
     out: dict[str, Any] = {
         "format": 1, "bucket": "models", "uptime_seconds": 5.0,
         "served_bytes": {"memory": 0, "cache": 16 * MiB, "origin": 8 * MiB}, "hit_ratio": 2 / 3,
-        "origin": {"requests": 1, "bytes": 8 * MiB, "errors": 0,
+        "origin": {"requests": 1, "bytes": 8 * MiB, "errors": 0, "metadata_requests": 3, "metadata_errors": 1,
                    "get_seconds": {"buckets": [[0.1, 1]], "count": 1, "sum": 0.05}},
         "cache_loaded_bytes": 16 * MiB, "cache_chunk_hits": 2, "egress_saved_bytes": 16 * MiB,
         "streamed_bytes": 0, "readahead_dropped": 0, "pagecache_pushed_bytes": 0, "pagecache_stored_bytes": 0,
@@ -43,6 +43,7 @@ def test_shared_tier_loads_are_not_called_nvme_ones() -> None:
     assert "(chunks loaded from the NVMe cache: 8.00 MiB, from the shared tier: 8.00 MiB)" in text, text
     alone = format_stats(snapshot(), "/models")
     assert "(chunks loaded from the NVMe cache: 16.00 MiB)" in alone and "shared tier" not in alone, alone
+    assert "origin metadata       3 HEADs and listing pages, 1 failed" in alone, alone
 
 
 def test_writes_have_a_row_and_failed_stores_count_as_errors() -> None:

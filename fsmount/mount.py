@@ -36,7 +36,7 @@ from fsmount.data import (
     ObjectVersion,
     SharedTier,
     StoreError,
-    TransientError,
+    TimedOut,
     Uploads,
     cache_bytes,
     default_min_free,
@@ -489,7 +489,7 @@ class Daemon:
             self.metadata_errors += 1
             raise
         self.metadata_errors += 1
-        raise TransientError(f"{getattr(fn, '__name__', 'metadata request')} timed out after {timeout:g}s")
+        raise TimedOut(f"{getattr(fn, '__name__', 'metadata request')} timed out after {timeout:g}s")
 
     async def _files_beside(self, ino: int) -> list[tuple[int | None, ObjectVersion]]:
         return await self.namespace.files_beside(self.namespace.node(ino))

@@ -40,6 +40,7 @@ from fsmount.data import (
     ObjectStore,
     ObjectVersion,
     StoreError,
+    TimedOut,
     TransientError,
     Unreachable,
 )
@@ -55,10 +56,12 @@ LISTING_CACHE_ENTRIES = 2_000_000
 NEGATIVE_CACHE_ENTRIES = 100_000
 # While the origin is unreachable, known files keep their metadata and are re-checked this often.
 STALE_RETRY = 5.0
-# After a metadata request found the origin unreachable or timed out, the next ones fail at once for this long
-# (names the mount knows keep resolving) instead of each waiting out --read-timeout: the kernel sends the
-# LOOKUPs of one directory one at a time (libfuse 3.14 never asks it for parallel directory operations, and
-# pyfuse3 cannot), so ten stats of new names in one directory took ten timeouts in a row, 20 minutes at 120 s.
+# After a metadata request got no answer (connection refused, or nothing within --read-timeout), the next ones
+# fail at once for this long (names the mount knows keep resolving) instead of each waiting out the timeout: the
+# kernel sends the LOOKUPs of one directory one at a time (libfuse 3.14 never asks it for parallel directory
+# operations, and pyfuse3 cannot), so ten stats of new names in one directory took ten timeouts in a row, 20
+# minutes at 120 s. An origin that answers, even with an error (5xx, a cut response), fails each request
+# quickly by itself and arms nothing. The cost: new names stay EIO for up to this long after the origin is back.
 DOWN_FAST_FAIL_S = 5.0
 # Keys whose skip was already logged; bounded so a hostile bucket cannot grow it without limit.
 SKIP_LOG_MEMORY = 10_000
@@ -170,13 +173,13 @@ class Namespace:
 
     async def _call(self, fn: Callable[..., Any], *args: Any) -> Any:
         """One metadata request through the mount's store call, failing at once (the same error again) within
-        DOWN_FAST_FAIL_S of one that found the origin unreachable or timed out."""
+        DOWN_FAST_FAIL_S of one that got no answer (Unreachable, TimedOut)."""
         now = time.monotonic()
         if now < self._down_until:
             raise self._down_error(f"{self._down_reason} (asked again in {self._down_until - now:.1f}s)")
         try:
             result = await self._ask(fn, *args)
-        except (Unreachable, TransientError) as exc:
+        except (Unreachable, TimedOut) as exc:
             self._down_until = time.monotonic() + DOWN_FAST_FAIL_S
             self._down_error, self._down_reason = type(exc), exc.message
             raise

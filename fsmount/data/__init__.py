@@ -34,6 +34,7 @@ from fsmount.data.store import (
     ObjectStore,
     PreconditionFailed,
     StoreError,
+    TimedOut,
     TransientError,
     Unreachable,
 )
@@ -43,7 +44,8 @@ __all__ = [
     "AHEAD", "ALIGN", "BACKGROUND", "CHUNKS_DIR", "DEMAND", "AccessDenied", "Boto3Store", "BucketMissing",
     "CacheDirBusy", "Chunk", "ChunkCache", "ChunkEngine", "ChunkId", "DiskCache", "Fetch", "LatencyHistogram",
     "LevelStack", "ListingPage", "MemoryBudget", "NotFound", "ObjectMeta", "ObjectStore", "ObjectVersion",
-    "PreconditionFailed", "ReadTimeout", "SharedTier", "StoreError", "TransientError", "Unreachable", "WritableBuffer",
+    "PreconditionFailed", "ReadTimeout", "SharedTier", "StoreError", "TimedOut", "TransientError", "Unreachable",
+    "WritableBuffer",
     "cache_bytes", "default_min_free", "cache_clear", "cache_stats", "cache_verify", "MAX_PART_SIZE", "MAX_PARTS",
     "MIN_PART_SIZE",
     "PendingUpload", "COPY_OBJECT_MAX", "Uploads", "new_buffer", "pwrite_all", "round_up",

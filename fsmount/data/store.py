@@ -73,6 +73,10 @@ class TransientError(StoreError):
     errno = errno.EIO
 
 
+class TimedOut(TransientError):
+    """A request that got no answer within its deadline (a metadata call given up on after --read-timeout)."""
+
+
 def error_for_status(code: str, status: int, bucket: str, what: str) -> StoreError:
     """The StoreError for an S3 error answer (its error code, its HTTP status): the one mapping, used by
     every client whatever library carried the request."""

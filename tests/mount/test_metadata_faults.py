@@ -6,7 +6,9 @@ What each test asserts:
   served as if it were complete, and nothing partial cached;
 - a failing metadata request ends within one `--read-timeout` plus slack (the same bound as reads);
 - a listing or a name the mount already knows keeps serving while metadata requests fail;
-- once the fault ends, the same mount lists and resolves everything.
+- once the fault ends, the same mount lists and resolves everything: at once after an origin that answered
+  with errors, within DOWN_FAST_FAIL_S after one that did not answer (a stall: the requests after it fail at
+  once for that long instead of each waiting out the timeout).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from pathlib import Path
 
 import pytest
 
+from fsmount.namespace import DOWN_FAST_FAIL_S
 from fsmount.testing.fault_proxy import Fault, FaultProxy, synthetic_body
 from tests.helpers import (
     FAILING_READ_BOUND_S,
@@ -48,6 +51,18 @@ FAULTS = {
 }
 
 
+# Faults under which a request gets no answer within --read-timeout: the stalls, and SlowDown, whose retries'
+# backoff outlasts this test's timeout. After them the namespace fails requests at once for DOWN_FAST_FAIL_S.
+NO_ANSWER = {"stall", "stall-mid-body", "503-SlowDown"}
+
+
+def fault_ended(proxy: FaultProxy, fault: str) -> None:
+    """Ends the fault; after one that left requests unanswered, waits out the namespace's fast-fail window."""
+    proxy.clear()
+    if fault in NO_ANSWER:
+        time.sleep(DOWN_FAST_FAIL_S)
+
+
 @pytest.mark.parametrize("fault", list(FAULTS))
 def test_a_listing_failing_on_page_3_of_5_is_eio_never_partial(moto_server: S3Server, proxy: FaultProxy,
                                                                mountpoint: Path, fault: str) -> None:
@@ -67,7 +82,7 @@ def test_a_listing_failing_on_page_3_of_5_is_eio_never_partial(moto_server: S3Se
         # Nothing partial was kept: asked again while the fault holds, it fails again.
         got, took = timed(os.listdir, mountpoint / "big")
         assert got == errno.EIO and took <= FAILING_READ_BOUND_S, (got, took)
-        proxy.clear()
+        fault_ended(proxy, fault)
         assert sorted(os.listdir(mountpoint / "big")) == NAMES
         assert (mountpoint / "big" / NAMES[-1]).read_bytes() == synthetic_body(f"big/{NAMES[-1]}".encode(), 16)
 
@@ -92,7 +107,7 @@ def test_lookup_of_a_new_name_fails_with_eio_within_the_timeout(moto_server: S3S
             assert took <= FAILING_READ_BOUND_S, (name, took)
         # A name the mount knows still resolves (from its metadata, within the TTL) and reads.
         assert (mountpoint / "d" / "known.txt").read_bytes() == b"known"
-        proxy.clear()
+        fault_ended(proxy, fault)
         assert (mountpoint / "d" / "new.txt").read_bytes() == b"new bytes"
         assert os.listdir(mountpoint / "d" / "sub") == ["x"]
         assert sorted(os.listdir(mountpoint / "d")) == ["known.txt", "new.txt", "sub"]

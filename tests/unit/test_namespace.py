@@ -8,7 +8,7 @@ import cachetools
 import pytest
 
 from fsmount import namespace
-from fsmount.data import TransientError, Unreachable
+from fsmount.data import TimedOut, Unreachable
 from fsmount.namespace import ROOT_INODE, Namespace, PathError
 from tests.helpers import ORIGIN_UNAVAILABLE
 from tests.unit.fake_store import FakeStore
@@ -313,13 +313,14 @@ async def test_metadata_requests_given_up_on_leave_their_slots_to_the_next() -> 
     daemon = types.SimpleNamespace(cfg=types.SimpleNamespace(store=types.SimpleNamespace(read_timeout=0.5)),
                                    _meta_limiter=trio.CapacityLimiter(mount.METADATA_THREADS),
                                    _meta_threads=trio.CapacityLimiter(mount.METADATA_THREADS
-                                                                      + mount.ABANDONED_METADATA_THREADS))
+                                                                      + mount.ABANDONED_METADATA_THREADS),
+                                   metadata_requests=0, metadata_errors=0)
 
     def hung() -> None:
         release.wait(30)  # a request into a black hole
 
     async def given_up() -> None:
-        with pytest.raises(TransientError, match="timed out"):
+        with pytest.raises(TimedOut, match="timed out"):
             await mount.Daemon._store_call(daemon, hung)  # type: ignore[arg-type]
 
     try:
@@ -329,5 +330,7 @@ async def test_metadata_requests_given_up_on_leave_their_slots_to_the_next() -> 
         began = trio.current_time()
         assert await mount.Daemon._store_call(daemon, lambda: "answered") == "answered"  # type: ignore[arg-type]
         assert trio.current_time() - began < 0.25
+        assert (daemon.metadata_requests, daemon.metadata_errors) == (mount.METADATA_THREADS + 1,
+                                                                      mount.METADATA_THREADS)
     finally:
         release.set()

@@ -17,6 +17,7 @@ Everything here is plain blocking reads of /proc: callers run it in a worker thr
 
 from __future__ import annotations
 
+import collections
 import os
 
 # At most this many processes are looked at for one question (the opener's tree, breadth first).
@@ -109,13 +110,13 @@ def holder(opener: int, device: int | None, ino: int, name: str) -> int | None:
     if _holds(opener, device, ino, suffix):
         return opener
     children = _parents()
-    todo, seen = list(children.get(opener, ())), {opener}
+    todo, seen = collections.deque(children.get(opener, ())), {opener}
     while todo and len(seen) < MAX_PROCESSES:
-        pid = todo.pop(0)
+        pid = todo.popleft()
         if pid in seen:
             continue
         seen.add(pid)
         if _holds(pid, device, ino, suffix):
             return pid
-        todo += children.get(pid, ())
+        todo.extend(children.get(pid, ()))
     return None

@@ -82,8 +82,9 @@ def warm(paths: list[str], *, keep_pagecache: bool = True, threads: int = THREAD
         if mount_fstype(path) != MODELFS_FSTYPE:
             raise WarmError(f"{path} is not on a modelfs mount")
     try:
-        # Each file once, however many of the paths name it (a directory and a file in it, a path twice).
-        files = list({os.path.realpath(path): (path, size) for path, size in files_under(paths)}.values())
+        # Each file once, however many of the paths name it (a directory and a file in it, a path twice). By its
+        # absolute path: the mount has no symlinks, and realpath would lstat every component of every file.
+        files = list({os.path.abspath(path): (path, size) for path, size in files_under(paths)}.values())
     except OSError as exc:
         raise WarmError(f"{exc.filename or paths[0]}: {exc.strerror or exc}") from None
     total = sum(size for _, size in files)

@@ -46,6 +46,29 @@ UNLIMITED_BLOCKS = 1 << 40
 UNLIMITED_FILES = 1 << 32
 
 
+# When each failure message was last logged as a warning. The kernel sends a failed READ again at once, and the
+# READs of one stalled file fail together with the same message: a repeat within REPEAT_QUIET_S goes to debug.
+# Only the trio thread touches it; entries older than the window are dropped once there are REPEATS_KEPT.
+REPEAT_QUIET_S = 10.0
+REPEATS_KEPT = 64
+_last_warned: dict[str, float] = {}
+
+
+def _log_failure(handler: str, exc: StoreError) -> None:
+    """One warning per failure: not for an error a failed fetch already logged, nor a message just logged."""
+    message = f"{handler} failed: {exc.message}"
+    now = time.monotonic()
+    if exc.reported or now - _last_warned.get(message, -REPEAT_QUIET_S) < REPEAT_QUIET_S:
+        log.debug("%s", message)
+        return
+    exc.reported = True
+    if len(_last_warned) >= REPEATS_KEPT:
+        for old in [m for m, at in _last_warned.items() if now - at >= REPEAT_QUIET_S]:
+            del _last_warned[old]
+    _last_warned[message] = now
+    log.warning("%s", message)
+
+
 def _fuse_errors(fn: Callable[..., Coroutine[Any, Any, T]]) -> Callable[..., Coroutine[Any, Any, T]]:
     @functools.wraps(fn)
     async def wrapper(*args: Any, **kwargs: Any) -> T:
@@ -56,7 +79,7 @@ def _fuse_errors(fn: Callable[..., Coroutine[Any, Any, T]]) -> Callable[..., Cor
         except PathError as exc:
             raise pyfuse3.FUSEError(exc.errno) from None
         except StoreError as exc:
-            log.warning("%s failed: %s", fn.__name__, exc.message)
+            _log_failure(fn.__name__, exc)
             raise pyfuse3.FUSEError(exc.errno) from None
         except Exception:  # noqa: BLE001 - a bug must cost one request, never the mount
             log.exception("%s failed unexpectedly", fn.__name__)

@@ -45,6 +45,9 @@ class StoreError(Exception):
     def __init__(self, message: str):
         super().__init__(message)
         self.message = message
+        # Set once it has been logged as a warning, so that the READs it fails (the kernel re-sends a failed
+        # READ at once, and both join the one failed fetch) do not log it again.
+        self.reported = False
 
 
 class NotFound(StoreError):

@@ -67,6 +67,7 @@ from tests.helpers import (
     unmount,
     upload,
     wait_for,
+    warning_lines,
 )
 
 # The most GETs one fetch may send, by what carries the bytes (--get-client). boto3: botocore's
@@ -280,7 +281,7 @@ def test_stall_gives_eio_within_read_timeout_then_recovers(moto_server: S3Server
 
 def test_failing_read_waits_at_most_read_timeout(moto_server: S3Server, proxy: FaultProxy, mountpoint: Path) -> None:
     bucket = bucket_with(moto_server, {"stall.bin": random_bytes(2 * MiB, 12)})
-    with mounted_via(proxy, moto_server, bucket, mountpoint, *FAULT_ARGS, allowed=(FETCH_FAILED, READ_FAILED)):
+    with mounted_via(proxy, moto_server, bucket, mountpoint, *FAULT_ARGS, allowed=(FETCH_FAILED, READ_FAILED)) as m:
         proxy.inject(Fault.STALL, seconds=100)
         with open(mountpoint / "stall.bin", "rb", buffering=0) as f:  # an ordinary reader, kernel read-ahead on
             start = time.monotonic()
@@ -289,6 +290,10 @@ def test_failing_read_waits_at_most_read_timeout(moto_server: S3Server, proxy: F
             took = time.monotonic() - start
         assert exc.value.errno == errno.EIO
         assert took <= FAILING_READ_BOUND_S, f"read(2) failed after {took:.1f}s"
+        # One failed read(2) is one warning, not one per READ it made: the kernel sends a failed READ again at
+        # once, and its read-ahead READ of the next chunk fails with the same message.
+        warnings = warning_lines(m.log())
+        assert len([w for w in warnings if re.search(READ_FAILED, w)]) == 1, warnings
 
 
 UNMOUNT_EXIT_S = 5.0

@@ -157,8 +157,8 @@ class NewFile:
             if self.error is not None:
                 raise PathError(errno.EIO)
             if offset != self.written:
-                self._fail(f"write at offset {offset}, but only sequential writes are supported (the file "
-                           f"ends at {self.written})")
+                self._fail(f"write at offset {offset}, but only sequential writes are supported (the next "
+                           f"write must be at offset {self.written}, where the bytes written so far end)")
                 raise PathError(errno.EINVAL)
             await self._append(memoryview(data))
             self.node.size = self.size

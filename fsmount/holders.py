@@ -10,18 +10,28 @@ table before it sends the FLUSH (an exiting process's whole table, before closin
 another descriptor.
 
 What it cannot see counts as not held, and the file is then stored at that FLUSH, as if it were the last:
-processes outside this daemon's PID namespace (the kernel gives their pid as 0), other users' processes when
-the daemon is not root, and a descriptor passed over a socket to a process outside the opener's tree.
+processes outside this daemon's PID namespace (the kernel gives their pid as 0), a descriptor passed over a
+socket to a process outside the opener's tree, and the descriptors of a process the kernel does not let the
+daemon inspect: another user's, or one with capabilities the daemon lacks (a root shell, when the daemon runs
+with a reduced capability set, as under the systemd unit), unless the daemon has CAP_SYS_PTRACE. The first
+such refusal is logged as a warning.
 Everything here is plain blocking reads of /proc: callers run it in a worker thread.
 """
 
 from __future__ import annotations
 
 import collections
+import logging
 import os
+
+log = logging.getLogger(__name__)
 
 # At most this many processes are looked at for one question (the opener's tree, breadth first).
 MAX_PROCESSES = 4096
+
+# Whether a refusal to show a process's descriptors was logged. Set by worker threads; two of them may both
+# log it, which costs a line, so no lock.
+_refusal_logged = False
 
 
 def thread_group(tid: int) -> int | None:
@@ -79,6 +89,15 @@ def _mount_device(pid: int, mnt_id: bytes) -> int | None:
     return None
 
 
+def _log_refusal(pid: int) -> None:
+    global _refusal_logged
+    if not _refusal_logged:
+        _refusal_logged = True
+        log.warning("cannot see which files process %d holds (%s: permission denied): a close(2) in one process "
+                    "of a file that another process of the same writer still holds stores it as it is then. "
+                    "Give the daemon CAP_SYS_PTRACE (the systemd unit does)", pid, f"/proc/{pid}/fd")
+
+
 def _holds(pid: int, device: int | None, ino: int, suffix: str) -> bool:
     """Whether process `pid` has a descriptor on inode `ino` of the filesystem `device` (None: any) whose path
     ends with `suffix` ('/name'). Inode numbers repeat across mounts (another modelfs mount numbers its files
@@ -86,14 +105,20 @@ def _holds(pid: int, device: int | None, ino: int, suffix: str) -> bool:
     fd_dir = f"/proc/{pid}/fd"
     try:
         fds = os.listdir(fd_dir)
+    except PermissionError:
+        _log_refusal(pid)
+        return False
     except OSError:
-        return False  # gone, exiting (its table is already detached), or not ours to look at
+        return False  # gone, or exiting (its table is already detached)
     for fd in fds:
         try:
             if not os.readlink(f"{fd_dir}/{fd}").endswith(suffix):
                 continue
             with open(f"/proc/{pid}/fdinfo/{fd}", "rb") as f:
                 info = _fields(f.read())
+        except PermissionError:
+            _log_refusal(pid)
+            return False
         except OSError:
             continue
         if b"ino" in info and int(info[b"ino"]) != ino:

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from tests.helpers import (
+    REPO,
     MiB,
     S3Server,
     bucket_with,
@@ -220,14 +221,29 @@ SHARED_DESCRIPTORS = """
 """
 
 
-def test_a_close_in_another_process_leaves_the_file_open_for_the_others(s3: S3Server, mountpoint: Path) -> None:
+def unit_capability_bounds() -> tuple[str, ...]:
+    """`setpriv` arguments that give a command only the capabilities the systemd unit leaves the daemon."""
+    unit = (REPO / "systemd" / "modelfs@.service").read_text()
+    caps = next(line.partition("=")[2].split() for line in unit.splitlines()
+                if line.startswith("CapabilityBoundingSet="))
+    keep = ",".join("+" + cap.lower().removeprefix("cap_") for cap in caps)
+    return (shutil.which("setpriv") or "setpriv", "--bounding-set", f"-all,{keep}", "--")
+
+
+@pytest.mark.parametrize("capabilities", ["root", "unit"])
+def test_a_close_in_another_process_leaves_the_file_open_for_the_others(s3: S3Server, mountpoint: Path,
+                                                                        capabilities: str) -> None:
     """Every close(2) of a descriptor is a FLUSH, in whichever process holds it. A FLUSH stored the file, so a
     forked child's exit, or a subprocess's close-on-exec, cut the file short under its final name, and the
     writer's next write failed with EIO. Now a FLUSH stores the file only when no other descriptor of it is
-    left in the opener's process tree; the last one's does."""
+    left in the opener's process tree; the last one's does. With only the systemd unit's capabilities the
+    daemon must still see a root writer's descriptors (the kernel shows them to CAP_SYS_PTRACE only)."""
+    if capabilities == "unit" and shutil.which("setpriv") is None:
+        pytest.skip("setpriv (util-linux) not installed")
+    wrap = unit_capability_bounds() if capabilities == "unit" else ()
     bucket = new_bucket(s3)
     part = 6 * MiB
-    with mounted(s3, bucket, mountpoint, *WRITABLE, "--write-part-size", "5M"):
+    with mounted(s3, bucket, mountpoint, *WRITABLE, "--write-part-size", "5M", wrap=wrap):
         run_python(SHARED_DESCRIPTORS, str(mountpoint))
         assert (mountpoint / "shell.txt").read_bytes() == b"line1\nline2\n"
         assert sha((mountpoint / "forked.bin").read_bytes()) == sha(b"a" * part + b"b" * part)

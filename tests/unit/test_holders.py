@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import threading
 from pathlib import Path
 
+import pytest
+
 from fsmount import holders
+from tests.helpers import modelfs_env
 
 HOLD = "import sys, time; sys.stdin.read()"  # holds its inherited descriptors until its stdin closes
 
@@ -63,3 +67,35 @@ def test_the_process_of_a_thread() -> None:
     assert got == [os.getpid()]
     assert holders.thread_group(0) is None  # a writer outside this daemon's PID namespace
     assert holders.thread_group(1 << 30) is None
+
+
+ASK_TWICE = """
+import logging, sys
+from fsmount import holders
+logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(message)s")
+pid, dev, ino, name = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+print(holders.holder(pid, dev, ino, name), holders.holder(pid, dev, ino, name))
+"""
+
+
+@pytest.mark.skipif(shutil.which("setpriv") is None or os.geteuid() != 0, reason="needs root and setpriv")
+def test_a_process_the_kernel_will_not_show_counts_as_not_holding_and_is_logged_once(tmp_path: Path) -> None:
+    """Without CAP_SYS_PTRACE, a root process with every capability (this test) is not ours to inspect."""
+    path = tmp_path / "ckpt.bin"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT)
+    try:
+        st = os.fstat(fd)
+        argv = [str(os.getpid()), str(st.st_dev), str(st.st_ino), path.name]
+        ask = [shutil.which("setpriv"), "--bounding-set", "-all,+sys_admin,+dac_override", "--",
+               sys.executable, "-c", ASK_TWICE, *argv]
+        res = subprocess.run(ask, capture_output=True, text=True, timeout=60, env=modelfs_env())
+        assert res.returncode == 0, res.stderr
+        assert res.stdout.split() == ["None", "None"]
+        assert res.stderr.count("WARNING cannot see which files process") == 1, res.stderr
+        assert "CAP_SYS_PTRACE" in res.stderr
+        # The same question with CAP_SYS_PTRACE finds this process's descriptor, and logs nothing.
+        ask[2] = "-all,+sys_admin,+dac_override,+sys_ptrace"
+        res = subprocess.run(ask, capture_output=True, text=True, timeout=60, env=modelfs_env())
+        assert res.stdout.split() == [str(os.getpid())] * 2 and not res.stderr, res.stdout + res.stderr
+    finally:
+        os.close(fd)

@@ -1,4 +1,5 @@
-"""modelfs: a read-only FUSE filesystem over S3 / Alibaba OSS, tuned for loading model weights.
+"""modelfs: a FUSE filesystem over S3 / Alibaba OSS, tuned for loading model weights (read-only unless
+--writable, for checkpoints).
 
 The package is `fsmount`; the console script is `modelfs` (see `fsmount.cli`).
 """

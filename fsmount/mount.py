@@ -444,7 +444,7 @@ class Daemon:
             self.namespace = Namespace(self.store, self._store_call, prefix=cfg.store.prefix, ttl=cfg.metadata_ttl)
         push_limit = default_push_limit() if cfg.pagecache_push_limit is None else cfg.pagecache_push_limit
         log.info("memory limit %d MiB (%d MiB of chunks); page-cache pushes: at most %d MiB for the files open",
-                 cfg.memory_limit // MiB, cfg.chunk_memory // MiB, push_limit // MiB)
+                 cfg.memory_limit // MiB, chunk_memory // MiB, push_limit // MiB)
         self.pusher = PageCachePusher(push_limit, kernel_readahead=cfg.kernel_window)
         self.streamer = ModelStreamer(self.engine, self.pusher, max_connections=cfg.store.max_connections,
                                       enabled=cfg.model_streaming, siblings=self._files_beside,

@@ -370,10 +370,11 @@ class Operations(pyfuse3.Operations):
         # flush or RELEASE stores it. (Storing at the first flush cut files short: `(echo a; /bin/true;
         # echo b) > f` stored "a", and a DataLoader's workers forked beside an open file stored it as they exited,
         # failing the writes that came after with EIO.)
+        # A file that failed (an out-of-order write) can never be stored: its close says so, empty or not.
         if new is not None:
-            if new.size == 0:
+            if new.size == 0 and new.error is None:
                 new.closed_empty = True
-            elif new.stored is None and await self._held_elsewhere(new):
+            elif new.stored is None and new.error is None and await self._held_elsewhere(new):
                 return
             else:
                 await new.commit()

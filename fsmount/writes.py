@@ -1,7 +1,7 @@
 """What `--writable` lets a mount change, and the rules it follows: new files (each a `new_file.NewFile`),
 directories, deletes and renames, each done in the bucket first and then told to the namespace.
 
-The rules (README "Writing"):
+The rules (README "Writing checkpoints"):
 - Without `--allow-overwrite` nothing replaces an existing key: a create checks the bucket (HEAD) first,
   and an open with O_TRUNC or a rename onto an existing file fails with EPERM. The file's final PUT or
   completion is create-only too, so a key another mount stored meanwhile is not replaced: that close

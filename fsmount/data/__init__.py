@@ -4,14 +4,16 @@ Everything above this package (namespace, handles, model streaming, operations, 
 here, never from the modules inside, which are private to the package:
 
 - identity: what names a chunk (ObjectVersion, ChunkId) and the forms its bytes take;
-- store: the ObjectStore protocol and its errors; boto3_store: the boto3 client;
+- store: the ObjectStore protocol and its errors; boto3_store: the boto3 client; presigned: the bytes of
+  ranged GETs (and the tier's whole-object GETs and PUTs) over presigned URLs with http.client;
 - budget: the memory LRU, reservations, pins and buffer reuse (MemoryBudget);
 - levels: the ChunkCache interface and the level stack (lookup order, origin fallback, write-through,
   the fetch-path counters);
 - engine: single-flight fetches, workers, priorities and deadlines (ChunkEngine, Fetch);
 - disk_cache: the NVMe cache level; chunk_file: its file format; cache_dir: its directory and lock;
   cache_admin: `modelfs cache stats|clear|verify` over a cache directory;
-- shared_tier: the fleet-shared chunk tier, a level on an S3-compatible bucket;
+- shared_tier: the fleet-shared chunk tier, a level on an S3-compatible bucket; trailing: its chunk writes,
+  held back until this node's origin reads are done;
 - uploads: the write requests of `--writable` (PUT, multipart, copy, delete, incomplete uploads).
 """
 

@@ -169,6 +169,30 @@ def test_out_of_order_write_fails_and_stores_nothing(s3: S3Server, mountpoint: P
     delete_bucket(s3, bucket)
 
 
+@pytest.mark.parametrize("first", ["pwrite", "posix_fallocate"])
+def test_a_first_write_out_of_order_fails_the_close_too(s3: S3Server, mountpoint: Path, first: str) -> None:
+    """A file whose very first write was out of order (or glibc's posix_fallocate, which writes a byte per
+    block where fallocate is not supported) is empty: its close returned 0 and nothing was stored."""
+    bucket = new_bucket(s3)
+    with mounted(s3, bucket, mountpoint, *WRITABLE, allowed=(SEQUENTIAL_ONLY, "will not be stored")):
+        fd = os.open(mountpoint / "x.bin", os.O_WRONLY | os.O_CREAT)
+        try:
+            with pytest.raises(OSError) as info:
+                if first == "pwrite":
+                    os.pwrite(fd, b"ahead", 10)
+                else:
+                    os.posix_fallocate(fd, 0, MiB)
+            assert info.value.errno == errno.EINVAL
+        finally:
+            with pytest.raises(OSError) as info:
+                os.close(fd)
+            assert info.value.errno == errno.EIO
+        assert not os.path.exists(mountpoint / "x.bin")
+    assert keys(s3, bucket) == {}
+    assert uploads_in(s3, bucket) == []
+    delete_bucket(s3, bucket)
+
+
 def test_fsync_reports_on_the_bytes_so_far_and_the_file_goes_on(s3: S3Server, mountpoint: Path) -> None:
     """fsync waits for the parts sent so far and stores nothing: an S3 object cannot be appended to, and
     writers write after fsync (torch.distributed.checkpoint fsyncs its metadata file before its buffered

@@ -144,10 +144,14 @@ class DiskCache:
         self._writer = ChunkFileWriter(self.root)
         self.swept_tmp_files = 0
 
+        # Chunk data is private bucket content: a directory made here is 0700, and so are `chunks/` and its
+        # shards whatever the directory above them. An existing directory keeps its mode: it may be a disk's
+        # root or a directory other services share (`--cache-dir /nvme`), and its owner chose who enters it.
         os.makedirs(self.root, mode=0o700, exist_ok=True)
-        os.chmod(self.root, 0o700)  # chunk data is private bucket content
         self._lock_fd = acquire_dir_lock(self.root)
         try:
+            os.makedirs(self._chunks_dir, mode=0o700, exist_ok=True)
+            os.chmod(self._chunks_dir, 0o700)
             for shard in range(16**SHARD_HEX_CHARS):
                 os.makedirs(
                     os.path.join(self._chunks_dir, f"{shard:0{SHARD_HEX_CHARS}x}"), 0o700, exist_ok=True

@@ -678,14 +678,18 @@ def test_lock_is_held_against_other_processes(tmp_path: Path) -> None:
 
 
 def test_permissions(tmp_path: Path) -> None:
+    """Chunk data is private, but an existing directory (a disk's root, a directory other services share)
+    keeps its mode: `chunks/` below it is 0700."""
     existing = tmp_path / "existing"
-    existing.mkdir(mode=0o755)
-    os.chmod(existing, 0o755)
-    for root in (tmp_path / "new" / "cache", existing):
+    existing.mkdir()
+    os.chmod(existing, 0o1777)
+    (existing / "someone-elses.txt").write_bytes(b"x")
+    for root, mode in ((tmp_path / "new" / "cache", 0o700), (existing, 0o1777)):
         with DiskCache(root, BIG, min_free_bytes=0) as cache:
             cache.put(chunk_id(1), b"data")
             path = Path(chunk_file_of(cache, chunk_id(1)))
-            assert stat.S_IMODE(root.stat().st_mode) == 0o700
+            assert stat.S_IMODE(root.stat().st_mode) == mode
+            assert stat.S_IMODE((root / "chunks").stat().st_mode) == 0o700
             assert stat.S_IMODE(path.parent.stat().st_mode) == 0o700
             assert stat.S_IMODE(path.stat().st_mode) == 0o600
             assert stat.S_IMODE((root / "lock").stat().st_mode) == 0o600

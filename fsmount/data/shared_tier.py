@@ -49,7 +49,7 @@ from typing import Protocol
 
 from fsmount.data.chunk_file import HEADER_READ_BYTES, Corrupt, encode_chunk, read_chunk_stream
 from fsmount.data.identity import ChunkId, WritableBuffer
-from fsmount.data.store import ListingPage, StoreError, TransientError, Unreachable
+from fsmount.data.store import AccessDenied, ListingPage, StoreError, TransientError, Unreachable
 from fsmount.data.trailing import TRAIL_WORKERS
 
 log = logging.getLogger(__name__)
@@ -188,6 +188,13 @@ class SharedTier:
             self.client.delete_object(key)
         except (Unreachable, TransientError):
             return  # not an answer: claims stay on, and the tier is tried as reads go
+        except AccessDenied as exc:
+            # A permission, not a missing feature: writes (claims included) fail and pause as they go, and
+            # resume once the permission is there, claims with them.
+            log.warning("%s refuses writes (%s): this node only reads it until it allows them; give the "
+                        "credentials s3:PutObject and s3:DeleteObject on it, or pass --shared-cache-read-only",
+                        self, exc.message)
+            return
         except StoreError as exc:
             first, second = False, True
             reason = exc.message

@@ -456,10 +456,14 @@ def test_a_dead_tier_costs_time_not_bytes(fleet: Fleet, mode: Down, when: str) -
 
 
 
-def test_a_tier_refusing_puts_pauses_writes_and_reads_go_on(fleet: Fleet) -> None:
-    """Credentials that may read the tier and not write it (PUTs refused once the mount is up, so the
-    probe passed): the misses come from the origin, writes pause with one warning, and what is in the
-    tier is still read from it."""
+REFUSES_WRITES = r"shared cache .* refuses writes"
+
+
+@pytest.mark.parametrize("refused", ["after_the_probe", "at_mount"])
+def test_a_tier_refusing_puts_pauses_writes_and_reads_go_on(fleet: Fleet, refused: str) -> None:
+    """Credentials that may read the tier and not write it: the misses come from the origin, writes pause
+    with one warning, and what is in the tier is still read from it. Refused from the start, the probe at
+    mount says so, and claims stay on (it was taken for a tier without conditional writes)."""
     fleet = fleet_with(fleet, 32 * MiB, seed=5)
     in_tier = random_bytes(16 * MiB, seed=15)
     put_objects(fleet.server, fleet.origin, {"in-tier.bin": in_tier})
@@ -467,17 +471,25 @@ def test_a_tier_refusing_puts_pauses_writes_and_reads_go_on(fleet: Fleet) -> Non
         assert file_digest(m.path / "in-tier.bin") == sha(in_tier)
     tier_before = fleet.tier_chunk_objects()
     with FaultProxy(fleet.server.endpoint_url) as proxy:
-        # UNAVAILABLE is let through the log check so that the assertions below say what went wrong.
-        with fleet.node("n", tier_endpoint=proxy.endpoint_url, allowed=(WRITE_FAILED, UNAVAILABLE)) as m:
-            assert tier_stats(m)["claims_enabled"]  # the probe at mount passed
-            refused = proxy.inject(Fault.ERROR, status=403, code="AccessDenied", kind="other", data_only=False)
+        if refused == "at_mount":
+            refusal = proxy.inject(Fault.ERROR, status=403, code="AccessDenied", kind="other", data_only=False)
+        # UNAVAILABLE and NO_CONDITIONAL_WRITES are let through the log check so that the assertions below say
+        # what went wrong.
+        allowed = (WRITE_FAILED, UNAVAILABLE, REFUSES_WRITES, NO_CONDITIONAL_WRITES)
+        with fleet.node("n", tier_endpoint=proxy.endpoint_url, allowed=allowed) as m:
+            assert tier_stats(m)["claims_enabled"]
+            if refused == "after_the_probe":
+                refusal = proxy.inject(Fault.ERROR, status=403, code="AccessDenied", kind="other",
+                                       data_only=False)
             assert_exact(m, fleet.body)  # misses: their claims and chunk PUTs are refused
             wait_writes_done(m)
             assert file_digest(m.path / "in-tier.bin") == sha(in_tier)  # reads go on
             s = mount_stats(m.path)
     t = s["shared_cache"]
-    assert refused.hits >= 1
+    assert refusal.hits >= 1
     assert warnings_matching(m, UNAVAILABLE) == [], "a refused PUT was taken for an unavailable tier"
+    assert warnings_matching(m, NO_CONDITIONAL_WRITES) == [], "a refused PUT was taken for a missing feature"
+    assert len(warnings_matching(m, REFUSES_WRITES)) == (refused == "at_mount"), warning_lines(m.log())
     assert s["origin"]["bytes"] == len(fleet.body), (s["origin"], t)  # in-tier.bin from the tier
     assert t["hits"] == n_chunks(len(in_tier)), t
     assert t["write_errors"] >= 1 and t["writes"] == 0, t

@@ -11,7 +11,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from fsmount.data import ChunkId, ReadTimeout, StoreError, Unreachable, shared_tier
+from fsmount.data import AccessDenied, ChunkId, ReadTimeout, StoreError, Unreachable, shared_tier
 from fsmount.data.chunk_file import encode_chunk
 from fsmount.data.shared_tier import (
     CLAIM_CHECK_S,
@@ -339,6 +339,18 @@ def test_a_tier_that_ignores_conditional_creates_runs_without_claims(allowed_log
     good = tier(DictClient())
     good.probe_claims()
     assert good.claims and good.client.objects == {}  # type: ignore[attr-defined]
+
+
+def test_a_probe_refused_for_permission_leaves_claims_on_and_says_so(caplog: pytest.LogCaptureFixture,
+                                                                    allowed_logs: list[str]) -> None:
+    """A 403 is a permission, not a tier without conditional writes: claims stay on for when it is granted."""
+    allowed_logs.append("refuses writes")
+    client = DictClient()
+    client.fail = AccessDenied("access denied to bucket 'tier' (AccessDenied)")
+    t = tier(client)
+    t.probe_claims()
+    assert t.claims
+    assert "refuses writes" in caplog.text and "does not support conditional writes" not in caplog.text
 
 
 def test_a_probe_the_tier_does_not_answer_leaves_claims_on() -> None:

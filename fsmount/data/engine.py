@@ -331,7 +331,8 @@ class ChunkEngine:
             raise
         except Exception as exc:  # noqa: BLE001 - handed to every waiter of this chunk
             fetch.error = exc if isinstance(exc, StoreError) else StoreError(f"{type(exc).__name__}: {exc}")
-            log.warning("fetching chunk %d of %r failed: %s", fetch.cid.index, fetch.cid.key, fetch.error)
+            (log.debug if fetch.error.reported else log.warning)(
+                "fetching chunk %d of %r failed: %s", fetch.cid.index, fetch.cid.key, fetch.error)
             fetch.error.reported = True
             if self._nursery is not None:
                 self.levels.start_abandon(self._nursery, self.levels.levels, fetch.cid)

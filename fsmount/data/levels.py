@@ -32,7 +32,7 @@ from typing import Any, Protocol
 import trio
 
 from fsmount.data.identity import Chunk, ChunkId, WritableBuffer, new_buffer
-from fsmount.data.store import ObjectStore, Unreachable
+from fsmount.data.store import NotFound, ObjectStore, PreconditionFailed, StoreError, Unreachable
 from fsmount.data.trailing import TrailingWrites
 
 log = logging.getLogger(__name__)
@@ -46,6 +46,12 @@ PUT_THREADS = 2
 # Chunk ids of the latest origin fetches remembered to count a chunk fetched again (`origin_refetched_bytes`):
 # 65536 x 8 MiB is 512 GiB of models, for ~10 MiB of ids.
 REFETCH_MEMORY = 65536
+# Object versions whose GET the bucket refused as gone (412: replaced, 404: deleted), remembered for GONE_FOR_S
+# so that the other chunks of a version fail at once instead of each sending a GET that would be refused too
+# (a reader going on through a replaced file sent one per chunk). Not for longer: a version can come back (the
+# same bytes uploaded again have the same ETag).
+GONE_MEMORY = 1024
+GONE_FOR_S = 5.0
 # A demanded fetch whose origin refuses connections (a server restarting) tries again after this long,
 # doubling up to the maximum, until its deadline: an outage shorter than --read-timeout costs time only.
 UNREACHABLE_RETRY_S = 0.25
@@ -152,6 +158,9 @@ class LevelStack:
         n = len(self.levels)
         self.stats = LevelStats(level_hits=[0] * n, level_misses=[0] * n, level_bytes=[0] * n)
         self._fetched: collections.OrderedDict[ChunkId, None] = collections.OrderedDict()  # latest origin fetches
+        # (bucket, key, etag) -> (when, the refusal); the newest last. Both are touched by the trio thread only.
+        self._gone: collections.OrderedDict[tuple[str, str, str], tuple[float, StoreError]] = \
+            collections.OrderedDict()
         self.origin_latency = LatencyHistogram()
         self._run_blocking = run_blocking
         self._s3_limiter = trio.CapacityLimiter(max_connections)
@@ -203,6 +212,12 @@ class LevelStack:
 
     async def _from_origin(self, cid: ChunkId, length: int, buffer: mmap.mmap | None,
                            retry_until: Callable[[], float]) -> Chunk:
+        version = (cid.bucket, cid.key, cid.etag)
+        gone = self._gone.get(version)
+        if gone is not None and trio.current_time() - gone[0] < GONE_FOR_S:
+            error = type(gone[1])(gone[1].message)
+            error.reported = True  # logged with the GET that found it gone
+            raise error
         backoff = UNREACHABLE_RETRY_S
         while True:
             self.stats.origin_requests += 1
@@ -222,6 +237,13 @@ class LevelStack:
                 log.debug("chunk %d of %r: %s; trying again in %.2fs", cid.index, cid.key, exc.message, wait)
                 await trio.sleep(wait)
                 backoff = min(2 * backoff, UNREACHABLE_RETRY_MAX_S)
+            except (PreconditionFailed, NotFound) as exc:
+                self.stats.origin_errors += 1
+                self._gone[version] = (trio.current_time(), exc)
+                self._gone.move_to_end(version)
+                if len(self._gone) > GONE_MEMORY:
+                    self._gone.popitem(last=False)
+                raise
             except Exception:
                 self.stats.origin_errors += 1
                 raise

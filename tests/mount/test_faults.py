@@ -517,11 +517,12 @@ def test_overwrite_while_open_old_handle_never_mixes_new_open_sees_new(moto_serv
     bucket = bucket_with(moto_server, {"w.bin": old})
     args = fault_args("--metadata-ttl", f"{ttl:g}")
     with mounted_via(proxy, moto_server, bucket, mountpoint, *args,
-                     allowed=(FETCH_FAILED, READ_FAILED, "object changed")):
+                     allowed=(FETCH_FAILED, READ_FAILED, "object changed")) as m:
         with opened_random(mountpoint / "w.bin") as fd:
             assert os.pread(fd, MiB, 0) == old[:MiB]
             changed_at = time.monotonic()
             upload(moto_server, bucket, {"w.bin": new})
+            proxy.reset_counts()
             # The old handle: every read is the old bytes or EIO. Only chunk 0 was fetched before the
             # overwrite and the bucket keeps no old versions, so the others must fail (If-Match).
             failures = 0
@@ -529,6 +530,12 @@ def test_overwrite_while_open_old_handle_never_mixes_new_open_sees_new(moto_serv
                 if not assert_exact_or_eio(timed_pread(fd, 256 * KiB, off)[0], old, off, 256 * KiB):
                     failures += 1
             assert failures >= 5 * 4, failures
+            # The first refused GET marks the version gone: the other chunks fail without a GET each, and
+            # the 20 failed reads log one warning for the fetch and one for the reads.
+            assert proxy.counts()["data_gets"] == 1, proxy.counts()
+            warnings = warning_lines(m.log())
+            assert len([w for w in warnings if re.search(FETCH_FAILED, w)]) == 1, warnings
+            assert len([w for w in warnings if re.search(READ_FAILED, w)]) == 1, warnings
             # Once the TTL has passed (it started before changed_at) a new lookup sees the new version...
             wait_for(f"the size {ttl + TIMEOUT_MARGIN_S:g}s after the overwrite (TTL {ttl:g}s)",
                      lambda: os.stat(mountpoint / "w.bin").st_size, lambda size: size == len(new),

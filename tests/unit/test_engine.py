@@ -11,7 +11,8 @@ import trio
 
 import fsmount.data.trailing
 import fsmount.readahead
-from fsmount.data import AccessDenied, ChunkEngine, StoreError, TransientError, Unreachable
+from fsmount.data import AccessDenied, ChunkEngine, PreconditionFailed, StoreError, TransientError, Unreachable
+from fsmount.data.levels import GONE_FOR_S
 from fsmount.data.trailing import TRAIL_IDLE_S, WAITERS_CHECK_S
 from fsmount.handles import OpenFile
 from fsmount.readahead import LOCAL_WINDOW, ReadAhead
@@ -347,6 +348,30 @@ async def test_store_error_reaches_the_reader_and_is_not_cached(autojump_clock, 
         with pytest.raises(StoreError):
             await engine.read(version(store, "m"), 0, 100)
         assert await engine.read(version(store, "m"), 0, 100) == data[:100]
+
+    await run_engine(engine, body)
+
+
+async def test_a_version_the_bucket_refused_fails_its_other_chunks_without_a_get_for_a_while(  # noqa: ANN001
+        autojump_clock, allowed_logs) -> None:
+    """A replaced object: one refused GET marks its version gone for GONE_FOR_S, not for good (the same bytes
+    uploaded again are the same version)."""
+    allowed_logs.append("fetching chunk .* failed")
+    store = FakeStore()
+    data = put_object(store, "m", 4 * MiB)
+    engine = make_engine(store)
+    old = version(store, "m")
+
+    async def body() -> None:
+        store.put("m", b"new" + data[3:])
+        for index in range(3):
+            with pytest.raises(PreconditionFailed):
+                await engine.read(old, index * MiB, index * MiB + 100)
+        assert len(store.gets) == 1
+        store.put("m", data)  # the old bytes again: the same ETag
+        await trio.sleep(GONE_FOR_S)
+        assert await engine.read(old, 2 * MiB, 2 * MiB + 100) == data[2 * MiB:2 * MiB + 100]
+        assert len(store.gets) == 2
 
     await run_engine(engine, body)
 

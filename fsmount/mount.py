@@ -290,7 +290,10 @@ def open_disk_cache(cfg: MountConfig) -> DiskCache:
     except CacheDirBusy as exc:
         raise MountError(str(exc)) from None
     except OSError as exc:
-        raise MountError(f"cannot use cache dir {cfg.cache_dir}: {exc.strerror or exc}") from None
+        # makedirs says "File exists" of a file, or of a symlink to nothing, where the directory should be.
+        why = ("it exists and is not a directory" if exc.errno == errno.EEXIST and not os.path.isdir(cfg.cache_dir)
+               else exc.strerror or exc)
+        raise MountError(f"cannot use cache dir {cfg.cache_dir}: {why}") from None
     except ValueError as exc:  # a filesystem that reports no size (--cache-size as a share of it)
         raise MountError(f"cannot use cache dir {cfg.cache_dir}: {exc}") from None
     free = st.f_bavail * st.f_frsize

@@ -373,9 +373,11 @@ def test_mount_refuses_what_would_break_it_and_says_why(moto_server: S3Server, t
     bucket = new_bucket(moto_server)
     mp = tmp_path / "mnt"
     mp.mkdir()
+    (tmp_path / "afile").write_bytes(b"x")
     base = ("mount", bucket, str(mp), "--endpoint-url", moto_server.endpoint_url)
     try:
         for extra, message, code in (
+                (("--cache-dir", str(tmp_path / "afile")), "it exists and is not a directory", 1),
                 (("--cache-dir", str(mp)), "is inside the mountpoint", 1),
                 (("--cache-dir", str(mp / "cache")), "is inside the mountpoint", 1),
                 (("--cache-dir", ""), "--cache-dir is empty", 2),

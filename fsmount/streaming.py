@@ -6,17 +6,19 @@ One stream per object version, shared by all handles of it, cancelled when the l
 at unmount. Opening a shard of a sharded model (Hugging Face's names: `model-00001-of-00004.safetensors`)
 or its index (`model.safetensors.index.json`) also warms the model's other shards, one at a time in name
 order, at background priority; those run until done or unmount. Other safetensors files of the
-directory (checkpoints of other steps, an adapter) are not warmed: only what belongs to the model opened.
+directory (checkpoints of other steps, an adapter, the shards of an older sharding left beside) are not
+warmed: only what belongs to the model opened (for an index, the shards its `weight_map` names).
 A malformed header only disables the stream (one log line); it never fails a read.
 
 Concurrency: `_active` maps (key, etag) to the one `_FileStream` of that version, a shard being warmed
 included (opening it joins that stream, or replaces it when the kernel did not know the shard and so
 nothing of it could be pushed); it is changed only in the trio thread, by `opened` / `closed`,
 which run in FUSE handlers without awaiting, and by `_warm_siblings` before and after each shard.
-`_warmed_models` only grows. `_in_room` counts the chunks of every stream from the fetch it queues to the end
-of its push, up to `room()` (STREAM_MEMORY_SHARE); a stream takes one (`_take_room`) right before it queues a
-fetch, with no checkpoint between, and `_one_chunk` gives it back whatever happens (`_leave`). A chunk the
-page cache holds
+`_warmed_models` maps a model to the versions (key, etag) of its files when it was warmed: opening a file of
+a version not among them (the model was replaced in the bucket) warms it again; it only grows. `_in_room`
+counts the chunks of every stream from the fetch it queues to the end of its push, up to `room()`
+(STREAM_MEMORY_SHARE); a stream takes one (`_take_room`) right before it queues a fetch, with no checkpoint
+between, and `_one_chunk` gives it back whatever happens (`_leave`). A chunk the page cache holds
 (`MemoryBudget.in_page_cache`) is not streamed, checked again once the stream has room for it; when a READ
 shows the kernel dropped chunks of an open file since (`dropped`), a stream that ended is replaced by one
 more run. A shard to warm that the kernel has not looked up is looked up through the mount (`look_up`) just
@@ -25,7 +27,9 @@ before its turn, so that its pushes can land.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
+import json
 import logging
 import re
 from collections.abc import Awaitable, Callable
@@ -42,6 +46,22 @@ SAFETENSORS_SUFFIX = ".safetensors"
 INDEX_SUFFIX = ".safetensors.index.json"
 # A shard of a sharded model, as Hugging Face (transformers, diffusers) names them.
 SHARD_NAME = re.compile(r"(?P<stem>.+)-\d+-of-(?P<count>\d+)\.safetensors")
+# An index larger than this is not read for its shard names (then every shard of the stem is warmed).
+MAX_INDEX_BYTES = 32 * 1024 * 1024
+# Versions whose header was found malformed, remembered (the newest this many) so that each is logged at
+# INFO once, not at every open (a loop opening a 0-byte `.safetensors` logged ~200 lines a second).
+NOT_STREAMED_KEPT = 1024
+
+
+def index_shards(data: bytes) -> set[str] | None:
+    """The file names an index's `weight_map` names, or None if it is not such an index."""
+    try:
+        weight_map = json.loads(data).get("weight_map")
+    except (ValueError, UnicodeDecodeError, RecursionError, AttributeError):
+        return None
+    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+        return None
+    return set(weight_map.values())
 
 
 def model_of(key: str) -> tuple[str, str | None] | None:
@@ -102,7 +122,7 @@ class ModelStreamer:
         self.readers = readers  # handles open for reading (Operations.readers), each with its kernel windows
         self.siblings = siblings
         self.look_up = look_up  # has the kernel look a file up, so its pushes can land: its inode, or None
-        self._warmed_models: set[str] = set()
+        self._warmed_models: dict[str, set[tuple[str, str]]] = {}
         self.pusher = pusher
         self.enabled = enabled
         self.depth = max(2, max_connections * QUEUE_DEPTH_PER_CONNECTION)
@@ -111,6 +131,7 @@ class ModelStreamer:
         self.streamed_bytes = 0
         self.skipped_read = 0  # streamed bytes not pushed because READs had already taken them
         self._active: dict[tuple[str, str], _FileStream] = {}
+        self._not_streamed: collections.OrderedDict[tuple[str, str], None] = collections.OrderedDict()
         self._nursery: trio.Nursery | None = None
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
@@ -139,9 +160,10 @@ class ModelStreamer:
         if not self.enabled or self._nursery is None:
             return
         model = model_of(version.key) if self.siblings is not None else None
-        if model is not None and model[0] not in self._warmed_models:
-            self._warmed_models.add(model[0])
-            self._nursery.start_soon(self._warm_siblings, ino, model)
+        if model is not None and (version.key, version.etag) not in self._warmed_models.get(model[0], ()):
+            # The model's first open, or a file of it replaced since it was warmed.
+            self._warmed_models[model[0]] = {(version.key, version.etag)}
+            self._nursery.start_soon(self._warm_siblings, ino, version, model)
         if not version.key.endswith(SAFETENSORS_SUFFIX):
             return
         key = (version.key, version.etag)
@@ -196,16 +218,23 @@ class ModelStreamer:
                                                 again=True)
         self._nursery.start_soon(self._run_job, again)
 
-    async def _warm_siblings(self, ino: int, model: tuple[str, str | None]) -> None:
+    async def _warm_siblings(self, ino: int, opened: ObjectVersion, model: tuple[str, str | None]) -> None:
         assert self.siblings is not None
         try:
             files = await self.siblings(ino)
+            names = await self._shards_named(opened) if model[1] is None else None
         except Exception as exc:  # noqa: BLE001 - warming is optional
             log.info("not warming the other shards: %s", exc)
             return
-        for sib_ino, version in files:
+        shards = [(sib_ino, v) for sib_ino, v in files if same_model(model, v.key)
+                  and (names is None or v.key.rpartition("/")[2] in names)]
+        # Its files as they are now, its index included: opening any of them later warms nothing again.
+        warmed = {(v.key, v.etag) for _, v in shards}
+        warmed.update((v.key, v.etag) for _, v in files if model_of(v.key) == (model[0], None))
+        self._warmed_models.setdefault(model[0], set()).update(warmed)
+        for sib_ino, version in shards:
             key = (version.key, version.etag)
-            if not same_model(model, version.key) or key in self._active:
+            if key in self._active:
                 continue
             if sib_ino is None and self.look_up is not None:
                 # A loader that opens shards by name, from the index (transformers), leaves the next ones
@@ -222,12 +251,24 @@ class ModelStreamer:
             if job.handles <= 0 and self._active.get(key) is job:
                 del self._active[key]
 
+    async def _shards_named(self, index: ObjectVersion) -> set[str] | None:
+        """The shard names an opened index lists (None: all shards of its stem, as it could not be read): other
+        shard sets of the same stem (an older sharding left beside it) are not the model."""
+        if index.size > MAX_INDEX_BYTES:
+            return None
+        data = bytes(await self.engine.peek(index, 0, index.size))
+        return await trio.to_thread.run_sync(index_shards, data)
+
     async def _run_job(self, job: _FileStream) -> None:
         with job.scope:
             try:
                 await self._stream(job)
             except SafetensorsError as exc:
-                log.info("not streaming %r: %s", job.version.key, exc)
+                key = (job.version.key, job.version.etag)
+                (log.debug if key in self._not_streamed else log.info)("not streaming %r: %s", key[0], exc)
+                self._not_streamed[key] = None
+                if len(self._not_streamed) > NOT_STREAMED_KEPT:
+                    self._not_streamed.popitem(last=False)
             except Exception as exc:  # noqa: BLE001 - streaming failures only cost speed
                 log.info("streaming of %r stopped: %s", job.version.key, exc)
         job.done.set()
@@ -241,7 +282,10 @@ class ModelStreamer:
         obj, engine = job.version, self.engine
         # Copied out at once: a view would pin chunk 0's buffer (no reuse) for as long as the stream runs.
         n = header_length(bytes(await engine.peek(obj, 0, min(obj.size, LENGTH_PREFIX))), obj.size)
-        layout = parse_header(bytes(await engine.peek(obj, 0, LENGTH_PREFIX + n)), obj.size)
+        # In a worker thread: a header of 100,000 tensors (12 MB) takes a second to parse, and on the trio
+        # thread every READ and lookup of the mount waited for it (84 MB: 7 s).
+        layout = await trio.to_thread.run_sync(parse_header, bytes(await engine.peek(obj, 0, LENGTH_PREFIX + n)),
+                                               obj.size)
         indices = engine.chunk_range(obj, 0, layout.data_end)
         log.debug("streaming %r: %d tensors, %d chunks", obj.key, len(layout.tensors), len(indices))
         async with trio.open_nursery() as nursery:

@@ -4,7 +4,9 @@ tests/mount/test_prefetch_mount.py."""
 
 from __future__ import annotations
 
+import logging
 import os
+import threading
 
 import pytest
 import trio
@@ -12,6 +14,7 @@ import trio.testing
 
 from fsmount.data import ChunkEngine
 from fsmount.pagecache import PageCachePusher
+from fsmount.safetensors import parse_header
 from fsmount.streaming import ModelStreamer
 from tests.helpers import CHUNK, LATENCY, MiB, make_engine, model_bytes, run_engine, version
 from tests.unit.fake_store import FakeStore
@@ -67,6 +70,30 @@ async def test_streams_whole_data_region_in_offset_order(autojump_clock, tmp_pat
         streamer.closed(v)
 
     await run_prefetcher(engine, streamer, body)
+
+
+async def test_the_header_is_parsed_off_the_trio_thread(tmp_path, monkeypatch) -> None:  # noqa: ANN001
+    """A header of 100,000 tensors takes a second to parse: on the trio thread, every READ waited for it."""
+    import fsmount.streaming
+
+    threads: list[threading.Thread] = []
+
+    def parse(data: bytes, size: int) -> object:
+        threads.append(threading.current_thread())
+        return parse_header(data, size)
+
+    monkeypatch.setattr(fsmount.streaming, "parse_header", parse)
+    store, engine, streamer = prefetch_rig("m.safetensors", model_bytes(tmp_path, 4 * MiB), memory=64 * MiB)
+
+    async def body() -> None:
+        v = version(store, "m.safetensors")
+        streamer.opened(2, v)
+        await streamer._active[(v.key, v.etag)].done.wait()
+        assert streamer.streamed_bytes == v.size - CHUNK  # it streamed, so the parse worked
+        streamer.closed(v)
+
+    await run_prefetcher(engine, streamer, body)
+    assert len(threads) == 1 and threads[0] is not threading.current_thread()
 
 
 async def test_a_file_opened_and_not_read_is_pushed_whole_and_nothing_counts_as_served(
@@ -293,9 +320,14 @@ async def test_malformed_header_only_disables_prefetch(autojump_clock, caplog) -
         assert len(store.gets) == 1
         assert bytes(await engine.read(v, 100, 200)) == store.objects[v.key][100:200]
         streamer.closed(v)
+        for _ in range(3):  # opened again and again: said at INFO once
+            streamer.opened(2, v)
+            await streamer._active[(v.key, v.etag)].done.wait()
+            streamer.closed(v)
 
     await run_prefetcher(engine, streamer, body)
-    assert any("not streaming" in r.getMessage() for r in caplog.records)
+    said = [r for r in caplog.records if "not streaming" in r.getMessage()]
+    assert [r.levelname for r in said if r.levelno >= logging.INFO] == ["INFO"], said
 
 
 async def test_chunks_readers_already_read_are_not_pushed_again(autojump_clock, tmp_path, monkeypatch) -> None:  # noqa: ANN001
@@ -510,5 +542,63 @@ async def test_a_shard_warmed_before_it_is_opened_is_not_streamed_again(autojump
         assert store.gets == gets and pushes == pushed, (store.gets[len(gets):], pushes[len(pushed):])
         streamer.closed(two)
         streamer.closed(one)
+
+    await run_prefetcher(engine, streamer, body)
+
+
+async def test_an_index_warms_the_shards_it_names_not_an_older_sharding_beside_them(  # noqa: ANN001
+        autojump_clock, tmp_path, monkeypatch) -> None:
+    """A model re-sharded in place leaves the old shards (another count) beside the new ones: the index names
+    the model's, and those alone are warmed."""
+    import json
+
+    store, engine, streamer, _ = shards_rig(tmp_path, monkeypatch, sibling_ino=3)
+    index, stale = "llm/model.safetensors.index.json", "llm/model-00001-of-00003.safetensors"
+    store.put(index, json.dumps({"metadata": {}, "weight_map": {
+        "a": SHARD_1.rpartition("/")[2], "b": SHARD_2.rpartition("/")[2]}}).encode())
+    store.put(stale, model_bytes(tmp_path, 4 * MiB, seed=3))
+    names = (index, SHARD_1, SHARD_2, stale)
+
+    async def siblings(ino: int) -> list:  # noqa: ARG001
+        return [(None, version(store, key)) for key in names]
+
+    streamer.siblings = siblings
+
+    async def body() -> None:
+        streamer.opened(5, version(store, index))
+        while {SHARD_1, SHARD_2} - {key for key, _, _ in store.gets}:
+            await trio.sleep(0.01)
+        while streamer._active:
+            await trio.sleep(0.01)
+        assert stale not in {key for key, _, _ in store.gets}
+
+    await run_prefetcher(engine, streamer, body)
+
+
+async def test_a_model_replaced_in_the_bucket_is_warmed_again(autojump_clock, tmp_path, monkeypatch) -> None:  # noqa: ANN001
+    """Warmed models were remembered by name: a model retrained and uploaded under the same names was never
+    warmed again on that mount."""
+    store, engine, streamer, _ = shards_rig(tmp_path, monkeypatch, sibling_ino=3)
+
+    async def warmed(one) -> None:  # noqa: ANN001
+        streamer.opened(2, one)
+        while not shard_2_gets(store):
+            await trio.sleep(0.01)
+        while (SHARD_2, version(store, SHARD_2).etag) in streamer._active:
+            await trio.sleep(0.01)
+        streamer.closed(one)
+
+    async def body() -> None:
+        await warmed(version(store, SHARD_1))
+        first = len(shard_2_gets(store))
+        streamer.opened(2, version(store, SHARD_1))  # the same version again: nothing more is warmed
+        await trio.sleep(1)
+        streamer.closed(version(store, SHARD_1))
+        assert len(shard_2_gets(store)) == first
+        store.put(SHARD_1, model_bytes(tmp_path, 6 * MiB, seed=4))
+        store.put(SHARD_2, model_bytes(tmp_path, 12 * MiB, seed=5))
+        store.gets.clear()
+        await warmed(version(store, SHARD_1))
+        assert len(shard_2_gets(store)) == first
 
     await run_prefetcher(engine, streamer, body)

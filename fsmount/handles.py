@@ -12,13 +12,16 @@ from fsmount.readahead import ReadAhead
 
 class OpenFile:
     def __init__(self, fh: int, ino: int, version: ObjectVersion, engine: ChunkEngine, max_readahead: int,
-                 direct: bool = False):
+                 direct: bool = False, kernel_window: int = 0):
         self.fh = fh
         self.ino = ino
         self.version = version
         self.direct = direct  # opened with O_DIRECT: its READs bypass the page cache and say nothing of it
         self._engine = engine
-        self.readahead = ReadAhead(engine.chunk_size, max_readahead)
+        # Read ahead only of a reader proven sequential beyond what the kernel itself reads around and ahead
+        # (readahead.py); an O_DIRECT handle's READs are the reader's own, so one chunk proves it.
+        self.readahead = ReadAhead(engine.chunk_size, max_readahead,
+                                   proven_after=engine.chunk_size if direct else kernel_window)
 
     async def read(self, offset: int, size: int, window_cap: int | None = None) -> bytes | memoryview:
         obj = self.version

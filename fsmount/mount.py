@@ -458,7 +458,7 @@ class Daemon:
                                 metadata=lambda: (self.metadata_requests, self.metadata_errors))
         self.ops = Operations(self.namespace, self.engine, self.streamer, self.pusher, max_readahead=cfg.max_readahead,
                               owner=Owner(cfg.uid, cfg.gid, cfg.file_mode, cfg.dir_mode), stats=self.stats.json_bytes,
-                              writes=self.writes)
+                              writes=self.writes, kernel_window=cfg.kernel_window)
 
     def close(self) -> None:
         if self.metrics is not None:

@@ -124,7 +124,7 @@ class Operations(pyfuse3.Operations):
     enable_acl = False
 
     def __init__(self, namespace: Namespace, engine: ChunkEngine, streamer: ModelStreamer,
-                 pusher: PageCachePusher, *, max_readahead: int, owner: Owner,
+                 pusher: PageCachePusher, *, max_readahead: int, owner: Owner, kernel_window: int = 0,
                  stats: Callable[[], bytes] | None = None, writes: Writes | None = None):
         super().__init__()
         self.writes = writes
@@ -134,6 +134,7 @@ class Operations(pyfuse3.Operations):
         self.streamer = streamer
         self.pusher = pusher
         self.max_readahead = max_readahead
+        self.kernel_window = kernel_window  # the kernel's read-ahead window on this mount (read_ahead_kb)
         self.owner = owner
         self._mount_time_ns = time.time_ns()
         self._files: dict[int, OpenFile] = {}
@@ -286,7 +287,7 @@ class Operations(pyfuse3.Operations):
         version = await self.ns.open_file(inode)
         fh = self._new_fh()
         self._files[fh] = OpenFile(fh, inode, version, self.engine, self.max_readahead,
-                                   direct=bool(flags & os.O_DIRECT))
+                                   direct=bool(flags & os.O_DIRECT), kernel_window=self.kernel_window)
         self.streamer.opened(inode, version)
         # An inode is one object version (namespace.py), so its cached pages are always valid.
         return pyfuse3.FileInfo(fh=fh, keep_cache=True)

@@ -77,10 +77,11 @@ class MountStats:
             },
             "cache_loaded_bytes": cache_loaded,
             "cache_chunk_hits": ls.hits,
-            # Bytes the origin did not send thanks to caches: chunks loaded from the cache levels, plus
+            # Bytes the origin did not send thanks to caches: chunks loaded from the cache levels that the origin had
+            # not sent to this daemon (one loaded back after it did saved nothing), plus
             # READ bytes served beyond everything loaded (re-reads answered from memory). Reads that the
             # kernel page cache answers never reach the daemon, so this is a lower bound.
-            "egress_saved_bytes": cache_loaded + max(0, served_total - ls.origin_bytes - cache_loaded),
+            "egress_saved_bytes": ls.saved_bytes + max(0, served_total - ls.origin_bytes - cache_loaded),
             # Bytes fetched by model streaming (safetensors files streamed in offset order at open).
             "streamed_bytes": self.streamer.streamed_bytes,
             # Read-ahead fetches dropped before they started (their reader moved on or closed).
@@ -131,7 +132,7 @@ class MountStats:
                 "trailed": self.engine.levels.trailing.queued, "trail_dropped": self.engine.levels.trailing.dropped,
                 "waiters_seen": ts.waiters_seen,
                 # Every byte the tier returned is one the origin did not send.
-                "egress_saved_bytes": loaded,
+                "egress_saved_bytes": self.engine.levels.saved_bytes(self.shared_tier),
             }
         return out
 

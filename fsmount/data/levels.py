@@ -139,6 +139,10 @@ class LevelStats:
     level_hits: list[int] = dataclasses.field(default_factory=list)  # chunks found, per level
     level_misses: list[int] = dataclasses.field(default_factory=list)  # chunks asked for and not found
     level_bytes: list[int] = dataclasses.field(default_factory=list)  # bytes loaded, per level
+    # Of level_bytes, those of chunks this daemon had not fetched from the origin (REFETCH_MEMORY): bytes the
+    # origin did not send. A chunk it did fetch and then loaded back from a level (given up from memory once
+    # the page cache had it, as memory does beside a cache level) saved the origin nothing.
+    level_saved_bytes: list[int] = dataclasses.field(default_factory=list)
 
     @property
     def hits(self) -> int:
@@ -146,8 +150,13 @@ class LevelStats:
 
     @property
     def loaded_bytes(self) -> int:
-        """Bytes loaded from the cache levels: each of them is a byte the origin did not send."""
+        """Bytes loaded from the cache levels."""
         return sum(self.level_bytes)
+
+    @property
+    def saved_bytes(self) -> int:
+        """Bytes loaded from the cache levels that the origin had not sent to this daemon."""
+        return sum(self.level_saved_bytes)
 
 
 class LevelStack:
@@ -156,7 +165,8 @@ class LevelStack:
         self.store = store
         self.levels = list(levels)
         n = len(self.levels)
-        self.stats = LevelStats(level_hits=[0] * n, level_misses=[0] * n, level_bytes=[0] * n)
+        self.stats = LevelStats(level_hits=[0] * n, level_misses=[0] * n, level_bytes=[0] * n,
+                                level_saved_bytes=[0] * n)
         self._fetched: collections.OrderedDict[ChunkId, None] = collections.OrderedDict()  # latest origin fetches
         # (bucket, key, etag) -> (when, the refusal); the newest last. Both are touched by the trio thread only.
         self._gone: collections.OrderedDict[tuple[str, str, str], tuple[float, StoreError]] = \
@@ -185,8 +195,12 @@ class LevelStack:
         return self.stats.level_hits[i], self.stats.level_misses[i]
 
     def loaded_bytes(self, level: ChunkCache) -> int:
-        """Bytes of chunks one of the levels returned: bytes the origin did not send."""
+        """Bytes of chunks one of the levels returned."""
         return self.stats.level_bytes[self.levels.index(level)]
+
+    def saved_bytes(self, level: ChunkCache) -> int:
+        """Of those, bytes of chunks the origin had not sent to this daemon (LevelStats.level_saved_bytes)."""
+        return self.stats.level_saved_bytes[self.levels.index(level)]
 
     def __bool__(self) -> bool:
         """True if there is any cache level below memory."""
@@ -206,6 +220,8 @@ class LevelStack:
             if data is not None and len(data) == length:
                 self.stats.level_hits[i] += 1
                 self.stats.level_bytes[i] += length
+                if cid not in self._fetched:
+                    self.stats.level_saved_bytes[i] += length
                 return data, i
             self.stats.level_misses[i] += 1
         return await self._from_origin(cid, length, buffer, retry_until), None

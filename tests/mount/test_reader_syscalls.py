@@ -23,6 +23,7 @@ import random
 import shutil
 import socket
 import threading
+import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -30,7 +31,16 @@ from pathlib import Path
 import pytest
 
 from fsmount.testing.models import write_model
-from tests.helpers import MiB, S3Server, bucket_with, drop_page_cache, mounted, random_bytes
+from tests.helpers import (
+    MiB,
+    S3Server,
+    bucket_with,
+    drop_page_cache,
+    mount_stats,
+    mounted,
+    random_bytes,
+    wait_for,
+)
 
 SIZE = 6 * MiB + 1234
 ARGS = ("--chunk-size", "1M", "--metadata-ttl", "300")
@@ -145,3 +155,55 @@ def test_read_ahead_hints_then_reads_are_exact(files: dict[Path, bytes]) -> None
             assert f.read() == data
 
     each_cold(files, check)
+
+
+# -- read-ahead follows what is read, not how many READs came ----------------------------------------
+
+BIG = 256 * MiB
+
+
+@pytest.fixture(scope="module")
+def big_bucket(moto_server: S3Server) -> str:
+    return bucket_with(moto_server, {"big.bin": bytes(BIG)})
+
+
+@pytest.fixture
+def big_blob(moto_server: S3Server, big_bucket: str, mountpoint: Path) -> Iterator[Path]:
+    """A 256 MiB file on a fresh mount at the default chunk size and read-ahead, nothing streamed, the file held
+    in the daemon's memory whole if it were all fetched (so origin bytes count every chunk fetched)."""
+    with mounted(moto_server, big_bucket, mountpoint, "--no-model-streaming", "--metadata-ttl", "300") as m:
+        yield m.path / "big.bin"
+
+
+def origin_bytes_once_idle(mountpoint: Path) -> int:
+    """Origin bytes once no fetch is running or queued (read-ahead included)."""
+    def idle() -> dict:
+        s = mount_stats(mountpoint)
+        return s if s["fetches_inflight"] == 0 else {}
+    time.sleep(0.5)  # read-ahead is queued when the READ that asks for it arrives; let the queue start
+    return wait_for("the fetches to end", idle, bool)["origin"]["bytes"]
+
+
+def test_small_o_direct_reads_fetch_what_they_read_not_a_window(big_blob: Path) -> None:
+    """Eight sequential 4 KiB O_DIRECT reads doubled the window on each READ, to 256 MiB: 32 KiB read, the
+    whole file fetched. A stream is read ahead only once it has read one chunk."""
+    buf = mmap.mmap(-1, 4096)
+    fd = os.open(big_blob, os.O_RDONLY | os.O_DIRECT)
+    try:
+        for i in range(8):
+            assert os.preadv(fd, [buf], i * 4096) == 4096
+        assert origin_bytes_once_idle(big_blob.parent) == 8 * MiB  # the chunk read, nothing ahead
+    finally:
+        os.close(fd)
+
+
+def test_random_mmap_touches_fetch_what_the_kernel_reads_around_them_not_the_file(big_blob: Path) -> None:
+    """The kernel reads 16 MiB around each fault of a mapped file (the mount's read_ahead_kb), READs the
+    daemon took for a sequential reader and read ahead of to 256 MiB: four touches fetched the whole file.
+    Now a stream is read ahead only once it has read more than the kernel's window."""
+    with open(big_blob, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
+        for touch in (20, 84, 148, 212):
+            assert m[touch * MiB] == 0
+        fetched = origin_bytes_once_idle(big_blob.parent)
+    # Each read-around covers 16 MiB, 2-3 chunks of 8 MiB.
+    assert fetched <= 4 * 24 * MiB, fetched / MiB

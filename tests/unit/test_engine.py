@@ -11,8 +11,16 @@ import trio
 
 import fsmount.data.trailing
 import fsmount.readahead
-from fsmount.data import AccessDenied, ChunkEngine, PreconditionFailed, StoreError, TransientError, Unreachable
-from fsmount.data.levels import GONE_FOR_S
+from fsmount.data import (
+    AccessDenied,
+    ChunkEngine,
+    ChunkId,
+    PreconditionFailed,
+    StoreError,
+    TransientError,
+    Unreachable,
+)
+from fsmount.data.levels import GONE_FOR_S, LevelStack
 from fsmount.data.trailing import TRAIL_IDLE_S, WAITERS_CHECK_S
 from fsmount.handles import OpenFile
 from fsmount.readahead import LOCAL_WINDOW, ReadAhead
@@ -102,6 +110,24 @@ def test_far_seek_and_random_access_do_not_prefetch() -> None:
         plan = ra.on_read(rng.randrange(0, 1 << 40) & ~0xFFF, 4096, 1 << 41)
         assert plan.ahead_end - plan.ahead_start == 0
     assert len(ra.streams) <= ra.max_streams
+
+
+def test_no_window_until_the_stream_has_read_more_than_the_kernel_reads_around_a_fault() -> None:
+    """A mmap fault makes the kernel send 16 MiB of READs around it; 4 KiB reads are 4 KiB read. Neither is a
+    sequential reader yet, however many adjacent READs it took."""
+    ra = ReadAhead(CHUNK, 256 * MiB, proven_after=16 * MiB)
+    for i in range(16):
+        plan = ra.on_read(100 * MiB + i * MiB, MiB, 1 << 40)
+        assert plan.ahead_end == plan.ahead_start == 0 and plan.stream.window == 0
+    for i in range(64):
+        plan = ra.on_read(i * 4096, 4096, 1 << 40)
+        assert plan.ahead_end == plan.ahead_start == 0
+    # The next READ of the first stream proves it: the window grows from there, one doubling per READ.
+    plan = ra.on_read(116 * MiB, MiB, 1 << 40)
+    assert plan.stream.window == CHUNK and plan.ahead_end == 117 * MiB + CHUNK
+    for i in range(1, 9):
+        plan = ra.on_read((116 + i) * MiB, MiB, 1 << 40)
+    assert plan.stream.window == 256 * MiB
 
 
 def test_backward_read_within_buffer_keeps_stream() -> None:
@@ -898,3 +924,24 @@ async def test_a_buffer_anything_still_reads_is_never_recycled(autojump_clock) -
         assert bytes(held) == data[:CHUNK]
 
     await run_engine(engine, body)
+
+
+async def test_a_chunk_loaded_back_from_a_level_after_the_origin_sent_it_saved_no_egress() -> None:
+    """Beside a cache level, memory gives a chunk up once the page cache has it, and a READ of it again loads it
+    from the level: that saved the origin nothing, yet counted as egress saved (280 MiB "saved" on a cold load
+    of a 293 MiB model)."""
+    store = FakeStore()
+    data = put_object(store, "m", 2 * CHUNK)
+    level = MemoryLevel()
+    stack = LevelStack(store, [level], max_connections=2, chunk_size=CHUNK)
+    v = version(store, "m")
+    first, second = (ChunkId(store.bucket, "m", v.etag, CHUNK, i) for i in range(2))
+    got, hit = await stack.load(first, CHUNK, None, lambda: 0.0)
+    assert hit is None and bytes(got) == data[:CHUNK]  # from the origin
+    level.put(first, got)
+    level.put(second, data[CHUNK:])  # as a cache filled by an earlier mount
+    for cid in (first, second):
+        _, hit = await stack.load(cid, CHUNK, None, lambda: 0.0)
+        assert hit == 0
+    assert stack.loaded_bytes(level) == 2 * CHUNK
+    assert stack.saved_bytes(level) == stack.stats.saved_bytes == CHUNK  # the second chunk only

@@ -304,12 +304,14 @@ class Namespace:
 
     # -- names ---------------------------------------------------------------------------------
 
-    def _skip(self, key: str | bytes, reason: str) -> None:
+    def _skip(self, key: str | bytes, reason: str, *, prefix: bool = False) -> None:
+        """Log once that a key (or, `prefix`, every key under a common prefix of a listing) is not shown."""
         shown = key if isinstance(key, str) else repr(key)
         if shown in self._skips_logged:
             return
         self._skips_logged[shown] = True
-        log.warning("skipping key %r: %s (the kernel cannot represent it)", shown, reason)
+        log.warning("skipping %s %r: %s (the kernel cannot represent it)", "keys under" if prefix else "key", shown,
+                    reason)
 
     @staticmethod
     def _join(parent: str, name: str) -> str:
@@ -489,12 +491,12 @@ class Namespace:
                     entries[name_b] = DirEntry(name_b, False, meta)
             for sub in page.prefixes:
                 if not sub.startswith(prefix):
-                    self._skip(sub, "outside the prefix listed")
+                    self._skip(sub, "outside the prefix listed", prefix=True)
                     continue
                 name = sub[len(prefix):-1]
                 reason = invalid_segment_reason(name)
                 if reason:
-                    self._skip(sub, reason)
+                    self._skip(sub, reason, prefix=True)
                     continue
                 name_b = name.encode("utf-8", "surrogateescape")
                 entries[name_b] = DirEntry(name_b, True, None)

@@ -62,11 +62,11 @@ def _mtime_ns(value: Any) -> int:
         return 0
 
 
-def _client_error_code(exc: Exception) -> tuple[str, int]:
+def _client_error_code(exc: Exception) -> tuple[str, int, str]:
     response = getattr(exc, "response", None) or {}
     code = str(response.get("Error", {}).get("Code", ""))
     status = int(response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0) or 0)
-    return code, status
+    return code, status, str(response.get("Error", {}).get("Message", ""))
 
 
 def translate_error(exc: Exception, bucket: str, what: str) -> StoreError:
@@ -82,8 +82,8 @@ def translate_error(exc: Exception, bucket: str, what: str) -> StoreError:
             "or --no-sign-request for a public bucket"
         )
     if isinstance(exc, bex.ClientError):
-        code, status = _client_error_code(exc)
-        return error_for_status(code, status, bucket, what)
+        code, status, message = _client_error_code(exc)
+        return error_for_status(code, status, bucket, what, message)
     if isinstance(exc, (bex.EndpointConnectionError, bex.ConnectTimeoutError)):
         return Unreachable(f"cannot reach the endpoint: {exc}")
     if isinstance(exc, (bex.ReadTimeoutError, bex.ResponseStreamingError, bex.IncompleteReadError,
@@ -397,6 +397,13 @@ class Boto3Store:
             raise translate_error(exc, self.bucket, f"DELETE {key!r}") from None
 
 
+# The most one readinto of a body asks for. urllib3's HTTPResponse.readinto reads the whole request into a new
+# bytes object, then copies it: asked for a whole chunk at once, each fetch held a second chunk outside the
+# memory budget (16 x 256 MiB at --chunk-size 256M, 325 MiB over --memory-limit measured), and woke once per
+# chunk, not once per MiB as the stall check counts on.
+READ_SLICE = 1024 * 1024
+
+
 class ObjectReader:
     """The body of one GET: `read(n)` and `readinto(buffer)` until `size` bytes are in, with botocore's
     failures turned into StoreErrors. Close it (or use it as a context manager) when done."""
@@ -430,7 +437,7 @@ class ObjectReader:
         """Fill `buffer` (fewer bytes only at the end of the object); the count."""
         view, got = memoryview(buffer).cast("B"), 0
         while got < len(view):
-            n = self._call(self._body.readinto, view[got:])
+            n = self._call(self._body.readinto, view[got:got + READ_SLICE])
             if not n:
                 break
             got += n

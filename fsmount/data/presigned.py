@@ -48,6 +48,7 @@ URL_REUSE_S = 600
 # The most of an error body read to find its S3 error code (an XML document of a few hundred bytes).
 ERROR_BODY_MAX = 64 * 1024
 _CODE_RE = re.compile(rb"<Code>([^<]{1,128})</Code>")
+_MESSAGE_RE = re.compile(rb"<Message>([^<]{1,1024})</Message>")
 # A body longer than twice this is received with the socket's receive low-water mark (SO_RCVLOWAT) at this
 # many bytes, up to its last this-many bytes: a fetch thread then wakes once per MiB that arrived instead of
 # once per burst of segments (~180 KB on loopback). 16 threads of 8 MiB GETs of 1 GiB from SeaweedFS on
@@ -328,7 +329,9 @@ class RangeGetter:
         body = resp.read(ERROR_BODY_MAX)
         match = _CODE_RE.search(body)
         code = match.group(1).decode("utf-8", "replace") if match else ""
-        return error_for_status(code, resp.status, self.bucket, what)
+        said = _MESSAGE_RE.search(body)
+        message = said.group(1).decode("utf-8", "replace") if said else ""
+        return error_for_status(code, resp.status, self.bucket, what, message)
 
 
 class Body:

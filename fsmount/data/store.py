@@ -80,13 +80,21 @@ class TimedOut(TransientError):
     """A request that got no answer within its deadline (a metadata call given up on after --read-timeout)."""
 
 
-def error_for_status(code: str, status: int, bucket: str, what: str) -> StoreError:
-    """The StoreError for an S3 error answer (its error code, its HTTP status): the one mapping, used by
-    every client whatever library carried the request."""
+# The most of a server's error message kept in a StoreError's.
+MESSAGE_MAX = 300
+
+
+def error_for_status(code: str, status: int, bucket: str, what: str, message: str = "") -> StoreError:
+    """The StoreError for an S3 error answer (its error code, its HTTP status, its message): the one mapping,
+    used by every client whatever library carried the request."""
     if code == "NoSuchBucket":
         return BucketMissing(f"bucket {bucket!r} does not exist")
     if code in ("NoSuchKey", "NotFound") or status == 404:
         return NotFound(f"{what}: not found")
+    if code in ("InvalidObjectState", "ObjectNotInActiveTierError"):
+        # A 403 too, but no matter of credentials: the object is in an archive storage class (Glacier, Deep
+        # Archive, an archived Intelligent-Tiering tier) and must be restored before it can be read.
+        return StoreError(f"{what}: the object is archived ({code}): restore it before reading it")
     if code in ("InvalidAccessKeyId", "SignatureDoesNotMatch", "AccessDenied", "AllAccessDisabled",
                 "InvalidToken", "ExpiredToken") or status == 403:
         return AccessDenied(f"access denied to bucket {bucket!r} ({code or status}): check credentials")
@@ -96,7 +104,8 @@ def error_for_status(code: str, status: int, bucket: str, what: str) -> StoreErr
         return StoreError(f"{what}: not implemented by the server")
     if status >= 500 or code in ("SlowDown", "Throttling", "RequestTimeout", "InternalError"):
         return TransientError(f"{what}: server error {code or status}")
-    return StoreError(f"{what}: {code or status}")
+    said = " ".join(message.split())[:MESSAGE_MAX]
+    return StoreError(f"{what}: {code or status}" + (f" ({said})" if said else ""))
 
 
 class ObjectStore(Protocol):

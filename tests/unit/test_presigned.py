@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from fsmount.data import AccessDenied, NotFound, PreconditionFailed, TransientError, Unreachable
+from fsmount.data import AccessDenied, NotFound, PreconditionFailed, StoreError, TransientError, Unreachable
 from fsmount.data.presigned import RECEIVE_LOWAT, RangeGetter
 
 DATA = bytes(range(256)) * 64  # 16 KiB
@@ -179,6 +179,24 @@ def test_error_answers_map_through_the_one_mapping(origin: Origin, status: int, 
     origin.script = lambda h, s, e: h.answer(status, body) or True
     with pytest.raises(error):
         get(getter(origin), 0, 10)
+
+
+def test_an_archived_object_is_said_so_once_and_its_message_kept(origin: Origin) -> None:
+    """Glacier's 403 is no matter of credentials: no second signing, and the answer says to restore it. An
+    error code the mapping has no words for keeps the server's message."""
+    presigned: list[str] = []
+    archived = (b"<Error><Code>InvalidObjectState</Code><Message>The operation is not valid for the object's "
+                b"storage class</Message></Error>")
+    origin.script = lambda h, s, e: h.answer(403, archived) or True
+    g = getter(origin, presigned)
+    with pytest.raises(StoreError, match=r"archived \(InvalidObjectState\): restore it") as info:
+        get(g, 0, 10)
+    assert not isinstance(info.value, AccessDenied) and presigned == ["k"]
+    origin.script = lambda h, s, e: h.answer(400, b"<Error><Code>InvalidArgument</Code><Message>Requests specifying "
+                                                b"SSE-C must provide the customer key.</Message></Error>") or True
+    with pytest.raises(StoreError, match=r"InvalidArgument \(Requests specifying SSE-C must provide the customer "
+                                         r"key\.\)"):
+        get(g, 0, 10)
 
 
 def test_403_signs_again_once_then_access_denied(origin: Origin) -> None:

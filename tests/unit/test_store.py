@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import errno
+import io
 
 from botocore.exceptions import ClientError, EndpointConnectionError
 
-from fsmount.data.boto3_store import _decode_key, translate_error
+from fsmount.data.boto3_store import READ_SLICE, ObjectReader, _decode_key, translate_error
 from fsmount.data.store import (
     AccessDenied,
     BucketMissing,
@@ -18,8 +19,8 @@ from fsmount.data.store import (
 )
 
 
-def client_error(code: str, status: int) -> ClientError:
-    return ClientError({"Error": {"Code": code, "Message": "m"}, "ResponseMetadata": {"HTTPStatusCode": status}},
+def client_error(code: str, status: int, message: str = "m") -> ClientError:
+    return ClientError({"Error": {"Code": code, "Message": message}, "ResponseMetadata": {"HTTPStatusCode": status}},
                        "GetObject")
 
 
@@ -36,9 +37,42 @@ def test_error_mapping() -> None:
     unreachable = translate_error(EndpointConnectionError(endpoint_url="http://h"), "b", "x")
     assert isinstance(unreachable, Unreachable) and unreachable.errno == errno.EIO
     assert translate_error(client_error("AccessDenied", 403), "b", "x").errno == errno.EACCES
+    # An archived object (Glacier) is a 403 that no credential fixes: EIO, and the message says what to do.
+    archived = translate_error(client_error("InvalidObjectState", 403), "b", "GET 'k'")
+    assert type(archived) is StoreError and archived.errno == errno.EIO
+    assert "archived (InvalidObjectState): restore it" in archived.message and "credentials" not in archived.message
+    # An error this mapping has no words for keeps the server's own (SSE-C without the key: InvalidArgument).
+    sse_c = translate_error(client_error("InvalidArgument", 400, "Requests specifying Server Side Encryption\n"
+                                         "with Customer provided keys must provide the customer key."), "b", "GET")
+    assert sse_c.message == ("GET: InvalidArgument (Requests specifying Server Side Encryption with Customer "
+                             "provided keys must provide the customer key.)")
 
 
 def test_listed_keys_are_url_decoded_and_non_utf8_kept_as_bytes() -> None:
     assert _decode_key("a%2Fb%20c/%E6%97%A5.txt", True) == "a/b c/日.txt"
     assert _decode_key("bad%FF%FEname", True) == b"bad\xff\xfename"
     assert _decode_key("plain", False) == "plain"
+
+
+def test_a_body_is_read_into_the_buffer_a_slice_at_a_time() -> None:
+    """urllib3's readinto reads the whole request into new bytes first: asked for a whole chunk, each fetch held
+    a second chunk outside the memory budget."""
+    asked: list[int] = []
+
+    class Body:
+        def __init__(self, data: bytes):
+            self.data = io.BytesIO(data)
+
+        def readinto(self, view: memoryview) -> int:
+            asked.append(len(view))
+            return self.data.readinto(view)
+
+        def close(self) -> None:
+            pass
+
+    data = bytes(range(256)) * (12 * READ_SLICE // 256) + b"tail"
+    buffer = bytearray(len(data))
+    with ObjectReader(Body(data), len(data), "b", "GET") as reader:
+        assert reader.readinto(buffer) == len(data)
+    assert bytes(buffer) == data
+    assert max(asked) == READ_SLICE and len(asked) >= 12

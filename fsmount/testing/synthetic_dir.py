@@ -1,6 +1,8 @@
 """A synthetic S3 directory for the fault proxy: a set of keys under one prefix that it lists
 (ListObjectsV2, paginated, url-encoded or not) and serves (HEAD, ranged GET with If-Match) itself, with
-deterministic bodies (`synthetic_body`). Keys may be any bytes, valid UTF-8 or not.
+deterministic bodies (`synthetic_body`). Keys may be any bytes, valid UTF-8 or not. A body is computed a
+range at a time (`synthetic_range`), so objects may be far larger than memory (a 6 GiB shard costs nothing
+until read); a GET without a range of one larger than WHOLE_GET_MAX is refused.
 """
 
 from __future__ import annotations
@@ -14,16 +16,27 @@ from fsmount.testing.http_wire import Request, Response, error_response
 
 #: ListObjectsV2 page size when the client does not ask for less (S3's maximum).
 LIST_PAGE_MAX = 1000
+#: Bodies are made of blocks this long, each its own function of the key and its index.
+BLOCK = 4096
+#: The largest object a GET without a range gets whole.
+WHOLE_GET_MAX = 64 * 1024 * 1024
+
+
+def synthetic_range(key: bytes, size: int, lo: int, hi: int) -> bytes:
+    """Bytes [lo, hi) of a key served by `serve_directory` (cut to `size`): block i (BLOCK bytes) is
+    shake_256(key, i), so a byte read from the wrong offset, even 1 byte off, is never the right one."""
+    hi = min(hi, size)
+    if lo >= hi:
+        return b""
+    first, last = lo // BLOCK, (hi - 1) // BLOCK
+    blocks = b"".join(hashlib.shake_256(key + b"\0" + i.to_bytes(8, "little")).digest(BLOCK)
+                      for i in range(first, last + 1))
+    return blocks[lo - first * BLOCK:hi - first * BLOCK]
 
 
 def synthetic_body(key: bytes, size: int) -> bytes:
-    """The bytes of a key served by `serve_directory`: sha256 chains of the key, cut to `size`."""
-    out = bytearray()
-    block = hashlib.sha256(key).digest()
-    while len(out) < size:
-        out += block
-        block = hashlib.sha256(block).digest()
-    return bytes(out[:size])
+    """The whole body of a key served by `serve_directory`."""
+    return synthetic_range(key, size, 0, size)
 
 
 class SyntheticDirectory:
@@ -115,17 +128,18 @@ def object_response(d: SyntheticDirectory, key: bytes, req: Request) -> Response
     if_match = req.header("if-match")
     if if_match is not None and if_match not in ("*", etag):
         return error_response(412, "PreconditionFailed")
-    body = synthetic_body(key, d.size)
     headers: list[tuple[str, str]] = [("ETag", etag), ("Last-Modified", "Thu, 01 Jan 2026 00:00:00 GMT"),
                                       ("Accept-Ranges", "bytes"), ("Content-Type", "application/octet-stream")]
     if req.method == "HEAD":
-        return Response(200, "OK", headers, b"", len(body))
-    byte_range = parse_range(req.header("range"), len(body))
+        return Response(200, "OK", headers, b"", d.size)
+    byte_range = parse_range(req.header("range"), d.size)
     if byte_range is None:
-        return Response(200, "OK", headers, body)
+        if d.size > WHOLE_GET_MAX:
+            return error_response(400, "InvalidRequest")
+        return Response(200, "OK", headers, synthetic_body(key, d.size))
     lo, hi = byte_range
-    headers.append(("Content-Range", f"bytes {lo}-{hi - 1}/{len(body)}"))
-    return Response(206, "Partial Content", headers, body[lo:hi])
+    headers.append(("Content-Range", f"bytes {lo}-{hi - 1}/{d.size}"))
+    return Response(206, "Partial Content", headers, synthetic_range(key, d.size, lo, hi))
 
 
 def parse_range(value: str | None, size: int) -> tuple[int, int] | None:

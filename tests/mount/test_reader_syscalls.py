@@ -22,6 +22,8 @@ import os
 import random
 import shutil
 import socket
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -30,7 +32,9 @@ from pathlib import Path
 
 import pytest
 
+from fsmount.testing.fault_proxy import FaultProxy
 from fsmount.testing.models import write_model
+from fsmount.testing.synthetic_dir import synthetic_range
 from tests.helpers import (
     MiB,
     S3Server,
@@ -38,7 +42,10 @@ from tests.helpers import (
     drop_page_cache,
     mount_stats,
     mounted,
+    mounted_via,
+    new_bucket,
     random_bytes,
+    sha,
     wait_for,
 )
 
@@ -207,3 +214,52 @@ def test_random_mmap_touches_fetch_what_the_kernel_reads_around_them_not_the_fil
         fetched = origin_bytes_once_idle(big_blob.parent)
     # Each read-around covers 16 MiB, 2-3 chunks of 8 MiB.
     assert fetched <= 4 * 24 * MiB, fetched / MiB
+
+
+# -- past 4 GiB -------------------------------------------------------------------------------------
+
+HUGE = 6 * 1024 * MiB + 12345  # real shards are 5-10 GB
+MMAP_DIGESTS = """
+import hashlib, mmap, sys
+with open(sys.argv[1], "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
+    for offset in map(int, sys.argv[2:]):
+        print(hashlib.sha256(m[offset:offset + 4096]).hexdigest())
+"""
+
+
+def test_a_file_past_4_gib_reads_exact_across_the_32_bit_boundaries(moto_server: S3Server, proxy: FaultProxy,
+                                                                     mountpoint: Path, tmp_path: Path) -> None:
+    """Offsets past 2^31 and 2^32 through pread, O_DIRECT and mmap, cold and again from an NVMe cache. The
+    proxy serves the 6 GiB object itself, a range at a time."""
+    bucket = new_bucket(moto_server)
+    moto_server.client().put_object(Bucket=bucket, Key="big/", Body=b"")
+    proxy.serve_directory(bucket, "big/", ["shard.bin"], size=HUGE)
+
+    def want(offset: int, n: int) -> bytes:
+        return synthetic_range(b"big/shard.bin", HUGE, offset, offset + n)
+
+    cache = ("--cache-dir", str(tmp_path / "cache"))
+    for run in ("cold", "warm"):
+        with mounted_via(proxy, moto_server, bucket, mountpoint, "--no-model-streaming", "--metadata-ttl", "300",
+                         *cache):
+            path = mountpoint / "big" / "shard.bin"
+            assert path.stat().st_size == HUGE
+            with open(path, "rb", buffering=0) as f:
+                for offset in (2**31 - 5, 2**31, 2**32 - 7, 2**32, 2**32 + 8 * MiB - 1, HUGE - 4096, HUGE - 1):
+                    assert os.pread(f.fileno(), 4096, offset) == want(offset, 4096), (run, offset)
+                assert os.pread(f.fileno(), 10, HUGE) == b""
+            fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+            try:
+                buf = mmap.mmap(-1, 2 * MiB)
+                assert os.preadv(fd, [buf], 2**32 - MiB) == 2 * MiB
+                assert bytes(buf) == want(2**32 - MiB, 2 * MiB), run
+            finally:
+                os.close(fd)
+            # mmap in another process: a page fault holds this one's GIL, which the proxy's threads need to answer.
+            offsets = (2**32 + 12345, 5 * 2**30 + 1, HUGE - 4096)
+            res = subprocess.run([sys.executable, "-c", MMAP_DIGESTS, str(path), *map(str, offsets)],
+                                 capture_output=True, text=True, timeout=120)
+            assert res.returncode == 0, res.stderr
+            assert res.stdout.split() == [sha(want(offset, 4096)) for offset in offsets], run
+            if run == "warm":
+                assert mount_stats(mountpoint)["origin"]["bytes"] == 0  # every chunk from the NVMe cache

@@ -49,8 +49,14 @@ SHARD_NAME = re.compile(r"(?P<stem>.+)-\d+-of-(?P<count>\d+)\.safetensors")
 # An index larger than this is not read for its shard names (then every shard of the stem is warmed).
 MAX_INDEX_BYTES = 32 * 1024 * 1024
 # Versions whose header was found malformed, remembered (the newest this many) so that each is logged at
-# INFO once, not at every open (a loop opening a 0-byte `.safetensors` logged ~200 lines a second).
+# INFO once, not at every open (a loop opening a 0-byte `.safetensors` logged ~200 lines a second), and its
+# header is not fetched again.
 NOT_STREAMED_KEPT = 1024
+# Where the data of the versions streamed last ends (their headers parsed), the newest this many: a file opened
+# again needs no header, whose chunk memory has often let go since (chunks pushed to the page cache are the
+# first evicted). Each open fetched that chunk again: 50 processes opening shards in a loop had the origin
+# send 16 GiB for 2 GiB of models, with the page cache holding them all.
+DATA_ENDS_KEPT = 4096
 
 
 def index_shards(data: bytes) -> set[str] | None:
@@ -131,7 +137,8 @@ class ModelStreamer:
         self.streamed_bytes = 0
         self.skipped_read = 0  # streamed bytes not pushed because READs had already taken them
         self._active: dict[tuple[str, str], _FileStream] = {}
-        self._not_streamed: collections.OrderedDict[tuple[str, str], None] = collections.OrderedDict()
+        self._not_streamed: collections.OrderedDict[tuple[str, str], str] = collections.OrderedDict()
+        self._data_ends: collections.OrderedDict[tuple[str, str], int] = collections.OrderedDict()
         self._nursery: trio.Nursery | None = None
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
@@ -266,7 +273,7 @@ class ModelStreamer:
             except SafetensorsError as exc:
                 key = (job.version.key, job.version.etag)
                 (log.debug if key in self._not_streamed else log.info)("not streaming %r: %s", key[0], exc)
-                self._not_streamed[key] = None
+                self._not_streamed[key] = str(exc)
                 if len(self._not_streamed) > NOT_STREAMED_KEPT:
                     self._not_streamed.popitem(last=False)
             except Exception as exc:  # noqa: BLE001 - streaming failures only cost speed
@@ -278,16 +285,30 @@ class ModelStreamer:
             # is for files still open (pagecache.py). Given back here, after the last push ended.
             self.pusher.release(job.pushed)
 
-    async def _stream(self, job: _FileStream) -> None:
-        obj, engine = job.version, self.engine
+    async def _data_end(self, obj: ObjectVersion) -> int:
+        """Where the version's tensor data ends, from its header (parsed once per version, DATA_ENDS_KEPT)."""
+        key = (obj.key, obj.etag)
+        if key in self._not_streamed:
+            raise SafetensorsError(self._not_streamed[key])
+        end = self._data_ends.get(key)
+        if end is not None:
+            self._data_ends.move_to_end(key)
+            return end
         # Copied out at once: a view would pin chunk 0's buffer (no reuse) for as long as the stream runs.
-        n = header_length(bytes(await engine.peek(obj, 0, min(obj.size, LENGTH_PREFIX))), obj.size)
+        n = header_length(bytes(await self.engine.peek(obj, 0, min(obj.size, LENGTH_PREFIX))), obj.size)
         # In a worker thread: a header of 100,000 tensors (12 MB) takes a second to parse, and on the trio
         # thread every READ and lookup of the mount waited for it (84 MB: 7 s).
-        layout = await trio.to_thread.run_sync(parse_header, bytes(await engine.peek(obj, 0, LENGTH_PREFIX + n)),
-                                               obj.size)
-        indices = engine.chunk_range(obj, 0, layout.data_end)
-        log.debug("streaming %r: %d tensors, %d chunks", obj.key, len(layout.tensors), len(indices))
+        header = bytes(await self.engine.peek(obj, 0, LENGTH_PREFIX + n))
+        layout = await trio.to_thread.run_sync(parse_header, header, obj.size)
+        log.debug("streaming %r: %d tensors", obj.key, len(layout.tensors))
+        self._data_ends[key] = layout.data_end
+        if len(self._data_ends) > DATA_ENDS_KEPT:
+            self._data_ends.popitem(last=False)
+        return layout.data_end
+
+    async def _stream(self, job: _FileStream) -> None:
+        obj, engine = job.version, self.engine
+        indices = engine.chunk_range(obj, 0, await self._data_end(obj))
         async with trio.open_nursery() as nursery:
             # A shard warmed in the background leaves half the room to the streams of files that are open.
             depth = self.depth if job.priority <= AHEAD else max(1, min(self.depth, self.room() // 2))

@@ -602,3 +602,28 @@ async def test_a_model_replaced_in_the_bucket_is_warmed_again(autojump_clock, tm
         assert len(shard_2_gets(store)) == first
 
     await run_prefetcher(engine, streamer, body)
+
+
+async def test_a_file_opened_again_is_not_fetched_again_for_its_header(autojump_clock, tmp_path,  # noqa: ANN001
+                                                                       monkeypatch) -> None:
+    """Chunks pushed to the page cache are the first evicted from memory, chunk 0 with its header included: every
+    open fetched that chunk again to parse the header (50 processes opening shards in a loop: 16 GiB from the
+    origin for 2 GiB of models the page cache held)."""
+    recorded_stores(monkeypatch)
+    store, engine, streamer = prefetch_rig("m.safetensors", model_bytes(tmp_path, 24 * MiB), memory=6 * MiB,
+                                           push_limit=1 << 40)
+
+    async def body() -> None:
+        v = version(store, "m.safetensors")
+        streamer.opened(2, v)
+        await streamer._active[(v.key, v.etag)].done.wait()
+        streamer.closed(v)
+        assert engine.memory.get(engine.chunk_id(v, 0)) is None  # evicted: pushed chunks go first
+        gets = len(store.gets)
+        for _ in range(3):
+            streamer.opened(2, v)
+            await streamer._active[(v.key, v.etag)].done.wait()
+            streamer.closed(v)
+        assert len(store.gets) == gets, store.gets[gets:]
+
+    await run_prefetcher(engine, streamer, body)

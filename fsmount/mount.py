@@ -606,6 +606,10 @@ def run(cfg: MountConfig, ready: Callable[[str | None], None]) -> int:
     a pre-flight failure. Metrics are served on `cfg.metrics_addr` (HOST:PORT) once the mount answers.
     Returns the exit status."""
     metrics = None
+    # SIGHUP only ever reopens the log (a logrotate postrotate, a systemd reload): ignored until the daemon's
+    # own receiver takes it, and again once that is gone (the stop's drain). By default it killed the daemon
+    # silently during a slow pre-flight.
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
     try:
         check_fuse_available(cfg.allow_other)
         mountpoint = check_mountpoint(cfg.mountpoint, cfg.allow_non_empty)

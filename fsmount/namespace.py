@@ -184,6 +184,9 @@ class Namespace:
             self._down_error, self._down_reason = type(exc), exc.message
             raise
         self._down_until = 0.0
+        if self._stale_logged:  # the outage that `_log_stale` told of is over
+            log.info("origin answers again: metadata is asked of it as before")
+            self._stale_logged = False
         return result
 
     @property
@@ -248,7 +251,6 @@ class Namespace:
             self._log_stale(exc)
             node.fresh_until = time.monotonic() + min(self.ttl, STALE_RETRY)
             return node
-        self._stale_logged = False
         if meta is None:
             raise PathError(errno.ENOENT)
         node.fresh_until = time.monotonic() + self.ttl

@@ -331,9 +331,12 @@ class ChunkEngine:
             raise
         except Exception as exc:  # noqa: BLE001 - handed to every waiter of this chunk
             fetch.error = exc if isinstance(exc, StoreError) else StoreError(f"{type(exc).__name__}: {exc}")
-            (log.debug if fetch.error.reported else log.warning)(
+            # A warning only where a reader waited for it: read-ahead and streaming fetches that fail (an outage
+            # logged one line per chunk of every shard being warmed) are fetched again when a READ wants them.
+            warn = fetch.demanded and not fetch.error.reported
+            (log.warning if warn else log.debug)(
                 "fetching chunk %d of %r failed: %s", fetch.cid.index, fetch.cid.key, fetch.error)
-            fetch.error.reported = True
+            fetch.error.reported = fetch.error.reported or warn
             if self._nursery is not None:
                 self.levels.start_abandon(self._nursery, self.levels.levels, fetch.cid)
         finally:

@@ -234,38 +234,40 @@ class LevelStack:
             error = type(gone[1])(gone[1].message)
             error.reported = True  # logged with the GET that found it gone
             raise error
+        # One fetch of a chunk is one error if it fails in the end, and one latency sample, its retries
+        # included (each refused try counted as an error: a 30 s outage that no reader noticed showed 88).
         backoff = UNREACHABLE_RETRY_S
-        while True:
-            self.stats.origin_requests += 1
-            started = time.monotonic()
-            self.trailing.origin_started()
-            try:
-                data = await self._run_blocking(self.store.get_range, cid.key, cid.etag, cid.offset,
-                                                cid.offset + length, buffer, limiter=self._s3_limiter)
-                break
-            except Unreachable as exc:
-                self.stats.origin_errors += 1
-                # A restarting origin refuses connections for a moment: a reader that may still wait
-                # (mmap readers die of a failed READ) waits for it, up to the fetch's deadline.
-                wait = min(backoff, retry_until() - trio.current_time())
-                if wait <= 0:
+        started = time.monotonic()
+        try:
+            while True:
+                self.stats.origin_requests += 1
+                self.trailing.origin_started()
+                try:
+                    data = await self._run_blocking(self.store.get_range, cid.key, cid.etag, cid.offset,
+                                                    cid.offset + length, buffer, limiter=self._s3_limiter)
+                    break
+                except Unreachable as exc:
+                    # A restarting origin refuses connections for a moment: a reader that may still wait
+                    # (mmap readers die of a failed READ) waits for it, up to the fetch's deadline.
+                    wait = min(backoff, retry_until() - trio.current_time())
+                    if wait <= 0:
+                        raise
+                    log.debug("chunk %d of %r: %s; trying again in %.2fs", cid.index, cid.key, exc.message, wait)
+                    await trio.sleep(wait)
+                    backoff = min(2 * backoff, UNREACHABLE_RETRY_MAX_S)
+                except (PreconditionFailed, NotFound) as exc:
+                    self._gone[version] = (trio.current_time(), exc)
+                    self._gone.move_to_end(version)
+                    if len(self._gone) > GONE_MEMORY:
+                        self._gone.popitem(last=False)
                     raise
-                log.debug("chunk %d of %r: %s; trying again in %.2fs", cid.index, cid.key, exc.message, wait)
-                await trio.sleep(wait)
-                backoff = min(2 * backoff, UNREACHABLE_RETRY_MAX_S)
-            except (PreconditionFailed, NotFound) as exc:
-                self.stats.origin_errors += 1
-                self._gone[version] = (trio.current_time(), exc)
-                self._gone.move_to_end(version)
-                if len(self._gone) > GONE_MEMORY:
-                    self._gone.popitem(last=False)
-                raise
-            except Exception:
-                self.stats.origin_errors += 1
-                raise
-            finally:
-                self.trailing.origin_finished()
-                self.origin_latency.observe(time.monotonic() - started)
+                finally:
+                    self.trailing.origin_finished()
+        except Exception:
+            self.stats.origin_errors += 1
+            raise
+        finally:
+            self.origin_latency.observe(time.monotonic() - started)
         self.stats.origin_bytes += len(data)
         if cid in self._fetched:
             self.stats.origin_refetched_bytes += len(data)

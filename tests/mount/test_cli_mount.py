@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -136,6 +137,29 @@ def test_a_missing_profile_is_named(moto_server: S3Server, tmp_path: Path, foreg
 def test_endpoint_unreachable(tmp_path: Path) -> None:
     env = {**modelfs_env(), "AWS_ACCESS_KEY_ID": "k", "AWS_SECRET_ACCESS_KEY": "s"}
     mount_fails_fast("b", tmp_path, f"http://127.0.0.1:{free_port()}", env, "cannot reach the endpoint")
+
+
+def test_sighup_during_a_slow_pre_flight_does_not_kill_the_daemon(tmp_path: Path) -> None:
+    """A logrotate postrotate (or a systemd reload) while the endpoint is slow to answer: SIGHUP's default action
+    killed the daemon without a word before its own handler existed."""
+    env = {**modelfs_env(), "AWS_ACCESS_KEY_ID": "k", "AWS_SECRET_ACCESS_KEY": "s"}
+    with socket.socket() as silent:  # accepts connections (the kernel's backlog) and never answers
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(16)
+        endpoint = f"http://127.0.0.1:{silent.getsockname()[1]}"
+        proc = subprocess.Popen(modelfs_cmd("mount", "b", str(tmp_path), "--foreground", "--endpoint-url", endpoint,
+                                            "--read-timeout", "4"), env=env, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True)
+        try:
+            time.sleep(1.0)
+            proc.send_signal(signal.SIGHUP)
+            _, err = proc.communicate(timeout=120)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    assert proc.returncode == 1, (proc.returncode, err)  # the pre-flight's own failure, said in one line
+    assert "modelfs:" in err and "Traceback" not in err, err
 
 
 def test_mountpoint_problems(moto_server: S3Server, tmp_path: Path) -> None:

@@ -501,6 +501,13 @@ def test_origin_down_known_file_opens_by_path_after_ttl(moto_server: S3Server, p
             assert os.fstat(fd).st_size == len(data)  # an open file keeps its cached metadata
             with open(mountpoint / "known.bin", "rb") as f:
                 assert f.read() == data
+            # Back: the log says so, once the TTL let a lookup ask the origin again.
+            proxy.origin_back()
+            deadline = time.monotonic() + RECOVERY_S
+            while "origin answers again" not in m.log():
+                assert time.monotonic() < deadline, "the origin's return was never logged"
+                os.stat(mountpoint / "known.bin")
+                time.sleep(0.2)
         finally:
             os.close(fd)
 

@@ -99,7 +99,9 @@ def test_a_fault_shorter_than_the_read_timeout_lets_an_mmap_loader_finish_exact(
         if rule is not None:
             assert rule.hits >= 1, "the fault never hit a request"
         else:
-            assert mount_stats(mountpoint)["origin"]["errors"] >= 1, "no request met the refusing origin"
+            # A fetch that waited for the origin tried again (debug log); one that could not wait failed (an error).
+            met = mount_stats(mountpoint)["origin"]["errors"] >= 1 or "trying again in" in m.log()
+            assert met, "no request met the refusing origin"
         assert m.proc.poll() is None
 
 

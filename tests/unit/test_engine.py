@@ -434,6 +434,11 @@ async def test_an_unreachable_origin_is_waited_for_until_the_deadline(autojump_c
             # Backed off, not a tight loop: 0.25 s doubling to 4 s within 30 s is 11 requests.
             assert len(attempts) <= 12, attempts
         assert len(attempts) >= 2
+        # One fetch: one error if it failed in the end, none for the tries that were refused on the way, and one
+        # latency sample, its retries included.
+        stats = engine.levels.stats
+        assert (stats.origin_errors, stats.origin_requests) == (int(outcome == "error"), len(attempts))
+        assert engine.levels.origin_latency.read()[1] == 1
 
     await run_engine(engine, body)
 

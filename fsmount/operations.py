@@ -20,6 +20,7 @@ import time
 from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
+import cachetools
 import pyfuse3
 import trio
 
@@ -46,26 +47,22 @@ UNLIMITED_BLOCKS = 1 << 40
 UNLIMITED_FILES = 1 << 32
 
 
-# When each failure message was last logged as a warning. The kernel sends a failed READ again at once, and the
-# READs of one stalled file fail together with the same message: a repeat within REPEAT_QUIET_S goes to debug.
-# Only the trio thread touches it; entries older than the window are dropped once there are REPEATS_KEPT.
+# Failure messages logged as warnings in the last REPEAT_QUIET_S. The kernel sends a failed READ again at once,
+# and the READs of one stalled file fail together with the same message: a repeat goes to debug. Only the trio
+# thread touches it.
 REPEAT_QUIET_S = 10.0
 REPEATS_KEPT = 64
-_last_warned: dict[str, float] = {}
+_warned: cachetools.TTLCache[str, None] = cachetools.TTLCache(REPEATS_KEPT, REPEAT_QUIET_S)
 
 
 def _log_failure(handler: str, exc: StoreError) -> None:
     """One warning per failure: not for an error a failed fetch already logged, nor a message just logged."""
     message = f"{handler} failed: {exc.message}"
-    now = time.monotonic()
-    if exc.reported or now - _last_warned.get(message, -REPEAT_QUIET_S) < REPEAT_QUIET_S:
+    if exc.reported or message in _warned:
         log.debug("%s", message)
         return
     exc.reported = True
-    if len(_last_warned) >= REPEATS_KEPT:
-        for old in [m for m, at in _last_warned.items() if now - at >= REPEAT_QUIET_S]:
-            del _last_warned[old]
-    _last_warned[message] = now
+    _warned[message] = None
     log.warning("%s", message)
 
 

@@ -27,13 +27,13 @@ before its turn, so that its pushes can land.
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import json
 import logging
 import re
 from collections.abc import Awaitable, Callable
 
+import cachetools
 import trio
 
 from fsmount.data import AHEAD, BACKGROUND, Chunk, ChunkEngine, Fetch, ObjectVersion, StoreError
@@ -137,8 +137,8 @@ class ModelStreamer:
         self.streamed_bytes = 0
         self.skipped_read = 0  # streamed bytes not pushed because READs had already taken them
         self._active: dict[tuple[str, str], _FileStream] = {}
-        self._not_streamed: collections.OrderedDict[tuple[str, str], str] = collections.OrderedDict()
-        self._data_ends: collections.OrderedDict[tuple[str, str], int] = collections.OrderedDict()
+        self._not_streamed: cachetools.LRUCache[tuple[str, str], str] = cachetools.LRUCache(NOT_STREAMED_KEPT)
+        self._data_ends: cachetools.LRUCache[tuple[str, str], int] = cachetools.LRUCache(DATA_ENDS_KEPT)
         self._nursery: trio.Nursery | None = None
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
@@ -274,8 +274,6 @@ class ModelStreamer:
                 key = (job.version.key, job.version.etag)
                 (log.debug if key in self._not_streamed else log.info)("not streaming %r: %s", key[0], exc)
                 self._not_streamed[key] = str(exc)
-                if len(self._not_streamed) > NOT_STREAMED_KEPT:
-                    self._not_streamed.popitem(last=False)
             except Exception as exc:  # noqa: BLE001 - streaming failures only cost speed
                 log.info("streaming of %r stopped: %s", job.version.key, exc)
         job.done.set()
@@ -292,7 +290,6 @@ class ModelStreamer:
             raise SafetensorsError(self._not_streamed[key])
         end = self._data_ends.get(key)
         if end is not None:
-            self._data_ends.move_to_end(key)
             return end
         # Copied out at once: a view would pin chunk 0's buffer (no reuse) for as long as the stream runs.
         n = header_length(bytes(await self.engine.peek(obj, 0, min(obj.size, LENGTH_PREFIX))), obj.size)
@@ -302,8 +299,6 @@ class ModelStreamer:
         layout = await trio.to_thread.run_sync(parse_header, header, obj.size)
         log.debug("streaming %r: %d tensors", obj.key, len(layout.tensors))
         self._data_ends[key] = layout.data_end
-        if len(self._data_ends) > DATA_ENDS_KEPT:
-            self._data_ends.popitem(last=False)
         return layout.data_end
 
     async def _stream(self, job: _FileStream) -> None:

@@ -336,7 +336,8 @@ class ChunkEngine:
             warn = fetch.demanded and not fetch.error.reported
             (log.warning if warn else log.debug)(
                 "fetching chunk %d of %r failed: %s", fetch.cid.index, fetch.cid.key, fetch.error)
-            fetch.error.reported = fetch.error.reported or warn
+            if warn:
+                fetch.error.reported = True
             if self._nursery is not None:
                 self.levels.start_abandon(self._nursery, self.levels.levels, fetch.cid)
         finally:

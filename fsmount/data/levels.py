@@ -29,6 +29,7 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Protocol
 
+import cachetools
 import trio
 
 from fsmount.data.identity import Chunk, ChunkId, WritableBuffer, new_buffer
@@ -168,9 +169,9 @@ class LevelStack:
         self.stats = LevelStats(level_hits=[0] * n, level_misses=[0] * n, level_bytes=[0] * n,
                                 level_saved_bytes=[0] * n)
         self._fetched: collections.OrderedDict[ChunkId, None] = collections.OrderedDict()  # latest origin fetches
-        # (bucket, key, etag) -> (when, the refusal); the newest last. Both are touched by the trio thread only.
-        self._gone: collections.OrderedDict[tuple[str, str, str], tuple[float, StoreError]] = \
-            collections.OrderedDict()
+        # (bucket, key, etag) -> the refusal, for GONE_FOR_S. Both are touched by the trio thread only.
+        self._gone: cachetools.TTLCache[tuple[str, str, str], StoreError] = cachetools.TTLCache(
+            GONE_MEMORY, GONE_FOR_S, timer=trio.current_time)
         self.origin_latency = LatencyHistogram()
         self._run_blocking = run_blocking
         self._s3_limiter = trio.CapacityLimiter(max_connections)
@@ -230,8 +231,8 @@ class LevelStack:
                            retry_until: Callable[[], float]) -> Chunk:
         version = (cid.bucket, cid.key, cid.etag)
         gone = self._gone.get(version)
-        if gone is not None and trio.current_time() - gone[0] < GONE_FOR_S:
-            error = type(gone[1])(gone[1].message)
+        if gone is not None:
+            error = type(gone)(gone.message)
             error.reported = True  # logged with the GET that found it gone
             raise error
         # One fetch of a chunk is one error if it fails in the end, and one latency sample, its retries
@@ -256,10 +257,7 @@ class LevelStack:
                     await trio.sleep(wait)
                     backoff = min(2 * backoff, UNREACHABLE_RETRY_MAX_S)
                 except (PreconditionFailed, NotFound) as exc:
-                    self._gone[version] = (trio.current_time(), exc)
-                    self._gone.move_to_end(version)
-                    if len(self._gone) > GONE_MEMORY:
-                        self._gone.popitem(last=False)
+                    self._gone[version] = exc
                     raise
                 finally:
                     self.trailing.origin_finished()

@@ -51,6 +51,13 @@ async def run_prefetcher(engine: ChunkEngine, streamer: ModelStreamer, body) -> 
     await run_engine(engine, with_prefetcher)
 
 
+async def stream_once(streamer: ModelStreamer, v) -> None:  # noqa: ANN001
+    """Open the file (its stream starts), wait until the stream ended, close it."""
+    streamer.opened(2, v)
+    await streamer._active[(v.key, v.etag)].done.wait()
+    streamer.closed(v)
+
+
 async def test_streams_whole_data_region_in_offset_order(autojump_clock, tmp_path) -> None:  # noqa: ANN001
     store, engine, streamer = prefetch_rig("m.safetensors", model_bytes(tmp_path, 24 * MiB), memory=256 * MiB)
 
@@ -87,10 +94,8 @@ async def test_the_header_is_parsed_off_the_trio_thread(tmp_path, monkeypatch) -
 
     async def body() -> None:
         v = version(store, "m.safetensors")
-        streamer.opened(2, v)
-        await streamer._active[(v.key, v.etag)].done.wait()
+        await stream_once(streamer, v)
         assert streamer.streamed_bytes == v.size - CHUNK  # it streamed, so the parse worked
-        streamer.closed(v)
 
     await run_prefetcher(engine, streamer, body)
     assert len(threads) == 1 and threads[0] is not threading.current_thread()
@@ -321,9 +326,7 @@ async def test_malformed_header_only_disables_prefetch(autojump_clock, caplog) -
         assert bytes(await engine.read(v, 100, 200)) == store.objects[v.key][100:200]
         streamer.closed(v)
         for _ in range(3):  # opened again and again: said at INFO once
-            streamer.opened(2, v)
-            await streamer._active[(v.key, v.etag)].done.wait()
-            streamer.closed(v)
+            await stream_once(streamer, v)
 
     await run_prefetcher(engine, streamer, body)
     said = [r for r in caplog.records if "not streaming" in r.getMessage()]
@@ -615,15 +618,11 @@ async def test_a_file_opened_again_is_not_fetched_again_for_its_header(autojump_
 
     async def body() -> None:
         v = version(store, "m.safetensors")
-        streamer.opened(2, v)
-        await streamer._active[(v.key, v.etag)].done.wait()
-        streamer.closed(v)
+        await stream_once(streamer, v)
         assert engine.memory.get(engine.chunk_id(v, 0)) is None  # evicted: pushed chunks go first
         gets = len(store.gets)
         for _ in range(3):
-            streamer.opened(2, v)
-            await streamer._active[(v.key, v.etag)].done.wait()
-            streamer.closed(v)
+            await stream_once(streamer, v)
         assert len(store.gets) == gets, store.gets[gets:]
 
     await run_prefetcher(engine, streamer, body)

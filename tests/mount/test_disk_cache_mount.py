@@ -28,6 +28,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from fsmount.data.levels import PUT_THREADS
 from tests.helpers import (
     CORRUPT_WARNING,
     WRITE_FAILED_WARNING,
@@ -359,8 +360,10 @@ def test_eviction_keeps_the_cache_under_its_size_while_readers_run(moto_server: 
     assert final <= limit, f"{final / MiB:.3f} MiB after the unmount"  # the limit counts whole files, headers too
     assert 0 < len(chunk_files(cache)) <= limit // CHUNK
     # While puts and evictions run, a scan of 256 shard dirs is not atomic (it can see an evicted file and its
-    # replacement both): one chunk of slack. Measured peaks are 8 MiB + about 1 KiB.
-    assert max(samples) <= limit + CHUNK + HEADER_SLACK, f"peak {max(samples) / MiB:.3f} MiB"
+    # replacement both): one chunk file of slack per put that may run during it (PUT_THREADS at once). Measured
+    # peaks are 8 MiB + about 1 KiB, and once, on a busy host, 9.035 MiB: nine files, two of them seen twice.
+    slack = PUT_THREADS * (CHUNK + HEADER_SLACK)
+    assert max(samples) <= limit + slack, f"peak {max(samples) / MiB:.3f} MiB"
     res = cache_cmd("verify", cache)
     assert res.returncode == 0 and ", 0 corrupt" in res.stdout, res
 

@@ -264,6 +264,19 @@ def expand_mount_options(argv: list[str]) -> list[str]:
             out.append("--" + key.replace("_", "-"))
             if has_value:
                 out.append(value)
+    return _joined_negative_values(out)
+
+
+def _joined_negative_values(argv: list[str]) -> list[str]:
+    """`--cache-size -5G` as `--cache-size=-5G`: argparse takes a value that starts with `-` and is not a
+    plain number for an option and says only "expected one argument"; joined, the option's own check says
+    what is wrong with the value."""
+    out: list[str] = []
+    for arg in argv:
+        if out and re.match(r"-\.?\d", arg) and out[-1].startswith("--") and "=" not in out[-1]:
+            out[-1] = f"{out[-1]}={arg}"
+        else:
+            out.append(arg)
     return out
 
 

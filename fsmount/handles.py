@@ -12,8 +12,9 @@ from fsmount.readahead import ReadAhead
 
 class OpenFile:
     def __init__(self, fh: int, ino: int, version: ObjectVersion, engine: ChunkEngine, max_readahead: int,
-                 direct: bool = False, kernel_window: int = 0):
+                 direct: bool = False, kernel_window: int = 0, probe: bool = False):
         self.fh = fh
+        self.probe = probe  # opened by the daemon itself to ask the page cache (residency.py): never streamed
         self.ino = ino
         self.version = version
         self.direct = direct  # opened with O_DIRECT: its READs bypass the page cache and say nothing of it

@@ -17,6 +17,8 @@ import shutil
 import signal
 import socket
 import stat
+import sys
+import threading
 import time
 import urllib.parse
 from collections.abc import Callable
@@ -24,6 +26,7 @@ from collections.abc import Callable
 import pyfuse3
 import trio
 
+from fsmount import residency
 from fsmount.config import MiB, MountConfig, StoreConfig, virtual_style_ignored
 from fsmount.data import (
     AccessDenied,
@@ -451,7 +454,8 @@ class Daemon:
         self.pusher = PageCachePusher(push_limit, kernel_readahead=cfg.kernel_window)
         self.streamer = ModelStreamer(self.engine, self.pusher, max_connections=cfg.store.max_connections,
                                       enabled=cfg.model_streaming, siblings=self._files_beside,
-                                      look_up=self._look_up, readers=lambda: self.ops.readers)
+                                      look_up=self._look_up, readers=lambda: self.ops.readers,
+                                      resident=self._resident)
         self.stats = MountStats(cfg.store.bucket, self.engine, self.streamer, self.pusher, disk_cache=self.disk_cache,
                                 shared_tier=self.shared_tier, writes=self.writes,
                                 open_files=lambda: self.ops.open_files, inodes=lambda: self.namespace.inode_count,
@@ -509,6 +513,24 @@ class Daemon:
                 log.debug("could not look %r up through the mount: %s", version.key, exc)
                 return None
         return self.namespace.kernel_ino(version)
+
+    async def _resident(self, version: ObjectVersion, ino: int, ranges: list[tuple[int, int]]) -> list[bool] | None:
+        """Which of `ranges` of an open file the page cache holds whole (residency.py): the file opened through
+        this mount from a worker thread, whose OPEN the trio thread answers meanwhile without starting a stream
+        (Operations.probes); None if it could not be asked."""
+        path = os.path.join(self.mountpoint, version.key[len(self.namespace.prefix):])
+
+        def ask() -> list[bool] | None:
+            tid = threading.get_native_id()
+            self.ops.probes.add(tid)
+            try:
+                return residency.held_ranges(path, ino, ranges)
+            finally:
+                self.ops.probes.discard(tid)
+
+        with trio.move_on_after(self.cfg.store.read_timeout):
+            return await trio.to_thread.run_sync(ask, abandon_on_cancel=True)
+        return None
 
     def fuse_options(self) -> set[str]:
         opts = set(pyfuse3.default_options)
@@ -610,6 +632,18 @@ def run(cfg: MountConfig, ready: Callable[[str | None], None]) -> int:
     # own receiver takes it, and again once that is gone (the stop's drain). By default it killed the daemon
     # silently during a slow pre-flight.
     signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    # A stop (systemctl stop, Ctrl-C) during a slow pre-flight (an endpoint that does not answer) is said in one
+    # line, as every pre-flight failure is; SIGTERM's default action ended the daemon without a word (143). It
+    # exits at once: nothing is mounted yet, and an exception raised in the handler was swallowed by the HTTP
+    # stack, which went on waiting for the endpoint (measured).
+
+    def stopped_before_ready(signum: int, frame: object) -> None:
+        ready(f"stopped by {signal.Signals(signum).name} before the mount was ready")
+        sys.stderr.flush()
+        os._exit(1)
+
+    signal.signal(signal.SIGTERM, stopped_before_ready)
+    signal.signal(signal.SIGINT, stopped_before_ready)
     try:
         check_fuse_available(cfg.allow_other)
         mountpoint = check_mountpoint(cfg.mountpoint, cfg.allow_non_empty)
@@ -625,6 +659,9 @@ def run(cfg: MountConfig, ready: Callable[[str | None], None]) -> int:
             log.debug("pre-flight failed", exc_info=True)
         ready(str(exc) if isinstance(exc, MountError) else f"cannot mount: {exc}")
         return 1
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     tune_malloc()
     try:
         pyfuse3.init(daemon.ops, mountpoint, daemon.fuse_options())

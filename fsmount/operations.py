@@ -142,6 +142,10 @@ class Operations(pyfuse3.Operations):
         # This mount's device number (st_dev), set once it answers: which of a process's descriptors are on it
         # (holders.py). Inode numbers alone repeat across mounts.
         self.device: int | None = None
+        # Threads (their ids, as FUSE requests name them) of this daemon that open files through the mount to
+        # ask the page cache what it holds (mount.Daemon.resident): their opens start no stream. Added and
+        # discarded by those threads themselves (one set operation each, atomic under the GIL); read here.
+        self.probes: set[int] = set()
 
     def _new_fh(self) -> int:
         fh = self._next_fh
@@ -283,9 +287,11 @@ class Operations(pyfuse3.Operations):
             raise pyfuse3.FUSEError(errno.EBUSY)  # readable once it is closed and stored
         version = await self.ns.open_file(inode)
         fh = self._new_fh()
+        probe = ctx.pid in self.probes
         self._files[fh] = OpenFile(fh, inode, version, self.engine, self.max_readahead,
-                                   direct=bool(flags & os.O_DIRECT), kernel_window=self.kernel_window)
-        self.streamer.opened(inode, version)
+                                   direct=bool(flags & os.O_DIRECT), kernel_window=self.kernel_window, probe=probe)
+        if not probe:
+            self.streamer.opened(inode, version)
         # An inode is one object version (namespace.py), so its cached pages are always valid.
         return pyfuse3.FileInfo(fh=fh, keep_cache=True)
 
@@ -348,7 +354,8 @@ class Operations(pyfuse3.Operations):
         handle = self._files.pop(fh, None)
         if handle is not None:
             handle.close()
-            self.streamer.closed(handle.version)
+            if not handle.probe:
+                self.streamer.closed(handle.version)
         new = self._writers.pop(fh, None)
         if new is not None:
             new.handles -= 1

@@ -117,14 +117,17 @@ class _FileStream:
 
 Siblings = Callable[[int], Awaitable[list[tuple[int | None, ObjectVersion]]]]
 LookUp = Callable[[ObjectVersion], Awaitable[int | None]]
+# Of byte ranges of an open file (its version, its inode), which the page cache holds whole; None: not known.
+Resident = Callable[[ObjectVersion, int, list[tuple[int, int]]], Awaitable[list[bool] | None]]
 Readers = Callable[[], int]
 
 
 class ModelStreamer:
     def __init__(self, engine: ChunkEngine, pusher: PageCachePusher, *, max_connections: int,
                  enabled: bool = True, siblings: Siblings | None = None, look_up: LookUp | None = None,
-                 readers: Readers = lambda: 1):
+                 readers: Readers = lambda: 1, resident: Resident | None = None):
         self.engine = engine
+        self.resident = resident  # asks the kernel which chunks of a file it holds (residency.py), or None
         self.readers = readers  # handles open for reading (Operations.readers), each with its kernel windows
         self.siblings = siblings
         self.look_up = look_up  # has the kernel look a file up, so its pushes can land: its inode, or None
@@ -304,6 +307,8 @@ class ModelStreamer:
     async def _stream(self, job: _FileStream) -> None:
         obj, engine = job.version, self.engine
         indices = engine.chunk_range(obj, 0, await self._data_end(obj))
+        if job.again:
+            await self._believe_resident(job, indices)
         async with trio.open_nursery() as nursery:
             # A shard warmed in the background leaves half the room to the streams of files that are open.
             depth = self.depth if job.priority <= AHEAD else max(1, min(self.depth, self.room() // 2))
@@ -330,6 +335,23 @@ class ModelStreamer:
                 # Queued here, in order: tasks started in one batch run in no fixed order.
                 part = self.engine.fetch(obj, index, job, job.priority)
                 nursery.start_soon(self._one_chunk, job, index, part, slots, near)
+
+    async def _believe_resident(self, job: _FileStream, indices: range) -> None:
+        """Before a run again: the chunks the page cache still holds whole are believed held (so not fetched).
+        A READ showed only that the kernel lacks some page of the file; reclaim takes a few pages at a time,
+        and the rest of the file is often still there (`residency.py`). Unknown, every chunk is fetched."""
+        if self.resident is None or job.ino is None or not indices:
+            return
+        engine, obj = self.engine, job.version
+        ranges = [(i * engine.chunk_size, i * engine.chunk_size + engine.chunk_length(obj, i)) for i in indices]
+        held = await self.resident(obj, job.ino, ranges)
+        if held is None:
+            return
+        for index, whole in zip(indices, held, strict=True):
+            if whole:
+                engine.memory.held_by_kernel(engine.chunk_id(obj, index))
+        log.debug("streaming %r again: the page cache lacks %d of its %d chunks", obj.key,
+                  held.count(False), len(held))
 
     async def _one_chunk(self, job: _FileStream, index: int, part: Fetch | Chunk, slots: trio.Semaphore,
                          near: trio.Semaphore | None) -> None:

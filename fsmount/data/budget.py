@@ -22,10 +22,11 @@ Rules (everything here runs in the trio thread; nothing awaits except `reserve`)
   overwritten while anything can still read it.
 - `_read_by_kernel`: chunks in memory that READs have taken bytes from. The kernel caches what a READ
   returned, so pushing such a chunk into the page cache would copy it there a second time.
-- `_in_page_cache`: the last KERNEL_HELD_MAX chunks pushed to the page cache (`demote`) or whose buffer
-  was reused once spent: the page cache holds them (unless it dropped them since), so reading or
-  streaming them ahead again would fetch them for nothing. A READ of one of them proves the kernel dropped
-  it: then its file's entries go (`kernel_dropped`).
+- `_in_page_cache`: the last KERNEL_HELD_MAX chunks pushed to the page cache (`demote`), whose buffer
+  was reused once spent, or that the kernel said it holds when asked (`held_by_kernel`): the page cache
+  holds them (unless it dropped them since), so reading or streaming them ahead again would fetch them for
+  nothing. A READ of one of them proves the kernel dropped some of it: then its file's entries go
+  (`kernel_dropped`), and a model stream that runs again asks the kernel which chunks it still holds.
 """
 
 from __future__ import annotations
@@ -172,7 +173,7 @@ class MemoryBudget:
             self.reserved += length
             self._forget(cid)
             self.buffers_recycled += 1
-            self._held_by_kernel(cid)
+            self.held_by_kernel(cid)
             return data
         return None
 
@@ -216,7 +217,8 @@ class MemoryBudget:
         was reused (unless the kernel dropped it since; a READ then fetches it)."""
         return cid in self._in_page_cache
 
-    def _held_by_kernel(self, cid: ChunkId) -> None:
+    def held_by_kernel(self, cid: ChunkId) -> None:
+        """The page cache holds all of the chunk (pushed, read whole, or seen there: residency.py)."""
         self._in_page_cache[cid] = None
         self._in_page_cache.move_to_end(cid)
         if len(self._in_page_cache) > KERNEL_HELD_MAX:
@@ -242,7 +244,7 @@ class MemoryBudget:
     def demote(self, cid: ChunkId) -> None:
         """Make a chunk the first to be evicted, and its buffer free to reuse: the kernel page cache
         holds it (it was pushed there)."""
-        self._held_by_kernel(cid)
+        self.held_by_kernel(cid)
         if cid in self._chunks:
             self._chunks.move_to_end(cid, last=False)
             if self._served.pop(cid, None) is not None:

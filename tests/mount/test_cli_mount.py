@@ -3,6 +3,7 @@ status; a background mount. Option parsing in-process is tests/unit/test_cli.py.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -139,11 +140,14 @@ def test_endpoint_unreachable(tmp_path: Path) -> None:
     mount_fails_fast("b", tmp_path, f"http://127.0.0.1:{free_port()}", env, "cannot reach the endpoint")
 
 
-def test_sighup_during_a_slow_pre_flight_does_not_kill_the_daemon(tmp_path: Path) -> None:
+@pytest.mark.parametrize("signum", [signal.SIGHUP, signal.SIGTERM], ids=["SIGHUP", "SIGTERM"])
+def test_a_signal_during_a_slow_pre_flight_is_said_in_one_line(tmp_path: Path, signum: int) -> None:
     """A logrotate postrotate (or a systemd reload) while the endpoint is slow to answer: SIGHUP's default action
-    killed the daemon without a word before its own handler existed."""
+    killed the daemon without a word before its own handler existed; it is ignored, and the pre-flight fails on
+    its own. A stop (systemctl stop: SIGTERM) then ended it with status 143 and no word either; now it says it
+    was stopped."""
     env = {**modelfs_env(), "AWS_ACCESS_KEY_ID": "k", "AWS_SECRET_ACCESS_KEY": "s"}
-    with socket.socket() as silent:  # accepts connections (the kernel's backlog) and never answers
+    with contextlib.ExitStack() as stack, socket.socket() as silent:  # takes connections, never answers
         silent.bind(("127.0.0.1", 0))
         silent.listen(16)
         endpoint = f"http://127.0.0.1:{silent.getsockname()[1]}"
@@ -151,8 +155,11 @@ def test_sighup_during_a_slow_pre_flight_does_not_kill_the_daemon(tmp_path: Path
                                             "--read-timeout", "4"), env=env, stdout=subprocess.PIPE,
                                 stderr=subprocess.PIPE, text=True)
         try:
-            time.sleep(1.0)
-            proc.send_signal(signal.SIGHUP)
+            silent.settimeout(60)
+            conn, _ = silent.accept()  # the pre-flight asks the endpoint: the daemon is past its imports
+            stack.enter_context(conn)  # open, unanswered
+            proc.send_signal(signum)
+            started = time.monotonic()
             _, err = proc.communicate(timeout=120)
         finally:
             if proc.poll() is None:
@@ -160,6 +167,9 @@ def test_sighup_during_a_slow_pre_flight_does_not_kill_the_daemon(tmp_path: Path
                 proc.wait()
     assert proc.returncode == 1, (proc.returncode, err)  # the pre-flight's own failure, said in one line
     assert "modelfs:" in err and "Traceback" not in err, err
+    if signum == signal.SIGTERM:
+        assert "stopped by SIGTERM before the mount was ready" in err, err
+        assert time.monotonic() - started < 3, "a stop waited for the pre-flight"
 
 
 def test_mountpoint_problems(moto_server: S3Server, tmp_path: Path) -> None:

@@ -143,6 +143,38 @@ def test_a_file_the_kernel_dropped_while_open_is_streamed_again(moto_server: S3S
         assert mount_stats(mountpoint)["pagecache_drops"] == 1  # the first READ told; the file's beliefs went
 
 
+def test_a_file_that_lost_a_few_pages_while_open_has_only_those_chunks_streamed_again(
+        moto_server: S3Server, mountpoint: Path, tmp_path: Path) -> None:
+    """Reclaim takes a few pages of a file, not the file (and some hosts reclaim cold page cache with memory
+    free: DAMON's pageout in this dev box's VM took 1 MiB of pushed shards within seconds). The READ that
+    finds them gone cannot tell how much went, so the stream that runs again asks the kernel what it still
+    holds (residency.py): at most the chunk that lost pages is fetched and pushed again, not the file."""
+    data = model_bytes(tmp_path, 64 * MiB, seed=5)
+    bucket = new_bucket(moto_server)
+    upload(moto_server, bucket, {"m.safetensors": data})
+    chunk = DEFAULT_CHUNK_SIZE
+    with mounted(moto_server, bucket, mountpoint, "--pagecache-push-limit", "1G") as m:
+        path = mountpoint / "m.safetensors"
+        stats = lambda: mount_stats(mountpoint)  # noqa: E731
+        with open(path, "rb", buffering=0) as f:
+            wait_for("the file pushed", lambda: stats()["pagecache_stored_bytes"], lambda n: n >= len(data))
+            before = stats()
+            lost = 3 * chunk + MiB  # 2 MiB in the fourth chunk, as reclaim takes them
+            os.posix_fadvise(f.fileno(), lost, 2 * MiB, os.POSIX_FADV_DONTNEED)
+            assert os.pread(f.fileno(), 4096, lost) == data[lost:lost + 4096]
+            line = wait_for("the stream run again", m.log,
+                            lambda log: "streaming 'm.safetensors' again: the page cache lacks" in log)
+            # The READ's own pages are back by then (the kernel caches what READs return): at most their chunk.
+            assert re.search(r"again: the page cache lacks [01] of its \d+ chunks", line), line[-2000:]
+            assert f.read() == data
+        after = stats()
+        assert after["pagecache_drops"] == 1
+        # The fourth chunk at most, once for the READ and once for its push again; before, the whole file.
+        fetched = after["origin"]["bytes"] - before["origin"]["bytes"]
+        assert fetched <= chunk, fetched
+        assert after["pagecache_stored_bytes"] - before["pagecache_stored_bytes"] <= chunk
+
+
 def gets_within(times: list[float], seconds: float) -> int:
     """The most requests that started within any `seconds` of each other."""
     times = sorted(times)

@@ -247,3 +247,15 @@ def test_a_user_without_dev_fuse_or_user_allow_other_is_told_which(monkeypatch: 
     check_fuse_available(True, str(conf))
     monkeypatch.setattr(os, "geteuid", lambda: 0)
     check_fuse_available(True, str(tmp_path / "missing.conf"))  # root needs no user_allow_other
+
+
+def test_a_negative_value_is_the_option_s_value_and_its_check_names_it(capsys: pytest.CaptureFixture[str]) -> None:
+    """argparse took `--cache-size -5G` for a missing value ("expected one argument"); joined to its option,
+    the size check says what is wrong with it, in the flag form and the -o form alike."""
+    assert expand_mount_options(["mount", "b", "/m", "--cache-size", "-5G", "-o", "memory_limit=-1G"]) == [
+        "mount", "b", "/m", "--cache-size=-5G", "--memory-limit=-1G"]
+    assert expand_mount_options(["mount", "b", "/m", "--read-timeout", "-.5"])[-1] == "--read-timeout=-.5"
+    for argv in (["--cache-dir", "/c", "--cache-size", "-5G"], ["-o", "cache_dir=/c,cache_size=-5G"]):
+        with pytest.raises(SystemExit):
+            make_parser().parse_args(expand_mount_options(["mount", "b", "/m", *argv]))
+        assert "invalid size '-5G'" in capsys.readouterr().err

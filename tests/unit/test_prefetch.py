@@ -182,6 +182,45 @@ async def test_a_file_the_kernel_dropped_is_streamed_again_unless_memory_is_shor
     await run_prefetcher(engine, streamer, body)
 
 
+async def test_a_stream_run_again_fetches_only_the_chunks_the_kernel_says_it_lacks(
+        autojump_clock, tmp_path, monkeypatch) -> None:  # noqa: ANN001
+    """A READ of a chunk believed held wipes the file's beliefs (kernel_lacks) and runs its stream again; that
+    run asks the kernel which chunks it still holds whole (mount.Daemon.resident) and pushes only the others.
+    Asked nothing (None), it pushes them all."""
+    stored = recorded_stores(monkeypatch)
+    store, engine, streamer = prefetch_rig("m.safetensors", model_bytes(tmp_path, 24 * MiB), memory=256 * MiB,
+                                           push_limit=1 << 30)
+    asked: list[tuple[int, list[tuple[int, int]]]] = []
+    answers: list[list[bool] | None] = []
+
+    async def resident(version, ino, ranges):  # noqa: ANN001, ANN202
+        asked.append((ino, ranges))
+        return answers.pop(0)
+
+    streamer.resident = resident
+
+    async def body() -> None:
+        v = version(store, "m.safetensors")
+        chunks = list(engine.chunk_range(v, 0, v.size))
+        streamer.opened(2, v)
+        await streamer._active[(v.key, v.etag)].done.wait()
+        assert asked == []  # a first run asks nothing
+        for answer, expect in (([i != 1 for i in chunks], [CHUNK]), (None, [i * CHUNK for i in chunks])):
+            stored.clear()
+            answers.append(answer)
+            assert engine.kernel_lacks(v, CHUNK, CHUNK + 4096)
+            streamer.dropped(v)
+            job = streamer._active[(v.key, v.etag)]
+            await job.done.wait()
+            assert stored == expect
+            ino, ranges = asked[-1]
+            assert ino == 2 and ranges[0] == (0, CHUNK) and ranges[-1][1] == v.size
+            job.again = False  # as if this were the file's first run again
+        streamer.closed(v)
+
+    await run_prefetcher(engine, streamer, body)
+
+
 class IndexedLevel:
     """A local cache level in a dict with an index in memory (`contains`, as DiskCache has)."""
 

@@ -589,7 +589,10 @@ class Daemon:
                     log.info("received SIGHUP: still mounted (the log file is reopened when it moves)")
                     continue
                 name = signal.Signals(signum).name
-                log.info("received %s, unmounting", name)
+                busy = self.ops.open_files
+                # An operator reading the log after a stop sees whether anything was still using the mount.
+                log.info("received %s, unmounting%s", name, f" with {busy} files open (their next reads and writes "
+                         "fail with ENOTCONN)" if busy else " (no file open)")
                 sd_notify("STOPPING=1")
                 pyfuse3.terminate()
                 grace = STOP_GRACE_WRITING_S if self.ops.writers else STOP_GRACE_S

@@ -478,16 +478,20 @@ def run_background(cfg: MountConfig, mount_argv: list[str]) -> int:
 
 
 def cmd_unmount(args: argparse.Namespace) -> int:
-    from fsmount.mount import daemon_gone
     from fsmount.prefetch_command import MODELFS_FSTYPE, mount_of
 
-    path = os.path.realpath(args.mountpoint)  # a symlink to the mountpoint is not a mount to os.path.ismount
-    # A mount whose daemon was killed is not a mount to os.path.ismount (stat fails), but it is one to undo.
-    if not os.path.ismount(path) and not daemon_gone(path):
+    # Found in /proc/self/mountinfo without a stat of the mountpoint: a stat goes to the mount's daemon, and one
+    # that is stopped or hung (SIGSTOP, a debugger, a deadlock) left `modelfs unmount` waiting in the kernel for
+    # good, SIGINT or not. Only a path that is no mountpoint as given is resolved (a symlink to one).
+    path = os.path.abspath(args.mountpoint)
+    mounted_at, fstype = mount_of(path, resolve=False)
+    if mounted_at != path:
+        path = os.path.realpath(args.mountpoint)
+        mounted_at, fstype = mount_of(path)
+    if mounted_at != path:
         return fail(f"{args.mountpoint} {'is not mounted' if os.path.lexists(path) else 'does not exist'}")
     # fusermount3 run as root unmounts whatever is there: a typo must not take a disk or an NFS share away.
-    mounted_at, fstype = mount_of(path)
-    if mounted_at != path or fstype != MODELFS_FSTYPE:
+    if fstype != MODELFS_FSTYPE:
         return fail(f"{args.mountpoint} is a {fstype or 'non-modelfs'} mount, not a modelfs one: left mounted")
     tool = shutil.which("fusermount3") or shutil.which("fusermount")
     if tool is None:

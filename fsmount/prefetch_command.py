@@ -37,9 +37,11 @@ def mount_fstype(path: str) -> str | None:
     return mount_of(path)[1]
 
 
-def mount_of(path: str, mountinfo: str = "/proc/self/mountinfo") -> tuple[str, str | None]:
-    """(mount point, file system type) of the mount holding `path` (from /proc/self/mountinfo)."""
-    real = os.path.realpath(path)
+def mount_of(path: str, mountinfo: str = "/proc/self/mountinfo", resolve: bool = True) -> tuple[str, str | None]:
+    """(mount point, file system type) of the mount holding `path` (from /proc/self/mountinfo). With
+    `resolve=False` the path is taken as it is (absolute, no symlinks): nothing is asked of any file system,
+    not even the mount's own daemon, which may be stopped or hung."""
+    real = os.path.realpath(path) if resolve else os.path.abspath(path)
     best, best_type = "", None
     with open(mountinfo, "rb") as f:
         for line in f:

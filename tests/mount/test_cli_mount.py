@@ -304,6 +304,27 @@ def test_a_mount_whose_daemon_was_killed_is_named_so_and_unmounts(moto_server: S
         assert (mp / "w.bin").read_bytes() == b"w" * 1000
 
 
+@pytest.mark.parametrize("lazy", [False, True], ids=["plain", "lazy"])
+def test_a_mount_whose_daemon_is_stopped_unmounts_without_asking_it(moto_server: S3Server, tmp_path: Path,
+                                                                    lazy: bool) -> None:
+    """A daemon stopped (SIGSTOP, a debugger) or hung answers nothing: `modelfs unmount` stat'ed the mountpoint
+    first, which waits in the kernel for the daemon's answer, and hung for good (SIGINT could not stop it).
+    It finds the mount in /proc/self/mountinfo instead; once unmounted, the daemon, let go on, exits."""
+    bucket = new_bucket(moto_server)
+    moto_server.client().put_object(Bucket=bucket, Key="w.bin", Body=b"w" * 1000)
+    mp = tmp_path / "mnt"
+    # --metadata-ttl 0: the kernel keeps no attributes of the root, so every stat of it asks the daemon.
+    with mounted(moto_server, bucket, mp, "--metadata-ttl", "0", check_log=False) as m:
+        os.kill(m.proc.pid, signal.SIGSTOP)
+        try:
+            res = run_modelfs("unmount", *(["--lazy"] if lazy else []), str(mp), timeout=20)
+            assert res.returncode == 0, res.stderr
+            assert str(mp) not in Path("/proc/self/mountinfo").read_text()
+        finally:
+            os.kill(m.proc.pid, signal.SIGCONT)
+        m.proc.wait(30)
+
+
 def test_a_background_mount_says_when_its_log_would_go_nowhere(moto_server: S3Server, tmp_path: Path) -> None:
     """Without --log-file the daemon logs to syslog; where there is none (most containers) its warnings
     were dropped without a word. The mount command now says so (and still mounts)."""

@@ -29,6 +29,10 @@ Scenarios, each after the page cache is dropped, each on a fresh daemon:
   shards_load       load_file of each shard of the same tensors in 4 shards (Hugging Face's names, the
                     index beside them), one after the other in one process, without --cache-dir
   shards_fill_load  the same through a mount with an emptied --cache-dir
+  shards_idle_load  the first shard opened and held until model streaming has pushed the whole model (the
+                    other shards warmed), IDLE_S seconds idle, then shards_load (timed: the load alone);
+                    the page cache may lose pages meanwhile (reclaim: this bed's VM reclaims cold page
+                    cache with memory free), and the columns show what the mount fetched and pushed again
   fill_load_file, fill_safe_open, fill_natural_threads, fill_quarters
              that loader of bench/scenarios.py through a mount with an emptied --cache-dir (bench/run.py's
              modelfs row)
@@ -93,11 +97,14 @@ SHARDS = 4
 # A cold read of the loaders of bench/scenarios.py through a mount with an emptied --cache-dir (the bench's
 # modelfs row): fill_<workload>.
 FILL_WORKLOADS = ("load_file", "safe_open", "natural_threads", "quarters")
-SCENARIOS = ("cold", "cold_load", "cold_safe_open", "cold_stream", "shards_load", "shards_fill_load", "fill", "warm",
+SCENARIOS = ("cold", "cold_load", "cold_safe_open", "cold_stream", "shards_load", "shards_fill_load",
+             "shards_idle_load", "fill", "warm",
              "warm_load", "warm_stream", "local", "local_load", *(f"fill_{w}" for w in FILL_WORKLOADS))
 # How long `*_stream` waits for model streaming to push the whole file before it gives up, and how often it asks.
 STREAM_TIMEOUT_S = 300
 STREAM_POLL_S = 0.01
+# shards_idle_load: seconds between the whole model pushed and its load.
+IDLE_S = 75  # past the 60 s after which this bed's VM reclaims page cache nobody touched (DAMON pageout)
 
 
 def cpu_seconds(pid: int | None) -> tuple[float, float]:
@@ -222,18 +229,22 @@ def load(paths: list[Path], workload: str = "load_file") -> tuple[float, float]:
 def streamed(path: Path, mountpoint: Path) -> tuple[float, float]:
     """Opens `path` and holds it, reading nothing, until the mount has pushed all of it into the page cache
     (model streaming, on a fresh daemon): (wall seconds, 0 reader CPU-s)."""
-    size = path.stat().st_size
-    start = time.perf_counter()
     fd = os.open(path, os.O_RDONLY)
     try:
-        while (moved_bytes(mountpoint)[1] or 0) < size:
-            if time.perf_counter() - start > STREAM_TIMEOUT_S:
-                raise SystemExit(f"model streaming pushed {moved_bytes(mountpoint)[1]} of {size} bytes "
-                                 f"in {STREAM_TIMEOUT_S} s")
-            time.sleep(STREAM_POLL_S)
-        return time.perf_counter() - start, 0.0
+        return wait_pushed(mountpoint, path.stat().st_size), 0.0
     finally:
         os.close(fd)
+
+
+def wait_pushed(mountpoint: Path, size: int) -> float:
+    """Waits until the mount has pushed `size` bytes into the page cache (model streaming): the seconds."""
+    start = time.perf_counter()
+    while (moved_bytes(mountpoint)[1] or 0) < size:
+        if time.perf_counter() - start > STREAM_TIMEOUT_S:
+            raise SystemExit(f"model streaming pushed {moved_bytes(mountpoint)[1]} of {size} bytes "
+                             f"in {STREAM_TIMEOUT_S} s")
+        time.sleep(STREAM_POLL_S)
+    return time.perf_counter() - start
 
 
 def moved_bytes(mountpoint: Path) -> tuple[int | None, int | None, int | None]:
@@ -283,9 +294,20 @@ class AB:
             daemon_before, server_before = cpu_seconds(daemon.pid), cpu_seconds(self.server.pid)
             main_before = thread_cpu_seconds(daemon.pid, daemon.pid)
             faults_before = mounts.minor_faults(daemon.pid)
-            paths = [self.mountpoint / key for key in (self.shards if workload == "shards" else [KEY])]
+            paths = [self.mountpoint / key for key in (self.shards if workload.startswith("shards") else [KEY])]
+            pushed_before = fetched_before = None
             if workload == "cat":
                 seconds, reader = timed(["cat", *map(str, paths)])
+            elif workload == "shards_idle":
+                with open(paths[0], "rb"):
+                    total = sum(p.stat().st_size for p in paths)
+                    wait_pushed(self.mountpoint, total)
+                    time.sleep(IDLE_S)
+                    daemon_before, server_before = cpu_seconds(daemon.pid), cpu_seconds(self.server.pid)
+                    main_before = thread_cpu_seconds(daemon.pid, daemon.pid)
+                    faults_before = mounts.minor_faults(daemon.pid)
+                    pushed_before, fetched_before = moved_bytes(self.mountpoint)[1:]
+                    seconds, reader = load(paths, "load_file")
             elif workload == "stream":
                 seconds, reader = streamed(paths[0], self.mountpoint)
             else:
@@ -294,6 +316,8 @@ class AB:
             main_after = thread_cpu_seconds(daemon.pid, daemon.pid)
             faults = mounts.minor_faults(daemon.pid) - faults_before
             replied, pushed, fetched = moved_bytes(self.mountpoint)
+            if workload == "shards_idle" and None not in (pushed, fetched, pushed_before, fetched_before):
+                pushed, fetched = pushed - pushed_before, fetched - fetched_before  # the load's own
             gil = sampler.stop() if sampler else (None, None)
             if perf:
                 perf.stop()
@@ -307,8 +331,8 @@ class AB:
             workload = {"cold": "cat", "cold_load": "load_file", "cold_safe_open": "safe_open",
                         "cold_stream": "stream"}[scenario]
             return self.through_mount(variant, scenario, None, workload)
-        if scenario == "shards_load":
-            return self.through_mount(variant, scenario, None, "shards")
+        if scenario in ("shards_load", "shards_idle_load"):
+            return self.through_mount(variant, scenario, None, scenario.removesuffix("_load"))
         if scenario in ("fill", "shards_fill_load") or scenario.removeprefix("fill_") in FILL_WORKLOADS:
             shutil.rmtree(cache_dir, ignore_errors=True)
             cache_dir.mkdir()

@@ -238,7 +238,11 @@ class Namespace:
     # -- versions ------------------------------------------------------------------------------
 
     async def refresh(self, node: Node) -> Node:
-        """Make a file node's size/etag at most `ttl` old (HEAD). ENOENT if the key is gone."""
+        """Make a file node's size/etag at most `ttl` old (HEAD). A key replaced or deleted in the bucket leaves
+        the node as it was, superseded: descriptors open on it keep their attributes (an fstat, and the GETATTR
+        the kernel sends before a read once attributes are old) and read what is cached of it, as those of an
+        unlinked file do; opens of it get ESTALE, and the path's next lookup what the bucket holds now. (A
+        deletion answered ENOENT here: read() and fstat() on a file held open failed with ENOENT.)"""
         if node.is_dir or node.writing or time.monotonic() < node.fresh_until:
             return node
         try:
@@ -251,10 +255,8 @@ class Namespace:
             self._log_stale(exc)
             node.fresh_until = time.monotonic() + min(self.ttl, STALE_RETRY)
             return node
-        if meta is None:
-            raise PathError(errno.ENOENT)
         node.fresh_until = time.monotonic() + self.ttl
-        if meta.etag != node.etag:
+        if meta is None or meta.etag != node.etag:
             self._supersede(node)
         return node
 

@@ -8,6 +8,7 @@ import os
 import random
 import subprocess
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -215,6 +216,32 @@ def test_prefix_and_fstab_option_form(moto_server: S3Server, mountpoint: Path) -
     with mounted(moto_server, bucket, mountpoint, "-o", "ro,_netdev,nofail,prefix=llama/,metadata_ttl=forever"):
         assert os.listdir(mountpoint) == ["config.json"]
         assert (mountpoint / "config.json").read_bytes() == b"{}"
+
+
+def test_a_file_deleted_in_the_bucket_while_open_keeps_its_attributes_and_cached_bytes(moto_server: S3Server,
+                                                                                       mountpoint: Path) -> None:
+    """As an unlinked file's descriptor does: fstat and reads of what the daemon holds keep working once the
+    attributes are old (the kernel asks GETATTR before the read); they failed with ENOENT, with nothing logged.
+    Bytes only the bucket had fail with EIO and a warning; the path itself is gone."""
+    bucket = new_bucket(moto_server)
+    data = os.urandom(64 * MiB)
+    moto_server.client().put_object(Bucket=bucket, Key="d/w.bin", Body=data)
+    with mounted(moto_server, bucket, mountpoint, "--metadata-ttl", "1", "--max-readahead", "0",
+                 allowed=("fetching chunk 7", "read failed: GET .d/w.bin. .*: not found")):
+        fd = os.open(mountpoint / "d" / "w.bin", os.O_RDONLY)
+        try:
+            assert os.pread(fd, 8 * MiB, 0) == data[:8 * MiB]  # the first chunk, now in the daemon's memory
+            moto_server.client().delete_object(Bucket=bucket, Key="d/w.bin")
+            time.sleep(1.5)
+            assert os.fstat(fd).st_size == len(data)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # so the next reads reach the daemon
+            assert os.pread(fd, 4096, 4096) == data[4096:8192]
+            with pytest.raises(OSError) as exc:
+                os.pread(fd, 4096, 56 * MiB)  # past the kernel's read-ahead
+            assert exc.value.errno == errno.EIO
+        finally:
+            os.close(fd)
+        assert not (mountpoint / "d" / "w.bin").exists()
 
 
 def test_replaced_object_is_seen_after_ttl_and_old_handle_never_mixes(moto_server: S3Server,

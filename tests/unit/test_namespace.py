@@ -159,8 +159,16 @@ async def test_metadata_refreshes_after_ttl() -> None:
     node = new
     node.fresh_until = 0
     del store.objects["f"]
-    with pytest.raises(PathError):
-        await ns.refresh(node)
+    # Deleted: the inode keeps its attributes (descriptors open on it fstat and read what is cached, as those of an
+    # unlinked file; this raised ENOENT), an open of it is ESTALE, and the path is gone.
+    node = await ns.refresh(node)
+    assert node.superseded and node.size == 6
+    with pytest.raises(PathError) as exc:
+        await ns.open_file(node.ino)
+    assert exc.value.errno == errno.ESTALE
+    with pytest.raises(PathError) as exc:
+        await ns.lookup(ROOT_INODE, b"f")
+    assert exc.value.errno == errno.ENOENT
 
 
 @pytest.mark.parametrize("change", ["replaced", "deleted"])

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import fcntl
 import logging
 import os
 import re
@@ -219,8 +220,11 @@ def daemon_gone(path: str) -> bool:
     return False
 
 
-def check_mountpoint(path: str, allow_non_empty: bool) -> str:
-    """Validate and resolve the mountpoint; must run before pyfuse3.init."""
+def check_mountpoint(path: str, allow_non_empty: bool) -> tuple[str, int]:
+    """Validate and resolve the mountpoint; must run before pyfuse3.init. Also returns a descriptor of the
+    directory holding an exclusive flock: two mounts started at once at one mountpoint both found it free and
+    both mounted, one over the other (fstab and a systemd unit, an init container and a sidecar). The caller
+    closes it once mounted (or failed); the second one started then finds a mount point there."""
     if daemon_gone(path):
         raise MountError(f"mountpoint {path} is still mounted, but its daemon is gone (killed?): run "
                          f"`modelfs unmount {path}` first")
@@ -229,6 +233,20 @@ def check_mountpoint(path: str, allow_non_empty: bool) -> str:
     real = os.path.realpath(path)
     if not os.path.isdir(real):
         raise MountError(f"mountpoint {path} is not a directory")
+    lock = os.open(real, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        _check_free(path, real, allow_non_empty)
+    except BlockingIOError:
+        os.close(lock)
+        raise MountError(f"mountpoint {path} is being mounted by another modelfs") from None
+    except BaseException:
+        os.close(lock)
+        raise
+    return real, lock
+
+
+def _check_free(path: str, real: str, allow_non_empty: bool) -> None:
     if os.path.ismount(real):
         raise MountError(f"mountpoint {path} is already a mount point")
     try:
@@ -237,7 +255,6 @@ def check_mountpoint(path: str, allow_non_empty: bool) -> str:
         raise MountError(f"mountpoint {path} cannot be read: {exc.strerror}") from None
     if entries and not allow_non_empty:
         raise MountError(f"mountpoint {path} is not empty (use --allow-non-empty / -o nonempty to mount over it)")
-    return real
 
 
 def bind_metrics(addr: str | None) -> MetricsServer | None:
@@ -415,6 +432,7 @@ class Daemon:
         self.mountpoint = mountpoint
         self.on_ready = on_ready
         self.metrics = metrics
+        self._residency_refused = False  # mincore refused once (logged): a seccomp filter without it
         self.store = Boto3Store(cfg.store)
         self._meta_limiter: trio.CapacityLimiter | None = None  # metadata requests waited for (METADATA_THREADS)
         self.metadata_requests = 0  # counters (trio thread): every metadata request, and those that failed
@@ -529,7 +547,13 @@ class Daemon:
                 self.ops.probes.discard(tid)
 
         with trio.move_on_after(self.cfg.store.read_timeout):
-            return await trio.to_thread.run_sync(ask, abandon_on_cancel=True)
+            try:
+                return await trio.to_thread.run_sync(ask, abandon_on_cancel=True)
+            except OSError as exc:
+                if not self._residency_refused:
+                    self._residency_refused = True
+                    log.info("cannot ask the kernel which pages of a file it holds (%s): a model stream that runs "
+                             "again fetches the whole file", exc)
         return None
 
     def fuse_options(self) -> set[str]:
@@ -647,9 +671,10 @@ def run(cfg: MountConfig, ready: Callable[[str | None], None]) -> int:
 
     signal.signal(signal.SIGTERM, stopped_before_ready)
     signal.signal(signal.SIGINT, stopped_before_ready)
+    lock = None
     try:
         check_fuse_available(cfg.allow_other)
-        mountpoint = check_mountpoint(cfg.mountpoint, cfg.allow_non_empty)
+        mountpoint, lock = check_mountpoint(cfg.mountpoint, cfg.allow_non_empty)
         check_cache_dir_outside(cfg.cache_dir, mountpoint)
         os.chdir("/")  # a daemon keeps no directory of its caller busy (the paths in cfg are absolute)
         metrics = bind_metrics(cfg.metrics_addr)
@@ -660,6 +685,8 @@ def run(cfg: MountConfig, ready: Callable[[str | None], None]) -> int:
             metrics.close()
         if not isinstance(exc, MountError):  # one we did not foresee (botocore's ProfileNotFound, ...)
             log.debug("pre-flight failed", exc_info=True)
+        if lock is not None:
+            os.close(lock)
         ready(str(exc) if isinstance(exc, MountError) else f"cannot mount: {exc}")
         return 1
     finally:
@@ -672,6 +699,8 @@ def run(cfg: MountConfig, ready: Callable[[str | None], None]) -> int:
         daemon.close()
         ready(f"cannot mount at {mountpoint}: {exc}")
         return 1
+    finally:
+        os.close(lock)  # mounted (or not): a mount started after this one finds it there
     clean = False
     try:
         trio.run(daemon.serve)

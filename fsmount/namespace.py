@@ -29,7 +29,7 @@ import logging
 import os
 import time
 from collections.abc import Awaitable, Callable, Iterator
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import cachetools
 import trio
@@ -65,6 +65,8 @@ STALE_RETRY = 5.0
 DOWN_FAST_FAIL_S = 5.0
 # Keys whose skip was already logged; bounded so a hostile bucket cannot grow it without limit.
 SKIP_LOG_MEMORY = 10_000
+# Skipped keys of one listing that are logged by name; the rest are one line of their count.
+SKIPS_NAMED_PER_LISTING = 20
 
 StoreCall = Callable[..., Awaitable[Any]]
 
@@ -110,6 +112,38 @@ class Node:
 
     def version(self, prefix: str) -> ObjectVersion:
         return ObjectVersion(prefix + self.path, self.etag, self.size)
+
+
+T = TypeVar("T")
+
+
+@dataclasses.dataclass(eq=False)
+class _InFlight(Generic[T]):
+    """One request to the bucket in flight, which other tasks wanting the same answer wait for."""
+    done: trio.Event = dataclasses.field(default_factory=trio.Event)
+    result: T | None = None
+    error: Exception | None = None
+
+
+async def _shared(table: dict[str, _InFlight[T]], key: str, make: Callable[[], Awaitable[T]]) -> T:
+    """`await make()`, or the result (or error) of the one for `key` already in flight in `table`. If that one
+    was cancelled (its FUSE request interrupted), the next waiter asks."""
+    while (flight := table.get(key)) is not None:
+        await flight.done.wait()
+        if flight.error is not None:
+            raise flight.error
+        if flight.result is not None:
+            return flight.result
+    flight = table[key] = _InFlight()
+    try:
+        flight.result = await make()
+        return flight.result
+    except Exception as exc:
+        flight.error = exc
+        raise
+    finally:
+        del table[key]
+        flight.done.set()
 
 
 def listing_page(pages: Iterator[ListingPage]) -> ListingPage | None:
@@ -166,6 +200,13 @@ class Namespace:
             maxsize=LISTING_CACHE_ENTRIES, getsizeof=lambda entries: max(1, len(entries)))
         # Changes made through this mount (see the module's rules).
         self._pending: dict[str, Node] = {}
+        # Listings being made, by directory path, and names being asked of the bucket (HEAD and a listing), by
+        # path: a task that wants one already in flight waits for it (`_shared`) instead of sending the same
+        # requests again (8 `ls` of a 20,000-key directory at once sent each page 8 times; a stat storm sent
+        # a name's HEAD for every process whose cached entry had expired). Set and removed by the task asking,
+        # around its awaits.
+        self._listing_now: dict[str, _InFlight[Listing]] = {}
+        self._resolving_now: dict[str, _InFlight[Node]] = {}
         self._changes: dict[str, dict[bytes, tuple[int, DirEntry | None]]] = {}
         self._seq = 0
 
@@ -255,6 +296,8 @@ class Namespace:
             self._log_stale(exc)
             node.fresh_until = time.monotonic() + min(self.ttl, STALE_RETRY)
             return node
+        if meta is None and not node.etag:
+            raise PathError(errno.ENOENT)  # never stored (a new file whose upload failed): nothing to keep
         node.fresh_until = time.monotonic() + self.ttl
         if meta is None or meta.etag != node.etag:
             self._supersede(node)
@@ -308,14 +351,28 @@ class Namespace:
 
     # -- names ---------------------------------------------------------------------------------
 
-    def _skip(self, key: str | bytes, reason: str, *, prefix: bool = False) -> None:
-        """Log once that a key (or, `prefix`, every key under a common prefix of a listing) is not shown."""
+    def _skip(self, key: str | bytes, reason: str, skipped: list[int], *, prefix: bool = False) -> None:
+        """Log once that a key (or, `prefix`, every key under a common prefix of a listing) is not shown: the
+        first SKIPS_NAMED_PER_LISTING of a listing by name, the others in `_skips_counted` (`skipped[0]` counts
+        them all, for this listing)."""
+        skipped[0] += 1
         shown = key if isinstance(key, str) else repr(key)
-        if shown in self._skips_logged:
+        if skipped[0] > SKIPS_NAMED_PER_LISTING or shown in self._skips_logged:
             return
         self._skips_logged[shown] = True
         log.warning("skipping %s %r: %s (the kernel cannot represent it)", "keys under" if prefix else "key", shown,
                     reason)
+
+    def _skips_counted(self, prefix: str, skipped: int) -> None:
+        """One line for the keys of a listing skipped beyond those named, when their number changes. A
+        directory of 12,000 such keys logged every one at every listing (the memory of keys logged holds
+        SKIP_LOG_MEMORY), 14 MB of log in 10 s."""
+        unnamed = skipped - SKIPS_NAMED_PER_LISTING
+        if unnamed <= 0 or self._skips_logged.get(prefix) == unnamed:
+            return
+        self._skips_logged[prefix] = unnamed
+        log.warning("skipping %d more keys under %r that the kernel cannot represent (not named one by one)",
+                    unnamed, prefix)
 
     @staticmethod
     def _join(parent: str, name: str) -> str:
@@ -362,6 +419,10 @@ class Namespace:
             return self._node_for(path, entry.is_dir, entry.meta, listing.at)
         if path in self._negative:
             raise PathError(errno.ENOENT)
+        return await _shared(self._resolving_now, path, lambda: self._ask_bucket(path))
+
+    async def _ask_bucket(self, path: str) -> Node:
+        """What the bucket holds at `path` (HEAD and a one-key listing at once): a file, a directory, or ENOENT."""
         key = self.prefix + path
         results: dict[str, Any] = {}
 
@@ -417,7 +478,7 @@ class Namespace:
         cached = self._listings.get(node.path)
         if cached is None:
             try:
-                cached = await self._list(node.path)
+                cached = await self._list_shared(node.path)
             except (Unreachable, TransientError) as exc:
                 # An expired listing beats none while the origin is away.
                 cached = self._last_listings.get(node.path)
@@ -450,7 +511,7 @@ class Namespace:
         parent_path = node.path.rpartition("/")[0]
         entries = self._listings.get(parent_path)
         if entries is None:
-            entries = await self._list(parent_path)
+            entries = await self._list_shared(parent_path)
             self._keep(parent_path, entries)
         out = []
         for name_b in sorted(entries):
@@ -469,41 +530,49 @@ class Namespace:
         known = self._nodes.get(ino) if ino is not None else None
         return ino if known is not None and known.lookups > 0 else None
 
+    async def _list_shared(self, path: str) -> Listing:
+        """`_list`, or the one of the same directory already in flight."""
+        return await _shared(self._listing_now, path, lambda: self._list(path))
+
     async def _list(self, path: str) -> Listing:
         prefix = self._dir_prefix(path)
         started = self._seq
+        skipped = [0]
         # One call per page, so each page gets the store call's timeout; a failure on any page fails the
         # whole listing (nothing partial is cached or served).
         pages = self._store.list_pages(prefix)
         entries = Listing(time.monotonic())
-        while (page := await self._call(listing_page, pages)) is not None:
+        page: ListingPage | None = None
+        # Stops at the last page: one more call would only end the iterator, yet count as a metadata request.
+        while not (page and page.last) and (page := await self._call(listing_page, pages)) is not None:
             for raw in page.undecodable:
-                self._skip(raw, "not valid UTF-8")
+                self._skip(raw, "not valid UTF-8", skipped)
             for meta in page.objects:
                 if not meta.key.startswith(prefix):
-                    self._skip(meta.key, "outside the prefix listed")
+                    self._skip(meta.key, "outside the prefix listed", skipped)
                     continue
                 name = meta.key[len(prefix):]
                 if name == "":
                     continue  # the directory's own marker object ("dir/")
                 reason = invalid_segment_reason(name)
                 if reason:
-                    self._skip(meta.key, reason)
+                    self._skip(meta.key, reason, skipped)
                     continue
                 name_b = name.encode("utf-8", "surrogateescape")
                 if name_b not in entries:  # a directory of the same name wins
                     entries[name_b] = DirEntry(name_b, False, meta)
             for sub in page.prefixes:
                 if not sub.startswith(prefix):
-                    self._skip(sub, "outside the prefix listed", prefix=True)
+                    self._skip(sub, "outside the prefix listed", skipped, prefix=True)
                     continue
                 name = sub[len(prefix):-1]
                 reason = invalid_segment_reason(name)
                 if reason:
-                    self._skip(sub, reason, prefix=True)
+                    self._skip(sub, reason, skipped, prefix=True)
                     continue
                 name_b = name.encode("utf-8", "surrogateescape")
                 entries[name_b] = DirEntry(name_b, True, None)
+        self._skips_counted(prefix, skipped[0])
         self._patch(path, entries, started)
         for name_b, entry in entries.items():
             if not entry.is_dir:

@@ -251,6 +251,11 @@ class Operations(pyfuse3.Operations):
         if fh not in self._dirs:
             raise pyfuse3.FUSEError(errno.EBADF)
         inode, entries, listed_at = self._dirs[fh]
+        if start_id == 0 and time.monotonic() - listed_at >= self.ns.ttl:
+            # rewinddir() of a handle whose listing is older than the TTL: POSIX has it see the directory as it
+            # is now (it kept the entries of its opendir for good).
+            entries, listed_at = await self.ns.open_dir(inode)
+            self._dirs[fh] = (inode, entries, listed_at)
         parent = self.ns.node(inode)
         # Positions: 0 is '.', 1 is '..', 2 + i is entries[i]; a reply's next_id is the position after it.
         # The kernel takes no lookup of '.' and '..' (libfuse's rule for readdirplus), so they count none here.

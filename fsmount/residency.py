@@ -59,8 +59,9 @@ def whole_ranges(pages: bytes, ranges: list[tuple[int, int]]) -> list[bool]:
 
 
 def held_ranges(path: str, ino: int, ranges: list[tuple[int, int]]) -> list[bool] | None:
-    """`whole_ranges` of the file at `path`, or None if it is not inode `ino` (another version was opened) or
-    could not be asked (OSError). Blocks: run it in a thread."""
+    """`whole_ranges` of the file at `path`, or None if it could not be opened or is not inode `ino` (replaced
+    or deleted since). Raises OSError if the kernel would not say (mmap or mincore refused: a seccomp filter
+    without mincore). Blocks: run it in a thread."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     except OSError:
@@ -70,7 +71,5 @@ def held_ranges(path: str, ino: int, ranges: list[tuple[int, int]]) -> list[bool
             return None
         end = max((e for _, e in ranges), default=0)
         return whole_ranges(resident_pages(fd, end), ranges)
-    except OSError:
-        return None
     finally:
         os.close(fd)

@@ -252,9 +252,10 @@ class Boto3Store:
                     undecodable.append(sub)
                 else:
                     prefixes.append(sub)
-            yield ListingPage(objects, prefixes, undecodable)
             token = resp.get("NextContinuationToken")
-            if not resp.get("IsTruncated") or not token:
+            last = not resp.get("IsTruncated") or not token
+            yield ListingPage(objects, prefixes, undecodable, last)
+            if last:
                 return
 
     def has_children(self, prefix: str) -> bool:

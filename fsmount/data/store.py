@@ -35,6 +35,7 @@ class ListingPage:
     objects: list[ObjectMeta]
     prefixes: list[str]
     undecodable: list[bytes]
+    last: bool = False  # the listing's last page: asking for another would send no request
 
 
 class StoreError(Exception):

@@ -325,6 +325,32 @@ def test_a_mount_whose_daemon_is_stopped_unmounts_without_asking_it(moto_server:
         m.proc.wait(30)
 
 
+def test_two_mounts_started_at_once_at_one_mountpoint_make_one_mount(moto_server: S3Server, tmp_path: Path) -> None:
+    """Both found the mountpoint free and both mounted, one over the other (9 tries in 10): fstab and a systemd
+    unit, or an init container and a sidecar, racing. The second is told the mountpoint is taken."""
+    bucket = new_bucket(moto_server)
+    mp = tmp_path / "mnt"
+    mp.mkdir()
+    cmd = modelfs_cmd("mount", bucket, str(mp), "--endpoint-url", moto_server.endpoint_url)
+    for _ in range(3):
+        procs = [subprocess.Popen(cmd, env=daemon_env(moto_server), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                  text=True) for _ in range(2)]
+        try:
+            results = [(p.wait(60), p.stderr.read() if p.stderr else "") for p in procs]
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
+        mounts = Path("/proc/self/mountinfo").read_text().count(f" {mp} ")
+        unmount(mp)
+        while os.path.ismount(mp):
+            unmount(mp)
+        assert sorted(code for code, _ in results) == [0, 1] and mounts == 1, results
+        err = next(err for code, err in results if code == 1)
+        assert "is being mounted by another modelfs" in err or "is already a mount point" in err, err
+
+
 def test_a_background_mount_says_when_its_log_would_go_nowhere(moto_server: S3Server, tmp_path: Path) -> None:
     """Without --log-file the daemon logs to syslog; where there is none (most containers) its warnings
     were dropped without a word. The mount command now says so (and still mounts)."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import mmap
 import os
@@ -25,6 +26,7 @@ from tests.helpers import (
     mounted,
     new_bucket,
     proc_status,
+    put_objects,
     random_bytes,
     sha,
     upload,
@@ -353,3 +355,40 @@ def test_fuse_background_requests_are_raised(moto_server: S3Server, mountpoint: 
 
 def fusectl_mounts() -> int:
     return sum(1 for line in Path("/proc/mounts").read_text().splitlines() if line.split()[2] == str(FUSECTL))
+
+
+class _Dirent(ctypes.Structure):
+    _fields_ = [("d_ino", ctypes.c_uint64), ("d_off", ctypes.c_int64), ("d_reclen", ctypes.c_ushort),
+                ("d_type", ctypes.c_ubyte), ("d_name", ctypes.c_char * 256)]
+
+
+def test_rewinddir_sees_the_directory_as_it_is_once_its_listing_is_older_than_the_ttl(moto_server: S3Server,
+                                                                                       mountpoint: Path) -> None:
+    """POSIX: after rewinddir() a directory stream reflects the directory's current state. A handle kept the
+    entries of its opendir for good; one whose listing is older than --metadata-ttl lists again."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.opendir.restype = ctypes.c_void_p
+    libc.readdir.restype = ctypes.POINTER(_Dirent)
+    libc.readdir.argtypes = libc.rewinddir.argtypes = libc.closedir.argtypes = [ctypes.c_void_p]
+    bucket = new_bucket(moto_server)
+    put_objects(moto_server, bucket, {f"d/f{i}": b"x" for i in range(3)})
+
+    def names(stream: int) -> set[bytes]:
+        out = set()
+        while entry := libc.readdir(stream):
+            out.add(entry.contents.d_name)
+        return out - {b".", b".."}
+
+    with mounted(moto_server, bucket, mountpoint, "--metadata-ttl", "1"):
+        stream = libc.opendir(str(mountpoint / "d").encode())
+        assert stream
+        try:
+            assert names(stream) == {b"f0", b"f1", b"f2"}
+            put_objects(moto_server, bucket, {"d/f3": b"x"})
+            libc.rewinddir(stream)
+            assert names(stream) == {b"f0", b"f1", b"f2"}  # within the TTL: the listing it has
+            time.sleep(1.2)
+            libc.rewinddir(stream)
+            assert names(stream) == {b"f0", b"f1", b"f2", b"f3"}
+        finally:
+            libc.closedir(stream)

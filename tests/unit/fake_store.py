@@ -61,7 +61,8 @@ class FakeStore:
         for i in range(0, max(len(items), 1), PAGE_SIZE):
             page = items[i:i + PAGE_SIZE]
             yield ListingPage([o for o in page if isinstance(o, ObjectMeta)],
-                              [p for p in page if isinstance(p, str)], undecodable if i == 0 else [])
+                              [p for p in page if isinstance(p, str)], undecodable if i == 0 else [],
+                              last=i + PAGE_SIZE >= len(items))
 
     def has_children(self, prefix: str) -> bool:
         return any(k.startswith(prefix) for k in self.objects)

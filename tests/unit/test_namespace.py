@@ -6,6 +6,7 @@ import errno
 
 import cachetools
 import pytest
+import trio
 
 from fsmount import namespace
 from fsmount.data import TimedOut, Unreachable
@@ -343,3 +344,125 @@ async def test_metadata_requests_given_up_on_leave_their_slots_to_the_next() -> 
                                                                       mount.METADATA_THREADS)
     finally:
         release.set()
+
+
+async def test_listings_of_one_directory_at_once_are_one_listing(autojump_clock) -> None:  # noqa: ANN001
+    """Eight `ls` of a directory at once sent every page of its listing eight times (20,000 keys: 160 requests
+    for 20 pages, 44 s instead of 2.5 s). Those that come while a listing is in flight get its result, or its
+    error; a listing of another directory is its own."""
+    store = FakeStore()
+    for i in range(5):
+        store.put(f"d/f{i}", b"x")
+    store.put("e/g", b"y")
+    store.put("h/i", b"z")
+    failing = [False]
+
+    async def slow(fn, *args):  # noqa: ANN001, ANN202
+        await trio.sleep(1)
+        if failing[0]:
+            raise Unreachable("cannot reach the endpoint")
+        return fn(*args)
+
+    ns = Namespace(store, slow, prefix="", ttl=0)
+    d = await ns.lookup(ROOT_INODE, b"d")
+    e = await ns.lookup(ROOT_INODE, b"e")
+    h = await ns.lookup(ROOT_INODE, b"h")  # never listed: no expired listing to fall back on
+    lists = store.lists
+    got: list[object] = []
+
+    async def ls(node) -> None:  # noqa: ANN001
+        try:
+            got.append(sorted(entry.name for entry in await ns.listing(node)))
+        except Unreachable as exc:
+            got.append(exc)
+
+    async with trio.open_nursery() as n:
+        for _ in range(8):
+            n.start_soon(ls, d)
+        n.start_soon(ls, e)
+    assert store.lists == lists + 2
+    assert got.count([f"f{i}".encode() for i in range(5)]) == 8 and [b"g"] in got
+    failing[0] = True
+    got.clear()
+    async with trio.open_nursery() as n:
+        for _ in range(3):
+            n.start_soon(ls, h)
+    assert store.lists == lists + 2 and len(got) == 3 and all(isinstance(g, Unreachable) for g in got)
+
+
+@pytest.mark.parametrize("keys", [0, 5, 2500])
+async def test_a_listing_asks_the_store_once_per_page(keys: int) -> None:
+    """`modelfs stats` counts each store call as a metadata request; the call after a listing's last page sends
+    nothing, and was counted (one too many per listing)."""
+    store = FakeStore()
+    for i in range(keys):
+        store.put(f"d/f{i:05d}", b"x")
+    store.put("d/sub/x", b"x")
+    calls: list[str] = []
+
+    async def counting(fn, *args):  # noqa: ANN001, ANN202
+        calls.append(fn.__name__)
+        return fn(*args)
+
+    ns = Namespace(store, counting, prefix="", ttl=60)
+    d = await ns.lookup(ROOT_INODE, b"d")
+    calls.clear()
+    assert len(await names(ns, d.ino)) == keys + 1
+    assert calls == ["listing_page"] * -(-(keys + 1) // 1000)
+
+
+async def test_a_directory_of_many_unrepresentable_keys_logs_a_count_not_each_key(caplog, allowed_logs) -> None:  # noqa: ANN001
+    """12,000 keys the kernel cannot represent in one directory logged every key at every listing (the memory of
+    keys logged is bounded): 14 MB of log in 10 s. The first of a listing are named, the rest counted in one
+    line, said again only when the count changes."""
+    allowed_logs.append("skipping")
+    store = FakeStore()
+    for i in range(namespace.SKIPS_NAMED_PER_LISTING + 30):
+        store.put(f"d/{i:03d}" + "L" * 256, b"1")
+    store.put("d/ok", b"1")
+    ns = make_ns(store, ttl=0)
+    d = await ns.lookup(ROOT_INODE, b"d")
+
+    def lines() -> tuple[int, list[str]]:
+        messages = [r.getMessage() for r in caplog.records]
+        caplog.clear()
+        return (sum("skipping key " in m for m in messages),
+                [m for m in messages if "more keys under" in m])
+
+    assert await names(ns, d.ino) == {b"ok": False}
+    assert lines() == (namespace.SKIPS_NAMED_PER_LISTING,
+                       ["skipping 30 more keys under 'd/' that the kernel cannot represent (not named one by one)"])
+    await names(ns, d.ino)
+    assert lines() == (0, [])  # listed again: nothing new to say
+    store.put("d/999" + "L" * 256, b"1")
+    await names(ns, d.ino)
+    assert lines() == (0, ["skipping 31 more keys under 'd/' that the kernel cannot represent (not named one by "
+                           "one)"])
+
+
+async def test_lookups_of_one_name_at_once_ask_the_bucket_once(autojump_clock) -> None:  # noqa: ANN001
+    """A stat storm: every process whose cached entry expired sends its LOOKUP, and each sent the name's HEAD
+    and listing again. Those that come while one is in flight share its answer (a file, or ENOENT)."""
+    store = FakeStore()
+    store.put("f", b"x")
+
+    async def slow(fn, *args):  # noqa: ANN001, ANN202
+        await trio.sleep(1)
+        return fn(*args)
+
+    ns = Namespace(store, slow, prefix="", ttl=0)
+    found: dict[bytes, list[int]] = {b"f": [], b"missing": []}
+
+    async def stat(name: bytes) -> None:
+        try:
+            found[name].append((await ns.lookup(ROOT_INODE, name)).ino)
+        except PathError as exc:
+            found[name].append(-exc.errno)
+
+    async with trio.open_nursery() as n:
+        for _ in range(8):
+            n.start_soon(stat, b"f")
+            n.start_soon(stat, b"missing")
+    assert store.heads == 2
+    ino = found[b"f"][0]
+    assert found == {b"f": [ino] * 8, b"missing": [-errno.ENOENT] * 8} and ns.node(ino).lookups == 8

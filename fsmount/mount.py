@@ -80,6 +80,8 @@ WRITE_DRAIN_S = 30.0
 # unmount. Longer while a file is open for writing, so that a close storing it may finish.
 STOP_GRACE_S = 5.0
 STOP_GRACE_WRITING_S = 20.0
+# At a stop, how long page-cache pushes in flight may take to end while READs are still answered.
+PUSH_STOP_S = 5.0
 # A cache dir with room for fewer chunks than this is worth a warning at mount.
 CACHE_ROOM_CHUNKS = 4
 # At most this long dropping the shared-tier claims of fetches the unmount cut short (one DELETE each).
@@ -618,6 +620,10 @@ class Daemon:
                 log.info("received %s, unmounting%s", name, f" with {busy} files open (their next reads and writes "
                          "fail with ENOTCONN)" if busy else " (no file open)")
                 sd_notify("STOPPING=1")
+                # Pushes first, while READs are still answered: a push waits for pages a queued READ holds.
+                if not await self.pusher.stop(PUSH_STOP_S):
+                    log.warning("page-cache pushes still running %g s after %s", PUSH_STOP_S, name)
+                self.streamer.stop()
                 pyfuse3.terminate()
                 grace = STOP_GRACE_WRITING_S if self.ops.writers else STOP_GRACE_S
                 await trio.sleep(grace)

@@ -21,7 +21,8 @@ Concurrency: `_reading` and `_reader_at` are changed only in the trio thread (`r
 `limit` (`evicted`, `release`; `evicted` reads /proc/meminfo and the cgroup's counters there, ~0.1 ms, once
 per eviction seen);
 `push` checks them there before handing the data to a worker thread. Up to `pushes_at_once` pushes copy at
-once, each in its own thread; `pushed` and `stored_total` are counted in the trio thread around them.
+once, each in its own thread; `pushed`, `stored_total` and `_copying` are counted in the trio thread around them.
+A stop (`stop`) refuses new pushes and waits for those copying while the FUSE loop still answers READs.
 """
 
 from __future__ import annotations
@@ -65,6 +66,8 @@ KERNEL_WINDOWS_AHEAD = 2
 # with safe_open was fetched 2.2-2.9 times: each push evicted pages pushed before, the loader's READs fetched
 # them again, and the stream ran once more for the pages dropped (bench/RESULTS.md).
 PRESSURE_FREE_SHARE = 1 / 4
+# How often a stop looks whether the pushes in flight have ended (`stop`).
+STOP_POLL_S = 0.01
 
 
 def default_pushes_at_once() -> int:
@@ -97,6 +100,7 @@ class PageCachePusher:
         self.pushes_at_once = pushes_at_once or default_pushes_at_once()
         self._turn = trio.Semaphore(self.pushes_at_once)  # FIFO: turns go in the order pushes came
         self._disabled = limit <= 0
+        self._copying = 0  # pushes in notify_store now
 
     @property
     def enabled(self) -> bool:
@@ -150,6 +154,17 @@ class PageCachePusher:
                  free >> 20, self.limit >> 20)
         return True
 
+    async def stop(self, timeout: float) -> bool:
+        """No more pushes; waits (at most `timeout`) for those copying to end. Called before the FUSE loop stops
+        reading requests: a notify_store waits for the locks of pages a READ queued in /dev/fuse holds, and once
+        nobody reads that READ, the push, shielded, waited for good, and the daemon with it (even SIGKILL left a
+        zombie until the connection was aborted). True if none is left."""
+        self._disabled = True
+        with trio.move_on_after(timeout):
+            while self._copying:
+                await trio.sleep(STOP_POLL_S)
+        return not self._copying
+
     async def push(self, ino: int, offset: int, length: int, take: Callable[[], Chunk | None]) -> bool:
         """Store `length` bytes at `offset` of `ino` in the page cache; False if skipped. At most
         `pushes_at_once` run at once, the others wait for a turn in the order they came, and the bytes are
@@ -171,7 +186,11 @@ class PageCachePusher:
                 # when it closes); a cancelled wait would leave these bytes counted forever. It is one
                 # bounded copy into the page cache, and the trio thread stays free to answer READs.
                 with trio.CancelScope(shield=True):
-                    await trio.to_thread.run_sync(pyfuse3.notify_store, ino, offset, data)
+                    self._copying += 1
+                    try:
+                        await trio.to_thread.run_sync(pyfuse3.notify_store, ino, offset, data)
+                    finally:
+                        self._copying -= 1
             except OSError as exc:
                 self.pushed -= len(data)
                 if exc.errno == errno.ENOSYS:

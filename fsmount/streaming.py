@@ -150,6 +150,12 @@ class ModelStreamer:
             task_status.started()
             await trio.sleep_forever()
 
+    def stop(self) -> None:
+        """The mount is stopping: every stream and warming ends, and no file opened from now on is streamed."""
+        if self._nursery is not None:
+            self._nursery.cancel_scope.cancel()
+            self._nursery = None
+
     def room(self) -> int:
         """Chunks all streams may hold at once: their share of the chunk memory left beside the kernel windows
         of the files open."""

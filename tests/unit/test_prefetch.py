@@ -221,6 +221,32 @@ async def test_a_stream_run_again_fetches_only_the_chunks_the_kernel_says_it_lac
     await run_prefetcher(engine, streamer, body)
 
 
+async def test_a_stop_waits_for_the_pushes_copying_and_refuses_new_ones(monkeypatch) -> None:  # noqa: ANN001
+    """At a stop the pushes end before the FUSE loop stops reading requests: a notify_store waits for the locks
+    of pages that a READ queued in /dev/fuse holds, and with nobody left to read it, the shielded push (and the
+    daemon) waited for good. `stop` refuses new pushes and waits, bounded, for those in notify_store."""
+    import fsmount.pagecache
+
+    release = threading.Event()
+    monkeypatch.setattr(fsmount.pagecache.pyfuse3, "notify_store", lambda ino, off, data: release.wait(10))
+    pusher = PageCachePusher(1 << 30, pushes_at_once=2)
+    stopped: list[bool] = []
+
+    async def stop(timeout: float) -> None:
+        stopped.append(await pusher.stop(timeout))
+
+    async with trio.open_nursery() as n:
+        n.start_soon(pusher.push, 2, 0, 4, lambda: b"data")
+        await trio.sleep(0.05)  # in notify_store now, until `release`
+        await stop(0.1)
+        assert stopped == [False]  # still copying: the stop says so instead of waiting for good
+        assert not await pusher.push(2, 4, 4, lambda: b"more")  # refused: no push starts during a stop
+        n.start_soon(stop, 5)
+        await trio.sleep(0.05)
+        release.set()
+    assert stopped == [False, True] and pusher.stored_total == 4
+
+
 class IndexedLevel:
     """A local cache level in a dict with an index in memory (`contains`, as DiskCache has)."""
 

@@ -99,9 +99,10 @@ def _log_refusal(pid: int) -> None:
 
 
 def _holds(pid: int, device: int | None, ino: int, suffix: str) -> bool:
-    """Whether process `pid` has a descriptor on inode `ino` of the filesystem `device` (None: any) whose path
-    ends with `suffix` ('/name'). Inode numbers repeat across mounts (another modelfs mount numbers its files
-    from 2 too), hence the device, read from the process's mountinfo, never from a stat through the mount."""
+    """Whether process `pid` has a descriptor open for writing on inode `ino` of the filesystem `device` (None:
+    any) whose path ends with `suffix` ('/name'). Inode numbers repeat across mounts (another modelfs mount
+    numbers its files from 2 too), hence the device, read from the process's mountinfo, never from a stat
+    through the mount."""
     fd_dir = f"/proc/{pid}/fd"
     try:
         fds = os.listdir(fd_dir)
@@ -123,6 +124,12 @@ def _holds(pid: int, device: int | None, ino: int, suffix: str) -> bool:
             continue
         if b"ino" in info and int(info[b"ino"]) != ino:
             continue  # (a kernel without ino in fdinfo: the name has to do)
+        if b"flags" in info and int(info[b"flags"], 8) & os.O_ACCMODE == os.O_RDONLY:
+            # A reader of the version the file replaces (an O_TRUNC rewrite keeps the inode; opens for reading
+            # of a file being written are refused): it holds the old bytes, not this file. Counted, it moved the
+            # store of `with open(p, "wb")` after a reader in the same process to RELEASE, which cannot report
+            # a failed upload: close(2) returned 0 before anything was stored, and a failure only reached the log.
+            continue
         if device is None or b"mnt_id" not in info or _mount_device(pid, info[b"mnt_id"]) in (device, None):
             return True
     return False

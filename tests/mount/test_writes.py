@@ -444,6 +444,25 @@ def test_a_file_being_written_is_busy_for_other_handles(s3: S3Server, mountpoint
     delete_bucket(s3, bucket)
 
 
+def test_an_overwrite_beside_a_reader_of_the_old_version_is_stored_at_its_close(s3: S3Server, mountpoint: Path) -> None:
+    """`with open(p, "wb")` while the same process still reads the file it replaces: the reader's descriptor
+    counted as another holder, so close(2) returned 0 at once, the file was stored only at RELEASE (a reopen got
+    EBUSY meanwhile), and a failed upload could reach nobody but the log. The close stores it now."""
+    bucket = new_bucket(s3)
+    old, new = random_bytes(3 * MiB, 21), random_bytes(3 * MiB, 22)
+    with mounted(s3, bucket, mountpoint, *WRITABLE, "--allow-overwrite"):
+        (mountpoint / "ckpt.bin").write_bytes(old)
+        with open(mountpoint / "ckpt.bin", "rb") as reader:
+            assert reader.read(MiB) == old[:MiB]
+            with open(mountpoint / "ckpt.bin", "wb") as writer:
+                writer.write(new)
+            assert s3.client().get_object(Bucket=bucket, Key="ckpt.bin")["Body"].read() == new
+            assert (mountpoint / "ckpt.bin").read_bytes() == new
+            # As on a local disk: the same file (an O_TRUNC rewrite through the mount keeps the inode), rewritten.
+            assert reader.read() == new[MiB:]
+    delete_bucket(s3, bucket)
+
+
 @pytest.mark.parametrize("cache_dir", [False, True], ids=["streamed", "cache-dir"])
 def test_a_writing_descriptor_bypasses_the_page_cache_and_one_large_write_is_stored_in_order(
         s3: S3Server, mountpoint: Path, tmp_path: Path, cache_dir: bool) -> None:

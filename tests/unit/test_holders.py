@@ -36,6 +36,30 @@ def test_a_child_holding_the_file_is_found_and_nothing_once_it_exits(tmp_path: P
     assert holders.holder(me, dev, ino, path.name) is None
 
 
+def test_a_descriptor_open_only_for_reading_holds_nothing(tmp_path: Path) -> None:
+    """`with open(p, "wb")` over a file the same process still reads: the reader's descriptor (of the version
+    being replaced; an O_TRUNC rewrite keeps the inode) counted as a holder, the file was stored only at
+    RELEASE, and close(2) returned 0 before anything was stored, whatever the upload did."""
+    path = tmp_path / "ckpt.bin"
+    path.write_bytes(b"old")
+    reader = os.open(path, os.O_RDONLY)
+    try:
+        ino, dev = os.fstat(reader).st_ino, os.fstat(reader).st_dev
+        assert holders.holder(os.getpid(), dev, ino, path.name) is None
+        writer = os.open(path, os.O_WRONLY | os.O_TRUNC)
+        try:
+            assert holders.holder(os.getpid(), dev, ino, path.name) == os.getpid()
+        finally:
+            os.close(writer)
+        both = os.open(path, os.O_RDWR)
+        try:
+            assert holders.holder(os.getpid(), dev, ino, path.name) == os.getpid()
+        finally:
+            os.close(both)
+    finally:
+        os.close(reader)
+
+
 def test_a_grandchild_is_found_and_a_process_out_of_the_tree_is_not(tmp_path: Path) -> None:
     path = tmp_path / "log.txt"
     fd = os.open(path, os.O_WRONLY | os.O_CREAT)

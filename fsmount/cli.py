@@ -5,7 +5,9 @@ the background until it answers. It holds no filesystem logic.
 from __future__ import annotations
 
 import argparse
+import difflib
 import logging
+import math
 import os
 import re
 import select
@@ -216,10 +218,11 @@ def add_mount_arguments(p: argparse.ArgumentParser) -> None:
     t.add_argument("--shared-cache-timeout", type=float, default=DEFAULT_SHARED_CACHE_TIMEOUT,
                    help="seconds one tier request may take before the origin is asked (default %(default)s)")
     o = p.add_argument_group("logging and metrics")
-    o.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error", "critical"))
+    o.add_argument("--log-level", default="info", type=str.lower,
+                   choices=("debug", "info", "warning", "error", "critical"))
     o.add_argument("--log-file", default=None, help="log here instead of stderr/syslog")
     o.add_argument("--metrics-addr", type=_metrics_addr, default=None, metavar="HOST:PORT",
-                   help="serve Prometheus metrics at http://HOST:PORT/metrics (':PORT' for every interface)")
+                   help="serve Prometheus metrics at http://HOST:PORT/metrics (':PORT' for every IPv4 interface)")
     p.add_argument("-o", dest="options", action="append", default=[], metavar="OPTS",
                    help="fstab-style options: ro,allow_other,endpoint_url=URL,prefix=P,...")
     p.add_argument("--ready-fd", type=int, default=None, help=argparse.SUPPRESS)
@@ -227,11 +230,11 @@ def add_mount_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mount-ro", action="store_true", help=argparse.SUPPRESS)  # mount(8)'s -o ro
 
 
-def mount_option_strings() -> set[str]:
-    """Every option string `modelfs mount` takes (`--cache-dir`, ...)."""
+def mount_option_strings() -> dict[str, bool]:
+    """Every option string `modelfs mount` takes (`--cache-dir`, ...), and whether it takes a value."""
     p = argparse.ArgumentParser(add_help=False)
     add_mount_arguments(p)
-    return set(p._option_string_actions)
+    return {name: action.nargs != 0 for name, action in p._option_string_actions.items()}
 
 
 def expand_mount_options(argv: list[str]) -> list[str]:
@@ -259,11 +262,17 @@ def expand_mount_options(argv: list[str]) -> list[str]:
                 continue
             key = MOUNT_OPTION_ALIASES.get(key, key)
             known = mount_option_strings() if known is None else known
-            if "--" + key.replace("_", "-") not in known:
+            flag = "--" + key.replace("_", "-")
+            if flag not in known:
                 raise ConfigError(f"unknown mount option {opt.partition('=')[0]!r} in -o {opts}")
-            out.append("--" + key.replace("_", "-"))
-            if has_value:
-                out.append(value)
+            takes_value = known[flag]
+            if has_value and not takes_value:
+                raise ConfigError(f"mount option {opt.partition('=')[0]!r} takes no value (in -o {opts}): give it "
+                                  "alone to turn it on, leave it out for off")
+            if takes_value and not has_value:
+                raise ConfigError(f"mount option {key!r} needs a value: {key}=... (in -o {opts})")
+            # One token: a value that starts with '-' would be taken for an option of its own.
+            out.append(f"{flag}={value}" if has_value else flag)
     return _joined_negative_values(out)
 
 
@@ -318,6 +327,13 @@ def _default(value: T | None, default: T) -> T:
 
 def shared_cache_config(args: argparse.Namespace) -> SharedCacheConfig | None:
     if not args.shared_cache_bucket:
+        # As --cache-size without --cache-dir: a tier flag without the tier was ignored without a word.
+        p = argparse.ArgumentParser(add_help=False)
+        add_mount_arguments(p)
+        given = [a.option_strings[0] for a in p._actions if a.dest.startswith("shared_cache_")
+                 and getattr(args, a.dest, a.default) != a.default]
+        if given:
+            raise ConfigError(f"{given[0]} needs --shared-cache-bucket: without it there is no shared tier")
         return None
     return SharedCacheConfig(
         bucket=args.shared_cache_bucket, endpoint_url=args.shared_cache_endpoint_url, region=args.shared_cache_region,
@@ -356,7 +372,10 @@ def make_parser() -> argparse.ArgumentParser:
                         "newer ones (default %(default)g, one day)")
     k.add_argument("--dry-run", action="store_true", help="list them, abort nothing")
     c = sub.add_parser("cache", help="inspect or empty a local chunk cache directory")
-    c.add_argument("action", choices=("stats", "clear", "verify"))
+    c.add_argument("action", choices=("stats", "clear", "verify"),
+                   help="stats: size and chunks; verify: check every chunk against its hash and delete the corrupt "
+                        "ones (exit 1 if any); clear: delete every chunk. verify and clear refuse while a mount "
+                        "uses the directory")
     c.add_argument("cache_dir")
     u = sub.add_parser("unmount", aliases=["umount"], help="unmount a modelfs mount")
     u.add_argument("mountpoint")
@@ -557,10 +576,9 @@ def cmd_cleanup(args: argparse.Namespace) -> int:
         return fail(str(exc))
     except KeyboardInterrupt:
         return fail("cleanup interrupted", 130)
-    if args.dry_run:
-        print(f"{found} incomplete uploads older than {args.older_than:g}s; would abort {found}")
-    else:
-        print(f"{found} incomplete uploads older than {args.older_than:g}s; aborted {aborted}")
+    what = (f"{found} incomplete upload{'' if found == 1 else 's'}"
+            f"{f' older than {args.older_than:g}s' if math.isfinite(args.older_than) else ''}")
+    print(f"{what}; would abort {found}" if args.dry_run else f"{what}; aborted {aborted}")
     return 0 if aborted == found or args.dry_run else 1
 
 
@@ -607,6 +625,12 @@ def _main(argv: list[str] | None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     # The fstab / mount.fuse3 form: `modelfs BUCKET MOUNTPOINT -o opts` (no subcommand).
     if argv and not argv[0].startswith("-") and argv[0] not in SUBCOMMANDS:
+        # mount(8) runs `modelfs BUCKET MOUNTPOINT -o OPTS`; without -o, a word like a command is a typo of one
+        # (`modelfs stat /models` tried to mount the bucket 'stat').
+        typo = difflib.get_close_matches(argv[0], SUBCOMMANDS, n=1, cutoff=0.75)
+        if typo and "-o" not in argv and not any(a.startswith("-o") for a in argv):
+            return fail(f"unknown command {argv[0]!r} (did you mean {typo[0]}?); to mount a bucket of that "
+                        f"name: modelfs mount {argv[0]} MOUNTPOINT", 2)
         argv = ["mount", *argv]
     if argv and argv[0] == "mount":
         try:

@@ -55,6 +55,10 @@ class ConfigError(ValueError):
     """A user-supplied option is invalid; the message is shown as is."""
 
 
+# uid_t and gid_t are 32 bits; 2^32 - 1 is (uid_t) -1, "no id".
+MAX_ID = 2**32 - 1
+
+
 def parse_size(text: str) -> int:
     """'8M' -> 8 MiB, '1G', '512k', '1.5G', '4096' (bytes). Suffixes are binary (K = 1024)."""
     m = _SIZE_RE.match(str(text))
@@ -274,8 +278,9 @@ class MountConfig:
         return min(self.kernel_readahead, self.chunk_memory // 8)
 
     def __post_init__(self) -> None:
-        if self.uid < 0 or self.gid < 0:
-            raise ConfigError("--uid and --gid must be >= 0")
+        if not (0 <= self.uid < MAX_ID and 0 <= self.gid < MAX_ID):
+            # Above it, the daemon crashed on its first reply (OverflowError: a uid_t is 32 bits, and -1 means none).
+            raise ConfigError(f"--uid and --gid must be >= 0 and < {MAX_ID}")
         if self.chunk_size < 64 * KiB or self.chunk_size > 256 * MiB:
             raise ConfigError("--chunk-size must be between 64K and 256M")
         # Room for at least a few chunks in flight, or read-ahead could never make progress.

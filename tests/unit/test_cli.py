@@ -30,8 +30,8 @@ def test_fstab_options_expand_and_generic_ones_are_ignored() -> None:
     argv = expand_mount_options(["mount", "b", "/m", "-o",
                                  "ro,rw,defaults,_netdev,nofail,noauto,user,nodev,nosuid,noexec,allow_other,"
                                  "endpoint_url=http://h:1,prefix=llama/,cache_dir=/nvme/x,nonempty,x-systemd.requires=a"])
-    assert argv == ["mount", "b", "/m", "--mount-ro", "--allow-other", "--endpoint-url", "http://h:1", "--prefix",
-                    "llama/", "--cache-dir", "/nvme/x", "--allow-non-empty"]
+    assert argv == ["mount", "b", "/m", "--mount-ro", "--allow-other", "--endpoint-url=http://h:1", "--prefix=llama/",
+                    "--cache-dir=/nvme/x", "--allow-non-empty"]
     args = make_parser().parse_args(argv)
     cfg = build_config(args)
     assert cfg.allow_other and cfg.store.prefix == "llama/" and cfg.store.endpoint_url == "http://h:1"
@@ -43,7 +43,30 @@ def test_an_unknown_fstab_option_is_named_as_written() -> None:
     with pytest.raises(ConfigError, match=r"unknown mount option 'bogus_opt' in -o ro,bogus_opt=1"):
         expand_mount_options(["mount", "b", "/m", "-o", "ro,bogus_opt=1"])
     assert expand_mount_options(["mount", "b", "/m", "-o", "cache-dir=/x,allow_other"]) == [
-        "mount", "b", "/m", "--cache-dir", "/x", "--allow-other"]
+        "mount", "b", "/m", "--cache-dir=/x", "--allow-other"]
+
+
+def test_a_fstab_flag_with_a_value_or_an_option_without_one_is_named() -> None:
+    """`-o allow_other=1` ended in argparse's "unrecognized arguments: 1" under the top-level usage, and
+    `-o prefix=-x` in "expected one argument" although `--prefix=-x` works."""
+    for opts, message in (("allow_other=1", "mount option 'allow_other' takes no value"),
+                          ("writable=false", "mount option 'writable' takes no value"),
+                          ("endpoint_url", "mount option 'endpoint_url' needs a value")):
+        with pytest.raises(ConfigError, match=message):
+            expand_mount_options(["mount", "b", "/m", "-o", opts])
+    argv = expand_mount_options(["mount", "b", "/m", "-o", "prefix=-x/"])
+    assert build_config(make_parser().parse_args(argv)).store.prefix == "-x/"
+
+
+def test_a_mistyped_command_is_named_not_mounted_as_a_bucket(capsys: pytest.CaptureFixture[str]) -> None:
+    """`modelfs stat /models` tried to mount a bucket named 'stat'; mount(8)'s form (with -o) still mounts."""
+    from fsmount.cli import main
+
+    for argv, hint in ((["stat", "/models"], "did you mean stats?"), (["unmout", "/m"], "did you mean unmount?"),
+                       (["prefech", "/m"], "did you mean prefetch?")):
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert f"unknown command {argv[0]!r} ({hint})" in err and f"modelfs mount {argv[0]} MOUNTPOINT" in err, err
 
 
 def test_virtual_addressing_of_an_ip_endpoint_is_named() -> None:
@@ -259,3 +282,28 @@ def test_a_negative_value_is_the_option_s_value_and_its_check_names_it(capsys: p
         with pytest.raises(SystemExit):
             make_parser().parse_args(expand_mount_options(["mount", "b", "/m", *argv]))
         assert "invalid size '-5G'" in capsys.readouterr().err
+
+
+def test_an_owner_id_beyond_32_bits_is_refused() -> None:
+    """--uid 4294967296 was taken, and the daemon crashed on its first reply (OverflowError) with the user told
+    only that it exited before the mount was ready."""
+    def config(*argv: str):  # noqa: ANN202
+        return build_config(make_parser().parse_args(["mount", "b", "/m", *argv]))
+
+    for flags in (["--uid", "4294967296"], ["--gid", "4294967295"], ["--uid", "-1"]):
+        with pytest.raises(ConfigError, match="--uid and --gid must be >= 0 and < 4294967295"):
+            config(*flags)
+    assert config("--uid", "4294967294", "--gid", "0").uid == 4294967294
+
+
+def test_a_tier_flag_without_the_tier_is_refused_and_log_levels_take_any_case() -> None:
+    """--shared-cache-wait (and the others) without --shared-cache-bucket were ignored without a word, as
+    --cache-size without --cache-dir is not; `--log-level DEBUG` was refused."""
+    def config(*argv: str):  # noqa: ANN202
+        return build_config(make_parser().parse_args(["mount", "b", "/m", *argv]))
+
+    for flags in (["--shared-cache-wait", "3"], ["--shared-cache-read-only"], ["--shared-cache-prefix", "x/"]):
+        with pytest.raises(ConfigError, match=f"{flags[0]} needs --shared-cache-bucket"):
+            config(*flags)
+    assert config("--shared-cache-bucket", "tier", "--shared-cache-wait", "3").shared_cache.wait == 3
+    assert make_parser().parse_args(["mount", "b", "/m", "--log-level", "DEBUG"]).log_level == "debug"

@@ -538,7 +538,7 @@ def cmd_stats(args: argparse.Namespace) -> int:
 
 
 def cmd_prefetch(args: argparse.Namespace) -> int:
-    from fsmount.prefetch_command import WarmError, wait_for_writes, warm
+    from fsmount.prefetch_command import WarmError, unwritten, wait_for_writes, warm
     from fsmount.stats_table import human_size
 
     if not args.write_wait >= 0:
@@ -547,12 +547,14 @@ def cmd_prefetch(args: argparse.Namespace) -> int:
         return fail("--threads must be at least 1", 2)
     started = time.monotonic()
     try:
+        failed_before = unwritten(args.paths) if args.write_wait else 0
         n = warm(args.paths, keep_pagecache=not args.no_pagecache, threads=args.threads,
                  progress=not args.quiet and sys.stderr.isatty())
         elapsed = max(time.monotonic() - started, 1e-9)
         print(f"prefetched {n} bytes ({human_size(n)}) in {elapsed:.1f}s ({human_size(n / elapsed)}/s)", flush=True)
         pending = wait_for_writes(args.paths, args.write_wait, say=lambda line: print(line, flush=True)) \
             if args.write_wait else 0
+        failed = unwritten(args.paths) - failed_before if args.write_wait else 0
     except WarmError as exc:
         return fail(f"prefetch failed: {exc}")
     except KeyboardInterrupt:
@@ -560,6 +562,9 @@ def cmd_prefetch(args: argparse.Namespace) -> int:
     if pending:
         return fail(f"prefetch: {pending} fetched chunks were still not written to the cache levels after "
                     f"{args.write_wait:g}s (the reads succeeded; the daemon keeps writing them)")
+    if failed > 0:
+        return fail(f"prefetch: {failed} fetched chunks were not written to a cache level (the NVMe cache or the "
+                    "shared tier failed or refused them: see the daemon's log); the reads succeeded")
     return 0
 
 

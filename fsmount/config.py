@@ -297,6 +297,14 @@ class MountConfig:
             raise ConfigError("--fuse-max-background must be between 0 and 65535")
         if (self.allow_overwrite or self.allow_delete) and not self.writable:
             raise ConfigError("--allow-overwrite and --allow-delete need --writable")
+        sc = self.shared_cache
+        if sc is not None and sc.bucket == self.store.bucket and sc.prefix.startswith(self.store.prefix) and \
+                (sc.endpoint_url or "").rstrip("/") == (self.store.endpoint_url or "").rstrip("/"):
+            # Accepted, the tier's chunk objects showed as files of the mount, and a prefetch of the mount's root
+            # read them and wrote chunk objects of them in turn.
+            raise ConfigError(f"the shared tier ({sc.bucket}, prefix {sc.prefix!r}) lies inside what the mount "
+                              f"shows ({self.store.bucket}, prefix {self.store.prefix!r}): give the tier another "
+                              "bucket, or a --shared-cache-prefix outside the mount's --prefix")
         if not MIN_WRITE_PART_SIZE <= self.write_part_size <= MAX_WRITE_PART_SIZE:
             raise ConfigError("--write-part-size must be between 5M and 5G (S3's part sizes)")
         if self.writable and 2 * self.write_part_size > self.chunk_memory:

@@ -44,6 +44,7 @@ from fsmount.data import (
     Uploads,
     cache_bytes,
     default_min_free,
+    origin_identity,
 )
 from fsmount.namespace import Namespace
 from fsmount.operations import Operations, Owner
@@ -327,9 +328,9 @@ def open_disk_cache(cfg: MountConfig) -> DiskCache:
     return cache
 
 
-def open_shared_tier(cfg: MountConfig) -> SharedTier:
-    """The fleet-shared tier's level. A missing bucket or refused credentials fail the mount; a tier that
-    does not answer only logs: it is tried again as reads go."""
+def open_shared_tier(cfg: MountConfig, region: str) -> SharedTier:
+    """The fleet-shared tier's level (`region`: the origin's, as its client resolved it). A missing bucket or
+    refused credentials fail the mount; a tier that does not answer only logs: it is tried again as reads go."""
     shared = cfg.shared_cache
     assert shared is not None
     warn_path_style(shared.endpoint_url, shared.addressing_style, "--shared-cache-addressing-style")
@@ -348,9 +349,8 @@ def open_shared_tier(cfg: MountConfig) -> SharedTier:
     except StoreError as exc:
         log.warning("shared cache %s does not answer (%s); reading from the origin until it does",
                     shared.bucket, exc.message)
-    origin = cfg.store.endpoint_url or f"s3:{cfg.store.region or ''}"
-    tier = SharedTier(client, origin=origin, prefix=shared.prefix, wait=shared.wait, read_only=shared.read_only,
-                      threads=cfg.store.max_connections)
+    tier = SharedTier(client, origin=origin_identity(cfg.store.endpoint_url, region), prefix=shared.prefix,
+                      wait=shared.wait, read_only=shared.read_only, threads=cfg.store.max_connections)
     tier.probe_claims()
     log.info("%s: %s", tier, "read-only" if shared.read_only else
              "claims on" if tier.claims else "claims off")
@@ -445,7 +445,7 @@ class Daemon:
         self._requests = trio.CancelScope()
         self._served = False
         self.disk_cache = open_disk_cache(cfg) if cfg.cache_dir else None
-        self.shared_tier = open_shared_tier(cfg) if cfg.shared_cache else None
+        self.shared_tier = open_shared_tier(cfg, self.store.region) if cfg.shared_cache else None
         # The cache levels below memory, asked in this order before the origin.
         levels: list[ChunkCache] = [level for level in (self.disk_cache, self.shared_tier) if level is not None]
         # What the levels hold outside the engine's budget comes out of it.

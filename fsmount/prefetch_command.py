@@ -159,6 +159,24 @@ def pending_writes(mountpoint: str) -> int:
         raise WarmError(str(exc)) from None
 
 
+def unwritten(paths: list[str]) -> int:
+    """Chunks the daemons of the mounts holding `paths` have failed to write to a cache level so far (the NVMe
+    cache's write errors, the shared tier's, and chunks the tier was skipped for while failing or refusing
+    writes): a prefetch that adds to it did not warm the caches it was run for."""
+    from fsmount.stats_table import StatsUnavailable, read_stats
+
+    total = 0
+    for mount in sorted({mount_of(path)[0] for path in paths}):
+        try:
+            s = read_stats(mount)
+        except StatsUnavailable:
+            continue  # not a (live) modelfs mount: what warms it says so
+        for level, keys in (("disk_cache", ("write_errors",)), ("shared_cache", ("write_errors", "writes_skipped"))):
+            if s.get(level):
+                total += sum(int(s[level].get(k, 0)) for k in keys)
+    return total
+
+
 def wait_for_writes(paths: list[str], timeout: float, *, say: Callable[[str], None] = lambda line: None,
                     clock: Callable[[], float] = time.monotonic) -> int:
     """Wait until the daemons of the mounts holding `paths` have no cache write pending, up to `timeout`

@@ -131,8 +131,7 @@ def format_stats(s: dict[str, Any], mountpoint: str) -> str:
         mode = "read-only" if sc["read_only"] else "claims on" if sc["claims_enabled"] else "claims off"
         rows += [
             ("shared tier", f"{sc['bucket']} ({mode}): {sc['hits']} hits, {sc['misses']} misses "
-                            f"({_percent(sc['hit_ratio'])} hit), {human_size(sc['bytes'])} loaded = origin egress "
-                            "saved"),
+                            f"({_percent(sc['hit_ratio'])} hit), {human_size(sc['bytes'])} loaded"),
             ("shared tier fleet", f"{sc['claims']} chunks fetched for the fleet, {sc['claim_waits']} waits for "
                                   f"other nodes, {sc['fallbacks']} fallbacks, {sc['writes']} written "
                                   f"({sc['trailed']} after the load, {sc['trail_dropped']} given up)"),

@@ -26,7 +26,7 @@ from fsmount.data.disk_cache import DiskCache, default_min_free
 from fsmount.data.engine import AHEAD, BACKGROUND, DEMAND, ChunkEngine, Fetch, ReadTimeout
 from fsmount.data.identity import Chunk, ChunkId, ObjectVersion, WritableBuffer, new_buffer
 from fsmount.data.levels import ChunkCache, LatencyHistogram, LevelStack
-from fsmount.data.shared_tier import SharedTier
+from fsmount.data.shared_tier import SharedTier, origin_identity
 from fsmount.data.store import (
     AccessDenied,
     BucketMissing,
@@ -47,6 +47,7 @@ __all__ = [
     "CacheDirBusy", "Chunk", "ChunkCache", "ChunkEngine", "ChunkId", "DiskCache", "Fetch", "LatencyHistogram",
     "LevelStack", "ListingPage", "MemoryBudget", "NotFound", "ObjectMeta", "ObjectStore", "ObjectVersion",
     "PreconditionFailed", "ReadTimeout", "SharedTier", "StoreError", "TimedOut", "TransientError", "Unreachable",
+    "origin_identity",
     "WritableBuffer",
     "cache_bytes", "default_min_free", "cache_clear", "cache_stats", "cache_verify", "MAX_PART_SIZE", "MAX_PARTS",
     "MIN_PART_SIZE",

@@ -204,6 +204,11 @@ class Boto3Store:
         """The boto3 client (for the write requests of `uploads.Uploads`, which share it)."""
         return self._client
 
+    @property
+    def region(self) -> str:
+        """The region requests are signed for: --region, or what the AWS configuration and environment say."""
+        return self._client.meta.region_name or ""
+
     def check_bucket(self, prefix: str) -> None:
         try:
             self._client.list_objects_v2(Bucket=self.bucket, Prefix=prefix, Delimiter="/", MaxKeys=1)

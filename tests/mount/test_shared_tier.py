@@ -67,7 +67,7 @@ CORRUPT_OBJECT = r"shared cache .*: ignoring chunk object"
 UNAVAILABLE = r"shared cache .* unavailable"
 NOT_ANSWERING = r"shared cache .* does not answer"
 NO_CONDITIONAL_WRITES = r"shared cache .* does not support conditional writes"
-WRITE_FAILED = r"shared cache .*: writing a chunk failed"
+WRITE_FAILED = r"shared cache .*: (writing a chunk|claiming a chunk \(a small write\)) failed"
 BREAKING_CLAIM = r"shared cache .*: breaking a claim"
 # Scheduling slack for timing bounds on the loaded 2-core box (FUSE round trips, 4 daemons, the proxy).
 MARGIN_S = 5.0
@@ -495,6 +495,22 @@ def test_a_tier_refusing_puts_pauses_writes_and_reads_go_on(fleet: Fleet, refuse
     assert t["write_errors"] >= 1 and t["writes"] == 0, t
     assert len(warnings_matching(m, WRITE_FAILED)) == 1, warning_lines(m.log())
     assert fleet.tier_chunk_objects() == tier_before  # nothing of w.bin got in
+
+
+def test_a_prefetch_that_could_not_write_the_tier_says_so(fleet: Fleet) -> None:
+    """"Warm once, then start the others": `modelfs prefetch` returned 0 with nothing written to a tier that
+    refused the writes (or was down), so the fleet then went to the origin. It exits 1 and says why."""
+    fleet = fleet_with(fleet, 24 * MiB, seed=16)
+    with FaultProxy(fleet.server.endpoint_url) as proxy:
+        allowed = (WRITE_FAILED, REFUSES_WRITES, UNAVAILABLE)
+        with fleet.node("n", tier_endpoint=proxy.endpoint_url, allowed=allowed) as m:
+            proxy.inject(Fault.ERROR, status=403, code="AccessDenied", kind="other", data_only=False)
+            res = run_modelfs("prefetch", "-q", str(m.path / KEY), timeout=120)
+            t = tier_stats(m)
+    assert res.returncode == 1, (res.stdout, res.stderr)
+    assert "were not written to a cache level (the NVMe cache or the shared tier failed or refused them" \
+        in res.stderr, res.stderr
+    assert t["writes"] == 0 and t["write_errors"] + t["writes_skipped"] >= fleet.chunks, t
 
 
 # -- 6. claims of nodes that died, and of nodes that are slow ---------------------------------------

@@ -307,3 +307,19 @@ def test_a_tier_flag_without_the_tier_is_refused_and_log_levels_take_any_case() 
             config(*flags)
     assert config("--shared-cache-bucket", "tier", "--shared-cache-wait", "3").shared_cache.wait == 3
     assert make_parser().parse_args(["mount", "b", "/m", "--log-level", "DEBUG"]).log_level == "debug"
+
+
+def test_a_shared_tier_inside_the_mounted_tree_is_refused() -> None:
+    """--shared-cache-bucket of the mounted bucket was accepted: its chunk objects showed in the mount, and a
+    prefetch of the root read them and wrote chunk objects of them."""
+    def config(*argv: str):  # noqa: ANN202
+        return build_config(make_parser().parse_args(["mount", "models", "/m", *argv]))
+
+    for flags in (["--shared-cache-bucket", "models"],
+                  ["--prefix", "cache/", "--shared-cache-bucket", "models", "--shared-cache-prefix", "cache/tier/"]):
+        with pytest.raises(ConfigError, match="the shared tier .* lies inside what the mount shows"):
+            config(*flags)
+    assert config("--prefix", "llama/", "--shared-cache-bucket", "models").shared_cache.prefix == "modelfs/"
+    assert config("--shared-cache-bucket", "tier").shared_cache.bucket == "tier"
+    assert config("--endpoint-url", "http://h:1", "--shared-cache-bucket", "models",
+                  "--shared-cache-endpoint-url", "http://other:1").shared_cache.bucket == "models"

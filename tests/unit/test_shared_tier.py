@@ -147,6 +147,26 @@ def test_a_damaged_or_foreign_object_is_a_miss_never_wrong_bytes(damage: str, al
     assert t.stats.corrupt == 1
 
 
+@pytest.mark.parametrize("when", ["before-the-claim", "while-waiting"])
+def test_a_bad_object_under_another_nodes_claim_is_read_once_not_polled(when: str, allowed_logs: list[str]) -> None:
+    """A waiter read the whole bad object again every POLL_S until the claimer rewrote it (225 GETs of 8 MiB for
+    3 chunks). It reads it once and goes to the origin."""
+    allowed_logs.append("ignoring chunk object")
+    client = DictClient()
+    claimer, waiter = tier(client, wait=5.0), tier(client, wait=5.0)
+    cid = chunk()
+    bad = b"not a chunk file at all"
+    if when == "before-the-claim":
+        client.objects[waiter.chunk_key(cid)] = bad
+    assert claimer.get(cid) is None and claimer.stats.claims == 1  # its claim stands, it never writes
+    if when == "while-waiting":
+        threading.Timer(0.2, lambda: client.objects.__setitem__(waiter.chunk_key(cid), bad)).start()
+    started = time.monotonic()
+    assert waiter.get(cid) is None
+    assert time.monotonic() - started < 2.0  # not the whole wait
+    assert waiter.stats.corrupt == 1 and waiter.stats.fallbacks == 1
+
+
 def test_the_first_node_claims_the_others_wait_for_its_chunk() -> None:
     client = DictClient()
     first, second = tier(client, wait=5.0), tier(client, wait=5.0)
@@ -361,8 +381,9 @@ def test_a_probe_the_tier_does_not_answer_leaves_claims_on() -> None:
     assert t.claims  # no answer is not a refusal: the tier is tried again as reads go
 
 
-def test_a_refused_claim_pauses_writes_not_reads(allowed_logs: list[str]) -> None:
-    allowed_logs.append("writing a chunk failed")
+def test_a_refused_claim_pauses_writes_not_reads(caplog: pytest.LogCaptureFixture, allowed_logs: list[str]) -> None:
+    """A refused claim is said as one (it was worded as a refused chunk write, which none had been)."""
+    allowed_logs.append(r"claiming a chunk \(a small write\) failed")
     client = DictClient()
     t = tier(client)
     held = chunk(index=3)
@@ -371,6 +392,9 @@ def test_a_refused_claim_pauses_writes_not_reads(allowed_logs: list[str]) -> Non
     assert t.get(chunk()) is None  # the claim was refused: a miss, for the origin
     assert t.stats.write_errors == 1 and t.stats.errors == 0
     assert t.get(held) == data_of(held)  # reads go on
+    assert [r.getMessage() for r in caplog.records if "failed" in r.getMessage()] == [
+        f"{t}: claiming a chunk (a small write) failed (PUT: AccessDenied); reads go on, writes pause and are "
+        f"retried every {shared_tier.WRITE_RETRY_S:g}s"]
 
 
 # -- trailing writes: who may hold its writes back, and how a waiting node says so -----------------
@@ -430,3 +454,18 @@ def test_a_failing_marker_listing_is_no_waiter(allowed_logs: list[str]) -> None:
     trailing = tier(client)
     client.fail = Unreachable("tier down")
     assert not trailing.look_for_waiters() and trailing.trails()
+
+
+def test_one_origin_spelled_two_ways_is_one_origin_to_the_tier() -> None:
+    """Nodes given `http://h:9000/` and `http://h:9000` (or a region from --region and one from the environment)
+    hashed different origins into their chunk keys and shared nothing, silently."""
+    from fsmount.data import origin_identity
+
+    same = {origin_identity(url, "r") for url in ("http://h:9000", "http://h:9000/", "HTTP://H:9000", "http://h:9000//")}
+    assert same == {"http://h:9000"}
+    assert origin_identity("http://h:80/", "r") == origin_identity("http://h", "r") == "http://h"
+    assert origin_identity("https://h:443", "r") == "https://h"
+    assert origin_identity("http://[::1]:9000/", "r") == "http://[::1]:9000"
+    assert origin_identity(None, "us-east-1") == "s3:us-east-1"
+    distinct = {origin_identity(u, "r") for u in ("http://h:9000", "https://h:9000", "http://h:9001", "http://h:9000/a")}
+    assert len(distinct) == 4

@@ -58,7 +58,7 @@ from typing import Any, Protocol
 
 import trio
 
-from fsmount.data import MAX_PART_SIZE, MAX_PARTS, MemoryBudget, ObjectMeta, StoreError, Uploads
+from fsmount.data import MAX_PART_SIZE, MAX_PARTS, MemoryBudget, ObjectMeta, StoreError, TimedOut, Uploads
 from fsmount.namespace import Node, PathError
 from fsmount.write_staging import StagedFile
 
@@ -188,8 +188,13 @@ class NewFile:
         if self._deferred:
             await self._writes.stage(self._staged, self.written, view)
             if self._staged is None or not self._staged.ok:
-                self._fail("its local copy failed")
-                raise PathError(errno.EIO)
+                # Its bytes are only in the local copy until close (pre-sized: see above), so the file is lost.
+                # The writer is told why: ENOSPC when the cache disk filled up (something else filled it
+                # after `promise`), which it read as a plain EIO.
+                exc = self._staged.error if self._staged is not None else None
+                self._fail(f"its local copy in the cache dir failed ({exc.strerror if exc else 'closed'}); a "
+                           "pre-sized file is held only there until it is closed")
+                raise PathError(exc.errno if exc is not None and exc.errno == errno.ENOSPC else errno.EIO)
             self.written += len(view)
             return
         while view:
@@ -341,6 +346,12 @@ class NewFile:
             if self.error is None:
                 try:
                     self.stored = await self._complete()
+                except TimedOut as exc:
+                    # The last request (the PUT, or completing the multipart upload) may yet land: after a
+                    # timeout "will not be stored" was wrong as often as not.
+                    self.error = exc.message
+                    log.warning("%s: %s; the bucket may or may not hold it now (close gets EIO)", self.node.path,
+                                exc.message)
                 except StoreError as exc:
                     self._fail(exc.message)
                 except PathError:

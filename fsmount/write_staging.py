@@ -119,7 +119,8 @@ class Staging:
     def failed(self, exc: OSError) -> None:
         if not self._failed_logged:
             self._failed_logged = True
-            log.warning("cannot keep written files in %s (%s): they are stored, but not cached on this node",
+            log.warning("cannot keep written files in %s (%s): files written in order are stored, but not cached "
+                        "on this node; a pre-sized file, whose bytes are only there until it is closed, fails",
                         self.root, exc.strerror or exc)
 
 
@@ -160,6 +161,7 @@ class StagedFile:
         self._block_at = 0
         self._gathered = 0  # bytes in _block, not yet in the file
         self._promised = 0  # what `promise` reserved for this copy on the disk
+        self.error: OSError | None = None  # what ended it, if a write or an extend failed
 
     @property
     def ok(self) -> bool:
@@ -183,6 +185,7 @@ class StagedFile:
                 os.ftruncate(self._fd, size)
                 return
             except OSError as exc:
+                self.error = exc
                 self._staging.failed(exc)
         self.discard()
 
@@ -195,6 +198,7 @@ class StagedFile:
                     self._write(offset, view.cast("B") if view.format != "B" else view)
                 return
             except OSError as exc:
+                self.error = exc
                 self._staging.failed(exc)
         self.discard()
 

@@ -32,7 +32,7 @@ import math
 import os
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, NoReturn
 
 import trio
 
@@ -46,7 +46,7 @@ from fsmount.data import (
     ObjectMeta,
     ObjectVersion,
     StoreError,
-    TransientError,
+    TimedOut,
     Uploads,
 )
 from fsmount.namespace import Node, PathError
@@ -103,6 +103,7 @@ class Writes:
         # the HEAD at create is not atomic, and another mount may store the key while this one writes it.
         self.create_only = not allow_overwrite
         self.allow_delete = allow_delete
+        self._delete_refusal_logged = False
         self.stats = WriteStats()
         self._timeout = timeout
         self._max_connections = max_connections
@@ -136,7 +137,7 @@ class Writes:
         """One store request in a thread, given up after --read-timeout."""
         with trio.move_on_after(self._timeout):
             return await trio.to_thread.run_sync(fn, *args, limiter=self._limiter, abandon_on_cancel=True)
-        raise TransientError(f"{getattr(fn, '__name__', 'request')} timed out after {self._timeout:g}s")
+        raise TimedOut(f"{getattr(fn, '__name__', 'request')} timed out after {self._timeout:g}s")
 
     def stage_open(self) -> StagedFile | None:
         return self._staging.open() if self._staging is not None else None
@@ -299,7 +300,10 @@ class Writes:
                     "%s exists; replacing it needs --allow-overwrite", node.path)
             raise PathError(errno.EPERM)
         if (flags & os.O_APPEND) or not (flags & os.O_TRUNC or node.size == 0):
-            log.warning("%s: only whole rewrites (O_TRUNC) of existing files are supported", node.path)
+            # `touch` of a stored file opens it this way too, then sets its times by path (and succeeds): a
+            # warning at each one was noise. An append is a writer's mistake worth one.
+            log.log(logging.WARNING if flags & os.O_APPEND else logging.INFO,
+                    "%s: only whole rewrites (O_TRUNC) of existing files are supported", node.path)
             raise PathError(errno.EOPNOTSUPP)
         return self._start(self.ns.begin_file(node.path, node))
 
@@ -336,14 +340,23 @@ class Writes:
         if new is not None and await new.unlink():
             return
         if not self.allow_delete:
-            raise PathError(errno.EPERM)
+            self._refuse_delete(node.path)
         await self.call(self.uploads.delete, self.ns.key_of(node.path))
         self.ns.removed(node.path, is_dir=False)
         self.stats.deletes += 1
 
+    def _refuse_delete(self, path: str) -> NoReturn:
+        """EPERM, said once in the log: a trainer's checkpoint rotation (shutil.rmtree) failed with EPERM and
+        no hint why, where a refused overwrite names its flag."""
+        log.log(logging.DEBUG if self._delete_refusal_logged else logging.WARNING,
+                "deleting %s needs --allow-delete%s", path or "/",
+                "" if self._delete_refusal_logged else " (further refusals are logged at debug level)")
+        self._delete_refusal_logged = True
+        raise PathError(errno.EPERM)
+
     async def rmdir(self, node: Node) -> None:
         if not self.allow_delete:
-            raise PathError(errno.EPERM)
+            self._refuse_delete(node.path)
         if not node.is_dir:
             raise PathError(errno.ENOTDIR)
         if not node.path:

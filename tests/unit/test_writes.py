@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import logging
 import os
 import threading
 import time
@@ -640,3 +641,63 @@ async def test_a_part_that_succeeds_after_its_file_was_dropped_gives_its_memory_
         uploads.gate.set()
         await parts_ended(writes)
     assert uploads.bodies and writes.memory.used == 0
+
+
+async def test_a_last_request_that_times_out_is_said_to_have_maybe_landed(
+        autojump_clock, caplog: pytest.LogCaptureFixture, allowed_logs: list[str]) -> None:  # noqa: ANN001
+    """A single PUT given up after --read-timeout may yet land (here it does): the log said "the file will
+    not be stored" and the bucket then held it. Close is still EIO."""
+    allowed_logs.append("the bucket may or may not hold it now")
+    writes, uploads, ns = make()
+    stored = uploads.put
+
+    def put(*args: Any, **kwargs: Any) -> str:  # named as the request it stands for, as the log names it
+        time.sleep(2)  # real seconds: the trio clock jumps past the 30 s timeout meanwhile
+        return stored(*args, **kwargs)
+
+    uploads.put = put  # type: ignore[method-assign]
+    autojump_clock.autojump_threshold = 0.5  # the other requests' threads answer before the clock jumps
+    async with serving(writes):
+        new = await new_file(writes, ns, b"x")
+        await new.write(0, b"data")
+        with pytest.raises(PathError) as info:
+            await new.commit()
+        assert info.value.errno == errno.EIO
+    said = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert said == ["x: put timed out after 30s; the bucket may or may not hold it now (close gets EIO)"], said
+
+
+async def test_a_pre_sized_file_whose_local_copy_fills_the_disk_gets_enospc(tmp_path: Path, monkeypatch,  # noqa: ANN001
+                                                                            caplog: pytest.LogCaptureFixture,
+                                                                            allowed_logs: list[str]) -> None:
+    """save_file's pattern (ftruncate to its size first) keeps the bytes only in the cache dir until close. When
+    something else fills that disk after its room was promised, the writer got EIO, and the log said the files
+    "are stored, but not cached" beside "will not be stored". It gets ENOSPC, and the log says why."""
+    allowed_logs.extend(["cannot keep written files", "will not be stored"])
+    store = FakeStore()
+    ns = Namespace(store, call, prefix="", ttl=60.0)
+    uploads = FakeUploads(store)
+    writes = Writes(ns, uploads, MemoryBudget(64 * MiB), part_size=5 * MiB, max_connections=2, timeout=30.0,  # type: ignore[arg-type]
+                    allow_overwrite=False, allow_delete=False,
+                    cache=(FakeCache(), str(tmp_path), lambda v, i: ChunkId("b", v.key, v.etag, 4 * MiB, i), 4 * MiB))
+    real_pwrite = os.pwrite
+
+    def full_disk(fd, data, offset):  # noqa: ANN001, ANN202
+        if offset >= 8 * MiB:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_pwrite(fd, data, offset)
+
+    monkeypatch.setattr(os, "pwrite", full_disk)
+    async with serving(writes):
+        new = await new_file(writes, ns, b"model.safetensors")
+        new.truncate(40 * MiB)
+        with pytest.raises(PathError) as info:
+            for i in range(0, 40 * MiB, MiB):
+                await new.write(i, bytes(MiB))
+        assert info.value.errno == errno.ENOSPC
+        with pytest.raises(PathError):
+            await new.commit()
+    said = " / ".join(r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING)
+    assert "its local copy in the cache dir failed (No space left on device)" in said, said
+    assert "a pre-sized file, whose bytes are only there until it is closed, fails" in said, said
+    assert uploads.objects == {}

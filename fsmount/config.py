@@ -291,8 +291,9 @@ class MountConfig:
             )
         if self.max_readahead < 0:
             raise ConfigError("--max-readahead must be >= 0")
-        if self.kernel_readahead < 0:
-            raise ConfigError("--kernel-readahead must be >= 0")
+        if self.kernel_readahead < 0 or 0 < self.kernel_readahead < KiB:
+            # read_ahead_kb is in KiB: below 1K it was taken as 0, "leave the kernel's", without a word.
+            raise ConfigError("--kernel-readahead must be 0 (leave the kernel's) or at least 1K")
         if not 0 <= self.fuse_max_background <= 65535:
             raise ConfigError("--fuse-max-background must be between 0 and 65535")
         if (self.allow_overwrite or self.allow_delete) and not self.writable:

@@ -323,3 +323,15 @@ def test_a_shared_tier_inside_the_mounted_tree_is_refused() -> None:
     assert config("--shared-cache-bucket", "tier").shared_cache.bucket == "tier"
     assert config("--endpoint-url", "http://h:1", "--shared-cache-bucket", "models",
                   "--shared-cache-endpoint-url", "http://other:1").shared_cache.bucket == "models"
+
+
+def test_a_kernel_readahead_below_one_kib_is_refused() -> None:
+    """read_ahead_kb is in KiB: `--kernel-readahead 100` became 0, "leave the kernel's", without a word."""
+    def config(*argv: str):  # noqa: ANN202
+        return build_config(make_parser().parse_args(["mount", "b", "/m", *argv]))
+
+    for value in ("100", "1023"):
+        with pytest.raises(ConfigError, match=r"--kernel-readahead must be 0 \(leave the kernel's\) or at least 1K"):
+            config("--kernel-readahead", value)
+    assert config("--kernel-readahead", "0").kernel_readahead == 0
+    assert config("--kernel-readahead", "1K").kernel_readahead == 1024

@@ -236,13 +236,19 @@ def check_mountpoint(path: str, allow_non_empty: bool) -> tuple[str, int]:
     real = os.path.realpath(path)
     if not os.path.isdir(real):
         raise MountError(f"mountpoint {path} is not a directory")
-    lock = os.open(real, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
-        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        lock = os.open(real, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError as exc:
+        raise MountError(f"mountpoint {path} cannot be opened: {exc.strerror or exc}") from None
+    try:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise MountError(f"mountpoint {path} is locked by another process (another modelfs mount of it "
+                             "starting?)") from None
+        except OSError as exc:  # a filesystem without flock (ENOLCK, EOPNOTSUPP): mounted without the lock
+            log.debug("no lock on mountpoint %s: %s", path, exc)
         _check_free(path, real, allow_non_empty)
-    except BlockingIOError:
-        os.close(lock)
-        raise MountError(f"mountpoint {path} is being mounted by another modelfs") from None
     except BaseException:
         os.close(lock)
         raise
@@ -673,7 +679,11 @@ def run(cfg: MountConfig, ready: Callable[[str | None], None]) -> int:
     def stopped_before_ready(signum: int, frame: object) -> None:
         ready(f"stopped by {signal.Signals(signum).name} before the mount was ready")
         sys.stderr.flush()
-        os._exit(1)
+        # Then ended by the signal itself, as before: systemd counts a stop's SIGTERM as a clean end (an exit
+        # status of 1 left the unit failed, and Restart=on-failure started it again).
+        signal.signal(signum, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)
+        os._exit(128 + signum)
 
     signal.signal(signal.SIGTERM, stopped_before_ready)
     signal.signal(signal.SIGINT, stopped_before_ready)

@@ -137,6 +137,7 @@ class Operations(pyfuse3.Operations):
         self._files: dict[int, OpenFile] = {}
         # fh -> (inode, snapshot at opendir, when its listing began)
         self._dirs: dict[int, tuple[int, list[DirEntry], float]] = {}
+        self._dirs_read: set[int] = set()  # directory handles that had a readdir (a later one at 0 is a rewind)
         self._writers: dict[int, NewFile] = {}  # fh -> the file it writes
         self._next_fh = 1
         # This mount's device number (st_dev), set once it answers: which of a process's descriptors are on it
@@ -251,11 +252,13 @@ class Operations(pyfuse3.Operations):
         if fh not in self._dirs:
             raise pyfuse3.FUSEError(errno.EBADF)
         inode, entries, listed_at = self._dirs[fh]
-        if start_id == 0 and time.monotonic() - listed_at >= self.ns.ttl:
+        if start_id == 0 and fh in self._dirs_read and time.monotonic() - listed_at >= self.ns.ttl:
             # rewinddir() of a handle whose listing is older than the TTL: POSIX has it see the directory as it
-            # is now (it kept the entries of its opendir for good).
+            # is now (it kept the entries of its opendir for good). Not its first readdir: with TTL 0 that
+            # listed every directory twice.
             entries, listed_at = await self.ns.open_dir(inode)
             self._dirs[fh] = (inode, entries, listed_at)
+        self._dirs_read.add(fh)
         parent = self.ns.node(inode)
         # Positions: 0 is '.', 1 is '..', 2 + i is entries[i]; a reply's next_id is the position after it.
         # The kernel takes no lookup of '.' and '..' (libfuse's rule for readdirplus), so they count none here.
@@ -277,6 +280,7 @@ class Operations(pyfuse3.Operations):
     @_fuse_errors
     async def releasedir(self, fh: int) -> None:
         self._dirs.pop(fh, None)
+        self._dirs_read.discard(fh)
 
     # -- files ---------------------------------------------------------------------------------
 

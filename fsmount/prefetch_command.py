@@ -171,7 +171,8 @@ def unwritten(paths: list[str]) -> int:
             s = read_stats(mount)
         except StatsUnavailable:
             continue  # not a (live) modelfs mount: what warms it says so
-        for level, keys in (("disk_cache", ("write_errors",)), ("shared_cache", ("write_errors", "writes_skipped"))):
+        levels = (("disk_cache", ("write_errors",)), ("shared_cache", ("chunk_write_errors", "writes_skipped")))
+        for level, keys in levels:
             if s.get(level):
                 total += sum(int(s[level].get(k, 0)) for k in keys)
     return total

@@ -58,17 +58,44 @@ def whole_ranges(pages: bytes, ranges: list[tuple[int, int]]) -> list[bool]:
     return held
 
 
+class NotTold(OSError):
+    """The kernel would not say: mincore reports every page of a file as resident unless the caller owns the file,
+    has CAP_FOWNER, or may write it (`can_do_mincore`); a daemon under the systemd unit (no CAP_FOWNER) with
+    `--uid` someone else, on a read-only mount, would have believed every chunk held."""
+
+
+# CAP_FOWNER's bit in /proc/self/status's CapEff.
+CAP_FOWNER = 3
+
+
+def may_ask(owner: int, status: str = "/proc/self/status") -> bool:
+    """Whether mincore tells this process the truth about a file owned by `owner` (read-only descriptors)."""
+    if owner == os.geteuid():
+        return True
+    try:
+        with open(status) as f:
+            for line in f:
+                if line.startswith("CapEff:"):
+                    return bool(int(line.split()[1], 16) >> CAP_FOWNER & 1)
+    except (OSError, ValueError, IndexError):
+        return False
+    return False
+
+
 def held_ranges(path: str, ino: int, ranges: list[tuple[int, int]]) -> list[bool] | None:
     """`whole_ranges` of the file at `path`, or None if it could not be opened or is not inode `ino` (replaced
     or deleted since). Raises OSError if the kernel would not say (mmap or mincore refused: a seccomp filter
-    without mincore). Blocks: run it in a thread."""
+    without mincore; NotTold: not the files' owner). Blocks: run it in a thread."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     except OSError:
         return None
     try:
-        if os.fstat(fd).st_ino != ino:
+        st = os.fstat(fd)
+        if st.st_ino != ino:
             return None
+        if not may_ask(st.st_uid):
+            raise NotTold(f"mincore answers only the files' owner or CAP_FOWNER, and the files are uid {st.st_uid}")
         end = max((e for _, e in ranges), default=0)
         return whole_ranges(resident_pages(fd, end), ranges)
     finally:

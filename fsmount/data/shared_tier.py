@@ -136,7 +136,8 @@ class TierStats:
     claim_waits: int = 0  # misses that found another node's claim and waited for its chunk
     fallbacks: int = 0  # waits that ended without the chunk: fetched from the origin after all
     writes: int = 0
-    write_errors: int = 0
+    write_errors: int = 0  # refused or failed writes of any kind: chunks, claims, markers
+    chunk_write_errors: int = 0  # of those, chunk objects not written
     writes_skipped: int = 0  # chunks not written because the tier was failing or refusing writes then
     corrupt: int = 0  # chunk objects that failed the identity or checksum check
     errors: int = 0  # requests that failed (the tier was then skipped for a while)
@@ -234,7 +235,8 @@ class SharedTier:
         if data is _CORRUPT:
             # A bad object: waiting for another node's claim would read the whole of it again every POLL_S
             # (225 GETs of 8 MiB for 3 chunks, measured) until that node rewrites it. The origin it is.
-            self._claim(chunk)  # ours if nobody holds it: this node's put then rewrites the object
+            if self.claims and not self._writes_paused():  # never on a read-only node (claims off)
+                self._claim(chunk)  # ours if nobody holds it: this node's put then rewrites the object
             with self._lock:
                 self.stats.fallbacks += 1
             return None
@@ -288,6 +290,8 @@ class SharedTier:
             try:
                 self.client.put_object(self.chunk_key(chunk), encode_chunk(chunk, data))
             except StoreError as exc:
+                with self._lock:
+                    self.stats.chunk_write_errors += 1
                 self._write_failed(exc)
                 return
             with self._lock:

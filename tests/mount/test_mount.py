@@ -23,6 +23,7 @@ from tests.helpers import (
     S3Server,
     bucket_with,
     file_digest,
+    mount_stats,
     mounted,
     new_bucket,
     proc_status,
@@ -392,3 +393,12 @@ def test_rewinddir_sees_the_directory_as_it_is_once_its_listing_is_older_than_th
             assert names(stream) == {b"f0", b"f1", b"f2", b"f3"}
         finally:
             libc.closedir(stream)
+    with mounted(moto_server, bucket, mountpoint, "--metadata-ttl", "0"):
+        # A first readdir is no rewind: with --metadata-ttl 0 every directory read listed the bucket twice.
+        fd = os.open(mountpoint / "d", os.O_RDONLY | os.O_DIRECTORY)  # its OPENDIR lists it
+        try:
+            before = mount_stats(mountpoint)["origin"]["metadata_requests"]
+            assert len(os.listdir(fd)) == 4
+            assert mount_stats(mountpoint)["origin"]["metadata_requests"] == before  # no second listing
+        finally:
+            os.close(fd)

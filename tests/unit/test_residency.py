@@ -54,3 +54,22 @@ def _is_tmpfs(path: Path) -> bool:
     libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
     buf = StatFs()
     return libc.statfs(str(path).encode(), ctypes.byref(buf)) == 0 and buf.f_type == TMPFS_MAGIC
+
+
+def test_only_the_owner_or_cap_fowner_is_told(tmp_path: Path) -> None:
+    """mincore reports every page resident to a caller that neither owns the file, has CAP_FOWNER, nor may write
+    it: a daemon under the systemd unit (no CAP_FOWNER) with --uid someone else would have believed every chunk
+    held and fetched nothing when a stream ran again. Such a daemon is told nothing (NotTold), not lied to."""
+    status = tmp_path / "status"
+    status.write_text("Name:\tx\nCapEff:\t0000000000000008\n")  # CAP_FOWNER only
+    assert residency.may_ask(os.geteuid() + 1, str(status))
+    status.write_text("Name:\tx\nCapEff:\t00000000a80425f7\n")  # a root shell's set less CAP_FOWNER
+    assert not residency.may_ask(os.geteuid() + 1, str(status))
+    assert residency.may_ask(os.geteuid(), str(status))  # the owner
+    path = tmp_path / "f"
+    path.write_bytes(b"x" * 4096)
+    os.chown(path, os.geteuid() + 1, -1)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(residency, "may_ask", lambda owner, status="": owner == os.geteuid())  # without CAP_FOWNER
+        with pytest.raises(residency.NotTold):
+            residency.held_ranges(str(path), os.stat(path).st_ino, [(0, 4096)])

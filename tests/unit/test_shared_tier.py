@@ -469,3 +469,15 @@ def test_one_origin_spelled_two_ways_is_one_origin_to_the_tier() -> None:
     assert origin_identity(None, "us-east-1") == "s3:us-east-1"
     distinct = {origin_identity(u, "r") for u in ("http://h:9000", "https://h:9000", "http://h:9001", "http://h:9000/a")}
     assert len(distinct) == 4
+
+
+def test_a_read_only_node_that_finds_a_bad_object_claims_nothing(allowed_logs: list[str]) -> None:
+    """--shared-cache-read-only never writes the tier: a bad object sent it to the origin with a claim it then
+    never dropped (and with read-only credentials, a refused claim paused "writes" and failed prefetch)."""
+    allowed_logs.append("ignoring chunk object")
+    client = DictClient()
+    t = tier(client, read_only=True)
+    cid = chunk()
+    client.objects[t.chunk_key(cid)] = b"not a chunk file at all"
+    assert t.get(cid) is None
+    assert t.stats.claims == 0 and t.claim_key(cid) not in client.objects and t.stats.write_errors == 0

@@ -72,7 +72,9 @@ def parse_header(data: bytes, file_size: int) -> Layout:
     tensors = []
     for name, entry in header.items():
         if name == "__metadata__":
-            if not isinstance(entry, dict) or not all(isinstance(v, str) for v in entry.values()):
+            # null is none (the library takes it: an Option), as an absent one is.
+            if entry is not None and (not isinstance(entry, dict) or not all(isinstance(v, str)
+                                                                              for v in entry.values())):
                 raise SafetensorsError("__metadata__ must map strings to strings")
             continue
         tensors.append(_tensor(name, entry, data_start))

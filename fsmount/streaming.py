@@ -57,6 +57,8 @@ NOT_STREAMED_KEPT = 1024
 # first evicted). Each open fetched that chunk again: 50 processes opening shards in a loop had the origin
 # send 16 GiB for 2 GiB of models, with the page cache holding them all.
 DATA_ENDS_KEPT = 4096
+# Memory a header's parse takes, per byte of header (json objects, a Tensor each, the sorted tuple; measured ~15).
+HEADER_PARSE_FACTOR = 16
 
 
 def index_shards(data: bytes) -> set[str] | None:
@@ -143,6 +145,7 @@ class ModelStreamer:
         self._not_streamed: cachetools.LRUCache[tuple[str, str], str] = cachetools.LRUCache(NOT_STREAMED_KEPT)
         self._data_ends: cachetools.LRUCache[tuple[str, str], int] = cachetools.LRUCache(DATA_ENDS_KEPT)
         self._nursery: trio.Nursery | None = None
+        self._parsing = trio.Lock()  # one header parse at a time, its memory reserved from the chunk budget
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         async with trio.open_nursery() as nursery:
@@ -302,10 +305,23 @@ class ModelStreamer:
             return end
         # Copied out at once: a view would pin chunk 0's buffer (no reuse) for as long as the stream runs.
         n = header_length(bytes(await self.engine.peek(obj, 0, min(obj.size, LENGTH_PREFIX))), obj.size)
+        # Parsing takes ~15x the header in memory (a 97 MB header of 1.4 million tensors: 1.5 GB; three at once at
+        # --memory-limit 256M: 4.3 GB over it). It is reserved from the chunk budget for the parse, one at a
+        # time, and a header whose parse would take more than half the budget is not streamed. Real models'
+        # headers are a few MB (100,000 tensors: ~12 MB).
+        cost = n * HEADER_PARSE_FACTOR
+        if cost > self.engine.memory.limit // 2:
+            raise SafetensorsError(f"header of {n} bytes would take ~{cost >> 20} MiB to parse, more than half of "
+                                   "this mount's chunk memory: not streamed, read as any file")
         # In a worker thread: a header of 100,000 tensors (12 MB) takes a second to parse, and on the trio
         # thread every READ and lookup of the mount waited for it (84 MB: 7 s).
-        header = bytes(await self.engine.peek(obj, 0, LENGTH_PREFIX + n))
-        layout = await trio.to_thread.run_sync(parse_header, header, obj.size)
+        async with self._parsing:
+            await self.engine.memory.reserve(cost)
+            try:
+                header = bytes(await self.engine.peek(obj, 0, LENGTH_PREFIX + n))
+                layout = await trio.to_thread.run_sync(parse_header, header, obj.size)
+            finally:
+                self.engine.memory.release(cost)
         log.debug("streaming %r: %d tensors", obj.key, len(layout.tensors))
         self._data_ends[key] = layout.data_end
         return layout.data_end

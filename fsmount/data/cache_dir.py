@@ -7,8 +7,10 @@ Plain functions; the cache (disk_cache) and the `modelfs cache` commands (cache_
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import os
+import stat
 from collections.abc import Iterator
 
 from fsmount.config import CacheSize
@@ -36,9 +38,20 @@ def free_bytes(path: str) -> int:
     return st.f_bavail * st.f_frsize
 
 
+def real_dir(path: str) -> None:
+    """OSError unless `path` is a directory itself, not a symlink to one: the cache removes and writes files
+    below its directories, and a `chunks` linked elsewhere had files outside the cache dir deleted."""
+    st = os.lstat(path)
+    if not stat.S_ISDIR(st.st_mode):
+        what = "a symlink" if stat.S_ISLNK(st.st_mode) else "not a directory"
+        raise OSError(errno.ENOTDIR, f"{path} is {what}: the cache keeps its chunks only in a directory of its own")
+
+
 def scan_chunk_files(chunks_dir: str, sweep_tmp: bool) -> tuple[list[tuple[int, str, int, str]], int]:
     """(mtime_ns, digest, size, path) of every chunk file, stat only, and the number of temp files
-    removed. Names that are neither are left alone."""
+    removed. Names that are neither are left alone; so is a `chunks_dir` that is a symlink (OSError)."""
+    if os.path.lexists(chunks_dir):  # none yet: nothing to scan
+        real_dir(chunks_dir)
     found: list[tuple[int, str, int, str]] = []
     swept = 0
     for shard in scandir(chunks_dir):
@@ -77,7 +90,17 @@ def acquire_dir_lock(root: str) -> int:
     path = os.path.join(root, LOCK_FILE)
     # Held through a read-only descriptor (flock ignores the mode): an open-for-write file would make
     # the filesystem refuse a remount read-only while we run.
-    fd = os.open(path, os.O_RDONLY | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    # Never through a symlink (the pid write below truncated a linked file: /etc/passwd, had it pointed there), and
+    # never a FIFO's open that waits for a writer.
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK, 0o600)
+    except OSError as exc:
+        if exc.errno != errno.ELOOP:
+            raise
+        raise OSError(errno.ELOOP, f"{path} is a symlink: the lock is a file of the cache dir's own") from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise OSError(errno.EINVAL, f"{path} is not a regular file")
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -88,9 +111,12 @@ def acquire_dir_lock(root: str) -> int:
             f"a cache dir serves one mount or command at a time: unmount it (or let the command finish) first, "
             f"or use another cache dir"
         ) from None
-    try:
-        with open(path, "w") as holder_file:  # only for the CacheDirBusy message of the next comer
-            holder_file.write(f"{os.getpid()}\n")
+    try:  # only for the CacheDirBusy message of the next comer
+        pid_fd = os.open(path, os.O_WRONLY | os.O_TRUNC | os.O_CLOEXEC | os.O_NOFOLLOW)
+        try:
+            os.write(pid_fd, f"{os.getpid()}\n".encode())
+        finally:
+            os.close(pid_fd)
     except OSError:
         pass
     return fd

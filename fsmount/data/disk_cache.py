@@ -43,6 +43,7 @@ import fcntl
 import logging
 import mmap
 import os
+import stat
 import tempfile
 import threading
 import time
@@ -56,6 +57,7 @@ from fsmount.data.cache_dir import (
     bytes_for_fraction,
     chunk_path,
     free_bytes,
+    real_dir,
     release_dir_lock,
     scan_chunk_files,
 )
@@ -106,6 +108,10 @@ class CacheStats:
     chunks: int = 0
 
 
+class NotAChunkFile(OSError):
+    """What is at a chunk file's path is not a regular file (a FIFO, a symlink, a directory): never read."""
+
+
 class DiskCache:
     """ChunkCache over a local directory. The constructor opens it (takes the lock, sweeps `*.tmp`,
     rebuilds the index from file sizes and mtimes without reading data) and raises CacheDirBusy if
@@ -151,11 +157,14 @@ class DiskCache:
         self._lock_fd = acquire_dir_lock(self.root)
         try:
             os.makedirs(self._chunks_dir, mode=0o700, exist_ok=True)
+            real_dir(self._chunks_dir)  # not a symlink out of the cache dir (chmod below would follow it too)
             os.chmod(self._chunks_dir, 0o700)
             for shard in range(16**SHARD_HEX_CHARS):
-                os.makedirs(
-                    os.path.join(self._chunks_dir, f"{shard:0{SHARD_HEX_CHARS}x}"), 0o700, exist_ok=True
-                )
+                path = os.path.join(self._chunks_dir, f"{shard:0{SHARD_HEX_CHARS}x}")
+                if os.path.islink(path):
+                    os.unlink(path)  # the link, never what it points at: chunks are written only here
+                    log.warning("disk cache %s: %s was a symlink; removed", self.root, path)
+                os.makedirs(path, 0o700, exist_ok=True)
             self._rebuild_index()
             with self._lock:
                 self._evict_locked(self.stats.bytes_used - self.max_bytes)  # max_bytes may have shrunk
@@ -220,6 +229,12 @@ class DiskCache:
         direct = self._writer.direct and type(buffer) is mmap.mmap
         try:
             fd = self._open_for_read(path, direct)
+        except NotAChunkFile as err:
+            try:
+                self._drop_corrupt(digest, path, os.lstat(path), str(err))  # so the next put writes a real one
+            except OSError:
+                pass
+            return None
         except OSError as err:
             self._read_failed(digest, err)
             return None
@@ -253,14 +268,30 @@ class DiskCache:
         return data
 
     def _open_for_read(self, path: str, direct: bool) -> int:
-        if direct:
-            try:
-                return os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_DIRECT)
-            except OSError as err:
-                if err.errno != errno.EINVAL:
-                    raise
-                self._writer.refuse_direct(err)
-        return os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        # O_NONBLOCK: a FIFO in a chunk file's place opened at once (its read then fails) instead of holding a
+        # cache thread for good, and every READ of that chunk to --read-timeout; O_NOFOLLOW: a symlink is no
+        # chunk file either. Neither changes a regular file's reads.
+        flags = os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK | os.O_NOFOLLOW
+        try:
+            if direct:
+                try:
+                    return self._regular(os.open(path, flags | os.O_DIRECT), path)
+                except OSError as err:
+                    if err.errno != errno.EINVAL or not stat.S_ISREG(os.lstat(path).st_mode):
+                        raise
+                    self._writer.refuse_direct(err)
+            return self._regular(os.open(path, flags), path)
+        except OSError as err:
+            if err.errno == errno.ELOOP:  # O_NOFOLLOW met a symlink
+                raise NotAChunkFile(errno.ELOOP, "a symlink, not a chunk file") from None
+            raise
+
+    @staticmethod
+    def _regular(fd: int, path: str) -> int:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            raise NotAChunkFile(errno.EINVAL, "not a regular file")
+        return fd
 
     def _read_direct(self, fd: int, size: int, buffer: WritableBuffer | None
                      ) -> tuple[ChunkId, bytes | WritableBuffer] | None:
@@ -430,7 +461,7 @@ class DiskCache:
             first = not self._corrupt_logged
             self._corrupt_logged = True
             try:
-                now = os.stat(path)
+                now = os.lstat(path)
                 # A put may have replaced the bad file with a good one since we read it: keep that one.
                 replaced = (now.st_ino, now.st_dev) != (read.st_ino, read.st_dev)
             except FileNotFoundError:

@@ -453,6 +453,63 @@ def test_file_removed_behind_the_cache_is_a_plain_miss(tmp_path: Path) -> None:
         assert cache.stats.chunks == 0 and cache.stats.bytes_used == 0
 
 
+@pytest.mark.parametrize("kind", ["fifo", "symlink"])
+def test_a_fifo_or_symlink_in_a_chunk_files_place_is_a_quick_miss_and_is_replaced(tmp_path: Path, kind: str,
+                                                                                    allowed_logs: list[str]) -> None:
+    """A FIFO there held a cache thread in open(2) for good and failed every READ of the chunk at --read-timeout
+    (then, fed, it turned O_DIRECT off for the whole cache); a symlink is no chunk file either. Both are a miss at
+    once, and the next put of the chunk replaces them (never what a link points at)."""
+    allowed_logs.append("dropped corrupt chunk file")
+    outside = tmp_path / "outside"
+    outside.write_bytes(b"keep")
+    root = tmp_path / "cache"
+    with DiskCache(root, BIG, min_free_bytes=0) as cache:
+        cache.put(chunk_id(1), payload(chunk_id(1)))
+        path = chunk_file_of(cache, chunk_id(1))
+        os.unlink(path)
+        if kind == "fifo":
+            os.mkfifo(path)
+        else:
+            os.symlink(outside, path)
+        done: list[object] = []
+        reader = threading.Thread(target=lambda: done.append(cache.get(chunk_id(1))), daemon=True)
+        reader.start()
+        reader.join(5)
+        assert done == [None], "the read waited on a FIFO"
+        assert cache._writer.direct == DiskCache(tmp_path / "probe", BIG, min_free_bytes=0)._writer.direct
+        cache.put(chunk_id(1), payload(chunk_id(1)))
+        assert cache.get(chunk_id(1)) == payload(chunk_id(1))
+    assert outside.read_bytes() == b"keep"
+
+
+def test_a_cache_dir_whose_lock_or_chunks_is_a_symlink_touches_nothing_outside(tmp_path: Path) -> None:
+    """A `lock` linked elsewhere had its target truncated to the daemon's pid (/etc/passwd, had it pointed
+    there), by the mount and by `modelfs cache`; a `chunks` linked elsewhere had files there deleted (stale
+    temp files) and chunk files written. Both are refused; what they point at is left as it was."""
+    victim = tmp_path / "victim"
+    victim.write_text("precious")
+    outside = tmp_path / "outside"
+    (outside / "ab").mkdir(parents=True)
+    (outside / "ab" / "important.tmp").write_text("keep")
+    locked = tmp_path / "c1"
+    locked.mkdir()
+    (locked / "lock").symlink_to(victim)
+    with pytest.raises(OSError):
+        DiskCache(locked, BIG, min_free_bytes=0)
+    with pytest.raises(OSError):
+        cache_verify(str(locked))
+    linked = tmp_path / "c2"
+    linked.mkdir()
+    (linked / CHUNKS_DIR).symlink_to(outside)
+    with pytest.raises(OSError, match="is a symlink"):
+        DiskCache(linked, BIG, min_free_bytes=0)
+    for command in (cache_verify, cache_clear):
+        with pytest.raises(OSError, match="is a symlink"):
+            command(str(linked))
+    assert victim.read_text() == "precious"
+    assert sorted(p.name for p in outside.rglob("*")) == ["ab", "important.tmp"]
+
+
 # -- eviction ---------------------------------------------------------------------------------------
 
 

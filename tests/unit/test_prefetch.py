@@ -247,6 +247,33 @@ async def test_a_stop_waits_for_the_pushes_copying_and_refuses_new_ones(monkeypa
     assert stopped == [False, True] and pusher.stored_total == 4
 
 
+async def test_a_header_whose_parse_would_take_half_the_chunk_memory_is_not_streamed(autojump_clock, caplog,  # noqa: ANN001
+                                                                                         allowed_logs) -> None:  # noqa: ANN001
+    """A header's parse takes ~15x its size, outside the chunk budget: a 97 MB header of 1.4 million tensors
+    took the daemon to 1.5 GB, three at once at --memory-limit 256M to 4.3 GB. One parse at a time, its memory
+    reserved from the budget; a header that would need more than half of it is not streamed (one line)."""
+    import json
+    import struct
+
+    count = 12_000  # ~0.8 MB of header: ~13 MiB to parse, above half of 16 MiB
+    header = json.dumps({f"t{i:05d}": {"dtype": "U8", "shape": [1], "data_offsets": [i, i + 1]}
+                         for i in range(count)}).encode()
+    blob = struct.pack("<Q", len(header)) + header + bytes(count)
+    store, engine, streamer = prefetch_rig("m.safetensors", blob, memory=16 * MiB)
+    caplog.set_level(logging.INFO, logger="fsmount.streaming")
+
+    async def body() -> None:
+        v = version(store, "m.safetensors")
+        streamer.opened(2, v)
+        await streamer._active[(v.key, v.etag)].done.wait()
+        streamer.closed(v)
+        assert engine.memory.reserved == 0
+
+    await run_prefetcher(engine, streamer, body)
+    said = [r.getMessage() for r in caplog.records if "not streaming" in r.getMessage()]
+    assert len(said) == 1 and "more than half of this mount's chunk memory" in said[0], said
+
+
 class IndexedLevel:
     """A local cache level in a dict with an index in memory (`contains`, as DiskCache has)."""
 

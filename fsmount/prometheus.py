@@ -144,6 +144,12 @@ class _Handler(http.server.BaseHTTPRequestHandler):
     server: _Server
 
     def do_GET(self) -> None:  # noqa: N802 - the http.server naming
+        self._answer(with_body=True)
+
+    def do_HEAD(self) -> None:  # noqa: N802 - a health check's HEAD got 501
+        self._answer(with_body=False)
+
+    def _answer(self, with_body: bool) -> None:
         if self.path.split("?", 1)[0] not in METRICS_PATHS:
             self.send_error(404)
             return
@@ -152,7 +158,8 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         self.send_header("Content-Type", CONTENT_TYPE_LATEST)
         self.send_header("Content-Length", str(len(body)))
         self.end_headers()
-        self.wfile.write(body)
+        if with_body:
+            self.wfile.write(body)
 
     def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - the http.server signature
         log.debug("metrics: %s %s", self.address_string(), format % args)

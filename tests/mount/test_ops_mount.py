@@ -193,6 +193,9 @@ def test_metrics_show_bytes_moving_during_a_read(moto_server: S3Server, mountpoi
         assert_no_secret(text, log, cmdline(pid))
         with pytest.raises(urllib.error.HTTPError):
             urllib.request.urlopen(f"http://127.0.0.1:{port}/nothing-here", timeout=10)
+        # A health check's HEAD (it got 501): the headers of a scrape, no body.
+        with urllib.request.urlopen(urllib.request.Request(url, method="HEAD"), timeout=10) as head:
+            assert head.status == 200 and int(head.headers["Content-Length"]) > 0 and head.read() == b""
     assert first + rest == data
 
     def served(s: dict[str, float]) -> float:

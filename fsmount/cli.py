@@ -612,6 +612,8 @@ def cmd_cache(args: argparse.Namespace) -> int:
             return 1 if bad else 0
     except CacheDirBusy as exc:
         return fail(str(exc))
+    except BrokenPipeError:
+        raise  # the reader of the output went away: main() ends quietly
     except OSError as exc:  # a lock or chunks dir that is a symlink, a directory it may not read
         return fail(f"cache dir {args.cache_dir}: {exc.strerror or exc}")
     return 0

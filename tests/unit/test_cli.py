@@ -335,3 +335,16 @@ def test_a_kernel_readahead_below_one_kib_is_refused() -> None:
             config("--kernel-readahead", value)
     assert config("--kernel-readahead", "0").kernel_readahead == 0
     assert config("--kernel-readahead", "1K").kernel_readahead == 1024
+
+
+def test_a_cache_dir_with_a_symlinked_lock_is_refused_by_name(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:  # noqa: ANN001
+    """`modelfs cache verify` truncated the target of a `lock` symlink to its pid; it says what is wrong."""
+    from fsmount.cli import main
+
+    victim = tmp_path / "victim"
+    victim.write_text("precious")
+    (tmp_path / "c" / "chunks").mkdir(parents=True)
+    (tmp_path / "c" / "lock").symlink_to(victim)
+    assert main(["cache", "verify", str(tmp_path / "c")]) == 1
+    assert "lock is a symlink: the lock is a file of the cache dir's own" in capsys.readouterr().err
+    assert victim.read_text() == "precious"

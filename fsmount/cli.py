@@ -230,11 +230,16 @@ def add_mount_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mount-ro", action="store_true", help=argparse.SUPPRESS)  # mount(8)'s -o ro
 
 
-def mount_option_strings() -> dict[str, bool]:
-    """Every option string `modelfs mount` takes (`--cache-dir`, ...), and whether it takes a value."""
+def _mount_parser() -> argparse.ArgumentParser:
+    """`modelfs mount`'s options alone, to ask about them."""
     p = argparse.ArgumentParser(add_help=False)
     add_mount_arguments(p)
-    return {name: action.nargs != 0 for name, action in p._option_string_actions.items()}
+    return p
+
+
+def mount_option_strings() -> dict[str, bool]:
+    """Every option string `modelfs mount` takes (`--cache-dir`, ...), and whether it takes a value."""
+    return {name: action.nargs != 0 for name, action in _mount_parser()._option_string_actions.items()}
 
 
 def expand_mount_options(argv: list[str]) -> list[str]:
@@ -328,9 +333,7 @@ def _default(value: T | None, default: T) -> T:
 def shared_cache_config(args: argparse.Namespace) -> SharedCacheConfig | None:
     if not args.shared_cache_bucket:
         # As --cache-size without --cache-dir: a tier flag without the tier was ignored without a word.
-        p = argparse.ArgumentParser(add_help=False)
-        add_mount_arguments(p)
-        given = [a.option_strings[0] for a in p._actions if a.dest.startswith("shared_cache_")
+        given = [a.option_strings[0] for a in _mount_parser()._actions if a.dest.startswith("shared_cache_")
                  and getattr(args, a.dest, a.default) != a.default]
         if given:
             raise ConfigError(f"{given[0]} needs --shared-cache-bucket: without it there is no shared tier")

@@ -527,11 +527,15 @@ class Daemon:
     async def _files_beside(self, ino: int) -> list[tuple[int | None, ObjectVersion]]:
         return await self.namespace.files_beside(self.namespace.node(ino))
 
+    def _path_of(self, version: ObjectVersion) -> str:
+        """Where a file of the bucket is on this mount."""
+        return os.path.join(self.mountpoint, version.key[len(self.namespace.prefix):])
+
     async def _look_up(self, version: ObjectVersion) -> int | None:
         """Has the kernel look a file up through this mount (a stat from a worker thread, whose LOOKUP this
         daemon's trio thread answers meanwhile), so that model streaming can push a shard nobody opened yet:
         its inode, or None if it could not be looked up."""
-        path = os.path.join(self.mountpoint, version.key[len(self.namespace.prefix):])
+        path = self._path_of(version)
         with trio.move_on_after(self.cfg.store.read_timeout):
             try:
                 await trio.to_thread.run_sync(os.stat, path, abandon_on_cancel=True)
@@ -544,7 +548,7 @@ class Daemon:
         """Which of `ranges` of an open file the page cache holds whole (residency.py): the file opened through
         this mount from a worker thread, whose OPEN the trio thread answers meanwhile without starting a stream
         (Operations.probes); None if it could not be asked."""
-        path = os.path.join(self.mountpoint, version.key[len(self.namespace.prefix):])
+        path = self._path_of(version)
 
         def ask() -> list[bool] | None:
             tid = threading.get_native_id()

@@ -138,10 +138,10 @@ class NewFile:
     def size(self) -> int:
         return max(self.written, self.declared)
 
-    def _fail(self, message: str) -> None:
+    def _fail(self, message: str, outcome: str = "the file will not be stored") -> None:
         if self.error is None:
             self.error = message
-            log.warning("%s: %s; the file will not be stored", self.node.path, message)
+            log.warning("%s: %s; %s", self.node.path, message, outcome)
 
     # -- bytes in --------------------------------------------------------------------------------
 
@@ -349,9 +349,7 @@ class NewFile:
                 except TimedOut as exc:
                     # The last request (the PUT, or completing the multipart upload) may yet land: after a
                     # timeout "will not be stored" was wrong as often as not.
-                    self.error = exc.message
-                    log.warning("%s: %s; the bucket may or may not hold it now (close gets EIO)", self.node.path,
-                                exc.message)
+                    self._fail(exc.message, "the bucket may or may not hold it now (close gets EIO)")
                 except StoreError as exc:
                     self._fail(exc.message)
                 except PathError:

@@ -159,6 +159,11 @@ def pending_writes(mountpoint: str) -> int:
         raise WarmError(str(exc)) from None
 
 
+def mounts_of(paths: list[str]) -> list[str]:
+    """The mount points holding `paths`, each once."""
+    return sorted({mount_of(path)[0] for path in paths})
+
+
 def unwritten(paths: list[str]) -> int:
     """Chunks the daemons of the mounts holding `paths` have failed to write to a cache level so far (the NVMe
     cache's write errors, the shared tier's, and chunks the tier was skipped for while failing or refusing
@@ -166,7 +171,7 @@ def unwritten(paths: list[str]) -> int:
     from fsmount.stats_table import StatsUnavailable, read_stats
 
     total = 0
-    for mount in sorted({mount_of(path)[0] for path in paths}):
+    for mount in mounts_of(paths):
         try:
             s = read_stats(mount)
         except StatsUnavailable:
@@ -182,7 +187,7 @@ def wait_for_writes(paths: list[str], timeout: float, *, say: Callable[[str], No
                     clock: Callable[[], float] = time.monotonic) -> int:
     """Wait until the daemons of the mounts holding `paths` have no cache write pending, up to `timeout`
     seconds; the number still pending then (0: all written)."""
-    mounts = sorted({mount_of(path)[0] for path in paths})
+    mounts = mounts_of(paths)
     deadline = clock() + timeout
     said = False
     while True:

@@ -228,7 +228,7 @@ class DiskCache:
         path = self._path(digest)
         direct = self._writer.direct and type(buffer) is mmap.mmap
         try:
-            fd = self._open_for_read(path, direct)
+            fd, st = self._open_for_read(path, direct)
         except NotAChunkFile as err:
             try:
                 self._drop_corrupt(digest, path, os.lstat(path), str(err))  # so the next put writes a real one
@@ -239,7 +239,6 @@ class DiskCache:
             self._read_failed(digest, err)
             return None
         try:
-            st = os.fstat(fd)
             try:
                 read = self._read_direct(fd, st.st_size, buffer) if direct else None
                 if read is None:
@@ -267,7 +266,7 @@ class DiskCache:
             os.close(fd)
         return data
 
-    def _open_for_read(self, path: str, direct: bool) -> int:
+    def _open_for_read(self, path: str, direct: bool) -> tuple[int, os.stat_result]:
         # O_NONBLOCK: a FIFO in a chunk file's place opened at once (its read then fails) instead of holding a
         # cache thread for good, and every READ of that chunk to --read-timeout; O_NOFOLLOW: a symlink is no
         # chunk file either. Neither changes a regular file's reads.
@@ -275,23 +274,28 @@ class DiskCache:
         try:
             if direct:
                 try:
-                    return self._regular(os.open(path, flags | os.O_DIRECT), path)
+                    return self._regular(os.open(path, flags | os.O_DIRECT))
                 except OSError as err:
                     if err.errno != errno.EINVAL or not stat.S_ISREG(os.lstat(path).st_mode):
                         raise
                     self._writer.refuse_direct(err)
-            return self._regular(os.open(path, flags), path)
+            return self._regular(os.open(path, flags))
         except OSError as err:
             if err.errno == errno.ELOOP:  # O_NOFOLLOW met a symlink
                 raise NotAChunkFile(errno.ELOOP, "a symlink, not a chunk file") from None
             raise
 
     @staticmethod
-    def _regular(fd: int, path: str) -> int:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
+    def _regular(fd: int) -> tuple[int, os.stat_result]:
+        """The descriptor and its stat (the one fstat of a read), if it is a regular file."""
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise NotAChunkFile(errno.EINVAL, "not a regular file")
+        except OSError:
             os.close(fd)
-            raise NotAChunkFile(errno.EINVAL, "not a regular file")
-        return fd
+            raise
+        return fd, st
 
     def _read_direct(self, fd: int, size: int, buffer: WritableBuffer | None
                      ) -> tuple[ChunkId, bytes | WritableBuffer] | None:

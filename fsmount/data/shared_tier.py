@@ -63,12 +63,12 @@ WAITING = "waiting/"
 CLAIM_TTL_S = 30.0
 # How often a node waiting for another node's fetch looks for the chunk object, and for the claim.
 POLL_S = 0.05
-# What `_read` returns for a chunk object that is there but bad (not the chunk asked for, or damaged): one
-# object, compared by identity.
-_CORRUPT = bytearray()
 CLAIM_CHECK_S = 0.5
 # After a failed request the tier is skipped this long: a down tier must not cost every chunk a timeout.
 UNAVAILABLE_RETRY_S = 10.0
+# What `_read` returns for a chunk object that is there but bad (not the chunk asked for, or damaged): one
+# object, compared by identity.
+_CORRUPT = bytearray()
 # A node waiting for other nodes' claims refreshes its marker this often (one small PUT per node, not per
 # chunk); a marker younger than WAITING_FRESH_S means another node is waiting now.
 MARKER_REFRESH_S = 1.0
@@ -114,7 +114,6 @@ class TierClient(Protocol):
     def list_pages(self, prefix: str) -> Iterator[ListingPage]: ...
 
 
-
 def origin_identity(endpoint_url: str | None, region: str) -> str:
     """What names the origin in chunk keys: nodes that give the same endpoint in different spellings (a trailing
     slash, the default port, the host's case) share the tier. They shared nothing: `http://h:9000/` and
@@ -127,6 +126,7 @@ def origin_identity(endpoint_url: str | None, region: str) -> str:
         host = f"[{host}]"  # an IPv6 literal
     port = "" if url.port is None or (scheme, url.port) in (("http", 80), ("https", 443)) else f":{url.port}"
     return f"{scheme}://{host}{port}{url.path.rstrip('/')}"
+
 
 @dataclasses.dataclass
 class TierStats:

@@ -32,6 +32,7 @@ from tests.helpers import (
     daemon_env,
     free_port,
     modelfs_cmd,
+    mount_stats,
     mounted,
     new_bucket,
     put_objects,
@@ -131,6 +132,9 @@ def test_ready_only_once_mount_answers_and_sigterm_unmounts(moto_server: S3Serve
             assert (mountpoint / "weights" / "model.bin").read_bytes() == b"x" * 1000
             assert messages.count("READY=1") == 1
             assert_no_secret(cmdline(proc.pid))
+            # close() returns before the kernel's RELEASE reaches the daemon: wait for it, so that the stop
+            # below finds no file open.
+            wait_for("the RELEASE of model.bin", lambda: mount_stats(mountpoint)["open_files"], lambda n: n == 0)
             proc.send_signal(signal.SIGTERM)
             receive(sock, "STOPPING=1", proc, log_path)
             assert proc.wait(30) == 0

@@ -12,6 +12,7 @@ import os
 import re
 import select
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -451,12 +452,22 @@ def run_background(cfg: MountConfig, mount_argv: list[str]) -> int:
     cmd = [sys.executable, "-m", "fsmount", *mount_argv, "--foreground", "--ready-fd", str(write_fd)]
     if not cfg.log_file:
         cmd.append("--log-to-syslog")
-    proc = subprocess.Popen(cmd, pass_fds=(write_fd,), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL, start_new_session=True)
-    os.close(write_fd)
+    # A Ctrl-C that lands while the daemon is being started (inside Popen, after its exec) would leave it
+    # running with nobody to stop it: until `proc` exists, SIGINT is only noted, then raised. (A Python-level
+    # handler does not survive the daemon's exec: the daemon starts with SIGINT's default.)
+    interrupted: list[int] = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: interrupted.append(signum))
     buf = b""
     deadline = time.monotonic() + STARTUP_TIMEOUT
     try:
+        try:
+            proc = subprocess.Popen(cmd, pass_fds=(write_fd,), stdin=subprocess.DEVNULL,
+                                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+        finally:
+            os.close(write_fd)
+            signal.signal(signal.SIGINT, previous)
+        if interrupted:
+            raise KeyboardInterrupt
         while not re.search(rb"^(READY|ERROR)", buf, re.MULTILINE):
             left = deadline - time.monotonic()
             if left <= 0:

@@ -348,3 +348,37 @@ def test_a_cache_dir_with_a_symlinked_lock_is_refused_by_name(tmp_path, capsys: 
     assert main(["cache", "verify", str(tmp_path / "c")]) == 1
     assert "lock is a symlink: the lock is a file of the cache dir's own" in capsys.readouterr().err
     assert victim.read_text() == "precious"
+
+
+def test_ctrl_c_while_the_daemon_is_started_stops_it(monkeypatch: pytest.MonkeyPatch,
+                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    """A SIGINT that lands inside Popen, after the daemon's exec, raised KeyboardInterrupt before `proc`
+    existed: a traceback, and a detached daemon that nobody stopped (seen once in CI as a flaky
+    test_ctrl_c_while_mount_waits_stops_its_daemon). Now the daemon is stopped as for a later Ctrl-C."""
+    import signal
+    import subprocess
+    import types
+
+    from fsmount import cli
+
+    real_popen = subprocess.Popen
+    started: list[subprocess.Popen] = []
+
+    def popen_then_ctrl_c(cmd: list[str], **kwargs: object) -> subprocess.Popen:
+        # A stand-in daemon that never reports; the Ctrl-C arrives before Popen has returned.
+        proc = real_popen(["sleep", "60"], **kwargs)
+        started.append(proc)
+        os.kill(os.getpid(), signal.SIGINT)
+        return proc
+
+    monkeypatch.setattr(subprocess, "Popen", popen_then_ctrl_c)
+    try:
+        assert cli.run_background(types.SimpleNamespace(log_file="log"), []) == 130
+        assert started[0].wait(10) == -signal.SIGTERM
+        assert "interrupted: the daemon was stopped" in capsys.readouterr().err
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    finally:
+        for proc in started:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()

@@ -108,10 +108,14 @@ class Node:
     lookups: int = 0
     fresh_until: float = 0.0  # monotonic time until which the version is trusted to be current
     superseded: bool = False  # the bucket now holds another version of this path
+    superseded_at: float = 0.0  # monotonic time it was found superseded
     writing: bool = False  # this mount is writing the file: not in the bucket until it is closed
 
     def version(self, prefix: str) -> ObjectVersion:
         return ObjectVersion(prefix + self.path, self.etag, self.size)
+
+    def supersede(self) -> None:
+        self.superseded, self.superseded_at = True, time.monotonic()
 
 
 T = TypeVar("T")
@@ -260,6 +264,11 @@ class Namespace:
             at = time.monotonic() if as_of is None else as_of
             node.fresh_until = max(node.fresh_until, at + self.ttl)
             self._latest_file[path] = ino
+            if node.superseded and at > node.superseded_at:
+                # The bucket holds this version again, as asked after it was superseded (a rollback, or the same
+                # bytes uploaded again): its inode is current again. Left superseded, every open of the path got
+                # ESTALE, the kernel's retry found the same inode, and so on until the kernel forgot it.
+                node.superseded = False
         return node
 
     def forget(self, ino: int, count: int) -> None:
@@ -301,12 +310,14 @@ class Namespace:
         node.fresh_until = time.monotonic() + self.ttl
         if meta is None or meta.etag != node.etag:
             self._supersede(node)
+        else:
+            node.superseded = False  # the bucket holds it again (see _node_for)
         return node
 
     def _supersede(self, node: Node) -> None:
         """The bucket holds another version of this path (or none): this inode stays the old version, and the
         path's next lookup gets a new inode. The parent's listing still names the old version, so it goes too."""
-        node.superseded = True
+        node.supersede()
         self._listings.pop(node.path.rpartition("/")[0], None)
 
     def gone(self, version: ObjectVersion) -> tuple[int, bytes] | None:
@@ -384,6 +395,14 @@ class Namespace:
     async def lookup(self, parent_ino: int, name_b: bytes) -> Node:
         """Resolve one name; increments the lookup count of the returned node."""
         node = await self.resolve(parent_ino, name_b)
+        held = self._nodes.get(node.ino)
+        if held is None:
+            # A FORGET took it while this lookup waited for another's answer (`_shared`): the kernel holds it again
+            # once this reply arrives. (Counted on the removed node, the kernel's next OPEN or GETATTR of it got
+            # ENOENT.)
+            self._nodes[node.ino] = node
+        elif held is not node:
+            node = held  # forgotten and made again meanwhile: the one the table has is current
         node.lookups += 1
         return node
 

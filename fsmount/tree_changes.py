@@ -61,7 +61,7 @@ class WritableNamespace(Namespace):
         self._ino_by_path.pop((node.path, ""), None)
         node.writing = False
         if meta is None:
-            node.superseded = True
+            node.supersede()
             return
         self._stored(node, meta)
 
@@ -72,7 +72,7 @@ class WritableNamespace(Namespace):
         node.superseded = False
         old = self._latest_file.get(node.path)
         if old is not None and old != node.ino and old in self._nodes:
-            self._nodes[old].superseded = True
+            self._nodes[old].supersede()
         self._ino_by_path[(node.path, meta.etag)] = node.ino
         self._latest_file[node.path] = node.ino
         self._negative.pop(node.path, None)  # a rename looked the name up first, and found it missing
@@ -100,7 +100,7 @@ class WritableNamespace(Namespace):
             ino = self._latest_file.pop(path, None)
             node = self._nodes.get(ino) if ino is not None else None
             if node is not None:
-                node.superseded = True
+                node.supersede()
         parent, _, name = path.rpartition("/")
         self._change(parent, name, None)
         if is_dir:

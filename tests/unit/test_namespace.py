@@ -201,6 +201,67 @@ async def test_a_version_the_bucket_no_longer_holds_is_superseded_whatever_the_t
         assert exc.value.errno == errno.ENOENT
 
 
+@pytest.mark.parametrize("change", ["rolled back", "deleted and put again"])
+async def test_a_version_the_bucket_holds_again_opens_again(change: str) -> None:
+    """A superseded version that comes back (a rollback, or the same bytes uploaded again) maps to its old inode,
+    which stayed superseded: every open got ESTALE, the kernel's retry looked the path up to the same inode, and
+    so on until the kernel forgot it (a new user's held-open checkpoint)."""
+    store = FakeStore()
+    store.put("f", b"old")
+    ns = make_ns(store, ttl=0)
+    node = await ns.lookup(ROOT_INODE, b"f")
+    old = node.version("")
+    if change == "rolled back":
+        store.put("f", b"newer!")
+    else:
+        del store.objects["f"]
+    assert (await ns.refresh(node)).superseded
+    if change == "rolled back":
+        assert (await ns.lookup(ROOT_INODE, b"f")).ino != node.ino
+    store.put("f", b"old")
+    ns._negative.clear()  # what the TTL (0) does by the time the next lookup comes
+    again = await ns.lookup(ROOT_INODE, b"f")
+    assert again is node and not node.superseded
+    assert await ns.open_file(node.ino) == old
+    # Superseded by a refresh and back by its next one, with no lookup between.
+    store.put("f", b"newer!")
+    assert (await ns.refresh(node)).superseded
+    store.put("f", b"old")
+    assert await ns.open_file(node.ino) == old
+
+
+async def test_a_lookup_answered_after_the_kernel_forgot_the_inode_gives_it_back(autojump_clock) -> None:  # noqa: ANN001
+    """A LOOKUP that waited for another's answer counted its lookup on a node that a FORGET had removed meanwhile
+    (the kernel forgets an inode as soon as its count drops, and the revalidation of a replaced file does so at
+    once): the kernel then held an inode the daemon did not know, and its next OPEN or GETATTR got ENOENT for
+    a file that was always there (a new user's readers of an object overwritten in a loop)."""
+    store = FakeStore()
+    store.put("f", b"x")
+
+    async def slow(fn, *args):  # noqa: ANN001, ANN202
+        await trio.sleep(1)
+        return fn(*args)
+
+    ns = Namespace(store, slow, prefix="", ttl=0)
+    waited: list = []
+
+    async def first() -> None:
+        node = await ns.lookup(ROOT_INODE, b"f")
+        ns.forget(node.ino, 1)  # the kernel's FORGET, before the other LOOKUP's reply
+
+    async def second() -> None:
+        await trio.sleep(0.5)
+        waited.append(await ns.lookup(ROOT_INODE, b"f"))
+
+    async with trio.open_nursery() as n:
+        n.start_soon(first)
+        n.start_soon(second)
+    assert store.heads == 1
+    node = waited[0]
+    assert ns.node(node.ino) is node and node.lookups == 1
+    assert await ns.open_file(node.ino) == node.version("")
+
+
 async def test_what_a_listing_says_of_a_file_is_trusted_for_the_ttl_from_the_listing_not_from_its_use(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """A name looked up from a listing made 8 s ago with a 10 s TTL is asked of the bucket again 2 s later,

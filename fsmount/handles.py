@@ -1,7 +1,8 @@
 """Open files: each FUSE file handle pins one object version and drives read-ahead for it.
 
 A handle turns the read-ahead plan into chunk requests and serves READs from the chunk engine.
-It never talks to the store directly and never changes the version it pinned at open.
+It never talks to the store directly and never changes the version it pinned at open (a rewrite through the
+mount gives its descriptor a new OpenFile: operations.Operations._rewritten).
 """
 
 from __future__ import annotations
@@ -12,9 +13,11 @@ from fsmount.readahead import ReadAhead
 
 class OpenFile:
     def __init__(self, fh: int, ino: int, version: ObjectVersion, engine: ChunkEngine, max_readahead: int,
-                 direct: bool = False, kernel_window: int = 0, probe: bool = False):
+                 direct: bool = False, kernel_window: int = 0, streamed: bool = True):
         self.fh = fh
-        self.probe = probe  # opened by the daemon itself to ask the page cache (residency.py): never streamed
+        # Counted by the model streamer (ModelStreamer.opened/closed): not when the daemon itself opened it to ask the
+        # page cache (residency.py), nor after a rewrite through the mount gave it the new version.
+        self.streamed = streamed
         self.ino = ino
         self.version = version
         self.direct = direct  # opened with O_DIRECT: its READs bypass the page cache and say nothing of it

@@ -110,6 +110,9 @@ class Node:
     superseded: bool = False  # the bucket now holds another version of this path
     superseded_at: float = 0.0  # monotonic time it was found superseded
     writing: bool = False  # this mount is writing the file: not in the bucket until it is closed
+    # Rewritten through this mount (tree_changes.begin_file), which keeps the inode: the kernel may hold pages of
+    # the old version, read by descriptors opened before; the next open drops them (Operations.open).
+    pages_stale: bool = False
 
     def version(self, prefix: str) -> ObjectVersion:
         return ObjectVersion(prefix + self.path, self.etag, self.size)

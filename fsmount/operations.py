@@ -291,18 +291,29 @@ class Operations(pyfuse3.Operations):
         if flags & WRITE_FLAGS:
             if self.writes is None:
                 raise pyfuse3.FUSEError(errno.EROFS)
-            return await self._writer_handle(self.writes.open_existing(self.ns.node(inode), flags), ctx)
+            node = self.ns.node(inode)
+            old = node.version(self.ns.prefix)
+            new = self.writes.open_existing(node, flags)
+            # Its stream would push the old bytes into the pages of what is now the new file.
+            self.streamer.rewritten(old)
+            return await self._writer_handle(new, ctx)
         if self.ns.node(inode).writing:
             raise pyfuse3.FUSEError(errno.EBUSY)  # readable once it is closed and stored
         version = await self.ns.open_file(inode)
         fh = self._new_fh()
         probe = ctx.pid in self.probes
         self._files[fh] = OpenFile(fh, inode, version, self.engine, self.max_readahead,
-                                   direct=bool(flags & os.O_DIRECT), kernel_window=self.kernel_window, probe=probe)
+                                   direct=bool(flags & os.O_DIRECT), kernel_window=self.kernel_window,
+                                   streamed=not probe)
         if not probe:
             self.streamer.opened(inode, version)
-        # An inode is one object version (namespace.py), so its cached pages are always valid.
-        return pyfuse3.FileInfo(fh=fh, keep_cache=True)
+        # An inode is one object version (namespace.py), so its cached pages are always valid; except after a
+        # rewrite through this mount, which keeps the inode: what descriptors of the old version read while it was
+        # written went into its pages, so the first open after it drops them.
+        node = self.ns.node(inode)
+        keep_cache = not node.pages_stale
+        node.pages_stale = False
+        return pyfuse3.FileInfo(fh=fh, keep_cache=keep_cache)
 
     def _window_cap(self) -> int:
         # Read-ahead of all open files together keeps within half the chunk memory left beside the chunks
@@ -331,10 +342,35 @@ class Operations(pyfuse3.Operations):
 
     @_fuse_errors
     async def read(self, fh: int, off: int, size: int) -> bytes | memoryview:
-        handle = self._files.get(fh)
-        if handle is None:
-            # A handle that writes a file cannot read it back before it is stored.
-            raise pyfuse3.FUSEError(errno.EBUSY if fh in self._writers else errno.EBADF)
+        while True:
+            handle = self._files.get(fh)
+            if handle is None:
+                # A handle that writes a file cannot read it back before it is stored.
+                raise pyfuse3.FUSEError(errno.EBUSY if fh in self._writers else errno.EBADF)
+            if self._rewritten(handle):
+                continue
+            data = await self._read(handle, off, size)
+            # A reply goes into the inode's pages: none of the old version once the rewrite is stored.
+            if not self._rewritten(handle):
+                return data
+
+    def _rewritten(self, handle: OpenFile) -> bool:
+        """Whether the handle's inode was rewritten through this mount (O_TRUNC keeps the inode) and stored as
+        another version: the handle then reads the new one, as a descriptor of a local file does (README). Its
+        old version's bytes, replied into the inode's pages, were what the next open read (a new user's
+        checkpoint rewritten beside an evaluator: an open after the store read old bytes in the middle of new)."""
+        node = self.ns.node(handle.ino)
+        if node.writing or not node.etag or node.etag == handle.version.etag:
+            return False  # its own version, still being rewritten, or a rewrite that failed (the bucket holds the old)
+        handle.close()
+        if handle.streamed:
+            self.streamer.closed(handle.version)
+        self._files[handle.fh] = OpenFile(handle.fh, handle.ino, node.version(self.ns.prefix), self.engine,
+                                          self.max_readahead, direct=handle.direct,
+                                          kernel_window=self.kernel_window, streamed=False)
+        return True
+
+    async def _read(self, handle: OpenFile, off: int, size: int) -> bytes | memoryview:
         if not handle.direct and self.engine.kernel_lacks(handle.version, off, off + size):
             self.streamer.dropped(handle.version)
         cap = self._window_cap()
@@ -363,7 +399,7 @@ class Operations(pyfuse3.Operations):
         handle = self._files.pop(fh, None)
         if handle is not None:
             handle.close()
-            if not handle.probe:
+            if handle.streamed:
                 self.streamer.closed(handle.version)
         new = self._writers.pop(fh, None)
         if new is not None:

@@ -215,6 +215,18 @@ class ModelStreamer:
             if job.done.is_set():  # else _run_job gives its pushes back once the push in flight ended
                 self.pusher.release(job.pushed)
 
+    def rewritten(self, version: ObjectVersion) -> None:
+        """The inode of `version` is being rewritten through the mount (which keeps the inode): its stream ends,
+        else it would push the old bytes into the pages of the new file. Its descriptors read on without one."""
+        job = self._active.pop((version.key, version.etag), None)
+        if job is None:
+            return
+        job.handles = 0
+        job.scope.cancel()
+        self.engine.abandon(job)
+        if job.done.is_set():  # else _run_job gives its pushes back once the push in flight ended
+            self.pusher.release(job.pushed)
+
     def streaming(self, version: ObjectVersion) -> bool:
         """Whether a stream of this open file is fetching it in offset order (or waiting to)."""
         job = self._active.get((version.key, version.etag))

@@ -48,6 +48,7 @@ class WritableNamespace(Namespace):
             node = self._nodes[ino] = Node(ino, path, False, lookups=1)
         else:
             self._ino_by_path.pop((node.path, node.etag), None)
+            node.pages_stale = True
         node.size, node.etag, node.mtime_ns, node.writing, node.superseded = 0, "", time.time_ns(), True, False
         self._ino_by_path[(path, "")] = node.ino
         self._pending[path] = node

@@ -467,6 +467,37 @@ def test_an_overwrite_beside_a_reader_of_the_old_version_is_stored_at_its_close(
     delete_bucket(s3, bucket)
 
 
+def test_a_rewrite_beside_a_reader_of_the_old_version_shows_no_old_bytes_once_stored(s3: S3Server,
+                                                                                      mountpoint: Path) -> None:
+    """A rewrite through the mount keeps the inode (O_TRUNC). A descriptor of the old version read on from the
+    daemon's memory after the store, and its replies went into the inode's pages: a new open then read old bytes
+    in the middle of the new file (a new user's checkpoint rewritten beside an evaluator, silently). Now that
+    descriptor reads the new file once it is stored, and the first open after the rewrite drops what it read of
+    the old one while the new was written."""
+    bucket = new_bucket(s3)
+    old, new = random_bytes(32 * MiB, 23), random_bytes(32 * MiB, 24)
+    s3.client().put_object(Bucket=bucket, Key="ckpt.bin", Body=old)
+    with mounted(s3, bucket, mountpoint, *WRITABLE, "--allow-overwrite", "--chunk-size", "1M"):
+        path = mountpoint / "ckpt.bin"
+        reader = os.open(path, os.O_RDONLY)
+        try:
+            assert os.pread(reader, len(old), 0) == old  # every chunk in the daemon's memory
+            with open(path, "wb") as writer:
+                writer.write(new[:16 * MiB])
+                writer.flush()
+                # While the new file is written, the old descriptor may still read old bytes (README), which go
+                # into the inode's pages (up to the size written so far, the kernel's size of the file now).
+                assert os.pread(reader, MiB, 8 * MiB) in (old[8 * MiB:9 * MiB], new[8 * MiB:9 * MiB])
+                writer.write(new[16 * MiB:])
+            assert s3.client().get_object(Bucket=bucket, Key="ckpt.bin")["Body"].read() == new
+            assert os.pread(reader, 4 * MiB, 4 * MiB) == new[4 * MiB:8 * MiB]
+            assert sha(path.read_bytes()) == sha(new)
+            assert sha(os.pread(reader, len(new), 0)) == sha(new)
+        finally:
+            os.close(reader)
+    delete_bucket(s3, bucket)
+
+
 @pytest.mark.parametrize("cache_dir", [False, True], ids=["streamed", "cache-dir"])
 def test_a_writing_descriptor_bypasses_the_page_cache_and_one_large_write_is_stored_in_order(
         s3: S3Server, mountpoint: Path, tmp_path: Path, cache_dir: bool) -> None:

@@ -407,6 +407,33 @@ async def test_close_cancels_prefetch(autojump_clock, tmp_path) -> None:  # noqa
     await run_prefetcher(engine, streamer, body)
 
 
+async def test_a_file_rewritten_through_the_mount_stops_its_stream_while_handles_stay_open(
+        autojump_clock, tmp_path, monkeypatch) -> None:  # noqa: ANN001
+    """A rewrite through the mount keeps the inode: the old version's stream would push old bytes into the pages
+    of the new file. It ends at once; its handles' closes later change nothing."""
+    stored = recorded_stores(monkeypatch)
+    store, engine, streamer = prefetch_rig("m.safetensors", model_bytes(tmp_path, 64 * MiB), conns=2,
+                                           memory=512 * MiB, push_limit=1 << 40)
+
+    async def body() -> None:
+        v = version(store, "m.safetensors")
+        streamer.opened(2, v)
+        streamer.opened(2, v)  # two descriptors
+        while not stored:  # pushing
+            await trio.sleep(0.01)
+        streamer.rewritten(v)
+        assert not streamer.streaming(v) and not streamer._active
+        pushed, gets = len(stored), len(store.gets)
+        await trio.sleep(30)
+        assert len(stored) <= pushed + 1 and len(store.gets) <= gets + 2  # at most what was in flight
+        assert len(store.gets) < 20  # of 65 chunks
+        streamer.closed(v)
+        streamer.closed(v)
+        assert streamer.pusher.pushed == 0  # what it pushed no longer counts against the push limit
+
+    await run_prefetcher(engine, streamer, body)
+
+
 async def test_malformed_header_only_disables_prefetch(autojump_clock, caplog) -> None:  # noqa: ANN001
     store, engine, streamer = prefetch_rig("bad.safetensors", (10**12).to_bytes(8, "little") + os.urandom(3 * MiB))
 

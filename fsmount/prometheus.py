@@ -78,6 +78,10 @@ class StatsCollector:
                                 "files still open", value=s["pagecache_pushed_bytes"])
         yield GaugeMetricFamily("modelfs_fetches_inflight", "Chunk fetches running now",
                                 value=s["fetches_inflight"])
+        yield CounterMetricFamily("modelfs_cache_writes_given_up", "Cache writes given up on their deadline "
+                                  "(a stalled cache disk)", value=s["cache_writes_given_up"])
+        yield CounterMetricFamily("modelfs_cache_writes_skipped", "Fetched chunks not written to the cache "
+                                  "levels while cache writes stall", value=s["cache_writes_skipped"])
         yield GaugeMetricFamily("modelfs_memory_used_bytes", "Chunk bytes held or reserved in memory",
                                 value=s["memory_used_bytes"])
         yield GaugeMetricFamily("modelfs_memory_limit_bytes", "Chunk memory: --memory-limit less the runtime's share",

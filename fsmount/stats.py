@@ -95,6 +95,10 @@ class MountStats:
             "fetches_inflight": es.fetches_inflight,
             # Fetched chunks not yet written to the cache levels (written in the background).
             "cache_writes_pending": self.engine.levels.writes_pending,
+            # Fetched chunks not written to the cache levels: given up on their deadline, and not started while
+            # writes stalled (a frozen or hung cache disk).
+            "cache_writes_given_up": self.engine.levels.stats.writes_given_up,
+            "cache_writes_skipped": es.writes_skipped,
             "memory_used_bytes": self.engine.memory.used,
             "memory_limit_bytes": self.engine.memory.limit,
             "open_files": self.open_files(),

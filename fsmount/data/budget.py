@@ -191,6 +191,11 @@ class MemoryBudget:
         self._pins[cid] += 1
         return True
 
+    @property
+    def pinned(self) -> int:
+        """Chunks pinned (waiting for their write-through)."""
+        return len(self._pins)
+
     def unpin(self, cid: ChunkId) -> None:
         self._pins[cid] -= 1
         if self._pins[cid] <= 0:

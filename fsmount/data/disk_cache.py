@@ -31,7 +31,8 @@ Concurrency rules (callers are worker threads of the chunk engine):
 
 The directory layout and its lock are cache_dir's; the chunk file format is chunk_file's.
 LRU order lives in memory (OrderedDict, most recent last) and persists across restarts as file mtime:
-put sets it, a hit refreshes it (at most once per TOUCH_INTERVAL_NS), open sorts by it.
+put sets it, a hit refreshes it (at most once per TOUCH_INTERVAL_NS, from a thread of its own: _Toucher), open
+sorts by it.
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ import fcntl
 import logging
 import mmap
 import os
+import queue
 import stat
 import tempfile
 import threading
@@ -90,6 +92,39 @@ WRITE_RETRY_S = 30.0
 # A hit rewrites the file's mtime (the persisted LRU stamp) only if it is older than this, so hot chunks
 # do not dirty their inode on every read. Restart order is therefore exact to within a minute.
 TOUCH_INTERVAL_NS = 60 * 1_000_000_000
+# Touches waiting for the toucher's thread; more are dropped (only the order after a restart ages).
+TOUCH_BACKLOG = 1024
+
+
+class _Toucher:
+    """Rewrites the mtime of chunk files that were hit, on a thread of its own. Done in the read, a utime on a
+    stalled cache disk (a filesystem frozen for a snapshot, a hung NVMe) held the READ of a chunk read whole a
+    moment before, and every READ of a cached chunk after it, until each failed at --read-timeout."""
+
+    def __init__(self) -> None:
+        self._queue: queue.SimpleQueue[str | None] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+
+    def touch(self, path: str) -> None:
+        if self._queue.qsize() >= TOUCH_BACKLOG:
+            return
+        self._queue.put(path)
+        with self._lock:
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="disk-cache-touch", daemon=True)
+                self._thread.start()
+
+    def _run(self) -> None:
+        while (path := self._queue.get()) is not None:
+            try:
+                os.utime(path, follow_symlinks=False)
+            except OSError:
+                pass  # evicted meanwhile, or a read-only fs: LRU order is still right in memory
+
+    def close(self) -> None:
+        """Ends the thread once the touches queued are done (not waited for: the disk may be stalled)."""
+        self._queue.put(None)
 
 
 @dataclasses.dataclass(slots=True)
@@ -149,6 +184,7 @@ class DiskCache:
         # refuse it with EINVAL): hits are read with O_DIRECT straight into the engine's buffer as long as it does.
         self._writer = ChunkFileWriter(self.root)
         self.swept_tmp_files = 0
+        self._toucher = _Toucher()
 
         # Chunk data is private bucket content: a directory made here is 0700, and so are `chunks/` and its
         # shards whatever the directory above them. An existing directory keeps its mode: it may be a disk's
@@ -179,6 +215,7 @@ class DiskCache:
             if self._closed:
                 return
             self._closed = True
+        self._toucher.close()
         release_dir_lock(self._lock_fd)
 
     def __enter__(self) -> Self:
@@ -255,10 +292,7 @@ class DiskCache:
                 self._drop_corrupt(digest, path, st, str(why))
                 return None
             if time.time_ns() - st.st_mtime_ns > TOUCH_INTERVAL_NS:
-                try:
-                    os.utime(fd)
-                except OSError:
-                    pass  # read-only fs: LRU order still right in memory, only the restart order ages
+                self._toucher.touch(path)
         except OSError as err:
             self._read_failed(digest, err)
             return None

@@ -47,6 +47,11 @@ BACKGROUND = 2  # warming files nobody has opened yet (other shards of a model)
 # A READ arriving later is a new attempt by the application: it gets a new fetch and a new deadline,
 # instead of inheriting the old fetch's retry chain (botocore's throttling backoff alone reaches 8 s).
 RETRY_GRACE_S = 1.0
+# Chunks waiting for their write to a cache level are pinned in memory, which holds back fetches while a disk is
+# slower than the origin (every chunk still gets cached). While writes stall (one was given up on its deadline:
+# levels.WRITE_DEADLINE_S), at most this share of the chunk memory: beyond it a chunk is not written through, so
+# fetches go on in the rest (a frozen cache disk pinned all of it, and every READ failed at --read-timeout).
+WRITE_PIN_SHARE = 0.75
 
 
 class ReadTimeout(StoreError):
@@ -62,6 +67,7 @@ class EngineStats:
     bytes_served_origin: int = 0
     readahead_dropped: int = 0
     pagecache_drops: int = 0  # READs that showed the kernel had dropped pages it was believed to hold
+    writes_skipped: int = 0  # fetched chunks not written to the cache levels while writes stall (WRITE_PIN_SHARE)
     fetches_inflight: int = 0
 
 
@@ -129,6 +135,8 @@ class ChunkEngine:
         self._queued = trio.Semaphore(0)
         self._seq = itertools.count()
         self._nursery: trio.Nursery | None = None
+        self._writes_behind = False  # whether write-throughs are being skipped
+        self._writes_behind_told = False  # the first time is a warning, the others debug (a slow disk flaps)
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Run the fetch workers until cancelled."""
@@ -323,7 +331,7 @@ class ChunkEngine:
             missed = self.levels.missed(hit)
             if missed and self._nursery is not None:
                 cid = fetch.cid
-                if self.memory.pin(cid):
+                if self._writes_keep_up() and self.memory.pin(cid):
                     self.levels.start_write(self._nursery, missed, cid, data, lambda: self.memory.unpin(cid))
                 else:
                     self.levels.start_abandon(self._nursery, missed, cid)
@@ -344,6 +352,23 @@ class ChunkEngine:
             self.memory.release(fetch.length)
             self.stats.fetches_inflight -= 1
             self._finish(fetch)
+
+    def _writes_keep_up(self) -> bool:
+        """Whether a chunk may wait in memory for its write-through (WRITE_PIN_SHARE)."""
+        behind = (self.memory.pinned * self.chunk_size >= WRITE_PIN_SHARE * self.memory.limit
+                  and self.levels.writes_stalled())
+        if behind != self._writes_behind:
+            self._writes_behind = behind
+            if behind:
+                (log.debug if self._writes_behind_told else log.warning)(
+                    "cache writes stall (%d chunks waiting): fetched chunks are not written to the cache until "
+                    "they finish", self.memory.pinned)
+                self._writes_behind_told = True
+            else:
+                log.debug("cache writes keep up again: fetched chunks are written to the cache")
+        if behind:
+            self.stats.writes_skipped += 1
+        return not behind
 
     def _finish(self, fetch: Fetch) -> None:
         fetch.done.set()

@@ -23,6 +23,7 @@ import bisect
 import collections
 import dataclasses
 import logging
+import math
 import mmap
 import threading
 import time
@@ -47,6 +48,12 @@ PUT_THREADS = 2
 # Chunk ids of the latest origin fetches remembered to count a chunk fetched again (`origin_refetched_bytes`):
 # 65536 x 8 MiB is 512 GiB of models, for ~10 MiB of ids.
 REFETCH_MEMORY = 65536
+# A write-through that has not finished this long after it was started (waiting for its level's threads, then
+# writing) is given up: the chunk's memory is let go (a put already running finishes on its own thread). A cache
+# disk that stops answering (a filesystem frozen for a snapshot, a hung NVMe) otherwise held every chunk fetched
+# since in memory, and every fetch then waited for memory until its READ failed. A healthy disk this far behind
+# the origin is worth no more waiting either: the chunk is only not cached.
+WRITE_DEADLINE_S = 30.0
 # Object versions whose GET the bucket refused as gone (412: replaced, 404: deleted), remembered for GONE_FOR_S
 # so that the other chunks of a version fail at once instead of each sending a GET that would be refused too
 # (a reader going on through a replaced file sent one per chunk). Not for longer: a version can come back (the
@@ -144,6 +151,7 @@ class LevelStats:
     # origin did not send. A chunk it did fetch and then loaded back from a level (given up from memory once
     # the page cache had it, as memory does beside a cache level) saved the origin nothing.
     level_saved_bytes: list[int] = dataclasses.field(default_factory=list)
+    writes_given_up: int = 0  # write-throughs given up on their deadline (WRITE_DEADLINE_S)
 
     @property
     def hits(self) -> int:
@@ -183,6 +191,7 @@ class LevelStack:
         self._contains = [level.contains for level in self.levels if hasattr(level, "contains")]
         self._writes_pending = 0
         self._writes_changed = trio.Event()
+        self._given_up_at = -math.inf  # trio time of the last write-through given up (WRITE_DEADLINE_S)
         self.trailing = TrailingWrites(run_blocking, chunk_size, self._write_done)
 
     def holds(self, cid: ChunkId) -> bool:
@@ -302,14 +311,30 @@ class LevelStack:
                     self._writes_pending += 1  # until the trailing write ran (_write_done)
                     continue
                 try:
-                    await self._run_blocking(level.put, cid, data, limiter=self._put_limiters[i])
+                    with trio.move_on_after(WRITE_DEADLINE_S) as deadline:
+                        await self._run_blocking(level.put, cid, data, limiter=self._put_limiters[i])
                 except Exception as exc:  # noqa: BLE001 - a cache level never breaks a read
                     log.warning("cache write of chunk %d of %r failed: %s", cid.index, cid.key, exc)
                 else:
-                    written.append(level)
+                    if deadline.cancelled_caught:
+                        self._write_given_up(cid)
+                    else:
+                        written.append(level)
         finally:
             done()
             self._write_done()
+
+    def _write_given_up(self, cid: ChunkId) -> None:
+        self.stats.writes_given_up += 1
+        if self._given_up_at < trio.current_time() - WRITE_DEADLINE_S:  # once per episode
+            log.warning("a cache write of chunk %d of %r did not finish within %g s (a stalled cache disk?): "
+                        "given up; while writes stall, fetched chunks wait for them only in part of the chunk "
+                        "memory", cid.index, cid.key, WRITE_DEADLINE_S)
+        self._given_up_at = trio.current_time()
+
+    def writes_stalled(self) -> bool:
+        """Whether a write-through was given up on its deadline in the last WRITE_DEADLINE_S."""
+        return trio.current_time() - self._given_up_at < WRITE_DEADLINE_S
 
     def _write_done(self) -> None:
         self._writes_pending -= 1

@@ -117,6 +117,38 @@ def test_empty_chunk_and_odd_key_text_round_trip(tmp_path: Path) -> None:
         assert cache.get(chunk_id(1)) == b"1"
 
 
+def test_a_hit_on_a_stalled_disk_returns_its_bytes_without_waiting_for_the_stamp(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A hit rewrote the chunk file's mtime in the read itself: on a filesystem frozen for a snapshot (fsfreeze) that
+    utime blocked, so a chunk read whole was never returned, and every READ of a cached chunk failed at
+    --read-timeout. The stamp is written from a thread of its own now."""
+    import fsmount.data.disk_cache as disk_cache
+
+    frozen = threading.Event()
+    stamped: list[str] = []
+
+    def stalled_utime(path: str, *args: object, **kwargs: object) -> None:
+        frozen.wait(30)
+        stamped.append(path)
+
+    with DiskCache(tmp_path, BIG, min_free_bytes=0) as cache:
+        chunks = [chunk_id(i) for i in range(3)]
+        for c in chunks:
+            cache.put(c, payload(c))
+            os.utime(chunk_file_of(cache, c), ns=(10**18, 10**18))  # stale stamps: every hit restamps
+        monkeypatch.setattr(disk_cache.os, "utime", stalled_utime)
+        began = time.monotonic()
+        for c in chunks:
+            assert cache.get(c) == payload(c)
+        assert time.monotonic() - began < 5 and not stamped
+        frozen.set()  # thawed: the stamps are written
+        deadline = time.monotonic() + 10
+        while len(stamped) < 3:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+    assert stamped == [chunk_file_of(cache, c) for c in chunks]
+
+
 def test_hit_refreshes_persisted_lru_stamp_and_reopen_evicts_by_it(tmp_path: Path) -> None:
     chunks = [chunk_id(i) for i in range(4)]
     with DiskCache(tmp_path, BIG, min_free_bytes=0) as cache:
@@ -126,8 +158,11 @@ def test_hit_refreshes_persisted_lru_stamp_and_reopen_evicts_by_it(tmp_path: Pat
         hour_ago = time.time_ns() - 3600 * 10**9
         for age, c in enumerate(chunks):  # persisted order: chunk 0 oldest ... chunk 3 newest
             os.utime(chunk_file_of(cache, c), ns=(hour_ago + age * 10**9,) * 2)
-        assert cache.get(chunks[0]) == payload(chunks[0])  # a hit stamps "now" on chunk 0
-        assert os.stat(chunk_file_of(cache, chunks[0])).st_mtime_ns > time.time_ns() - 60 * 10**9
+        assert cache.get(chunks[0]) == payload(chunks[0])  # a hit stamps "now" on chunk 0 (from a thread)
+        deadline = time.monotonic() + 10
+        while os.stat(chunk_file_of(cache, chunks[0])).st_mtime_ns < time.time_ns() - 60 * 10**9:
+            assert time.monotonic() < deadline, "the hit's stamp was not written"
+            time.sleep(0.01)
 
     with DiskCache(tmp_path, 4 * size, min_free_bytes=0) as cache:
         cache.put(chunk_id(10), payload(chunk_id(10)))  # full: evicts the least recent, chunk 1

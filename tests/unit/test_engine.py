@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import random
 
@@ -20,7 +21,7 @@ from fsmount.data import (
     TransientError,
     Unreachable,
 )
-from fsmount.data.levels import GONE_FOR_S, LevelStack
+from fsmount.data.levels import GONE_FOR_S, WRITE_DEADLINE_S, LevelStack
 from fsmount.data.trailing import TRAIL_IDLE_S, WAITERS_CHECK_S
 from fsmount.handles import OpenFile
 from fsmount.readahead import LOCAL_WINDOW, ReadAhead
@@ -646,6 +647,39 @@ async def test_a_write_through_backlog_stays_inside_the_memory_budget(autojump_c
         assert len(level.chunks) == 48
 
     await run_engine(engine, body)
+
+
+async def stalled_put_runner(fn, *args, limiter):  # noqa: ANN001, ANN201
+    """A cache disk frozen for good: a put never returns; anything else takes LATENCY (virtual time)."""
+    async with limiter:
+        await trio.sleep(math.inf if fn.__name__ == "put" else LATENCY)
+        return fn(*args)
+
+
+async def test_a_cache_level_whose_writes_stall_costs_no_read(autojump_clock, caplog, allowed_logs) -> None:  # noqa: ANN001
+    """A cache disk that stops answering (fsfreeze for a snapshot, a hung NVMe): every chunk fetched since waited in
+    memory for its write, and once the memory was full every READ failed at --read-timeout. A write is given up
+    after WRITE_DEADLINE_S, and while writes stall chunks are written through only in part of the memory."""
+    allowed_logs.append(r"did not finish within|cache writes stall")
+    store = FakeStore()
+    data = put_object(store, "m", 48 * CHUNK)
+    engine = ChunkEngine(store, chunk_size=CHUNK, memory_limit=8 * CHUNK, max_connections=4,
+                         read_timeout=120.0, levels=[SlowLevel()], run_blocking=stalled_put_runner)
+    v = version(store, "m")
+
+    async def body() -> None:
+        began = trio.current_time()
+        for i in range(48):
+            got = await engine.read(v, i * CHUNK, (i + 1) * CHUNK)
+            assert bytes(got) == data[i * CHUNK:(i + 1) * CHUNK]
+            del got
+        # One deadline's wait, then the reads go on at the origin's pace.
+        assert trio.current_time() - began < WRITE_DEADLINE_S + 10
+        assert engine.levels.stats.writes_given_up >= 1 and engine.stats.writes_skipped > 0
+        assert engine.memory.used <= engine.memory.limit
+
+    await run_engine(engine, body)
+    assert len([r for r in caplog.records if r.levelname == "WARNING"]) == 2  # once each, not per chunk
 
 
 class ClaimingLevel(MemoryLevel):

@@ -21,7 +21,8 @@ def snapshot(**extra: Any) -> dict[str, Any]:
         "streamed_bytes": 0, "readahead_dropped": 0, "pagecache_pushed_bytes": 0, "pagecache_stored_bytes": 0,
         "pagecache_drops": 0,
         "fetches_inflight": 0,
-        "cache_writes_pending": 0, "memory_used_bytes": 0, "memory_limit_bytes": 64 * MiB, "open_files": 0,
+        "cache_writes_pending": 0, "cache_writes_given_up": 0, "cache_writes_skipped": 0,
+        "memory_used_bytes": 0, "memory_limit_bytes": 64 * MiB, "open_files": 0,
         "inodes": 1, "disk_cache": None, "shared_cache": None, "writes": None,
     }
     out.update(extra)

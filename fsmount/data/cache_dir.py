@@ -1,5 +1,5 @@
-"""The layout of a cache directory and what guards it: `root/lock` (held with flock by the one process
-using the directory, and naming its pid), `root/chunks/<d[:2]>/<d>` where d = ChunkId.digest(), temp
+"""The layout of a cache directory and what guards it: a flock on the directory itself (held by the one process
+using it; `root/lock` names that process's pid), `root/chunks/<d[:2]>/<d>` where d = ChunkId.digest(), temp
 files `*.tmp` beside them, a stat-only scan of what is there, and the size a `--cache-size` names.
 
 Plain functions; the cache (disk_cache) and the `modelfs cache` commands (cache_admin) both use them.
@@ -64,8 +64,8 @@ def scan_chunk_files(chunks_dir: str, sweep_tmp: bool) -> tuple[list[tuple[int, 
                     try:
                         os.unlink(entry.path)
                         swept += 1
-                    except FileNotFoundError:
-                        pass
+                    except OSError:
+                        pass  # gone meanwhile, or a read-only cache dir: left there, never indexed
                 continue
             if len(name) != 64 or not name.startswith(shard.name) or not _HEX.issuperset(name):
                 continue
@@ -87,43 +87,69 @@ def scandir(path: str) -> Iterator[os.DirEntry[str]]:
 
 
 def acquire_dir_lock(root: str) -> int:
+    """Take the cache dir for this process: a flock on the directory itself (a flock on its `lock` file alone let a
+    second daemon in once an operator's `rm -rf CACHE/*` had removed that file: two indexes evicting each other's
+    files, each within its own --cache-size). The `lock` file only names the holder's pid, for the next comer;
+    it is never followed as a symlink nor opened as a FIFO, and may be missing or unwritable (a read-only cache
+    dir). Returns the descriptor to give to release_dir_lock."""
     path = os.path.join(root, LOCK_FILE)
-    # Held through a read-only descriptor (flock ignores the mode): an open-for-write file would make
-    # the filesystem refuse a remount read-only while we run.
-    # Never through a symlink (the pid write below truncated a linked file: /etc/passwd, had it pointed there), and
-    # never a FIFO's open that waits for a writer.
+    # A read-only descriptor (flock ignores the mode): one open for writing would make the filesystem refuse a
+    # remount read-only while we run.
+    fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK, 0o600)
-    except OSError as exc:
-        if exc.errno != errno.ELOOP:
-            raise
-        raise OSError(errno.ELOOP, f"{path} is a symlink: the lock is a file of the cache dir's own") from None
-    if not stat.S_ISREG(os.fstat(fd).st_mode):
-        os.close(fd)
-        raise OSError(errno.EINVAL, f"{path} is not a regular file")
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        holder = os.pread(fd, 32, 0).decode("ascii", "replace").strip() or "unknown"
-        os.close(fd)
-        raise CacheDirBusy(
-            f"cache dir {root} is in use by another modelfs mount or cache command (pid {holder}); "
-            f"a cache dir serves one mount or command at a time: unmount it (or let the command finish) first, "
-            f"or use another cache dir"
-        ) from None
-    try:  # only for the CacheDirBusy message of the next comer
-        pid_fd = os.open(path, os.O_WRONLY | os.O_TRUNC | os.O_CLOEXEC | os.O_NOFOLLOW)
         try:
-            os.write(pid_fd, f"{os.getpid()}\n".encode())
-        finally:
-            os.close(pid_fd)
-    except OSError:
-        pass
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise CacheDirBusy(
+                f"cache dir {root} is in use by another modelfs mount or cache command (pid {_holder(path)}); "
+                f"a cache dir serves one mount or command at a time: unmount it (or let the command finish) first, "
+                f"or use another cache dir"
+            ) from None
+        _write_pid(path)
+    except BaseException:
+        os.close(fd)
+        raise
     return fd
 
 
+def _holder(path: str) -> str:
+    try:
+        pid_fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError:
+        return "unknown"
+    try:
+        return os.pread(pid_fd, 32, 0).decode("ascii", "replace").strip() or "unknown"
+    except OSError:
+        return "unknown"
+    finally:
+        os.close(pid_fd)
+
+
+def _write_pid(path: str) -> None:
+    """This process's pid into `lock`. Never through a symlink (the write truncated a linked file: /etc/passwd,
+    had it pointed there) nor into anything but a regular file: both are refused. A read-only cache dir keeps
+    the file it has, or none."""
+    try:
+        pid_fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK, 0o600)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise OSError(errno.ELOOP, f"{path} is a symlink: the lock is a file of the cache dir's own") from None
+        if exc.errno == errno.ENXIO:  # a FIFO nobody reads
+            raise OSError(errno.EINVAL, f"{path} is not a regular file") from None
+        if exc.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
+            return
+        raise
+    try:
+        if not stat.S_ISREG(os.fstat(pid_fd).st_mode):
+            raise OSError(errno.EINVAL, f"{path} is not a regular file")
+        os.ftruncate(pid_fd, 0)
+        os.write(pid_fd, f"{os.getpid()}\n".encode())
+    finally:
+        os.close(pid_fd)
+
+
 def release_dir_lock(fd: int) -> None:
-    os.close(fd)  # closing the only descriptor of the open file drops the flock
+    os.close(fd)  # closing the only descriptor of the open directory drops the flock
 
 
 def bytes_for_fraction(root: str | os.PathLike[str], fraction: float) -> int:

@@ -26,7 +26,7 @@ Concurrency rules (callers are worker threads of the chunk engine):
 - Files are never modified in place: a chunk is written to `*.tmp` and renamed over its final name.
   So a reader that opened a file always sees one complete file; if eviction unlinks it meanwhile, Linux
   keeps the open inode readable. A reader that loses the race to the unlink gets ENOENT -> a miss.
-- One process per cache directory: `root/lock` is held with flock(LOCK_EX|LOCK_NB) while open, and by
+- One process per cache directory: the directory is held with flock(LOCK_EX|LOCK_NB) while open, and by
   `cache_clear` / `cache_verify`, so nothing deletes files under a live mount's index.
 
 The directory layout and its lock are cache_dir's; the chunk file format is chunk_file's.
@@ -179,6 +179,7 @@ class DiskCache:
         self._write_failed_at: float | None = None
         self._write_episode = 0  # counts episodes, so a put knows whether it started inside this one
         self._corrupt_logged = False
+        self._unreadable_logged = False
         self._closed = False
         # Writes chunk files, and says whether this filesystem takes O_DIRECT (tmpfs and some overlays
         # refuse it with EINVAL): hits are read with O_DIRECT straight into the engine's buffer as long as it does.
@@ -194,19 +195,47 @@ class DiskCache:
         try:
             os.makedirs(self._chunks_dir, mode=0o700, exist_ok=True)
             real_dir(self._chunks_dir)  # not a symlink out of the cache dir (chmod below would follow it too)
-            os.chmod(self._chunks_dir, 0o700)
-            for shard in range(16**SHARD_HEX_CHARS):
-                path = os.path.join(self._chunks_dir, f"{shard:0{SHARD_HEX_CHARS}x}")
-                if os.path.islink(path):
-                    os.unlink(path)  # the link, never what it points at: chunks are written only here
-                    log.warning("disk cache %s: %s was a symlink; removed", self.root, path)
-                os.makedirs(path, 0o700, exist_ok=True)
+            self._make_private()
+            try:
+                self._make_shards()
+            except OSError as exc:
+                if exc.errno not in (errno.EROFS, errno.EACCES, errno.EPERM):
+                    raise
+                # A read-only cache dir (a warm cache on a disk mounted read-only): it serves what it holds, and
+                # its first put starts a write episode (one warning).
+                log.warning("disk cache %s: cannot make its directories (%s); serving what it holds", self.root,
+                            exc.strerror or exc)
             self._rebuild_index()
             with self._lock:
                 self._evict_locked(self.stats.bytes_used - self.max_bytes)  # max_bytes may have shrunk
         except BaseException:
             release_dir_lock(self._lock_fd)
             raise
+
+    def _make_private(self) -> None:
+        """`chunks/` 0700. Only changed where it is not: a chmod of a directory another user owns needs CAP_FOWNER,
+        which the systemd unit does not keep, and a read-only cache dir refuses it; a cache dir restored from a
+        backup was refused whole for that."""
+        mode = stat.S_IMODE(os.stat(self._chunks_dir).st_mode)
+        if mode == 0o700:
+            return
+        try:
+            os.chmod(self._chunks_dir, 0o700)
+        except OSError as exc:
+            if mode & 0o077:
+                log.warning("disk cache %s: cannot make %s private (%s): other users may read the cached chunks",
+                            self.root, self._chunks_dir, exc.strerror or exc)
+
+    def _make_shards(self, only: str | None = None) -> None:
+        """The shard directories under `chunks/` (or `only`, one of them), made again where missing. A symlink in
+        a shard's place is removed, never followed: chunks are written only here."""
+        shards = [only] if only is not None else [
+            os.path.join(self._chunks_dir, f"{shard:0{SHARD_HEX_CHARS}x}") for shard in range(16**SHARD_HEX_CHARS)]
+        for path in shards:
+            if os.path.islink(path):
+                os.unlink(path)
+                log.warning("disk cache %s: %s was a symlink; removed", self.root, path)
+            os.makedirs(path, 0o700, exist_ok=True)
 
     # -- lifecycle -------------------------------------------------------------------------------
 
@@ -447,9 +476,17 @@ class DiskCache:
         """Write header, padding and data to a new temp file next to the chunk's final path. Once the file
         is whole, statvfs counts its bytes, so they leave _unwritten here (on failure the caller releases
         them)."""
-        fd, tmp_path = tempfile.mkstemp(  # 0600, O_EXCL; same dir, so the rename is atomic
-            prefix=digest[:16] + ".", suffix=TMP_SUFFIX, dir=os.path.dirname(self._path(digest))
-        )
+        shard = os.path.dirname(self._path(digest))
+        try:
+            fd, tmp_path = tempfile.mkstemp(prefix=digest[:16] + ".", suffix=TMP_SUFFIX, dir=shard)  # 0600, O_EXCL;
+        except FileNotFoundError:  # same dir, so the rename is atomic
+            # Its shard, or `chunks/` itself, was removed under the mount (an operator's `rm -rf CACHE/chunks/*`):
+            # every put failed until the next mount. Made again (never through a symlink), once per removal.
+            os.makedirs(self._chunks_dir, mode=0o700, exist_ok=True)
+            real_dir(self._chunks_dir)
+            self._make_shards(shard)
+            log.info("disk cache %s: %s was removed; made again", self.root, shard)
+            fd, tmp_path = tempfile.mkstemp(prefix=digest[:16] + ".", suffix=TMP_SUFFIX, dir=shard)
         try:
             self._writer.write(fd, tmp_path, header, data)
         except BaseException:
@@ -488,10 +525,21 @@ class DiskCache:
                 if size is not None:
                     self.stats.bytes_used -= size
                     self.stats.chunks = len(self._index)
-            else:
-                self.stats.read_errors += 1
-        if not isinstance(err, FileNotFoundError):
-            log.debug("disk cache %s: reading %s failed: %s", self.root, digest, err)
+                return
+            # Unreadable (a file of another owner, restored from a backup; a bad block): forgotten and removed,
+            # so that the chunk's next put writes one that reads. Kept indexed, every read of it went to the
+            # origin and its put was skipped as a chunk already held, for good.
+            self.stats.read_errors += 1
+            size = self._index.pop(digest, None)
+            if size is not None:
+                self.stats.bytes_used -= size
+                self.stats.chunks = len(self._index)
+                unlink_quietly(self._path(digest))
+            first = not self._unreadable_logged
+            self._unreadable_logged = True
+        (log.warning if first else log.debug)(
+            "disk cache %s: reading chunk file %s failed (%s); it is removed and written again at the chunk's next "
+            "fetch", self.root, self._path(digest), err.strerror or err)
 
     def _drop_corrupt(self, digest: str, path: str, read: os.stat_result, why: str) -> None:
         with self._lock:

@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 
 from fsmount.data import ChunkId, cache_clear, cache_stats, cache_verify
-from fsmount.data.cache_dir import CHUNKS_DIR, CacheDirBusy, bytes_for_fraction, chunk_path
+from fsmount.data.cache_dir import CHUNKS_DIR, SHARD_HEX_CHARS, CacheDirBusy, bytes_for_fraction, chunk_path
 from fsmount.data.chunk_file import ALIGN, round_up
 from fsmount.data.disk_cache import DiskCache
 from tests.helpers import CORRUPT_WARNING, KiB, MiB, expects_warning, random_bytes
@@ -755,6 +755,108 @@ def test_second_cache_on_same_dir_is_refused_until_first_closes(tmp_path: Path) 
         cache_verify(tmp_path / "c")
     first.close()
     DiskCache(tmp_path / "c", BIG, min_free_bytes=0).close()
+
+
+def test_a_second_cache_is_refused_even_once_the_lock_file_is_removed(tmp_path: Path) -> None:
+    """An operator's `rm -rf CACHE/*` removed the `lock` file a live mount held its flock on: a second mount of
+    the dir then went ahead, and the two evicted each other's files, each within its own --cache-size."""
+    with DiskCache(tmp_path / "c", BIG, min_free_bytes=0):
+        for entry in (tmp_path / "c").iterdir():
+            shutil.rmtree(entry) if entry.is_dir() else entry.unlink()
+        with pytest.raises(CacheDirBusy) as busy:
+            DiskCache(tmp_path / "c", BIG, min_free_bytes=0)
+        assert "pid unknown" in str(busy.value)
+        with pytest.raises(CacheDirBusy):
+            cache_verify(tmp_path / "c")
+
+
+def test_chunk_dirs_removed_under_a_live_cache_are_made_again(tmp_path: Path, caplog) -> None:  # noqa: ANN001
+    """`rm -rf CACHE/chunks/*` while mounted: every put failed (its shard was gone) for the rest of the mount,
+    one warning, and every read of those models went to the origin again."""
+    with DiskCache(tmp_path / "c", BIG, min_free_bytes=0) as cache:
+        cache.put(chunk_id(1), payload(chunk_id(1)))
+        for how in ("shards", "chunks"):
+            if how == "shards":
+                for shard in (tmp_path / "c" / CHUNKS_DIR).iterdir():
+                    shutil.rmtree(shard)
+            else:
+                shutil.rmtree(tmp_path / "c" / CHUNKS_DIR)
+            for i in range(1, 6):  # as the engine goes: a miss (the file is gone: forgotten), a fetch, a put
+                assert cache.get(chunk_id(i)) is None
+                cache.put(chunk_id(i), payload(chunk_id(i)))
+                assert cache.get(chunk_id(i)) == payload(chunk_id(i))
+        assert cache.stats.write_errors == 0 and not warnings_from_cache(caplog)
+
+
+def test_an_unreadable_chunk_file_is_removed_and_written_again(tmp_path: Path, caplog, allowed_logs,  # noqa: ANN001
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """A chunk file the daemon cannot read (root's 0600 file in a cache restored from a backup, for a daemon that
+    runs as another user): it stayed indexed, its read failed at every lookup (logged at debug), and the re-put
+    after each origin fetch was skipped as a chunk already held."""
+    allowed_logs.append(r"reading chunk file .* failed")
+    real_open = DiskCache._open_for_read
+    with DiskCache(tmp_path / "c", BIG, min_free_bytes=0) as cache:
+        for i in range(3):
+            cache.put(chunk_id(i), payload(chunk_id(i)))
+        used = cache.stats.bytes_used
+
+        def refused(self: DiskCache, path: str, direct: bool) -> tuple[int, os.stat_result]:
+            raise PermissionError(errno.EACCES, "Permission denied", path)
+
+        monkeypatch.setattr(DiskCache, "_open_for_read", refused)
+        for i in range(3):
+            assert cache.get(chunk_id(i)) is None
+        assert cache.stats.read_errors == 3 and cache.stats.chunks == 0 and cache.stats.bytes_used == 0
+        assert not disk_files(tmp_path / "c")
+        monkeypatch.setattr(DiskCache, "_open_for_read", real_open)
+        for i in range(3):  # fetched again from the origin: written again
+            cache.put(chunk_id(i), payload(chunk_id(i)))
+            assert cache.get(chunk_id(i)) == payload(chunk_id(i))
+        assert cache.stats.bytes_used == used
+    assert len(warnings_from_cache(caplog)) == 1
+
+
+def test_a_chunks_dir_that_cannot_be_chmod_ed_is_used_as_it_is(tmp_path: Path, caplog, allowed_logs,  # noqa: ANN001
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """A cache dir restored from a backup with another owner: the chmod of `chunks/` needs CAP_FOWNER, which the
+    systemd unit does not keep, and the mount was refused (restarted every 5 s by systemd). Now a chunks/ already
+    0700 is left alone, and one that cannot be made so is used with a warning."""
+    allowed_logs.append(r"cannot make .* private")
+    (tmp_path / "c" / CHUNKS_DIR).mkdir(parents=True, mode=0o700)
+    (tmp_path / "c" / CHUNKS_DIR).chmod(0o700)
+
+    def refuse(path: object, mode: int, **kwargs: object) -> None:
+        raise PermissionError(errno.EPERM, "Operation not permitted", path)
+
+    monkeypatch.setattr(os, "chmod", refuse)
+    with DiskCache(tmp_path / "c", BIG, min_free_bytes=0) as cache:  # already private: not even tried
+        cache.put(chunk_id(1), payload(chunk_id(1)))
+    assert not warnings_from_cache(caplog)
+    monkeypatch.undo()
+    (tmp_path / "c" / CHUNKS_DIR).chmod(0o755)
+    monkeypatch.setattr(os, "chmod", refuse)
+    with DiskCache(tmp_path / "c", BIG, min_free_bytes=0) as cache:
+        assert cache.get(chunk_id(1)) == payload(chunk_id(1))
+    assert ["cannot make" in r.getMessage() for r in warnings_from_cache(caplog)] == [True]
+
+
+def test_a_read_only_cache_dir_serves_what_it_holds(tmpfs, caplog, allowed_logs) -> None:  # noqa: ANN001
+    """A warm cache on a disk mounted read-only was refused at mount (its chmod, then its shards): it serves
+    what it holds now, and its puts are one write episode."""
+    allowed_logs.append(r"write failed|cannot make")
+    with tmpfs("size=4m") as fs:
+        with DiskCache(fs / "c", BIG, 0) as cache:
+            cache.put(chunk_id(1), payload(chunk_id(1)))
+        shutil.rmtree(fs / "c" / CHUNKS_DIR / chunk_id(9).digest()[:SHARD_HEX_CHARS], ignore_errors=True)
+        (fs / "c" / CHUNKS_DIR).chmod(0o755)
+        subprocess.run(["mount", "-o", "remount,ro", str(fs)], check=True)
+        try:
+            with DiskCache(fs / "c", BIG, 0, retry_after_s=3600) as cache:
+                assert cache.get(chunk_id(1)) == payload(chunk_id(1))
+                cache.put(chunk_id(9), payload(chunk_id(9)))
+                assert cache.get(chunk_id(9)) is None and cache.stats.write_errors == 1
+        finally:
+            subprocess.run(["mount", "-o", "remount,rw", str(fs)], check=True)
 
 
 def test_lock_is_held_against_other_processes(tmp_path: Path) -> None:

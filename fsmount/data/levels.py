@@ -52,7 +52,8 @@ REFETCH_MEMORY = 65536
 # writing) is given up: the chunk's memory is let go (a put already running finishes on its own thread). A cache
 # disk that stops answering (a filesystem frozen for a snapshot, a hung NVMe) otherwise held every chunk fetched
 # since in memory, and every fetch then waited for memory until its READ failed. A healthy disk this far behind
-# the origin is worth no more waiting either: the chunk is only not cached.
+# the origin is worth no more waiting either: the chunk is only not cached. At most a quarter of --read-timeout, so
+# that READs waiting for the memory those writes hold do not fail first.
 WRITE_DEADLINE_S = 30.0
 # Object versions whose GET the bucket refused as gone (412: replaced, 404: deleted), remembered for GONE_FOR_S
 # so that the other chunks of a version fail at once instead of each sending a GET that would be refused too
@@ -170,8 +171,9 @@ class LevelStats:
 
 class LevelStack:
     def __init__(self, store: ObjectStore, levels: Sequence[ChunkCache], *, max_connections: int, chunk_size: int,
-                 run_blocking: RunBlocking = run_in_thread):
+                 run_blocking: RunBlocking = run_in_thread, write_deadline: float = WRITE_DEADLINE_S):
         self.store = store
+        self.write_deadline = write_deadline
         self.levels = list(levels)
         n = len(self.levels)
         self.stats = LevelStats(level_hits=[0] * n, level_misses=[0] * n, level_bytes=[0] * n,
@@ -311,7 +313,7 @@ class LevelStack:
                     self._writes_pending += 1  # until the trailing write ran (_write_done)
                     continue
                 try:
-                    with trio.move_on_after(WRITE_DEADLINE_S) as deadline:
+                    with trio.move_on_after(self.write_deadline) as deadline:
                         await self._run_blocking(level.put, cid, data, limiter=self._put_limiters[i])
                 except Exception as exc:  # noqa: BLE001 - a cache level never breaks a read
                     log.warning("cache write of chunk %d of %r failed: %s", cid.index, cid.key, exc)
@@ -326,15 +328,15 @@ class LevelStack:
 
     def _write_given_up(self, cid: ChunkId) -> None:
         self.stats.writes_given_up += 1
-        if self._given_up_at < trio.current_time() - WRITE_DEADLINE_S:  # once per episode
+        if self._given_up_at < trio.current_time() - self.write_deadline:  # once per episode
             log.warning("a cache write of chunk %d of %r did not finish within %g s (a stalled cache disk?): "
                         "given up; while writes stall, fetched chunks wait for them only in part of the chunk "
-                        "memory", cid.index, cid.key, WRITE_DEADLINE_S)
+                        "memory", cid.index, cid.key, self.write_deadline)
         self._given_up_at = trio.current_time()
 
     def writes_stalled(self) -> bool:
-        """Whether a write-through was given up on its deadline in the last WRITE_DEADLINE_S."""
-        return trio.current_time() - self._given_up_at < WRITE_DEADLINE_S
+        """Whether a write-through was given up on its deadline in the last `write_deadline` s."""
+        return trio.current_time() - self._given_up_at < self.write_deadline
 
     def _write_done(self) -> None:
         self._writes_pending -= 1

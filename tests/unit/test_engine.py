@@ -656,7 +656,9 @@ async def stalled_put_runner(fn, *args, limiter):  # noqa: ANN001, ANN201
         return fn(*args)
 
 
-async def test_a_cache_level_whose_writes_stall_costs_no_read(autojump_clock, caplog, allowed_logs) -> None:  # noqa: ANN001
+@pytest.mark.parametrize("read_timeout", [120.0, 20.0])
+async def test_a_cache_level_whose_writes_stall_costs_no_read(autojump_clock, caplog, allowed_logs,  # noqa: ANN001
+                                                              read_timeout: float) -> None:
     """A cache disk that stops answering (fsfreeze for a snapshot, a hung NVMe): every chunk fetched since waited in
     memory for its write, and once the memory was full every READ failed at --read-timeout. A write is given up
     after WRITE_DEADLINE_S, and while writes stall chunks are written through only in part of the memory."""
@@ -664,7 +666,7 @@ async def test_a_cache_level_whose_writes_stall_costs_no_read(autojump_clock, ca
     store = FakeStore()
     data = put_object(store, "m", 48 * CHUNK)
     engine = ChunkEngine(store, chunk_size=CHUNK, memory_limit=8 * CHUNK, max_connections=4,
-                         read_timeout=120.0, levels=[SlowLevel()], run_blocking=stalled_put_runner)
+                         read_timeout=read_timeout, levels=[SlowLevel()], run_blocking=stalled_put_runner)
     v = version(store, "m")
 
     async def body() -> None:
@@ -673,8 +675,9 @@ async def test_a_cache_level_whose_writes_stall_costs_no_read(autojump_clock, ca
             got = await engine.read(v, i * CHUNK, (i + 1) * CHUNK)
             assert bytes(got) == data[i * CHUNK:(i + 1) * CHUNK]
             del got
-        # One deadline's wait, then the reads go on at the origin's pace.
-        assert trio.current_time() - began < WRITE_DEADLINE_S + 10
+        # One deadline's wait (a quarter of the READs' at most), then the reads go on at the origin's pace.
+        assert engine.levels.write_deadline == min(WRITE_DEADLINE_S, read_timeout / 4)
+        assert trio.current_time() - began < engine.levels.write_deadline + 10
         assert engine.levels.stats.writes_given_up >= 1 and engine.stats.writes_skipped > 0
         assert engine.memory.used <= engine.memory.limit
 

@@ -118,8 +118,8 @@ class MountStats:
             out["disk_cache"] = {
                 "hits": hits, "misses": misses, "hit_ratio": ratio(hits, hits + misses),
                 "corrupt": ds.corrupt, "read_errors": ds.read_errors, "write_errors": ds.write_errors,
-                "evictions": ds.evictions, "writes": ds.writes, "bytes_used": ds.bytes_used,
-                "max_bytes": self.disk_cache.max_bytes, "chunks": ds.chunks,
+                "lock_timeouts": ds.lock_timeouts, "evictions": ds.evictions, "writes": ds.writes,
+                "bytes_used": ds.bytes_used, "max_bytes": self.disk_cache.max_bytes, "chunks": ds.chunks,
             }
         if self.shared_tier is not None:
             ts = self.shared_tier.stats

@@ -156,6 +156,8 @@ def format_stats(s: dict[str, Any], mountpoint: str) -> str:
     if dc is not None:
         errors += [f"cache corrupt {dc['corrupt']}", f"cache read {dc['read_errors']}",
                    f"cache write {dc['write_errors']}"]
+        if dc.get("lock_timeouts"):
+            errors.append(f"cache stalled {dc['lock_timeouts']}")
     if sc is not None:
         errors += [f"shared tier {sc['errors']}", f"shared write {sc['write_errors']}",
                    f"shared corrupt {sc['corrupt']}"]

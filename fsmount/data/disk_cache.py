@@ -92,6 +92,9 @@ WRITE_RETRY_S = 30.0
 # A hit rewrites the file's mtime (the persisted LRU stamp) only if it is older than this, so hot chunks
 # do not dirty their inode on every read. Restart order is therefore exact to within a minute.
 TOUCH_INTERVAL_NS = 60 * 1_000_000_000
+# How long a get waits for the cache lock before it counts as a miss: the lock guards renames and unlinks that
+# take microseconds, unless the disk stalls.
+LOCK_WAIT_S = 1.0
 # Touches waiting for the toucher's thread; more are dropped (only the order after a restart ages).
 TOUCH_BACKLOG = 1024
 
@@ -133,6 +136,7 @@ class CacheStats:
     (every get is one of them); these are what only the cache itself sees."""
 
     corrupt: int = 0
+    lock_timeouts: int = 0  # gets that found the cache lock held past LOCK_WAIT_S (a stalled disk): misses
     read_errors: int = 0
     evictions: int = 0
     writes: int = 0
@@ -287,10 +291,17 @@ class DiskCache:
         """The chunk's data, or None. Given a `buffer` of exactly the data's length, reads into it and
         returns it (on None its contents are undefined)."""
         digest = chunk.digest()
-        with self._lock:
+        if not self._lock.acquire(timeout=LOCK_WAIT_S):
+            # A rename or unlink under the lock is stuck on a stalled disk (a filesystem frozen for a snapshot,
+            # a hung NVMe): a miss, which the origin serves, instead of a READ that waits for the disk.
+            self.stats.lock_timeouts += 1  # unlocked: a counter for metrics, off by one at worst
+            return None
+        try:
             if self._closed or digest not in self._index:
                 return None
             self._index.move_to_end(digest)
+        finally:
+            self._lock.release()
         path = self._path(digest)
         direct = self._writer.direct and type(buffer) is mmap.mmap
         try:

@@ -149,6 +149,22 @@ def test_a_hit_on_a_stalled_disk_returns_its_bytes_without_waiting_for_the_stamp
     assert stamped == [chunk_file_of(cache, c) for c in chunks]
 
 
+def test_a_get_behind_a_rename_stuck_on_a_stalled_disk_is_a_miss(tmp_path: Path) -> None:
+    """Renames and unlinks run under the cache lock; on a frozen filesystem one blocks, and every get waited for
+    the lock behind it (a READ of a chunk in the cache failed at --read-timeout). A get waits LOCK_WAIT_S, then
+    is a miss the origin serves."""
+    import fsmount.data.disk_cache as disk_cache
+
+    with DiskCache(tmp_path, BIG, min_free_bytes=0) as cache:
+        cache.put(chunk_id(1), payload(chunk_id(1)))
+        with cache._lock:  # what a put's rename on a frozen filesystem does to the lock
+            began = time.monotonic()
+            assert cache.get(chunk_id(1)) is None
+            assert disk_cache.LOCK_WAIT_S <= time.monotonic() - began < disk_cache.LOCK_WAIT_S + 2
+        assert cache.stats.lock_timeouts == 1
+        assert cache.get(chunk_id(1)) == payload(chunk_id(1))
+
+
 def test_hit_refreshes_persisted_lru_stamp_and_reopen_evicts_by_it(tmp_path: Path) -> None:
     chunks = [chunk_id(i) for i in range(4)]
     with DiskCache(tmp_path, BIG, min_free_bytes=0) as cache:

@@ -184,6 +184,7 @@ class DiskCache:
         self._write_episode = 0  # counts episodes, so a put knows whether it started inside this one
         self._corrupt_logged = False
         self._unreadable_logged = False
+        self._remade_logged = False
         self._closed = False
         # Writes chunk files, and says whether this filesystem takes O_DIRECT (tmpfs and some overlays
         # refuse it with EINVAL): hits are read with O_DIRECT straight into the engine's buffer as long as it does.
@@ -492,11 +493,14 @@ class DiskCache:
             fd, tmp_path = tempfile.mkstemp(prefix=digest[:16] + ".", suffix=TMP_SUFFIX, dir=shard)  # 0600, O_EXCL;
         except FileNotFoundError:  # same dir, so the rename is atomic
             # Its shard, or `chunks/` itself, was removed under the mount (an operator's `rm -rf CACHE/chunks/*`):
-            # every put failed until the next mount. Made again (never through a symlink), once per removal.
+            # every put failed until the next mount. Made again (never through a symlink).
             os.makedirs(self._chunks_dir, mode=0o700, exist_ok=True)
             real_dir(self._chunks_dir)
             self._make_shards(shard)
-            log.info("disk cache %s: %s was removed; made again", self.root, shard)
+            (log.debug if self._remade_logged else log.info)(
+                "disk cache %s: %s was removed under the mount; made again (and so any other directory of it)",
+                self.root, shard)
+            self._remade_logged = True
             fd, tmp_path = tempfile.mkstemp(prefix=digest[:16] + ".", suffix=TMP_SUFFIX, dir=shard)
         try:
             self._writer.write(fd, tmp_path, header, data)

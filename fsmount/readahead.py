@@ -10,6 +10,11 @@ window for a page-cache handle, one chunk for an O_DIRECT one. The kernel reads 
 adjacent READs says nothing of the reader: when the window doubled on each of them, ten random touches of a
 mapped 572 MiB file fetched 516 MiB, eight 4 KiB reads 264 MiB, and `torch.load(mmap=True)` of a .pt file
 (small reads of each record's header) the whole file before one tensor was read.
+
+What proves a stream, and how far its window grows, is its current run: the bytes it read with no forward skip
+of more than RUN_GAP past where it was, beyond what was read ahead for it. Such a skip starts the proof over,
+and the window doubles per READ but never past RUN_SHARE times the run, as Mountpoint-S3 grows its window only
+as the reader consumes it: a reader that stops after 24 MiB of a large file is not fetched 256 MiB ahead.
 """
 
 from __future__ import annotations
@@ -24,6 +29,11 @@ FORWARD_SEEK_TOLERANCE = 16 * MiB
 # The kernel sends up to read_ahead_kb of READs at once and they may be served out of order, so a
 # read this far behind a stream's position still belongs to it (default kernel readahead, 16 MiB).
 BACKWARD_SEEK_TOLERANCE = 16 * MiB
+# A forward skip of more than this (the kernel's largest READ) past a stream's position, beyond what was read
+# ahead for it, starts the stream's proof over: READs of one sequential reader come in order or a little behind.
+RUN_GAP = 1 * MiB
+# A stream's window is at most this many times its current run.
+RUN_SHARE = 2
 # Enough for tensor-parallel ranks / loader threads sharing one handle (4-8 in practice).
 MAX_STREAMS = 8
 # How far ahead of a reader chunks a local cache level holds are read: a local NVMe read of a chunk takes
@@ -40,7 +50,7 @@ class Stream:
     window: int = 0
     ahead_to: int = 0
     last_used: int = 0
-    read: int = 0  # bytes of the READs it took
+    run: int = 0  # bytes of the READs of its current run (since its last skip past RUN_GAP)
 
 
 @dataclasses.dataclass
@@ -91,15 +101,18 @@ class ReadAhead:
                 dropped.append(oldest)
             self.streams.append(stream)
         else:
-            adjacent = abs(offset - stream.next_offset) <= self.chunk_size
+            in_run = offset - stream.next_offset <= RUN_GAP
+            if not in_run and offset >= stream.ahead_to:
+                stream.window = stream.run = 0  # skipped past what was read ahead: to be proven again
             if end > stream.next_offset:
                 stream.next_offset = end
-            if adjacent and stream.read + size > self.proven_after:
-                # Doubling from one chunk to the maximum, as Mountpoint-S3 and gcsfuse grow theirs.
-                # A skip within tolerance keeps the window but does not grow it: random readers
-                # land near some stream often enough on a small file.
-                stream.window = min(self.max_window, max(self.chunk_size, stream.window * 2))
-        stream.read += size
+            if in_run and stream.run + size > self.proven_after:
+                # Doubling from one chunk to the maximum, as Mountpoint-S3 and gcsfuse grow theirs, as far as the run
+                # has gone. A skip within what was read ahead keeps the window but does not grow it: random
+                # readers land near some stream often enough on a small file.
+                grown = min(stream.window * 2, RUN_SHARE * (stream.run + size))
+                stream.window = min(self.max_window, max(self.chunk_size, grown))
+        stream.run += size
         stream.last_used = self._clock
         window = stream.window if window_cap is None else min(stream.window, window_cap)
         start = max(stream.ahead_to, stream.next_offset)

@@ -216,6 +216,18 @@ def test_random_mmap_touches_fetch_what_the_kernel_reads_around_them_not_the_fil
     assert fetched <= 4 * 24 * MiB, fetched / MiB
 
 
+def test_a_reader_that_stops_early_is_not_fetched_far_past_where_it_stopped(big_blob: Path) -> None:
+    """Once proven, a stream's window doubled on every READ, to 256 MiB in eight READs: a reader that stopped after
+    24 MiB (a header and a few records of a large file) had the whole 256 MiB file fetched. The window grows only
+    to twice what the stream has read: the kernel's own read-ahead (up to two windows of 16 MiB past the reader)
+    included, at most 3 x 56 MiB."""
+    with open(big_blob, "rb", buffering=0) as f:
+        for _ in range(24):
+            assert len(f.read(MiB)) == MiB
+        fetched = origin_bytes_once_idle(big_blob.parent)
+    assert fetched <= 3 * (24 + 2 * 16) * MiB, fetched / MiB  # 144 MiB measured, against 256
+
+
 # -- past 4 GiB -------------------------------------------------------------------------------------
 
 HUGE = 6 * 1024 * MiB + 12345  # real shards are 5-10 GB

@@ -46,18 +46,20 @@ def put_object(store: FakeStore, key: str, size: int) -> bytes:
 
 # -- pure read-ahead state machine ----------------------------------------------------------------
 
-def test_sequential_window_doubles_to_max() -> None:
+def test_sequential_window_doubles_to_max_as_far_as_the_run_has_gone() -> None:
     ra = ReadAhead(CHUNK, 16 * MiB)
     plan = ra.on_read(0, 128 * 1024, 1 << 30)
     assert plan.ahead_end == plan.ahead_start  # not yet proven sequential
     windows = []
     off = 128 * 1024
-    for _ in range(8):
+    for _ in range(80):
         plan = ra.on_read(off, 128 * 1024, 1 << 30)
         off += 128 * 1024
         windows.append(plan.stream.window)
-    assert windows[:5] == [1 * MiB, 2 * MiB, 4 * MiB, 8 * MiB, 16 * MiB]
-    assert windows[-1] == 16 * MiB
+        assert plan.stream.window <= max(CHUNK, 2 * off)  # never more than twice what the reader has read
+    assert windows[:3] == [1 * MiB, 1 * MiB, 1 * MiB]  # one chunk until the run is half a chunk
+    assert windows == sorted(windows) and windows[-1] == 16 * MiB
+    assert windows.index(16 * MiB) == 62  # once 8 MiB are read, 64 READs in
     assert plan.ahead_end == off + 16 * MiB
 
 
@@ -94,14 +96,32 @@ def test_prefetch_ranges_do_not_overlap() -> None:
         assert a1 <= b0
 
 
-def test_forward_skip_within_tolerance_stays_sequential() -> None:
+def test_a_forward_skip_within_what_was_read_ahead_keeps_the_stream_and_its_window() -> None:
     ra = ReadAhead(CHUNK, 64 * MiB)
-    for i in range(4):
+    for i in range(16):
         ra.on_read(i * MiB, MiB, 1 << 30)
     window = ra.streams[0].window
-    plan = ra.on_read(4 * MiB + 10 * MiB, MiB, 1 << 30)  # skip 10 MiB forward
+    assert window == 32 * MiB and ra.streams[0].ahead_to == 48 * MiB
+    plan = ra.on_read(16 * MiB + 10 * MiB, MiB, 1 << 30)  # skip 10 MiB forward, into what was read ahead
     assert len(ra.streams) == 1 and plan.stream.window == window
-    assert plan.ahead_end == 15 * MiB + window
+    assert plan.ahead_end == 27 * MiB + window
+
+
+def test_skips_past_what_was_read_ahead_prove_nothing() -> None:
+    """`torch.load(mmap=True)` reads each record's zip header, a few MiB apart across the whole file: READs that
+    joined one stream, proved it and read the file ahead to 256 MiB. Each skip past what was read ahead starts the
+    proof over."""
+    ra = ReadAhead(CHUNK, 256 * MiB, proven_after=16 * MiB)
+    offset = 0
+    for i in range(60):
+        plan = ra.on_read(offset, MiB, 1 << 40)
+        assert plan.ahead_end == plan.ahead_start == 0 and plan.stream.window == 0, i
+        offset += MiB + (2 + i % 5) * MiB  # the next record's header, 2-6 MiB on
+    assert len(ra.streams) == 1
+    # The same READs read one after the other are a sequential reader.
+    for i in range(18):
+        plan = ra.on_read(offset + i * MiB, MiB, 1 << 40)
+    assert plan.stream.window > 0 and plan.ahead_end > plan.ahead_start
 
 
 def test_far_seek_and_random_access_do_not_prefetch() -> None:
@@ -123,12 +143,16 @@ def test_no_window_until_the_stream_has_read_more_than_the_kernel_reads_around_a
     for i in range(64):
         plan = ra.on_read(i * 4096, 4096, 1 << 40)
         assert plan.ahead_end == plan.ahead_start == 0
-    # The next READ of the first stream proves it: the window grows from there, one doubling per READ.
+    # The next READ of the first stream proves it: the window grows from there, doubling per READ up to twice
+    # the run (17 MiB read: 34 MiB), then with the run, to the maximum once 128 MiB are read.
     plan = ra.on_read(116 * MiB, MiB, 1 << 40)
     assert plan.stream.window == CHUNK and plan.ahead_end == 117 * MiB + CHUNK
-    for i in range(1, 9):
+    windows = []
+    for i in range(1, 113):
         plan = ra.on_read((116 + i) * MiB, MiB, 1 << 40)
-    assert plan.stream.window == 256 * MiB
+        windows.append(plan.stream.window)
+    assert windows[:7] == [2 * MiB, 4 * MiB, 8 * MiB, 16 * MiB, 32 * MiB, 46 * MiB, 48 * MiB]
+    assert windows[-1] == 256 * MiB and windows.index(256 * MiB) == 110
 
 
 def test_backward_read_within_buffer_keeps_stream() -> None:

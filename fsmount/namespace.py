@@ -306,6 +306,7 @@ class Namespace:
         deletion answered ENOENT here: read() and fstat() on a file held open failed with ENOENT.)"""
         if node.is_dir or node.writing or time.monotonic() < node.fresh_until:
             return node
+        asked = time.monotonic()
         try:
             meta = await self._call(self._store.head, self.prefix + node.path)
         except (Unreachable, TransientError) as exc:
@@ -321,8 +322,11 @@ class Namespace:
         node.fresh_until = time.monotonic() + self.ttl
         if meta is None or meta.etag != node.etag:
             self._supersede(node)
-        else:
-            node.superseded = False  # the bucket holds it again (see _node_for)
+        elif node.superseded and asked > node.superseded_at:
+            # The bucket holds it again (see _node_for), as asked after it was superseded (an answer already on its
+            # way then says nothing of what came after).
+            node.superseded = False
+            self._latest_file[node.path] = node.ino
         return node
 
     def _supersede(self, node: Node) -> None:
@@ -410,8 +414,9 @@ class Namespace:
         if held is None:
             # A FORGET took it while this lookup waited for another's answer (`_shared`): the kernel holds it again
             # once this reply arrives. (Counted on the removed node, the kernel's next OPEN or GETATTR of it got
-            # ENOENT.)
+            # ENOENT.) Its version is known by its number again, unless a newer lookup gave it another meanwhile.
             self._nodes[node.ino] = node
+            self._ino_by_path.setdefault((node.path, None if node.is_dir else node.etag), node.ino)
         elif held is not node:
             node = held  # forgotten and made again meanwhile: the one the table has is current
         node.lookups += 1
@@ -455,6 +460,7 @@ class Namespace:
         """What the bucket holds at `path` (HEAD and a one-key listing at once): a file, a directory, or ENOENT."""
         key = self.prefix + path
         results: dict[str, Any] = {}
+        asked = time.monotonic()  # what the answers say is true as of when they were asked (see _node_for)
 
         async def ask(name: str, fn: Callable[[str], Any], arg: str) -> None:
             # Failures are kept, not raised: a nursery would wrap them in an ExceptionGroup, and
@@ -476,7 +482,7 @@ class Namespace:
         if results["dir"]:  # a key that is both a file and a prefix: the directory wins
             return self._node_for(path, True, None)
         if results["meta"] is not None:
-            return self._node_for(path, False, results["meta"])
+            return self._node_for(path, False, results["meta"], asked)
         self._negative[path] = True
         raise PathError(errno.ENOENT)
 

@@ -66,6 +66,14 @@ def _log_failure(handler: str, exc: StoreError) -> None:
     log.warning("%s", message)
 
 
+def _invalidate_pages(ino: int) -> None:
+    """Drop the kernel's cached pages and attributes of an inode (blocking: run it in a worker thread)."""
+    try:
+        pyfuse3.invalidate_inode(ino, attr_only=False)
+    except OSError as exc:  # ENOENT: the kernel holds nothing of it
+        log.debug("dropping the cached pages of inode %d: %s", ino, exc)
+
+
 def _fuse_errors(fn: Callable[..., Coroutine[Any, Any, T]]) -> Callable[..., Coroutine[Any, Any, T]]:
     @functools.wraps(fn)
     async def wrapper(*args: Any, **kwargs: Any) -> T:
@@ -362,9 +370,12 @@ class Operations(pyfuse3.Operations):
         node = self.ns.node(handle.ino)
         if node.writing or not node.etag or node.etag == handle.version.etag:
             return False  # its own version, still being rewritten, or a rewrite that failed (the bucket holds the old)
+        if self._files.get(handle.fh) is not handle:
+            return True  # another READ of this descriptor, in flight with this one, gave it the new version
         handle.close()
         if handle.streamed:
             self.streamer.closed(handle.version)
+            handle.streamed = False
         self._files[handle.fh] = OpenFile(handle.fh, handle.ino, node.version(self.ns.prefix), self.engine,
                                           self.max_readahead, direct=handle.direct,
                                           kernel_window=self.kernel_window, streamed=False)
@@ -407,7 +418,7 @@ class Operations(pyfuse3.Operations):
             if new.handles == 0 and new.stored is None:
                 # The last descriptor is gone and nothing stored the file: it was never written (a flush
                 # stores only a file with bytes in it), or its last close was not seen as the last (below).
-                await new.commit()
+                await self._commit(new)
 
     @_fuse_errors
     async def flush(self, fh: int) -> None:
@@ -427,7 +438,19 @@ class Operations(pyfuse3.Operations):
             elif new.stored is None and new.error is None and await self._held_elsewhere(new):
                 return
             else:
-                await new.commit()
+                await self._commit(new)
+
+    async def _commit(self, new: NewFile) -> None:
+        """Store the file; once a rewrite of a stored file is stored, drop what the kernel holds of the inode's
+        pages: descriptors of the old version read old bytes into them while the new file was written, and read
+        them from there after the store, no READ asked (the next open drops them too: Operations.open)."""
+        try:
+            await new.commit()
+        finally:
+            node = new.node
+            if node.pages_stale and not node.writing and node.etag:
+                # From a worker thread: the kernel waits for pages that READs queued to this loop hold.
+                await trio.to_thread.run_sync(_invalidate_pages, node.ino)
 
     async def _held_elsewhere(self, new: NewFile) -> bool:
         if new.opener is None:

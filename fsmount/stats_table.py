@@ -128,8 +128,8 @@ def format_stats(s: dict[str, Any], mountpoint: str) -> str:
                                    f"{dc['evictions']} evictions"),
         ]
         if s.get("cache_writes_given_up") or s.get("cache_writes_skipped"):
-            rows.append(("NVMe cache writes", f"{s['cache_writes_given_up']} given up unfinished, "
-                                              f"{s['cache_writes_skipped']} not started (the disk stalled)"))
+            rows.append(("cache writes", f"{s['cache_writes_given_up']} given up unfinished, "
+                                         f"{s['cache_writes_skipped']} not started (a cache level stalled)"))
     if sc is not None:
         mode = "read-only" if sc["read_only"] else "claims on" if sc["claims_enabled"] else "claims off"
         rows += [

@@ -52,6 +52,8 @@ MAX_INDEX_BYTES = 32 * 1024 * 1024
 # INFO once, not at every open (a loop opening a 0-byte `.safetensors` logged ~200 lines a second), and its
 # header is not fetched again.
 NOT_STREAMED_KEPT = 1024
+# Versions rewritten through the mount remembered (ModelStreamer._rewritten).
+REWRITTEN_KEPT = 1024
 # Where the data of the versions streamed last ends (their headers parsed), the newest this many: a file opened
 # again needs no header, whose chunk memory has often let go since (chunks pushed to the page cache are the
 # first evicted). Each open fetched that chunk again: 50 processes opening shards in a loop had the origin
@@ -134,6 +136,9 @@ class ModelStreamer:
         self.siblings = siblings
         self.look_up = look_up  # has the kernel look a file up, so its pushes can land: its inode, or None
         self._warmed_models: dict[str, set[tuple[str, str]]] = {}
+        # Versions whose inode a rewrite through the mount took (`rewritten`): never streamed or warmed again, as their
+        # pushes would land in the new file's pages (a warming listed its shards before the rewrite).
+        self._rewritten: cachetools.LRUCache[tuple[str, str], bool] = cachetools.LRUCache(REWRITTEN_KEPT)
         self.pusher = pusher
         self.enabled = enabled
         self.depth = max(2, max_connections * QUEUE_DEPTH_PER_CONNECTION)
@@ -186,6 +191,8 @@ class ModelStreamer:
         if not version.key.endswith(SAFETENSORS_SUFFIX):
             return
         key = (version.key, version.etag)
+        if key in self._rewritten:
+            return
         job = self._active.get(key)
         if job is not None and job.priority > AHEAD:
             # A shard being warmed in the background is opened. If the kernel knew it, the warming pushed
@@ -218,6 +225,7 @@ class ModelStreamer:
     def rewritten(self, version: ObjectVersion) -> None:
         """The inode of `version` is being rewritten through the mount (which keeps the inode): its stream ends,
         else it would push the old bytes into the pages of the new file. Its descriptors read on without one."""
+        self._rewritten[(version.key, version.etag)] = True
         job = self._active.pop((version.key, version.etag), None)
         if job is None:
             return
@@ -265,7 +273,7 @@ class ModelStreamer:
         self._warmed_models.setdefault(model[0], set()).update(warmed)
         for sib_ino, version in shards:
             key = (version.key, version.etag)
-            if key in self._active:
+            if key in self._active or key in self._rewritten:
                 continue
             if sib_ino is None and self.look_up is not None:
                 # A loader that opens shards by name, from the index (transformers), leaves the next ones
@@ -273,7 +281,7 @@ class ModelStreamer:
                 # shard being loaded evicted them before they were opened (1.12-1.25x the bytes fetched at
                 # --memory-limit 256M, bench/RESULTS.md). Looked up now, just before its turn.
                 sib_ino = await self.look_up(version)
-                if key in self._active:
+                if key in self._active or key in self._rewritten:
                     continue  # opened meanwhile: its own stream runs
             # In `_active` while it runs, so that opening the shard joins this stream instead of starting a
             # second one over the same chunks; a handle opened meanwhile keeps it there until it closes.

@@ -96,20 +96,54 @@ def acquire_dir_lock(root: str) -> int:
     # A read-only descriptor (flock ignores the mode): one open for writing would make the filesystem refuse a
     # remount read-only while we run.
     fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    file_fd = None
     try:
+        busy = CacheDirBusy(
+            f"cache dir {root} is in use by another modelfs mount or cache command (pid {_holder(path)}); "
+            f"a cache dir serves one mount or command at a time: unmount it (or let the command finish) first, "
+            f"or use another cache dir")
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            raise CacheDirBusy(
-                f"cache dir {root} is in use by another modelfs mount or cache command (pid {_holder(path)}); "
-                f"a cache dir serves one mount or command at a time: unmount it (or let the command finish) first, "
-                f"or use another cache dir"
-            ) from None
+            raise busy from None
+        # The `lock` file's flock too, which modelfs versions before this one take: a daemon of one still running
+        # after an upgrade excludes `modelfs cache clear` and new mounts, and is excluded by them.
+        file_fd = _lock_file(path)
+        if file_fd is not None:
+            try:
+                fcntl.flock(file_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                raise busy from None
+            _LOCK_FILES[fd] = file_fd
         _write_pid(path)
     except BaseException:
+        _LOCK_FILES.pop(fd, None)
+        if file_fd is not None:
+            os.close(file_fd)
         os.close(fd)
         raise
     return fd
+
+
+# The `lock` file descriptors held beside each directory lock (acquire_dir_lock), by the directory's descriptor.
+_LOCK_FILES: dict[int, int] = {}
+
+
+def _lock_file(path: str) -> int | None:
+    """A read-only descriptor of `lock` (made if missing), or None where it cannot be made (a read-only cache dir).
+    Never through a symlink nor of anything but a regular file: both are refused."""
+    try:
+        file_fd = os.open(path, os.O_RDONLY | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK, 0o600)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise OSError(errno.ELOOP, f"{path} is a symlink: the lock is a file of the cache dir's own") from None
+        if exc.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
+            return None
+        raise
+    if not stat.S_ISREG(os.fstat(file_fd).st_mode):
+        os.close(file_fd)
+        raise OSError(errno.EINVAL, f"{path} is not a regular file")
+    return file_fd
 
 
 def _holder(path: str) -> str:
@@ -149,6 +183,9 @@ def _write_pid(path: str) -> None:
 
 
 def release_dir_lock(fd: int) -> None:
+    file_fd = _LOCK_FILES.pop(fd, None)
+    if file_fd is not None:
+        os.close(file_fd)
     os.close(fd)  # closing the only descriptor of the open directory drops the flock
 
 

@@ -92,6 +92,8 @@ WRITE_RETRY_S = 30.0
 # A hit rewrites the file's mtime (the persisted LRU stamp) only if it is older than this, so hot chunks
 # do not dirty their inode on every read. Restart order is therefore exact to within a minute.
 TOUCH_INTERVAL_NS = 60 * 1_000_000_000
+# Read errors that say a chunk file will not read (it is removed and written again); others are passing.
+UNREADABLE_ERRNOS = frozenset({errno.EACCES, errno.EPERM, errno.EIO, errno.EISDIR, errno.ENXIO})
 # How long a get waits for the cache lock before it counts as a miss: the lock guards renames and unlinks that
 # take microseconds, unless the disk stalls.
 LOCK_WAIT_S = 1.0
@@ -245,10 +247,17 @@ class DiskCache:
     # -- lifecycle -------------------------------------------------------------------------------
 
     def close(self) -> None:
-        with self._lock:
+        # Not waiting for good for a lock that a rename stuck on a stalled disk holds (an unmount then hung until
+        # systemd's SIGKILL): past LOCK_WAIT_S the flag is set without it (a bool; a put that reads it late only
+        # writes one more file, which the next mount indexes).
+        locked = self._lock.acquire(timeout=LOCK_WAIT_S)
+        try:
             if self._closed:
                 return
             self._closed = True
+        finally:
+            if locked:
+                self._lock.release()
         self._toucher.close()
         release_dir_lock(self._lock_fd)
 
@@ -541,10 +550,13 @@ class DiskCache:
                     self.stats.bytes_used -= size
                     self.stats.chunks = len(self._index)
                 return
+            self.stats.read_errors += 1
+            if err.errno not in UNREADABLE_ERRNOS:  # out of descriptors or memory for a moment: the file is fine
+                log.debug("disk cache %s: reading %s failed: %s", self.root, digest, err)
+                return
             # Unreadable (a file of another owner, restored from a backup; a bad block): forgotten and removed,
             # so that the chunk's next put writes one that reads. Kept indexed, every read of it went to the
             # origin and its put was skipped as a chunk already held, for good.
-            self.stats.read_errors += 1
             size = self._index.pop(digest, None)
             if size is not None:
                 self.stats.bytes_used -= size

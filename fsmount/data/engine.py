@@ -34,7 +34,14 @@ import trio
 
 from fsmount.data.budget import MemoryBudget
 from fsmount.data.identity import Chunk, ChunkId, ObjectVersion
-from fsmount.data.levels import WRITE_DEADLINE_S, ChunkCache, LevelStack, RunBlocking, run_in_thread
+from fsmount.data.levels import (
+    WRITE_DEADLINE_MIN_S,
+    WRITE_DEADLINE_S,
+    ChunkCache,
+    LevelStack,
+    RunBlocking,
+    run_in_thread,
+)
 from fsmount.data.store import ObjectStore, StoreError
 
 log = logging.getLogger(__name__)
@@ -127,7 +134,8 @@ class ChunkEngine:
         self.read_timeout = read_timeout
         self.memory = MemoryBudget(memory_limit)
         self.levels = LevelStack(store, levels, max_connections=max_connections, chunk_size=chunk_size,
-                                 run_blocking=run_blocking, write_deadline=min(WRITE_DEADLINE_S, read_timeout / 4))
+                                 run_blocking=run_blocking,
+                                 write_deadline=min(WRITE_DEADLINE_S, max(WRITE_DEADLINE_MIN_S, read_timeout / 4)))
         self.stats = EngineStats()
         self._workers = max_connections
         self._inflight: dict[ChunkId, Fetch] = {}

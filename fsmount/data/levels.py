@@ -52,9 +52,12 @@ REFETCH_MEMORY = 65536
 # writing) is given up: the chunk's memory is let go (a put already running finishes on its own thread). A cache
 # disk that stops answering (a filesystem frozen for a snapshot, a hung NVMe) otherwise held every chunk fetched
 # since in memory, and every fetch then waited for memory until its READ failed. A healthy disk this far behind
-# the origin is worth no more waiting either: the chunk is only not cached. At most a quarter of --read-timeout, so
-# that READs waiting for the memory those writes hold do not fail first.
+# the origin is worth no more waiting either: the chunk is only not cached. A quarter of --read-timeout where that is
+# less, so that READs waiting for the memory those writes hold do not fail first; never below WRITE_DEADLINE_MIN_S,
+# which a burst of writes queued for the level's 2 threads on a loaded machine does not reach (a give-up is a
+# warning, which a healthy disk must not get).
 WRITE_DEADLINE_S = 30.0
+WRITE_DEADLINE_MIN_S = 10.0
 # Object versions whose GET the bucket refused as gone (412: replaced, 404: deleted), remembered for GONE_FOR_S
 # so that the other chunks of a version fail at once instead of each sending a GET that would be refused too
 # (a reader going on through a replaced file sent one per chunk). Not for longer: a version can come back (the
@@ -194,6 +197,8 @@ class LevelStack:
         self._writes_pending = 0
         self._writes_changed = trio.Event()
         self._given_up_at = -math.inf  # trio time of the last write-through given up (WRITE_DEADLINE_S)
+        # For the claims of writes given up: their level's put threads may all be the stuck ones.
+        self._abandon_limiter = trio.CapacityLimiter(PUT_THREADS)
         self.trailing = TrailingWrites(run_blocking, chunk_size, self._write_done)
 
     def holds(self, cid: ChunkId) -> bool:
@@ -320,6 +325,9 @@ class LevelStack:
                 else:
                     if deadline.cancelled_caught:
                         self._write_given_up(cid)
+                        abandon = getattr(level, "abandon", None)
+                        if abandon is not None:  # the shared tier's claim on it: others need not wait for it
+                            nursery.start_soon(self._abandon, abandon, cid, self._abandon_limiter)
                     else:
                         written.append(level)
         finally:

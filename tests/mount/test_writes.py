@@ -490,6 +490,8 @@ def test_a_rewrite_beside_a_reader_of_the_old_version_shows_no_old_bytes_once_st
                 assert os.pread(reader, MiB, 8 * MiB) in (old[8 * MiB:9 * MiB], new[8 * MiB:9 * MiB])
                 writer.write(new[16 * MiB:])
             assert s3.client().get_object(Bucket=bucket, Key="ckpt.bin")["Body"].read() == new
+            # What it read of the old version while the new was written is gone from the inode's pages too.
+            assert os.pread(reader, MiB, 8 * MiB) == new[8 * MiB:9 * MiB]
             assert os.pread(reader, 4 * MiB, 4 * MiB) == new[4 * MiB:8 * MiB]
             assert sha(path.read_bytes()) == sha(new)
             assert sha(os.pread(reader, len(new), 0)) == sha(new)

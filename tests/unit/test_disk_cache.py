@@ -159,7 +159,11 @@ def test_a_get_behind_a_rename_stuck_on_a_stalled_disk_is_a_miss(tmp_path: Path)
         cache.put(chunk_id(1), payload(chunk_id(1)))
         with cache._lock:  # what a put's rename on a frozen filesystem does to the lock
             began = time.monotonic()
-            assert cache.get(chunk_id(1)) is None
+            got: list = []
+            getter = threading.Thread(target=lambda: got.append(cache.get(chunk_id(1))), daemon=True)
+            getter.start()
+            getter.join(10)
+            assert got == [None]
             assert disk_cache.LOCK_WAIT_S <= time.monotonic() - began < disk_cache.LOCK_WAIT_S + 2
         assert cache.stats.lock_timeouts == 1
         assert cache.get(chunk_id(1)) == payload(chunk_id(1))
@@ -784,6 +788,22 @@ def test_a_second_cache_is_refused_even_once_the_lock_file_is_removed(tmp_path: 
         assert "pid unknown" in str(busy.value)
         with pytest.raises(CacheDirBusy):
             cache_verify(tmp_path / "c")
+
+
+def test_a_cache_dir_held_by_an_older_modelfs_through_its_lock_file_is_refused(tmp_path: Path) -> None:
+    """Versions before the directory lock flock only `lock`: one still running after an upgrade must keep a new
+    mount and `modelfs cache clear` out (they would delete files under its index)."""
+    (tmp_path / "c").mkdir()
+    held = os.open(tmp_path / "c" / "lock", os.O_RDONLY | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)  # what an older daemon holds
+        with pytest.raises(CacheDirBusy):
+            DiskCache(tmp_path / "c", BIG, min_free_bytes=0)
+        with pytest.raises(CacheDirBusy):
+            cache_clear(tmp_path / "c")
+    finally:
+        os.close(held)
+    DiskCache(tmp_path / "c", BIG, min_free_bytes=0).close()
 
 
 def test_chunk_dirs_removed_under_a_live_cache_are_made_again(tmp_path: Path, caplog) -> None:  # noqa: ANN001

@@ -700,7 +700,7 @@ async def test_a_cache_level_whose_writes_stall_costs_no_read(autojump_clock, ca
             assert bytes(got) == data[i * CHUNK:(i + 1) * CHUNK]
             del got
         # One deadline's wait (a quarter of the READs' at most), then the reads go on at the origin's pace.
-        assert engine.levels.write_deadline == min(WRITE_DEADLINE_S, read_timeout / 4)
+        assert engine.levels.write_deadline == min(WRITE_DEADLINE_S, max(10.0, read_timeout / 4))
         assert trio.current_time() - began < engine.levels.write_deadline + 10
         assert engine.levels.stats.writes_given_up >= 1 and engine.stats.writes_skipped > 0
         assert engine.memory.used <= engine.memory.limit

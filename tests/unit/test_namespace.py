@@ -251,6 +251,40 @@ async def test_replaced_versions_the_kernel_forgot_leave_nothing_behind() -> Non
     assert (await ns.lookup(ROOT_INODE, b"ckpt.pt")).ino == node.ino  # current: the same number
 
 
+async def test_an_answer_asked_before_a_version_was_superseded_leaves_it_superseded(autojump_clock) -> None:  # noqa: ANN001
+    """A HEAD sent while the bucket still held a version, answered after a READ found it replaced (412), made that
+    version current again: opens then succeeded and their READs failed, instead of the kernel's ESTALE and a new
+    lookup."""
+    store = FakeStore()
+    store.put("f", b"old")
+
+    async def answered_late(fn, *args):  # noqa: ANN001, ANN202
+        answer = fn(*args)  # what the bucket says when asked
+        await trio.sleep(1)
+        return answer
+
+    ns = Namespace(store, answered_late, prefix="", ttl=0)
+    node = await ns.lookup(ROOT_INODE, b"f")
+    old = node.version("")
+
+    async def replaced_meanwhile() -> None:
+        await trio.sleep(0.5)
+        store.put("f", b"newer!")
+        ns.gone(old)  # a READ's GET got 412
+
+    for ask in (lambda: ns.refresh(node), lambda: ns.lookup(ROOT_INODE, b"f")):
+        store.put("f", b"old")
+        node.superseded, node.fresh_until = False, 0
+        ns._negative.clear()
+        async with trio.open_nursery() as n:
+            n.start_soon(replaced_meanwhile)
+            await ask()
+        assert node.superseded
+        with pytest.raises(PathError) as exc:
+            await ns.open_file(node.ino)
+        assert exc.value.errno == errno.ESTALE
+
+
 async def test_a_lookup_answered_after_the_kernel_forgot_the_inode_gives_it_back(autojump_clock) -> None:  # noqa: ANN001
     """A LOOKUP that waited for another's answer counted its lookup on a node that a FORGET had removed meanwhile
     (the kernel forgets an inode as soon as its count drops, and the revalidation of a replaced file does so at

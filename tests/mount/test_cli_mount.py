@@ -504,9 +504,12 @@ def test_ctrl_c_while_mount_waits_stops_its_daemon(tmp_path: Path) -> None:
     mp = tmp_path / "mnt"
     mp.mkdir()
     env = {**modelfs_env(), "AWS_ACCESS_KEY_ID": "k", "AWS_SECRET_ACCESS_KEY": "s"}
+    # As from a terminal: a test run started in the background (`cmd &` in a script) ignores SIGINT, and so would
+    # the command, as it should there.
     proc = subprocess.Popen(modelfs_cmd("mount", "b", str(mp), "--endpoint-url",
                                         f"http://127.0.0.1:{silent.getsockname()[1]}"),
-                            stderr=subprocess.PIPE, text=True, env=env)
+                            stderr=subprocess.PIPE, text=True, env=env,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         daemons = wait_for("the daemon in its pre-flight", lambda: daemons_for(mp), bool)
         proc.send_signal(signal.SIGINT)

@@ -498,18 +498,11 @@ class DiskCache:
         is whole, statvfs counts its bytes, so they leave _unwritten here (on failure the caller releases
         them)."""
         shard = os.path.dirname(self._path(digest))
+        # 0600, O_EXCL; in the chunk's own directory, so the rename is atomic.
         try:
-            fd, tmp_path = tempfile.mkstemp(prefix=digest[:16] + ".", suffix=TMP_SUFFIX, dir=shard)  # 0600, O_EXCL;
-        except FileNotFoundError:  # same dir, so the rename is atomic
-            # Its shard, or `chunks/` itself, was removed under the mount (an operator's `rm -rf CACHE/chunks/*`):
-            # every put failed until the next mount. Made again (never through a symlink).
-            os.makedirs(self._chunks_dir, mode=0o700, exist_ok=True)
-            real_dir(self._chunks_dir)
-            self._make_shards(shard)
-            (log.debug if self._remade_logged else log.info)(
-                "disk cache %s: %s was removed under the mount; made again (and so any other directory of it)",
-                self.root, shard)
-            self._remade_logged = True
+            fd, tmp_path = tempfile.mkstemp(prefix=digest[:16] + ".", suffix=TMP_SUFFIX, dir=shard)
+        except FileNotFoundError:
+            self._remake_shard(shard)
             fd, tmp_path = tempfile.mkstemp(prefix=digest[:16] + ".", suffix=TMP_SUFFIX, dir=shard)
         try:
             self._writer.write(fd, tmp_path, header, data)
@@ -521,6 +514,17 @@ class DiskCache:
         with self._lock:
             self._unwritten -= data_offset(len(header)) + len(data)
         return tmp_path
+
+    def _remake_shard(self, shard: str) -> None:
+        """`shard`, or `chunks/` itself, was removed under the mount (an operator's `rm -rf CACHE/chunks/*`): every
+        put failed until the next mount. Made again, never through a symlink."""
+        os.makedirs(self._chunks_dir, mode=0o700, exist_ok=True)
+        real_dir(self._chunks_dir)
+        self._make_shards(shard)
+        (log.debug if self._remade_logged else log.info)(
+            "disk cache %s: %s was removed under the mount; made again (and so any other directory of it)",
+            self.root, shard)
+        self._remade_logged = True
 
     def _write_failed(self, err: OSError) -> None:
         with self._lock:
@@ -543,12 +547,8 @@ class DiskCache:
             # ENOENT: evicted since we looked (then a re-put may already have brought it back, which the
             # lexists sees, since renames happen under this lock) or removed by someone else.
             if isinstance(err, FileNotFoundError):
-                if os.path.lexists(self._path(digest)):
-                    return
-                size = self._index.pop(digest, None)
-                if size is not None:
-                    self.stats.bytes_used -= size
-                    self.stats.chunks = len(self._index)
+                if not os.path.lexists(self._path(digest)):
+                    self._forget_locked(digest)
                 return
             self.stats.read_errors += 1
             if err.errno not in UNREADABLE_ERRNOS:  # out of descriptors or memory for a moment: the file is fine
@@ -557,16 +557,22 @@ class DiskCache:
             # Unreadable (a file of another owner, restored from a backup; a bad block): forgotten and removed,
             # so that the chunk's next put writes one that reads. Kept indexed, every read of it went to the
             # origin and its put was skipped as a chunk already held, for good.
-            size = self._index.pop(digest, None)
-            if size is not None:
-                self.stats.bytes_used -= size
-                self.stats.chunks = len(self._index)
+            if self._forget_locked(digest):
                 unlink_quietly(self._path(digest))
             first = not self._unreadable_logged
             self._unreadable_logged = True
         (log.warning if first else log.debug)(
             "disk cache %s: reading chunk file %s failed (%s); it is removed and written again at the chunk's next "
             "fetch", self.root, self._path(digest), err.strerror or err)
+
+    def _forget_locked(self, digest: str) -> bool:
+        """Take a chunk out of the index (the lock held); whether it was in it."""
+        size = self._index.pop(digest, None)
+        if size is None:
+            return False
+        self.stats.bytes_used -= size
+        self.stats.chunks = len(self._index)
+        return True
 
     def _drop_corrupt(self, digest: str, path: str, read: os.stat_result, why: str) -> None:
         with self._lock:
@@ -580,10 +586,7 @@ class DiskCache:
             except FileNotFoundError:
                 replaced = False
             if not replaced:
-                size = self._index.pop(digest, None)
-                if size is not None:
-                    self.stats.bytes_used -= size
-                    self.stats.chunks = len(self._index)
+                self._forget_locked(digest)
                 try:
                     os.unlink(path)
                 except OSError:

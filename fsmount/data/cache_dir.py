@@ -89,39 +89,36 @@ def scandir(path: str) -> Iterator[os.DirEntry[str]]:
 def acquire_dir_lock(root: str) -> int:
     """Take the cache dir for this process: a flock on the directory itself (a flock on its `lock` file alone let a
     second daemon in once an operator's `rm -rf CACHE/*` had removed that file: two indexes evicting each other's
-    files, each within its own --cache-size). The `lock` file only names the holder's pid, for the next comer;
-    it is never followed as a symlink nor opened as a FIFO, and may be missing or unwritable (a read-only cache
-    dir). Returns the descriptor to give to release_dir_lock."""
+    files, each within its own --cache-size). The `lock` file names the holder's pid, for the next comer, and is
+    flocked too where it can be opened (older versions lock only it); it may be missing or unwritable (a read-only
+    cache dir). Returns the descriptor to give to release_dir_lock."""
     path = os.path.join(root, LOCK_FILE)
     # A read-only descriptor (flock ignores the mode): one open for writing would make the filesystem refuse a
     # remount read-only while we run.
     fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     file_fd = None
     try:
-        busy = CacheDirBusy(
-            f"cache dir {root} is in use by another modelfs mount or cache command (pid {_holder(path)}); "
-            f"a cache dir serves one mount or command at a time: unmount it (or let the command finish) first, "
-            f"or use another cache dir")
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            raise busy from None
         # The `lock` file's flock too, which modelfs versions before this one take: a daemon of one still running
         # after an upgrade excludes `modelfs cache clear` and new mounts, and is excluded by them.
-        file_fd = _lock_file(path)
-        if file_fd is not None:
+        file_fd = _open_lock_file(path, os.O_RDONLY | os.O_CREAT)
+        for held in (fd, file_fd):
+            if held is None:
+                continue
             try:
-                fcntl.flock(file_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
-                raise busy from None
-            _LOCK_FILES[fd] = file_fd
+                raise CacheDirBusy(
+                    f"cache dir {root} is in use by another modelfs mount or cache command (pid {_holder(path)}); "
+                    f"a cache dir serves one mount or command at a time: unmount it (or let the command finish) "
+                    f"first, or use another cache dir") from None
         _write_pid(path)
     except BaseException:
-        _LOCK_FILES.pop(fd, None)
         if file_fd is not None:
             os.close(file_fd)
         os.close(fd)
         raise
+    if file_fd is not None:
+        _LOCK_FILES[fd] = file_fd
     return fd
 
 
@@ -129,21 +126,24 @@ def acquire_dir_lock(root: str) -> int:
 _LOCK_FILES: dict[int, int] = {}
 
 
-def _lock_file(path: str) -> int | None:
-    """A read-only descriptor of `lock` (made if missing), or None where it cannot be made (a read-only cache dir).
-    Never through a symlink nor of anything but a regular file: both are refused."""
+def _open_lock_file(path: str, flags: int) -> int | None:
+    """A descriptor of `lock`, or None where it cannot be opened so (a read-only cache dir, one of another owner).
+    Never through a symlink (a pid written there truncated the linked file: /etc/passwd, had it pointed there), nor
+    of anything but a regular file, nor waiting for a FIFO's other end: all three are refused."""
     try:
-        file_fd = os.open(path, os.O_RDONLY | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK, 0o600)
+        lock_fd = os.open(path, flags | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK, 0o600)
     except OSError as exc:
         if exc.errno == errno.ELOOP:
             raise OSError(errno.ELOOP, f"{path} is a symlink: the lock is a file of the cache dir's own") from None
+        if exc.errno == errno.ENXIO:  # a FIFO opened for writing with no reader
+            raise OSError(errno.EINVAL, f"{path} is not a regular file") from None
         if exc.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
             return None
         raise
-    if not stat.S_ISREG(os.fstat(file_fd).st_mode):
-        os.close(file_fd)
+    if not stat.S_ISREG(os.fstat(lock_fd).st_mode):
+        os.close(lock_fd)
         raise OSError(errno.EINVAL, f"{path} is not a regular file")
-    return file_fd
+    return lock_fd
 
 
 def _holder(path: str) -> str:
@@ -160,22 +160,12 @@ def _holder(path: str) -> str:
 
 
 def _write_pid(path: str) -> None:
-    """This process's pid into `lock`. Never through a symlink (the write truncated a linked file: /etc/passwd,
-    had it pointed there) nor into anything but a regular file: both are refused. A read-only cache dir keeps
-    the file it has, or none."""
+    """This process's pid into `lock`, for the next comer's message. A read-only cache dir keeps the file it has,
+    or none."""
+    pid_fd = _open_lock_file(path, os.O_WRONLY | os.O_CREAT)
+    if pid_fd is None:
+        return
     try:
-        pid_fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK, 0o600)
-    except OSError as exc:
-        if exc.errno == errno.ELOOP:
-            raise OSError(errno.ELOOP, f"{path} is a symlink: the lock is a file of the cache dir's own") from None
-        if exc.errno == errno.ENXIO:  # a FIFO nobody reads
-            raise OSError(errno.EINVAL, f"{path} is not a regular file") from None
-        if exc.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
-            return
-        raise
-    try:
-        if not stat.S_ISREG(os.fstat(pid_fd).st_mode):
-            raise OSError(errno.EINVAL, f"{path} is not a regular file")
         os.ftruncate(pid_fd, 0)
         os.write(pid_fd, f"{os.getpid()}\n".encode())
     finally:

@@ -122,6 +122,16 @@ class Node:
     def supersede(self) -> None:
         self.superseded, self.superseded_at = True, time.monotonic()
 
+    def held_again(self, asked: float) -> bool:
+        """The bucket holds this version again, as asked at `asked` (monotonic): current again if that was after it
+        was superseded (a rollback, the same bytes uploaded again; an answer already on its way when it was
+        superseded says nothing of what came after). Left superseded, every open of the path got ESTALE, the
+        kernel's retry found the same inode, and so on until the kernel forgot it. Whether it was superseded."""
+        if not self.superseded or asked <= self.superseded_at:
+            return False
+        self.superseded = False
+        return True
+
 
 T = TypeVar("T")
 
@@ -269,11 +279,7 @@ class Namespace:
             at = time.monotonic() if as_of is None else as_of
             node.fresh_until = max(node.fresh_until, at + self.ttl)
             self._latest_file[path] = ino
-            if node.superseded and at > node.superseded_at:
-                # The bucket holds this version again, as asked after it was superseded (a rollback, or the same
-                # bytes uploaded again): its inode is current again. Left superseded, every open of the path got
-                # ESTALE, the kernel's retry found the same inode, and so on until the kernel forgot it.
-                node.superseded = False
+            node.held_again(at)
         return node
 
     def forget(self, ino: int, count: int) -> None:
@@ -322,10 +328,7 @@ class Namespace:
         node.fresh_until = time.monotonic() + self.ttl
         if meta is None or meta.etag != node.etag:
             self._supersede(node)
-        elif node.superseded and asked > node.superseded_at:
-            # The bucket holds it again (see _node_for), as asked after it was superseded (an answer already on its
-            # way then says nothing of what came after).
-            node.superseded = False
+        elif node.held_again(asked):
             self._latest_file[node.path] = node.ino
         return node
 

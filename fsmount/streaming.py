@@ -216,21 +216,21 @@ class ModelStreamer:
             return
         job.handles -= 1
         if job.handles <= 0:
-            job.scope.cancel()
-            del self._active[(version.key, version.etag)]
-            self.engine.abandon(job)
-            if job.done.is_set():  # else _run_job gives its pushes back once the push in flight ended
-                self.pusher.release(job.pushed)
+            self._end(job)
 
     def rewritten(self, version: ObjectVersion) -> None:
         """The inode of `version` is being rewritten through the mount (which keeps the inode): its stream ends,
         else it would push the old bytes into the pages of the new file. Its descriptors read on without one."""
         self._rewritten[(version.key, version.etag)] = True
-        job = self._active.pop((version.key, version.etag), None)
-        if job is None:
-            return
-        job.handles = 0
+        job = self._active.get((version.key, version.etag))
+        if job is not None:
+            job.handles = 0
+            self._end(job)
+
+    def _end(self, job: _FileStream) -> None:
+        """A stream no handle holds any more stops, and gives back what it pushed."""
         job.scope.cancel()
+        del self._active[(job.version.key, job.version.etag)]
         self.engine.abandon(job)
         if job.done.is_set():  # else _run_job gives its pushes back once the push in flight ended
             self.pusher.release(job.pushed)

@@ -355,6 +355,8 @@ class Operations(pyfuse3.Operations):
             if handle is None:
                 # A handle that writes a file cannot read it back before it is stored.
                 raise pyfuse3.FUSEError(errno.EBUSY if fh in self._writers else errno.EBADF)
+            if self.writes is None:  # read-only: nothing is rewritten through this mount
+                return await self._read(handle, off, size)
             if self._rewritten(handle):
                 continue
             data = await self._read(handle, off, size)

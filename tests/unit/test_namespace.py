@@ -19,6 +19,12 @@ async def call(fn, *args):  # noqa: ANN001, ANN201
     return fn(*args)
 
 
+async def answered_in_a_second(fn, *args):  # noqa: ANN001, ANN201
+    """A store call that takes 1 s (virtual time with autojump_clock), answered as the bucket is then."""
+    await trio.sleep(1)
+    return fn(*args)
+
+
 def make_ns(store: FakeStore, prefix: str = "", ttl: float = 60.0) -> Namespace:
     return Namespace(store, call, prefix=prefix, ttl=ttl)
 
@@ -292,12 +298,7 @@ async def test_a_lookup_answered_after_the_kernel_forgot_the_inode_gives_it_back
     a file that was always there (a new user's readers of an object overwritten in a loop)."""
     store = FakeStore()
     store.put("f", b"x")
-
-    async def slow(fn, *args):  # noqa: ANN001, ANN202
-        await trio.sleep(1)
-        return fn(*args)
-
-    ns = Namespace(store, slow, prefix="", ttl=0)
+    ns = Namespace(store, answered_in_a_second, prefix="", ttl=0)
     waited: list = []
 
     async def first() -> None:
@@ -561,12 +562,7 @@ async def test_lookups_of_one_name_at_once_ask_the_bucket_once(autojump_clock) -
     and listing again. Those that come while one is in flight share its answer (a file, or ENOENT)."""
     store = FakeStore()
     store.put("f", b"x")
-
-    async def slow(fn, *args):  # noqa: ANN001, ANN202
-        await trio.sleep(1)
-        return fn(*args)
-
-    ns = Namespace(store, slow, prefix="", ttl=0)
+    ns = Namespace(store, answered_in_a_second, prefix="", ttl=0)
     found: dict[bytes, list[int]] = {b"f": [], b"missing": []}
 
     async def stat(name: bytes) -> None:

@@ -135,12 +135,14 @@ def stderr_is_journal() -> bool:
     return (st.st_dev, st.st_ino) == (dev, ino)
 
 
-class DiscardedReleaseReply(logging.Filter):
+class DroppedRequestReply(logging.Filter):
     """pyfuse3 logs an ERROR when the kernel refuses a reply with ENOENT, which means the kernel had
-    already dropped that request. For RELEASE nothing is lost: the handle was closed before the reply,
-    and nobody waits for it. That case is logged at DEBUG; every other reply failure stays an ERROR."""
+    already dropped that request: an unmount (or an abort) ended it, and whoever waited for it has had
+    its answer from the kernel. Seen for a RELEASE after its close, and for the kernel's read-ahead READs
+    still waiting on the origin when a loader exits and the node unmounts at once. Nothing is lost, so
+    that case is logged at DEBUG; every other reply failure stays an ERROR."""
 
-    PATTERN = re.compile(r"fuse_release(dir)?\(\): fuse_reply_\* failed with No such file or directory")
+    PATTERN = re.compile(r"fuse_\w+\(\): fuse_reply_\* failed with No such file or directory")
 
     def filter(self, record: logging.LogRecord) -> bool:
         if record.levelno >= logging.ERROR and self.PATTERN.search(record.getMessage()):
@@ -182,8 +184,8 @@ def setup_logging(level: str, log_file: str | None = None, use_syslog: bool = Fa
     for name in QUIET_LOGGERS:
         logging.getLogger(name).setLevel(max(logging.WARNING, root.level))
     pyfuse3_log = logging.getLogger("pyfuse3")
-    if not any(isinstance(f, DiscardedReleaseReply) for f in pyfuse3_log.filters):
-        pyfuse3_log.addFilter(DiscardedReleaseReply())
+    if not any(isinstance(f, DroppedRequestReply) for f in pyfuse3_log.filters):
+        pyfuse3_log.addFilter(DroppedRequestReply())
 
 
 def user_allow_other(fuse_conf: str = FUSE_CONF) -> bool:

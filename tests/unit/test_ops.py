@@ -368,21 +368,25 @@ def test_oss_claims_stay_with_botocore_when_bytes_go_presigned(clean_aws_env: Pa
     assert "x-oss-forbid-overwrite" in sent[0]["authorization"].split("SignedHeaders=")[1].split(",")[0]
 
 
-def test_only_a_discarded_release_reply_is_downgraded_from_error() -> None:
+def test_only_a_reply_to_a_dropped_request_is_downgraded_from_error() -> None:
     import logging
 
-    from fsmount.mount import DiscardedReleaseReply
+    from fsmount.mount import DroppedRequestReply
 
     def record(message: str) -> logging.LogRecord:
         return logging.LogRecord("pyfuse3", logging.ERROR, __file__, 1, message, None, None)
 
-    release = record("fuse_release(): fuse_reply_* failed with No such file or directory")
-    DiscardedReleaseReply().filter(release)
-    assert release.levelno == logging.DEBUG
-    for message in ("fuse_read(): fuse_reply_* failed with No such file or directory",
-                    "fuse_release(): fuse_reply_* failed with Broken pipe"):
+    for message in ("fuse_release(): fuse_reply_* failed with No such file or directory",
+                    "fuse_releasedir(): fuse_reply_* failed with No such file or directory",
+                    "fuse_read(): fuse_reply_* failed with No such file or directory"):
+        dropped = record(message)
+        DroppedRequestReply().filter(dropped)
+        assert dropped.levelno == logging.DEBUG, message
+    for message in ("fuse_read(): fuse_reply_* failed with Broken pipe",
+                    "fuse_release(): fuse_reply_* failed with Invalid argument",
+                    "No such file or directory"):
         other = record(message)
-        assert DiscardedReleaseReply().filter(other) and other.levelno == logging.ERROR, message
+        assert DroppedRequestReply().filter(other) and other.levelno == logging.ERROR, message
 
 
 def test_the_units_stop_timeout_covers_every_bound_of_a_stop() -> None:

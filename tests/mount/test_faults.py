@@ -296,6 +296,47 @@ def test_failing_read_waits_at_most_read_timeout(moto_server: S3Server, proxy: F
         assert len([w for w in warnings if re.search(READ_FAILED, w)]) == 1, warnings
 
 
+def test_many_large_reads_of_a_silent_origin_fail_within_one_timeout(moto_server: S3Server, proxy: FaultProxy,
+                                                                     mountpoint: Path) -> None:
+    """12 readers of 16 MiB each make more READs than the kernel lets wait in the daemon: the rest wait in the
+    kernel until the first ones fail, and 8 of the 12 read(2) calls failed at twice --read-timeout. Every one fails
+    within one timeout, and the same mount reads exactly once the origin answers again."""
+    bucket = new_bucket(moto_server)
+    moto_server.client().put_object(Bucket=bucket, Key="m/", Body=b"")
+    readers = 12
+    size = readers * 16 * MiB
+    proxy.serve_directory(bucket, "m/", ["big.bin"], size=size)
+    path = mountpoint / "m" / "big.bin"
+    with mounted_via(proxy, moto_server, bucket, mountpoint, *fault_args("--max-readahead", "64M"),
+                     allowed=(FETCH_FAILED, READ_FAILED)):
+        fds = [os.open(path, os.O_RDONLY) for _ in range(readers)]
+        try:
+            proxy.inject(Fault.STALL, seconds=100)
+            took: list[tuple[int, float]] = []
+
+            def read(i: int) -> None:
+                start = time.monotonic()
+                try:
+                    os.pread(fds[i], 16 * MiB, i * 16 * MiB)
+                    took.append((0, time.monotonic() - start))
+                except OSError as exc:
+                    took.append((exc.errno, time.monotonic() - start))
+
+            threads = [threading.Thread(target=read, args=(i,), daemon=True) for i in range(readers)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(2 * READ_TIMEOUT_S + RECOVERY_S)
+            assert len(took) == readers, took
+            assert all(errno_ == errno.EIO for errno_, _ in took), took
+            assert max(t for _, t in took) <= FAILING_READ_BOUND_S, sorted(t for _, t in took)
+            proxy.clear()
+            read_until_ok(fds[0], synthetic_body(b"m/big.bin", size), 4096, 5 * 16 * MiB + 12345)
+        finally:
+            for fd in fds:
+                os.close(fd)
+
+
 UNMOUNT_EXIT_S = 5.0
 
 

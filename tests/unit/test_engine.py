@@ -535,6 +535,58 @@ async def test_a_later_read_of_a_timed_out_chunk_gets_a_fresh_fetch(autojump_clo
     await run_engine(engine, body)
 
 
+def stalling_runner(stalled: set[str]):  # noqa: ANN201
+    """GETs of the keys in `stalled` hang for an hour; the others take LATENCY (virtual time)."""
+    async def run(fn, *args, limiter):  # noqa: ANN001, ANN202
+        async with limiter:
+            if fn.__name__ == "get_range":
+                await trio.sleep(3600.0 if args[0] in stalled else LATENCY)
+            return fn(*args)
+    return run
+
+
+@pytest.mark.parametrize("answered", [False, True])
+async def test_reads_that_come_just_after_a_timeout_with_the_origin_silent_fail_at_once(autojump_clock,  # noqa: ANN001
+                                                                                       answered: bool) -> None:
+    """READs the kernel held behind the ones that timed out belong to the same read(2) calls: with an origin
+    that finished nothing meanwhile they fail at once, not a timeout later (12 readers failed at twice
+    --read-timeout). Past RETRY_GRACE_S a READ gets a timeout of its own; an origin that answered something during
+    the wait (`answered`) is not silent, and a chunk a local level holds is never failed at once."""
+    from fsmount.data.engine import RETRY_GRACE_S
+
+    store = FakeStore()
+    data = put_object(store, "m", 8 * CHUNK)
+    put_object(store, "fast", CHUNK)
+    level = IndexedLevel()
+    engine = ChunkEngine(store, chunk_size=CHUNK, memory_limit=64 * MiB, max_connections=8, read_timeout=5.0,
+                         levels=[level], run_blocking=stalling_runner({"m"}))
+    v = version(store, "m")
+    level.chunks[engine.chunk_id(v, 7)] = data[7 * CHUNK:]
+
+    async def fails_after(chunk: int) -> float:
+        start = trio.current_time()
+        with pytest.raises(StoreError, match="timed out"):
+            await engine.read(v, chunk * CHUNK, chunk * CHUNK + 100)
+        return trio.current_time() - start
+
+    async def body() -> None:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(fails_after, 0)
+            if answered:
+                await trio.sleep(1.0)
+                await engine.read(version(store, "fast"), 0, 100)
+        await trio.sleep(0.2)
+        if answered:
+            assert await fails_after(1) == pytest.approx(5.0)
+            return
+        assert await fails_after(1) == 0.0
+        assert await engine.read(v, 7 * CHUNK, 7 * CHUNK + 100) == data[7 * CHUNK:7 * CHUNK + 100]
+        await trio.sleep(RETRY_GRACE_S)
+        assert await fails_after(2) == pytest.approx(5.0)
+
+    await run_engine(engine, body)
+
+
 class MemoryLevel:
     """A cache level in a dict; fills the engine's buffer when it gets one, as DiskCache does."""
 

@@ -7,6 +7,12 @@ Rules (everything here runs in the trio thread; nothing awaits except `reserve`)
   between, which errs on the side of the budget). `reserve` evicts in LRU order; when nothing is
   evictable it has the reclaimers give back what they hold idle (`add_reclaimer`: the writes' recycled
   part buffers), and waits on `_changed` only if that freed nothing.
+- In use: a chunk a reader is reading front to back, used less than IN_USE_S ago, is evicted only when
+  nothing else can be: `reserve` waits for room meanwhile, at most until the oldest of them is IN_USE_S old.
+  `_in_use[cid]` is a `_Use`: a chunk stored for a READ is in use until that READ says otherwise; a READ that
+  starts at the chunk's start or where READs of it got to keeps it (or makes it) in use, one elsewhere ends
+  that (random access: nothing to keep it for), and one that reaches the chunk's end or a push to the page
+  cache drops the entry.
 - Pins: a pinned chunk (`_pins[cid]` > 0) is not evicted until `unpin`. Only work that finishes on its
   own may pin (the write-through to the cache levels): a page-cache push may not, since it can wait
   for a READ that waits for room.
@@ -32,6 +38,7 @@ Rules (everything here runs in the trio thread; nothing awaits except `reserve`)
 from __future__ import annotations
 
 import collections
+import math
 import mmap
 import sys
 from collections.abc import Callable
@@ -46,6 +53,20 @@ from fsmount.data.identity import Chunk, ChunkId
 SPENT_KEEP_SHARE = 1 / 8
 # Chunk ids remembered as held by the page cache: 4096 x 8 MiB chunks is 32 GiB of models.
 KERNEL_HELD_MAX = 4096
+# A chunk a reader is still taking READs from is not evicted for another's fetch until it has gone unused this
+# long: 16 readers in 4 chunks of memory evicted each other's chunks between READs, every chunk was fetched up
+# to 8 times, and READs failed at --read-timeout with a healthy origin. Waiting for room instead lets the
+# readers take turns; the bound keeps a reader that stopped mid-chunk from holding its chunk.
+IN_USE_S = 1.0
+
+
+class _Use:
+    """What READs did with a chunk in memory (see the module's rules)."""
+
+    __slots__ = ("at", "end", "streaming")
+
+    def __init__(self, at: float, end: int, streaming: bool):
+        self.at, self.end, self.streaming = at, end, streaming
 
 
 class MemoryBudget:
@@ -60,6 +81,7 @@ class MemoryBudget:
         self._pins: collections.Counter[ChunkId] = collections.Counter()
         self._served: dict[ChunkId, int] = {}  # level hits in reusable buffers: bytes READs took so far
         self._spent: collections.deque[ChunkId] = collections.deque()
+        self._in_use: dict[ChunkId, _Use] = {}
         self._read_by_kernel: set[ChunkId] = set()
         self._in_page_cache: collections.OrderedDict[ChunkId, None] = collections.OrderedDict()
         self._changed = trio.Event()
@@ -84,17 +106,23 @@ class MemoryBudget:
         data = self._chunks.get(cid)
         if data is not None:
             self._chunks.move_to_end(cid)
+            use = self._in_use.get(cid)
+            if use is not None:
+                use.at = trio.current_time()
         return data
 
-    def store(self, cid: ChunkId, data: Chunk) -> None:
+    def store(self, cid: ChunkId, data: Chunk, demanded: bool = True) -> None:
         """Hold a fetched chunk (its fetch's reservation is released by the caller right after). A
-        buffer of ours is tracked for reuse from here on."""
+        buffer of ours is tracked for reuse from here on. A chunk a READ waits for (`demanded`) is in use
+        from here; one read ahead, once a READ touches it."""
         old = self._chunks.pop(cid, None)
         if old is not None:
             self.cached -= len(old)
             self._forget(cid)
         self._chunks[cid] = data
         self.cached += len(data)
+        if demanded:
+            self._in_use[cid] = _Use(trio.current_time(), 0, True)
         if type(data) is mmap.mmap:
             self._served[cid] = 0
 
@@ -102,12 +130,24 @@ class MemoryBudget:
         """A chunk left memory: drop what was tracked about it."""
         self._served.pop(cid, None)
         self._read_by_kernel.discard(cid)
+        self._in_use.pop(cid, None)
 
     def _first_evictable(self) -> ChunkId | None:
-        """The least recently used chunk that is not pinned."""
-        if not self._pins:
-            return next(iter(self._chunks), None)
-        return next((cid for cid in self._chunks if cid not in self._pins), None)
+        """The least recently used chunk that is neither pinned nor in use (IN_USE_S)."""
+        now = trio.current_time()
+        in_use = self._in_use
+        for cid in self._chunks:
+            if cid in self._pins:
+                continue
+            use = in_use.get(cid)
+            if use is None or not use.streaming or use.at + IN_USE_S <= now:  # the same sum as _in_use_until's
+                return cid
+        return None
+
+    def _in_use_until(self) -> float:
+        """When the first chunk in use that is not pinned stops being in use (inf: none is)."""
+        return min((use.at + IN_USE_S for cid, use in self._in_use.items() if use.streaming and cid not in self._pins),
+                   default=math.inf)
 
     # -- reservations --------------------------------------------------------------------------
 
@@ -134,7 +174,8 @@ class MemoryBudget:
                 continue
             self.waiting += 1
             try:
-                await self._changed.wait()
+                with trio.move_on_at(self._in_use_until()):
+                    await self._changed.wait()
             finally:
                 self.waiting -= 1
         self.reserved += n
@@ -204,18 +245,33 @@ class MemoryBudget:
 
     # -- what READs and the page cache took ----------------------------------------------------
 
-    def note_served(self, cid: ChunkId, nbytes: int, total: int) -> None:
-        """READs took `nbytes` of the chunk (of `total`); a reusable buffer wholly taken is spent."""
+    def note_served(self, cid: ChunkId, lo: int, hi: int, total: int) -> None:
+        """A READ took bytes [lo, hi) of the chunk (of `total`); a reusable buffer wholly taken is spent."""
         if cid in self._chunks:
             self._read_by_kernel.add(cid)
+            self._note_use(cid, lo, hi, total)
         served = self._served.get(cid)
         if served is None:
             return
-        if served + nbytes >= total:
+        if served + hi - lo >= total:
             del self._served[cid]
             self._spent.append(cid)
         else:
-            self._served[cid] = served + nbytes
+            self._served[cid] = served + hi - lo
+
+    def _note_use(self, cid: ChunkId, lo: int, hi: int, total: int) -> None:
+        """Whether the chunk stays in use after a READ of [lo, hi) (the module's rules)."""
+        use = self._in_use.get(cid)
+        was = use is not None and use.streaming
+        if hi >= total:
+            self._in_use.pop(cid, None)
+        elif use is None:
+            self._in_use[cid] = _Use(trio.current_time(), hi, lo == 0)
+        else:
+            use.at, use.streaming = trio.current_time(), lo == 0 or 0 < lo <= use.end
+            use.end = max(use.end, hi)
+        if was and not (use is not None and use.streaming and cid in self._in_use):
+            self._signal()  # a reserve waiting for room may take it now
 
     def in_page_cache(self, cid: ChunkId) -> bool:
         """True if the kernel took all of the chunk: it was pushed, or READs took all of it and its buffer
@@ -250,6 +306,8 @@ class MemoryBudget:
         """Make a chunk the first to be evicted, and its buffer free to reuse: the kernel page cache
         holds it (it was pushed there)."""
         self.held_by_kernel(cid)
+        if self._in_use.pop(cid, None) is not None:
+            self._signal()
         if cid in self._chunks:
             self._chunks.move_to_end(cid, last=False)
             if self._served.pop(cid, None) is not None:

@@ -279,7 +279,7 @@ class ChunkEngine:
             lo = start - cid.offset
             hi = min(end - cid.offset, len(data))
             self.stats.bytes_served_memory += hi - lo
-            self.memory.note_served(cid, hi - lo, len(data))
+            self.memory.note_served(cid, lo, hi, len(data))
             return memoryview(data)[lo:hi]
         out: list[memoryview] = []
         deadline = min((p.deadline for _, p in parts if isinstance(p, Fetch)),
@@ -295,7 +295,7 @@ class ChunkEngine:
                 out.append(memoryview(data)[lo:hi])
                 if served:
                     self._count_served(source, hi - lo)
-                    self.memory.note_served(cid, hi - lo, len(data))
+                    self.memory.note_served(cid, lo, hi, len(data))
         if scope.cancelled_caught:
             self._read_timed_out_at = max(self._read_timed_out_at, deadline)
             raise ReadTimeout(f"read of {parts[0][0].key!r} timed out after {self.read_timeout:g}s")
@@ -354,7 +354,7 @@ class ChunkEngine:
             fetch.source = "origin" if hit is None else "level"
             if hit is None:
                 self._origin_answered_at = trio.current_time()
-            self.memory.store(fetch.cid, data)
+            self.memory.store(fetch.cid, data, fetch.demanded)
             missed = self.levels.missed(hit)
             if missed and self._nursery is not None:
                 cid = fetch.cid

@@ -18,6 +18,8 @@ import pytest
 from botocore.exceptions import ClientError
 
 from fsmount.namespace import invalid_segment_reason
+from fsmount.testing.fault_proxy import FaultProxy
+from fsmount.testing.synthetic_dir import synthetic_body
 from tests.helpers import (
     MiB,
     S3Server,
@@ -25,6 +27,7 @@ from tests.helpers import (
     file_digest,
     mount_stats,
     mounted,
+    mounted_via,
     new_bucket,
     proc_status,
     put_objects,
@@ -319,6 +322,36 @@ def test_memory_limit_respected_under_4_parallel_readers(moto_server: S3Server, 
     assert results == {k: sha(v) for k, v in files.items()}
     assert peak_kib <= (limit_mib + 64) * 1024, (idle_kib // 1024, peak_kib // 1024)
     assert peak_kib > idle_kib + 32 * 1024  # the readers really filled memory: the bound was exercised
+
+
+def test_sixteen_readers_in_four_chunks_of_memory_read_exact_and_fetch_little_twice(moto_server: S3Server,
+                                                                                    proxy: FaultProxy,
+                                                                                    mountpoint: Path) -> None:
+    """--memory-limit 110M leaves 4 chunks of 8 MiB. 16 readers of their own 32 MiB file evicted each other's
+    chunks between READs: the origin sent 1.0-1.4 GB for 512 MiB, and 7 of 16 readers got EIO at --read-timeout
+    with a healthy origin. Now readers take turns: every byte exact, little fetched twice."""
+    bucket = new_bucket(moto_server)
+    moto_server.client().put_object(Bucket=bucket, Key="m/", Body=b"")
+    names, size = [f"f{i}.bin" for i in range(16)], 32 * MiB
+    proxy.serve_directory(bucket, "m/", names, size=size)
+    with mounted_via(proxy, moto_server, bucket, mountpoint, "--memory-limit", "110M", "--read-timeout", "10",
+                     "--no-model-prefetch", "--metadata-ttl", "300"):
+        results: dict[str, str | int] = {}
+
+        def read(name: str) -> None:
+            try:
+                results[name] = file_digest(mountpoint / "m" / name)
+            except OSError as exc:
+                results[name] = exc.errno
+
+        threads = [threading.Thread(target=read, args=(name,)) for name in names]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        origin = mount_stats(mountpoint)["origin"]
+    assert results == {name: sha(synthetic_body(f"m/{name}".encode(), size)) for name in names}
+    assert origin["refetched_bytes"] <= len(names) * size // 2, origin
 
 
 FUSECTL = Path("/sys/fs/fuse/connections")

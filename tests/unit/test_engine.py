@@ -381,6 +381,58 @@ async def test_memory_limit_is_never_exceeded(autojump_clock) -> None:  # noqa: 
     await run_engine(engine, body)
 
 
+async def test_sixteen_readers_in_four_chunks_of_memory_take_turns_instead_of_evicting_each_other(  # noqa: ANN001
+        autojump_clock) -> None:
+    """Each chunk a reader is reading front to back stays until it has gone unused IN_USE_S: 16 readers in 4 chunks
+    of memory evicted each other's chunks between READs, fetched every chunk up to 8 times and timed out."""
+    store = FakeStore()
+    files = {f"f{i}": put_object(store, f"f{i}", 4 * CHUNK + i) for i in range(16)}
+    engine = make_engine(store, memory=4 * CHUNK, conns=16, timeout=5.0)
+
+    async def reader(key: str) -> None:
+        v, out = version(store, key), bytearray()
+        while len(out) < v.size:
+            out += await engine.read(v, len(out), len(out) + CHUNK // 8)
+            await trio.sleep(0.001)
+        assert bytes(out) == files[key]
+
+    async def body() -> None:
+        async with trio.open_nursery() as readers:
+            for key in files:
+                readers.start_soon(reader, key)
+
+    await run_engine(engine, body)
+    assert len(store.gets) == sum(-(-len(d) // CHUNK) for d in files.values())  # every chunk once
+
+
+async def test_a_chunk_read_at_random_or_left_mid_way_holds_no_room_past_in_use_s(autojump_clock) -> None:  # noqa: ANN001
+    """A READ in the middle of a chunk is random access: its chunk is evicted at once when room is needed. A chunk
+    a reader began at its start and then left holds its room IN_USE_S, no longer."""
+    from fsmount.data.budget import IN_USE_S
+
+    store = FakeStore()
+    data = put_object(store, "m", 10 * CHUNK)
+    engine = make_engine(store, memory=4 * CHUNK, conns=4, timeout=5.0)
+    v = version(store, "m")
+
+    async def timed_read(index: int, offset: int) -> float:
+        start = trio.current_time()
+        lo = index * CHUNK + offset
+        assert await engine.read(v, lo, lo + 100) == data[lo:lo + 100]
+        return trio.current_time() - start
+
+    async def body() -> None:
+        for index in range(4):
+            await timed_read(index, CHUNK // 2)
+        assert await timed_read(4, CHUNK // 2) == pytest.approx(LATENCY)
+        for index in range(5, 9):
+            await timed_read(index, 0)  # memory is now 4 chunks begun at their start
+        took = await timed_read(9, 0)  # waits until the first of them (3 reads ago) has gone unused IN_USE_S
+        assert IN_USE_S - 3 * LATENCY <= took <= IN_USE_S + LATENCY
+
+    await run_engine(engine, body)
+
+
 async def test_store_error_reaches_the_reader_and_is_not_cached(autojump_clock, allowed_logs) -> None:  # noqa: ANN001
     allowed_logs.append("fetching chunk .* failed")
     store = FakeStore()

@@ -47,8 +47,10 @@ from fsmount.data import (
     ObjectVersion,
     StoreError,
     TimedOut,
+    Unreachable,
     Uploads,
 )
+from fsmount.data.levels import UNREACHABLE_RETRY_MAX_S, UNREACHABLE_RETRY_S
 from fsmount.namespace import Node, PathError
 from fsmount.new_file import NewFile
 from fsmount.tree_changes import WritableNamespace
@@ -134,10 +136,24 @@ class Writes:
             new.release_free()
 
     async def call(self, fn: Callable[..., Any], *args: Any) -> Any:
-        """One store request in a thread, given up after --read-timeout."""
-        with trio.move_on_after(self._timeout):
-            return await trio.to_thread.run_sync(fn, *args, limiter=self._limiter, abandon_on_cancel=True)
-        raise TimedOut(f"{getattr(fn, '__name__', 'request')} timed out after {self._timeout:g}s")
+        """One store request in a thread, given up after --read-timeout. An endpoint that refuses connections (a
+        server restarting: the request never reached it) is tried again with backoff within that time, as a
+        demanded read is (levels.UNREACHABLE_RETRY_S): a 20 s restart lost the checkpoint being written."""
+        what = getattr(fn, "__name__", "request")
+        deadline = trio.current_time() + self._timeout
+        backoff = UNREACHABLE_RETRY_S
+        with trio.move_on_at(deadline):
+            while True:
+                try:
+                    return await trio.to_thread.run_sync(fn, *args, limiter=self._limiter, abandon_on_cancel=True)
+                except Unreachable as exc:
+                    wait = min(backoff, deadline - trio.current_time())
+                    if wait <= 0:
+                        raise
+                    log.debug("%s: %s; trying again in %.2fs", what, exc.message, wait)
+                    await trio.sleep(wait)
+                    backoff = min(2 * backoff, UNREACHABLE_RETRY_MAX_S)
+        raise TimedOut(f"{what} timed out after {self._timeout:g}s")
 
     def stage_open(self) -> StagedFile | None:
         return self._staging.open() if self._staging is not None else None
@@ -191,7 +207,8 @@ class Writes:
         must still abort); False, with a warning, if it could not be (`modelfs cleanup` removes it)."""
         reason = await self._cleanup(self.uploads.abort, key, upload_id)
         if reason is not None:
-            log.warning("the upload of %s could not be aborted (%s); `modelfs cleanup` removes it", key, reason)
+            log.warning("the upload of %s could not be aborted (%s); `modelfs cleanup %s --prefix %s --older-than 0` "
+                        "removes it", key, reason, self.uploads.bucket, key)
         return reason is None
 
     async def drop_object(self, key: str) -> None:
@@ -323,8 +340,8 @@ class Writes:
             for new in files:
                 await new.abort()
         if self._open:
-            log.warning("%d uploads could not be aborted at unmount; `modelfs cleanup` removes them",
-                        len(self._open))
+            log.warning("%d uploads could not be aborted at unmount; `modelfs cleanup %s --older-than 0` removes "
+                        "them", len(self._open), self.uploads.bucket)
 
     # -- directories and names -------------------------------------------------------------------
 

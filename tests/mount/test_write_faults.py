@@ -115,6 +115,30 @@ def test_origin_down_at_close_is_eio_no_object_and_cleanup_finds_the_parts(
     delete_bucket(moto_server, bucket)
 
 
+def test_a_restart_of_the_origin_shorter_than_the_read_timeout_costs_a_write_only_time(
+        moto_server: S3Server, proxy: FaultProxy, mountpoint: Path) -> None:
+    """The origin refuses connections for 2 s (a server restarting) while a file is written: its parts are tried
+    again until it is back, and the file is stored whole (a 20 s restart lost the checkpoint at once)."""
+    bucket = new_bucket(moto_server)
+    data = random_bytes(23 * MiB, 3)
+    with mounted_via(proxy, moto_server, bucket, mountpoint, *WRITE_ARGS) as m:
+        with open(mountpoint / "a.bin", "wb") as f:
+            f.write(data[:6 * MiB])
+            f.flush()
+            wait_for("a part uploaded", lambda: mount_stats(mountpoint)["writes"]["parts_uploaded"], lambda n: n >= 1)
+            proxy.origin_down(Down.REFUSE)
+            f.write(data[6 * MiB:17 * MiB])  # two more parts, sent while refused
+            f.flush()
+            time.sleep(2)
+            proxy.origin_back()
+            f.write(data[17 * MiB:])
+        assert mount_stats(m.path)["writes"]["files_stored"] == 1
+    got = moto_server.client().get_object(Bucket=bucket, Key="a.bin")["Body"].read()
+    assert sha(got) == sha(data)
+    assert uploads_in(moto_server, bucket) == []
+    delete_bucket(moto_server, bucket)
+
+
 WRITER = """
     import os, sys
     block = os.urandom(1 << 20)

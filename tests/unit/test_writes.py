@@ -29,6 +29,7 @@ from fsmount.data import (
     ObjectVersion,
     StoreError,
     TransientError,
+    Unreachable,
 )
 from fsmount.data.uploads import Exists
 from fsmount.namespace import ROOT_INODE, DirEntry, PathError
@@ -56,6 +57,7 @@ class FakeUploads:
 
     def __init__(self, store: FakeStore) -> None:
         self.store = store
+        self.bucket = store.bucket
         self.objects = store.objects
         self.parts: dict[str, dict[int, bytes]] = {}
         self.aborted: list[str] = []
@@ -64,6 +66,7 @@ class FakeUploads:
         self.gate.set()
         self.fail_parts = False
         self.fail_finish = False
+        self.refused = 0  # the next this many requests find the endpoint refusing connections (a restart)
         self.bodies: list[bytearray] = []  # every part body sent, kept (so that distinct ones have distinct ids)
         self._next = 0
 
@@ -85,7 +88,13 @@ class FakeUploads:
         self.store.etags[key] = etag
         return etag
 
+    def _refuse(self) -> None:
+        if self.refused > 0:
+            self.refused -= 1
+            raise Unreachable("cannot reach the endpoint: connection refused")
+
     def start(self, key: str) -> str:
+        self._refuse()
         self._next += 1
         upload_id = f"u{self._next}"
         self.parts[upload_id] = {}
@@ -93,6 +102,7 @@ class FakeUploads:
 
     def put_part(self, key: str, upload_id: str, number: int, body: bytearray) -> str:
         self.gate.wait(10)
+        self._refuse()
         if self.fail_parts:
             raise TransientError("part refused")
         if upload_id not in self.parts:
@@ -102,6 +112,7 @@ class FakeUploads:
         return f'"p{number}"'
 
     def finish(self, key: str, upload_id: str, etags: list[str], only_if_absent: bool = False) -> str:
+        self._refuse()
         if self.fail_finish:
             raise TransientError("complete refused")
         self._check_absent(key, only_if_absent)
@@ -128,11 +139,12 @@ async def call(fn: Any, *args: Any) -> Any:
     return fn(*args)
 
 
-def make(memory: int = 64 * MiB, part: int = 5 * MiB, **flags: bool) -> tuple[Writes, FakeUploads, Namespace]:
+def make(memory: int = 64 * MiB, part: int = 5 * MiB, timeout: float = 30.0,
+         **flags: bool) -> tuple[Writes, FakeUploads, Namespace]:
     store = FakeStore()
     ns = Namespace(store, call, prefix="", ttl=60.0)
     uploads = FakeUploads(store)
-    writes = Writes(ns, uploads, MemoryBudget(memory), part_size=part, max_connections=2, timeout=30.0,  # type: ignore[arg-type]
+    writes = Writes(ns, uploads, MemoryBudget(memory), part_size=part, max_connections=2, timeout=timeout,  # type: ignore[arg-type]
                     allow_overwrite=flags.get("allow_overwrite", False), allow_delete=flags.get("allow_delete", False))
     return writes, uploads, ns
 
@@ -250,6 +262,35 @@ async def test_a_failed_upload_is_eio_at_close_and_aborted(fault: str, allowed_l
             await new.commit()
         assert info.value.errno == errno.EIO
         assert uploads.objects == {} and uploads.aborted == ["x"]
+
+
+async def test_an_endpoint_that_refuses_connections_for_a_while_costs_a_write_only_time(
+        allowed_logs: list[str]) -> None:
+    """A server restarting refuses connections: the requests of a file being written (its start, parts and
+    completion) are tried again with backoff within --read-timeout, as reads are. A 20 s restart lost the
+    checkpoint at once. Past the timeout the file fails, EIO at close."""
+    data = bytes(range(256)) * (11 * MiB // 256)
+    writes, uploads, ns = make()
+    async with serving(writes):
+        new = await new_file(writes, ns, b"ckpt.bin")
+        uploads.refused = 3  # the start and two tries of the first part: 0.25 + 0.5 + 1 s of backoff
+        for i in range(0, len(data), MiB):
+            await new.write(i, data[i:i + MiB])
+        await new.commit()
+        assert uploads.objects["ckpt.bin"] == data and uploads.refused == 0
+
+    allowed_logs.append("will not be stored")
+    writes, uploads, ns = make(timeout=1.0)
+    async with serving(writes):
+        new = await new_file(writes, ns, b"lost.bin")
+        uploads.refused = 1000
+        start = trio.current_time()
+        with pytest.raises(PathError) as info:
+            for i in range(0, len(data), MiB):
+                await new.write(i, data[i:i + MiB])
+            await new.commit()
+        assert info.value.errno == errno.EIO and trio.current_time() - start < 3.0
+        assert "lost.bin" not in uploads.objects
 
 
 @pytest.mark.parametrize("size", [1000, 11 * MiB], ids=["one-put", "multipart"])

@@ -491,10 +491,14 @@ def run_background(cfg: MountConfig, mount_argv: list[str]) -> int:
         return fail("interrupted: the daemon was stopped and nothing is mounted", 130)
     finally:
         os.close(read_fd)
-    *warnings, line = buf.decode(errors="replace").strip().splitlines() or [""]
-    for warning in warnings:
+    # WARN lines (one line each), then READY, or ERROR and the message, which may span lines (botocore's
+    # "Parameter validation failed:" does): everything after "ERROR " is the message.
+    text = buf.decode(errors="replace")
+    end = re.search(r"^(READY$|ERROR )", text, re.MULTILINE)
+    for warning in text[:end.start() if end else len(text)].splitlines():
         if warning.startswith("WARN "):
             print(f"modelfs: warning: {warning[len('WARN '):]}", file=sys.stderr)
+    line = text[end.start():].strip() if end else ""
     if line == "READY":
         from fsmount.mount import SYSLOG_SOCKET, syslog_available
 

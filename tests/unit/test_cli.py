@@ -383,3 +383,29 @@ def test_ctrl_c_while_the_daemon_is_started_stops_it(monkeypatch: pytest.MonkeyP
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
+
+
+def test_a_startup_error_of_several_lines_reaches_the_user_whole(monkeypatch: pytest.MonkeyPatch,
+                                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    """botocore's "Parameter validation failed:" spans lines: `modelfs mount` read only the last one, found no
+    ERROR there, and said only "run with --foreground to see why"."""
+    import subprocess
+    import sys
+    import types
+
+    from fsmount import cli
+
+    real_popen = subprocess.Popen
+
+    def daemon_that_fails(cmd: list[str], **kwargs: object) -> subprocess.Popen:
+        fd = cmd[cmd.index("--ready-fd") + 1]
+        report = "WARN early words\nERROR listing bucket 'a b': Parameter validation failed:\nInvalid bucket name\n"
+        code = "import os, sys; os.write(int(sys.argv[1]), sys.argv[2].encode()); sys.exit(1)"
+        return real_popen([sys.executable, "-c", code, fd, report], **kwargs)
+
+    monkeypatch.setattr(subprocess, "Popen", daemon_that_fails)
+    assert cli.run_background(types.SimpleNamespace(log_file="log"), []) == 1
+    err = capsys.readouterr().err
+    assert "modelfs: warning: early words" in err
+    assert "listing bucket 'a b': Parameter validation failed:\nInvalid bucket name" in err, err
+    assert "--foreground to see why" not in err

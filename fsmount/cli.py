@@ -556,7 +556,7 @@ def cmd_stats(args: argparse.Namespace) -> int:
 
 
 def cmd_prefetch(args: argparse.Namespace) -> int:
-    from fsmount.prefetch_command import WarmError, unwritten, wait_for_writes, warm
+    from fsmount.prefetch_command import WarmError, answering, unwritten, wait_for_writes, warm
     from fsmount.stats_table import human_size
 
     if not args.write_wait >= 0:
@@ -565,6 +565,7 @@ def cmd_prefetch(args: argparse.Namespace) -> int:
         return fail("--threads must be at least 1", 2)
     started = time.monotonic()
     try:
+        answering(args.paths)  # before anything asks the mounts: a stopped daemon would hold this process
         failed_before = unwritten(args.paths) if args.write_wait else 0
         n = warm(args.paths, keep_pagecache=not args.no_pagecache, threads=args.threads,
                  progress=not args.quiet and sys.stderr.isatty())

@@ -32,6 +32,10 @@ class WarmError(Exception):
     pass
 
 
+# A prefetch names at most this many of the files it could not read (and counts the rest).
+FAILURES_NAMED = 5
+
+
 def mount_fstype(path: str) -> str | None:
     """The file system type of the mount holding `path` (from /proc/self/mountinfo)."""
     return mount_of(path)[1]
@@ -71,7 +75,8 @@ def files_under(paths: list[str]) -> Iterator[tuple[str, int]]:
 
 def warm(paths: list[str], *, keep_pagecache: bool = True, threads: int = THREADS,
          progress: bool = True) -> int:
-    """Read every file under `paths`; returns bytes read. Raises WarmError naming the first failure."""
+    """Read every file under `paths`; returns bytes read. A file that cannot be opened or read does not stop the
+    others: WarmError at the end names the files that failed (a stale shard left a fleet warm-up mostly cold)."""
     for path in paths:
         try:
             os.stat(path)
@@ -98,6 +103,7 @@ def warm(paths: list[str], *, keep_pagecache: bool = True, threads: int = THREAD
                    file=sys.stderr, dynamic_ncols=True)
     lock = threading.Lock()
     done = 0
+    failures: list[str] = []
 
     def read_block(fd: int, offset: int, size: int) -> None:
         nonlocal done
@@ -123,18 +129,20 @@ def warm(paths: list[str], *, keep_pagecache: bool = True, threads: int = THREAD
         path, fd, futures = open_files.popleft()
         try:
             concurrent.futures.wait(futures)  # every block, failed or not, before its descriptor closes
-            for fut in futures:
-                try:
-                    fut.result()
-                except OSError as exc:
-                    raise WarmError(f"{path}: {exc.strerror or exc}") from None
+            errors = [fut.exception() for fut in futures if fut.exception() is not None]
+            if errors:
+                failures.append(f"{path}: {_reason(errors[0])}")
         finally:
             os.close(fd)
 
     try:
         with ThreadPoolExecutor(threads) as pool:
             for path, size in files:
-                fd = os.open(path, os.O_RDONLY)
+                try:
+                    fd = os.open(path, os.O_RDONLY)
+                except OSError as exc:
+                    failures.append(f"{path}: {_reason(exc)}")
+                    continue
                 open_files.append((path, fd, [pool.submit(read_block, fd, off, min(BLOCK, size - off))
                                               for off in range(0, size, BLOCK)]))
                 while len(open_files) > threads:
@@ -146,7 +154,33 @@ def warm(paths: list[str], *, keep_pagecache: bool = True, threads: int = THREAD
             os.close(fd)
         if bar is not None:
             bar.close()
+    if failures:
+        named = "; ".join(failures[:FAILURES_NAMED])
+        more = f"; and {len(failures) - FAILURES_NAMED} more" if len(failures) > FAILURES_NAMED else ""
+        raise WarmError(f"{len(failures)} of {len(files)} files could not be read ({named}{more}); the other "
+                        f"{len(files) - len(failures)} were ({done} bytes)")
     return done
+
+
+def _reason(exc: BaseException) -> str:
+    return exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+
+
+def answering(paths: list[str]) -> None:
+    """Before anything touches the mounts of `paths`: each daemon answers within stats' timeout. A stopped or
+    hung daemon otherwise held the prefetch in the kernel (D state, deaf to Ctrl-C) until it woke up. Found
+    from the paths as written (no symlink resolved, so nothing asks the mount yet); a path reached through a
+    symlink is checked by what follows."""
+    from fsmount.stats_table import DaemonSilent, StatsUnavailable, read_stats
+
+    mounts = (mount_of(path, resolve=False) for path in paths)
+    for mount in sorted({mnt for mnt, fstype in mounts if fstype == MODELFS_FSTYPE}):
+        try:
+            read_stats(mount)
+        except DaemonSilent as exc:
+            raise WarmError(str(exc)) from None
+        except StatsUnavailable:
+            pass  # a daemon gone, a mount of another version: the checks that follow say so in prefetch's words
 
 
 def pending_writes(mountpoint: str) -> int:

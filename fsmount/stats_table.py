@@ -19,6 +19,10 @@ class StatsUnavailable(Exception):
     """`modelfs stats` cannot get numbers from this path; the message says why."""
 
 
+class DaemonSilent(StatsUnavailable):
+    """The daemon did not answer within the timeout (stopped or hung)."""
+
+
 def _getxattr(mountpoint: str, timeout: float) -> bytes:
     """The stats xattr, read in a thread of its own: a daemon that is stopped (SIGSTOP) or hung never answers,
     and a getxattr waiting on it cannot be interrupted; the command then says so instead of hanging."""
@@ -36,7 +40,7 @@ def _getxattr(mountpoint: str, timeout: float) -> bytes:
     reader.start()
     reader.join(timeout)
     if not out:
-        raise StatsUnavailable(f"the daemon of {mountpoint} does not answer within {timeout:g}s (stopped or hung?)")
+        raise DaemonSilent(f"the daemon of {mountpoint} does not answer within {timeout:g}s (stopped or hung?)")
     if isinstance(out[0], OSError):
         raise out[0]
     return out[0]

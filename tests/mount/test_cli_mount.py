@@ -20,6 +20,7 @@ from fsmount.data.disk_cache import DiskCache
 from tests.helpers import (
     REPO,
     S3Server,
+    bucket_with,
     daemon_env,
     free_port,
     modelfs_cmd,
@@ -540,3 +541,21 @@ def test_stats_of_a_daemon_that_does_not_answer_says_so(moto_server: S3Server, t
         finally:
             m.proc.send_signal(signal.SIGCONT)
         assert read_stats(str(m.path))["format"]
+
+
+def test_prefetch_of_a_daemon_that_does_not_answer_says_so(moto_server: S3Server, tmp_path: Path) -> None:
+    """`modelfs prefetch` of a stopped daemon's tree sat in the kernel (D state, deaf to Ctrl-C) until the daemon
+    woke up, 594 s in a tester's run; it now fails as `modelfs stats` does."""
+    from fsmount.stats_table import STATS_TIMEOUT_S
+
+    bucket = bucket_with(moto_server, {"m/a.bin": b"x" * 1000})
+    with mounted(moto_server, bucket, tmp_path / "mnt") as m:
+        m.proc.send_signal(signal.SIGSTOP)
+        try:
+            began = time.monotonic()
+            res = run_modelfs("prefetch", str(m.path / "m"), timeout=STATS_TIMEOUT_S + 20)
+            assert res.returncode == 1 and "does not answer within" in res.stderr, res.stderr
+            assert time.monotonic() - began < STATS_TIMEOUT_S + 10
+        finally:
+            m.proc.send_signal(signal.SIGCONT)
+        assert run_modelfs("prefetch", str(m.path / "m")).returncode == 0

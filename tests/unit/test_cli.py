@@ -238,9 +238,24 @@ def test_prefetch_reads_small_files_side_by_side(monkeypatch: pytest.MonkeyPatch
     assert pc.warm([str(tmp_path)], threads=4, progress=False) == 16 * 4096
     assert most[0] >= 3, most  # files side by side (one at a time: 1)
     monkeypatch.setattr(os, "pread", lambda fd, n, offset: (_ for _ in ()).throw(OSError(5, "Input/output error")))
-    with pytest.raises(pc.WarmError, match="f00: Input/output error"):
+    with pytest.raises(pc.WarmError, match=r"16 of 16 files could not be read \(.*f00: Input/output error.*; "
+                                           r"and 11 more\)"):
         pc.warm([str(tmp_path)], threads=4, progress=False)
     assert len(os.listdir("/proc/self/fd")) == fds_before  # no descriptor left open
+    # A file that fails (one that cannot be opened, here) does not stop the others: a stale shard left a fleet
+    # warm-up mostly cold.
+    monkeypatch.setattr(os, "pread", real_pread)
+    real_open = os.open
+
+    def open_but_f03(path: str, flags: int, *args: int) -> int:
+        if str(path).endswith("f03"):
+            raise PermissionError(13, "Permission denied")
+        return real_open(path, flags, *args)
+
+    monkeypatch.setattr(os, "open", open_but_f03)
+    with pytest.raises(pc.WarmError, match=r"1 of 16 files could not be read \(.*f03: Permission denied\); the "
+                                           r"other 15 were \(61440 bytes\)"):
+        pc.warm([str(tmp_path)], threads=4, progress=False)
 
 
 def test_a_user_without_dev_fuse_or_user_allow_other_is_told_which(monkeypatch: pytest.MonkeyPatch,

@@ -135,6 +135,17 @@ def stderr_is_journal() -> bool:
     return (st.st_dev, st.st_ino) == (dev, ino)
 
 
+def metadata_request_words(fn: Callable, args: tuple[object, ...]) -> str:
+    """A metadata request as a log line names it: what was asked of the bucket, and for which key (a warning
+    said "lookup failed: has_children timed out after 5s", naming neither)."""
+    name = getattr(fn, "__name__", "")
+    key = next((arg for arg in reversed(args) if isinstance(arg, str)), None)
+    if key is None:
+        return name or "a metadata request"
+    return f"HEAD {key!r}" if name == "head" else f"listing {key!r}" if "list" in name or "children" in name \
+        else f"{name} {key!r}"
+
+
 class DroppedRequestReply(logging.Filter):
     """pyfuse3 logs an ERROR when the kernel refuses a reply with ENOENT, which means the kernel had
     already dropped that request: an unmount (or an abort) ended it, and whoever waited for it has had
@@ -525,7 +536,7 @@ class Daemon:
             self.metadata_errors += 1
             raise
         self.metadata_errors += 1
-        raise TimedOut(f"{getattr(fn, '__name__', 'metadata request')} timed out after {timeout:g}s")
+        raise TimedOut(f"{metadata_request_words(fn, args)} timed out after {timeout:g}s")
 
     async def _files_beside(self, ino: int) -> list[tuple[int | None, ObjectVersion]]:
         return await self.namespace.files_beside(self.namespace.node(ino))

@@ -165,8 +165,9 @@ async def _shared(table: dict[str, _InFlight[T]], key: str, make: Callable[[], A
         flight.done.set()
 
 
-def listing_page(pages: Iterator[ListingPage]) -> ListingPage | None:
-    """The next page of a listing, None after the last (a store call of its own: its name is in timeout errors)."""
+def listing_page(pages: Iterator[ListingPage], prefix: str) -> ListingPage | None:
+    """The next page of a listing of `prefix`, None after the last (a store call of its own: its name and the
+    prefix are in its timeout error)."""
     return next(pages, None)
 
 
@@ -199,7 +200,7 @@ class Namespace:
         self._ask = call
         # Until when metadata requests fail at once (DOWN_FAST_FAIL_S), and why; only `_call` touches them, in
         # the trio thread.
-        self._down_until = 0.0
+        self._down_until = self._down_since = 0.0
         self._down_error: type[StoreError] = TransientError
         self._down_reason = ""
         self.prefix = prefix
@@ -236,11 +237,13 @@ class Namespace:
         DOWN_FAST_FAIL_S of one that got no answer (Unreachable, TimedOut)."""
         now = time.monotonic()
         if now < self._down_until:
-            raise self._down_error(f"{self._down_reason} (asked again in {self._down_until - now:.1f}s)")
+            raise self._down_error(f"not asked: the origin did not answer {now - self._down_since:.1f}s ago "
+                                   f"({self._down_reason}); it is asked again in {self._down_until - now:.1f}s")
         try:
             result = await self._ask(fn, *args)
         except (Unreachable, TimedOut) as exc:
-            self._down_until = time.monotonic() + DOWN_FAST_FAIL_S
+            self._down_since = time.monotonic()
+            self._down_until = self._down_since + DOWN_FAST_FAIL_S
             self._down_error, self._down_reason = type(exc), exc.message
             raise
         self._down_until = 0.0
@@ -583,7 +586,7 @@ class Namespace:
         entries = Listing(time.monotonic())
         page: ListingPage | None = None
         # Stops at the last page: one more call would only end the iterator, yet count as a metadata request.
-        while not (page and page.last) and (page := await self._call(listing_page, pages)) is not None:
+        while not (page and page.last) and (page := await self._call(listing_page, pages, prefix)) is not None:
             for raw in page.undecodable:
                 self._skip(raw, "not valid UTF-8", skipped)
             for meta in page.objects:

@@ -40,6 +40,8 @@ from fsmount.data import (
     COPY_OBJECT_MAX,
     MAX_PART_SIZE,
     MAX_PARTS,
+    UNREACHABLE_RETRY_MAX_S,
+    UNREACHABLE_RETRY_S,
     ChunkCache,
     ChunkId,
     MemoryBudget,
@@ -50,7 +52,6 @@ from fsmount.data import (
     Unreachable,
     Uploads,
 )
-from fsmount.data.levels import UNREACHABLE_RETRY_MAX_S, UNREACHABLE_RETRY_S
 from fsmount.namespace import Node, PathError
 from fsmount.new_file import NewFile
 from fsmount.tree_changes import WritableNamespace

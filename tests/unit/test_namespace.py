@@ -578,3 +578,24 @@ async def test_lookups_of_one_name_at_once_ask_the_bucket_once(autojump_clock) -
     assert store.heads == 2
     ino = found[b"f"][0]
     assert found == {b"f": [ino] * 8, b"missing": [-errno.ENOENT] * 8} and ns.node(ino).lookups == 8
+
+
+async def test_a_request_failed_at_once_after_an_outage_says_so_and_names_what_failed_first() -> None:
+    """Within DOWN_FAST_FAIL_S of a request that got no answer, the next fail without being sent. Their warning
+    said the first one's "cannot reach ... URL of another key (asked again in 4.9s)", or "has_children timed out
+    after 5s" for a lookup that failed in 10 ms: now it says it was not asked, and the timeout names the key."""
+    from fsmount.mount import metadata_request_words
+    from fsmount.namespace import listing_page
+
+    store = FakeStore()
+    store.put("a/x", b"x")
+    ns = Namespace(store, lambda fn, *args: origin_down(), prefix="", ttl=0)  # type: ignore[arg-type, return-value]
+    with pytest.raises(Unreachable, match="cannot reach the endpoint"):
+        await ns.lookup(ROOT_INODE, b"a")
+    with pytest.raises(Unreachable, match=r"^not asked: the origin did not answer 0\.\ds ago \(cannot reach the "
+                                          r"endpoint\); it is asked again in \d\.\ds$"):
+        await ns.lookup(ROOT_INODE, b"b")
+    assert metadata_request_words(store.head, ("m/a.bin",)) == "HEAD 'm/a.bin'"
+    assert metadata_request_words(store.has_children, ("m/a.bin/",)) == "listing 'm/a.bin/'"
+    assert metadata_request_words(listing_page, (iter(()), "m/")) == "listing 'm/'"
+    assert metadata_request_words(lambda: None, ()) == "<lambda>"

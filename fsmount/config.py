@@ -69,9 +69,13 @@ def parse_size(text: str) -> int:
 
 
 def parse_ttl(text: str) -> float:
-    """Seconds as a number, or 'forever'."""
-    if str(text).strip().lower() in ("forever", "inf", "infinite", "never"):
+    """Seconds as a number, or 'forever'. 'never' is refused: it reads as "never cached" as well as "never
+    expires" (it was taken for 'forever', silently)."""
+    word = str(text).strip().lower()
+    if word in ("forever", "inf", "infinite"):
         return FOREVER_TTL
+    if word == "never":
+        raise ConfigError("invalid TTL 'never': say 'forever' (names never asked again) or 0 (always asked)")
     try:
         value = float(text)
     except ValueError:
@@ -309,7 +313,9 @@ class MountConfig:
         if not MIN_WRITE_PART_SIZE <= self.write_part_size <= MAX_WRITE_PART_SIZE:
             raise ConfigError("--write-part-size must be between 5M and 5G (S3's part sizes)")
         if self.writable and 2 * self.write_part_size > self.chunk_memory:
-            raise ConfigError("--write-part-size must be at most half of --memory-limit's chunk memory "
-                              "(parts are held in memory while they upload)")
+            raise ConfigError(f"--write-part-size must be at most half of --memory-limit's chunk memory: "
+                              f"{self.chunk_memory // 2 // MiB}M here (parts are held in memory while they upload; "
+                              f"the chunk memory is --memory-limit less {RUNTIME_RESERVE // MiB} MiB for the "
+                              "runtime)")
         if self.log_level.lower() not in ("debug", "info", "warning", "error", "critical"):
             raise ConfigError("--log-level must be debug, info, warning, error or critical")

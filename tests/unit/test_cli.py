@@ -21,6 +21,8 @@ def test_sizes_and_ttls() -> None:
     with pytest.raises(ConfigError):
         parse_size("lots")
     assert parse_ttl("forever") > 10**8
+    with pytest.raises(ConfigError, match="say 'forever'.* or 0"):
+        parse_ttl("never")  # "never cached" or "never expires"? It was taken for forever
     assert parse_ttl("2.5") == 2.5
     with pytest.raises(ConfigError):
         parse_ttl("-1")
@@ -424,3 +426,14 @@ def test_a_startup_error_of_several_lines_reaches_the_user_whole(monkeypatch: py
     assert "modelfs: warning: early words" in err
     assert "listing bucket 'a b': Parameter validation failed:\nInvalid bucket name" in err, err
     assert "--foreground to see why" not in err
+
+
+def test_a_write_part_size_too_large_for_the_memory_is_refused_with_the_largest_that_fits() -> None:
+    """The refusal said "at most half of --memory-limit's chunk memory" without a number to act on."""
+    args = make_parser().parse_args(["mount", "b", "/m", "--writable", "--memory-limit", "256M",
+                                     "--write-part-size", "100M"])
+    with pytest.raises(ConfigError, match=r"80M here"):
+        build_config(args)
+    args = make_parser().parse_args(["mount", "b", "/m", "--writable", "--memory-limit", "256M",
+                                     "--write-part-size", "80M"])
+    assert build_config(args).write_part_size == 80 * MiB

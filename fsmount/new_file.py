@@ -262,10 +262,11 @@ class NewFile:
         self._writes.memory.release(reserved)
         self._slots.release()
 
-    def _drop_buffer(self) -> None:
-        """Let go of the filling buffer (sent as a PUT, or abandoned)."""
+    def _drop_buffer(self, reserved: int | None = None) -> None:
+        """Let go of the filling buffer (sent as a PUT, or abandoned), and of its reservation: `reserved`, where
+        the buffer was cut since it was reserved."""
         if self._buf is not None:
-            self._release(len(self._buf))
+            self._release(len(self._buf) if reserved is None else reserved)
             self._buf, self._fill = None, 0
 
     async def _send_part(self) -> None:
@@ -292,7 +293,9 @@ class NewFile:
         """One part (the first `n` bytes of `buf`), in the writes' nursery: nothing may leave it but its result
         in `_etags` or `error`."""
         sent = False
-        body = buf if n == len(buf) else buf[:n]
+        reserved = len(buf)
+        del buf[n:]  # a short last part is cut in place (its tail given back): a copy sat outside the budget
+        body = buf
         try:
             await self._writes.stage(self._staged, offset, body)
             if self.error is None and self._upload_id == upload_id:
@@ -310,14 +313,14 @@ class NewFile:
             self._fail(f"part {number} failed unexpectedly")
         finally:
             del body
-            self._part_done(buf, sent)
+            self._part_done(buf, sent, reserved)
 
-    def _part_done(self, buf: bytearray, sent: bool) -> None:
+    def _part_done(self, buf: bytearray, sent: bool, reserved: int) -> None:
         self._slots.release()
-        if sent:
+        if sent and len(buf) == reserved:
             self._recycle(buf)
         else:
-            self._writes.memory.release(len(buf))
+            self._writes.memory.release(reserved)
         self._in_flight -= 1
         if self._in_flight == 0:
             self._idle.set()
@@ -380,12 +383,16 @@ class NewFile:
                 tail = self.declared - self.written
         if self._upload_id is None:
             n = self._fill
+            reserved = len(self._buf) if self._buf is not None else 0
             try:
-                body = bytes(memoryview(self._buf)[:n]) if self._buf is not None else b""
+                body: bytes | bytearray = b""
+                if self._buf is not None:
+                    body = self._buf
+                    del body[n:]  # cut in place, not copied (see _put_part)
                 await writes.stage(self._staged, 0, body)
                 etag = await writes.call(writes.uploads.put, final_key, body, writes.create_only)
             finally:
-                self._drop_buffer()
+                self._drop_buffer(reserved)
             writes.count_part(n)
             return ObjectMeta(final_key, n, etag, time.time_ns())
         if self._fill or self._buf is not None:

@@ -7,6 +7,8 @@ import contextlib
 import errno
 import logging
 import os
+import subprocess
+import sys
 import threading
 import time
 import tracemalloc
@@ -564,6 +566,43 @@ async def test_a_directory_opened_while_files_in_it_were_written_lists_what_beca
         await later.commit()
 
 
+@pytest.mark.parametrize("size", [3 * MiB, 13 * MiB], ids=["one-put", "short-last-part"])
+async def test_the_last_short_part_is_sent_from_its_buffer_not_a_copy(size: int) -> None:
+    """A short last part (or a file smaller than a part) was sliced out of its buffer, a copy outside the memory
+    budget: 4 writers closing files with 64M parts went 40 MiB past --memory-limit. It is cut in place, and its
+    reservation still goes back whole."""
+    writes, uploads, ns = make(part=5 * MiB)
+    sent: dict[int, bytes | bytearray] = {}
+
+    def keep(key: str, upload_id: str, number: int, body: bytearray) -> str:
+        # A full part's buffer is used again for a later part: kept as a copy. The last is kept as it went out.
+        sent[number] = bytes(body) if len(body) == 5 * MiB else body
+        return f'"p{number}"'
+
+    def keep_put(key: str, body: bytearray, only_if_absent: bool = False) -> str:
+        sent[1] = body
+        return '"put"'
+
+    uploads.put_part = keep  # type: ignore[method-assign]
+    uploads.put = keep_put  # type: ignore[method-assign]
+    uploads.finish = lambda *args: '"mp"'  # type: ignore[method-assign]
+    data = os.urandom(size)
+    async with serving(writes):
+        new = await new_file(writes, ns, b"short.bin")
+        for i in range(0, size, MiB):
+            await new.write(i, data[i:i + MiB])
+        await new.sync()  # the full parts are sent: the commit sends the short one alone
+        tracemalloc.start()
+        try:
+            await new.commit()
+            _, peak = tracemalloc.get_traced_memory()
+        finally:
+            tracemalloc.stop()
+    assert b"".join(sent[n] for n in sorted(sent)) == data
+    assert peak < MiB // 2, f"{peak} bytes allocated to send the last {size % (5 * MiB)} bytes"
+    assert writes.memory.used == 0
+
+
 def distinct(objects: list[bytearray]) -> int:
     return len({id(obj) for obj in objects})
 
@@ -742,3 +781,17 @@ async def test_a_pre_sized_file_whose_local_copy_fills_the_disk_gets_enospc(tmp_
     assert "its local copy in the cache dir failed (No space left on device)" in said, said
     assert "a pre-sized file, whose bytes are only there until it is closed, fails" in said, said
     assert uploads.objects == {}
+
+
+def test_botocore_signs_without_awscrt_which_copies_every_part() -> None:
+    """With awscrt installed, botocore's CRT signer made an io.BytesIO of each part's bytearray: a copy outside
+    the memory budget (4 writers of 32M parts: 376 MiB of RSS under --memory-limit 256M). The package turns it
+    off before botocore is imported, unless the environment says otherwise."""
+    code = ("import fsmount, os, botocore.compat as c; "
+            "print(os.environ['BOTO_DISABLE_CRT'], c.HAS_CRT)")
+    env = {k: v for k, v in os.environ.items() if k != "BOTO_DISABLE_CRT"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["true", "False"]
+    env["BOTO_DISABLE_CRT"] = "false"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
+    assert out.split()[0] == "false"

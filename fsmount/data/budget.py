@@ -9,10 +9,10 @@ Rules (everything here runs in the trio thread; nothing awaits except `reserve`)
   part buffers), and waits on `_changed` only if that freed nothing.
 - In use: a chunk a reader is reading front to back, used less than IN_USE_S ago, is evicted only when
   nothing else can be: `reserve` waits for room meanwhile, at most until the oldest of them is IN_USE_S old.
-  `_in_use[cid]` is a `_Use`: a chunk stored for a READ is in use until that READ says otherwise; a READ that
-  starts at the chunk's start or where READs of it got to keeps it (or makes it) in use, one elsewhere ends
-  that (random access: nothing to keep it for), and one that reaches the chunk's end or a push to the page
-  cache drops the entry.
+  `_in_use[cid]` is a `_Use`: a chunk stored for a READ is in use until a READ says otherwise; one is read
+  front to back once a READ began at its start (a sequential reader enters every chunk there; random reads,
+  even with the kernel's read-ahead after them, almost never do); a READ that reaches the chunk's end, or a
+  push to the page cache, drops the entry.
 - Pins: a pinned chunk (`_pins[cid]` > 0) is not evicted until `unpin`. Only work that finishes on its
   own may pin (the write-through to the cache levels): a page-cache push may not, since it can wait
   for a READ that waits for room.
@@ -61,12 +61,17 @@ IN_USE_S = 1.0
 
 
 class _Use:
-    """What READs did with a chunk in memory (see the module's rules)."""
+    """What READs did with a chunk in memory (see the module's rules): when it was last used, and whether a READ
+    began at its start (None: no READ yet, for a chunk stored for one)."""
 
-    __slots__ = ("at", "end", "streaming")
+    __slots__ = ("at", "from_start")
 
-    def __init__(self, at: float, end: int, streaming: bool):
-        self.at, self.end, self.streaming = at, end, streaming
+    def __init__(self, at: float, from_start: bool | None):
+        self.at, self.from_start = at, from_start
+
+    @property
+    def streaming(self) -> bool:
+        return self.from_start is not False
 
 
 class MemoryBudget:
@@ -122,7 +127,7 @@ class MemoryBudget:
         self._chunks[cid] = data
         self.cached += len(data)
         if demanded:
-            self._in_use[cid] = _Use(trio.current_time(), 0, True)
+            self._in_use[cid] = _Use(trio.current_time(), None)
         if type(data) is mmap.mmap:
             self._served[cid] = 0
 
@@ -265,12 +270,14 @@ class MemoryBudget:
         was = use is not None and use.streaming
         if hi >= total:
             self._in_use.pop(cid, None)
+            now_streaming = False
         elif use is None:
-            self._in_use[cid] = _Use(trio.current_time(), hi, lo == 0)
+            self._in_use[cid] = _Use(trio.current_time(), lo == 0)
+            now_streaming = lo == 0
         else:
-            use.at, use.streaming = trio.current_time(), lo == 0 or 0 < lo <= use.end
-            use.end = max(use.end, hi)
-        if was and not (use is not None and use.streaming and cid in self._in_use):
+            use.at, use.from_start = trio.current_time(), lo == 0 or bool(use.from_start)
+            now_streaming = use.from_start
+        if was and not now_streaming:
             self._signal()  # a reserve waiting for room may take it now
 
     def in_page_cache(self, cid: ChunkId) -> bool:

@@ -480,6 +480,13 @@ def run_background(cfg: MountConfig, mount_argv: list[str]) -> int:
             if not data:
                 break
             buf += data
+        if re.search(rb"^ERROR", buf, re.MULTILINE):
+            # The message may go on past this read: the rest of it, until the daemon closes its end.
+            while select.select([read_fd], [], [], max(0.0, min(2.0, deadline - time.monotonic())))[0]:
+                data = os.read(read_fd, 4096)
+                if not data:
+                    break
+                buf += data
     except KeyboardInterrupt:
         # Ctrl-C while waiting: the detached daemon (its own session, so it got no SIGINT) would go on and
         # mount once the endpoint answers, behind the back of a user who cancelled. Stop it.
@@ -556,7 +563,7 @@ def cmd_stats(args: argparse.Namespace) -> int:
 
 
 def cmd_prefetch(args: argparse.Namespace) -> int:
-    from fsmount.prefetch_command import WarmError, answering, unwritten, wait_for_writes, warm
+    from fsmount.prefetch_command import PartlyWarmed, WarmError, answering, unwritten, wait_for_writes, warm
     from fsmount.stats_table import human_size
 
     if not args.write_wait >= 0:
@@ -564,11 +571,15 @@ def cmd_prefetch(args: argparse.Namespace) -> int:
     if args.threads < 1:
         return fail("--threads must be at least 1", 2)
     started = time.monotonic()
+    partly: PartlyWarmed | None = None
     try:
         answering(args.paths)  # before anything asks the mounts: a stopped daemon would hold this process
         failed_before = unwritten(args.paths) if args.write_wait else 0
-        n = warm(args.paths, keep_pagecache=not args.no_pagecache, threads=args.threads,
-                 progress=not args.quiet and sys.stderr.isatty())
+        try:
+            n = warm(args.paths, keep_pagecache=not args.no_pagecache, threads=args.threads,
+                     progress=not args.quiet and sys.stderr.isatty())
+        except PartlyWarmed as exc:  # what was read is still waited for below, then the failure said
+            n, partly = exc.done, exc
         elapsed = max(time.monotonic() - started, 1e-9)
         print(f"prefetched {n} bytes ({human_size(n)}) in {elapsed:.1f}s ({human_size(n / elapsed)}/s)", flush=True)
         pending = wait_for_writes(args.paths, args.write_wait, say=lambda line: print(line, flush=True)) \
@@ -578,6 +589,8 @@ def cmd_prefetch(args: argparse.Namespace) -> int:
         return fail(f"prefetch failed: {exc}")
     except KeyboardInterrupt:
         return fail("prefetch interrupted", 130)
+    if partly is not None:
+        return fail(f"prefetch failed: {partly}")
     if pending:
         return fail(f"prefetch: {pending} fetched chunks were still not written to the cache levels after "
                     f"{args.write_wait:g}s (the reads succeeded; the daemon keeps writing them)")

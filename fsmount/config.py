@@ -313,9 +313,11 @@ class MountConfig:
         if not MIN_WRITE_PART_SIZE <= self.write_part_size <= MAX_WRITE_PART_SIZE:
             raise ConfigError("--write-part-size must be between 5M and 5G (S3's part sizes)")
         if self.writable and 2 * self.write_part_size > self.chunk_memory:
-            raise ConfigError(f"--write-part-size must be at most half of --memory-limit's chunk memory: "
-                              f"{self.chunk_memory // 2 // MiB}M here (parts are held in memory while they upload; "
-                              f"the chunk memory is --memory-limit less {RUNTIME_RESERVE // MiB} MiB for the "
-                              "runtime)")
+            most = self.chunk_memory // 2
+            fits = (f"{most // MiB}M here" if most >= MIN_WRITE_PART_SIZE else
+                    "less than the 5M minimum here: raise --memory-limit")
+            raise ConfigError(f"--write-part-size must be at most half of --memory-limit's chunk memory, {fits} "
+                              f"(parts are held in memory while they upload; the chunk memory is "
+                              f"{self.chunk_memory // MiB} MiB of the {self.memory_limit // MiB} MiB limit)")
         if self.log_level.lower() not in ("debug", "info", "warning", "error", "critical"):
             raise ConfigError("--log-level must be debug, info, warning, error or critical")

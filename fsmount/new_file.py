@@ -262,11 +262,10 @@ class NewFile:
         self._writes.memory.release(reserved)
         self._slots.release()
 
-    def _drop_buffer(self, reserved: int | None = None) -> None:
-        """Let go of the filling buffer (sent as a PUT, or abandoned), and of its reservation: `reserved`, where
-        the buffer was cut since it was reserved."""
+    def _drop_buffer(self) -> None:
+        """Let go of the filling buffer (abandoned), and of its reservation and slot."""
         if self._buf is not None:
-            self._release(len(self._buf) if reserved is None else reserved)
+            self._release(len(self._buf))
             self._buf, self._fill = None, 0
 
     async def _send_part(self) -> None:
@@ -294,9 +293,11 @@ class NewFile:
         in `_etags` or `error`."""
         sent = False
         reserved = len(buf)
-        del buf[n:]  # a short last part is cut in place (its tail given back): a copy sat outside the budget
         body = buf
         try:
+            # A short last part is cut in place, not sliced out (a copy sat outside the budget); its reservation
+            # stays whole until the part is done.
+            del buf[n:]
             await self._writes.stage(self._staged, offset, body)
             if self.error is None and self._upload_id == upload_id:
                 self._etags[number] = await self._writes.call(self._writes.uploads.put_part, key, upload_id,
@@ -382,17 +383,21 @@ class NewFile:
                 await self._append(memoryview(ZEROS)[:min(tail, len(ZEROS))])
                 tail = self.declared - self.written
         if self._upload_id is None:
-            n = self._fill
-            reserved = len(self._buf) if self._buf is not None else 0
+            n, buf = self._fill, self._buf
+            # Taken out of `_buf` (whose reservation is its length: see the module's rules) before it is cut in
+            # place (see _put_part); its reservation and slot go back here.
+            self._buf, self._fill = None, 0
+            reserved = len(buf) if buf is not None else 0
             try:
                 body: bytes | bytearray = b""
-                if self._buf is not None:
-                    body = self._buf
-                    del body[n:]  # cut in place, not copied (see _put_part)
+                if buf is not None:
+                    del buf[n:]
+                    body = buf
                 await writes.stage(self._staged, 0, body)
                 etag = await writes.call(writes.uploads.put, final_key, body, writes.create_only)
             finally:
-                self._drop_buffer(reserved)
+                if buf is not None:
+                    self._release(reserved)
             writes.count_part(n)
             return ObjectMeta(final_key, n, etag, time.time_ns())
         if self._fill or self._buf is not None:

@@ -32,6 +32,14 @@ class WarmError(Exception):
     pass
 
 
+class PartlyWarmed(WarmError):
+    """Some files could not be read; the others were (`done` bytes read in all)."""
+
+    def __init__(self, message: str, done: int):
+        super().__init__(message)
+        self.done = done
+
+
 # A prefetch names at most this many of the files it could not read (and counts the rest).
 FAILURES_NAMED = 5
 
@@ -157,8 +165,8 @@ def warm(paths: list[str], *, keep_pagecache: bool = True, threads: int = THREAD
     if failures:
         named = "; ".join(failures[:FAILURES_NAMED])
         more = f"; and {len(failures) - FAILURES_NAMED} more" if len(failures) > FAILURES_NAMED else ""
-        raise WarmError(f"{len(failures)} of {len(files)} files could not be read ({named}{more}); the other "
-                        f"{len(files) - len(failures)} were ({done} bytes)")
+        raise PartlyWarmed(f"{len(failures)} of {len(files)} files could not be read ({named}{more}); the other "
+                           f"{len(files) - len(failures)} were", done)
     return done
 
 

@@ -143,6 +143,7 @@ class Writes:
         what = getattr(fn, "__name__", "request")
         deadline = trio.current_time() + self._timeout
         backoff = UNREACHABLE_RETRY_S
+        refused: Unreachable | None = None
         with trio.move_on_at(deadline):
             while True:
                 try:
@@ -151,9 +152,15 @@ class Writes:
                     wait = min(backoff, deadline - trio.current_time())
                     if wait <= 0:
                         raise
+                    refused = exc
                     log.debug("%s: %s; trying again in %.2fs", what, exc.message, wait)
                     await trio.sleep(wait)
                     backoff = min(2 * backoff, UNREACHABLE_RETRY_MAX_S)
+                refused = None  # a try under way when the time ran out: that one may have reached the bucket
+        if refused is not None:
+            # The time ran out between tries, all refused: the request never reached the bucket (not "timed out",
+            # which tells the caller the bucket may hold it).
+            raise refused
         raise TimedOut(f"{what} timed out after {self._timeout:g}s")
 
     def stage_open(self) -> StagedFile | None:

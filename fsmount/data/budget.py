@@ -137,8 +137,10 @@ class MemoryBudget:
         self._read_by_kernel.discard(cid)
         self._in_use.pop(cid, None)
 
-    def _first_evictable(self) -> ChunkId | None:
-        """The least recently used chunk that is neither pinned nor in use (IN_USE_S)."""
+    def _first_evictable(self, keep_in_use: bool = True) -> ChunkId | None:
+        """The least recently used chunk that is neither pinned nor (with `keep_in_use`) in use (IN_USE_S)."""
+        if not keep_in_use:
+            return next((cid for cid in self._chunks if cid not in self._pins), None)
         now = trio.current_time()
         in_use = self._in_use
         for cid in self._chunks:
@@ -160,11 +162,14 @@ class MemoryBudget:
         self._changed.set()
         self._changed = trio.Event()
 
-    async def reserve(self, n: int, reuse: bool = False) -> mmap.mmap | None:
+    async def reserve(self, n: int, reuse: bool = False, chunk: bool = False) -> mmap.mmap | None:
         """Reserve n bytes, evicting in LRU order. With `reuse`, an evicted buffer of ours of n bytes that
-        nothing else references is handed back for the new chunk instead of being freed."""
+        nothing else references is handed back for the new chunk instead of being freed. Only a `chunk`'s
+        fetch waits for chunks in use (IN_USE_S): a larger reservation (a write part, a header's parse) would
+        see the room it freed taken by chunk fetches that come in between, round after round, for as long as
+        readers read."""
         while self.used + n > self.limit:
-            cid = self._first_evictable()
+            cid = self._first_evictable(chunk)
             if cid is not None:
                 data = self._chunks.pop(cid)
                 self.cached -= len(data)
@@ -179,7 +184,7 @@ class MemoryBudget:
                 continue
             self.waiting += 1
             try:
-                with trio.move_on_at(self._in_use_until()):
+                with trio.move_on_at(self._in_use_until() if chunk else math.inf):
                     await self._changed.wait()
             finally:
                 self.waiting -= 1

@@ -54,10 +54,11 @@ BACKGROUND = 2  # warming files nobody has opened yet (other shards of a model)
 # A READ arriving later is a new attempt by the application: it gets a new fetch and a new deadline,
 # instead of inheriting the old fetch's retry chain (botocore's throttling backoff alone reaches 8 s).
 RETRY_GRACE_S = 1.0
-# The same grace holds for the other READs of that moment while the origin finished nothing during the whole wait
-# of the READ that timed out: a new demanded fetch of a chunk no local level holds fails at once. Those READs had
-# waited in the kernel behind the ones that failed (its background queue, beyond --fuse-max-background) and
-# belong to the same read(2) calls, which otherwise failed at twice --read-timeout (12 readers of 16 MiB each).
+# The same grace holds for the other READs of that moment while no fetch (from the origin or a level) succeeded
+# during the whole wait of the READ that timed out: a new demanded fetch of a chunk no local level holds fails at
+# once. Those READs had waited in the kernel behind the ones that failed (its background queue, beyond
+# --fuse-max-background) and belong to the same read(2) calls, which otherwise failed at twice --read-timeout (12
+# readers of 16 MiB each).
 # Chunks waiting for their write to a cache level are pinned in memory, which holds back fetches while a disk is
 # slower than the origin (every chunk still gets cached). While writes stall (one was given up on its deadline:
 # levels.WRITE_DEADLINE_S), at most this share of the chunk memory: beyond it a chunk is not written through, so
@@ -149,9 +150,9 @@ class ChunkEngine:
         self._nursery: trio.Nursery | None = None
         self._writes_behind = False  # whether write-throughs are being skipped
         self._writes_behind_told = False  # the first time is a warning, the others debug (a slow disk flaps)
-        # When a READ last timed out, and when the origin last finished a fetch (`_origin_silent`); trio time.
+        # When a READ last timed out, and when a fetch last succeeded (`_origin_silent`); trio time.
         self._read_timed_out_at = -math.inf
-        self._origin_answered_at = -math.inf
+        self._answered_at = -math.inf
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Run the fetch workers until cancelled."""
@@ -263,10 +264,11 @@ class ChunkEngine:
         return parts
 
     def _origin_silent(self, now: float) -> bool:
-        """Whether a READ timed out less than RETRY_GRACE_S ago and the origin finished no fetch during its whole
-        wait: a READ that comes now fails at once instead of waiting a timeout of its own (see RETRY_GRACE_S)."""
+        """Whether a READ timed out less than RETRY_GRACE_S ago and no fetch succeeded during its whole wait (from
+        the origin or a level: a shared tier serves the fleet while the origin is down): a READ that comes now
+        fails at once instead of waiting a timeout of its own (see RETRY_GRACE_S)."""
         return (now - self._read_timed_out_at < RETRY_GRACE_S
-                and self._origin_answered_at < self._read_timed_out_at - self.read_timeout)
+                and self._answered_at < self._read_timed_out_at - self.read_timeout)
 
     async def collect(self, parts: list[tuple[ChunkId, Fetch | Chunk]], start: int, end: int, *,
                       served: bool = True) -> bytes | memoryview:
@@ -346,14 +348,13 @@ class ChunkEngine:
         spent = reuse and (bool(self.levels) or self.memory.reuse_spent(fetch.length))
         buffer = self.memory.take_spent_buffer(fetch.length) if spent else None
         if buffer is None:
-            buffer = await self.memory.reserve(fetch.length, reuse=reuse)
+            buffer = await self.memory.reserve(fetch.length, reuse=reuse, chunk=True)
         try:
             data, hit = await self.levels.load(fetch.cid, fetch.length, buffer, fetch.retry_until)
             del buffer  # a level or the origin filled it (it is `data`), or a level's own bytes replace it
             fetch.data = data
             fetch.source = "origin" if hit is None else "level"
-            if hit is None:
-                self._origin_answered_at = trio.current_time()
+            self._answered_at = trio.current_time()  # the origin, or a level (a shared tier serves while it is down)
             self.memory.store(fetch.cid, data, fetch.demanded)
             missed = self.levels.missed(hit)
             if missed and self._nursery is not None:

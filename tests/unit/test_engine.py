@@ -599,13 +599,13 @@ def stalling_runner(stalled: set[str]):  # noqa: ANN201
     return run
 
 
-@pytest.mark.parametrize("answered", [False, True])
+@pytest.mark.parametrize("answered", ["nothing", "origin", "level"])
 async def test_reads_that_come_just_after_a_timeout_with_the_origin_silent_fail_at_once(autojump_clock,  # noqa: ANN001
-                                                                                       answered: bool) -> None:
+                                                                                       answered: str) -> None:
     """READs the kernel held behind the ones that timed out belong to the same read(2) calls: with an origin
     that finished nothing meanwhile they fail at once, not a timeout later (12 readers failed at twice
-    --read-timeout). Past RETRY_GRACE_S a READ gets a timeout of its own; an origin that answered something during
-    the wait (`answered`) is not silent, and a chunk a local level holds is never failed at once."""
+    --read-timeout). Past RETRY_GRACE_S a READ gets a timeout of its own; a fetch that succeeded during the wait, from
+    the origin or a level (`answered`), means nothing is failed at once, nor is a chunk a local level holds."""
     from fsmount.data.engine import RETRY_GRACE_S
 
     store = FakeStore()
@@ -626,11 +626,13 @@ async def test_reads_that_come_just_after_a_timeout_with_the_origin_silent_fail_
     async def body() -> None:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(fails_after, 0)
-            if answered:
-                await trio.sleep(1.0)
+            await trio.sleep(1.0)
+            if answered == "origin":
                 await engine.read(version(store, "fast"), 0, 100)
+            elif answered == "level":  # a shared tier serves the fleet while the origin is down
+                await engine.read(v, 7 * CHUNK, 7 * CHUNK + 100)
         await trio.sleep(0.2)
-        if answered:
+        if answered != "nothing":
             assert await fails_after(1) == pytest.approx(5.0)
             return
         assert await fails_after(1) == 0.0

@@ -267,7 +267,7 @@ async def test_a_failed_upload_is_eio_at_close_and_aborted(fault: str, allowed_l
 
 
 async def test_an_endpoint_that_refuses_connections_for_a_while_costs_a_write_only_time(
-        allowed_logs: list[str]) -> None:
+        allowed_logs: list[str], caplog: pytest.LogCaptureFixture) -> None:
     """A server restarting refuses connections: the requests of a file being written (its start, parts and
     completion) are tried again with backoff within --read-timeout, as reads are. A 20 s restart lost the
     checkpoint at once. Past the timeout the file fails, EIO at close."""
@@ -293,6 +293,9 @@ async def test_an_endpoint_that_refuses_connections_for_a_while_costs_a_write_on
             await new.commit()
         assert info.value.errno == errno.EIO and trio.current_time() - start < 3.0
         assert "lost.bin" not in uploads.objects
+    # Said as it was: refused, never sent (a "timed out" tells the writer the bucket may hold it).
+    failed = [r.getMessage() for r in caplog.records if "will not be stored" in r.getMessage()]
+    assert failed and all("cannot reach the endpoint" in m and "timed out" not in m for m in failed), failed
 
 
 @pytest.mark.parametrize("size", [1000, 11 * MiB], ids=["one-put", "multipart"])

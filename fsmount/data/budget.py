@@ -7,8 +7,9 @@ Rules (everything here runs in the trio thread; nothing awaits except `reserve`)
   between, which errs on the side of the budget). `reserve` evicts in LRU order; when nothing is
   evictable it has the reclaimers give back what they hold idle (`add_reclaimer`: the writes' recycled
   part buffers), and waits on `_changed` only if that freed nothing.
-- In use: a chunk a reader is reading front to back, used less than IN_USE_S ago, is evicted only when
-  nothing else can be: `reserve` waits for room meanwhile, at most until the oldest of them is IN_USE_S old.
+- In use: a chunk a reader is reading front to back, used less than IN_USE_S ago, is evicted for another
+  chunk's fetch (`reserve(chunk=True)`) only when nothing else can be: that `reserve` waits for room
+  meanwhile, at most until the oldest of them is IN_USE_S old. Other reservations evict it as any chunk.
   `_in_use[cid]` is a `_Use`: a chunk stored for a READ is in use until a READ says otherwise; one is read
   front to back once a READ began at its start (a sequential reader enters every chunk there; random reads,
   even with the kernel's read-ahead after them, almost never do); a READ that reaches the chunk's end, or a

@@ -106,6 +106,7 @@ class StatsCollector:
                                ("bytes_uploaded", "bytes uploaded by writes"),
                                ("parts_uploaded", "upload parts (and single PUTs) sent"),
                                ("renames", "renames done"), ("deletes", "files deleted"),
+                               ("deletes_refused", "unlinks, rmdirs and renames refused without --allow-delete"),
                                ("chunks_cached", "chunks of stored files put into the NVMe cache")):
                 yield CounterMetricFamily(f"modelfs_writes_{name}", f"Writes: {what}", value=wr[name])
         sc = s["shared_cache"]

@@ -147,7 +147,9 @@ def format_stats(s: dict[str, Any], mountpoint: str) -> str:
     if ws is not None:
         rows.append(("writes", f"{ws['files_stored']} files stored ({human_size(ws['bytes_uploaded'])} in "
                                f"{ws['parts_uploaded']} parts), {ws['files_failed']} not stored, {ws['renames']} "
-                               f"renames, {ws['deletes']} deletes"))
+                               f"renames, {ws['deletes']} deletes"
+                               + (f", {ws['deletes_refused']} deletes refused (they need --allow-delete)"
+                                  if ws.get("deletes_refused") else "")))
     rows += [
         ("chunk memory", f"{human_size(s['memory_used_bytes'])} of {human_size(s['memory_limit_bytes'])}"),
         ("model streaming", f"{human_size(s['streamed_bytes'])} fetched, "

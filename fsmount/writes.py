@@ -87,6 +87,9 @@ class WriteStats:
     renames: int = 0
     deletes: int = 0
     chunks_cached: int = 0  # chunks of stored files put into the NVMe cache
+    # Unlinks, rmdirs and renames refused for want of --allow-delete: a trainer's checkpoint rotation deletes with
+    # rmtree(ignore_errors=True), so its checkpoints pile up in the bucket with nothing said but one log line.
+    deletes_refused: int = 0
 
 
 class Writes:
@@ -377,6 +380,7 @@ class Writes:
                 "deleting %s needs --allow-delete%s", path or "/",
                 "" if self._delete_refusal_logged else " (further refusals are logged at debug level)")
         self._delete_refusal_logged = True
+        self.stats.deletes_refused += 1
         raise PathError(errno.EPERM)
 
     async def rmdir(self, node: Node) -> None:
@@ -413,6 +417,7 @@ class Writes:
         else:
             if node.ino not in self._written and not self.allow_delete:
                 log.warning("rename of %s: a file this mount did not write needs --allow-delete", node.path)
+                self.stats.deletes_refused += 1
                 raise PathError(errno.EPERM)
             meta = await self.move_object(ObjectMeta(self.ns.key_of(node.path), node.size, node.etag, node.mtime_ns),
                                           self.ns.key_of(path))

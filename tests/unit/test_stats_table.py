@@ -51,6 +51,8 @@ def test_writes_have_a_row_and_failed_stores_count_as_errors() -> None:
     writes = {"files_stored": 235, "files_failed": 1, "bytes_uploaded": 3 * MiB, "parts_uploaded": 4,
               "renames": 2, "deletes": 1, "chunks_cached": 0}
     text = format_stats(snapshot(writes=writes), "/ckpt")
-    assert "235 files stored (3.00 MiB in 4 parts), 1 not stored, 2 renames, 1 deletes" in text, text
+    assert "235 files stored (3.00 MiB in 4 parts), 1 not stored, 2 renames, 1 deletes\n" in text + "\n", text
+    refused = format_stats(snapshot(writes={**writes, "deletes_refused": 7}), "/ckpt")
+    assert "1 deletes, 7 deletes refused (they need --allow-delete)" in refused, refused
     assert text.splitlines()[-1].endswith("files not stored 1"), text
     assert "files not stored" not in format_stats(snapshot(), "/models")

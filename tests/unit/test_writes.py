@@ -405,6 +405,7 @@ async def test_overwrite_and_delete_need_their_flags(allowed_logs: list[str]) ->
         with pytest.raises(PathError) as info:
             await attempt()
         assert info.value.errno == errno.EPERM
+    assert writes.stats.deletes_refused == 2  # counted: a trainer's rotation swallows the EPERM
     with pytest.raises(PathError) as info:
         writes.open_existing(node, 0o1)
     assert info.value.errno == errno.EPERM

@@ -40,7 +40,6 @@ from fsmount.data import (
     COPY_OBJECT_MAX,
     MAX_PART_SIZE,
     MAX_PARTS,
-    UNREACHABLE_RETRY_MAX_S,
     UNREACHABLE_RETRY_S,
     ChunkCache,
     ChunkId,
@@ -51,6 +50,7 @@ from fsmount.data import (
     TimedOut,
     Unreachable,
     Uploads,
+    wait_to_retry,
 )
 from fsmount.namespace import Node, PathError
 from fsmount.new_file import NewFile
@@ -152,13 +152,8 @@ class Writes:
                 try:
                     return await trio.to_thread.run_sync(fn, *args, limiter=self._limiter, abandon_on_cancel=True)
                 except Unreachable as exc:
-                    wait = min(backoff, deadline - trio.current_time())
-                    if wait <= 0:
-                        raise
                     refused = exc
-                    log.debug("%s: %s; trying again in %.2fs", what, exc.message, wait)
-                    await trio.sleep(wait)
-                    backoff = min(2 * backoff, UNREACHABLE_RETRY_MAX_S)
+                    backoff = await wait_to_retry(exc, backoff, deadline, what)
                 refused = None  # a try under way when the time ran out: that one may have reached the bucket
         if refused is not None:
             # The time ran out between tries, all refused: the request never reached the bucket (not "timed out",

@@ -76,6 +76,18 @@ ORIGIN_GET_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 1
 RunBlocking = Callable[..., Awaitable[Any]]
 
 
+async def wait_to_retry(exc: Unreachable, backoff: float, until: float, what: str) -> float:
+    """Before a request the origin refused (`exc`) is sent again: sleep `backoff`, or what is left until `until`
+    (trio time), and return the next backoff (doubled, up to UNREACHABLE_RETRY_MAX_S); raise `exc` if no time is
+    left. Start with UNREACHABLE_RETRY_S. Reads (`LevelStack`) and writes (`writes.Writes.call`) both wait so."""
+    wait = min(backoff, until - trio.current_time())
+    if wait <= 0:
+        raise exc
+    log.debug("%s: %s; trying again in %.2fs", what, exc.message, wait)
+    await trio.sleep(wait)
+    return min(2 * backoff, UNREACHABLE_RETRY_MAX_S)
+
+
 async def run_in_thread(fn: Callable[..., Any], *args: Any, limiter: trio.CapacityLimiter) -> Any:
     # Abandoned on cancel (unmount): a GET stalled in the kernel must not hold the daemon's exit
     # for its retries; the thread ends on its own socket timeout.
@@ -266,12 +278,7 @@ class LevelStack:
                 except Unreachable as exc:
                     # A restarting origin refuses connections for a moment: a reader that may still wait
                     # (mmap readers die of a failed READ) waits for it, up to the fetch's deadline.
-                    wait = min(backoff, retry_until() - trio.current_time())
-                    if wait <= 0:
-                        raise
-                    log.debug("chunk %d of %r: %s; trying again in %.2fs", cid.index, cid.key, exc.message, wait)
-                    await trio.sleep(wait)
-                    backoff = min(2 * backoff, UNREACHABLE_RETRY_MAX_S)
+                    backoff = await wait_to_retry(exc, backoff, retry_until(), f"chunk {cid.index} of {cid.key!r}")
                 except (PreconditionFailed, NotFound) as exc:
                     self._gone[version] = exc
                     raise

@@ -111,10 +111,7 @@ class MemoryBudget:
         """The chunk's bytes if it is in memory, made the most recently used."""
         data = self._chunks.get(cid)
         if data is not None:
-            self._chunks.move_to_end(cid)
-            use = self._in_use.get(cid)
-            if use is not None:
-                use.at = trio.current_time()
+            self._chunks.move_to_end(cid)  # (its use, IN_USE_S, is noted when the READ is served: note_served)
         return data
 
     def store(self, cid: ChunkId, data: Chunk, demanded: bool = True) -> None:

@@ -44,6 +44,7 @@ from fsmount.data import (
     Uploads,
     cache_bytes,
     default_min_free,
+    free_bytes,
     origin_identity,
 )
 from fsmount.namespace import Namespace
@@ -329,7 +330,7 @@ def open_disk_cache(cfg: MountConfig) -> DiskCache:
     try:
         cache = DiskCache(cfg.cache_dir, cache_bytes(cfg.cache_size, cfg.cache_dir),
                           min_free_bytes=default_min_free(cfg.cache_dir))
-        st = os.statvfs(cache.root)
+        free = free_bytes(cache.root)
     except CacheDirBusy as exc:
         raise MountError(str(exc)) from None
     except OSError as exc:
@@ -339,7 +340,6 @@ def open_disk_cache(cfg: MountConfig) -> DiskCache:
         raise MountError(f"cannot use cache dir {cfg.cache_dir}: {why}") from None
     except ValueError as exc:  # a filesystem that reports no size (--cache-size as a share of it)
         raise MountError(f"cannot use cache dir {cfg.cache_dir}: {exc}") from None
-    free = st.f_bavail * st.f_frsize
     room = min(cache.max_bytes, cache.stats.bytes_used + free - cache.min_free_bytes)
     if room < CACHE_ROOM_CHUNKS * cfg.chunk_size:
         log.warning("cache dir %s has room for %d MiB of chunks only (--cache-size %d MiB; %d MiB free on its "

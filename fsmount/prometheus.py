@@ -80,6 +80,8 @@ class StatsCollector:
                                 value=s["fetches_inflight"])
         yield CounterMetricFamily("modelfs_cache_writes_given_up", "Cache writes given up on their deadline "
                                   "(a stalled cache disk)", value=s["cache_writes_given_up"])
+        yield CounterMetricFamily("modelfs_cache_reads_given_up", "Cache reads given up on their deadline (a cache "
+                                  "disk whose reads hang): served by the origin", value=s["cache_reads_given_up"])
         yield CounterMetricFamily("modelfs_cache_writes_skipped", "Fetched chunks not written to the cache "
                                   "levels while cache writes stall", value=s["cache_writes_skipped"])
         yield GaugeMetricFamily("modelfs_memory_used_bytes", "Chunk bytes held or reserved in memory",

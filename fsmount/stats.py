@@ -98,6 +98,9 @@ class MountStats:
             # Fetched chunks not written to the cache levels: given up on their deadline, and not started while
             # writes stalled (a frozen or hung cache disk).
             "cache_writes_given_up": self.engine.levels.stats.writes_given_up,
+            # Reads of the NVMe cache given up on their deadline (a cache disk whose reads hang): the origin served
+            # those chunks, and the cache was skipped until the reads returned.
+            "cache_reads_given_up": self.engine.levels.stats.reads_given_up,
             "cache_writes_skipped": es.writes_skipped,
             "memory_used_bytes": self.engine.memory.used,
             "memory_limit_bytes": self.engine.memory.limit,

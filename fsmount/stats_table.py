@@ -134,6 +134,9 @@ def format_stats(s: dict[str, Any], mountpoint: str) -> str:
         if s.get("cache_writes_given_up") or s.get("cache_writes_skipped"):
             rows.append(("cache writes", f"{s['cache_writes_given_up']} given up unfinished, "
                                          f"{s['cache_writes_skipped']} not started (a cache level stalled)"))
+        if s.get("cache_reads_given_up"):
+            rows.append(("cache reads", f"{s['cache_reads_given_up']} given up unfinished (a cache level stalled): "
+                                        "read from the origin"))
     if sc is not None:
         mode = "read-only" if sc["read_only"] else "claims on" if sc["claims_enabled"] else "claims off"
         rows += [

@@ -20,7 +20,7 @@ here, never from the modules inside, which are private to the package:
 from fsmount.data.boto3_store import Boto3Store
 from fsmount.data.budget import MemoryBudget
 from fsmount.data.cache_admin import cache_clear, cache_stats, cache_verify
-from fsmount.data.cache_dir import CHUNKS_DIR, CacheDirBusy, cache_bytes
+from fsmount.data.cache_dir import CHUNKS_DIR, CacheDirBusy, cache_bytes, free_bytes
 from fsmount.data.chunk_file import ALIGN, pwrite_all, round_up
 from fsmount.data.disk_cache import DiskCache, default_min_free
 from fsmount.data.engine import AHEAD, BACKGROUND, DEMAND, ChunkEngine, Fetch, ReadTimeout
@@ -49,7 +49,8 @@ __all__ = [
     "PreconditionFailed", "ReadTimeout", "SharedTier", "StoreError", "TimedOut", "TransientError", "Unreachable",
     "origin_identity",
     "WritableBuffer",
-    "cache_bytes", "default_min_free", "cache_clear", "cache_stats", "cache_verify", "MAX_PART_SIZE", "MAX_PARTS",
+    "cache_bytes", "free_bytes",
+    "default_min_free", "cache_clear", "cache_stats", "cache_verify", "MAX_PART_SIZE", "MAX_PARTS",
     "MIN_PART_SIZE",
     "PendingUpload", "COPY_OBJECT_MAX", "Uploads", "new_buffer", "pwrite_all", "round_up",
     "UNREACHABLE_RETRY_S", "wait_to_retry",

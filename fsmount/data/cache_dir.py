@@ -11,6 +11,7 @@ import errno
 import fcntl
 import os
 import stat
+import sys
 from collections.abc import Iterator
 
 from fsmount.config import CacheSize
@@ -34,8 +35,10 @@ def chunk_path(chunks_dir: str, digest: str) -> str:
 
 
 def free_bytes(path: str) -> int:
+    """Bytes free on the filesystem of `path`; sys.maxsize on one that reports a size of 0 (a FUSE or virtual
+    filesystem that does not say): there only --cache-size, and ENOSPC from a write, bound the cache."""
     st = os.statvfs(path)
-    return st.f_bavail * st.f_frsize
+    return st.f_bavail * st.f_frsize if st.f_blocks else sys.maxsize
 
 
 def real_dir(path: str) -> None:

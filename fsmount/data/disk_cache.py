@@ -602,8 +602,12 @@ class DiskCache:
 
 def default_min_free(root: str | os.PathLike[str]) -> int:
     """The free space a cache at `root` leaves to the rest of the node: DEFAULT_MIN_FREE, or MIN_FREE_SHARE of
-    a smaller filesystem."""
-    return min(DEFAULT_MIN_FREE, bytes_for_fraction(root, MIN_FREE_SHARE))
+    a smaller filesystem; none on a filesystem that reports a size of 0 (free_bytes), where --cache-size, given in
+    bytes, is the only bound."""
+    try:
+        return min(DEFAULT_MIN_FREE, bytes_for_fraction(root, MIN_FREE_SHARE))
+    except ValueError:
+        return 0
 
 
 def unlink_quietly(path: str) -> None:

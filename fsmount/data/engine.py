@@ -35,6 +35,8 @@ import trio
 from fsmount.data.budget import MemoryBudget
 from fsmount.data.identity import Chunk, ChunkId, ObjectVersion
 from fsmount.data.levels import (
+    GET_DEADLINE_MIN_S,
+    GET_DEADLINE_S,
     WRITE_DEADLINE_MIN_S,
     WRITE_DEADLINE_S,
     ChunkCache,
@@ -140,7 +142,9 @@ class ChunkEngine:
         self.memory = MemoryBudget(memory_limit)
         self.levels = LevelStack(store, levels, max_connections=max_connections, chunk_size=chunk_size,
                                  run_blocking=run_blocking,
-                                 write_deadline=min(WRITE_DEADLINE_S, max(WRITE_DEADLINE_MIN_S, read_timeout / 4)))
+                                 write_deadline=min(WRITE_DEADLINE_S, max(WRITE_DEADLINE_MIN_S, read_timeout / 4)),
+                                 get_deadline=min(GET_DEADLINE_S, max(GET_DEADLINE_MIN_S, read_timeout / 4)),
+                                 memory=self.memory)
         self.stats = EngineStats()
         self._workers = max_connections
         self._inflight: dict[ChunkId, Fetch] = {}
@@ -350,7 +354,7 @@ class ChunkEngine:
         if buffer is None:
             buffer = await self.memory.reserve(fetch.length, reuse=reuse, chunk=True)
         try:
-            data, hit = await self.levels.load(fetch.cid, fetch.length, buffer, fetch.retry_until)
+            data, hit = await self.levels.load(fetch.cid, fetch.length, buffer, fetch.retry_until, self._nursery)
             del buffer  # a level or the origin filled it (it is `data`), or a level's own bytes replace it
             fetch.data = data
             fetch.source = "origin" if hit is None else "level"

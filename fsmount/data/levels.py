@@ -15,6 +15,10 @@ write); levels and the store are blocking and run in threads under the stack's o
 `writes_pending` counts write-throughs started and not finished, trailing writes included;
 `_writes_changed` is set (and replaced) whenever it drops, so `drain_writes` can wait for it at unmount.
 `LatencyHistogram` is read from the metrics thread too, so it holds a lock for each update.
+`_overdue[i]` counts the reads of local level i given up on their deadline (GET_DEADLINE_S) whose thread has not
+returned yet: each runs in a task of its own, which holds a second reservation of its chunk's length in the
+memory budget (the buffer the late read may still write into) and decrements the count when the read returns.
+While it is above 0 the level is skipped: not asked, not written, and `holds` says no.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ from typing import Any, Protocol
 import cachetools
 import trio
 
+from fsmount.data.budget import MemoryBudget
 from fsmount.data.identity import Chunk, ChunkId, WritableBuffer, new_buffer
 from fsmount.data.store import NotFound, ObjectStore, PreconditionFailed, StoreError, Unreachable
 from fsmount.data.trailing import TrailingWrites
@@ -58,6 +63,15 @@ REFETCH_MEMORY = 65536
 # warning, which a healthy disk must not get).
 WRITE_DEADLINE_S = 30.0
 WRITE_DEADLINE_MIN_S = 10.0
+# A read of a chunk from a local level (one with `contains`: the NVMe cache) that has not answered this long is
+# given up: the chunk comes from the origin instead, and the level is skipped until every read given up has
+# returned. A cache disk whose reads hang (a hung NVMe, a stuck network filesystem, a chunk file another process
+# holds a lease on) failed every READ of a chunk it held at --read-timeout, and once all its threads were stuck
+# every fetch of the mount, since each asks the level first. A quarter of --read-timeout where that is less, so that
+# the origin has the rest of the READ's time; never below GET_DEADLINE_MIN_S, which a healthy disk's 8 MiB read,
+# queued behind the level's other reads on a loaded machine, does not reach (a give-up is a warning).
+GET_DEADLINE_S = 10.0
+GET_DEADLINE_MIN_S = 2.0
 # Object versions whose GET the bucket refused as gone (412: replaced, 404: deleted), remembered for GONE_FOR_S
 # so that the other chunks of a version fail at once instead of each sending a GET that would be refused too
 # (a reader going on through a replaced file sent one per chunk). Not for longer: a version can come back (the
@@ -168,6 +182,7 @@ class LevelStats:
     # the page cache had it, as memory does beside a cache level) saved the origin nothing.
     level_saved_bytes: list[int] = dataclasses.field(default_factory=list)
     writes_given_up: int = 0  # write-throughs given up on their deadline (WRITE_DEADLINE_S)
+    reads_given_up: int = 0  # reads of a local level given up on their deadline (GET_DEADLINE_S)
 
     @property
     def hits(self) -> int:
@@ -186,9 +201,12 @@ class LevelStats:
 
 class LevelStack:
     def __init__(self, store: ObjectStore, levels: Sequence[ChunkCache], *, max_connections: int, chunk_size: int,
-                 run_blocking: RunBlocking = run_in_thread, write_deadline: float = WRITE_DEADLINE_S):
+                 run_blocking: RunBlocking = run_in_thread, write_deadline: float = WRITE_DEADLINE_S,
+                 get_deadline: float = GET_DEADLINE_S, memory: MemoryBudget | None = None):
         self.store = store
         self.write_deadline = write_deadline
+        self.get_deadline = get_deadline
+        self._memory = memory  # where a read given up keeps its buffer counted (None: uncounted, in tests)
         self.levels = list(levels)
         n = len(self.levels)
         self.stats = LevelStats(level_hits=[0] * n, level_misses=[0] * n, level_bytes=[0] * n,
@@ -205,7 +223,9 @@ class LevelStack:
         self._get_limiters = [trio.CapacityLimiter(getattr(level, "threads", DISK_THREADS)) for level in self.levels]
         self._put_limiters = [trio.CapacityLimiter(getattr(level, "put_threads", PUT_THREADS))
                               for level in self.levels]
-        self._contains = [level.contains for level in self.levels if hasattr(level, "contains")]
+        self._contains: list[Callable[[ChunkId], bool] | None] = [getattr(level, "contains", None)
+                                                                  for level in self.levels]
+        self._overdue = [0] * n  # reads given up and not returned yet, per level (see the module's rules)
         self._writes_pending = 0
         self._writes_changed = trio.Event()
         self._given_up_at = -math.inf  # trio time of the last write-through given up (WRITE_DEADLINE_S)
@@ -214,8 +234,10 @@ class LevelStack:
         self.trailing = TrailingWrites(run_blocking, chunk_size, self._write_done)
 
     def holds(self, cid: ChunkId) -> bool:
-        """Whether a local level says it holds the chunk (its `contains`, no I/O); False if none can tell."""
-        return any(contains(cid) for contains in self._contains)
+        """Whether a local level says it holds the chunk (its `contains`, no I/O) and answers; False if none can
+        tell."""
+        return any(contains is not None and not self._overdue[i] and contains(cid)
+                   for i, contains in enumerate(self._contains))
 
     def lookups(self, level: ChunkCache) -> tuple[int, int]:
         """(hits, misses) of one of the levels: a miss is any lookup that did not return the chunk whole
@@ -236,16 +258,29 @@ class LevelStack:
         return bool(self.levels)
 
     async def load(self, cid: ChunkId, length: int, buffer: mmap.mmap | None,
-                   retry_until: Callable[[], float]) -> tuple[Chunk, int | None]:
+                   retry_until: Callable[[], float], nursery: trio.Nursery | None = None) -> tuple[Chunk, int | None]:
         """The chunk and the index of the level that had it (read into `buffer` if given, else a new
         one), or from the origin with index None. While the origin refuses connections the GET is tried
-        again until `retry_until()` (a deadline on trio's clock, re-read at each try)."""
+        again until `retry_until()` (a deadline on trio's clock, re-read at each try). With a `nursery`, a read
+        from a local level is given up after `get_deadline` (the read goes on in a task there)."""
         if buffer is None and length == cid.chunk_size:
             # An mmap call only: its pages are faulted in by the read that fills them, and the buffer is
             # reused for later chunks once READs took it (budget.py).
             buffer = new_buffer(length)
         for i, level in enumerate(self.levels):
-            data = await self._run_blocking(level.get, cid, buffer, limiter=self._get_limiters[i])
+            contains = self._contains[i]
+            if contains is not None and (self._overdue[i] or not contains(cid)):
+                # Not held (the index says so without a thread), or the level's reads hang: a miss.
+                self.stats.level_misses[i] += 1
+                continue
+            if contains is not None and nursery is not None:
+                answered, data = await self._get_within_deadline(nursery, i, cid, buffer, length)
+                if not answered:
+                    self.stats.level_misses[i] += 1
+                    buffer = data  # a buffer of its own: the late read may still write into the old one
+                    continue
+            else:
+                data = await self._run_blocking(level.get, cid, buffer, limiter=self._get_limiters[i])
             if data is not None and len(data) == length:
                 self.stats.level_hits[i] += 1
                 self.stats.level_bytes[i] += length
@@ -254,6 +289,58 @@ class LevelStack:
                 return data, i
             self.stats.level_misses[i] += 1
         return await self._from_origin(cid, length, buffer, retry_until), None
+
+    async def _get_within_deadline(self, nursery: trio.Nursery, i: int, cid: ChunkId, buffer: mmap.mmap | None,
+                                   length: int) -> tuple[bool, Any]:
+        """(True, level i's answer: bytes or None), or, if it did not come within `get_deadline`, (False, a buffer
+        for the chunk from the origin). The read given up goes on in its task, and keeps a reservation of `length`
+        in the budget (for the old buffer, or the bytes it returns) until it returns (_overdue)."""
+        done = trio.Event()
+        outcome: list[Any] = []
+        given_up = False
+
+        async def get() -> None:
+            try:
+                outcome.append(await self._run_blocking(self.levels[i].get, cid, buffer,
+                                                        limiter=self._get_limiters[i]))
+            except Exception as exc:  # noqa: BLE001 - raised again in load, or dropped if given up
+                outcome.append(exc)
+            finally:
+                done.set()
+                if given_up:
+                    self._read_returned(i, length)
+
+        nursery.start_soon(get)
+        with trio.move_on_after(self.get_deadline):
+            await done.wait()
+        replacement = None
+        if not done.is_set():
+            if self._memory is not None:
+                replacement = await self._memory.reserve(length, reuse=True)
+                if done.is_set():  # it returned while room was made: its answer after all
+                    self._memory.release(length)
+                    replacement = None
+        if done.is_set():
+            if isinstance(outcome[0], Exception):
+                raise outcome[0]
+            return True, outcome[0]
+        given_up = True
+        self._overdue[i] += 1
+        self.stats.reads_given_up += 1
+        if self._overdue[i] == 1:
+            log.warning("a read of chunk %d of %r from cache level %d did not return within %g s (a stalled cache "
+                        "disk?): read from the origin; the level is skipped until its reads return",
+                        cid.index, cid.key, i, self.get_deadline)
+        if replacement is None and length == cid.chunk_size:
+            replacement = new_buffer(length)
+        return False, replacement
+
+    def _read_returned(self, i: int, length: int) -> None:
+        if self._memory is not None:
+            self._memory.release(length)
+        self._overdue[i] -= 1
+        if not self._overdue[i]:
+            log.info("cache level %d answers again: its reads given up have returned; it is used again", i)
 
     async def _from_origin(self, cid: ChunkId, length: int, buffer: mmap.mmap | None,
                            retry_until: Callable[[], float]) -> Chunk:
@@ -302,8 +389,10 @@ class LevelStack:
     # -- write-through -------------------------------------------------------------------------
 
     def missed(self, hit: int | None) -> list[ChunkCache]:
-        """The levels asked before the one that had the chunk (all of them after an origin fetch)."""
-        return self.levels if hit is None else self.levels[:hit]
+        """The levels asked before the one that had the chunk (all of them after an origin fetch), but for those
+        skipped while their reads hang."""
+        levels = self.levels if hit is None else self.levels[:hit]
+        return [level for i, level in enumerate(levels) if not self._overdue[i]] if any(self._overdue) else levels
 
     def start_write(self, nursery: trio.Nursery, levels: Sequence[ChunkCache], cid: ChunkId, data: Chunk,
                     done: Callable[[], None]) -> None:

@@ -37,6 +37,7 @@ from tests.helpers import (
     S3Server,
     daemon_env,
     file_digest,
+    mount_stats,
     mounted,
     new_bucket,
     put_objects,
@@ -456,6 +457,54 @@ def test_full_cache_disk_costs_speed_not_correctness(moto_server: S3Server, moun
         assert 0 < held < n_chunks(size)
     else:
         assert 10 < held < n_chunks(size) and free >= floor, (held, free)
+
+
+# -- 6b. the cache disk's reads hang ---------------------------------------------------------------
+
+STALLED = r"did not return within"
+READ_ONLY = (r"cannot make .* private \(Read-only file system\)",
+             r"cannot make its directories \(Read-only file system\); serving what it holds")
+
+
+def test_a_cache_disk_whose_reads_hang_is_read_around_until_it_answers(moto_server: S3Server, mountpoint: Path,
+                                                                        tmp_path: Path) -> None:
+    """A cache disk whose reads hang: every READ of a chunk it held failed at --read-timeout, and once the cache's
+    reads had taken all its threads, every READ of the mount. A cache read is given up after a quarter of
+    --read-timeout (2 s at least), the chunk comes from the origin, and the cache is skipped until its reads return;
+    then it serves again. The hung disk: the cache dir is a second (read-only) mount of the chunk files, whose daemon
+    is stopped (SIGSTOP), so every open and read of them blocks in the kernel until it goes on (SIGCONT)."""
+    size = 12 * MiB + 5
+    bucket, body = bucket_with_object(moto_server, size, seed=21)
+    other = random_bytes(4 * MiB, 22)
+    put_objects(moto_server, bucket, {"x.bin": other})
+    filled = tmp_path / "filled"
+    args = ("--read-timeout", "5", *CACHE_ARGS)
+    with mounted(moto_server, bucket, mountpoint, "--cache-dir", str(filled), *args):  # the unmount drains writes
+        assert file_digest(mountpoint / "w.bin") == sha(body)
+        assert file_digest(mountpoint / "x.bin") == sha(other)
+    files = chunk_files(filled)
+    assert len(files) == n_chunks(size) + 4
+    disk = new_bucket(moto_server)
+    put_objects(moto_server, disk, {str(p.relative_to(filled)): p.read_bytes() for p in files})
+    with mounted(moto_server, disk, tmp_path / "disk", "--metadata-ttl", "forever") as hung:
+        with mounted(moto_server, bucket, mountpoint, "--cache-dir", str(hung.path), "--cache-size", "1G", *args,
+                     allowed=(STALLED, *READ_ONLY)) as m:
+            os.kill(hung.proc.pid, signal.SIGSTOP)
+            try:
+                began = time.monotonic()
+                assert file_digest(mountpoint / "w.bin") == sha(body)
+                took = time.monotonic() - began
+                stalled = mount_stats(mountpoint)
+            finally:
+                os.kill(hung.proc.pid, signal.SIGCONT)  # the cache's reads given up return
+            assert took < 4.5, f"{took:.1f}s: the reads waited for the hung cache"  # 2 s, then the origin
+            assert stalled["cache_reads_given_up"] >= 1 and stalled["origin"]["bytes"] >= size, stalled
+            wait_for("the cache's reads to return", m.log, lambda log: "answers again" in log)
+            assert file_digest(mountpoint / "x.bin") == sha(other)  # not in memory: from the cache again
+            after = mount_stats(mountpoint)
+            assert after["origin"]["bytes"] == stalled["origin"]["bytes"], after
+            assert after["cache_chunk_hits"] >= stalled["cache_chunk_hits"] + 4, after
+        assert len([line for line in warning_lines(m.log()) if re.search(STALLED, line)]) == 1, m.log()
 
 
 # -- 7. two mounts on one cache dir ---------------------------------------------------------------

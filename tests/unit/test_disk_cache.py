@@ -26,9 +26,16 @@ from pathlib import Path
 import pytest
 
 from fsmount.data import ChunkId, cache_clear, cache_stats, cache_verify
-from fsmount.data.cache_dir import CHUNKS_DIR, SHARD_HEX_CHARS, CacheDirBusy, bytes_for_fraction, chunk_path
+from fsmount.data.cache_dir import (
+    CHUNKS_DIR,
+    SHARD_HEX_CHARS,
+    CacheDirBusy,
+    bytes_for_fraction,
+    chunk_path,
+    free_bytes,
+)
 from fsmount.data.chunk_file import ALIGN, round_up
-from fsmount.data.disk_cache import DiskCache
+from fsmount.data.disk_cache import DiskCache, default_min_free
 from tests.helpers import CORRUPT_WARNING, KiB, MiB, expects_warning, random_bytes
 from tests.helpers import WRITE_FAILED_WARNING as WRITE_WARNING
 from tests.helpers import tmpfs as mount_tmpfs
@@ -1144,3 +1151,10 @@ def test_a_cache_size_share_of_a_filesystem_without_a_size_is_a_clear_error(monk
     monkeypatch.setattr(os, "statvfs", lambda path: empty)
     with pytest.raises(ValueError, match="reports a size of 0"):
         bytes_for_fraction(tmp_path / "cache", 0.8)
+    # Given in bytes, the message's advice, it is a cache: no free-space floor to keep of a size nobody knows
+    # (it refused the mount with the same message), and its puts are bounded by --cache-size alone.
+    assert default_min_free(tmp_path) == 0 and free_bytes(str(tmp_path)) == sys.maxsize
+    with DiskCache(tmp_path / "cache", 2 * 64 * KiB + 2 * ALIGN, min_free_bytes=default_min_free(tmp_path)) as cache:
+        for i in range(3):
+            cache.put(chunk_id(i), payload(chunk_id(i)))
+        assert cache.get(chunk_id(2)) == payload(chunk_id(2)) and cache.stats.chunks == 2

@@ -21,7 +21,7 @@ from fsmount.data import (
     TransientError,
     Unreachable,
 )
-from fsmount.data.levels import GONE_FOR_S, WRITE_DEADLINE_S, LevelStack
+from fsmount.data.levels import GET_DEADLINE_MIN_S, GET_DEADLINE_S, GONE_FOR_S, WRITE_DEADLINE_S, LevelStack
 from fsmount.data.trailing import TRAIL_IDLE_S, WAITERS_CHECK_S
 from fsmount.handles import OpenFile
 from fsmount.readahead import LOCAL_WINDOW, ReadAhead
@@ -815,6 +815,65 @@ async def test_a_cache_level_whose_writes_stall_costs_no_read(autojump_clock, ca
 
     await run_engine(engine, body)
     assert len([r for r in caplog.records if r.levelname == "WARNING"]) == 2  # once each, not per chunk
+
+
+def hanging_get_runner(hang: trio.Event, asked: list):  # noqa: ANN201
+    """A cache disk whose reads hang until `hang` is set (a hung NVMe), each noted in `asked` as it starts; GETs
+    take LATENCY (virtual time)."""
+    async def run(fn, *args, limiter):  # noqa: ANN001, ANN202
+        async with limiter:
+            if fn.__name__ == "get":
+                asked.append(args[0].index)
+                await hang.wait()
+            elif fn.__name__ == "get_range":
+                await trio.sleep(LATENCY)
+            return fn(*args)
+    return run
+
+
+@pytest.mark.parametrize("read_timeout", [120.0, 5.0])
+async def test_a_cache_level_whose_reads_hang_is_given_up_for_the_origin_until_it_answers(  # noqa: ANN001
+        autojump_clock, caplog, allowed_logs, read_timeout: float) -> None:
+    """A cache disk whose reads hang: every READ of a chunk it held failed at --read-timeout, and once the level's
+    threads were all stuck, every fetch of the mount. A read of a local level is given up after its deadline (a
+    quarter of the READ's, at least GET_DEADLINE_MIN_S): the chunk comes from the origin, the level is skipped
+    until the read returns, and the buffer it may still write into stays counted in the memory budget."""
+    allowed_logs.append(r"did not return within")
+    store = FakeStore()
+    data = put_object(store, "m", 12 * CHUNK)
+    level = IndexedLevel()
+    hang, asked = trio.Event(), []
+    engine = ChunkEngine(store, chunk_size=CHUNK, memory_limit=6 * CHUNK, max_connections=4,
+                         read_timeout=read_timeout, levels=[level], run_blocking=hanging_get_runner(hang, asked))
+    v = version(store, "m")
+    for i in range(12):
+        level.put(engine.chunk_id(v, i), data[i * CHUNK:(i + 1) * CHUNK])
+    deadline = min(GET_DEADLINE_S, max(GET_DEADLINE_MIN_S, read_timeout / 4))
+
+    async def body() -> None:
+        began = trio.current_time()
+        assert bytes(await engine.read(v, 0, CHUNK)) == data[:CHUNK]
+        assert trio.current_time() - began == pytest.approx(deadline + LATENCY)
+        assert engine.levels.stats.reads_given_up == 1 and len(store.gets) == 1
+        assert not engine.held_locally(v, 1)  # read ahead as the origin's chunks meanwhile
+        began = trio.current_time()
+        for i in range(1, 8):  # the level is skipped: no deadline's wait per chunk
+            assert bytes(await engine.read(v, i * CHUNK, (i + 1) * CHUNK)) == data[i * CHUNK:(i + 1) * CHUNK]
+        assert trio.current_time() - began <= 7 * LATENCY + 1e-9
+        assert engine.levels.stats.reads_given_up == 1 and asked == [0]
+        # Counted: the buffer the hung read holds, beside the chunks in memory.
+        assert engine.memory.reserved == CHUNK and engine.memory.used <= engine.memory.limit
+        hang.set()  # the disk answers again
+        await trio.sleep(LATENCY)
+        assert engine.memory.reserved == 0 and engine.held_locally(v, 9)
+        gets = len(store.gets)
+        for i in range(8, 12):
+            assert bytes(await engine.read(v, i * CHUNK, (i + 1) * CHUNK)) == data[i * CHUNK:(i + 1) * CHUNK]
+        assert len(store.gets) == gets  # from the level again
+        assert engine.levels.stats.level_hits[0] == 4
+
+    await run_engine(engine, body)
+    assert len([r for r in caplog.records if r.levelname == "WARNING"]) == 1
 
 
 class ClaimingLevel(MemoryLevel):

@@ -22,6 +22,7 @@ def snapshot(**extra: Any) -> dict[str, Any]:
         "pagecache_drops": 0,
         "fetches_inflight": 0,
         "cache_writes_pending": 0, "cache_writes_given_up": 0, "cache_writes_skipped": 0,
+        "cache_reads_given_up": 0,
         "memory_used_bytes": 0, "memory_limit_bytes": 64 * MiB, "open_files": 0,
         "inodes": 1, "disk_cache": None, "shared_cache": None, "writes": None,
     }
@@ -56,3 +57,12 @@ def test_writes_have_a_row_and_failed_stores_count_as_errors() -> None:
     assert "1 deletes, 7 deletes refused (they need --allow-delete)" in refused, refused
     assert text.splitlines()[-1].endswith("files not stored 1"), text
     assert "files not stored" not in format_stats(snapshot(), "/models")
+
+
+def test_cache_reads_given_up_have_a_row_only_when_there_are_some() -> None:
+    disk = {"hits": 2, "misses": 1, "hit_ratio": 2 / 3, "corrupt": 0, "read_errors": 0, "write_errors": 0,
+            "lock_timeouts": 0, "evictions": 0, "writes": 1, "bytes_used": 16 * MiB, "max_bytes": 64 * MiB,
+            "chunks": 2}
+    stalled = format_stats(snapshot(disk_cache=disk, cache_reads_given_up=3), "/models")
+    assert "\ncache reads           3 given up unfinished (a cache level stalled): read from the origin\n" in stalled
+    assert "cache reads" not in format_stats(snapshot(disk_cache=disk), "/models")

@@ -270,7 +270,13 @@ def expand_mount_options(argv: list[str]) -> list[str]:
             known = mount_option_strings() if known is None else known
             flag = "--" + key.replace("_", "-")
             if flag not in known:
-                raise ConfigError(f"unknown mount option {opt.partition('=')[0]!r} in -o {opts}")
+                # A unique prefix, as argparse takes on the command line (`endpoint=` for endpoint_url=): fstab lines
+                # written so for earlier versions, which passed -o keys on to argparse, mount as they did.
+                longer = sorted(name for name in known if name.startswith(flag) and name.startswith("--"))
+                if len(longer) != 1:
+                    could = f" (could be {', '.join(n[2:].replace('-', '_') for n in longer)})" if longer else ""
+                    raise ConfigError(f"unknown mount option {opt.partition('=')[0]!r} in -o {opts}{could}")
+                flag = longer[0]
             takes_value = known[flag]
             if has_value and not takes_value:
                 raise ConfigError(f"mount option {opt.partition('=')[0]!r} takes no value (in -o {opts}): give it "

@@ -48,6 +48,20 @@ def test_an_unknown_fstab_option_is_named_as_written() -> None:
         "mount", "b", "/m", "--cache-dir=/x", "--allow-other"]
 
 
+def test_fstab_options_abbreviated_as_earlier_versions_took_them_still_mount() -> None:
+    """Earlier versions passed -o keys on to argparse, which takes a unique prefix: an fstab line with
+    `endpoint=...,addressing=path,metadata=forever` mounted, and after an upgrade the node failed to mount at boot.
+    A unique prefix is taken again; an ambiguous one names the options it could be."""
+    argv = expand_mount_options(["mount", "b", "/m", "-o", "endpoint=http://h:1,addressing=path,metadata=forever"])
+    assert argv == ["mount", "b", "/m", "--endpoint-url=http://h:1", "--addressing-style=path",
+                    "--metadata-ttl=forever"]
+    cfg = build_config(make_parser().parse_args(argv))
+    assert cfg.store.endpoint_url == "http://h:1" and cfg.store.addressing_style == "path"
+    with pytest.raises(ConfigError, match=r"unknown mount option 'cache' in -o cache=/x \(could be cache_dir, "
+                                          r"cache_size\)"):
+        expand_mount_options(["mount", "b", "/m", "-o", "cache=/x"])
+
+
 def test_a_fstab_flag_with_a_value_or_an_option_without_one_is_named() -> None:
     """`-o allow_other=1` ended in argparse's "unrecognized arguments: 1" under the top-level usage, and
     `-o prefix=-x` in "expected one argument" although `--prefix=-x` works."""

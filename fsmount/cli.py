@@ -137,8 +137,12 @@ def _endpoint_url(text: str) -> str:
 def add_origin_arguments(s: argparse._ArgumentGroup | argparse.ArgumentParser, prefix_help: str) -> None:
     """Where the bucket is: the flags `mount` and `cleanup` share."""
     s.add_argument("--prefix", default="", help=prefix_help)
-    s.add_argument("--endpoint-url", type=_endpoint_url, default=os.environ.get("AWS_ENDPOINT_URL"),
-                   help="S3-compatible endpoint (default: AWS, or $AWS_ENDPOINT_URL)")
+    # No default of our own: botocore finds one in the AWS configuration ($AWS_ENDPOINT_URL_S3 before
+    # $AWS_ENDPOINT_URL, a profile's endpoint_url or services section, $AWS_IGNORE_CONFIGURED_ENDPOINT_URLS), as boto3
+    # does; a default read here from $AWS_ENDPOINT_URL alone took it before $AWS_ENDPOINT_URL_S3.
+    s.add_argument("--endpoint-url", type=_endpoint_url, default=None,
+                   help="S3-compatible endpoint (default: AWS, or the AWS configuration's: $AWS_ENDPOINT_URL_S3, "
+                        "$AWS_ENDPOINT_URL, a profile's endpoint_url)")
     s.add_argument("--region", default=None, help="region name (default: from the AWS configuration)")
     s.add_argument("--profile", default=None, help="profile from ~/.aws/credentials")
     s.add_argument("--addressing-style", choices=("auto", "path", "virtual"), default="auto",

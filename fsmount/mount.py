@@ -14,6 +14,7 @@ import fcntl
 import logging
 import os
 import re
+import resource
 import shutil
 import signal
 import socket
@@ -30,6 +31,8 @@ import trio
 from fsmount import residency
 from fsmount.config import MiB, MountConfig, StoreConfig, virtual_style_ignored
 from fsmount.data import (
+    DISK_THREADS,
+    PUT_THREADS,
     AccessDenied,
     Boto3Store,
     BucketMissing,
@@ -87,6 +90,11 @@ STOP_GRACE_WRITING_S = 20.0
 PUSH_STOP_S = 5.0
 # A cache dir with room for fewer chunks than this is worth a warning at mount.
 CACHE_ROOM_CHUNKS = 4
+# Descriptors a daemon holds besides its connections and cache files (/dev/fuse, epoll, trio's wakeup pair, the log,
+# the cache dir's lock, the metrics socket, botocore's control-plane connections), with room to spare; and how far
+# raise_open_file_limit raises a soft limit whose hard one is unlimited.
+OPEN_FILES_BASE = 32
+OPEN_FILES_RAISE_MAX = 1 << 20
 # At most this long dropping the shared-tier claims of fetches the unmount cut short (one DELETE each).
 CLAIM_DROP_S = 10.0
 # botocore's retries of one shared-tier request: none, since the origin is the fallback; a request then
@@ -299,13 +307,15 @@ def warn_path_style(endpoint_url: str | None, addressing_style: str, flag: str) 
 
 
 def check_bucket(cfg: MountConfig) -> None:
-    warn_path_style(cfg.store.endpoint_url, cfg.store.addressing_style, "--addressing-style")
+    endpoint_url = cfg.store.endpoint_url
     try:
         store = Boto3Store(cfg.store, preflight=True)
+        endpoint_url = store.configured_endpoint_url  # also one the AWS configuration gives
+        warn_path_style(endpoint_url, cfg.store.addressing_style, "--addressing-style")
         store.check_bucket(cfg.store.prefix)
         empty = bool(cfg.store.prefix) and not cfg.writable and not store.has_children(cfg.store.prefix)
     except StoreError as exc:
-        path = urllib.parse.urlsplit(cfg.store.endpoint_url or "").path.strip("/")
+        path = urllib.parse.urlsplit(endpoint_url or "").path.strip("/")
         hint = (f" (the endpoint URL has a path, /{path}: the bucket is the first argument, a path inside it "
                 "--prefix)") if isinstance(exc, BucketMissing) and path else ""
         raise MountError(exc.message + hint) from None
@@ -348,9 +358,10 @@ def open_disk_cache(cfg: MountConfig) -> DiskCache:
     return cache
 
 
-def open_shared_tier(cfg: MountConfig, region: str) -> SharedTier:
-    """The fleet-shared tier's level (`region`: the origin's, as its client resolved it). A missing bucket or
-    refused credentials fail the mount; a tier that does not answer only logs: it is tried again as reads go."""
+def open_shared_tier(cfg: MountConfig, origin: Boto3Store) -> SharedTier:
+    """The fleet-shared tier's level (`origin`: the mount's store, whose client resolved the origin's endpoint and
+    region). A missing bucket or refused credentials fail the mount; a tier that does not answer only logs: it is
+    tried again as reads go."""
     shared = cfg.shared_cache
     assert shared is not None
     warn_path_style(shared.endpoint_url, shared.addressing_style, "--shared-cache-addressing-style")
@@ -369,8 +380,9 @@ def open_shared_tier(cfg: MountConfig, region: str) -> SharedTier:
     except StoreError as exc:
         log.warning("shared cache %s does not answer (%s); reading from the origin until it does",
                     shared.bucket, exc.message)
-    tier = SharedTier(client, origin=origin_identity(cfg.store.endpoint_url, region), prefix=shared.prefix,
-                      wait=shared.wait, read_only=shared.read_only, threads=cfg.store.max_connections)
+    tier = SharedTier(client, origin=origin_identity(origin.configured_endpoint_url, origin.region),
+                      prefix=shared.prefix, wait=shared.wait, read_only=shared.read_only,
+                      threads=cfg.store.max_connections)
     tier.probe_claims()
     log.info("%s: %s", tier, "read-only" if shared.read_only else
              "claims on" if tier.claims else "claims off")
@@ -386,6 +398,24 @@ def tune_malloc() -> None:
         libc.mallopt(M_ARENA_MAX, ARENA_MAX)
     except (OSError, AttributeError):
         log.debug("mallopt not available; memory may be returned to the OS later")
+
+
+def raise_open_file_limit(cfg: MountConfig) -> None:
+    """The soft limit on open descriptors up to the hard one (as Go's runtime does for its programs): the daemon
+    holds a socket per connection, the cache files it reads and writes, and its log and /dev/fuse. A warning if
+    even that is below what it may hold at once: reads would fail with "too many open files"."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = hard if hard != resource.RLIM_INFINITY else OPEN_FILES_RAISE_MAX
+    if soft != resource.RLIM_INFINITY and soft < want:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (min(want, OPEN_FILES_RAISE_MAX), hard))
+        except (ValueError, OSError) as exc:
+            log.debug("cannot raise the open-file limit from %d: %s", soft, exc)
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    need = OPEN_FILES_BASE + 2 * cfg.store.max_connections + (DISK_THREADS + PUT_THREADS if cfg.cache_dir else 0)
+    if soft != resource.RLIM_INFINITY and soft < need:
+        log.warning("the open-file limit is %d (ulimit -n, or LimitNOFILE= in the systemd unit), below the ~%d "
+                    "descriptors this mount may hold at once: reads may fail with 'too many open files'", soft, need)
 
 
 def raise_kernel_readahead(mountpoint: str, kib: int) -> None:
@@ -465,7 +495,7 @@ class Daemon:
         self._requests = trio.CancelScope()
         self._served = False
         self.disk_cache = open_disk_cache(cfg) if cfg.cache_dir else None
-        self.shared_tier = open_shared_tier(cfg, self.store.region) if cfg.shared_cache else None
+        self.shared_tier = open_shared_tier(cfg, self.store) if cfg.shared_cache else None
         # The cache levels below memory, asked in this order before the origin.
         levels: list[ChunkCache] = [level for level in (self.disk_cache, self.shared_tier) if level is not None]
         # What the levels hold outside the engine's budget comes out of it.
@@ -727,6 +757,7 @@ def run(cfg: MountConfig, ready: Callable[[str | None], None]) -> int:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         signal.signal(signal.SIGINT, signal.default_int_handler)
     tune_malloc()
+    raise_open_file_limit(cfg)
     try:
         pyfuse3.init(daemon.ops, mountpoint, daemon.fuse_options())
     except RuntimeError as exc:

@@ -25,7 +25,15 @@ from fsmount.data.chunk_file import ALIGN, pwrite_all, round_up
 from fsmount.data.disk_cache import DiskCache, default_min_free
 from fsmount.data.engine import AHEAD, BACKGROUND, DEMAND, ChunkEngine, Fetch, ReadTimeout
 from fsmount.data.identity import Chunk, ChunkId, ObjectVersion, WritableBuffer, new_buffer
-from fsmount.data.levels import UNREACHABLE_RETRY_S, ChunkCache, LatencyHistogram, LevelStack, wait_to_retry
+from fsmount.data.levels import (
+    DISK_THREADS,
+    PUT_THREADS,
+    UNREACHABLE_RETRY_S,
+    ChunkCache,
+    LatencyHistogram,
+    LevelStack,
+    wait_to_retry,
+)
 from fsmount.data.shared_tier import SharedTier, origin_identity
 from fsmount.data.store import (
     AccessDenied,
@@ -34,6 +42,7 @@ from fsmount.data.store import (
     NotFound,
     ObjectMeta,
     ObjectStore,
+    OutOfResources,
     PreconditionFailed,
     StoreError,
     TimedOut,
@@ -53,5 +62,5 @@ __all__ = [
     "default_min_free", "cache_clear", "cache_stats", "cache_verify", "MAX_PART_SIZE", "MAX_PARTS",
     "MIN_PART_SIZE",
     "PendingUpload", "COPY_OBJECT_MAX", "Uploads", "new_buffer", "pwrite_all", "round_up",
-    "UNREACHABLE_RETRY_S", "wait_to_retry",
+    "UNREACHABLE_RETRY_S", "wait_to_retry", "DISK_THREADS", "PUT_THREADS", "OutOfResources",
 ]

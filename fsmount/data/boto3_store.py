@@ -11,6 +11,7 @@ Every method blocks; callers run them in worker threads. Nothing here caches or 
 from __future__ import annotations
 
 import logging
+import os
 import random
 import time
 import urllib.parse
@@ -31,6 +32,7 @@ from fsmount.data.store import (
     TransientError,
     Unreachable,
     error_for_status,
+    local_failure,
 )
 
 log = logging.getLogger(__name__)
@@ -84,6 +86,9 @@ def translate_error(exc: Exception, bucket: str, what: str) -> StoreError:
     if isinstance(exc, bex.ClientError):
         code, status, message = _client_error_code(exc)
         return error_for_status(code, status, bucket, what, message)
+    local = local_failure(exc, f"{what}: cannot open a connection")
+    if local is not None:
+        return local
     if isinstance(exc, (bex.EndpointConnectionError, bex.ConnectTimeoutError)):
         return Unreachable(f"cannot reach the endpoint: {exc}")
     if isinstance(exc, (bex.ReadTimeoutError, bex.ResponseStreamingError, bex.IncompleteReadError,
@@ -113,16 +118,26 @@ def _oss_forbid_overwrite(request: Any, **_: Any) -> None:
         request.headers["x-oss-forbid-overwrite"] = "true"
 
 
-def _ssl_context(profile: str | None) -> Any:
-    """The TLS settings boto3 uses for this profile: its CA bundle (AWS_CA_BUNDLE, the profile's
-    ca_bundle) or botocore's default one."""
+def _ssl_context(profile: str | None, endpoint_url: str) -> Any:
+    """The TLS settings boto3 uses for this profile, for an https endpoint (None for http): its CA bundle, found as
+    botocore finds it (the `ca_bundle` setting: AWS_CA_BUNDLE or the profile's, then REQUESTS_CA_BUNDLE) or
+    botocore's default one. A bundle that cannot be read is a StoreError naming it."""
     import ssl
 
     import botocore.session
     from botocore.httpsession import get_cert_path
 
-    ca_bundle = botocore.session.Session(profile=profile).get_config_variable("ca_bundle")
-    return ssl.create_default_context(cafile=ca_bundle or get_cert_path(True))
+    if urllib.parse.urlsplit(endpoint_url).scheme.lower() != "https":
+        return None
+    configured = botocore.session.Session(profile=profile).get_config_variable("ca_bundle")
+    requests_bundle = os.environ.get("REQUESTS_CA_BUNDLE")
+    cafile = configured or requests_bundle or get_cert_path(True)
+    try:
+        return ssl.create_default_context(cafile=cafile)
+    except (OSError, ssl.SSLError) as exc:
+        source = ("AWS_CA_BUNDLE or the profile's ca_bundle" if configured else
+                  "REQUESTS_CA_BUNDLE" if requests_bundle else "botocore's default")
+        raise StoreError(f"cannot use the CA bundle {cafile} ({source}): {exc}") from None
 
 
 def _decode_key(raw: str, encoded: bool) -> str | bytes:
@@ -155,7 +170,11 @@ class Boto3Store:
         self._cfg = cfg
         session = boto3.session.Session(profile_name=cfg.profile) if cfg.profile else boto3.session.Session()
         timeout = PREFLIGHT_TIMEOUT if preflight else cfg.connect_timeout
-        s3_options: dict[str, Any] = {"addressing_style": cfg.addressing_style}
+        # `auto` is botocore's own default: left out, so that an AWS config file's `s3 = addressing_style = ...`
+        # holds, as it does for boto3 (OSS needs `virtual`, and a profile for it says so).
+        s3_options: dict[str, Any] = {}
+        if cfg.addressing_style != "auto":
+            s3_options["addressing_style"] = cfg.addressing_style
         if not sign_payloads:
             s3_options["payload_signing_enabled"] = False
         botocfg = Config(
@@ -194,7 +213,7 @@ class Boto3Store:
                                            presign_delete=self._presign_delete, bucket=self.bucket,
                                            pool_size=cfg.max_connections + 4,
                                            connect_timeout=cfg.connect_timeout, read_timeout=cfg.read_timeout,
-                                           ssl_context=_ssl_context(cfg.profile))
+                                           ssl_context=_ssl_context(cfg.profile, self._client.meta.endpoint_url))
         # How many tries a ranged GET gets, and the backoff between them, by what carries its bytes.
         self._get_attempts, self._backoff_base = ((GET_ATTEMPTS, GET_BACKOFF_BASE) if self._ranges is None
                                                   else (PRESIGNED_GET_ATTEMPTS, PRESIGNED_BACKOFF_BASE))
@@ -203,6 +222,21 @@ class Boto3Store:
     def client(self) -> Any:
         """The boto3 client (for the write requests of `uploads.Uploads`, which share it)."""
         return self._client
+
+    @property
+    def endpoint_url(self) -> str:
+        """The endpoint requests go to: --endpoint-url, or what the AWS configuration says (AWS_ENDPOINT_URL_S3,
+        AWS_ENDPOINT_URL, a profile's endpoint_url), or AWS's own for the region."""
+        return str(self._client.meta.endpoint_url)
+
+    @property
+    def configured_endpoint_url(self) -> str | None:
+        """The endpoint if it is not AWS's own (given by --endpoint-url or by the AWS configuration), else None."""
+        if self._cfg.endpoint_url:
+            return self._cfg.endpoint_url
+        host = (urllib.parse.urlsplit(self.endpoint_url).hostname or "").lower()
+        return None if host == "amazonaws.com" or host.endswith((".amazonaws.com", ".amazonaws.com.cn")) \
+            else self.endpoint_url
 
     @property
     def region(self) -> str:

@@ -35,9 +35,11 @@ from fsmount.data.identity import WritableBuffer
 from fsmount.data.store import (
     AccessDenied,
     PreconditionFailed,
+    StoreError,
     TransientError,
     Unreachable,
     error_for_status,
+    local_failure,
 )
 
 # A URL is signed for this long and reused for half of it: a presign is ~0.1 ms, so signing rarely only
@@ -91,7 +93,12 @@ def proxied(url: str) -> bool:
     """Whether the environment routes `url` through a proxy (HTTP(S)_PROXY, not bypassed by NO_PROXY):
     http.client would not, so such a mount keeps boto3's data path."""
     parts = urllib.parse.urlsplit(url)
-    return parts.scheme in urllib.request.getproxies() and not urllib.request.proxy_bypass(parts.hostname or "")
+    if parts.scheme not in urllib.request.getproxies():
+        return False
+    try:  # host and port, as botocore tests NO_PROXY: the two paths must agree on what goes through the proxy
+        return not urllib.request.proxy_bypass(parts.netloc)
+    except (TypeError, socket.gaierror):
+        return True
 
 
 class RangeGetter:
@@ -281,8 +288,15 @@ class RangeGetter:
         if conn.sock is None:
             try:
                 conn.connect()
+            except ssl.SSLCertVerificationError as exc:
+                # Not the endpoint being away: tried again, it failed each READ at --read-timeout as "timed out".
+                raise StoreError(f"TLS: the certificate of {origin[1]}:{origin[2]} was refused: "
+                                 f"{exc.verify_message or exc} (the CA bundle: AWS_CA_BUNDLE, the profile's "
+                                 "ca_bundle, or REQUESTS_CA_BUNDLE)") from None
             except OSError as exc:
-                raise Unreachable(f"cannot reach the endpoint {origin[1]}:{origin[2]}: {exc}") from None
+                where = f"{origin[1]}:{origin[2]}"
+                raise (local_failure(exc, f"cannot open a connection to {where}")
+                       or Unreachable(f"cannot reach the endpoint {where}: {exc}")) from None
             conn.sock.settimeout(self._read_timeout)
         conn.putrequest(method, target, skip_accept_encoding="Accept-Encoding" in headers)
         for name, value in headers.items():

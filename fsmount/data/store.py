@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import errno
+import os
 from collections.abc import Iterator
 from typing import Protocol
 
@@ -65,6 +66,29 @@ class BucketMissing(StoreError):
 
 class Unreachable(StoreError):
     errno = errno.EIO
+
+
+class OutOfResources(StoreError):
+    """This machine could not open a connection: no descriptors left (EMFILE, ENFILE: `ulimit -n`, systemd's
+    LimitNOFILE) or no memory for one. Not the origin's doing, so not retried as an unreachable endpoint is (every
+    READ waited --read-timeout, and the log blamed the endpoint)."""
+
+
+# connect(2) errors that are this machine's, not the endpoint's.
+LOCAL_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS})
+
+
+def local_failure(exc: BaseException | None, what: str) -> OutOfResources | None:
+    """An OutOfResources for `exc` (or an OSError it was raised from) if it is one of LOCAL_ERRNOS, else None."""
+    seen = 0
+    while exc is not None and seen < 8:
+        if isinstance(exc, OSError) and exc.errno in LOCAL_ERRNOS:
+            hint = (" (raise the daemon's open-file limit: `ulimit -n`, or LimitNOFILE= in its systemd unit)"
+                    if exc.errno in (errno.EMFILE, errno.ENFILE) else "")
+            return OutOfResources(f"{what}: {os.strerror(exc.errno)} on this machine{hint}")
+        exc = exc.__cause__ or exc.__context__ or getattr(exc, "kwargs", {}).get("error")
+        seen += 1
+    return None
 
 
 class PreconditionFailed(StoreError):

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import os
 import re
+import subprocess
+import sys
 
 import pytest
 
@@ -452,3 +454,24 @@ def test_a_write_part_size_too_large_for_the_memory_is_refused_with_the_largest_
     args = make_parser().parse_args(["mount", "b", "/m", "--writable", "--memory-limit", "256M",
                                      "--write-part-size", "80M"])
     assert build_config(args).write_part_size == 80 * MiB
+
+
+@pytest.mark.parametrize("soft, hard, after, warned", [(64, 4096, 4096, False), (20, 20, 20, True)])
+def test_the_daemon_raises_its_open_file_limit_and_warns_when_it_is_still_short(soft: int, hard: int, after: int,
+                                                                                 warned: bool) -> None:
+    """A daemon at `ulimit -n 16` failed every read at --read-timeout, blaming the endpoint. Its soft limit goes
+    up to the hard one (distributions' soft default of 1024 is a leftover of select(2)); a hard one below what the
+    mount may hold at once is a warning at start."""
+    code = f"""
+import logging, resource, sys
+logging.basicConfig(level=logging.WARNING, stream=sys.stdout, format="%(levelname)s %(message)s")
+from fsmount.cli import build_config, make_parser
+from fsmount.mount import raise_open_file_limit
+cfg = build_config(make_parser().parse_args(["mount", "b", "/m", "--cache-dir", "/nonexistent/c"]))
+resource.setrlimit(resource.RLIMIT_NOFILE, ({soft}, {hard}))
+raise_open_file_limit(cfg)
+print("soft", resource.getrlimit(resource.RLIMIT_NOFILE)[0])
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert f"soft {after}\n" in out, out
+    assert ("WARNING the open-file limit is 20" in out) == warned, out

@@ -3,13 +3,17 @@ HTTP/1.1 server in this process whose answers each test scripts."""
 
 from __future__ import annotations
 
+import errno
 import http.server
 import mmap
+import os
 import random
 import socket
+import ssl
 import threading
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import pytest
 
@@ -524,3 +528,126 @@ def test_no_sign_request_sends_a_plain_url(origin: Origin, monkeypatch: pytest.M
     assert bytes(store.get_range("k", ETAG, 0, 10)) == DATA[:10]
     assert origin.requests[0]["path"] == "/bucket/k"
     assert "authorization" not in origin.requests[0]
+
+
+# -- TLS: the CA bundle boto3 would use, and a refused certificate -------------------------------------------------
+
+def make_ca_and_cert(tmp: Path) -> tuple[Path, Path, Path]:
+    """A CA (its PEM) and a certificate it signed for 127.0.0.1 (cert and key PEMs), made with `cryptography`."""
+    import datetime
+    import ipaddress
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    now = datetime.datetime.now(datetime.UTC)
+
+    def name(text: str) -> x509.Name:
+        return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, text)])
+
+    ca_key, key = ec.generate_private_key(ec.SECP256R1()), ec.generate_private_key(ec.SECP256R1())
+    ca = (x509.CertificateBuilder().subject_name(name("modelfs test CA")).issuer_name(name("modelfs test CA"))
+          .public_key(ca_key.public_key()).serial_number(1).not_valid_before(now - datetime.timedelta(days=1))
+          .not_valid_after(now + datetime.timedelta(days=1))
+          .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+          .sign(ca_key, hashes.SHA256()))
+    cert = (x509.CertificateBuilder().subject_name(name("127.0.0.1")).issuer_name(ca.subject)
+            .public_key(key.public_key()).serial_number(2).not_valid_before(now - datetime.timedelta(days=1))
+            .not_valid_after(now + datetime.timedelta(days=1))
+            .add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
+                           critical=False)
+            .sign(ca_key, hashes.SHA256()))
+    paths = tmp / "ca.pem", tmp / "cert.pem", tmp / "key.pem"
+    paths[0].write_bytes(ca.public_bytes(serialization.Encoding.PEM))
+    paths[1].write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    paths[2].write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                           serialization.NoEncryption()))
+    return paths
+
+
+@pytest.fixture
+def tls_origin(origin: Origin, tmp_path: Path) -> Iterator[tuple[Origin, Path]]:
+    """The origin behind TLS, with a certificate of a CA of its own; (the origin, the CA's PEM)."""
+    ca, cert, key = make_ca_and_cert(tmp_path)
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.load_cert_chain(cert, key)
+    origin.socket = context.wrap_socket(origin.socket, server_side=True)
+    yield origin, ca
+
+
+def tls_getter(origin: Origin, context: ssl.SSLContext | None) -> RangeGetter:
+    url = origin.url.replace("http://", "https://")
+    return RangeGetter(lambda key: f"{url}/b/{key}", bucket="b", pool_size=2, connect_timeout=2.0, read_timeout=2.0,
+                       ssl_context=context)
+
+
+def test_a_refused_certificate_fails_at_once_and_says_so(tls_origin: tuple[Origin, Path]) -> None:
+    """A certificate the CA bundle does not vouch for was taken for an endpoint that cannot be reached: tried again
+    with backoff, each READ failed at --read-timeout as "timed out", and the cause was at debug level only."""
+    origin, _ = tls_origin
+    began = time.monotonic()
+    with pytest.raises(StoreError, match=r"TLS: the certificate of 127\.0\.0\.1:\d+ was refused") as err:
+        get(tls_getter(origin, ssl.create_default_context()), 0, 10)
+    assert not isinstance(err.value, (Unreachable, TransientError)) and time.monotonic() - began < 1.5
+
+
+@pytest.mark.parametrize("variable", ["AWS_CA_BUNDLE", "REQUESTS_CA_BUNDLE"])
+def test_reads_trust_the_ca_bundle_botocore_would(tls_origin: tuple[Origin, Path], monkeypatch: pytest.MonkeyPatch,
+                                                  variable: str) -> None:
+    """botocore takes REQUESTS_CA_BUNDLE where no ca_bundle is set (AWS_CA_BUNDLE, the profile's); the reads took
+    only the latter, so a mount that listed through boto3 failed every read."""
+    from fsmount.data.boto3_store import _ssl_context
+
+    origin, ca = tls_origin
+    for name in ("AWS_CA_BUNDLE", "REQUESTS_CA_BUNDLE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv(variable, str(ca))
+    context = _ssl_context(None, origin.url.replace("http://", "https://"))
+    assert get(tls_getter(origin, context), 100, 10) == DATA[100:110]
+
+
+def test_no_ca_bundle_is_read_for_an_http_endpoint_and_an_unreadable_one_is_named(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """AWS_CA_BUNDLE naming a missing file failed even a plain-http mount, with "[Errno 2] No such file or
+    directory" and no file name."""
+    from fsmount.data.boto3_store import _ssl_context
+
+    monkeypatch.setenv("AWS_CA_BUNDLE", str(tmp_path / "missing.pem"))
+    assert _ssl_context(None, "http://127.0.0.1:9000") is None
+    with pytest.raises(StoreError, match=r"cannot use the CA bundle .*missing\.pem \(AWS_CA_BUNDLE or the profile"):
+        _ssl_context(None, "https://127.0.0.1:9000")
+
+
+def test_a_machine_out_of_descriptors_is_said_and_not_retried_as_an_endpoint_away(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """EMFILE from connect(2) was "cannot reach the endpoint", tried again until --read-timeout."""
+    from fsmount.data import OutOfResources
+    from fsmount.data.boto3_store import translate_error
+
+    def out_of_files(*args: object, **kwargs: object) -> socket.socket:
+        raise OSError(errno.EMFILE, os.strerror(errno.EMFILE))
+
+    monkeypatch.setattr(socket, "create_connection", out_of_files)
+    g = RangeGetter(lambda key: f"http://127.0.0.1:9/b/{key}", bucket="b", pool_size=2, connect_timeout=2.0,
+                    read_timeout=2.0)
+    with pytest.raises(OutOfResources, match=r"Too many open files on this machine \(raise the daemon's open-file "
+                                             r"limit: `ulimit -n`"):
+        get(g, 0, 10)
+    from botocore.exceptions import EndpointConnectionError
+    wrapped = EndpointConnectionError(endpoint_url="http://h", error=OSError(errno.ENFILE, "Too many open files"))
+    assert isinstance(translate_error(wrapped, "b", "HEAD 'k'"), OutOfResources)
+
+
+def test_no_proxy_with_a_port_is_read_as_botocore_reads_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """botocore matches NO_PROXY against host and port; the reads matched the host alone, so the two paths
+    disagreed about which requests go through the proxy."""
+    from fsmount.data.presigned import proxied
+
+    monkeypatch.setenv("HTTP_PROXY", "http://127.0.0.1:3128")
+    monkeypatch.setenv("NO_PROXY", "127.0.0.1:9000")
+    assert not proxied("http://127.0.0.1:9000/b")
+    assert proxied("http://127.0.0.1:9001/b")
+    monkeypatch.setenv("NO_PROXY", "127.0.0.1")
+    assert not proxied("http://127.0.0.1:9001/b")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import errno
 import io
 
+import pytest
 from botocore.exceptions import ClientError, EndpointConnectionError
 
 from fsmount.data.boto3_store import READ_SLICE, ObjectReader, _decode_key, translate_error
@@ -76,3 +77,50 @@ def test_a_body_is_read_into_the_buffer_a_slice_at_a_time() -> None:
         assert reader.readinto(buffer) == len(data)
     assert bytes(buffer) == data
     assert max(asked) == READ_SLICE and len(asked) >= 12
+
+
+# -- what the AWS configuration says, as boto3 reads it --------------------------------------------------------------
+
+@pytest.fixture
+def aws_config(tmp_path, monkeypatch: pytest.MonkeyPatch):  # noqa: ANN001, ANN201
+    """An AWS config file of our own (and no endpoint from the environment); returns a writer of its text."""
+    path = tmp_path / "config"
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(path))
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "k")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "s")
+    for name in ("AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_PROFILE", "AWS_IGNORE_CONFIGURED_ENDPOINT_URLS"):
+        monkeypatch.delenv(name, raising=False)
+    return path.write_text
+
+
+def test_a_profile_s_addressing_style_holds_unless_the_mount_names_one(aws_config) -> None:  # noqa: ANN001
+    """`--addressing-style auto` (the default) was passed to botocore, where it overrides the config file: an OSS
+    profile saying `s3 = addressing_style = virtual` got path-style URLs, which OSS refuses."""
+    from fsmount.config import StoreConfig
+    from fsmount.data import Boto3Store
+
+    aws_config("[profile oss]\naws_access_key_id = k\naws_secret_access_key = s\nregion = cn-hangzhou\nendpoint_url = https://oss-cn-hangzhou.aliyuncs.com\n"
+               "s3 =\n  addressing_style = virtual\n")
+    url = Boto3Store(StoreConfig(bucket="models", profile="oss"))._presign("k")
+    assert url.startswith("https://models.oss-cn-hangzhou.aliyuncs.com/k?"), url
+    path = Boto3Store(StoreConfig(bucket="models", profile="oss", addressing_style="path"))._presign("k")
+    assert path.startswith("https://oss-cn-hangzhou.aliyuncs.com/models/k?"), path
+
+
+def test_the_endpoint_comes_from_the_aws_configuration_in_botocore_s_order(aws_config, monkeypatch) -> None:  # noqa: ANN001, E501
+    """modelfs took $AWS_ENDPOINT_URL as --endpoint-url's default, before $AWS_ENDPOINT_URL_S3, the reverse of
+    botocore's order; and a shared tier named every origin given by the configuration `s3:REGION`, as AWS's own."""
+    from fsmount.cli import make_parser
+    from fsmount.config import StoreConfig
+    from fsmount.data import Boto3Store
+
+    aws_config("[default]\nregion = us-east-1\n")
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:1")
+    monkeypatch.setenv("AWS_ENDPOINT_URL_S3", "http://127.0.0.1:9000")
+    assert make_parser().parse_args(["mount", "b", "/m"]).endpoint_url is None  # left to botocore
+    store = Boto3Store(StoreConfig(bucket="models"))
+    assert store.endpoint_url == store.configured_endpoint_url == "http://127.0.0.1:9000"
+    monkeypatch.setenv("AWS_IGNORE_CONFIGURED_ENDPOINT_URLS", "true")
+    aws = Boto3Store(StoreConfig(bucket="models"))
+    assert "amazonaws.com" in aws.endpoint_url and aws.configured_endpoint_url is None  # AWS's own: s3:REGION
+    assert Boto3Store(StoreConfig(bucket="models", endpoint_url="http://h:1")).configured_endpoint_url == "http://h:1"

@@ -568,7 +568,14 @@ def cmd_stats(args: argparse.Namespace) -> int:
         snapshot = read_stats(args.mountpoint)
     except StatsUnavailable as exc:
         return fail(str(exc))
-    print(json.dumps(snapshot, indent=2) if args.json else format_stats(snapshot, args.mountpoint))
+    if args.json:
+        print(json.dumps(snapshot, indent=2))
+        return 0
+    try:
+        print(format_stats(snapshot, args.mountpoint))
+    except (KeyError, TypeError) as exc:  # a daemon of an older version: its counters have other names
+        return fail(f"{args.mountpoint}: its daemon runs another version of modelfs, whose stats this one cannot "
+                    f"show (no {exc}): restart the mount to run this version, or read them with --json")
     return 0
 
 
@@ -644,11 +651,19 @@ def cmd_cache(args: argparse.Namespace) -> int:
                 value = st[key]
                 shown = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(value)) if value else "-"
                 print(f"{key.replace('_', ' '):15} {shown}")
+            if st["staged_files"]:
+                print(f"{'staged writes':15} {st['staged_files']} files, {human_size(int(st['staged_bytes'] or 0))} "
+                      "(copies of files a --writable mount is writing, or that a killed one left: `clear` removes "
+                      "them, and so does the next mount)")
         elif args.action == "clear":
-            print(f"removed {cache_clear(args.cache_dir)} chunk files")
+            chunks, staged = cache_clear(args.cache_dir)
+            print(f"removed {chunks} chunk files" +
+                  (f", and {human_size(staged)} of copies a --writable mount left in writes/" if staged else ""))
         else:
-            ok, bad = cache_verify(args.cache_dir)
-            print(f"{ok} chunks verified, {len(bad)} corrupt (removed)")
+            ok, bad, other = cache_verify(args.cache_dir)
+            print(f"{ok} chunks verified, {len(bad)} corrupt (removed)" +
+                  (f", {other} of another version's format (removed: not damaged, but this version cannot read "
+                   "them)" if other else ""))
             for path in bad:
                 print(f"  corrupt: {path}")
             return 1 if bad else 0

@@ -49,6 +49,7 @@ from fsmount.data import (
     default_min_free,
     free_bytes,
     origin_identity,
+    sweep_staged_writes,
 )
 from fsmount.namespace import Namespace
 from fsmount.operations import Operations, Owner
@@ -350,6 +351,11 @@ def open_disk_cache(cfg: MountConfig) -> DiskCache:
         raise MountError(f"cannot use cache dir {cfg.cache_dir}: {why}") from None
     except ValueError as exc:  # a filesystem that reports no size (--cache-size as a share of it)
         raise MountError(f"cannot use cache dir {cfg.cache_dir}: {exc}") from None
+    if not cfg.writable:  # (a --writable mount's staging empties it itself)
+        files, staged = sweep_staged_writes(cache.root)
+        if files:
+            log.info("cache dir %s: removed %d copies of files (%d MiB) that a --writable mount left in writes/ "
+                     "when it was killed", cache.root, files, staged // MiB)
     room = min(cache.max_bytes, cache.stats.bytes_used + free - cache.min_free_bytes)
     if room < CACHE_ROOM_CHUNKS * cfg.chunk_size:
         log.warning("cache dir %s has room for %d MiB of chunks only (--cache-size %d MiB; %d MiB free on its "

@@ -196,9 +196,14 @@ def pending_writes(mountpoint: str) -> int:
     from fsmount.stats_table import StatsUnavailable, read_stats
 
     try:
-        return int(read_stats(mountpoint)["cache_writes_pending"])
+        stats = read_stats(mountpoint)
     except StatsUnavailable as exc:
         raise WarmError(str(exc)) from None
+    if "cache_writes_pending" not in stats:  # a daemon of an older version
+        raise WarmError(f"{mountpoint}: its daemon runs another version of modelfs, which does not say what it has "
+                        "still to write to its caches: restart the mount to run this version, or pass "
+                        "--write-wait 0")
+    return int(stats["cache_writes_pending"])
 
 
 def mounts_of(paths: list[str]) -> list[str]:

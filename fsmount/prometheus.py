@@ -91,8 +91,8 @@ class StatsCollector:
         yield GaugeMetricFamily("modelfs_open_files", "Open file handles", value=s["open_files"])
         dc = s["disk_cache"]
         if dc is not None:
-            for name in ("hits", "misses", "corrupt", "read_errors", "write_errors", "lock_timeouts", "evictions",
-                         "writes"):
+            for name in ("hits", "misses", "corrupt", "other_format", "read_errors", "write_errors", "lock_timeouts",
+                         "evictions", "writes"):
                 yield CounterMetricFamily(f"modelfs_disk_cache_{name}", f"NVMe chunk cache {name.replace('_', ' ')}",
                                           value=dc[name])
             yield GaugeMetricFamily("modelfs_disk_cache_hit_ratio", "NVMe chunk cache hits / lookups",

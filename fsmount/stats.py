@@ -120,7 +120,9 @@ class MountStats:
             hits, misses = self.engine.levels.lookups(self.disk_cache)
             out["disk_cache"] = {
                 "hits": hits, "misses": misses, "hit_ratio": ratio(hits, hits + misses),
-                "corrupt": ds.corrupt, "read_errors": ds.read_errors, "write_errors": ds.write_errors,
+                # Chunk files another version's format: dropped and fetched again, not a failing disk.
+                "corrupt": ds.corrupt, "other_format": ds.other_format,
+                "read_errors": ds.read_errors, "write_errors": ds.write_errors,
                 "lock_timeouts": ds.lock_timeouts, "evictions": ds.evictions, "writes": ds.writes,
                 "bytes_used": ds.bytes_used, "max_bytes": self.disk_cache.max_bytes, "chunks": ds.chunks,
             }

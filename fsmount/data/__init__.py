@@ -20,7 +20,14 @@ here, never from the modules inside, which are private to the package:
 from fsmount.data.boto3_store import Boto3Store
 from fsmount.data.budget import MemoryBudget
 from fsmount.data.cache_admin import cache_clear, cache_stats, cache_verify
-from fsmount.data.cache_dir import CHUNKS_DIR, CacheDirBusy, cache_bytes, free_bytes
+from fsmount.data.cache_dir import (
+    CHUNKS_DIR,
+    WRITES_DIR,
+    CacheDirBusy,
+    cache_bytes,
+    free_bytes,
+    sweep_staged_writes,
+)
 from fsmount.data.chunk_file import ALIGN, pwrite_all, round_up
 from fsmount.data.disk_cache import DiskCache, default_min_free
 from fsmount.data.engine import AHEAD, BACKGROUND, DEMAND, ChunkEngine, Fetch, ReadTimeout
@@ -62,5 +69,6 @@ __all__ = [
     "default_min_free", "cache_clear", "cache_stats", "cache_verify", "MAX_PART_SIZE", "MAX_PARTS",
     "MIN_PART_SIZE",
     "PendingUpload", "COPY_OBJECT_MAX", "Uploads", "new_buffer", "pwrite_all", "round_up",
-    "UNREACHABLE_RETRY_S", "wait_to_retry", "DISK_THREADS", "PUT_THREADS", "OutOfResources",
+    "UNREACHABLE_RETRY_S", "wait_to_retry", "WRITES_DIR", "sweep_staged_writes", "DISK_THREADS", "PUT_THREADS",
+    "OutOfResources",
 ]

@@ -10,6 +10,7 @@ from __future__ import annotations
 import errno
 import fcntl
 import os
+import shutil
 import stat
 import sys
 from collections.abc import Iterator
@@ -20,6 +21,9 @@ from fsmount.config import CacheSize
 # ext4/xfs hashed directories handle well; one level keeps the open-time scan at 256 scandir calls.
 SHARD_HEX_CHARS = 2
 CHUNKS_DIR = "chunks"
+# Where a --writable mount keeps local copies of the files being written (write_staging.py). What a killed one left
+# there is garbage to whoever holds the dir's lock next: no mount is writing there then.
+WRITES_DIR = "writes"
 LOCK_FILE = "lock"
 TMP_SUFFIX = ".tmp"
 _HEX = frozenset("0123456789abcdef")
@@ -48,6 +52,31 @@ def real_dir(path: str) -> None:
     if not stat.S_ISDIR(st.st_mode):
         what = "a symlink" if stat.S_ISLNK(st.st_mode) else "not a directory"
         raise OSError(errno.ENOTDIR, f"{path} is {what}: the cache keeps its chunks only in a directory of its own")
+
+
+def staged_writes(root: str) -> tuple[int, int]:
+    """(files, bytes) in `root`'s WRITES_DIR: copies of files a --writable mount was writing."""
+    files = total = 0
+    try:
+        entries = list(os.scandir(os.path.join(root, WRITES_DIR)))
+    except (FileNotFoundError, NotADirectoryError):
+        return 0, 0
+    for entry in entries:
+        try:
+            st = entry.stat(follow_symlinks=False)
+        except FileNotFoundError:
+            continue
+        if stat.S_ISREG(st.st_mode):
+            files, total = files + 1, total + st.st_size
+    return files, total
+
+
+def sweep_staged_writes(root: str) -> tuple[int, int]:
+    """Remove `root`'s WRITES_DIR, and say what it held (staged_writes). The caller holds the dir's lock. A symlink
+    there is left alone (rmtree refuses one), as everything outside the cache dir is."""
+    found = staged_writes(root)
+    shutil.rmtree(os.path.join(root, WRITES_DIR), ignore_errors=True)
+    return found
 
 
 def scan_chunk_files(chunks_dir: str, sweep_tmp: bool) -> tuple[list[tuple[int, str, int, str]], int]:

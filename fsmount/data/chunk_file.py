@@ -50,6 +50,11 @@ class Corrupt(Exception):
     """A chunk file that is not a complete, checksummed copy of the expected chunk."""
 
 
+class OtherFormat(Corrupt):
+    """A chunk file of another format version: written by another version of modelfs, not damaged. Unusable all
+    the same, but not a sign of a failing disk (an upgraded node's whole cache is of the old format)."""
+
+
 def _encode(text: str) -> bytes:
     return text.encode("utf-8", "surrogateescape")
 
@@ -179,7 +184,7 @@ def _parse(pread: Callable[[int, int], bytes], read_into: Callable[[WritableBuff
     if magic != MAGIC:
         raise Corrupt("bad magic")
     if version != FORMAT_VERSION or reserved != 0:
-        raise Corrupt(f"format version {version}.{reserved}, expected {FORMAT_VERSION}.0")
+        raise OtherFormat(f"format version {version}.{reserved}, expected {FORMAT_VERSION}.0")
     header_len = PREFIX.size + n_bucket + n_key + n_etag
     data_start = data_offset(header_len)
     if data_start + n_data != size:

@@ -66,6 +66,7 @@ from fsmount.data.cache_dir import (
 from fsmount.data.chunk_file import (
     ChunkFileWriter,
     Corrupt,
+    OtherFormat,
     data_offset,
     encode_header,
     read_chunk_direct,
@@ -138,6 +139,9 @@ class CacheStats:
     (every get is one of them); these are what only the cache itself sees."""
 
     corrupt: int = 0
+    # Chunk files another version of modelfs wrote in another format (chunk_file.OtherFormat): dropped as they are
+    # read, as corrupt ones are, but counted apart: an upgraded node's cache is not a failing disk.
+    other_format: int = 0
     lock_timeouts: int = 0  # gets that found the cache lock held past LOCK_WAIT_S (a stalled disk): misses
     read_errors: int = 0
     evictions: int = 0
@@ -185,6 +189,7 @@ class DiskCache:
         self._write_failed_at: float | None = None
         self._write_episode = 0  # counts episodes, so a put knows whether it started inside this one
         self._corrupt_logged = False
+        self._other_format_logged = False
         self._unreadable_logged = False
         self._remade_logged = False
         self._closed = False
@@ -339,7 +344,7 @@ class DiskCache:
                 if stored != chunk:
                     raise Corrupt(f"header names {stored}")
             except Corrupt as why:
-                self._drop_corrupt(digest, path, st, str(why))
+                self._drop_corrupt(digest, path, st, why)
                 return None
             if time.time_ns() - st.st_mtime_ns > TOUCH_INTERVAL_NS:
                 self._toucher.touch(path)
@@ -574,11 +579,17 @@ class DiskCache:
         self.stats.chunks = len(self._index)
         return True
 
-    def _drop_corrupt(self, digest: str, path: str, read: os.stat_result, why: str) -> None:
+    def _drop_corrupt(self, digest: str, path: str, read: os.stat_result, why: str | Corrupt) -> None:
+        other = isinstance(why, OtherFormat)
         with self._lock:
-            self.stats.corrupt += 1
-            first = not self._corrupt_logged
-            self._corrupt_logged = True
+            if other:
+                self.stats.other_format += 1
+                first = not self._other_format_logged
+                self._other_format_logged = True
+            else:
+                self.stats.corrupt += 1
+                first = not self._corrupt_logged
+                self._corrupt_logged = True
             try:
                 now = os.lstat(path)
                 # A put may have replaced the bad file with a good one since we read it: keep that one.
@@ -591,6 +602,12 @@ class DiskCache:
                     os.unlink(path)
                 except OSError:
                     pass  # gone already, or read-only fs: it is out of the index, so never read again
+        if other:
+            (log.info if first else log.debug)(
+                "disk cache %s: chunk files another version of modelfs wrote (%s) are dropped as they are read, and "
+                "fetched again (`modelfs cache clear` drops them all at once); counted in stats.other_format",
+                self.root, why)
+            return
         (log.warning if first else log.debug)(
             "disk cache %s: dropped corrupt chunk file %s (%s)%s",
             self.root,

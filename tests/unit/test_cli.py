@@ -475,3 +475,24 @@ print("soft", resource.getrlimit(resource.RLIMIT_NOFILE)[0])
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert f"soft {after}\n" in out, out
     assert ("WARNING the open-file limit is 20" in out) == warned, out
+
+
+def test_stats_and_prefetch_of_a_daemon_of_an_older_version_say_so_instead_of_a_traceback(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """After an upgrade the old daemon runs on until it is restarted: the new `modelfs stats` ended in
+    `KeyError: 'metadata_requests'` with a traceback, and `modelfs prefetch` in `KeyError: 'cache_writes_pending'`
+    with nothing warmed."""
+    import fsmount.stats_table
+    from fsmount.cli import main
+    from fsmount.prefetch_command import WarmError, pending_writes
+
+    older = {"format": 1, "bucket": "models", "uptime_seconds": 5.0,
+             "served_bytes": {"memory": 0, "cache": 0, "origin": 0}, "hit_ratio": 0.0,
+             "origin": {"requests": 0, "bytes": 0, "errors": 0}}
+    monkeypatch.setattr(fsmount.stats_table, "read_stats", lambda mountpoint, timeout=10.0: older)
+    assert main(["stats", "/models"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("modelfs: /models: its daemon runs another version of modelfs") and "--json" in err, err
+    assert main(["stats", "/models", "--json"]) == 0 and '"bucket": "models"' in capsys.readouterr().out
+    with pytest.raises(WarmError, match="another version of modelfs.*--write-wait 0"):
+        pending_writes("/models")

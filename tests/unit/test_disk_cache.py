@@ -321,20 +321,29 @@ def version_2_file(chunk: ChunkId, data: bytes) -> bytes:
     return b"".join([prefix, *text, data])
 
 
-@expects_warning(CORRUPT_WARNING)
-def test_file_of_the_previous_format_version_is_dropped_and_refetched(tmp_path: Path, caplog, allowed_logs) -> None:
-    wanted = chunk_id(3)
+def test_files_of_the_previous_format_version_are_dropped_and_refetched_not_called_corrupt(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """An upgraded node's cache is all of the old format: each file read was "dropped corrupt chunk file" (a
+    warning) and counted in `corrupt`, so an alert on corrupt chunks fired on every upgraded node, and
+    `modelfs cache verify` called them corrupt and exited 1. They are counted apart, told once at info level."""
+    caplog.set_level(logging.INFO, logger="fsmount.data.disk_cache")
+    wanted, also = chunk_id(3), chunk_id(4)
     with DiskCache(tmp_path, BIG, min_free_bytes=0) as cache:
-        path = Path(chunk_file_of(cache, wanted))
-    path.write_bytes(version_2_file(wanted, payload(wanted)))  # whole and valid, as the old version wrote it
+        paths = [Path(chunk_file_of(cache, c)) for c in (wanted, also)]
+    for path, chunk in zip(paths, (wanted, also), strict=True):
+        path.write_bytes(version_2_file(chunk, payload(chunk)))  # whole and valid, as the old version wrote it
     with DiskCache(tmp_path, BIG, min_free_bytes=0) as cache:
         assert cache.contains(wanted)  # the index is built from names and sizes alone
-        assert cache.get(wanted) is None
-        assert cache.stats.corrupt == 1 and not path.exists() and not cache.contains(wanted)
-        assert "format version 2.0, expected 3.0" in warnings_from_cache(caplog)[0].getMessage()
+        assert cache.get(wanted) is None and cache.get(also) is None
+        assert (cache.stats.corrupt, cache.stats.other_format) == (0, 2)
+        assert not paths[0].exists() and not cache.contains(wanted)
+        told = [r for r in caplog.records if "another version of modelfs" in r.getMessage()]
+        assert [r.levelname for r in told] == ["INFO"] and "format version 2.0, expected 3.0" in told[0].getMessage()
+        assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
         cache.put(wanted, payload(wanted))  # refetched: written in the current format
         assert cache.get(wanted) == payload(wanted)
-    assert cache_verify(tmp_path) == (1, [])
+    paths[1].write_bytes(version_2_file(also, payload(also)))
+    assert cache_verify(tmp_path) == (1, [], 1)
 
 
 def test_data_sits_at_an_aligned_offset_and_is_written_around_the_page_cache(tmp_path: Path) -> None:
@@ -367,7 +376,7 @@ def test_a_chunk_in_an_engine_buffer_is_written_from_where_it_is(tmp_path: Path,
         raw = Path(chunk_file_of(cache, chunk_id(1))).read_bytes()
         assert len(raw) == ALIGN + length and raw[ALIGN:] == data[:]
         assert cache.get(chunk_id(1)) == data[:] and cache._writer._direct
-    assert cache_verify(tmp_path) == (1, [])
+    assert cache_verify(tmp_path) == (1, [], 0)
 
 
 def o_direct_opens(monkeypatch: pytest.MonkeyPatch, refuse: bool) -> tuple[list[str], set[int]]:
@@ -412,7 +421,7 @@ def test_filesystem_refusing_o_direct_falls_back_to_buffered_writes(tmp_path: Pa
         assert cache.stats.writes == 3 and cache.stats.write_errors == 0
     refusals = [r for r in caplog.records if "O_DIRECT not supported" in r.getMessage()]
     assert len(refusals) == 1 and refusals[0].levelno == logging.INFO
-    assert cache_verify(tmp_path) == (3, [])
+    assert cache_verify(tmp_path) == (3, [], 0)
 
 
 class ReadsSeen:
@@ -986,8 +995,10 @@ def test_cache_stats_clear_verify(tmp_path: Path) -> None:
         "bytes": 0,
         "oldest_access": None,
         "newest_access": None,
+        "staged_files": 0,
+        "staged_bytes": 0,
     }
-    assert cache_clear(tmp_path / "absent") == 0 and cache_verify(tmp_path / "absent") == (0, [])
+    assert cache_clear(tmp_path / "absent") == (0, 0) and cache_verify(tmp_path / "absent") == (0, [], 0)
     with DiskCache(tmp_path, BIG, min_free_bytes=0) as cache:
         for i in range(5):
             cache.put(chunk_id(i), payload(chunk_id(i), 1000))
@@ -1000,17 +1011,25 @@ def test_cache_stats_clear_verify(tmp_path: Path) -> None:
             "bytes": sum(p.stat().st_size for p in paths),
             "oldest_access": 1_700_000_000.0,
             "newest_access": 1_700_000_004.0,
+            "staged_files": 0,
+            "staged_bytes": 0,
         }
 
     flip_last_byte(paths[1], paths[1])
     shutil.copyfile(paths[2], paths[3])  # a valid file under another chunk's name
-    good, bad = cache_verify(tmp_path)
+    good, bad, _other = cache_verify(tmp_path)
     assert good == 3 and sorted(bad) == sorted([str(paths[1]), str(paths[3])])
     assert not paths[1].exists() and not paths[3].exists() and paths[2].exists()
-    assert cache_verify(tmp_path) == (3, [])
+    assert cache_verify(tmp_path) == (3, [], 0)
 
     (paths[0].parent / "junk.tmp").write_bytes(b"")
-    assert cache_clear(tmp_path) == 4
+    # What a --writable mount killed mid-file left: hidden from `stats` and kept by `clear` (57 MiB in a tester's
+    # run, hundreds of GB for a checkpoint), until the next --writable mount of the dir.
+    (tmp_path / "writes").mkdir()
+    (tmp_path / "writes" / "1").write_bytes(b"x" * 5000)
+    assert cache_stats(tmp_path)["staged_files"] == 1 and cache_stats(tmp_path)["staged_bytes"] == 5000
+    assert cache_clear(tmp_path) == (4, 5000)
+    assert not (tmp_path / "writes").exists()
     assert disk_files(tmp_path) == []
     with DiskCache(tmp_path, BIG, min_free_bytes=0) as cache:
         assert cache.stats.chunks == 0 and cache.get(chunk_id(0)) is None

@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import os
 import random
+import threading
 import time
 import urllib.parse
 from collections.abc import Iterator, Sequence
@@ -197,6 +198,11 @@ class Boto3Store:
             response_checksum_validation="when_required",
         )
         self._client = session.client("s3", endpoint_url=cfg.endpoint_url, config=botocfg)
+        # What presigns URLs: the client, or one for the bucket's region once a read found it elsewhere
+        # (`_use_region`); replaced, never changed, under `_region_lock`.
+        self._presigner = self._client
+        self._session, self._botocfg = session, botocfg
+        self._region_lock = threading.Lock()
         # OSS's create-only header is x-oss-*, which a presigned URL would have to sign: conditional PUTs to
         # OSS stay with botocore.
         self._oss = is_oss(self._client.meta.endpoint_url)
@@ -213,7 +219,8 @@ class Boto3Store:
                                            presign_delete=self._presign_delete, bucket=self.bucket,
                                            pool_size=cfg.max_connections + 4,
                                            connect_timeout=cfg.connect_timeout, read_timeout=cfg.read_timeout,
-                                           ssl_context=_ssl_context(cfg.profile, self._client.meta.endpoint_url))
+                                           ssl_context=_ssl_context(cfg.profile, self._client.meta.endpoint_url),
+                                           on_wrong_region=self._use_region)
         # How many tries a ranged GET gets, and the backoff between them, by what carries its bytes.
         self._get_attempts, self._backoff_base = ((GET_ATTEMPTS, GET_BACKOFF_BASE) if self._ranges is None
                                                   else (PRESIGNED_GET_ATTEMPTS, PRESIGNED_BACKOFF_BASE))
@@ -304,9 +311,22 @@ class Boto3Store:
             raise translate_error(exc, self.bucket, f"listing {prefix!r}") from None
         return bool(resp.get("KeyCount") or resp.get("Contents") or resp.get("CommonPrefixes"))
 
+    def _use_region(self, region: str) -> None:
+        """Presign for `region` from now on: the bucket said it is there (presigned.WrongRegion)."""
+        from botocore.config import Config
+
+        with self._region_lock:
+            if self._presigner.meta.region_name == region:
+                return
+            was = self._presigner.meta.region_name
+            self._presigner = self._session.client("s3", endpoint_url=self._cfg.endpoint_url,
+                                                   config=self._botocfg.merge(Config(region_name=region)))
+        log.warning("bucket %s is in region %s, not %s: reads are signed for %s from now on (say --region %s to "
+                    "start so)", self.bucket, region, was, region, region)
+
     def _presign(self, key: str, operation: str = "get_object") -> str:
         try:
-            return self._client.generate_presigned_url(
+            return self._presigner.generate_presigned_url(
                 operation, Params={"Bucket": self.bucket, "Key": key}, ExpiresIn=URL_EXPIRES_S)
         except Exception as exc:  # noqa: BLE001
             raise translate_error(exc, self.bucket, f"signing a {operation} of {key!r}") from None

@@ -51,6 +51,16 @@ URL_REUSE_S = 600
 ERROR_BODY_MAX = 64 * 1024
 _CODE_RE = re.compile(rb"<Code>([^<]{1,128})</Code>")
 _MESSAGE_RE = re.compile(rb"<Message>([^<]{1,1024})</Message>")
+_REGION_RE = re.compile(rb"<Region>([a-z0-9-]{1,64})</Region>")
+
+
+class WrongRegion(StoreError):
+    """The bucket answered that it is in another region than the URL was signed for (S3's 301 PermanentRedirect,
+    or a 400 naming the region expected): `region` is the bucket's."""
+
+    def __init__(self, message: str, region: str):
+        super().__init__(message)
+        self.region = region
 # A body longer than twice this is received with the socket's receive low-water mark (SO_RCVLOWAT) at this
 # many bytes, up to its last this-many bytes: a fetch thread then wakes once per MiB that arrived instead of
 # once per burst of segments (~180 KB on loopback). 16 threads of 8 MiB GETs of 1 GiB from SeaweedFS on
@@ -106,10 +116,14 @@ class RangeGetter:
 
     def __init__(self, presign: Callable[[str], str], *, bucket: str, pool_size: int, connect_timeout: float,
                  read_timeout: float, ssl_context: ssl.SSLContext | None = None,
-                 presign_put: Callable[[str], str] | None = None, presign_delete: Callable[[str], str] | None = None):
+                 presign_put: Callable[[str], str] | None = None, presign_delete: Callable[[str], str] | None = None,
+                 on_wrong_region: Callable[[str], None] | None = None):
         """`presign(key)` returns a signed GET URL of the key, valid for URL_EXPIRES_S; `presign_put(key)` a
-        signed PUT URL (for `put`), `presign_delete(key)` a signed DELETE URL (for `delete`)."""
+        signed PUT URL (for `put`), `presign_delete(key)` a signed DELETE URL (for `delete`).
+        `on_wrong_region(region)`, if given, is told the bucket's region when a GET signed for another one is
+        refused; `presign` signs for it from then on, and the GET is sent again once."""
         self._presign = presign
+        self._on_wrong_region = on_wrong_region
         self._presign_put = presign_put
         self._presign_delete = presign_delete
         self.bucket = bucket
@@ -164,6 +178,15 @@ class RangeGetter:
             self._get(key, etag, start, buffer, what, fresh_url=False)
         except AccessDenied:
             # A reused URL may have been signed with credentials rotated since: sign again, once.
+            self._get(key, etag, start, buffer, what, fresh_url=True)
+        except WrongRegion as exc:
+            # Signed for the region the AWS configuration said, while the bucket is elsewhere: botocore follows
+            # such redirects for listings, so the mount listed and every read failed. Sign for the bucket's.
+            if self._on_wrong_region is None:
+                raise
+            self._on_wrong_region(exc.region)
+            with self._lock:
+                self._urls.clear()  # every URL signed so far is for the old region
             self._get(key, etag, start, buffer, what, fresh_url=True)
 
     def _get(self, key: str, etag: str, start: int, buffer: WritableBuffer | bytearray, what: str,
@@ -345,6 +368,12 @@ class RangeGetter:
         code = match.group(1).decode("utf-8", "replace") if match else ""
         said = _MESSAGE_RE.search(body)
         message = said.group(1).decode("utf-8", "replace") if said else ""
+        named = _REGION_RE.search(body)
+        region = resp.getheader("x-amz-bucket-region") or (named.group(1).decode() if named else "")
+        if region and (resp.status == 301 or code in ("AuthorizationHeaderMalformed",
+                                                      "AuthorizationQueryParametersError")):
+            return WrongRegion(f"{what}: {code or resp.status}: the bucket is in region {region} (pass "
+                               f"--region {region})", region)
         return error_for_status(code, resp.status, self.bucket, what, message)
 
 

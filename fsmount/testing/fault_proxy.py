@@ -42,6 +42,7 @@ import dataclasses
 import enum
 import http.client
 import random
+import re
 import socket
 import threading
 import time
@@ -151,6 +152,8 @@ class FaultProxy:
         self._down: Down | None = None
         self._listening = threading.Event()   # set while the listener is open
         self._synthetic: list[SyntheticDirectory] = []
+        # `bucket_region`: requests signed for another region are refused as S3 refuses them (301).
+        self._region: str | None = None
         self.port = 0
 
     # -- lifecycle -----------------------------------------------------------------------------
@@ -207,6 +210,13 @@ class FaultProxy:
             self._rules.clear()
             self._release.set()
             self._release = threading.Event()
+
+    def bucket_region(self, region: str | None) -> None:
+        """Answer every request signed for another region than `region` (SigV4's credential scope, in the
+        Authorization header or a presigned URL's X-Amz-Credential) as S3 answers one sent to the wrong region:
+        301 PermanentRedirect with the bucket's region in `x-amz-bucket-region`. None: forward them all."""
+        with self._lock:
+            self._region = region
 
     def origin_down(self, mode: Down | str = Down.REFUSE) -> None:
         """Play dead until `origin_back()`. Returns once the new state holds."""
@@ -369,6 +379,13 @@ class FaultProxy:
             if down is Down.BLACKHOLE:
                 self._hold(MAX_HOLD_S, release)
             return False, upstream
+        with self._lock:
+            region = self._region
+        if region is not None and _signed_region(req) not in (None, region):
+            self._note(req, "wrong-region")
+            redirect = error_response(301, "PermanentRedirect")
+            send(conn, dataclasses.replace(redirect, headers=[*redirect.headers, ("x-amz-bucket-region", region)]), req)
+            return True, upstream
         fault = rule.fault if rule is not None else None
         self._note(req, fault.value if fault is not None else "forwarded")
         if rule is not None and rule.fault is Fault.ERROR:
@@ -455,3 +472,13 @@ class FaultProxy:
 
 
 __all__ = ["Down", "Fault", "FaultProxy", "LogEntry", "Rule", "synthetic_body"]
+
+
+_SCOPE_RE = re.compile(r"Credential=[^/,&]+/\d{8}/([a-z0-9-]+)/s3/")
+
+
+def _signed_region(req: Request) -> str | None:
+    """The region a SigV4 request is signed for (None if unsigned)."""
+    found = _SCOPE_RE.search(req.header("Authorization") or "") or \
+        _SCOPE_RE.search(urllib.parse.unquote(req.target).replace("X-Amz-Credential=", "Credential="))
+    return found.group(1) if found else None

@@ -223,6 +223,24 @@ def test_signed_requests_through_the_proxy_on_seaweedfs(seaweed_server: S3Server
             read_all_exact(fd, data)
 
 
+def test_a_bucket_in_another_region_than_configured_lists_and_reads(moto_server: S3Server, proxy: FaultProxy,
+                                                                     mountpoint: Path) -> None:
+    """S3 answers a request signed for another region than the bucket's with 301 PermanentRedirect and the
+    bucket's region. botocore follows it for listings and HEADs, so such a mount listed; every presigned read
+    failed with "PermanentRedirect" (a tester's front that answers as S3 does). Reads are signed for the bucket's
+    region once one is refused so, with one warning."""
+    data = random_bytes(3 * MiB + 5, 41)
+    bucket = bucket_with(moto_server, {"far.bin": data})
+    proxy.bucket_region("eu-west-1")  # the daemon signs for us-east-1 (its environment's region)
+    with mounted_via(proxy, moto_server, bucket, mountpoint,
+                     allowed=(r"bucket \S+ is in region eu-west-1, not us-east-1: reads are signed for eu-west-1",)) \
+            as m:
+        assert os.listdir(mountpoint) == ["far.bin"]
+        assert (mountpoint / "far.bin").read_bytes() == data
+    assert len(warning_lines(m.log())) == 1
+    assert any(e.outcome == "wrong-region" and e.range for e in proxy.log()), proxy.log()  # a read was refused
+
+
 # -- faults of the origin -------------------------------------------------------------------------
 
 def test_added_latency_reads_exact_and_fetches_each_chunk_once(moto_server: S3Server, proxy: FaultProxy,

@@ -651,3 +651,33 @@ def test_no_proxy_with_a_port_is_read_as_botocore_reads_it(monkeypatch: pytest.M
     assert proxied("http://127.0.0.1:9001/b")
     monkeypatch.setenv("NO_PROXY", "127.0.0.1")
     assert not proxied("http://127.0.0.1:9001/b")
+
+
+def test_a_bucket_in_another_region_is_read_with_urls_signed_for_its_region(origin: Origin) -> None:
+    """botocore follows S3's 301 PermanentRedirect for listings (re-signed for the bucket's region), so a mount
+    whose AWS configuration named another region listed, and every presigned read failed "PermanentRedirect"."""
+    region, told = ["us-east-1"], []
+
+    def presign(key: str) -> str:
+        return f"{origin.url}/b/{key}?X-Amz-Credential=k%2F20261205%2F{region[0]}%2Fs3%2Faws4_request"
+
+    def redirect(h: Handler, start: int, end: int) -> bool:
+        if "us-east-1" not in h.path:
+            return False
+        h.answer(301, b"<Error><Code>PermanentRedirect</Code><Message>must be addressed using the specified "
+                      b"endpoint</Message></Error>", {"x-amz-bucket-region": "eu-west-1"})
+        return True
+
+    def on_wrong_region(bucket_region: str) -> None:
+        told.append(bucket_region)
+        region[0] = bucket_region
+
+    origin.script = redirect
+    g = RangeGetter(presign, bucket="b", pool_size=2, connect_timeout=2.0, read_timeout=2.0,
+                    on_wrong_region=on_wrong_region)
+    assert get(g, 100, 10) == DATA[100:110] and get(g, 200, 10, key="other") == DATA[200:210]
+    assert told == ["eu-west-1"] and len(origin.requests) == 3  # one refused, then two in the right region
+    plain = RangeGetter(presign, bucket="b", pool_size=2, connect_timeout=2.0, read_timeout=2.0)
+    region[0] = "us-east-1"
+    with pytest.raises(StoreError, match=r"the bucket is in region eu-west-1 \(pass --region eu-west-1\)"):
+        get(plain, 0, 10)

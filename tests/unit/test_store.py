@@ -124,3 +124,17 @@ def test_the_endpoint_comes_from_the_aws_configuration_in_botocore_s_order(aws_c
     aws = Boto3Store(StoreConfig(bucket="models"))
     assert "amazonaws.com" in aws.endpoint_url and aws.configured_endpoint_url is None  # AWS's own: s3:REGION
     assert Boto3Store(StoreConfig(bucket="models", endpoint_url="http://h:1")).configured_endpoint_url == "http://h:1"
+
+
+def test_reads_are_signed_for_the_region_the_bucket_named(aws_config, allowed_logs) -> None:  # noqa: ANN001
+    from fsmount.config import StoreConfig
+    from fsmount.data import Boto3Store
+
+    aws_config("[default]\nregion = us-east-1\n")
+    store = Boto3Store(StoreConfig(bucket="models", endpoint_url="http://127.0.0.1:9000"))
+    assert "%2Fus-east-1%2Fs3%2F" in store._presign("k")
+    allowed_logs.append(r"bucket models is in region eu-west-1, not us-east-1: reads are signed for eu-west-1")
+    store._use_region("eu-west-1")
+    url = store._presign("k")
+    assert "%2Feu-west-1%2Fs3%2F" in url and url.startswith("http://127.0.0.1:9000/"), url
+    assert store.region == "us-east-1"  # the control plane's client is botocore's to redirect

@@ -749,7 +749,13 @@ def run(cfg: MountConfig, ready: Callable[[str | None], None]) -> int:
         os.chdir("/")  # a daemon keeps no directory of its caller busy (the paths in cfg are absolute)
         metrics = bind_metrics(cfg.metrics_addr)
         check_bucket(cfg)
-        daemon = Daemon(cfg, mountpoint, lambda: ready(None), metrics)
+        told: list[None] = []  # ready(None) was called: the mount answers
+
+        def answered() -> None:
+            told.append(None)
+            ready(None)
+
+        daemon = Daemon(cfg, mountpoint, answered, metrics)
     except Exception as exc:  # noqa: BLE001 - whatever stops the mount, the user is told why in one line
         if metrics is not None:
             metrics.close()
@@ -776,6 +782,15 @@ def run(cfg: MountConfig, ready: Callable[[str | None], None]) -> int:
     try:
         trio.run(daemon.serve)
         clean = True
+    except Exception as exc:
+        if told:
+            log.exception("daemon stopped on an error")
+            raise
+        # Before the mount answered (out of descriptors for trio's own sockets at `ulimit -n 11`): one line, as a
+        # pre-flight failure says it, not a traceback and "run with --foreground to see why".
+        log.debug("serving failed before the mount was ready", exc_info=True)
+        why = exc.strerror if isinstance(exc, OSError) and exc.strerror else exc
+        ready(f"cannot start serving {mountpoint}: {why}")
     except BaseException:
         log.exception("daemon stopped on an error")
         raise

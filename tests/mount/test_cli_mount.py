@@ -559,3 +559,40 @@ def test_prefetch_of_a_daemon_that_does_not_answer_says_so(moto_server: S3Server
         finally:
             m.proc.send_signal(signal.SIGCONT)
         assert run_modelfs("prefetch", str(m.path / "m")).returncode == 0
+
+
+def test_a_daemon_short_of_descriptors_says_so_in_one_line_and_fails_reads_at_once(moto_server: S3Server,
+                                                                                   mountpoint: Path,
+                                                                                   tmp_path: Path) -> None:
+    """At `ulimit -n 11` trio could not make its wakeup sockets: a traceback in the log, and `modelfs mount` said
+    only "run with --foreground to see why"; a little higher, every read waited --read-timeout for an endpoint
+    "that cannot be reached". Whatever the limit: a mount that works, or one line that says why, and a read that
+    fails fails at once."""
+    bucket = bucket_with(moto_server, {"a.bin": b"x" * 100})
+    mountpoint.mkdir(exist_ok=True)
+    refused = served = 0
+    for n in range(8, 25):
+        log = tmp_path / f"daemon-{n}.log"
+        res = subprocess.run(["prlimit", f"--nofile={n}:{n}", *modelfs_cmd(
+            "mount", bucket, str(mountpoint), "--endpoint-url", moto_server.endpoint_url, "--read-timeout", "20",
+            "--cache-dir", str(tmp_path / "cache"), "--log-file", str(log))], env=daemon_env(moto_server),
+            capture_output=True, text=True, timeout=120)
+        try:
+            said = [line for line in res.stderr.splitlines() if not line.startswith("modelfs: warning:")]
+            assert "Traceback" not in log.read_text() + res.stderr, (n, res.stderr)
+            if res.returncode:
+                refused += 1
+                assert len(said) == 1 and "Too many open files" in said[0], (n, res.stderr)
+                continue
+            assert os.path.ismount(mountpoint) and not said, (n, res.stderr)
+            began = time.monotonic()
+            try:
+                assert (mountpoint / "a.bin").read_bytes() == b"x" * 100
+                served += 1
+            except OSError:
+                assert time.monotonic() - began < 5, n  # not --read-timeout
+                assert "Too many open files on this machine" in log.read_text(), n
+        finally:
+            if os.path.ismount(mountpoint):
+                unmount(mountpoint)
+    assert refused and served, (refused, served)  # the scan crossed the limit a mount needs

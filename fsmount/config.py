@@ -10,6 +10,7 @@ import ipaddress
 import math
 import os
 import re
+import resource
 
 from fsmount.sysmem import ram as usable_ram
 
@@ -43,6 +44,8 @@ MIN_WRITE_PART_SIZE = 5 * MiB
 MAX_WRITE_PART_SIZE = 5 * GiB
 MEMORY_LIMIT_CAP = 2 * GiB
 MEMORY_LIMIT_RAM_FRACTION = 0.10
+# ... and at most this part of the address space where it is limited (`ulimit -v`, RLIMIT_AS).
+ADDRESS_SPACE_SHARE = 4
 # --memory-limit bounds the daemon's RSS. The interpreter, boto3, pyfuse3 and prometheus-client
 # take ~75-85 MiB of it here (idle daemon, measured); chunk data gets the rest.
 RUNTIME_RESERVE = 96 * MiB
@@ -128,11 +131,16 @@ def parse_cache_size(text: str) -> CacheSize:
 
 def default_memory_limit() -> int:
     """min(2 GiB, 10% of RAM): room for a window of read-ahead per reader on a GPU node, and little
-    enough beside the inference server itself. RAM is the cgroup's limit where that is lower (a pod)."""
+    enough beside the inference server itself. RAM is the cgroup's limit where that is lower (a pod). Where the
+    address space is limited (`ulimit -v`), at most a quarter of it: the daemon's threads and libraries take
+    address space of their own, and at `ulimit -v 600000` the 2 GiB default failed fetches with ENOMEM (an mmap
+    loader died of SIGBUS) where 200M worked."""
     ram = usable_ram()
-    if ram is None:
-        return MEMORY_LIMIT_CAP
-    return min(MEMORY_LIMIT_CAP, int(ram * MEMORY_LIMIT_RAM_FRACTION))
+    limit = MEMORY_LIMIT_CAP if ram is None else min(MEMORY_LIMIT_CAP, int(ram * MEMORY_LIMIT_RAM_FRACTION))
+    address_space = resource.getrlimit(resource.RLIMIT_AS)[0]
+    if address_space != resource.RLIM_INFINITY:
+        limit = min(limit, address_space // ADDRESS_SPACE_SHARE)
+    return limit
 
 
 # The longest --read-timeout taken: a day (a request that waits longer is a hung one).

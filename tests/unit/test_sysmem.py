@@ -124,3 +124,14 @@ def test_the_default_memory_limit_is_a_tenth_of_the_cgroup_s(monkeypatch) -> Non
     assert fsmount.config.default_memory_limit() == fsmount.config.MEMORY_LIMIT_CAP
     monkeypatch.setattr(fsmount.config, "usable_ram", lambda: None)
     assert fsmount.config.default_memory_limit() == fsmount.config.MEMORY_LIMIT_CAP
+
+
+def test_the_default_memory_limit_is_a_quarter_of_a_limited_address_space() -> None:
+    """At `ulimit -v 600000` the 2 GiB default failed fetches with ENOMEM, and an mmap loader died of SIGBUS."""
+    import subprocess
+    import sys
+
+    code = ("import resource; resource.setrlimit(resource.RLIMIT_AS, (600000 * 1024, resource.RLIM_INFINITY)); "
+            "import fsmount.config as c; c.usable_ram = lambda: 64 << 30; print(c.default_memory_limit())")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert int(out) == 600000 * 1024 // 4

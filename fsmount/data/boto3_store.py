@@ -81,8 +81,9 @@ def translate_error(exc: Exception, bucket: str, what: str) -> StoreError:
         return exc
     if isinstance(exc, bex.NoCredentialsError):
         return AccessDenied(
-            "no credentials found: set AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, use --profile, "
-            "or --no-sign-request for a public bucket"
+            "no credentials found: set AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, use --profile (with a profile, "
+            "only its own credentials count: botocore does not read the AWS_* keys then), or --no-sign-request for "
+            "a public bucket"
         )
     if isinstance(exc, bex.ClientError):
         code, status, message = _client_error_code(exc)

@@ -88,6 +88,7 @@ def aws_config(tmp_path, monkeypatch: pytest.MonkeyPatch):  # noqa: ANN001, ANN2
     monkeypatch.setenv("AWS_CONFIG_FILE", str(path))
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", "k")
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "s")
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")  # no instance role to look for
     for name in ("AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_PROFILE", "AWS_IGNORE_CONFIGURED_ENDPOINT_URLS"):
         monkeypatch.delenv(name, raising=False)
     return path.write_text
@@ -138,3 +139,14 @@ def test_reads_are_signed_for_the_region_the_bucket_named(aws_config, allowed_lo
     url = store._presign("k")
     assert "%2Feu-west-1%2Fs3%2F" in url and url.startswith("http://127.0.0.1:9000/"), url
     assert store.region == "us-east-1"  # the control plane's client is botocore's to redirect
+
+
+def test_no_credentials_for_a_profile_says_the_environment_s_keys_do_not_count(aws_config) -> None:  # noqa: ANN001
+    """With --profile, botocore ignores AWS_ACCESS_KEY_ID: the message told a user who had given --profile to "use
+    --profile"."""
+    from fsmount.config import StoreConfig
+    from fsmount.data import AccessDenied, Boto3Store
+
+    aws_config("[profile bare]\nregion = us-east-1\n")
+    with pytest.raises(AccessDenied, match=r"with a profile, only its own credentials count"):
+        Boto3Store(StoreConfig(bucket="models", profile="bare", endpoint_url="http://127.0.0.1:9"))._presign("k")

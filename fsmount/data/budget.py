@@ -2,7 +2,8 @@
 and the reuse of chunk buffers. It decides what stays in memory; it never fetches.
 
 Rules (everything here runs in the trio thread; nothing awaits except `reserve`):
-- Budget: `cached + reserved <= limit` holds at every checkpoint. A fetch reserves its chunk's bytes
+- Budget: `cached + reserved <= limit` holds at every checkpoint, but for `overdraw` (a cache read given up past
+  its deadline, at most one chunk per fetch worker, until the read returns). A fetch reserves its chunk's bytes
   before it starts and `store`s the result before it `release`s the reservation (both are counted in
   between, which errs on the side of the budget). `reserve` evicts in LRU order; when nothing is
   evictable it has the reclaimers give back what they hold idle (`add_reclaimer`: the writes' recycled
@@ -229,6 +230,13 @@ class MemoryBudget:
     def release(self, n: int) -> None:
         self.reserved -= n
         self._signal()
+
+    def overdraw(self, n: int) -> None:
+        """Count n bytes held now, without waiting for room: memory a thread writes into after its caller gave it
+        up (a cache read past its deadline, levels.py), which exists whether or not there is room. `reserve`
+        evicts or waits until the budget holds again; waiting here instead could wait forever, for room that only
+        the waiters themselves would free (every fetch in flight giving up at once in a full budget)."""
+        self.reserved += n
 
     # -- pins ----------------------------------------------------------------------------------
 

@@ -17,8 +17,9 @@ write); levels and the store are blocking and run in threads under the stack's o
 `LatencyHistogram` is read from the metrics thread too, so it holds a lock for each update.
 `_overdue[i]` counts the reads of local level i given up on their deadline (GET_DEADLINE_S) whose thread has not
 returned yet: each runs in a task of its own, which holds a second reservation of its chunk's length in the
-memory budget (the buffer the late read may still write into) and decrements the count when the read returns.
-While it is above 0 the level is skipped: not asked, not written, and `holds` says no.
+memory budget (`overdraw`: the buffer the late read may still write into) and decrements the count when the read
+returns. While it is above 0, and for `get_deadline` after it drops to 0 (`_skip_until[i]`), the level is skipped:
+not asked, not written, and `holds` says no.
 """
 
 from __future__ import annotations
@@ -72,6 +73,8 @@ WRITE_DEADLINE_MIN_S = 10.0
 # queued behind the level's other reads on a loaded machine, does not reach (a give-up is a warning).
 GET_DEADLINE_S = 10.0
 GET_DEADLINE_MIN_S = 2.0
+# A read given up is a warning at most this often per level (a disk that stalls now and then is one episode).
+GET_WARN_EVERY_S = 300.0
 # Object versions whose GET the bucket refused as gone (412: replaced, 404: deleted), remembered for GONE_FOR_S
 # so that the other chunks of a version fail at once instead of each sending a GET that would be refused too
 # (a reader going on through a replaced file sent one per chunk). Not for longer: a version can come back (the
@@ -226,6 +229,8 @@ class LevelStack:
         self._contains: list[Callable[[ChunkId], bool] | None] = [getattr(level, "contains", None)
                                                                   for level in self.levels]
         self._overdue = [0] * n  # reads given up and not returned yet, per level (see the module's rules)
+        self._skip_until = [-math.inf] * n  # and skipped until then after they returned (trio time)
+        self._warned_at = [-math.inf] * n  # the last warning of a read given up, per level
         self._writes_pending = 0
         self._writes_changed = trio.Event()
         self._given_up_at = -math.inf  # trio time of the last write-through given up (WRITE_DEADLINE_S)
@@ -236,7 +241,7 @@ class LevelStack:
     def holds(self, cid: ChunkId) -> bool:
         """Whether a local level says it holds the chunk (its `contains`, no I/O) and answers; False if none can
         tell."""
-        return any(contains is not None and not self._overdue[i] and contains(cid)
+        return any(contains is not None and not self._skipped(i) and contains(cid)
                    for i, contains in enumerate(self._contains))
 
     def lookups(self, level: ChunkCache) -> tuple[int, int]:
@@ -269,7 +274,7 @@ class LevelStack:
             buffer = new_buffer(length)
         for i, level in enumerate(self.levels):
             contains = self._contains[i]
-            if contains is not None and (self._overdue[i] or not contains(cid)):
+            if contains is not None and (self._skipped(i) or not contains(cid)):
                 # Not held (the index says so without a thread), or the level's reads hang: a miss.
                 self.stats.level_misses[i] += 1
                 continue
@@ -313,34 +318,41 @@ class LevelStack:
         nursery.start_soon(get)
         with trio.move_on_after(self.get_deadline):
             await done.wait()
-        replacement = None
-        if not done.is_set():
-            if self._memory is not None:
-                replacement = await self._memory.reserve(length, reuse=True)
-                if done.is_set():  # it returned while room was made: its answer after all
-                    self._memory.release(length)
-                    replacement = None
         if done.is_set():
+            if not outcome:  # its task was cancelled first (unmount): a miss
+                return True, None
             if isinstance(outcome[0], Exception):
                 raise outcome[0]
             return True, outcome[0]
+        # No await from here until given_up is set: the task's finally must see it if the read returns.
         given_up = True
         self._overdue[i] += 1
         self.stats.reads_given_up += 1
-        if self._overdue[i] == 1:
+        if self._memory is not None:
+            self._memory.overdraw(length)  # the old buffer, until its read returns (budget.overdraw: never waits)
+        now = trio.current_time()
+        if now - self._warned_at[i] >= GET_WARN_EVERY_S:
+            self._warned_at[i] = now
             log.warning("a read of chunk %d of %r from cache level %d did not return within %g s (a stalled cache "
-                        "disk?): read from the origin; the level is skipped until its reads return",
-                        cid.index, cid.key, i, self.get_deadline)
-        if replacement is None and length == cid.chunk_size:
-            replacement = new_buffer(length)
-        return False, replacement
+                        "disk?): read from the origin; the level is skipped until its reads return, and %g s more",
+                        cid.index, cid.key, i, self.get_deadline, self.get_deadline)
+        return False, new_buffer(length) if length == cid.chunk_size else None
 
     def _read_returned(self, i: int, length: int) -> None:
         if self._memory is not None:
             self._memory.release(length)
         self._overdue[i] -= 1
         if not self._overdue[i]:
-            log.info("cache level %d answers again: its reads given up have returned; it is used again", i)
+            # Not at once: a disk a little slower than the deadline gave up a read, came back, and gave up the next
+            # (a full deadline's wait each time, for every fetch in flight).
+            self._skip_until[i] = trio.current_time() + self.get_deadline
+            log.info("cache level %d answers again: its reads given up have returned; it is used again in %g s", i,
+                     self.get_deadline)
+
+    def _skipped(self, i: int) -> bool:
+        """Whether level i's reads hang, or did less than `get_deadline` ago (see the module's rules)."""
+        return bool(self._overdue[i]) or (self._skip_until[i] != -math.inf
+                                          and trio.current_time() < self._skip_until[i])
 
     async def _from_origin(self, cid: ChunkId, length: int, buffer: mmap.mmap | None,
                            retry_until: Callable[[], float]) -> Chunk:
@@ -392,7 +404,7 @@ class LevelStack:
         """The levels asked before the one that had the chunk (all of them after an origin fetch), but for those
         skipped while their reads hang."""
         levels = self.levels if hit is None else self.levels[:hit]
-        return [level for i, level in enumerate(levels) if not self._overdue[i]] if any(self._overdue) else levels
+        return [level for i, level in enumerate(levels) if not self._skipped(i)]
 
     def start_write(self, nursery: trio.Nursery, levels: Sequence[ChunkCache], cid: ChunkId, data: Chunk,
                     done: Callable[[], None]) -> None:

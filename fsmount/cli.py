@@ -247,6 +247,12 @@ def mount_option_strings() -> dict[str, bool]:
     return {name: action.nargs != 0 for name, action in _mount_parser()._option_string_actions.items()}
 
 
+def documented_long_options() -> set[str]:
+    """The `--` option strings `modelfs mount --help` shows (not the internal ones, such as `--ready-fd`)."""
+    return {name for name, action in _mount_parser()._option_string_actions.items()
+            if name.startswith("--") and action.help != argparse.SUPPRESS}
+
+
 def expand_mount_options(argv: list[str]) -> list[str]:
     """Turn every `-o a,b=c` into `--a --b c`, dropping mount(8)'s generic options. ConfigError for a key
     that is no option (argparse would name a `--flag` the user never typed, under the top-level usage)."""
@@ -274,9 +280,10 @@ def expand_mount_options(argv: list[str]) -> list[str]:
             known = mount_option_strings() if known is None else known
             flag = "--" + key.replace("_", "-")
             if flag not in known:
-                # A unique prefix, as argparse takes on the command line (`endpoint=` for endpoint_url=): fstab lines
-                # written so for earlier versions, which passed -o keys on to argparse, mount as they did.
-                longer = sorted(name for name in known if name.startswith(flag) and name.startswith("--"))
+                # The first words of one option, as argparse takes them on the command line (`endpoint=` for
+                # endpoint_url=): fstab lines written so for earlier versions, which passed -o keys on to argparse,
+                # mount as they did. Whole words only: libfuse's max_read= is not max_readahead=.
+                longer = sorted(name for name in documented_long_options() if name.startswith(flag + "-"))
                 if len(longer) != 1:
                     could = f" (could be {', '.join(n[2:].replace('-', '_') for n in longer)})" if longer else ""
                     raise ConfigError(f"unknown mount option {opt.partition('=')[0]!r} in -o {opts}{could}")

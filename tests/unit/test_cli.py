@@ -62,6 +62,11 @@ def test_fstab_options_abbreviated_as_earlier_versions_took_them_still_mount() -
     with pytest.raises(ConfigError, match=r"unknown mount option 'cache' in -o cache=/x \(could be cache_dir, "
                                           r"cache_size\)"):
         expand_mount_options(["mount", "b", "/m", "-o", "cache=/x"])
+    # Whole words only, and no internal option: libfuse's max_read= is not max_readahead= (a 128 KiB read-ahead,
+    # silently), and ready= is not the daemon's --ready-fd.
+    for opts in ("max_read=131072", "ready=7", "endp=http://h:1"):
+        with pytest.raises(ConfigError, match=f"unknown mount option '{opts.partition('=')[0]}'"):
+            expand_mount_options(["mount", "b", "/m", "-o", opts])
 
 
 def test_a_fstab_flag_with_a_value_or_an_option_without_one_is_named() -> None:

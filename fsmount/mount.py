@@ -742,6 +742,7 @@ def run(cfg: MountConfig, ready: Callable[[str | None], None]) -> int:
     signal.signal(signal.SIGTERM, stopped_before_ready)
     signal.signal(signal.SIGINT, stopped_before_ready)
     lock = None
+    raise_open_file_limit(cfg)  # first: the pre-flight opens connections, the cache dir, the metrics socket
     try:
         check_fuse_available(cfg.allow_other)
         mountpoint, lock = check_mountpoint(cfg.mountpoint, cfg.allow_non_empty)
@@ -769,7 +770,6 @@ def run(cfg: MountConfig, ready: Callable[[str | None], None]) -> int:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         signal.signal(signal.SIGINT, signal.default_int_handler)
     tune_malloc()
-    raise_open_file_limit(cfg)
     try:
         pyfuse3.init(daemon.ops, mountpoint, daemon.fuse_options())
     except RuntimeError as exc:

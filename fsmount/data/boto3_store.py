@@ -312,18 +312,20 @@ class Boto3Store:
             raise translate_error(exc, self.bucket, f"listing {prefix!r}") from None
         return bool(resp.get("KeyCount") or resp.get("Contents") or resp.get("CommonPrefixes"))
 
-    def _use_region(self, region: str) -> None:
-        """Presign for `region` from now on: the bucket said it is there (presigned.WrongRegion)."""
+    def _use_region(self, region: str) -> bool:
+        """Presign for `region` from now on: the bucket said it is there (presigned.WrongRegion). False if that is
+        the region already signed for (the endpoint is another region's: nothing to gain in trying again)."""
         from botocore.config import Config
 
         with self._region_lock:
             if self._presigner.meta.region_name == region:
-                return
+                return False
             was = self._presigner.meta.region_name
             self._presigner = self._session.client("s3", endpoint_url=self._cfg.endpoint_url,
                                                    config=self._botocfg.merge(Config(region_name=region)))
         log.warning("bucket %s is in region %s, not %s: reads are signed for %s from now on (say --region %s to "
                     "start so)", self.bucket, region, was, region, region)
+        return True
 
     def _presign(self, key: str, operation: str = "get_object") -> str:
         try:

@@ -57,8 +57,11 @@ def real_dir(path: str) -> None:
 def staged_writes(root: str) -> tuple[int, int]:
     """(files, bytes) in `root`'s WRITES_DIR: copies of files a --writable mount was writing."""
     files = total = 0
+    path = os.path.join(root, WRITES_DIR)
+    if os.path.islink(path):  # not ours to count, nor to remove (sweep_staged_writes)
+        return 0, 0
     try:
-        entries = list(os.scandir(os.path.join(root, WRITES_DIR)))
+        entries = list(os.scandir(path))
     except (FileNotFoundError, NotADirectoryError):
         return 0, 0
     for entry in entries:

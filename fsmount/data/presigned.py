@@ -117,11 +117,11 @@ class RangeGetter:
     def __init__(self, presign: Callable[[str], str], *, bucket: str, pool_size: int, connect_timeout: float,
                  read_timeout: float, ssl_context: ssl.SSLContext | None = None,
                  presign_put: Callable[[str], str] | None = None, presign_delete: Callable[[str], str] | None = None,
-                 on_wrong_region: Callable[[str], None] | None = None):
+                 on_wrong_region: Callable[[str], bool] | None = None):
         """`presign(key)` returns a signed GET URL of the key, valid for URL_EXPIRES_S; `presign_put(key)` a
         signed PUT URL (for `put`), `presign_delete(key)` a signed DELETE URL (for `delete`).
         `on_wrong_region(region)`, if given, is told the bucket's region when a GET signed for another one is
-        refused; `presign` signs for it from then on, and the GET is sent again once."""
+        refused; if it returns True, `presign` signs for it from then on, and the GET is sent again once."""
         self._presign = presign
         self._on_wrong_region = on_wrong_region
         self._presign_put = presign_put
@@ -182,9 +182,8 @@ class RangeGetter:
         except WrongRegion as exc:
             # Signed for the region the AWS configuration said, while the bucket is elsewhere: botocore follows
             # such redirects for listings, so the mount listed and every read failed. Sign for the bucket's.
-            if self._on_wrong_region is None:
-                raise
-            self._on_wrong_region(exc.region)
+            if self._on_wrong_region is None or not self._on_wrong_region(exc.region):
+                raise  # signed for that region already: the endpoint is another region's (--endpoint-url)
             with self._lock:
                 self._urls.clear()  # every URL signed so far is for the old region
             self._get(key, etag, start, buffer, what, fresh_url=True)
@@ -372,8 +371,8 @@ class RangeGetter:
         region = resp.getheader("x-amz-bucket-region") or (named.group(1).decode() if named else "")
         if region and (resp.status == 301 or code in ("AuthorizationHeaderMalformed",
                                                       "AuthorizationQueryParametersError")):
-            return WrongRegion(f"{what}: {code or resp.status}: the bucket is in region {region} (pass "
-                               f"--region {region})", region)
+            return WrongRegion(f"{what}: {code or resp.status}: the bucket is in region {region} (pass --region "
+                               f"{region}, and an --endpoint-url of that region if you give one)", region)
         return error_for_status(code, resp.status, self.bucket, what, message)
 
 

@@ -1030,6 +1030,13 @@ def test_cache_stats_clear_verify(tmp_path: Path) -> None:
     assert cache_stats(tmp_path)["staged_files"] == 1 and cache_stats(tmp_path)["staged_bytes"] == 5000
     assert cache_clear(tmp_path) == (4, 5000)
     assert not (tmp_path / "writes").exists()
+    elsewhere = tmp_path.parent / f"{tmp_path.name}-elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "1").write_bytes(b"y")
+    (tmp_path / "writes").symlink_to(elsewhere)  # counted as removed, and removed nothing
+    assert cache_stats(tmp_path)["staged_files"] == 0 and cache_clear(tmp_path) == (0, 0)
+    assert (elsewhere / "1").read_bytes() == b"y"
+    (tmp_path / "writes").unlink()
     assert disk_files(tmp_path) == []
     with DiskCache(tmp_path, BIG, min_free_bytes=0) as cache:
         assert cache.stats.chunks == 0 and cache.get(chunk_id(0)) is None

@@ -645,6 +645,8 @@ def test_no_proxy_with_a_port_is_read_as_botocore_reads_it(monkeypatch: pytest.M
     disagreed about which requests go through the proxy."""
     from fsmount.data.presigned import proxied
 
+    for name in ("http_proxy", "https_proxy", "no_proxy", "all_proxy", "HTTPS_PROXY", "ALL_PROXY"):
+        monkeypatch.delenv(name, raising=False)  # urllib prefers the lower-case ones
     monkeypatch.setenv("HTTP_PROXY", "http://127.0.0.1:3128")
     monkeypatch.setenv("NO_PROXY", "127.0.0.1:9000")
     assert not proxied("http://127.0.0.1:9000/b")
@@ -668,9 +670,10 @@ def test_a_bucket_in_another_region_is_read_with_urls_signed_for_its_region(orig
                       b"endpoint</Message></Error>", {"x-amz-bucket-region": "eu-west-1"})
         return True
 
-    def on_wrong_region(bucket_region: str) -> None:
+    def on_wrong_region(bucket_region: str) -> bool:
         told.append(bucket_region)
-        region[0] = bucket_region
+        switched, region[0] = region[0] != bucket_region, bucket_region
+        return switched
 
     origin.script = redirect
     g = RangeGetter(presign, bucket="b", pool_size=2, connect_timeout=2.0, read_timeout=2.0,
@@ -679,5 +682,13 @@ def test_a_bucket_in_another_region_is_read_with_urls_signed_for_its_region(orig
     assert told == ["eu-west-1"] and len(origin.requests) == 3  # one refused, then two in the right region
     plain = RangeGetter(presign, bucket="b", pool_size=2, connect_timeout=2.0, read_timeout=2.0)
     region[0] = "us-east-1"
-    with pytest.raises(StoreError, match=r"the bucket is in region eu-west-1 \(pass --region eu-west-1\)"):
+    with pytest.raises(StoreError, match=r"the bucket is in region eu-west-1 \(pass --region eu-west-1"):
         get(plain, 0, 10)
+    # Signed for the bucket's region already, and refused all the same (an --endpoint-url of another region): one
+    # request, not one more per GET.
+    origin.requests.clear()
+    stuck = RangeGetter(presign, bucket="b", pool_size=2, connect_timeout=2.0, read_timeout=2.0,
+                        on_wrong_region=lambda bucket_region: False)
+    with pytest.raises(StoreError, match=r"the bucket is in region eu-west-1"):
+        get(stuck, 0, 10)
+    assert len(origin.requests) == 1

@@ -135,7 +135,7 @@ def test_reads_are_signed_for_the_region_the_bucket_named(aws_config, allowed_lo
     store = Boto3Store(StoreConfig(bucket="models", endpoint_url="http://127.0.0.1:9000"))
     assert "%2Fus-east-1%2Fs3%2F" in store._presign("k")
     allowed_logs.append(r"bucket models is in region eu-west-1, not us-east-1: reads are signed for eu-west-1")
-    store._use_region("eu-west-1")
+    assert store._use_region("eu-west-1") and not store._use_region("eu-west-1")
     url = store._presign("k")
     assert "%2Feu-west-1%2Fs3%2F" in url and url.startswith("http://127.0.0.1:9000/"), url
     assert store.region == "us-east-1"  # the control plane's client is botocore's to redirect

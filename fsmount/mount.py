@@ -52,7 +52,7 @@ from fsmount.data import (
     sweep_staged_writes,
 )
 from fsmount.namespace import Namespace
-from fsmount.operations import Operations, Owner
+from fsmount.operations import FAILED, Operations, Owner
 from fsmount.pagecache import PageCachePusher, default_push_limit
 from fsmount.prometheus import MetricsAddressError, MetricsServer
 from fsmount.stats import MountStats
@@ -535,7 +535,8 @@ class Daemon:
         self.stats = MountStats(cfg.store.bucket, self.engine, self.streamer, self.pusher, disk_cache=self.disk_cache,
                                 shared_tier=self.shared_tier, writes=self.writes,
                                 open_files=lambda: self.ops.open_files, inodes=lambda: self.namespace.inode_count,
-                                metadata=lambda: (self.metadata_requests, self.metadata_errors))
+                                metadata=lambda: (self.metadata_requests, self.metadata_errors),
+                                failed=lambda: dict(FAILED))
         self.ops = Operations(self.namespace, self.engine, self.streamer, self.pusher, max_readahead=cfg.max_readahead,
                               owner=Owner(cfg.uid, cfg.gid, cfg.file_mode, cfg.dir_mode), stats=self.stats.json_bytes,
                               writes=self.writes, kernel_window=cfg.kernel_window)

@@ -10,6 +10,7 @@ would change something fails with EROFS.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import errno
 import functools
@@ -55,6 +56,11 @@ REPEATS_KEPT = 64
 _warned: cachetools.TTLCache[str, None] = cachetools.TTLCache(REPEATS_KEPT, REPEAT_QUIET_S)
 
 
+# FUSE requests answered with an error from a StoreError (the origin's, a cache's), by handler: the one daemon of
+# this process counts them here, and `modelfs stats` shows them (MountStats.failed). Trio thread only.
+FAILED: collections.Counter[str] = collections.Counter()
+
+
 def _log_failure(handler: str, exc: StoreError) -> None:
     """One warning per failure: not for an error a failed fetch already logged, nor a message just logged."""
     message = f"{handler} failed: {exc.message}"
@@ -84,6 +90,7 @@ def _fuse_errors(fn: Callable[..., Coroutine[Any, Any, T]]) -> Callable[..., Cor
         except PathError as exc:
             raise pyfuse3.FUSEError(exc.errno) from None
         except StoreError as exc:
+            FAILED[fn.__name__] += 1
             _log_failure(fn.__name__, exc)
             raise pyfuse3.FUSEError(exc.errno) from None
         except Exception:  # noqa: BLE001 - a bug must cost one request, never the mount

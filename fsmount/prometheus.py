@@ -51,6 +51,13 @@ class StatsCollector:
         yield CounterMetricFamily("modelfs_origin_bytes", "Bytes downloaded from the origin", value=origin["bytes"])
         yield CounterMetricFamily("modelfs_origin_errors", "Ranged GETs that failed after retries",
                                   value=origin["errors"])
+        yield CounterMetricFamily("modelfs_origin_retries", "Ranged GETs sent again within a fetch after a transient "
+                                  "failure (5xx, throttling, resets, refused connections)", value=origin["retries"])
+        failed = CounterMetricFamily("modelfs_failed_requests", "FUSE requests answered with an error because of the "
+                                     "origin or a cache, by operation", labels=["op"])
+        for op, n in sorted(s["failed_requests"].items()):
+            failed.add_metric([op], n)
+        yield failed
         yield CounterMetricFamily("modelfs_origin_metadata_requests", "HEADs and listing pages sent to the origin",
                                   value=origin["metadata_requests"])
         yield CounterMetricFamily("modelfs_origin_metadata_errors", "Metadata requests that failed or timed out",

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import threading
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -47,7 +48,12 @@ class MountStats:
     open_files: Callable[[], int] = lambda: 0
     inodes: Callable[[], int] = lambda: 0
     metadata: Callable[[], tuple[int, int]] = lambda: (0, 0)  # metadata requests sent, and those that failed
+    failed: Callable[[], dict[str, int]] = dict  # FUSE requests answered with an error, by operation
     started: float = dataclasses.field(default_factory=time.monotonic)
+    # The most READ bytes served beyond everything loaded that a snapshot reported (egress saved is a counter: a
+    # later snapshot never says less), and the lock of that one value (snapshots run in two threads).
+    _beyond_loaded: int = 0
+    _beyond_lock: threading.Lock = dataclasses.field(default_factory=threading.Lock, repr=False, compare=False)
 
     def snapshot(self) -> dict[str, Any]:
         es, ls = self.engine.stats, self.engine.levels.stats
@@ -56,6 +62,12 @@ class MountStats:
         cache_loaded = ls.loaded_bytes
         buckets, count, total = self.engine.levels.origin_latency.read()
         metadata = self.metadata()
+        # READ bytes served beyond everything loaded (re-reads answered from memory): it shrank whenever a fetch
+        # loaded bytes no READ took yet (read-ahead, a sparse pread), and a Prometheus counter that goes down reads
+        # as a reset, its whole value counted again.
+        with self._beyond_lock:
+            self._beyond_loaded = max(self._beyond_loaded, served_total - ls.origin_bytes - cache_loaded)
+            beyond_loaded = self._beyond_loaded
         out: dict[str, Any] = {
             "format": STATS_FORMAT_VERSION,
             "bucket": self.bucket,
@@ -68,6 +80,9 @@ class MountStats:
                 "requests": ls.origin_requests,
                 "bytes": ls.origin_bytes,
                 "errors": ls.origin_errors,
+                # Requests sent again within a GET (5xx, throttling, resets, refused connections) that then
+                # succeeded or failed: a throttling origin shows here before it shows as errors.
+                "retries": int(getattr(self.engine.levels.store, "get_retries", 0)),
                 # Of "bytes", those of chunks the origin had sent before (evicted before they were read).
                 "refetched_bytes": ls.origin_refetched_bytes,
                 # HEADs and listing pages (lookups, `ls`), and those that failed or timed out.
@@ -81,7 +96,10 @@ class MountStats:
             # not sent to this daemon (one loaded back after it did saved nothing), plus
             # READ bytes served beyond everything loaded (re-reads answered from memory). Reads that the
             # kernel page cache answers never reach the daemon, so this is a lower bound.
-            "egress_saved_bytes": ls.saved_bytes + max(0, served_total - ls.origin_bytes - cache_loaded),
+            "egress_saved_bytes": ls.saved_bytes + beyond_loaded,
+            # FUSE requests answered with an error (EIO, EACCES, ...) because of the origin or a cache, by
+            # operation ("read", "lookup", ...): what readers saw fail.
+            "failed_requests": self.failed(),
             # Bytes fetched by model streaming (safetensors files streamed in offset order at open).
             "streamed_bytes": self.streamer.streamed_bytes,
             # Read-ahead fetches dropped before they started (their reader moved on or closed).

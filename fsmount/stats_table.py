@@ -114,7 +114,8 @@ def format_stats(s: dict[str, Any], mountpoint: str) -> str:
         ("read from NVMe cache" if sc is None else "read from NVMe cache or shared tier", human_size(served["cache"])),
         ("read from origin", human_size(served["origin"])),
         ("origin egress saved", f"{human_size(s['egress_saved_bytes'])} ({loaded})"),
-        ("origin downloads", f"{human_size(origin['bytes'])} in {origin['requests']} GETs, {origin['errors']} failed"),
+        ("origin downloads", f"{human_size(origin['bytes'])} in {origin['requests']} GETs, {origin['errors']} failed"
+                             + (f", {origin['retries']} sent again" if origin.get("retries") else "")),
         ("origin metadata", f"{origin['metadata_requests']} HEADs and listing pages, "
                             f"{origin['metadata_errors']} failed"),
         ("origin fetched again", human_size(origin.get("refetched_bytes", 0))),
@@ -162,6 +163,9 @@ def format_stats(s: dict[str, Any], mountpoint: str) -> str:
         ("now", f"{s['fetches_inflight']} fetches in flight, {s['open_files']} open files"),
     ]
     errors = [f"origin {origin['errors']}"]
+    failed = s.get("failed_requests") or {}
+    if failed:  # what readers saw fail, whatever failed under it
+        errors.insert(0, "requests failed " + " ".join(f"{op} {n}" for op, n in sorted(failed.items())))
     if dc is not None:
         errors += [f"cache corrupt {dc['corrupt']}", f"cache read {dc['read_errors']}",
                    f"cache write {dc['write_errors']}"]

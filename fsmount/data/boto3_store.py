@@ -203,7 +203,8 @@ class Boto3Store:
         # (`_use_region`); replaced, never changed, under `_region_lock`.
         self._presigner = self._client
         self._session, self._botocfg = session, botocfg
-        self._region_lock = threading.Lock()
+        self._region_lock = threading.Lock()  # also guards get_retries
+        self.get_retries = 0  # ranged GETs sent again after a transient failure (get_range's own retries)
         # OSS's create-only header is x-oss-*, which a presigned URL would have to sign: conditional PUTs to
         # OSS stay with botocore.
         self._oss = is_oss(self._client.meta.endpoint_url)
@@ -360,6 +361,8 @@ class Boto3Store:
                 retry = isinstance(err, TransientError) or (self._ranges is not None and isinstance(err, Unreachable))
                 if not retry or attempt == attempts:
                     raise err from None
+                with self._region_lock:  # fetch threads count here at once, rarely (a failure each time)
+                    self.get_retries += 1
                 delay = self._backoff_base * (2 ** (attempt - 1)) * (0.5 + random.random())
                 log.debug("%s failed (%s), retry %d in %.2fs", what, err.message, attempt, delay)
                 time.sleep(delay)

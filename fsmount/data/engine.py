@@ -304,7 +304,11 @@ class ChunkEngine:
                     self.memory.note_served(cid, lo, hi, len(data))
         if scope.cancelled_caught:
             self._read_timed_out_at = max(self._read_timed_out_at, deadline)
-            raise ReadTimeout(f"read of {parts[0][0].key!r} timed out after {self.read_timeout:g}s")
+            # Why, where the origin said (a refused connection it was waiting out): the warning said only "timed
+            # out", and the cause was at debug level.
+            failed = self.levels.last_origin_failure
+            why = f" (the origin: {failed[1]})" if failed and failed[0] >= deadline - self.read_timeout else ""
+            raise ReadTimeout(f"read of {parts[0][0].key!r} timed out after {self.read_timeout:g}s{why}")
         return out[0] if len(out) == 1 else b"".join(out)
 
     async def read(self, obj: ObjectVersion, start: int, end: int) -> bytes | memoryview:

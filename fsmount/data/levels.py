@@ -234,6 +234,8 @@ class LevelStack:
         self._writes_pending = 0
         self._writes_changed = trio.Event()
         self._given_up_at = -math.inf  # trio time of the last write-through given up (WRITE_DEADLINE_S)
+        # (trio time, message) of the latest origin GET that failed or was refused: why READs are timing out.
+        self.last_origin_failure: tuple[float, str] | None = None
         # For the claims of writes given up: their level's put threads may all be the stuck ones.
         self._abandon_limiter = trio.CapacityLimiter(PUT_THREADS)
         self.trailing = TrailingWrites(run_blocking, chunk_size, self._write_done)
@@ -377,14 +379,16 @@ class LevelStack:
                 except Unreachable as exc:
                     # A restarting origin refuses connections for a moment: a reader that may still wait
                     # (mmap readers die of a failed READ) waits for it, up to the fetch's deadline.
+                    self.last_origin_failure = (trio.current_time(), exc.message)
                     backoff = await wait_to_retry(exc, backoff, retry_until(), f"chunk {cid.index} of {cid.key!r}")
                 except (PreconditionFailed, NotFound) as exc:
                     self._gone[version] = exc
                     raise
                 finally:
                     self.trailing.origin_finished()
-        except Exception:
+        except Exception as exc:
             self.stats.origin_errors += 1
+            self.last_origin_failure = (trio.current_time(), getattr(exc, "message", None) or str(exc))
             raise
         finally:
             self.origin_latency.observe(time.monotonic() - started)

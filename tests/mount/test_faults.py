@@ -530,7 +530,7 @@ def test_origin_down_then_back(moto_server: S3Server, proxy: FaultProxy, mountpo
     warm, cold = random_bytes(3 * MiB, 5), random_bytes(3 * MiB, 6)
     bucket = bucket_with(moto_server, {"warm.bin": warm, "cold.bin": cold})
     with mounted_via(proxy, moto_server, bucket, mountpoint, *FAULT_ARGS, "--get-client", get_client,
-                     allowed=(FETCH_FAILED, OPS_FAILED)):
+                     allowed=(FETCH_FAILED, OPS_FAILED)) as m:
         with opened_random(mountpoint / "warm.bin") as fd_warm, opened_random(mountpoint / "cold.bin") as fd_cold:
             read_all_exact(fd_warm, warm)
             assert sorted(os.listdir(mountpoint)) == ["cold.bin", "warm.bin"]
@@ -541,6 +541,11 @@ def test_origin_down_then_back(moto_server: S3Server, proxy: FaultProxy, mountpo
             assert os.stat(mountpoint / "cold.bin").st_size == len(cold)  # metadata within its TTL
             assert sorted(os.listdir(mountpoint)) == ["cold.bin", "warm.bin"]  # the listing too
             assert_eio_in_time(fd_cold, MiB, MiB)
+            # Counted where an alert can see it, and said why (it was "timed out" alone: the refused connections
+            # it had waited out were at debug level, and no number showed the reads that failed).
+            assert mount_stats(mountpoint)["failed_requests"].get("read", 0) >= 1
+            if mode is Down.REFUSE:
+                assert any("cannot reach the endpoint" in line for line in warning_lines(m.log())), m.log()
             proxy.origin_back()
             read_until_ok(fd_cold, cold, MiB, MiB)
             read_all_exact(fd_cold, cold)

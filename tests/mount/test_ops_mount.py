@@ -215,7 +215,8 @@ def test_metrics_show_bytes_moving_during_a_read(moto_server: S3Server, mountpoi
     assert after["modelfs_origin_requests_total"] == after["modelfs_origin_get_seconds_count"] >= 6
     assert after["modelfs_origin_get_seconds_sum"] > 0
     assert after['modelfs_origin_get_seconds_bucket{le="+Inf"}'] == after["modelfs_origin_get_seconds_count"]
-    assert after["modelfs_origin_errors_total"] == 0
+    assert after["modelfs_origin_errors_total"] == after["modelfs_origin_retries_total"] == 0
+    assert "modelfs_failed_requests_total{" not in text  # none failed (a family with no sample is not shown)
     assert after["modelfs_open_files"] == 0
     assert after["modelfs_fetches_inflight"] == 0
     assert 0 < after["modelfs_memory_used_bytes"] <= after["modelfs_memory_limit_bytes"]

@@ -66,3 +66,30 @@ def test_cache_reads_given_up_have_a_row_only_when_there_are_some() -> None:
     stalled = format_stats(snapshot(disk_cache=disk, cache_reads_given_up=3), "/models")
     assert "\ncache reads           3 given up unfinished (a cache level stalled): read from the origin\n" in stalled
     assert "cache reads" not in format_stats(snapshot(disk_cache=disk), "/models")
+
+
+def test_egress_saved_never_goes_down_and_failed_requests_and_retries_are_counted() -> None:
+    """`modelfs_egress_saved_bytes_total` went down when a fetch loaded bytes no READ took yet (a read-ahead, a
+    sparse pread): Prometheus reads a counter that goes down as a reset and counts its whole value again. And an
+    origin outage that failed reads showed nowhere: no count of failed requests, nor of GETs sent again."""
+    import types
+
+    from fsmount.data import ChunkEngine
+    from fsmount.stats import MountStats
+    from tests.unit.fake_store import FakeStore
+
+    store = FakeStore()
+    store.get_retries = 3
+    engine = ChunkEngine(store, chunk_size=MiB, memory_limit=64 * MiB, max_connections=2, read_timeout=5.0)
+    failed = {"read": 2, "lookup": 1}
+    stats = MountStats("models", engine, types.SimpleNamespace(streamed_bytes=0),
+                       types.SimpleNamespace(pushed=0, stored_total=0), failed=lambda: failed)
+    engine.stats.bytes_served_memory, engine.levels.stats.origin_bytes = 128 * MiB, 64 * MiB  # read twice
+    assert stats.snapshot()["egress_saved_bytes"] == 64 * MiB
+    engine.levels.stats.origin_bytes += 8 * MiB  # a chunk read ahead, no READ took it yet
+    first = stats.snapshot()
+    assert first["egress_saved_bytes"] == 64 * MiB  # not 56 MiB
+    assert first["failed_requests"] == failed and first["origin"]["retries"] == 3
+    text = format_stats(first, "/models")
+    assert "errors                requests failed lookup 1 read 2, origin 0" in text, text
+    assert "origin downloads      72.00 MiB in 0 GETs, 0 failed, 3 sent again" in text, text

@@ -580,7 +580,7 @@ def cmd_stats(args: argparse.Namespace) -> int:
         return 0
     try:
         print(format_stats(snapshot, args.mountpoint))
-    except (KeyError, TypeError) as exc:  # a daemon of an older version: its counters have other names
+    except KeyError as exc:  # a daemon of an older version: its counters have other names
         return fail(f"{args.mountpoint}: its daemon runs another version of modelfs, whose stats this one cannot "
                     f"show (no {exc}): restart the mount to run this version, or read them with --json")
     return 0

@@ -155,6 +155,7 @@ class MountStats:
                 "claims": ts.claims, "claim_waits": ts.claim_waits, "fallbacks": ts.fallbacks, "writes": ts.writes,
                 "write_errors": ts.write_errors, "chunk_write_errors": ts.chunk_write_errors,
                 "writes_skipped": ts.writes_skipped, "corrupt": ts.corrupt,
+                "other_format": ts.other_format,
                 "errors": ts.errors,
                 # Writes held back until this node's origin reads were done (trailing.py), those given up
                 # because the NVMe cache no longer held the chunk, and listings that found a node waiting.

@@ -48,7 +48,13 @@ import urllib.parse
 from collections.abc import Callable, Iterator, Sequence
 from typing import Protocol
 
-from fsmount.data.chunk_file import HEADER_READ_BYTES, Corrupt, encode_chunk, read_chunk_stream
+from fsmount.data.chunk_file import (
+    HEADER_READ_BYTES,
+    Corrupt,
+    OtherFormat,
+    encode_chunk,
+    read_chunk_stream,
+)
 from fsmount.data.identity import ChunkId, WritableBuffer
 from fsmount.data.store import AccessDenied, ListingPage, StoreError, TransientError, Unreachable
 from fsmount.data.trailing import TRAIL_WORKERS
@@ -140,6 +146,7 @@ class TierStats:
     chunk_write_errors: int = 0  # of those, chunk objects not written
     writes_skipped: int = 0  # chunks not written because the tier was failing or refusing writes then
     corrupt: int = 0  # chunk objects that failed the identity or checksum check
+    other_format: int = 0  # chunk objects of another version's format (replaced, as corrupt ones are)
     errors: int = 0  # requests that failed (the tier was then skipped for a while)
     waiters_seen: int = 0  # listings of the waiting markers that found another node waiting
 
@@ -161,6 +168,7 @@ class SharedTier:
         self._down_until: float | None = None
         self._writes_paused_until: float | None = None
         self._corrupt_logged = False
+        self._other_format_logged = False
         self._claimed: set[ChunkId] = set()
         self._owner = f"{socket.gethostname()} {os.getpid()}"
         node = hashlib.sha256(f"{self._owner} {time.time_ns()}".encode()).hexdigest()[:32]
@@ -364,6 +372,13 @@ class SharedTier:
         except StoreError as exc:
             self._failed(exc)
             return None
+        except OtherFormat as why:  # written by a node of another version: not damaged, not usable here either
+            with self._lock:
+                self.stats.other_format += 1
+                first, self._other_format_logged = not self._other_format_logged, True
+            (log.info if first else log.debug)(
+                "%s: chunk objects another version of modelfs wrote (%s) are fetched again and replaced", self, why)
+            return _CORRUPT
         except Corrupt as why:
             with self._lock:
                 self.stats.corrupt += 1

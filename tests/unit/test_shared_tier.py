@@ -5,6 +5,7 @@ on SeaweedFS, is tests/mount/test_shared_tier.py."""
 from __future__ import annotations
 
 import io
+import logging
 import threading
 import time
 from collections.abc import Iterator
@@ -145,6 +146,26 @@ def test_a_damaged_or_foreign_object_is_a_miss_never_wrong_bytes(damage: str, al
     }[damage]
     assert t.get(cid) is None
     assert t.stats.corrupt == 1
+
+
+def test_an_object_of_another_format_version_is_a_miss_counted_apart(caplog: pytest.LogCaptureFixture) -> None:
+    """A chunk object a node of another version wrote is not damaged: a miss, not a corrupt-object warning."""
+    import struct
+
+    from fsmount.data.chunk_file import FORMAT_VERSION, PREFIX
+
+    client = DictClient()
+    t = tier(client, read_only=True)
+    cid = chunk()
+    good = bytearray(b"".join(encode_chunk(cid, data_of(cid))))
+    fields = list(PREFIX.unpack_from(good))
+    fields[1] = FORMAT_VERSION - 1
+    struct.pack_into(PREFIX.format, good, 0, *fields)
+    client.objects[t.chunk_key(cid)] = bytes(good)
+    with caplog.at_level(logging.INFO):
+        assert t.get(cid) is None
+    assert (t.stats.corrupt, t.stats.other_format) == (0, 1)
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
 
 
 @pytest.mark.parametrize("when", ["before-the-claim", "while-waiting"])

@@ -129,6 +129,18 @@ def parse_cache_size(text: str) -> CacheSize:
     return CacheSize(bytes=size)
 
 
+def tier_inside_mount(sc: SharedCacheConfig, store: StoreConfig, same_endpoint: bool) -> str | None:
+    """Why the shared tier may not be where it is, if it lies inside what the mount shows (`same_endpoint`: the two
+    endpoints are one server): accepted, its chunk objects showed as files of the mount, and a prefetch of the
+    mount's root read them and wrote chunk objects of them in turn. Checked on the options as given here, and again
+    on the endpoints as the clients resolve them (mount.open_shared_tier: one may come from the AWS configuration)."""
+    if sc.bucket == store.bucket and sc.prefix.startswith(store.prefix) and same_endpoint:
+        return (f"the shared tier ({sc.bucket}, prefix {sc.prefix!r}) lies inside what the mount shows "
+                f"({store.bucket}, prefix {store.prefix!r}): give the tier another bucket, or a "
+                "--shared-cache-prefix outside the mount's --prefix")
+    return None
+
+
 def default_memory_limit() -> int:
     """min(2 GiB, 10% of RAM): room for a window of read-ahead per reader on a GPU node, and little
     enough beside the inference server itself. RAM is the cgroup's limit where that is lower (a pod). Where the
@@ -311,13 +323,10 @@ class MountConfig:
         if (self.allow_overwrite or self.allow_delete) and not self.writable:
             raise ConfigError("--allow-overwrite and --allow-delete need --writable")
         sc = self.shared_cache
-        if sc is not None and sc.bucket == self.store.bucket and sc.prefix.startswith(self.store.prefix) and \
-                (sc.endpoint_url or "").rstrip("/") == (self.store.endpoint_url or "").rstrip("/"):
-            # Accepted, the tier's chunk objects showed as files of the mount, and a prefetch of the mount's root
-            # read them and wrote chunk objects of them in turn.
-            raise ConfigError(f"the shared tier ({sc.bucket}, prefix {sc.prefix!r}) lies inside what the mount "
-                              f"shows ({self.store.bucket}, prefix {self.store.prefix!r}): give the tier another "
-                              "bucket, or a --shared-cache-prefix outside the mount's --prefix")
+        inside = sc is not None and tier_inside_mount(
+            sc, self.store, (sc.endpoint_url or "").rstrip("/") == (self.store.endpoint_url or "").rstrip("/"))
+        if inside:
+            raise ConfigError(inside)
         if not MIN_WRITE_PART_SIZE <= self.write_part_size <= MAX_WRITE_PART_SIZE:
             raise ConfigError("--write-part-size must be between 5M and 5G (S3's part sizes)")
         if self.writable and 2 * self.write_part_size > self.chunk_memory:

@@ -29,7 +29,7 @@ import pyfuse3
 import trio
 
 from fsmount import residency
-from fsmount.config import MiB, MountConfig, StoreConfig, virtual_style_ignored
+from fsmount.config import MiB, MountConfig, StoreConfig, tier_inside_mount, virtual_style_ignored
 from fsmount.data import (
     DISK_THREADS,
     PUT_THREADS,
@@ -91,6 +91,8 @@ STOP_GRACE_WRITING_S = 20.0
 PUSH_STOP_S = 5.0
 # A cache dir with room for fewer chunks than this is worth a warning at mount.
 CACHE_ROOM_CHUNKS = 4
+# The most an unmounted daemon waits to say in its cache dir's lock file that it is draining (a stalled disk).
+MARK_DRAINING_S = 1.0
 # Descriptors a daemon holds besides its connections and cache files (/dev/fuse, epoll, trio's wakeup pair, the log,
 # the cache dir's lock, the metrics socket, botocore's control-plane connections), with room to spare; and how far
 # raise_open_file_limit raises a soft limit whose hard one is unlimited.
@@ -379,6 +381,11 @@ def open_shared_tier(cfg: MountConfig, origin: Boto3Store) -> SharedTier:
         client = Boto3Store(tier_store, retries=SHARED_TIER_RETRIES, sign_payloads=False)
     except Exception as exc:  # noqa: BLE001 - botocore's ProfileNotFound and the like: say it is the tier's
         raise MountError(f"--shared-cache-*: {exc}") from None
+    inside = tier_inside_mount(shared, cfg.store, origin_identity(origin.endpoint_url, "") ==
+                               origin_identity(client.endpoint_url, ""))
+    if inside:  # the endpoints as the clients resolved them: one may come from the AWS configuration
+        raise MountError(inside)
+    answered = True
     try:
         client.check_bucket(shared.prefix)
     except (BucketMissing, AccessDenied) as exc:
@@ -386,10 +393,12 @@ def open_shared_tier(cfg: MountConfig, origin: Boto3Store) -> SharedTier:
     except StoreError as exc:
         log.warning("shared cache %s does not answer (%s); reading from the origin until it does",
                     shared.bucket, exc.message)
+        answered = False
     tier = SharedTier(client, origin=origin_identity(origin.configured_endpoint_url, origin.region),
                       prefix=shared.prefix, wait=shared.wait, read_only=shared.read_only,
                       threads=cfg.store.max_connections)
-    tier.probe_claims()
+    if answered:  # (a tier that did not answer the check would make the probe wait its timeout again)
+        tier.probe_claims()
     log.info("%s: %s", tier, "read-only" if shared.read_only else
              "claims on" if tier.claims else "claims off")
     return tier
@@ -641,6 +650,9 @@ class Daemon:
             with self._requests:
                 await pyfuse3.main()
             self._served = True
+            if self.disk_cache is not None:  # a mount of its cache dir started now waits for the drains below
+                with trio.move_on_after(MARK_DRAINING_S):
+                    await trio.to_thread.run_sync(self.disk_cache.mark_draining, abandon_on_cancel=True)
             if self.writes is not None:
                 await self.writes.abort_all()
                 await self.writes.drain_cache_fills()

@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import logging
 import os
 import shutil
 import stat
 import sys
+import time
 from collections.abc import Iterator
 
 from fsmount.config import CacheSize
@@ -24,7 +26,16 @@ CHUNKS_DIR = "chunks"
 # Where a --writable mount keeps local copies of the files being written (write_staging.py). What a killed one left
 # there is garbage to whoever holds the dir's lock next: no mount is writing there then.
 WRITES_DIR = "writes"
+log = logging.getLogger(__name__)
+
 LOCK_FILE = "lock"
+# Written after the holder's pid in `lock` once its mount is gone and it only writes what it fetched (mark_draining):
+# the next comer waits for it, up to DRAINING_WAIT_S, instead of being refused. A restart script's `modelfs unmount
+# X && modelfs mount X` failed "cache dir in use" while the old daemon wrote its last chunks to a shared tier (2.7 s).
+DRAINING = "draining"
+# The longest a daemon's stop takes, its drains bounded (aborted uploads, cache writes, claims: 110 s at worst with
+# --writable and a shared tier, the systemd unit's comment), with little more; below the CLI's wait for a mount.
+DRAINING_WAIT_S = 115.0
 TMP_SUFFIX = ".tmp"
 _HEX = frozenset("0123456789abcdef")
 
@@ -137,15 +148,8 @@ def acquire_dir_lock(root: str) -> int:
         # after an upgrade excludes `modelfs cache clear` and new mounts, and is excluded by them.
         file_fd = _open_lock_file(path, os.O_RDONLY | os.O_CREAT)
         for held in (fd, file_fd):
-            if held is None:
-                continue
-            try:
-                fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                raise CacheDirBusy(
-                    f"cache dir {root} is in use by another modelfs mount or cache command (pid {_holder(path)}); "
-                    f"a cache dir serves one mount or command at a time: unmount it (or let the command finish) "
-                    f"first, or use another cache dir") from None
+            if held is not None:
+                _flock_or_wait_for_draining(held, root, path)
         _write_pid(path)
     except BaseException:
         if file_fd is not None:
@@ -155,6 +159,40 @@ def acquire_dir_lock(root: str) -> int:
     if file_fd is not None:
         _LOCK_FILES[fd] = file_fd
     return fd
+
+
+def _flock_or_wait_for_draining(fd: int, root: str, path: str) -> None:
+    """flock `fd`; while another holds it, and says it is draining, wait for it up to DRAINING_WAIT_S."""
+    deadline = None
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            holder = _holder(path).split()
+            if holder[1:] != [DRAINING] or (deadline is not None and time.monotonic() > deadline):
+                raise CacheDirBusy(
+                    f"cache dir {root} is in use by another modelfs mount or cache command (pid {holder[0]}); a "
+                    f"cache dir serves one mount or command at a time: unmount it (or let the command finish) first, "
+                    f"or use another cache dir") from None
+            if deadline is None:
+                deadline = time.monotonic() + DRAINING_WAIT_S
+                log.info("cache dir %s: waiting for the daemon of the mount before (pid %s), unmounted, to finish "
+                         "writing what it fetched (up to %g s)", root, holder[0], DRAINING_WAIT_S)
+            time.sleep(0.1)
+
+
+def mark_draining(root: str) -> None:
+    """Say in `lock` that this holder's mount is gone and it only finishes its writes (DRAINING). Best effort: a
+    read-only cache dir keeps its file, and the next comer is refused as before."""
+    pid_fd = _open_lock_file(os.path.join(root, LOCK_FILE), os.O_WRONLY)
+    if pid_fd is None:
+        return
+    try:
+        os.ftruncate(pid_fd, 0)
+        os.write(pid_fd, f"{os.getpid()} {DRAINING}\n".encode())
+    finally:
+        os.close(pid_fd)
 
 
 # The `lock` file descriptors held beside each directory lock (acquire_dir_lock), by the directory's descriptor.
@@ -182,6 +220,7 @@ def _open_lock_file(path: str, flags: int) -> int | None:
 
 
 def _holder(path: str) -> str:
+    """What the holder wrote in `lock`: its pid, and DRAINING after it if so."""
     try:
         pid_fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
     except OSError:

@@ -59,6 +59,7 @@ from fsmount.data.cache_dir import (
     bytes_for_fraction,
     chunk_path,
     free_bytes,
+    mark_draining,
     real_dir,
     release_dir_lock,
     scan_chunk_files,
@@ -250,6 +251,11 @@ class DiskCache:
             os.makedirs(path, 0o700, exist_ok=True)
 
     # -- lifecycle -------------------------------------------------------------------------------
+
+    def mark_draining(self) -> None:
+        """Say in the dir's `lock` that this mount is gone and only its writes go on: a mount of the dir started
+        meanwhile waits for them instead of being refused (cache_dir.DRAINING)."""
+        mark_draining(self.root)
 
     def close(self) -> None:
         # Not waiting for good for a lock that a rename stuck on a stalled disk holds (an unmount then hung until

@@ -213,7 +213,8 @@ class SharedTier:
         try:
             first = self.client.put_object(key, b"probe", only_if_absent=True)
             second = self.client.put_object(key, b"probe", only_if_absent=True)
-            self.client.delete_object(key)
+            if not self._probe_delete(key):
+                return
         except (Unreachable, TransientError):
             return  # not an answer: claims stay on, and the tier is tried as reads go
         except AccessDenied as exc:
@@ -233,6 +234,20 @@ class SharedTier:
         self.claims = False
         log.warning("%s does not support conditional writes (%s): running without claims, so nodes that "
                     "start together may each fetch a chunk from the origin", self, reason)
+
+    def _probe_delete(self, key: str) -> bool:
+        """Delete the probe's key; False (claims off, one warning) if the tier refuses deletes. A claim this node
+        cannot drop holds the other nodes up for --shared-cache-wait on every chunk it claimed, and each fetches
+        it from the origin after all (22 origin GETs for 13 chunks on two nodes, measured); its chunk writes
+        then pause too."""
+        try:
+            self.client.delete_object(key)
+        except AccessDenied as exc:
+            self.claims = False
+            log.warning("%s refuses deletes (%s): running without claims, since a claim this node could not drop "
+                        "would hold the other nodes up; give the credentials s3:DeleteObject on it", self, exc.message)
+            return False
+        return True
 
     # -- ChunkCache ----------------------------------------------------------------------------
 

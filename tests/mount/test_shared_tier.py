@@ -744,3 +744,46 @@ def test_refused_tier_credentials_fail_the_mount(fleet: Fleet) -> None:
                              "--shared-cache-profile", "tier")
     assert "--shared-cache-bucket:" in stderr and "access denied" in stderr, stderr
     assert "wrong-tier-secret" not in stderr
+
+
+def test_a_tier_inside_the_mounted_bucket_is_refused_however_its_endpoint_is_spelled(fleet: Fleet) -> None:
+    """The same server given once with a trailing slash and capitals, or once from the AWS configuration: the check
+    compared the option strings, so the mount came up with the tier's chunk objects among its files, and a
+    prefetch of its root wrote chunk objects of them in turn (13 became 38, a fleet tester)."""
+    fleet = fleet_with(fleet, MiB, seed=15)
+    url = fleet.server.endpoint_url
+    env = daemon_env(fleet.server)
+    for n, (tier_endpoint, more_env) in enumerate([(url.replace("http://", "HTTP://") + "/", {}),
+                                                   (None, {"AWS_ENDPOINT_URL_S3": url})]):
+        args = ("--shared-cache-bucket", fleet.origin) + (
+            ("--shared-cache-endpoint-url", tier_endpoint) if tier_endpoint else ())
+        stderr = mount_must_fail(fleet, fleet.tmp / f"mnt-{n}", {**env, **more_env}, *args)
+        assert "lies inside what the mount shows" in stderr, stderr
+
+
+def test_a_mount_right_after_an_unmount_waits_for_the_old_daemon_to_finish_writing(fleet: Fleet) -> None:
+    """`modelfs unmount X && modelfs mount X` (a restart script) failed "cache dir ... is in use" while the old
+    daemon, unmounted, still wrote its last chunks to the shared tier: the node did not come up (a fleet tester).
+    The old daemon says in the cache dir's lock file that it is draining, and the new one waits for it."""
+    from fsmount.data.cache_dir import acquire_dir_lock, release_dir_lock
+
+    fleet = fleet_with(fleet, 4 * CHUNK, seed=16)
+    cache = fleet.cache_dir("restart")
+    mountpoint = fleet.tmp / "mnt-restart"
+    mountpoint.mkdir()
+    env = daemon_env(fleet.server)
+    with FaultProxy(fleet.server.endpoint_url) as slow_tier:
+        slow_tier.inject(Fault.LATENCY, seconds=0.5, data_only=False)  # the tier's writes take seconds to drain
+        args = ("--endpoint-url", fleet.server.endpoint_url, *fleet.tier_args(endpoint=slow_tier.endpoint_url),
+                "--cache-dir", str(cache))
+        try:
+            assert run_modelfs("mount", fleet.origin, str(mountpoint), *args, env=env).returncode == 0
+            assert file_digest(mountpoint / KEY) == sha(fleet.body)
+            assert run_modelfs("unmount", str(mountpoint)).returncode == 0
+            res = run_modelfs("mount", fleet.origin, str(mountpoint), *args, env=env, timeout=180)
+            assert res.returncode == 0, res.stderr
+            assert file_digest(mountpoint / KEY) == sha(fleet.body)
+        finally:
+            if os.path.ismount(mountpoint):
+                run_modelfs("unmount", str(mountpoint))
+            release_dir_lock(acquire_dir_lock(str(cache)))  # the last daemon is done (it too drains first)

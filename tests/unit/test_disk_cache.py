@@ -1184,3 +1184,23 @@ def test_a_cache_size_share_of_a_filesystem_without_a_size_is_a_clear_error(monk
         for i in range(3):
             cache.put(chunk_id(i), payload(chunk_id(i)))
         assert cache.get(chunk_id(2)) == payload(chunk_id(2)) and cache.stats.chunks == 2
+
+
+def test_a_mount_waits_for_a_cache_dir_whose_holder_is_draining_and_is_refused_by_a_live_one(
+        tmp_path: Path) -> None:
+    """`modelfs unmount X && modelfs mount X` failed "cache dir in use" while the old daemon, unmounted, still
+    wrote its last chunks (to a shared tier: 2.7 s). A holder that says it is draining is waited for; a live mount
+    is refused at once, as before."""
+    from fsmount.data.cache_dir import CacheDirBusy
+
+    first = DiskCache(tmp_path, BIG, min_free_bytes=0)
+    began = time.monotonic()
+    with pytest.raises(CacheDirBusy, match=rf"in use by another modelfs mount or cache command \(pid {os.getpid()}\)"):
+        DiskCache(tmp_path, BIG, min_free_bytes=0)
+    assert time.monotonic() - began < 1
+    first.mark_draining()
+    threading.Timer(0.5, first.close).start()  # its drains end
+    began = time.monotonic()
+    with DiskCache(tmp_path, BIG, min_free_bytes=0) as second:
+        assert 0.4 < time.monotonic() - began < 5
+        second.put(chunk_id(1), payload(chunk_id(1)))

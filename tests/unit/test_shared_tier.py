@@ -394,6 +394,24 @@ def test_a_probe_refused_for_permission_leaves_claims_on_and_says_so(caplog: pyt
     assert "refuses writes" in caplog.text and "does not support conditional writes" not in caplog.text
 
 
+def test_a_tier_that_takes_puts_but_refuses_deletes_runs_without_claims(caplog: pytest.LogCaptureFixture,
+                                                                         allowed_logs: list[str]) -> None:
+    """Credentials with s3:PutObject and not s3:DeleteObject: the node claimed every chunk, could drop none, and the
+    other node waited on each claim then fetched the chunk itself (22 origin GETs for 13 chunks), while the warning
+    said this node "only reads" the tier."""
+    allowed_logs.append("refuses deletes")
+
+    class RefusesDeletes(DictClient):
+        def delete_object(self, key: str) -> None:
+            raise AccessDenied("access denied to bucket 'tier' (AccessDenied)")
+
+    t = tier(RefusesDeletes())
+    t.probe_claims()
+    assert not t.claims
+    assert "refuses deletes" in caplog.text and "only reads" not in caplog.text
+    assert t.get(chunk()) is None and t.stats.claims == 0  # a miss goes to the origin at once, claiming nothing
+
+
 def test_a_probe_the_tier_does_not_answer_leaves_claims_on() -> None:
     client = DictClient()
     client.fail = Unreachable("connection refused")

@@ -40,7 +40,10 @@ def test_shared_tier_loads_are_not_called_nvme_ones() -> None:
             "corrupt": 0, "errors": 0, "egress_saved_bytes": 8 * MiB, "trailed": 1, "trail_dropped": 0,
             "waiters_seen": 0}
     text = format_stats(snapshot(shared_cache=tier), "/models")
-    assert "1 written (1 after the load, 0 given up)" in text, text
+    assert "1 written (1 after the load, 0 given up)\n" in text, text
+    # Chunks not written while the tier failed showed in the JSON alone (a fleet tester).
+    skipped = format_stats(snapshot(shared_cache={**tier, "writes_skipped": 13}), "/models")
+    assert "1 written (1 after the load, 0 given up), 13 not written (the tier failed or refused writes)" in skipped
     assert "read from NVMe cache or shared tier" in text and "read from NVMe cache  " not in text
     assert "(chunks loaded from the NVMe cache: 8.00 MiB, from the shared tier: 8.00 MiB)" in text, text
     alone = format_stats(snapshot(), "/models")

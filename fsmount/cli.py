@@ -63,6 +63,12 @@ IGNORED_MOUNT_OPTIONS = {"defaults", "_netdev", "nofail", "noauto", "auto", "use
                          "owner", "group", "dev", "nodev", "suid", "nosuid", "exec", "noexec", "atime",
                          "noatime", "relatime", "strictatime", "nodiratime", "diratime", "sync", "async",
                          "rw", "silent", "loud"}
+# libfuse's own -o options: refused as ours are not them (taken as the start of one of ours, `max_read=` became
+# `--max-readahead`: a 128 KiB read-ahead, silently).
+LIBFUSE_OPTIONS = frozenset({"max_read", "max_write", "max_background", "congestion_threshold", "blksize", "fsname",
+                             "subtype", "default_permissions", "allow_root", "auto_unmount", "kernel_cache",
+                             "auto_cache", "direct_io", "entry_timeout", "attr_timeout", "negative_timeout", "umask",
+                             "sync_read", "async_read", "big_writes", "writeback_cache"})
 # -o flags that map to a differently named command-line flag.
 MOUNT_OPTION_ALIASES = {"nonempty": "allow_non_empty"}
 # `modelfs cleanup` leaves uploads younger than this alone (a mount may still be writing them); the
@@ -277,13 +283,17 @@ def expand_mount_options(argv: list[str]) -> list[str]:
                 out.append("--mount-ro")
                 continue
             key = MOUNT_OPTION_ALIASES.get(key, key)
+            if key.replace("-", "_") in LIBFUSE_OPTIONS:
+                raise ConfigError(f"mount option {key!r} (in -o {opts}) is libfuse's, and modelfs sets it itself: "
+                                  "leave it out")
             known = mount_option_strings() if known is None else known
+            documented = documented_long_options()
             flag = "--" + key.replace("_", "-")
-            if flag not in known:
-                # The first words of one option, as argparse takes them on the command line (`endpoint=` for
+            if flag not in documented:
+                # A unique prefix of one option, as argparse takes it on the command line (`endpoint=` for
                 # endpoint_url=): fstab lines written so for earlier versions, which passed -o keys on to argparse,
-                # mount as they did. Whole words only: libfuse's max_read= is not max_readahead=.
-                longer = sorted(name for name in documented_long_options() if name.startswith(flag + "-"))
+                # mount as they did. Never an internal option (`ready_fd=`).
+                longer = sorted(name for name in documented if name.startswith(flag))
                 if len(longer) != 1:
                     could = f" (could be {', '.join(n[2:].replace('-', '_') for n in longer)})" if longer else ""
                     raise ConfigError(f"unknown mount option {opt.partition('=')[0]!r} in -o {opts}{could}")

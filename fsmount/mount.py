@@ -650,7 +650,12 @@ class Daemon:
             with self._requests:
                 await pyfuse3.main()
             self._served = True
-            if self.disk_cache is not None:  # a mount of its cache dir started now waits for the drains below
+            # A mount started now in this one's place waits for the drains below (its cache dir's lock), and needs
+            # the metrics port this one holds: a restart script's `modelfs unmount && modelfs mount` failed "in use".
+            if self.metrics is not None:
+                metrics, self.metrics = self.metrics, None
+                await trio.to_thread.run_sync(metrics.close)
+            if self.disk_cache is not None:
                 with trio.move_on_after(MARK_DRAINING_S):
                     await trio.to_thread.run_sync(self.disk_cache.mark_draining, abandon_on_cancel=True)
             if self.writes is not None:
@@ -802,6 +807,8 @@ def run(cfg: MountConfig, ready: Callable[[str | None], None]) -> int:
         # Before the mount answered (out of descriptors for trio's own sockets at `ulimit -n 11`): one line, as a
         # pre-flight failure says it, not a traceback and "run with --foreground to see why".
         log.debug("serving failed before the mount was ready", exc_info=True)
+        while isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:  # a nursery's: say what it holds
+            exc = exc.exceptions[0]
         why = exc.strerror if isinstance(exc, OSError) and exc.strerror else exc
         ready(f"cannot start serving {mountpoint}: {why}")
     except BaseException:

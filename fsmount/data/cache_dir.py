@@ -33,9 +33,12 @@ LOCK_FILE = "lock"
 # the next comer waits for it, up to DRAINING_WAIT_S, instead of being refused. A restart script's `modelfs unmount
 # X && modelfs mount X` failed "cache dir in use" while the old daemon wrote its last chunks to a shared tier (2.7 s).
 DRAINING = "draining"
-# The longest a daemon's stop takes, its drains bounded (aborted uploads, cache writes, claims: 110 s at worst with
-# --writable and a shared tier, the systemd unit's comment), with little more; below the CLI's wait for a mount.
-DRAINING_WAIT_S = 115.0
+# How long the next comer waits: a read-only mount's drains take at most 40 s (cache writes 30 s, tier claims 10 s);
+# well below the 120 s `modelfs mount` and the systemd unit give a daemon to come up, its other checks included.
+DRAINING_WAIT_S = 60.0
+# A holder that does not say it is draining may be about to: its mount is gone and it writes the word next
+# (mark_draining). The next comer looks again this long before it is refused.
+DRAINING_GRACE_S = 1.0
 TMP_SUFFIX = ".tmp"
 _HEX = frozenset("0123456789abcdef")
 
@@ -163,13 +166,16 @@ def acquire_dir_lock(root: str) -> int:
 
 def _flock_or_wait_for_draining(fd: int, root: str, path: str) -> None:
     """flock `fd`; while another holds it, and says it is draining, wait for it up to DRAINING_WAIT_S."""
-    deadline = None
+    deadline, grace = None, time.monotonic() + DRAINING_GRACE_S
     while True:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             return
         except BlockingIOError:
-            holder = _holder(path).split()
+            holder = _holder(path).split() or ["unknown"]
+            if holder[1:] != [DRAINING] and time.monotonic() < grace:
+                time.sleep(0.1)
+                continue
             if holder[1:] != [DRAINING] or (deadline is not None and time.monotonic() > deadline):
                 raise CacheDirBusy(
                     f"cache dir {root} is in use by another modelfs mount or cache command (pid {holder[0]}); a "
@@ -183,16 +189,12 @@ def _flock_or_wait_for_draining(fd: int, root: str, path: str) -> None:
 
 
 def mark_draining(root: str) -> None:
-    """Say in `lock` that this holder's mount is gone and it only finishes its writes (DRAINING). Best effort: a
-    read-only cache dir keeps its file, and the next comer is refused as before."""
-    pid_fd = _open_lock_file(os.path.join(root, LOCK_FILE), os.O_WRONLY)
-    if pid_fd is None:
-        return
+    """Say in `lock` that this holder's mount is gone and it only finishes its writes (DRAINING). Best effort, never
+    raised (a lock file removed, a read-only cache dir): the next comer is then refused as before."""
     try:
-        os.ftruncate(pid_fd, 0)
-        os.write(pid_fd, f"{os.getpid()} {DRAINING}\n".encode())
-    finally:
-        os.close(pid_fd)
+        _write_holder(os.path.join(root, LOCK_FILE), f"{os.getpid()} {DRAINING}\n")
+    except OSError as exc:
+        log.debug("cache dir %s: cannot say it is draining: %s", root, exc)
 
 
 # The `lock` file descriptors held beside each directory lock (acquire_dir_lock), by the directory's descriptor.
@@ -236,12 +238,19 @@ def _holder(path: str) -> str:
 def _write_pid(path: str) -> None:
     """This process's pid into `lock`, for the next comer's message. A read-only cache dir keeps the file it has,
     or none."""
+    _write_holder(path, f"{os.getpid()}\n")
+
+
+def _write_holder(path: str, text: str) -> None:
+    """`text` into `lock`: written over the old text, then cut to its length, so that a reader never finds the
+    file empty. A read-only cache dir keeps the file it has, or none."""
     pid_fd = _open_lock_file(path, os.O_WRONLY | os.O_CREAT)
     if pid_fd is None:
         return
     try:
-        os.ftruncate(pid_fd, 0)
-        os.write(pid_fd, f"{os.getpid()}\n".encode())
+        data = text.encode()
+        os.pwrite(pid_fd, data, 0)
+        os.ftruncate(pid_fd, len(data))
     finally:
         os.close(pid_fd)
 

@@ -17,9 +17,10 @@ write); levels and the store are blocking and run in threads under the stack's o
 `LatencyHistogram` is read from the metrics thread too, so it holds a lock for each update.
 `_overdue[i]` counts the reads of local level i given up on their deadline (GET_DEADLINE_S) whose thread has not
 returned yet: each runs in a task of its own, which holds a second reservation of its chunk's length in the
-memory budget (`overdraw`: the buffer the late read may still write into) and decrements the count when the read
-returns. While it is above 0, and for `get_deadline` after it drops to 0 (`_skip_until[i]`), the level is skipped:
-not asked, not written, and `holds` says no.
+memory budget (`overdraw`, within OVERDRAW_SHARE of it, `_overdrawn`: the buffer the late read may still write
+into) and decrements the count when the read returns. A read still queued for the level's limiter when given up
+is cancelled instead: no thread has its buffer. While the count is above 0, and for `get_deadline` after it drops
+to 0 (`_skip_until[i]`), the level is skipped: not asked, not written, and `holds` says no.
 """
 
 from __future__ import annotations
@@ -75,6 +76,10 @@ GET_DEADLINE_S = 10.0
 GET_DEADLINE_MIN_S = 2.0
 # A read given up is a warning at most this often per level (a disk that stalls now and then is one episode).
 GET_WARN_EVERY_S = 300.0
+# The most of the memory budget that reads given up are counted for (their buffers, until they return): past it
+# they hold memory outside the budget (at most DISK_THREADS chunks per level: only reads a thread has are kept).
+# Counted in full, a disk that never answers again kept the budget full, and every fetch waited for room for good.
+OVERDRAW_SHARE = 0.5
 # Object versions whose GET the bucket refused as gone (412: replaced, 404: deleted), remembered for GONE_FOR_S
 # so that the other chunks of a version fail at once instead of each sending a GET that would be refused too
 # (a reader going on through a replaced file sent one per chunk). Not for longer: a version can come back (the
@@ -230,6 +235,10 @@ class LevelStack:
                                                                   for level in self.levels]
         self._overdue = [0] * n  # reads given up and not returned yet, per level (see the module's rules)
         self._skip_until = [-math.inf] * n  # and skipped until then after they returned (trio time)
+        self._overdrawn = 0  # bytes those reads hold that the budget counts (budget.overdraw), all levels
+        # For level reads: each takes its level's limiter itself first (_get_within_deadline), queued where it can
+        # be dropped; the thread call then waits for nothing more.
+        self._unlimited = trio.CapacityLimiter(math.inf)
         self._warned_at = [-math.inf] * n  # the last warning of a read given up, per level
         self._writes_pending = 0
         self._writes_changed = trio.Event()
@@ -300,22 +309,28 @@ class LevelStack:
     async def _get_within_deadline(self, nursery: trio.Nursery, i: int, cid: ChunkId, buffer: mmap.mmap | None,
                                    length: int) -> tuple[bool, Any]:
         """(True, level i's answer: bytes or None), or, if it did not come within `get_deadline`, (False, a buffer
-        for the chunk from the origin). The read given up goes on in its task, and keeps a reservation of `length`
-        in the budget (for the old buffer, or the bytes it returns) until it returns (_overdue)."""
+        for the chunk from the origin). A read still queued for the level's threads then is dropped (nothing has
+        its buffer, which is handed back); one a thread has goes on in its task, and keeps its buffer counted in the
+        budget (within OVERDRAW_SHARE of it) until it returns (_overdue)."""
         done = trio.Event()
         outcome: list[Any] = []
-        given_up = False
+        given_up, reading, counted = False, False, 0
+        queued = trio.CancelScope()
 
         async def get() -> None:
+            nonlocal reading
             try:
-                outcome.append(await self._run_blocking(self.levels[i].get, cid, buffer,
-                                                        limiter=self._get_limiters[i]))
+                with queued:
+                    async with self._get_limiters[i]:  # queued here, cancellable: no thread has the buffer yet
+                        reading = True
+                        outcome.append(await self._run_blocking(self.levels[i].get, cid, buffer,
+                                                                limiter=self._unlimited))
             except Exception as exc:  # noqa: BLE001 - raised again in load, or dropped if given up
                 outcome.append(exc)
             finally:
                 done.set()
                 if given_up:
-                    self._read_returned(i, length)
+                    self._read_returned(i, counted)
 
         nursery.start_soon(get)
         with trio.move_on_after(self.get_deadline):
@@ -326,23 +341,35 @@ class LevelStack:
             if isinstance(outcome[0], Exception):
                 raise outcome[0]
             return True, outcome[0]
+        self.stats.reads_given_up += 1
+        self._warn_given_up(i, cid)
+        if not reading:  # behind the level's stuck reads: dropped, and its buffer is the origin's to fill
+            queued.cancel()
+            self._skip_until[i] = max(self._skip_until[i], trio.current_time() + self.get_deadline)
+            return False, buffer
         # No await from here until given_up is set: the task's finally must see it if the read returns.
         given_up = True
         self._overdue[i] += 1
-        self.stats.reads_given_up += 1
         if self._memory is not None:
-            self._memory.overdraw(length)  # the old buffer, until its read returns (budget.overdraw: never waits)
+            # The old buffer, until its read returns (budget.overdraw: never waits). Counted within a share of the
+            # budget only: fetches must go on beside reads that never return (a dead disk).
+            counted = min(length, max(0, int(self._memory.limit * OVERDRAW_SHARE) - self._overdrawn))
+            self._overdrawn += counted
+            self._memory.overdraw(counted)
+        return False, new_buffer(length) if length == cid.chunk_size else None
+
+    def _warn_given_up(self, i: int, cid: ChunkId) -> None:
         now = trio.current_time()
         if now - self._warned_at[i] >= GET_WARN_EVERY_S:
             self._warned_at[i] = now
             log.warning("a read of chunk %d of %r from cache level %d did not return within %g s (a stalled cache "
                         "disk?): read from the origin; the level is skipped until its reads return, and %g s more",
                         cid.index, cid.key, i, self.get_deadline, self.get_deadline)
-        return False, new_buffer(length) if length == cid.chunk_size else None
 
-    def _read_returned(self, i: int, length: int) -> None:
+    def _read_returned(self, i: int, counted: int) -> None:
         if self._memory is not None:
-            self._memory.release(length)
+            self._memory.release(counted)
+            self._overdrawn -= counted
         self._overdue[i] -= 1
         if not self._overdue[i]:
             # Not at once: a disk a little slower than the deadline gave up a read, came back, and gave up the next

@@ -61,6 +61,16 @@ class WrongRegion(StoreError):
     def __init__(self, message: str, region: str):
         super().__init__(message)
         self.region = region
+        self.signed_for: str | None = None  # the region of the URL refused, where it says (RangeGetter._get)
+
+
+_SCOPE_RE = re.compile(r"X-Amz-Credential=[^&/]+(?:/|%2F)\d{8}(?:/|%2F)([a-z0-9-]+)(?:/|%2F)", re.IGNORECASE)
+
+
+def _signed_region(url: str) -> str | None:
+    """The region a presigned SigV4 URL is signed for."""
+    found = _SCOPE_RE.search(url)
+    return found.group(1) if found else None
 # A body longer than twice this is received with the socket's receive low-water mark (SO_RCVLOWAT) at this
 # many bytes, up to its last this-many bytes: a fetch thread then wakes once per MiB that arrived instead of
 # once per burst of segments (~180 KB on loopback). 16 threads of 8 MiB GETs of 1 GiB from SeaweedFS on
@@ -117,11 +127,11 @@ class RangeGetter:
     def __init__(self, presign: Callable[[str], str], *, bucket: str, pool_size: int, connect_timeout: float,
                  read_timeout: float, ssl_context: ssl.SSLContext | None = None,
                  presign_put: Callable[[str], str] | None = None, presign_delete: Callable[[str], str] | None = None,
-                 on_wrong_region: Callable[[str], bool] | None = None):
+                 on_wrong_region: Callable[[str], object] | None = None):
         """`presign(key)` returns a signed GET URL of the key, valid for URL_EXPIRES_S; `presign_put(key)` a
         signed PUT URL (for `put`), `presign_delete(key)` a signed DELETE URL (for `delete`).
         `on_wrong_region(region)`, if given, is told the bucket's region when a GET signed for another one is
-        refused; if it returns True, `presign` signs for it from then on, and the GET is sent again once."""
+        refused; `presign` signs for it from then on, and the GET is sent again once."""
         self._presign = presign
         self._on_wrong_region = on_wrong_region
         self._presign_put = presign_put
@@ -181,9 +191,12 @@ class RangeGetter:
             self._get(key, etag, start, buffer, what, fresh_url=True)
         except WrongRegion as exc:
             # Signed for the region the AWS configuration said, while the bucket is elsewhere: botocore follows
-            # such redirects for listings, so the mount listed and every read failed. Sign for the bucket's.
-            if self._on_wrong_region is None or not self._on_wrong_region(exc.region):
-                raise  # signed for that region already: the endpoint is another region's (--endpoint-url)
+            # such redirects for listings, so the mount listed and every read failed. Sign for the bucket's, and
+            # send it again once, unless the refused URL was signed for that region already (the endpoint is
+            # another region's: --endpoint-url). GETs in flight when another switched get their retry too.
+            if self._on_wrong_region is None or exc.signed_for == exc.region:
+                raise
+            self._on_wrong_region(exc.region)
             with self._lock:
                 self._urls.clear()  # every URL signed so far is for the old region
             self._get(key, etag, start, buffer, what, fresh_url=True)
@@ -194,10 +207,14 @@ class RangeGetter:
         headers = {"Range": f"bytes={start}-{start + want - 1}", "Accept-Encoding": "identity"}
         if etag:
             headers["If-Match"] = etag
-        origin, conn, resp = self._request(self._url(key, fresh_url), headers, what)
+        url = self._url(key, fresh_url)
+        origin, conn, resp = self._request(url, headers, what)
         reusable = False
         try:
             reusable = self._read(resp, conn.sock, start, want, etag, buffer, what)
+        except WrongRegion as exc:
+            exc.signed_for = _signed_region(url)
+            raise
         except (http.client.HTTPException, OSError) as exc:
             # Reset, timeout, a response cut short: worth another try.
             raise TransientError(f"{what}: {type(exc).__name__}: {exc}") from None

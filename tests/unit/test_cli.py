@@ -62,11 +62,14 @@ def test_fstab_options_abbreviated_as_earlier_versions_took_them_still_mount() -
     with pytest.raises(ConfigError, match=r"unknown mount option 'cache' in -o cache=/x \(could be cache_dir, "
                                           r"cache_size\)"):
         expand_mount_options(["mount", "b", "/m", "-o", "cache=/x"])
-    # Whole words only, and no internal option: libfuse's max_read= is not max_readahead= (a 128 KiB read-ahead,
-    # silently), and ready= is not the daemon's --ready-fd.
-    for opts in ("max_read=131072", "ready=7", "endp=http://h:1"):
+    assert expand_mount_options(["mount", "b", "/m", "-o", "max_conn=32,endp=http://h:1"])[3:] == [
+        "--max-connections=32", "--endpoint-url=http://h:1"]  # any unique prefix, as argparse took it
+    # Never an internal option, nor libfuse's own: max_read= is not max_readahead= (a 128 KiB read-ahead, silently).
+    for opts in ("ready=7", "ready_fd=7", "mount_ro"):
         with pytest.raises(ConfigError, match=f"unknown mount option '{opts.partition('=')[0]}'"):
             expand_mount_options(["mount", "b", "/m", "-o", opts])
+    with pytest.raises(ConfigError, match="mount option 'max_read' .* is libfuse's"):
+        expand_mount_options(["mount", "b", "/m", "-o", "max_read=131072"])
 
 
 def test_a_fstab_flag_with_a_value_or_an_option_without_one_is_named() -> None:

@@ -1197,10 +1197,16 @@ def test_a_mount_waits_for_a_cache_dir_whose_holder_is_draining_and_is_refused_b
     began = time.monotonic()
     with pytest.raises(CacheDirBusy, match=rf"in use by another modelfs mount or cache command \(pid {os.getpid()}\)"):
         DiskCache(tmp_path, BIG, min_free_bytes=0)
-    assert time.monotonic() - began < 1
+    assert time.monotonic() - began < 3  # a live holder: refused (after DRAINING_GRACE_S), not waited for
     first.mark_draining()
     threading.Timer(0.5, first.close).start()  # its drains end
     began = time.monotonic()
     with DiskCache(tmp_path, BIG, min_free_bytes=0) as second:
         assert 0.4 < time.monotonic() - began < 5
         second.put(chunk_id(1), payload(chunk_id(1)))
+        # Its lock file replaced meanwhile by what it cannot write (`rm -rf CACHE/*` and worse; the dir's own flock
+        # outlives it): said best effort, never raised (it ended the unmounted daemon before its drains).
+        os.unlink(tmp_path / "lock")
+        (tmp_path / "lock").mkdir()
+        second.mark_draining()
+    (tmp_path / "lock").rmdir()

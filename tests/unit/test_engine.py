@@ -21,7 +21,14 @@ from fsmount.data import (
     TransientError,
     Unreachable,
 )
-from fsmount.data.levels import GET_DEADLINE_MIN_S, GET_DEADLINE_S, GONE_FOR_S, WRITE_DEADLINE_S, LevelStack
+from fsmount.data.levels import (
+    DISK_THREADS,
+    GET_DEADLINE_MIN_S,
+    GET_DEADLINE_S,
+    GONE_FOR_S,
+    WRITE_DEADLINE_S,
+    LevelStack,
+)
 from fsmount.data.trailing import TRAIL_IDLE_S, WAITERS_CHECK_S
 from fsmount.handles import OpenFile
 from fsmount.readahead import LOCAL_WINDOW, ReadAhead
@@ -909,6 +916,42 @@ async def test_every_fetch_giving_up_a_hung_cache_read_at_once_in_full_memory_go
         assert got == dict.fromkeys(range(16), True)
         assert bytes(await engine.read(v, 39 * CHUNK, 40 * CHUNK)) == data[39 * CHUNK:]
         assert engine.memory.reserved == 0 and engine.memory.used <= engine.memory.limit
+
+    await run_engine(engine, body)
+
+
+async def test_a_cache_disk_that_never_answers_again_leaves_the_mount_working_in_a_small_budget(  # noqa: ANN001
+        autojump_clock, allowed_logs) -> None:  # noqa: ANN001
+    """Every read given up was counted in full against the budget: with a disk that never answers again, 16
+    fetches' worth of late buffers in a 4-chunk budget kept it full, and every later fetch waited for room for good
+    (the second review). Reads still queued for the level's threads are dropped (nothing has their buffer), and
+    those a thread has are counted within half the budget."""
+    allowed_logs.append(r"did not return within")
+    store = FakeStore()
+    data = put_object(store, "m", 40 * CHUNK)
+    level = IndexedLevel()
+    hang, asked = trio.Event(), []  # never set
+    engine = ChunkEngine(store, chunk_size=CHUNK, memory_limit=4 * CHUNK, max_connections=16, read_timeout=8.0,
+                         levels=[level], run_blocking=hanging_get_runner(hang, asked))
+    v = version(store, "m")
+    for i in range(40):
+        level.put(engine.chunk_id(v, i), data[i * CHUNK:(i + 1) * CHUNK])
+    got: dict[int, bool] = {}
+
+    async def reader(i: int) -> None:
+        got[i] = bytes(await engine.read(v, i * CHUNK, (i + 1) * CHUNK)) == data[i * CHUNK:(i + 1) * CHUNK]
+
+    async def body() -> None:
+        async with trio.open_nursery() as nursery:
+            for i in range(16):
+                nursery.start_soon(reader, i)
+        began = trio.current_time()
+        for i in range(16, 40):  # long after: the level is skipped, and the budget has room
+            await reader(i)
+        assert got == dict.fromkeys(range(40), True)
+        assert trio.current_time() - began < 24 * 5 * LATENCY
+        assert len(asked) <= DISK_THREADS  # only the reads a thread had are still out
+        assert engine.memory.reserved <= engine.memory.limit // 2
 
     await run_engine(engine, body)
 

@@ -670,10 +670,9 @@ def test_a_bucket_in_another_region_is_read_with_urls_signed_for_its_region(orig
                       b"endpoint</Message></Error>", {"x-amz-bucket-region": "eu-west-1"})
         return True
 
-    def on_wrong_region(bucket_region: str) -> bool:
+    def on_wrong_region(bucket_region: str) -> None:
         told.append(bucket_region)
-        switched, region[0] = region[0] != bucket_region, bucket_region
-        return switched
+        region[0] = bucket_region
 
     origin.script = redirect
     g = RangeGetter(presign, bucket="b", pool_size=2, connect_timeout=2.0, read_timeout=2.0,
@@ -684,11 +683,17 @@ def test_a_bucket_in_another_region_is_read_with_urls_signed_for_its_region(orig
     region[0] = "us-east-1"
     with pytest.raises(StoreError, match=r"the bucket is in region eu-west-1 \(pass --region eu-west-1"):
         get(plain, 0, 10)
+    # A GET signed before another one switched the region is sent again, though the switch is done already.
+    switched = RangeGetter(presign, bucket="b", pool_size=2, connect_timeout=2.0, read_timeout=2.0,
+                           on_wrong_region=lambda bucket_region: None)
+    switched._urls["k"] = (time.monotonic(), presign("k"))  # signed for us-east-1 before the switch
+    region[0] = "eu-west-1"
+    assert get(switched, 0, 10) == DATA[:10]
     # Signed for the bucket's region already, and refused all the same (an --endpoint-url of another region): one
     # request, not one more per GET.
+    origin.script = lambda h, s_, e: h.answer(301, b"<Error><Code>PermanentRedirect</Code></Error>",
+                                              {"x-amz-bucket-region": "eu-west-1"}) or True
     origin.requests.clear()
-    stuck = RangeGetter(presign, bucket="b", pool_size=2, connect_timeout=2.0, read_timeout=2.0,
-                        on_wrong_region=lambda bucket_region: False)
     with pytest.raises(StoreError, match=r"the bucket is in region eu-west-1"):
-        get(stuck, 0, 10)
+        get(switched, 100, 10, key="third")
     assert len(origin.requests) == 1

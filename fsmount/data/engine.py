@@ -306,8 +306,9 @@ class ChunkEngine:
             self._read_timed_out_at = max(self._read_timed_out_at, deadline)
             # Why, where the origin said (a refused connection it was waiting out): the warning said only "timed
             # out", and the cause was at debug level.
-            failed = self.levels.last_origin_failure
-            why = f" (the origin: {failed[1]})" if failed and failed[0] >= deadline - self.read_timeout else ""
+            failed = next(filter(None, (self.levels.origin_failure(cid, deadline - self.read_timeout)
+                                        for cid, part in parts if isinstance(part, Fetch))), None)
+            why = f" (the origin: {failed})" if failed else ""
             raise ReadTimeout(f"read of {parts[0][0].key!r} timed out after {self.read_timeout:g}s{why}")
         return out[0] if len(out) == 1 else b"".join(out)
 

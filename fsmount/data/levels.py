@@ -86,6 +86,8 @@ OVERDRAW_SHARE = 0.5
 # same bytes uploaded again have the same ETag).
 GONE_MEMORY = 1024
 GONE_FOR_S = 5.0
+# Chunks whose latest origin failure is remembered, to say why a READ of one timed out.
+FAILURE_MEMORY = 1024
 # A demanded fetch whose origin refuses connections (a server restarting) tries again after this long,
 # doubling up to the maximum, until its deadline: an outage shorter than --read-timeout costs time only.
 UNREACHABLE_RETRY_S = 0.25
@@ -243,11 +245,18 @@ class LevelStack:
         self._writes_pending = 0
         self._writes_changed = trio.Event()
         self._given_up_at = -math.inf  # trio time of the last write-through given up (WRITE_DEADLINE_S)
-        # (trio time, message) of the latest origin GET that failed or was refused: why READs are timing out.
-        self.last_origin_failure: tuple[float, str] | None = None
+        # (trio time, message) of the latest origin GET of a chunk that failed or was refused, for the chunks
+        # fetched last: why a READ of one of them is timing out (`origin_failure`). Trio thread only.
+        self._origin_failures: cachetools.LRUCache[ChunkId, tuple[float, str]] = cachetools.LRUCache(FAILURE_MEMORY)
         # For the claims of writes given up: their level's put threads may all be the stuck ones.
         self._abandon_limiter = trio.CapacityLimiter(PUT_THREADS)
         self.trailing = TrailingWrites(run_blocking, chunk_size, self._write_done)
+
+    def origin_failure(self, cid: ChunkId, since: float) -> str | None:
+        """Why the origin last failed to send chunk `cid` (refused, or failed in the end), if it did at or after
+        `since` (trio time)."""
+        failure = self._origin_failures.get(cid)
+        return failure[1] if failure is not None and failure[0] >= since else None
 
     def holds(self, cid: ChunkId) -> bool:
         """Whether a local level says it holds the chunk (its `contains`, no I/O) and answers; False if none can
@@ -406,7 +415,7 @@ class LevelStack:
                 except Unreachable as exc:
                     # A restarting origin refuses connections for a moment: a reader that may still wait
                     # (mmap readers die of a failed READ) waits for it, up to the fetch's deadline.
-                    self.last_origin_failure = (trio.current_time(), exc.message)
+                    self._origin_failures[cid] = (trio.current_time(), exc.message)
                     backoff = await wait_to_retry(exc, backoff, retry_until(), f"chunk {cid.index} of {cid.key!r}")
                 except (PreconditionFailed, NotFound) as exc:
                     self._gone[version] = exc
@@ -415,7 +424,7 @@ class LevelStack:
                     self.trailing.origin_finished()
         except Exception as exc:
             self.stats.origin_errors += 1
-            self.last_origin_failure = (trio.current_time(), getattr(exc, "message", None) or str(exc))
+            self._origin_failures[cid] = (trio.current_time(), getattr(exc, "message", None) or str(exc))
             raise
         finally:
             self.origin_latency.observe(time.monotonic() - started)

@@ -16,6 +16,7 @@ from fsmount.data import (
     AccessDenied,
     ChunkEngine,
     ChunkId,
+    NotFound,
     PreconditionFailed,
     StoreError,
     TransientError,
@@ -604,6 +605,33 @@ def stalling_runner(stalled: set[str]):  # noqa: ANN201
                 await trio.sleep(3600.0 if args[0] in stalled else LATENCY)
             return fn(*args)
     return run
+
+
+async def test_a_read_timeout_names_only_its_own_chunk_s_origin_failure(autojump_clock, allowed_logs) -> None:  # noqa: ANN001, E501
+    """The timeout's cause was the stack's latest origin failure, whatever chunk it was of: a READ that timed out on a
+    stalled GET was said to have failed for another object's 404 (the second review)."""
+    allowed_logs.append("fetching chunk .* failed")
+    store = FakeStore()
+    put_object(store, "stalled", 2 * CHUNK)
+    put_object(store, "gone", 2 * CHUNK)
+    engine = ChunkEngine(store, chunk_size=CHUNK, memory_limit=16 * CHUNK, max_connections=4, read_timeout=5.0,
+                         run_blocking=stalling_runner({"stalled"}))
+
+    def fault(key: str, start: int, end: int) -> None:
+        if key == "gone":
+            raise NotFound("no such key 'gone'")
+
+    store.fault = fault
+    stalled, gone = version(store, "stalled"), version(store, "gone")
+
+    async def body() -> None:
+        with pytest.raises(StoreError, match="no such key"):
+            await engine.read(gone, 0, 100)
+        with pytest.raises(StoreError) as timed_out:
+            await engine.read(stalled, 0, 100)
+        assert "timed out after 5s" in str(timed_out.value) and "the origin" not in str(timed_out.value)
+
+    await run_engine(engine, body)
 
 
 @pytest.mark.parametrize("answered", ["nothing", "origin", "level"])

@@ -389,8 +389,7 @@ class LevelStack:
 
     def _skipped(self, i: int) -> bool:
         """Whether level i's reads hang, or did less than `get_deadline` ago (see the module's rules)."""
-        return bool(self._overdue[i]) or (self._skip_until[i] != -math.inf
-                                          and trio.current_time() < self._skip_until[i])
+        return bool(self._overdue[i]) or trio.current_time() < self._skip_until[i]
 
     async def _from_origin(self, cid: ChunkId, length: int, buffer: mmap.mmap | None,
                            retry_until: Callable[[], float]) -> Chunk:

@@ -64,12 +64,13 @@ class WrongRegion(StoreError):
         self.signed_for: str | None = None  # the region of the URL refused, where it says (RangeGetter._get)
 
 
-_SCOPE_RE = re.compile(r"X-Amz-Credential=[^&/]+(?:/|%2F)\d{8}(?:/|%2F)([a-z0-9-]+)(?:/|%2F)", re.IGNORECASE)
+_SCOPE_RE = re.compile(r"Credential=[^/,&]+/\d{8}/([a-z0-9-]+)/")
 
 
-def _signed_region(url: str) -> str | None:
-    """The region a presigned SigV4 URL is signed for."""
-    found = _SCOPE_RE.search(url)
+def signed_region(text: str) -> str | None:
+    """The region a SigV4 signature is scoped to: of a presigned URL (its X-Amz-Credential, percent-encoded or not)
+    or an Authorization header. None if it has none."""
+    found = _SCOPE_RE.search(urllib.parse.unquote(text))
     return found.group(1) if found else None
 # A body longer than twice this is received with the socket's receive low-water mark (SO_RCVLOWAT) at this
 # many bytes, up to its last this-many bytes: a fetch thread then wakes once per MiB that arrived instead of
@@ -213,7 +214,7 @@ class RangeGetter:
         try:
             reusable = self._read(resp, conn.sock, start, want, etag, buffer, what)
         except WrongRegion as exc:
-            exc.signed_for = _signed_region(url)
+            exc.signed_for = signed_region(url)
             raise
         except (http.client.HTTPException, OSError) as exc:
             # Reset, timeout, a response cut short: worth another try.

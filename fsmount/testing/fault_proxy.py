@@ -42,7 +42,6 @@ import dataclasses
 import enum
 import http.client
 import random
-import re
 import socket
 import threading
 import time
@@ -50,6 +49,7 @@ import urllib.parse
 from collections.abc import Iterable
 from typing import Self
 
+from fsmount.data.presigned import signed_region
 from fsmount.testing.http_wire import (
     Request,
     Response,
@@ -381,7 +381,8 @@ class FaultProxy:
             return False, upstream
         with self._lock:
             region = self._region
-        if region is not None and _signed_region(req) not in (None, region):
+        signed = signed_region(req.header("Authorization") or "") or signed_region(req.target)
+        if region is not None and signed not in (None, region):
             self._note(req, "wrong-region")
             redirect = error_response(301, "PermanentRedirect")
             send(conn, dataclasses.replace(redirect, headers=[*redirect.headers, ("x-amz-bucket-region", region)]), req)
@@ -472,13 +473,3 @@ class FaultProxy:
 
 
 __all__ = ["Down", "Fault", "FaultProxy", "LogEntry", "Rule", "synthetic_body"]
-
-
-_SCOPE_RE = re.compile(r"Credential=[^/,&]+/\d{8}/([a-z0-9-]+)/s3/")
-
-
-def _signed_region(req: Request) -> str | None:
-    """The region a SigV4 request is signed for (None if unsigned)."""
-    found = _SCOPE_RE.search(req.header("Authorization") or "") or \
-        _SCOPE_RE.search(urllib.parse.unquote(req.target).replace("X-Amz-Credential=", "Credential="))
-    return found.group(1) if found else None

@@ -913,14 +913,9 @@ async def test_a_cache_level_whose_reads_hang_is_given_up_for_the_origin_until_i
     assert len([r for r in caplog.records if r.levelname == "WARNING"]) == 1
 
 
-@pytest.mark.parametrize("memory_chunks", [16, 4])
-async def test_every_fetch_giving_up_a_hung_cache_read_at_once_in_full_memory_goes_on(autojump_clock,  # noqa: ANN001
-                                                                                       allowed_logs,  # noqa: ANN001
-                                                                                       memory_chunks: int) -> None:
-    """16 fetches in flight give up their hung cache reads together in a budget that their reservations fill: each
-    waited for room for a second buffer, room only they could free, and the mount stayed dead after the disk came
-    back (the review of this change). The buffer a late read holds is counted without waiting (overdraw)."""
-    allowed_logs.append(r"did not return within")
+def engine_over_a_hanging_level(memory_chunks: int) -> tuple[ChunkEngine, object, bytes, trio.Event, list]:
+    """An engine of 16 connections and `memory_chunks` of memory over a level that holds all 40 chunks of "m" and
+    whose reads hang until the Event is set: (engine, the object's version, its bytes, the Event, the reads asked)."""
     store = FakeStore()
     data = put_object(store, "m", 40 * CHUNK)
     level = IndexedLevel()
@@ -930,6 +925,18 @@ async def test_every_fetch_giving_up_a_hung_cache_read_at_once_in_full_memory_go
     v = version(store, "m")
     for i in range(40):
         level.put(engine.chunk_id(v, i), data[i * CHUNK:(i + 1) * CHUNK])
+    return engine, v, data, hang, asked
+
+
+@pytest.mark.parametrize("memory_chunks", [16, 4])
+async def test_every_fetch_giving_up_a_hung_cache_read_at_once_in_full_memory_goes_on(autojump_clock,  # noqa: ANN001
+                                                                                       allowed_logs,  # noqa: ANN001
+                                                                                       memory_chunks: int) -> None:
+    """16 fetches in flight give up their hung cache reads together in a budget that their reservations fill: each
+    waited for room for a second buffer, room only they could free, and the mount stayed dead after the disk came
+    back (the review of this change). The buffer a late read holds is counted without waiting (overdraw)."""
+    allowed_logs.append(r"did not return within")
+    engine, v, data, hang, _ = engine_over_a_hanging_level(memory_chunks)
     got: dict[int, bool] = {}
 
     async def reader(i: int) -> None:
@@ -955,15 +962,7 @@ async def test_a_cache_disk_that_never_answers_again_leaves_the_mount_working_in
     (the second review). Reads still queued for the level's threads are dropped (nothing has their buffer), and
     those a thread has are counted within half the budget."""
     allowed_logs.append(r"did not return within")
-    store = FakeStore()
-    data = put_object(store, "m", 40 * CHUNK)
-    level = IndexedLevel()
-    hang, asked = trio.Event(), []  # never set
-    engine = ChunkEngine(store, chunk_size=CHUNK, memory_limit=4 * CHUNK, max_connections=16, read_timeout=8.0,
-                         levels=[level], run_blocking=hanging_get_runner(hang, asked))
-    v = version(store, "m")
-    for i in range(40):
-        level.put(engine.chunk_id(v, i), data[i * CHUNK:(i + 1) * CHUNK])
+    engine, v, data, _, asked = engine_over_a_hanging_level(4)  # its Event never set
     got: dict[int, bool] = {}
 
     async def reader(i: int) -> None:

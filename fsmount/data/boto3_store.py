@@ -324,8 +324,8 @@ class Boto3Store:
             was = self._presigner.meta.region_name
             self._presigner = self._session.client("s3", endpoint_url=self._cfg.endpoint_url,
                                                    config=self._botocfg.merge(Config(region_name=region)))
-        log.warning("bucket %s is in region %s, not %s: reads are signed for %s from now on (say --region %s to "
-                    "start so)", self.bucket, region, was, region, region)
+        log.warning("bucket %s is in region %s, not %s: its reads and writes are signed for %s from now on (say "
+                    "--region %s to start so)", self.bucket, region, was, region, region)
         return True
 
     def _presign(self, key: str, operation: str = "get_object") -> str:

@@ -61,7 +61,7 @@ class WrongRegion(StoreError):
     def __init__(self, message: str, region: str):
         super().__init__(message)
         self.region = region
-        self.signed_for: str | None = None  # the region of the URL refused, where it says (RangeGetter._get)
+        self.signed_for: str | None = None  # the region of the URL refused, where it says (RangeGetter._error)
 
 
 _SCOPE_RE = re.compile(r"Credential=[^/,&]+/\d{8}/([a-z0-9-]+)/")
@@ -185,22 +185,27 @@ class RangeGetter:
 
     def get_into(self, key: str, etag: str, start: int, buffer: WritableBuffer | bytearray, what: str) -> None:
         """Fill `buffer` with bytes [start, start + len(buffer)) of the object version `etag`, or raise."""
+        self._signed_again(lambda fresh: self._get(key, etag, start, buffer, what, fresh_url=fresh))
+
+    def _signed_again(self, send: Callable[[bool], T]) -> T:
+        """`send(fresh)`: one request with a URL reused (False) or signed now (True). Sent again once, signed anew,
+        when refused for a URL signed with credentials rotated since (AccessDenied), or for another region than
+        the bucket's (WrongRegion, whose `signed_for` the request set). Signed for the region the AWS configuration
+        said while the bucket is elsewhere: botocore follows such redirects for listings, so the mount listed and
+        every read (and every write of a shared tier) failed. URLs are signed for the bucket's region from then on,
+        unless the refused one was signed for it already (the endpoint is another region's: --endpoint-url).
+        Requests in flight when another switched get their second try too."""
         try:
-            self._get(key, etag, start, buffer, what, fresh_url=False)
+            return send(False)
         except AccessDenied:
-            # A reused URL may have been signed with credentials rotated since: sign again, once.
-            self._get(key, etag, start, buffer, what, fresh_url=True)
+            return send(True)
         except WrongRegion as exc:
-            # Signed for the region the AWS configuration said, while the bucket is elsewhere: botocore follows
-            # such redirects for listings, so the mount listed and every read failed. Sign for the bucket's, and
-            # send it again once, unless the refused URL was signed for that region already (the endpoint is
-            # another region's: --endpoint-url). GETs in flight when another switched get their retry too.
             if self._on_wrong_region is None or exc.signed_for == exc.region:
                 raise
             self._on_wrong_region(exc.region)
             with self._lock:
                 self._urls.clear()  # every URL signed so far is for the old region
-            self._get(key, etag, start, buffer, what, fresh_url=True)
+            return send(True)
 
     def _get(self, key: str, etag: str, start: int, buffer: WritableBuffer | bytearray, what: str,
              fresh_url: bool) -> None:
@@ -212,10 +217,7 @@ class RangeGetter:
         origin, conn, resp = self._request(url, headers, what)
         reusable = False
         try:
-            reusable = self._read(resp, conn.sock, start, want, etag, buffer, what)
-        except WrongRegion as exc:
-            exc.signed_for = signed_region(url)
-            raise
+            reusable = self._read(resp, conn.sock, start, want, etag, buffer, what, url)
         except (http.client.HTTPException, OSError) as exc:
             # Reset, timeout, a response cut short: worth another try.
             raise TransientError(f"{what}: {type(exc).__name__}: {exc}") from None
@@ -229,17 +231,15 @@ class RangeGetter:
         """A GET of the whole object (the current version), its body left to read: for objects whose
         length is not known beforehand (the shared tier's chunk objects). Failures, a missing key
         included (NotFound), are raised as StoreErrors; nothing is retried but a stale kept-alive
-        connection and a URL signed with rotated credentials."""
-        try:
-            return self._open(key, what, fresh_url=False)
-        except AccessDenied:
-            return self._open(key, what, fresh_url=True)
+        connection and a URL refused as `_signed_again` says."""
+        return self._signed_again(lambda fresh: self._open(key, what, fresh_url=fresh))
 
     def _open(self, key: str, what: str, fresh_url: bool) -> Body:
-        origin, conn, resp = self._request(self._url(key, fresh_url), {"Accept-Encoding": "identity"}, what)
+        url = self._url(key, fresh_url)
+        origin, conn, resp = self._request(url, {"Accept-Encoding": "identity"}, what)
         try:
             if resp.status >= 300:
-                raise self._error(resp, what)
+                raise self._error(resp, what, url)
             length = resp.getheader("Content-Length")
             if resp.status != 200 or length is None or not length.isdigit():
                 raise TransientError(f"{what}: server answered {resp.status} with length {length!r}")
@@ -256,7 +256,7 @@ class RangeGetter:
         """Store `parts`, joined, as the object `key` (one PUT; each part is sent as it is, not copied into
         one body); with `only_if_absent` (If-None-Match: *, an unsigned header the URL allows) False if the
         key exists (412, or 409 for a concurrent conditional write). Failures are raised as StoreErrors;
-        nothing is retried but a stale kept-alive connection and a URL signed with rotated credentials."""
+        nothing is retried but a stale kept-alive connection and a URL refused as `_signed_again` says."""
         assert self._presign_put is not None, "RangeGetter built without presign_put"
         headers = {"Content-Length": str(sum(memoryview(p).nbytes for p in parts))}
         if only_if_absent:
@@ -265,19 +265,17 @@ class RangeGetter:
 
     def delete(self, key: str, what: str) -> None:
         """Delete the object `key` (the shared tier's claims and markers). Failures are raised as StoreErrors,
-        as botocore's would be; nothing is retried but a stale kept-alive connection and a URL signed with
-        rotated credentials."""
+        as botocore's would be; nothing is retried but a stale kept-alive connection and a URL refused as
+        `_signed_again` says."""
         assert self._presign_delete is not None, "RangeGetter built without presign_delete"
         self._change(self._presign_delete, key, "DELETE", {"Content-Length": "0"}, (), what, conditional=False)
 
     def _change(self, presign: Callable[[str], str], key: str, method: str, headers: dict[str, str],
                 body: Sequence[bytes | WritableBuffer], what: str, *, conditional: bool) -> bool:
-        """One PUT or DELETE whose answer has no body worth reading, signed again once on a 403 (rotated
-        credentials). True; False if `conditional` and the server says the precondition failed (409, 412)."""
-        try:
-            return self._send_change(presign(key), method, headers, body, what, conditional)
-        except AccessDenied:
-            return self._send_change(presign(key), method, headers, body, what, conditional)
+        """One PUT or DELETE whose answer has no body worth reading (signed now, every time; `_signed_again`).
+        True; False if `conditional` and the server says the precondition failed (409, 412)."""
+        return self._signed_again(lambda fresh: self._send_change(presign(key), method, headers, body, what,
+                                                                  conditional))
 
     def _send_change(self, url_text: str, method: str, headers: dict[str, str],
                      body: Sequence[bytes | WritableBuffer], what: str, conditional: bool) -> bool:
@@ -287,7 +285,7 @@ class RangeGetter:
                 resp.read(ERROR_BODY_MAX)
                 return False
             if resp.status >= 300:
-                raise self._error(resp, what)
+                raise self._error(resp, what, url_text)
             resp.read(ERROR_BODY_MAX)
             return True
         except (http.client.HTTPException, OSError) as exc:
@@ -347,10 +345,11 @@ class RangeGetter:
         return conn.getresponse()
 
     def _read(self, resp: http.client.HTTPResponse, sock: socket.socket | None, start: int, want: int, etag: str,
-              buffer: WritableBuffer | bytearray, what: str) -> bool:
-        """Check the response and read its body into `buffer`; True if the connection may be reused."""
+              buffer: WritableBuffer | bytearray, what: str, url: str) -> bool:
+        """Check the response (to a GET of `url`) and read its body into `buffer`; True if the connection may be
+        reused."""
         if resp.status >= 300:
-            raise self._error(resp, what)
+            raise self._error(resp, what, url)
         length = resp.getheader("Content-Length")
         content_range = resp.getheader("Content-Range")
         if resp.status == 206:
@@ -378,8 +377,9 @@ class RangeGetter:
         else:
             conn.close()
 
-    def _error(self, resp: http.client.HTTPResponse, what: str) -> Exception:
-        """The StoreError an error response stands for (its S3 error code read from the body)."""
+    def _error(self, resp: http.client.HTTPResponse, what: str, url: str | None = None) -> Exception:
+        """The StoreError an error response stands for (its S3 error code read from the body); `url`, the request's,
+        says what region it was signed for (WrongRegion.signed_for)."""
         body = resp.read(ERROR_BODY_MAX)
         match = _CODE_RE.search(body)
         code = match.group(1).decode("utf-8", "replace") if match else ""
@@ -389,8 +389,10 @@ class RangeGetter:
         region = resp.getheader("x-amz-bucket-region") or (named.group(1).decode() if named else "")
         if region and (resp.status == 301 or code in ("AuthorizationHeaderMalformed",
                                                       "AuthorizationQueryParametersError")):
-            return WrongRegion(f"{what}: {code or resp.status}: the bucket is in region {region} (pass --region "
-                               f"{region}, and an --endpoint-url of that region if you give one)", region)
+            wrong = WrongRegion(f"{what}: {code or resp.status}: the bucket is in region {region} (pass --region "
+                                f"{region}, and an --endpoint-url of that region if you give one)", region)
+            wrong.signed_for = signed_region(url) if url is not None else None
+            return wrong
         return error_for_status(code, resp.status, self.bucket, what, message)
 
 

@@ -697,3 +697,46 @@ def test_a_bucket_in_another_region_is_read_with_urls_signed_for_its_region(orig
     with pytest.raises(StoreError, match=r"the bucket is in region eu-west-1"):
         get(switched, 100, 10, key="third")
     assert len(origin.requests) == 1
+
+
+def test_a_shared_tier_in_another_region_is_written_and_read_with_urls_signed_for_its_region(origin: Origin) -> None:
+    """The tier's PUTs, DELETEs and whole-object GETs did not follow a bucket in another region as ranged GETs do: a
+    tier bucket elsewhere than the AWS configuration's region was read and written by none of them."""
+    region, told = ["us-east-1"], []
+
+    def presign(key: str) -> str:
+        return f"{origin.url}/b/{key}?X-Amz-Credential=k%2F20261205%2F{region[0]}%2Fs3%2Faws4_request"
+
+    def redirect(h: Handler, start: int, end: int) -> bool:
+        if "us-east-1" not in h.path:
+            return False
+        h.answer(301, b"<Error><Code>PermanentRedirect</Code></Error>", {"x-amz-bucket-region": "eu-west-1"})
+        return True
+
+    def on_wrong_region(bucket_region: str) -> None:
+        told.append(bucket_region)
+        region[0] = bucket_region
+
+    origin.script = redirect
+    for request in ("put", "delete", "open"):
+        region[0] = "us-east-1"
+        g = RangeGetter(presign, presign_put=presign, presign_delete=presign, bucket="b", pool_size=2,
+                        connect_timeout=2.0, read_timeout=2.0, on_wrong_region=on_wrong_region)
+        origin.requests.clear()
+        if request == "put":
+            assert g.put("k", [b"body"], "PUT k") is True
+            assert [r["body"] for r in origin.requests] == [b"body", b"body"]
+        elif request == "delete":
+            g.delete("k", "DELETE k")
+        else:
+            with g.open("k", "GET k") as body:
+                assert body.read(len(DATA)) == DATA
+        assert len(origin.requests) == 2 and "eu-west-1" in origin.requests[1]["path"], request
+    assert told == ["eu-west-1"] * 3
+    # Signed for the bucket's region and refused all the same (another region's endpoint): one request, an error.
+    origin.script = lambda h, s_, e: h.answer(301, b"<Error><Code>PermanentRedirect</Code></Error>",
+                                              {"x-amz-bucket-region": "eu-west-1"}) or True
+    origin.requests.clear()
+    with pytest.raises(StoreError, match=r"the bucket is in region eu-west-1"):
+        g.put("k", [b"body"], "PUT k")
+    assert len(origin.requests) == 1

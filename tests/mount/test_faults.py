@@ -233,7 +233,7 @@ def test_a_bucket_in_another_region_than_configured_lists_and_reads(moto_server:
     bucket = bucket_with(moto_server, {"far.bin": data})
     proxy.bucket_region("eu-west-1")  # the daemon signs for us-east-1 (its environment's region)
     with mounted_via(proxy, moto_server, bucket, mountpoint,
-                     allowed=(r"bucket \S+ is in region eu-west-1, not us-east-1: reads are signed for eu-west-1",)) \
+                     allowed=(r"bucket \S+ is in region eu-west-1, not us-east-1: its reads and writes are signed",)) \
             as m:
         assert os.listdir(mountpoint) == ["far.bin"]
         assert (mountpoint / "far.bin").read_bytes() == data

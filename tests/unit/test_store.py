@@ -134,7 +134,7 @@ def test_reads_are_signed_for_the_region_the_bucket_named(aws_config, allowed_lo
     aws_config("[default]\nregion = us-east-1\n")
     store = Boto3Store(StoreConfig(bucket="models", endpoint_url="http://127.0.0.1:9000"))
     assert "%2Fus-east-1%2Fs3%2F" in store._presign("k")
-    allowed_logs.append(r"bucket models is in region eu-west-1, not us-east-1: reads are signed for eu-west-1")
+    allowed_logs.append(r"bucket models is in region eu-west-1, not us-east-1: its reads and writes are signed")
     assert store._use_region("eu-west-1") and not store._use_region("eu-west-1")
     url = store._presign("k")
     assert "%2Feu-west-1%2Fs3%2F" in url and url.startswith("http://127.0.0.1:9000/"), url

@@ -39,9 +39,10 @@ class OpenFile:
             engine.abandon(stream)
         # Demand chunks are queued before the read-ahead ones so they are fetched first.
         parts = engine.request(obj, offset, end)
+        kernel_caches = not self.direct  # O_DIRECT READs leave nothing in the page cache
         for index in engine.chunk_range(obj, plan.ahead_start, plan.ahead_end):
-            engine.read_ahead(obj, index, plan.stream)
-        return await engine.collect(parts, offset, end)
+            engine.read_ahead(obj, index, plan.stream, kernel_caches)
+        return await engine.collect(parts, offset, end, kernel_caches=kernel_caches)
 
     def close(self) -> None:
         for stream in self.readahead.close():

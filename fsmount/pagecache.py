@@ -175,7 +175,8 @@ class PageCachePusher:
         if self._disabled or self.pushed + length > self.limit:
             return False
         async with self._turn:
-            if self._disabled or self._busy(ino, offset, offset + length):
+            # Again: the limit may have been lowered (`evicted`) or reached by the pushes that went first.
+            if self._disabled or self.pushed + length > self.limit or self._busy(ino, offset, offset + length):
                 return False
             data = take()
             if data is None:

@@ -377,6 +377,7 @@ class ModelStreamer:
                 # Queued here, in order: tasks started in one batch run in no fixed order.
                 part = self.engine.fetch(obj, index, job, job.priority)
                 nursery.start_soon(self._one_chunk, job, index, part, slots, near)
+                del part  # waiting for the next slot, this loop holds no chunk (its task does, until its push)
 
     async def _believe_resident(self, job: _FileStream, indices: range) -> None:
         """Before a run again: the chunks the page cache still holds whole are believed held (so not fetched).

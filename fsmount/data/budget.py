@@ -87,7 +87,9 @@ class MemoryBudget:
         self._chunks: collections.OrderedDict[ChunkId, Chunk] = collections.OrderedDict()
         self._pins: collections.Counter[ChunkId] = collections.Counter()
         self._served: dict[ChunkId, int] = {}  # level hits in reusable buffers: bytes READs took so far
-        self._spent: collections.deque[ChunkId] = collections.deque()
+        # Spent chunks in the order they were spent (an ordered set); a chunk that leaves memory leaves it too
+        # (`_forget`): one fetched again under the same id is not spent.
+        self._spent: collections.OrderedDict[ChunkId, None] = collections.OrderedDict()
         self._in_use: dict[ChunkId, _Use] = {}
         self._read_by_kernel: set[ChunkId] = set()
         self._in_page_cache: collections.OrderedDict[ChunkId, None] = collections.OrderedDict()
@@ -133,6 +135,7 @@ class MemoryBudget:
     def _forget(self, cid: ChunkId) -> None:
         """A chunk left memory: drop what was tracked about it."""
         self._served.pop(cid, None)
+        self._spent.pop(cid, None)
         self._read_by_kernel.discard(cid)
         self._in_use.pop(cid, None)
 
@@ -206,17 +209,18 @@ class MemoryBudget:
         """The buffer of a spent chunk, taken out of memory with its bytes moved from `cached` to
         `reserved` (the caller's reservation), or None."""
         for _ in range(len(self._spent)):
-            cid = self._spent.popleft()
-            data = self._chunks.get(cid)
+            cid = next(iter(self._spent))
+            data = self._chunks.get(cid)  # in memory: leaving it, a chunk leaves `_spent` too (`_forget`)
             if type(data) is not mmap.mmap or len(data) != length:
-                continue  # evicted (or replaced) since it was spent
+                del self._spent[cid]
+                continue
             if cid in self._pins:
-                self._spent.append(cid)
+                self._spent.move_to_end(cid)
                 continue
             # 3 references: the LRU's, `data`, getrefcount's argument. Any other holder (a reply being
             # written, a push, a stale queue entry of its fetch) may still read it: try it again later.
             if sys.getrefcount(data) > 3:
-                self._spent.append(cid)
+                self._spent.move_to_end(cid)
                 continue
             del self._chunks[cid]
             self.cached -= length
@@ -261,17 +265,22 @@ class MemoryBudget:
 
     # -- what READs and the page cache took ----------------------------------------------------
 
-    def note_served(self, cid: ChunkId, lo: int, hi: int, total: int) -> None:
-        """A READ took bytes [lo, hi) of the chunk (of `total`); a reusable buffer wholly taken is spent."""
+    def note_served(self, cid: ChunkId, lo: int, hi: int, total: int, kernel_caches: bool = True) -> None:
+        """A READ took bytes [lo, hi) of the chunk (of `total`); a reusable buffer wholly taken is spent. Not
+        `kernel_caches` (an O_DIRECT READ): the page cache holds none of it, so the chunk is not counted as read
+        by the kernel, nor spent (a spent chunk whose buffer is taken is believed held by the page cache)."""
         if cid in self._chunks:
-            self._read_by_kernel.add(cid)
+            if kernel_caches:
+                self._read_by_kernel.add(cid)
             self._note_use(cid, lo, hi, total)
+        if not kernel_caches:
+            return
         served = self._served.get(cid)
         if served is None:
             return
         if served + hi - lo >= total:
             del self._served[cid]
-            self._spent.append(cid)
+            self._spent[cid] = None
         else:
             self._served[cid] = served + hi - lo
 
@@ -329,4 +338,4 @@ class MemoryBudget:
         if cid in self._chunks:
             self._chunks.move_to_end(cid, last=False)
             if self._served.pop(cid, None) is not None:
-                self._spent.append(cid)
+                self._spent[cid] = None

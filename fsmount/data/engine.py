@@ -125,7 +125,8 @@ class Fetch:
         await self.done.wait()
         if self.error is not None:
             raise self.error
-        assert self.data is not None
+        if self.data is None:  # dropped unstarted: nobody was to wait for it (engine.abandon)
+            raise StoreError(f"the fetch of chunk {self.cid.index} of {self.cid.key!r} was dropped")
         return self.data
 
     def retry_until(self) -> float:
@@ -193,9 +194,16 @@ class ChunkEngine:
     def _fetch_for(self, cid: ChunkId, length: int, priority: int) -> Fetch:
         fetch = self._inflight.get(cid)
         if fetch is not None and fetch.demanded and trio.current_time() > fetch.deadline + RETRY_GRACE_S:
-            # Timed out a while ago and still retrying: leave it to finish in its worker (its bytes
-            # still land in memory if it succeeds) and register a fresh fetch for this chunk.
-            fetch.abandoned = True
+            if fetch.started:
+                # Timed out a while ago and still retrying: leave it to finish in its worker (its bytes
+                # still land in memory if it succeeds) and register a fresh fetch for this chunk.
+                fetch.abandoned = True
+            else:
+                # Still queued (every worker busy): it has no retry chain to drop, and others may wait for it (a
+                # model stream), which a fetch dropped unstarted would leave with neither bytes nor error. The
+                # next demand gives it a deadline of its own (`request`).
+                fetch.demanded = False
+                fetch.deadline = math.inf
         if fetch is None or fetch.abandoned:
             fetch = self._inflight[cid] = Fetch(cid, length)
             self._enqueue(fetch, priority)
@@ -220,11 +228,12 @@ class ChunkEngine:
                 return True
         return False
 
-    def read_ahead(self, obj: ObjectVersion, index: int, owner: object) -> None:
+    def read_ahead(self, obj: ObjectVersion, index: int, owner: object, kernel_caches: bool = True) -> None:
         """Ask for a chunk ahead of need; `owner` may later `abandon` it. A chunk the kernel took whole is
-        not asked for again: the page cache has it (a READ fetches it, should the kernel have dropped it)."""
+        not asked for again: the page cache has it (a READ fetches it, should the kernel have dropped it);
+        but for a reader whose READs bypass the page cache (O_DIRECT: not `kernel_caches`)."""
         cid = self.chunk_id(obj, index)
-        if not self.memory.in_page_cache(cid):
+        if not kernel_caches or not self.memory.in_page_cache(cid):
             self._fetch(cid, obj, index, owner, AHEAD)
 
     def fetch(self, obj: ObjectVersion, index: int, owner: object, priority: int = AHEAD) -> Fetch | Chunk:
@@ -275,17 +284,18 @@ class ChunkEngine:
                 and self._answered_at < self._read_timed_out_at - self.read_timeout)
 
     async def collect(self, parts: list[tuple[ChunkId, Fetch | Chunk]], start: int, end: int, *,
-                      served: bool = True) -> bytes | memoryview:
+                      served: bool = True, kernel_caches: bool = True) -> bytes | memoryview:
         """Wait for the parts of `request` and cut bytes [start, end) out of them. A read within one
         chunk is a zero-copy view of it (pyfuse3 replies from any buffer). `served`: the bytes answer a
-        READ, so the kernel caches them (counted in the stats, and a chunk READs took is not pushed)."""
+        READ (counted in the stats), which the kernel caches unless not `kernel_caches` (O_DIRECT): a chunk
+        READs took is then not pushed, and once taken whole it is believed held by the page cache."""
         if len(parts) == 1 and not isinstance(parts[0][1], Fetch) and served:
             # The common case of a sequential reader: one chunk, already in memory, no waiting.
             cid, data = parts[0]
             lo = start - cid.offset
             hi = min(end - cid.offset, len(data))
             self.stats.bytes_served_memory += hi - lo
-            self.memory.note_served(cid, lo, hi, len(data))
+            self.memory.note_served(cid, lo, hi, len(data), kernel_caches)
             return memoryview(data)[lo:hi]
         out: list[memoryview] = []
         deadline = min((p.deadline for _, p in parts if isinstance(p, Fetch)),
@@ -301,7 +311,7 @@ class ChunkEngine:
                 out.append(memoryview(data)[lo:hi])
                 if served:
                     self._count_served(source, hi - lo)
-                    self.memory.note_served(cid, lo, hi, len(data))
+                    self.memory.note_served(cid, lo, hi, len(data), kernel_caches)
         if scope.cancelled_caught:
             self._read_timed_out_at = max(self._read_timed_out_at, deadline)
             # Why, where the origin said (a refused connection it was waiting out): the warning said only "timed
@@ -375,7 +385,9 @@ class ChunkEngine:
         except trio.Cancelled:
             raise
         except Exception as exc:  # noqa: BLE001 - handed to every waiter of this chunk
-            fetch.error = exc if isinstance(exc, StoreError) else StoreError(f"{type(exc).__name__}: {exc}")
+            # Without its traceback: the frames of this fetch hold its buffer, which the budget stops counting below.
+            fetch.error = (exc if isinstance(exc, StoreError) else StoreError(f"{type(exc).__name__}: {exc}")
+                           ).with_traceback(None)
             # A warning only where a reader waited for it: read-ahead and streaming fetches that fail (an outage
             # logged one line per chunk of every shard being warmed) are fetched again when a READ wants them.
             warn = fetch.demanded and not fetch.error.reported

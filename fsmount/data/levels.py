@@ -417,7 +417,9 @@ class LevelStack:
                     self._origin_failures[cid] = (trio.current_time(), exc.message)
                     backoff = await wait_to_retry(exc, backoff, retry_until(), f"chunk {cid.index} of {cid.key!r}")
                 except (PreconditionFailed, NotFound) as exc:
-                    self._gone[version] = exc
+                    # A copy: the error raised holds, in its traceback, the frames of this fetch, and through them
+                    # its buffer, which the budget no longer counts once the fetch failed.
+                    self._gone[version] = type(exc)(exc.message)
                     raise
                 finally:
                     self.trailing.origin_finished()

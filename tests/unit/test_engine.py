@@ -22,6 +22,7 @@ from fsmount.data import (
     TransientError,
     Unreachable,
 )
+from fsmount.data.identity import new_buffer
 from fsmount.data.levels import (
     DISK_THREADS,
     GET_DEADLINE_MIN_S,
@@ -1321,3 +1322,119 @@ async def test_a_chunk_loaded_back_from_a_level_after_the_origin_sent_it_saved_n
         assert hit == 0
     assert stack.loaded_bytes(level) == 2 * CHUNK
     assert stack.saved_bytes(level) == stack.stats.saved_bytes == CHUNK  # the second chunk only
+
+
+async def test_a_queued_fetch_a_stream_waits_for_survives_a_read_timeout_and_a_read_again(autojump_clock,  # noqa: ANN001
+                                                                                           allowed_logs) -> None:
+    """Every worker busy: a READ of a chunk model streaming had queued timed out, and the application read it again
+    past RETRY_GRACE_S. The queued fetch was dropped unstarted for a new one, and the stream's wait for it ended with
+    neither bytes nor error (AssertionError), which stopped the file's stream (the audit)."""
+    from fsmount.data.engine import RETRY_GRACE_S
+
+    store = FakeStore()
+    data = put_object(store, "m", 2 * CHUNK)
+    put_object(store, "busy", CHUNK)
+
+    async def run(fn, *args, limiter):  # noqa: ANN001, ANN202 - the one connection is busy for 8 s
+        async with limiter:
+            if fn.__name__ == "get_range":
+                await trio.sleep(8.0 if args[0] == "busy" else LATENCY)
+            return fn(*args)
+
+    engine = ChunkEngine(store, chunk_size=CHUNK, memory_limit=16 * CHUNK, max_connections=1, read_timeout=5.0,
+                         run_blocking=run)
+    v, stream = version(store, "m"), object()
+
+    async def body() -> None:
+        engine.fetch(version(store, "busy"), 0, object())  # takes the one connection for 8 s
+        await trio.sleep(0.1)
+        part = engine.fetch(v, 0, stream)  # model streaming queues chunk 0
+        with pytest.raises(StoreError, match="timed out"):
+            await engine.read(v, 0, 100)
+        await trio.sleep(RETRY_GRACE_S + 0.5)
+        assert await engine.read(v, 100, 200) == data[100:200]  # a read again, once the connection is free
+        assert bytes(await part.wait()) == data[:CHUNK]  # the stream's wait: the chunk's bytes
+
+    await run_engine(engine, body)
+
+
+async def test_a_version_found_gone_holds_no_chunk_buffer(autojump_clock, allowed_logs,  # noqa: ANN001
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """A 412 (replaced) or 404 is remembered for GONE_FOR_S, and the fetch keeps its error for its waiters: both kept
+    the exception raised, whose traceback holds the fetch's frames and its chunk buffer, which the budget no longer
+    counts (8 MiB a version beyond --memory-limit, for a burst of replaced shards; the audit)."""
+    import gc
+    import weakref
+
+    import fsmount.data.levels
+
+    allowed_logs.append("fetching chunk .* failed")
+    buffers: list[weakref.ref] = []
+
+    def tracked(length: int):  # noqa: ANN202
+        buffer = new_buffer(length)
+        buffers.append(weakref.ref(buffer))
+        return buffer
+
+    monkeypatch.setattr(fsmount.data.levels, "new_buffer", tracked)
+    store = FakeStore()
+    data = put_object(store, "m", 2 * CHUNK)
+    engine = make_engine(store)
+    old = version(store, "m")
+
+    async def body() -> None:
+        store.put("m", b"new" + data[3:])
+        with pytest.raises(PreconditionFailed) as refused:
+            await engine.read(old, 0, 100)
+        del refused
+        assert buffers and engine.levels._gone  # noqa: SLF001 - remembered as gone, and a buffer was used
+        assert engine.memory.used == 0
+        gc.collect()
+        assert [ref() for ref in buffers] == [None] * len(buffers)
+
+    await run_engine(engine, body)
+
+
+async def test_a_chunk_fetched_again_after_it_was_spent_is_not_taken_as_spent(autojump_clock) -> None:  # noqa: ANN001
+    """A spent chunk evicted, then fetched again under the same id: its stale entry in the spent queue let a fetch take
+    the new copy's buffer while READs had taken 128 KiB of it, and believe the page cache held it all (the audit)."""
+    from fsmount.data.budget import MemoryBudget
+
+    memory = MemoryBudget(4 * CHUNK)
+    cid = ChunkId("bucket", "m", '"e"', CHUNK, 0)
+    first = new_buffer(CHUNK)
+    memory.store(cid, first, demanded=False)
+    memory.note_served(cid, 0, CHUNK, CHUNK)  # read whole: spent
+    assert await memory.reserve(4 * CHUNK) is None  # evicts it (and frees the buffer)
+    memory.release(4 * CHUNK)
+    del first
+    memory.store(cid, new_buffer(CHUNK), demanded=False)  # only memory holds it: its buffer could be taken
+    again = id(memory.get(cid))
+    memory.note_served(cid, 0, 128 * 1024, CHUNK)
+    assert memory.take_spent_buffer(CHUNK) is None
+    assert id(memory.get(cid)) == again and not memory.in_page_cache(cid)
+
+
+async def test_o_direct_reads_leave_no_belief_that_the_page_cache_holds_their_chunks(autojump_clock) -> None:  # noqa: ANN001
+    """O_DIRECT READs leave nothing in the page cache, yet their chunks, read whole and their buffers reused, were
+    believed held there: read-ahead then skipped them, and a second pass of the same handle got none (0.9 s of
+    virtual time the first pass, 3.2 s the second; the audit)."""
+    store = FakeStore()
+    data = put_object(store, "m", 64 * CHUNK)
+    engine = make_engine(store, memory=8 * CHUNK)
+    v = version(store, "m")
+    handle = OpenFile(1, 2, v, engine, 4 * CHUNK, direct=True)
+
+    async def one_pass() -> float:
+        start = trio.current_time()
+        for off in range(0, v.size, CHUNK):
+            assert bytes(await handle.read(off, CHUNK)) == data[off:off + CHUNK]
+        return trio.current_time() - start
+
+    async def body() -> None:
+        first = await one_pass()
+        assert not any(engine.memory.in_page_cache(engine.chunk_id(v, i)) for i in range(64))
+        handle.readahead = ReadAhead(CHUNK, 4 * CHUNK, proven_after=CHUNK)  # a second reader, as the first
+        assert await one_pass() == pytest.approx(first, rel=0.25)
+
+    await run_engine(engine, body)

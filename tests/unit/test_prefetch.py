@@ -745,3 +745,26 @@ async def test_a_file_opened_again_is_not_fetched_again_for_its_header(autojump_
         assert len(store.gets) == gets, store.gets[gets:]
 
     await run_prefetcher(engine, streamer, body)
+
+
+async def test_pushes_waiting_for_a_turn_keep_to_a_limit_lowered_meanwhile(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The push limit was checked when a push came, not when its turn did: the pushes queued behind one turn all went
+    through after memory pressure had halved the limit, and beyond the limit reached by those that went first (the
+    audit)."""
+    import fsmount.pagecache
+
+    release = threading.Event()
+    monkeypatch.setattr(fsmount.pagecache.pyfuse3, "notify_store", lambda ino, off, data: release.wait(10))
+    pusher = PageCachePusher(16, pushes_at_once=1, free_memory=lambda: 0)
+    done: list[bool] = []
+
+    async def push(offset: int) -> None:
+        done.append(await pusher.push(2, offset, 4, lambda: b"data"))
+
+    async with trio.open_nursery() as n:
+        for offset in (0, 4, 8):
+            n.start_soon(push, offset)
+            await trio.sleep(0.02)  # the first in notify_store, the others waiting for the turn, in order
+        assert pusher.evicted() and pusher.limit == 8  # memory is short: the limit halves
+        release.set()
+    assert done == [True, True, False] and pusher.pushed == 8

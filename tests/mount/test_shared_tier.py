@@ -459,6 +459,26 @@ def test_a_dead_tier_costs_time_not_bytes(fleet: Fleet, mode: Down, when: str) -
 REFUSES_WRITES = r"shared cache .* refuses writes"
 
 
+def test_a_tier_bucket_in_another_region_than_configured_is_written_and_read(fleet: Fleet) -> None:
+    """The tier's bucket answers requests signed for another region than its own as S3 does (301 and its region; a
+    proxy in front of it): botocore follows that for the mount's checks, and ranged GETs were signed for the bucket's
+    region once refused, but the tier's chunk PUTs, claim DELETEs and whole-object GETs were not: such a tier was
+    never written (nor read). All are signed for the bucket's region once one is refused, with one warning."""
+    fleet = fleet_with(fleet, 20 * MiB + 99, seed=23)
+    allowed = (r"bucket \S+ is in region eu-west-1, not us-east-1: its reads and writes are signed",)
+    with FaultProxy(fleet.server.endpoint_url) as proxy:
+        proxy.bucket_region("eu-west-1")  # the daemons sign for us-east-1 (their environment's region)
+        with fleet.node("a", tier_endpoint=proxy.endpoint_url, allowed=allowed) as m:
+            assert_exact(m, fleet.body)
+        assert set(fleet.chunk_keys()) <= fleet.tier_chunk_objects()
+        assert any(e.outcome == "wrong-region" for e in proxy.log()), proxy.log()
+        with fleet.node("b", tier_endpoint=proxy.endpoint_url, allowed=allowed) as m:
+            assert_exact(m, fleet.body)
+            s = mount_stats(m.path)
+    assert s["origin"]["bytes"] == 0 and s["shared_cache"]["hits"] == fleet.chunks, s
+    assert fleet.tier_claim_objects() == set()
+
+
 @pytest.mark.parametrize("refused", ["after_the_probe", "at_mount"])
 def test_a_tier_refusing_puts_pauses_writes_and_reads_go_on(fleet: Fleet, refused: str) -> None:
     """Credentials that may read the tier and not write it: the misses come from the origin, writes pause

@@ -88,6 +88,7 @@ class Writes(Protocol):
     def dropped(self, new: NewFile) -> None: ...
     async def move_object(self, meta: ObjectMeta, key: str) -> ObjectMeta: ...
     async def abort_upload(self, key: str, upload_id: str) -> bool: ...
+    async def discard_staged(self, staged: StagedFile) -> None: ...
     async def drop_object(self, key: str) -> None: ...
     def stage_open(self) -> StagedFile | None: ...
     async def stage(self, staged: StagedFile | None, offset: int, data: bytes | bytearray | memoryview) -> None: ...
@@ -494,6 +495,17 @@ class NewFile:
         if not await self._writes.read_staged(self._staged, start, buf):
             raise StoreError("its local copy could not be read")
 
+    async def rename(self, move: Callable[[], None]) -> bool:
+        """Renamed while open: `move()` gives it its new name, under which it is stored. False if it was stored
+        meanwhile: then it is an object to move. A commit in flight is waited for: `touch tmp && mv tmp DONE`
+        renamed an empty file whose PUT (at RELEASE, after close returned) was under way, and it was stored as
+        `tmp` while this mount said `DONE`."""
+        async with self._lock:
+            if self.stored is not None:
+                return False
+            move()
+            return True
+
     async def unlink(self) -> bool:
         """Unlinked while open (a temporary file deleted before it is closed): nothing will be stored. False
         if it was stored meanwhile (a close got there first): then it is an object to delete."""
@@ -510,8 +522,8 @@ class NewFile:
         self._drop_buffer()
         self._drop_free()
         if self._staged is not None:
-            self._staged.discard()
-            self._staged = None
+            staged, self._staged = self._staged, None
+            await self._writes.discard_staged(staged)
         if self._upload_id is not None:
             upload_id, self._upload_id = self._upload_id, None
             assert self._key is not None

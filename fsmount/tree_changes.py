@@ -91,6 +91,10 @@ class WritableNamespace(Namespace):
 
     def moved(self, node: Node, path: str, meta: ObjectMeta) -> None:
         """A stored file was copied to `path` as `meta` and its old key deleted."""
+        # Its old name no longer leads to it: the same bytes stored again there (the same ETag) were looked up as
+        # this node, whose reads go to the new key.
+        if self._ino_by_path.get((node.path, node.etag)) == node.ino:
+            del self._ino_by_path[(node.path, node.etag)]
         self.removed(node.path, is_dir=False)
         node.path = path
         self._stored(node, meta)

@@ -168,8 +168,13 @@ class StagedFile:
 
     def promise(self, size: int) -> bool:
         """Whether the disk has room for this copy to grow to `size` bytes (a deferred file, whose bytes are
-        nowhere else until close); the room stays promised to it until it is discarded. Called once."""
-        if self._fd is None or not self._staging.promise(size):
+        nowhere else until close); the room stays promised to it until it is discarded. Called again (another
+        extending ftruncate before the first write), the promise becomes `size` (two added up leaked the first)."""
+        if self._fd is None:
+            return False
+        if size <= self._promised:
+            self._staging.unpromise(self._promised - size)
+        elif not self._staging.promise(size - self._promised):
             return False
         self._promised = size
         return True

@@ -172,6 +172,12 @@ class Writes:
         if staged is not None and staged.ok:
             await trio.to_thread.run_sync(staged.extend, size, limiter=self._staging_limiter)
 
+    async def discard_staged(self, staged: StagedFile) -> None:
+        """Drop a local copy, in a thread of its own: it waits for a write of the copy in flight, which a stalled
+        cache disk holds (done in the trio thread, an unlink of a file being written, or an unmount, froze every
+        FUSE request until the disk answered). Given up on cancel: the thread ends when the disk answers."""
+        await trio.to_thread.run_sync(staged.discard, abandon_on_cancel=True)
+
     async def read_staged(self, staged: StagedFile | None, offset: int, buf: bytearray) -> bool:
         """Fill `buf` from a local copy at `offset`; False if it failed (or there is none)."""
         if staged is None or not staged.ok:
@@ -405,10 +411,11 @@ class Writes:
             if not self.allow_overwrite:
                 log.warning("rename onto %s: replacing it needs --allow-overwrite", path)
                 raise PathError(errno.EPERM)
+        new = self._files.get(node.ino) if node.writing else None
         if node.is_dir:
             await self._rename_dir(node, path)
-        elif node.writing:
-            self.ns.move_pending(node, path)
+        elif new is not None and await new.rename(lambda: self.ns.move_pending(node, path)):
+            pass
         else:
             if node.ino not in self._written and not self.allow_delete:
                 log.warning("rename of %s: a file this mount did not write needs --allow-delete", node.path)
@@ -438,7 +445,14 @@ class Writes:
             etag = await self._copy_in_parts(meta, key)
         else:
             etag = await self.call(self.uploads.copy, meta.key, meta.etag, key)
-        await self.call(self.uploads.delete, meta.key)
+        try:
+            await self.call(self.uploads.delete, meta.key)
+        except StoreError as exc:
+            # The object is under its new name: the rename is done, and a leftover is no reason to fail it. Failed,
+            # the caller got EIO for a file stored all the same (a retry of the rename then found the name taken;
+            # a close of a file renamed while written: a trainer retrying the save got EPERM).
+            log.warning("%s was copied to %s, but could not be deleted (%s): it is left in the bucket", meta.key, key,
+                        exc.message)
         return ObjectMeta(key, meta.size, etag, time.time_ns())
 
     async def _copy_in_parts(self, meta: ObjectMeta, key: str) -> str:

@@ -273,6 +273,7 @@ class Boto3Store:
 
     def list_pages(self, prefix: str) -> Iterator[ListingPage]:
         token: str | None = None
+        tokens: set[str] = set()  # every continuation token given so far: a server that ignores them repeats one
         while True:
             kwargs: dict[str, Any] = dict(Bucket=self.bucket, Prefix=prefix, Delimiter="/", EncodingType="url",
                                           MaxKeys=self.list_page_keys)
@@ -301,7 +302,19 @@ class Boto3Store:
                 else:
                     prefixes.append(sub)
             token = resp.get("NextContinuationToken")
-            last = not resp.get("IsTruncated") or not token
+            last = not resp.get("IsTruncated")
+            # A listing the server says goes on, and that cannot: a listing that failed is EIO, said, where a
+            # listing cut short left files out in silence (ENOENT for files the bucket holds), and a repeated token
+            # (a server that ignores it sends page one again) listed for good, with every reader of the directory
+            # waiting in the kernel, beyond the reach of SIGKILL.
+            if not last and not token:
+                raise StoreError(f"listing {prefix!r}: the server said the listing goes on, but gave no continuation "
+                                 "token")
+            if not last and token in tokens:
+                raise StoreError(f"listing {prefix!r}: the server gave the continuation token {token[:64]!r} a second "
+                                 "time (it sends the same page again: does it ignore continuation tokens?)")
+            if token:
+                tokens.add(token)
             yield ListingPage(objects, prefixes, undecodable, last)
             if last:
                 return

@@ -366,6 +366,11 @@ class RangeGetter:
         with memoryview(buffer) as view:
             _receive(sock, view, resp.readinto,
                      lambda got: TransientError(f"{what}: short body, {got} of {want} bytes"))
+        if length is None and resp.read(1):
+            # No length said (a chunked body, or one that ends with the connection): the body must end here. A
+            # server that ignored the range, or compressed the bytes on the way, sent more, and these were not the
+            # range's bytes (read whole and served: a 20 MB file read back its first chunk three times).
+            raise TransientError(f"{what}: server sent more than the {want} bytes asked for")
         # Nothing may follow the body on a connection we keep (a server sending more is not trusted).
         return not resp.will_close and resp.read(1) == b""
 

@@ -740,3 +740,34 @@ def test_a_shared_tier_in_another_region_is_written_and_read_with_urls_signed_fo
     with pytest.raises(StoreError, match=r"the bucket is in region eu-west-1"):
         g.put("k", [b"body"], "PUT k")
     assert len(origin.requests) == 1
+
+
+@pytest.mark.parametrize("framing", ["chunked", "until_close"])
+def test_a_body_without_a_length_that_goes_on_past_the_range_is_refused(origin: Origin, framing: str) -> None:
+    """With no Content-Length (a chunked body, or one that ends with the connection), a body longer than the range was
+    read up to the range's length and served: a server that ignored the range (206 and the right Content-Range, then
+    the whole object), or compressed the bytes on the way, gave wrong bytes with no error (a tester's proxy)."""
+    whole = [True]
+
+    def answer(h: Handler, start: int, end: int) -> bool:
+        body = DATA if whole[0] else DATA[start:end]  # the whole object from offset 0, whatever was asked; or the range
+        h.send_response(206)
+        h.send_header("Content-Range", f"bytes {start}-{end - 1}/{len(DATA)}")
+        h.send_header("ETag", ETAG)
+        if framing == "chunked":
+            h.send_header("Transfer-Encoding", "chunked")
+            h.end_headers()
+            h.wfile.write(b"%x\r\n%s\r\n0\r\n\r\n" % (len(body), body))
+        else:
+            h.send_header("Connection", "close")
+            h.end_headers()
+            h.wfile.write(body)
+            h.close_connection = True
+        h.wfile.flush()
+        return True
+
+    origin.script = answer
+    with pytest.raises(TransientError, match="server sent more than the 100 bytes asked for"):
+        get(getter(origin), 4096, 100)
+    whole[0] = False  # the same framing, ending where the range does: read
+    assert get(getter(origin), 4096, 100) == DATA[4096:4196]

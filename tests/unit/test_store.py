@@ -150,3 +150,32 @@ def test_no_credentials_for_a_profile_says_the_environment_s_keys_do_not_count(a
     aws_config("[profile bare]\nregion = us-east-1\n")
     with pytest.raises(AccessDenied, match=r"with a profile, only its own credentials count"):
         Boto3Store(StoreConfig(bucket="models", profile="bare", endpoint_url="http://127.0.0.1:9"))._presign("k")
+
+
+@pytest.mark.parametrize("server", ["repeats_its_token", "gives_no_token"])
+def test_a_listing_the_server_says_goes_on_and_cannot_fails_said(aws_config, server: str) -> None:  # noqa: ANN001
+    """A server that ignores continuation tokens sends page one again with the same token: the listing went on for
+    good (180k requests), and every reader of the directory waited in the kernel beyond SIGKILL. One that says the
+    listing is truncated without a token had it cut short in silence: ENOENT for files the bucket holds (a tester's
+    proxy, as such servers answer)."""
+    from botocore.stub import Stubber
+
+    from fsmount.config import StoreConfig
+    from fsmount.data import Boto3Store
+
+    aws_config("[default]\nregion = us-east-1\n")
+    store = Boto3Store(StoreConfig(bucket="models", endpoint_url="http://127.0.0.1:9000"))
+    page = {"IsTruncated": True, "KeyCount": 1, "Contents": [{"Key": "m/a.bin", "Size": 3, "ETag": '"e"'}]}
+    if server == "repeats_its_token":
+        page["NextContinuationToken"] = "AAA"
+    with Stubber(store._client) as stub:  # noqa: SLF001
+        for _ in range(3):
+            stub.add_response("list_objects_v2", page)
+        pages = store.list_pages("m/")
+        if server == "repeats_its_token":
+            assert [o.key for o in next(pages).objects] == ["m/a.bin"]  # the first page, as any
+            with pytest.raises(StoreError, match=r"gave the continuation token 'AAA' a second time"):
+                next(pages)
+        else:
+            with pytest.raises(StoreError, match="said the listing goes on, but gave no continuation token"):
+                next(pages)

@@ -32,6 +32,7 @@ from fsmount.data.store import (
     StoreError,
     TransientError,
     Unreachable,
+    changed_etag,
     error_for_status,
     local_failure,
 )
@@ -391,9 +392,9 @@ class Boto3Store:
         content_range = resp.get("ContentRange")
         if content_range and not content_range.startswith(f"bytes {start}-{end - 1}/"):
             raise TransientError(f"{what}: server answered with {content_range!r}")
-        got_etag = resp.get("ETag")
-        if etag and got_etag and got_etag != etag:
-            raise PreconditionFailed(f"{what}: object changed in the bucket since it was opened")
+        changed = changed_etag(etag, resp.get("ETag"), what)
+        if changed is not None:
+            raise changed
         # A body longer than the range is as wrong as a short one: ask for one byte more than the range.
         with ObjectReader(resp["Body"], want, self.bucket, what) as reader:
             if buffer is None:

@@ -298,8 +298,8 @@ class ChunkEngine:
             self.memory.note_served(cid, lo, hi, len(data), kernel_caches)
             return memoryview(data)[lo:hi]
         out: list[memoryview] = []
-        deadline = min((p.deadline for _, p in parts if isinstance(p, Fetch)),
-                       default=trio.current_time() + self.read_timeout)
+        started = trio.current_time()
+        deadline = min((p.deadline for _, p in parts if isinstance(p, Fetch)), default=started + self.read_timeout)
         with trio.move_on_at(deadline) as scope:
             for cid, part in parts:
                 if isinstance(part, Fetch):
@@ -319,7 +319,11 @@ class ChunkEngine:
             failed = next(filter(None, (self.levels.origin_failure(cid, deadline - self.read_timeout)
                                         for cid, part in parts if isinstance(part, Fetch))), None)
             why = f" (the origin: {failed})" if failed else ""
-            raise ReadTimeout(f"read of {parts[0][0].key!r} timed out after {self.read_timeout:g}s{why}")
+            key = parts[0][0].key
+            if deadline <= started:  # it waited for nothing (RETRY_GRACE_S): "timed out after 120s" was not so
+                raise ReadTimeout(f"read of {key!r} failed at once: a read just before timed out after "
+                                  f"{self.read_timeout:g}s, with nothing fetched meanwhile{why}")
+            raise ReadTimeout(f"read of {key!r} timed out after {self.read_timeout:g}s{why}")
         return out[0] if len(out) == 1 else b"".join(out)
 
     async def read(self, obj: ObjectVersion, start: int, end: int) -> bytes | memoryview:

@@ -34,10 +34,10 @@ from typing import Any, TypeVar
 from fsmount.data.identity import WritableBuffer
 from fsmount.data.store import (
     AccessDenied,
-    PreconditionFailed,
     StoreError,
     TransientError,
     Unreachable,
+    changed_etag,
     error_for_status,
     local_failure,
 )
@@ -360,9 +360,9 @@ class RangeGetter:
             raise TransientError(f"{what}: server answered {resp.status} without the range")
         if length is not None and length != str(want):
             raise TransientError(f"{what}: server sends {length} bytes, {want} asked for")
-        got_etag = resp.getheader("ETag")
-        if etag and got_etag and got_etag != etag:
-            raise PreconditionFailed(f"{what}: object changed in the bucket since it was opened")
+        changed = changed_etag(etag, resp.getheader("ETag"), what)
+        if changed is not None:
+            raise changed
         with memoryview(buffer) as view:
             _receive(sock, view, resp.readinto,
                      lambda got: TransientError(f"{what}: short body, {got} of {want} bytes"))

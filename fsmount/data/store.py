@@ -97,6 +97,25 @@ class PreconditionFailed(StoreError):
     errno = errno.EIO
 
 
+def changed_etag(pinned: str, got: str | None, what: str) -> PreconditionFailed | None:
+    """The error for a GET of the version `pinned` answered with the ETag `got`, if that is another version. One
+    version's ETag in two forms is not another: weak (`W/"x"`) or not, quoted or not, in either case (servers that
+    differ between a listing's and a GET's failed every read "object changed", nothing having changed)."""
+    if not pinned or not got:
+        return None
+    if _etag_value(pinned) == _etag_value(got):
+        return None
+    return PreconditionFailed(f"{what}: object changed in the bucket since it was opened (ETag {got}, opened as "
+                              f"{pinned})")
+
+
+def _etag_value(etag: str) -> str:
+    etag = etag.strip()
+    if etag[:2] in ("W/", "w/"):
+        etag = etag[2:]
+    return etag.strip('"').lower()
+
+
 class TransientError(StoreError):
     errno = errno.EIO
 

@@ -1438,3 +1438,24 @@ async def test_o_direct_reads_leave_no_belief_that_the_page_cache_holds_their_ch
         assert await one_pass() == pytest.approx(first, rel=0.25)
 
     await run_engine(engine, body)
+
+
+async def test_a_read_failed_at_once_after_a_timeout_says_so(autojump_clock) -> None:  # noqa: ANN001
+    """A READ that came just after another timed out, with the origin silent, fails at once (RETRY_GRACE_S), and its
+    warning said it "timed out after 120s" though it waited for nothing (a tester)."""
+    store = FakeStore()
+    put_object(store, "m", 4 * CHUNK)
+    engine = ChunkEngine(store, chunk_size=CHUNK, memory_limit=64 * MiB, max_connections=8, read_timeout=5.0,
+                         run_blocking=stalling_runner({"m"}))
+    v = version(store, "m")
+
+    async def body() -> None:
+        with pytest.raises(StoreError, match=r"read of 'm' timed out after 5s"):
+            await engine.read(v, 0, 100)
+        start = trio.current_time()
+        with pytest.raises(StoreError, match=r"read of 'm' failed at once: a read just before timed out after 5s, "
+                                             r"with nothing fetched meanwhile"):
+            await engine.read(v, CHUNK, CHUNK + 100)
+        assert trio.current_time() == start
+
+    await run_engine(engine, body)

@@ -398,6 +398,12 @@ class RangeGetter:
                                 f"{region}, and an --endpoint-url of that region if you give one)", region)
             wrong.signed_for = signed_region(url) if url is not None else None
             return wrong
+        if 300 <= resp.status < 400 and not code:
+            # A bare number ("GET 'k': 307") said nothing: S3 answers object requests with no other redirect.
+            location = resp.getheader("Location")
+            return StoreError(f"{what}: the server answered {resp.status} {resp.reason}"
+                              + (f" (to {location[:200]})" if location else "")
+                              + ", which S3 does not for an object: is the endpoint a web server or a proxy?")
         return error_for_status(code, resp.status, self.bucket, what, message)
 
 

@@ -785,3 +785,11 @@ def test_one_version_s_etag_in_another_form_is_not_another_version(origin: Origi
     with pytest.raises(PreconditionFailed, match=r'object changed in the bucket since it was opened \(ETag "def", '
                                                  r'opened as "abc"\)'):
         get(getter(origin), 100, 10)
+
+
+def test_a_redirect_is_said_for_what_it_is(origin: Origin) -> None:
+    """A 307 or a 304 to a GET was logged as a bare number ("GET k: 307"), saying nothing (a tester's proxy)."""
+    origin.script = lambda h, s, e: h.answer(307, b"", {"Location": "http://elsewhere:9000/k"}) or True
+    with pytest.raises(StoreError, match=r"GET k: the server answered 307 Temporary Redirect \(to "
+                                         r"http://elsewhere:9000/k\), which S3 does not for an object"):
+        get(getter(origin), 0, 10)

@@ -23,7 +23,7 @@ import sys
 import threading
 import time
 import urllib.parse
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 
 import pyfuse3
 import trio
@@ -499,6 +499,8 @@ class Daemon:
         self.mountpoint = mountpoint
         self.on_ready = on_ready
         self.metrics = metrics
+        # SIGTERM / SIGINT that came after the mount was made and before `_watch_signals` took them (`run`).
+        self.early_stops: list[int] = []
         self._residency_refused = False  # mincore refused once (logged): a seccomp filter without it
         self.store = Boto3Store(cfg.store)
         self._meta_limiter: trio.CapacityLimiter | None = None  # metadata requests waited for (METADATA_THREADS)
@@ -685,8 +687,16 @@ class Daemon:
             log.warning("%d fetched chunks were not written to the cache within %g s", left, WRITE_DRAIN_S)
 
     async def _watch_signals(self) -> None:
+        try:
+            await self._take_signals()
+        finally:
+            # The stop's drain: a stop now ends the daemon at once, as the default actions do.
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+
+    async def _take_signals(self) -> None:
         with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as signals:
-            async for signum in signals:
+            async for signum in _chain(self.early_stops, signals):
                 if signum == signal.SIGHUP:
                     # What logrotate's postrotate and `systemctl reload` send: the log file is reopened
                     # (WatchedFileHandler does that by itself); a mount in use must not go away.
@@ -732,6 +742,14 @@ class Daemon:
                  f" (prefix {self.cfg.store.prefix})" if self.cfg.store.prefix else "", self.mountpoint)
         self.on_ready()
         sd_notify("READY=1")
+
+
+async def _chain(first: list[int], then: AsyncIterator[int]) -> AsyncIterator[int]:
+    """The signals in `first` (noted before the receiver existed), then those `then` receives."""
+    while first:
+        yield first.pop(0)
+    async for signum in then:
+        yield signum
 
 
 def run(cfg: MountConfig, ready: Callable[[str | None], None]) -> int:
@@ -785,8 +803,13 @@ def run(cfg: MountConfig, ready: Callable[[str | None], None]) -> int:
         ready(str(exc) if isinstance(exc, MountError) else f"cannot mount: {exc}")
         return 1
     finally:
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        signal.signal(signal.SIGINT, signal.default_int_handler)
+        # From here on a mount may exist: a stop until the daemon's own receiver takes it (Daemon._watch_signals) is
+        # noted, and done there. The default action killed the daemon with its mount in place, ENOTCONN for every
+        # user of the mount point until someone unmounted it (the audit).
+        early_stops: list[int] = []
+        signal.signal(signal.SIGTERM, lambda signum, frame: early_stops.append(signum))
+        signal.signal(signal.SIGINT, lambda signum, frame: early_stops.append(signum))
+    daemon.early_stops = early_stops
     tune_malloc()
     try:
         pyfuse3.init(daemon.ops, mountpoint, daemon.fuse_options())

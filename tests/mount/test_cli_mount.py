@@ -176,6 +176,39 @@ def test_a_signal_during_a_slow_pre_flight_is_said_in_one_line(tmp_path: Path, s
         assert proc.returncode == 1, (proc.returncode, err)  # the pre-flight's own failure, said in one line
 
 
+def mounted_at(mountpoint: Path) -> bool:
+    return any(line.split()[4] == str(mountpoint) for line in Path("/proc/self/mountinfo").read_text().splitlines())
+
+
+def test_a_stop_right_after_the_mount_was_made_unmounts_it(moto_server: S3Server, tmp_path: Path) -> None:
+    """SIGTERM between the mount's creation and the daemon's own signal receiver (a systemd stop while it starts):
+    the default action killed the daemon with its mount in place, and the mount point gave ENOTCONN until someone
+    unmounted it. The stop is noted and done once the receiver is there. The signal is sent the moment the mount
+    shows in mountinfo, which lands in that window some of the time; whenever it lands, nothing is left mounted."""
+    bucket = bucket_with(moto_server, {"a.bin": b"x"})
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    for _ in range(4):
+        proc = subprocess.Popen(modelfs_cmd("mount", bucket, str(mnt), "--foreground", "--endpoint-url",
+                                            moto_server.endpoint_url), env=daemon_env(moto_server),
+                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        try:
+            deadline = time.monotonic() + 60
+            while not mounted_at(mnt) and proc.poll() is None and time.monotonic() < deadline:
+                pass
+            proc.send_signal(signal.SIGTERM)
+            _, err = proc.communicate(timeout=60)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+            left = mounted_at(mnt)
+            if left:
+                subprocess.run(["fusermount3", "-uz", str(mnt)], check=False)
+        assert not left, f"a mount was left behind: {err}"
+        assert "Traceback" not in err, err
+
+
 def test_mountpoint_problems(moto_server: S3Server, tmp_path: Path) -> None:
     bucket = new_bucket(moto_server)
     afile = tmp_path / "file"

@@ -112,6 +112,9 @@ class NewFile:
         self.error: str | None = None
         self.stored: ObjectMeta | None = None
         self.unlinked = False  # unlinked while open: its upload is gone, what it is sent is dropped
+        # The path of the stored file it rewrites (an O_TRUNC open), whose object stays in the bucket until this one
+        # is stored under the same key: renamed or unlinked before that, the old object is deleted (Writes).
+        self.replaces: str | None = None
         self.handles = 0  # open file handles on it
         self.opener: int | None = None  # the process that opened it (holders.py), None where unknown
         # A descriptor of it was closed while it was still empty and nothing was written since: it is stored
@@ -495,15 +498,15 @@ class NewFile:
         if not await self._writes.read_staged(self._staged, start, buf):
             raise StoreError("its local copy could not be read")
 
-    async def rename(self, move: Callable[[], None]) -> bool:
-        """Renamed while open: `move()` gives it its new name, under which it is stored. False if it was stored
+    async def rename(self, move: Callable[[], Awaitable[None]]) -> bool:
+        """Renamed while open: `await move()` gives it its new name, under which it is stored. False if it was stored
         meanwhile: then it is an object to move. A commit in flight is waited for: `touch tmp && mv tmp DONE`
         renamed an empty file whose PUT (at RELEASE, after close returned) was under way, and it was stored as
         `tmp` while this mount said `DONE`."""
         async with self._lock:
             if self.stored is not None:
                 return False
-            move()
+            await move()
             return True
 
     async def unlink(self) -> bool:

@@ -81,7 +81,13 @@ class WritableNamespace(Namespace):
         self._change(parent, name, DirEntry(name.encode("utf-8", "surrogateescape"), False, meta))
 
     def move_pending(self, node: Node, path: str) -> None:
-        """A file still being written now has the name `path`."""
+        """A file still being written now has the name `path`. A rewrite of a stored file (the path's latest version
+        is this node) leaves its old name: gone from this mount now, from the bucket once it is stored (new_file)."""
+        if self._latest_file.get(node.path) == node.ino:
+            del self._latest_file[node.path]
+            parent, _, name = node.path.rpartition("/")
+            self._change(parent, name, None)
+            self._negative[node.path] = True
         self._pending.pop(node.path, None)
         self._ino_by_path.pop((node.path, ""), None)
         node.path = path

@@ -334,7 +334,10 @@ class Writes:
             log.log(logging.WARNING if flags & os.O_APPEND else logging.INFO,
                     "%s: only whole rewrites (O_TRUNC) of existing files are supported", node.path)
             raise PathError(errno.EOPNOTSUPP)
-        return self._start(self.ns.begin_file(node.path, node))
+        path = node.path
+        new = self._start(self.ns.begin_file(path, node))
+        new.replaces = path
+        return new
 
     def _start(self, node: Node) -> NewFile:
         new = NewFile(self, node, self.part_size)
@@ -366,7 +369,14 @@ class Writes:
         if node.is_dir:
             raise PathError(errno.EISDIR)
         new = self._files.get(node.ino) if node.writing else None
+        if new is not None and new.replaces is not None and not self.allow_delete:
+            self._refuse_delete(node.path)  # a rewrite: the object it replaces is a key of the bucket to delete
         if new is not None and await new.unlink():
+            if new.replaces is not None:
+                # Only its upload was dropped: `rm` of a file being rewritten left the old object, which came back.
+                await self.call(self.uploads.delete, self.ns.key_of(new.replaces))
+                self.ns.removed(new.replaces, is_dir=False)
+                self.stats.deletes += 1
             return
         if not self.allow_delete:
             self._refuse_delete(node.path)
@@ -412,9 +422,20 @@ class Writes:
                 log.warning("rename onto %s: replacing it needs --allow-overwrite", path)
                 raise PathError(errno.EPERM)
         new = self._files.get(node.ino) if node.writing else None
+
+        async def move_pending() -> None:
+            assert new is not None
+            if new.replaces is not None:
+                # A rewrite (O_TRUNC) renamed before its close: its upload goes to the new name, and the old object
+                # would stay, its old bytes back under the old name after the TTL (the audit). It goes now, as its
+                # bytes went at the open for any other file system.
+                await self.call(self.uploads.delete, self.ns.key_of(new.replaces))
+                new.replaces = None
+            self.ns.move_pending(node, path)
+
         if node.is_dir:
             await self._rename_dir(node, path)
-        elif new is not None and await new.rename(lambda: self.ns.move_pending(node, path)):
+        elif new is not None and await new.rename(move_pending):
             pass
         else:
             if node.ino not in self._written and not self.allow_delete:

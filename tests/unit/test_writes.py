@@ -921,3 +921,46 @@ async def test_unlinking_a_file_whose_local_copy_is_stalled_leaves_the_trio_thre
         await writes.unlink(new.node)
         assert trio.current_time() - start >= 0.3  # it did wait for the write
         assert len([t for t in ticks if t >= start]) >= 10  # and the loop answered meanwhile
+
+
+@pytest.mark.parametrize("size", [7, 7 * MiB], ids=["one_put", "upload_begun"])
+async def test_a_rewrite_renamed_before_its_close_leaves_nothing_under_the_old_name(size: int) -> None:
+    """open(f, O_TRUNC), write, rename to g, close: g got the new bytes and f kept the old ones, which this mount
+    showed again after the TTL (the audit; a rewrite whose upload began under f was moved away from there already)."""
+    writes, uploads, ns = make(allow_overwrite=True)
+    uploads.store.put("f", b"old")
+    data = bytes(range(256)) * (size // 256) + bytes(size % 256)
+    async with serving(writes):
+        root = ns.node(ROOT_INODE)
+        new = writes.open_existing(await ns.lookup(ROOT_INODE, b"f"), os.O_WRONLY | os.O_TRUNC)
+        await new.write(0, data)
+        await writes.rename(new.node, root, b"g", None, 0)
+        with pytest.raises(PathError):
+            await ns.lookup(ROOT_INODE, b"f")  # gone from this mount at the rename
+        assert {e.name for e in await ns.listing(root)} == {b"g"}
+        await new.commit()
+        assert uploads.objects == {"g": data}
+
+
+async def test_unlinking_a_file_being_rewritten_deletes_the_object_it_replaces(allowed_logs: list[str]) -> None:
+    """rm of a file being rewritten (O_TRUNC) dropped only the upload: the old object stayed, and the file came back
+    with its old bytes (the audit). With --allow-delete the old object goes; without, the rm is refused and the
+    rewrite goes on."""
+    allowed_logs.append("needs --allow-delete")
+    for allow_delete in (True, False):
+        writes, uploads, ns = make(allow_overwrite=True, allow_delete=allow_delete)
+        uploads.store.put("f", b"old")
+        async with serving(writes):
+            new = writes.open_existing(await ns.lookup(ROOT_INODE, b"f"), os.O_WRONLY | os.O_TRUNC)
+            await new.write(0, b"new")
+            if allow_delete:
+                await writes.unlink(new.node)
+                assert uploads.objects == {}
+                with pytest.raises(PathError):
+                    await ns.lookup(ROOT_INODE, b"f")
+            else:
+                with pytest.raises(PathError) as info:
+                    await writes.unlink(new.node)
+                assert info.value.errno == errno.EPERM
+                await new.commit()
+                assert uploads.objects == {"f": b"new"}

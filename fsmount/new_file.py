@@ -506,6 +506,10 @@ class NewFile:
         async with self._lock:
             if self.stored is not None:
                 return False
+            if self.settled.is_set() or self.unlinked:
+                # Its commit failed meanwhile (or it was unlinked): it left the tree. Moved all the same, it came back
+                # as a node nothing would ever store or drop, and the name stayed EBUSY until unmount (the review).
+                raise PathError(errno.ENOENT)
             await move()
             return True
 
@@ -524,12 +528,14 @@ class NewFile:
         Parts still in flight fail on their own (the upload is gone) and release their memory then."""
         self._drop_buffer()
         self._drop_free()
-        if self._staged is not None:
-            staged, self._staged = self._staged, None
-            await self._writes.discard_staged(staged)
+        staged, self._staged = self._staged, None
         if self._upload_id is not None:
+            # Before the local copy, whose discard waits for a stalled cache disk: at unmount that wait took the
+            # whole time given to aborting, and no upload was aborted (the review).
             upload_id, self._upload_id = self._upload_id, None
             assert self._key is not None
             await self._writes.abort_upload(self._key, upload_id)
             self._writes.unregister(self)
+        if staged is not None:
+            await self._writes.discard_staged(staged)
         self._writes.dropped(self)

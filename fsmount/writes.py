@@ -369,14 +369,16 @@ class Writes:
         if node.is_dir:
             raise PathError(errno.EISDIR)
         new = self._files.get(node.ino) if node.writing else None
-        if new is not None and new.replaces is not None and not self.allow_delete:
-            self._refuse_delete(node.path)  # a rewrite: the object it replaces is a key of the bucket to delete
+        if new is not None and new.replaces is not None:
+            # A rewrite: dropping its upload left the object it replaces, which came back with its old bytes (the
+            # audit). That object goes first: should its delete fail, the rewrite is still there (the review).
+            if not self.allow_delete:
+                self._refuse_delete(node.path)
+            await self.call(self.uploads.delete, self.ns.key_of(new.replaces))
+            self.stats.deletes += 1
+            replaced, new.replaces = new.replaces, None
+            self.ns.removed(replaced, is_dir=False)
         if new is not None and await new.unlink():
-            if new.replaces is not None:
-                # Only its upload was dropped: `rm` of a file being rewritten left the old object, which came back.
-                await self.call(self.uploads.delete, self.ns.key_of(new.replaces))
-                self.ns.removed(new.replaces, is_dir=False)
-                self.stats.deletes += 1
             return
         if not self.allow_delete:
             self._refuse_delete(node.path)
@@ -425,6 +427,12 @@ class Writes:
 
         async def move_pending() -> None:
             assert new is not None
+            if new.replaces is not None and node.ino not in self._written and not self.allow_delete:
+                # The rename deletes the object the rewrite replaces: after it, `rm` of the new name (which deletes
+                # nothing of the bucket) removed any object with --allow-overwrite alone (the review).
+                log.warning("rename of %s: a file this mount did not write needs --allow-delete", node.path)
+                self.stats.deletes_refused += 1
+                raise PathError(errno.EPERM)
             if new.replaces is not None:
                 # A rewrite (O_TRUNC) renamed before its close: its upload goes to the new name, and the old object
                 # would stay, its old bytes back under the old name after the TTL (the audit). It goes now, as its

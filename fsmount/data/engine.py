@@ -124,7 +124,8 @@ class Fetch:
         """The chunk's bytes once fetched; raises the fetch's StoreError if it failed."""
         await self.done.wait()
         if self.error is not None:
-            raise self.error
+            # A copy for each waiter: raised, the kept one would gather every waiter's frames (and the chunks they cut).
+            raise self.error.detached()
         if self.data is None:  # dropped unstarted: nobody was to wait for it (engine.abandon)
             raise StoreError(f"the fetch of chunk {self.cid.index} of {self.cid.key!r} was dropped")
         return self.data
@@ -389,9 +390,9 @@ class ChunkEngine:
         except trio.Cancelled:
             raise
         except Exception as exc:  # noqa: BLE001 - handed to every waiter of this chunk
-            # Without its traceback: the frames of this fetch hold its buffer, which the budget stops counting below.
+            # Detached: the frames of this fetch hold its buffer, which the budget stops counting below.
             fetch.error = (exc if isinstance(exc, StoreError) else StoreError(f"{type(exc).__name__}: {exc}")
-                           ).with_traceback(None)
+                           ).detached()
             # A warning only where a reader waited for it: read-ahead and streaming fetches that fail (an outage
             # logged one line per chunk of every shard being warmed) are fetched again when a READ wants them.
             warn = fetch.demanded and not fetch.error.reported

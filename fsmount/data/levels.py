@@ -419,7 +419,7 @@ class LevelStack:
                 except (PreconditionFailed, NotFound) as exc:
                     # A copy: the error raised holds, in its traceback, the frames of this fetch, and through them
                     # its buffer, which the budget no longer counts once the fetch failed.
-                    self._gone[version] = type(exc)(exc.message)
+                    self._gone[version] = exc.detached()
                     raise
                 finally:
                     self.trailing.origin_finished()

@@ -11,7 +11,7 @@ import dataclasses
 import errno
 import os
 from collections.abc import Iterator
-from typing import Protocol
+from typing import Protocol, Self
 
 from fsmount.data.identity import WritableBuffer
 
@@ -50,6 +50,14 @@ class StoreError(Exception):
         # Set once it has been logged as a warning, so that the READs it fails (the kernel re-sends a failed
         # READ at once, and both join the one failed fetch) do not log it again.
         self.reported = False
+
+    def detached(self) -> Self:
+        """A copy that holds no frames (no traceback, cause or context), to keep or to raise to many waiters: one
+        raised keeps, through those, the frames of the fetch that failed, and their chunk buffer (the audit)."""
+        copy = type(self).__new__(type(self))
+        copy.__dict__.update(self.__dict__)
+        copy.args = self.args
+        return copy
 
 
 class NotFound(StoreError):

@@ -1459,3 +1459,48 @@ async def test_a_read_failed_at_once_after_a_timeout_says_so(autojump_clock) -> 
         assert trio.current_time() == start
 
     await run_engine(engine, body)
+
+
+async def test_a_failed_fetch_s_error_holds_no_chunk_buffer_for_its_waiters(autojump_clock, allowed_logs,  # noqa: ANN001
+                                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """A fetch's error is kept for its waiters (RETRY_GRACE_S at least). Kept as raised, it held the fetch's frames,
+    and their chunk buffer, outside the budget: through its traceback, and through the context of an error raised
+    while handling another (`raise TransientError(...) from None` in an `except OSError`, as the store's GET does),
+    and each waiter's re-raise added its frames (the audit, then the review)."""
+    import gc
+    import weakref
+
+    import fsmount.data.levels
+
+    allowed_logs.append("fetching chunk .* failed")
+    buffers: list[weakref.ref] = []
+
+    def tracked(length: int):  # noqa: ANN202
+        buffer = new_buffer(length)
+        buffers.append(weakref.ref(buffer))
+        return buffer
+
+    def get_range(key: str, etag: str, start: int, end: int, buffer=None):  # noqa: ANN001, ANN202
+        def receive(into) -> None:  # noqa: ANN001 - holds the buffer, as the store's body read does
+            raise OSError("connection reset")
+        try:
+            receive(buffer)
+        except OSError as exc:
+            raise TransientError(f"GET {key!r}: {exc}") from None
+
+    monkeypatch.setattr(fsmount.data.levels, "new_buffer", tracked)
+    store = FakeStore()
+    put_object(store, "m", 2 * CHUNK)
+    store.get_range = get_range
+    engine = make_engine(store)
+    v = version(store, "m")
+
+    async def body() -> None:
+        for _ in range(2):  # the READ, and the kernel's re-send of it: both join the failed fetch
+            with pytest.raises(TransientError):
+                await engine.read(v, 0, 100)
+        assert buffers and engine.memory.used == 0
+        gc.collect()
+        assert [ref() for ref in buffers] == [None] * len(buffers)
+
+    await run_engine(engine, body)

@@ -926,8 +926,9 @@ async def test_unlinking_a_file_whose_local_copy_is_stalled_leaves_the_trio_thre
 @pytest.mark.parametrize("size", [7, 7 * MiB], ids=["one_put", "upload_begun"])
 async def test_a_rewrite_renamed_before_its_close_leaves_nothing_under_the_old_name(size: int) -> None:
     """open(f, O_TRUNC), write, rename to g, close: g got the new bytes and f kept the old ones, which this mount
-    showed again after the TTL (the audit; a rewrite whose upload began under f was moved away from there already)."""
-    writes, uploads, ns = make(allow_overwrite=True)
+    showed again after the TTL (the audit; a rewrite whose upload began under f was moved away from there already).
+    The rename deletes f, which needs --allow-delete (a file this mount did not write)."""
+    writes, uploads, ns = make(allow_overwrite=True, allow_delete=True)
     uploads.store.put("f", b"old")
     data = bytes(range(256)) * (size // 256) + bytes(size % 256)
     async with serving(writes):
@@ -964,3 +965,75 @@ async def test_unlinking_a_file_being_rewritten_deletes_the_object_it_replaces(a
                 assert info.value.errno == errno.EPERM
                 await new.commit()
                 assert uploads.objects == {"f": b"new"}
+
+
+async def test_a_rename_that_waited_for_a_failed_commit_leaves_no_ghost(allowed_logs: list[str]) -> None:
+    """A rename waited for a commit in flight, which failed: moved all the same, the dropped file came back under the
+    new name as a node nothing would store or drop, and creating that name got EBUSY until unmount (the review)."""
+    allowed_logs.append("will not be stored")
+    writes, uploads, ns = make()
+    gate = threading.Event()
+
+    def failing_put(key: str, body: bytes, only_if_absent: bool = False) -> str:
+        gate.wait(10)
+        raise TransientError("put refused")
+
+    uploads.put = failing_put
+    async with serving(writes) as nursery:
+        root = ns.node(ROOT_INODE)
+        new = await new_file(writes, ns, b"tmp")
+        new.closed_empty = True
+
+        async def release() -> None:
+            with pytest.raises(PathError):
+                await new.commit()
+
+        nursery.start_soon(release)
+        await trio.sleep(0.05)
+        threading.Timer(0.2, gate.set).start()
+        with pytest.raises(PathError) as info:
+            await writes.rename(new.node, root, b"DONE", None, 0)
+        assert info.value.errno == errno.ENOENT
+        with pytest.raises(PathError):
+            await ns.lookup(ROOT_INODE, b"DONE")
+        uploads.put = FakeUploads.put.__get__(uploads)
+        again = await new_file(writes, ns, b"DONE")  # not EBUSY
+        await again.commit()
+        assert uploads.objects == {"DONE": b""}
+
+
+async def test_without_allow_delete_a_rewrite_renamed_away_is_refused(allowed_logs: list[str]) -> None:
+    """The rename of a rewrite deletes the object it replaces: with --allow-overwrite alone, open(f, O_TRUNC), mv f g,
+    rm g deleted f from the bucket (the review). The rename needs --allow-delete, as a stored file's does."""
+    allowed_logs.append("needs --allow-delete")
+    writes, uploads, ns = make(allow_overwrite=True)
+    uploads.store.put("f", b"precious")
+    async with serving(writes):
+        root = ns.node(ROOT_INODE)
+        new = writes.open_existing(await ns.lookup(ROOT_INODE, b"f"), os.O_WRONLY | os.O_TRUNC)
+        with pytest.raises(PathError) as info:
+            await writes.rename(new.node, root, b"g", None, 0)
+        assert info.value.errno == errno.EPERM
+        await new.write(0, b"new")
+        await new.commit()
+        assert uploads.objects == {"f": b"new"}
+
+
+async def test_an_unlink_of_a_rewrite_whose_delete_fails_keeps_the_rewrite(allowed_logs: list[str]) -> None:
+    """rm of a file being rewritten dropped the upload first: its delete of the old object failing then lost the new
+    bytes and kept the old (the review). The old object goes first; failing, the rewrite is still there."""
+    writes, uploads, ns = make(allow_overwrite=True, allow_delete=True)
+    uploads.store.put("f", b"old")
+
+    def refused(key: str) -> None:
+        raise TransientError("delete refused")
+
+    delete, uploads.delete = uploads.delete, refused
+    async with serving(writes):
+        new = writes.open_existing(await ns.lookup(ROOT_INODE, b"f"), os.O_WRONLY | os.O_TRUNC)
+        await new.write(0, b"new")
+        with pytest.raises(StoreError):
+            await writes.unlink(new.node)
+        uploads.delete = delete
+        await new.commit()
+        assert uploads.objects == {"f": b"new"}

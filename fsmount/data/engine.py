@@ -322,8 +322,10 @@ class ChunkEngine:
             why = f" (the origin: {failed})" if failed else ""
             key = parts[0][0].key
             if deadline <= started:  # it waited for nothing (RETRY_GRACE_S): "timed out after 120s" was not so
-                raise ReadTimeout(f"read of {key!r} failed at once: a read just before timed out after "
-                                  f"{self.read_timeout:g}s, with nothing fetched meanwhile{why}")
+                error = ReadTimeout(f"read of {key!r} failed at once: a read just before timed out after "
+                                    f"{self.read_timeout:g}s, with nothing fetched meanwhile{why}")
+                error.reported = True  # the read that timed out was the episode's warning (the kernel re-sends it)
+                raise error
             raise ReadTimeout(f"read of {key!r} timed out after {self.read_timeout:g}s{why}")
         return out[0] if len(out) == 1 else b"".join(out)
 

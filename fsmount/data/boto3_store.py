@@ -30,6 +30,7 @@ from fsmount.data.store import (
     ObjectMeta,
     PreconditionFailed,
     StoreError,
+    TimedOut,
     TransientError,
     Unreachable,
     changed_etag,
@@ -94,8 +95,10 @@ def translate_error(exc: Exception, bucket: str, what: str) -> StoreError:
         return local
     if isinstance(exc, (bex.EndpointConnectionError, bex.ConnectTimeoutError)):
         return Unreachable(f"cannot reach the endpoint: {exc}")
-    if isinstance(exc, (bex.ReadTimeoutError, bex.ResponseStreamingError, bex.IncompleteReadError,
-                        bex.ConnectionClosedError, ResponseParserError, ConnectionError, TimeoutError)):
+    if isinstance(exc, (bex.ReadTimeoutError, TimeoutError)):
+        return TimedOut(f"{what}: no answer in time: {type(exc).__name__}: {exc}")
+    if isinstance(exc, (bex.ResponseStreamingError, bex.IncompleteReadError,
+                        bex.ConnectionClosedError, ResponseParserError, ConnectionError)):
         # ResponseParserError: a listing or error document cut short (truncated XML) is a broken
         # response, not an answer.
         return TransientError(f"{what}: {type(exc).__name__}: {exc}")

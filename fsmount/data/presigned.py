@@ -35,6 +35,7 @@ from fsmount.data.identity import WritableBuffer
 from fsmount.data.store import (
     AccessDenied,
     StoreError,
+    TimedOut,
     TransientError,
     Unreachable,
     changed_etag,
@@ -108,6 +109,13 @@ def _receive(sock: socket.socket | None, view: memoryview, read_some: Callable[[
             if not n:
                 raise short(got)
             got += n
+
+
+def _transport_error(what: str, exc: BaseException) -> TransientError:
+    """A request cut short on the way (reset, refused mid-way, not HTTP): worth another try. TimedOut where nothing
+    came in time, which callers may tell apart from an answer (the shared tier: a DELETE then waits as long)."""
+    words = f"{what}: {type(exc).__name__}: {exc}"
+    return TimedOut(words) if isinstance(exc, TimeoutError) else TransientError(words)
 
 
 def proxied(url: str) -> bool:
@@ -220,7 +228,7 @@ class RangeGetter:
             reusable = self._read(resp, conn.sock, start, want, etag, buffer, what, url)
         except (http.client.HTTPException, OSError) as exc:
             # Reset, timeout, a response cut short: worth another try.
-            raise TransientError(f"{what}: {type(exc).__name__}: {exc}") from None
+            raise _transport_error(what, exc) from None
         finally:
             if reusable:
                 self._give_back(origin, conn)
@@ -245,7 +253,7 @@ class RangeGetter:
                 raise TransientError(f"{what}: server answered {resp.status} with length {length!r}")
         except (http.client.HTTPException, OSError) as exc:
             conn.close()
-            raise TransientError(f"{what}: {type(exc).__name__}: {exc}") from None
+            raise _transport_error(what, exc) from None
         except BaseException:
             self._release(origin, conn, resp)  # an error document read whole leaves the connection fit
             raise
@@ -289,7 +297,7 @@ class RangeGetter:
             resp.read(ERROR_BODY_MAX)
             return True
         except (http.client.HTTPException, OSError) as exc:
-            raise TransientError(f"{what}: {type(exc).__name__}: {exc}") from None
+            raise _transport_error(what, exc) from None
         finally:
             self._release(origin, conn, resp)
 
@@ -315,7 +323,7 @@ class RangeGetter:
         except (http.client.HTTPException, OSError) as exc:
             conn.close()
             # Reset, timeout, a response cut short or not HTTP at all: worth another try.
-            raise TransientError(f"{what}: {type(exc).__name__}: {exc}") from None
+            raise _transport_error(what, exc) from None
         except BaseException:
             conn.close()
             raise
@@ -449,7 +457,7 @@ class Body:
         try:
             return fn(arg)
         except (http.client.HTTPException, OSError) as exc:
-            raise TransientError(f"{self._what}: {type(exc).__name__}: {exc}") from None
+            raise _transport_error(self._what, exc) from None
 
     def _count(self, n: int) -> None:
         if not n:

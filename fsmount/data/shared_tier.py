@@ -40,6 +40,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import logging
+import math
 import os
 import socket
 import threading
@@ -56,7 +57,7 @@ from fsmount.data.chunk_file import (
     read_chunk_stream,
 )
 from fsmount.data.identity import ChunkId, WritableBuffer
-from fsmount.data.store import AccessDenied, ListingPage, StoreError, TransientError, Unreachable
+from fsmount.data.store import AccessDenied, ListingPage, StoreError, TimedOut, TransientError, Unreachable
 from fsmount.data.trailing import TRAIL_WORKERS
 
 log = logging.getLogger(__name__)
@@ -167,6 +168,9 @@ class SharedTier:
         self._lock = threading.Lock()
         self._down_until: float | None = None
         self._writes_paused_until: float | None = None
+        # Until when the tier is believed not to answer at all (its latest failure got no answer: Unreachable,
+        # TimedOut), as opposed to answering with an error: claims are then left to expire (`_release`).
+        self._silent_until = -math.inf
         self._corrupt_logged = False
         self._other_format_logged = False
         self._claimed: set[ChunkId] = set()
@@ -445,9 +449,13 @@ class SharedTier:
             if chunk not in self._claimed:
                 return
             self._claimed.discard(chunk)
-        if self._writes_paused() or self._down():
+        with self._lock:
+            silent = self._clock() < self._silent_until
+        if silent:
             # Left to expire (CLAIM_TTL_S): against a tier that stopped answering, each DELETE waited out the
-            # tier's timeout, one claim after another, and held the unmount's drain of writes past its bound.
+            # tier's timeout, one claim after another, and held the unmount's drain of writes past its bound. A
+            # tier that answered with an error (one 503 SlowDown) is still asked: left, each claim held every
+            # other node up for --shared-cache-wait, then sent it to the origin (the audit).
             return
         try:
             self.client.delete_object(self.claim_key(chunk))
@@ -463,8 +471,14 @@ class SharedTier:
                 return True
         return False  # the pause is over: the next request tries the tier again
 
+    def _note_silence(self, exc: StoreError, pause: float) -> None:
+        """Called with the lock held: a failure that got no answer makes the tier silent for `pause`."""
+        if isinstance(exc, (Unreachable, TimedOut)):
+            self._silent_until = self._clock() + pause
+
     def _failed(self, exc: StoreError) -> None:
         with self._lock:
+            self._note_silence(exc, UNAVAILABLE_RETRY_S)
             self.stats.errors += 1
             first = self._down_until is None or self._clock() >= self._down_until + UNAVAILABLE_RETRY_S
             self._down_until = self._clock() + UNAVAILABLE_RETRY_S
@@ -478,6 +492,7 @@ class SharedTier:
 
     def _write_failed(self, exc: StoreError, what: str = "writing a chunk") -> None:
         with self._lock:
+            self._note_silence(exc, WRITE_RETRY_S)
             self.stats.write_errors += 1
             first = self._writes_paused_until is None
             self._writes_paused_until = self._clock() + WRITE_RETRY_S

@@ -12,7 +12,15 @@ from collections.abc import Iterator
 
 import pytest
 
-from fsmount.data import AccessDenied, ChunkId, ReadTimeout, StoreError, Unreachable, shared_tier
+from fsmount.data import (
+    AccessDenied,
+    ChunkId,
+    StoreError,
+    TimedOut,
+    TransientError,
+    Unreachable,
+    shared_tier,
+)
 from fsmount.data.chunk_file import encode_chunk
 from fsmount.data.shared_tier import (
     CLAIM_CHECK_S,
@@ -337,7 +345,7 @@ def test_claims_of_a_tier_that_stopped_answering_are_left_to_expire(allowed_logs
     for cid in cids:
         assert t.get(cid) is None  # a miss: this node claims the chunk to fetch it
     assert t.stats.claims == 4
-    client.fail = ReadTimeout("PUT: timed out")
+    client.fail = TimedOut("PUT: TimeoutError: timed out")  # what a black hole gives (no answer)
     t.put(cids[0], data_of(cids[0]))  # the PUT fails: writes pause
     requests = client.requests
     for cid in cids[1:]:
@@ -351,7 +359,7 @@ def test_claims_of_a_tier_that_stopped_answering_are_left_to_expire(allowed_logs
     for cid in cids:
         client.objects.pop(t2.claim_key(cid), None)
     assert t2.get(cids[0]) is None and t2.get(cids[1]) is None  # two fresh claims
-    client.fail = ReadTimeout("DELETE: timed out")
+    client.fail = TimedOut("DELETE: TimeoutError: timed out")
     t2.abandon(cids[0])  # its DELETE fails: writes pause, and the next claim is not sent a DELETE
     requests = client.requests
     t2.abandon(cids[1])
@@ -520,3 +528,31 @@ def test_a_read_only_node_that_finds_a_bad_object_claims_nothing(allowed_logs: l
     client.objects[t.chunk_key(cid)] = b"not a chunk file at all"
     assert t.get(cid) is None
     assert t.stats.claims == 0 and t.claim_key(cid) not in client.objects and t.stats.write_errors == 0
+
+
+def test_a_tier_that_answered_one_request_with_an_error_still_drops_this_node_s_claims(allowed_logs: list[str]) -> None:
+    """One tier GET refused (a 503 SlowDown) made the tier "down" for 10 s, and a claim this node dropped then was left
+    to expire: every other node waited --shared-cache-wait for it and then fetched the chunk from the origin (the
+    audit). Left to expire only while the tier does not answer at all (its DELETEs would each wait a timeout)."""
+    allowed_logs.append("unavailable")
+    client = DictClient()
+    a = tier(client)
+    x, y = chunk(0), chunk(1)
+    assert a.get(x) is None and x in a._claimed  # noqa: SLF001 - A claims x and fetches it from the origin
+    client.fail = TransientError("GET: server error SlowDown")
+    assert a.get(y) is None  # refused: the tier is "down" for reads a while
+    client.fail = None
+    a.put(x, data_of(x))  # the write is skipped meanwhile, and the claim dropped
+    assert a.claim_key(x) not in client.objects
+    b = tier(client, wait=5.0)
+    started = time.monotonic()
+    assert b.get(x) is None and time.monotonic() - started < 1.0  # no wait for a claim: B fetches it itself
+    # A tier that does not answer at all: the claim is left to expire, not asked with a DELETE that waits a timeout.
+    c = tier(client)
+    z = chunk(2)
+    assert c.get(z) is None and z in c._claimed  # noqa: SLF001
+    client.fail = TimedOut("GET: TimeoutError: timed out")
+    assert c.get(y) is None
+    requests = client.requests
+    c.abandon(z)
+    assert client.requests == requests and c.claim_key(z) in client.objects

@@ -371,8 +371,12 @@ class DiskCache:
                 try:
                     return self._regular(os.open(path, flags | os.O_DIRECT))
                 except OSError as err:
-                    if err.errno != errno.EINVAL or not stat.S_ISREG(os.lstat(path).st_mode):
+                    if err.errno != errno.EINVAL:
                         raise
+                    if not stat.S_ISREG(os.lstat(path).st_mode):
+                        # A FIFO or a directory refuses O_DIRECT: raised as the EINVAL it is, it kept its index
+                        # entry, a miss on every read and a put skipped as held, until a remount (the audit).
+                        raise NotAChunkFile(errno.EINVAL, "not a regular file") from None
                     self._writer.refuse_direct(err)
             return self._regular(os.open(path, flags))
         except OSError as err:

@@ -36,6 +36,7 @@ from fsmount.data.cache_dir import (
 )
 from fsmount.data.chunk_file import ALIGN, round_up
 from fsmount.data.disk_cache import DiskCache, default_min_free
+from fsmount.data.identity import new_buffer
 from tests.helpers import CORRUPT_WARNING, KiB, MiB, expects_warning, random_bytes
 from tests.helpers import WRITE_FAILED_WARNING as WRITE_WARNING
 from tests.helpers import tmpfs as mount_tmpfs
@@ -1210,3 +1211,27 @@ def test_a_mount_waits_for_a_cache_dir_whose_holder_is_draining_and_is_refused_b
         (tmp_path / "lock").mkdir()
         second.mark_draining()
     (tmp_path / "lock").rmdir()
+
+
+@pytest.mark.parametrize("kind", ["fifo", "directory"])
+def test_a_fifo_or_directory_in_a_chunk_files_place_read_into_an_engine_buffer_is_dropped(
+        tmp_path: Path, kind: str, allowed_logs: list[str]) -> None:
+    """Read into the engine's buffer (O_DIRECT, the real read path), a FIFO or a directory refused the open with
+    EINVAL, which passed for a passing error: the index kept the chunk, every read of it was a miss and every put
+    was skipped as held, until a remount (the audit)."""
+    allowed_logs.append("dropped corrupt chunk file")
+    with DiskCache(tmp_path / "cache", BIG, min_free_bytes=0) as cache:
+        data = payload(chunk_id(1))
+        cache.put(chunk_id(1), data)
+        path = chunk_file_of(cache, chunk_id(1))
+        os.unlink(path)
+        if kind == "fifo":
+            os.mkfifo(path)
+        else:
+            os.mkdir(path)
+        assert cache.get(chunk_id(1), new_buffer(len(data))) is None
+        assert not cache.contains(chunk_id(1))  # dropped: the next put writes it again
+        if kind == "directory":
+            os.rmdir(path)  # what the cache does not remove itself (a directory of someone's)
+        cache.put(chunk_id(1), data)
+        assert bytes(cache.get(chunk_id(1), new_buffer(len(data)))) == data

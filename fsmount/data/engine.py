@@ -382,7 +382,7 @@ class ChunkEngine:
             fetch.source = "origin" if hit is None else "level"
             self._answered_at = trio.current_time()  # the origin, or a level (a shared tier serves while it is down)
             self.memory.store(fetch.cid, data, fetch.demanded)
-            missed = self.levels.missed(hit)
+            missed = self.levels.missed(hit, fetch.cid)
             if missed and self._nursery is not None:
                 cid = fetch.cid
                 if self._writes_keep_up() and self.memory.pin(cid):

@@ -292,7 +292,7 @@ class LevelStack:
             # An mmap call only: its pages are faulted in by the read that fills them, and the buffer is
             # reused for later chunks once READs took it (budget.py).
             buffer = new_buffer(length)
-        for i, level in enumerate(self.levels):
+        for i, level in enumerate(self.levels if cid.etag else ()):  # (no ETag: see `missed`)
             contains = self._contains[i]
             if contains is not None and (self._skipped(i) or not contains(cid)):
                 # Not held (the index says so without a thread), or the level's reads hang: a miss.
@@ -441,9 +441,12 @@ class LevelStack:
 
     # -- write-through -------------------------------------------------------------------------
 
-    def missed(self, hit: int | None) -> list[ChunkCache]:
+    def missed(self, hit: int | None, cid: ChunkId) -> list[ChunkCache]:
         """The levels asked before the one that had the chunk (all of them after an origin fetch), but for those
-        skipped while their reads hang."""
+        skipped while their reads hang. None for a chunk of an object the server gave no ETag: the cache levels
+        outlive the object's versions, and could not tell two of them apart (old bytes for a replaced object)."""
+        if not cid.etag:
+            return []
         levels = self.levels if hit is None else self.levels[:hit]
         return [level for i, level in enumerate(levels) if not self._skipped(i)]
 

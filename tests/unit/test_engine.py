@@ -1504,3 +1504,25 @@ async def test_a_failed_fetch_s_error_holds_no_chunk_buffer_for_its_waiters(auto
         assert [ref() for ref in buffers] == [None] * len(buffers)
 
     await run_engine(engine, body)
+
+
+async def test_chunks_of_an_object_without_an_etag_are_neither_cached_nor_read_from_a_cache(autojump_clock) -> None:  # noqa: ANN001
+    """A server that gives no ETag (a tester's proxy stripped it from HEAD): chunk ids of all the object's versions
+    were one, and a cache level, which outlives them, served a replaced object's old bytes. Such chunks skip the
+    levels: from the origin each time a fetch wants them, never written to a cache."""
+    from fsmount.data import ObjectVersion
+
+    store = FakeStore()
+    data = put_object(store, "m", 2 * CHUNK)
+    level = MemoryLevel()
+    engine = ChunkEngine(store, chunk_size=CHUNK, memory_limit=64 * MiB, max_connections=4, read_timeout=30.0,
+                         levels=[level], run_blocking=virtual_latency_runner(store))
+    unversioned = ObjectVersion("m", "", len(data))
+    level.chunks[engine.chunk_id(unversioned, 1)] = b"x" * CHUNK  # an older version's bytes, cached by an older node
+
+    async def body() -> None:
+        assert bytes(await engine.read(unversioned, 0, 2 * CHUNK)) == data
+        await trio.sleep(1)  # write-throughs, if any, land
+        assert list(level.chunks) == [engine.chunk_id(unversioned, 1)]  # nothing written
+
+    await run_engine(engine, body)

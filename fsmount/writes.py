@@ -16,7 +16,11 @@ The rules (README "Writing checkpoints"):
   directory with anything in it is not renamed (EXDEV).
 - One writer per file: opening a file that is being written fails with EBUSY, for reading or writing.
 - Unlinking a file that is being written needs no `--allow-delete` (nothing of it is in the bucket yet):
-  its upload is aborted, and what its handles still write goes nowhere, as on a local disk.
+  its upload is aborted, and what its handles still write goes nowhere, as on a local disk. A rewrite (O_TRUNC)
+  of a stored file is the exception: the object it replaces is in the bucket until the rewrite is stored, so an
+  unlink deletes it (with `--allow-delete`, first), and so does a rename (with it, unless this mount wrote it).
+- A rename of a file whose commit is in flight waits for it (`NewFile.rename`): then it moves the stored object,
+  or gets ENOENT if the commit failed.
 
 Rules between tasks (all in the trio thread): `_open` holds the files with an upload under way (for
 aborting at unmount); `_written` the inodes of files this mount stored. Store calls run in threads under

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import os
 import signal
 import subprocess
 import sys
@@ -235,3 +236,20 @@ def test_memory_bound_held_while_4_writers_stream_1_gb_each(seaweed_server: S3Se
     sizes = {o["Key"]: o["Size"] for o in s3.client().list_objects_v2(Bucket=bucket)["Contents"]}
     assert sizes == {f"w{i}.bin": blocks * MiB for i in range(4)}
     delete_bucket(s3, bucket)
+
+
+def test_a_rename_right_after_closing_an_empty_file_stores_it_under_the_new_name(moto_server: S3Server,
+                                                                                 proxy: FaultProxy,
+                                                                                 mountpoint: Path) -> None:
+    """`touch tmp && mv tmp DONE` (a trainer's marker): an empty file is stored at RELEASE, which the kernel sends
+    after close(2) returned, so the rename came while its PUT was under way, only renamed it in the mount, and the
+    bucket got `tmp` (the audit). The PUTs are slowed down here so that every rename lands during one."""
+    bucket = new_bucket(moto_server)
+    with mounted_via(proxy, moto_server, bucket, mountpoint, *WRITE_ARGS):
+        proxy.inject(Fault.LATENCY, seconds=0.5, data_only=False, kind="other")  # PUTs and DELETEs
+        for i in range(3):
+            (mountpoint / "tmp").touch()
+            os.rename(mountpoint / "tmp", mountpoint / f"DONE{i}")
+        assert sorted(os.listdir(mountpoint)) == ["DONE0", "DONE1", "DONE2"]
+    assert objects_in(moto_server, bucket) == ["DONE0", "DONE1", "DONE2"]
+    delete_bucket(moto_server, bucket)

@@ -1358,17 +1358,12 @@ async def test_a_queued_fetch_a_stream_waits_for_survives_a_read_timeout_and_a_r
     await run_engine(engine, body)
 
 
-async def test_a_version_found_gone_holds_no_chunk_buffer(autojump_clock, allowed_logs,  # noqa: ANN001
-                                                          monkeypatch: pytest.MonkeyPatch) -> None:
-    """A 412 (replaced) or 404 is remembered for GONE_FOR_S, and the fetch keeps its error for its waiters: both kept
-    the exception raised, whose traceback holds the fetch's frames and its chunk buffer, which the budget no longer
-    counts (8 MiB a version beyond --memory-limit, for a burst of replaced shards; the audit)."""
-    import gc
+def tracked_buffers(monkeypatch: pytest.MonkeyPatch) -> list:
+    """Weak references to every chunk buffer the level stack makes from here on (to see none outlives its use)."""
     import weakref
 
     import fsmount.data.levels
 
-    allowed_logs.append("fetching chunk .* failed")
     buffers: list[weakref.ref] = []
 
     def tracked(length: int):  # noqa: ANN202
@@ -1377,6 +1372,18 @@ async def test_a_version_found_gone_holds_no_chunk_buffer(autojump_clock, allowe
         return buffer
 
     monkeypatch.setattr(fsmount.data.levels, "new_buffer", tracked)
+    return buffers
+
+
+async def test_a_version_found_gone_holds_no_chunk_buffer(autojump_clock, allowed_logs,  # noqa: ANN001
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """A 412 (replaced) or 404 is remembered for GONE_FOR_S, and the fetch keeps its error for its waiters: both kept
+    the exception raised, whose traceback holds the fetch's frames and its chunk buffer, which the budget no longer
+    counts (8 MiB a version beyond --memory-limit, for a burst of replaced shards; the audit)."""
+    import gc
+
+    allowed_logs.append("fetching chunk .* failed")
+    buffers = tracked_buffers(monkeypatch)
     store = FakeStore()
     data = put_object(store, "m", 2 * CHUNK)
     engine = make_engine(store)
@@ -1468,17 +1475,9 @@ async def test_a_failed_fetch_s_error_holds_no_chunk_buffer_for_its_waiters(auto
     while handling another (`raise TransientError(...) from None` in an `except OSError`, as the store's GET does),
     and each waiter's re-raise added its frames (the audit, then the review)."""
     import gc
-    import weakref
-
-    import fsmount.data.levels
 
     allowed_logs.append("fetching chunk .* failed")
-    buffers: list[weakref.ref] = []
-
-    def tracked(length: int):  # noqa: ANN202
-        buffer = new_buffer(length)
-        buffers.append(weakref.ref(buffer))
-        return buffer
+    buffers = tracked_buffers(monkeypatch)
 
     def get_range(key: str, etag: str, start: int, end: int, buffer=None):  # noqa: ANN001, ANN202
         def receive(into) -> None:  # noqa: ANN001 - holds the buffer, as the store's body read does
@@ -1488,7 +1487,6 @@ async def test_a_failed_fetch_s_error_holds_no_chunk_buffer_for_its_waiters(auto
         except OSError as exc:
             raise TransientError(f"GET {key!r}: {exc}") from None
 
-    monkeypatch.setattr(fsmount.data.levels, "new_buffer", tracked)
     store = FakeStore()
     put_object(store, "m", 2 * CHUNK)
     store.get_range = get_range

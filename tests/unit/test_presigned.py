@@ -655,11 +655,11 @@ def test_no_proxy_with_a_port_is_read_as_botocore_reads_it(monkeypatch: pytest.M
     assert not proxied("http://127.0.0.1:9001/b")
 
 
-def test_a_bucket_in_another_region_is_read_with_urls_signed_for_its_region(origin: Origin) -> None:
-    """botocore follows S3's 301 PermanentRedirect for listings (re-signed for the bucket's region), so a mount
-    whose AWS configuration named another region listed, and every presigned read failed "PermanentRedirect"."""
-    region, told = ["us-east-1"], []
-
+def bucket_in_eu_west_1(origin: Origin, region: list[str], told: list[str]
+                        ) -> tuple[Callable[[str], str], Callable[[str], None]]:
+    """`origin` answers as S3 does a request signed for another region than the bucket's (eu-west-1): 301 and the
+    bucket's region. Returns a presigner that signs for `region[0]`, and an `on_wrong_region` that appends the
+    region it is told to `told` and signs for it from then on."""
     def presign(key: str) -> str:
         return f"{origin.url}/b/{key}?X-Amz-Credential=k%2F20261205%2F{region[0]}%2Fs3%2Faws4_request"
 
@@ -675,6 +675,14 @@ def test_a_bucket_in_another_region_is_read_with_urls_signed_for_its_region(orig
         region[0] = bucket_region
 
     origin.script = redirect
+    return presign, on_wrong_region
+
+
+def test_a_bucket_in_another_region_is_read_with_urls_signed_for_its_region(origin: Origin) -> None:
+    """botocore follows S3's 301 PermanentRedirect for listings (re-signed for the bucket's region), so a mount
+    whose AWS configuration named another region listed, and every presigned read failed "PermanentRedirect"."""
+    region, told = ["us-east-1"], []
+    presign, on_wrong_region = bucket_in_eu_west_1(origin, region, told)
     g = RangeGetter(presign, bucket="b", pool_size=2, connect_timeout=2.0, read_timeout=2.0,
                     on_wrong_region=on_wrong_region)
     assert get(g, 100, 10) == DATA[100:110] and get(g, 200, 10, key="other") == DATA[200:210]
@@ -703,21 +711,7 @@ def test_a_shared_tier_in_another_region_is_written_and_read_with_urls_signed_fo
     """The tier's PUTs, DELETEs and whole-object GETs did not follow a bucket in another region as ranged GETs do: a
     tier bucket elsewhere than the AWS configuration's region was read and written by none of them."""
     region, told = ["us-east-1"], []
-
-    def presign(key: str) -> str:
-        return f"{origin.url}/b/{key}?X-Amz-Credential=k%2F20261205%2F{region[0]}%2Fs3%2Faws4_request"
-
-    def redirect(h: Handler, start: int, end: int) -> bool:
-        if "us-east-1" not in h.path:
-            return False
-        h.answer(301, b"<Error><Code>PermanentRedirect</Code></Error>", {"x-amz-bucket-region": "eu-west-1"})
-        return True
-
-    def on_wrong_region(bucket_region: str) -> None:
-        told.append(bucket_region)
-        region[0] = bucket_region
-
-    origin.script = redirect
+    presign, on_wrong_region = bucket_in_eu_west_1(origin, region, told)
     for request in ("put", "delete", "open"):
         region[0] = "us-east-1"
         g = RangeGetter(presign, presign_put=presign, presign_delete=presign, bucket="b", pool_size=2,

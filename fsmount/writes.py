@@ -431,13 +431,10 @@ class Writes:
 
         async def move_pending() -> None:
             assert new is not None
-            if new.replaces is not None and node.ino not in self._written and not self.allow_delete:
-                # The rename deletes the object the rewrite replaces: after it, `rm` of the new name (which deletes
-                # nothing of the bucket) removed any object with --allow-overwrite alone (the review).
-                log.warning("rename of %s: a file this mount did not write needs --allow-delete", node.path)
-                self.stats.deletes_refused += 1
-                raise PathError(errno.EPERM)
             if new.replaces is not None:
+                # The rename deletes the object the rewrite replaces: unchecked, `rm` of the new name (which deletes
+                # nothing of the bucket) then removed any object with --allow-overwrite alone (the review).
+                self._check_rename_deletes(node)
                 # A rewrite (O_TRUNC) renamed before its close: its upload goes to the new name, and the old object
                 # would stay, its old bytes back under the old name after the TTL (the audit). It goes now, as its
                 # bytes went at the open for any other file system.
@@ -450,14 +447,18 @@ class Writes:
         elif new is not None and await new.rename(move_pending):
             pass
         else:
-            if node.ino not in self._written and not self.allow_delete:
-                log.warning("rename of %s: a file this mount did not write needs --allow-delete", node.path)
-                self.stats.deletes_refused += 1
-                raise PathError(errno.EPERM)
+            self._check_rename_deletes(node)
             meta = await self.move_object(ObjectMeta(self.ns.key_of(node.path), node.size, node.etag, node.mtime_ns),
                                           self.ns.key_of(path))
             self.ns.moved(node, path, meta)
         self.stats.renames += 1
+
+    def _check_rename_deletes(self, node: Node) -> None:
+        """EPERM for a rename that deletes an object this mount did not write, without --allow-delete."""
+        if node.ino not in self._written and not self.allow_delete:
+            log.warning("rename of %s: a file this mount did not write needs --allow-delete", node.path)
+            self.stats.deletes_refused += 1
+            raise PathError(errno.EPERM)
 
     async def _rename_dir(self, node: Node, path: str) -> None:
         if not await self.ns.dir_is_empty(node):

@@ -396,7 +396,7 @@ class LevelStack:
         version = (cid.bucket, cid.key, cid.etag)
         gone = self._gone.get(version)
         if gone is not None:
-            error = type(gone)(gone.message)
+            error = gone.detached()
             error.reported = True  # logged with the GET that found it gone
             raise error
         # One fetch of a chunk is one error if it fails in the end, and one latency sample, its retries

@@ -390,7 +390,7 @@ class RangeGetter:
         else:
             conn.close()
 
-    def _error(self, resp: http.client.HTTPResponse, what: str, url: str | None = None) -> Exception:
+    def _error(self, resp: http.client.HTTPResponse, what: str, url: str) -> Exception:
         """The StoreError an error response stands for (its S3 error code read from the body); `url`, the request's,
         says what region it was signed for (WrongRegion.signed_for)."""
         body = resp.read(ERROR_BODY_MAX)
@@ -404,7 +404,7 @@ class RangeGetter:
                                                       "AuthorizationQueryParametersError")):
             wrong = WrongRegion(f"{what}: {code or resp.status}: the bucket is in region {region} (pass --region "
                                 f"{region}, and an --endpoint-url of that region if you give one)", region)
-            wrong.signed_for = signed_region(url) if url is not None else None
+            wrong.signed_for = signed_region(url)
             return wrong
         if 300 <= resp.status < 400 and not code:
             # A bare number ("GET 'k': 307") said nothing: S3 answers object requests with no other redirect.

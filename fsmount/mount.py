@@ -508,9 +508,10 @@ class Daemon:
         self.metadata_errors = 0
         self._meta_threads: trio.CapacityLimiter | None = None  # their threads, given-up ones included
         # pyfuse3's main loop and the handlers it runs: cancelled by _watch_signals once a stop's grace is over,
-        # unless main() returned first (_served).
+        # unless main() returned first (_served: from then on a stop ends the daemon at once).
         self._requests = trio.CancelScope()
-        self._served = False
+        self._served = trio.Event()
+        self._session_open = True  # pyfuse3's session: mounted, until end_session
         self.disk_cache = open_disk_cache(cfg) if cfg.cache_dir else None
         self.shared_tier = open_shared_tier(cfg, self.store) if cfg.shared_cache else None
         # The cache levels below memory, asked in this order before the origin.
@@ -551,6 +552,12 @@ class Daemon:
         self.ops = Operations(self.namespace, self.engine, self.streamer, self.pusher, max_readahead=cfg.max_readahead,
                               owner=Owner(cfg.uid, cfg.gid, cfg.file_mode, cfg.dir_mode), stats=self.stats.json_bytes,
                               writes=self.writes, kernel_window=cfg.kernel_window)
+
+    def end_session(self) -> None:
+        """Unmount (lazily, if files are open: their callers get ENOTCONN) and close the FUSE session; once."""
+        if self._session_open:
+            self._session_open = False
+            pyfuse3.close(unmount=True)
 
     def close(self) -> None:
         if self.metrics is not None:
@@ -651,7 +658,15 @@ class Daemon:
             nursery.start_soon(self._announce_ready)
             with self._requests:
                 await pyfuse3.main()
-            self._served = True
+            self._served.set()
+            # The mount goes before the drains below (up to about a minute): nobody reads its requests any more, so
+            # a stat of the mount point hung until they ended, and a second stop meanwhile (the default action by
+            # then) left the mount in place, ENOTCONN until someone unmounted it. Not while a push is still in
+            # notify_store (one that outlived the stop's wait): the session it writes to must outlive it.
+            if await self.pusher.stop(PUSH_STOP_S):
+                self.end_session()
+            else:
+                log.info("a page-cache push is still running: the mount stays until the daemon exits")
             # A mount started now in this one's place waits for the drains below (its cache dir's lock), and needs
             # the metrics port this one holds: a restart script's `modelfs unmount && modelfs mount` failed "in use".
             if self.metrics is not None:
@@ -714,8 +729,9 @@ class Daemon:
                 self.streamer.stop()
                 pyfuse3.terminate()
                 grace = STOP_GRACE_WRITING_S if self.ops.writers else STOP_GRACE_S
-                await trio.sleep(grace)
-                if not self._served:
+                with trio.move_on_after(grace):
+                    await self._served.wait()
+                if not self._served.is_set():
                     log.warning("requests still in flight %g s after %s were cut short (their callers get "
                                 "ENOTCONN)", grace, name)
                     self._requests.cancel()
@@ -839,7 +855,7 @@ def run(cfg: MountConfig, ready: Callable[[str | None], None]) -> int:
         raise
     finally:
         daemon.namespace.forget_all()
-        pyfuse3.close(unmount=True)
+        daemon.end_session()
         daemon.close()
         log.info("unmounted %s", mountpoint)
     return 0 if clean else 1

@@ -26,6 +26,7 @@ from tests.helpers import (
     modelfs_cmd,
     modelfs_env,
     mounted,
+    mounted_at,
     new_bucket,
     run_modelfs,
     unmount,
@@ -174,10 +175,6 @@ def test_a_signal_during_a_slow_pre_flight_is_said_in_one_line(tmp_path: Path, s
         assert time.monotonic() - started < 3, "a stop waited for the pre-flight"
     else:
         assert proc.returncode == 1, (proc.returncode, err)  # the pre-flight's own failure, said in one line
-
-
-def mounted_at(mountpoint: Path) -> bool:
-    return any(line.split()[4] == str(mountpoint) for line in Path("/proc/self/mountinfo").read_text().splitlines())
 
 
 def test_a_stop_right_after_the_mount_was_made_unmounts_it(moto_server: S3Server, tmp_path: Path) -> None:

@@ -31,12 +31,14 @@ from tests.helpers import (
     delete_bucket,
     mount_stats,
     mounted,
+    mounted_at,
     mounted_via,
     new_bucket,
     proc_status,
     random_bytes,
     run_modelfs,
     sha,
+    via,
     wait_for,
 )
 
@@ -205,6 +207,30 @@ def test_stopping_the_daemon_aborts_the_uploads_of_files_still_open(seaweed_serv
     assert objects_in(s3, bucket) == []
     assert uploads_in(s3, bucket) == []
     delete_bucket(s3, bucket)
+
+
+def test_a_stop_unmounts_before_its_drains_and_a_second_stop_leaves_no_mount(moto_server: S3Server,
+                                                                             proxy: FaultProxy,
+                                                                             mountpoint: Path) -> None:
+    """After a SIGTERM the daemon drains (aborts uploads, writes fetched chunks to the caches, drops claims: up
+    to about a minute). The mount stayed in place meanwhile with nobody reading its requests: a `stat` of the
+    mount point hung until the drains ended, and a second SIGTERM (the default action by then) ended the daemon
+    with its mount in place, ENOTCONN until someone unmounted it. The mount now goes before the drains."""
+    bucket = new_bucket(moto_server)
+    with mounted(via(proxy, moto_server), bucket, mountpoint, *WRITE_ARGS, check_log=False) as m:
+        with writer_with_parts_sent(mountpoint / "half.bin"):
+            abort = proxy.inject(Fault.LATENCY, seconds=8, kind="other")  # the upload's abort: a drain of seconds
+            m.proc.send_signal(signal.SIGTERM)
+            wait_for("the drain's abort", lambda: abort.hits, lambda n: n >= 1, timeout=15)
+            wait_for("the mount to go", lambda: mounted_at(mountpoint), lambda mounted: not mounted, timeout=3)
+            looked = threading.Thread(target=lambda: os.path.exists(mountpoint / "half.bin"), daemon=True)
+            looked.start()
+            looked.join(3)
+            assert not looked.is_alive(), "a stat of the mount point hung during the drain"
+            m.proc.send_signal(signal.SIGTERM)  # a second stop ends the daemon at once
+            assert m.proc.wait(10) == -signal.SIGTERM
+            assert not mounted_at(mountpoint)
+    delete_bucket(moto_server, bucket)
 
 
 def test_memory_bound_held_while_4_writers_stream_1_gb_each(seaweed_server: S3Server, mountpoint: Path) -> None:

@@ -91,6 +91,10 @@ STOP_GRACE_WRITING_S = 20.0
 PUSH_STOP_S = 5.0
 # A cache dir with room for fewer chunks than this is worth a warning at mount.
 CACHE_ROOM_CHUNKS = 4
+# How often the NVMe cache checks its free-space floor while nothing is put (DiskCache.keep_free): a statvfs, and
+# evictions only when something else filled the disk. A disk filled at 2 GB/s by another process takes 10 GB of the
+# floor's 4 GiB before the cache gives room back: the floor is for slow growth (logs, images), not for a race.
+FREE_CHECK_S = 5.0
 # The most an unmounted daemon waits to say in its cache dir's lock file that it is draining (a stalled disk).
 MARK_DRAINING_S = 1.0
 # Descriptors a daemon holds besides its connections and cache files (/dev/fuse, epoll, trio's wakeup pair, the log,
@@ -656,6 +660,8 @@ class Daemon:
                 await nursery.start(self.writes.run)
             nursery.start_soon(self._watch_signals)
             nursery.start_soon(self._announce_ready)
+            if self.disk_cache is not None:
+                nursery.start_soon(self._keep_cache_floor, self.disk_cache)
             with self._requests:
                 await pyfuse3.main()
             self._served.set()
@@ -681,6 +687,14 @@ class Daemon:
             await self._drain_cache_writes()
             await self._drop_claims()
             nursery.cancel_scope.cancel()
+
+    @staticmethod
+    async def _keep_cache_floor(cache: DiskCache) -> None:
+        """The NVMe cache's free-space floor, kept while no put comes: a warm node that only reads kept its chunks
+        while another process filled the disk to the last byte."""
+        while True:
+            await trio.sleep(FREE_CHECK_S)
+            await trio.to_thread.run_sync(cache.keep_free, abandon_on_cancel=True)
 
     async def _drop_claims(self) -> None:
         """Claims on the shared tier for chunks whose fetch the unmount cut short: dropped, each request

@@ -411,6 +411,7 @@ class Writes:
             raise PathError(errno.ENOTEMPTY)
         # The marker mkdir made, if any; SeaweedFS also keeps an emptied directory until this delete.
         await self.call(self.uploads.delete, self.ns.dir_key(node.path))
+        self.stats.deletes += 1
         self.ns.removed(node.path, is_dir=True)
 
     async def rename(self, node: Node, new_parent: Node, new_name: bytes, target: Node | None, flags: int) -> None:

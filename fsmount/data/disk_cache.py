@@ -272,6 +272,30 @@ class DiskCache:
         self._toucher.close()
         release_dir_lock(self._lock_fd)
 
+    def keep_free(self) -> int:
+        """Evict the least recently used chunks while the filesystem has less than min_free_bytes free, as a put
+        would: another process (logs, container images) filled it while no put came. The bytes evicted."""
+        with self._lock:
+            if self._closed or not self._index:
+                return 0
+            try:
+                # A read-only filesystem (a warm cache on a disk mounted read-only) is filled by nobody, and may say
+                # it has no room (squashfs): its chunks stay.
+                if os.statvfs(self.root).f_flag & os.ST_RDONLY:
+                    return 0
+                short_of_free = self.min_free_bytes + self._unwritten - free_bytes(self.root)
+            except OSError as err:  # the dir removed under the mount: puts say so
+                log.debug("disk cache %s: free space unknown: %s", self.root, err)
+                return 0
+            if short_of_free <= 0:
+                return 0
+            before = self.stats.bytes_used
+            self._evict_locked(short_of_free)
+            evicted = before - self.stats.bytes_used
+        log.info("disk cache %s: %d bytes evicted to keep %d bytes free (something else fills its filesystem)",
+                 self.root, evicted, self.min_free_bytes)
+        return evicted
+
     def __enter__(self) -> Self:
         return self
 

@@ -14,6 +14,7 @@ which fails the test.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import re
@@ -457,6 +458,32 @@ def test_full_cache_disk_costs_speed_not_correctness(moto_server: S3Server, moun
         assert 0 < held < n_chunks(size)
     else:
         assert 10 < held < n_chunks(size) and free >= floor, (held, free)
+
+
+def test_an_idle_cache_gives_back_the_free_space_something_else_took(moto_server: S3Server, mountpoint: Path,
+                                                                     tmp_path: Path) -> None:
+    """A warm node that only reads kept its chunks while another process filled the cache disk to the last byte:
+    the free-space floor was kept by puts only. The daemon now checks it every FREE_CHECK_S and evicts the least
+    recently used chunks to free it again; the file still reads exact."""
+    from fsmount.mount import FREE_CHECK_S
+
+    size = 16 * MiB
+    bucket, body = bucket_with_object(moto_server, size, seed=8)
+    with tmpfs(tmp_path / "cache", "size=40m") as cache:  # a floor of 5 %: 2 MiB
+        with mounted(moto_server, bucket, mountpoint, *cache_args(cache, "100M")) as m:
+            assert file_digest(mountpoint / "w.bin") == sha(body)
+            wait_for_chunks(cache, n_chunks(size))
+            st = os.statvfs(cache)
+            floor = 0.05 * st.f_blocks * st.f_frsize
+            with open(cache / "someone-elses-file", "wb") as f, contextlib.suppress(OSError):
+                while True:
+                    f.write(bytes(MiB))
+            wait_for("the floor free again", lambda: os.statvfs(cache).f_bavail * st.f_frsize,
+                     lambda free: free >= floor, timeout=FREE_CHECK_S + 10)
+            assert 0 < len(chunk_files(cache)) < n_chunks(size)
+            assert mount_stats(m.path)["disk_cache"]["evictions"] > 0
+            assert file_digest(mountpoint / "w.bin", drop_page_cache=True) == sha(body)
+            (cache / "someone-elses-file").unlink()
 
 
 # -- 6b. the cache disk's reads hang ---------------------------------------------------------------

@@ -413,6 +413,7 @@ def test_mkdir_is_visible_at_once_and_empty_and_rmdir_removes_it(s3: S3Server, m
         os.mkdir(mountpoint / "gone")
         os.rmdir(mountpoint / "gone")
         assert sorted(os.listdir(mountpoint)) == ["keep", "new"]
+        assert mount_stats(mountpoint)["writes"]["deletes"] == 1  # an rmdir is a delete, as its refusal is
         os.rename(mountpoint / "new", mountpoint / "moved")  # an empty directory
         assert sorted(os.listdir(mountpoint)) == ["keep", "moved"]
     other = tmp_path / "other"

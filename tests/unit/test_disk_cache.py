@@ -638,6 +638,40 @@ def _fill(path: Path) -> None:
             f.flush()
 
 
+def test_a_disk_filled_by_something_else_makes_an_idle_cache_give_back_its_floor(tmpfs) -> None:
+    """The floor of free space was kept by puts only: a warm node that only reads kept its chunks while logs or
+    container images filled the disk to the last byte. keep_free (the daemon calls it every few seconds) evicts
+    the least recently used chunks until the floor is free again, and nothing while it is."""
+    with tmpfs("size=4m") as fs, DiskCache(fs / "c", BIG, min_free_bytes=MiB) as cache:
+        stored = [chunk_id(i) for i in range(8)]
+        for c in stored:  # 2 MiB of chunks
+            cache.put(c, payload(c, 256 * KiB))
+        assert cache.keep_free() == 0 and cache.stats.evictions == 0
+        _fill(fs / "someone-elses-file")
+        assert _free(fs) < 64 * KiB
+
+        assert cache.keep_free() >= MiB - _free(fs)
+        assert _free(fs) >= MiB
+        kept = [c for c in stored if cache.get(c) is not None]
+        assert kept == stored[-len(kept):] and 0 < len(kept) < len(stored)  # the least recently used went
+        for c in kept:
+            assert cache.get(c) == payload(c, 256 * KiB)
+        assert cache.keep_free() == 0  # the floor is free again
+
+
+def test_keep_free_leaves_a_read_only_cache_dir_alone(tmpfs) -> None:  # noqa: ANN001
+    with tmpfs("size=4m") as fs:
+        with DiskCache(fs / "c", BIG, 0) as cache:
+            cache.put(chunk_id(1), payload(chunk_id(1)))
+        subprocess.run(["mount", "-o", "remount,ro", str(fs)], check=True)
+        try:
+            with DiskCache(fs / "c", BIG, min_free_bytes=8 * MiB) as cache:  # more than the filesystem
+                assert cache.keep_free() == 0
+                assert cache.get(chunk_id(1)) == payload(chunk_id(1))
+        finally:
+            subprocess.run(["mount", "-o", "remount,rw", str(fs)], check=True)
+
+
 @expects_warning(WRITE_WARNING)
 def test_disk_full_of_foreign_data_absorbs_puts_with_one_warning(tmpfs, caplog, allowed_logs) -> None:
     with tmpfs("size=4m") as fs, DiskCache(fs / "c", BIG, min_free_bytes=0, retry_after_s=0) as cache:

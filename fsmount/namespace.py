@@ -53,8 +53,12 @@ log = logging.getLogger(__name__)
 ROOT_INODE = 1
 # Linux NAME_MAX.
 NAME_MAX = 255
-# Upper bound on directory entries held in the listing cache, over all directories (~100 B each).
-LISTING_CACHE_ENTRIES = 2_000_000
+# Upper bound on directory entries held in the listing caches, over all directories. An entry holds ~400 B (its
+# name, key and ETag strings, ObjectMeta, DirEntry, the dict's slot: measured with tracemalloc over 400,000 keys),
+# and the listings kept for outages outlive their TTL: 200,000 is ~80 MiB, within the runtime's share of
+# --memory-limit (2,000,000, estimated at 100 B each, could keep ~780 MiB beyond it; the audit). A directory of
+# more is listed anew by every opendir, and still listed.
+LISTING_CACHE_ENTRIES = 200_000
 NEGATIVE_CACHE_ENTRIES = 100_000
 # While the origin is unreachable, known files keep their metadata and are re-checked this often.
 STALE_RETRY = 5.0
@@ -109,6 +113,7 @@ class Node:
     mtime_ns: int = 0
     lookups: int = 0
     fresh_until: float = 0.0  # monotonic time until which the version is trusted to be current
+    asked: float = 0.0  # monotonic time the latest answer naming this version current was asked (`_node_for`)
     superseded: bool = False  # the bucket now holds another version of this path
     superseded_at: float = 0.0  # monotonic time it was found superseded
     writing: bool = False  # this mount is writing the file: not in the bucket until it is closed
@@ -227,8 +232,11 @@ class Namespace:
         # around its awaits.
         self._listing_now: dict[str, _InFlight[Listing]] = {}
         self._resolving_now: dict[str, _InFlight[Node]] = {}
+        self._refreshing_now: dict[str, _InFlight[Node]] = {}  # HEADs of known files (`refresh`), by inode number
         self._changes: dict[str, dict[bytes, tuple[int, DirEntry | None]]] = {}
         self._seq = 0
+        # The `_seq` at which each listing under way began, by directory path (`_list`): which changes they need.
+        self._lists_under_way: dict[str, list[int]] = {}
 
     # -- inode table ---------------------------------------------------------------------------
 
@@ -280,7 +288,16 @@ class Namespace:
         if meta is not None:
             node.size, node.etag, node.mtime_ns = meta.size, meta.etag, meta.mtime_ns
             at = time.monotonic() if as_of is None else as_of
+            latest = self._nodes.get(self._latest_file.get(path, 0))  # (no inode is 0)
+            if latest is not None and latest is not node and at < latest.asked:
+                # An answer older than the one that named the path's latest version (a listing begun before that
+                # HEAD, or a directory handle's snapshot): this version was replaced since. Taken as current, the
+                # path went back to the old size and bytes, and to the old inode number (the audit).
+                if not node.superseded:
+                    node.supersede()
+                return node
             node.fresh_until = max(node.fresh_until, at + self.ttl)
+            node.asked = max(node.asked, at)
             self._latest_file[path] = ino
             node.held_again(at)
         return node
@@ -315,6 +332,10 @@ class Namespace:
         deletion answered ENOENT here: read() and fstat() on a file held open failed with ENOENT.)"""
         if node.is_dir or node.writing or time.monotonic() < node.fresh_until:
             return node
+        # Opens of one file at once (8 ranks and a shard) share one HEAD, as lookups of one name do.
+        return await _shared(self._refreshing_now, str(node.ino), lambda: self._refresh(node))
+
+    async def _refresh(self, node: Node) -> Node:
         asked = time.monotonic()
         try:
             meta = await self._call(self._store.head, self.prefix + node.path)
@@ -331,7 +352,9 @@ class Namespace:
         node.fresh_until = time.monotonic() + self.ttl
         if meta is None or meta.etag != node.etag:
             self._supersede(node)
-        elif node.held_again(asked):
+            return node
+        node.asked = max(node.asked, asked)
+        if node.held_again(asked):
             self._latest_file[node.path] = node.ino
         return node
 
@@ -438,7 +461,9 @@ class Namespace:
             node = self.parent_of(parent)
         else:
             if invalid_segment_reason(name) is not None:
-                raise PathError(errno.ENOENT)
+                # The kernel passes names up to 1024 bytes: a longer one than any file here can have is "File
+                # name too long", as on a local file system.
+                raise PathError(errno.ENAMETOOLONG if len(name_b) > NAME_MAX else errno.ENOENT)
             node = await self._resolve(parent, name_b, name)
         return node
 
@@ -457,7 +482,13 @@ class Namespace:
             entry = listing.get(name_b)
             if entry is None:
                 raise PathError(errno.ENOENT)
-            return self._node_for(path, entry.is_dir, entry.meta, listing.at)
+            node = self._node_for(path, entry.is_dir, entry.meta, listing.at)
+            if not node.superseded:
+                return node
+            # The listing began before this version was replaced (it was under way when the mount learnt so, and
+            # landed after): it no longer says what the bucket holds. Answered from it, every open of the path got
+            # ESTALE, and the kernel's retry the same inode, for the TTL (for good with `forever`).
+            self._listings.pop(parent.path, None)
         if path in self._negative:
             raise PathError(errno.ENOENT)
         return await _shared(self._resolving_now, path, lambda: self._ask_bucket(path))
@@ -499,10 +530,21 @@ class Namespace:
         for ino in (self._ino_by_path.get((path, None)), self._latest_file.get(path)):
             node = self._nodes.get(ino) if ino is not None else None
             if node is not None and (node.is_dir or node.etag):
-                self._log_stale(exc)
-                node.fresh_until = time.monotonic() + min(self.ttl, STALE_RETRY)
-                return node
-        return None
+                break
+        else:
+            # A name of the last listing of its directory that the kernel has forgotten (a file read an hour ago,
+            # its dentry dropped since): `ls` showed it, and its chunks may all be in the NVMe cache.
+            parent, _, name = path.rpartition("/")
+            listing = self._last_listings.get(parent)
+            entry = listing.get(name.encode("utf-8", "surrogateescape")) if listing is not None else None
+            if entry is None or not (entry.is_dir or entry.meta):
+                return None
+            node = self._node_for(path, entry.is_dir, entry.meta, listing.at)  # type: ignore[union-attr]
+            if node.superseded:
+                return None
+        self._log_stale(exc)
+        node.fresh_until = time.monotonic() + min(self.ttl, STALE_RETRY)
+        return node
 
     def _log_stale(self, exc: StoreError) -> None:
         if not self._stale_logged:
@@ -577,8 +619,24 @@ class Namespace:
         return await _shared(self._listing_now, path, lambda: self._list(path))
 
     async def _list(self, path: str) -> Listing:
-        prefix = self._dir_prefix(path)
         started = self._seq
+        under_way = self._lists_under_way.setdefault(path, [])
+        under_way.append(started)
+        try:
+            entries = await self._list_pages(path)
+        finally:
+            under_way.remove(started)
+            if not under_way:
+                del self._lists_under_way[path]
+        self._patch(path, entries, started)
+        for name_b, entry in entries.items():
+            if not entry.is_dir:
+                self._refresh_known(self._join(path, name_b.decode("utf-8")), entry.meta, entries.at)
+        return entries
+
+    async def _list_pages(self, path: str) -> Listing:
+        """Every page of one delimited listing of `path`, as the bucket gives it."""
+        prefix = self._dir_prefix(path)
         skipped = [0]
         # One call per page, so each page gets the store call's timeout; a failure on any page fails the
         # whole listing (nothing partial is cached or served).
@@ -615,10 +673,6 @@ class Namespace:
                 name_b = name.encode("utf-8", "surrogateescape")
                 entries[name_b] = DirEntry(name_b, True, None)
         self._skips_counted(prefix, skipped[0])
-        self._patch(path, entries, started)
-        for name_b, entry in entries.items():
-            if not entry.is_dir:
-                self._refresh_known(self._join(path, name_b.decode("utf-8")), entry.meta, entries.at)
         return entries
 
     def _refresh_known(self, path: str, meta: ObjectMeta | None, as_of: float) -> None:
@@ -654,17 +708,22 @@ class Namespace:
             self.forget(node.ino, 0)
 
     def _patch(self, path: str, entries: dict[bytes, DirEntry], started: int) -> None:
-        """A listing of `path` that began at sequence `started` has landed: apply the changes made since,
-        and forget those made before (the listing has them)."""
-        changes = self._changes.get(path)
+        """A listing of `path` that began at sequence `started` has landed: apply the changes made since. A change
+        is forgotten once no listing under way began before it (those that begin later find it in the bucket):
+        one made before this listing is still needed by one that began earlier (an `ls` under way while an
+        `rmdir` checked the directory: the file just stored was ENOENT for the TTL; the audit)."""
+        under_way = self._lists_under_way.get(path)
+        changes = self._changes.get(path) if under_way else self._changes.pop(path, None)
         if not changes:
             return
+        needed_after = min(under_way) if under_way else None
         for name_b, (seq, entry) in list(changes.items()):
-            if seq <= started:
+            if seq > started:
+                if entry is None:
+                    entries.pop(name_b, None)
+                else:
+                    entries[name_b] = entry
+            if needed_after is not None and seq <= needed_after:
                 del changes[name_b]
-            elif entry is None:
-                entries.pop(name_b, None)
-            else:
-                entries[name_b] = entry
-        if not changes:
+        if under_way and not changes:
             del self._changes[path]

@@ -6,9 +6,10 @@ written) and `_changes`/`_seq` (changes kept for listings under way). Rules (all
 - A file being written is a node with `writing` set, in `_pending` by path until it is closed (kept
   as (path, "") in `_ino_by_path`): it is listed and looked up on this mount only, never HEADed.
 - Every other change (a file closed, a directory made, a key deleted or renamed) is applied at once
-  to the parent's cached listing, and recorded in `_changes` with a sequence number: a listing that
-  was already under way when the change was made is patched with it when it lands, and a change is
-  forgotten once a listing that started after it has landed (the bucket's listing has it then).
+  to the parent's cached listing, and, while listings of the parent are under way (`_lists_under_way`),
+  recorded in `_changes` with a sequence number: such a listing is patched with it when it lands, and a
+  change is forgotten once no listing under way began before it (one that begins later finds it in the
+  bucket).
 """
 
 from __future__ import annotations
@@ -69,7 +70,8 @@ class WritableNamespace(Namespace):
     def _stored(self, node: Node, meta: ObjectMeta) -> None:
         """`node` is the version `meta` of its path, now in the bucket."""
         node.size, node.etag, node.mtime_ns = meta.size, meta.etag, meta.mtime_ns
-        node.fresh_until = time.monotonic() + self.ttl
+        node.asked = time.monotonic()
+        node.fresh_until = node.asked + self.ttl
         node.superseded = False
         old = self._latest_file.get(node.path)
         if old is not None and old != node.ino and old in self._nodes:
@@ -139,10 +141,12 @@ class WritableNamespace(Namespace):
         return node
 
     def _change(self, parent: str, name: str, entry: DirEntry | None) -> None:
-        """Apply one change to the cached listing of `parent` and keep it for listings under way."""
+        """Apply one change to the cached listing of `parent` and keep it for listings under way (only for them:
+        a directory written and never listed kept a record of every file, ~300 B each, for the life of the mount)."""
         self._seq += 1
         name_b = name.encode("utf-8", "surrogateescape")
-        self._changes.setdefault(parent, {})[name_b] = (self._seq, entry)
+        if parent in self._lists_under_way:
+            self._changes.setdefault(parent, {})[name_b] = (self._seq, entry)
         for cache in (self._listings, self._last_listings):
             listing = cache.get(parent)
             if listing is None:

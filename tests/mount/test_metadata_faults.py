@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import errno
 import os
+import threading
 import time
 from pathlib import Path
 
@@ -140,3 +141,28 @@ def test_known_listings_and_names_keep_serving_while_metadata_fails(moto_server:
         for key, body in files.items():
             assert (mountpoint / key).read_bytes() == body
         assert proxy.counts()["faulted"] >= 1  # the refresh really was attempted and failed
+
+
+def test_a_file_replaced_while_its_directory_is_listed_opens_its_new_version(moto_server: S3Server, proxy: FaultProxy,
+                                                                             mountpoint: Path) -> None:
+    """`ls d` under way while `d/f`, held open, is replaced and a stat of it finds so: the listing landed naming the
+    old version, and every open of `d/f` was ESTALE until the listing expired (the audit)."""
+    ttl = 4.0
+    bucket = new_bucket(moto_server)
+    put_objects(moto_server, bucket, {"d/f": b"old"})
+    with mounted_via(proxy, moto_server, bucket, mountpoint, "--read-timeout", "20", "--metadata-ttl", f"{ttl:g}",
+                     "--no-model-streaming"):
+        path = mountpoint / "d" / "f"
+        with open(path, "rb") as held:  # a reader holds the file (a HEAD: d is not listed)
+            assert held.read() == b"old"
+            time.sleep(ttl + 0.2)  # its attributes are due for a refresh
+            os.stat(mountpoint / "d")  # d's own entry is due too: its LOOKUP now, not in the `ls`
+            proxy.inject(Fault.STALL, kind="lists", after_bytes=1, seconds=1.5, times=1)
+            ls = threading.Thread(target=os.listdir, args=(mountpoint / "d",))
+            ls.start()
+            time.sleep(0.5)  # the listing has read the bucket; its answer is held up
+            put_objects(moto_server, bucket, {"d/f": b"new version"})
+            os.fstat(held.fileno())  # GETATTR -> HEAD: another ETag, the held inode is superseded
+            ls.join()
+        with open(path, "rb") as f:
+            assert f.read() == b"new version"

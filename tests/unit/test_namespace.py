@@ -3,16 +3,22 @@
 from __future__ import annotations
 
 import errno
+import gc
+import tracemalloc
+from typing import Any
 
 import cachetools
 import pytest
 import trio
 
 from fsmount import namespace
-from fsmount.data import TimedOut, Unreachable
+from fsmount.config import FOREVER_TTL
+from fsmount.data import ListingPage, ObjectMeta, TimedOut, Unreachable
 from fsmount.namespace import ROOT_INODE, Namespace, PathError
 from tests.helpers import ORIGIN_UNAVAILABLE
 from tests.unit.fake_store import FakeStore
+
+MiB = 1 << 20
 
 
 async def call(fn, *args):  # noqa: ANN001, ANN201
@@ -599,3 +605,184 @@ async def test_a_request_failed_at_once_after_an_outage_says_so_and_names_what_f
     assert metadata_request_words(store.has_children, ("m/a.bin/",)) == "listing 'm/a.bin/'"
     assert metadata_request_words(listing_page, (iter(()), "m/")) == "listing 'm/'"
     assert metadata_request_words(lambda: None, ()) == "<lambda>"
+
+
+# -- answers that arrive after newer ones ------------------------------------------------------------
+
+def slow_listings(seconds: float) -> Any:
+    """A store call that answers a listing page as the bucket is when asked, but lands `seconds` later (a big
+    directory's listing, or a slow origin); every other call answers at once."""
+    async def ask(fn: Any, *args: Any) -> Any:
+        result = fn(*args)
+        if fn is namespace.listing_page:
+            await trio.sleep(seconds)
+        return result
+    return ask
+
+
+@pytest.mark.parametrize("how", ["read-412", "getattr-head"])
+async def test_a_listing_under_way_when_a_file_is_superseded_does_not_bring_the_old_version_back(how: str) -> None:
+    """`ls d` (or a loader's opendir, or model streaming's look at the shards beside) under way while `d/f` is
+    replaced and the mount learns so (a READ's 412, or a stat's HEAD): the listing lands naming the old version.
+    Answered from it, every open of `d/f` got ESTALE, and the kernel's retry the same inode, for the TTL (the
+    audit; for good with `forever`, below)."""
+    store = FakeStore()
+    store.put("d/f", b"old")
+    ttl = 1.0
+    ns = Namespace(store, slow_listings(0.3), prefix="", ttl=ttl)
+    d = await ns.lookup(ROOT_INODE, b"d")
+    old = await ns.lookup(d.ino, b"f")  # HEAD: the parent's listing is not cached
+    if how == "getattr-head":
+        await trio.sleep(ttl + 0.1)  # the node's metadata is due for a HEAD
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(ns.listing, d)
+        await trio.sleep(0.1)  # the listing has read the bucket: it names the old version
+        store.put("d/f", b"new version")
+        if how == "read-412":
+            ns.gone(old.version(""))
+        else:
+            await ns.refresh(ns.node(old.ino))  # a GETATTR after the TTL: the HEAD says another ETag
+        assert ns.node(old.ino).superseded
+    for _ in range(2):  # the kernel's LOOKUP, and its LOOKUP_REVAL after an ESTALE
+        node = await ns.lookup(d.ino, b"f")
+        assert (await ns.open_file(node.ino)).size == len(b"new version")
+
+
+async def test_with_ttl_forever_a_file_superseded_while_listed_opens_its_new_version() -> None:
+    store = FakeStore()
+    store.put("d/f", b"old")
+    ns = Namespace(store, slow_listings(0.3), prefix="", ttl=FOREVER_TTL)
+    d = await ns.lookup(ROOT_INODE, b"d")
+    old = await ns.lookup(d.ino, b"f")
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(ns.listing, d)
+        await trio.sleep(0.1)
+        store.put("d/f", b"new version")
+        ns.gone(old.version(""))  # a READ got 412
+    node = await ns.lookup(d.ino, b"f")
+    assert not node.superseded and (await ns.open_file(node.ino)).size == len(b"new version")
+
+
+async def test_a_listing_begun_before_a_newer_answer_does_not_bring_the_older_version_back() -> None:
+    """A lookup answered by HEAD with the new version while a listing begun earlier is under way; the listing lands
+    naming the old one. It answered the next lookups (and `ls -l`'s readdirplus) with the old inode, not
+    superseded: the reader saw the new version, then the old one again, and the path's inode number changed."""
+    store = FakeStore()
+    store.put("d/f", b"old")
+    ns = Namespace(store, slow_listings(0.3), prefix="", ttl=30.0)
+    d = await ns.lookup(ROOT_INODE, b"d")
+    old = await ns.lookup(d.ino, b"f")
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(ns.listing, d)
+        await trio.sleep(0.1)  # the listing has read the bucket (the old version)
+        store.put("d/f", b"new version")
+        new = await ns.lookup(d.ino, b"f")  # no listing cached yet: HEAD, the new version
+        assert new.size == len(b"new version") and new.ino != old.ino
+    again = await ns.lookup(d.ino, b"f")
+    assert again.ino == new.ino and (await ns.open_file(again.ino)).size == len(b"new version")
+    assert ns.node(old.ino).superseded
+
+
+async def test_a_directory_handle_opened_before_a_replacement_never_hands_out_the_old_version_as_current() -> None:
+    """readdirplus from a handle's snapshot (opendir before the replacement), after the mount learnt (412) that the
+    version is gone and the kernel forgot its inode: the entry made a new inode of the old version, not superseded,
+    whose open succeeded and whose READs failed (412 -> EIO). Now it is superseded: its open is ESTALE, and the
+    kernel looks the name up again."""
+    store = FakeStore()
+    store.put("f", b"old")
+    ns = Namespace(store, call, prefix="", ttl=60.0)
+    entries, listed_at = await ns.open_dir(ROOT_INODE)  # opendir: the snapshot names the old version
+    old = await ns.lookup(ROOT_INODE, b"f")
+    store.put("f", b"new version")
+    ns.gone(old.version(""))
+    new = await ns.lookup(ROOT_INODE, b"f")
+    assert new.size == len(b"new version")
+    ns.forget(old.ino, 1)
+    node = ns.entry_node(ns.node(ROOT_INODE), next(e for e in entries if e.name == b"f"), listed_at)
+    ns.entry_taken(node)
+    with pytest.raises(PathError) as exc:
+        await ns.open_file(node.ino)
+    assert exc.value.errno == errno.ESTALE
+    assert (await ns.lookup(ROOT_INODE, b"f")).ino == new.ino
+
+
+async def test_opens_of_one_file_at_once_after_its_ttl_ask_the_bucket_once(autojump_clock: Any) -> None:
+    """Lookups of one name at once share one HEAD; opens (and GETATTRs) of a known inode past its TTL sent one each:
+    8 ranks opening one shard sent 8 HEADs, each waiting for a metadata thread behind the others."""
+    store = FakeStore()
+    store.put("model.safetensors", b"x" * 10)
+
+    async def one_second(fn: Any, *args: Any) -> Any:
+        await trio.sleep(1)
+        return fn(*args)
+
+    ns = Namespace(store, one_second, prefix="", ttl=0)
+    node = await ns.lookup(ROOT_INODE, b"model.safetensors")
+    heads = store.heads
+    async with trio.open_nursery() as nursery:
+        for _ in range(8):
+            nursery.start_soon(ns.open_file, node.ino)
+    assert store.heads - heads == 1
+
+
+async def test_a_name_longer_than_name_max_is_enametoolong() -> None:
+    """The kernel passes names up to 1024 bytes; a local file system answers a 256+ byte one "File name too long"."""
+    ns = Namespace(FakeStore(), call, prefix="", ttl=60.0)
+    for name, err in ((b"a" * 300, errno.ENAMETOOLONG), (b"a" * 255, errno.ENOENT)):
+        with pytest.raises(PathError) as exc:
+            await ns.lookup(ROOT_INODE, name)
+        assert exc.value.errno == err
+
+
+async def test_while_the_origin_is_down_a_listed_name_the_kernel_forgot_still_resolves(allowed_logs: list[str]) -> None:
+    """While the origin is away, `ls d` serves the last listing, but a lookup of a name in it was EIO unless the
+    kernel held that name's inode: a file read an hour ago, its dentry dropped since, its chunks all in the NVMe
+    cache, could not be opened although `ls` showed it (the audit)."""
+    allowed_logs.append(ORIGIN_UNAVAILABLE)
+    store = FakeStore()
+    store.put("d/f", b"12345")
+    ns = Namespace(store, call, prefix="", ttl=0)
+    d = await ns.lookup(ROOT_INODE, b"d")
+    assert set(await names(ns, d.ino)) == {b"f"}
+    f = await ns.lookup(d.ino, b"f")
+    ns.forget(f.ino, 1)  # the kernel dropped the dentry and forgot the inode
+    store.head = store.has_children = store.list_pages = origin_down  # type: ignore[method-assign]
+    assert set(await names(ns, d.ino)) == {b"f"}
+    node = await ns.lookup(d.ino, b"f")
+    assert node.size == 5 and (await ns.open_file(node.ino)).size == 5
+    with pytest.raises(Unreachable):
+        await ns.lookup(d.ino, b"never-listed")
+
+
+def test_the_listing_caches_stay_within_the_runtime_share_of_the_memory_limit() -> None:
+    """The listings kept for outages outlive their TTL, up to LISTING_CACHE_ENTRIES entries. Estimated at 100 B an
+    entry, 2,000,000 of them held ~780 MiB beyond --memory-limit, whose runtime share is 96 MiB (the audit)."""
+    store = FakeStore()
+    n = 20_000
+    for i in range(n):
+        key = f"ckpt/model-{i:05d}-of-{n:05d}.safetensors"
+        store.objects[key] = b""
+        store.etags[key] = '"0123456789abcdef0123456789abcdef"'
+
+    async def fresh_strings(fn: Any, *args: Any) -> Any:  # each page's strings new, as Boto3Store decodes them
+        page = fn(*args)
+        if fn is namespace.listing_page and page is not None:
+            page = ListingPage([ObjectMeta("".join(list(m.key)), m.size, "".join(list(m.etag)), m.mtime_ns)
+                                for m in page.objects], page.prefixes, page.undecodable, last=page.last)
+        return page
+
+    async def listed() -> None:
+        ns = Namespace(store, fresh_strings, prefix="", ttl=60.0)
+        ckpt = await ns.lookup(ROOT_INODE, b"ckpt")
+        gc.collect()
+        tracemalloc.start()
+        try:
+            before = tracemalloc.get_traced_memory()[0]
+            await ns.listing(ckpt)
+            gc.collect()
+            per_entry = (tracemalloc.get_traced_memory()[0] - before) / n
+        finally:
+            tracemalloc.stop()
+        assert namespace.LISTING_CACHE_ENTRIES * per_entry < 96 * MiB, per_entry
+
+    trio.run(listed)

@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 import trio
 
+from fsmount import namespace
 from fsmount.cli import build_config, expand_mount_options, make_parser
 from fsmount.config import ConfigError, MountConfig, StoreConfig
 from fsmount.data import (
@@ -1037,3 +1038,56 @@ async def test_an_unlink_of_a_rewrite_whose_delete_fails_keeps_the_rewrite(allow
         uploads.delete = delete
         await new.commit()
         assert uploads.objects == {"f": b"new"}
+
+
+# -- changes kept for listings under way ----------------------------------------------------------
+
+async def test_changes_are_kept_only_for_listings_under_way() -> None:
+    """A change this mount makes is patched into listings of its directory under way when they land. A directory
+    written and never listed (a checkpoint saver: the kernel's LOOKUP of a new name is a HEAD, not a listing)
+    kept a record of every file, ~300 B each, for the life of the mount (the audit)."""
+    writes, _uploads, ns = make()
+    async with serving(writes):
+        d = await writes.mkdir(ns.node(ROOT_INODE), b"ckpt")
+        for i in range(200):
+            with pytest.raises(PathError):
+                await ns.lookup(d.ino, b"step-%06d.pt" % i)  # the kernel's LOOKUP before CREATE: ENOENT
+            new = await writes.create(d, b"step-%06d.pt" % i)
+            await new.write(0, b"x")
+            await new.commit()
+            ns.forget(new.node.ino, 1)  # closed and forgotten by the kernel
+    assert not ns._lists_under_way and ns._changes == {}
+    assert len(await ns.listing(d)) == 200
+
+
+async def test_an_emptiness_check_keeps_the_changes_a_listing_under_way_still_needs() -> None:
+    """`rmdir d` (and `mv d e`) lists `d` itself. Its listing forgot every change made before it began, although an
+    `ls d` begun earlier, still under way, lacked them: that listing landed without the file just stored through
+    this mount, was cached, and the file was ENOENT for the TTL (the audit)."""
+    store = FakeStore()
+    store.put("d/a", b"a")
+    delays = [0.6, 0.1]  # the first listing (`ls d`) is slow (a big directory, one page of it here); the next not
+
+    async def ask(fn: Any, *args: Any) -> Any:
+        result = fn(*args)
+        if fn is namespace.listing_page:
+            await trio.sleep(delays.pop(0) if delays else 0)
+        return result
+
+    ns = Namespace(store, ask, prefix="", ttl=60.0)
+    writes = Writes(ns, FakeUploads(store), MemoryBudget(64 * MiB), part_size=5 * MiB,  # type: ignore[arg-type]
+                    max_connections=2, timeout=30.0, allow_overwrite=False, allow_delete=True)
+    async with serving(writes) as nursery:
+        d = await ns.lookup(ROOT_INODE, b"d")
+        nursery.start_soon(ns.listing, d)  # `ls d`: reads the bucket now (d/a only), lands in 0.6 s
+        await trio.sleep(0.1)
+        new = await writes.create(d, b"x")  # another process writes d/x
+        await new.write(0, b"xyz")
+        await new.commit()
+        with pytest.raises(PathError) as exc:
+            await writes.rmdir(d)  # a third: `rmdir d` while `ls d` is under way
+        assert exc.value.errno == errno.ENOTEMPTY
+        await trio.sleep(0.6)  # the `ls d` listing has landed and is cached
+    assert {e.name for e in await ns.listing(d)} == {b"a", b"x"}
+    assert (await ns.lookup(d.ino, b"x")).size == 3
+    assert ns._changes == {}  # no listing is under way any more

@@ -33,6 +33,7 @@ from fsmount.config import MiB, MountConfig, StoreConfig, tier_inside_mount, vir
 from fsmount.data import (
     DISK_THREADS,
     PUT_THREADS,
+    WRITES_DIR,
     AccessDenied,
     Boto3Store,
     BucketMissing,
@@ -357,6 +358,11 @@ def open_disk_cache(cfg: MountConfig) -> DiskCache:
         raise MountError(f"cannot use cache dir {cfg.cache_dir}: {why}") from None
     except ValueError as exc:  # a filesystem that reports no size (--cache-size as a share of it)
         raise MountError(f"cannot use cache dir {cfg.cache_dir}: {exc}") from None
+    writes = os.path.join(cache.root, WRITES_DIR)
+    if cfg.writable and os.path.lexists(writes) and (os.path.islink(writes) or not os.path.isdir(writes)):
+        cache.close()
+        raise MountError(f"cannot use cache dir {cfg.cache_dir}: {writes} is not a directory of its own (a --writable "
+                         f"mount keeps copies of the files it writes there): move it away, or use another cache dir")
     if not cfg.writable:  # (a --writable mount's staging empties it itself)
         files, staged = sweep_staged_writes(cache.root)
         if files:

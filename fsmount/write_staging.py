@@ -5,7 +5,7 @@ A file's chunk ids name its ETag, which the bucket gives only when the upload co
 bytes are kept in `CACHE_DIR/writes/<n>` (each part as it is sent, or each WRITE of a deferred file; with
 O_DIRECT where the filesystem takes it, see `StagedFile`), and once the file is stored they are
 cut into chunks and handed to the cache level with `put`, as the read path's write-through does. The
-copy is removed when that is done, or when the file fails. The folder is emptied when a mount opens it
+copy is removed when that is done, or when the file fails. Its copies are removed when a mount opens it
 (the cache directory's lock says no other process uses it), so a killed daemon's copies do not pile up.
 It does not count against `--cache-size`: it lasts as long as a file is open.
 
@@ -23,11 +23,20 @@ import errno
 import itertools
 import logging
 import os
-import shutil
 import threading
 from collections.abc import Callable
 
-from fsmount.data import ALIGN, WRITES_DIR, ChunkCache, ChunkId, WritableBuffer, new_buffer, pwrite_all, round_up
+from fsmount.data import (
+    ALIGN,
+    WRITES_DIR,
+    ChunkCache,
+    ChunkId,
+    WritableBuffer,
+    new_buffer,
+    pwrite_all,
+    round_up,
+    sweep_staged_writes,
+)
 
 log = logging.getLogger(__name__)
 
@@ -48,8 +57,13 @@ class Staging:
 
     def __init__(self, cache_dir: str):
         self.root = os.path.join(cache_dir, WRITES_DIR)
-        shutil.rmtree(self.root, ignore_errors=True)
+        files, size = sweep_staged_writes(cache_dir)
+        if files:
+            log.info("cache dir %s: removed %d copies of files (%d MiB) that a --writable mount left in %s/ when it "
+                     "was killed", cache_dir, files, size >> 20, WRITES_DIR)
         os.makedirs(self.root, mode=0o700, exist_ok=True)
+        if os.path.islink(self.root):  # never a symlink's target: open_disk_cache refuses the mount before this
+            raise OSError(errno.ENOTDIR, f"{self.root} is a symlink: the copies go only in a directory of its own")
         self._names = itertools.count(1)
         self._failed_logged = False
         self._direct = True  # O_DIRECT for the copies, until the filesystem refuses it

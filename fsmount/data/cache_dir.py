@@ -11,7 +11,7 @@ import errno
 import fcntl
 import logging
 import os
-import shutil
+import re
 import stat
 import sys
 import time
@@ -26,9 +26,17 @@ CHUNKS_DIR = "chunks"
 # Where a --writable mount keeps local copies of the files being written (write_staging.py). What a killed one left
 # there is garbage to whoever holds the dir's lock next: no mount is writing there then.
 WRITES_DIR = "writes"
+# The names of those copies: write_staging numbers them 1, 2, ... (itertools.count). Only regular files named so are
+# removed: an existing folder given as --cache-dir may have a `writes/` of its own, and it lost all of it (rmtree).
+_STAGED_NAME = re.compile(r"[1-9][0-9]*")
 log = logging.getLogger(__name__)
 
 LOCK_FILE = "lock"
+# What modelfs writes in `lock`: a pid, and DRAINING after it, a line each time (_write_holder); a crash between its
+# write and its truncate can leave a second line. An existing folder given as --cache-dir may have a `lock` of its
+# own: anything else there, or more than LOCK_MAX_BYTES, is not ours to write over.
+_LOCK_LINE = re.compile(r"[0-9]+( draining)?")
+LOCK_MAX_BYTES = 64
 # Written after the holder's pid in `lock` once its mount is gone and it only writes what it fetched (mark_draining):
 # the next comer waits for it, up to DRAINING_WAIT_S, instead of being refused. A restart script's `modelfs unmount
 # X && modelfs mount X` failed "cache dir in use" while the old daemon wrote its last chunks to a shared tier (2.7 s).
@@ -71,29 +79,52 @@ def real_dir(path: str) -> None:
 def staged_writes(root: str) -> tuple[int, int]:
     """(files, bytes) in `root`'s WRITES_DIR: copies of files a --writable mount was writing."""
     files = total = 0
-    path = os.path.join(root, WRITES_DIR)
-    if os.path.islink(path):  # not ours to count, nor to remove (sweep_staged_writes)
-        return 0, 0
-    try:
-        entries = list(os.scandir(path))
-    except (FileNotFoundError, NotADirectoryError):
-        return 0, 0
-    for entry in entries:
-        try:
-            st = entry.stat(follow_symlinks=False)
-        except FileNotFoundError:
-            continue
-        if stat.S_ISREG(st.st_mode):
-            files, total = files + 1, total + st.st_size
+    for _path, size in _staged_copies(root)[0]:
+        files, total = files + 1, total + size
     return files, total
 
 
 def sweep_staged_writes(root: str) -> tuple[int, int]:
-    """Remove `root`'s WRITES_DIR, and say what it held (staged_writes). The caller holds the dir's lock. A symlink
-    there is left alone (rmtree refuses one), as everything outside the cache dir is."""
-    found = staged_writes(root)
-    shutil.rmtree(os.path.join(root, WRITES_DIR), ignore_errors=True)
-    return found
+    """Remove the copies in `root`'s WRITES_DIR (regular files named as write_staging names them, never a folder nor
+    a symlink), and say what they were (staged_writes). Anything else there is left alone, with a log line; so is a
+    WRITES_DIR that is a symlink or not a directory. The caller holds the dir's lock."""
+    copies, others = _staged_copies(root)
+    path = os.path.join(root, WRITES_DIR)
+    if os.path.lexists(path) and (os.path.islink(path) or not os.path.isdir(path)):
+        log.info("cache dir %s: left %s alone: it is not a directory of the cache's own", root, path)
+    files = total = 0
+    for path, size in copies:
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            continue
+        files, total = files + 1, total + size
+    if others:
+        log.info("cache dir %s: left %d entries in %s/ that modelfs did not write there (%s)", root, len(others),
+                 WRITES_DIR, ", ".join(sorted(others)[:5]) + (", ..." if len(others) > 5 else ""))
+    return files, total
+
+
+def _staged_copies(root: str) -> tuple[list[tuple[str, int]], list[str]]:
+    """((path, size) of each copy write_staging made in `root`'s WRITES_DIR, names of the other entries there)."""
+    path = os.path.join(root, WRITES_DIR)
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return [], []
+    if not stat.S_ISDIR(st.st_mode):  # not ours to count, nor to remove, nor to look into (a symlink)
+        return [], []
+    copies, others = [], []
+    for entry in scandir(path):
+        try:
+            st = entry.stat(follow_symlinks=False)
+        except FileNotFoundError:
+            continue
+        if _STAGED_NAME.fullmatch(entry.name) and stat.S_ISREG(st.st_mode):
+            copies.append((entry.path, st.st_size))
+        else:
+            others.append(entry.name)
+    return copies, others
 
 
 def scan_chunk_files(chunks_dir: str, sweep_tmp: bool) -> tuple[list[tuple[int, str, int, str]], int]:
@@ -153,6 +184,8 @@ def acquire_dir_lock(root: str) -> int:
         for held in (fd, file_fd):
             if held is not None:
                 _flock_or_wait_for_draining(held, root, path)
+        if file_fd is not None:
+            _check_ours(file_fd, path)
         _write_pid(path)
     except BaseException:
         if file_fd is not None:
@@ -219,6 +252,16 @@ def _open_lock_file(path: str, flags: int) -> int | None:
         os.close(lock_fd)
         raise OSError(errno.EINVAL, f"{path} is not a regular file")
     return lock_fd
+
+
+def _check_ours(lock_fd: int, path: str) -> None:
+    """OSError unless `lock` is empty or holds what modelfs writes there (_LOCK_LINE): a file of the operator's by that
+    name had its content replaced by a pid. Read under the flock, so that no modelfs holder is writing it."""
+    data = os.pread(lock_fd, LOCK_MAX_BYTES + 1, 0)
+    text = data.decode("ascii", "replace")
+    if len(data) > LOCK_MAX_BYTES or not all(_LOCK_LINE.fullmatch(line) for line in text.splitlines()):
+        raise OSError(errno.EINVAL, f"{path} is not a modelfs lock file (modelfs writes its pid there): move it "
+                                    f"away, or use another cache dir")
 
 
 def _holder(path: str) -> str:

@@ -6,6 +6,7 @@ Plain synchronous tests; the full-disk tests mount small tmpfs filesystems (root
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import errno
 import fcntl
 import logging
@@ -857,6 +858,107 @@ def test_a_cache_dir_held_by_an_older_modelfs_through_its_lock_file_is_refused(t
     DiskCache(tmp_path / "c", BIG, min_free_bytes=0).close()
 
 
+def operators_writes_folder(root: Path) -> tuple[list[Path], list[Path]]:
+    """A `writes/` of an operator's in a folder given as --cache-dir, beside two copies of modelfs's own: (what is
+    the operator's, what modelfs staged)."""
+    elsewhere = root.parent / f"{root.name}-elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "target").write_text("linked")
+    writes = root / "writes"
+    (writes / "project").mkdir(parents=True)
+    (writes / "project" / "notes.txt").write_text("precious")
+    (writes / "notes.txt").write_text("mine")
+    (writes / "12").mkdir()  # named as a copy, but a folder
+    (writes / "12" / "inside").write_text("deep")
+    (writes / "13").symlink_to(elsewhere / "target")  # named as a copy, but a symlink
+    (writes / "014").write_text("not a name modelfs gives")
+    for name in ("1", "7"):
+        (writes / name).write_bytes(b"x" * 100)
+    theirs = [writes / "project" / "notes.txt", writes / "notes.txt", writes / "12" / "inside", writes / "13",
+              writes / "014", elsewhere / "target"]
+    return theirs, [writes / "1", writes / "7"]
+
+
+def test_cache_clear_and_every_mount_remove_only_the_copies_modelfs_staged_in_writes(tmp_path: Path, caplog) -> None:  # noqa: ANN001
+    """An existing folder given as --cache-dir lost its whole `writes/` subfolder (rmtree) to `modelfs cache clear`,
+    a read-only mount and a --writable one: only regular files named as the staging names its copies are removed."""
+    from fsmount.config import CacheSize, MountConfig, StoreConfig
+    from fsmount.mount import open_disk_cache
+    from fsmount.write_staging import Staging
+
+    def read_only_mount(root: Path) -> None:
+        cfg = MountConfig(store=StoreConfig(bucket="b"), mountpoint="/nonexistent", cache_dir=str(root),
+                          cache_size=CacheSize(bytes=1 << 30), memory_limit=256 << 20)
+        open_disk_cache(cfg).close()
+
+    def writable_mount(root: Path) -> None:
+        Staging(str(root)).block_writer.shutdown()
+
+    for n, sweep in enumerate((cache_clear, read_only_mount, writable_mount)):
+        root = tmp_path / f"c{n}"
+        root.mkdir()
+        theirs, ours = operators_writes_folder(root)
+        caplog.clear()
+        with caplog.at_level(logging.INFO):
+            sweep(root)
+        assert [p for p in theirs if not p.is_symlink() and not p.exists()] == [], sweep
+        assert (root / "writes" / "13").is_symlink() and (root / "writes" / "13").read_text() == "linked"
+        assert [p for p in ours if p.exists()] == [], sweep
+        assert any("left 5 entries in writes/" in r.getMessage() for r in caplog.records), sweep
+
+
+def test_a_writes_entry_that_is_not_a_directory_is_left_alone_and_a_writable_mount_refuses_it(tmp_path: Path) -> None:
+    from fsmount.config import CacheSize, MountConfig, StoreConfig
+    from fsmount.mount import MountError, open_disk_cache
+
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "1").write_text("linked")
+    for name, make in (("file", lambda p: p.write_text("a file")), ("link", lambda p: p.symlink_to(elsewhere))):
+        root = tmp_path / name
+        root.mkdir()
+        make(root / "writes")
+        cache_clear(root)
+        cfg = MountConfig(store=StoreConfig(bucket="b"), mountpoint="/nonexistent", cache_dir=str(root),
+                          cache_size=CacheSize(bytes=1 << 30), memory_limit=256 << 20)
+        open_disk_cache(cfg).close()
+        with pytest.raises(MountError) as refused:
+            open_disk_cache(dataclasses.replace(cfg, writable=True))
+        assert f"{root / 'writes'} is not a directory of its own" in str(refused.value)
+        assert "\n" not in str(refused.value)
+        assert os.path.lexists(root / "writes")
+    assert (elsewhere / "1").read_text() == "linked" and (tmp_path / "file" / "writes").read_text() == "a file"
+
+
+def test_a_lock_file_modelfs_did_not_write_is_not_overwritten_and_the_dir_is_refused_by_name(tmp_path: Path) -> None:
+    """An existing folder given as --cache-dir had its own `lock` file replaced by the daemon's pid."""
+    from fsmount.config import CacheSize, MountConfig, StoreConfig
+    from fsmount.mount import MountError, open_disk_cache
+
+    for n, text in enumerate(("precious\n", "4242 draining\n" * 10, "12 13\n", "\x00" * 8)):
+        root = tmp_path / f"c{n}"
+        root.mkdir()
+        (root / "lock").write_text(text)
+        with pytest.raises(OSError, match="is not a modelfs lock file"):
+            DiskCache(root, BIG, min_free_bytes=0)
+        with pytest.raises(OSError, match="is not a modelfs lock file"):
+            cache_clear(root)
+        cfg = MountConfig(store=StoreConfig(bucket="b"), mountpoint="/nonexistent", cache_dir=str(root),
+                          cache_size=CacheSize(bytes=1 << 30), memory_limit=256 << 20)
+        with pytest.raises(MountError) as refused:
+            open_disk_cache(cfg)
+        assert str(root / "lock") in str(refused.value) and "\n" not in str(refused.value)
+        assert (root / "lock").read_text() == text
+    # What modelfs itself leaves there (a pid; a draining holder's; a crash between write and truncate; an empty file
+    # a read-only open created) still opens, and gets this process's pid.
+    for n, text in enumerate(("", "4242\n", "4242 draining\n", "42\n42 draining\n")):
+        root = tmp_path / f"ours{n}"
+        root.mkdir()
+        (root / "lock").write_text(text)
+        DiskCache(root, BIG, min_free_bytes=0).close()
+        assert (root / "lock").read_text() == f"{os.getpid()}\n"
+
+
 def test_chunk_dirs_removed_under_a_live_cache_are_made_again(tmp_path: Path, caplog) -> None:  # noqa: ANN001
     """`rm -rf CACHE/chunks/*` while mounted: every put failed (its shard was gone) for the rest of the mount,
     one warning, and every read of those models went to the origin again."""
@@ -1064,7 +1166,8 @@ def test_cache_stats_clear_verify(tmp_path: Path) -> None:
     (tmp_path / "writes" / "1").write_bytes(b"x" * 5000)
     assert cache_stats(tmp_path)["staged_files"] == 1 and cache_stats(tmp_path)["staged_bytes"] == 5000
     assert cache_clear(tmp_path) == (4, 5000)
-    assert not (tmp_path / "writes").exists()
+    assert list((tmp_path / "writes").iterdir()) == []
+    (tmp_path / "writes").rmdir()
     elsewhere = tmp_path.parent / f"{tmp_path.name}-elsewhere"
     elsewhere.mkdir()
     (elsewhere / "1").write_bytes(b"y")

@@ -12,6 +12,7 @@ import http.server
 import logging
 import socket
 import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -23,6 +24,17 @@ from fsmount.stats import MountStats
 log = logging.getLogger(__name__)
 
 METRICS_PATHS = ("/metrics", "/")
+# How long a connection may sit between two reads or writes before it is closed. A scraper sends its request at once
+# and the answer takes milliseconds (a full snapshot is ~20 KB); a client that connects and never finishes its request
+# (a port scanner, a scraper gone behind a NAT) held a thread and a descriptor of the daemon for good otherwise.
+HANDLER_TIMEOUT_S = 5.0
+# Connections served at once; one beyond is closed at once. A node has a Prometheus pair and an operator's curl at
+# most; each connection is a thread and a descriptor the mount's reads also need (at the fd limit every read of the
+# mount failed EIO).
+MAX_CONNECTIONS = 8
+# The pause after accept() fails (EMFILE at the fd limit): the listening socket stays readable, and socketserver went
+# straight back to accept(): the metrics thread spun 60-95% of a core. 0.2 s is 5 tries a second, no CPU to speak of.
+ACCEPT_BACKOFF_S = 0.2
 
 
 class MetricsAddressError(ValueError):
@@ -157,6 +169,7 @@ def parse_metrics_addr(text: str) -> tuple[str, int]:
 
 class _Handler(http.server.BaseHTTPRequestHandler):
     server: _Server
+    timeout = HANDLER_TIMEOUT_S  # set on the socket by StreamRequestHandler.setup
 
     def do_GET(self) -> None:  # noqa: N802 - the http.server naming
         self._answer(with_body=True)
@@ -183,6 +196,41 @@ class _Handler(http.server.BaseHTTPRequestHandler):
 class _Server(http.server.ThreadingHTTPServer):
     daemon_threads = True
     registry: CollectorRegistry
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self._slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
+        self._accept_failing = False
+
+    def get_request(self) -> tuple[socket.socket, Any]:
+        try:
+            request = super().get_request()
+        except OSError as exc:
+            if not self._accept_failing:
+                self._accept_failing = True
+                log.warning("metrics: cannot accept a connection (%s); trying again every %g s", exc.strerror or exc,
+                            ACCEPT_BACKOFF_S)
+            time.sleep(ACCEPT_BACKOFF_S)
+            raise
+        self._accept_failing = False
+        return request
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        if not self._slots.acquire(blocking=False):
+            log.debug("metrics: %d connections open, closing the one from %s", MAX_CONNECTIONS, client_address)
+            self.shutdown_request(request)
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:  # no thread started: it would have given the slot back
+            self._slots.release()
+            raise
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._slots.release()
 
     def handle_error(self, request: Any, client_address: Any) -> None:
         # A broken scrape (client gone, collector bug) costs that scrape, never the mount.

@@ -5,6 +5,7 @@ the background until it answers. It holds no filesystem logic.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import difflib
 import logging
 import math
@@ -81,6 +82,9 @@ DEFAULT_PREFETCH_WRITE_WAIT = 600.0
 STARTUP_TIMEOUT = 120.0
 # How long a daemon stopped by Ctrl-C during `modelfs mount` gets to exit before it is killed.
 STOP_WAIT_S = 10.0
+# What stops a `modelfs mount` waiting for its daemon, and the daemon with it: Ctrl-C, `timeout N modelfs mount`
+# (SIGTERM), a dropped ssh session (SIGHUP). Only SIGINT did: the caller failed, and the daemon mounted later anyway.
+WAIT_STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 # Warnings a background daemon logs before it is ready that `modelfs mount` prints (the rest are in its log).
 EARLY_WARNINGS_MAX = 20
 
@@ -473,6 +477,18 @@ class _EarlyWarnings(logging.Handler):
             self.messages.append(record.getMessage())
 
 
+class _StopWhileWaiting(Exception):
+    """A stop signal (WAIT_STOP_SIGNALS) reached `modelfs mount` while it waited for its daemon."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+
+def _raise_stop(signum: int, frame: object) -> None:
+    raise _StopWhileWaiting(signum)
+
+
 def run_background(cfg: MountConfig, mount_argv: list[str]) -> int:
     """Start the daemon detached and return only once the mount answers (or say why it cannot)."""
     read_fd, write_fd = os.pipe()
@@ -480,10 +496,12 @@ def run_background(cfg: MountConfig, mount_argv: list[str]) -> int:
     if not cfg.log_file:
         cmd.append("--log-to-syslog")
     # A Ctrl-C that lands while the daemon is being started (inside Popen, after its exec) would leave it
-    # running with nobody to stop it: until `proc` exists, SIGINT is only noted, then raised. (A Python-level
-    # handler does not survive the daemon's exec: the daemon starts with SIGINT's default.)
-    interrupted: list[int] = []
-    previous = signal.signal(signal.SIGINT, lambda signum, frame: interrupted.append(signum))
+    # running with nobody to stop it: until `proc` exists, a stop signal is only noted, then raised. (A Python-level
+    # handler does not survive the daemon's exec: the daemon starts with the signals' defaults.)
+    # A signal the caller ignores stays ignored: `nohup modelfs mount` (SIGHUP), a script's `cmd &` (SIGINT).
+    noted: list[int] = []
+    stops = [signum for signum in WAIT_STOP_SIGNALS if signal.getsignal(signum) != signal.SIG_IGN]
+    previous = {signum: signal.signal(signum, lambda signum, frame: noted.append(signum)) for signum in stops}
     buf = b""
     deadline = time.monotonic() + STARTUP_TIMEOUT
     try:
@@ -492,9 +510,10 @@ def run_background(cfg: MountConfig, mount_argv: list[str]) -> int:
                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
         finally:
             os.close(write_fd)
-            signal.signal(signal.SIGINT, previous)
-        if interrupted:
-            raise KeyboardInterrupt
+        for signum in stops:
+            signal.signal(signum, _raise_stop)
+        if noted:
+            raise _StopWhileWaiting(noted[0])
         while not re.search(rb"^(READY|ERROR)", buf, re.MULTILINE):
             left = deadline - time.monotonic()
             if left <= 0:
@@ -514,16 +533,25 @@ def run_background(cfg: MountConfig, mount_argv: list[str]) -> int:
                 if not data:
                     break
                 buf += data
-    except KeyboardInterrupt:
-        # Ctrl-C while waiting: the detached daemon (its own session, so it got no SIGINT) would go on and
-        # mount once the endpoint answers, behind the back of a user who cancelled. Stop it.
+    except (KeyboardInterrupt, _StopWhileWaiting) as exc:
+        # Stopped while waiting (Ctrl-C; `timeout N modelfs mount`: SIGTERM; a dropped ssh session: SIGHUP): the
+        # detached daemon (its own session, so it got no signal) would go on and mount once the endpoint answers,
+        # behind the back of a caller who gave up. Stop it.
+        signum = exc.signum if isinstance(exc, _StopWhileWaiting) else signal.SIGINT
+        for stop in stops:  # a second signal does not cut the stop short
+            signal.signal(stop, signal.SIG_IGN)
         proc.terminate()
         try:
             proc.wait(STOP_WAIT_S)
         except subprocess.TimeoutExpired:
             proc.kill()
-        return fail("interrupted: the daemon was stopped and nothing is mounted", 130)
+        said = "interrupted" if signum == signal.SIGINT else f"stopped by {signal.Signals(signum).name}"
+        with contextlib.suppress(OSError):  # a hung-up terminal takes no message
+            return fail(f"{said}: the daemon was stopped and nothing is mounted", 128 + signum)
+        return 128 + signum
     finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler if handler is not None else signal.SIG_DFL)
         os.close(read_fd)
     # WARN lines (one line each), then READY, or ERROR and the message, which may span lines (botocore's
     # "Parameter validation failed:" does): everything after "ERROR " is the message.

@@ -523,10 +523,17 @@ def test_a_daemon_works_from_the_root_directory(moto_server: S3Server, tmp_path:
         assert (work / "cache" / "chunks").is_dir()
 
 
-def test_ctrl_c_while_mount_waits_stops_its_daemon(tmp_path: Path) -> None:
+def default_stop_signals() -> None:
+    for signum in (signal.SIGINT, signal.SIGHUP):
+        signal.signal(signum, signal.SIG_DFL)
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP], ids=["SIGINT", "SIGTERM", "SIGHUP"])
+def test_a_stop_signal_while_mount_waits_stops_its_daemon(tmp_path: Path, signum: int) -> None:
     """`modelfs mount` against an endpoint that does not answer waits for the pre-flight; Ctrl-C there printed
-    a traceback and left the detached daemon running, which mounted once the endpoint answered. Now the
-    daemon is stopped and the command says so."""
+    a traceback and left the detached daemon running, which mounted once the endpoint answered. `timeout N modelfs
+    mount` (SIGTERM) and a dropped ssh session (SIGHUP) still did: the caller failed, the daemon mounted later. Now
+    the daemon is stopped, the command says so in one line and exits 128 + the signal."""
     import socket
 
     silent = socket.socket()
@@ -535,18 +542,18 @@ def test_ctrl_c_while_mount_waits_stops_its_daemon(tmp_path: Path) -> None:
     mp = tmp_path / "mnt"
     mp.mkdir()
     env = {**modelfs_env(), "AWS_ACCESS_KEY_ID": "k", "AWS_SECRET_ACCESS_KEY": "s"}
-    # As from a terminal: a test run started in the background (`cmd &` in a script) ignores SIGINT, and so would
-    # the command, as it should there.
+    # As from a terminal: a test run started in the background (`cmd &` in a script) ignores SIGINT, and one under
+    # nohup SIGHUP, and so would the command, as it should there.
     proc = subprocess.Popen(modelfs_cmd("mount", "b", str(mp), "--endpoint-url",
                                         f"http://127.0.0.1:{silent.getsockname()[1]}"),
-                            stderr=subprocess.PIPE, text=True, env=env,
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+                            stderr=subprocess.PIPE, text=True, env=env, preexec_fn=default_stop_signals)
     try:
         daemons = wait_for("the daemon in its pre-flight", lambda: daemons_for(mp), bool)
-        proc.send_signal(signal.SIGINT)
+        proc.send_signal(signum)
         _, err = proc.communicate(timeout=30)
-        assert proc.returncode == 130 and "interrupted: the daemon was stopped" in err, (proc.returncode, err)
-        assert "Traceback" not in err
+        said = "interrupted" if signum == signal.SIGINT else f"stopped by {signal.Signals(signum).name}"
+        assert proc.returncode == 128 + signum, (proc.returncode, err)
+        assert f"{said}: the daemon was stopped" in err and len(err.splitlines()) == 1, err
         assert not [pid for pid in daemons if Path(f"/proc/{pid}").exists()]
         assert not os.path.ismount(mp)
     finally:

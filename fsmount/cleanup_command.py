@@ -1,4 +1,4 @@
-"""`modelfs cleanup BUCKET`: find the incomplete multipart uploads under a prefix and abort them.
+"""`modelfs cleanup BUCKET`: find the incomplete multipart uploads under a prefix, or of named keys, and abort them.
 
 A writable mount aborts its own uploads when a file fails or the mount stops; only a daemon killed
 outright (kill -9, a lost node) leaves parts behind, which the bucket keeps (and bills) until they are
@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Sequence
 from typing import TextIO
 
 from fsmount.config import StoreConfig
-from fsmount.data import Boto3Store, StoreError, Uploads
+from fsmount.data import Boto3Store, NoCredentials, StoreError, Uploads
 
 # A command someone waits for, not the daemon: each request gets this long to answer, and one retry, so that
 # an endpoint that accepts connections and never answers fails it in a minute (with the daemon's 120 s and
@@ -26,8 +27,10 @@ class CleanupError(Exception):
     """The bucket could not be listed; the message says why."""
 
 
-def cleanup(cfg: StoreConfig, older_than: float, *, dry_run: bool, out: TextIO) -> tuple[int, int]:
-    """(uploads found old enough, uploads aborted); one line per upload on `out`."""
+def cleanup(cfg: StoreConfig, older_than: float, *, keys: Sequence[str] = (), dry_run: bool,
+            out: TextIO) -> tuple[int, int]:
+    """(uploads found old enough, uploads aborted); one line per upload on `out`. With `keys`, the uploads of
+    exactly those keys (whole keys, `cfg.prefix` unused), else every one under `cfg.prefix`."""
     cfg = dataclasses.replace(cfg, read_timeout=REQUEST_TIMEOUT_S, connect_timeout=min(cfg.connect_timeout,
                                                                                        REQUEST_TIMEOUT_S))
     try:
@@ -36,7 +39,14 @@ def cleanup(cfg: StoreConfig, older_than: float, *, dry_run: bool, out: TextIO) 
         raise CleanupError(str(exc)) from None
     uploads = Uploads(store)
     try:
-        pending = uploads.pending(cfg.prefix)
+        if keys:  # listed by the key as a prefix (the API's only filter), then only that key itself
+            pending = [upload for key in dict.fromkeys(keys) for upload in uploads.pending(key) if upload.key == key]
+        else:
+            pending = uploads.pending(cfg.prefix)
+    except NoCredentials:
+        raise CleanupError("no credentials found: set AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY or use --profile (with "
+                           "a profile, only its own credentials count: botocore does not read the AWS_* keys then); "
+                           "aborting an upload needs the bucket's credentials") from None
     except StoreError as exc:
         raise CleanupError(exc.message) from None
     now = time.time()

@@ -405,6 +405,9 @@ def make_parser() -> argparse.ArgumentParser:
     k.add_argument("--older-than", type=_age_seconds, default=DEFAULT_CLEANUP_AGE,
                    help="only uploads begun at least this many seconds ago: a running mount may be writing the "
                         "newer ones (default %(default)g, one day)")
+    k.add_argument("--key", action="append", default=[], metavar="KEY",
+                   help="only the uploads of this whole key, not under --prefix (repeatable): the keys a mount's "
+                        "log names")
     k.add_argument("--dry-run", action="store_true", help="list them, abort nothing")
     c = sub.add_parser("cache", help="inspect or empty a local chunk cache directory")
     c.add_argument("action", choices=("stats", "clear", "verify"),
@@ -665,10 +668,12 @@ def cmd_prefetch(args: argparse.Namespace) -> int:
 def cmd_cleanup(args: argparse.Namespace) -> int:
     from fsmount.cleanup_command import CleanupError, cleanup
 
+    if args.key and args.prefix:
+        return fail("--key names whole keys of the bucket: give it without --prefix", 2)
     try:
         store = StoreConfig(bucket=args.bucket, prefix=args.prefix, endpoint_url=args.endpoint_url,
                             region=args.region, profile=args.profile, addressing_style=args.addressing_style)
-        found, aborted = cleanup(store, args.older_than, dry_run=args.dry_run, out=sys.stdout)
+        found, aborted = cleanup(store, args.older_than, keys=args.key, dry_run=args.dry_run, out=sys.stdout)
     except ConfigError as exc:
         return fail(str(exc), 2)
     except CleanupError as exc:

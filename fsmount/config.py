@@ -11,6 +11,8 @@ import math
 import os
 import re
 import resource
+import shlex
+from collections.abc import Iterable
 
 from fsmount.sysmem import ram as usable_ram
 
@@ -224,6 +226,22 @@ class StoreConfig:
             raise ConfigError(f"--read-timeout must be > 0 and at most {MAX_READ_TIMEOUT:g} seconds")
         if not self.connect_timeout > 0:
             raise ConfigError("the connect timeout must be > 0")
+
+
+def cleanup_command(store: StoreConfig, keys: Iterable[str]) -> str:
+    """The `modelfs cleanup` command line that aborts the incomplete uploads of exactly `keys` (whole keys of the
+    bucket) and of no other, with the options that reach `store`'s bucket: what the daemon's warnings advise. A
+    `--prefix KEY` found nothing (prefixes end in '/'), and one bucket-wide aborted other mounts' live uploads."""
+    words = ["modelfs", "cleanup", store.bucket]
+    for flag, value in (("--endpoint-url", store.endpoint_url), ("--region", store.region),
+                        ("--profile", store.profile)):
+        if value:
+            words += [flag, value]
+    if store.addressing_style != "auto":
+        words += ["--addressing-style", store.addressing_style]
+    for key in keys:
+        words += ["--key", key]
+    return shlex.join([*words, "--older-than", "0"])
 
 
 DEFAULT_SHARED_CACHE_PREFIX = "modelfs/"

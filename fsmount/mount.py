@@ -542,7 +542,8 @@ class Daemon:
                 (self.disk_cache, cfg.cache_dir, self.engine.chunk_id, cfg.chunk_size)
             self.writes = Writes(namespace, Uploads(self.store), self.engine.memory, part_size=cfg.write_part_size,
                                  max_connections=cfg.store.max_connections, timeout=cfg.store.read_timeout,
-                                 allow_overwrite=cfg.allow_overwrite, allow_delete=cfg.allow_delete, cache=cache)
+                                 allow_overwrite=cfg.allow_overwrite, allow_delete=cfg.allow_delete, origin=cfg.store,
+                                 cache=cache)
             self.namespace: Namespace = namespace
         else:
             self.namespace = Namespace(self.store, self._store_call, prefix=cfg.store.prefix, ttl=cfg.metadata_ttl)

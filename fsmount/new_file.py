@@ -142,6 +142,11 @@ class NewFile:
     def size(self) -> int:
         return max(self.written, self.declared)
 
+    @property
+    def upload_key(self) -> str | None:
+        """The key of this file's multipart upload, once it has one."""
+        return self._key
+
     def _fail(self, message: str, outcome: str = "the file will not be stored") -> None:
         if self.error is None:
             self.error = message

@@ -40,6 +40,7 @@ from typing import Any, NoReturn
 
 import trio
 
+from fsmount.config import StoreConfig, cleanup_command
 from fsmount.data import (
     COPY_OBJECT_MAX,
     MAX_PART_SIZE,
@@ -98,12 +99,14 @@ class WriteStats:
 
 class Writes:
     def __init__(self, namespace: WritableNamespace, uploads: Uploads, memory: MemoryBudget, *, part_size: int,
-                 max_connections: int, timeout: float, allow_overwrite: bool, allow_delete: bool,
+                 max_connections: int, timeout: float, allow_overwrite: bool, allow_delete: bool, origin: StoreConfig,
                  cache: tuple[ChunkCache, str, Callable[[ObjectVersion, int], ChunkId], int] | None = None):
-        """`cache`: with --cache-dir, (the NVMe level, the cache dir, the engine's chunk_id, chunk size):
-        stored files go into it (write_staging)."""
+        """`origin`: how the mount reaches its bucket (what the `modelfs cleanup` its warnings advise needs).
+        `cache`: with --cache-dir, (the NVMe level, the cache dir, the engine's chunk_id, chunk size): stored files
+        go into it (write_staging)."""
         self.ns = namespace
         self.uploads = uploads
+        self._origin = origin
         self.memory = memory
         self.part_size = part_size
         # Part buffers one file may hold: the one filling, and one per connection uploading.
@@ -223,8 +226,8 @@ class Writes:
         must still abort); False, with a warning, if it could not be (`modelfs cleanup` removes it)."""
         reason = await self._cleanup(self.uploads.abort, key, upload_id)
         if reason is not None:
-            log.warning("the upload of %s could not be aborted (%s); `modelfs cleanup %s --prefix %s --older-than 0` "
-                        "removes it", key, reason, self.uploads.bucket, key)
+            log.warning("the upload of %s could not be aborted (%s); `%s` removes it", key, reason,
+                        cleanup_command(self._origin, [key]))
         return reason is None
 
     async def drop_object(self, key: str) -> None:
@@ -359,8 +362,9 @@ class Writes:
             for new in files:
                 await new.abort()
         if self._open:
-            log.warning("%d uploads could not be aborted at unmount; `modelfs cleanup %s --older-than 0` removes "
-                        "them", len(self._open), self.uploads.bucket)
+            keys = sorted({key for new in self._open if (key := new.upload_key) is not None})
+            log.warning("%d uploads could not be aborted at unmount; `%s` removes them", len(self._open),
+                        cleanup_command(self._origin, keys))
 
     # -- directories and names -------------------------------------------------------------------
 

@@ -46,6 +46,7 @@ from fsmount.data.store import (
     AccessDenied,
     BucketMissing,
     ListingPage,
+    NoCredentials,
     NotFound,
     ObjectMeta,
     ObjectStore,
@@ -60,6 +61,7 @@ from fsmount.data.uploads import COPY_OBJECT_MAX, MAX_PART_SIZE, MAX_PARTS, MIN_
 
 __all__ = [
     "AHEAD", "ALIGN", "BACKGROUND", "CHUNKS_DIR", "DEMAND", "AccessDenied", "Boto3Store", "BucketMissing",
+    "NoCredentials",
     "CacheDirBusy", "Chunk", "ChunkCache", "ChunkEngine", "ChunkId", "DiskCache", "Fetch", "LatencyHistogram",
     "LevelStack", "ListingPage", "MemoryBudget", "NotFound", "ObjectMeta", "ObjectStore", "ObjectVersion",
     "PreconditionFailed", "ReadTimeout", "SharedTier", "StoreError", "TimedOut", "TransientError", "Unreachable",

@@ -23,9 +23,9 @@ from fsmount.config import StoreConfig
 from fsmount.data.identity import WritableBuffer, new_buffer
 from fsmount.data.presigned import URL_EXPIRES_S, Body, RangeGetter, proxied
 from fsmount.data.store import (
-    AccessDenied,
     BucketMissing,
     ListingPage,
+    NoCredentials,
     NotFound,
     ObjectMeta,
     PreconditionFailed,
@@ -82,7 +82,7 @@ def translate_error(exc: Exception, bucket: str, what: str) -> StoreError:
     if isinstance(exc, StoreError):
         return exc
     if isinstance(exc, bex.NoCredentialsError):
-        return AccessDenied(
+        return NoCredentials(
             "no credentials found: set AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, use --profile (with a profile, "
             "only its own credentials count: botocore does not read the AWS_* keys then), or --no-sign-request for "
             "a public bucket"

@@ -68,6 +68,11 @@ class AccessDenied(StoreError):
     errno = errno.EACCES
 
 
+class NoCredentials(AccessDenied):
+    """botocore found no credentials; the message names a mount's ways to give them (`modelfs cleanup`, which
+    takes no --no-sign-request, says its own)."""
+
+
 class BucketMissing(StoreError):
     errno = errno.ENOENT
 

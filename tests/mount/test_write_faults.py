@@ -12,6 +12,8 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import re
+import shlex
 import signal
 import subprocess
 import sys
@@ -90,12 +92,15 @@ def test_parts_refused_for_good_fail_the_close_and_store_nothing(moto_server: S3
     delete_bucket(moto_server, bucket)
 
 
-def test_origin_down_at_close_is_eio_no_object_and_cleanup_finds_the_parts(
+def test_origin_down_at_close_is_eio_no_object_and_the_advised_cleanup_removes_those_parts_only(
         moto_server: S3Server, proxy: FaultProxy, mountpoint: Path) -> None:
+    """The warning's `modelfs cleanup BUCKET --prefix KEY --older-than 0` found nothing (the prefix became 'KEY/')
+    and named no endpoint: now it names the key and the mount's endpoint, and removes that upload and no other."""
     bucket = new_bucket(moto_server)
+    moto_server.client().create_multipart_upload(Bucket=bucket, Key="a.bin.other")  # another writer's, live
     with mounted_via(proxy, moto_server, bucket, mountpoint, *WRITE_ARGS,
                      allowed=(r"will not be stored", r"could not be aborted", r"cannot reach", r"timed out",
-                              r"aborting the upload")):
+                              r"aborting the upload")) as m:
         f = open(mountpoint / "a.bin", "wb")
         f.write(random_bytes(11 * MiB, 2))  # two parts sent
         f.flush()
@@ -108,13 +113,18 @@ def test_origin_down_at_close_is_eio_no_object_and_cleanup_finds_the_parts(
         assert time.monotonic() - started < 5 + 10 + 5  # --read-timeout, the abort's bound, slack
         proxy.origin_back()
         assert not (mountpoint / "a.bin").exists()
+        advised = re.search(r"could not be aborted .*; `(modelfs cleanup [^`]*)` removes it", m.log())
     assert objects_in(moto_server, bucket) == []
     # The abort could not reach the origin either: the parts wait for `modelfs cleanup`.
-    assert uploads_in(moto_server, bucket) == ["a.bin"]
-    done = cleanup(moto_server, bucket, "--older-than", "0")
+    assert sorted(uploads_in(moto_server, bucket)) == ["a.bin", "a.bin.other"]
+    assert advised, "the warning names no cleanup command"
+    assert advised[1] == f"modelfs cleanup {bucket} --endpoint-url {proxy.endpoint_url} --key a.bin --older-than 0"
+    done = run_modelfs(*shlex.split(advised[1])[1:], env=daemon_env(moto_server))
     assert done.returncode == 0, done.stderr
-    assert "aborted a.bin" in done.stdout
-    assert uploads_in(moto_server, bucket) == []
+    assert "aborted a.bin " in done.stdout and "aborted 1" in done.stdout, done.stdout
+    assert uploads_in(moto_server, bucket) == ["a.bin.other"]
+    done = cleanup(moto_server, bucket, "--older-than", "0")
+    assert "aborted a.bin.other" in done.stdout, done.stdout
     delete_bucket(moto_server, bucket)
 
 

@@ -5,13 +5,24 @@ from __future__ import annotations
 
 import os
 import re
+import shlex
 import subprocess
 import sys
 
 import pytest
 
+from fsmount import cli
 from fsmount.cli import build_config, expand_mount_options, make_parser
-from fsmount.config import ConfigError, GiB, MiB, parse_mode, parse_size, parse_ttl, virtual_style_ignored
+from fsmount.config import (
+    ConfigError,
+    GiB,
+    MiB,
+    StoreConfig,
+    parse_mode,
+    parse_size,
+    parse_ttl,
+    virtual_style_ignored,
+)
 
 
 def test_sizes_and_ttls() -> None:
@@ -504,3 +515,58 @@ def test_stats_and_prefetch_of_a_daemon_of_an_older_version_say_so_instead_of_a_
     assert main(["stats", "/models", "--json"]) == 0 and '"bucket": "models"' in capsys.readouterr().out
     with pytest.raises(WarmError, match="another version of modelfs.*--write-wait 0"):
         pending_writes("/models")
+
+
+def test_the_advised_cleanup_command_names_the_keys_and_the_options_that_reach_the_bucket() -> None:
+    from fsmount.config import cleanup_command
+
+    assert cleanup_command(StoreConfig(bucket="b", prefix="run1"), ["run1/a.bin"]) == \
+        "modelfs cleanup b --key run1/a.bin --older-than 0"  # the mount's prefix is in the key already
+    cfg = StoreConfig(bucket="w", endpoint_url="https://oss-cn-hangzhou.aliyuncs.com", region="cn-hangzhou",
+                      profile="team a", addressing_style="virtual")
+    line = cleanup_command(cfg, ["x y.bin", "$(rm -rf ~)"])
+    assert line == ("modelfs cleanup w --endpoint-url https://oss-cn-hangzhou.aliyuncs.com --region cn-hangzhou "
+                    "--profile 'team a' --addressing-style virtual --key 'x y.bin' --key '$(rm -rf ~)' --older-than 0")
+    # What it says is what the CLI takes.
+    args = make_parser().parse_args(shlex.split(line)[1:])
+    assert (args.bucket, args.key, args.profile, args.older_than) == ("w", ["x y.bin", "$(rm -rf ~)"], "team a", 0)
+
+
+def test_cleanup_of_keys_aborts_exactly_those_and_refuses_a_prefix_beside_them(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    import fsmount.cleanup_command
+    from fsmount.data import PendingUpload
+
+    pending = {"": ["run1/a.bin", "run1/a.bin.2", "run1/b.bin"]}
+    aborted: list[str] = []
+
+    class Uploads:
+        def __init__(self, store: object) -> None:
+            pass
+
+        def pending(self, prefix: str) -> list[PendingUpload]:
+            return [PendingUpload(k, f"id-{k}", None) for k in pending[""] if k.startswith(prefix)]
+
+        def abort(self, key: str, upload_id: str) -> None:
+            aborted.append(key)
+
+    monkeypatch.setattr(fsmount.cleanup_command, "Uploads", Uploads)
+    monkeypatch.setattr(fsmount.cleanup_command, "Boto3Store", lambda cfg, retries: None)
+    assert cli.main(["cleanup", "b", "--key", "run1/a.bin", "--key", "run1/b.bin", "--older-than", "0"]) == 0
+    assert aborted == ["run1/a.bin", "run1/b.bin"], aborted  # not run1/a.bin.2, listed under run1/a.bin
+    assert capsys.readouterr().out.splitlines()[-1] == "2 incomplete uploads older than 0s; aborted 2"
+    assert cli.main(["cleanup", "b", "--key", "run1/a.bin", "--prefix", "run1"]) == 2
+    assert capsys.readouterr().err.strip() == "modelfs: --key names whole keys of the bucket: give it without --prefix"
+
+
+def test_cleanup_without_credentials_says_what_cleanup_takes(monkeypatch: pytest.MonkeyPatch,
+                                                             capsys: pytest.CaptureFixture[str]) -> None:
+    """It advised --no-sign-request, which `modelfs cleanup` does not take (nor could use: an abort is signed)."""
+    for name in [n for n in os.environ if n.startswith("AWS_")]:
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", "/nonexistent")
+    monkeypatch.setenv("AWS_CONFIG_FILE", "/nonexistent")
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    assert cli.main(["cleanup", "b", "--endpoint-url", "http://127.0.0.1:9", "--region", "us-east-1"]) == 1
+    err = capsys.readouterr().err
+    assert "no credentials found" in err and "--no-sign-request" not in err and len(err.splitlines()) == 1, err

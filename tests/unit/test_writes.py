@@ -25,6 +25,7 @@ from fsmount.config import ConfigError, MountConfig, StoreConfig
 from fsmount.data import (
     MAX_PART_SIZE,
     MAX_PARTS,
+    AccessDenied,
     ChunkId,
     MemoryBudget,
     NotFound,
@@ -43,6 +44,7 @@ from tests.unit.fake_store import FakeStore
 
 MiB = 1 << 20
 TiB = 1 << 40
+ORIGIN = StoreConfig(bucket="b")  # what the advised `modelfs cleanup` names
 
 
 def test_part_sizes_grow_so_that_a_tebibyte_fits_in_10000_parts() -> None:
@@ -148,7 +150,8 @@ def make(memory: int = 64 * MiB, part: int = 5 * MiB, timeout: float = 30.0,
     ns = Namespace(store, call, prefix="", ttl=60.0)
     uploads = FakeUploads(store)
     writes = Writes(ns, uploads, MemoryBudget(memory), part_size=part, max_connections=2, timeout=timeout,  # type: ignore[arg-type]
-                    allow_overwrite=flags.get("allow_overwrite", False), allow_delete=flags.get("allow_delete", False))
+                    allow_overwrite=flags.get("allow_overwrite", False), allow_delete=flags.get("allow_delete", False),
+                    origin=ORIGIN)
     return writes, uploads, ns
 
 
@@ -265,6 +268,39 @@ async def test_a_failed_upload_is_eio_at_close_and_aborted(fault: str, allowed_l
             await new.commit()
         assert info.value.errno == errno.EIO
         assert uploads.objects == {} and uploads.aborted == ["x"]
+
+
+async def test_uploads_left_unaborted_are_named_with_the_cleanup_command_of_exactly_their_keys(
+        allowed_logs: list[str], caplog: pytest.LogCaptureFixture) -> None:
+    """The warnings advised `modelfs cleanup BUCKET --prefix KEY` (which finds nothing: the prefix becomes 'KEY/') or,
+    at unmount, a bucket-wide `--older-than 0` (which aborts other mounts' live uploads), and neither named the
+    mount's endpoint: each names exactly its keys now, with the options that reach the bucket."""
+    allowed_logs.extend(["could not be aborted", "will not be stored"])
+    writes, uploads, ns = make()
+    writes._origin = StoreConfig(bucket="b", endpoint_url="http://10.0.0.9:9000", region="eu-west-1",
+                                 profile="ckpt writer")
+
+    class Left:
+        def __init__(self, key: str) -> None:
+            self.upload_key = key
+
+    def refused(key: str, upload_id: str) -> None:
+        raise AccessDenied(f"aborting {key!r}: access denied")
+
+    uploads.abort = refused  # type: ignore[method-assign]
+    options = "--endpoint-url http://10.0.0.9:9000 --region eu-west-1 --profile 'ckpt writer'"
+    async with serving(writes):
+        new = await new_file(writes, ns, b"a b.bin")
+        await new.write(0, bytes(6 * MiB))  # a part sent: a multipart upload
+        await new.abort()
+        # A file whose abort never began when the unmount's time for them ran out.
+        writes._open = {Left("d.bin"), Left("c.bin")}  # type: ignore[arg-type]
+        await writes.abort_all()
+    said = [r.getMessage() for r in caplog.records if "could not be aborted" in r.getMessage()]
+    assert said == [f"the upload of a b.bin could not be aborted (aborting 'a b.bin': access denied); "
+                    f"`modelfs cleanup b {options} --key 'a b.bin' --older-than 0` removes it",
+                    f"2 uploads could not be aborted at unmount; `modelfs cleanup b {options} --key c.bin --key d.bin "
+                    f"--older-than 0` removes them"], said
 
 
 async def test_an_endpoint_that_refuses_connections_for_a_while_costs_a_write_only_time(
@@ -504,7 +540,8 @@ async def test_with_a_local_copy_a_file_extended_first_is_uploaded_once_under_it
         return ChunkId("bucket", version.key, version.etag, chunk, index)
 
     writes = Writes(ns, uploads, MemoryBudget(64 * MiB), part_size=5 * MiB, max_connections=2, timeout=30.0,  # type: ignore[arg-type]
-                    allow_overwrite=False, allow_delete=False, cache=(cache, str(tmp_path), chunk_id, chunk))
+                    allow_overwrite=False, allow_delete=False, origin=ORIGIN,
+                    cache=(cache, str(tmp_path), chunk_id, chunk))
     data = bytes(range(256)) * (13 * MiB // 256)
     tail = 3 * MiB if declared else 0  # declared but never written: zeros (a hole in the local copy)
     async with serving(writes):
@@ -665,7 +702,7 @@ async def test_a_deferred_upload_reads_its_parts_into_recycled_buffers(tmp_path:
     uploads = FakeUploads(store)
     slow_parts(uploads)
     writes = Writes(ns, uploads, MemoryBudget(64 * MiB), part_size=5 * MiB, max_connections=2, timeout=30.0,  # type: ignore[arg-type]
-                    allow_overwrite=False, allow_delete=False,
+                    allow_overwrite=False, allow_delete=False, origin=ORIGIN,
                     cache=(FakeCache(), str(tmp_path), lambda v, i: ChunkId("b", v.key, v.etag, 4 * MiB, i), 4 * MiB))
     data = os.urandom(40 * MiB)
     async with serving(writes):
@@ -763,7 +800,7 @@ async def test_a_pre_sized_file_whose_local_copy_fills_the_disk_gets_enospc(tmp_
     ns = Namespace(store, call, prefix="", ttl=60.0)
     uploads = FakeUploads(store)
     writes = Writes(ns, uploads, MemoryBudget(64 * MiB), part_size=5 * MiB, max_connections=2, timeout=30.0,  # type: ignore[arg-type]
-                    allow_overwrite=False, allow_delete=False,
+                    allow_overwrite=False, allow_delete=False, origin=ORIGIN,
                     cache=(FakeCache(), str(tmp_path), lambda v, i: ChunkId("b", v.key, v.etag, 4 * MiB, i), 4 * MiB))
     real_pwrite = os.pwrite
 
@@ -876,7 +913,7 @@ async def test_two_extending_ftruncates_promise_the_cache_disk_the_larger_size_o
     store = FakeStore()
     ns = Namespace(store, call, prefix="", ttl=60.0)
     writes = Writes(ns, FakeUploads(store), MemoryBudget(64 * MiB), part_size=5 * MiB, max_connections=2,  # type: ignore[arg-type]
-                    timeout=30.0, allow_overwrite=False, allow_delete=False,
+                    timeout=30.0, allow_overwrite=False, allow_delete=False, origin=ORIGIN,
                     cache=(FakeCache(), str(tmp_path), lambda v, i: ChunkId("b", v.key, v.etag, 4 * MiB, i), 4 * MiB))
     async with serving(writes):
         new = await new_file(writes, ns, b"model.safetensors")
@@ -899,7 +936,7 @@ async def test_unlinking_a_file_whose_local_copy_is_stalled_leaves_the_trio_thre
     store = FakeStore()
     ns = Namespace(store, call, prefix="", ttl=60.0)
     writes = Writes(ns, FakeUploads(store), MemoryBudget(64 * MiB), part_size=5 * MiB, max_connections=2,  # type: ignore[arg-type]
-                    timeout=30.0, allow_overwrite=False, allow_delete=False,
+                    timeout=30.0, allow_overwrite=False, allow_delete=False, origin=ORIGIN,
                     cache=(FakeCache(), str(tmp_path), lambda v, i: ChunkId("b", v.key, v.etag, 4 * MiB, i), 4 * MiB))
     stalled = threading.Event()
     real = fsmount.write_staging.pwrite_all

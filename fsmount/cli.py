@@ -459,6 +459,11 @@ def run_foreground(cfg: MountConfig, ready_fd: int | None, use_syslog: bool) -> 
                 pass
 
     try:
+        mount.check_log_file_outside(cfg.log_file, cfg.mountpoint)
+    except mount.MountError as exc:
+        ready(str(exc))
+        return 1
+    try:
         mount.setup_logging(cfg.log_level, cfg.log_file, use_syslog)
     except OSError as exc:
         ready(f"cannot write the log file {cfg.log_file}: {exc.strerror or exc}")

@@ -332,13 +332,26 @@ def check_bucket(cfg: MountConfig) -> None:
                     cfg.store.prefix)
 
 
+def inside_mountpoint(path: str, mountpoint: str) -> bool:
+    """Whether `path` (symlinks resolved) is `mountpoint` (resolved already) or below it."""
+    real = os.path.realpath(path)
+    return real == mountpoint or real.startswith(mountpoint.rstrip("/") + "/")
+
+
+def check_log_file_outside(log_file: str | None, mountpoint: str) -> None:
+    """Before logging is set up. A log file in the mountpoint is created there before the mount (which then finds
+    the mountpoint not empty); with --allow-non-empty the handler stats its path through the mount at each line: a
+    read-only mount's daemon died (EROFS), a --writable one's thread waited on its own mount for good (D state)."""
+    if log_file is not None and inside_mountpoint(log_file, os.path.realpath(mountpoint)):
+        raise MountError(f"--log-file {log_file} is inside the mountpoint {mountpoint}: give a file outside it")
+
+
 def check_cache_dir_outside(cache_dir: str | None, mountpoint: str) -> None:
     """A cache dir in (or at) the mountpoint would be hidden under the mount the moment it mounts: the cache
     could never write a chunk, and what it created there made the next mount find the mountpoint not empty."""
     if cache_dir is None:
         return
-    real = os.path.realpath(cache_dir)
-    if real == mountpoint or real.startswith(mountpoint.rstrip("/") + "/"):
+    if inside_mountpoint(cache_dir, mountpoint):
         raise MountError(f"--cache-dir {cache_dir} is inside the mountpoint {mountpoint}: give a directory "
                          "outside it (on local NVMe)")
 

@@ -501,7 +501,13 @@ def test_mount_refuses_what_would_break_it_and_says_why(moto_server: S3Server, t
                 (("--read-timeout", "1e12"), "--read-timeout must be > 0 and at most", 2),
                 (("--log-file", str(tmp_path / "missing" / "x.log")), "cannot write the log file", 1),
                 (("--log-file", str(tmp_path / "missing" / "x.log"), "--foreground"), "cannot write the log file",
-                 1)):
+                 1),
+                # Created in the mountpoint before the mount; with --allow-non-empty logged through it: a read-only
+                # daemon died at its next line, a --writable one waited on its own mount for good.
+                (("--log-file", str(mp / "modelfs.log")), "is inside the mountpoint", 1),
+                (("--log-file", str(mp / "modelfs.log"), "--allow-non-empty", "--writable"),
+                 "is inside the mountpoint", 1),
+                (("--log-file", str(mp / "modelfs.log"), "--foreground"), "is inside the mountpoint", 1)):
             res = run_modelfs(*base, *extra, env=daemon_env(moto_server))
             assert res.returncode == code and message in res.stderr, (extra, res.returncode, res.stderr)
             assert "Traceback" not in res.stderr, res.stderr

@@ -618,9 +618,11 @@ def cmd_stats(args: argparse.Namespace) -> int:
     from fsmount.stats_table import StatsUnavailable, format_stats, read_stats
 
     try:
-        snapshot = read_stats(args.mountpoint)
+        snapshot = read_stats(args.mountpoint)  # a hung daemon is waited for up to 10 s: Ctrl-C comes then
     except StatsUnavailable as exc:
         return fail(str(exc))
+    except KeyboardInterrupt:
+        return fail("stats interrupted", 130)
     if args.json:
         print(json.dumps(snapshot, indent=2))
         return 0
@@ -724,6 +726,8 @@ def cmd_cache(args: argparse.Namespace) -> int:
             return 1 if bad else 0
     except CacheDirBusy as exc:
         return fail(str(exc))
+    except KeyboardInterrupt:  # verify of a big cache reads every chunk: minutes
+        return fail(f"cache {args.action} interrupted", 130)
     except BrokenPipeError:
         raise  # the reader of the output went away: main() ends quietly
     except OSError as exc:  # a lock or chunks dir that is a symlink, a directory it may not read

@@ -570,3 +570,30 @@ def test_cleanup_without_credentials_says_what_cleanup_takes(monkeypatch: pytest
     assert cli.main(["cleanup", "b", "--endpoint-url", "http://127.0.0.1:9", "--region", "us-east-1"]) == 1
     err = capsys.readouterr().err
     assert "no credentials found" in err and "--no-sign-request" not in err and len(err.splitlines()) == 1, err
+
+
+def test_ctrl_c_in_cache_commands_and_stats_is_one_line_and_exit_130(
+        tmp_path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:  # noqa: ANN001
+    """`modelfs cache verify` of a big cache and `modelfs stats` of a hung daemon (it waits 10 s) ended Ctrl-C with a
+    KeyboardInterrupt traceback; `cleanup`, `prefetch` and `mount` say "interrupted" and exit 130."""
+    import fsmount.data
+    import fsmount.stats_table
+
+    def interrupted(*args: object, **kwargs: object) -> None:
+        raise KeyboardInterrupt
+
+    (tmp_path / "chunks").mkdir()
+    for name in ("cache_verify", "cache_clear", "cache_stats"):
+        monkeypatch.setattr(fsmount.data, name, interrupted)
+    monkeypatch.setattr(fsmount.stats_table, "read_stats", interrupted)
+    for argv, said in ((["cache", "verify", str(tmp_path)], "cache verify interrupted"),
+                       (["cache", "clear", str(tmp_path)], "cache clear interrupted"),
+                       (["cache", "stats", str(tmp_path)], "cache stats interrupted"),
+                       (["stats", str(tmp_path)], "stats interrupted"),
+                       (["stats", "--json", str(tmp_path)], "stats interrupted")):
+        try:
+            code = cli.main(argv)
+        except KeyboardInterrupt:
+            raise AssertionError(f"modelfs {' '.join(argv)}: Ctrl-C ended in a traceback") from None
+        assert code == 130, (argv, code)
+        assert capsys.readouterr().err == f"modelfs: {said}\n", argv

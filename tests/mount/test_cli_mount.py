@@ -477,6 +477,9 @@ def test_sighup_keeps_the_mount_and_a_rotated_log_file_is_reopened(moto_server: 
             time.sleep(0.05)
         assert os.path.ismount(mp) and (mp / "a.bin").read_bytes() == b"a" * 100
         assert "mounted bucket" in (tmp_path / "modelfs.log.1").read_text()
+        # A reload is not a reconfiguration, and says so.
+        assert "the options are not read again (a restart of the mount applies a changed configuration)" in \
+            log.read_text()
     finally:
         unmount(mp)
 

@@ -75,6 +75,7 @@ def test_unit_settings() -> None:
     values = {(section, key): value for section, key, value in entries}
     assert values["Service", "Type"] == "notify"
     assert values["Service", "Restart"] == "on-failure"
+    assert values["Service", "RestartPreventExitStatus"] == "2"  # a config error does not restart forever
     assert values["Service", "EnvironmentFile"] == "/etc/modelfs/%i.conf"
     assert "network-online.target" in values["Unit", "After"]
     assert "network-online.target" in values["Unit", "Wants"]

@@ -20,6 +20,7 @@ import pytest
 import trio
 
 from fsmount import namespace
+from fsmount import writes as writes_module
 from fsmount.cli import build_config, expand_mount_options, make_parser
 from fsmount.config import ConfigError, MountConfig, StoreConfig
 from fsmount.data import (
@@ -1128,3 +1129,31 @@ async def test_an_emptiness_check_keeps_the_changes_a_listing_under_way_still_ne
     assert {e.name for e in await ns.listing(d)} == {b"a", b"x"}
     assert (await ns.lookup(d.ino, b"x")).size == 3
     assert ns._changes == {}  # no listing is under way any more
+
+
+async def test_the_unmount_aborts_the_uploads_of_files_still_open_at_once(monkeypatch: pytest.MonkeyPatch,
+                                                                           allowed_logs: list[str]) -> None:
+    """Each abort waits up to ABORT_TIMEOUT_S for the store, shielded: one after another, N stalled aborts took N
+    times that, and ABORT_ALL_S, meant to bound them all, cut the loop short of the files after the first."""
+    allowed_logs.append("could not be aborted|still being written")
+    monkeypatch.setattr(writes_module, "ABORT_TIMEOUT_S", 0.5)
+    monkeypatch.setattr(writes_module, "ABORT_ALL_S", 1.0)
+    writes, uploads, ns = make()
+    answer = threading.Event()
+
+    def stalled(key: str, upload_id: str) -> None:
+        answer.wait(10)
+
+    uploads.abort = stalled  # type: ignore[method-assign]
+    try:
+        async with serving(writes):
+            for name in (b"a", b"b", b"c", b"d"):
+                new = await new_file(writes, ns, name)
+                await new.write(0, bytes(6 * MiB))  # a part sent: a multipart upload
+            started = trio.current_time()
+            await writes.abort_all()
+            took = trio.current_time() - started
+    finally:
+        answer.set()
+    assert took < 0.9, took
+    assert not writes._open

@@ -1114,7 +1114,7 @@ async def test_an_emptiness_check_keeps_the_changes_a_listing_under_way_still_ne
 
     ns = Namespace(store, ask, prefix="", ttl=60.0)
     writes = Writes(ns, FakeUploads(store), MemoryBudget(64 * MiB), part_size=5 * MiB,  # type: ignore[arg-type]
-                    max_connections=2, timeout=30.0, allow_overwrite=False, allow_delete=True)
+                    max_connections=2, timeout=30.0, allow_overwrite=False, allow_delete=True, origin=ORIGIN)
     async with serving(writes) as nursery:
         d = await ns.lookup(ROOT_INODE, b"d")
         nursery.start_soon(ns.listing, d)  # `ls d`: reads the bucket now (d/a only), lands in 0.6 s

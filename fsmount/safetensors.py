@@ -104,10 +104,17 @@ def _tensor(name: str, entry: object, data_start: int) -> Tensor:
     begin, end = offsets
     if not 0 <= begin <= end:
         raise SafetensorsError(f"tensor {name!r}: data_offsets out of order")
-    elements = 1
-    for d in shape:
-        elements *= d
+    size = end - begin
+    # Multiplied only while the product is within the tensor's bytes: a hostile shape of 100,000 dimensions of
+    # 2**62 (a 2 MB header) grew one bigint by 62 bits per dimension, quadratic, ~20 s of CPU to reject (10 MB:
+    # ~8 min). A zero dimension makes any product 0, so it is looked for first.
+    elements = 0 if 0 in shape else 1
+    if elements:
+        for d in shape:
+            elements *= d
+            if elements > size:
+                break  # more elements than bytes already: the check below fails, as with the whole product
     # Sub-byte dtypes pack elements in ways that vary by version; only byte dtypes are size-checked.
-    if dtype not in SUB_BYTE_DTYPES and end - begin != elements * DTYPE_SIZES[dtype]:
-        raise SafetensorsError(f"tensor {name!r}: {end - begin} bytes for shape {shape} of {dtype}")
+    if dtype not in SUB_BYTE_DTYPES and size != elements * DTYPE_SIZES[dtype]:
+        raise SafetensorsError(f"tensor {name!r}: {size} bytes for shape {shape} of {dtype}")
     return Tensor(name, data_start + begin, data_start + end)

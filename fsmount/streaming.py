@@ -32,6 +32,7 @@ import json
 import logging
 import re
 from collections.abc import Awaitable, Callable
+from typing import TypeVar
 
 import cachetools
 import trio
@@ -124,6 +125,7 @@ LookUp = Callable[[ObjectVersion], Awaitable[int | None]]
 # Of byte ranges of an open file (its version, its inode), which the page cache holds whole; None: not known.
 Resident = Callable[[ObjectVersion, int, list[tuple[int, int]]], Awaitable[list[bool] | None]]
 Readers = Callable[[], int]
+_Parsed = TypeVar("_Parsed")
 
 
 class ModelStreamer:
@@ -339,12 +341,31 @@ class ModelStreamer:
             await self.engine.memory.reserve(cost)
             try:
                 header = bytes(await self.engine.peek(obj, 0, LENGTH_PREFIX + n))
-                layout = await trio.to_thread.run_sync(parse_header, header, obj.size)
-            finally:
+            except BaseException:
                 self.engine.memory.release(cost)
+                raise
+            layout = await self._parse_in_thread(cost, parse_header, header, obj.size)
         log.debug("streaming %r: %d tensors", obj.key, len(layout.tensors))
         self._data_ends[key] = layout.data_end
         return layout.data_end
+
+    async def _parse_in_thread(self, cost: int, parse: Callable[..., _Parsed], *args: object) -> _Parsed:
+        """`parse(*args)` in a worker thread, whose `cost` bytes the caller reserved from the chunk budget: given
+        back when the thread ends. A cancel (the file closed, the unmount) does not wait for the thread, which
+        nothing can interrupt: the daemon's exit waited for it (a header of 100,000 tensors parses for a second,
+        84 MB for 7 s). Its memory stays counted meanwhile, as the thread holds it until it returns."""
+        token, memory = trio.lowlevel.current_trio_token(), self.engine.memory
+
+        def run() -> _Parsed:
+            try:
+                return parse(*args)
+            finally:
+                try:
+                    token.run_sync_soon(memory.release, cost)
+                except trio.RunFinishedError:
+                    pass  # the mount stopped: there is no budget left to give it back to
+
+        return await trio.to_thread.run_sync(run, abandon_on_cancel=True)
 
     async def _stream(self, job: _FileStream) -> None:
         obj, engine = job.version, self.engine

@@ -101,6 +101,41 @@ async def test_the_header_is_parsed_off_the_trio_thread(tmp_path, monkeypatch) -
     assert len(threads) == 1 and threads[0] is not threading.current_thread()
 
 
+async def test_a_stop_does_not_wait_for_a_parse_and_its_memory_stays_counted_until_it_ends(tmp_path,  # noqa: ANN001
+                                                                                             monkeypatch) -> None:  # noqa: ANN001
+    """A parse in its thread cannot be interrupted: the unmount waited for it (a hostile header's, for minutes).
+    The stop leaves it behind, and the memory it reserved is counted until the thread returns."""
+    import time
+
+    import fsmount.streaming
+
+    started, go_on = threading.Event(), threading.Event()
+
+    def slow_parse(data: bytes, size: int) -> object:
+        started.set()
+        go_on.wait(10)  # without the fix, the stop waits this long
+        return parse_header(data, size)
+
+    monkeypatch.setattr(fsmount.streaming, "parse_header", slow_parse)
+    store, engine, streamer = prefetch_rig("m.safetensors", model_bytes(tmp_path, 4 * MiB), memory=64 * MiB)
+    stopped: list[float] = []
+
+    async def body() -> None:
+        streamer.opened(2, version(store, "m.safetensors"))
+        while not started.is_set():
+            await trio.sleep(0.01)
+        stopped.append(time.monotonic())
+        streamer.stop()
+
+    await run_prefetcher(engine, streamer, body)
+    assert time.monotonic() - stopped[0] < 2
+    assert engine.memory.reserved > 0  # the parse's, still running
+    go_on.set()
+    with trio.fail_after(5):
+        while engine.memory.reserved:
+            await trio.sleep(0.01)
+
+
 async def test_a_file_opened_and_not_read_is_pushed_whole_and_nothing_counts_as_served(
         autojump_clock, tmp_path, monkeypatch) -> None:  # noqa: ANN001
     """The stream's own reads of the header are not READs: the header's chunk is pushed like every other (it

@@ -402,3 +402,34 @@ def test_null_metadata_is_no_metadata_as_the_library_reads_it() -> None:
     header = json.dumps({"a": entry("U8", [2], [0, 2]), "__metadata__": None}).encode()
     blob = struct.pack("<Q", len(header)) + header + b"\0\0"
     assert [t.name for t in parse_header(blob, len(blob)).tensors] == ["a"]
+
+
+# -- hostile headers ---------------------------------------------------------------------------------
+
+
+def test_a_shape_of_many_huge_dimensions_is_rejected_in_linear_time() -> None:
+    """A 2 MB header of one shape of 100,000 dimensions of 2**62: its whole product took ~20 s to build (quadratic
+    in the header); multiplied only until it exceeds the tensor's bytes, it is rejected in milliseconds."""
+    import time
+
+    blob = make({"t": {"dtype": "U8", "shape": [2**62] * 100_000, "data_offsets": [0, 1]}}, 1)
+    started = time.perf_counter()
+    with pytest.raises(SafetensorsError, match="bytes for shape"):
+        parse_header(blob, len(blob))
+    assert time.perf_counter() - started < 2
+
+
+@pytest.mark.parametrize("shape,size,accepted", [
+    ([2**62, 2**62, 0], 0, True),  # a zero dimension after huge ones: 0 elements
+    ([0, 2**62], 0, True),
+    ([3, 5, 7], 105, True),
+    ([3, 5, 7], 104, False),
+    ([2**62, 2**62, 0], 1, False),
+])
+def test_the_size_check_agrees_with_the_whole_product(shape: list[int], size: int, accepted: bool) -> None:
+    blob = make({"t": {"dtype": "U8", "shape": shape, "data_offsets": [0, size]}}, size)
+    if accepted:
+        assert parse_header(blob, len(blob)).data_end == len(blob)
+    else:
+        with pytest.raises(SafetensorsError, match="bytes for shape"):
+            parse_header(blob, len(blob))

@@ -60,8 +60,19 @@ REWRITTEN_KEPT = 1024
 # first evicted). Each open fetched that chunk again: 50 processes opening shards in a loop had the origin
 # send 16 GiB for 2 GiB of models, with the page cache holding them all.
 DATA_ENDS_KEPT = 4096
-# Memory a header's parse takes, per byte of header (json objects, a Tensor each, the sorted tuple; measured ~15).
-HEADER_PARSE_FACTOR = 16
+# Memory a header's parse takes at most (`parse_cost`: json.loads' objects, the str it decodes, a Tensor each),
+# from tracemalloc's peaks. Per byte of header: real headers take 8-12x; the densest JSON without containers
+# 21x (one-character strings of U+0100-U+07FF, beside one character that makes the decoded str 4 bytes a
+# character), ints and floats 14x. Each `[` or `{` takes up to ~90 bytes more, which a flat factor cannot
+# cover: lists nested in lists take 49x their size, dicts nested in dicts 42x, a list of `{}` 29x. The two
+# numbers below cover every one of those by 14% or more; a real header is reserved ~27x.
+PARSE_BYTES_PER_BYTE = 24
+PARSE_BYTES_PER_CONTAINER = 120
+
+
+def parse_cost(data: bytes) -> int:
+    """Memory that parsing `data` (JSON) takes, at most: see PARSE_BYTES_PER_BYTE."""
+    return len(data) * PARSE_BYTES_PER_BYTE + (data.count(b"[") + data.count(b"{")) * PARSE_BYTES_PER_CONTAINER
 
 
 def index_shards(data: bytes) -> set[str] | None:
@@ -327,27 +338,36 @@ class ModelStreamer:
             return end
         # Copied out at once: a view would pin chunk 0's buffer (no reuse) for as long as the stream runs.
         n = header_length(bytes(await self.engine.peek(obj, 0, min(obj.size, LENGTH_PREFIX))), obj.size)
-        # Parsing takes ~15x the header in memory (a 97 MB header of 1.4 million tensors: 1.5 GB; three at once at
-        # --memory-limit 256M: 4.3 GB over it). It is reserved from the chunk budget for the parse, one at a
-        # time, and a header whose parse would take more than half the budget is not streamed. Real models'
-        # headers are a few MB (100,000 tensors: ~12 MB).
-        cost = n * HEADER_PARSE_FACTOR
-        if cost > self.engine.memory.limit // 2:
-            raise SafetensorsError(f"header of {n} bytes would take ~{cost >> 20} MiB to parse, more than half of "
-                                   "this mount's chunk memory: not streamed, read as any file")
+        # Parsing takes 8-12x a real header in memory, and up to ~50x a hostile one (PARSE_BYTES_PER_BYTE); a 97 MB
+        # header of 1.4 million tensors took 1.5 GB, three at once at --memory-limit 256M 4.3 GB over it. It is
+        # reserved from the chunk budget for the parse, one at a time, and a header whose parse would take more
+        # than half the budget is not streamed: refused before it is fetched by its size alone, then by its
+        # containers. Real models' headers are a few MB (100,000 tensors: ~12 MB).
+        memory = self.engine.memory
+        cost = self._parse_fits(f"header of {n} bytes", n * PARSE_BYTES_PER_BYTE)
         # In a worker thread: a header of 100,000 tensors (12 MB) takes a second to parse, and on the trio
         # thread every READ and lookup of the mount waited for it (84 MB: 7 s).
         async with self._parsing:
-            await self.engine.memory.reserve(cost)
+            await memory.reserve(cost)
             try:
                 header = bytes(await self.engine.peek(obj, 0, LENGTH_PREFIX + n))
+                more = self._parse_fits(f"header of {n} bytes", parse_cost(header)) - cost
+                await memory.reserve(more)
+                cost += more
             except BaseException:
-                self.engine.memory.release(cost)
+                memory.release(cost)
                 raise
             layout = await self._parse_in_thread(cost, parse_header, header, obj.size)
         log.debug("streaming %r: %d tensors", obj.key, len(layout.tensors))
         self._data_ends[key] = layout.data_end
         return layout.data_end
+
+    def _parse_fits(self, what: str, cost: int) -> int:
+        """`cost` (of a parse), unless it would take more than half of the chunk memory: SafetensorsError then."""
+        if cost > self.engine.memory.limit // 2:
+            raise SafetensorsError(f"{what} would take ~{cost >> 20} MiB to parse, more than half of this mount's "
+                                   "chunk memory: not streamed, read as any file")
+        return cost
 
     async def _parse_in_thread(self, cost: int, parse: Callable[..., _Parsed], *args: object) -> _Parsed:
         """`parse(*args)` in a worker thread, whose `cost` bytes the caller reserved from the chunk budget: given

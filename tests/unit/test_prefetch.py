@@ -309,6 +309,41 @@ async def test_a_header_whose_parse_would_take_half_the_chunk_memory_is_not_stre
     assert len(said) == 1 and "more than half of this mount's chunk memory" in said[0], said
 
 
+NESTED_LISTS = b"[" * 100 + b"]" * 100
+NESTED_DICTS = b'{"":' * 100 + b"0" + b"}" * 100
+
+
+@pytest.mark.parametrize("items", [
+    b"{}," * 1_000_000,  # a list of empty dicts: 26x its size
+    b"[]," * 1_000_000,
+    b",".join([NESTED_LISTS] * 8000),  # 49x
+    b",".join([NESTED_DICTS] * 8000),  # 42x
+    '"\u0100",'.encode() * 1_000_000,  # short strings, no containers: 21x
+    b"1e1," * 1_000_000,
+], ids=["empty dicts", "empty lists", "nested lists", "nested dicts", "short strings", "floats"])
+def test_the_memory_reserved_for_a_parse_covers_a_hostile_header(items: bytes) -> None:
+    """json.loads builds up to ~90 bytes per `[` or `{`: a flat 16x the header left a header of `{}`s (26x)
+    or nested lists (49x) to take memory beyond --memory-limit. A character that makes the decoded str 4 bytes
+    a character is in each (the name 😀), as it raises the peak by ~3x the header."""
+    import struct
+    import tracemalloc
+
+    from fsmount.safetensors import SafetensorsError
+    from fsmount.streaming import parse_cost
+
+    header = '{"😀":['.encode() + items + b"0]}"
+    blob = struct.pack("<Q", len(header)) + header + b"\0"
+    tracemalloc.start()
+    try:
+        parse_header(blob, len(blob))
+    except SafetensorsError:
+        pass
+    _, peak = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    reserved = parse_cost(blob)
+    assert peak <= reserved, f"peak {peak / len(header):.1f}x the header, {reserved / len(header):.1f}x reserved"
+
+
 class IndexedLevel:
     """A local cache level in a dict with an index in memory (`contains`, as DiskCache has)."""
 

@@ -47,8 +47,11 @@ SAFETENSORS_SUFFIX = ".safetensors"
 INDEX_SUFFIX = ".safetensors.index.json"
 # A shard of a sharded model, as Hugging Face (transformers, diffusers) names them.
 SHARD_NAME = re.compile(r"(?P<stem>.+)-\d+-of-(?P<count>\d+)\.safetensors")
-# An index larger than this is not read for its shard names (then every shard of the stem is warmed).
-MAX_INDEX_BYTES = 32 * 1024 * 1024
+# An index larger than this is not read for its shard names (then every shard of the stem is warmed). A dense
+# model's index is small (405B, 1,134 tensors: ~90 KB); a large MoE's lists every expert's weights (671B with 256
+# experts a layer and FP8 scales, ~90,000 tensors: ~8.4 MiB, by building its names). Twice that bounds what one
+# open fetches for it; its parse is reserved from the chunk budget as a header's is (`_parse_json`).
+MAX_INDEX_BYTES = 16 * 1024 * 1024
 # Versions whose header was found malformed, remembered (the newest this many) so that each is logged at
 # INFO once, not at every open (a loop opening a 0-byte `.safetensors` logged ~200 lines a second), and its
 # header is not fetched again.
@@ -308,8 +311,11 @@ class ModelStreamer:
         shard sets of the same stem (an older sharding left beside it) are not the model."""
         if index.size > MAX_INDEX_BYTES:
             return None
-        data = bytes(await self.engine.peek(index, 0, index.size))
-        return await trio.to_thread.run_sync(index_shards, data)
+        try:
+            return await self._parse_json(f"index of {index.size} bytes", index, index.size, index_shards)
+        except SafetensorsError as exc:
+            log.info("warming every shard of %r's stem: %s", index.key, exc)
+            return None
 
     async def _run_job(self, job: _FileStream) -> None:
         with job.scope:
@@ -338,29 +344,35 @@ class ModelStreamer:
             return end
         # Copied out at once: a view would pin chunk 0's buffer (no reuse) for as long as the stream runs.
         n = header_length(bytes(await self.engine.peek(obj, 0, min(obj.size, LENGTH_PREFIX))), obj.size)
-        # Parsing takes 8-12x a real header in memory, and up to ~50x a hostile one (PARSE_BYTES_PER_BYTE); a 97 MB
-        # header of 1.4 million tensors took 1.5 GB, three at once at --memory-limit 256M 4.3 GB over it. It is
-        # reserved from the chunk budget for the parse, one at a time, and a header whose parse would take more
-        # than half the budget is not streamed: refused before it is fetched by its size alone, then by its
-        # containers. Real models' headers are a few MB (100,000 tensors: ~12 MB).
+        # Parsing takes 8-12x a real header in memory and up to ~50x a hostile one (PARSE_BYTES_PER_BYTE): a 97 MB
+        # header of 1.4 million tensors took 1.5 GB, three at once at --memory-limit 256M 4.3 GB over it. So it is
+        # reserved from the chunk budget, and a header that would take more than half of it is not streamed. Real
+        # models' headers are a few MB (100,000 tensors: ~12 MB).
+        layout = await self._parse_json(f"header of {n} bytes", obj, LENGTH_PREFIX + n, parse_header, obj.size)
+        log.debug("streaming %r: %d tensors", obj.key, len(layout.tensors))
+        self._data_ends[key] = layout.data_end
+        return layout.data_end
+
+    async def _parse_json(self, what: str, obj: ObjectVersion, length: int, parse: Callable[..., _Parsed],
+                          *args: object) -> _Parsed:
+        """`parse(data, *args)` of the first `length` bytes of `obj` (a header, an index), in a worker thread, one
+        parse at a time, with the memory it takes (`parse_cost`) reserved from the chunk budget. SafetensorsError
+        where that would be more than half of it: refused before the fetch by its size alone, then by its
+        containers. On the trio thread, a header of 100,000 tensors (12 MB, a second to parse) held every READ
+        and lookup of the mount (84 MB: 7 s)."""
         memory = self.engine.memory
-        cost = self._parse_fits(f"header of {n} bytes", n * PARSE_BYTES_PER_BYTE)
-        # In a worker thread: a header of 100,000 tensors (12 MB) takes a second to parse, and on the trio
-        # thread every READ and lookup of the mount waited for it (84 MB: 7 s).
+        cost = self._parse_fits(what, length * PARSE_BYTES_PER_BYTE)
         async with self._parsing:
             await memory.reserve(cost)
             try:
-                header = bytes(await self.engine.peek(obj, 0, LENGTH_PREFIX + n))
-                more = self._parse_fits(f"header of {n} bytes", parse_cost(header)) - cost
+                data = bytes(await self.engine.peek(obj, 0, length))
+                more = self._parse_fits(what, parse_cost(data)) - cost
                 await memory.reserve(more)
                 cost += more
             except BaseException:
                 memory.release(cost)
                 raise
-            layout = await self._parse_in_thread(cost, parse_header, header, obj.size)
-        log.debug("streaming %r: %d tensors", obj.key, len(layout.tensors))
-        self._data_ends[key] = layout.data_end
-        return layout.data_end
+            return await self._parse_in_thread(cost, parse, data, *args)
 
     def _parse_fits(self, what: str, cost: int) -> int:
         """`cost` (of a parse), unless it would take more than half of the chunk memory: SafetensorsError then."""

@@ -755,6 +755,17 @@ async def test_an_index_warms_the_shards_it_names_not_an_older_sharding_beside_t
         return [(None, version(store, key)) for key in names]
 
     streamer.siblings = siblings
+    # Parsed as a header is: one at a time, its memory reserved from the chunk budget.
+    import fsmount.streaming
+
+    parses: list[tuple[bool, int, int]] = []
+    real_index_shards = fsmount.streaming.index_shards
+
+    def index_shards(data: bytes) -> set[str] | None:
+        parses.append((streamer._parsing.locked(), engine.memory.reserved, fsmount.streaming.parse_cost(data)))
+        return real_index_shards(data)
+
+    monkeypatch.setattr(fsmount.streaming, "index_shards", index_shards)
 
     async def body() -> None:
         streamer.opened(5, version(store, index))
@@ -765,6 +776,37 @@ async def test_an_index_warms_the_shards_it_names_not_an_older_sharding_beside_t
         assert stale not in {key for key, _, _ in store.gets}
 
     await run_prefetcher(engine, streamer, body)
+    assert len(parses) == 1 and parses[0][0] and parses[0][1] >= parses[0][2], parses
+
+
+async def test_an_index_whose_parse_would_take_half_the_chunk_memory_is_not_read(  # noqa: ANN001
+        autojump_clock, tmp_path, monkeypatch, caplog) -> None:
+    """json.loads of an index of `{}`s takes ~26x its size: a 12 MB one peaked at 300 MiB beside 64 MiB of chunk
+    memory. One that would take more than half of it is not fetched: every shard of its stem is warmed."""
+    import fsmount.streaming
+
+    store, engine, streamer, _ = shards_rig(tmp_path, monkeypatch, sibling_ino=3)
+    index = "llm/model.safetensors.index.json"
+    store.put(index, b'{"weight_map": {"a": "%s"}, "x": [' % SHARD_1.rpartition("/")[2].encode()
+              + b"{}," * 2_000_000 + b"{}]}")  # 6 MB: ~150 MiB to parse, above half of 256 MiB
+    monkeypatch.setattr(fsmount.streaming, "index_shards", lambda data: pytest.fail("the index was parsed"))
+    caplog.set_level(logging.INFO, logger="fsmount.streaming")
+
+    async def siblings(ino: int) -> list:  # noqa: ARG001
+        return [(None, version(store, key)) for key in (index, SHARD_1, SHARD_2)]
+
+    streamer.siblings = siblings
+
+    async def body() -> None:
+        streamer.opened(5, version(store, index))
+        while {SHARD_1, SHARD_2} - {key for key, _, _ in store.gets}:  # not named by the index: warmed all the same
+            await trio.sleep(0.01)
+        while streamer._active:
+            await trio.sleep(0.01)
+        assert index not in {key for key, _, _ in store.gets}
+
+    await run_prefetcher(engine, streamer, body)
+    assert any("more than half of this mount's chunk memory" in r.getMessage() for r in caplog.records)
 
 
 async def test_a_model_replaced_in_the_bucket_is_warmed_again(autojump_clock, tmp_path, monkeypatch) -> None:  # noqa: ANN001

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import reprlib
 
 # The format's own limit (safetensors rejects headers of 100 MB or more).
 MAX_HEADER_LEN = 100_000_000
@@ -18,6 +19,13 @@ DTYPE_SIZES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E5M2": 1, "F8_E4M3": 1, "F8_E8M0
                "F8_E5M2FNUZ": 1, "I16": 2, "U16": 2, "F16": 2, "BF16": 2, "I32": 4, "U32": 4, "F32": 4,
                "I64": 8, "U64": 8, "F64": 8, "C64": 8, "F4": 1, "F6_E2M3": 1, "F6_E3M2": 1}
 SUB_BYTE_DTYPES = {"F4", "F6_E2M3", "F6_E3M2"}
+# How much of a tensor's name, dtype or shape a rejection quotes. Quoted whole, the shape of a 6 MB header (3
+# million dimensions) made a 9 MB log line, and the daemon keeps each reason (streaming.NOT_STREAMED_KEPT of them).
+QUOTED_CHARS = 100
+_QUOTE = reprlib.Repr()
+_QUOTE.maxstring = _QUOTE.maxother = _QUOTE.maxlong = QUOTED_CHARS
+_QUOTE.maxlist = _QUOTE.maxdict = 8
+_QUOTE.maxlevel = 2
 
 
 class SafetensorsError(ValueError):
@@ -82,28 +90,35 @@ def parse_header(data: bytes, file_size: int) -> Layout:
     position = data_start
     for t in tensors:
         if t.start != position:
-            raise SafetensorsError(f"tensor {t.name!r} leaves a hole or overlaps at offset {t.start}")
+            raise SafetensorsError(f"tensor {_quoted(t.name)} leaves a hole or overlaps at offset {t.start}")
         position = t.end
     if position != file_size:
         raise SafetensorsError(f"data ends at {position}, file size is {file_size}")
     return Layout(n, data_start, tuple(tensors))
 
 
+def _quoted(value: object) -> str:
+    """repr(value), cut to QUOTED_CHARS, without building the whole repr (reprlib: a list's first elements, a
+    string's ends)."""
+    text = _QUOTE.repr(value)
+    return text if len(text) <= QUOTED_CHARS else text[:QUOTED_CHARS - 3] + "..."
+
+
 def _tensor(name: str, entry: object, data_start: int) -> Tensor:
     if not isinstance(entry, dict):
-        raise SafetensorsError(f"tensor {name!r}: entry is not an object")
+        raise SafetensorsError(f"tensor {_quoted(name)}: entry is not an object")
     dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
     if not isinstance(dtype, str) or dtype not in DTYPE_SIZES:
-        raise SafetensorsError(f"tensor {name!r}: unknown dtype {dtype!r}")
+        raise SafetensorsError(f"tensor {_quoted(name)}: unknown dtype {_quoted(dtype)}")
     if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0
                                               for d in shape):
-        raise SafetensorsError(f"tensor {name!r}: bad shape")
+        raise SafetensorsError(f"tensor {_quoted(name)}: bad shape")
     if (not isinstance(offsets, list) or len(offsets) != 2
             or not all(isinstance(o, int) and not isinstance(o, bool) for o in offsets)):
-        raise SafetensorsError(f"tensor {name!r}: bad data_offsets")
+        raise SafetensorsError(f"tensor {_quoted(name)}: bad data_offsets")
     begin, end = offsets
     if not 0 <= begin <= end:
-        raise SafetensorsError(f"tensor {name!r}: data_offsets out of order")
+        raise SafetensorsError(f"tensor {_quoted(name)}: data_offsets out of order")
     size = end - begin
     # Multiplied only while the product is within the tensor's bytes: a hostile shape of 100,000 dimensions of
     # 2**62 (a 2 MB header) grew one bigint by 62 bits per dimension, quadratic, ~20 s of CPU to reject (10 MB:
@@ -116,5 +131,5 @@ def _tensor(name: str, entry: object, data_start: int) -> Tensor:
                 break  # more elements than bytes already: the check below fails, as with the whole product
     # Sub-byte dtypes pack elements in ways that vary by version; only byte dtypes are size-checked.
     if dtype not in SUB_BYTE_DTYPES and size != elements * DTYPE_SIZES[dtype]:
-        raise SafetensorsError(f"tensor {name!r}: {size} bytes for shape {shape} of {dtype}")
+        raise SafetensorsError(f"tensor {_quoted(name)}: {size} bytes for shape {_quoted(shape)} of {dtype}")
     return Tensor(name, data_start + begin, data_start + end)

@@ -522,6 +522,26 @@ async def test_malformed_header_only_disables_prefetch(autojump_clock, caplog) -
     assert [r.levelname for r in said if r.levelno >= logging.INFO] == ["INFO"], said
 
 
+async def test_a_rejected_header_is_logged_and_kept_in_one_short_line(autojump_clock, caplog) -> None:  # noqa: ANN001
+    """The reason quoted a hostile header's whole shape: 1 MB of it logged, and kept for as long as the version is
+    remembered as not streamed."""
+    import struct
+
+    header = b'{"t":{"dtype":"U8","shape":[' + b"0," * 500_000 + b'0],"data_offsets":[0,1]}}'
+    store, engine, streamer = prefetch_rig("m.safetensors", struct.pack("<Q", len(header)) + header + b"\0",
+                                           memory=256 * MiB)
+    caplog.set_level(logging.INFO, logger="fsmount.streaming")
+
+    async def body() -> None:
+        v = version(store, "m.safetensors")
+        await stream_once(streamer, v)
+        assert len(streamer._not_streamed[(v.key, v.etag)]) < 300
+
+    await run_prefetcher(engine, streamer, body)
+    said = [r.getMessage() for r in caplog.records if "not streaming" in r.getMessage()]
+    assert len(said) == 1 and len(said[0]) < 400 and "bytes for shape [0, 0," in said[0], said[0][:400]
+
+
 async def test_chunks_readers_already_read_are_not_pushed_again(autojump_clock, tmp_path, monkeypatch) -> None:  # noqa: ANN001
     """READs put their bytes in the page cache; pushing the same chunk would copy it there twice."""
     stored = recorded_stores(monkeypatch)

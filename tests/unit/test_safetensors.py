@@ -433,3 +433,18 @@ def test_the_size_check_agrees_with_the_whole_product(shape: list[int], size: in
     else:
         with pytest.raises(SafetensorsError, match="bytes for shape"):
             parse_header(blob, len(blob))
+
+
+@pytest.mark.parametrize("header", [
+    {"t": {"dtype": "U8", "shape": [0] * 500_000, "data_offsets": [0, 1]}},  # its shape quoted
+    {"t" * 500_000: {"dtype": "U8", "shape": [2], "data_offsets": [0, 1]}},  # its name
+    {"t" * 500_000: []},
+    {"t": {"dtype": [["x" * 1000] * 30] * 30, "shape": [1], "data_offsets": [0, 1]}},  # its dtype
+], ids=["shape", "name", "entry", "dtype"])
+def test_a_rejection_quotes_a_hostile_name_dtype_or_shape_cut_short(header: dict) -> None:
+    """The daemon logs the reason and keeps it (streaming.NOT_STREAMED_KEPT of them): quoted whole, a shape of 3
+    million dimensions made a 9 MB log line."""
+    blob = make(header, 1)
+    with pytest.raises(SafetensorsError) as rejected:
+        parse_header(blob, len(blob))
+    assert len(str(rejected.value)) < 300, str(rejected.value)[:300]

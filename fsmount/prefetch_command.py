@@ -143,11 +143,22 @@ def warm(paths: list[str], *, keep_pagecache: bool = True, threads: int = THREAD
         finally:
             os.close(fd)
 
+    def open_waiting(path: str) -> int:
+        # Descriptors can run out before `threads` files are open (--threads 256 at `ulimit -n` 128 failed every
+        # file past the limit with EMFILE): the oldest file open is finished, and its descriptor taken.
+        while True:
+            try:
+                return os.open(path, os.O_RDONLY)
+            except OSError as exc:
+                if exc.errno not in (errno.EMFILE, errno.ENFILE) or not open_files:
+                    raise
+                finish()
+
     try:
         with ThreadPoolExecutor(threads) as pool:
             for path, size in files:
                 try:
-                    fd = os.open(path, os.O_RDONLY)
+                    fd = open_waiting(path)
                 except OSError as exc:
                     failures.append(f"{path}: {_reason(exc)}")
                     continue

@@ -296,6 +296,24 @@ def test_prefetch_reads_small_files_side_by_side(monkeypatch: pytest.MonkeyPatch
     assert partly.value.done == 15 * 4096
 
 
+def test_prefetch_with_more_threads_than_descriptors_waits_for_one(tmp_path) -> None:  # noqa: ANN001
+    """--threads keeps that many files open: above `ulimit -n`, every file past the limit failed with EMFILE
+    instead of waiting for a file before it to finish. (A child process: the limit is the process's.)"""
+    import textwrap
+
+    for i in range(300):
+        (tmp_path / f"f{i:04d}").write_bytes(b"x" * 100)
+    script = textwrap.dedent(f"""
+        import resource
+        import fsmount.prefetch_command as pc
+        resource.setrlimit(resource.RLIMIT_NOFILE, (128, 128))
+        pc.mount_fstype = lambda path: pc.MODELFS_FSTYPE
+        print(pc.warm([{str(tmp_path)!r}], threads=256, progress=False))
+    """)
+    res = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0 and res.stdout.split() == [str(300 * 100)], res.stdout + res.stderr[-2000:]
+
+
 def test_a_user_without_dev_fuse_or_user_allow_other_is_told_which(monkeypatch: pytest.MonkeyPatch,
                                                                      tmp_path) -> None:  # noqa: ANN001
     """As a user other than root, libfuse fails with "fuse_session_mount failed" alone (and a background mount

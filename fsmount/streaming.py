@@ -39,7 +39,7 @@ import trio
 
 from fsmount.data import AHEAD, BACKGROUND, Chunk, ChunkEngine, Fetch, ObjectVersion, StoreError
 from fsmount.pagecache import PageCachePusher
-from fsmount.safetensors import LENGTH_PREFIX, SafetensorsError, header_length, parse_header
+from fsmount.safetensors import LENGTH_PREFIX, Layout, SafetensorsError, header_length, parse_header
 
 log = logging.getLogger(__name__)
 
@@ -348,18 +348,22 @@ class ModelStreamer:
         # header of 1.4 million tensors took 1.5 GB, three at once at --memory-limit 256M 4.3 GB over it. So it is
         # reserved from the chunk budget, and a header that would take more than half of it is not streamed. Real
         # models' headers are a few MB (100,000 tensors: ~12 MB).
-        layout = await self._parse_json(f"header of {n} bytes", obj, LENGTH_PREFIX + n, parse_header, obj.size)
-        log.debug("streaming %r: %d tensors", obj.key, len(layout.tensors))
-        self._data_ends[key] = layout.data_end
+        def keep(layout: Layout) -> None:
+            log.debug("streaming %r: %d tensors", obj.key, len(layout.tensors))
+            self._data_ends[key] = layout.data_end
+
+        layout = await self._parse_json(f"header of {n} bytes", obj, LENGTH_PREFIX + n, parse_header, obj.size,
+                                        keep=keep)
         return layout.data_end
 
     async def _parse_json(self, what: str, obj: ObjectVersion, length: int, parse: Callable[..., _Parsed],
-                          *args: object) -> _Parsed:
+                          *args: object, keep: Callable[[_Parsed], None] = lambda parsed: None) -> _Parsed:
         """`parse(data, *args)` of the first `length` bytes of `obj` (a header, an index), in a worker thread, one
         parse at a time, with the memory it takes (`parse_cost`) reserved from the chunk budget. SafetensorsError
         where that would be more than half of it: refused before the fetch by its size alone, then by its
         containers. On the trio thread, a header of 100,000 tensors (12 MB, a second to parse) held every READ
-        and lookup of the mount (84 MB: 7 s)."""
+        and lookup of the mount (84 MB: 7 s). `keep` takes what the parse returned, in the trio thread, even if the
+        caller was cancelled meanwhile (`_parse_in_thread`)."""
         memory = self.engine.memory
         cost = self._parse_fits(what, length * PARSE_BYTES_PER_BYTE)
         async with self._parsing:
@@ -372,28 +376,38 @@ class ModelStreamer:
             except BaseException:
                 memory.release(cost)
                 raise
-            return await self._parse_in_thread(cost, parse, data, *args)
+            return await self._parse_in_thread(cost, keep, parse, data, *args)
 
     def _parse_fits(self, what: str, cost: int) -> int:
         """`cost` (of a parse), unless it would take more than half of the chunk memory: SafetensorsError then."""
         if cost > self.engine.memory.limit // 2:
             raise SafetensorsError(f"{what} would take ~{cost >> 20} MiB to parse, more than half of this mount's "
-                                   "chunk memory: not streamed, read as any file")
+                                   "chunk memory")
         return cost
 
-    async def _parse_in_thread(self, cost: int, parse: Callable[..., _Parsed], *args: object) -> _Parsed:
+    async def _parse_in_thread(self, cost: int, keep: Callable[[_Parsed], None], parse: Callable[..., _Parsed],
+                               *args: object) -> _Parsed:
         """`parse(*args)` in a worker thread, whose `cost` bytes the caller reserved from the chunk budget: given
-        back when the thread ends. A cancel (the file closed, the unmount) does not wait for the thread, which
-        nothing can interrupt: the daemon's exit waited for it (a header of 100,000 tensors parses for a second,
-        84 MB for 7 s). Its memory stays counted meanwhile, as the thread holds it until it returns."""
+        back when the thread ends, and what it returned given to `keep`. A cancel (the file closed, the unmount)
+        does not wait for the thread, which nothing can interrupt: the daemon's exit waited for it (a header of
+        100,000 tensors parses for a second, 84 MB for 7 s). Its memory stays counted meanwhile, as the thread
+        holds it until it returns; and what it parsed is kept all the same (a file opened and closed at once
+        needs its header parsed again at its next open otherwise)."""
         token, memory = trio.lowlevel.current_trio_token(), self.engine.memory
 
+        def ended(parsed: list[_Parsed]) -> None:  # in the trio thread
+            memory.release(cost)
+            if parsed:
+                keep(parsed[0])
+
         def run() -> _Parsed:
+            parsed: list[_Parsed] = []
             try:
-                return parse(*args)
+                parsed.append(parse(*args))
+                return parsed[0]
             finally:
                 try:
-                    token.run_sync_soon(memory.release, cost)
+                    token.run_sync_soon(ended, parsed)
                 except trio.RunFinishedError:
                     pass  # the mount stopped: there is no budget left to give it back to
 

@@ -104,7 +104,8 @@ async def test_the_header_is_parsed_off_the_trio_thread(tmp_path, monkeypatch) -
 async def test_a_stop_does_not_wait_for_a_parse_and_its_memory_stays_counted_until_it_ends(tmp_path,  # noqa: ANN001
                                                                                              monkeypatch) -> None:  # noqa: ANN001
     """A parse in its thread cannot be interrupted: the unmount waited for it (a hostile header's, for minutes).
-    The stop leaves it behind, and the memory it reserved is counted until the thread returns."""
+    The stop leaves it behind, the memory it reserved is counted until the thread returns, and what it parsed is
+    kept (the file's next open needs no parse)."""
     import time
 
     import fsmount.streaming
@@ -130,10 +131,13 @@ async def test_a_stop_does_not_wait_for_a_parse_and_its_memory_stays_counted_unt
     await run_prefetcher(engine, streamer, body)
     assert time.monotonic() - stopped[0] < 2
     assert engine.memory.reserved > 0  # the parse's, still running
+    assert not streamer._data_ends
     go_on.set()
     with trio.fail_after(5):
         while engine.memory.reserved:
             await trio.sleep(0.01)
+    v = version(store, "m.safetensors")
+    assert streamer._data_ends[(v.key, v.etag)] == v.size
 
 
 async def test_a_file_opened_and_not_read_is_pushed_whole_and_nothing_counts_as_served(

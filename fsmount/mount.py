@@ -456,12 +456,13 @@ def raise_open_file_limit(cfg: MountConfig) -> None:
                     "descriptors this mount may hold at once: reads may fail with 'too many open files'", soft, need)
 
 
-def raise_kernel_readahead(mountpoint: str, kib: int) -> None:
-    """Ask the kernel for large READs on this mount (bdi read_ahead_kb). Best effort."""
+def raise_kernel_readahead(mountpoint: str, dev: int, kib: int) -> None:
+    """Ask the kernel for large READs on this mount, whose device is `dev` (bdi read_ahead_kb). Best effort. The device
+    is the one the mount answered with, not a stat of the path now: a mount gone meanwhile (a stop as it came up) had
+    the read-ahead of the disk under its mount point raised instead (the review)."""
     if kib <= 0:
         return
     try:
-        dev = os.stat(mountpoint).st_dev
         path = f"/sys/class/bdi/{os.major(dev)}:{os.minor(dev)}/read_ahead_kb"
         with open(path, "w") as f:
             f.write(str(kib))
@@ -470,14 +471,13 @@ def raise_kernel_readahead(mountpoint: str, kib: int) -> None:
         log.info("could not raise kernel readahead (%s); READs stay at the kernel default", exc.strerror or exc)
 
 
-def raise_fuse_background(mountpoint: str, max_background: int) -> None:
+def raise_fuse_background(mountpoint: str, dev: int, max_background: int) -> None:
     """Let the kernel queue `max_background` READs of its read-ahead on this connection (fusectl's
     max_background, congestion at 3/4 of it). Best effort, as root only. Where fusectl is not mounted
     (systemd mounts it at boot; containers often do not) it is mounted for the write and unmounted
-    again: the values belong to the connection, not to that mount."""
+    again: the values belong to the connection, not to that mount. `dev`: the mount's device, as above."""
     if max_background <= 0:
         return
-    dev = os.stat(mountpoint).st_dev
     conn = f"{FUSECTL}/{(os.major(dev) << 20) | os.minor(dev)}"  # the kernel's dev_t encoding
     mounted_here = False
     libc = ctypes.CDLL(None, use_errno=True)
@@ -534,6 +534,7 @@ class Daemon:
         # unless main() returned first (_served: from then on a stop ends the daemon at once).
         self._requests = trio.CancelScope()
         self._served = trio.Event()
+        self._until_served = trio.CancelScope()  # around the signal watcher and _announce_ready
         self._session_open = True  # pyfuse3's session: mounted, until end_session
         self.disk_cache = open_disk_cache(cfg) if cfg.cache_dir else None
         self.shared_tier = open_shared_tier(cfg, self.store) if cfg.shared_cache else None
@@ -685,6 +686,9 @@ class Daemon:
             with self._requests:
                 await pyfuse3.main()
             self._served.set()
+            # The session is about to close: nothing may call into it any more (pyfuse3.terminate() of a closed one
+            # is a SIGSEGV: a stop during the drains after `modelfs unmount`), nor announce a mount that is gone.
+            self._until_served.cancel()
             # The mount goes before the drains below (up to about a minute): nobody reads its requests any more, so
             # a stat of the mount point hung until they ended, and a second stop meanwhile (the default action by
             # then) left the mount in place, ENOTCONN until someone unmounted it. Not while a push is still in
@@ -737,7 +741,8 @@ class Daemon:
 
     async def _watch_signals(self) -> None:
         try:
-            await self._take_signals()
+            with self._until_served:
+                await self._take_signals()
         finally:
             # The stop's drain: a stop now ends the daemon at once, as the default actions do.
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
@@ -763,6 +768,8 @@ class Daemon:
                 if not await self.pusher.stop(PUSH_STOP_S):
                     log.warning("page-cache pushes still running %g s after %s", PUSH_STOP_S, name)
                 self.streamer.stop()
+                if not self._session_open:  # a signal taken just as the loop ended: the session is gone already
+                    return
                 pyfuse3.terminate()
                 grace = STOP_GRACE_WRITING_S if self.ops.writers else STOP_GRACE_S
                 with trio.move_on_after(grace):
@@ -785,9 +792,14 @@ class Daemon:
                         raise
                     time.sleep(0.01)
 
-        self.ops.device = await trio.to_thread.run_sync(probe, abandon_on_cancel=True)
-        await trio.to_thread.run_sync(raise_kernel_readahead, self.mountpoint, self.cfg.kernel_window // 1024)
-        await trio.to_thread.run_sync(raise_fuse_background, self.mountpoint, self.cfg.fuse_max_background)
+        dev = await trio.to_thread.run_sync(probe, abandon_on_cancel=True)
+        if self._served.is_set():  # stopped as it came up: that stat may have reached the directory under the mount
+            return
+        self.ops.device = dev
+        await trio.to_thread.run_sync(raise_kernel_readahead, self.mountpoint, dev, self.cfg.kernel_window // 1024)
+        await trio.to_thread.run_sync(raise_fuse_background, self.mountpoint, dev, self.cfg.fuse_max_background)
+        if self._served.is_set():
+            return
         if self.metrics is not None:
             self.metrics.start(self.stats)
         log.info("mounted bucket %s%s at %s", self.cfg.store.bucket,

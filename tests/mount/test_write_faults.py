@@ -243,6 +243,21 @@ def test_a_stop_unmounts_before_its_drains_and_a_second_stop_leaves_no_mount(mot
     delete_bucket(moto_server, bucket)
 
 
+def test_a_stop_during_the_drains_after_an_unmount_ends_the_daemon_cleanly(moto_server: S3Server, proxy: FaultProxy,
+                                                                             mountpoint: Path) -> None:
+    """The mount gone by the operator's hand (`umount -f`, `modelfs unmount`), the daemon drains; a stop then
+    (`systemctl stop`) called into the closed session: a SIGSEGV and a core dump (the review)."""
+    bucket = new_bucket(moto_server)
+    with mounted(via(proxy, moto_server), bucket, mountpoint, *WRITE_ARGS, check_log=False) as m:
+        with writer_with_parts_sent(mountpoint / "half.bin"):
+            abort = proxy.inject(Fault.LATENCY, seconds=8, kind="other")  # the drain's abort takes seconds
+            subprocess.run(["umount", "-f", str(mountpoint)], capture_output=True)
+            wait_for("the drain's abort", lambda: abort.hits, lambda n: n >= 1, timeout=15)
+            m.proc.send_signal(signal.SIGTERM)
+            assert m.proc.wait(20) in (0, -signal.SIGTERM)
+    delete_bucket(moto_server, bucket)
+
+
 def test_memory_bound_held_while_4_writers_stream_1_gb_each(seaweed_server: S3Server, mountpoint: Path) -> None:
     s3 = seaweed_server
     bucket = new_bucket(s3)

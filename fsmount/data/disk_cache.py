@@ -518,18 +518,24 @@ class DiskCache:
         return False
 
     def _evict_locked(self, need: int) -> None:
+        """Evict least recently used chunks until `need` bytes are freed, or one cannot be removed (a read-only or
+        immutable file, another owner's cache dir): that one stays indexed and served, and eviction stops there.
+        Dropped from the index, such chunks freed nothing, and the floor check (`keep_free`) emptied the index of a
+        cache whose files all stayed on disk, served no more until a remount (the review)."""
         freed = 0
         while freed < need and self._index:
-            digest, size = self._index.popitem(last=False)
-            freed += size
-            self.stats.bytes_used -= size
-            self.stats.evictions += 1
+            digest, size = next(iter(self._index.items()))
             try:
                 os.unlink(self._path(digest))
             except FileNotFoundError:
                 pass
-            except OSError as err:  # EROFS and the like: the file stays, rebuilt into the index next open
+            except OSError as err:
                 log.debug("disk cache %s: evicting %s failed: %s", self.root, digest, err)
+                break
+            del self._index[digest]
+            freed += size
+            self.stats.bytes_used -= size
+            self.stats.evictions += 1
         self.stats.chunks = len(self._index)
 
     def _write_tmp(self, digest: str, header: bytes, data: bytes) -> str:

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import pytest
 
-from fsmount.data import ChunkId, cache_clear, cache_stats, cache_verify
+from fsmount.data import ChunkId, cache_clear, cache_stats, cache_verify, disk_cache
 from fsmount.data.cache_dir import (
     CHUNKS_DIR,
     SHARD_HEX_CHARS,
@@ -1372,3 +1372,23 @@ def test_a_fifo_or_directory_in_a_chunk_files_place_read_into_an_engine_buffer_i
             os.rmdir(path)  # what the cache does not remove itself (a directory of someone's)
         cache.put(chunk_id(1), data)
         assert bytes(cache.get(chunk_id(1), new_buffer(len(data)))) == data
+
+
+def test_keep_free_where_chunks_cannot_be_removed_keeps_serving_them(tmpfs, monkeypatch) -> None:  # noqa: ANN001
+    """A disk below its floor whose chunk files cannot be removed (another owner's warm cache, `chattr +i`): each
+    check dropped chunks from the index, freeing nothing, until none was served (the review)."""
+    with tmpfs("size=4m") as fs:
+        stored = [chunk_id(i) for i in range(8)]
+        with DiskCache(fs / "c", BIG, min_free_bytes=0) as cache:
+            for c in stored:
+                cache.put(c, payload(c, 256 * KiB))
+        _fill(fs / "someone-elses-file")
+        with DiskCache(fs / "c", BIG, min_free_bytes=MiB) as cache:
+            def refused(path: str, *args: object, **kwargs: object) -> None:
+                raise PermissionError(errno.EPERM, "Operation not permitted", path)
+
+            with monkeypatch.context() as patched:
+                patched.setattr(disk_cache.os, "unlink", refused)
+                assert [cache.keep_free() for _ in range(3)] == [0, 0, 0]
+            assert [c for c in stored if cache.get(c) == payload(c, 256 * KiB)] == stored
+            assert cache.keep_free() > 0  # removable again: the floor is freed

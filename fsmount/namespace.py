@@ -60,6 +60,9 @@ NAME_MAX = 255
 # more is listed anew by every opendir, and still listed.
 LISTING_CACHE_ENTRIES = 200_000
 NEGATIVE_CACHE_ENTRIES = 100_000
+# Paths whose newest answer's time is kept (`_latest_asked`): older answers about them are older news. Bounded, as
+# paths come and go (a checkpoint rotation's); past it the oldest news is forgotten first.
+LATEST_ASKED_ENTRIES = 20_000
 # While the origin is unreachable, known files keep their metadata and are re-checked this often.
 STALE_RETRY = 5.0
 # After a metadata request got no answer (connection refused, or nothing within --read-timeout), the next ones
@@ -113,7 +116,6 @@ class Node:
     mtime_ns: int = 0
     lookups: int = 0
     fresh_until: float = 0.0  # monotonic time until which the version is trusted to be current
-    asked: float = 0.0  # monotonic time the latest answer naming this version current was asked (`_node_for`)
     superseded: bool = False  # the bucket now holds another version of this path
     superseded_at: float = 0.0  # monotonic time it was found superseded
     writing: bool = False  # this mount is writing the file: not in the bucket until it is closed
@@ -214,6 +216,10 @@ class Namespace:
         # (path, None) for a directory, (path, etag) for one version of a file.
         self._ino_by_path: dict[tuple[str, str | None], int] = {("", None): ROOT_INODE}
         self._latest_file: dict[str, int] = {}
+        # When the newest answer about each path's current version was asked (monotonic): an answer asked before it
+        # (a listing begun earlier, a directory handle's snapshot) is older news of that path (`_node_for`). Apart
+        # from the nodes, as the kernel forgets inodes meanwhile.
+        self._latest_asked: cachetools.LRUCache[str, float] = cachetools.LRUCache(LATEST_ASKED_ENTRIES)
         self._nodes: dict[int, Node] = {ROOT_INODE: Node(ROOT_INODE, "", True, lookups=1)}
         self._listings: cachetools.TTLCache[str, Listing] = cachetools.TTLCache(
             maxsize=LISTING_CACHE_ENTRIES, ttl=ttl, getsizeof=lambda entries: max(1, len(entries)))
@@ -288,19 +294,23 @@ class Namespace:
         if meta is not None:
             node.size, node.etag, node.mtime_ns = meta.size, meta.etag, meta.mtime_ns
             at = time.monotonic() if as_of is None else as_of
-            latest = self._nodes.get(self._latest_file.get(path, 0))  # (no inode is 0)
-            if latest is not None and latest is not node and at < latest.asked:
-                # An answer older than the one that named the path's latest version (a listing begun before that
-                # HEAD, or a directory handle's snapshot): this version was replaced since. Taken as current, the
-                # path went back to the old size and bytes, and to the old inode number (the audit).
+            if self._latest_file.get(path) != ino and at < self._latest_asked.get(path, 0.0):
+                # An answer older than the newest one about the path (a listing begun before that HEAD, or a directory
+                # handle's snapshot): this version was replaced since. Taken as current, the path went back to the old
+                # size and bytes, and to the old inode number (the audit).
                 if not node.superseded:
                     node.supersede()
                 return node
             node.fresh_until = max(node.fresh_until, at + self.ttl)
-            node.asked = max(node.asked, at)
+            self._asked(path, at)
             self._latest_file[path] = ino
             node.held_again(at)
         return node
+
+    def _asked(self, path: str, at: float) -> None:
+        """Something was learnt of `path`'s current version as of `at` (monotonic)."""
+        if at > self._latest_asked.get(path, 0.0):
+            self._latest_asked[path] = at
 
     def forget(self, ino: int, count: int) -> None:
         node = self._nodes.get(ino)
@@ -350,10 +360,10 @@ class Namespace:
         if meta is None and not node.etag:
             raise PathError(errno.ENOENT)  # never stored (a new file whose upload failed): nothing to keep
         node.fresh_until = time.monotonic() + self.ttl
+        self._asked(node.path, asked)
         if meta is None or meta.etag != node.etag:
             self._supersede(node)
             return node
-        node.asked = max(node.asked, asked)
         if node.held_again(asked):
             self._latest_file[node.path] = node.ino
         return node
@@ -372,6 +382,7 @@ class Namespace:
         if not version.key.startswith(self.prefix):
             return None
         path = version.key[len(self.prefix):]
+        self._asked(path, time.monotonic())
         ino = self._ino_by_path.get((path, version.etag))
         node = self._nodes.get(ino) if ino is not None else None
         if node is not None and not node.writing:
@@ -489,6 +500,7 @@ class Namespace:
             # landed after): it no longer says what the bucket holds. Answered from it, every open of the path got
             # ESTALE, and the kernel's retry the same inode, for the TTL (for good with `forever`).
             self._listings.pop(parent.path, None)
+            self.forget(node.ino, 0)  # made for this answer only, if the kernel does not hold it
         if path in self._negative:
             raise PathError(errno.ENOENT)
         return await _shared(self._resolving_now, path, lambda: self._ask_bucket(path))
@@ -541,6 +553,7 @@ class Namespace:
                 return None
             node = self._node_for(path, entry.is_dir, entry.meta, listing.at)  # type: ignore[union-attr]
             if node.superseded:
+                self.forget(node.ino, 0)
                 return None
         self._log_stale(exc)
         node.fresh_until = time.monotonic() + min(self.ttl, STALE_RETRY)
@@ -624,6 +637,10 @@ class Namespace:
         under_way.append(started)
         try:
             entries = await self._list_pages(path)
+        except BaseException:
+            if under_way == [started]:
+                self._changes.pop(path, None)  # kept for this listing alone, which failed
+            raise
         finally:
             under_way.remove(started)
             if not under_way:

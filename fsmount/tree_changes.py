@@ -70,8 +70,9 @@ class WritableNamespace(Namespace):
     def _stored(self, node: Node, meta: ObjectMeta) -> None:
         """`node` is the version `meta` of its path, now in the bucket."""
         node.size, node.etag, node.mtime_ns = meta.size, meta.etag, meta.mtime_ns
-        node.asked = time.monotonic()
-        node.fresh_until = node.asked + self.ttl
+        now = time.monotonic()
+        node.fresh_until = now + self.ttl
+        self._asked(node.path, now)
         node.superseded = False
         old = self._latest_file.get(node.path)
         if old is not None and old != node.ino and old in self._nodes:
@@ -87,6 +88,7 @@ class WritableNamespace(Namespace):
         is this node) leaves its old name: gone from this mount now, from the bucket once it is stored (new_file)."""
         if self._latest_file.get(node.path) == node.ino:
             del self._latest_file[node.path]
+            self._asked(node.path, time.monotonic())
             parent, _, name = node.path.rpartition("/")
             self._change(parent, name, None)
             self._negative[node.path] = True
@@ -110,6 +112,7 @@ class WritableNamespace(Namespace):
     def removed(self, path: str, *, is_dir: bool) -> None:
         """A key (or a directory's last trace) was deleted through this mount."""
         if not is_dir:
+            self._asked(path, time.monotonic())
             ino = self._latest_file.pop(path, None)
             node = self._nodes.get(ino) if ino is not None else None
             if node is not None:

@@ -786,3 +786,179 @@ def test_the_listing_caches_stay_within_the_runtime_share_of_the_memory_limit() 
         assert namespace.LISTING_CACHE_ENTRIES * per_entry < 96 * MiB, per_entry
 
     trio.run(listed)
+
+
+# -- older answers after the kernel forgot the newer version (the review) ------------------------------
+
+async def test_a_listing_begun_before_a_newer_answer_lands_after_the_kernel_forgot_the_new_inode() -> None:
+    """The newest answer about a path is kept apart from its node: the kernel forgets inodes (a file only
+    stat'ed, its dentry dropped), and an older answer then made the old version current again (the review)."""
+    store = FakeStore()
+    store.put("d/f", b"old")
+    ns = Namespace(store, slow_listings(0.3), prefix="", ttl=30.0)
+    d = await ns.lookup(ROOT_INODE, b"d")
+    old = await ns.lookup(d.ino, b"f")
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(ns.listing, d)
+        await trio.sleep(0.1)  # the listing has read the bucket (the old version)
+        store.put("d/f", b"new version")
+        new = await ns.lookup(d.ino, b"f")  # HEAD: the new version
+        assert new.size == len(b"new version") and new.ino != old.ino
+        ns.forget(new.ino, 1)  # a stat only: the kernel drops the dentry and forgets the inode
+    again = await ns.lookup(d.ino, b"f")
+    assert (again.ino, again.size) == (new.ino, len(b"new version")), (again.ino, again.size, old.ino, new.ino)
+
+
+async def test_a_directory_handle_snapshot_after_the_kernel_forgot_the_new_inode() -> None:
+    store = FakeStore()
+    store.put("f", b"old")
+    ns = Namespace(store, call, prefix="", ttl=60.0)
+    entries, listed_at = await ns.open_dir(ROOT_INODE)  # opendir: the snapshot names the old version
+    await trio.sleep(0.01)
+    store.put("f", b"new version")
+    ns._listings.clear()  # its TTL ran out (or a 412 dropped it): the next lookup asks the bucket
+    new = await ns.lookup(ROOT_INODE, b"f")  # HEAD: the new version
+    assert new.size == len(b"new version")
+    ns.forget(new.ino, 1)  # the kernel forgot it
+    node = ns.entry_node(ns.node(ROOT_INODE), next(e for e in entries if e.name == b"f"), listed_at)  # readdirplus
+    ns.entry_taken(node)
+    assert node.superseded or node.size == len(b"new version"), "the old version handed out as current"
+    again = await ns.lookup(ROOT_INODE, b"f")
+    assert again.size == len(b"new version"), (again.ino, again.size, new.ino)
+
+
+async def test_a_handle_opened_before_this_mount_stored_a_file_never_hands_out_the_old_version() -> None:
+    """`ls -l` whose opendir came before this mount rewrote `f` (O_TRUNC, closed, stored) and whose readdirplus came
+    after the kernel forgot the inode (closed, dentry dropped)."""
+    from fsmount.tree_changes import WritableNamespace
+
+    store = FakeStore()
+    store.put("f", b"old")
+    ns = WritableNamespace(store, call, prefix="", ttl=60.0)
+    root = ns.node(ROOT_INODE)
+    entries, listed_at = await ns.open_dir(ROOT_INODE)  # the snapshot names the old version
+    old = await ns.lookup(ROOT_INODE, b"f")
+    await trio.sleep(0.01)
+    node = ns.begin_file("f", old)  # the O_TRUNC rewrite keeps the inode
+    store.put("f", b"new version")
+    ns.end_file(node, store.meta("f"))  # stored: the path's latest version, asked now
+    ns.forget(node.ino, 1)  # closed, and the kernel forgot it
+    entry = next(e for e in entries if e.name == b"f")
+    handed = ns.entry_node(root, entry, listed_at)  # readdirplus from the old snapshot
+    ns.entry_taken(handed)
+    assert handed.superseded or handed.size == len(b"new version"), (
+        f"readdirplus handed out inode {handed.ino} (size {handed.size}) of the old version as current; "
+        f"opens of it then read a version the bucket no longer holds")
+
+
+@pytest.mark.parametrize("how", ["read-412", "getattr-head"])
+async def test_a_listing_under_way_at_a_replacement_lands_after_the_old_inode_was_forgotten(how: str) -> None:
+    """test_a_listing_under_way_when_a_file_is_superseded_does_not_bring_the_old_version_back, with one more step:
+    the kernel forgets the superseded inode (its last descriptor closed, the dentry dropped) before the listing
+    lands. forget() then drops the (path, old ETag) entry, so the listing's entry makes a new, unsuperseded inode
+    of the old version."""
+    store = FakeStore()
+    store.put("d/f", b"old")
+    ttl = 30.0
+    ns = Namespace(store, slow_listings(0.3), prefix="", ttl=ttl if how == "read-412" else 0.05)
+    d = await ns.lookup(ROOT_INODE, b"d")
+    old = await ns.lookup(d.ino, b"f")
+    if how == "getattr-head":
+        await trio.sleep(0.1)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(ns.listing, d)
+        await trio.sleep(0.1)  # the listing has read the bucket: it names the old version
+        store.put("d/f", b"new version")
+        if how == "read-412":
+            ns.gone(old.version(""))
+        else:
+            await ns.refresh(ns.node(old.ino))
+        assert ns.node(old.ino).superseded
+        ns.forget(old.ino, 1)  # closed; the kernel forgot the inode
+    node = await ns.lookup(d.ino, b"f")
+    assert node.size == len(b"new version"), (node.ino, node.size, node.superseded, old.ino)
+
+
+async def test_a_superseded_node_made_only_to_be_refused_does_not_stay_in_the_inode_table() -> None:
+    """`_resolve` makes a node of a cached listing's entry, finds it superseded (the listing began before the HEAD
+    that named the new version), and asks the bucket instead: the node it made, which the kernel never got, stays in
+    `_nodes` (lookups 0) for the life of the mount, counted in inode_count ("inodes the kernel holds")."""
+    store = FakeStore()
+    store.put("d/f", b"old")
+    ns = Namespace(store, slow_listings(0.3), prefix="", ttl=30.0)
+    d = await ns.lookup(ROOT_INODE, b"d")
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(ns.listing, d)
+        await trio.sleep(0.1)  # the listing has read the bucket (the old version)
+        store.put("d/f", b"new version")
+        new = await ns.lookup(d.ino, b"f")  # HEAD: the new version
+    before = ns.inode_count
+    again = await ns.lookup(d.ino, b"f")  # from the cached listing: superseded, dropped, HEAD
+    assert again.ino == new.ino
+    stray = [n for n in ns._nodes.values() if n.lookups == 0 and n.ino != ROOT_INODE]
+    assert ns.inode_count == before and not stray, (before, ns.inode_count, stray)
+
+
+async def test_a_version_uploaded_again_after_a_replacement_is_current_again() -> None:
+    """A rollback (the old bytes uploaded again) through a listing, a lookup and a refresh."""
+    store = FakeStore()
+    store.put("d/f", b"A")
+    ns = Namespace(store, call, prefix="", ttl=0.05)
+    d = await ns.lookup(ROOT_INODE, b"d")
+    a = await ns.lookup(d.ino, b"f")
+    await trio.sleep(0.06)
+    store.put("d/f", b"BB")
+    b = await ns.lookup(d.ino, b"f")  # HEAD
+    assert b.ino != a.ino and b.size == 2
+    await ns.refresh(ns.node(a.ino))
+    assert ns.node(a.ino).superseded
+    await trio.sleep(0.06)
+    store.put("d/f", b"A")  # rollback
+    await ns.listing(d)
+    again = await ns.lookup(d.ino, b"f")
+    assert again.ino == a.ino and not again.superseded and again.size == 1
+    assert (await ns.open_file(again.ino)).size == 1
+    await trio.sleep(0.06)
+    await ns.refresh(ns.node(b.ino))
+    assert ns.node(b.ino).superseded
+    # B uploaded again: current again at its next GETATTR
+    store.put("d/f", b"BB")
+    await trio.sleep(0.06)
+    n = await ns.refresh(ns.node(b.ino))
+    assert not n.superseded
+    again = await ns.lookup(d.ino, b"f")
+    assert again.ino == b.ino and again.size == 2
+
+
+async def test_a_failed_listing_leaves_no_change_record_behind() -> None:
+    """Records kept for a listing that then failed went only when a later listing of the directory landed."""
+    from fsmount.data import TransientError
+    from fsmount.tree_changes import WritableNamespace
+
+    store = FakeStore()
+    store.put("a", b"1")
+    state = {"fail": True}
+
+    async def ask(fn: Any, *args: Any) -> Any:
+        if fn is namespace.listing_page:
+            await trio.sleep(0.1)
+            if state["fail"]:
+                raise TransientError("listing failed")
+        return fn(*args)
+
+    ns = WritableNamespace(store, ask, prefix="", ttl=60.0)
+    root = ns.node(ROOT_INODE)
+
+    async def failing() -> None:
+        with pytest.raises(TransientError):
+            await ns._list("")
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(failing)
+        await trio.sleep(0.05)
+        ns._stored(ns.begin_file("b"), ObjectMeta("b", 1, '"b"', 0))
+    assert ns._lists_under_way == {} and ns._changes == {}
+    state["fail"] = False
+    store.put("b", b"1")
+    assert {e.name for e in await ns.listing(root)} == {b"a", b"b"}
+    assert ns._changes == {}

@@ -16,6 +16,7 @@ import errno
 import functools
 import logging
 import os
+import re
 import stat
 import time
 from collections.abc import Callable, Coroutine
@@ -61,14 +62,21 @@ _warned: cachetools.TTLCache[str, None] = cachetools.TTLCache(REPEATS_KEPT, REPE
 FAILED: collections.Counter[str] = collections.Counter()
 
 
+# Durations in a failure's message ("did not answer 0.3s ago ... asked again in 4.7s"): a repeat is the same message
+# with other seconds. Compared as written, no two lookups failed at once during an outage were repeats: two loaders
+# polling through a 4 s restart logged 22 warnings (a tester).
+_SECONDS = re.compile(r"\d+(?:\.\d+)?s\b")
+
+
 def _log_failure(handler: str, exc: StoreError) -> None:
     """One warning per failure: not for an error a failed fetch already logged, nor a message just logged."""
     message = f"{handler} failed: {exc.message}"
-    if exc.reported or message in _warned:
+    repeat = _SECONDS.sub("Ns", message)
+    if exc.reported or repeat in _warned:
         log.debug("%s", message)
         return
     exc.reported = True
-    _warned[message] = None
+    _warned[repeat] = None
     log.warning("%s", message)
 
 

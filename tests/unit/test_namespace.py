@@ -962,3 +962,19 @@ async def test_a_failed_listing_leaves_no_change_record_behind() -> None:
     store.put("b", b"1")
     assert {e.name for e in await ns.listing(root)} == {b"a", b"b"}
     assert ns._changes == {}
+
+
+def test_requests_not_sent_during_an_outage_are_one_warning_a_while(caplog: pytest.LogCaptureFixture,
+                                                                    allowed_logs: list[str]) -> None:
+    """Lookups failed at once during an outage each said "did not answer 0.3s ago ... asked again in 4.7s" with other
+    seconds: none was a repeat, and two loaders polling through a 4 s restart logged 22 warnings (a tester)."""
+    from fsmount import operations
+
+    allowed_logs.append("lookup failed")
+    operations._warned.clear()
+    for ago, again in (("0.3", "4.7"), ("1.2", "3.8"), ("4.9", "0.1")):
+        operations._log_failure("lookup", Unreachable(f"not asked: the origin did not answer {ago}s ago (cannot "
+                                                      f"reach the endpoint); it is asked again in {again}s"))
+    operations._log_failure("lookup", Unreachable("HEAD 'a': cannot reach the endpoint"))
+    warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warned) == 2 and "0.3s ago" in warned[0] and "HEAD 'a'" in warned[1], warned

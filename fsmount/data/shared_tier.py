@@ -32,7 +32,8 @@ raise.
 
 Threads: get, put and look_for_waiters run in the level stack's worker threads; trails() runs in the trio
 thread. `_lock` guards the counters, the failure episodes, the log-once flags, `_claimed` (chunks this
-node has claimed and not yet written), `_others_seen_at` and `_marker_put_at`.
+node has claimed and not yet written), `_left` (claims let go while the tier was silent), `_others_seen_at` and
+`_marker_put_at`.
 """
 
 from __future__ import annotations
@@ -174,6 +175,10 @@ class SharedTier:
         self._corrupt_logged = False
         self._other_format_logged = False
         self._claimed: set[ChunkId] = set()
+        # Claims let go while the tier did not answer, left to expire (`_release`): deleted once it answers again (after
+        # the next write that succeeds) or at unmount. Forgotten, they stayed in the tier bucket for good: nobody reads
+        # a rotated checkpoint's chunks again (a tester: 11 left, 520 s after a 12 s black hole).
+        self._left: set[ChunkId] = set()
         self._owner = f"{socket.gethostname()} {os.getpid()}"
         node = hashlib.sha256(f"{self._owner} {time.time_ns()}".encode()).hexdigest()[:32]
         self._marker_key = prefix + WAITING + node
@@ -324,6 +329,9 @@ class SharedTier:
             with self._lock:
                 self.stats.writes += 1
                 self._writes_paused_until = None
+                left, self._left = self._left, set()
+            for other in left:  # the tier answers again: claims left while it was silent go now
+                self._drop(other, if_mine=True)
         finally:
             self._release(chunk)
 
@@ -336,9 +344,13 @@ class SharedTier:
         not wait for them until they are CLAIM_TTL_S old, and its waiting marker. How many claims there were."""
         with self._lock:
             held = list(self._claimed)
+            left, self._left = self._left, set()
             marked, self._marker_put_at = self._marker_put_at is not None, None
         for chunk in held:
             self._release(chunk)
+        if self._clock() >= self._silent_until:
+            for chunk in left:
+                self._drop(chunk, if_mine=True)
         if marked:
             try:
                 self.client.delete_object(self._marker_key)
@@ -451,14 +463,26 @@ class SharedTier:
             self._claimed.discard(chunk)
         with self._lock:
             silent = self._clock() < self._silent_until
-        if silent:
-            # Left to expire (CLAIM_TTL_S): against a tier that stopped answering, each DELETE waited out the
-            # tier's timeout, one claim after another, and held the unmount's drain of writes past its bound. A
-            # tier that answered with an error (one 503 SlowDown) is still asked: left, each claim held every
-            # other node up for --shared-cache-wait, then sent it to the origin (the audit).
-            return
+            if silent:
+                # Left to expire (CLAIM_TTL_S), and deleted once the tier answers (`_left`): against a tier that
+                # stopped answering, each DELETE waited out the tier's timeout, one claim after another, and held the
+                # unmount's drain of writes past its bound. A tier that answered with an error (one 503 SlowDown) is
+                # still asked: left, each claim held every other node up for --shared-cache-wait, then sent it to the
+                # origin (the audit).
+                self._left.add(chunk)
+                return
+        self._drop(chunk)
+
+    def _drop(self, chunk: ChunkId, if_mine: bool = False) -> None:
+        """DELETE this node's claim on `chunk`; with `if_mine`, only if the claim there is still this node's (one left
+        while the tier was silent may have been broken since, being stale, and made again by another node)."""
+        key = self.claim_key(chunk)
         try:
-            self.client.delete_object(self.claim_key(chunk))
+            if if_mine:
+                held = self.client.get_object(key)
+                if held is None or held.split(b" ", 1)[-1] != self._owner.encode():
+                    return
+            self.client.delete_object(key)
         except StoreError as exc:  # the claim then expires on its own
             log.debug("%s: dropping the claim on chunk %d of %r failed: %s", self, chunk.index, chunk.key, exc)
             self._write_failed(exc, "dropping a claim")
@@ -497,8 +521,8 @@ class SharedTier:
             first = self._writes_paused_until is None
             self._writes_paused_until = self._clock() + WRITE_RETRY_S
         if first:
-            log.warning("%s: %s failed (%s); reads go on, writes pause and are retried every %gs",
-                        self, what, exc.message, WRITE_RETRY_S)
+            log.warning("%s: %s failed (%s); reads go on, writes pause for %gs at a time (chunks fetched meanwhile are "
+                        "not written to the tier)", self, what, exc.message, WRITE_RETRY_S)
 
 
 def _expired(claim: bytes) -> bool:

@@ -440,8 +440,8 @@ def test_a_refused_claim_pauses_writes_not_reads(caplog: pytest.LogCaptureFixtur
     assert t.stats.write_errors == 1 and t.stats.errors == 0
     assert t.get(held) == data_of(held)  # reads go on
     assert [r.getMessage() for r in caplog.records if "failed" in r.getMessage()] == [
-        f"{t}: claiming a chunk (a small write) failed (PUT: AccessDenied); reads go on, writes pause and are "
-        f"retried every {shared_tier.WRITE_RETRY_S:g}s"]
+        f"{t}: claiming a chunk (a small write) failed (PUT: AccessDenied); reads go on, writes pause for "
+        f"{shared_tier.WRITE_RETRY_S:g}s at a time (chunks fetched meanwhile are not written to the tier)"]
 
 
 # -- trailing writes: who may hold its writes back, and how a waiting node says so -----------------
@@ -528,6 +528,37 @@ def test_a_read_only_node_that_finds_a_bad_object_claims_nothing(allowed_logs: l
     client.objects[t.chunk_key(cid)] = b"not a chunk file at all"
     assert t.get(cid) is None
     assert t.stats.claims == 0 and t.claim_key(cid) not in client.objects and t.stats.write_errors == 0
+
+
+def test_claims_left_while_the_tier_was_silent_go_once_it_answers_or_at_unmount(allowed_logs: list[str]) -> None:
+    """Claims let go while the tier did not answer were left to expire, and forgotten: they stayed in the tier bucket
+    for good (a tester: 11 of them 520 s after a 12 s black hole, the node unmounted cleanly). They go once a write
+    succeeds again, or at unmount; not one another node made again after breaking ours, stale."""
+    allowed_logs.append("failed .*writes pause")
+    client = DictClient()
+    clock = Clock()
+    t = tier(client, clock=clock)
+    cids = [chunk(index=i) for i in range(4)]
+    for cid in cids:
+        assert t.get(cid) is None  # claimed
+    client.fail = TimedOut("PUT: TimeoutError: timed out")
+    for cid in cids[:3]:
+        t.put(cid, data_of(cid))  # the first fails, the others are skipped: all three claims left
+    client.fail = None
+    client.objects[t.claim_key(cids[2])] = b"1.000 another-node 42"  # broken (stale) and claimed by another node
+    clock.now += WRITE_RETRY_S + 1
+    t.put(cids[3], data_of(cids[3]))  # the tier answers: a write succeeds
+    assert [t.claim_key(cid) in client.objects for cid in cids] == [False, False, True, False]
+    assert not t._left  # noqa: SLF001
+
+    assert t.get(chunk(index=9)) is None  # claimed, then the tier goes silent before its write
+    client.fail = TimedOut("PUT: TimeoutError: timed out")
+    t.put(chunk(index=8), data_of(chunk(index=8)))
+    t.abandon(chunk(index=9))
+    assert t.claim_key(chunk(index=9)) in client.objects
+    client.fail = None
+    clock.now += WRITE_RETRY_S + 1
+    assert t.drop_claims() == 0 and t.claim_key(chunk(index=9)) not in client.objects
 
 
 def test_a_tier_that_answered_one_request_with_an_error_still_drops_this_node_s_claims(allowed_logs: list[str]) -> None:

@@ -5,7 +5,8 @@ A file's chunk ids name its ETag, which the bucket gives only when the upload co
 bytes are kept in `CACHE_DIR/writes/<n>` (each part as it is sent, or each WRITE of a deferred file; with
 O_DIRECT where the filesystem takes it, see `StagedFile`), and once the file is stored they are
 cut into chunks and handed to the cache level with `put`, as the read path's write-through does. The
-copy is removed when that is done, or when the file fails. Its copies are removed when a mount opens it
+copy is removed when that is done, or when the file fails. A stored file renamed has its cached chunks put under
+its new name's chunk ids (`copy_cached`: ids name the key). Its copies are removed when a mount opens it
 (the cache directory's lock says no other process uses it), so a killed daemon's copies do not pile up.
 It does not count against `--cache-size`: it lasts as long as a file is open.
 
@@ -390,3 +391,21 @@ def _write_block(fd: int, block: WritableBuffer, offset: int) -> None:
     """In a staging thread: one full block into a copy with O_DIRECT."""
     with memoryview(block) as view:
         pwrite_all(fd, view, offset)
+
+
+def copy_cached(cache: ChunkCache, old_id: Callable[[int], ChunkId], new_id: Callable[[int], ChunkId], size: int,
+                chunk_size: int) -> int:
+    """Put each chunk of a `size`-byte file that `cache` holds under `old_id(i)` under `new_id(i)` too (a stored file
+    renamed: chunk ids name the key); a chunk it does not hold is skipped. The number of chunks put. Blocks (disk
+    I/O): run it in a thread."""
+    count = 0
+    buf: WritableBuffer | None = None
+    for index in range(-(-size // chunk_size)):
+        length = min(chunk_size, size - index * chunk_size)
+        if buf is None or len(buf) != length:
+            buf = new_buffer(length)  # one for every full chunk, one for the short last one
+        data = cache.get(old_id(index), buf)
+        if data is not None:
+            cache.put(new_id(index), data)
+            count += 1
+    return count

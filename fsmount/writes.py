@@ -60,7 +60,7 @@ from fsmount.data import (
 from fsmount.namespace import Node, PathError
 from fsmount.new_file import NewFile
 from fsmount.tree_changes import WritableNamespace
-from fsmount.write_staging import StagedFile, Staging
+from fsmount.write_staging import StagedFile, Staging, copy_cached
 
 log = logging.getLogger(__name__)
 
@@ -128,8 +128,9 @@ class Writes:
         self._staging = Staging(cache[1]) if cache is not None else None
         self._cache = cache
         self._staging_limiter = trio.CapacityLimiter(STAGING_THREADS)
-        self._fills = 0  # cache fills running
+        self._fills = 0  # cache fills running (of stored files, and of renamed ones: `recache`)
         self._fills_done = trio.Event()
+        self._filling: dict[ObjectVersion, trio.Event] = {}  # a stored version's fill, set when it has ended
         memory.add_reclaimer(self._release_idle_buffers)
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
@@ -197,6 +198,7 @@ class Writes:
             return
         cache, _, chunk_id, chunk_size = self._cache
         version = ObjectVersion(meta.key, meta.etag, meta.size)
+        done = self._filling[version] = trio.Event()
 
         async def fill() -> None:
             try:
@@ -205,13 +207,45 @@ class Writes:
                     limiter=self._staging_limiter, abandon_on_cancel=True)
                 self.stats.chunks_cached += cached  # after the await: fills run side by side
             finally:
+                done.set()
+                if self._filling.get(version) is done:
+                    del self._filling[version]
+
+        self._spawn_fill(fill)
+
+    def recache(self, old: ObjectVersion, new: ObjectVersion) -> None:
+        """In the background: a renamed file's chunks in the NVMe cache under its new name, after its own fill if
+        that is still running. A chunk id names the key, so the crash-safe `save(f.tmp); os.replace(f.tmp, f)` left
+        every chunk under `f.tmp`, and a resume on the same node read `f` from the origin (a fleet tester). The old
+        ids' chunks stay until the cache evicts them, as any unread chunk does."""
+        if self._cache is None:
+            return
+        cache, _, chunk_id, chunk_size = self._cache
+        filled = self._filling.get(old)
+
+        async def copy() -> None:
+            if filled is not None:
+                await filled.wait()
+            cached = await trio.to_thread.run_sync(
+                copy_cached, cache, lambda i: chunk_id(old, i), lambda i: chunk_id(new, i), old.size, chunk_size,
+                limiter=self._staging_limiter, abandon_on_cancel=True)
+            self.stats.chunks_cached += cached
+
+        self._spawn_fill(copy)
+
+    def _spawn_fill(self, fill: Callable[[], Awaitable[None]]) -> None:
+        """Run a cache fill in the writes' nursery, counted for `drain_cache_fills`."""
+        async def counted() -> None:
+            try:
+                await fill()
+            finally:
                 self._fills -= 1
                 if self._fills == 0:
                     self._fills_done.set()
                     self._fills_done = trio.Event()
 
         self._fills += 1
-        self.spawn(fill)
+        self.spawn(counted)
 
     async def drain_cache_fills(self) -> None:
         """At unmount: let stored files reach the NVMe cache (bounded)."""
@@ -456,9 +490,10 @@ class Writes:
             pass
         else:
             self._check_rename_deletes(node)
-            meta = await self.move_object(ObjectMeta(self.ns.key_of(node.path), node.size, node.etag, node.mtime_ns),
-                                          self.ns.key_of(path))
+            old = ObjectMeta(self.ns.key_of(node.path), node.size, node.etag, node.mtime_ns)
+            meta = await self.move_object(old, self.ns.key_of(path))
             self.ns.moved(node, path, meta)
+            self.recache(ObjectVersion(old.key, old.etag, old.size), ObjectVersion(meta.key, meta.etag, meta.size))
         self.stats.renames += 1
 
     def _check_rename_deletes(self, node: Node) -> None:

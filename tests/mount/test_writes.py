@@ -118,6 +118,26 @@ def test_with_a_cache_dir_a_stored_file_is_read_back_from_the_nvme_cache(s3: S3S
     delete_bucket(s3, bucket)
 
 
+def test_with_a_cache_dir_a_file_renamed_into_place_is_read_back_from_the_nvme_cache(s3: S3Server, mountpoint: Path,
+                                                                                    tmp_path: Path) -> None:
+    """The crash-safe save, `f.tmp` then `os.replace(f.tmp, f)`: a chunk id names the key, so every chunk stayed
+    under `f.tmp`, and a resume on the same node read `f` from the origin (a fleet tester)."""
+    bucket = new_bucket(s3)
+    cache = tmp_path / "cache"
+    data = random_bytes(21 * MiB, 6)
+    with mounted(s3, bucket, mountpoint, *WRITABLE, "--cache-dir", str(cache), "--write-part-size", "5M"):
+        (mountpoint / "ckpt.bin.tmp").write_bytes(data)
+        os.replace(mountpoint / "ckpt.bin.tmp", mountpoint / "ckpt.bin")  # at once: its fill may still be running
+        wait_for("chunks cached", lambda: mount_stats(mountpoint)["writes"]["chunks_cached"], lambda n: n == 3 + 3)
+    assert keys(s3, bucket) == {"ckpt.bin": len(data)}
+    other = tmp_path / "resume"
+    with mounted(s3, bucket, other, "--cache-dir", str(cache)):
+        assert sha((other / "ckpt.bin").read_bytes()) == sha(data)
+        stats = mount_stats(other)
+        assert stats["origin"]["bytes"] == 0 and stats["disk_cache"]["hits"] == 3, stats
+    delete_bucket(s3, bucket)
+
+
 @pytest.mark.parametrize("writer", ["write", "save_file"])
 def test_a_cache_dir_that_fills_up_costs_the_local_copy_not_the_file(s3: S3Server, mountpoint: Path,
                                                                      tmp_path: Path, writer: str) -> None:

@@ -322,9 +322,7 @@ class ModelStreamer:
             try:
                 await self._stream(job)
             except SafetensorsError as exc:
-                key = (job.version.key, job.version.etag)
-                (log.debug if key in self._not_streamed else log.info)("not streaming %r: %s", key[0], exc)
-                self._not_streamed[key] = str(exc)
+                self._refused((job.version.key, job.version.etag), exc)
             except Exception as exc:  # noqa: BLE001 - streaming failures only cost speed
                 log.info("streaming of %r stopped: %s", job.version.key, exc)
         job.done.set()
@@ -353,17 +351,19 @@ class ModelStreamer:
             self._data_ends[key] = layout.data_end
 
         layout = await self._parse_json(f"header of {n} bytes", obj, LENGTH_PREFIX + n, parse_header, obj.size,
-                                        keep=keep)
+                                        keep=keep, refused=lambda exc: self._refused(key, exc))
         return layout.data_end
 
     async def _parse_json(self, what: str, obj: ObjectVersion, length: int, parse: Callable[..., _Parsed],
-                          *args: object, keep: Callable[[_Parsed], None] = lambda parsed: None) -> _Parsed:
+                          *args: object, keep: Callable[[_Parsed], None] = lambda parsed: None,
+                          refused: Callable[[SafetensorsError], None] = lambda exc: None) -> _Parsed:
         """`parse(data, *args)` of the first `length` bytes of `obj` (a header, an index), in a worker thread, one
         parse at a time, with the memory it takes (`parse_cost`) reserved from the chunk budget. SafetensorsError
         where that would be more than half of it: refused before the fetch by its size alone, then by its
         containers. On the trio thread, a header of 100,000 tensors (12 MB, a second to parse) held every READ
-        and lookup of the mount (84 MB: 7 s). `keep` takes what the parse returned, in the trio thread, even if the
-        caller was cancelled meanwhile (`_parse_in_thread`)."""
+        and lookup of the mount (84 MB: 7 s). `keep` takes what the parse returned, and `refused` the
+        SafetensorsError it raised, in the trio thread, even if the caller was cancelled meanwhile
+        (`_parse_in_thread`)."""
         memory = self.engine.memory
         cost = self._parse_fits(what, length * PARSE_BYTES_PER_BYTE)
         async with self._parsing:
@@ -376,7 +376,7 @@ class ModelStreamer:
             except BaseException:
                 memory.release(cost)
                 raise
-            return await self._parse_in_thread(cost, keep, parse, data, *args)
+            return await self._parse_in_thread(cost, keep, refused, parse, data, *args)
 
     def _parse_fits(self, what: str, cost: int) -> int:
         """`cost` (of a parse), unless it would take more than half of the chunk memory: SafetensorsError then."""
@@ -385,29 +385,42 @@ class ModelStreamer:
                                    "chunk memory")
         return cost
 
-    async def _parse_in_thread(self, cost: int, keep: Callable[[_Parsed], None], parse: Callable[..., _Parsed],
+    def _refused(self, key: tuple[str, str], exc: SafetensorsError) -> None:
+        """A version's header is not streamed: said once (then at debug), and remembered, so not parsed again."""
+        (log.debug if key in self._not_streamed else log.info)("not streaming %r: %s", key[0], exc)
+        self._not_streamed[key] = str(exc)
+
+    async def _parse_in_thread(self, cost: int, keep: Callable[[_Parsed], None],
+                               refused: Callable[[SafetensorsError], None], parse: Callable[..., _Parsed],
                                *args: object) -> _Parsed:
         """`parse(*args)` in a worker thread, whose `cost` bytes the caller reserved from the chunk budget: given
         back when the thread ends, and what it returned given to `keep`. A cancel (the file closed, the unmount)
         does not wait for the thread, which nothing can interrupt: the daemon's exit waited for it (a header of
         100,000 tensors parses for a second, 84 MB for 7 s). Its memory stays counted meanwhile, as the thread
-        holds it until it returns; and what it parsed is kept all the same (a file opened and closed at once
-        needs its header parsed again at its next open otherwise)."""
+        holds it until it returns; and what it parsed is kept all the same, or what it refused given to `refused`
+        (a file opened and closed at once needs its header parsed again at its next open otherwise, and a malformed
+        one was refused without a word)."""
         token, memory = trio.lowlevel.current_trio_token(), self.engine.memory
 
-        def ended(parsed: list[_Parsed]) -> None:  # in the trio thread
+        def ended(parsed: list[_Parsed], failed: list[SafetensorsError]) -> None:  # in the trio thread
             memory.release(cost)
             if parsed:
                 keep(parsed[0])
+            elif failed:
+                refused(failed[0])
 
         def run() -> _Parsed:
             parsed: list[_Parsed] = []
+            failed: list[SafetensorsError] = []
             try:
                 parsed.append(parse(*args))
                 return parsed[0]
+            except SafetensorsError as exc:
+                failed.append(exc)
+                raise
             finally:
                 try:
-                    token.run_sync_soon(ended, parsed)
+                    token.run_sync_soon(ended, parsed, failed)
                 except trio.RunFinishedError:
                     pass  # the mount stopped: there is no budget left to give it back to
 

@@ -443,13 +443,16 @@ def test_ctrl_c_while_the_daemon_is_started_stops_it(monkeypatch: pytest.MonkeyP
         return proc
 
     monkeypatch.setattr(subprocess, "Popen", popen_then_ctrl_c)
-    before = signal.getsignal(signal.SIGINT)  # SIG_IGN where the test run was started in the background
+    # As in a terminal: a run started in the background ignores SIGINT, and `modelfs mount` leaves a signal its
+    # caller ignores ignored (`nohup`, a script's `cmd &`).
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         assert cli.run_background(types.SimpleNamespace(log_file="log"), []) == 130
         assert started[0].wait(10) == -signal.SIGTERM
         assert "interrupted: the daemon was stopped" in capsys.readouterr().err
-        assert signal.getsignal(signal.SIGINT) is before  # given back as it was
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # given back as it was
     finally:
+        signal.signal(signal.SIGINT, before)
         for proc in started:
             if proc.poll() is None:
                 proc.kill()

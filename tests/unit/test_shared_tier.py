@@ -333,17 +333,22 @@ def test_refused_puts_pause_writes_and_reads_go_on(allowed_logs: list[str]) -> N
     assert t.stats.writes == 1
 
 
+def claiming_node(n: int = 4) -> tuple[DictClient, Clock, SharedTier, list[ChunkId]]:
+    """A node on a tier that has claimed `n` chunks it missed (to fetch them from the origin)."""
+    client, clock = DictClient(), Clock()
+    t = tier(client, clock=clock)
+    cids = [chunk(index=i) for i in range(n)]
+    for cid in cids:
+        assert t.get(cid) is None  # a miss: this node claims the chunk to fetch it
+    return client, clock, t, cids
+
+
 def test_claims_of_a_tier_that_stopped_answering_are_left_to_expire(allowed_logs: list[str]) -> None:
     """A tier that turns into a black hole after this node claimed its chunks: once a write has failed, the
     claims are not DELETEd one after another (each DELETE waited out the tier's timeout, and the unmount's
     drain of writes ran past its bound); they expire on their own. A failed DELETE pauses writes too."""
     allowed_logs.append("failed .*writes pause")
-    client = DictClient()
-    clock = Clock()
-    t = tier(client, clock=clock)
-    cids = [chunk(index=i) for i in range(4)]
-    for cid in cids:
-        assert t.get(cid) is None  # a miss: this node claims the chunk to fetch it
+    client, clock, t, cids = claiming_node()
     assert t.stats.claims == 4
     client.fail = TimedOut("PUT: TimeoutError: timed out")  # what a black hole gives (no answer)
     t.put(cids[0], data_of(cids[0]))  # the PUT fails: writes pause
@@ -535,12 +540,7 @@ def test_claims_left_while_the_tier_was_silent_go_once_it_answers_or_at_unmount(
     for good (a tester: 11 of them 520 s after a 12 s black hole, the node unmounted cleanly). They go once a write
     succeeds again, or at unmount; not one another node made again after breaking ours, stale."""
     allowed_logs.append("failed .*writes pause")
-    client = DictClient()
-    clock = Clock()
-    t = tier(client, clock=clock)
-    cids = [chunk(index=i) for i in range(4)]
-    for cid in cids:
-        assert t.get(cid) is None  # claimed
+    client, clock, t, cids = claiming_node()
     client.fail = TimedOut("PUT: TimeoutError: timed out")
     for cid in cids[:3]:
         t.put(cid, data_of(cid))  # the first fails, the others are skipped: all three claims left

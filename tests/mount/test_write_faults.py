@@ -98,9 +98,10 @@ def test_origin_down_at_close_is_eio_no_object_and_the_advised_cleanup_removes_t
     and named no endpoint: now it names the key and the mount's endpoint, and removes that upload and no other."""
     bucket = new_bucket(moto_server)
     moto_server.client().create_multipart_upload(Bucket=bucket, Key="a.bin.other")  # another writer's, live
-    with mounted_via(proxy, moto_server, bucket, mountpoint, *WRITE_ARGS,
-                     allowed=(r"will not be stored", r"could not be aborted", r"cannot reach", r"timed out",
-                              r"aborting the upload")) as m:
+    # Not `mounted_via`, which brings the origin back before the unmount.
+    with mounted(via(proxy, moto_server), bucket, mountpoint, *WRITE_ARGS,
+                 allowed=(r"will not be stored", r"could not be aborted", r"cannot reach", r"timed out",
+                          r"aborting the upload")) as m:
         f = open(mountpoint / "a.bin", "wb")
         f.write(random_bytes(11 * MiB, 2))  # two parts sent
         f.flush()
@@ -111,9 +112,13 @@ def test_origin_down_at_close_is_eio_no_object_and_the_advised_cleanup_removes_t
             f.close()
         assert info.value.errno == errno.EIO
         assert time.monotonic() - started < 5 + 10 + 5  # --read-timeout, the abort's bound, slack
-        proxy.origin_back()
-        assert not (mountpoint / "a.bin").exists()
+        # (That the file left the tree is test_parts_refused_for_good_fail_the_close_and_store_nothing's: a stat
+        # now needs the origin.)
         advised = re.search(r"could not be aborted .*; `(modelfs cleanup [^`]*)` removes it", m.log())
+    # Back only once the daemon is gone: an abort given up on at --read-timeout may be inside botocore's own
+    # backoff between retries, and then lands once the origin is back (a clean-clone run saw it). It would be
+    # aborted then, which is what the warning's command is for; this test is of the command.
+    proxy.origin_back()
     assert objects_in(moto_server, bucket) == []
     # The abort could not reach the origin either: the parts wait for `modelfs cleanup`.
     assert sorted(uploads_in(moto_server, bucket)) == ["a.bin", "a.bin.other"]

@@ -44,6 +44,13 @@ WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_APPEND | os.O_TRUNC | os.O_CREAT
 DOT_ENTRIES = 2
 
 
+# How long a READ that found its version gone waits for the kernel to drop the name's entry before it answers EIO.
+# The wait is what orders the two: sent asynchronously, a reader's stat right after the EIO could still find the
+# entry (with `--metadata-ttl forever`, for good) and see a deleted file (a clean-clone run). Bounded because the
+# kernel takes the directory's lock first, which a lookup or listing of that directory may hold meanwhile.
+INVALIDATE_WAIT_S = 2.0
+
+
 # What statfs reports for a writable mount (in 1 MiB blocks): a bucket has no size.
 UNLIMITED_BLOCKS = 1 << 40
 UNLIMITED_FILES = 1 << 32
@@ -86,6 +93,15 @@ def _invalidate_pages(ino: int) -> None:
         pyfuse3.invalidate_inode(ino, attr_only=False)
     except OSError as exc:  # ENOENT: the kernel holds nothing of it
         log.debug("dropping the cached pages of inode %d: %s", ino, exc)
+
+
+def _invalidate_entry(parent: int, name: bytes) -> None:
+    """Drop the kernel's entry of `name` in directory `parent` (blocking: run it in a worker thread, never in the
+    trio thread, which must go on answering the requests the kernel may be waiting on)."""
+    try:
+        pyfuse3.invalidate_entry(parent, name)
+    except OSError as exc:  # ENOENT: the kernel holds no such entry
+        log.debug("dropping the kernel's entry of %r: %s", name, exc)
 
 
 def _fuse_errors(fn: Callable[..., Coroutine[Any, Any, T]]) -> Callable[..., Coroutine[Any, Any, T]]:
@@ -419,7 +435,8 @@ class Operations(pyfuse3.Operations):
             # mixes versions), and the next open of the path gets the bucket's current one, TTL or not.
             entry = self.ns.gone(handle.version)
             if entry is not None:  # so that a stat, too, looks the name up again (the TTL may be forever)
-                pyfuse3.invalidate_entry_async(*entry, ignore_enoent=True)
+                with trio.move_on_after(INVALIDATE_WAIT_S):
+                    await trio.to_thread.run_sync(_invalidate_entry, *entry, abandon_on_cancel=True)
             raise StoreError(f"{exc.message}; new opens get what the bucket holds now") from None
 
     @_fuse_errors

@@ -1,0 +1,135 @@
+"""Unmodified ML libraries on a real mount of SeaweedFS, as a user runs them: transformers' `save_pretrained`
+(sharded, with its `model.safetensors.index.json`) and `from_pretrained`, safetensors' `safe_open` +
+`get_slice` from several processes at once (tensor-parallel ranks, as vLLM loads), `torch.save` and
+`torch.load(mmap=True)`, and a trainer's checkpoint rotation; under directory names a user gives runs (spaces,
+unicode, `+`, `=`). Every tensor is compared with the model the writer had in memory (its `state_dict`, saved
+beside the test with `torch.save`).
+
+Each library runs in a process of its own, as a trainer or a server would; the model is a tiny random Llama
+built from a config (nothing is downloaded)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import (
+    S3Server,
+    delete_bucket,
+    mount_stats,
+    mounted,
+    new_bucket,
+    upload,
+)
+
+pytestmark = pytest.mark.seaweedfs
+
+# A directory name a user gives a run: a space, unicode, `+` and `=`.
+RUN_DIR = "runs/lr=3e-4+warmup/my model ü"
+
+MAKE_MODEL = """
+    import sys, torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(int(sys.argv[3]))
+    config = LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=384, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                         tie_word_embeddings=False)
+    model = LlamaForCausalLM(config)
+    model.save_pretrained(sys.argv[1], max_shard_size="300KB")
+    torch.save(model.state_dict(), sys.argv[2])
+"""
+
+FROM_PRETRAINED = """
+    import json, sys, torch
+    from transformers import AutoModelForCausalLM
+    want = torch.load(sys.argv[2])
+    for kwargs in ({}, {"dtype": torch.bfloat16}, {"low_cpu_mem_usage": True}):
+        got = AutoModelForCausalLM.from_pretrained(sys.argv[1], **kwargs).state_dict()
+        assert set(got) == set(want), set(got) ^ set(want)
+        for name, tensor in want.items():
+            assert torch.equal(got[name], tensor.to(got[name].dtype)), (kwargs, name)
+    print(json.dumps(len(want)))
+"""
+
+# One tensor-parallel rank: its row slice of every tensor (its column slice too, for a matrix), by get_slice.
+TP_RANK = """
+    import json, os, sys, torch
+    from safetensors import safe_open
+    where, rank, world = sys.argv[1], int(sys.argv[3]), int(sys.argv[4])
+    want = torch.load(sys.argv[2])
+    with open(os.path.join(where, "model.safetensors.index.json")) as f:
+        shards = sorted(set(json.load(f)["weight_map"].values()))
+    seen = 0
+    for shard in shards:
+        with safe_open(os.path.join(where, shard), framework="pt") as f:
+            for name in f.keys():
+                part, full = f.get_slice(name), want[name]
+                rows = full.shape[0] // world
+                assert torch.equal(part[rank * rows:(rank + 1) * rows], full[rank * rows:(rank + 1) * rows]), name
+                if full.dim() == 2:
+                    cols = full.shape[1] // world
+                    assert torch.equal(part[:, rank * cols:(rank + 1) * cols], full[:, rank * cols:(rank + 1) * cols])
+                seen += 1
+    print(json.dumps(seen))
+"""
+
+
+def run_python(code: str, *args: str, timeout: float = 120, env: dict[str, str] | None = None) -> str:
+    """A library user in a process of its own, its stdout; fails the test on error. No hub: a path that is not
+    there must fail, not be looked up on huggingface.co."""
+    res = subprocess.run([sys.executable, "-c", textwrap.dedent(code), *args], capture_output=True, text=True,
+                         timeout=timeout, env={**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})})
+    assert res.returncode == 0, res.stderr[-3000:]
+    return res.stdout
+
+
+def make_model(where: Path, seed: int = 0) -> Path:
+    """A sharded tiny Llama saved with save_pretrained at `where`; the path of its state dict (torch.save)."""
+    ref = where.parent / f"{where.name}.state.pt"
+    run_python(MAKE_MODEL, str(where), str(ref), str(seed))
+    assert (where / "model.safetensors.index.json").is_file() and len(list(where.glob("*.safetensors"))) > 3
+    return ref
+
+
+def test_from_pretrained_of_a_sharded_model_uploaded_with_boto3(seaweed_server: S3Server, mountpoint: Path,
+                                                                 tmp_path: Path) -> None:
+    local = tmp_path / "model"
+    ref = make_model(local)
+    bucket = new_bucket(seaweed_server)
+    upload(seaweed_server, bucket, {f"{RUN_DIR}/{f.name}": f for f in local.iterdir()})
+    with mounted(seaweed_server, bucket, mountpoint):
+        out = run_python(FROM_PRETRAINED, str(mountpoint / RUN_DIR), str(ref))
+    assert json.loads(out) > 10
+    delete_bucket(seaweed_server, bucket)
+
+
+def test_tensor_parallel_ranks_load_at_once_and_a_fresh_daemon_loads_from_the_cache(
+        seaweed_server: S3Server, mountpoint: Path, tmp_path: Path) -> None:
+    local = tmp_path / "model"
+    ref = make_model(local)
+    bucket = new_bucket(seaweed_server)
+    upload(seaweed_server, bucket, {f"{RUN_DIR}/{f.name}": f for f in local.iterdir()})
+    cache = ("--cache-dir", str(tmp_path / "cache"))
+    world = 4
+    with mounted(seaweed_server, bucket, mountpoint, *cache):
+        where = str(mountpoint / RUN_DIR)
+        ranks = [subprocess.Popen([sys.executable, "-c", textwrap.dedent(TP_RANK), where, str(ref), str(rank),
+                                   str(world)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                 for rank in range(world)]
+        for rank in ranks:
+            out, err = rank.communicate(timeout=120)
+            assert rank.returncode == 0, err[-3000:]
+            assert json.loads(out) > 10
+        (mountpoint / RUN_DIR / "config.json").read_bytes()  # from_pretrained's other files, into the cache
+        (mountpoint / RUN_DIR / "generation_config.json").read_bytes()
+    with mounted(seaweed_server, bucket, mountpoint, *cache):
+        run_python(FROM_PRETRAINED, str(mountpoint / RUN_DIR), str(ref))
+        assert mount_stats(mountpoint)["origin"]["bytes"] == 0
+    delete_bucket(seaweed_server, bucket)
+

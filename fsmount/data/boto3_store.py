@@ -261,7 +261,14 @@ class Boto3Store:
             self._client.list_objects_v2(Bucket=self.bucket, Prefix=prefix, Delimiter="/", MaxKeys=1)
         except Exception as exc:  # noqa: BLE001 - every failure becomes one clear StoreError
             err = translate_error(exc, self.bucket, f"listing bucket {self.bucket!r}")
-            if isinstance(err, NotFound):
+            code, status, _ = _client_error_code(exc)
+            if code == str(status) and 400 <= status < 500 and status != 403:
+                # An answer without an S3 error code comes from a server that does not speak S3 (SeaweedFS's filer or
+                # volume port given for its S3 one): no word of a bucket that does not exist, or of a bad request.
+                err = (BucketMissing if status == 404 else StoreError)(
+                    f"listing bucket {self.bucket!r}: {self.endpoint_url} answered {status} without an S3 error: is "
+                    "it the S3 API's address and port?")
+            elif isinstance(err, NotFound):
                 err = BucketMissing(f"bucket {self.bucket!r} does not exist")
             raise err from None
 

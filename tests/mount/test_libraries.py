@@ -10,21 +10,27 @@ built from a config (nothing is downloaded)."""
 
 from __future__ import annotations
 
+import contextlib
+import http.server
 import json
 import os
 import subprocess
 import sys
 import textwrap
+import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from tests.helpers import (
     S3Server,
+    daemon_env,
     delete_bucket,
     mount_stats,
     mounted,
     new_bucket,
+    run_modelfs,
     upload,
 )
 
@@ -133,3 +139,54 @@ def test_tensor_parallel_ranks_load_at_once_and_a_fresh_daemon_loads_from_the_ca
         assert mount_stats(mountpoint)["origin"]["bytes"] == 0
     delete_bucket(seaweed_server, bucket)
 
+
+# -- the errors a new user meets on the way ---------------------------------------------------------
+
+class _NotS3(http.server.BaseHTTPRequestHandler):
+    """What a web server that does not speak S3 answers to everything: an error status and no S3 error document
+    (SeaweedFS's filer, the port a SeaweedFS user knows, answers 404 so; its volume server 400)."""
+
+    status = 404
+
+    def do_GET(self) -> None:  # noqa: N802 - the name http.server calls
+        self.send_response(self.status)
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+@contextlib.contextmanager
+def not_an_s3_server(status: int) -> Iterator[str]:
+    """An HTTP server on loopback that answers `status` to every request; its URL."""
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), type("Handler", (_NotS3,), {"status": status}))
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join()
+
+
+@pytest.mark.parametrize("status", [404, 400])
+def test_an_endpoint_that_is_not_s3_is_not_said_to_lack_the_bucket(seaweed_server: S3Server, tmp_path: Path,
+                                                                   status: int) -> None:
+    """A SeaweedFS user gives the filer's port (8888) for the S3 one (8333): every request gets a plain 404. The mount
+    said "bucket 'models' does not exist" of a bucket that exists, and the user went looking for a typo in its
+    name (the volume server's port: "400 (Bad Request)"). Only an S3 answer (NoSuchBucket) says the bucket is
+    missing; an answer without an S3 error code says the endpoint may not be the S3 API."""
+    bucket = new_bucket(seaweed_server)
+    mp = tmp_path / "mnt"
+    mp.mkdir()
+    with not_an_s3_server(status) as url:
+        res = run_modelfs("mount", bucket, str(mp), "--endpoint-url", url, env=daemon_env(seaweed_server))
+    assert res.returncode == 1 and len(res.stderr.strip().splitlines()) == 1, res.stderr
+    assert "does not exist" not in res.stderr and f"{url} answered {status} without an S3 error: is it the S3 API" \
+        in res.stderr, res.stderr
+    assert not os.path.ismount(mp)
+    res = run_modelfs("mount", f"{bucket}-typo", str(mp), "--endpoint-url", seaweed_server.endpoint_url,
+                      env=daemon_env(seaweed_server))
+    assert res.returncode == 1 and f"bucket '{bucket}-typo' does not exist" in res.stderr, res.stderr

@@ -1,9 +1,10 @@
 """Unmodified ML libraries on a real mount of SeaweedFS, as a user runs them: transformers' `save_pretrained`
 (sharded, with its `model.safetensors.index.json`) and `from_pretrained`, safetensors' `safe_open` +
-`get_slice` from several processes at once (tensor-parallel ranks, as vLLM loads), `torch.save` and
-`torch.load(mmap=True)`, and a trainer's checkpoint rotation; under directory names a user gives runs (spaces,
-unicode, `+`, `=`). Every tensor is compared with the model the writer had in memory (its `state_dict`, saved
-beside the test with `torch.save`).
+`get_slice` from several processes at once (tensor-parallel ranks, as vLLM loads), a warm load from `--cache-dir`,
+`torch.save` and `torch.load(mmap=True)`; under directory names a user gives runs (spaces, unicode, `+`, `=`).
+Every tensor is compared with the model the writer had in memory (its `state_dict`, saved beside the test with
+`torch.save`). Then the errors a new user meets on the way. (Single-file save_pretrained, torch.save and a
+trainer's rotation on a --writable mount are in test_writes.py.)
 
 Each library runs in a process of its own, as a trainer or a server would; the model is a tiny random Llama
 built from a config (nothing is downloaded)."""
@@ -31,6 +32,7 @@ from tests.helpers import (
     mounted,
     new_bucket,
     run_modelfs,
+    sha,
     upload,
 )
 
@@ -55,7 +57,8 @@ FROM_PRETRAINED = """
     import json, sys, torch
     from transformers import AutoModelForCausalLM
     want = torch.load(sys.argv[2])
-    for kwargs in ({}, {"dtype": torch.bfloat16}, {"low_cpu_mem_usage": True}):
+    variants = ({}, {"dtype": torch.bfloat16}, {"low_cpu_mem_usage": True})
+    for kwargs in variants[:int(sys.argv[3]) if len(sys.argv) > 3 else None]:
         got = AutoModelForCausalLM.from_pretrained(sys.argv[1], **kwargs).state_dict()
         assert set(got) == set(want), set(got) ^ set(want)
         for name, tensor in want.items():
@@ -86,11 +89,11 @@ TP_RANK = """
 """
 
 
-def run_python(code: str, *args: str, timeout: float = 120, env: dict[str, str] | None = None) -> str:
+def run_python(code: str, *args: str, timeout: float = 120) -> str:
     """A library user in a process of its own, its stdout; fails the test on error. No hub: a path that is not
     there must fail, not be looked up on huggingface.co."""
     res = subprocess.run([sys.executable, "-c", textwrap.dedent(code), *args], capture_output=True, text=True,
-                         timeout=timeout, env={**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})})
+                         timeout=timeout, env={**os.environ, "HF_HUB_OFFLINE": "1"})
     assert res.returncode == 0, res.stderr[-3000:]
     return res.stdout
 
@@ -137,6 +140,42 @@ def test_tensor_parallel_ranks_load_at_once_and_a_fresh_daemon_loads_from_the_ca
     with mounted(seaweed_server, bucket, mountpoint, *cache):
         run_python(FROM_PRETRAINED, str(mountpoint / RUN_DIR), str(ref))
         assert mount_stats(mountpoint)["origin"]["bytes"] == 0
+    delete_bucket(seaweed_server, bucket)
+
+
+TORCH_SAVE_MMAP = """
+    import sys, torch
+    torch.manual_seed(3)
+    state = {"w": torch.randn(1024, 1024), "h": torch.randn(300, 300).half(), "step": torch.tensor(12)}
+    torch.save(state, sys.argv[1])
+    for mmap in (True, False):
+        got = torch.load(sys.argv[1], mmap=mmap, weights_only=True)
+        assert got.keys() == state.keys() and all(torch.equal(got[k], state[k]) for k in state), mmap
+"""
+
+
+@pytest.mark.parametrize("cache_dir", [False, True], ids=["streamed", "cache-dir"])
+def test_save_pretrained_sharded_onto_a_writable_mount_loads_back_through_it_and_boto3(
+        seaweed_server: S3Server, mountpoint: Path, tmp_path: Path, cache_dir: bool) -> None:
+    """A trainer's checkpoint straight into the bucket: save_pretrained (safetensors' temp name, ftruncate and
+    rename before close, for every shard), then from_pretrained on the same mount at once, torch.save /
+    torch.load(mmap=True) beside it, and every object as boto3 downloads it, the bytes the mount served."""
+    bucket = new_bucket(seaweed_server)
+    cache = ("--cache-dir", str(tmp_path / "cache")) if cache_dir else ()
+    where = mountpoint / RUN_DIR / "checkpoint-100"
+    ref = tmp_path / "state.pt"
+    with mounted(seaweed_server, bucket, mountpoint, "--writable", *cache):
+        run_python(MAKE_MODEL, str(where), str(ref), "1")
+        run_python(FROM_PRETRAINED, str(where), str(ref), "1")
+        run_python(TORCH_SAVE_MMAP, str(where / "optimizer+rank=0.pt"))
+        written = {name: sha((where / name).read_bytes()) for name in os.listdir(where)}
+    client = seaweed_server.client()
+    prefix = f"{RUN_DIR}/checkpoint-100/"
+    listed = client.list_objects_v2(Bucket=bucket, Prefix=prefix)["Contents"]
+    assert sorted(o["Key"] for o in listed) == sorted([prefix, *(prefix + name for name in written)])  # mkdir's marker
+    assert client.list_multipart_uploads(Bucket=bucket).get("Uploads", []) == []
+    for name, digest in written.items():
+        assert sha(client.get_object(Bucket=bucket, Key=prefix + name)["Body"].read()) == digest, name
     delete_bucket(seaweed_server, bucket)
 
 

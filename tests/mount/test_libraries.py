@@ -12,6 +12,7 @@ built from a config (nothing is downloaded)."""
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import http.server
 import json
 import os
@@ -176,6 +177,70 @@ def test_save_pretrained_sharded_onto_a_writable_mount_loads_back_through_it_and
     assert client.list_multipart_uploads(Bucket=bucket).get("Uploads", []) == []
     for name, digest in written.items():
         assert sha(client.get_object(Bucket=bucket, Key=prefix + name)["Body"].read()) == digest, name
+    delete_bucket(seaweed_server, bucket)
+
+
+class _Hub(http.server.BaseHTTPRequestHandler):
+    """The two requests of huggingface_hub's hf_hub_download, as the Hub answers them: HEAD and GET of
+    /{repo}/resolve/{revision}/{file}, with the commit and the file's sha256 as its ETag."""
+
+    files: dict[str, bytes] = {}
+
+    def _answer_head(self) -> bytes | None:
+        body = self.files.get(self.path.split("?")[0].rpartition("/")[2])
+        self.send_response(200 if body is not None else 404)
+        if body is not None:
+            self.send_header("X-Repo-Commit", "0123456789abcdef0123456789abcdef01234567")
+            self.send_header("ETag", f'"{hashlib.sha256(body).hexdigest()}"')
+        self.send_header("Content-Length", str(len(body or b"")))
+        self.end_headers()
+        return body
+
+    def do_HEAD(self) -> None:  # noqa: N802 - the name http.server calls
+        self._answer_head()
+
+    def do_GET(self) -> None:  # noqa: N802
+        body = self._answer_head()
+        if body is not None:
+            self.wfile.write(body)
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+HF_DOWNLOAD = """
+    import json, sys
+    from huggingface_hub import hf_hub_download
+    print(json.dumps([hf_hub_download("org/model", name, local_dir=sys.argv[1]) for name in sys.argv[2:]]))
+"""
+
+
+@pytest.mark.xfail(strict=True, reason="an open for writing of an existing file without O_TRUNC is EPERM without "
+                                       "--allow-overwrite, and huggingface_hub's lock files are opened so")
+def test_hf_hub_download_into_a_writable_mount(seaweed_server: S3Server, mountpoint: Path) -> None:
+    """`hf_hub_download(local_dir=...)` (and `hf download --local-dir`), the usual way to put a model into a
+    directory, into a new directory of a --writable mount: it takes a lock file of its own under
+    `.cache/huggingface/download/` (filelock: open O_RDWR|O_CREAT, flock, close), reads its metadata, then takes
+    the same lock again to download. The second open of the lock file, stored (empty) at the first close, is EPERM
+    without --allow-overwrite: no file is downloaded, the user sees PermissionError on a `.lock` file they never
+    named, and the daemon says why only at INFO. Nothing of the user's is replaced."""
+    files = {"config.json": b'{"model_type": "llama"}\n', "model.safetensors": os.urandom(100_000)}
+    bucket = new_bucket(seaweed_server)
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), type("Hub", (_Hub,), {"files": files}))
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        with mounted(seaweed_server, bucket, mountpoint, "--writable"):
+            where = mountpoint / "models" / "org model"
+            res = subprocess.run([sys.executable, "-c", textwrap.dedent(HF_DOWNLOAD), str(where), *files],
+                                 capture_output=True, text=True, timeout=60,
+                                 env={**os.environ, "HF_ENDPOINT": f"http://127.0.0.1:{server.server_address[1]}"})
+            assert res.returncode == 0, res.stderr[-2000:]
+            assert {name: (where / name).read_bytes() for name in files} == files
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join()
     delete_bucket(seaweed_server, bucket)
 
 

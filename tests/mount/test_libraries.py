@@ -215,28 +215,33 @@ HF_DOWNLOAD = """
 """
 
 
-@pytest.mark.xfail(strict=True, reason="an open for writing of an existing file without O_TRUNC is EPERM without "
-                                       "--allow-overwrite, and huggingface_hub's lock files are opened so")
-def test_hf_hub_download_into_a_writable_mount(seaweed_server: S3Server, mountpoint: Path) -> None:
+@pytest.mark.parametrize("allow_overwrite", [False, True])
+def test_hf_hub_download_into_a_writable_mount_needs_allow_overwrite(seaweed_server: S3Server, mountpoint: Path,
+                                                                    allow_overwrite: bool) -> None:
     """`hf_hub_download(local_dir=...)` (and `hf download --local-dir`), the usual way to put a model into a
     directory, into a new directory of a --writable mount: it takes a lock file of its own under
     `.cache/huggingface/download/` (filelock: open O_RDWR|O_CREAT, flock, close), reads its metadata, then takes
-    the same lock again to download. The second open of the lock file, stored (empty) at the first close, is EPERM
-    without --allow-overwrite: no file is downloaded, the user sees PermissionError on a `.lock` file they never
-    named, and the daemon says why only at INFO. Nothing of the user's is replaced."""
+    the same lock again to download. The second open of the lock file, stored (empty) at the first close, opens an
+    existing file for writing without O_TRUNC: EPERM without --allow-overwrite, and nothing is downloaded (the
+    README says so). With it, every file arrives whole."""
     files = {"config.json": b'{"model_type": "llama"}\n', "model.safetensors": os.urandom(100_000)}
     bucket = new_bucket(seaweed_server)
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), type("Hub", (_Hub,), {"files": files}))
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
+    args = ("--writable", "--allow-overwrite") if allow_overwrite else ("--writable",)
     try:
-        with mounted(seaweed_server, bucket, mountpoint, "--writable"):
+        with mounted(seaweed_server, bucket, mountpoint, *args, allowed=(r"--allow-delete",)):
             where = mountpoint / "models" / "org model"
             res = subprocess.run([sys.executable, "-c", textwrap.dedent(HF_DOWNLOAD), str(where), *files],
                                  capture_output=True, text=True, timeout=60,
                                  env={**os.environ, "HF_ENDPOINT": f"http://127.0.0.1:{server.server_address[1]}"})
-            assert res.returncode == 0, res.stderr[-2000:]
-            assert {name: (where / name).read_bytes() for name in files} == files
+            if allow_overwrite:
+                assert res.returncode == 0, res.stderr[-2000:]
+                assert {name: (where / name).read_bytes() for name in files} == files
+            else:
+                assert res.returncode != 0 and "PermissionError" in res.stderr, res.stderr[-2000:]
+                assert not any((where / name).exists() for name in files)
     finally:
         server.shutdown()
         server.server_close()

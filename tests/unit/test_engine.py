@@ -444,6 +444,34 @@ async def test_a_chunk_read_at_random_or_left_mid_way_holds_no_room_past_in_use_
     await run_engine(engine, body)
 
 
+@pytest.mark.parametrize("readers", [1, 2])
+async def test_a_read_of_more_chunks_than_memory_holds_gets_them_in_turn(autojump_clock, readers: int) -> None:  # noqa: ANN001
+    """One READ of 16 chunks in 4 chunks of memory (an O_DIRECT read of 1 MiB over 64 KiB chunks), or two at once: the
+    chunk fetches get room in the order they asked, so the READ takes each chunk as it lands and frees its room for
+    the next. Woken all at once, later chunks took the room first and, in use (their READ waits for them), held it
+    IN_USE_S while the READ waited for an earlier one: 1.25-2.2 s for 0.2 s of GETs, EIO at a 3 s --read-timeout."""
+    from fsmount.data.budget import IN_USE_S
+
+    store = FakeStore()
+    files = {f"m{i}": put_object(store, f"m{i}", 16 * CHUNK + i) for i in range(readers)}
+    engine = make_engine(store, memory=4 * CHUNK, conns=16, timeout=30.0)
+    took: list[float] = []
+
+    async def read(key: str) -> None:
+        start = trio.current_time()
+        assert await engine.read(version(store, key), 0, 16 * CHUNK) == files[key][:16 * CHUNK]
+        took.append(trio.current_time() - start)
+
+    async def body() -> None:
+        async with trio.open_nursery() as nursery:
+            for key in files:
+                nursery.start_soon(read, key)
+
+    await run_engine(engine, body)
+    assert max(took) <= readers * 16 / 4 * LATENCY + LATENCY < IN_USE_S, took
+    assert len(store.gets) == 16 * readers  # every chunk once
+
+
 async def test_store_error_reaches_the_reader_and_is_not_cached(autojump_clock, allowed_logs) -> None:  # noqa: ANN001
     allowed_logs.append("fetching chunk .* failed")
     store = FakeStore()

@@ -702,10 +702,13 @@ class Namespace:
         """The node for an entry of a listing begun at `as_of` (readdirplus); then `entry_taken` or
         `entry_refused` by the kernel."""
         path = self._join(parent.path, entry.name.decode("utf-8"))
+        pending = self._pending.get(path) if not entry.is_dir else None
+        if pending is not None:
+            # Being written now, also where the listing names the stored version it replaces (an O_TRUNC rewrite, a
+            # file renamed onto it): handed to the kernel as an inode of its own, that version read its old bytes
+            # and took a second writer while the first went on (a fuzzer).
+            return pending
         if entry.meta is None and not entry.is_dir:
-            pending = self._pending.get(path)
-            if pending is not None:
-                return pending
             # Closed since the directory was opened: once stored, it is the same node; dropped, it is gone
             # (ENOENT, which readdir skips).
             ino = self._latest_file.get(path)

@@ -469,6 +469,42 @@ def test_a_file_being_written_is_busy_for_other_handles(s3: S3Server, mountpoint
     delete_bucket(s3, bucket)
 
 
+@pytest.mark.parametrize("how", ["rewrite", "renamed-onto"])
+def test_a_listing_while_a_stored_file_is_replaced_shows_the_file_being_written(s3: S3Server, mountpoint: Path,
+                                                                                how: str) -> None:
+    """`ls` of a directory while a stored file in it is replaced by one being written (an O_TRUNC rewrite, or
+    save_file's temporary file renamed onto it before its close): readdirplus handed the kernel the cached listing's
+    entry, the old version, as an inode of its own. `stat` then showed the old size, an open for reading read the
+    old bytes (EBUSY, as for any file being written), and an open for writing began a second writer of the key,
+    which stored an empty object at its close while the first was still written; after the first close the mount
+    showed 0 bytes for the 12 in the bucket. The name is the file being written, whatever the listing says."""
+    bucket = bucket_with(s3, {"ckpt": random_bytes(1500, 52)})
+    with mounted(s3, bucket, mountpoint, *WRITABLE, "--allow-overwrite"):
+        assert os.listdir(mountpoint) == ["ckpt"]  # the listing, with the stored version, is cached
+        if how == "rewrite":
+            fd = os.open(mountpoint / "ckpt", os.O_WRONLY | os.O_TRUNC)
+        else:
+            fd = os.open(mountpoint / ".tmp", os.O_WRONLY | os.O_CREAT | os.O_EXCL)
+        try:
+            os.write(fd, b"new")
+            if how == "renamed-onto":
+                os.rename(mountpoint / ".tmp", mountpoint / "ckpt")
+            assert os.listdir(mountpoint) == ["ckpt"]
+            assert os.stat(mountpoint / "ckpt").st_size == 3
+            for flags in (os.O_RDONLY, os.O_WRONLY | os.O_TRUNC):
+                with pytest.raises(OSError) as info:
+                    os.close(os.open(mountpoint / "ckpt", flags))
+                assert info.value.errno == errno.EBUSY
+            os.write(fd, b" and more")
+        finally:
+            os.close(fd)
+        assert os.stat(mountpoint / "ckpt").st_size == 12
+        assert (mountpoint / "ckpt").read_bytes() == b"new and more"
+    assert s3.client().get_object(Bucket=bucket, Key="ckpt")["Body"].read() == b"new and more"
+    assert keys(s3, bucket) == {"ckpt": 12}
+    delete_bucket(s3, bucket)
+
+
 def test_an_overwrite_beside_a_reader_of_the_old_version_is_stored_at_its_close(s3: S3Server, mountpoint: Path) -> None:
     """`with open(p, "wb")` while the same process still reads the file it replaces: the reader's descriptor
     counted as another holder, so close(2) returned 0 at once, the file was stored only at RELEASE (a reopen got

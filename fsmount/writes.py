@@ -21,6 +21,8 @@ The rules (README "Writing checkpoints"):
   unlink deletes it (with `--allow-delete`, first), and so does a rename (with it, unless this mount wrote it).
 - A rename of a file whose commit is in flight waits for it (`NewFile.rename`): then it moves the stored object,
   or gets ENOENT if the commit failed.
+- A name a file was renamed away from while it was written, once its upload had begun there, is busy (EBUSY) for
+  new files and renames onto it until that file is stored: its upload is completed under that key, then moved.
 
 Rules between tasks (all in the trio thread): `_open` holds the files with an upload under way (for
 aborting at unmount); `_written` the inodes of files this mount stored. Store calls run in threads under
@@ -354,6 +356,7 @@ class Writes:
         path = self.ns.child_path(parent, name)
         if self.ns.pending(path) is not None:
             raise PathError(errno.EBUSY)
+        self._not_an_upload_of_another(path)
         await self._absent(path)
         return self._start(self.ns.begin_file(path))
 
@@ -363,6 +366,7 @@ class Writes:
             raise PathError(errno.EISDIR)
         if node.writing:
             raise PathError(errno.EBUSY)
+        self._not_an_upload_of_another(node.path)
         if not self.allow_overwrite:
             # `touch` of a stored file opens it for writing without O_TRUNC, then sets its times by path: it
             # replaces nothing, so it is not worth a warning (it still gets EPERM, as any such open does).
@@ -379,6 +383,19 @@ class Writes:
         new = self._start(self.ns.begin_file(path, node))
         new.replaces = path
         return new
+
+    def _not_an_upload_of_another(self, path: str, node: Node | None = None) -> None:
+        """EBUSY while a file renamed away from `path` as it was written (not `node`) has its multipart upload under
+        `path`'s key: an upload cannot be renamed, so at its close it is completed there, copied to the file's name,
+        and that key deleted. A file stored under the name meanwhile (a log rotated while written, and a new one
+        created) was overwritten by that completion and deleted by the move (with --allow-overwrite), or failed the
+        renamed file's close (create-only)."""
+        key = self.ns.key_of(path)
+        for new in self._files.values():
+            if new.upload_key == key and new.node is not node:
+                log.warning("%s: %s, renamed from it while it was written, still uploads under this name until it is "
+                            "closed: busy until then", path or "/", new.node.path)
+                raise PathError(errno.EBUSY)
 
     def _start(self, node: Node) -> NewFile:
         new = NewFile(self, node, self.part_size)
@@ -469,6 +486,8 @@ class Writes:
             if not self.allow_overwrite:
                 log.warning("rename onto %s: replacing it needs --allow-overwrite", path)
                 raise PathError(errno.EPERM)
+        if not node.is_dir:
+            self._not_an_upload_of_another(path, node)
         new = self._files.get(node.ino) if node.writing else None
 
         async def move_pending() -> None:

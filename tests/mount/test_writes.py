@@ -34,6 +34,7 @@ WRITABLE = ("--writable", "--metadata-ttl", "60")
 # Warnings a test that provokes them expects.
 SEQUENTIAL_ONLY = r"only sequential writes are supported"
 NEEDS_OVERWRITE = r"needs --allow-overwrite"
+UPLOAD_UNDER_IT = r"still uploads under this name"
 
 
 def keys(server: S3Server, bucket: str) -> dict[str, int]:
@@ -377,6 +378,45 @@ def test_a_file_renamed_while_written_does_not_replace_a_key_another_mount_store
         assert sorted(os.listdir(a.path)) == ["model.safetensors"]
     assert keys(s3, bucket) == {"model.safetensors": 1000}
     assert s3.client().get_object(Bucket=bucket, Key="model.safetensors")["Body"].read() == second
+    assert uploads_in(s3, bucket) == []
+    delete_bucket(s3, bucket)
+
+
+@pytest.mark.parametrize("overwrite", [False, True], ids=["create-only", "allow-overwrite"])
+def test_the_old_name_of_a_file_renamed_while_written_is_busy_until_it_is_stored(s3: S3Server, mountpoint: Path,
+                                                                               overwrite: bool) -> None:
+    """A file renamed while it is written keeps its multipart upload under its old name until its close (an upload
+    cannot be renamed): it is completed there, copied to the new name, and the old key deleted. A file stored under
+    the old name meanwhile (a log rotated while written, a new `log` created) was overwritten by that completion and
+    then deleted by the move (with --allow-overwrite: its close had returned 0, and it was gone from the bucket), or
+    made the renamed file's close fail with EIO (create-only: "created meanwhile by another writer"). The old name is
+    busy (EBUSY) until the renamed file is stored; then it can be written."""
+    bucket = new_bucket(s3)
+    first, second = random_bytes(6 * MiB, 51), b"second"
+    flags = ("--allow-overwrite",) if overwrite else ()
+    with mounted(s3, bucket, mountpoint, *WRITABLE, "--write-part-size", "5M", *flags, allowed=(UPLOAD_UNDER_IT,)):
+        (mountpoint / "other").write_bytes(second)
+        f = open(mountpoint / "log", "wb")  # noqa: SIM115 - closed below, after the other writes
+        f.write(first)
+        f.flush()  # one part is on its way: the upload began under "log"
+        os.rename(mountpoint / "log", mountpoint / "log.1")
+        answers = []
+        for attempt in (lambda: (mountpoint / "log").write_bytes(second),
+                        lambda: os.rename(mountpoint / "other", mountpoint / "log")):
+            try:
+                attempt()
+                answers.append("ok")
+            except OSError as exc:
+                answers.append(errno.errorcode[exc.errno])
+        f.close()  # stored as log.1 (it raised EIO when a new `log` was stored first)
+        assert sha(s3.client().get_object(Bucket=bucket, Key="log.1")["Body"].read()) == sha(first)
+        # Whatever was stored under "log" meanwhile is still there (it was deleted with --allow-overwrite).
+        stored = {"log": second} if "ok" in answers else {}
+        assert {k: v for k, v in keys(s3, bucket).items() if k == "log"} == {k: len(v) for k, v in stored.items()}
+        assert answers == ["EBUSY", "EBUSY"]
+        (mountpoint / "log").write_bytes(second)  # free once the renamed file is stored
+        assert sorted(os.listdir(mountpoint)) == ["log", "log.1", "other"]
+    assert keys(s3, bucket) == {"log": len(second), "log.1": len(first), "other": len(second)}
     assert uploads_in(s3, bucket) == []
     delete_bucket(s3, bucket)
 

@@ -387,9 +387,14 @@ class Namespace:
         node = self._nodes.get(ino) if ino is not None else None
         if node is not None and not node.writing:
             self._supersede(node)
-        parent, _, name = path.rpartition("/")
-        self._listings.pop(parent, None)  # also when the kernel has forgotten the inode
+        self._listings.pop(path.rpartition("/")[0], None)  # also when the kernel has forgotten the inode
         self._negative.pop(path, None)
+        return self.kernel_entry(path)
+
+    def kernel_entry(self, path: str) -> tuple[int, bytes] | None:
+        """The kernel's entry of `path`, (parent inode, name), for it to drop; None if the kernel does not know the
+        parent."""
+        parent, _, name = path.rpartition("/")
         parent_ino = self._ino_by_path.get((parent, None))
         if parent_ino is None or parent_ino not in self._nodes:
             return None

@@ -44,10 +44,11 @@ WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_APPEND | os.O_TRUNC | os.O_CREAT
 DOT_ENTRIES = 2
 
 
-# How long a READ that found its version gone waits for the kernel to drop the name's entry before it answers EIO.
-# The wait is what orders the two: sent asynchronously, a reader's stat right after the EIO could still find the
-# entry (with `--metadata-ttl forever`, for good) and see a deleted file (a clean-clone run). Bounded because the
-# kernel takes the directory's lock first, which a lookup or listing of that directory may hold meanwhile.
+# How long a READ that found its version gone (or a close whose file could not be stored) waits for the kernel to
+# drop the name's entry before it answers EIO. The wait is what orders the two: sent asynchronously, a stat right
+# after the EIO could still find the entry (with `--metadata-ttl forever`, for good) and see a deleted file (a
+# clean-clone run). Bounded because the kernel takes the directory's lock first, which a lookup or listing of that
+# directory may hold meanwhile.
 INVALIDATE_WAIT_S = 2.0
 
 
@@ -102,6 +103,13 @@ def _invalidate_entry(parent: int, name: bytes) -> None:
         pyfuse3.invalidate_entry(parent, name)
     except OSError as exc:  # ENOENT: the kernel holds no such entry
         log.debug("dropping the kernel's entry of %r: %s", name, exc)
+
+
+async def _drop_entry(entry: tuple[int, bytes]) -> None:
+    """Have the kernel drop the entry (parent inode, name) before the request under way is answered: at most
+    INVALIDATE_WAIT_S."""
+    with trio.move_on_after(INVALIDATE_WAIT_S):
+        await trio.to_thread.run_sync(_invalidate_entry, *entry, abandon_on_cancel=True)
 
 
 def _fuse_errors(fn: Callable[..., Coroutine[Any, Any, T]]) -> Callable[..., Coroutine[Any, Any, T]]:
@@ -435,8 +443,7 @@ class Operations(pyfuse3.Operations):
             # mixes versions), and the next open of the path gets the bucket's current one, TTL or not.
             entry = self.ns.gone(handle.version)
             if entry is not None:  # so that a stat, too, looks the name up again (the TTL may be forever)
-                with trio.move_on_after(INVALIDATE_WAIT_S):
-                    await trio.to_thread.run_sync(_invalidate_entry, *entry, abandon_on_cancel=True)
+                await _drop_entry(entry)
             raise StoreError(f"{exc.message}; new opens get what the bucket holds now") from None
 
     @_fuse_errors
@@ -477,7 +484,9 @@ class Operations(pyfuse3.Operations):
     async def _commit(self, new: NewFile) -> None:
         """Store the file; once a rewrite of a stored file is stored, drop what the kernel holds of the inode's
         pages: descriptors of the old version read old bytes into them while the new file was written, and read
-        them from there after the store, no READ asked (the next open drops them too: Operations.open)."""
+        them from there after the store, no READ asked (the next open drops them too: Operations.open). A file that
+        could not be stored left the tree: the kernel's entry of its name goes, which it kept for the TTL (a fuzzer:
+        `stat` found a new file after its close had failed with EIO; the name is what the bucket holds)."""
         try:
             await new.commit()
         finally:
@@ -485,6 +494,10 @@ class Operations(pyfuse3.Operations):
             if node.pages_stale and not node.writing and node.etag:
                 # From a worker thread: the kernel waits for pages that READs queued to this loop hold.
                 await trio.to_thread.run_sync(_invalidate_pages, node.ino)
+            elif new.stored is None and not new.unlinked:
+                entry = self.ns.kernel_entry(node.path)
+                if entry is not None:
+                    await _drop_entry(entry)
 
     async def _held_elsewhere(self, new: NewFile) -> bool:
         if new.opener is None:

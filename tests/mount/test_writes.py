@@ -191,6 +191,47 @@ def test_out_of_order_write_fails_and_stores_nothing(s3: S3Server, mountpoint: P
     delete_bucket(s3, bucket)
 
 
+@pytest.mark.parametrize("how", ["new", "rewrite", "renamed-onto"])
+def test_a_file_that_fails_leaves_the_name_as_the_bucket_has_it(s3: S3Server, mountpoint: Path, how: str) -> None:
+    """A file being written whose close fails (here a write out of order) leaves the tree, and the name is what the
+    bucket holds: nothing for a new file, the old object for a rewrite (O_TRUNC) or for a file renamed onto it. The
+    kernel kept the entry it had been given while the file was written (with the metadata TTL: for good with
+    `forever`), so after `close` got EIO, `stat` still found the file, with the size it had when it failed (`ls` did
+    not list a new one, and an open of it got ENOENT; a rewrite's old bytes read back under the failed one's size)."""
+    old = random_bytes(1500, 53)
+    bucket = bucket_with(s3, {"ckpt": old})
+    name = "new.bin" if how == "new" else "ckpt"
+    with mounted(s3, bucket, mountpoint, *WRITABLE, "--allow-overwrite",
+                 allowed=(SEQUENTIAL_ONLY, "will not be stored")):
+        assert os.listdir(mountpoint) == ["ckpt"]
+        if how == "rewrite":
+            fd = os.open(mountpoint / name, os.O_WRONLY | os.O_TRUNC)
+        else:
+            fd = os.open(mountpoint / (".tmp" if how == "renamed-onto" else name), os.O_WRONLY | os.O_CREAT | os.O_EXCL)
+        try:
+            os.write(fd, b"new")
+            if how == "renamed-onto":
+                os.rename(mountpoint / ".tmp", mountpoint / name)
+            assert os.stat(mountpoint / name).st_size == 3
+            with pytest.raises(OSError) as info:
+                os.pwrite(fd, b"x", 10)
+            assert info.value.errno == errno.EINVAL
+            assert os.stat(mountpoint / name).st_size == 3  # the kernel has the file's attributes now
+        finally:
+            with pytest.raises(OSError) as info:
+                os.close(fd)
+            assert info.value.errno == errno.EIO
+        assert os.listdir(mountpoint) == ["ckpt"]
+        if how == "new":
+            assert not os.path.exists(mountpoint / name)
+        else:
+            assert os.stat(mountpoint / name).st_size == len(old)
+            assert (mountpoint / name).read_bytes() == old
+    assert keys(s3, bucket) == {"ckpt": len(old)}
+    assert uploads_in(s3, bucket) == []
+    delete_bucket(s3, bucket)
+
+
 @pytest.mark.parametrize("first", ["pwrite", "posix_fallocate"])
 def test_a_first_write_out_of_order_fails_the_close_too(s3: S3Server, mountpoint: Path, first: str) -> None:
     """A file whose very first write was out of order (or glibc's posix_fallocate, which writes a byte per

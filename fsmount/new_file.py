@@ -112,9 +112,11 @@ class NewFile:
         self.error: str | None = None
         self.stored: ObjectMeta | None = None
         self.unlinked = False  # unlinked while open: its upload is gone, what it is sent is dropped
-        # The path of the stored file it rewrites (an O_TRUNC open), whose object stays in the bucket until this one
-        # is stored under the same key: renamed or unlinked before that, the old object is deleted (Writes).
+        # The path of the stored file it replaces, whose object stays in the bucket until this one is stored under the
+        # same key: the one it rewrites (an O_TRUNC open; `replaced` is then its own node), or one it was renamed
+        # onto (`replaced`: that file's node). Renamed or unlinked before that, the old object is deleted (Writes).
         self.replaces: str | None = None
+        self.replaced: Node | None = None
         self.handles = 0  # open file handles on it
         self.opener: int | None = None  # the process that opened it (holders.py), None where unknown
         # A descriptor of it was closed while it was still empty and nothing was written since: it is stored

@@ -19,6 +19,7 @@ The rules (README "Writing checkpoints"):
   its upload is aborted, and what its handles still write goes nowhere, as on a local disk. A rewrite (O_TRUNC)
   of a stored file is the exception: the object it replaces is in the bucket until the rewrite is stored, so an
   unlink deletes it (with `--allow-delete`, first), and so does a rename (with it, unless this mount wrote it).
+  So is a file being written that was renamed onto a stored one: it replaces that object the same way.
 - A rename of a file whose commit is in flight waits for it (`NewFile.rename`): then it moves the stored object,
   or gets ENOENT if the commit failed.
 - A name a file was renamed away from while it was written, once its upload had begun there, is busy (EBUSY) for
@@ -381,7 +382,7 @@ class Writes:
             raise PathError(errno.EOPNOTSUPP)
         path = node.path
         new = self._start(self.ns.begin_file(path, node))
-        new.replaces = path
+        new.replaces, new.replaced = path, node
         return new
 
     def _not_an_upload_of_another(self, path: str, node: Node | None = None) -> None:
@@ -438,7 +439,7 @@ class Writes:
                 self._refuse_delete(node.path)
             await self.call(self.uploads.delete, self.ns.key_of(new.replaces))
             self.stats.deletes += 1
-            replaced, new.replaces = new.replaces, None
+            replaced, new.replaces, new.replaced = new.replaces, None, None
             self.ns.removed(replaced, is_dir=False)
         if new is not None and await new.unlink():
             return
@@ -495,13 +496,20 @@ class Writes:
             if new.replaces is not None:
                 # The rename deletes the object the rewrite replaces: unchecked, `rm` of the new name (which deletes
                 # nothing of the bucket) then removed any object with --allow-overwrite alone (the review).
-                self._check_rename_deletes(node)
+                self._check_rename_deletes(new.replaced or node)
                 # A rewrite (O_TRUNC) renamed before its close: its upload goes to the new name, and the old object
                 # would stay, its old bytes back under the old name after the TTL (the audit). It goes now, as its
                 # bytes went at the open for any other file system.
                 await self.call(self.uploads.delete, self.ns.key_of(new.replaces))
-                new.replaces = None
+                if new.replaced is not node:  # a file it was renamed onto (a rewrite's own node moves below)
+                    self.ns.removed(new.replaces, is_dir=False)
+                new.replaces = new.replaced = None
             self.ns.move_pending(node, path)
+            if target is not None:
+                # Renamed onto a stored file, which it now is in this mount: that object stays in the bucket until this
+                # one is stored under the name, and goes as a rewrite's does if this one is renamed away or unlinked
+                # first (its old bytes came back under the name, after an `rm` that had returned 0: a fuzzer).
+                new.replaces, new.replaced = path, target
 
         if node.is_dir:
             await self._rename_dir(node, path)

@@ -4,6 +4,7 @@ without their flags, renames, directories, read after write)."""
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
@@ -458,6 +459,41 @@ def test_the_old_name_of_a_file_renamed_while_written_is_busy_until_it_is_stored
         (mountpoint / "log").write_bytes(second)  # free once the renamed file is stored
         assert sorted(os.listdir(mountpoint)) == ["log", "log.1", "other"]
     assert keys(s3, bucket) == {"log": len(second), "log.1": len(first), "other": len(second)}
+    assert uploads_in(s3, bucket) == []
+    delete_bucket(s3, bucket)
+
+
+@pytest.mark.parametrize("then", ["unlink", "rename-away", "unlink-refused"])
+def test_a_file_renamed_onto_a_stored_one_while_written_takes_its_place(s3: S3Server, mountpoint: Path,
+                                                                        then: str) -> None:
+    """save_file's order over an existing checkpoint: a temporary file renamed onto it before its close. The old
+    object stays in the bucket until the new one is stored under the name, but the name is the new file's: removed
+    (`rm`) or renamed away before its close, the old checkpoint came back under the name, with its old bytes in the
+    bucket and on the mount (and `rm` had returned 0). It goes with the file that replaced it, as the object an
+    O_TRUNC rewrite replaces does: at the rename, or at the unlink, which needs --allow-delete (EPERM without: the
+    new file is then stored at its close)."""
+    old = random_bytes(1500, 54)
+    bucket = bucket_with(s3, {"ckpt": old})
+    flags = ("--allow-overwrite",) if then == "unlink-refused" else ("--allow-overwrite", "--allow-delete")
+    with mounted(s3, bucket, mountpoint, *WRITABLE, *flags, allowed=("needs --allow-delete",)):
+        assert os.listdir(mountpoint) == ["ckpt"]
+        fd = os.open(mountpoint / ".tmp", os.O_WRONLY | os.O_CREAT | os.O_EXCL)
+        try:
+            os.write(fd, b"new")
+            os.rename(mountpoint / ".tmp", mountpoint / "ckpt")
+            if then == "rename-away":
+                os.rename(mountpoint / "ckpt", mountpoint / "moved")
+            else:
+                with contextlib.nullcontext() if then == "unlink" else pytest.raises(OSError) as info:
+                    os.unlink(mountpoint / "ckpt")
+                if then == "unlink-refused":
+                    assert info.value.errno == errno.EPERM
+        finally:
+            os.close(fd)
+        want = {"unlink": {}, "rename-away": {"moved": b"new"}, "unlink-refused": {"ckpt": b"new"}}[then]
+        assert sorted(os.listdir(mountpoint)) == sorted(want)
+        assert {name: (mountpoint / name).read_bytes() for name in want} == want
+    assert {k: s3.client().get_object(Bucket=bucket, Key=k)["Body"].read() for k in keys(s3, bucket)} == want
     assert uploads_in(s3, bucket) == []
     delete_bucket(s3, bucket)
 

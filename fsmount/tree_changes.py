@@ -121,6 +121,10 @@ class WritableNamespace(Namespace):
         self._change(parent, name, None)
         if is_dir:
             self._listings.pop(path, None)
+            # A directory made again at the path is a new inode: given the removed one's number, it was that inode for
+            # the kernel, which marks a removed directory dead and refuses every name in it (ENOENT) until it evicts
+            # it, later or never while something holds it (a fuzzer).
+            self._ino_by_path.pop((path, None), None)
         self._negative[path] = True
 
     def dir_moved(self, node: Node, path: str) -> None:

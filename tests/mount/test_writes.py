@@ -560,6 +560,28 @@ def test_mkdir_is_visible_at_once_and_empty_and_rmdir_removes_it(s3: S3Server, m
     delete_bucket(s3, bucket)
 
 
+def test_a_directory_made_again_where_one_was_removed_takes_new_files(s3: S3Server, mountpoint: Path) -> None:
+    """rmdir, then mkdir of the same name, while something still holds the removed directory (a shell's cwd, an open
+    descriptor, a dentry the kernel had not evicted yet: a fuzzer's run hit it with none of its own): the new directory
+    got the removed one's inode number, and the kernel, which still had that inode marked dead, refused every name in
+    it (ENOENT) until it evicted it. A directory made again is a new inode."""
+    bucket = new_bucket(s3)
+    with mounted(s3, bucket, mountpoint, *WRITABLE, "--allow-delete"):
+        os.mkdir(mountpoint / "d")
+        held = os.open(mountpoint / "d", os.O_RDONLY)
+        try:
+            os.rmdir(mountpoint / "d")
+            os.mkdir(mountpoint / "d")
+            (mountpoint / "d" / "f").write_bytes(b"new")
+            assert os.listdir(mountpoint / "d") == ["f"]
+        finally:
+            os.close(held)
+        (mountpoint / "d" / "g").write_bytes(b"more")
+        assert sorted(os.listdir(mountpoint / "d")) == ["f", "g"]
+    assert keys(s3, bucket) == {"d/": 0, "d/f": 3, "d/g": 4}
+    delete_bucket(s3, bucket)
+
+
 def test_names_the_read_side_would_skip_are_refused(s3: S3Server, mountpoint: Path) -> None:
     bucket = new_bucket(s3)
     with mounted(s3, bucket, mountpoint, *WRITABLE):

@@ -358,7 +358,11 @@ class Namespace:
             node.fresh_until = time.monotonic() + min(self.ttl, STALE_RETRY)
             return node
         if meta is None and not node.etag:
-            raise PathError(errno.ENOENT)  # never stored (a new file whose upload failed): nothing to keep
+            # Never stored (a new file that failed, or was unlinked while written): descriptors still open on it keep
+            # its attributes, as those of a deleted file do (fstat and lseek(SEEK_END) of them got ENOENT); its name
+            # is gone from the kernel, and an open of the inode gets ESTALE, then ENOENT at its lookup.
+            node.supersede()
+            return node
         node.fresh_until = time.monotonic() + self.ttl
         self._asked(node.path, asked)
         if meta is None or meta.etag != node.etag:

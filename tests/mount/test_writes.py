@@ -233,6 +233,42 @@ def test_a_file_that_fails_leaves_the_name_as_the_bucket_has_it(s3: S3Server, mo
     delete_bucket(s3, bucket)
 
 
+@pytest.mark.parametrize("how", ["unlinked", "failed"])
+def test_descriptors_of_a_file_that_left_the_tree_keep_its_attributes(s3: S3Server, mountpoint: Path,
+                                                                      how: str) -> None:
+    """A file being written that left the tree before it was stored (unlinked while open, or failed at the close of
+    one of its descriptors) is still open through the others: fstat and lseek(SEEK_END) of them got ENOENT (its
+    GETATTR asked the bucket, which never had it), where a local disk answers them, as this mount does for a stored
+    file deleted while open."""
+    bucket = new_bucket(s3)
+    with mounted(s3, bucket, mountpoint, *WRITABLE, allowed=(SEQUENTIAL_ONLY, "will not be stored")):
+        fd = os.open(mountpoint / "f.bin", os.O_WRONLY | os.O_CREAT | os.O_EXCL)
+        other = os.dup(fd)
+        try:
+            os.write(fd, b"abc")
+            if how == "unlinked":
+                os.unlink(mountpoint / "f.bin")
+            else:
+                with pytest.raises(OSError) as info:
+                    os.pwrite(fd, b"x", 10)
+                assert info.value.errno == errno.EINVAL
+                fd, closing = -1, fd
+                with pytest.raises(OSError) as info:
+                    os.close(closing)  # fails the file: it leaves the tree, and `other` still has it open
+                assert info.value.errno == errno.EIO
+            assert not os.path.exists(mountpoint / "f.bin")
+            assert os.fstat(other).st_size == 3
+            assert os.lseek(other, 0, os.SEEK_END) == 3
+        finally:
+            for open_fd in (fd, other):
+                with contextlib.suppress(OSError):  # EIO for a file that failed
+                    if open_fd >= 0:
+                        os.close(open_fd)
+    assert keys(s3, bucket) == {}
+    assert uploads_in(s3, bucket) == []
+    delete_bucket(s3, bucket)
+
+
 @pytest.mark.parametrize("first", ["pwrite", "posix_fallocate"])
 def test_a_first_write_out_of_order_fails_the_close_too(s3: S3Server, mountpoint: Path, first: str) -> None:
     """A file whose very first write was out of order (or glibc's posix_fallocate, which writes a byte per

@@ -113,7 +113,9 @@ def _holds(pid: int, device: int | None, ino: int, suffix: str) -> bool:
         return False  # gone, or exiting (its table is already detached)
     for fd in fds:
         try:
-            if not os.readlink(f"{fd_dir}/{fd}").endswith(suffix):
+            # " (deleted)": the kernel's entry of the name was dropped while the file stayed open (the mount changed
+            # what the name is, or only had the kernel look it up again); missed, a close stored it too early.
+            if not os.readlink(f"{fd_dir}/{fd}").removesuffix(" (deleted)").endswith(suffix):
                 continue
             with open(f"/proc/{pid}/fdinfo/{fd}", "rb") as f:
                 info = _fields(f.read())

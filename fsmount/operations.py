@@ -494,7 +494,7 @@ class Operations(pyfuse3.Operations):
             if node.pages_stale and not node.writing and node.etag:
                 # From a worker thread: the kernel waits for pages that READs queued to this loop hold.
                 await trio.to_thread.run_sync(_invalidate_pages, node.ino)
-            elif new.stored is None and not new.unlinked:
+            elif new.stored is None and not new.unlinked and self.ns.pending(node.path) is None:
                 entry = self.ns.kernel_entry(node.path)
                 if entry is not None:
                     await _drop_entry(entry)

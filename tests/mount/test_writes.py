@@ -17,6 +17,8 @@ from pathlib import Path
 import pytest
 
 from tests.helpers import (
+    FETCH_FAILED,
+    READ_FAILED,
     REPO,
     MiB,
     S3Server,
@@ -266,6 +268,54 @@ def test_descriptors_of_a_file_that_left_the_tree_keep_its_attributes(s3: S3Serv
                         os.close(open_fd)
     assert keys(s3, bucket) == {}
     assert uploads_in(s3, bucket) == []
+    delete_bucket(s3, bucket)
+
+
+@pytest.mark.parametrize("how", ["failed-file-closed", "reader-of-deleted-object"])
+def test_a_file_whose_name_the_kernel_dropped_is_stored_at_its_last_close(s3: S3Server, mountpoint: Path,
+                                                                          how: str) -> None:
+    """A new file written through two descriptors while the kernel drops its entry of the name (a file of that name
+    that failed before is closed now; a reader of the object deleted before it finds that gone): the descriptors'
+    paths then read "NAME (deleted)" in /proc, so the close of the first found no other holder of the file and
+    stored it, cut short, and the writes through the other got EIO ("write after the file was stored")."""
+    old = random_bytes(20 * MiB, 55)
+    bucket = bucket_with(s3, {"g": old}) if how == "reader-of-deleted-object" else new_bucket(s3)
+    data = random_bytes(3 * MiB, 56)
+    fds: dict[str, int] = {}
+    with mounted(s3, bucket, mountpoint, *WRITABLE, "--allow-delete", "--chunk-size", "1M",
+                 allowed=(SEQUENTIAL_ONLY, "will not be stored", FETCH_FAILED, READ_FAILED)):
+        try:
+            if how == "failed-file-closed":
+                fds["before"] = os.open(mountpoint / "g", os.O_WRONLY | os.O_CREAT | os.O_EXCL)
+                fds["before, dup"] = os.dup(fds["before"])
+                with pytest.raises(OSError):
+                    os.pwrite(fds["before"], b"x", 10)  # out of order: that file fails
+                with pytest.raises(OSError):
+                    os.close(fds.pop("before"))  # it leaves the tree; its other descriptor is closed below
+            else:
+                fds["before"] = os.open(mountpoint / "g", os.O_RDONLY)
+                assert os.pread(fds["before"], MiB, 0) == old[:MiB]
+                os.unlink(mountpoint / "g")
+            fds["first"] = os.open(mountpoint / "g", os.O_WRONLY | os.O_CREAT | os.O_EXCL)
+            fds["second"] = os.dup(fds["first"])
+            os.write(fds["first"], data[:MiB])
+            if how == "failed-file-closed":
+                with pytest.raises(OSError):
+                    os.close(fds.pop("before, dup"))
+            else:
+                with pytest.raises(OSError) as info:
+                    os.pread(fds["before"], MiB, 10 * MiB)  # a chunk never fetched: the object is gone
+                assert info.value.errno == errno.EIO
+            os.close(fds.pop("first"))  # `second` still holds the file: nothing is stored yet
+            assert keys(s3, bucket) == {}
+            os.write(fds["second"], data[MiB:])
+            os.close(fds.pop("second"))
+        finally:
+            for fd in fds.values():
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+        assert (mountpoint / "g").read_bytes() == data
+    assert keys(s3, bucket) == {"g": len(data)}
     delete_bucket(s3, bucket)
 
 

@@ -521,7 +521,7 @@ class Fuzz:
         ref.parent.mkdir(parents=True)
         save = torch.save if library == "torch.save" else save_file
         save(tensors, str(ref))
-        ok = self.parent_exists(path) and (kind is None or self.overwrite)
+        ok = self.parent_exists(path) and (kind is None or self.overwrite) and not self.busy(path)
         what = f"{library}({path!r}, {ref.stat().st_size} bytes)"
         self.log.append(f"{what} -> {'ok' if ok else 'fails'}")
         try:

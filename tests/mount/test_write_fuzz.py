@@ -23,7 +23,7 @@ model's sizes (`stat`); the bucket (read with boto3) holds exactly the model's k
 key changed since the last look; every stored file reads back byte-exact through the mount; once no file is open for
 writing, no multipart upload is left. At the end, a fresh mount (with the same cache dir) reads every file back.
 A mismatch fails with the operations that led to it, to be shrunk into a test of its own (`test_writes.py`: the
-audit of this fuzzer found six, each with its test there).
+audit of this fuzzer found seven, each with its test there).
 """
 
 from __future__ import annotations

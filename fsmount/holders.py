@@ -114,8 +114,10 @@ def _holds(pid: int, device: int | None, ino: int, suffix: str) -> bool:
     for fd in fds:
         try:
             # " (deleted)": the kernel's entry of the name was dropped while the file stayed open (the mount changed
-            # what the name is, or only had the kernel look it up again); missed, a close stored it too early.
-            if not os.readlink(f"{fd_dir}/{fd}").removesuffix(" (deleted)").endswith(suffix):
+            # what the name is, or only had the kernel look it up again); missed, a close stored it too early. Not
+            # stripped: a file whose own name ends so still matches itself (the review).
+            link = os.readlink(f"{fd_dir}/{fd}")
+            if not (link.endswith(suffix) or link.endswith(suffix + " (deleted)")):
                 continue
             with open(f"/proc/{pid}/fdinfo/{fd}", "rb") as f:
                 info = _fields(f.read())

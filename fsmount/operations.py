@@ -50,6 +50,8 @@ DOT_ENTRIES = 2
 # clean-clone run). Bounded because the kernel takes the directory's lock first, which a lookup or listing of that
 # directory may hold meanwhile.
 INVALIDATE_WAIT_S = 2.0
+# Threads dropping kernel entries at once, at most (`_drop_entry`).
+DROP_THREADS = 4
 
 
 # What statfs reports for a writable mount (in 1 MiB blocks): a bucket has no size.
@@ -105,11 +107,16 @@ def _invalidate_entry(parent: int, name: bytes) -> None:
         log.debug("dropping the kernel's entry of %r: %s", name, exc)
 
 
-async def _drop_entry(entry: tuple[int, bytes]) -> None:
+async def _drop_entry(entry: tuple[int, bytes], threads: trio.CapacityLimiter) -> None:
     """Have the kernel drop the entry (parent inode, name) before the request under way is answered: at most
-    INVALIDATE_WAIT_S."""
+    INVALIDATE_WAIT_S, in one of `threads`. A thread given up on keeps its token until the kernel lets it go: on
+    trio's shared limiter, 40 of them stuck on a busy directory's lock held up every other thread of the mount (the
+    review). With none free, the drop is queued to pyfuse3's notify thread, unordered with the answer."""
+    if threads.available_tokens == 0:
+        pyfuse3.invalidate_entry_async(*entry, ignore_enoent=True)
+        return
     with trio.move_on_after(INVALIDATE_WAIT_S):
-        await trio.to_thread.run_sync(_invalidate_entry, *entry, abandon_on_cancel=True)
+        await trio.to_thread.run_sync(_invalidate_entry, *entry, limiter=threads, abandon_on_cancel=True)
 
 
 def _fuse_errors(fn: Callable[..., Coroutine[Any, Any, T]]) -> Callable[..., Coroutine[Any, Any, T]]:
@@ -187,6 +194,7 @@ class Operations(pyfuse3.Operations):
         self._dirs_read: set[int] = set()  # directory handles that had a readdir (a later one at 0 is a rewind)
         self._writers: dict[int, NewFile] = {}  # fh -> the file it writes
         self._next_fh = 1
+        self._drop_threads = trio.CapacityLimiter(DROP_THREADS)
         # This mount's device number (st_dev), set once it answers: which of a process's descriptors are on it
         # (holders.py). Inode numbers alone repeat across mounts.
         self.device: int | None = None
@@ -443,7 +451,7 @@ class Operations(pyfuse3.Operations):
             # mixes versions), and the next open of the path gets the bucket's current one, TTL or not.
             entry = self.ns.gone(handle.version)
             if entry is not None:  # so that a stat, too, looks the name up again (the TTL may be forever)
-                await _drop_entry(entry)
+                await _drop_entry(entry, self._drop_threads)
             raise StoreError(f"{exc.message}; new opens get what the bucket holds now") from None
 
     @_fuse_errors
@@ -497,7 +505,7 @@ class Operations(pyfuse3.Operations):
             elif new.stored is None and not new.unlinked and self.ns.pending(node.path) is None:
                 entry = self.ns.kernel_entry(node.path)
                 if entry is not None:
-                    await _drop_entry(entry)
+                    await _drop_entry(entry, self._drop_threads)
 
     async def _held_elsewhere(self, new: NewFile) -> bool:
         if new.opener is None:

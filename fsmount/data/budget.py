@@ -15,10 +15,11 @@ Rules (everything here runs in the trio thread; nothing awaits except `reserve`)
   front to back once a READ began at its start (a sequential reader enters every chunk there; random reads,
   even with the kernel's read-ahead after them, almost never do); a READ that reaches the chunk's end, or a
   push to the page cache, drops the entry.
-- Turns: chunk fetches get room in the order they asked for it (`_chunk_turns`), as a READ takes its chunks in
-  offset order. Woken all at once, the latest often got it first: a READ of more chunks than memory holds had its
-  later chunks, fetched and in use (a READ waits for them), hold the room its next one needed, for IN_USE_S each
-  time (one 2 MiB O_DIRECT read in 4 chunks of 64 KiB took 5 s with a healthy origin).
+- Turns: chunk fetches that find no room get it in the order they asked for it (`_chunk_turns`), as a READ takes
+  its chunks in offset order; one that fits without evicting anything takes it at once. Woken all at once, the
+  latest often got it first: a READ of more chunks than memory holds had its later chunks, fetched and in use (a
+  READ waits for them), hold the room its next one needed, for IN_USE_S each time (one 2 MiB O_DIRECT read in 4
+  chunks of 64 KiB took 5 s with a healthy origin).
 - Pins: a pinned chunk (`_pins[cid]` > 0) is not evicted until `unpin`. Only work that finishes on its
   own may pin (the write-through to the cache levels): a page-cache push may not, since it can wait
   for a READ that waits for room.
@@ -175,7 +176,9 @@ class MemoryBudget:
         fetch waits for chunks in use (IN_USE_S): a larger reservation (a write part, a header's parse) would
         see the room it freed taken by chunk fetches that come in between, round after round, for as long as
         readers read. Chunk fetches take their turns in the order they came (see the module's rules)."""
-        if not chunk:
+        if not chunk or self.used + n <= self.limit:
+            # Room now, nothing to evict: no turn to wait for. A chunk smaller than the head's (a small file, a last
+            # chunk) fits where the head's does not, and waited for a write part's upload (the review).
             return await self._reserve(n, reuse, chunk)
         turn = object()
         self._chunk_turns.append(turn)

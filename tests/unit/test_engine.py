@@ -1552,3 +1552,27 @@ async def test_chunks_of_an_object_without_an_etag_are_neither_cached_nor_read_f
         assert list(level.chunks) == [engine.chunk_id(unversioned, 1)]  # nothing written
 
     await run_engine(engine, body)
+
+
+async def test_a_chunk_fetch_that_fits_is_not_held_behind_one_that_does_not(autojump_clock) -> None:  # noqa: ANN001
+    """Chunk fetches that find no room take turns, but one that fits now without evicting anything goes at once: a
+    small file's chunk waited behind a full chunk's read-ahead for the room a write part held until its upload ended
+    (the review)."""
+    from fsmount.data.budget import MemoryBudget
+
+    memory = MemoryBudget(100)
+    await memory.reserve(80)  # a write part being uploaded: nothing to evict
+    got: list[int] = []
+
+    async def fetch(n: int) -> None:
+        await memory.reserve(n, chunk=True)
+        got.append(n)
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(fetch, 50)  # no room until the part is uploaded
+        await trio.sleep(0.01)
+        nursery.start_soon(fetch, 20)  # fits now
+        await trio.sleep(1)
+        assert got == [20]
+        memory.release(80)
+    assert got == [20, 50]

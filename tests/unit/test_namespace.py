@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import errno
 import gc
+import os
+import threading
 import tracemalloc
 from typing import Any
 
@@ -965,3 +967,30 @@ def test_requests_not_sent_during_an_outage_are_one_warning_a_while(caplog: pyte
     operations._log_failure("lookup", Unreachable("HEAD 'a': cannot reach the endpoint"))
     warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
     assert len(warned) == 2 and "0.3s ago" in warned[0] and "HEAD 'a'" in warned[1], warned
+
+
+async def test_entry_drops_stuck_in_the_kernel_hold_no_other_thread_of_the_mount(monkeypatch) -> None:  # noqa: ANN001
+    """A READ that finds its version gone drops the kernel's entry from a worker thread, given up on after
+    INVALIDATE_WAIT_S while the thread waits for the directory's lock. On trio's shared limiter, 40 such threads
+    (READs of replaced shards in a busy directory) held every token, and every open for writing, flush and page-cache
+    push of the mount waited for them (the review). They have DROP_THREADS of their own; past that, a drop goes to
+    pyfuse3's notify thread."""
+    from fsmount import holders, operations
+
+    directory_lock = threading.Event()  # the kernel's lock of the directory, held by another request
+    queued: list[tuple[int, bytes]] = []
+    monkeypatch.setattr(operations.pyfuse3, "invalidate_entry", lambda parent, name: directory_lock.wait())
+    monkeypatch.setattr(operations.pyfuse3, "invalidate_entry_async",
+                        lambda parent, name, ignore_enoent: queued.append((parent, name)))
+    monkeypatch.setattr(operations, "INVALIDATE_WAIT_S", 0.2)
+    threads = trio.CapacityLimiter(operations.DROP_THREADS)
+    try:
+        async with trio.open_nursery() as nursery:
+            for i in range(40):
+                nursery.start_soon(operations._drop_entry, (1, f"shard-{i}".encode()), threads)
+        assert len(queued) == 40 - operations.DROP_THREADS
+        with trio.move_on_after(3) as scope:  # an open for writing elsewhere in the mount
+            assert await trio.to_thread.run_sync(holders.thread_group, os.getpid()) == os.getpid()
+        assert not scope.cancelled_caught, "a worker thread waited for the entry drops given up on"
+    finally:
+        directory_lock.set()

@@ -614,22 +614,10 @@ class Fuzz:
         if libraries:
             ops.append(("library", 1))
         op = self.rng.choices([o for o, _ in ops], [weight for _, weight in ops])[0]
-        if op == "open":
-            self.op_open()
-        elif op == "rename":
-            self.op_rename()
-        elif op == "unlink":
-            self.op_unlink()
-        elif op == "mkdir":
-            self.op_mkdir()
-        elif op == "rmdir":
-            self.op_rmdir()
-        elif op == "read":
-            self.op_read()
-        elif op == "hold":
-            self.op_hold()
-        elif op == "library":
+        if op == "library":
             self.op_library_save(ref_dir)
+        elif op in ("open", "rename", "unlink", "mkdir", "rmdir", "read", "hold"):  # of the tree, not of `w`
+            getattr(self, f"op_{op}")()
         else:
             assert w is not None
             getattr(self, f"op_{op}")(w)

@@ -349,10 +349,12 @@ class Operations(pyfuse3.Operations):
             node = self.ns.node(inode)
             old = node.version(self.ns.prefix)
             new = self.writes.open_existing(node, flags)
-            # Its stream would push the old bytes into the pages of what is now the new file.
-            self.streamer.rewritten(old)
-            return await self._writer_handle(new, ctx)
-        if self.ns.node(inode).writing:
+            if new is not None:
+                # Its stream would push the old bytes into the pages of what is now the new file.
+                self.streamer.rewritten(old)
+                return await self._writer_handle(new, ctx)
+            # A touch of an empty file (writes.py): a reader's handle, whose WRITEs get EPERM.
+        elif self.ns.node(inode).writing:
             raise pyfuse3.FUSEError(errno.EBUSY)  # readable once it is closed and stored
         version = await self.ns.open_file(inode)
         fh = self._new_fh()
@@ -543,7 +545,10 @@ class Operations(pyfuse3.Operations):
     async def write(self, fh: int, off: int, buf: bytes) -> int:
         new = self._writers.get(fh)
         if new is None:
-            raise pyfuse3.FUSEError(errno.EBADF)
+            handle = self._files.get(fh)
+            if handle is None:
+                raise pyfuse3.FUSEError(errno.EBADF)
+            self.writes.refuse_write(self.ns.node(handle.ino))  # the kernel sends WRITEs only where opened to write
         return await new.write(off, buf)
 
     @_writable

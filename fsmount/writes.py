@@ -361,13 +361,18 @@ class Writes:
         await self._absent(path)
         return self._start(self.ns.begin_file(path))
 
-    def open_existing(self, node: Node, flags: int) -> NewFile:
-        """An open for writing of a stored file: only a whole rewrite (O_TRUNC, or an empty file)."""
+    def open_existing(self, node: Node, flags: int) -> NewFile | None:
+        """An open for writing of a stored file: only a whole rewrite (O_TRUNC, or an empty file). Without
+        --allow-overwrite, one of an empty file is a touch (None: opened as for reading, so nothing is stored at its
+        close, and its writes fail with EPERM, `refuse_write`): lock files are opened so (filelock, under
+        `hf_hub_download(local_dir=...)`: O_RDWR of the empty lock file its first lock stored), and so are markers."""
         if node.is_dir:
             raise PathError(errno.EISDIR)
         if node.writing:
             raise PathError(errno.EBUSY)
         self._not_an_upload_of_another(node.path)
+        if not self.allow_overwrite and node.size == 0:
+            return None
         if not self.allow_overwrite:
             # `touch` of a stored file opens it for writing without O_TRUNC, then sets its times by path: it
             # replaces nothing, so it is not worth a warning (it still gets EPERM, as any such open does).
@@ -384,6 +389,11 @@ class Writes:
         new = self._start(self.ns.begin_file(path, node))
         new.replaces, new.replaced = path, node
         return new
+
+    def refuse_write(self, node: Node) -> None:
+        """A write through a touch of an empty stored file (`open_existing`): EPERM, as its open was before."""
+        log.warning("%s exists; replacing it needs --allow-overwrite", node.path)
+        raise PathError(errno.EPERM)
 
     def _not_an_upload_of_another(self, path: str, node: Node | None = None) -> None:
         """EBUSY while a file renamed away from `path` as it was written (not `node`) has its multipart upload under

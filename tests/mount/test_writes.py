@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import json
 import os
 import shutil
@@ -581,6 +582,37 @@ def test_a_file_renamed_onto_a_stored_one_while_written_takes_its_place(s3: S3Se
         assert {name: (mountpoint / name).read_bytes() for name in want} == want
     assert {k: s3.client().get_object(Bucket=bucket, Key=k)["Body"].read() for k in keys(s3, bucket)} == want
     assert uploads_in(s3, bucket) == []
+    delete_bucket(s3, bucket)
+
+
+def test_an_open_for_writing_of_an_empty_stored_file_is_a_touch_without_allow_overwrite(
+        s3: S3Server, mountpoint: Path) -> None:
+    """A lock file (filelock opens the empty file its first lock stored O_RDWR, flocks it, closes it) or a marker
+    opened for writing again, without --allow-overwrite: the open works, nothing is stored at its close (the
+    object is the same one: same ETag), and a write through it fails with EPERM. Before, the open itself was EPERM,
+    and `hf_hub_download(local_dir=...)` failed on its second lock."""
+    bucket = bucket_with(s3, {"d/.lock": b"", "full.bin": b"bytes"})
+    etag = s3.client().head_object(Bucket=bucket, Key="d/.lock")["ETag"]
+    with mounted(s3, bucket, mountpoint, *WRITABLE, allowed=(NEEDS_OVERWRITE,)) as m:
+        lock = mountpoint / "d" / ".lock"
+        for flags in (os.O_RDWR, os.O_WRONLY | os.O_CREAT, os.O_RDWR | os.O_TRUNC):
+            fd = os.open(lock, flags)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX)
+                assert os.fstat(fd).st_size == 0
+                with pytest.raises(OSError) as info:
+                    os.write(fd, b"x")
+                assert info.value.errno == errno.EPERM
+            finally:
+                os.close(fd)  # nothing to store: 0
+            assert lock.read_bytes() == b""
+        with pytest.raises(OSError) as info:
+            os.open(mountpoint / "full.bin", os.O_RDWR)  # replacing bytes still needs the flag
+        assert info.value.errno == errno.EPERM
+        assert sum("d/.lock exists; replacing it needs --allow-overwrite" in line
+                   for line in warning_lines(m.log())) == 3
+    assert s3.client().head_object(Bucket=bucket, Key="d/.lock")["ETag"] == etag
+    assert keys(s3, bucket) == {"d/.lock": 0, "full.bin": 5}
     delete_bucket(s3, bucket)
 
 

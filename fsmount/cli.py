@@ -213,7 +213,7 @@ def add_mount_arguments(p: argparse.ArgumentParser) -> None:
     w.add_argument("--allow-overwrite", action="store_true", help="let new files and renames replace existing keys")
     w.add_argument("--allow-delete", action="store_true",
                    help="let unlink and rmdir delete keys (this mount's own stored files too), and renames of "
-                        "files this mount did not write")
+                        "files and directories this mount did not write")
     w.add_argument("--write-part-size", type=_size, default=DEFAULT_WRITE_PART_SIZE,
                    help="size of the first upload parts; it grows every 200 parts, so files up to 255,000 x "
                         "this fit in S3's 10,000 parts (default 8M)")

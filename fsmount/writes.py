@@ -9,7 +9,7 @@ The rules (README "Writing checkpoints"):
   form, so without --allow-overwrite every copy is a multipart upload of UploadPartCopy parts (one, for
   a small file) whose completion is create-only.
 - Without `--allow-delete` nothing is deleted: unlink and rmdir fail with EPERM, and so does renaming a
-  file this mount did not write (a rename deletes the old key).
+  file or directory this mount did not write (a rename deletes the old key or marker).
 - A rename is a server-side copy and then a delete of the old key, not atomic: for a moment both names
   exist in the bucket. Renaming a file still being written only renames it in this mount; the object is
   stored under its final name at close (moved by a copy if its upload had begun under the old one). A
@@ -26,8 +26,8 @@ The rules (README "Writing checkpoints"):
   new files and renames onto it until that file is stored: its upload is completed under that key, then moved.
 
 Rules between tasks (all in the trio thread): `_open` holds the files with an upload under way (for
-aborting at unmount); `_written` the inodes of files this mount stored. Store calls run in threads under
-`_limiter` (`--max-connections`), given up after `--read-timeout`.
+aborting at unmount); `_written` the inodes of files this mount stored and of directories it made. Store calls
+run in threads under `_limiter` (`--max-connections`), given up after `--read-timeout`.
 """
 
 from __future__ import annotations
@@ -436,7 +436,9 @@ class Writes:
     async def mkdir(self, parent: Node, name: bytes) -> Node:
         path = self.ns.child_path(parent, name)
         await self.call(self.uploads.put, self.ns.dir_key(path), b"")
-        return self.ns.dir_added(path)
+        node = self.ns.dir_added(path)
+        self._written.add(node.ino)  # its marker: a rename deletes it, which needs no --allow-delete then
+        return node
 
     async def unlink(self, node: Node) -> None:
         if node.is_dir:
@@ -536,7 +538,8 @@ class Writes:
     def _check_rename_deletes(self, node: Node) -> None:
         """EPERM for a rename that deletes an object this mount did not write, without --allow-delete."""
         if node.ino not in self._written and not self.allow_delete:
-            log.warning("rename of %s: a file this mount did not write needs --allow-delete", node.path)
+            log.warning("rename of %s: a %s this mount did not write needs --allow-delete", node.path,
+                        "directory" if node.is_dir else "file")
             self.stats.deletes_refused += 1
             raise PathError(errno.EPERM)
 
@@ -544,6 +547,8 @@ class Writes:
         if not await self.ns.dir_is_empty(node):
             log.warning("rename of %s: a directory with anything in it is not renamed (EXDEV)", node.path)
             raise PathError(errno.EXDEV)
+        # Its marker is deleted below: another's needs --allow-delete, as a file's does (a fuzzer: it went without).
+        self._check_rename_deletes(node)
         await self.call(self.uploads.put, self.ns.dir_key(path), b"")
         await self.call(self.uploads.delete, self.ns.dir_key(node.path))
         self.ns.dir_moved(node, path)

@@ -678,6 +678,24 @@ def test_mkdir_is_visible_at_once_and_empty_and_rmdir_removes_it(s3: S3Server, m
     delete_bucket(s3, bucket)
 
 
+def test_renaming_a_directory_this_mount_did_not_make_needs_allow_delete(s3: S3Server, mountpoint: Path) -> None:
+    """An empty directory's rename puts its new marker and deletes the old one: without --allow-delete that delete
+    went ahead for a directory another had made, as a file's is refused (EPERM). One this mount made moves freely."""
+    bucket = bucket_with(s3, {"theirs/": b""})
+    with mounted(s3, bucket, mountpoint, *WRITABLE, allowed=(r"directory this mount did not write needs",)):
+        with pytest.raises(OSError) as info:
+            os.rename(mountpoint / "theirs", mountpoint / "moved")
+        assert info.value.errno == errno.EPERM
+        os.mkdir(mountpoint / "mine")
+        os.rename(mountpoint / "mine", mountpoint / "mine2")
+        assert sorted(os.listdir(mountpoint)) == ["mine2", "theirs"]
+    assert keys(s3, bucket) == {"theirs/": 0, "mine2/": 0}
+    with mounted(s3, bucket, mountpoint, *WRITABLE, "--allow-delete"):
+        os.rename(mountpoint / "theirs", mountpoint / "moved")
+    assert keys(s3, bucket) == {"moved/": 0, "mine2/": 0}
+    delete_bucket(s3, bucket)
+
+
 def test_a_directory_made_again_where_one_was_removed_takes_new_files(s3: S3Server, mountpoint: Path) -> None:
     """rmdir, then mkdir of the same name, while something still holds the removed directory (a shell's cwd, an open
     descriptor, a dentry the kernel had not evicted yet: a fuzzer's run hit it with none of its own): the new directory

@@ -45,6 +45,8 @@ from fsmount.data import (
     SharedTier,
     StoreError,
     TimedOut,
+    TransientError,
+    Unreachable,
     Uploads,
     cache_bytes,
     default_min_free,
@@ -56,6 +58,7 @@ from fsmount.namespace import Namespace
 from fsmount.operations import FAILED, Operations, Owner
 from fsmount.pagecache import PageCachePusher, default_push_limit
 from fsmount.prometheus import MetricsAddressError, MetricsServer
+from fsmount.saved_names import SAVE_EVERY_S, SavedNames
 from fsmount.stats import MountStats
 from fsmount.streaming import ModelStreamer
 from fsmount.tree_changes import WritableNamespace
@@ -105,6 +108,8 @@ OPEN_FILES_BASE = 32
 OPEN_FILES_RAISE_MAX = 1 << 20
 # At most this long dropping the shared-tier claims of fetches the unmount cut short (one DELETE each).
 CLAIM_DROP_S = 10.0
+# At a stop: the last write of the names learnt (saved_names.py), after the drains.
+NAMES_SAVE_S = 5.0
 # botocore's retries of one shared-tier request: none, since the origin is the fallback; a request then
 # takes at most --shared-cache-timeout.
 SHARED_TIER_RETRIES = 0
@@ -315,6 +320,8 @@ def warn_path_style(endpoint_url: str | None, addressing_style: str, flag: str) 
 
 
 def check_bucket(cfg: MountConfig) -> None:
+    """The bucket can be listed, or the origin does not answer and the cache dir knows names of it (saved_names.py):
+    a node restarted during an outage serves what its NVMe cache holds."""
     endpoint_url = cfg.store.endpoint_url
     try:
         store = Boto3Store(cfg.store, preflight=True)
@@ -322,6 +329,14 @@ def check_bucket(cfg: MountConfig) -> None:
         warn_path_style(endpoint_url, cfg.store.addressing_style, "--addressing-style")
         store.check_bucket(cfg.store.prefix)
         empty = bool(cfg.store.prefix) and not cfg.writable and not store.has_children(cfg.store.prefix)
+    except (Unreachable, TransientError) as exc:
+        known = load_saved_names(cfg)
+        if known is None or not len(known):
+            raise MountError(exc.message) from None
+        log.warning("origin unavailable (%s): mounting with the names cache dir %s kept of %d directories; what its "
+                    "NVMe cache holds of them is served until the origin answers", exc.message, cfg.cache_dir,
+                    len(known))
+        return
     except StoreError as exc:
         path = urllib.parse.urlsplit(endpoint_url or "").path.strip("/")
         hint = (f" (the endpoint URL has a path, /{path}: the bucket is the first argument, a path inside it "
@@ -330,6 +345,15 @@ def check_bucket(cfg: MountConfig) -> None:
     if empty:  # a typo would look like an empty model directory
         log.warning("no key in bucket %s starts with %r: the mount is empty (is --prefix right?)", cfg.store.bucket,
                     cfg.store.prefix)
+
+
+def load_saved_names(cfg: MountConfig) -> SavedNames | None:
+    """The names the cache dir keeps of this bucket and prefix; None without a cache dir."""
+    if cfg.cache_dir is None:
+        return None
+    saved = SavedNames(cfg.cache_dir, cfg.store.bucket, cfg.store.prefix)
+    saved.load()
+    return saved
 
 
 def inside_mountpoint(path: str, mountpoint: str) -> bool:
@@ -549,8 +573,10 @@ class Daemon:
                                   max_connections=cfg.store.max_connections, read_timeout=cfg.store.read_timeout,
                                   levels=levels)
         self.writes: Writes | None = None
+        self.saved_names = load_saved_names(cfg)
         if cfg.writable:
-            namespace = WritableNamespace(self.store, self._store_call, prefix=cfg.store.prefix, ttl=cfg.metadata_ttl)
+            namespace = WritableNamespace(self.store, self._store_call, prefix=cfg.store.prefix, ttl=cfg.metadata_ttl,
+                                          saved=self.saved_names)
             # With --cache-dir, stored files go into the NVMe cache (write_staging).
             cache = None if self.disk_cache is None or cfg.cache_dir is None else \
                 (self.disk_cache, cfg.cache_dir, self.engine.chunk_id, cfg.chunk_size)
@@ -560,7 +586,8 @@ class Daemon:
                                  cache=cache)
             self.namespace: Namespace = namespace
         else:
-            self.namespace = Namespace(self.store, self._store_call, prefix=cfg.store.prefix, ttl=cfg.metadata_ttl)
+            self.namespace = Namespace(self.store, self._store_call, prefix=cfg.store.prefix, ttl=cfg.metadata_ttl,
+                                       saved=self.saved_names)
         push_limit = default_push_limit() if cfg.pagecache_push_limit is None else cfg.pagecache_push_limit
         log.info("memory limit %d MiB (%d MiB of chunks); page-cache pushes: at most %d MiB for the files open",
                  cfg.memory_limit // MiB, chunk_memory // MiB, push_limit // MiB)
@@ -683,6 +710,8 @@ class Daemon:
             nursery.start_soon(self._announce_ready)
             if self.disk_cache is not None:
                 nursery.start_soon(self._keep_cache_floor, self.disk_cache)
+            if self.saved_names is not None:
+                nursery.start_soon(self._keep_names, self.saved_names)
             with self._requests:
                 await pyfuse3.main()
             self._served.set()
@@ -710,6 +739,9 @@ class Daemon:
                 await self.writes.drain_cache_fills()
             await self._drain_cache_writes()
             await self._drop_claims()
+            if self.saved_names is not None:
+                with trio.move_on_after(NAMES_SAVE_S):
+                    await self._save_names(self.saved_names)
             nursery.cancel_scope.cancel()
 
     @staticmethod
@@ -719,6 +751,22 @@ class Daemon:
         while True:
             await trio.sleep(FREE_CHECK_S)
             await trio.to_thread.run_sync(cache.keep_free, abandon_on_cancel=True)
+
+    async def _keep_names(self, saved: SavedNames) -> None:
+        """The names learnt, written to the cache dir every SAVE_EVERY_S while they change (saved_names.py)."""
+        while True:
+            await trio.sleep(SAVE_EVERY_S)
+            await self._save_names(saved)
+
+    async def _save_names(self, saved: SavedNames) -> None:
+        if not saved.dirty:
+            return
+        try:
+            await trio.to_thread.run_sync(saved.save, saved.snapshot(), abandon_on_cancel=True)
+        except OSError as exc:
+            saved.dirty = True
+            log.warning("the names learnt could not be written to %s (%s): a remount while the origin is away may "
+                        "not find them", saved.path, exc.strerror or exc)
 
     async def _drop_claims(self) -> None:
         """Claims on the shared tier for chunks whose fetch the unmount cut short: dropped, each request

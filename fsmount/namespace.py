@@ -31,7 +31,7 @@ import logging
 import os
 import time
 from collections.abc import Awaitable, Callable, Iterator
-from typing import Any, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 import cachetools
 import trio
@@ -46,6 +46,9 @@ from fsmount.data import (
     TransientError,
     Unreachable,
 )
+
+if TYPE_CHECKING:
+    from fsmount.saved_names import SavedNames
 
 log = logging.getLogger(__name__)
 
@@ -202,8 +205,12 @@ def child_name(parent: Node, name_b: bytes, undecodable: int) -> str:
 
 
 class Namespace:
-    def __init__(self, store: ObjectStore, call: StoreCall, *, prefix: str, ttl: float):
+    def __init__(self, store: ObjectStore, call: StoreCall, *, prefix: str, ttl: float,
+                 saved: SavedNames | None = None):
         self._store = store
+        # Names learnt by this mount and its predecessors, kept in the cache dir (saved_names.py): told what
+        # listings and lookups find, asked only where an expired listing would be (the origin does not answer).
+        self.saved = saved
         self._ask = call
         # Until when metadata requests fail at once (DOWN_FAST_FAIL_S), and why; only `_call` touches them, in
         # the trio thread.
@@ -538,11 +545,20 @@ class Namespace:
                     return known
                 raise results[name]
         if results["dir"]:  # a key that is both a file and a prefix: the directory wins
+            self._found(path, (True, None))
             return self._node_for(path, True, None)
         if results["meta"] is not None:
+            self._found(path, (False, results["meta"]))
             return self._node_for(path, False, results["meta"], asked)
+        self._found(path, None)
         self._negative[path] = True
         raise PathError(errno.ENOENT)
+
+    def _found(self, path: str, entry: tuple[bool, ObjectMeta | None] | None) -> None:
+        """What the bucket (or a change through this mount) says is at `path` now, for the names kept: a directory
+        (True, None), a file's version (False, meta), or nothing."""
+        if self.saved is not None:
+            self.saved.found(path, entry)
 
     def _known_while_down(self, path: str, exc: BaseException) -> Node | None:
         """While the origin is unreachable, a name the mount already knows keeps resolving."""
@@ -555,12 +571,20 @@ class Namespace:
         else:
             # A name of the last listing of its directory that the kernel has forgotten (a file read an hour ago,
             # its dentry dropped since): `ls` showed it, and its chunks may all be in the NVMe cache.
+            # Else one a predecessor of this daemon knew (saved_names.py: a remount while the origin is away).
             parent, _, name = path.rpartition("/")
             listing = self._last_listings.get(parent)
             entry = listing.get(name.encode("utf-8", "surrogateescape")) if listing is not None else None
-            if entry is None or not (entry.is_dir or entry.meta):
+            kept = self.saved.entry(path) if entry is None and self.saved is not None else None
+            if entry is not None:
+                is_dir, meta, as_of = entry.is_dir, entry.meta, listing.at  # type: ignore[union-attr]
+            elif kept is not None:
+                (is_dir, meta), as_of = kept, 0.0  # older news than anything this process learns
+            else:
                 return None
-            node = self._node_for(path, entry.is_dir, entry.meta, listing.at)  # type: ignore[union-attr]
+            if not (is_dir or meta):
+                return None
+            node = self._node_for(path, is_dir, meta, as_of)
             if node.superseded:
                 self.forget(node.ino, 0)
                 return None
@@ -586,8 +610,11 @@ class Namespace:
             try:
                 cached = await self._list_shared(node.path)
             except (Unreachable, TransientError) as exc:
-                # An expired listing beats none while the origin is away.
+                # An expired listing beats none while the origin is away; one a predecessor of this daemon made
+                # (saved_names.py) beats none too.
                 cached = self._last_listings.get(node.path)
+                if cached is None:
+                    cached = self._saved_listing(node.path)
                 if cached is None:
                     raise
                 self._log_stale(exc)
@@ -595,12 +622,28 @@ class Namespace:
             self._keep(node.path, cached)
         return self._with_pending(node.path, cached), cached.at
 
+    def _saved_listing(self, path: str) -> Listing | None:
+        """The listing of `path` the names kept hold (a predecessor's), as of 0.0: older than anything this process
+        learns; kept with the expired ones from then on."""
+        kept = self.saved.listing(path) if self.saved is not None else None
+        if kept is None:
+            return None
+        listing = Listing(0.0)
+        for name, (is_dir, meta) in kept.items():
+            name_b = name.encode("utf-8", "surrogateescape")
+            listing[name_b] = DirEntry(name_b, is_dir, meta)
+        self._last_listings[path] = listing
+        return listing
+
     def _keep(self, path: str, entries: Listing) -> None:
         """Cache a directory's listing, unless it alone is bigger than the whole cache (cachetools refuses
         it: such a directory is listed anew by every opendir, and still listed)."""
         if len(entries) <= LISTING_CACHE_ENTRIES:
             self._listings[path] = entries
             self._last_listings[path] = entries
+        if self.saved is not None:
+            self.saved.listed(path, {name_b.decode("utf-8", "surrogateescape"): (entry.is_dir, entry.meta)
+                                     for name_b, entry in entries.items()})
 
     def _with_pending(self, path: str, entries: dict[bytes, DirEntry]) -> list[DirEntry]:
         """A directory's entries and the files being written in it (which no listing has yet)."""

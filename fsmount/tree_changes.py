@@ -152,6 +152,7 @@ class WritableNamespace(Namespace):
         a directory written and never listed kept a record of every file, ~300 B each, for the life of the mount)."""
         self._seq += 1
         name_b = name.encode("utf-8", "surrogateescape")
+        self._found(self._join(parent, name), (entry.is_dir, entry.meta) if entry is not None else None)
         if parent in self._lists_under_way:
             self._changes.setdefault(parent, {})[name_b] = (self._seq, entry)
         for cache in (self._listings, self._last_listings):

@@ -51,6 +51,9 @@ from tests.helpers import (
     MiB,
     S3Server,
     bucket_with,
+    daemon_env,
+    delete_bucket,
+    drop_kernel_caches,
     failing_read_bound,
     fd_count,
     fds_by_kind,
@@ -63,6 +66,7 @@ from tests.helpers import (
     proc_status,
     random_bytes,
     read_all_exact,
+    run_modelfs,
     timed_pread,
     unmount,
     upload,
@@ -567,6 +571,50 @@ def test_origin_down_chunks_in_the_nvme_cache_keep_serving(moto_server: S3Server
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
             read_all_exact(fd, data)
             assert mount_stats(mountpoint)["disk_cache"]["hits"] - hits_before >= 8
+
+
+def test_a_remount_while_the_origin_is_down_serves_what_the_cache_dir_knows(moto_server: S3Server, proxy: FaultProxy,
+                                                                          mountpoint: Path, tmp_path: Path) -> None:
+    """A GPU node restarted during an outage of the origin, its NVMe cache warm: the pre-flight listing failed and
+    the mount refused to start, though every chunk of its model was on its disk. The cache dir keeps the names the
+    last mount learnt (saved_names.py): the mount comes up (one warning), the model's files resolve by path, their
+    directory lists, their bytes are exact, and a name never seen is EIO. Once the origin is back, it answers again.
+    A cache dir that knows no name of the bucket still refuses the mount, as before."""
+    files = {"models/m/config.json": b'{"a": 1}', "models/m/weights.bin": random_bytes(3 * MiB + 5, 31)}
+    bucket = bucket_with(moto_server, {**files, "other/unseen.bin": b"x"})
+    cache = tmp_path / "cache"
+    args = (*fault_args("--metadata-ttl", "1"), "--cache-dir", str(cache))
+    with mounted_via(proxy, moto_server, bucket, mountpoint, *args):
+        for name, data in files.items():  # by path, as a loader opens them; no listing but the last
+            assert (mountpoint / name).read_bytes() == data
+        assert sorted(os.listdir(mountpoint / "models" / "m")) == ["config.json", "weights.bin"]
+        wait_for("chunks written through", lambda: mount_stats(mountpoint)["disk_cache"],
+                 lambda stats: stats["chunks"] >= 5, timeout=10)
+    proxy.origin_down(Down.REFUSE)
+    try:
+        with mounted_via(proxy, moto_server, bucket, mountpoint, *args,
+                         allowed=(ORIGIN_UNAVAILABLE, OPS_FAILED, STALE_METADATA)) as m:
+            assert re.search(r"origin unavailable .*: mounting with the names cache dir .* kept of \d+ directories",
+                             m.log())
+            drop_kernel_caches(3)
+            for name, data in files.items():
+                assert (mountpoint / name).read_bytes() == data
+            assert sorted(os.listdir(mountpoint / "models" / "m")) == ["config.json", "weights.bin"]
+            with pytest.raises(OSError) as info:
+                (mountpoint / "other" / "unseen.bin").stat()
+            assert info.value.errno == errno.EIO
+            proxy.origin_back()
+            upload(moto_server, bucket, {"models/m/new.bin": b"new"})
+            wait_for("the origin's listing", lambda: sorted(os.listdir(mountpoint / "models" / "m")),
+                     lambda names: "new.bin" in names, timeout=RECOVERY_S)
+            assert (mountpoint / "other" / "unseen.bin").read_bytes() == b"x"
+        proxy.origin_down(Down.REFUSE)
+        res = run_modelfs("mount", bucket, str(mountpoint), "--endpoint-url", proxy.endpoint_url,
+                          "--cache-dir", str(tmp_path / "fresh"), env=daemon_env(moto_server))
+        assert res.returncode != 0 and "cannot reach the endpoint" in res.stderr, res.stderr
+    finally:
+        proxy.origin_back()
+    delete_bucket(moto_server, bucket)
 
 
 def test_origin_down_known_file_opens_by_path_after_ttl(moto_server: S3Server, proxy: FaultProxy,

@@ -1,0 +1,199 @@
+"""The names a mount learnt of its bucket, kept in its cache dir (`--cache-dir`), so that a daemon started while the
+origin does not answer still resolves them and serves their chunks from the NVMe cache.
+
+What is kept, by directory of the mount (paths as namespace.py has them, '' for the root):
+- the entries of the directory's last listing (`complete`: it can answer a listing), or
+- for a directory never listed, the names lookups found in it (a HEAD's file, a directory), and those only.
+A file is kept at the version it was last seen at (key, size, ETag, mtime): the chunks of that version are what the
+NVMe cache holds under its ETag, so nothing is served that the bucket did not hold then. The namespace asks these only
+where it would answer from an expired listing: while the origin does not answer (`Namespace._known_while_down`,
+`Namespace._listing`). Once it answers, what it says replaces them.
+
+One file per bucket and prefix, `<cache dir>/names/<digest>.json` (0600 in a 0700 directory: key names can say what
+a bucket holds), written whole (a temp file, then a rename) by `save` in a worker thread, at most every SAVE_EVERY_S
+while something changed, and once more at unmount. Bounded by SAVED_ENTRIES: the directories updated least recently
+go first; a directory of more than SAVED_DIR_ENTRIES is not kept (a dataset's, not a model's). A file that cannot be
+read is logged and left out: the mount then knows what the origin tells it, as without a cache dir.
+
+Rules between tasks: every method but `encode`/`save` runs in the trio thread. A directory's entries are a dict of
+plain tuples changed in place; `snapshot` copies each (C-level dict copies, no encoding) so that the worker thread
+encodes what no task changes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import hashlib
+import json
+import logging
+import os
+from collections.abc import Mapping
+
+from fsmount.data import ObjectMeta
+
+log = logging.getLogger(__name__)
+
+NAMES_DIR = "names"
+# Entries kept over all directories: a model directory has tens; about 250 B each in memory, ~10 MiB at most.
+SAVED_ENTRIES = 40_000
+SAVED_DIR_ENTRIES = 10_000
+# How often changes are written while the mount runs (and once more at unmount).
+SAVE_EVERY_S = 10.0
+FORMAT = 1
+
+# One entry, JSON-ready: (is_dir, key, size, etag, mtime_ns); a directory's key is "".
+Saved = tuple[bool, str, int, str, int]
+# What the namespace hands in and gets back: a directory (True, None), or a file and its version (False, meta).
+Entry = tuple[bool, ObjectMeta | None]
+
+
+@dataclasses.dataclass(slots=True)
+class SavedDir:
+    complete: bool  # the entries of a whole listing, not only the names lookups found
+    entries: dict[str, Saved]  # by name (str, surrogate-escaped as namespace decodes keys)
+
+
+def names_file(cache_dir: str, bucket: str, prefix: str) -> str:
+    digest = hashlib.sha256(f"{bucket}\0{prefix}".encode("utf-8", "surrogateescape")).hexdigest()[:32]
+    return os.path.join(cache_dir, NAMES_DIR, digest + ".json")
+
+
+def _saved(entry: Entry) -> Saved | None:
+    is_dir, meta = entry
+    if is_dir:
+        return (True, "", 0, "", 0)
+    if meta is None or not meta.etag:  # a file being written, or a version nothing pins (no ETag): not kept
+        return None
+    return (False, meta.key, meta.size, meta.etag, meta.mtime_ns)
+
+
+def _entry(saved: Saved) -> Entry:
+    is_dir, key, size, etag, mtime_ns = saved
+    return (True, None) if is_dir else (False, ObjectMeta(key, size, etag, mtime_ns))
+
+
+class SavedNames:
+    def __init__(self, cache_dir: str, bucket: str, prefix: str):
+        self.path = names_file(cache_dir, bucket, prefix)
+        self.bucket, self.prefix = bucket, prefix
+        self._dirs: dict[str, SavedDir] = {}  # least recently updated first
+        self._count = 0
+        self.dirty = False
+
+    def __len__(self) -> int:
+        return len(self._dirs)
+
+    def load(self) -> None:
+        """What the file holds (at startup, before anything is learnt); nothing if it is missing or unreadable."""
+        try:
+            with open(self.path, "rb") as f:
+                doc = json.load(f)
+            if doc.get("format") != FORMAT or doc.get("bucket") != self.bucket or doc.get("prefix") != self.prefix:
+                raise ValueError("not this mount's")
+            dirs = {str(path): SavedDir(bool(complete), {str(name): (bool(e[0]), str(e[1]), int(e[2]), str(e[3]),
+                                                                     int(e[4])) for name, e in entries.items()})
+                    for path, (complete, entries) in doc["dirs"].items()}
+        except FileNotFoundError:
+            return
+        except (OSError, ValueError, TypeError, KeyError, IndexError, AttributeError) as exc:
+            log.warning("the names kept in %s cannot be read (%s): left out", self.path, exc)
+            return
+        self._dirs = dirs
+        self._count = sum(len(d.entries) for d in dirs.values())
+        self._trim()
+
+    # -- what the namespace learnt ------------------------------------------------------------------
+
+    def listed(self, path: str, entries: Mapping[str, Entry]) -> None:
+        """A whole listing of the directory `path` landed (entries by name)."""
+        if len(entries) > SAVED_DIR_ENTRIES:
+            self._drop(path)
+            return
+        kept = {}
+        for name, entry in entries.items():
+            saved = _saved(entry)
+            if saved is not None:
+                kept[name] = saved
+        old = self._dirs.get(path)
+        if old is not None and old.complete and old.entries == kept:
+            return  # as it was: nothing to write (a listing every TTL of an unchanged directory)
+        self._put(path, SavedDir(True, kept))
+
+    def found(self, path: str, entry: Entry | None) -> None:
+        """What a lookup (or a change made through this mount) says of `path`: this entry, or nothing there."""
+        parent, _, name = path.rpartition("/")
+        old = self._dirs.get(parent)
+        saved = _saved(entry) if entry is not None else None
+        if old is None:
+            if saved is not None:
+                self._put(parent, SavedDir(False, {name: saved}))
+            return
+        if old.entries.get(name) == saved:
+            return
+        if saved is None:
+            if old.entries.pop(name, None) is not None:
+                self._count -= 1
+        elif len(old.entries) < SAVED_DIR_ENTRIES or name in old.entries:
+            self._count += name not in old.entries
+            old.entries[name] = saved
+        self._dirs[parent] = self._dirs.pop(parent)  # now the most recently updated
+        self.dirty = True
+        self._trim()
+
+    def _put(self, path: str, saved: SavedDir) -> None:
+        self._drop(path)
+        self._dirs[path] = saved
+        self._count += len(saved.entries)
+        self.dirty = True
+        self._trim()
+
+    def _drop(self, path: str) -> None:
+        old = self._dirs.pop(path, None)
+        if old is not None:
+            self._count -= len(old.entries)
+            self.dirty = True
+
+    def _trim(self) -> None:
+        while self._count > SAVED_ENTRIES and self._dirs:
+            self._drop(next(iter(self._dirs)))
+
+    # -- what the namespace asks while the origin is away ---------------------------------------------
+
+    def listing(self, path: str) -> dict[str, Entry] | None:
+        """The last whole listing of `path` kept, by name."""
+        saved = self._dirs.get(path)
+        if saved is None or not saved.complete:
+            return None
+        return {name: _entry(entry) for name, entry in saved.entries.items()}
+
+    def entry(self, path: str) -> Entry | None:
+        """The entry kept for `path`: of its directory's listing, or of a lookup."""
+        parent, _, name = path.rpartition("/")
+        saved = self._dirs.get(parent)
+        entry = saved.entries.get(name) if saved is not None else None
+        return _entry(entry) if entry is not None else None
+
+    # -- the file ----------------------------------------------------------------------------------
+
+    def snapshot(self) -> dict[str, tuple[bool, dict[str, Saved]]]:
+        """What `save` writes, copied (trio thread); clears `dirty`."""
+        self.dirty = False
+        return {path: (d.complete, dict(d.entries)) for path, d in self._dirs.items()}
+
+    def save(self, snapshot: dict[str, tuple[bool, dict[str, Saved]]]) -> None:
+        """Write a snapshot (a worker thread): a temp file, then a rename, so a crash leaves the old file or the
+        new one. Raises OSError (a full disk, a removed cache dir)."""
+        doc = {"format": FORMAT, "bucket": self.bucket, "prefix": self.prefix, "dirs": snapshot}
+        data = json.dumps(doc, separators=(",", ":")).encode()
+        os.makedirs(os.path.dirname(self.path), mode=0o700, exist_ok=True)
+        tmp = self.path + ".tmp"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+            os.replace(tmp, self.path)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise

@@ -1,0 +1,151 @@
+"""The names a mount keeps in its cache dir (saved_names.py): what is kept from listings, lookups and changes, the
+file's round trip and its bounds, what an unreadable file does, and a namespace started while the origin is down."""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+from pathlib import Path
+
+import pytest
+
+from fsmount import saved_names
+from fsmount.data import ObjectMeta, Unreachable
+from fsmount.namespace import ROOT_INODE, Namespace
+from fsmount.saved_names import SavedNames
+from tests.helpers import ORIGIN_UNAVAILABLE
+from tests.unit.fake_store import FakeStore
+from tests.unit.test_namespace import call, origin_down
+
+DIR = (True, None)
+
+
+def file_entry(key: str, size: int = 3, etag: str = '"e"') -> tuple[bool, ObjectMeta]:
+    return (False, ObjectMeta(key, size, etag, 7))
+
+
+def reloaded(saved: SavedNames, tmp_path: Path) -> SavedNames:
+    saved.save(saved.snapshot())
+    again = SavedNames(str(tmp_path), saved.bucket, saved.prefix)
+    again.load()
+    return again
+
+
+def test_listings_lookups_and_changes_round_trip(tmp_path: Path) -> None:
+    saved = SavedNames(str(tmp_path), "b", "p/")
+    saved.listed("m", {"w.bin": file_entry("p/m/w.bin"), "sub": DIR, "odd\udcff": file_entry("k")})
+    saved.found("models", DIR)  # a lookup in a directory never listed: that name only
+    saved.found("x/f", file_entry("p/x/f"))
+    saved.found("x/writing", (False, None))  # a file being written: not kept
+    saved.found("x/noetag", file_entry("p/x/noetag", etag=""))  # nothing pins its version: not kept
+    assert saved.dirty
+    again = reloaded(saved, tmp_path)
+    assert not saved.dirty
+    assert again.listing("m") == {"w.bin": file_entry("p/m/w.bin"), "sub": DIR, "odd\udcff": file_entry("k")}
+    assert again.listing("") is None and again.listing("x") is None  # lookups alone never answer a listing
+    assert again.entry("models") == DIR
+    assert again.entry("x/f") == file_entry("p/x/f")
+    assert again.entry("x/writing") is None and again.entry("x/noetag") is None and again.entry("nope") is None
+    again.found("x/f", None)  # deleted (a negative lookup, an unlink through the mount)
+    again.found("m/w.bin", file_entry("p/m/w.bin", size=9, etag='"new"'))
+    assert again.entry("x/f") is None and again.entry("m/w.bin") == file_entry("p/m/w.bin", size=9, etag='"new"')
+    mode = stat.S_IMODE(os.stat(saved.path).st_mode), stat.S_IMODE(os.stat(os.path.dirname(saved.path)).st_mode)
+    assert mode == (0o600, 0o700)
+
+
+def test_an_unchanged_listing_writes_nothing(tmp_path: Path) -> None:
+    saved = SavedNames(str(tmp_path), "b", "")
+    saved.listed("", {"a": file_entry("a")})
+    saved.snapshot()
+    saved.listed("", {"a": file_entry("a")})  # the next listing a TTL later, the same
+    saved.found("a", file_entry("a"))
+    assert not saved.dirty
+    saved.listed("", {"a": file_entry("a", etag='"2"')})
+    assert saved.dirty
+
+
+def test_bounds(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(saved_names, "SAVED_ENTRIES", 10)
+    monkeypatch.setattr(saved_names, "SAVED_DIR_ENTRIES", 5)
+    saved = SavedNames(str(tmp_path), "b", "")
+    saved.listed("big", {f"f{i}": file_entry(f"big/f{i}") for i in range(6)})
+    assert saved.listing("big") is None  # a dataset's directory, not a model's: not kept
+    for d in range(4):
+        saved.listed(f"d{d}", {f"f{i}": file_entry(f"d{d}/f{i}") for i in range(3)})
+    # 12 entries over 10: the directory updated least recently went.
+    assert saved.listing("d0") is None and all(saved.listing(f"d{d}") is not None for d in (1, 2, 3))
+    saved.found("d1/late", file_entry("d1/late"))  # 10: d1 is now the most recently updated
+    assert saved.listing("d2") is not None
+    saved.found("d1/later", file_entry("d1/later"))  # 11: d2 goes
+    assert saved.listing("d2") is None and saved.entry("d1/late") is not None
+    for i in range(5):
+        saved.found(f"d3/more{i}", file_entry(f"d3/more{i}"))
+    assert len(saved.listing("d3") or ()) == 5  # a directory's entries stay within SAVED_DIR_ENTRIES
+
+
+@pytest.mark.parametrize("content", [b"{not json", b'{"format": 1, "bucket": "other", "prefix": "", "dirs": {}}',
+                                     b'{"format": 1, "bucket": "b", "prefix": "", "dirs": {"": [true, {"a": [1]}]}}',
+                                     b'[]'])
+def test_a_file_that_cannot_be_read_is_left_out(tmp_path: Path, content: bytes, caplog: pytest.LogCaptureFixture,
+                                                allowed_logs: list[str]) -> None:
+    allowed_logs.append("cannot be read")
+    saved = SavedNames(str(tmp_path), "b", "")
+    os.makedirs(os.path.dirname(saved.path))
+    Path(saved.path).write_bytes(content)
+    saved.load()
+    assert len(saved) == 0 and "cannot be read" in caplog.text
+
+
+def test_another_bucket_or_prefix_has_a_file_of_its_own(tmp_path: Path) -> None:
+    paths = {SavedNames(str(tmp_path), b, p).path for b, p in (("b", ""), ("b", "x/"), ("c", ""))}
+    assert len(paths) == 3
+
+
+def test_a_failed_write_leaves_the_last_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    saved = SavedNames(str(tmp_path), "b", "")
+    saved.listed("", {"a": file_entry("a")})
+    saved.save(saved.snapshot())
+    before = Path(saved.path).read_bytes()
+    saved.listed("", {"b": file_entry("b")})
+
+    def full(*args: object) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(saved_names.os, "replace", full)
+    with pytest.raises(OSError):
+        saved.save(saved.snapshot())
+    assert Path(saved.path).read_bytes() == before and os.listdir(os.path.dirname(saved.path)) == [
+        os.path.basename(saved.path)]
+    assert json.loads(before)["dirs"][""][1] == {"a": [False, "a", 3, '"e"', 7]}
+
+
+async def test_a_namespace_started_while_the_origin_is_down_resolves_what_its_predecessor_saved(
+        tmp_path: Path, allowed_logs: list[str]) -> None:
+    allowed_logs.append(ORIGIN_UNAVAILABLE)
+    store = FakeStore()
+    store.put("models/m/w.bin", b"12345")
+    store.put("models/m/config.json", b"{}")
+    store.put("other/x", b"x")
+    first = SavedNames(str(tmp_path), store.bucket, "")
+    ns = Namespace(store, call, prefix="", ttl=60, saved=first)
+    models = await ns.lookup(ROOT_INODE, b"models")  # lookups only down to the model's directory
+    m = await ns.lookup(models.ino, b"m")
+    await ns.listing(m)
+    w = await ns.lookup(m.ino, b"w.bin")
+    first.save(first.snapshot())
+
+    store.head = store.has_children = store.list_pages = origin_down
+    second = SavedNames(str(tmp_path), store.bucket, "")
+    second.load()
+    ns = Namespace(store, call, prefix="", ttl=60, saved=second)
+    models = await ns.lookup(ROOT_INODE, b"models")
+    m = await ns.lookup(models.ino, b"m")
+    assert models.is_dir and m.is_dir
+    again = await ns.lookup(m.ino, b"w.bin")
+    assert again.version(ns.prefix) == w.version("")  # the same version: its chunks are the cached ones
+    assert sorted(e.name for e in await ns.listing(m)) == [b"config.json", b"w.bin"]
+    with pytest.raises(Unreachable):
+        await ns.listing(models)  # only looked up in: no listing of it was ever made
+    with pytest.raises(Unreachable):
+        await ns.lookup(ROOT_INODE, b"other")  # never seen

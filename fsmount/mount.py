@@ -549,6 +549,8 @@ class Daemon:
         # SIGTERM / SIGINT that came after the mount was made and before `_watch_signals` took them (`run`).
         self.early_stops: list[int] = []
         self._residency_refused = False  # mincore refused once (logged): a seccomp filter without it
+        self._names_failure_logged = False  # the names kept in the cache dir could not be written (logged once)
+        self._names_saving = trio.Lock()  # one write of them at a time (_save_names)
         self.store = Boto3Store(cfg.store)
         self._meta_limiter: trio.CapacityLimiter | None = None  # metadata requests waited for (METADATA_THREADS)
         self.metadata_requests = 0  # counters (trio thread): every metadata request, and those that failed
@@ -759,14 +761,25 @@ class Daemon:
             await self._save_names(saved)
 
     async def _save_names(self, saved: SavedNames) -> None:
-        if not saved.dirty:
-            return
-        try:
-            await trio.to_thread.run_sync(saved.save, saved.snapshot(), abandon_on_cancel=True)
-        except OSError as exc:
-            saved.dirty = True
-            log.warning("the names learnt could not be written to %s (%s): a remount while the origin is away may "
-                        "not find them", saved.path, exc.strerror or exc)
+        """One write of the names, if they changed; one at a time (the stop's and the loop's would share the temp
+        file), so a stop waits for the loop's, within NAMES_SAVE_S."""
+        async with self._names_saving:
+            if not saved.dirty:
+                return
+            try:
+                await trio.to_thread.run_sync(saved.save, saved.snapshot(), abandon_on_cancel=True)
+            except OSError as exc:
+                saved.dirty = True  # tried again at the next round
+                self._names_not_saved(saved, exc)
+
+    def _names_not_saved(self, saved: SavedNames, exc: OSError) -> None:
+        # A warning once a mount, then at debug level. A cache disk that is full or read-only at info level: the NVMe
+        # cache's own warning says that (one line for one episode).
+        disk = exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EROFS)
+        log.log(logging.DEBUG if self._names_failure_logged else logging.INFO if disk else logging.WARNING,
+                "the names learnt could not be written to %s (%s): a remount while the origin is away may not find "
+                "them", saved.path, exc.strerror or exc)
+        self._names_failure_logged = True
 
     async def _drop_claims(self) -> None:
         """Claims on the shared tier for chunks whose fetch the unmount cut short: dropped, each request

@@ -60,6 +60,8 @@ ORIGIN_UNAVAILABLE = r"origin unavailable"
 # The disk cache's warnings (a daemon log line, or a log record's message).
 CORRUPT_WARNING = r"disk cache .*: dropped corrupt chunk file"
 WRITE_FAILED_WARNING = r"disk cache .*: write failed"
+# The names kept in the cache dir (saved_names.py) could not be written: said once per mount.
+NAMES_WRITE_FAILED = r"the names learnt could not be written to .*: a remount while the origin is away may not"
 
 
 def warning_lines(log: str) -> list[str]:

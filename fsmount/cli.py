@@ -714,9 +714,10 @@ def cmd_cache(args: argparse.Namespace) -> int:
                       "(copies of files a --writable mount is writing, or that a killed one left: `clear` removes "
                       "them, and so does the next mount)")
         elif args.action == "clear":
-            chunks, staged = cache_clear(args.cache_dir)
+            chunks, staged, names = cache_clear(args.cache_dir)
             print(f"removed {chunks} chunk files" +
-                  (f", and {human_size(staged)} of copies a --writable mount left in writes/" if staged else ""))
+                  (f", {human_size(staged)} of copies a --writable mount left in writes/" if staged else "") +
+                  (f", {names} files of the names mounts learnt (names/)" if names else ""))
         else:
             ok, bad, other = cache_verify(args.cache_dir)
             print(f"{ok} chunks verified, {len(bad)} corrupt (removed)" +

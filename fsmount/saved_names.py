@@ -30,11 +30,10 @@ import logging
 import os
 from collections.abc import Mapping
 
-from fsmount.data import ObjectMeta
+from fsmount.data import NAMES_DIR, ObjectMeta
 
 log = logging.getLogger(__name__)
 
-NAMES_DIR = "names"
 # Entries kept over all directories: a model directory has tens; about 250 B each in memory, ~10 MiB at most.
 SAVED_ENTRIES = 40_000
 SAVED_DIR_ENTRIES = 10_000
@@ -55,6 +54,7 @@ class SavedDir:
 
 
 def names_file(cache_dir: str, bucket: str, prefix: str) -> str:
+    """Its name is 32 hex digits and `.json` (cache_dir.sweep_saved_names, of `modelfs cache clear`, goes by it)."""
     digest = hashlib.sha256(f"{bucket}\0{prefix}".encode("utf-8", "surrogateescape")).hexdigest()[:32]
     return os.path.join(cache_dir, NAMES_DIR, digest + ".json")
 

@@ -22,6 +22,7 @@ from fsmount.data.budget import MemoryBudget
 from fsmount.data.cache_admin import cache_clear, cache_stats, cache_verify
 from fsmount.data.cache_dir import (
     CHUNKS_DIR,
+    NAMES_DIR,
     WRITES_DIR,
     CacheDirBusy,
     cache_bytes,
@@ -71,6 +72,6 @@ __all__ = [
     "default_min_free", "cache_clear", "cache_stats", "cache_verify", "MAX_PART_SIZE", "MAX_PARTS",
     "MIN_PART_SIZE",
     "PendingUpload", "COPY_OBJECT_MAX", "Uploads", "new_buffer", "pwrite_all", "round_up",
-    "UNREACHABLE_RETRY_S", "wait_to_retry", "WRITES_DIR", "sweep_staged_writes", "DISK_THREADS", "PUT_THREADS",
-    "OutOfResources",
+    "UNREACHABLE_RETRY_S", "wait_to_retry", "WRITES_DIR", "NAMES_DIR", "sweep_staged_writes", "DISK_THREADS",
+    "PUT_THREADS", "OutOfResources",
 ]

@@ -15,6 +15,7 @@ from fsmount.data.cache_dir import (
     release_dir_lock,
     scan_chunk_files,
     staged_writes,
+    sweep_saved_names,
     sweep_staged_writes,
 )
 from fsmount.data.chunk_file import Corrupt, OtherFormat, read_chunk_file
@@ -37,14 +38,15 @@ def cache_stats(root: str | os.PathLike[str]) -> dict[str, int | float | None]:
     }
 
 
-def cache_clear(root: str | os.PathLike[str]) -> tuple[int, int]:
-    """Delete every chunk and temp file, and the copies a killed --writable mount left in `writes/`; (chunk and
-    temp files removed, bytes of copies removed). Files named neither, and anything that is not a shard
-    directory, are left alone (a file there made it fail with a traceback, and it deleted what it did not
-    write). CacheDirBusy while a mount holds the dir."""
+def cache_clear(root: str | os.PathLike[str]) -> tuple[int, int, int]:
+    """Delete every chunk and temp file, the copies a killed --writable mount left in `writes/`, and the names kept in
+    `names/` (without chunks, a mount started while the origin is away would list files it cannot read); (chunk and
+    temp files removed, bytes of copies removed, files of names removed). Files named none of these, and anything that
+    is not a shard directory, are left alone (a file there made it fail with a traceback, and it deleted what it did
+    not write). CacheDirBusy while a mount holds the dir."""
     root = os.path.abspath(os.fspath(root))
     if not os.path.isdir(root):
-        return 0, 0
+        return 0, 0, 0
     fd = acquire_dir_lock(root)
     try:
         found, removed = scan_chunk_files(os.path.join(root, CHUNKS_DIR), sweep_tmp=True)
@@ -52,7 +54,7 @@ def cache_clear(root: str | os.PathLike[str]) -> tuple[int, int]:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
                 removed += 1
-        return removed, sweep_staged_writes(root)[1]
+        return removed, sweep_staged_writes(root)[1], sweep_saved_names(root)
     finally:
         release_dir_lock(fd)
 

@@ -7,6 +7,7 @@ Plain functions; the cache (disk_cache) and the `modelfs cache` commands (cache_
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import logging
@@ -48,6 +49,9 @@ DRAINING_WAIT_S = 60.0
 # (mark_draining). The next comer looks again this long before it is refused.
 DRAINING_GRACE_S = 1.0
 TMP_SUFFIX = ".tmp"
+# Where a mount keeps the names it learnt (saved_names.py): one file per bucket and prefix, named by a digest.
+NAMES_DIR = "names"
+_NAMES_FILE = re.compile(r"[0-9a-f]{32}\.json(\.tmp)?")
 _HEX = frozenset("0123456789abcdef")
 
 
@@ -103,6 +107,23 @@ def sweep_staged_writes(root: str) -> tuple[int, int]:
         log.info("cache dir %s: left %d entries in %s/ that modelfs did not write there (%s)", root, len(others),
                  WRITES_DIR, ", ".join(sorted(others)[:5]) + (", ..." if len(others) > 5 else ""))
     return files, total
+
+
+def sweep_saved_names(root: str) -> int:
+    """Remove the files of names in `root`'s NAMES_DIR (regular files named as saved_names names them); how many.
+    Anything else there is left alone. The caller holds the dir's lock."""
+    path = os.path.join(root, NAMES_DIR)
+    try:
+        entries = list(os.scandir(path)) if not os.path.islink(path) else []
+    except (FileNotFoundError, NotADirectoryError):
+        return 0
+    removed = 0
+    for entry in entries:
+        if _NAMES_FILE.fullmatch(entry.name) and entry.is_file(follow_symlinks=False):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(entry.path)
+                removed += 1
+    return removed
 
 
 def _staged_copies(root: str) -> tuple[list[tuple[str, int]], list[str]]:

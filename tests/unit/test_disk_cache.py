@@ -1135,7 +1135,7 @@ def test_cache_stats_clear_verify(tmp_path: Path) -> None:
         "staged_files": 0,
         "staged_bytes": 0,
     }
-    assert cache_clear(tmp_path / "absent") == (0, 0) and cache_verify(tmp_path / "absent") == (0, [], 0)
+    assert cache_clear(tmp_path / "absent") == (0, 0, 0) and cache_verify(tmp_path / "absent") == (0, [], 0)
     with DiskCache(tmp_path, BIG, min_free_bytes=0) as cache:
         for i in range(5):
             cache.put(chunk_id(i), payload(chunk_id(i), 1000))
@@ -1165,14 +1165,14 @@ def test_cache_stats_clear_verify(tmp_path: Path) -> None:
     (tmp_path / "writes").mkdir()
     (tmp_path / "writes" / "1").write_bytes(b"x" * 5000)
     assert cache_stats(tmp_path)["staged_files"] == 1 and cache_stats(tmp_path)["staged_bytes"] == 5000
-    assert cache_clear(tmp_path) == (4, 5000)
+    assert cache_clear(tmp_path) == (4, 5000, 0)
     assert list((tmp_path / "writes").iterdir()) == []
     (tmp_path / "writes").rmdir()
     elsewhere = tmp_path.parent / f"{tmp_path.name}-elsewhere"
     elsewhere.mkdir()
     (elsewhere / "1").write_bytes(b"y")
     (tmp_path / "writes").symlink_to(elsewhere)  # counted as removed, and removed nothing
-    assert cache_stats(tmp_path)["staged_files"] == 0 and cache_clear(tmp_path) == (0, 0)
+    assert cache_stats(tmp_path)["staged_files"] == 0 and cache_clear(tmp_path) == (0, 0, 0)
     assert (elsewhere / "1").read_bytes() == b"y"
     (tmp_path / "writes").unlink()
     assert disk_files(tmp_path) == []

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from fsmount import saved_names
-from fsmount.data import ObjectMeta, Unreachable
+from fsmount.data import ObjectMeta, Unreachable, cache_clear
 from fsmount.namespace import ROOT_INODE, Namespace
 from fsmount.saved_names import SavedNames
 from tests.helpers import ORIGIN_UNAVAILABLE
@@ -149,3 +149,17 @@ async def test_a_namespace_started_while_the_origin_is_down_resolves_what_its_pr
         await ns.listing(models)  # only looked up in: no listing of it was ever made
     with pytest.raises(Unreachable):
         await ns.lookup(ROOT_INODE, b"other")  # never seen
+
+
+def test_cache_clear_removes_the_names_and_nothing_else_there(tmp_path: Path) -> None:
+    """`modelfs cache clear` empties the cache: names kept without their chunks would have a mount started while
+    the origin is away list files it cannot read. Files modelfs did not name so stay."""
+    saved = SavedNames(str(tmp_path), "b", "")
+    saved.found("a", file_entry("a"))
+    saved.save(saved.snapshot())
+    names = Path(saved.path).parent
+    (names / (Path(saved.path).name + ".tmp")).write_text("left by a crash")
+    (names / "notes.txt").write_text("theirs")
+    (names / ("0" * 32 + ".json")).symlink_to(tmp_path / "elsewhere")
+    assert cache_clear(tmp_path) == (0, 0, 2)
+    assert sorted(os.listdir(names)) == ["0" * 32 + ".json", "notes.txt"]

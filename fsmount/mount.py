@@ -331,8 +331,11 @@ def check_bucket(cfg: MountConfig) -> None:
         empty = bool(cfg.store.prefix) and not cfg.writable and not store.has_children(cfg.store.prefix)
     except (Unreachable, TransientError) as exc:
         known = load_saved_names(cfg)
-        if known is None or not len(known):
+        if known is None:
             raise MountError(exc.message) from None
+        if not len(known):
+            raise MountError(f"{exc.message} (and cache dir {cfg.cache_dir} keeps no name of this bucket and prefix "
+                             "to mount with until it answers)") from None
         log.warning("origin unavailable (%s): mounting with the names cache dir %s kept of %d directories; what its "
                     "NVMe cache holds of them is served until the origin answers", exc.message, cfg.cache_dir,
                     len(known))

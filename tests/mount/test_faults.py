@@ -612,6 +612,7 @@ def test_a_remount_while_the_origin_is_down_serves_what_the_cache_dir_knows(moto
         res = run_modelfs("mount", bucket, str(mountpoint), "--endpoint-url", proxy.endpoint_url,
                           "--cache-dir", str(tmp_path / "fresh"), env=daemon_env(moto_server))
         assert res.returncode != 0 and "cannot reach the endpoint" in res.stderr, res.stderr
+        assert "keeps no name of this bucket and prefix" in res.stderr, res.stderr
     finally:
         proxy.origin_back()
     delete_bucket(moto_server, bucket)

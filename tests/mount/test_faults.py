@@ -578,18 +578,20 @@ def test_a_remount_while_the_origin_is_down_serves_what_the_cache_dir_knows(moto
     """A GPU node restarted during an outage of the origin, its NVMe cache warm: the pre-flight listing failed and
     the mount refused to start, though every chunk of its model was on its disk. The cache dir keeps the names the
     last mount learnt (saved_names.py): the mount comes up (one warning), the model's files resolve by path, their
-    directory lists, their bytes are exact, and a name never seen is EIO. Once the origin is back, it answers again.
-    A cache dir that knows no name of the bucket still refuses the mount, as before."""
+    directory lists, their bytes are exact (a file that mount wrote too), and a name never seen is EIO. Once the
+    origin is back, it answers again. A cache dir that knows no name of the bucket still refuses the mount."""
     files = {"models/m/config.json": b'{"a": 1}', "models/m/weights.bin": random_bytes(3 * MiB + 5, 31)}
     bucket = bucket_with(moto_server, {**files, "other/unseen.bin": b"x"})
     cache = tmp_path / "cache"
     args = (*fault_args("--metadata-ttl", "1"), "--cache-dir", str(cache))
-    with mounted_via(proxy, moto_server, bucket, mountpoint, *args):
+    with mounted_via(proxy, moto_server, bucket, mountpoint, *args, "--writable"):
         for name, data in files.items():  # by path, as a loader opens them; no listing but the last
             assert (mountpoint / name).read_bytes() == data
         assert sorted(os.listdir(mountpoint / "models" / "m")) == ["config.json", "weights.bin"]
+        files["models/m/written.bin"] = random_bytes(MiB + 3, 32)  # stored at close, and put in the NVMe cache
+        (mountpoint / "models/m/written.bin").write_bytes(files["models/m/written.bin"])
         wait_for("chunks written through", lambda: mount_stats(mountpoint)["disk_cache"],
-                 lambda stats: stats["chunks"] >= 5, timeout=10)
+                 lambda stats: stats["chunks"] >= 7, timeout=10)
     proxy.origin_down(Down.REFUSE)
     try:
         with mounted_via(proxy, moto_server, bucket, mountpoint, *args,
@@ -599,7 +601,7 @@ def test_a_remount_while_the_origin_is_down_serves_what_the_cache_dir_knows(moto
             drop_kernel_caches(3)
             for name, data in files.items():
                 assert (mountpoint / name).read_bytes() == data
-            assert sorted(os.listdir(mountpoint / "models" / "m")) == ["config.json", "weights.bin"]
+            assert sorted(os.listdir(mountpoint / "models" / "m")) == ["config.json", "weights.bin", "written.bin"]
             with pytest.raises(OSError) as info:
                 (mountpoint / "other" / "unseen.bin").stat()
             assert info.value.errno == errno.EIO

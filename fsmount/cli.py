@@ -203,7 +203,9 @@ def add_mount_arguments(p: argparse.ArgumentParser) -> None:
     d.add_argument("--pagecache-push-limit", type=_size, default=None,
                    help="bytes of streamed model data pushed into the kernel page cache for open files, "
                         "0 to disable (default half of MemAvailable, or of what the cgroup has left)")
-    d.add_argument("--cache-dir", default=None, help="persistent local chunk cache directory (NVMe)")
+    d.add_argument("--cache-dir", default=None,
+                   help="persistent local chunk cache directory (NVMe); it also keeps the names the mount learns, so "
+                        "that a mount started while the origin does not answer serves what it holds")
     d.add_argument("--cache-size", type=_cache_size, default=None,
                    help="cache size, e.g. 500G or 80%% of the disk (default 80%%; needs --cache-dir)")
     w = p.add_argument_group("writing (off by default: the mount is read-only)")

@@ -10,10 +10,10 @@ The rules (README "Writing checkpoints"):
   a small file) whose completion is create-only.
 - Without `--allow-delete` nothing is deleted: unlink and rmdir fail with EPERM, and so does renaming a
   file or directory this mount did not write (a rename deletes the old key or marker).
-- A rename is a server-side copy and then a delete of the old key, not atomic: for a moment both names
-  exist in the bucket. Renaming a file still being written only renames it in this mount; the object is
-  stored under its final name at close (moved by a copy if its upload had begun under the old one). A
-  directory with anything in it is not renamed (EXDEV).
+- A rename is a server-side copy and then a delete of the old key (If-Match on the version copied), not atomic:
+  for a moment both names exist in the bucket. Renaming a file still being written only renames it in this
+  mount; the object is stored under its final name at close (moved by a copy if its upload had begun under the
+  old one). A directory with anything in it is not renamed (EXDEV).
 - One writer per file: opening a file that is being written fails with EBUSY, for reading or writing.
 - Unlinking a file that is being written needs no `--allow-delete` (nothing of it is in the bucket yet):
   its upload is aborted, and what its handles still write goes nowhere, as on a local disk. A rewrite (O_TRUNC)
@@ -554,9 +554,10 @@ class Writes:
         self.ns.dir_moved(node, path)
 
     async def move_object(self, meta: ObjectMeta, key: str) -> ObjectMeta:
-        """Copy an object to `key` on the server, then delete the old key; the new object's metadata. Without
-        --allow-overwrite the copy is create-only (`Exists` if another writer stored `key` meanwhile; the old
-        key is then left as it is, for the caller to decide)."""
+        """Copy an object to `key` on the server, then delete the old key if it still holds that object (another
+        mount may have stored a file under the old name meanwhile: the unconditional delete removed it); the new
+        object's metadata. Without --allow-overwrite the copy is create-only (`Exists` if another writer stored `key`
+        meanwhile; the old key is then left as it is, for the caller to decide)."""
         if self.create_only and meta.size == 0:
             etag = await self.call(self.uploads.put, key, b"", True)  # nothing to copy
         elif self.create_only or meta.size > COPY_OBJECT_MAX or (
@@ -565,7 +566,12 @@ class Writes:
         else:
             etag = await self.call(self.uploads.copy, meta.key, meta.etag, key)
         try:
-            await self.call(self.uploads.delete, meta.key)
+            if meta.etag:
+                if not await self.call(self.uploads.delete_version, meta.key, meta.etag):
+                    log.warning("%s was copied to %s; another writer has stored a new %s since: it is left as it is",
+                                meta.key, key, meta.key)
+            else:  # a server that gives no ETag: nothing to ask for
+                await self.call(self.uploads.delete, meta.key)
         except StoreError as exc:
             # The object is under its new name: the rename is done, and a leftover is no reason to fail it. Failed,
             # the caller got EIO for a file stored all the same (a retry of the rename then found the name taken;

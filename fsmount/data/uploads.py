@@ -10,11 +10,14 @@ run them in worker threads. Thread-safe: one boto3 client, shared.
 from __future__ import annotations
 
 import dataclasses
+import logging
 from datetime import datetime
 from typing import Any
 
 from fsmount.data.boto3_store import Boto3Store, _client_error_code, translate_error
 from fsmount.data.store import NotFound, PreconditionFailed, StoreError
+
+log = logging.getLogger(__name__)
 
 # S3's limits on multipart uploads (and what OSS, SeaweedFS and MinIO accept).
 MIN_PART_SIZE = 5 * 1024 * 1024
@@ -26,6 +29,10 @@ COPY_OBJECT_MAX = 5 * 1024 * 1024 * 1024
 
 class Exists(StoreError):
     """A create-only PUT or completion found the key there: another writer created it meanwhile."""
+
+
+class Replaced(StoreError):
+    """A conditional DELETE found another object under the key: another writer stored it meanwhile."""
 
 
 def _if_absent(only_if_absent: bool) -> dict[str, str]:
@@ -64,6 +71,9 @@ class Uploads:
             if "IfNoneMatch" in kwargs and (isinstance(err, PreconditionFailed) or _client_error_code(exc)[1] == 409):
                 raise Exists(f"{what}: the key was created meanwhile by another writer (replacing it needs "
                              "--allow-overwrite)") from None
+            # 412 to a conditional DELETE (409: a conditional write to the key is in progress, S3).
+            if "IfMatch" in kwargs and (isinstance(err, PreconditionFailed) or _client_error_code(exc)[1] == 409):
+                raise Replaced(f"{what}: another object is under the key now") from None
             raise err from None
 
     def put(self, key: str, body: bytes | bytearray, only_if_absent: bool = False) -> str:
@@ -117,6 +127,23 @@ class Uploads:
     def delete(self, key: str) -> None:
         """Delete a key (S3 answers a missing key with success too)."""
         self._call(f"DELETE {key!r}", self._client.delete_object, Key=key)
+
+    def delete_version(self, key: str, etag: str) -> bool:
+        """Delete a key if it still holds the object `etag` names (If-Match; S3, SeaweedFS, MinIO and moto take it):
+        False, and nothing deleted, if another writer stored an object there since. A server that refuses the
+        condition itself (501, or a 4xx of its own) gets the plain DELETE, as before it was asked."""
+        try:
+            self._call(f"DELETE {key!r}", self._client.delete_object, Key=key, IfMatch=etag)
+        except Replaced:
+            return self.head(key) is None  # SeaweedFS answers 412 for a key that is gone, too
+        except NotFound:
+            return True
+        except StoreError as exc:
+            if type(exc) is not StoreError:  # refused, unreachable, overloaded: the plain DELETE would be too
+                raise
+            log.info("DELETE %r: the server refused it with If-Match (%s): deleted without", key, exc.message)
+            self.delete(key)
+        return True
 
     def pending(self, prefix: str) -> list[PendingUpload]:
         """Every incomplete multipart upload of a key under `prefix`, all pages."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import logging
 import os
 import re
 import shlex
@@ -25,6 +26,9 @@ from pathlib import Path
 
 import pytest
 
+from fsmount.config import StoreConfig
+from fsmount.data import Boto3Store
+from fsmount.data.uploads import Uploads
 from fsmount.testing.fault_proxy import Down, Fault, FaultProxy
 from tests.helpers import (
     MiB,
@@ -308,4 +312,43 @@ def test_a_rename_right_after_closing_an_empty_file_stores_it_under_the_new_name
             os.rename(mountpoint / "tmp", mountpoint / f"DONE{i}")
         assert sorted(os.listdir(mountpoint)) == ["DONE0", "DONE1", "DONE2"]
     assert objects_in(moto_server, bucket) == ["DONE0", "DONE1", "DONE2"]
+    delete_bucket(moto_server, bucket)
+
+
+def _uploads_of(server: S3Server, bucket: str, monkeypatch: pytest.MonkeyPatch) -> Uploads:
+    for name, value in server.env.items():
+        monkeypatch.setenv(name, value)
+    return Uploads(Boto3Store(StoreConfig(bucket, endpoint_url=server.endpoint_url, addressing_style="path")))
+
+
+def test_a_moves_delete_takes_the_old_key_only_if_it_holds_what_was_copied(s3: S3Server,
+                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """A rename's delete of the old key is If-Match on the version it copied (writes.move_object): another mount's
+    file stored under the old name meanwhile stays. On the wire of both servers."""
+    bucket = new_bucket(s3)
+    client = s3.client()
+    old = client.put_object(Bucket=bucket, Key="log", Body=b"first")["ETag"]
+    new = client.put_object(Bucket=bucket, Key="log", Body=b"theirs")["ETag"]
+    uploads = _uploads_of(s3, bucket, monkeypatch)
+    assert uploads.delete_version("log", old) is False
+    assert client.get_object(Bucket=bucket, Key="log")["Body"].read() == b"theirs"
+    assert uploads.delete_version("log", new) is True
+    assert uploads.delete_version("log", new) is True  # gone already: nothing to keep
+    assert client.list_objects_v2(Bucket=bucket).get("KeyCount") == 0
+    delete_bucket(s3, bucket)
+
+
+def test_a_server_that_refuses_a_conditional_delete_gets_the_plain_one(moto_server: S3Server, proxy: FaultProxy,
+                                                                        monkeypatch: pytest.MonkeyPatch,
+                                                                        caplog: pytest.LogCaptureFixture) -> None:
+    """An S3-compatible server without conditional deletes, which answers If-Match on DELETE with 501: the move's
+    delete is sent again without it, as before, so renames leave no stray object there."""
+    bucket = new_bucket(moto_server)
+    etag = moto_server.client().put_object(Bucket=bucket, Key="tmp", Body=b"x")["ETag"]
+    rule = proxy.inject(Fault.ERROR, status=501, code="NotImplemented", kind="other", times=1)
+    uploads = _uploads_of(via(proxy, moto_server), bucket, monkeypatch)
+    with caplog.at_level(logging.INFO):
+        assert uploads.delete_version("tmp", etag) is True
+    assert rule.hits == 1 and "refused it with If-Match" in caplog.text
+    assert moto_server.client().list_objects_v2(Bucket=bucket).get("KeyCount") == 0
     delete_bucket(moto_server, bucket)

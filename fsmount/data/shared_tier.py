@@ -348,9 +348,13 @@ class SharedTier:
             marked, self._marker_put_at = self._marker_put_at is not None, None
         for chunk in held:
             self._release(chunk)
-        if self._clock() >= self._silent_until:
-            for chunk in left:
-                self._drop(chunk, if_mine=True)
+        # Tried even while the tier counts as silent: it may answer again without this node having asked it since (a
+        # black hole of a few seconds just before the unmount), and skipped, those claims stayed in the bucket for
+        # good. The first that gets no answer ends it: the rest are left to expire, not each a timeout.
+        silent = self._clock() < self._silent_until
+        for chunk in left:
+            if not self._drop(chunk, if_mine=True) and silent:
+                break
         if marked:
             try:
                 self.client.delete_object(self._marker_key)
@@ -473,19 +477,22 @@ class SharedTier:
                 return
         self._drop(chunk)
 
-    def _drop(self, chunk: ChunkId, if_mine: bool = False) -> None:
+    def _drop(self, chunk: ChunkId, if_mine: bool = False) -> bool:
         """DELETE this node's claim on `chunk`; with `if_mine`, only if the claim there is still this node's (one left
-        while the tier was silent may have been broken since, being stale, and made again by another node)."""
+        while the tier was silent may have been broken since, being stale, and made again by another node). False if
+        the tier failed the request."""
         key = self.claim_key(chunk)
         try:
             if if_mine:
                 held = self.client.get_object(key)
                 if held is None or held.split(b" ", 1)[-1] != self._owner.encode():
-                    return
+                    return True
             self.client.delete_object(key)
         except StoreError as exc:  # the claim then expires on its own
             log.debug("%s: dropping the claim on chunk %d of %r failed: %s", self, chunk.index, chunk.key, exc)
             self._write_failed(exc, "dropping a claim")
+            return False
+        return True
 
     def _down(self) -> bool:
         with self._lock:

@@ -561,6 +561,34 @@ def test_claims_left_while_the_tier_was_silent_go_once_it_answers_or_at_unmount(
     assert t.drop_claims() == 0 and t.claim_key(chunk(index=9)) not in client.objects
 
 
+def test_claims_left_while_the_tier_was_silent_go_at_an_unmount_soon_after_it_answers_again(
+        allowed_logs: list[str]) -> None:
+    """The tier stopped answering (a black hole), came back, and the node unmounted within UNAVAILABLE_RETRY_S of
+    the silence: its claims let go meanwhile stayed in the tier bucket for good (no request was tried at unmount while
+    the node still counted the tier silent; found by test_tier_fuzz.py, seed 2). At unmount one request tells whether
+    the tier answers: it does, so they all go; a tier still silent costs that one request, not one per claim."""
+    allowed_logs.append("unavailable|failed .*writes pause")
+    client, clock, t, cids = claiming_node()
+    client.fail = TimedOut("GET: TimeoutError: timed out")
+    assert t.get(chunk(index=9)) is None  # the tier goes silent: skipped for UNAVAILABLE_RETRY_S
+    for cid in cids:
+        t.abandon(cid)  # the fetches cut short: the claims are left, not each sent a DELETE that waits a timeout
+    assert all(t.claim_key(cid) in client.objects for cid in cids)
+    client.fail = None  # the tier answers again; the node unmounts at once
+    assert t.drop_claims() == 0
+    assert [t.claim_key(cid) in client.objects for cid in cids] == [False] * len(cids)
+
+    client, clock, t, cids = claiming_node()
+    client.fail = TimedOut("GET: TimeoutError: timed out")
+    assert t.get(chunk(index=9)) is None
+    for cid in cids:
+        t.abandon(cid)
+    requests = client.requests
+    assert t.drop_claims() == 0  # still silent: one request tried, then the rest left to expire
+    assert client.requests == requests + 1
+    assert all(t.claim_key(cid) in client.objects for cid in cids)
+
+
 def test_a_tier_that_answered_one_request_with_an_error_still_drops_this_node_s_claims(allowed_logs: list[str]) -> None:
     """One tier GET refused (a 503 SlowDown) made the tier "down" for 10 s, and a claim this node dropped then was left
     to expire: every other node waited --shared-cache-wait for it and then fetched the chunk from the origin (the

@@ -32,8 +32,8 @@ raise.
 
 Threads: get, put and look_for_waiters run in the level stack's worker threads; trails() runs in the trio
 thread. `_lock` guards the counters, the failure episodes, the log-once flags, `_claimed` (chunks this
-node has claimed and not yet written), `_left` (claims let go while the tier was silent), `_others_seen_at` and
-`_marker_put_at`.
+node has claimed and not yet written), `_left` (claims let go while the tier was silent, or whose DELETE failed),
+`_others_seen_at` and `_marker_put_at`.
 """
 
 from __future__ import annotations
@@ -488,9 +488,13 @@ class SharedTier:
                 if held is None or held.split(b" ", 1)[-1] != self._owner.encode():
                     return True
             self.client.delete_object(key)
-        except StoreError as exc:  # the claim then expires on its own
+        except StoreError as exc:
             log.debug("%s: dropping the claim on chunk %d of %r failed: %s", self, chunk.index, chunk.key, exc)
             self._write_failed(exc, "dropping a claim")
+            # Dropped again with those left while the tier was silent (once a write succeeds, or at unmount): forgotten,
+            # the claim stayed in the tier bucket for good, and held other nodes up until it was CLAIM_TTL_S old.
+            with self._lock:
+                self._left.add(chunk)
             return False
         return True
 

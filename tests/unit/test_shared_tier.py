@@ -589,6 +589,25 @@ def test_claims_left_while_the_tier_was_silent_go_at_an_unmount_soon_after_it_an
     assert all(t.claim_key(cid) in client.objects for cid in cids)
 
 
+@pytest.mark.parametrize("failure", [TransientError("DELETE: server error SlowDown"),
+                                     Unreachable("DELETE: connection refused")])
+def test_a_claim_whose_delete_failed_goes_once_the_tier_answers_or_at_unmount(allowed_logs: list[str],
+                                                                              failure: StoreError) -> None:
+    """A claim's DELETE that failed (a 503, the connection cut as the tier went down) forgot the claim: it stayed in the
+    tier bucket for good, though the node unmounted cleanly once the tier answered again (found by test_tier_fuzz.py,
+    seed 1: the chunk's PUT was cut, then its claim's DELETE refused). It is kept with the claims left while the tier
+    was silent: dropped once a write succeeds, or at unmount."""
+    allowed_logs.append("failed .*writes pause")
+    client, clock, t, cids = claiming_node(2)
+    client.fail = failure
+    t.abandon(cids[0])  # the fetch failed; dropping its claim fails too
+    t.abandon(cids[1])
+    assert all(t.claim_key(cid) in client.objects for cid in cids)
+    client.fail = None
+    assert t.drop_claims() == 0
+    assert [t.claim_key(cid) in client.objects for cid in cids] == [False, False]
+
+
 def test_a_tier_that_answered_one_request_with_an_error_still_drops_this_node_s_claims(allowed_logs: list[str]) -> None:
     """One tier GET refused (a 503 SlowDown) made the tier "down" for 10 s, and a claim this node dropped then was left
     to expire: every other node waited --shared-cache-wait for it and then fetched the chunk from the origin (the

@@ -329,7 +329,8 @@ class SharedTier:
             with self._lock:
                 self.stats.writes += 1
                 self._writes_paused_until = None
-                left, self._left = self._left, set()
+                # One claimed again since is dropped when its own write or failure lets it go.
+                left, self._left = self._left - self._claimed, set()
             for other in left:  # the tier answers again: claims left while it was silent go now
                 self._drop(other, if_mine=True)
         finally:
@@ -443,6 +444,10 @@ class SharedTier:
                 self.client.delete_object(key)
             except (Unreachable, TransientError) as exc:
                 self._failed(exc)
+                # The create may have landed with its answer lost (a connection reset): forgotten, the claim stayed in
+                # the tier under this node's name. Dropped with those left while the tier was silent, if it is ours.
+                with self._lock:
+                    self._left.add(chunk)
                 return None
             except StoreError as exc:  # refused (no write permission, full): as a refused chunk write
                 self._write_failed(exc, "claiming a chunk (a small write)")

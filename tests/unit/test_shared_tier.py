@@ -608,6 +608,42 @@ def test_a_claim_whose_delete_failed_goes_once_the_tier_answers_or_at_unmount(al
     assert [t.claim_key(cid) in client.objects for cid in cids] == [False, False]
 
 
+def test_a_claim_whose_create_landed_but_got_no_answer_is_dropped_once_the_tier_answers_or_at_unmount(
+        allowed_logs: list[str]) -> None:
+    """The conditional create of a claim reached the tier, but its answer was cut (a connection reset as the tier went
+    down): the node took it for a failed request and forgot the claim, which stayed in the tier bucket for good under
+    this node's name, and other nodes waited --shared-cache-wait for that chunk until it was 30 s old (found by
+    test_tier_fuzz.py, seed 2). It is dropped once a write succeeds, or at unmount, if it is this node's."""
+    allowed_logs.append("unavailable")
+
+    class CutAnswers(DictClient):
+        cut = False
+
+        def put_object(self, key: str, body: bytes | list, *, only_if_absent: bool = False) -> bool:
+            created = super().put_object(key, body, only_if_absent=only_if_absent)
+            if self.cut:
+                raise TransientError("PUT: ConnectionResetError: [Errno 104] Connection reset by peer")
+            return created
+
+    client, clock = CutAnswers(), Clock()
+    t = tier(client, clock=clock)
+    x, y = chunk(index=0), chunk(index=1)
+    client.cut = True
+    assert t.get(x) is None  # claimed, but the answer lost: the origin it is
+    assert t.claim_key(x) in client.objects
+    client.cut = False
+    clock.now += UNAVAILABLE_RETRY_S + 1
+    client.objects[t.claim_key(y)] = b"%.3f another-node 42" % time.time()  # another node's: never dropped by this one
+    t.put(y, data_of(y))  # a write succeeds
+    assert t.claim_key(x) not in client.objects and t.claim_key(y) in client.objects
+
+    client.cut = True
+    assert t.get(chunk(index=2)) is None
+    client.cut = False
+    assert t.drop_claims() == 0  # at unmount
+    assert t.claim_key(chunk(index=2)) not in client.objects
+
+
 def test_a_tier_that_answered_one_request_with_an_error_still_drops_this_node_s_claims(allowed_logs: list[str]) -> None:
     """One tier GET refused (a 503 SlowDown) made the tier "down" for 10 s, and a claim this node dropped then was left
     to expire: every other node waited --shared-cache-wait for it and then fetched the chunk from the origin (the

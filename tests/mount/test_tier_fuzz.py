@@ -133,6 +133,7 @@ class Node:
         self.args = (*NODE_ARGS, *tier_args, "--cache-dir", str(cache_dir), *more)
         self.proc: subprocess.Popen | None = None
         self.logs: list[Path] = []
+        self.log_of: dict[int, Path] = {}  # by the daemon's pid
         self.up_since = 0.0
         self.killed_pids: list[int] = []  # and those unmounted while the tier did not answer
         self.origin_bytes = 0  # what the origin sent this node's daemons before they were killed
@@ -150,6 +151,7 @@ class Node:
         with open(log_path, "wb") as log:
             self.proc = subprocess.Popen(dying_with_parent(cmd), stdout=log, stderr=subprocess.STDOUT,
                                          env=daemon_env(self.server))
+        self.log_of[self.proc.pid] = log_path
         deadline = time.monotonic() + MOUNT_TIMEOUT
         while not (os.path.ismount(self.path) and "mounted bucket" in log_path.read_text(errors="replace")):
             if self.proc.poll() is not None:
@@ -505,8 +507,8 @@ class TierFuzzer:
         self.note("restart", f"{node.name} while reading {key}")
         node.start()
 
-    def harm_replace(self) -> None:
-        key = self.rng.choice(sorted(self.history))
+    def harm_replace(self, key: str | None = None) -> None:
+        key = key or self.rng.choice(sorted(self.history))
         old = self.history[key][-1].data
         size = len(old) if self.rng.random() < 0.6 else max(1, len(old) + self.rng.randrange(-CHUNK, 2 * CHUNK))
         data = random_bytes(size, self.rng.randrange(1 << 30))
@@ -516,6 +518,25 @@ class TierFuzzer:
         self.history[key].append(Version(data, since, time.monotonic()))
         self.replacements += 1
         self.note("replace", f"{key} ({len(old)} -> {size} bytes)")
+
+    def outage_before_unmount(self) -> None:
+        """The last harm: a new version of the largest file read by every node at once over a slow tier, which is cut
+        while their claims on its chunks are held (fetched, their tier writes in flight or trailing), and back at
+        once. The unmount that follows within seconds must drop those claims (B34: they stayed in the tier)."""
+        self.heal()
+        key = max(self.history, key=lambda k: len(self.history[k][-1].data))
+        self.harm_replace(key)
+        size = len(self.history[key][-1].data)
+        self.proxy.inject(Fault.LATENCY, seconds=0.5, data_only=False)
+        with ThreadPoolExecutor(len(self.nodes)) as pool:
+            reads = [pool.submit(self.read, node, key, 0, size) for node in self.nodes]
+            time.sleep(self.rng.uniform(1.0, 2.0))
+            self.proxy.origin_down(Down.REFUSE)
+            self.log.append("tier endpoint: refuse, with claims held")
+            for f in reads:
+                f.result()
+        self.proxy.clear()
+        self.proxy.origin_back()
 
     # -- the run --------------------------------------------------------------------------------
 
@@ -586,7 +607,7 @@ def test_tier_and_caches_under_random_harm(seaweed_server: S3Server, tmp_path: P
                 fuzz = TierFuzzer(server, origin, tier, proxy, nodes, files, seed, small / "filler")
                 for _ in range(STEPS):
                     fuzz.step()
-                fuzz.heal()
+                fuzz.outage_before_unmount()
                 fuzz.check_all_exact()
                 origin_bytes = {node.name: node.origin_bytes + mount_stats(node.path)["origin"]["bytes"]
                                 for node in nodes}
@@ -600,8 +621,10 @@ def test_tier_and_caches_under_random_harm(seaweed_server: S3Server, tmp_path: P
                 if key.startswith(PREFIX + "claims/probe-"):
                     continue
                 owner = server.client().get_object(Bucket=tier, Key=key)["Body"].read().split(b" ", 1)[-1]
-                assert owner == f"fuzz-node-{seed}".encode() or int(owner.split()[-1]) in killed, \
-                    f"seed {seed}: a claim left by a daemon that unmounted cleanly: {owner!r} on {key}"
+                pid = -1 if owner == f"fuzz-node-{seed}".encode() else int(owner.split()[-1])
+                logs = [node.log_of[pid].name for node in nodes if pid in node.log_of]
+                assert pid == -1 or pid in killed, \
+                    f"seed {seed}: a claim left by a daemon that unmounted cleanly: {owner!r} ({logs}) on {key}"
         bad = [line for node in nodes for line in node.bad_lines()]
         assert not bad, "daemons logged what the harm does not explain:\n" + "\n".join(bad[:20])
         assert all(s == 0 for s in statuses.values()), f"seed {seed}: exit statuses {statuses}"

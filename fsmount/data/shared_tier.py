@@ -345,10 +345,11 @@ class SharedTier:
         not wait for them until they are CLAIM_TTL_S old, and its waiting marker. How many claims there were."""
         with self._lock:
             held = list(self._claimed)
-            left, self._left = self._left, set()
             marked, self._marker_put_at = self._marker_put_at is not None, None
         for chunk in held:
-            self._release(chunk)
+            self._release(chunk)  # while the tier counts as silent: into `_left`, tried below
+        with self._lock:
+            left, self._left = self._left, set()
         # Tried even while the tier counts as silent: it may answer again without this node having asked it since (a
         # black hole of a few seconds just before the unmount), and skipped, those claims stayed in the bucket for
         # good. The first that gets no answer ends it: the rest are left to expire, not each a timeout.

@@ -588,6 +588,14 @@ def test_claims_left_while_the_tier_was_silent_go_at_an_unmount_soon_after_it_an
     assert client.requests == requests + 1
     assert all(t.claim_key(cid) in client.objects for cid in cids)
 
+    # Claims still held at unmount (fetches it cut short) are let go while the tier counts as silent: they go too.
+    client, clock, t, cids = claiming_node()
+    client.fail = TimedOut("GET: TimeoutError: timed out")
+    assert t.get(chunk(index=9)) is None
+    client.fail = None
+    assert t.drop_claims() == len(cids)
+    assert [t.claim_key(cid) in client.objects for cid in cids] == [False] * len(cids)
+
 
 @pytest.mark.parametrize("failure", [TransientError("DELETE: server error SlowDown"),
                                      Unreachable("DELETE: connection refused")])

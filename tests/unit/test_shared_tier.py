@@ -565,7 +565,7 @@ def test_claims_left_while_the_tier_was_silent_go_at_an_unmount_soon_after_it_an
         allowed_logs: list[str]) -> None:
     """The tier stopped answering (a black hole), came back, and the node unmounted within UNAVAILABLE_RETRY_S of
     the silence: its claims let go meanwhile stayed in the tier bucket for good (no request was tried at unmount while
-    the node still counted the tier silent; found by test_tier_fuzz.py, seed 2). At unmount one request tells whether
+    the node still counted the tier silent; found by test_tier_fuzz.py). At unmount one request tells whether
     the tier answers: it does, so they all go; a tier still silent costs that one request, not one per claim."""
     allowed_logs.append("unavailable|failed .*writes pause")
     client, clock, t, cids = claiming_node()
@@ -603,7 +603,7 @@ def test_a_claim_whose_delete_failed_goes_once_the_tier_answers_or_at_unmount(al
                                                                               failure: StoreError) -> None:
     """A claim's DELETE that failed (a 503, the connection cut as the tier went down) forgot the claim: it stayed in the
     tier bucket for good, though the node unmounted cleanly once the tier answered again (found by test_tier_fuzz.py,
-    seed 1: the chunk's PUT was cut, then its claim's DELETE refused). It is kept with the claims left while the tier
+    where the chunk's PUT was cut, then its claim's DELETE refused). It is kept with the claims left while the tier
     was silent: dropped once a write succeeds, or at unmount."""
     allowed_logs.append("failed .*writes pause")
     client, clock, t, cids = claiming_node(2)
@@ -621,7 +621,7 @@ def test_a_claim_whose_create_landed_but_got_no_answer_is_dropped_once_the_tier_
     """The conditional create of a claim reached the tier, but its answer was cut (a connection reset as the tier went
     down): the node took it for a failed request and forgot the claim, which stayed in the tier bucket for good under
     this node's name, and other nodes waited --shared-cache-wait for that chunk until it was 30 s old (found by
-    test_tier_fuzz.py, seed 2). It is dropped once a write succeeds, or at unmount, if it is this node's."""
+    test_tier_fuzz.py). It is dropped once a write succeeds, or at unmount, if it is this node's."""
     allowed_logs.append("unavailable")
 
     class CutAnswers(DictClient):

@@ -468,6 +468,14 @@ class DiskCache:
                     if self._closed:
                         raise OSError(errno.EBADF, "cache closed during put")
                     os.replace(tmp_path, self._path(digest))
+                except IsADirectoryError:
+                    # A directory where this chunk's file goes (not ours to remove): this chunk is not cached. As a
+                    # failed write it stopped every chunk's writes for retry_after_s, each time this one was fetched.
+                    unlink_quietly(tmp_path)
+                    self.stats.writes_skipped += 1
+                    log.info("disk cache %s: a directory is where chunk file %s goes; that chunk is not cached",
+                             self.root, digest)
+                    return
                 except OSError:
                     unlink_quietly(tmp_path)
                     if self._closed:

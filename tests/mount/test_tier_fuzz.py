@@ -585,7 +585,7 @@ class TierFuzzer:
 
 # To explore beyond the suite's fixed seeds: MODELFS_FUZZ_SEEDS=3,4,5 runs those (each of MODELFS_FUZZ_STEPS steps).
 SEEDS = [int(s) for s in os.environ.get("MODELFS_FUZZ_SEEDS", "1,2").split(",")]
-STEPS = int(os.environ.get("MODELFS_FUZZ_STEPS", "150"))
+STEPS = int(os.environ.get("MODELFS_FUZZ_STEPS", "120"))
 
 
 @pytest.mark.parametrize("seed", SEEDS)

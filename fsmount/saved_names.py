@@ -96,7 +96,7 @@ class SavedNames:
                     for path, (complete, entries) in doc["dirs"].items()}
         except FileNotFoundError:
             return
-        except (OSError, ValueError, TypeError, KeyError, IndexError, AttributeError) as exc:
+        except Exception as exc:  # noqa: BLE001 - a damaged file costs its names, never the mount (every mount loads it)
             log.warning("the names kept in %s cannot be read (%s): left out", self.path, exc)
             return
         self._dirs = dirs

@@ -163,3 +163,21 @@ def test_cache_clear_removes_the_names_and_nothing_else_there(tmp_path: Path) ->
     (names / ("0" * 32 + ".json")).symlink_to(tmp_path / "elsewhere")
     assert cache_clear(tmp_path) == (0, 0, 2)
     assert sorted(os.listdir(names)) == ["0" * 32 + ".json", "notes.txt"]
+
+
+@pytest.mark.parametrize("content", [
+    b'{"format": 1, "bucket": "b", "prefix": "", "dirs": {"": [true, {"a": [false, "a", 1e400, "e", 1]}]}}',
+    b'{"format": 1, "bucket": "b", "prefix": "", "dirs": ' + b"[" * 100_000 + b"]" * 100_000 + b"}",
+])
+def test_a_names_file_that_breaks_the_parser_is_left_out(tmp_path: Path, content: bytes,
+                                                         caplog: pytest.LogCaptureFixture,
+                                                         allowed_logs: list[str]) -> None:
+    """A damaged names file must cost the names, never the mount: every mount of the cache dir loads it (the daemon,
+    origin up or not), and an exception out of `load` failed the mount."""
+    allowed_logs.append("cannot be read")
+    saved = SavedNames(str(tmp_path), "b", "")
+    os.makedirs(os.path.dirname(saved.path))
+    Path(saved.path).write_bytes(content)
+    saved.load()
+    assert len(saved) == 0 and "cannot be read" in caplog.text
+

@@ -115,10 +115,11 @@ class SavedNames:
             saved = _saved(entry)
             if saved is not None:
                 kept[name] = saved
+        complete = len(kept) == len(entries)  # a name left out (no ETag): never served as the whole listing
         old = self._dirs.get(path)
-        if old is not None and old.complete and old.entries == kept:
+        if old is not None and old.complete == complete and old.entries == kept:
             return  # as it was: nothing to write (a listing every TTL of an unchanged directory)
-        self._put(path, SavedDir(True, kept))
+        self._put(path, SavedDir(complete, kept))
 
     def found(self, path: str, entry: Entry | None) -> None:
         """What a lookup (or a change made through this mount) says of `path`: this entry, or nothing there."""
@@ -129,7 +130,9 @@ class SavedNames:
             if saved is not None:
                 self._put(parent, SavedDir(False, {name: saved}))
             return
-        if old.entries.get(name) == saved:
+        if saved is None and entry is not None and old.complete:
+            old.complete = False  # there, but not kept (no ETag): the listing kept is no longer the whole directory
+        elif old.entries.get(name) == saved:
             return
         if saved is None:
             if old.entries.pop(name, None) is not None:
@@ -137,6 +140,8 @@ class SavedNames:
         elif len(old.entries) < SAVED_DIR_ENTRIES or name in old.entries:
             self._count += name not in old.entries
             old.entries[name] = saved
+        else:  # a directory at its bound: the same
+            old.complete = False
         self._dirs[parent] = self._dirs.pop(parent)  # now the most recently updated
         self.dirty = True
         self._trim()

@@ -374,6 +374,8 @@ class Namespace:
         self._asked(node.path, asked)
         if meta is None or meta.etag != node.etag:
             self._supersede(node)
+            # Kept as it was, a remount while the origin is away served the version this HEAD found gone.
+            self._found(node.path, (False, meta) if meta is not None else None)
             return node
         if node.held_again(asked):
             self._latest_file[node.path] = node.ino
@@ -399,6 +401,8 @@ class Namespace:
         if node is not None and not node.writing:
             self._supersede(node)
         self._listings.pop(path.rpartition("/")[0], None)  # also when the kernel has forgotten the inode
+        if self.saved is not None:
+            self.saved.gone(path, version.etag)
         self._negative.pop(path, None)
         return self.kernel_entry(path)
 

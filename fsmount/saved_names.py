@@ -146,6 +146,19 @@ class SavedNames:
         self.dirty = True
         self._trim()
 
+    def gone(self, path: str, etag: str) -> None:
+        """A read found the version `etag` of `path` gone from the bucket (replaced or deleted; which is not known):
+        its entry goes, and the listing kept of its directory is no longer the whole of it."""
+        parent, _, name = path.rpartition("/")
+        old = self._dirs.get(parent)
+        kept = old.entries.get(name) if old is not None else None
+        if old is None or kept is None or kept[3] != etag:
+            return
+        del old.entries[name]
+        self._count -= 1
+        old.complete = False
+        self.dirty = True
+
     def _put(self, path: str, saved: SavedDir) -> None:
         self._drop(path)
         self._dirs[path] = saved

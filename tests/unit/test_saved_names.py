@@ -202,3 +202,25 @@ def test_a_listing_kept_without_some_of_its_names_is_not_served_as_whole(
     saved.listed("g", {"a": file_entry("g/a"), "b": file_entry("g/b")})
     saved.found("g/b", None)  # deleted: the listing is still the whole directory
     assert saved.listing("g") == {"a": file_entry("g/a")}
+
+
+async def test_a_version_the_mount_saw_replaced_or_deleted_is_not_kept(tmp_path: Path) -> None:
+    """A stat after the TTL (a HEAD: getattr) or a read refused by the bucket (412/404: `gone`) tells the mount that
+    the version it knows is no longer there. Kept all the same (no lookup of the path came after it), a remount while
+    the origin is away served the deleted object, or the replaced version from the NVMe cache."""
+    store = FakeStore()
+    for key in ("m/w.bin", "m/deleted.bin", "m/read.bin"):
+        store.put(key, b"old")
+    saved = SavedNames(str(tmp_path), store.bucket, "")
+    ns = Namespace(store, call, prefix="", ttl=0, saved=saved)
+    m = await ns.lookup(ROOT_INODE, b"m")
+    nodes = {name: await ns.lookup(m.ino, name.encode()) for name in ("w.bin", "deleted.bin", "read.bin")}
+    read_version = nodes["read.bin"].version("")
+    store.put("m/w.bin", b"new bytes")
+    del store.objects["m/deleted.bin"]
+    assert (await ns.refresh(nodes["w.bin"])).superseded and (await ns.refresh(nodes["deleted.bin"])).superseded
+    ns.gone(read_version)  # a GET pinned to its ETag found it replaced
+    assert saved.entry("m/w.bin") == (False, store.meta("m/w.bin"))  # what the HEAD found
+    assert saved.entry("m/deleted.bin") is None
+    assert saved.entry("m/read.bin") is None
+

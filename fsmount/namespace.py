@@ -544,7 +544,8 @@ class Namespace:
             nursery.start_soon(ask, "dir", self._store.has_children, key + "/")
         for name in ("meta_error", "dir_error"):
             if name in results:
-                known = self._known_while_down(path, results[name])
+                # A HEAD that was answered (the listing was not) says which file is there, if any.
+                known = self._known_while_down(path, results[name], (results["meta"],) if "meta" in results else None)
                 if known is not None:
                     return known
                 raise results[name]
@@ -564,13 +565,20 @@ class Namespace:
         if self.saved is not None:
             self.saved.found(path, entry)
 
-    def _known_while_down(self, path: str, exc: BaseException) -> Node | None:
-        """While the origin is unreachable, a name the mount already knows keeps resolving."""
+    def _known_while_down(self, path: str, exc: BaseException,
+                          head: tuple[ObjectMeta | None] | None = None) -> Node | None:
+        """While the origin is unreachable, a name the mount already knows keeps resolving; if a HEAD of it was
+        answered all the same (`head`: its answer), only as a directory or as the file version that HEAD found (a
+        throttled listing beside it answered a file the HEAD had just found deleted)."""
         if not isinstance(exc, (Unreachable, TransientError)):
             return None
+
+        def agrees(is_dir: bool, etag: str) -> bool:
+            return head is None or is_dir or (head[0] is not None and head[0].etag == etag)
+
         for ino in (self._ino_by_path.get((path, None)), self._latest_file.get(path)):
             node = self._nodes.get(ino) if ino is not None else None
-            if node is not None and (node.is_dir or node.etag):
+            if node is not None and (node.is_dir or node.etag) and agrees(node.is_dir, node.etag):
                 break
         else:
             # A name of the last listing of its directory that the kernel has forgotten (a file read an hour ago,
@@ -586,7 +594,7 @@ class Namespace:
                 (is_dir, meta), as_of = kept, 0.0  # older news than anything this process learns
             else:
                 return None
-            if not (is_dir or meta):
+            if not (is_dir or meta) or not agrees(is_dir, meta.etag if meta is not None else ""):
                 return None
             node = self._node_for(path, is_dir, meta, as_of)
             if node.superseded:

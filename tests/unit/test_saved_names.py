@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from fsmount import saved_names
-from fsmount.data import ObjectMeta, Unreachable, cache_clear
+from fsmount.data import ObjectMeta, TransientError, Unreachable, cache_clear
 from fsmount.namespace import ROOT_INODE, Namespace
 from fsmount.saved_names import SavedNames
 from tests.helpers import ORIGIN_UNAVAILABLE
@@ -224,3 +224,31 @@ async def test_a_version_the_mount_saw_replaced_or_deleted_is_not_kept(tmp_path:
     assert saved.entry("m/deleted.bin") is None
     assert saved.entry("m/read.bin") is None
 
+
+async def test_a_name_the_origin_just_said_is_gone_is_not_answered_from_the_kept_names(
+        tmp_path: Path, allowed_logs: list[str]) -> None:
+    """A lookup asks HEAD and a one-key listing at once. With the HEAD answered (no such file) and the listing failed
+    (a 503 SlowDown: S3 throttles LIST before HEAD), the lookup answered from the names a predecessor kept: a file
+    the origin had just said is gone, its bytes served from the NVMe cache, while the origin was up."""
+    allowed_logs.append(ORIGIN_UNAVAILABLE)
+    store = FakeStore()
+    store.put("m/w.bin", b"12345")
+    first = SavedNames(str(tmp_path), store.bucket, "")
+    ns = Namespace(store, call, prefix="", ttl=60, saved=first)
+    await ns.lookup((await ns.lookup(ROOT_INODE, b"m")).ino, b"w.bin")
+    first.save(first.snapshot())
+    del store.objects["m/w.bin"]
+    store.put("m/other", b"x")  # m stays a directory
+
+    def slow_down(prefix: str) -> bool:
+        if prefix == "m/w.bin/":
+            raise TransientError("listing: SlowDown (503)")
+        return FakeStore.has_children(store, prefix)
+
+    store.has_children = slow_down  # type: ignore[method-assign]
+    second = SavedNames(str(tmp_path), store.bucket, "")
+    second.load()
+    ns = Namespace(store, call, prefix="", ttl=60, saved=second)
+    m = await ns.lookup(ROOT_INODE, b"m")
+    with pytest.raises(TransientError):
+        await ns.lookup(m.ino, b"w.bin")

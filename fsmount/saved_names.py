@@ -11,11 +11,12 @@ where it would answer from an expired listing: while the origin does not answer 
 
 One file per bucket and prefix, `<cache dir>/names/<digest>.json` (0600 in a 0700 directory: key names can say what
 a bucket holds), written whole (a temp file, then a rename) by `save` in a worker thread, at most every SAVE_EVERY_S
-while something changed, and once more at unmount. Bounded by SAVED_ENTRIES: the directories updated least recently
-go first; a directory of more than SAVED_DIR_ENTRIES is not kept (a dataset's, not a model's). A file that cannot be
-read is logged and left out: the mount then knows what the origin tells it, as without a cache dir.
+while something changed, and once more at unmount. Bounded by SAVED_ENTRIES: the directories used least recently (a
+listing, a lookup, a change) go first; a directory of more than SAVED_DIR_ENTRIES is not kept (a dataset's, not a
+model's). A file that cannot be read is logged and left out: the mount then knows what the origin tells it, as
+without a cache dir.
 
-Rules between tasks: every method but `encode`/`save` runs in the trio thread. A directory's entries are a dict of
+Rules between tasks: every method but `save` runs in the trio thread. A directory's entries are a dict of
 plain tuples changed in place; `snapshot` copies each (C-level dict copies, no encoding) so that the worker thread
 encodes what no task changes.
 """
@@ -77,7 +78,7 @@ class SavedNames:
     def __init__(self, cache_dir: str, bucket: str, prefix: str):
         self.path = names_file(cache_dir, bucket, prefix)
         self.bucket, self.prefix = bucket, prefix
-        self._dirs: dict[str, SavedDir] = {}  # least recently updated first
+        self._dirs: dict[str, SavedDir] = {}  # least recently used first (`_used`)
         self._count = 0
         self.dirty = False
 
@@ -118,7 +119,8 @@ class SavedNames:
         complete = len(kept) == len(entries)  # a name left out (no ETag): never served as the whole listing
         old = self._dirs.get(path)
         if old is not None and old.complete == complete and old.entries == kept:
-            return  # as it was: nothing to write (a listing every TTL of an unchanged directory)
+            self._used(path)  # as it was: nothing to write (a listing every TTL of an unchanged directory)
+            return
         self._put(path, SavedDir(complete, kept))
 
     def found(self, path: str, entry: Entry | None) -> None:
@@ -133,6 +135,7 @@ class SavedNames:
         if saved is None and entry is not None and old.complete:
             old.complete = False  # there, but not kept (no ETag): the listing kept is no longer the whole directory
         elif old.entries.get(name) == saved:
+            self._used(parent)
             return
         if saved is None:
             if old.entries.pop(name, None) is not None:
@@ -142,9 +145,15 @@ class SavedNames:
             old.entries[name] = saved
         else:  # a directory at its bound: the same
             old.complete = False
-        self._dirs[parent] = self._dirs.pop(parent)  # now the most recently updated
+        self._used(parent)
         self.dirty = True
         self._trim()
+
+    def _used(self, path: str) -> None:
+        """`path` is now the directory used most recently: the last that the bound drops. A model's directory, listed
+        unchanged at every TTL, counted as unused, and went first while a dataset's came and went. The order is
+        written at the next save."""
+        self._dirs[path] = self._dirs.pop(path)
 
     def gone(self, path: str, etag: str) -> None:
         """A read found the version `etag` of `path` gone from the bucket (replaced or deleted; which is not known):

@@ -240,3 +240,19 @@ async def test_a_name_the_origin_just_said_is_gone_is_not_answered_from_the_kept
     m = await ns.lookup(ROOT_INODE, b"m")
     with pytest.raises(TransientError):
         await ns.lookup(m.ino, b"w.bin")
+
+
+def test_the_bound_drops_the_directories_used_least_recently(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A model's directory, listed at every TTL and never changed, and its name found again by lookups: dropped first
+    at the bound while a dataset's directories came and went (its listings came back unchanged, which did not count
+    as a use), so a remount while the origin was away had every name but the model's."""
+    monkeypatch.setattr(saved_names, "SAVED_ENTRIES", 6)
+    saved = SavedNames(str(tmp_path), "b", "")
+    saved.found("model", DIR)
+    saved.listed("model", {"config.json": file_entry("model/config.json"), "w.bin": file_entry("model/w.bin")})
+    saved.listed("data/0", {f"s{i}": file_entry(f"data/0/s{i}") for i in range(3)})
+    saved.listed("model", {"config.json": file_entry("model/config.json"), "w.bin": file_entry("model/w.bin")})
+    saved.found("model", DIR)  # looked up again
+    saved.listed("data/1", {f"s{i}": file_entry(f"data/1/s{i}") for i in range(3)})  # 9 over 6: data/0 goes
+    assert saved.listing("model") is not None and saved.entry("model") == DIR
+    assert saved.listing("data/0") is None

@@ -363,16 +363,17 @@ class Writes:
 
     def open_existing(self, node: Node, flags: int) -> NewFile | None:
         """An open for writing of a stored file: only a whole rewrite (O_TRUNC, or an empty file). Without
-        --allow-overwrite, one of an empty file is a touch (None: opened as for reading, so nothing is stored at its
-        close, and its writes fail with EPERM, `refuse_write`): lock files are opened so (filelock, under
-        `hf_hub_download(local_dir=...)`: O_RDWR of the empty lock file its first lock stored), and so are markers."""
+        --allow-overwrite, one of an empty file that does not append is a touch (None: opened as for reading, so
+        nothing is stored at its close, and its writes fail with EPERM, `refuse_write`): lock files are opened so
+        (filelock, under `hf_hub_download(local_dir=...)`: O_RDWR of the empty lock file its first lock stored), and so
+        are markers."""
         if node.is_dir:
             raise PathError(errno.EISDIR)
         if node.writing:
             raise PathError(errno.EBUSY)
         self._not_an_upload_of_another(node.path)
-        if not self.allow_overwrite and node.size == 0:
-            return None
+        if not self.allow_overwrite and node.size == 0 and not flags & os.O_APPEND:
+            return None  # (an appender is a writer: a logger opened so lost every record, each write a warning)
         if not self.allow_overwrite:
             # `touch` of a stored file opens it for writing without O_TRUNC, then sets its times by path: it
             # replaces nothing, so it is not worth a warning (it still gets EPERM, as any such open does).

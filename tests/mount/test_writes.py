@@ -616,6 +616,23 @@ def test_an_open_for_writing_of_an_empty_stored_file_is_a_touch_without_allow_ov
     delete_bucket(s3, bucket)
 
 
+def test_an_append_to_an_empty_stored_file_still_needs_allow_overwrite(s3: S3Server, mountpoint: Path) -> None:
+    """An appender of an existing empty file (logging.FileHandler, mode "a"), without --allow-overwrite: its open is
+    EPERM, as before empty files' opens became touches. Opened as a touch, the logger lost every record, and each
+    refused write was one more warning in the daemon's log, for the whole run."""
+    bucket = bucket_with(s3, {"train.log": b""})
+    with mounted(s3, bucket, mountpoint, *WRITABLE, allowed=(NEEDS_OVERWRITE,)):
+        try:
+            fd = os.open(mountpoint / "train.log", os.O_WRONLY | os.O_APPEND | os.O_CREAT)
+        except OSError as exc:
+            assert exc.errno == errno.EPERM
+        else:
+            os.close(fd)
+            pytest.fail("an existing empty file was opened for appending without --allow-overwrite")
+    assert keys(s3, bucket) == {"train.log": 0}
+    delete_bucket(s3, bucket)
+
+
 def test_overwrite_and_delete_need_their_flags(s3: S3Server, mountpoint: Path, tmp_path: Path) -> None:
     bucket = bucket_with(s3, {"a.bin": b"old", "d/b.bin": b"bee"})
     with mounted(s3, bucket, mountpoint, *WRITABLE, allowed=(NEEDS_OVERWRITE, "needs --allow-delete")) as m:

@@ -542,16 +542,15 @@ class Namespace:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(ask, "meta", self._store.head, key)
             nursery.start_soon(ask, "dir", self._store.has_children, key + "/")
+        if results.get("dir"):  # a key that is both a file and a prefix: the directory wins (whatever the HEAD said)
+            self._found(path, (True, None))
+            return self._node_for(path, True, None)
         for name in ("meta_error", "dir_error"):
             if name in results:
-                # A HEAD that was answered (the listing was not) says which file is there, if any.
-                known = self._known_while_down(path, results[name], (results["meta"],) if "meta" in results else None)
+                known = self._known_while_down(path, results[name], results)
                 if known is not None:
                     return known
                 raise results[name]
-        if results["dir"]:  # a key that is both a file and a prefix: the directory wins
-            self._found(path, (True, None))
-            return self._node_for(path, True, None)
         if results["meta"] is not None:
             self._found(path, (False, results["meta"]))
             return self._node_for(path, False, results["meta"], asked)
@@ -565,16 +564,19 @@ class Namespace:
         if self.saved is not None:
             self.saved.found(path, entry)
 
-    def _known_while_down(self, path: str, exc: BaseException,
-                          head: tuple[ObjectMeta | None] | None = None) -> Node | None:
-        """While the origin is unreachable, a name the mount already knows keeps resolving; if a HEAD of it was
-        answered all the same (`head`: its answer), only as a directory or as the file version that HEAD found (a
-        throttled listing beside it answered a file the HEAD had just found deleted)."""
+    def _known_while_down(self, path: str, exc: BaseException, answered: dict[str, Any]) -> Node | None:
+        """While the origin is unreachable, a name the mount already knows keeps resolving: as what the request of
+        `_ask_bucket` that did answer says, if one did (`answered`). Unchecked, a throttled listing beside a HEAD that
+        found the file deleted answered it from the names a predecessor kept, origin up."""
         if not isinstance(exc, (Unreachable, TransientError)):
             return None
 
         def agrees(is_dir: bool, etag: str) -> bool:
-            return head is None or is_dir or (head[0] is not None and head[0].etag == etag)
+            # The one-key listing, answered, found nothing under the path (a directory it would have answered); the
+            # HEAD says which file is there, if any.
+            if is_dir:
+                return "dir" not in answered
+            return "meta" not in answered or (answered["meta"] is not None and answered["meta"].etag == etag)
 
         for ino in (self._ino_by_path.get((path, None)), self._latest_file.get(path)):
             node = self._nodes.get(ino) if ino is not None else None

@@ -241,6 +241,19 @@ async def test_a_name_the_origin_just_said_is_gone_is_not_answered_from_the_kept
     with pytest.raises(TransientError):
         await ns.lookup(m.ino, b"w.bin")
 
+    # The other way round: the HEAD throttled, the listing answered that nothing is under a directory kept.
+    second.found("m/sub", DIR)
+    store.has_children = lambda prefix: FakeStore.has_children(store, prefix)  # type: ignore[method-assign]
+
+    def head_slow_down(key: str) -> ObjectMeta | None:
+        raise TransientError("HEAD: SlowDown (503)")
+
+    store.head = head_slow_down  # type: ignore[method-assign]
+    with pytest.raises(TransientError):
+        await ns.lookup(m.ino, b"sub")
+    store.put("m/sub2/x", b"x")  # a directory needs no HEAD: the listing says so
+    assert (await ns.lookup(m.ino, b"sub2")).is_dir
+
 
 def test_the_bound_drops_the_directories_used_least_recently(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A model's directory, listed at every TTL and never changed, and its name found again by lookups: dropped first

@@ -656,8 +656,7 @@ class Namespace:
             self._listings[path] = entries
             self._last_listings[path] = entries
         if self.saved is not None:
-            self.saved.listed(path, {name_b.decode("utf-8", "surrogateescape"): (entry.is_dir, entry.meta)
-                                     for name_b, entry in entries.items()})
+            self.saved.listed(path, entries)
 
     def _with_pending(self, path: str, entries: dict[bytes, DirEntry]) -> list[DirEntry]:
         """A directory's entries and the files being written in it (which no listing has yet)."""

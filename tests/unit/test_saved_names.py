@@ -12,13 +12,19 @@ import pytest
 
 from fsmount import saved_names
 from fsmount.data import ObjectMeta, TransientError, Unreachable, cache_clear
-from fsmount.namespace import ROOT_INODE, Namespace
+from fsmount.namespace import ROOT_INODE, DirEntry, Namespace
 from fsmount.saved_names import SavedNames
 from tests.helpers import ORIGIN_UNAVAILABLE
 from tests.unit.fake_store import FakeStore
 from tests.unit.test_namespace import call, origin_down
 
 DIR = (True, None)
+
+
+def listed(saved: SavedNames, path: str, entries: dict[str, tuple[bool, ObjectMeta | None]]) -> None:
+    """A whole listing of `path` landed, its entries given as (is_dir, meta) by name."""
+    saved.listed(path, {name.encode("utf-8", "surrogateescape"): DirEntry(name.encode("utf-8", "surrogateescape"),
+                                                                           *entry) for name, entry in entries.items()})
 
 
 def file_entry(key: str, size: int = 3, etag: str = '"e"') -> tuple[bool, ObjectMeta]:
@@ -34,7 +40,7 @@ def reloaded(saved: SavedNames, tmp_path: Path) -> SavedNames:
 
 def test_listings_lookups_and_changes_round_trip(tmp_path: Path) -> None:
     saved = SavedNames(str(tmp_path), "b", "p/")
-    saved.listed("m", {"w.bin": file_entry("p/m/w.bin"), "sub": DIR, "odd\udcff": file_entry("k")})
+    listed(saved, "m", {"w.bin": file_entry("p/m/w.bin"), "sub": DIR, "odd\udcff": file_entry("k")})
     saved.found("models", DIR)  # a lookup in a directory never listed: that name only
     saved.found("x/f", file_entry("p/x/f"))
     saved.found("x/writing", (False, None))  # a file being written: not kept
@@ -56,12 +62,12 @@ def test_listings_lookups_and_changes_round_trip(tmp_path: Path) -> None:
 
 def test_an_unchanged_listing_writes_nothing(tmp_path: Path) -> None:
     saved = SavedNames(str(tmp_path), "b", "")
-    saved.listed("", {"a": file_entry("a")})
+    listed(saved, "", {"a": file_entry("a")})
     saved.snapshot()
-    saved.listed("", {"a": file_entry("a")})  # the next listing a TTL later, the same
+    listed(saved, "", {"a": file_entry("a")})  # the next listing a TTL later, the same
     saved.found("a", file_entry("a"))
     assert not saved.dirty
-    saved.listed("", {"a": file_entry("a", etag='"2"')})
+    listed(saved, "", {"a": file_entry("a", etag='"2"')})
     assert saved.dirty
 
 
@@ -69,10 +75,10 @@ def test_bounds(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(saved_names, "SAVED_ENTRIES", 10)
     monkeypatch.setattr(saved_names, "SAVED_DIR_ENTRIES", 5)
     saved = SavedNames(str(tmp_path), "b", "")
-    saved.listed("big", {f"f{i}": file_entry(f"big/f{i}") for i in range(6)})
+    listed(saved, "big", {f"f{i}": file_entry(f"big/f{i}") for i in range(6)})
     assert saved.listing("big") is None  # a dataset's directory, not a model's: not kept
     for d in range(4):
-        saved.listed(f"d{d}", {f"f{i}": file_entry(f"d{d}/f{i}") for i in range(3)})
+        listed(saved, f"d{d}", {f"f{i}": file_entry(f"d{d}/f{i}") for i in range(3)})
     # 12 entries over 10: the directory updated least recently went.
     assert saved.listing("d0") is None and all(saved.listing(f"d{d}") is not None for d in (1, 2, 3))
     saved.found("d1/late", file_entry("d1/late"))  # 10: d1 is now the most recently updated
@@ -111,10 +117,10 @@ def test_another_bucket_or_prefix_has_a_file_of_its_own(tmp_path: Path) -> None:
 
 def test_a_failed_write_leaves_the_last_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     saved = SavedNames(str(tmp_path), "b", "")
-    saved.listed("", {"a": file_entry("a")})
+    listed(saved, "", {"a": file_entry("a")})
     saved.save(saved.snapshot())
     before = Path(saved.path).read_bytes()
-    saved.listed("", {"b": file_entry("b")})
+    listed(saved, "", {"b": file_entry("b")})
 
     def full(*args: object) -> None:
         raise OSError(28, "No space left on device")
@@ -179,15 +185,15 @@ def test_a_listing_kept_without_some_of_its_names_is_not_served_as_whole(
     directory without it (a listing served partially). Its lookups still answer from what is kept."""
     monkeypatch.setattr(saved_names, "SAVED_DIR_ENTRIES", 3)
     saved = SavedNames(str(tmp_path), "b", "")
-    saved.listed("d", {f"f{i}": file_entry(f"d/f{i}") for i in range(3)})
+    listed(saved, "d", {f"f{i}": file_entry(f"d/f{i}") for i in range(3)})
     saved.found("d/late", file_entry("d/late"))
     assert saved.listing("d") is None and saved.entry("d/f0") == file_entry("d/f0")
-    saved.listed("e", {"a": file_entry("e/a"), "noetag": file_entry("e/noetag", etag="")})
+    listed(saved, "e", {"a": file_entry("e/a"), "noetag": file_entry("e/noetag", etag="")})
     assert saved.listing("e") is None and saved.entry("e/a") == file_entry("e/a")
-    saved.listed("f", {"a": file_entry("f/a")})
+    listed(saved, "f", {"a": file_entry("f/a")})
     saved.found("f/noetag", file_entry("f/noetag", etag=""))
     assert saved.listing("f") is None
-    saved.listed("g", {"a": file_entry("g/a"), "b": file_entry("g/b")})
+    listed(saved, "g", {"a": file_entry("g/a"), "b": file_entry("g/b")})
     saved.found("g/b", None)  # deleted: the listing is still the whole directory
     assert saved.listing("g") == {"a": file_entry("g/a")}
 
@@ -262,10 +268,10 @@ def test_the_bound_drops_the_directories_used_least_recently(tmp_path: Path, mon
     monkeypatch.setattr(saved_names, "SAVED_ENTRIES", 6)
     saved = SavedNames(str(tmp_path), "b", "")
     saved.found("model", DIR)
-    saved.listed("model", {"config.json": file_entry("model/config.json"), "w.bin": file_entry("model/w.bin")})
-    saved.listed("data/0", {f"s{i}": file_entry(f"data/0/s{i}") for i in range(3)})
-    saved.listed("model", {"config.json": file_entry("model/config.json"), "w.bin": file_entry("model/w.bin")})
+    listed(saved, "model", {"config.json": file_entry("model/config.json"), "w.bin": file_entry("model/w.bin")})
+    listed(saved, "data/0", {f"s{i}": file_entry(f"data/0/s{i}") for i in range(3)})
+    listed(saved, "model", {"config.json": file_entry("model/config.json"), "w.bin": file_entry("model/w.bin")})
     saved.found("model", DIR)  # looked up again
-    saved.listed("data/1", {f"s{i}": file_entry(f"data/1/s{i}") for i in range(3)})  # 9 over 6: data/0 goes
+    listed(saved, "data/1", {f"s{i}": file_entry(f"data/1/s{i}") for i in range(3)})  # 9 over 6: data/0 goes
     assert saved.listing("model") is not None and saved.entry("model") == DIR
     assert saved.listing("data/0") is None

@@ -230,6 +230,7 @@ class SavedNames:
         try:
             with os.fdopen(fd, "wb") as f:
                 f.write(data)
+                os.fsync(f.fileno())  # so a power loss leaves the old file or the new one, not an empty one (XFS)
             os.replace(tmp, self.path)
         except BaseException:
             with contextlib.suppress(OSError):

@@ -166,3 +166,40 @@ def test_a_file_replaced_while_its_directory_is_listed_opens_its_new_version(mot
             ls.join()
         with open(path, "rb") as f:
             assert f.read() == b"new version"
+
+
+def test_a_file_found_replaced_then_opened_while_the_origin_is_down_is_eio_not_estale(
+        moto_server: S3Server, proxy: FaultProxy, mountpoint: Path) -> None:
+    """A GET of an open file's next chunk finds it replaced (412): the mount supersedes that version. The origin then
+    goes down, and a new open of the path (its entry expired) is answered from what the mount knows: it must not
+    be the superseded version, whose open is ESTALE, as is the kernel's retry of it (ESTALE reached the reader:
+    "Stale file handle"). Found by test_fault_fuzz.py on SeaweedFS."""
+    bucket = new_bucket(moto_server)
+    chunk = 64 * 1024
+    put_objects(moto_server, bucket, {"d/f.bin": b"1" * (4 * chunk)})
+    path = mountpoint / "d" / "f.bin"
+    with mounted_via(proxy, moto_server, bucket, mountpoint, "--read-timeout", f"{READ_TIMEOUT_S:g}",
+                     "--chunk-size", "64K", "--max-readahead", "0", "--no-model-prefetch", "--metadata-ttl", "1",
+                     allowed=(META_FAILED, ORIGIN_UNAVAILABLE, r"fetching chunk \d+ of .* failed", "read failed",
+                              "open failed", "object changed")):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
+            assert os.pread(fd, 1, 0) == b"1"
+            put_objects(moto_server, bucket, {"d/f.bin": b"2" * (4 * chunk)})
+            with pytest.raises(OSError) as exc:  # 412: the handle's version is gone
+                os.pread(fd, 1, 3 * chunk)
+            assert exc.value.errno == errno.EIO
+            proxy.origin_down()
+            time.sleep(1.5)  # the kernel's entry (TTL 1 s) expires: the open looks the name up
+            result, took = timed(os.open, path, os.O_RDONLY)
+            if not isinstance(result, int):
+                os.close(result)
+            # EIO (the origin is down, and the version the mount knew is gone), never ESTALE.
+            assert result == errno.EIO, f"open gave {errno.errorcode.get(result, result)}"
+            assert took <= FAILING_READ_BOUND_S
+        finally:
+            os.close(fd)
+        proxy.origin_back()
+        time.sleep(DOWN_FAST_FAIL_S + 0.5)
+        assert path.read_bytes() == b"2" * (4 * chunk)

@@ -357,6 +357,11 @@ class Operations(pyfuse3.Operations):
         elif self.ns.node(inode).writing:
             raise pyfuse3.FUSEError(errno.EBUSY)  # readable once it is closed and stored
         version = await self.ns.open_file(inode)
+        # A GET that found this version gone (404, 412) superseded its inode (Namespace.gone), and only an answer of
+        # the bucket's since makes one current: the version was uploaded again (the same bytes, the same ETag). The
+        # engine's memory of the refusal, kept GONE_FOR_S to spare the other chunks' GETs, no longer holds (it
+        # answered EIO to the new open's reads).
+        self.engine.current_again(version)
         fh = self._new_fh()
         probe = ctx.pid in self.probes
         self._files[fh] = OpenFile(fh, inode, version, self.engine, self.max_readahead,

@@ -170,6 +170,10 @@ class ChunkEngine:
 
     # -- ids -----------------------------------------------------------------------------------
 
+    def current_again(self, obj: ObjectVersion) -> None:
+        """The namespace holds `obj` current, as of an answer newer than any GET that found it gone."""
+        self.levels.current_again(self.bucket, obj.key, obj.etag)
+
     def chunk_id(self, obj: ObjectVersion, index: int) -> ChunkId:
         return ChunkId(self.bucket, obj.key, obj.etag, self.chunk_size, index)
 

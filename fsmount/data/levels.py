@@ -258,6 +258,11 @@ class LevelStack:
         failure = self._origin_failures.get(cid)
         return failure[1] if failure is not None and failure[0] >= since else None
 
+    def current_again(self, bucket: str, key: str, etag: str) -> None:
+        """The bucket holds this version (again): what a GET that found it gone said no longer holds. (Wrongly told,
+        the next GET finds it gone again; one request.)"""
+        self._gone.pop((bucket, key, etag), None)
+
     def holds(self, cid: ChunkId) -> bool:
         """Whether a local level says it holds the chunk (its `contains`, no I/O) and answers; False if none can
         tell."""

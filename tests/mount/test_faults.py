@@ -64,6 +64,7 @@ from tests.helpers import (
     open_random,
     opened_random,
     proc_status,
+    put_objects,
     random_bytes,
     read_all_exact,
     run_modelfs,
@@ -697,6 +698,38 @@ def test_overwrite_while_open_old_handle_never_mixes_new_open_sees_new(moto_serv
                 # The old handle, still open, must go on seeing only its own version.
                 for off in range(0, len(old), MiB):
                     assert_exact_or_eio(timed_pread(fd, MiB, off)[0], old, off, MiB)
+
+
+@pytest.mark.parametrize("kept_open", [True, False], ids=["old-handle-open", "all-closed"])
+def test_a_version_deleted_and_uploaded_again_reads_again_at_once(moto_server: S3Server, proxy: FaultProxy,
+                                                                  mountpoint: Path, kept_open: bool) -> None:
+    """An object deleted while a reader had it open (its GET: 404, so its version is remembered as gone) and
+    uploaded again with the same bytes (the same ETag). Once a lookup has seen that version in the bucket again,
+    a new open reads it: the memory of the 404 (GONE_FOR_S, there to spare the other chunks' GETs) must not answer
+    for it, as it did for 5 s with EIO (found by test_fault_fuzz.py, a 404 answered by the proxy for a moment)."""
+    ttl = 1.0
+    data = random_bytes(4 * MiB, 11)
+    bucket = new_bucket(moto_server)
+    put_objects(moto_server, bucket, {"g.bin": data})  # one PUT: its ETag is the bytes' MD5, the same next time
+    with mounted_via(proxy, moto_server, bucket, mountpoint, *fault_args("--metadata-ttl", f"{ttl:g}"),
+                     allowed=(FETCH_FAILED, READ_FAILED, "not found")):
+        fd = open_random(mountpoint / "g.bin")
+        try:
+            assert os.pread(fd, MiB, 0) == data[:MiB]
+            moto_server.client().delete_object(Bucket=bucket, Key="g.bin")
+            assert timed_pread(fd, MiB, 2 * MiB)[0] == errno.EIO  # 404: this version is gone
+            put_objects(moto_server, bucket, {"g.bin": data})
+            if not kept_open:
+                os.close(fd)
+                fd = -1
+            time.sleep(ttl + 0.5)  # past the TTL, well within GONE_FOR_S
+            with opened_random(mountpoint / "g.bin") as fd2:
+                assert os.fstat(fd2).st_size == len(data)
+                result = timed_pread(fd2, MiB, 3 * MiB)[0]
+                assert result == data[3 * MiB:], f"got {errno.errorcode.get(result, 'wrong bytes')}"
+        finally:
+            if fd >= 0:
+                os.close(fd)
 
 
 # -- load -----------------------------------------------------------------------------------------

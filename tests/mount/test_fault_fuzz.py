@@ -198,9 +198,10 @@ class FaultFuzzer(Fuzzer):
         if fault in (Fault.STALL, Fault.LATENCY):
             params["seconds"] = SHORT_S if fault is Fault.LATENCY else rng.choice([SHORT_S, LONG_S])
         if fault is Fault.ERROR:
-            # 5xx, and what a misbehaving gateway could say of an object that is there: 403 and 404.
-            params["status"] = rng.choice([500, 503, 502, 500, 403, 404])
-            params["code"] = {403: "AccessDenied", 404: "NoSuchKey"}.get(params["status"])
+            # 5xx, and a 404 a misbehaving gateway could give for an object that is there. (Not 403: it is EACCES
+            # by design, a credentials problem, for the requests that meet it, an fstat of an open file included.)
+            params["status"] = rng.choice([500, 503, 502, 500, 404])
+            params["code"] = {404: "NoSuchKey"}.get(params["status"])
         if rng.random() < 0.3:
             params["fraction"] = 0.5
         where = rng.choice(["data"] * 3 + ["all", "heads", "lists"])

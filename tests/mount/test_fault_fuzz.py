@@ -120,6 +120,7 @@ class FaultFuzzer(Fuzzer):
         self.cached_reads = 0  # reads while a fault acts and every chunk is in the cache dir
         self.timers: list[threading.Timer] = []  # the ends of op_pulse's outages
         self.metadata_faulty_until = 0.0  # until then a lookup or a listing may fail after an op_pulse
+        self.missing_told = False  # a 404 injected on metadata since the last checkpoint
 
     # -- what may fail ----------------------------------------------------------------------------
 
@@ -167,7 +168,9 @@ class FaultFuzzer(Fuzzer):
 
     def op_failed(self, what: str, exc: OSError) -> None:
         # An open, stat or listing needs metadata the origin may not give now (RELIABILITY's second promise: EIO).
-        if exc.errno == errno.EIO and (self.faulty or time.monotonic() < self.metadata_faulty_until):
+        # A 404 on a HEAD says the file is not there: ENOENT is the truth as the origin told it.
+        told_missing = exc.errno == errno.ENOENT and self.faulty and self.missing_told
+        if told_missing or (exc.errno == errno.EIO and (self.faulty or time.monotonic() < self.metadata_faulty_until)):
             self.eio += 1
             self.log.append(f"  -> {what}: EIO (allowed: a fault)")
             return
@@ -210,6 +213,7 @@ class FaultFuzzer(Fuzzer):
         elif where != "data":
             params["kind"] = where
         self.log.append(f"inject {fault.value} on {where} {params}")
+        self.missing_told |= params.get("status") == 404 and where != "data"
         self.faulty = True
         self.faults += 1
         self.proxy.inject(fault, **params)
@@ -269,7 +273,7 @@ class FaultFuzzer(Fuzzer):
             self.metadata_errors = stats["origin"]["metadata_errors"]
             wait = max(wait, DOWN_FAST_FAIL_S + 1.0)
         time.sleep(max(0.0, ended + wait - time.monotonic()))
-        self.faulty = False
+        self.faulty = self.missing_told = False
         if self.cache_dir:
             drop_kernel_caches(1)  # every chunk read below goes through the daemon, so into the cache dir
         self.read_every_file()

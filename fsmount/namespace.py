@@ -582,8 +582,8 @@ class Namespace:
             node = self._nodes.get(ino) if ino is not None else None
             # Not a version found replaced (a 412, a HEAD) while the kernel still holds it: its open is ESTALE, and so
             # was the kernel's retry, answered the same way (ESTALE reached the reader).
-            if node is not None and not node.superseded and (node.is_dir or node.etag) and agrees(node.is_dir,
-                                                                                                  node.etag):
+            if (node is not None and not node.superseded and (node.is_dir or node.etag)
+                    and agrees(node.is_dir, node.etag)):
                 break
         else:
             # A name of the last listing of its directory that the kernel has forgotten (a file read an hour ago,

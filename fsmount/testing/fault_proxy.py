@@ -88,6 +88,8 @@ class Fault(enum.StrEnum):
     TRUNCATE = "truncate"  # send headers (full Content-Length) and `after_bytes` of body, then close
     SHORT = "short"        # send only `after_bytes` of body with a Content-Length that says so; keep alive
     ERROR = "error"        # answer `status` with an S3 error document (`code`); the server never sees it
+    DROP = "drop"          # forward the request, then RST the connection unanswered: the server did it, the
+                           # client never hears (a reply lost on the way back)
 
 
 class Down(enum.StrEnum):
@@ -109,6 +111,8 @@ class Rule:
     data_only: bool = True       # only GETs with a Range header
     kind: str | None = None      # only requests of this kind (http_wire.Request.kind: "lists", "heads",
                                  # "data_gets", "parts", "completes", ...); wins over data_only
+    op: str | None = None        # only write requests of this operation (http_wire.Request.operation: "put",
+                                 # "start", "part", "complete", "copy", "part_copy", "delete", "abort"); wins over kind
     skip: int = 0                # the first `skip` requests it matches pass untouched (page 3 of 5: skip=2)
     hits: int = 0
     seen: int = 0
@@ -116,6 +120,8 @@ class Rule:
     def matches(self, req: Request) -> bool:
         if self.times is not None and self.hits >= self.times:
             return False
+        if self.op is not None:
+            return req.operation == self.op
         if self.kind is not None:
             return req.kind == self.kind
         return req.is_data_get or not self.data_only
@@ -192,14 +198,14 @@ class FaultProxy:
 
     def inject(self, fault: Fault | str, *, seconds: float = 0.0, after_bytes: int | None = None,
                status: int = 503, code: str | None = None, times: int | None = None, fraction: float = 1.0,
-               data_only: bool = True, kind: str | None = None, skip: int = 0) -> Rule:
+               data_only: bool = True, kind: str | None = None, op: str | None = None, skip: int = 0) -> Rule:
         """Add a fault rule (checked after those added before it). Returns it; `rule.hits` counts."""
         fault = Fault(fault)
         if fault in (Fault.RESET, Fault.TRUNCATE, Fault.SHORT) and after_bytes is None:
             after_bytes = 0
         rule = Rule(fault, seconds=min(seconds, MAX_HOLD_S), after_bytes=after_bytes, status=status,
                     code=code or S3_ERROR_CODES.get(status, "InternalError"), times=times, fraction=fraction,
-                    data_only=data_only, kind=kind, skip=skip)
+                    data_only=data_only, kind=kind, op=op, skip=skip)
         with self._lock:
             self._rules.append(rule)
         return rule
@@ -408,6 +414,9 @@ class FaultProxy:
                 return False, None
         if rule is None or delay_only:
             return send(conn, resp, req), upstream
+        if rule.fault is Fault.DROP:
+            reset(conn)
+            return False, upstream
         cut = rule.after_bytes or 0
         if rule.fault is Fault.STALL:
             if not send(conn, resp, req, body_end=cut):

@@ -55,6 +55,22 @@ class Request:
             return "completes"  # CompleteMultipartUpload
         return "other"
 
+    @property
+    def operation(self) -> str:
+        """The write request it is, finer than `kind` (whose "other" lumps them together): "put", "copy",
+        "start" (CreateMultipartUpload), "part", "part_copy", "complete", "abort", "delete"; else `kind`."""
+        query = self.query()
+        copy = self.header("x-amz-copy-source") is not None
+        if self.method == "PUT":
+            if "partNumber" in query:
+                return "part_copy" if copy else "part"
+            return "copy" if copy else "put"
+        if self.method == "POST":
+            return "complete" if "uploadId" in query else "start" if "uploads" in query else self.kind
+        if self.method == "DELETE":
+            return "abort" if "uploadId" in query else "delete"
+        return self.kind
+
     def path_parts(self) -> tuple[str, bytes]:
         """(bucket, key as raw bytes) of a path-style request."""
         path = urllib.parse.urlsplit(self.target).path

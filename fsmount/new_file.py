@@ -58,7 +58,8 @@ from typing import Any, Protocol
 
 import trio
 
-from fsmount.data import MAX_PART_SIZE, MAX_PARTS, MemoryBudget, ObjectMeta, StoreError, TimedOut, Uploads
+from fsmount.data import MAX_PART_SIZE, MAX_PARTS, MemoryBudget, ObjectMeta, StoreError, TimedOut, Unreachable, Uploads
+from fsmount.data.uploads import multipart_etag, put_etag
 from fsmount.namespace import Node, PathError
 from fsmount.write_staging import StagedFile
 
@@ -405,7 +406,8 @@ class NewFile:
                     del buf[n:]
                     body = buf
                 await writes.stage(self._staged, 0, body)
-                etag = await writes.call(writes.uploads.put, final_key, body, writes.create_only)
+                etag = await self._last_request(final_key, lambda: put_etag(body), writes.uploads.put, final_key, body,
+                                                writes.create_only)
             finally:
                 if buf is not None:
                     self._release(reserved)
@@ -417,8 +419,9 @@ class NewFile:
         if self.error is not None:
             raise StoreError(self.error)
         assert self._key is not None
-        etag = await writes.call(writes.uploads.finish, self._key, self._upload_id,
-                                 [self._etags[i] for i in range(1, self._parts + 1)], writes.create_only)
+        etags = [self._etags[i] for i in range(1, self._parts + 1)]
+        etag = await self._last_request(self._key, lambda: multipart_etag(etags), writes.uploads.finish, self._key,
+                                        self._upload_id, etags, writes.create_only)
         self._upload_id = None
         writes.unregister(self)
         meta = ObjectMeta(self._key, self.written, etag, time.time_ns())
@@ -451,7 +454,8 @@ class NewFile:
             async with self._reserved(size):
                 body = bytearray(size)
                 await self._read_copy(0, body)
-                etag = await writes.call(writes.uploads.put, key, body, writes.create_only)
+                etag = await self._last_request(key, lambda: put_etag(body), writes.uploads.put, key, body,
+                                                writes.create_only)
             writes.count_part(size)
             return ObjectMeta(key, size, etag, time.time_ns())
         self._key = key
@@ -485,11 +489,38 @@ class NewFile:
                 nursery.start_soon(one, number, start, end)
         if self.error is not None:
             raise StoreError(self.error)
-        etag = await writes.call(writes.uploads.finish, key, self._upload_id,
-                                 [self._etags[i] for i in range(1, len(ranges) + 1)], writes.create_only)
+        etags = [self._etags[i] for i in range(1, len(ranges) + 1)]
+        etag = await self._last_request(key, lambda: multipart_etag(etags), writes.uploads.finish, key,
+                                        self._upload_id, etags, writes.create_only)
         self._upload_id = None
         writes.unregister(self)
         return ObjectMeta(key, size, etag, time.time_ns())
+
+    async def _last_request(self, key: str, expected: Callable[[], str | None], fn: Callable[..., str],
+                            *args: Any) -> str:
+        """The request that makes the file an object (its PUT, or the completion); its ETag. Failed, it may have
+        taken effect all the same: the server stored the file and its answer was lost, so botocore sent it again and
+        that found the key, its own (412 to a create-only request), or the upload already completed (NoSuchUpload);
+        or the answer was cut short. The close said EIO for a file the bucket held whole (a trainer's retry of the
+        save then got EPERM). So the bucket is asked: a key that holds exactly this file (`expected`: its ETag,
+        None where it cannot be told) is the file stored."""
+        writes = self._writes
+        try:
+            return await writes.call(fn, *args)
+        except (Unreachable, TimedOut):
+            # Never reached the bucket; or given up on at --read-timeout, when asking too would take the close past
+            # its bound (the request may land later: the warning says so).
+            raise
+        except StoreError as exc:
+            etag = expected()
+            try:
+                meta = await writes.call(writes.uploads.head, key) if etag is not None else None
+            except StoreError:
+                meta = None
+            if meta is None or meta.etag != etag:
+                raise exc from None
+            log.info("%s: %s, but the bucket holds this file whole: stored", key, exc.message)
+            return meta.etag
 
     @contextlib.asynccontextmanager
     async def _reserved(self, n: int) -> AsyncIterator[None]:

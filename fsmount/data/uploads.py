@@ -10,6 +10,7 @@ run them in worker threads. Thread-safe: one boto3 client, shared.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import logging
 from datetime import datetime
 from typing import Any
@@ -37,6 +38,23 @@ class Replaced(StoreError):
 
 def _if_absent(only_if_absent: bool) -> dict[str, str]:
     return {"IfNoneMatch": "*"} if only_if_absent else {}
+
+
+def put_etag(body: bytes | bytearray) -> str:
+    """The ETag S3 gives an object stored by one PUT of `body` (without SSE-KMS or SSE-C)."""
+    return f'"{hashlib.md5(body, usedforsecurity=False).hexdigest()}"'
+
+
+def multipart_etag(etags: list[str]) -> str | None:
+    """The ETag S3 gives a multipart upload completed from parts of these ETags (MD5s): the MD5 of their digests,
+    and their count; None where a part's ETag is no MD5 (encryption), so it cannot be told."""
+    try:
+        digests = b"".join(bytes.fromhex(etag.strip('"')) for etag in etags)
+    except ValueError:
+        return None
+    if len(digests) != 16 * len(etags):
+        return None
+    return f'"{hashlib.md5(digests, usedforsecurity=False).hexdigest()}-{len(etags)}"'
 
 
 def quoted(etag: str) -> str:

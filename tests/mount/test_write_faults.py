@@ -21,7 +21,7 @@ import sys
 import textwrap
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -351,4 +351,40 @@ def test_a_server_that_refuses_a_conditional_delete_gets_the_plain_one(moto_serv
         assert uploads.delete_version("tmp", etag) is True
     assert rule.hits == 1 and "refused it with If-Match" in caplog.text
     assert moto_server.client().list_objects_v2(Bucket=bucket).get("KeyCount") == 0
+
+
+def stored_or_failed(server: S3Server, bucket: str, key: str, data: bytes, write: Callable[[], None]) -> int | None:
+    """Run `write`; its errno, or None. Either way the bucket holds `data` whole under `key` only if it returned 0."""
+    try:
+        write()
+        error = None
+    except OSError as exc:
+        error = exc.errno
+    try:
+        got = server.client().get_object(Bucket=bucket, Key=key)["Body"].read()
+    except server.client().exceptions.NoSuchKey:
+        got = None
+    if error is None:
+        assert got is not None and sha(got) == sha(data), f"close returned 0, the bucket holds {got and len(got)} bytes"
+    else:
+        assert error == errno.EIO
+        assert got is None, f"close failed ({errno.errorcode[error]}), yet the bucket holds {len(got)} bytes"
+    return error
+
+
+@pytest.mark.parametrize("op,size", [("put", MiB), ("complete", 13 * MiB)])
+def test_a_lost_answer_to_the_last_request_of_a_create_only_file_is_not_a_failure(
+        moto_server: S3Server, proxy: FaultProxy, mountpoint: Path, op: str, size: int) -> None:
+    """The server stored the file and its answer was lost (a connection reset on the way back): botocore sends the
+    create-only PUT again, which finds the key, its own, and got 412; the close said EIO ("created meanwhile by
+    another writer") for a file the bucket holds whole, and a trainer saving again got EPERM (the fault fuzzer). The
+    bucket is asked (HEAD): holding exactly this file, the close returns 0."""
+    bucket = new_bucket(moto_server)
+    data = random_bytes(size, 22)
+    with mounted_via(proxy, moto_server, bucket, mountpoint, *WRITE_ARGS, allowed=(r"will not be stored",)):
+        lost = proxy.inject(Fault.DROP, op=op, times=1)
+        assert stored_or_failed(moto_server, bucket, "a.bin", data,
+                                lambda: (mountpoint / "a.bin").write_bytes(data)) is None
+        assert lost.hits == 1
+        assert (mountpoint / "a.bin").read_bytes() == data
     delete_bucket(moto_server, bucket)

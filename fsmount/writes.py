@@ -135,6 +135,15 @@ class Writes:
         self._fills_done = trio.Event()
         self._filling: dict[ObjectVersion, trio.Event] = {}  # a stored version's fill, set when it has ended
         memory.add_reclaimer(self._release_idle_buffers)
+        uploads.on_unknown_upload = self._unknown_upload
+
+    def _unknown_upload(self, key: str) -> None:
+        """An upload of `key` the server may have begun that this mount never heard of (the answer to its start was
+        lost and botocore began it again, or the answer was cut short): left in the bucket, billed, unless named.
+        Any thread."""
+        log.warning("an upload of %s may have begun in the bucket that this mount never heard of (the answer to its "
+                    "start was lost); once the file is stored or failed, `%s` removes it", key,
+                    cleanup_command(self._origin, [key]))
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """The nursery of part uploads, open for the mount's life."""

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import logging
+from collections.abc import Callable
 from datetime import datetime
 from typing import Any
 
@@ -78,6 +79,10 @@ class Uploads:
         self.bucket = store.bucket
         self._client = store.client
         self.head = store.head
+        # Told the key of an upload the server may have begun that `start` never returned (an answer lost, and
+        # botocore sent the request again; or an answer cut short): nothing of this mount will abort it. Called in
+        # the request's thread.
+        self.on_unknown_upload: Callable[[str], None] | None = None
 
     def _call(self, what: str, fn: Any, **kwargs: Any) -> Any:
         try:
@@ -101,7 +106,10 @@ class Uploads:
 
     def start(self, key: str) -> str:
         """Begin a multipart upload; its upload id."""
-        return self._call(f"starting an upload of {key!r}", self._client.create_multipart_upload, Key=key)["UploadId"]
+        resp = self._call(f"starting an upload of {key!r}", self._client.create_multipart_upload, Key=key)
+        if resp.get("ResponseMetadata", {}).get("RetryAttempts") and self.on_unknown_upload is not None:
+            self.on_unknown_upload(key)
+        return resp["UploadId"]
 
     def put_part(self, key: str, upload_id: str, number: int, body: bytes | bytearray) -> str:
         """Upload part `number` (1-based); its ETag."""

@@ -388,3 +388,25 @@ def test_a_lost_answer_to_the_last_request_of_a_create_only_file_is_not_a_failur
         assert lost.hits == 1
         assert (mountpoint / "a.bin").read_bytes() == data
     delete_bucket(moto_server, bucket)
+
+
+def test_an_upload_begun_twice_by_a_retry_leaves_no_parts_unnamed(moto_server: S3Server, proxy: FaultProxy,
+                                                                   mountpoint: Path) -> None:
+    """CreateMultipartUpload's answer lost, botocore begins the upload again: the first one, which the server did
+    begin, was never aborted nor named, and stayed in the bucket (billed) with nothing in the log (the fault fuzzer).
+    Its key is now named with the `modelfs cleanup --key` that removes it."""
+    bucket = new_bucket(moto_server)
+    data = random_bytes(13 * MiB, 23)
+    with mounted_via(proxy, moto_server, bucket, mountpoint, *WRITE_ARGS, allowed=(r"may have begun",)) as m:
+        lost = proxy.inject(Fault.DROP, op="start", times=1)
+        (mountpoint / "a.bin").write_bytes(data)
+        assert lost.hits == 1
+        log = m.log()
+    left = uploads_in(moto_server, bucket)
+    assert left == ["a.bin"]  # botocore does not tell which upload the lost answer began
+    advised = re.search(r"`(modelfs cleanup [^`]*--key a\.bin[^`]*)`", log)
+    assert advised, "the upload left behind is named nowhere"
+    done = run_modelfs(*shlex.split(advised[1])[1:], env=daemon_env(moto_server))
+    assert done.returncode == 0 and uploads_in(moto_server, bucket) == [], done.stdout + done.stderr
+    assert moto_server.client().get_object(Bucket=bucket, Key="a.bin")["Body"].read() == data
+    delete_bucket(moto_server, bucket)

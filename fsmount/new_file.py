@@ -290,9 +290,12 @@ class NewFile:
             self._key = self._writes.key_of(self.node)
             try:
                 self._upload_id = await self._writes.call(self._writes.uploads.start, self._key)
-            except StoreError as exc:
+            except Exception as exc:  # noqa: BLE001 - a bug too must fail this file: half set up, a close stored
+                # the bytes after this part alone (the fault fuzzer)
                 self._release(len(buf))
-                self._fail(exc.message)
+                if not isinstance(exc, StoreError):
+                    log.exception("%s: starting its upload failed unexpectedly", self.node.path)
+                self._fail(exc.message if isinstance(exc, StoreError) else "starting its upload failed unexpectedly")
                 raise PathError(errno.EIO) from None
             self._writes.register(self)
         self._in_flight += 1
@@ -370,6 +373,9 @@ class NewFile:
                     self._fail(exc.message)
                 except PathError:
                     pass
+                except Exception:  # noqa: BLE001 - a bug must fail this file, not leave it for the RELEASE to store
+                    log.exception("%s: storing it failed unexpectedly", self.node.path)
+                    self._fail("storing it failed unexpectedly")
             if self.stored is None:
                 await self.abort()
                 raise PathError(errno.EIO)

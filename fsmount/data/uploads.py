@@ -17,7 +17,7 @@ from datetime import datetime
 from typing import Any
 
 from fsmount.data.boto3_store import Boto3Store, _client_error_code, translate_error
-from fsmount.data.store import NotFound, PreconditionFailed, StoreError
+from fsmount.data.store import NotFound, PreconditionFailed, StoreError, TransientError
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +39,16 @@ class Replaced(StoreError):
 
 def _if_absent(only_if_absent: bool) -> dict[str, str]:
     return {"IfNoneMatch": "*"} if only_if_absent else {}
+
+
+def _field(resp: dict[str, Any], name: str, what: str) -> Any:
+    """`name` of an answer. A 200 whose body was cut short before its first byte reaches botocore as a success with
+    nothing in it: a broken answer (whether the request took effect is unknown), never a KeyError that leaves a
+    file half set up."""
+    try:
+        return resp[name]
+    except KeyError:
+        raise TransientError(f"{what}: the answer was cut short (no {name} in it)") from None
 
 
 def put_etag(body: bytes | bytearray) -> str:
@@ -101,40 +111,45 @@ class Uploads:
 
     def put(self, key: str, body: bytes | bytearray, only_if_absent: bool = False) -> str:
         """Store a whole object in one PUT; its ETag. `only_if_absent`: see `finish`."""
-        return quoted(self._call(f"PUT {key!r}", self._client.put_object, Key=key, Body=body,
-                                 **_if_absent(only_if_absent))["ETag"])
+        what = f"PUT {key!r}"
+        return quoted(_field(self._call(what, self._client.put_object, Key=key, Body=body,
+                                        **_if_absent(only_if_absent)), "ETag", what))
 
     def start(self, key: str) -> str:
         """Begin a multipart upload; its upload id."""
-        resp = self._call(f"starting an upload of {key!r}", self._client.create_multipart_upload, Key=key)
-        if resp.get("ResponseMetadata", {}).get("RetryAttempts") and self.on_unknown_upload is not None:
-            self.on_unknown_upload(key)
-        return resp["UploadId"]
+        what = f"starting an upload of {key!r}"
+        resp = self._call(what, self._client.create_multipart_upload, Key=key)
+        if resp.get("ResponseMetadata", {}).get("RetryAttempts") or "UploadId" not in resp:
+            if self.on_unknown_upload is not None:
+                self.on_unknown_upload(key)
+        return _field(resp, "UploadId", what)
 
     def put_part(self, key: str, upload_id: str, number: int, body: bytes | bytearray) -> str:
         """Upload part `number` (1-based); its ETag."""
-        resp = self._call(f"uploading part {number} of {key!r}", self._client.upload_part, Key=key,
-                          UploadId=upload_id, PartNumber=number, Body=body)
-        return resp["ETag"]
+        what = f"uploading part {number} of {key!r}"
+        resp = self._call(what, self._client.upload_part, Key=key, UploadId=upload_id, PartNumber=number, Body=body)
+        return _field(resp, "ETag", what)
 
     def copy_part(self, key: str, upload_id: str, number: int, source: str, source_etag: str, start: int,
                   end: int) -> str:
         """Part `number` of `key` is bytes [start, end) of `source` (version `source_etag`), copied by the
         server; its ETag."""
-        resp = self._call(f"copying part {number} of {key!r}", self._client.upload_part_copy, Key=key,
+        what = f"copying part {number} of {key!r}"
+        resp = self._call(what, self._client.upload_part_copy, Key=key,
                           UploadId=upload_id, PartNumber=number,
                           CopySource={"Bucket": self.bucket, "Key": source}, CopySourceIfMatch=source_etag,
                           CopySourceRange=f"bytes={start}-{end - 1}")
-        return resp["CopyPartResult"]["ETag"]
+        return _field(_field(resp, "CopyPartResult", what), "ETag", what)
 
     def finish(self, key: str, upload_id: str, etags: list[str], only_if_absent: bool = False) -> str:
         """Complete the upload from its parts' ETags, in part order; the object's ETag. With `only_if_absent`
         the server refuses it if the key exists by then (If-None-Match: *, on OSS x-oss-forbid-overwrite):
         `Exists`, and the upload is left to abort."""
         parts = [{"PartNumber": i, "ETag": etag} for i, etag in enumerate(etags, 1)]
-        resp = self._call(f"completing the upload of {key!r}", self._client.complete_multipart_upload, Key=key,
-                          UploadId=upload_id, MultipartUpload={"Parts": parts}, **_if_absent(only_if_absent))
-        return quoted(resp["ETag"])
+        what = f"completing the upload of {key!r}"
+        resp = self._call(what, self._client.complete_multipart_upload, Key=key, UploadId=upload_id,
+                          MultipartUpload={"Parts": parts}, **_if_absent(only_if_absent))
+        return quoted(_field(resp, "ETag", what))
 
     def abort(self, key: str, upload_id: str) -> None:
         """Drop an incomplete upload and its parts (one already gone counts as done)."""
@@ -146,9 +161,10 @@ class Uploads:
 
     def copy(self, source: str, source_etag: str, key: str) -> str:
         """Copy an object of at most COPY_OBJECT_MAX bytes, as it is at `source_etag`; the copy's ETag."""
-        resp = self._call(f"copying {source!r} to {key!r}", self._client.copy_object, Key=key,
-                          CopySource={"Bucket": self.bucket, "Key": source}, CopySourceIfMatch=source_etag)
-        return quoted(resp["CopyObjectResult"]["ETag"])
+        what = f"copying {source!r} to {key!r}"
+        resp = self._call(what, self._client.copy_object, Key=key, CopySource={"Bucket": self.bucket, "Key": source},
+                          CopySourceIfMatch=source_etag)
+        return quoted(_field(_field(resp, "CopyObjectResult", what), "ETag", what))
 
     def delete(self, key: str) -> None:
         """Delete a key (S3 answers a missing key with success too)."""

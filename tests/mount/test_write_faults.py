@@ -372,6 +372,32 @@ def stored_or_failed(server: S3Server, bucket: str, key: str, data: bytes, write
     return error
 
 
+@pytest.mark.parametrize("op", ["start", "complete", "put"])
+def test_a_write_answer_cut_short_never_stores_other_bytes_nor_fails_a_stored_file(
+        moto_server: S3Server, proxy: FaultProxy, mountpoint: Path, op: str) -> None:
+    """A 200 whose body is cut short before any byte (FIN where the Content-Length promised more) reaches botocore as a
+    success with nothing in it. CreateMultipartUpload's had no UploadId: a KeyError left the file half set up, its
+    first part's bytes were dropped, and the close stored what followed them alone (here: an empty object for the
+    5 MiB the write said it wrote), returning 0 (the fault fuzzer).
+    CompleteMultipartUpload's had no ETag: the close got EIO, and the RELEASE after it completed the upload again, so
+    the failed file was in the bucket. Now either the close returns 0 and the file is whole, or EIO and nothing (and
+    an upload the cut start began is named for `modelfs cleanup`)."""
+    bucket = new_bucket(moto_server)
+    data = random_bytes(MiB if op == "put" else 13 * MiB, 21)
+    with mounted_via(proxy, moto_server, bucket, mountpoint, *WRITE_ARGS,
+                     allowed=(r"will not be stored", r"cut short", r"may have begun")):
+        cut = proxy.inject(Fault.TRUNCATE, after_bytes=0, op=op, times=1)
+        fd = os.open(mountpoint / "a.bin", os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+        try:
+            written = os.write(fd, data)  # one call: what it says it wrote is what a close of 0 must store
+        except OSError as exc:
+            assert exc.errno == errno.EIO
+            written = 0
+        stored_or_failed(moto_server, bucket, "a.bin", data[:written], lambda: os.close(fd))
+        assert cut.hits == 1
+    delete_bucket(moto_server, bucket)
+
+
 @pytest.mark.parametrize("op,size", [("put", MiB), ("complete", 13 * MiB)])
 def test_a_lost_answer_to_the_last_request_of_a_create_only_file_is_not_a_failure(
         moto_server: S3Server, proxy: FaultProxy, mountpoint: Path, op: str, size: int) -> None:

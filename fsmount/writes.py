@@ -60,6 +60,7 @@ from fsmount.data import (
     Uploads,
     wait_to_retry,
 )
+from fsmount.data.uploads import within
 from fsmount.namespace import Node, PathError
 from fsmount.new_file import NewFile
 from fsmount.tree_changes import WritableNamespace
@@ -170,7 +171,10 @@ class Writes:
         with trio.move_on_at(deadline):
             while True:
                 try:
-                    return await trio.to_thread.run_sync(fn, *args, limiter=self._limiter, abandon_on_cancel=True)
+                    # Its tries end at the deadline too: abandoned, botocore's retries went on (`within`).
+                    until = time.monotonic() + (deadline - trio.current_time())
+                    return await trio.to_thread.run_sync(within, until, fn, *args, limiter=self._limiter,
+                                                         abandon_on_cancel=True)
                 except Unreachable as exc:
                     refused = exc
                     backoff = await wait_to_retry(exc, backoff, deadline, what)

@@ -12,12 +12,14 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import logging
+import threading
+import time
 from collections.abc import Callable
 from datetime import datetime
 from typing import Any
 
 from fsmount.data.boto3_store import Boto3Store, _client_error_code, translate_error
-from fsmount.data.store import NotFound, PreconditionFailed, StoreError, TransientError
+from fsmount.data.store import NotFound, PreconditionFailed, StoreError, TimedOut, TransientError
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +37,28 @@ class Exists(StoreError):
 
 class Replaced(StoreError):
     """A conditional DELETE found another object under the key: another writer stored it meanwhile."""
+
+
+# The deadline (time.monotonic()) of the write request this thread runs (`within`), None outside one.
+_deadline = threading.local()
+
+
+def within(deadline: float, fn: Callable[..., Any], *args: Any) -> Any:
+    """`fn(*args)` in this thread, where no try of a request begins after `deadline` (time.monotonic())."""
+    _deadline.at = deadline
+    try:
+        return fn(*args)
+    finally:
+        _deadline.at = None
+
+
+def _no_try_past_the_deadline(**_: Any) -> None:
+    """botocore's before-send, before each try of a request. A write request given up on at its deadline went on
+    in its abandoned thread, botocore trying it again after its backoff (up to 8 s after a SlowDown): a rename that
+    had got EIO was done seconds later, the file under both names (the write fault fuzzer)."""
+    deadline = getattr(_deadline, "at", None)
+    if deadline is not None and time.monotonic() > deadline:
+        raise TimedOut("given up on at its deadline: not tried again")
 
 
 def _if_absent(only_if_absent: bool) -> dict[str, str]:
@@ -89,6 +113,7 @@ class Uploads:
         self.bucket = store.bucket
         self._client = store.client
         self.head = store.head
+        self._client.meta.events.register("before-send.s3", _no_try_past_the_deadline)
         # Told the key of an upload the server may have begun that `start` never returned (an answer lost, and
         # botocore sent the request again; or an answer cut short): nothing of this mount will abort it. Called in
         # the request's thread.

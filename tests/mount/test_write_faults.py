@@ -41,6 +41,7 @@ from tests.helpers import (
     mounted_via,
     new_bucket,
     proc_status,
+    put_objects,
     random_bytes,
     run_modelfs,
     sha,
@@ -435,4 +436,32 @@ def test_an_upload_begun_twice_by_a_retry_leaves_no_parts_unnamed(moto_server: S
     done = run_modelfs(*shlex.split(advised[1])[1:], env=daemon_env(moto_server))
     assert done.returncode == 0 and uploads_in(moto_server, bucket) == [], done.stdout + done.stderr
     assert moto_server.client().get_object(Bucket=bucket, Key="a.bin")["Body"].read() == data
+    delete_bucket(moto_server, bucket)
+
+
+def test_a_rename_given_up_on_is_not_done_later_by_botocore_retrying_it(moto_server: S3Server, proxy: FaultProxy,
+                                                                        mountpoint: Path) -> None:
+    """A request given up on at --read-timeout went on in its abandoned thread: botocore kept trying it after its
+    backoff, so a rename whose copy met 5xx answers past the deadline got EIO, and the copy landed seconds later, the
+    file under both names with this mount showing only the old one (the fault fuzzer). No try of a write request
+    begins after its deadline now: the rename either succeeds or leaves the new name empty for good."""
+    bucket = new_bucket(moto_server)
+    data = random_bytes(MiB, 24)
+    put_objects(moto_server, bucket, {"a.bin": data})
+    args = ("--writable", "--allow-delete", "--allow-overwrite", "--read-timeout", "2")
+    with mounted_via(proxy, moto_server, bucket, mountpoint, *args, allowed=(r"timed out",)):
+        (mountpoint / "a.bin").stat()
+        # Four SlowDowns (throttling: botocore backs off 0-1, 0-2, 0-4, 0-8 s), then the copy would go through: its
+        # fifth try comes past the 2 s deadline but about once in a hundred.
+        refused = proxy.inject(Fault.ERROR, status=503, op="copy", times=4)
+        try:
+            os.rename(mountpoint / "a.bin", mountpoint / "b.bin")
+            renamed = True
+        except OSError as exc:
+            assert exc.errno == errno.EIO
+            renamed = False
+        time.sleep(16)  # longer than any backoff left
+        assert refused.hits >= 1
+    keys = objects_in(moto_server, bucket)
+    assert keys == (["b.bin"] if renamed else ["a.bin"]), f"renamed: {renamed}, the bucket: {keys}"
     delete_bucket(moto_server, bucket)

@@ -465,3 +465,27 @@ def test_a_rename_given_up_on_is_not_done_later_by_botocore_retrying_it(moto_ser
     keys = objects_in(moto_server, bucket)
     assert keys == (["b.bin"] if renamed else ["a.bin"]), f"renamed: {renamed}, the bucket: {keys}"
     delete_bucket(moto_server, bucket)
+
+
+def test_an_upload_begun_after_its_start_was_given_up_on_is_named(moto_server: S3Server, proxy: FaultProxy,
+                                                                 mountpoint: Path) -> None:
+    """CreateMultipartUpload answered late (a slow server; here held by the proxy past --read-timeout, then
+    forwarded): the file fails with EIO, and the upload the server then begins is one whose id never came back.
+    It stayed in the bucket, named nowhere (the write fault fuzzer: a rename given up on). It is named now with the
+    `modelfs cleanup --key` that removes it."""
+    bucket = new_bucket(moto_server)
+    args = ("--writable", "--write-part-size", "5M", "--read-timeout", "2")
+    with mounted_via(proxy, moto_server, bucket, mountpoint, *args,
+                     allowed=(r"will not be stored", r"may have begun", r"timed out")) as m:
+        held = proxy.inject(Fault.STALL, seconds=4, op="start", times=1)
+        with pytest.raises(OSError) as info:
+            (mountpoint / "a.bin").write_bytes(random_bytes(13 * MiB, 25))
+        assert info.value.errno == errno.EIO and held.hits == 1
+        wait_for("the held start to reach the server", lambda: uploads_in(moto_server, bucket), timeout=15)
+        log = m.log()
+    assert objects_in(moto_server, bucket) == []
+    advised = re.search(r"`(modelfs cleanup [^`]*--key a\.bin[^`]*)`", log)
+    assert advised, "the upload left behind is named nowhere"
+    done = run_modelfs(*shlex.split(advised[1])[1:], env=daemon_env(moto_server))
+    assert done.returncode == 0 and uploads_in(moto_server, bucket) == [], done.stdout + done.stderr
+    delete_bucket(moto_server, bucket)

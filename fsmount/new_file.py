@@ -58,8 +58,18 @@ from typing import Any, Protocol
 
 import trio
 
-from fsmount.data import MAX_PART_SIZE, MAX_PARTS, MemoryBudget, ObjectMeta, StoreError, TimedOut, Unreachable, Uploads
-from fsmount.data.uploads import multipart_etag, put_etag
+from fsmount.data import (
+    MAX_PART_SIZE,
+    MAX_PARTS,
+    MemoryBudget,
+    ObjectMeta,
+    StoreError,
+    TimedOut,
+    Unreachable,
+    Uploads,
+    multipart_etag,
+    put_etag,
+)
 from fsmount.namespace import Node, PathError
 from fsmount.write_staging import StagedFile
 

@@ -59,8 +59,8 @@ from fsmount.data import (
     Unreachable,
     Uploads,
     wait_to_retry,
+    within,
 )
-from fsmount.data.uploads import within
 from fsmount.namespace import Node, PathError
 from fsmount.new_file import NewFile
 from fsmount.tree_changes import WritableNamespace

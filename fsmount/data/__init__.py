@@ -58,7 +58,17 @@ from fsmount.data.store import (
     TransientError,
     Unreachable,
 )
-from fsmount.data.uploads import COPY_OBJECT_MAX, MAX_PART_SIZE, MAX_PARTS, MIN_PART_SIZE, PendingUpload, Uploads
+from fsmount.data.uploads import (
+    COPY_OBJECT_MAX,
+    MAX_PART_SIZE,
+    MAX_PARTS,
+    MIN_PART_SIZE,
+    PendingUpload,
+    Uploads,
+    multipart_etag,
+    put_etag,
+    within,
+)
 
 __all__ = [
     "AHEAD", "ALIGN", "BACKGROUND", "CHUNKS_DIR", "DEMAND", "AccessDenied", "Boto3Store", "BucketMissing",
@@ -73,5 +83,5 @@ __all__ = [
     "MIN_PART_SIZE",
     "PendingUpload", "COPY_OBJECT_MAX", "Uploads", "new_buffer", "pwrite_all", "round_up",
     "UNREACHABLE_RETRY_S", "wait_to_retry", "WRITES_DIR", "NAMES_DIR", "sweep_staged_writes", "DISK_THREADS",
-    "PUT_THREADS", "OutOfResources",
+    "PUT_THREADS", "OutOfResources", "multipart_etag", "put_etag", "within",
 ]

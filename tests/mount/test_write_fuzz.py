@@ -108,6 +108,7 @@ class Fuzz:
         self.files = files
         self.objects: dict[str, bytes] = dict(SEEDED)  # the bucket
         self.mine: set[str] = set()  # keys this mount stored (renames of them included): renamed without --allow-delete
+        self.made: set[str] = set()  # directories this mount made (renames of them included): the same
         self.writers: list[Writer] = []
         self.unchecked: set[str] = set(self.objects)  # keys whose bytes were not compared since they changed
         self.log: list[str] = []
@@ -207,6 +208,8 @@ class Fuzz:
                 want = errno.EEXIST
             elif self.busy(path):
                 want = errno.EBUSY
+            elif not self.overwrite and not self.objects[path] and variant != "append":
+                return self.touch(what, path, flags)
             elif not self.overwrite:
                 want = errno.EPERM
             elif variant == "append" or (variant == "plain" and self.objects[path]):
@@ -218,6 +221,15 @@ class Fuzz:
         fd = self.expect(what, want, os.open, self.p(path), flags, 0o644)
         if fd is not None:
             self.writers.append(Writer([fd], path, rdwr, variant == "append", replaces))
+
+    def touch(self, what: str, path: str, flags: int) -> None:
+        """An open for writing of a stored empty file without --allow-overwrite (a lock file's, a marker's): it opens,
+        a write through it is EPERM, and its close stores nothing."""
+        fd = self.expect(what, None, os.open, self.p(path), flags, 0o644)
+        try:
+            self.expect(f"write(touched {path!r})", errno.EPERM, os.write, fd, b"x")
+        finally:
+            self.expect(f"close(touched {path!r})", None, os.close, fd)
 
     def live(self) -> list[Writer]:
         return [w for w in self.writers if w.fds]
@@ -395,11 +407,17 @@ class Fuzz:
             return self.expect(what, None, os.rename, self.p(src), self.p(dst))
         if self.kind(dst) is not None:
             return None  # onto another directory: not explored
-        want = None if self.dir_empty(src) else errno.EXDEV
+        if not self.dir_empty(src):
+            want = errno.EXDEV
+        else:  # its marker is deleted: one this mount did not make needs --allow-delete
+            want = None if self.delete or src in self.made else errno.EPERM
         self.expect(what, want, os.rename, self.p(src), self.p(dst))
         if want is None:
             self.objects.pop(src + "/", None)
             self.objects[dst + "/"] = b""
+            if src in self.made:
+                self.made.discard(src)
+                self.made.add(dst)
         return None
 
     def op_unlink(self) -> None:
@@ -436,6 +454,7 @@ class Fuzz:
         self.expect(f"mkdir({path!r})", want, os.mkdir, self.p(path))
         if want is None:
             self.objects[path + "/"] = b""
+            self.made.add(path)
 
     def op_rmdir(self) -> None:
         path = self.rng.choice(DIRS)
@@ -453,6 +472,7 @@ class Fuzz:
         self.expect(f"rmdir({path!r})", want, os.rmdir, self.p(path))
         if want is None:
             self.objects.pop(path + "/", None)
+            self.made.discard(path)
 
     def op_read(self) -> None:
         path = self.rng.choice(self.files)

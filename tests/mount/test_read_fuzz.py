@@ -65,12 +65,16 @@ RUNS = int(os.environ.get("MODELFS_FUZZ_RUNS", "1"))
 STEPS = int(os.environ.get("MODELFS_FUZZ_STEPS", "0"))
 
 
-def awkward_files(tmp_path: Path, seed: int) -> dict[str, bytes]:
-    """Keys and bytes: the sizes the module docstring names, and a safetensors model."""
+AWKWARD_SIZES = {"empty.bin": 0, "one.bin": 1, "chunk-1.bin": CHUNK - 1, "chunk.bin": CHUNK, "chunk+1.bin": CHUNK + 1,
+                 "odd.bin": 3 * CHUNK + 4095, "blob.bin": 1300 * KiB + 17}
+
+
+def awkward_files(tmp_path: Path, seed: int, sizes: dict[str, int] = AWKWARD_SIZES,
+                  model_size: int = 1 * MiB + 4321) -> dict[str, bytes]:
+    """Keys and bytes under `d/`: files of these sizes (by default the ones the module docstring names), and a
+    safetensors model of about `model_size`."""
     model = tmp_path / f"model{seed}.safetensors"
-    write_model(model, 1 * MiB + 4321, seed=seed)
-    sizes = {"empty.bin": 0, "one.bin": 1, "chunk-1.bin": CHUNK - 1, "chunk.bin": CHUNK, "chunk+1.bin": CHUNK + 1,
-             "odd.bin": 3 * CHUNK + 4095, "blob.bin": 1300 * KiB + 17}
+    write_model(model, model_size, seed=seed)
     files = {f"d/{name}": random_bytes(size, seed * 100 + i) for i, (name, size) in enumerate(sizes.items())}
     files["d/model.safetensors"] = model.read_bytes()
     return files

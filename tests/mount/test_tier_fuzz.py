@@ -44,7 +44,6 @@ import pytest
 from fsmount.data.identity import ChunkId
 from fsmount.data.shared_tier import SharedTier
 from fsmount.testing.fault_proxy import Down, Fault, FaultProxy
-from fsmount.testing.models import write_model
 from fsmount.testing.seaweed import dying_with_parent
 from tests.helpers import (
     CORRUPT_WARNING,
@@ -67,6 +66,7 @@ from tests.helpers import (
     tmpfs,
     warning_lines,
 )
+from tests.mount.test_read_fuzz import awkward_files
 
 pytestmark = pytest.mark.seaweedfs
 
@@ -103,13 +103,9 @@ NEVER = re.compile(r"Traceback|CRITICAL")
 # -- the files and their versions -----------------------------------------------------------------
 
 def first_files(tmp_path: Path, seed: int) -> dict[str, bytes]:
-    model = tmp_path / f"model{seed}.safetensors"
-    write_model(model, 512 * KiB + 4321, seed=seed)
     sizes = {"chunk-1.bin": CHUNK - 1, "chunk+1.bin": CHUNK + 1, "odd.bin": 5 * CHUNK + 4095,
              "blob.bin": 700 * KiB + 17}
-    files = {f"d/{name}": random_bytes(size, seed * 100 + i) for i, (name, size) in enumerate(sizes.items())}
-    files["d/model.safetensors"] = model.read_bytes()
-    return files
+    return awkward_files(tmp_path, seed, sizes, model_size=512 * KiB + 4321)
 
 
 @dataclasses.dataclass(eq=False)

@@ -61,6 +61,21 @@ def _no_try_past_the_deadline(**_: Any) -> None:
         raise TimedOut("given up on at its deadline: not tried again")
 
 
+# Whether a try of the CreateMultipartUpload this thread sends may have begun an upload whose id never came back:
+# it got no answer, or a 5xx other than 503 (a proxy's 502/504, a 500 after the work). A 503 (SlowDown) or a 4xx
+# began nothing, so a start retried after those leaves nothing behind to name.
+_start_tries = threading.local()
+# 503: S3's SlowDown and Service Unavailable, refused before any work.
+REFUSED_UNDONE = 503
+
+
+def _note_start_answer(response_dict: dict[str, Any] | None = None, **_: Any) -> None:
+    """botocore's response-received of a CreateMultipartUpload, after each try, in the request's thread."""
+    status = response_dict.get("status_code", 0) if response_dict is not None else 0
+    if response_dict is None or (status >= 500 and status != REFUSED_UNDONE):
+        _start_tries.maybe_begun = True
+
+
 def _if_absent(only_if_absent: bool) -> dict[str, str]:
     return {"IfNoneMatch": "*"} if only_if_absent else {}
 
@@ -114,6 +129,7 @@ class Uploads:
         self._client = store.client
         self.head = store.head
         self._client.meta.events.register("before-send.s3", _no_try_past_the_deadline)
+        self._client.meta.events.register("response-received.s3.CreateMultipartUpload", _note_start_answer)
         # Told the key of an upload the server may have begun that `start` never returned (an answer lost, and
         # botocore sent the request again; or an answer cut short): nothing of this mount will abort it. Called in
         # the request's thread.
@@ -143,13 +159,14 @@ class Uploads:
     def start(self, key: str) -> str:
         """Begin a multipart upload; its upload id."""
         what = f"starting an upload of {key!r}"
+        _start_tries.maybe_begun = False
         try:
             resp = self._call(what, self._client.create_multipart_upload, Key=key)
         except TransientError:
-            # It may have reached the server (no answer in time, a connection cut) and begun an upload whose id never
-            # came back: a rename given up on left one in the bucket, named nowhere (the write fault fuzzer).
-            if self.on_unknown_upload is not None:
-                self.on_unknown_upload(key)
+            # A try may have reached the server (no answer in time, a connection cut) and begun an upload whose id
+            # never came back: a rename given up on left one in the bucket, named nowhere (the write fault fuzzer).
+            if _start_tries.maybe_begun:
+                self._unknown_upload(key)
             raise
         deadline = getattr(_deadline, "at", None)
         if deadline is not None and time.monotonic() > deadline and "UploadId" in resp:
@@ -159,13 +176,15 @@ class Uploads:
             try:
                 self.abort(key, resp["UploadId"])
             except StoreError:
-                if self.on_unknown_upload is not None:
-                    self.on_unknown_upload(key)
+                self._unknown_upload(key)
             raise TimedOut(f"{what}: answered after its deadline (the upload is aborted)")
-        if resp.get("ResponseMetadata", {}).get("RetryAttempts") or "UploadId" not in resp:
-            if self.on_unknown_upload is not None:
-                self.on_unknown_upload(key)
+        if _start_tries.maybe_begun or "UploadId" not in resp:
+            self._unknown_upload(key)
         return _field(resp, "UploadId", what)
+
+    def _unknown_upload(self, key: str) -> None:
+        if self.on_unknown_upload is not None:
+            self.on_unknown_upload(key)
 
     def put_part(self, key: str, upload_id: str, number: int, body: bytes | bytearray) -> str:
         """Upload part `number` (1-based); its ETag."""

@@ -439,6 +439,23 @@ def test_an_upload_begun_twice_by_a_retry_leaves_no_parts_unnamed(moto_server: S
     delete_bucket(moto_server, bucket)
 
 
+def test_a_start_retried_after_slow_downs_names_no_upload(moto_server: S3Server, proxy: FaultProxy,
+                                                         mountpoint: Path) -> None:
+    """A CreateMultipartUpload answered 503 (SlowDown) began nothing, so the start botocore retries after it leaves
+    nothing behind: every retried start warned that an upload "may have begun", naming a `modelfs cleanup` to run,
+    a warning per file under throttling. Only a try left unanswered (the test above) is named now."""
+    bucket = new_bucket(moto_server)
+    data = random_bytes(13 * MiB, 26)
+    with mounted_via(proxy, moto_server, bucket, mountpoint, *WRITE_ARGS) as m:
+        refused = proxy.inject(Fault.ERROR, status=503, code="SlowDown", op="start", times=2)
+        (mountpoint / "a.bin").write_bytes(data)
+        assert refused.hits == 2
+        assert "may have begun" not in m.log()
+    assert uploads_in(moto_server, bucket) == []
+    assert moto_server.client().get_object(Bucket=bucket, Key="a.bin")["Body"].read() == data
+    delete_bucket(moto_server, bucket)
+
+
 def test_a_rename_given_up_on_is_not_done_later_by_botocore_retrying_it(moto_server: S3Server, proxy: FaultProxy,
                                                                         mountpoint: Path) -> None:
     """A request given up on at --read-timeout went on in its abandoned thread: botocore kept trying it after its

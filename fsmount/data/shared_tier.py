@@ -38,6 +38,7 @@ node has claimed and not yet written), `_left` (claims let go while the tier was
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import logging
@@ -219,13 +220,19 @@ class SharedTier:
         if self.read_only:
             return
         key = f"{self.prefix}{CLAIMS}probe-{os.getpid()}-{time.time_ns()}"
+        first = False
         try:
             first = self.client.put_object(key, b"probe", only_if_absent=True)
             second = self.client.put_object(key, b"probe", only_if_absent=True)
             if not self._probe_delete(key):
                 return
         except (Unreachable, TransientError):
-            return  # not an answer: claims stay on, and the tier is tried as reads go
+            # Not an answer: claims stay on, and the tier is tried as reads go. A probe the tier took a moment ago is
+            # deleted once more (it was left in the tier for good: nothing else ever looks at its key).
+            if first:
+                with contextlib.suppress(StoreError):
+                    self.client.delete_object(key)
+            return
         except AccessDenied as exc:
             # A permission, not a missing feature: writes (claims included) fail and pause as they go, and
             # resume once the permission is there, claims with them.

@@ -433,6 +433,36 @@ def test_a_probe_the_tier_does_not_answer_leaves_claims_on() -> None:
     assert t.claims  # no answer is not a refusal: the tier is tried again as reads go
 
 
+@pytest.mark.parametrize("failing", ["second_put", "delete"])
+def test_a_probe_cut_short_by_a_5xx_leaves_no_probe_in_the_tier(failing: str) -> None:
+    """The probe's first create landed, then its second create or its delete got a 503: the probe object stayed in
+    the tier for good, a key nothing ever looks at again."""
+
+    class FailsOnce(DictClient):
+        failed = False
+
+        def _once(self) -> None:
+            if not self.failed:
+                self.failed = True
+                raise TransientError("503 SlowDown")
+
+        def put_object(self, key: str, body: bytes | list, *, only_if_absent: bool = False) -> bool:
+            if failing == "second_put" and key in self.objects:
+                self._once()
+            return super().put_object(key, body, only_if_absent=only_if_absent)
+
+        def delete_object(self, key: str) -> None:
+            if failing == "delete":
+                self._once()
+            super().delete_object(key)
+
+    client = FailsOnce()
+    t = tier(client)
+    t.probe_claims()
+    assert client.failed and t.claims
+    assert client.objects == {}
+
+
 def test_a_refused_claim_pauses_writes_not_reads(caplog: pytest.LogCaptureFixture, allowed_logs: list[str]) -> None:
     """A refused claim is said as one (it was worded as a refused chunk write, which none had been)."""
     allowed_logs.append(r"claiming a chunk \(a small write\) failed")

@@ -19,7 +19,7 @@ import sys
 import time
 import urllib.parse
 from collections.abc import Callable
-from typing import TypeVar
+from typing import NoReturn, TypeVar
 
 from fsmount import __version__
 from fsmount.config import (
@@ -380,8 +380,17 @@ def shared_cache_config(args: argparse.Namespace) -> SharedCacheConfig | None:
         timeout=args.shared_cache_timeout)
 
 
+class _OneLineErrors(argparse.ArgumentParser):
+    """argparse's parser (and its subcommands' parsers), whose usage errors are one line: argparse prints the
+    usage above the error, and `modelfs mount`'s is 35 lines, so under systemd one bad value in MODELFS_OPTS put
+    them in the journal above the line that says what is wrong. `--help` still shows the usage."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def make_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = _OneLineErrors(
         prog="modelfs", formatter_class=argparse.RawDescriptionHelpFormatter, epilog=EPILOG,
         description="Mount an S3 or Alibaba OSS bucket, tuned for loading model weights (read-only unless "
                     "--writable, for checkpoints).")

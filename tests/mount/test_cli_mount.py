@@ -64,6 +64,21 @@ def test_unknown_option_is_rejected() -> None:
     assert res.returncode == 2 and "--no-such-option" in res.stderr, res.stderr
 
 
+@pytest.mark.parametrize("args, message", [
+    (("mount", "b", "MP", "--chunk-size", "banana"), "argument --chunk-size: invalid size 'banana'"),
+    (("b", "MP", "-o", "chunk_size=banana"), "argument --chunk-size: invalid size 'banana'"),  # the fstab form
+    (("mount", "b"), "required: mountpoint"),
+    (("stats",), "required: mountpoint"),
+    (("cache", "info", "MP"), "invalid choice: 'info'"),
+])
+def test_a_bad_argument_is_one_line_not_the_usage(tmp_path: Path, args: tuple[str, ...], message: str) -> None:
+    """argparse printed the usage above the error: 36 lines for `modelfs mount`, in the journal for each bad
+    value in a unit's MODELFS_OPTS."""
+    res = run_modelfs(*(str(tmp_path) if a == "MP" else a for a in args))
+    assert res.returncode == 2 and message in res.stderr and "--help" in res.stderr, res.stderr
+    assert len(res.stderr.strip().splitlines()) == 1, res.stderr
+
+
 def test_invalid_memory_limit_is_a_clear_error(tmp_path: Path) -> None:
     res = run_modelfs("mount", "b", str(tmp_path), "--memory-limit", "1M")
     assert res.returncode == 2 and "--memory-limit must be at least" in res.stderr

@@ -106,6 +106,22 @@ def test_a_mistyped_command_is_named_not_mounted_as_a_bucket(capsys: pytest.Capt
         assert f"unknown command {argv[0]!r} ({hint})" in err and f"modelfs mount {argv[0]} MOUNTPOINT" in err, err
 
 
+def test_a_bucket_named_like_a_command_mounts_in_the_fstab_form(monkeypatch: pytest.MonkeyPatch) -> None:
+    """mount(8) runs `modelfs BUCKET MOUNTPOINT -o OPTS`: an fstab line of a bucket named `cache` (or `stats`, ...)
+    ran `modelfs cache`, which failed with "invalid choice: '/models'". Without -o the command is still run."""
+    from fsmount.cli import main
+
+    mounted: list[tuple[str, str]] = []
+    monkeypatch.setattr(cli, "cmd_mount", lambda args, argv: mounted.append((args.bucket, args.mountpoint)) or 0)
+    names = ("cache", "stats", "prefetch", "cleanup", "unmount", "umount")
+    for name in names:
+        assert main([name, "/models", "-o", "ro,endpoint_url=http://127.0.0.1:9000"]) == 0
+    assert main(["stats", "/models", "-oro"]) == 0
+    assert mounted == [(name, "/models") for name in names] + [("stats", "/models")]
+    monkeypatch.setattr(cli, "cmd_stats", lambda args: 7)
+    assert main(["stats", "/models"]) == 7
+
+
 def test_virtual_addressing_of_an_ip_endpoint_is_named() -> None:
     """botocore addresses an IP endpoint with path style whatever --addressing-style says (a bucket cannot be a
     host name under an address); a DNS name, `localhost` included, does get virtual-hosted requests."""

@@ -70,6 +70,11 @@ LIBFUSE_OPTIONS = frozenset({"max_read", "max_write", "max_background", "congest
                              "subtype", "default_permissions", "allow_root", "auto_unmount", "kernel_cache",
                              "auto_cache", "direct_io", "entry_timeout", "attr_timeout", "negative_timeout", "umask",
                              "sync_read", "async_read", "big_writes", "writeback_cache"})
+# What a libfuse -o option of another FUSE filesystem's fstab line (s3fs, rclone) is here: `umask=022` copied from s3fs
+# was told "modelfs sets it itself", and the mount then had the default modes.
+LIBFUSE_EQUIVALENTS = {"umask": "file_mode= and dir_mode=", "allow_root": "allow_other",
+                       "max_background": "fuse_max_background=", "entry_timeout": "metadata_ttl=",
+                       "attr_timeout": "metadata_ttl=", "negative_timeout": "metadata_ttl="}
 # -o flags that map to a differently named command-line flag.
 MOUNT_OPTION_ALIASES = {"nonempty": "allow_non_empty"}
 # `modelfs cleanup` leaves uploads younger than this alone (a mount may still be writing them); the
@@ -291,8 +296,10 @@ def expand_mount_options(argv: list[str]) -> list[str]:
                 continue
             key = MOUNT_OPTION_ALIASES.get(key, key)
             if key.replace("-", "_") in LIBFUSE_OPTIONS:
-                raise ConfigError(f"mount option {key!r} (in -o {opts}) is libfuse's, and modelfs sets it itself: "
-                                  "leave it out")
+                instead = LIBFUSE_EQUIVALENTS.get(key.replace("-", "_"))
+                raise ConfigError(f"mount option {key!r} (in -o {opts}) is libfuse's, " +
+                                  (f"which modelfs does not take: use {instead}" if instead else
+                                   "and modelfs sets it itself: leave it out"))
             known = mount_option_strings() if known is None else known
             documented = documented_long_options()
             flag = "--" + key.replace("_", "-")

@@ -83,6 +83,17 @@ def test_fstab_options_abbreviated_as_earlier_versions_took_them_still_mount() -
         expand_mount_options(["mount", "b", "/m", "-o", "max_read=131072"])
 
 
+def test_a_libfuse_option_of_another_filesystems_fstab_line_names_modelfs_s_own() -> None:
+    """`-o umask=022` (an s3fs line) was refused with "modelfs sets it itself: leave it out", though modelfs sets no
+    umask: left out, the files kept the default modes."""
+    for opt, instead in (("umask=022", "use file_mode= and dir_mode="), ("allow_root", "use allow_other"),
+                         ("max_background=128", "use fuse_max_background="), ("attr_timeout=60", "use metadata_ttl=")):
+        with pytest.raises(ConfigError, match=f"is libfuse's, which modelfs does not take: {instead}"):
+            expand_mount_options(["mount", "b", "/m", "-o", opt])
+    with pytest.raises(ConfigError, match="is libfuse's, and modelfs sets it itself"):
+        expand_mount_options(["mount", "b", "/m", "-o", "default_permissions"])
+
+
 def test_a_fstab_flag_with_a_value_or_an_option_without_one_is_named() -> None:
     """`-o allow_other=1` ended in argparse's "unrecognized arguments: 1" under the top-level usage, and
     `-o prefix=-x` in "expected one argument" although `--prefix=-x` works."""

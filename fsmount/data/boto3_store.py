@@ -60,6 +60,11 @@ LIST_PAGE_KEYS = 1000
 PREFLIGHT_TIMEOUT = 5.0
 
 
+# What OpenSSL says when the other end answers a TLS hello in plain HTTP (SeaweedFS's or MinIO's port given as https://):
+# "SSL validation failed ... wrong version number" did not tell a user what to change.
+NOT_TLS_SIGNS = ("WRONG_VERSION_NUMBER", "wrong version number", "record layer failure", "packet length too long")
+
+
 def _mtime_ns(value: Any) -> int:
     try:
         return int(value.timestamp() * 1_000_000_000)
@@ -102,6 +107,8 @@ def translate_error(exc: Exception, bucket: str, what: str) -> StoreError:
         # ResponseParserError: a listing or error document cut short (truncated XML) is a broken
         # response, not an answer.
         return TransientError(f"{what}: {type(exc).__name__}: {exc}")
+    if isinstance(exc, bex.SSLError) and any(sign in str(exc) for sign in NOT_TLS_SIGNS):
+        return StoreError(f"{what}: the endpoint does not answer in TLS: is it http://, not https://? ({exc})")
     if isinstance(exc, bex.BotoCoreError):
         return StoreError(f"{what}: {exc}")
     if isinstance(exc, OSError):

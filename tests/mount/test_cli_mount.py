@@ -157,6 +157,13 @@ def test_endpoint_unreachable(tmp_path: Path) -> None:
     mount_fails_fast("b", tmp_path, f"http://127.0.0.1:{free_port()}", env, "cannot reach the endpoint")
 
 
+def test_https_to_a_plain_http_endpoint_says_so(moto_server: S3Server, tmp_path: Path) -> None:
+    """SeaweedFS's or MinIO's plain-HTTP port given as https:// failed with "SSL validation failed ... wrong version
+    number", which does not say what to change."""
+    url = moto_server.endpoint_url.replace("http://", "https://")
+    mount_fails_fast("b", tmp_path, url, moto_server.env, "the endpoint does not answer in TLS: is it http://")
+
+
 @pytest.mark.parametrize("signum", [signal.SIGHUP, signal.SIGTERM], ids=["SIGHUP", "SIGTERM"])
 def test_a_signal_during_a_slow_pre_flight_is_said_in_one_line(tmp_path: Path, signum: int) -> None:
     """A logrotate postrotate (or a systemd reload) while the endpoint is slow to answer: SIGHUP's default action

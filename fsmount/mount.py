@@ -340,6 +340,11 @@ def check_bucket(cfg: MountConfig) -> None:
                     "NVMe cache holds of them is served until the origin answers", exc.message, cfg.cache_dir,
                     len(known))
         return
+    except AccessDenied as exc:
+        if cfg.store.no_sign_request:  # "check credentials" of a request that carried none
+            raise MountError(f"bucket {cfg.store.bucket!r} refused an anonymous listing (--no-sign-request): it is "
+                             "not public; drop --no-sign-request and give credentials") from None
+        raise MountError(exc.message) from None
     except StoreError as exc:
         path = urllib.parse.urlsplit(endpoint_url or "").path.strip("/")
         hint = (f" (the endpoint URL has a path, /{path}: the bucket is the first argument, a path inside it "

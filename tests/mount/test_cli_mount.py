@@ -134,6 +134,9 @@ def test_access_denied(seaweed_server: S3Server, tmp_path: Path) -> None:
     env["AWS_SECRET_ACCESS_KEY"] = "wrong-secret"
     res = mount_fails_fast(bucket, tmp_path, seaweed_server.endpoint_url, env, "access denied")
     assert "wrong-secret" not in res.stderr
+    # Anonymous requests to a bucket that is not public: no credentials to check.
+    mount_fails_fast(bucket, tmp_path, seaweed_server.endpoint_url, daemon_env(seaweed_server),
+                     "refused an anonymous listing (--no-sign-request): it is not public", "--no-sign-request")
 
 
 @pytest.mark.parametrize("foreground", [False, True], ids=["background", "foreground"])

@@ -69,16 +69,20 @@ def _raise(exc: OSError) -> None:
     raise exc  # a directory that cannot be listed is a failure, not an empty directory
 
 
-def files_under(paths: list[str]) -> Iterator[tuple[str, int]]:
+def files_under(paths: list[str]) -> Iterator[tuple[str, str, int]]:
+    """(path, where it is, size) of every file under `paths`. Where it is: under the real path of the path given, so
+    that a file named through a symlink to the mount (or to a directory in it) and by its own path is one file. Only
+    the paths given are resolved: the mount has no symlinks, and realpath of each file would lstat every component."""
     for path in paths:
+        real = os.path.realpath(path)
         if os.path.isdir(path):
             for dirpath, dirnames, filenames in os.walk(path, onerror=_raise):
                 dirnames.sort()
                 for name in sorted(filenames):
                     p = os.path.join(dirpath, name)
-                    yield p, os.stat(p).st_size
+                    yield p, os.path.join(real, os.path.relpath(p, path)), os.stat(p).st_size
         else:
-            yield path, os.stat(path).st_size
+            yield path, real, os.stat(path).st_size
 
 
 def warm(paths: list[str], *, keep_pagecache: bool = True, threads: int = THREADS,
@@ -97,9 +101,9 @@ def warm(paths: list[str], *, keep_pagecache: bool = True, threads: int = THREAD
         if mount_fstype(path) != MODELFS_FSTYPE:
             raise WarmError(f"{path} is not on a modelfs mount")
     try:
-        # Each file once, however many of the paths name it (a directory and a file in it, a path twice). By its
-        # absolute path: the mount has no symlinks, and realpath would lstat every component of every file.
-        files = list({os.path.abspath(path): (path, size) for path, size in files_under(paths)}.values())
+        # Each file once, however many of the paths name it (a directory and a file in it, a path twice, a symlink to
+        # the mount beside the mount's own path).
+        files = list({where: (path, size) for path, where, size in files_under(paths)}.values())
     except OSError as exc:
         raise WarmError(f"{exc.filename or paths[0]}: {exc.strerror or exc}") from None
     total = sum(size for _, size in files)

@@ -323,6 +323,21 @@ def test_prefetch_reads_small_files_side_by_side(monkeypatch: pytest.MonkeyPatch
     assert partly.value.done == 15 * 4096
 
 
+def test_prefetch_reads_a_file_named_through_a_symlink_and_by_its_path_once(monkeypatch: pytest.MonkeyPatch,
+                                                                            tmp_path) -> None:  # noqa: ANN001
+    """`modelfs prefetch ~/models /models` with ~/models a symlink to the mount read every file twice and counted it
+    twice: files were told apart by their absolute path, not by where they are."""
+    import fsmount.prefetch_command as pc
+
+    (tmp_path / "mnt" / "sub").mkdir(parents=True)
+    (tmp_path / "mnt" / "sub" / "a").write_bytes(b"x" * 1000)
+    (tmp_path / "mnt" / "b").write_bytes(b"y" * 10)
+    (tmp_path / "link").symlink_to(tmp_path / "mnt")
+    monkeypatch.setattr(pc, "mount_fstype", lambda path: pc.MODELFS_FSTYPE)
+    for paths in (["link", "mnt"], ["link/sub", "mnt"], ["link/sub/a", "mnt/sub/a", "mnt/b", "link"]):
+        assert pc.warm([str(tmp_path / p) for p in paths], progress=False) == 1010, paths
+
+
 def test_prefetch_with_more_threads_than_descriptors_waits_for_one(tmp_path) -> None:  # noqa: ANN001
     """--threads keeps that many files open: above `ulimit -n`, every file past the limit failed with EMFILE
     instead of waiting for a file before it to finish. (A child process: the limit is the process's.)"""

@@ -123,7 +123,7 @@ def parse_cache_size(text: str) -> CacheSize:
             raise ConfigError(f"invalid cache size {text!r}: give bytes (500G) or a share of the disk (80%)") \
                 from None
         if not 0 < fraction <= 1:
-            raise ConfigError(f"cache size {text!r} must be between 0% and 100%")
+            raise ConfigError(f"cache size {text!r} must be above 0% and at most 100%")
         return CacheSize(fraction=fraction)
     size = parse_size(spec)
     if size <= 0:

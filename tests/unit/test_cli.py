@@ -18,6 +18,7 @@ from fsmount.config import (
     GiB,
     MiB,
     StoreConfig,
+    parse_cache_size,
     parse_mode,
     parse_size,
     parse_ttl,
@@ -197,6 +198,11 @@ def test_cache_options_that_would_do_nothing_are_refused() -> None:
     assert cfg("--cache-dir", "/nvme/x", "--cache-size", "8M").cache_size.bytes == 8 * MiB
     assert cfg("--cache-dir", "/nvme/x").cache_size.fraction == 0.8  # the default
     assert cfg("--cache-dir", "/nvme/x", "--cache-size", "50%").cache_size.fraction == 0.5
+    # 0% was refused as not "between 0% and 100%".
+    for share in ("0%", "101%"):
+        with pytest.raises(ConfigError, match=f"cache size '{share}' must be above 0% and at most 100%"):
+            parse_cache_size(share)
+    assert parse_cache_size("100%").fraction == 1.0
 
 
 def test_defaults_are_safe() -> None:

@@ -769,10 +769,11 @@ def main(argv: list[str] | None = None) -> int:
 def _main(argv: list[str] | None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     # mount(8) runs `modelfs BUCKET MOUNTPOINT -o OPTS`, the fstab / mount.fuse3 form (no subcommand). No command but
-    # mount takes -o, so with -o a first word that is a command is a bucket of that name (`cache /models
+    # mount takes -o, so in that shape a first word that is a command is a bucket of that name (`cache /models
     # fuse.modelfs ...` in fstab); one named `mount` is the command (`modelfs mount mount MOUNTPOINT` mounts it).
     with_options = any(a.startswith("-o") for a in argv)
-    if argv and not argv[0].startswith("-") and (argv[0] not in SUBCOMMANDS or (argv[0] != "mount" and with_options)):
+    fstab_shape = len(argv) >= 4 and argv[2] == "-o"
+    if argv and not argv[0].startswith("-") and (argv[0] not in SUBCOMMANDS or (argv[0] != "mount" and fstab_shape)):
         # Without -o, a word like a command is a typo of one (`modelfs stat /models` tried to mount the bucket 'stat').
         typo = difflib.get_close_matches(argv[0], SUBCOMMANDS, n=1, cutoff=0.75)
         if typo and not with_options:

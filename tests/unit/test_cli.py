@@ -128,10 +128,11 @@ def test_a_bucket_named_like_a_command_mounts_in_the_fstab_form(monkeypatch: pyt
     names = ("cache", "stats", "prefetch", "cleanup", "unmount", "umount")
     for name in names:
         assert main([name, "/models", "-o", "ro,endpoint_url=http://127.0.0.1:9000"]) == 0
-    assert main(["stats", "/models", "-oro"]) == 0
-    assert mounted == [(name, "/models") for name in names] + [("stats", "/models")]
+    assert mounted == [(name, "/models") for name in names]
     monkeypatch.setattr(cli, "cmd_stats", lambda args: 7)
+    monkeypatch.setattr(cli, "cmd_prefetch", lambda args: 8)
     assert main(["stats", "/models"]) == 7
+    assert main(["prefetch", "/models/a", "--", "-odd-name"]) == 8  # a path like an option is still a path
 
 
 def test_virtual_addressing_of_an_ip_endpoint_is_named() -> None:

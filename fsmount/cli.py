@@ -139,7 +139,11 @@ def _metrics_addr(text: str) -> str:
 
 def _endpoint_url(text: str) -> str:
     # A URL like https://KEY:SECRET@host would put the secret in argv, the process list and the logs.
-    parts = urllib.parse.urlsplit(text)
+    try:
+        parts = urllib.parse.urlsplit(text)
+        parts.port  # noqa: B018 - parsed on access: a port out of range or not a number raises here
+    except ValueError as exc:  # argparse would say "invalid _endpoint_url value", naming this function
+        raise argparse.ArgumentTypeError(f"{text!r} is not a URL: {exc}") from None
     if parts.scheme not in ("http", "https") or not parts.hostname:
         raise argparse.ArgumentTypeError(f"{text!r} is not an http:// or https:// URL (e.g. http://{text})"
                                          if "://" not in text else f"{text!r} is not an http:// or https:// URL")

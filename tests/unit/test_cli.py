@@ -177,6 +177,18 @@ def test_an_endpoint_without_a_scheme_is_refused_with_one(capsys: pytest.Capture
     assert make_parser().parse_args(["mount", "b", "/mnt", "--endpoint-url", "https://s3.example.com/"]).endpoint_url
 
 
+def test_an_endpoint_that_is_no_url_is_named_so(capsys: pytest.CaptureFixture[str]) -> None:
+    """An unclosed IPv6 bracket was "invalid _endpoint_url value" (argparse naming the parser function), and a port
+    out of range or not a number passed the CLI to fail in botocore."""
+    for text, said in (("http://[::1", "Invalid IPv6 URL"), ("http://host:99999", "Port out of range"),
+                       ("http://host:abc", "Port could not be cast")):
+        with pytest.raises(SystemExit):
+            make_parser().parse_args(["mount", "b", "/mnt", "--endpoint-url", text])
+        err = capsys.readouterr().err
+        assert f"{text!r} is not a URL: {said}" in err and "_endpoint_url" not in err, err
+    assert make_parser().parse_args(["mount", "b", "/mnt", "--endpoint-url", "http://[::1]:9000"]).endpoint_url
+
+
 def test_ro_and_writable_together_are_refused() -> None:
     """`-o ro,writable` used to give a read-write mount without a word."""
     writable = make_parser().parse_args(expand_mount_options(["mount", "b", "/m", "-o", "rw,writable"]))

@@ -357,21 +357,51 @@ class Writes:
             with trio.move_on_after(RELEASE_WAIT_S):
                 await new.settled.wait()
 
-    async def _absent(self, path: str) -> None:
-        """EPERM unless overwriting is allowed or nothing is at `path` in the bucket (asked, not cached)."""
-        if self.allow_overwrite:
-            return
-        meta = await self.call(self.uploads.head, self.ns.key_of(path))
-        if meta is not None:
-            log.warning("%s exists; replacing it needs --allow-overwrite", path)
-            raise PathError(errno.EPERM)
+    async def _in_bucket(self, path: str, *, file: bool, directory: bool) -> tuple[bool, bool]:
+        """Whether the bucket holds a file at `path`, and a directory (any key under `path/`), each asked only if
+        wanted, at once and not cached: another mount may have made either since this one listed the parent. A
+        name that is both is shown as the directory (namespace._ask_bucket), so a file made beside a directory of
+        its name was stored and never seen, and a directory made beside a file hid it."""
+        found: dict[str, Any] = {}
+        failed: list[Exception] = []
+
+        async def ask(what: str, fn: Callable[[str], Any], key: str) -> None:
+            # Kept, not raised: a nursery would wrap the failure in an ExceptionGroup, and the handler maps
+            # plain StoreErrors to errno.
+            try:
+                found[what] = await self.call(fn, key)
+            except Exception as exc:  # noqa: BLE001
+                failed.append(exc)
+
+        async with trio.open_nursery() as nursery:
+            if file:
+                nursery.start_soon(ask, "file", self.uploads.head, self.ns.key_of(path))
+            if directory:
+                nursery.start_soon(ask, "directory", self.uploads.has_children, self.ns.dir_key(path))
+        if failed:
+            raise failed[0]
+        return found.get("file") is not None, bool(found.get("directory"))
+
+    @staticmethod
+    def _refuse_beside(path: str, is_dir: bool, err: int) -> NoReturn:
+        """`err` for a file where the bucket holds a directory of its name (it would be stored and never seen), or
+        a directory where it holds a file (it would hide the file)."""
+        log.warning("%s: a %s of that name is in the bucket (made since this mount listed its directory)", path,
+                    "directory" if is_dir else "file")
+        raise PathError(err)
 
     async def create(self, parent: Node, name: bytes) -> NewFile:
         path = self.ns.child_path(parent, name)
         if self.ns.pending(path) is not None:
             raise PathError(errno.EBUSY)
         self._not_an_upload_of_another(path)
-        await self._absent(path)
+        # Without --allow-overwrite nothing may replace a key: the HEAD goes with the directory's listing.
+        is_file, is_dir = await self._in_bucket(path, file=not self.allow_overwrite, directory=True)
+        if is_dir:
+            self._refuse_beside(path, True, errno.EISDIR)
+        if is_file:
+            log.warning("%s exists; replacing it needs --allow-overwrite", path)
+            raise PathError(errno.EPERM)
         return self._start(self.ns.begin_file(path))
 
     def open_existing(self, node: Node, flags: int) -> NewFile | None:
@@ -449,6 +479,8 @@ class Writes:
 
     async def mkdir(self, parent: Node, name: bytes) -> Node:
         path = self.ns.child_path(parent, name)
+        if (await self._in_bucket(path, file=True, directory=False))[0]:
+            self._refuse_beside(path, False, errno.EEXIST)
         await self.call(self.uploads.put, self.ns.dir_key(path), b"")
         node = self.ns.dir_added(path)
         self._written.add(node.ino)  # its marker: a rename deletes it, which needs no --allow-delete then
@@ -513,6 +545,12 @@ class Writes:
             if not self.allow_overwrite:
                 log.warning("rename onto %s: replacing it needs --allow-overwrite", path)
                 raise PathError(errno.EPERM)
+        else:
+            # A name this mount knows nothing at: a file, or directory, of the other kind that another mount made
+            # there would hide, or be hidden by, what is renamed.
+            is_file, is_dir = await self._in_bucket(path, file=node.is_dir, directory=not node.is_dir)
+            if is_file or is_dir:
+                self._refuse_beside(path, is_dir, errno.EISDIR if is_dir else errno.ENOTDIR)
         if not node.is_dir:
             self._not_an_upload_of_another(path, node)
         new = self._files.get(node.ino) if node.writing else None

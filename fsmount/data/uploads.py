@@ -128,6 +128,7 @@ class Uploads:
         self.bucket = store.bucket
         self._client = store.client
         self.head = store.head
+        self.has_children = store.has_children
         self._client.meta.events.register("before-send.s3", _no_try_past_the_deadline)
         self._client.meta.events.register("response-received.s3.CreateMultipartUpload", _note_start_answer)
         # Told the key of an upload the server may have begun that `start` never returned (an answer lost, and

@@ -28,6 +28,7 @@ from tests.helpers import (
     mount_stats,
     mounted,
     new_bucket,
+    put_objects,
     random_bytes,
     sha,
     wait_for,
@@ -732,6 +733,32 @@ def test_a_directory_made_again_where_one_was_removed_takes_new_files(s3: S3Serv
         (mountpoint / "d" / "g").write_bytes(b"more")
         assert sorted(os.listdir(mountpoint / "d")) == ["f", "g"]
     assert keys(s3, bucket) == {"d/": 0, "d/f": 3, "d/g": 4}
+    delete_bucket(s3, bucket)
+
+
+@pytest.mark.parametrize("overwrite", [(), ("--allow-overwrite",)], ids=["", "allow-overwrite"])
+def test_a_name_another_writer_made_of_the_other_kind_is_not_hidden_or_hiding(s3: S3Server, mountpoint: Path,
+                                                                              overwrite: tuple[str, ...]) -> None:
+    """A name both a file and a directory in the bucket is shown as the directory. While this mount's listing said
+    the names were free, another writer made a directory `run` and a file `latest`: a file created or renamed onto
+    `run` was stored and never seen (close 0, then `run` listed as a directory), and `mkdir latest` hid the stored
+    file (S3 holds both keys; SeaweedFS refused the second, EIO). They are refused with the errno a local disk gives."""
+    bucket = bucket_with(s3, {"step.tmp": b"ckpt"})
+    with mounted(s3, bucket, mountpoint, *WRITABLE, "--allow-delete", *overwrite,
+                 allowed=(r"of that name is in the bucket",)):
+        os.mkdir(mountpoint / "empty")
+        assert sorted(os.listdir(mountpoint)) == ["empty", "step.tmp"]  # listed: the names below are free here
+        put_objects(s3, bucket, {"run/rank0.pt": b"theirs", "latest": b"step-10"})
+        for attempt, err in ((lambda: open(mountpoint / "run", "wb"), errno.EISDIR),
+                             (lambda: os.replace(mountpoint / "step.tmp", mountpoint / "run"), errno.EISDIR),
+                             (lambda: os.mkdir(mountpoint / "latest"), errno.EEXIST),
+                             (lambda: os.makedirs(mountpoint / "latest", exist_ok=True), errno.EEXIST),
+                             (lambda: os.rename(mountpoint / "empty", mountpoint / "latest"), errno.ENOTDIR)):
+            with pytest.raises(OSError) as info:
+                attempt()
+            assert info.value.errno == err
+        assert (mountpoint / "step.tmp").read_bytes() == b"ckpt"
+    assert keys(s3, bucket) == {"step.tmp": 4, "empty/": 0, "run/rank0.pt": 6, "latest": 7}
     delete_bucket(s3, bucket)
 
 

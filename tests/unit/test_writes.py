@@ -80,6 +80,9 @@ class FakeUploads:
         data = self.objects.get(key)
         return None if data is None else ObjectMeta(key, len(data), f'"{hash(data)}"', 0)
 
+    def has_children(self, prefix: str) -> bool:
+        return self.store.has_children(prefix)
+
     def put(self, key: str, body: bytes, only_if_absent: bool = False) -> str:
         self._check_absent(key, only_if_absent)
         self.puts += 1

@@ -1061,6 +1061,30 @@ def test_a_refused_save_file_leaves_nothing_behind(s3: S3Server, mountpoint: Pat
     delete_bucket(s3, bucket)
 
 
+def test_np_savez_fails_with_nothing_stored_and_through_a_bytesio_is_stored(s3: S3Server, mountpoint: Path) -> None:
+    """np.savez (zipfile) seeks back to patch each member's header: the README's `EINVAL`, then `EIO` at the close,
+    and no name left; the workaround it gives, savez into memory and one sequential write, is read back whole."""
+    import io
+
+    import numpy as np
+
+    bucket = new_bucket(s3)
+    arrays = {"weights": np.arange(300_000, dtype=np.float32), "step": np.array(7)}
+    with mounted(s3, bucket, mountpoint, *WRITABLE, allowed=(SEQUENTIAL_ONLY, "will not be stored")):
+        with pytest.raises(OSError) as info:
+            np.savez(mountpoint / "state.npz", **arrays)
+        assert info.value.errno in (errno.EINVAL, errno.EIO)
+        assert os.listdir(mountpoint) == []
+        buffer = io.BytesIO()
+        np.savez(buffer, **arrays)
+        (mountpoint / "state.npz").write_bytes(buffer.getvalue())
+        with np.load(mountpoint / "state.npz") as loaded:
+            assert (loaded["weights"] == arrays["weights"]).all() and int(loaded["step"]) == 7
+    assert keys(s3, bucket) == {"state.npz": len(buffer.getvalue())}
+    assert uploads_in(s3, bucket) == []
+    delete_bucket(s3, bucket)
+
+
 def test_torch_save_and_load(s3: S3Server, mountpoint: Path, tmp_path: Path) -> None:
     torch = pytest.importorskip("torch")
     bucket = new_bucket(s3)

@@ -1061,6 +1061,43 @@ def test_a_refused_save_file_leaves_nothing_behind(s3: S3Server, mountpoint: Pat
     delete_bucket(s3, bucket)
 
 
+def test_a_writer_killed_mid_file_leaves_what_it_wrote_under_the_name_it_wrote_to(s3: S3Server,
+                                                                                  mountpoint: Path) -> None:
+    """`kill -9` of a checkpoint writer (README "A writer killed mid-file"): the kernel's close of its descriptors is
+    a close like any other, so what it wrote is stored under its temporary name, a multipart upload completed and
+    none left for `modelfs cleanup`; a file `ftruncate` extended first (save_file's order) keeps that size, zeros
+    where nothing was written; the final name a rename would have replaced is untouched."""
+    bucket = bucket_with(s3, {"ckpt.pt": b"the previous checkpoint"})
+    writer = """
+        import os, sys, time
+        path, extend, size = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
+        if extend:
+            os.ftruncate(fd, extend)
+        os.write(fd, os.urandom(size)[:size // 2] + b"w" * (size - size // 2))
+        os.fsync(fd)
+        print("written", flush=True)
+        time.sleep(60)
+        os.replace(path, os.path.join(os.path.dirname(path), "ckpt.pt"))  # never reached
+    """
+    with mounted(s3, bucket, mountpoint, *WRITABLE, "--allow-overwrite", "--write-part-size", "5M"):
+        for name, extend, size in (("ckpt.pt.tmp", 0, 7 * MiB), ("model.safetensors.tmp", 3 * MiB, MiB)):
+            proc = subprocess.Popen([sys.executable, "-c", textwrap.dedent(writer), str(mountpoint / name),
+                                     str(extend), str(size)], stdout=subprocess.PIPE, text=True)
+            try:
+                assert proc.stdout is not None and proc.stdout.readline() == "written\n"
+            finally:
+                proc.kill()
+                proc.wait()
+            stored = wait_for(f"{name} stored", lambda name=name: keys(s3, bucket).get(name))
+            assert stored == max(extend, size)
+            data = (mountpoint / name).read_bytes()
+            assert len(data) == stored and data[size - 1:size] == b"w" and data[size:] == bytes(stored - size)
+        assert (mountpoint / "ckpt.pt").read_bytes() == b"the previous checkpoint"
+    assert uploads_in(s3, bucket) == []
+    delete_bucket(s3, bucket)
+
+
 def test_np_savez_fails_with_nothing_stored_and_through_a_bytesio_is_stored(s3: S3Server, mountpoint: Path) -> None:
     """np.savez (zipfile) seeks back to patch each member's header: the README's `EINVAL`, then `EIO` at the close,
     and no name left; the workaround it gives, savez into memory and one sequential write, is read back whole."""

@@ -183,7 +183,8 @@ class NewFile:
                            f"write must be at offset {self.written}, where the bytes written so far end)")
                 raise PathError(errno.EINVAL)
             await self._append(memoryview(data))
-            self.node.size = self.size
+            # As a local disk's write: `ls -l` of a file being written shows when it last grew, not when it was made.
+            self.node.size, self.node.mtime_ns = self.size, time.time_ns()
             return len(data)
 
     def truncate(self, size: int) -> None:
@@ -192,7 +193,7 @@ class NewFile:
             return
         if self.written == 0 and self.stored is None and self.error is None:
             self.declared = size
-            self.node.size = self.size
+            self.node.size, self.node.mtime_ns = self.size, time.time_ns()
             self._deferred = size > 0 and self._staged is not None and self._staged.ok
             if self._deferred and not self._staged.promise(size):
                 # Its bytes would be nowhere else until close: a copy that filled the disk would fail the file.

@@ -772,6 +772,22 @@ def test_names_the_read_side_would_skip_are_refused(s3: S3Server, mountpoint: Pa
     delete_bucket(s3, bucket)
 
 
+def test_a_file_being_written_shows_its_last_writes_time(s3: S3Server, mountpoint: Path) -> None:
+    """`ls -l`/`stat` of a checkpoint being written: its size so far and, as on a local disk, the time it last grew.
+    Its mtime stayed at its create, so a watcher saw a file that grew and never changed."""
+    bucket = new_bucket(s3)
+    with mounted(s3, bucket, mountpoint, *WRITABLE, "--write-part-size", "5M"):
+        with open(mountpoint / "ckpt.pt", "wb", buffering=0) as f:
+            f.write(b"a" * MiB)
+            first = os.stat(mountpoint / "ckpt.pt")
+            f.write(b"b" * (5 * MiB))  # a part begins its upload
+            second = os.stat(mountpoint / "ckpt.pt")
+            assert (first.st_size, second.st_size) == (MiB, 6 * MiB)
+            assert second.st_mtime_ns > first.st_mtime_ns
+        assert os.stat(mountpoint / "ckpt.pt").st_mtime_ns >= second.st_mtime_ns
+    delete_bucket(s3, bucket)
+
+
 def test_a_file_being_written_is_busy_for_other_handles(s3: S3Server, mountpoint: Path) -> None:
     bucket = new_bucket(s3)
     with mounted(s3, bucket, mountpoint, *WRITABLE, "--allow-overwrite"):

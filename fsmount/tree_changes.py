@@ -127,6 +127,12 @@ class WritableNamespace(Namespace):
             self._ino_by_path.pop((path, None), None)
         self._negative[path] = True
 
+    def found_in_bucket(self, path: str) -> None:
+        """The bucket holds something at `path` that this mount's answers said was free (another writer made it
+        since): the path's next lookup, and its parent's next listing, ask the bucket."""
+        self._listings.pop(path.rpartition("/")[0], None)
+        self._negative.pop(path, None)
+
     def dir_moved(self, node: Node, path: str) -> None:
         """An empty directory now has the name `path` (its inode stays)."""
         old = node.path

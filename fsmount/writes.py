@@ -382,12 +382,12 @@ class Writes:
             raise failed[0]
         return found.get("file") is not None, bool(found.get("directory"))
 
-    @staticmethod
-    def _refuse_beside(path: str, is_dir: bool, err: int) -> NoReturn:
+    def _refuse_beside(self, path: str, is_dir: bool, err: int) -> NoReturn:
         """`err` for a file where the bucket holds a directory of its name (it would be stored and never seen), or
-        a directory where it holds a file (it would hide the file)."""
+        a directory where it holds a file (it would hide the file); this mount then shows what is there."""
         log.warning("%s: a %s of that name is in the bucket (made since this mount listed its directory)", path,
                     "directory" if is_dir else "file")
+        self.ns.found_in_bucket(path)
         raise PathError(err)
 
     async def create(self, parent: Node, name: bytes) -> NewFile:

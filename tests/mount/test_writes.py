@@ -757,6 +757,9 @@ def test_a_name_another_writer_made_of_the_other_kind_is_not_hidden_or_hiding(s3
             with pytest.raises(OSError) as info:
                 attempt()
             assert info.value.errno == err
+        # And this mount shows what the other writer made, not the names its listing had.
+        assert (mountpoint / "run").is_dir() and (mountpoint / "latest").read_bytes() == b"step-10"
+        assert sorted(os.listdir(mountpoint)) == ["empty", "latest", "run", "step.tmp"]
         assert (mountpoint / "step.tmp").read_bytes() == b"ckpt"
     assert keys(s3, bucket) == {"step.tmp": 4, "empty/": 0, "run/rank0.pt": 6, "latest": 7}
     delete_bucket(s3, bucket)

@@ -401,6 +401,7 @@ class Writes:
             self._refuse_beside(path, True, errno.EISDIR)
         if is_file:
             log.warning("%s exists; replacing it needs --allow-overwrite", path)
+            self.ns.found_in_bucket(path)  # a rename onto it is refused as such then, not at its copy (EIO)
             raise PathError(errno.EPERM)
         return self._start(self.ns.begin_file(path))
 

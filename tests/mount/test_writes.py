@@ -745,10 +745,15 @@ def test_a_name_another_writer_made_of_the_other_kind_is_not_hidden_or_hiding(s3
     file (S3 holds both keys; SeaweedFS refused the second, EIO). They are refused with the errno a local disk gives."""
     bucket = bucket_with(s3, {"step.tmp": b"ckpt"})
     with mounted(s3, bucket, mountpoint, *WRITABLE, "--allow-delete", *overwrite,
-                 allowed=(r"of that name is in the bucket",)):
+                 allowed=(r"of that name is in the bucket", NEEDS_OVERWRITE)):
         os.mkdir(mountpoint / "empty")
         assert sorted(os.listdir(mountpoint)) == ["empty", "step.tmp"]  # listed: the names below are free here
-        put_objects(s3, bucket, {"run/rank0.pt": b"theirs", "latest": b"step-10"})
+        put_objects(s3, bucket, {"run/rank0.pt": b"theirs", "latest": b"step-10", "ckpt.pt": b"theirs too"})
+        if not overwrite:  # a file of the same kind: its create is refused, and the name shown as it is
+            with pytest.raises(OSError) as info:
+                open(mountpoint / "ckpt.pt", "wb")
+            assert info.value.errno == errno.EPERM
+            assert (mountpoint / "ckpt.pt").read_bytes() == b"theirs too"
         for attempt, err in ((lambda: open(mountpoint / "run", "wb"), errno.EISDIR),
                              (lambda: os.replace(mountpoint / "step.tmp", mountpoint / "run"), errno.EISDIR),
                              (lambda: os.mkdir(mountpoint / "latest"), errno.EEXIST),
@@ -759,9 +764,9 @@ def test_a_name_another_writer_made_of_the_other_kind_is_not_hidden_or_hiding(s3
             assert info.value.errno == err
         # And this mount shows what the other writer made, not the names its listing had.
         assert (mountpoint / "run").is_dir() and (mountpoint / "latest").read_bytes() == b"step-10"
-        assert sorted(os.listdir(mountpoint)) == ["empty", "latest", "run", "step.tmp"]
+        assert sorted(os.listdir(mountpoint)) == ["ckpt.pt", "empty", "latest", "run", "step.tmp"]
         assert (mountpoint / "step.tmp").read_bytes() == b"ckpt"
-    assert keys(s3, bucket) == {"step.tmp": 4, "empty/": 0, "run/rank0.pt": 6, "latest": 7}
+    assert keys(s3, bucket) == {"step.tmp": 4, "empty/": 0, "run/rank0.pt": 6, "latest": 7, "ckpt.pt": 10}
     delete_bucket(s3, bucket)
 
 

@@ -8,6 +8,9 @@ The rules (README "Writing checkpoints"):
   gets EIO and stores nothing. A rename's copy is create-only as well: CopyObject has no create-only
   form, so without --allow-overwrite every copy is a multipart upload of UploadPartCopy parts (one, for
   a small file) whose completion is create-only.
+- A name the bucket holds as the other kind is refused, asked at the create, mkdir or rename (another mount may have
+  made it since this one listed): a file where a directory is (EISDIR; it would never be seen, a name that is both is
+  shown as the directory), a directory where a file is (EEXIST, ENOTDIR; it would hide the file).
 - Without `--allow-delete` nothing is deleted: unlink and rmdir fail with EPERM, and so does renaming a
   file or directory this mount did not write (a rename deletes the old key or marker).
 - A rename is a server-side copy and then a delete of the old key (If-Match on the version copied), not atomic:
@@ -361,7 +364,7 @@ class Writes:
         """Whether the bucket holds a file at `path`, and a directory (any key under `path/`), each asked only if
         wanted, at once and not cached: another mount may have made either since this one listed the parent. A
         name that is both is shown as the directory (namespace._ask_bucket), so a file made beside a directory of
-        its name was stored and never seen, and a directory made beside a file hid it."""
+        its name would be stored and never seen, and a directory made beside a file would hide it."""
         found: dict[str, Any] = {}
         failed: list[Exception] = []
 

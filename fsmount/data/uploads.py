@@ -63,17 +63,22 @@ def _no_try_past_the_deadline(**_: Any) -> None:
 
 # Whether a try of the CreateMultipartUpload this thread sends may have begun an upload whose id never came back:
 # it got no answer, or a 5xx other than 503 (a proxy's 502/504, a 500 after the work). A 503 (SlowDown) or a 4xx
-# began nothing, so a start retried after those leaves nothing behind to name.
+# began nothing, so a start retried after those leaves nothing behind to name. And how many tries were answered 2xx,
+# each an upload begun: botocore retries one whose document it cannot parse (cut short), so only the last one's id
+# comes back.
 _start_tries = threading.local()
 # 503: S3's SlowDown and Service Unavailable, refused before any work.
 REFUSED_UNDONE = 503
 
 
 def _note_start_answer(response_dict: dict[str, Any] | None = None, **_: Any) -> None:
-    """botocore's response-received of a CreateMultipartUpload, after each try, in the request's thread."""
+    """botocore's response-received of a CreateMultipartUpload, after each try, in the request's thread (its status
+    is the HTTP one, before botocore takes a 200 it cannot parse for a 500)."""
     status = response_dict.get("status_code", 0) if response_dict is not None else 0
     if response_dict is None or (status >= 500 and status != REFUSED_UNDONE):
         _start_tries.maybe_begun = True
+    elif status < 300:
+        _start_tries.answered_2xx += 1
 
 
 def _if_absent(only_if_absent: bool) -> dict[str, str]:
@@ -160,13 +165,13 @@ class Uploads:
     def start(self, key: str) -> str:
         """Begin a multipart upload; its upload id."""
         what = f"starting an upload of {key!r}"
-        _start_tries.maybe_begun = False
+        _start_tries.maybe_begun, _start_tries.answered_2xx = False, 0
         try:
             resp = self._call(what, self._client.create_multipart_upload, Key=key)
         except TransientError:
             # A try may have reached the server (no answer in time, a connection cut) and begun an upload whose id
             # never came back: a rename given up on left one in the bucket, named nowhere (the write fault fuzzer).
-            if _start_tries.maybe_begun:
+            if _start_tries.maybe_begun or _start_tries.answered_2xx:
                 self._unknown_upload(key)
             raise
         deadline = getattr(_deadline, "at", None)
@@ -179,7 +184,7 @@ class Uploads:
             except StoreError:
                 self._unknown_upload(key)
             raise TimedOut(f"{what}: answered after its deadline (the upload is aborted)")
-        if _start_tries.maybe_begun or "UploadId" not in resp:
+        if _start_tries.maybe_begun or _start_tries.answered_2xx > 1 or "UploadId" not in resp:
             self._unknown_upload(key)
         return _field(resp, "UploadId", what)
 

@@ -456,6 +456,29 @@ def test_a_start_retried_after_slow_downs_names_no_upload(moto_server: S3Server,
     delete_bucket(moto_server, bucket)
 
 
+def test_a_start_answered_with_its_document_cut_short_names_the_upload(moto_server: S3Server, proxy: FaultProxy,
+                                                                      mountpoint: Path) -> None:
+    """CreateMultipartUpload answered 200 with its XML cut short (a Content-Length that says so): the server began an
+    upload, and botocore's parser raises before any response-received, so the start took it for a try that began
+    nothing: the file was stored by a start after it, and the first upload stayed in the bucket (billed), named
+    nowhere. It is named with the `modelfs cleanup --key` that removes it."""
+    bucket = new_bucket(moto_server)
+    with mounted_via(proxy, moto_server, bucket, mountpoint, *WRITE_ARGS,
+                     allowed=(r"will not be stored", r"may have begun", r"cut short", r"parse")) as m:
+        cut = proxy.inject(Fault.SHORT, after_bytes=60, op="start", times=1)
+        data = random_bytes(13 * MiB, 27)
+        (mountpoint / "a.bin").write_bytes(data)  # the file's next start goes through
+        assert cut.hits == 1
+        log = m.log()
+    assert moto_server.client().get_object(Bucket=bucket, Key="a.bin")["Body"].read() == data
+    assert uploads_in(moto_server, bucket) == ["a.bin"]
+    advised = re.search(r"`(modelfs cleanup [^`]*--key a\.bin[^`]*)`", log)
+    assert advised, "the upload left behind is named nowhere"
+    done = run_modelfs(*shlex.split(advised[1])[1:], env=daemon_env(moto_server))
+    assert done.returncode == 0 and uploads_in(moto_server, bucket) == [], done.stdout + done.stderr
+    delete_bucket(moto_server, bucket)
+
+
 def test_a_rename_given_up_on_is_not_done_later_by_botocore_retrying_it(moto_server: S3Server, proxy: FaultProxy,
                                                                         mountpoint: Path) -> None:
     """A request given up on at --read-timeout went on in its abandoned thread: botocore kept trying it after its

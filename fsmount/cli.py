@@ -138,15 +138,17 @@ def _metrics_addr(text: str) -> str:
 
 
 def _endpoint_url(text: str) -> str:
-    # A URL like https://KEY:SECRET@host would put the secret in argv, the process list and the logs.
+    # A URL like https://KEY:SECRET@host would put the secret in argv, the process list and the logs; one refused
+    # for another reason is named without it.
+    shown = re.sub(r"(^|//)[^/?#]*@", r"\1...@", text)
     try:
         parts = urllib.parse.urlsplit(text)
         parts.port  # noqa: B018 - parsed on access: a port out of range or not a number raises here
     except ValueError as exc:  # argparse would say "invalid _endpoint_url value", naming this function
-        raise argparse.ArgumentTypeError(f"{text!r} is not a URL: {exc}") from None
+        raise argparse.ArgumentTypeError(f"{shown!r} is not a URL: {exc}") from None
     if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an http:// or https:// URL (e.g. http://{text})"
-                                         if "://" not in text else f"{text!r} is not an http:// or https:// URL")
+        raise argparse.ArgumentTypeError(f"{shown!r} is not an http:// or https:// URL (e.g. http://{shown})"
+                                         if "://" not in text else f"{shown!r} is not an http:// or https:// URL")
     if parts.username or parts.password:
         raise argparse.ArgumentTypeError("credentials in the endpoint URL are refused (they would show in the "
                                          "process list): use AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY or --profile")

@@ -189,6 +189,17 @@ def test_an_endpoint_that_is_no_url_is_named_so(capsys: pytest.CaptureFixture[st
     assert make_parser().parse_args(["mount", "b", "/mnt", "--endpoint-url", "http://[::1]:9000"]).endpoint_url
 
 
+def test_an_endpoint_refused_never_shows_the_credentials_in_it(capsys: pytest.CaptureFixture[str]) -> None:
+    """Credentials in the endpoint URL are refused so that they stay out of the logs, yet an endpoint refused for its
+    port or scheme was echoed whole: the secret of `MODELFS_OPTS` in a unit's environment file went to the journal."""
+    for text in ("https://AKIAKEY:s3cr3t@host:99999", "http://AKIAKEY:s3cr3t@[::1", "s3://AKIAKEY:s3cr3t@host",
+                 "https://AKIAKEY:s3cr3t@host", "AKIAKEY:s3cr3t@host:9000", "http://AKIAKEY:s3@cr3t@host:0x"):
+        with pytest.raises(SystemExit):
+            make_parser().parse_args(["mount", "b", "/mnt", "--endpoint-url", text])
+        err = capsys.readouterr().err
+        assert "--endpoint-url" in err and "cr3t" not in err and "AKIAKEY" not in err, err
+
+
 def test_ro_and_writable_together_are_refused() -> None:
     """`-o ro,writable` used to give a read-write mount without a word."""
     writable = make_parser().parse_args(expand_mount_options(["mount", "b", "/m", "-o", "rw,writable"]))

@@ -71,9 +71,13 @@ _start_tries = threading.local()
 REFUSED_UNDONE = 503
 
 
-def _note_start_answer(response_dict: dict[str, Any] | None = None, **_: Any) -> None:
+def _note_start_answer(response_dict: dict[str, Any] | None = None, exception: Exception | None = None,
+                       **_: Any) -> None:
     """botocore's response-received of a CreateMultipartUpload, after each try, in the request's thread (its status
-    is the HTTP one, before botocore takes a 200 it cannot parse for a 500)."""
+    is the HTTP one, before botocore takes a 200 it cannot parse for a 500). A try its deadline stopped
+    (`_no_try_past_the_deadline`) was never sent."""
+    if isinstance(exception, TimedOut):
+        return
     status = response_dict.get("status_code", 0) if response_dict is not None else 0
     if response_dict is None or (status >= 500 and status != REFUSED_UNDONE):
         _start_tries.maybe_begun = True

@@ -28,7 +28,8 @@ import pytest
 
 from fsmount.config import StoreConfig
 from fsmount.data import Boto3Store
-from fsmount.data.uploads import Uploads
+from fsmount.data.store import TimedOut
+from fsmount.data.uploads import Uploads, within
 from fsmount.testing.fault_proxy import Down, Fault, FaultProxy
 from tests.helpers import (
     MiB,
@@ -476,6 +477,21 @@ def test_a_start_answered_with_its_document_cut_short_names_the_upload(moto_serv
     assert advised, "the upload left behind is named nowhere"
     done = run_modelfs(*shlex.split(advised[1])[1:], env=daemon_env(moto_server))
     assert done.returncode == 0 and uploads_in(moto_server, bucket) == [], done.stdout + done.stderr
+    delete_bucket(moto_server, bucket)
+
+
+def test_a_start_try_not_sent_past_its_deadline_names_no_upload(moto_server: S3Server,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """A try of a start that its deadline stops before it is sent (botocore's retry after a SlowDown, its backoff
+    past --read-timeout; here the first try) reached no server, yet was counted as one left unanswered: the failed
+    file warned that an upload "may have begun" and named a `modelfs cleanup` that found nothing."""
+    bucket = new_bucket(moto_server)
+    uploads = _uploads_of(moto_server, bucket, monkeypatch)
+    named: list[str] = []
+    uploads.on_unknown_upload = named.append
+    with pytest.raises(TimedOut):
+        within(time.monotonic() - 1, uploads.start, "a.bin")
+    assert named == [] and uploads_in(moto_server, bucket) == []
     delete_bucket(moto_server, bucket)
 
 

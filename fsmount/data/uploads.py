@@ -82,7 +82,7 @@ def _note_start_answer(response_dict: dict[str, Any] | None = None, exception: E
     if response_dict is None or (status >= 500 and status != REFUSED_UNDONE):
         _start_tries.maybe_begun = True
     elif status < 300:
-        _start_tries.answered_2xx += 1
+        _start_tries.answered_2xx = getattr(_start_tries, "answered_2xx", 0) + 1  # 0 in a thread no start ran in
 
 
 def _if_absent(only_if_absent: bool) -> dict[str, str]:

@@ -118,7 +118,7 @@ class Node:
     etag: str = ""
     mtime_ns: int = 0
     lookups: int = 0
-    fresh_until: float = 0.0  # monotonic time until which the version is trusted to be current
+    fresh_until: float = 0.0  # monotonic time until which the version (a directory: that it is there) is trusted
     superseded: bool = False  # the bucket now holds another version of this path
     superseded_at: float = 0.0  # monotonic time it was found superseded
     writing: bool = False  # this mount is writing the file: not in the bucket until it is closed
@@ -286,7 +286,8 @@ class Namespace:
 
     def _node_for(self, path: str, is_dir: bool, meta: ObjectMeta | None, as_of: float | None = None) -> Node:
         """The node of a directory, or of the file version `meta` (asked of the bucket at `as_of`, monotonic;
-        now if None): known for `ttl` from then, or for longer if a later answer said so."""
+        now if None): known for `ttl` from then, or for longer if a later answer said so. A directory is known to
+        be there for `ttl` from `as_of`, and from nothing if None (its parent, by name alone)."""
         if not is_dir and meta is None:
             raise ValueError("a file node needs its object metadata")
         key = (path, None if is_dir else meta.etag)  # type: ignore[union-attr]
@@ -298,6 +299,8 @@ class Namespace:
         node = self._nodes.get(ino)
         if node is None:
             node = self._nodes[ino] = Node(ino, path, is_dir)
+        if is_dir and as_of is not None:
+            node.fresh_until = max(node.fresh_until, as_of + self.ttl)
         if meta is not None:
             node.size, node.etag, node.mtime_ns = meta.size, meta.etag, meta.mtime_ns
             at = time.monotonic() if as_of is None else as_of
@@ -544,7 +547,7 @@ class Namespace:
             nursery.start_soon(ask, "dir", self._store.has_children, key + "/")
         if results.get("dir"):  # a key that is both a file and a prefix: the directory wins (whatever the HEAD said)
             self._found(path, (True, None))
-            return self._node_for(path, True, None)
+            return self._node_for(path, True, None, asked)
         for name in ("meta_error", "dir_error"):
             if name in results:
                 known = self._known_while_down(path, results[name], results)

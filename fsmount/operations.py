@@ -228,10 +228,15 @@ class Operations(pyfuse3.Operations):
         attr = pyfuse3.EntryAttributes()
         attr.st_ino = node.ino
         attr.generation = 0
-        # What the kernel may keep without asking: a file's version only for what is left of its TTL (it may come
-        # from a listing made a while ago), so that a stat sees a replaced object within one TTL, not two.
+        # What the kernel may keep without asking: a file's version, or that a directory is there, only for what is
+        # left of the TTL of the answer that said so (it may come from a listing made a while ago, or a directory
+        # handle's), so that a stat sees a change within one TTL, not two; a version the bucket no longer holds not
+        # at all (a directory handle opened before the change names it: its stat showed the old size for good with
+        # `forever`).
         timeout = self.ns.ttl
-        if not node.is_dir and not node.writing:
+        if node.superseded and not node.is_dir:
+            timeout = 0.0
+        elif not node.writing and node.ino != pyfuse3.ROOT_INODE:
             timeout = min(timeout, max(0.0, node.fresh_until - time.monotonic()))
         attr.entry_timeout = attr.attr_timeout = timeout
         if node.is_dir:

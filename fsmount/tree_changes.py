@@ -149,7 +149,7 @@ class WritableNamespace(Namespace):
         parent, _, name = path.rpartition("/")
         self._change(parent, name, DirEntry(name.encode("utf-8", "surrogateescape"), True, None))
         self._negative.pop(path, None)
-        node = self._node_for(path, True, None)
+        node = self._node_for(path, True, None, time.monotonic())
         node.lookups += 1
         return node
 

@@ -497,3 +497,50 @@ def test_rewinddir_sees_the_directory_as_it_is_once_its_listing_is_older_than_th
             assert mount_stats(mountpoint)["origin"]["metadata_requests"] == before  # no second listing
         finally:
             os.close(fd)
+
+
+def test_a_listing_through_a_directory_handle_opened_before_a_replacement_shows_the_new_size(
+        moto_server: S3Server, mountpoint: Path) -> None:
+    """`ls -l` through a directory descriptor opened before a file was replaced, once a read has found the old version
+    gone, with `--metadata-ttl forever`: its readdirplus handed the kernel the old version's inode with its entry good
+    for the old version's TTL, so a stat showed the old size for good (an open was ESTALE, retried on the new one).
+    An inode the bucket no longer holds is given to the kernel for no time at all."""
+    bucket = new_bucket(moto_server)
+    c = moto_server.client()
+    old, new = random_bytes(100, 1), random_bytes(200, 2)
+    c.put_object(Bucket=bucket, Key="d/f", Body=old)
+    with mounted(moto_server, bucket, mountpoint, "--metadata-ttl", "forever",
+                 allowed=("object changed", "fetching chunk")):
+        assert (mountpoint / "d" / "f").stat().st_size == len(old)
+        fd = os.open(mountpoint / "d", os.O_RDONLY | os.O_DIRECTORY)  # its listing names the old version
+        try:
+            c.put_object(Bucket=bucket, Key="d/f", Body=new)
+            with pytest.raises(OSError) as exc:
+                (mountpoint / "d" / "f").read_bytes()
+            assert exc.value.errno == errno.EIO  # the read that finds the old version gone
+            assert [(e.name, e.stat().st_size) for e in os.scandir(fd)] == [("f", len(new))]
+            assert (mountpoint / "d" / "f").stat().st_size == len(new)
+            assert (mountpoint / "d" / "f").read_bytes() == new
+        finally:
+            os.close(fd)
+
+
+def test_a_directory_deleted_in_the_bucket_is_gone_a_ttl_later_though_a_handle_opened_before_lists_it(
+        moto_server: S3Server, mountpoint: Path) -> None:
+    """A directory's entry, from a listing or a lookup, was good for a whole TTL from the reply, however old the
+    listing that said the directory was there: a descriptor opened before the directory's keys were deleted, read a TTL
+    later, handed the kernel the directory for one more TTL (its first readdir lists what its opendir saw), and a stat
+    found it. A directory's entry now lasts what is left of the TTL of the answer that found it, as a file's does."""
+    bucket = new_bucket(moto_server)
+    c = moto_server.client()
+    c.put_object(Bucket=bucket, Key="n/a/b", Body=b"x")
+    with mounted(moto_server, bucket, mountpoint, "--metadata-ttl", "1"):
+        fd = os.open(mountpoint, os.O_RDONLY | os.O_DIRECTORY)  # its listing names `n`
+        try:
+            c.delete_object(Bucket=bucket, Key="n/a/b")
+            time.sleep(1.3)  # past the TTL of every answer that saw `n`
+            assert os.listdir(fd) == ["n"]  # what its opendir saw
+            assert not (mountpoint / "n").exists()
+            assert os.listdir(mountpoint) == []
+        finally:
+            os.close(fd)

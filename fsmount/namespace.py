@@ -66,6 +66,11 @@ NEGATIVE_CACHE_ENTRIES = 100_000
 # Paths whose newest answer's time is kept (`_latest_asked`): older answers about them are older news. Bounded, as
 # paths come and go (a checkpoint rotation's); past it the oldest news is forgotten first.
 LATEST_ASKED_ENTRIES = 20_000
+# A HEAD's answer that a file is current also holds for the requests that follow it within this long, those of the
+# same system call: an open() is a LOOKUP, a GETATTR (the permission check, once the attributes are older than the TTL)
+# and an OPEN. Each asking again, with `--metadata-ttl 0` a file rewritten every 50 ms was found replaced between two of
+# them, at the kernel's one retry too, and the open failed with ESTALE. It matters only for a TTL below it.
+ONE_CALL_S = 0.1
 # While the origin is unreachable, known files keep their metadata and are re-checked this often.
 STALE_RETRY = 5.0
 # After a metadata request got no answer (connection refused, or nothing within --read-timeout), the next ones
@@ -119,6 +124,7 @@ class Node:
     mtime_ns: int = 0
     lookups: int = 0
     fresh_until: float = 0.0  # monotonic time until which the version (a directory: that it is there) is trusted
+    confirmed_at: float = 0.0  # monotonic time a HEAD's answer last said the version is current (ONE_CALL_S)
     superseded: bool = False  # the bucket now holds another version of this path
     superseded_at: float = 0.0  # monotonic time it was found superseded
     writing: bool = False  # this mount is writing the file: not in the bucket until it is closed
@@ -350,7 +356,8 @@ class Namespace:
         the kernel sends before a read once attributes are old) and read what is cached of it, as those of an
         unlinked file do; opens of it get ESTALE, and the path's next lookup what the bucket holds now. (A
         deletion answered ENOENT here: read() and fstat() on a file held open failed with ENOENT.)"""
-        if node.is_dir or node.writing or time.monotonic() < node.fresh_until:
+        now = time.monotonic()
+        if node.is_dir or node.writing or now < node.fresh_until or now < node.confirmed_at + ONE_CALL_S:
             return node
         # Opens of one file at once (8 ranks and a shard) share one HEAD, as lookups of one name do.
         return await _shared(self._refreshing_now, str(node.ino), lambda: self._refresh(node))
@@ -382,6 +389,7 @@ class Namespace:
             return node
         if node.held_again(asked):
             self._latest_file[node.path] = node.ino
+        node.confirmed_at = time.monotonic()
         return node
 
     def _supersede(self, node: Node) -> None:
@@ -556,7 +564,10 @@ class Namespace:
                 raise results[name]
         if results["meta"] is not None:
             self._found(path, (False, results["meta"]))
-            return self._node_for(path, False, results["meta"], asked)
+            node = self._node_for(path, False, results["meta"], asked)
+            if not node.superseded:
+                node.confirmed_at = time.monotonic()
+            return node
         self._found(path, None)
         self._negative[path] = True
         raise PathError(errno.ENOENT)

@@ -544,3 +544,39 @@ def test_a_directory_deleted_in_the_bucket_is_gone_a_ttl_later_though_a_handle_o
             assert os.listdir(mountpoint) == []
         finally:
             os.close(fd)
+
+
+def test_with_ttl_0_opens_of_a_file_rewritten_all_the_time_are_never_estale(moto_server: S3Server,
+                                                                            mountpoint: Path) -> None:
+    """`--metadata-ttl 0`, a file another writer rewrites as fast as it can: an open() is a LOOKUP, a GETATTR and an
+    OPEN, and each asked the bucket; a version found replaced between two of them made the OPEN ESTALE, and the kernel's
+    one retry as well (most opens failed with "Stale file handle"). A HEAD's answer holds for the requests of the same
+    call: an open gets a version the bucket held during it, whose read is its bytes or EIO (replaced meanwhile)."""
+    bucket = new_bucket(moto_server)
+    c = moto_server.client()
+    bodies = [random_bytes(100, 0)]
+    c.put_object(Bucket=bucket, Key="f", Body=bodies[0])
+    stop = threading.Event()
+
+    def rewrite() -> None:
+        while not stop.is_set():
+            body = random_bytes(100 + len(bodies) % 50, len(bodies))
+            bodies.append(body)
+            c.put_object(Bucket=bucket, Key="f", Body=body)
+
+    failures: list[int] = []
+    with mounted(moto_server, bucket, mountpoint, "--metadata-ttl", "0",
+                 allowed=("object changed", "fetching chunk", "read failed")):
+        writer = threading.Thread(target=rewrite)
+        writer.start()
+        try:
+            for _ in range(60):
+                try:
+                    assert (mountpoint / "f").read_bytes() in bodies
+                except OSError as exc:
+                    failures.append(exc.errno)
+        finally:
+            stop.set()
+            writer.join()
+    assert len(bodies) > 10
+    assert set(failures) <= {errno.EIO}, [errno.errorcode[e] for e in failures]

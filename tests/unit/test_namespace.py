@@ -159,6 +159,7 @@ async def test_missing_names_are_enoent_and_cached_negative() -> None:
     assert store.heads == 1
 
 
+@pytest.mark.usefixtures("each_request_asks")
 async def test_metadata_refreshes_after_ttl() -> None:
     store = FakeStore()
     store.put("f", b"old")
@@ -215,6 +216,27 @@ async def test_a_version_the_bucket_no_longer_holds_is_superseded_whatever_the_t
         assert exc.value.errno == errno.ENOENT
 
 
+async def test_with_ttl_0_the_requests_of_one_open_ask_the_bucket_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An open() is a LOOKUP, a GETATTR and an OPEN: with TTL 0 each sent a HEAD, and a file rewritten all the time was
+    found replaced between them, at the kernel's retry too (ESTALE). The lookup's answer holds for ONE_CALL_S, from
+    when it arrived; a request after that asks again."""
+    clock = [1000.0]
+    monkeypatch.setattr(namespace.time, "monotonic", lambda: clock[0])
+    store = FakeStore()
+    store.put("f", b"old")
+    ns = make_ns(store, ttl=0)
+    node = await ns.lookup(ROOT_INODE, b"f")
+    heads = store.heads
+    store.put("f", b"newer!")
+    clock[0] += namespace.ONE_CALL_S / 2
+    assert not (await ns.refresh(node)).superseded  # its GETATTR
+    assert await ns.open_file(node.ino) == node.version("")  # its OPEN
+    assert store.heads == heads
+    clock[0] += namespace.ONE_CALL_S
+    assert (await ns.refresh(node)).superseded and store.heads == heads + 1
+
+
+@pytest.mark.usefixtures("each_request_asks")
 @pytest.mark.parametrize("change", ["rolled back", "deleted and put again"])
 async def test_a_version_the_bucket_holds_again_opens_again(change: str) -> None:
     """A superseded version that comes back (a rollback, or the same bytes uploaded again) maps to its old inode,
@@ -716,6 +738,7 @@ async def test_a_directory_handle_opened_before_a_replacement_never_hands_out_th
     assert (await ns.lookup(ROOT_INODE, b"f")).ino == new.ino
 
 
+@pytest.mark.usefixtures("each_request_asks")
 async def test_opens_of_one_file_at_once_after_its_ttl_ask_the_bucket_once(autojump_clock: Any) -> None:
     """Lookups of one name at once share one HEAD; opens (and GETATTRs) of a known inode past its TTL sent one each:
     8 ranks opening one shard sent 8 HEADs, each waiting for a metadata thread behind the others."""
@@ -890,6 +913,7 @@ async def test_a_superseded_node_made_only_to_be_refused_does_not_stay_in_the_in
     assert ns.inode_count == before and not stray, (before, ns.inode_count, stray)
 
 
+@pytest.mark.usefixtures("each_request_asks")
 async def test_a_version_uploaded_again_after_a_replacement_is_current_again() -> None:
     """A rollback (the old bytes uploaded again) through a listing, a lookup and a refresh."""
     store = FakeStore()

@@ -198,6 +198,7 @@ def test_a_listing_kept_without_some_of_its_names_is_not_served_as_whole(
     assert saved.listing("g") == {"a": file_entry("g/a")}
 
 
+@pytest.mark.usefixtures("each_request_asks")
 async def test_a_version_the_mount_saw_replaced_or_deleted_is_not_kept(tmp_path: Path) -> None:
     """A stat after the TTL (a HEAD: getattr) or a read refused by the bucket (412/404: `gone`) tells the mount that
     the version it knows is no longer there. Kept all the same (no lookup of the path came after it), a remount while

@@ -6,7 +6,8 @@ The other writer puts new files (nested ones, names with spaces, unicode, `+` an
 or another size, deletes a file or a whole prefix, puts a directory marker (`dir/`), and makes a file's name also a
 directory prefix (`x` and `x/y`: the directory wins). Through the mount: stat/lstat, listdir/scandir (names and
 types), open and read a file whole, reads through a handle opened before the changes, chdir and relative operations,
-`os.walk`, listings through a directory descriptor opened earlier (`os.scandir(fd)`), and opens of names just deleted.
+`os.walk`, listings through a directory descriptor opened earlier (`os.scandir(fd)`), opens of names just deleted, and
+reads of a file while the other writer rewrites it over and over (the one step that runs alongside a change).
 
 The model (README "Semantics", namespace.py's docstring): the bucket's states in order, each with the span of time it
 may have been what a request saw. An answer about a path during an operation that ran [t0, t1] is what some state
@@ -25,6 +26,7 @@ import errno
 import os
 import random
 import stat
+import threading
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -38,6 +40,8 @@ STEPS = int(os.environ.get("MODELFS_FUZZ_STEPS", "0"))
 # Timer slack on top of the TTL: the kernel's entry timeouts are in jiffies, a listing's TTL counts from its start.
 SLACK_S = 0.3
 MAX_SIZE = 3000
+# Rewrites of one file while the mount reads it (`op_race`).
+RACE_PUTS = 8
 # Keys the other writer uses. Every segment is a name the kernel can represent (no empty ones).
 FILES = ("a", "b c.bin", "ü+=.txt", "d/x", "d/e f", "d/g+h=", "n/a/b/c", "n/a/z", "m/k", "x", "x/y")
 # Directory markers it may put.
@@ -453,6 +457,26 @@ class Fuzz:
         self.check(f"scandir(fd {fd}) of {path!r}", got,
                    {("listing", children(s, path)) for s in self.window(lo, hi, since=lo)}, listed=path)
 
+    def op_race(self) -> None:
+        """The other writer rewrites a file over and over while the mount opens and reads it: each read is one whole
+        version the bucket held meanwhile, or EIO (found replaced); never another error ("Stale file handle")."""
+        key = self.rng.choice([f for f in FILES if self.conflicts or f not in ("x", "x/y")])
+        bodies = [self.body(self.rng.randrange(MAX_SIZE)) for _ in range(RACE_PUTS)]
+        writer = threading.Thread(target=lambda: [self.put(key, body) for body in bodies])
+        reads: list[tuple[Seen, float, float]] = []
+        writer.start()
+        try:
+            while writer.is_alive() or not reads:
+                reads.append(self.timed(lambda: ("file", (self.root / key).read_bytes())))
+        finally:
+            writer.join()
+        self.log.append(f"race on {key!r}: {[got[0] if got[0] != 'file' else len(got[1]) for got, _, _ in reads]}")
+        for got, t0, t1 in reads:
+            states = self.window(t0, t1)
+            if got == ("error", "EIO") and self.changed_in(states, key):
+                continue
+            self.check(f"a read of {key!r} while it was rewritten", got, self.allowed(states, key))
+
     def op_wait_ttl(self) -> None:
         """Past a TTL with no change, every answer is the current state's."""
         if self.ttl == float("inf"):
@@ -481,7 +505,7 @@ class Fuzz:
             (self.ch_marker, 1.5), (self.ch_file_and_prefix, 2 if self.conflicts else 0),
             (self.op_stat, 8), (self.op_listdir, 6), (self.op_read, 8), (self.op_open_held, 2), (self.op_read_held, 4),
             (self.op_close_held, 1.5), (self.op_chdir, 4), (self.op_walk, 2), (self.op_open_dir_fd, 1.5),
-            (self.op_scan_dir_fd, 3), (self.op_wait_ttl, 0.6)]
+            (self.op_scan_dir_fd, 3), (self.op_race, 1.5), (self.op_wait_ttl, 0.6)]
         fns, weights = zip(*ops, strict=True)
         try:
             for _ in range(steps):

@@ -298,11 +298,10 @@ class Fuzz:
     def op_listdir(self) -> None:
         path = self.rng.choice(DIRS)
         if self.rng.random() < 0.5:
-            # listdir has no types: each name is compared with a listing's names.
+            # listdir has no types: names alone are compared, each marked as a folder SeaweedFS may have kept or not.
             def names() -> frozenset:
                 return frozenset((n, self.ghost(join(path, n))) for n in os.listdir(self.root / path))
             got, t0, t1 = self.timed(lambda: ("listing", names()))
-            # listdir has no types: a name kept only as SeaweedFS's folder counts as one.
             allowed = {("listing", frozenset((n, n_is_dir and self.ghost(join(path, n))) for n, n_is_dir in
                                              children(s, path))) for s in self.window(t0, t1)}
             allowed |= self.dir_errors(self.window(t0, t1), path)
@@ -313,21 +312,12 @@ class Fuzz:
 
     def read_whole(self, path: str, cwd: str | None = None) -> None:
         target = self.target(path, cwd)
-
-        def probe() -> Seen:
-            fd = os.open(target, os.O_RDONLY)
-            try:
-                if stat.S_ISDIR(os.fstat(fd).st_mode):
-                    return ("dir",)
-                return ("file", read_all(fd))
-            finally:
-                os.close(fd)
-        got, t0, t1 = self.timed(probe)
+        got, t0, t1 = self.timed(lambda: read_path(target))
         states = self.window(t0, t1)
         self.log.append(f"read {str(target)!r} -> {got[0]} {len(got[1]) if got[0] == 'file' else got[1:]}")
         if got == ("error", "EIO") and self.changed_in(states, path):
             # A version found gone: the next open gets what the bucket holds now, whatever the TTL.
-            got, t0, t1 = self.timed(probe)
+            got, t0, t1 = self.timed(lambda: read_path(target))
             self.log.append(f"read {str(target)!r} again -> {got[0]} {len(got[1]) if got[0] == 'file' else got[1:]}")
             self.check(f"a read of {str(target)!r} after EIO", got, {observe(self.now, path)})
             return
@@ -467,7 +457,7 @@ class Fuzz:
         writer.start()
         try:
             while writer.is_alive() or not reads:
-                reads.append(self.timed(lambda: ("file", (self.root / key).read_bytes())))
+                reads.append(self.timed(lambda: read_path(self.root / key)))
         finally:
             writer.join()
         self.log.append(f"race on {key!r}: {[got[0] if got[0] != 'file' else len(got[1]) for got, _, _ in reads]}")
@@ -496,7 +486,7 @@ class Fuzz:
                            listed=path)
         for path in FILES:
             if observe(now, path)[0] == "file":
-                got, _, _ = self.timed(lambda path=path: ("file", (self.root / path).read_bytes()))
+                got, _, _ = self.timed(lambda path=path: read_path(self.root / path))
                 self.check(f"read {path!r} a TTL after the last change", got, {observe(now, path)})
 
     def run(self, steps: int) -> None:
@@ -526,6 +516,15 @@ class Fuzz:
 
 def join(parent: str, name: str) -> str:
     return f"{parent}/{name}" if parent else name
+
+
+def read_path(path: Path) -> Seen:
+    """A file's bytes, read whole through one descriptor; ("dir",) for a directory."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        return ("dir",) if stat.S_ISDIR(os.fstat(fd).st_mode) else ("file", read_all(fd))
+    finally:
+        os.close(fd)
 
 
 def read_all(fd: int) -> bytes:

@@ -56,7 +56,8 @@ PATHS = (*FILES, *(d for d in DIRS if d), "nothing", "x/y/z", "a/under")
 ALLOWED = (FETCH_FAILED, READ_FAILED, r"object changed", r"not found")
 
 State = dict[str, bytes]
-# What a state says of a path: ("dir",), ("file", bytes), ("absent",) or ("notdir",) (a file on the way).
+# What a state says of a path: ("dir",), ("file", bytes), ("absent",) or ("notdir",) (a file on the way); and what the
+# mount answered: those, ("size", st_size) of a stat, ("listing", names and types), ("error", errno name).
 Seen = tuple
 
 

@@ -487,7 +487,7 @@ def run_foreground(cfg: MountConfig, ready_fd: int | None, use_syslog: bool) -> 
         mount.check_log_file_outside(cfg.log_file, cfg.mountpoint)
     except mount.MountError as exc:
         ready(str(exc))
-        return 1
+        return 2 if isinstance(exc, mount.SettingError) else 1
     try:
         mount.setup_logging(cfg.log_level, cfg.log_file, use_syslog)
     except OSError as exc:
@@ -602,8 +602,8 @@ def run_background(cfg: MountConfig, mount_argv: list[str]) -> int:
                   "included) goes nowhere; mount with --log-file FILE to keep it", file=sys.stderr)
         return 0
     if line.startswith("ERROR "):
-        proc.wait(timeout=30)
-        return fail(line[len("ERROR "):])
+        # The daemon's status: 2 for settings only a change of them mends (mount.SettingError), as in the foreground.
+        return fail(line[len("ERROR "):], 2 if proc.wait(timeout=30) == 2 else 1)
     code = proc.wait(timeout=30)
     return fail(f"the daemon exited with status {code} before the mount was ready; "
                 "run with --foreground to see why")

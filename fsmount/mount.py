@@ -136,6 +136,12 @@ class MountError(Exception):
     """A pre-flight failure; the message is shown to the user as the reason."""
 
 
+class SettingError(MountError):
+    """A pre-flight failure that only other settings mend (a path inside the mountpoint, a file where the cache dir
+    should be): exit status 2, as a bad option's, which systemd's unit does not restart on (RestartPreventExitStatus);
+    with status 1 it started the mount again every RestartSec for good."""
+
+
 class JournalFormatter(logging.Formatter):
     """stderr under systemd: journald adds time and pid itself, and takes the priority prefix."""
 
@@ -375,7 +381,7 @@ def check_log_file_outside(log_file: str | None, mountpoint: str) -> None:
     the mountpoint not empty); with --allow-non-empty the handler stats its path through the mount at each line: a
     read-only mount's daemon died (EROFS), a --writable one's thread waited on its own mount for good (D state)."""
     if log_file is not None and inside_mountpoint(log_file, os.path.realpath(mountpoint)):
-        raise MountError(f"--log-file {log_file} is inside the mountpoint {mountpoint}: give a file outside it")
+        raise SettingError(f"--log-file {log_file} is inside the mountpoint {mountpoint}: give a file outside it")
 
 
 def check_cache_dir_outside(cache_dir: str | None, mountpoint: str) -> None:
@@ -384,7 +390,7 @@ def check_cache_dir_outside(cache_dir: str | None, mountpoint: str) -> None:
     if cache_dir is None:
         return
     if inside_mountpoint(cache_dir, mountpoint):
-        raise MountError(f"--cache-dir {cache_dir} is inside the mountpoint {mountpoint}: give a directory "
+        raise SettingError(f"--cache-dir {cache_dir} is inside the mountpoint {mountpoint}: give a directory "
                          "outside it (on local NVMe)")
 
 
@@ -398,9 +404,9 @@ def open_disk_cache(cfg: MountConfig) -> DiskCache:
         raise MountError(str(exc)) from None
     except OSError as exc:
         # makedirs says "File exists" of a file, or of a symlink to nothing, where the directory should be.
-        why = ("it exists and is not a directory" if exc.errno == errno.EEXIST and not os.path.isdir(cfg.cache_dir)
-               else exc.strerror or exc)
-        raise MountError(f"cannot use cache dir {cfg.cache_dir}: {why}") from None
+        if exc.errno == errno.EEXIST and not os.path.isdir(cfg.cache_dir):
+            raise SettingError(f"cannot use cache dir {cfg.cache_dir}: it exists and is not a directory") from None
+        raise MountError(f"cannot use cache dir {cfg.cache_dir}: {exc.strerror or exc}") from None
     except ValueError as exc:  # a filesystem that reports no size (--cache-size as a share of it)
         raise MountError(f"cannot use cache dir {cfg.cache_dir}: {exc}") from None
     writes = os.path.join(cache.root, WRITES_DIR)
@@ -934,7 +940,7 @@ def run(cfg: MountConfig, ready: Callable[[str | None], None]) -> int:
         if lock is not None:
             os.close(lock)
         ready(str(exc) if isinstance(exc, MountError) else f"cannot mount: {exc}")
-        return 1
+        return 2 if isinstance(exc, SettingError) else 1
     finally:
         # From here on a mount may exist: a stop until the daemon's own receiver takes it (Daemon._watch_signals) is
         # noted, and done there. The default action killed the daemon with its mount in place, ENOTCONN for every

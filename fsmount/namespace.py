@@ -160,6 +160,24 @@ class _InFlight(Generic[T]):
     error: Exception | None = None
 
 
+async def at_once(calls: dict[str, Callable[[], Awaitable[Any]]]) -> dict[str, Any]:
+    """Await the calls concurrently: each one's result under its name, or its failure under name + "_error". Kept,
+    not raised: a nursery would wrap a failure in an ExceptionGroup, and the handlers map plain StoreErrors to
+    errno."""
+    results: dict[str, Any] = {}
+
+    async def ask(name: str, call: Callable[[], Awaitable[Any]]) -> None:
+        try:
+            results[name] = await call()
+        except Exception as exc:  # noqa: BLE001
+            results[name + "_error"] = exc
+
+    async with trio.open_nursery() as nursery:
+        for name, call in calls.items():
+            nursery.start_soon(ask, name, call)
+    return results
+
+
 async def _shared(table: dict[str, _InFlight[T]], key: str, make: Callable[[], Awaitable[T]]) -> T:
     """`await make()`, or the result (or error) of the one for `key` already in flight in `table`. If that one
     was cancelled (its FUSE request interrupted), the next waiter asks."""
@@ -539,20 +557,9 @@ class Namespace:
     async def _ask_bucket(self, path: str) -> Node:
         """What the bucket holds at `path` (HEAD and a one-key listing at once): a file, a directory, or ENOENT."""
         key = self.prefix + path
-        results: dict[str, Any] = {}
         asked = time.monotonic()  # what the answers say is true as of when they were asked (see _node_for)
-
-        async def ask(name: str, fn: Callable[[str], Any], arg: str) -> None:
-            # Failures are kept, not raised: a nursery would wrap them in an ExceptionGroup, and
-            # the handler maps plain StoreErrors to errno.
-            try:
-                results[name] = await self._call(fn, arg)
-            except Exception as exc:  # noqa: BLE001
-                results[name + "_error"] = exc
-
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(ask, "meta", self._store.head, key)
-            nursery.start_soon(ask, "dir", self._store.has_children, key + "/")
+        results = await at_once({"meta": lambda: self._call(self._store.head, key),
+                                 "dir": lambda: self._call(self._store.has_children, key + "/")})
         if results.get("dir"):  # a key that is both a file and a prefix: the directory wins (whatever the HEAD said)
             self._found(path, (True, None))
             return self._node_for(path, True, None, asked)

@@ -64,7 +64,7 @@ from fsmount.data import (
     wait_to_retry,
     within,
 )
-from fsmount.namespace import Node, PathError
+from fsmount.namespace import Node, PathError, at_once
 from fsmount.new_file import NewFile
 from fsmount.tree_changes import WritableNamespace
 from fsmount.write_staging import StagedFile, Staging, copy_cached
@@ -365,24 +365,15 @@ class Writes:
         wanted, at once and not cached: another mount may have made either since this one listed the parent. A
         name that is both is shown as the directory (namespace._ask_bucket), so a file made beside a directory of
         its name would be stored and never seen, and a directory made beside a file would hide it."""
-        found: dict[str, Any] = {}
-        failed: list[Exception] = []
-
-        async def ask(what: str, fn: Callable[[str], Any], key: str) -> None:
-            # Kept, not raised: a nursery would wrap the failure in an ExceptionGroup, and the handler maps
-            # plain StoreErrors to errno.
-            try:
-                found[what] = await self.call(fn, key)
-            except Exception as exc:  # noqa: BLE001
-                failed.append(exc)
-
-        async with trio.open_nursery() as nursery:
-            if file:
-                nursery.start_soon(ask, "file", self.uploads.head, self.ns.key_of(path))
-            if directory:
-                nursery.start_soon(ask, "directory", self.uploads.has_children, self.ns.dir_key(path))
-        if failed:
-            raise failed[0]
+        calls: dict[str, Callable[[], Awaitable[Any]]] = {}
+        if file:
+            calls["file"] = lambda: self.call(self.uploads.head, self.ns.key_of(path))
+        if directory:
+            calls["directory"] = lambda: self.call(self.uploads.has_children, self.ns.dir_key(path))
+        found = await at_once(calls)
+        for failed in ("file_error", "directory_error"):
+            if failed in found:
+                raise found[failed]
         return found.get("file") is not None, bool(found.get("directory"))
 
     def _refuse_beside(self, path: str, is_dir: bool, err: int) -> NoReturn:

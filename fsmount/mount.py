@@ -763,9 +763,11 @@ class Daemon:
     @staticmethod
     async def _keep_cache_floor(cache: DiskCache) -> None:
         """The NVMe cache's free-space floor, kept while no put comes: a warm node that only reads kept its chunks
-        while another process filled the disk to the last byte."""
+        while another process filled the disk to the last byte. And its count of what it holds, true after an operator
+        removed chunk files by hand."""
         while True:
             await trio.sleep(FREE_CHECK_S)
+            await trio.to_thread.run_sync(cache.forget_removed, abandon_on_cancel=True)
             await trio.to_thread.run_sync(cache.keep_free, abandon_on_cancel=True)
 
     async def _keep_names(self, saved: SavedNames) -> None:

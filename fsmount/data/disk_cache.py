@@ -41,6 +41,7 @@ import collections
 import dataclasses
 import errno
 import fcntl
+import itertools
 import logging
 import mmap
 import os
@@ -101,6 +102,11 @@ UNREADABLE_ERRNOS = frozenset({errno.EACCES, errno.EPERM, errno.EIO, errno.EISDI
 LOCK_WAIT_S = 1.0
 # Touches waiting for the toucher's thread; more are dropped (only the order after a restart ages).
 TOUCH_BACKLOG = 1024
+# forget_removed: the least recently used chunks it looks for on disk per round (an lstat each, outside the lock), and
+# per batch (those found missing are forgotten under the lock). A round stops at the first chunk still there, so a
+# cache nobody touched costs one lstat; an `rm -rf CACHE/chunks` of a million chunks is counted out in ~16 rounds.
+FORGET_CHECK_MAX = 65536
+FORGET_BATCH = 1024
 
 
 class _Toucher:
@@ -295,6 +301,48 @@ class DiskCache:
         log.info("disk cache %s: %d bytes evicted to keep %d bytes free (something else fills its filesystem)",
                  self.root, evicted, self.min_free_bytes)
         return evicted
+
+    def forget_removed(self) -> int:
+        """Forget the least recently used chunks whose files someone else removed (an operator's `rm -rf CACHE/chunks`
+        or `find CACHE -mtime +7 -delete`, to free the disk): they stayed counted in `modelfs stats` and the
+        Prometheus gauges, chunks and bytes the disk no longer held, until each was read or evicted. Looks from the
+        least recently used end, where such a removal starts, and stops at the first chunk still there (at most
+        FORGET_CHECK_MAX a call). The number forgotten."""
+        forgotten = checked = 0
+        while checked < FORGET_CHECK_MAX:
+            with self._lock:
+                if self._closed:
+                    return forgotten
+                batch = list(itertools.islice(self._index, FORGET_BATCH))
+            if not batch:
+                break
+            checked += len(batch)
+            missing = []
+            for digest in batch:
+                if not self._gone(digest):
+                    break  # the rest are more recent: they were put or read after this one
+                missing.append(digest)
+            with self._lock:
+                # Again under the lock, which puts rename under: one may have brought a chunk back meanwhile.
+                for digest in missing:
+                    if self._gone(digest) and self._forget_locked(digest):
+                        forgotten += 1
+            if len(missing) < len(batch):
+                break
+        if forgotten:
+            log.info("disk cache %s: %d chunk files were removed by something else; no longer counted", self.root,
+                     forgotten)
+        return forgotten
+
+    def _gone(self, digest: str) -> bool:
+        """Whether nothing is at the chunk's path (a file the daemon may not stat, or a disk error, is not gone)."""
+        try:
+            os.lstat(self._path(digest))
+        except (FileNotFoundError, NotADirectoryError):
+            return True
+        except OSError:
+            return False
+        return False
 
     def __enter__(self) -> Self:
         return self

@@ -1,0 +1,48 @@
+"""The NVMe cache when an operator removes chunk files by hand while a mount uses it (`rm -rf CACHE/chunks`, a
+cron `find CACHE -mtime +7 -delete`): what it counts must follow what the disk holds."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+from fsmount.data import disk_cache
+from fsmount.data.cache_dir import CHUNKS_DIR
+from fsmount.data.disk_cache import DiskCache
+from tests.unit.test_disk_cache import BIG, chunk_file_of, chunk_id, payload
+
+
+def test_chunk_files_removed_by_hand_are_no_longer_counted(tmp_path: Path) -> None:
+    """`rm -rf CACHE/chunks` to free the disk under a live mount: `modelfs stats` and the Prometheus gauges kept
+    the chunks and bytes the disk no longer held, until each chunk was read or evicted (for good on a node that
+    no longer reads that model)."""
+    with DiskCache(tmp_path / "c", BIG, min_free_bytes=0) as cache:
+        for i in range(6):
+            cache.put(chunk_id(i), payload(chunk_id(i)))
+        one = cache.stats.bytes_used // 6
+        assert cache.forget_removed() == 0 and cache.stats.chunks == 6  # nothing removed: nothing forgotten
+        for i in (0, 1):  # the oldest ones, as `find -mtime +N -delete` would
+            os.unlink(chunk_file_of(cache, chunk_id(i)))
+        assert cache.forget_removed() == 2
+        assert (cache.stats.chunks, cache.stats.bytes_used) == (4, 4 * one)
+        assert cache.get(chunk_id(2)) == payload(chunk_id(2))  # the others are still served
+        shutil.rmtree(tmp_path / "c" / CHUNKS_DIR)
+        cache.put(chunk_id(9), payload(chunk_id(9)))  # a put after the removal makes its shard again, and counts
+        assert cache.forget_removed() == 4
+        assert (cache.stats.chunks, cache.stats.bytes_used) == (1, one)
+        assert cache.get(chunk_id(9)) == payload(chunk_id(9))
+
+
+def test_forgetting_removed_chunks_is_bounded_per_call(tmp_path: Path, monkeypatch) -> None:  # noqa: ANN001
+    """Each call looks at most FORGET_CHECK_MAX chunks (it runs every few seconds beside the reads); the next
+    calls go on where it stopped."""
+    monkeypatch.setattr(disk_cache, "FORGET_CHECK_MAX", 4)
+    monkeypatch.setattr(disk_cache, "FORGET_BATCH", 2)
+    with DiskCache(tmp_path / "c", BIG, min_free_bytes=0) as cache:
+        for i in range(10):
+            cache.put(chunk_id(i), payload(chunk_id(i)))
+        for i in range(9):
+            os.unlink(chunk_file_of(cache, chunk_id(i)))
+        assert [cache.forget_removed() for _ in range(4)] == [4, 4, 1, 0]
+        assert cache.stats.chunks == 1 and cache.get(chunk_id(9)) == payload(chunk_id(9))

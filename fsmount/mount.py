@@ -12,6 +12,7 @@ import ctypes
 import errno
 import fcntl
 import logging
+import logging.handlers
 import os
 import re
 import resource
@@ -190,6 +191,49 @@ class DroppedRequestReply(logging.Filter):
         return True
 
 
+class LogFile(logging.handlers.WatchedFileHandler):
+    """--log-file: reopened at its path when it is moved or deleted (logrotate without copytruncate), checked at each
+    line. A line it cannot write (its directory removed, a full disk, one remounted read-only) is dropped, and said once
+    on stderr (the journal under systemd) until a line is written again. WatchedFileHandler raised a failed reopen from
+    the log call itself: the first line logged after an `rm -rf` of the log's directory (a SIGHUP's) took the daemon and
+    its mount down; and a failed write printed a traceback per line."""
+
+    def __init__(self, filename: str) -> None:
+        super().__init__(filename)
+        self._failing = False
+        self._failed: BaseException | None = None
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self._failed = None
+        try:
+            self.reopenIfNeeded()
+            if self.stream is None:  # a reopen that failed closed the old stream: try the path again
+                self.stream = self._open()
+                self._statstream()
+        except OSError as err:
+            self._failed = err
+        else:
+            logging.FileHandler.emit(self, record)  # a failed write comes to handleError
+        if self._failed is None:
+            self._failing = False
+        elif not self._failing:
+            self._failing = True
+            err = self._failed
+            try:
+                print(f"modelfs: cannot write the log file {self.baseFilename} "
+                      f"({getattr(err, 'strerror', None) or err}); its lines are dropped until it can be",
+                      file=sys.stderr, flush=True)
+            except (OSError, ValueError):
+                pass
+
+    def handleError(self, record: logging.LogRecord) -> None:  # noqa: N802 - logging's name
+        failed = sys.exc_info()[1]
+        if isinstance(failed, OSError):
+            self._failed = failed
+        else:  # a log call's own mistake (its arguments), not the file's: as logging reports it
+            super().handleError(record)
+
+
 SYSLOG_SOCKET = "/dev/log"
 
 
@@ -202,10 +246,7 @@ def setup_logging(level: str, log_file: str | None = None, use_syslog: bool = Fa
     handler: logging.Handler
     formatter = logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s")
     if log_file:
-        # Reopened when it is moved or deleted (logrotate without copytruncate), checked at each line.
-        from logging.handlers import WatchedFileHandler
-
-        handler = WatchedFileHandler(log_file)
+        handler = LogFile(log_file)
     elif use_syslog and syslog_available():
         from logging.handlers import SysLogHandler
 

@@ -3,7 +3,9 @@ its numbers. Each test is a defect such an operator hit."""
 
 from __future__ import annotations
 
+import os
 import shutil
+import signal
 import urllib.request
 from pathlib import Path
 
@@ -11,13 +13,16 @@ from tests.helpers import (
     MiB,
     S3Server,
     bucket_with,
+    daemon_env,
     free_port,
     mount_stats,
     mounted,
     random_bytes,
     run_modelfs,
+    unmount,
     wait_for,
 )
+from tests.mount.test_cli_mount import daemon_pid
 
 
 def metric(port: int, name: str) -> float:
@@ -42,3 +47,30 @@ def test_chunks_removed_by_hand_under_a_mount_are_no_longer_counted(s3: S3Server
                  lambda st: (st["chunks"], st["bytes_used"]) == (0, 0), timeout=20)
         assert metric(port, "modelfs_disk_cache_used_bytes") == 0
         assert metric(port, "modelfs_disk_cache_chunks") == 0
+
+
+def test_a_log_file_whose_directory_was_removed_does_not_take_the_mount_down(moto_server: S3Server, mountpoint: Path,
+                                                                             tmp_path: Path) -> None:
+    """`rm -rf` of the --log-file's directory (a cleanup, a tmpfs wiped): the next line logged, a reload's (SIGHUP)
+    for one, raised from the log call, and the daemon died: every reader then got ENOTCONN. Now the lines are dropped
+    (`test_log_file.py`: said once on stderr) and written again at the log's path once it can be opened."""
+    bucket = bucket_with(moto_server, {"a.bin": b"a" * 100})
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    try:
+        res = run_modelfs("mount", bucket, str(mountpoint), "--endpoint-url", moto_server.endpoint_url, "--log-file",
+                          str(logs / "modelfs.log"), "--log-level", "info", env=daemon_env(moto_server))
+        assert res.returncode == 0, res.stderr
+        pid = daemon_pid(mountpoint)
+        shutil.rmtree(logs)
+        for _ in range(2):
+            os.kill(pid, signal.SIGHUP)  # logs a line
+            assert (mountpoint / "a.bin").read_bytes() == b"a" * 100
+        logs.mkdir()
+        os.kill(pid, signal.SIGHUP)
+        wait_for("a new log file", lambda: (logs / "modelfs.log").exists() and "received SIGHUP" in
+                 (logs / "modelfs.log").read_text())
+        assert (mountpoint / "a.bin").read_bytes() == b"a" * 100
+        assert (logs / "modelfs.log").read_text().count("received SIGHUP") == 1  # the two before it are dropped
+    finally:
+        unmount(mountpoint)

@@ -1,0 +1,52 @@
+"""--log-file's handler (mount.LogFile) when the file cannot be written: the daemon goes on, and says so once."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import shutil
+from pathlib import Path
+
+import pytest
+
+from fsmount.mount import LogFile
+
+
+def line(text: str) -> logging.LogRecord:
+    return logging.makeLogRecord({"msg": text, "levelno": logging.INFO, "levelname": "INFO"})
+
+
+def test_a_log_file_whose_directory_was_removed_drops_lines_and_says_so_once(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """WatchedFileHandler raised the failed reopen from the log call itself: the daemon died at the first line logged
+    after an `rm -rf` of the log's directory."""
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    handler = LogFile(str(logs / "modelfs.log"))
+    try:
+        handler.handle(line("before"))
+        for round_ in range(2):
+            shutil.rmtree(logs)
+            for i in range(3):
+                handler.handle(line(f"dropped {round_} {i}"))  # raised FileNotFoundError
+            assert capsys.readouterr().err.count("cannot write the log file") == 1  # once an episode
+            logs.mkdir()
+            handler.handle(line(f"after {round_}"))
+            assert (logs / "modelfs.log").read_text() == f"after {round_}\n"
+    finally:
+        handler.close()
+
+
+def test_a_full_log_disk_is_said_once_not_a_traceback_per_line(capsys: pytest.CaptureFixture[str]) -> None:
+    """A write that fails (ENOSPC: /dev/full) printed logging's "--- Logging error ---" and a traceback on stderr for
+    every line, into the journal under systemd."""
+    handler = LogFile("/dev/full")
+    try:
+        for i in range(5):
+            handler.handle(line(f"line {i}"))
+    finally:
+        with contextlib.suppress(OSError):  # what is still buffered cannot be written either (logging.shutdown's too)
+            handler.close()
+    err = capsys.readouterr().err
+    assert err.count("cannot write the log file /dev/full (No space left on device)") == 1
+    assert "Traceback" not in err and "Logging error" not in err

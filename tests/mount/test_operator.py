@@ -74,3 +74,25 @@ def test_a_log_file_whose_directory_was_removed_does_not_take_the_mount_down(mot
         assert (logs / "modelfs.log").read_text().count("received SIGHUP") == 1  # the two before it are dropped
     finally:
         unmount(mountpoint)
+
+
+def test_a_missing_profile_is_retried_by_the_unit_and_mounts_once_it_appears(moto_server: S3Server, mountpoint: Path,
+                                                                             tmp_path: Path) -> None:
+    """The unit's choice for a `--profile` not (yet) in the credentials file: exit status 1, which
+    `Restart=on-failure` starts again every RestartSec, not 2 (a setting only an edit mends, never retried). Credentials
+    often arrive after boot (an agent writes them), and a start once they are there mounts without anyone's help."""
+    bucket = bucket_with(moto_server, {"a.bin": b"a" * 100})
+    creds = tmp_path / "credentials"
+    env = {k: v for k, v in daemon_env(moto_server).items() if k not in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")}
+    env.update(AWS_SHARED_CREDENTIALS_FILE=str(creds), AWS_CONFIG_FILE=str(tmp_path / "config"))
+    args = ("mount", bucket, str(mountpoint), "--endpoint-url", moto_server.endpoint_url, "--profile", "models")
+    try:
+        res = run_modelfs(*args, env=env)
+        assert res.returncode == 1 and "The config profile (models) could not be found" in res.stderr, res.stderr
+        creds.write_text(f"[models]\naws_access_key_id = {moto_server.env['AWS_ACCESS_KEY_ID']}\n"
+                         f"aws_secret_access_key = {moto_server.env['AWS_SECRET_ACCESS_KEY']}\n")
+        res = run_modelfs(*args, env=env)
+        assert res.returncode == 0, res.stderr
+        assert (mountpoint / "a.bin").read_bytes() == b"a" * 100
+    finally:
+        unmount(mountpoint)

@@ -50,10 +50,11 @@ def cleanup(cfg: StoreConfig, older_than: float, *, keys: Sequence[str] = (), dr
     except StoreError as exc:
         raise CleanupError(exc.message) from None
     now = time.time()
-    found = aborted = 0
+    found = aborted = young = 0
     for upload in pending:
         age = now - upload.initiated.timestamp() if upload.initiated is not None else float("inf")
         if age < older_than:
+            young += 1
             continue
         found += 1
         if dry_run:
@@ -66,4 +67,9 @@ def cleanup(cfg: StoreConfig, older_than: float, *, keys: Sequence[str] = (), dr
             continue
         aborted += 1
         print(f"aborted {upload.key} (begun {age:.0f}s ago)", file=out)
+    if young:
+        # Right after a daemon was killed, its uploads are this young: "0 incomplete uploads; aborted 0" alone read as
+        # nothing left to bill.
+        print(f"left {young} incomplete upload{'' if young == 1 else 's'} begun less than {older_than:g}s ago alone "
+              "(a running mount may be writing them; a smaller --older-than takes them too)", file=out)
     return found, aborted

@@ -652,6 +652,38 @@ def test_cleanup_of_keys_aborts_exactly_those_and_refuses_a_prefix_beside_them(
     assert capsys.readouterr().err.strip() == "modelfs: --key names whole keys of the bucket: give it without --prefix"
 
 
+def test_cleanup_says_how_many_young_uploads_it_left_alone(monkeypatch: pytest.MonkeyPatch,
+                                                           capsys: pytest.CaptureFixture[str]) -> None:
+    """Run right after a daemon was killed (its uploads an hour old, under the default day), cleanup said only
+    "0 incomplete uploads older than 86400s; aborted 0": read as nothing left in the bucket to bill."""
+    import datetime
+
+    import fsmount.cleanup_command
+    from fsmount.data import PendingUpload
+
+    now = datetime.datetime.now(datetime.UTC)
+    ages = {"ckpt/a.bin": 3600, "ckpt/b.bin": 60, "old.bin": 3 * 86400}
+
+    class Uploads:
+        def __init__(self, store: object) -> None:
+            pass
+
+        def pending(self, prefix: str) -> list[PendingUpload]:
+            return [PendingUpload(k, f"id-{k}", now - datetime.timedelta(seconds=age)) for k, age in ages.items()]
+
+        def abort(self, key: str, upload_id: str) -> None:
+            pass
+
+    monkeypatch.setattr(fsmount.cleanup_command, "Uploads", Uploads)
+    monkeypatch.setattr(fsmount.cleanup_command, "Boto3Store", lambda cfg, retries: None)
+    assert cli.main(["cleanup", "b"]) == 0
+    assert capsys.readouterr().out.splitlines()[-2:] == [
+        "left 2 incomplete uploads begun less than 86400s ago alone (a running mount may be writing them; a smaller "
+        "--older-than takes them too)", "1 incomplete upload older than 86400s; aborted 1"]
+    assert cli.main(["cleanup", "b", "--older-than", "0"]) == 0
+    assert "left" not in capsys.readouterr().out
+
+
 def test_cleanup_without_credentials_says_what_cleanup_takes(monkeypatch: pytest.MonkeyPatch,
                                                              capsys: pytest.CaptureFixture[str]) -> None:
     """It advised --no-sign-request, which `modelfs cleanup` does not take (nor could use: an abort is signed)."""

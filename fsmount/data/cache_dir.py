@@ -234,7 +234,8 @@ def _flock_or_wait_for_draining(fd: int, root: str, path: str) -> None:
                 raise CacheDirBusy(
                     f"cache dir {root} is in use by another modelfs mount or cache command (pid {holder[0]}); a "
                     f"cache dir serves one mount or command at a time: unmount it (or let the command finish) first, "
-                    f"or use another cache dir") from None
+                    f"or use another cache dir (a mount detached with `unmount --lazy` keeps its daemon, and the cache "
+                    f"dir, until the files open on it are closed)") from None
             if deadline is None:
                 deadline = time.monotonic() + DRAINING_WAIT_S
                 log.info("cache dir %s: waiting for the daemon of the mount before (pid %s), unmounted, to finish "

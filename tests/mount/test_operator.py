@@ -96,3 +96,31 @@ def test_a_missing_profile_is_retried_by_the_unit_and_mounts_once_it_appears(mot
         assert (mountpoint / "a.bin").read_bytes() == b"a" * 100
     finally:
         unmount(mountpoint)
+
+
+def test_a_mount_after_a_lazy_unmount_says_what_still_holds_the_cache_dir(moto_server: S3Server, mountpoint: Path,
+                                                                         tmp_path: Path) -> None:
+    """`modelfs unmount` of a mount with a file open advises `--lazy`; the mount after it was refused with "in use by
+    another modelfs mount: unmount it first", though it had just been unmounted: the detached mount's daemon serves
+    the files still open, and holds the cache dir until they are closed. The refusal says so; once they are closed,
+    the mount goes."""
+    bucket = bucket_with(moto_server, {"a.bin": b"a" * 100})
+    args = ("mount", bucket, str(mountpoint), "--endpoint-url", moto_server.endpoint_url, "--cache-dir",
+            str(tmp_path / "cache"))
+    env = daemon_env(moto_server)
+    try:
+        assert run_modelfs(*args, env=env).returncode == 0
+        pid = daemon_pid(mountpoint)
+        with open(mountpoint / "a.bin", "rb") as reader:
+            res = run_modelfs("unmount", str(mountpoint))
+            assert res.returncode == 1 and "use --lazy" in res.stderr, res.stderr
+            assert run_modelfs("unmount", "--lazy", str(mountpoint)).returncode == 0
+            res = run_modelfs(*args, env=env)
+            assert res.returncode == 1 and "a mount detached with `unmount --lazy` keeps its daemon, and the cache " \
+                "dir, until the files open on it are closed" in res.stderr, res.stderr
+            assert reader.read() == b"a" * 100  # still served
+        wait_for("the detached mount's daemon gone", lambda: not os.path.exists(f"/proc/{pid}"))
+        res = run_modelfs(*args, env=env)
+        assert res.returncode == 0, res.stderr
+    finally:
+        unmount(mountpoint)

@@ -556,7 +556,13 @@ class DiskCache:
         they would, so the caller's one-warning path reports a disk filled by something else."""
         over_limit = self.stats.bytes_used + self._reserved + file_size - self.max_bytes
         # Read under the lock, as _unwritten is: a temp file is in statvfs or in _unwritten, not both.
-        free = free_bytes(self.root)
+        try:
+            free = free_bytes(self.root)
+        except FileNotFoundError:
+            # The whole cache dir was removed under the mount (`rm -rf CACHE`): every put failed (a write episode),
+            # for good where nothing else made it again.
+            self._remake_shard(None)
+            free = free_bytes(self.root)
         short_of_free = self.min_free_bytes + self._unwritten + file_size - free
         if max(over_limit, short_of_free) <= self.stats.bytes_used:
             self._evict_locked(max(over_limit, short_of_free))
@@ -616,15 +622,17 @@ class DiskCache:
             self._unwritten -= data_offset(len(header)) + len(data)
         return tmp_path
 
-    def _remake_shard(self, shard: str) -> None:
-        """`shard`, or `chunks/` itself, was removed under the mount (an operator's `rm -rf CACHE/chunks/*`): every
-        put failed until the next mount. Made again, never through a symlink."""
+    def _remake_shard(self, shard: str | None) -> None:
+        """`shard` (every shard if None), `chunks/` or the cache dir itself was removed under the mount (an operator's
+        `rm -rf CACHE/chunks/*`): every put failed until the next mount. Made again, never through a symlink, and 0700
+        as at open (the cache dir came back with the umask's mode)."""
+        os.makedirs(self.root, mode=0o700, exist_ok=True)
         os.makedirs(self._chunks_dir, mode=0o700, exist_ok=True)
         real_dir(self._chunks_dir)
         self._make_shards(shard)
         (log.debug if self._remade_logged else log.info)(
             "disk cache %s: %s was removed under the mount; made again (and so any other directory of it)",
-            self.root, shard)
+            self.root, shard or self.root)
         self._remade_logged = True
 
     def _write_failed(self, err: OSError) -> None:

@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import os
 import shutil
+import stat
 from pathlib import Path
 
 from fsmount.data import disk_cache
 from fsmount.data.cache_dir import CHUNKS_DIR
 from fsmount.data.disk_cache import DiskCache
-from tests.unit.test_disk_cache import BIG, chunk_file_of, chunk_id, payload
+from tests.unit.test_disk_cache import BIG, chunk_file_of, chunk_id, payload, warnings_from_cache
 
 
 def test_chunk_files_removed_by_hand_are_no_longer_counted(tmp_path: Path) -> None:
@@ -46,3 +47,18 @@ def test_forgetting_removed_chunks_is_bounded_per_call(tmp_path: Path, monkeypat
             os.unlink(chunk_file_of(cache, chunk_id(i)))
         assert [cache.forget_removed() for _ in range(4)] == [4, 4, 1, 0]
         assert cache.stats.chunks == 1 and cache.get(chunk_id(9)) == payload(chunk_id(9))
+
+
+def test_a_cache_dir_removed_whole_under_a_live_cache_is_made_again(tmp_path: Path, caplog) -> None:  # noqa: ANN001
+    """`rm -rf CACHE` while mounted: the next put failed on the dir's free space (ENOENT), a write episode with its
+    warning, and so did every retry after it, for good on a node whose learnt names no longer changed (their save alone
+    made the dir again). Now it is made again, 0700 as a new cache dir is, as `chunks/` is."""
+    root = tmp_path / "c"
+    with DiskCache(root, BIG, min_free_bytes=0) as cache:
+        cache.put(chunk_id(1), payload(chunk_id(1)))
+        shutil.rmtree(root)
+        assert cache.get(chunk_id(1)) is None
+        cache.put(chunk_id(2), payload(chunk_id(2)))
+        assert cache.get(chunk_id(2)) == payload(chunk_id(2))
+        assert cache.stats.write_errors == 0 and not warnings_from_cache(caplog)
+        assert stat.S_IMODE(os.stat(root).st_mode) == 0o700

@@ -34,9 +34,9 @@ def test_chunks_removed_by_hand_under_a_mount_are_no_longer_counted(s3: S3Server
                                                                    tmp_path: Path) -> None:
     """`rm -rf CACHE/chunks` to free the disk while mounted (`modelfs cache clear` refuses then): `modelfs stats` and
     `modelfs_disk_cache_used_bytes` went on saying the cache held the chunks, until each was read again or evicted.
-    Readers get the bytes from the origin meanwhile, and the cache fills again."""
+    Readers get the bytes from the origin meanwhile, and the cache fills again, also after an `rm -rf CACHE`."""
     data = random_bytes(20 * MiB, seed=7)
-    bucket = bucket_with(s3, {"m/a.bin": data})
+    bucket = bucket_with(s3, {"m/a.bin": data, "b.bin": data[::-1]})
     cache, port = tmp_path / "cache", free_port()
     with mounted(s3, bucket, mountpoint, "--cache-dir", str(cache), "--metrics-addr", f"127.0.0.1:{port}"):
         assert (mountpoint / "m/a.bin").read_bytes() == data
@@ -47,6 +47,11 @@ def test_chunks_removed_by_hand_under_a_mount_are_no_longer_counted(s3: S3Server
                  lambda st: (st["chunks"], st["bytes_used"]) == (0, 0), timeout=20)
         assert metric(port, "modelfs_disk_cache_used_bytes") == 0
         assert metric(port, "modelfs_disk_cache_chunks") == 0
+        # The whole cache dir (B56): made again by the next put, without a warning (`mounted` checks the log).
+        shutil.rmtree(cache)
+        assert (mountpoint / "b.bin").read_bytes() == data[::-1]
+        assert run_modelfs("prefetch", str(mountpoint / "b.bin")).returncode == 0
+        assert mount_stats(mountpoint)["disk_cache"]["chunks"] == 3 and len(list(cache.glob("chunks/*/*"))) == 3
 
 
 def test_a_log_file_whose_directory_was_removed_does_not_take_the_mount_down(moto_server: S3Server, mountpoint: Path,

@@ -298,8 +298,9 @@ class DiskCache:
             before = self.stats.bytes_used
             self._evict_locked(short_of_free)
             evicted = before - self.stats.bytes_used
-        log.info("disk cache %s: %d bytes evicted to keep %d bytes free (something else fills its filesystem)",
-                 self.root, evicted, self.min_free_bytes)
+        if evicted:  # chunk files it cannot remove (another owner's) evict nothing: said every 5 s, for good
+            log.info("disk cache %s: %d bytes evicted to keep %d bytes free (something else fills its filesystem)",
+                     self.root, evicted, self.min_free_bytes)
         return evicted
 
     def forget_removed(self) -> int:

@@ -3,6 +3,7 @@ cron `find CACHE -mtime +7 -delete`): what it counts must follow what the disk h
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import stat
@@ -62,3 +63,20 @@ def test_a_cache_dir_removed_whole_under_a_live_cache_is_made_again(tmp_path: Pa
         assert cache.get(chunk_id(2)) == payload(chunk_id(2))
         assert cache.stats.write_errors == 0 and not warnings_from_cache(caplog)
         assert stat.S_IMODE(os.stat(root).st_mode) == 0o700
+
+
+def test_a_floor_check_that_evicts_nothing_says_nothing(tmp_path: Path, caplog, monkeypatch) -> None:  # noqa: ANN001
+    """Chunk files the daemon cannot remove (a cache dir restored from a backup with another owner) on a disk something
+    else filled: every floor check (every 5 s) logged "0 bytes evicted to keep ... free", for good."""
+    with DiskCache(tmp_path / "c", BIG, min_free_bytes=0) as cache:
+        cache.put(chunk_id(1), payload(chunk_id(1)))
+        cache.min_free_bytes = BIG  # something else filled the disk
+
+        def refused(path: object, **kwargs: object) -> None:
+            raise PermissionError(13, "Permission denied", path)
+
+        monkeypatch.setattr(os, "unlink", refused)
+        caplog.set_level(logging.INFO, logger="fsmount.data.disk_cache")
+        assert [cache.keep_free() for _ in range(3)] == [0, 0, 0]
+        monkeypatch.undo()
+        assert cache.stats.chunks == 1 and not [r for r in caplog.records if "evicted" in r.getMessage()]

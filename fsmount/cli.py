@@ -720,9 +720,13 @@ def cmd_cleanup(args: argparse.Namespace) -> int:
 
 def cmd_cache(args: argparse.Namespace) -> int:
     from fsmount.data import CHUNKS_DIR, CacheDirBusy, cache_clear, cache_stats, cache_verify
+    from fsmount.data.cache_dir import LOCK_FILE
     from fsmount.stats_table import human_size
 
-    if not os.path.isdir(os.path.join(args.cache_dir, CHUNKS_DIR)):
+    # Its `lock` alone says so too: `rm -rf CACHE/chunks` under a live mount (which makes it again at its next put)
+    # left a cache dir that `cache stats` called none.
+    if not (os.path.isdir(os.path.join(args.cache_dir, CHUNKS_DIR)) or
+            os.path.isfile(os.path.join(args.cache_dir, LOCK_FILE))):
         return fail(f"{args.cache_dir} is not a modelfs cache directory")
     try:
         if args.action == "stats":

@@ -697,6 +697,17 @@ def test_cleanup_without_credentials_says_what_cleanup_takes(monkeypatch: pytest
     assert "no credentials found" in err and "--no-sign-request" not in err and len(err.splitlines()) == 1, err
 
 
+def test_cache_stats_of_a_cache_dir_whose_chunks_were_removed(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:  # noqa: ANN001
+    """`rm -rf CACHE/chunks` under a live mount (to free the disk): `modelfs cache stats CACHE` said "not a modelfs
+    cache directory" (exit 1) until the mount's next put made `chunks/` again. Its `lock` says it is one."""
+    (tmp_path / "lock").write_text("12345\n")
+    assert cli.main(["cache", "stats", str(tmp_path)]) == 0
+    assert capsys.readouterr().out.splitlines()[:2] == ["chunks          0", "bytes           0 (0 B)"]
+    (tmp_path / "lock").unlink()
+    assert cli.main(["cache", "stats", str(tmp_path)]) == 1
+    assert "is not a modelfs cache directory" in capsys.readouterr().err
+
+
 def test_ctrl_c_in_cache_commands_and_stats_is_one_line_and_exit_130(
         tmp_path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:  # noqa: ANN001
     """`modelfs cache verify` of a big cache and `modelfs stats` of a hung daemon (it waits 10 s) ended Ctrl-C with a

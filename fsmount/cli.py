@@ -719,8 +719,7 @@ def cmd_cleanup(args: argparse.Namespace) -> int:
 
 
 def cmd_cache(args: argparse.Namespace) -> int:
-    from fsmount.data import CHUNKS_DIR, CacheDirBusy, cache_clear, cache_stats, cache_verify
-    from fsmount.data.cache_dir import LOCK_FILE
+    from fsmount.data import CHUNKS_DIR, LOCK_FILE, CacheDirBusy, cache_clear, cache_stats, cache_verify
     from fsmount.stats_table import human_size
 
     # Its `lock` alone says so too: `rm -rf CACHE/chunks` under a live mount (which makes it again at its next put)

@@ -228,7 +228,7 @@ def mounts_of(paths: list[str]) -> list[str]:
 
 def unwritten(paths: list[str]) -> int:
     """Chunks the daemons of the mounts holding `paths` have failed to write to a cache level so far (the NVMe
-    cache's write errors, the shared tier's, and chunks the tier was skipped for while failing or refusing
+    cache's write errors, the shared tier's, and chunks each level was skipped for while failing or refusing
     writes): a prefetch that adds to it did not warm the caches it was run for."""
     from fsmount.stats_table import StatsUnavailable, read_stats
 
@@ -238,7 +238,10 @@ def unwritten(paths: list[str]) -> int:
             s = read_stats(mount)
         except StatsUnavailable:
             continue  # not a (live) modelfs mount: what warms it says so
-        levels = (("disk_cache", ("write_errors",)), ("shared_cache", ("chunk_write_errors", "writes_skipped")))
+        # The NVMe cache's skipped writes too: while its writes pause after a failure (a full disk), every chunk is
+        # skipped, and a prefetch then said it warmed a cache that got none of them.
+        levels = (("disk_cache", ("write_errors", "writes_skipped")),
+                  ("shared_cache", ("chunk_write_errors", "writes_skipped")))
         for level, keys in levels:
             if s.get(level):
                 total += sum(int(s[level].get(k, 0)) for k in keys)

@@ -111,7 +111,7 @@ class StatsCollector:
         dc = s["disk_cache"]
         if dc is not None:
             for name in ("hits", "misses", "corrupt", "other_format", "read_errors", "write_errors", "lock_timeouts",
-                         "evictions", "writes"):
+                         "evictions", "writes", "writes_skipped"):
                 yield CounterMetricFamily(f"modelfs_disk_cache_{name}", f"NVMe chunk cache {name.replace('_', ' ')}",
                                           value=dc[name])
             yield GaugeMetricFamily("modelfs_disk_cache_hit_ratio", "NVMe chunk cache hits / lookups",

@@ -142,6 +142,8 @@ class MountStats:
                 "corrupt": ds.corrupt, "other_format": ds.other_format,
                 "read_errors": ds.read_errors, "write_errors": ds.write_errors,
                 "lock_timeouts": ds.lock_timeouts, "evictions": ds.evictions, "writes": ds.writes,
+                # Chunks not written: while writes pause after a failed one (a full disk), or without room.
+                "writes_skipped": ds.writes_skipped,
                 "bytes_used": ds.bytes_used, "max_bytes": self.disk_cache.max_bytes, "chunks": ds.chunks,
             }
         if self.shared_tier is not None:

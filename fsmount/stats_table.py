@@ -128,7 +128,9 @@ def format_stats(s: dict[str, Any], mountpoint: str) -> str:
         used = ratio(dc["bytes_used"], dc["max_bytes"])
         rows += [
             ("NVMe cache", f"{human_size(dc['bytes_used'])} of {human_size(dc['max_bytes'])} ({_percent(used)}), "
-                           f"{dc['chunks']} chunks"),
+                           f"{dc['chunks']} chunks"
+                           + (f", {dc['writes_skipped']} not written (writes paused after a failure, or no room)"
+                              if dc.get("writes_skipped") else "")),
             ("NVMe cache lookups", f"{dc['hits']} hits, {dc['misses']} misses ({_percent(dc['hit_ratio'])} hit), "
                                    f"{dc['evictions']} evictions"),
         ]

@@ -3,6 +3,7 @@ its numbers. Each test is a defect such an operator hit."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -19,6 +20,7 @@ from tests.helpers import (
     mounted,
     random_bytes,
     run_modelfs,
+    tmpfs,
     unmount,
     wait_for,
 )
@@ -129,3 +131,29 @@ def test_a_mount_after_a_lazy_unmount_says_what_still_holds_the_cache_dir(moto_s
         assert res.returncode == 0, res.stderr
     finally:
         unmount(mountpoint)
+
+
+def test_prefetch_onto_a_full_cache_disk_does_not_say_it_warmed_it(moto_server: S3Server, mountpoint: Path,
+                                                                  tmp_path: Path) -> None:
+    """The cache disk filled by something else, after one chunk's write failed: writes pause 30 s (one warning), and
+    every chunk fetched meanwhile is skipped. `modelfs prefetch` counted only the write errors, so it exited 0, the
+    model "warmed", with nothing of it in the NVMe cache (an mmap loader started on that word then needs the origin
+    after all). It fails now, naming the chunks not written; `modelfs stats` and Prometheus count them."""
+    data = random_bytes(16 * MiB, seed=5)
+    bucket = bucket_with(moto_server, {"a.bin": data[:8 * MiB], "m/b.bin": data})
+    port = free_port()
+    with tmpfs(tmp_path / "fs", "size=64m") as fs:
+        with mounted(moto_server, bucket, mountpoint, "--cache-dir", str(fs / "cache"), "--metrics-addr",
+                     f"127.0.0.1:{port}", allowed=(r"disk cache .*: write failed",)):
+            with open(fs / "filler", "wb", buffering=0) as filler, contextlib.suppress(OSError):
+                while True:  # something else fills the cache's disk
+                    filler.write(b"\0" * MiB)
+            assert (mountpoint / "a.bin").read_bytes() == data[:8 * MiB]  # its chunk's write fails: writes pause
+            wait_for("the failed write", lambda: mount_stats(mountpoint)["disk_cache"]["write_errors"],
+                     lambda n: n == 1)
+            res = run_modelfs("prefetch", str(mountpoint / "m"))
+            assert res.returncode == 1 and "2 fetched chunks were not written to a cache level" in res.stderr, res
+            assert mount_stats(mountpoint)["disk_cache"]["writes_skipped"] == 2
+            assert metric(port, "modelfs_disk_cache_writes_skipped_total") == 2
+            assert "2 not written (writes paused after a failure, or no room)" in \
+                run_modelfs("stats", str(mountpoint)).stdout

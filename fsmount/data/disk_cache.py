@@ -211,6 +211,7 @@ class DiskCache:
         # root or a directory other services share (`--cache-dir /nvme`), and its owner chose who enters it.
         os.makedirs(self.root, mode=0o700, exist_ok=True)
         self._lock_fd = acquire_dir_lock(self.root)
+        self._dev = os.stat(self.root).st_dev  # its filesystem: directories removed are made again only there
         try:
             os.makedirs(self._chunks_dir, mode=0o700, exist_ok=True)
             real_dir(self._chunks_dir)  # not a symlink out of the cache dir (chmod below would follow it too)
@@ -627,6 +628,14 @@ class DiskCache:
         """`shard` (every shard if None), `chunks/` or the cache dir itself was removed under the mount (an operator's
         `rm -rf CACHE/chunks/*`): every put failed until the next mount. Made again, never through a symlink, and 0700
         as at open (the cache dir came back with the umask's mode)."""
+        # Not on another filesystem: a cache disk unmounted lazily under the mount leaves the path on the one below
+        # it (the root filesystem), which the cache, sized for the disk, would fill.
+        existing = self._chunks_dir
+        while not os.path.lexists(existing):
+            existing = os.path.dirname(existing)
+        if os.stat(existing).st_dev != self._dev:
+            raise OSError(errno.ENODEV, f"{existing} is no longer on the cache dir's filesystem (was its disk "
+                                        "unmounted?): the cache's directories are not made again there")
         os.makedirs(self.root, mode=0o700, exist_ok=True)
         os.makedirs(self._chunks_dir, mode=0o700, exist_ok=True)
         real_dir(self._chunks_dir)

@@ -12,6 +12,7 @@ from pathlib import Path
 from fsmount.data import disk_cache
 from fsmount.data.cache_dir import CHUNKS_DIR
 from fsmount.data.disk_cache import DiskCache
+from tests.helpers import tmpfs
 from tests.unit.test_disk_cache import BIG, chunk_file_of, chunk_id, payload, warnings_from_cache
 
 
@@ -80,3 +81,17 @@ def test_a_floor_check_that_evicts_nothing_says_nothing(tmp_path: Path, caplog, 
         assert [cache.keep_free() for _ in range(3)] == [0, 0, 0]
         monkeypatch.undo()
         assert cache.stats.chunks == 1 and not [r for r in caplog.records if "evicted" in r.getMessage()]
+
+
+def test_directories_removed_are_not_made_again_on_another_filesystem(tmp_path: Path, caplog,  # noqa: ANN001
+                                                                      allowed_logs) -> None:
+    """The cache disk unmounted lazily under the mount (`umount -l /nvme`): the cache dir's path then leads to the
+    filesystem below it, and making the cache's directories again there would fill the node's root disk with a cache
+    sized for the NVMe. Those puts fail instead (a write episode, one warning)."""
+    allowed_logs.append(r"write failed")
+    with tmpfs(tmp_path / "fs", "size=16m") as fs:  # its umount is lazy: the cache holds the dir's lock
+        cache = DiskCache(fs / "c", BIG, min_free_bytes=0)
+    with cache:  # `fs` unmounted: fs/c is now a path on the filesystem below it, and absent
+        cache.put(chunk_id(1), payload(chunk_id(1)))
+        assert cache.stats.write_errors == 1 and not (fs / "c").exists()
+        assert "no longer on the cache dir's filesystem" in warnings_from_cache(caplog)[0].getMessage()

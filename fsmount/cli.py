@@ -719,14 +719,32 @@ def cmd_cleanup(args: argparse.Namespace) -> int:
 
 
 def cmd_cache(args: argparse.Namespace) -> int:
-    from fsmount.data import CHUNKS_DIR, LOCK_FILE, CacheDirBusy, cache_clear, cache_stats, cache_verify
-    from fsmount.stats_table import human_size
+    from fsmount.data import CHUNKS_DIR, LOCK_FILE
 
     # Its `lock` alone says so too: `rm -rf CACHE/chunks` under a live mount (which makes it again at its next put)
     # left a cache dir that `cache stats` called none.
     if not (os.path.isdir(os.path.join(args.cache_dir, CHUNKS_DIR)) or
             os.path.isfile(os.path.join(args.cache_dir, LOCK_FILE))):
         return fail(f"{args.cache_dir} is not a modelfs cache directory")
+    # What the cache dir's code says at info level, on stderr: a wait of up to a minute for the daemon of a mount just
+    # unmounted to finish its writes, entries of writes/ left alone. With no logging set up in the CLI it went nowhere,
+    # and `clear` right after an unmount sat silent as if hung.
+    said = logging.StreamHandler(sys.stderr)
+    said.setFormatter(logging.Formatter("modelfs: %(message)s"))
+    data_log = logging.getLogger("fsmount.data.cache_dir")
+    data_log.addHandler(said)
+    data_log.setLevel(logging.INFO)
+    try:
+        return _cache_action(args)
+    finally:
+        data_log.removeHandler(said)
+        data_log.setLevel(logging.NOTSET)
+
+
+def _cache_action(args: argparse.Namespace) -> int:
+    from fsmount.data import CacheDirBusy, cache_clear, cache_stats, cache_verify
+    from fsmount.stats_table import human_size
+
     try:
         if args.action == "stats":
             st = cache_stats(args.cache_dir)

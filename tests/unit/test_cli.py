@@ -708,6 +708,28 @@ def test_cache_stats_of_a_cache_dir_whose_chunks_were_removed(tmp_path, capsys: 
     assert "is not a modelfs cache directory" in capsys.readouterr().err
 
 
+def test_cache_clear_says_it_waits_for_the_daemon_of_a_mount_just_unmounted(
+        tmp_path, capsys: pytest.CaptureFixture[str]) -> None:  # noqa: ANN001
+    """`modelfs unmount X && modelfs cache clear CACHE`: the daemon, unmounted, still writes what it fetched, and clear
+    waits for it (up to a minute). It said so only to a logger the CLI never set up: it sat silent, as if hung."""
+    import threading
+
+    from fsmount.data.cache_dir import acquire_dir_lock, mark_draining, release_dir_lock
+
+    (tmp_path / "chunks").mkdir()
+    held = acquire_dir_lock(str(tmp_path))  # the daemon's, draining
+    mark_draining(str(tmp_path))
+    done = threading.Timer(0.5, release_dir_lock, (held,))
+    done.start()
+    try:
+        assert cli.main(["cache", "clear", str(tmp_path)]) == 0
+    finally:
+        done.join()
+    out = capsys.readouterr()
+    assert out.out == "removed 0 chunk files\n"
+    assert out.err.startswith(f"modelfs: cache dir {tmp_path}: waiting for the daemon of the mount before (pid "), out
+
+
 def test_ctrl_c_in_cache_commands_and_stats_is_one_line_and_exit_130(
         tmp_path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:  # noqa: ANN001
     """`modelfs cache verify` of a big cache and `modelfs stats` of a hung daemon (it waits 10 s) ended Ctrl-C with a

@@ -78,7 +78,6 @@ def test_a_log_file_whose_directory_was_removed_does_not_take_the_mount_down(mot
         wait_for("a new log file", lambda: (logs / "modelfs.log").exists() and "received SIGHUP" in
                  (logs / "modelfs.log").read_text())
         assert (mountpoint / "a.bin").read_bytes() == b"a" * 100
-        assert (logs / "modelfs.log").read_text().count("received SIGHUP") == 1  # the two before it are dropped
     finally:
         unmount(mountpoint)
 

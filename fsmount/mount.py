@@ -219,8 +219,8 @@ class LogFile(logging.handlers.WatchedFileHandler):
         elif not self._failing:
             self._failing = True
             err = self._failed
-            try:
-                print(f"modelfs: cannot write the log file {self.baseFilename} "
+            try:  # a warning to the journal (its priority prefix), where systemd connected stderr to it
+                print(f"{'<4>' if stderr_is_journal() else ''}modelfs: cannot write the log file {self.baseFilename} "
                       f"({getattr(err, 'strerror', None) or err}); its lines are dropped until it can be",
                       file=sys.stderr, flush=True)
             except (OSError, ValueError):

@@ -50,3 +50,18 @@ def test_a_full_log_disk_is_said_once_not_a_traceback_per_line(capsys: pytest.Ca
     err = capsys.readouterr().err
     assert err.count("cannot write the log file /dev/full (No space left on device)") == 1
     assert "Traceback" not in err and "Logging error" not in err
+
+
+def test_under_systemd_the_dropped_lines_are_said_as_a_warning(monkeypatch: pytest.MonkeyPatch,
+                                                               capsys: pytest.CaptureFixture[str]) -> None:
+    """stderr connected to the journal: the line carries the warning priority, as the daemon's own log lines do."""
+    import fsmount.mount
+
+    monkeypatch.setattr(fsmount.mount, "stderr_is_journal", lambda: True)
+    handler = LogFile("/dev/full")
+    try:
+        handler.handle(line("x"))
+    finally:
+        with contextlib.suppress(OSError):
+            handler.close()
+    assert capsys.readouterr().err.startswith("<4>modelfs: cannot write the log file /dev/full")

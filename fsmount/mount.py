@@ -871,7 +871,7 @@ class Daemon:
             async for signum in _chain(self.early_stops, signals):
                 if signum == signal.SIGHUP:
                     # What logrotate's postrotate and `systemctl reload` send: the log file is reopened
-                    # (WatchedFileHandler does that by itself); a mount in use must not go away. Its options stay
+                    # (LogFile does that by itself, at each line); a mount in use must not go away. Its options stay
                     # as they were: an operator who edited the config and reloaded would otherwise think it applied.
                     log.info("received SIGHUP: still mounted, the log file is reopened when it moves; the options "
                              "are not read again (a restart of the mount applies a changed configuration)")

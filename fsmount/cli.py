@@ -719,12 +719,9 @@ def cmd_cleanup(args: argparse.Namespace) -> int:
 
 
 def cmd_cache(args: argparse.Namespace) -> int:
-    from fsmount.data import CHUNKS_DIR, LOCK_FILE
+    from fsmount.data import is_cache_dir
 
-    # Its `lock` alone says so too: `rm -rf CACHE/chunks` under a live mount (which makes it again at its next put)
-    # left a cache dir that `cache stats` called none.
-    if not (os.path.isdir(os.path.join(args.cache_dir, CHUNKS_DIR)) or
-            os.path.isfile(os.path.join(args.cache_dir, LOCK_FILE))):
+    if not is_cache_dir(args.cache_dir):
         return fail(f"{args.cache_dir} is not a modelfs cache directory")
     # What the cache dir's code says at info level, on stderr: a wait of up to a minute for the daemon of a mount just
     # unmounted to finish its writes, entries of writes/ left alone. With no logging set up in the CLI it went nowhere,

@@ -22,12 +22,12 @@ from fsmount.data.budget import MemoryBudget
 from fsmount.data.cache_admin import cache_clear, cache_stats, cache_verify
 from fsmount.data.cache_dir import (
     CHUNKS_DIR,
-    LOCK_FILE,
     NAMES_DIR,
     WRITES_DIR,
     CacheDirBusy,
     cache_bytes,
     free_bytes,
+    is_cache_dir,
     sweep_staged_writes,
 )
 from fsmount.data.chunk_file import ALIGN, pwrite_all, round_up
@@ -84,6 +84,6 @@ __all__ = [
     "MIN_PART_SIZE",
     "PendingUpload", "COPY_OBJECT_MAX", "Uploads", "new_buffer", "pwrite_all", "round_up",
     "UNREACHABLE_RETRY_S", "wait_to_retry", "WRITES_DIR", "NAMES_DIR", "sweep_staged_writes", "DISK_THREADS",
-    "LOCK_FILE",
+    "is_cache_dir",
     "PUT_THREADS", "OutOfResources", "multipart_etag", "put_etag", "within",
 ]

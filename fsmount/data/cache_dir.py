@@ -286,6 +286,15 @@ def _check_ours(lock_fd: int, path: str) -> None:
                                     f"away, or use another cache dir")
 
 
+def is_cache_dir(root: str) -> bool:
+    """Whether `root` is a cache dir: it has `chunks/`, or a `lock` that names a modelfs holder (an operator's
+    `rm -rf CACHE/chunks` under a live mount, which makes it again at its next put, left only that)."""
+    if os.path.isdir(os.path.join(root, CHUNKS_DIR)):
+        return True
+    text = _holder(os.path.join(root, LOCK_FILE))
+    return bool(text) and all(_LOCK_LINE.fullmatch(line) for line in text.splitlines())
+
+
 def _holder(path: str) -> str:
     """What the holder wrote in `lock`: its pid, and DRAINING after it if so."""
     try:

@@ -338,8 +338,12 @@ class Boto3Store:
                 return
 
     def has_children(self, prefix: str) -> bool:
+        # Delimited, as the listings are: SeaweedFS keeps a folder whose keys were all deleted, and names it in its
+        # parent's delimited listing and in its own (as the object `prefix`), but not in an undelimited one, so a
+        # lookup called ENOENT a directory `ls` showed. On S3 both find the same keys.
         try:
-            resp = self._client.list_objects_v2(Bucket=self.bucket, Prefix=prefix, MaxKeys=1, EncodingType="url")
+            resp = self._client.list_objects_v2(Bucket=self.bucket, Prefix=prefix, Delimiter="/", MaxKeys=1,
+                                                EncodingType="url")
         except Exception as exc:  # noqa: BLE001
             raise translate_error(exc, self.bucket, f"listing {prefix!r}") from None
         return bool(resp.get("KeyCount") or resp.get("Contents") or resp.get("CommonPrefixes"))

@@ -181,7 +181,8 @@ class ObjectStore(Protocol):
         ...
 
     def has_children(self, prefix: str) -> bool:
-        """Whether any key starts with `prefix` (which ends with '/')."""
+        """Whether any key starts with `prefix` (which ends with '/'), or the server's delimited listings name a
+        folder there (SeaweedFS keeps one whose keys were all deleted): a directory, as the parent's listing says."""
         ...
 
     def get_range(self, key: str, etag: str, start: int, end: int,

@@ -1,0 +1,52 @@
+"""S3-compatible servers that are not AWS: what they answer differently, through a real mount.
+
+SeaweedFS (a real server, `seaweed_server`) for what it does of itself; the fault proxy for answers no server
+here gives (tests/helpers.py, fsmount/testing/fault_proxy.py).
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import S3Server, mounted, new_bucket, put_objects
+
+
+def test_a_folder_left_by_deleted_keys_is_a_directory_to_lookups_as_to_listings(s3: S3Server, tmp_path: Path) -> None:
+    """SeaweedFS keeps a folder after its last key is deleted, and its delimited listings name it: `ls` showed it,
+    while a lookup that no cached listing answered was ENOENT (its one-key listing without a delimiter finds nothing
+    there), so `stat`, `cd`, `os.walk` and `find` failed on a name `ls` had just printed. Whatever the server keeps,
+    a lookup and the parent's listing agree; on moto (AWS) a prefix whose keys are all gone is nothing."""
+    bucket = new_bucket(s3)
+    put_objects(s3, bucket, {"a/gone/x": b"1", "a/nested/deep/y": b"2", "a/kept/z": b"3"})
+    client = s3.client()
+    client.delete_object(Bucket=bucket, Key="a/gone/x")
+    client.delete_object(Bucket=bucket, Key="a/nested/deep/y")
+    with mounted(s3, bucket, tmp_path / "mnt", "--metadata-ttl", "0") as m:
+        # Asked by name first, on a fresh mount: no listing of `a` to answer from.
+        looked_up = {}
+        for name in ("gone", "nested", "kept"):
+            try:
+                looked_up[name] = os.stat(m.path / "a" / name).st_mode
+            except FileNotFoundError:
+                looked_up[name] = None
+        listed = {e.name: e.is_dir() for e in os.scandir(m.path / "a")}
+        assert set(listed) == {name for name, mode in looked_up.items() if mode is not None}, (listed, looked_up)
+        assert all(listed.values()), listed
+        assert "kept" in listed
+        # Every directory the listing names can be entered and walked, nothing is an error.
+        errors: list[OSError] = []
+        walked = {os.path.relpath(top, m.path) for top, _, _ in os.walk(m.path, onerror=errors.append)}
+        assert not errors, errors
+        assert {"a", "a/kept"} <= walked
+        if "nested" in listed:  # SeaweedFS: a folder holding only an emptied folder
+            assert {"a/nested", "a/nested/deep"} <= walked
+            assert os.listdir(m.path / "a" / "nested" / "deep") == []
+        if s3.name == "moto":
+            assert set(listed) == {"kept"}
+            with pytest.raises(OSError) as gone:
+                os.stat(m.path / "a" / "gone")
+            assert gone.value.errno == errno.ENOENT

@@ -37,6 +37,7 @@ import cachetools
 import trio
 
 from fsmount.data import (
+    AccessDenied,
     ListingPage,
     ObjectMeta,
     ObjectStore,
@@ -257,6 +258,7 @@ class Namespace:
         self._negative: cachetools.TTLCache[str, bool] = cachetools.TTLCache(NEGATIVE_CACHE_ENTRIES, ttl)
         self._skips_logged: cachetools.LRUCache[str, bool] = cachetools.LRUCache(SKIP_LOG_MEMORY)
         self._stale_logged = False
+        self._denied_logged = False  # a HEAD of a known file refused (`refresh`) was logged as a warning
         # The same listing dicts as `_listings`, kept past their TTL for outages (no extra copies).
         self._last_listings: cachetools.LRUCache[str, Listing] = cachetools.LRUCache(
             maxsize=LISTING_CACHE_ENTRIES, getsizeof=lambda entries: max(1, len(entries)))
@@ -368,17 +370,30 @@ class Namespace:
 
     # -- versions ------------------------------------------------------------------------------
 
-    async def refresh(self, node: Node) -> Node:
+    async def refresh(self, node: Node, *, opening: bool = False) -> Node:
         """Make a file node's size/etag at most `ttl` old (HEAD). A key replaced or deleted in the bucket leaves
         the node as it was, superseded: descriptors open on it keep their attributes (an fstat, and the GETATTR
         the kernel sends before a read once attributes are old) and read what is cached of it, as those of an
         unlinked file do; opens of it get ESTALE, and the path's next lookup what the bucket holds now. (A
-        deletion answered ENOENT here: read() and fstat() on a file held open failed with ENOENT.)"""
+        deletion answered ENOENT here: read() and fstat() on a file held open failed with ENOENT.)
+        A HEAD refused (AccessDenied: credentials expired or rotated, a policy changed since the mount) leaves a
+        known version's attributes as they were too, and asked again next time, as a local file's descriptor
+        outlives a chmod: fstat() and read() of pages the kernel held failed with EACCES. Not for an open
+        (`opening`), which is refused."""
         now = time.monotonic()
         if node.is_dir or node.writing or now < node.fresh_until or now < node.confirmed_at + ONE_CALL_S:
             return node
-        # Opens of one file at once (8 ranks and a shard) share one HEAD, as lookups of one name do.
-        return await _shared(self._refreshing_now, str(node.ino), lambda: self._refresh(node))
+        try:
+            # Opens of one file at once (8 ranks and a shard) share one HEAD, as lookups of one name do.
+            return await _shared(self._refreshing_now, str(node.ino), lambda: self._refresh(node))
+        except AccessDenied as exc:
+            if opening or not node.etag:
+                raise
+            log.log(logging.DEBUG if self._denied_logged else logging.WARNING, "%s; %s keeps its attributes for "
+                    "the descriptors open on it%s", exc.message, node.path,
+                    "" if self._denied_logged else " (further such refusals are logged at debug level)")
+            self._denied_logged = True
+            return node
 
     async def _refresh(self, node: Node) -> Node:
         asked = time.monotonic()
@@ -451,7 +466,7 @@ class Namespace:
         node = self.node(ino)
         if node.is_dir:
             raise PathError(errno.EISDIR)
-        node = await self.refresh(node)
+        node = await self.refresh(node, opening=True)
         if node.superseded:
             raise PathError(errno.ESTALE)
         return node.version(self.prefix)

@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import errno
 import os
+import time
 from pathlib import Path
 
 import pytest
 
-from tests.helpers import S3Server, mounted, new_bucket, put_objects
+from fsmount.testing.fault_proxy import Fault, FaultProxy
+from tests.helpers import S3Server, mounted, mounted_via, new_bucket, put_objects
 
 
 def test_a_folder_left_by_deleted_keys_is_a_directory_to_lookups_as_to_listings(s3: S3Server, tmp_path: Path) -> None:
@@ -50,3 +52,30 @@ def test_a_folder_left_by_deleted_keys_is_a_directory_to_lookups_as_to_listings(
             with pytest.raises(OSError) as gone:
                 os.stat(m.path / "a" / "gone")
             assert gone.value.errno == errno.ENOENT
+
+
+def test_an_open_file_keeps_its_attributes_when_heads_are_refused_after_the_mount(
+        moto_server: S3Server, proxy: FaultProxy, mountpoint: Path) -> None:
+    """Credentials that expire, or a bucket policy changed, after the mount: HEADs answer 403. A descriptor opened
+    before keeps its file's attributes and what is cached of it, as a local file's outlives a chmod: `fstat` of it,
+    and the GETATTR the kernel sends before a read(2) of pages it holds once the attributes are a TTL old, were
+    EACCES. New opens and lookups are refused (EACCES), as is a read that must ask the bucket."""
+    bucket = new_bucket(moto_server)
+    body = os.urandom(3 * 1024 * 1024 + 17)
+    put_objects(moto_server, bucket, {"m/w.bin": body, "m/other.bin": b"other"})
+    with mounted_via(proxy, moto_server, bucket, mountpoint, "--metadata-ttl", "1", "--no-model-prefetch",
+                     allowed=(r"(getattr|open|lookup|read) failed: ", "access denied", "refused")):
+        path = mountpoint / "m" / "w.bin"
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            assert os.pread(fd, len(body) + 1, 0) == body  # all of it cached now (memory, page cache)
+            proxy.inject(Fault.ERROR, status=403, code="AccessDenied", kind="heads")
+            time.sleep(1.2)  # the attributes' TTL, which the kernel and the mount hold them for
+            assert os.pread(fd, 4096, 1024 * 1024) == body[1024 * 1024:1024 * 1024 + 4096]
+            assert os.fstat(fd).st_size == len(body)
+            with pytest.raises(PermissionError):
+                os.open(path, os.O_RDONLY)
+            with pytest.raises(PermissionError):
+                os.stat(mountpoint / "m" / "never-seen.bin")
+        finally:
+            os.close(fd)

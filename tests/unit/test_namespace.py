@@ -15,7 +15,7 @@ import trio
 
 from fsmount import namespace
 from fsmount.config import FOREVER_TTL
-from fsmount.data import ListingPage, ObjectMeta, TimedOut, Unreachable
+from fsmount.data import AccessDenied, ListingPage, ObjectMeta, TimedOut, Unreachable
 from fsmount.namespace import ROOT_INODE, Namespace, PathError
 from tests.helpers import ORIGIN_UNAVAILABLE
 from tests.unit.fake_store import FakeStore
@@ -438,6 +438,31 @@ async def test_known_files_keep_metadata_while_origin_is_down(allowed_logs) -> N
     unknown = make_ns(store, ttl=0)
     with pytest.raises(Unreachable):
         await unknown.lookup(ROOT_INODE, b"f")
+
+
+async def test_a_refused_head_keeps_a_known_files_attributes_but_refuses_its_opens(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, allowed_logs: list[str]) -> None:
+    """Credentials expired after the mount (403 on HEAD): a GETATTR (fstat of a descriptor open on the file) keeps
+    the attributes; an open, and a lookup of a name not known, are EACCES; one warning, then debug lines."""
+    allowed_logs.append("access denied")
+    store = FakeStore()
+    store.put("f", b"12345")
+    ns = make_ns(store, ttl=0)
+    node = await ns.lookup(ROOT_INODE, b"f")
+    monkeypatch.setattr(namespace, "ONE_CALL_S", 0.0)
+
+    def denied(*args: object) -> None:
+        raise AccessDenied("access denied to bucket 'b' (403): check credentials")
+    store.head = store.has_children = store.list_pages = denied  # type: ignore[method-assign]
+    for _ in range(3):
+        node.fresh_until = 0
+        assert (await ns.refresh(node)) is node and node.size == 5 and not node.superseded
+    with pytest.raises(AccessDenied):
+        await ns.open_file(node.ino)
+    with pytest.raises(AccessDenied):
+        await ns.lookup(ROOT_INODE, b"g")
+    warned = [r for r in caplog.records if "access denied" in r.getMessage() and r.levelname == "WARNING"]
+    assert len(warned) == 1, warned
 
 
 async def test_known_names_and_listings_resolve_while_origin_is_down(allowed_logs) -> None:  # noqa: ANN001

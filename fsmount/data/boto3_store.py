@@ -36,6 +36,7 @@ from fsmount.data.store import (
     changed_etag,
     error_for_status,
     local_failure,
+    quoted_etag,
 )
 
 log = logging.getLogger(__name__)
@@ -287,7 +288,8 @@ class Boto3Store:
             if isinstance(err, NotFound):
                 return None
             raise err from None
-        return ObjectMeta(key, int(resp["ContentLength"]), resp.get("ETag", ""), _mtime_ns(resp.get("LastModified")))
+        return ObjectMeta(key, int(resp["ContentLength"]), quoted_etag(resp.get("ETag", "")),
+                          _mtime_ns(resp.get("LastModified")))
 
     def list_pages(self, prefix: str) -> Iterator[ListingPage]:
         token: str | None = None
@@ -311,7 +313,7 @@ class Boto3Store:
                 if isinstance(key, bytes):
                     undecodable.append(key)
                     continue
-                objects.append(ObjectMeta(key, int(item.get("Size", 0)), item.get("ETag", ""),
+                objects.append(ObjectMeta(key, int(item.get("Size", 0)), quoted_etag(item.get("ETag", "")),
                                           _mtime_ns(item.get("LastModified"))))
             for item in resp.get("CommonPrefixes", ()):
                 sub = _decode_key(item["Prefix"], encoded)

@@ -122,6 +122,16 @@ def changed_etag(pinned: str, got: str | None, what: str) -> PreconditionFailed 
                               f"{pinned})")
 
 
+def quoted_etag(etag: str) -> str:
+    """An ETag in the form headers give it, in double quotes (none given stays ''): NetApp ONTAP, and other S3
+    gateways, list ETags without them, and one version's two forms were taken for two versions (a new inode and its
+    chunks fetched again every TTL). The form If-Match sends, too."""
+    etag = etag.strip()
+    if not etag or etag.startswith('"') or etag[:3] in ('W/"', 'w/"'):
+        return etag
+    return f'"{etag}"'
+
+
 def _etag_value(etag: str) -> str:
     etag = etag.strip()
     if etag[:2] in ("W/", "w/"):

@@ -6,15 +6,19 @@ here gives (tests/helpers.py, fsmount/testing/fault_proxy.py).
 
 from __future__ import annotations
 
+import dataclasses
 import errno
+import http.client
 import os
+import re
 import time
 from pathlib import Path
 
 import pytest
 
 from fsmount.testing.fault_proxy import Fault, FaultProxy
-from tests.helpers import S3Server, mounted, mounted_via, new_bucket, put_objects
+from fsmount.testing.http_wire import Request, Response
+from tests.helpers import S3Server, drop_page_cache, mounted, mounted_via, new_bucket, put_objects
 
 
 def test_a_folder_left_by_deleted_keys_is_a_directory_to_lookups_as_to_listings(s3: S3Server, tmp_path: Path) -> None:
@@ -79,3 +83,44 @@ def test_an_open_file_keeps_its_attributes_when_heads_are_refused_after_the_moun
                 os.stat(mountpoint / "m" / "never-seen.bin")
         finally:
             os.close(fd)
+
+
+class UnquotedListingETags(FaultProxy):
+    """A server that lists ETags without their double quotes, while HEAD and GET give them quoted, as NetApp ONTAP
+    does (and a few other S3 gateways)."""
+
+    def _forward(self, req: Request, upstream: http.client.HTTPConnection | None
+                 ) -> tuple[Response, http.client.HTTPConnection]:
+        resp, upstream = super()._forward(req, upstream)
+        if req.kind == "lists":
+            body = re.sub(rb"<ETag>(?:&quot;|&#34;|\")([^<&\"]*)(?:&quot;|&#34;|\")</ETag>", rb"<ETag>\1</ETag>",
+                          resp.body)
+            assert body != resp.body or b"<ETag>" not in body, resp.body[:400]
+            resp = dataclasses.replace(resp, body=body, content_length=None,
+                                       headers=[(k, v) for k, v in resp.headers if k.lower() != "content-length"])
+        return resp, upstream
+
+
+def test_a_version_listed_and_headed_in_two_forms_of_its_etag_is_one_version(moto_server: S3Server,
+                                                                          mountpoint: Path) -> None:
+    """Listed as `abc`, HEADed as `"abc"`: one version, not two. Taken for two, every TTL an unchanged file was
+    found "replaced": its inode number changed (`ls -i`, `find -samefile`, tar's hard-link check), the kernel's
+    pages of it were dropped and its cached chunks, keyed by the ETag, missed: it was fetched again whole."""
+    bucket = new_bucket(moto_server)
+    body = os.urandom(2 * 1024 * 1024 + 5)
+    put_objects(moto_server, bucket, {"m/w.bin": body})
+    with UnquotedListingETags(moto_server.endpoint_url) as proxy, \
+            mounted_via(proxy, moto_server, bucket, mountpoint, "--metadata-ttl", "1", "--no-model-prefetch"):
+        path = mountpoint / "m" / "w.bin"
+        listed = {e.name: e.inode() for e in os.scandir(mountpoint / "m")}  # the entry from the listing
+        assert path.read_bytes() == body
+        first = os.stat(path).st_ino
+        assert listed["w.bin"] == first
+        gets = proxy.counts().get("data_gets", 0)
+        for _ in range(2):
+            time.sleep(1.2)  # a TTL: asked of the bucket again, by name (HEAD), then by a listing
+            assert os.stat(path).st_ino == first
+            drop_page_cache(path)
+            assert path.read_bytes() == body
+            assert {e.name: e.inode() for e in os.scandir(mountpoint / "m")} == {"w.bin": first}
+        assert proxy.counts().get("data_gets", 0) == gets, "an unchanged file was fetched again"

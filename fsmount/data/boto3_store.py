@@ -73,6 +73,28 @@ def _mtime_ns(value: Any) -> int:
         return 0
 
 
+def parse_timestamp(value: Any) -> Any:
+    """botocore's parse of a date (Last-Modified, LastModified, Initiated), or else the e-mail form's parse, which
+    takes what servers send beside the standard (a named zone after a numeric one, `-0000 GMT`; a header sent twice,
+    joined by a comma: its first). botocore's alone failed the HEAD, or a listing of a whole directory, with EIO
+    ("ValueError: Invalid timestamp"). What neither can read still fails so: a made-up date would pass an upload's
+    age check (`modelfs cleanup`)."""
+    import datetime
+    import email.utils
+
+    from botocore.utils import parse_timestamp as botocore_parse
+
+    try:
+        return botocore_parse(value)
+    except ValueError as exc:
+        try:
+            parsed = email.utils.parsedate_to_datetime(str(value))
+        except (TypeError, ValueError):
+            raise exc from None
+        # `-0000` is "zone unknown", which leaves it naive: HTTP dates are GMT, not this machine's local time.
+        return parsed if parsed.tzinfo is not None else parsed.replace(tzinfo=datetime.UTC)
+
+
 def _client_error_code(exc: Exception) -> tuple[str, int, str]:
     response = getattr(exc, "response", None) or {}
     code = str(response.get("Error", {}).get("Code", ""))
@@ -177,12 +199,15 @@ class Boto3Store:
         every byte of a PUT with SHA-256 (the shared tier writes whole chunks: 1.8 of 6.7 daemon CPU-s in
         writing 1.7 GB, measured), and a chunk object carries its own checksum, checked on every read."""
         import boto3
+        import botocore.session
         from botocore import UNSIGNED
         from botocore.config import Config
 
         self.bucket = cfg.bucket
         self._cfg = cfg
-        session = boto3.session.Session(profile_name=cfg.profile) if cfg.profile else boto3.session.Session()
+        core = botocore.session.Session()
+        core.get_component("response_parser_factory").set_parser_defaults(timestamp_parser=parse_timestamp)
+        session = boto3.session.Session(botocore_session=core, profile_name=cfg.profile or None)
         timeout = PREFLIGHT_TIMEOUT if preflight else cfg.connect_timeout
         # `auto` is botocore's own default: left out, so that an AWS config file's `s3 = addressing_style = ...`
         # holds, as it does for boto3 (OSS needs `virtual`, and a profile for it says so).

@@ -124,3 +124,29 @@ def test_a_version_listed_and_headed_in_two_forms_of_its_etag_is_one_version(mot
             assert path.read_bytes() == body
             assert {e.name: e.inode() for e in os.scandir(mountpoint / "m")} == {"w.bin": first}
         assert proxy.counts().get("data_gets", 0) == gets, "an unchanged file was fetched again"
+
+
+class OddLastModified(FaultProxy):
+    """A server whose HEAD sends Last-Modified in a form beside the standard: a numeric zone and a named one."""
+
+    def _forward(self, req: Request, upstream: http.client.HTTPConnection | None
+                 ) -> tuple[Response, http.client.HTTPConnection]:
+        resp, upstream = super()._forward(req, upstream)
+        if req.kind == "heads":
+            resp = dataclasses.replace(resp, headers=[
+                *((k, v) for k, v in resp.headers if k.lower() != "last-modified"),
+                ("Last-Modified", "Thu, 13 Sep 2018 13:28:18 -0000 GMT")])
+        return resp, upstream
+
+
+def test_a_last_modified_in_an_odd_form_is_read_not_eio(moto_server: S3Server, mountpoint: Path) -> None:
+    """`Thu, 13 Sep 2018 13:28:18 -0000 GMT` (a server s4cmd users met): botocore cannot parse it, and every lookup of
+    a file, by HEAD, failed with EIO ("ValueError: Invalid timestamp")."""
+    bucket = new_bucket(moto_server)
+    put_objects(moto_server, bucket, {"m/w.bin": b"weights"})
+    with OddLastModified(moto_server.endpoint_url) as proxy, \
+            mounted_via(proxy, moto_server, bucket, mountpoint, "--no-model-prefetch"):
+        path = mountpoint / "m" / "w.bin"  # by name first: a HEAD, no listing
+        st = os.stat(path)
+        assert st.st_size == 7 and st.st_mtime == 1536845298
+        assert path.read_bytes() == b"weights"

@@ -190,3 +190,21 @@ def test_etags_are_kept_in_the_quoted_form_headers_give() -> None:
     assert quoted_etag(" abc-2 ") == '"abc-2"'
     assert quoted_etag('W/"abc"') == 'W/"abc"'
     assert quoted_etag("") == ""
+
+
+def test_dates_in_forms_beside_the_standard_are_read_and_unreadable_ones_still_fail() -> None:
+    """botocore's parser refused these, and the HEAD or the listing that carried one failed with EIO. What no parser
+    reads still fails: a made-up date would pass `modelfs cleanup`'s age check."""
+    import datetime
+
+    from fsmount.data.boto3_store import parse_timestamp
+
+    when = datetime.datetime(2018, 9, 13, 13, 28, 18, tzinfo=datetime.UTC)
+    assert parse_timestamp("Thu, 13 Sep 2018 13:28:18 GMT") == when
+    assert parse_timestamp("2018-09-13T13:28:18.000Z") == when
+    assert parse_timestamp("Thu, 13 Sep 2018 13:28:18 -0000 GMT") == when  # GMT, not this machine's zone
+    # A header sent twice, joined by a comma: the first.
+    assert parse_timestamp("Thu, 13 Sep 2018 13:28:18 GMT, Fri, 14 Sep 2018 00:00:00 GMT") == when
+    for unreadable in ("", "garbage", "Thu, 31 Feb 2026 00:00:00 GMT"):
+        with pytest.raises(ValueError, match="Invalid timestamp"):
+            parse_timestamp(unreadable)

@@ -31,7 +31,7 @@ def test_a_folder_left_by_deleted_keys_is_a_directory_to_lookups_as_to_listings(
     client = s3.client()
     client.delete_object(Bucket=bucket, Key="a/gone/x")
     client.delete_object(Bucket=bucket, Key="a/nested/deep/y")
-    with mounted(s3, bucket, tmp_path / "mnt", "--metadata-ttl", "0") as m:
+    with mounted(s3, bucket, tmp_path / "mnt", "--metadata-ttl", "0", "--writable", "--allow-delete") as m:
         # Asked by name first, on a fresh mount: no listing of `a` to answer from.
         looked_up = {}
         for name in ("gone", "nested", "kept"):
@@ -51,6 +51,13 @@ def test_a_folder_left_by_deleted_keys_is_a_directory_to_lookups_as_to_listings(
         if "nested" in listed:  # SeaweedFS: a folder holding only an emptied folder
             assert {"a/nested", "a/nested/deep"} <= walked
             assert os.listdir(m.path / "a" / "nested" / "deep") == []
+        if listed.keys() > {"kept"}:
+            # Such a folder is removed as an empty directory is, and its name then takes a file.
+            for gone in ("a/nested/deep", "a/nested", "a/gone"):
+                os.rmdir(m.path / gone)
+            assert os.listdir(m.path / "a") == ["kept"]
+            (m.path / "a" / "gone").write_bytes(b"a file now")
+            assert (m.path / "a" / "gone").read_bytes() == b"a file now"
         if s3.name == "moto":
             assert set(listed) == {"kept"}
             with pytest.raises(OSError) as gone:

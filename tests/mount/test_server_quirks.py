@@ -157,3 +157,16 @@ def test_a_last_modified_in_an_odd_form_is_read_not_eio(moto_server: S3Server, m
         st = os.stat(path)
         assert st.st_size == 7 and st.st_mtime == 1536845298
         assert path.read_bytes() == b"weights"
+
+
+def test_a_key_ending_in_a_slash_that_holds_bytes_is_a_directory_never_a_file(s3: S3Server, tmp_path: Path) -> None:
+    """`dir/` with bytes in it (S3 keeps them; SeaweedFS makes the key a folder and drops them): a directory, alone or
+    with keys under it, whose own bytes no name of the mount serves; never a file, nor an entry of an empty name."""
+    bucket = new_bucket(s3)
+    put_objects(s3, bucket, {"full/": b"bytes of the marker", "full/x": b"x", "alone/": b"bytes of the marker"})
+    with mounted(s3, bucket, tmp_path / "mnt") as m:
+        assert (m.path / "alone").is_dir() and (m.path / "full").is_dir()  # by name, no listing yet
+        assert {e.name: e.is_dir() for e in os.scandir(m.path)} == {"alone": True, "full": True}
+        assert os.listdir(m.path / "alone") == []
+        assert os.listdir(m.path / "full") == ["x"]
+        assert (m.path / "full" / "x").read_bytes() == b"x"

@@ -313,8 +313,25 @@ class Boto3Store:
             if isinstance(err, NotFound):
                 return None
             raise err from None
+        if resp.get("ContentLength") is None:
+            # No Content-Length (Supabase Storage for an empty object, s3ninja, a gateway compressing on the way):
+            # the key's entry of a listing says its size, with the ETag of that same answer. Read as a missing key
+            # (KeyError), every lookup of the file failed "unexpectedly", EIO.
+            return self._listed(key)
         return ObjectMeta(key, int(resp["ContentLength"]), quoted_etag(resp.get("ETag", "")),
                           _mtime_ns(resp.get("LastModified")))
+
+    def _listed(self, key: str) -> ObjectMeta | None:
+        """The key as a listing gives it (None if there is none): the first key a listing of it as a prefix names."""
+        try:
+            resp = self._client.list_objects_v2(Bucket=self.bucket, Prefix=key, MaxKeys=1)
+        except Exception as exc:  # noqa: BLE001
+            raise translate_error(exc, self.bucket, f"listing {key!r}") from None
+        for item in resp.get("Contents", ())[:1]:
+            if item.get("Key") == key:
+                return ObjectMeta(key, int(item.get("Size", 0)), quoted_etag(item.get("ETag", "")),
+                                  _mtime_ns(item.get("LastModified")))
+        return None
 
     def list_pages(self, prefix: str) -> Iterator[ListingPage]:
         token: str | None = None

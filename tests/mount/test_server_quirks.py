@@ -11,13 +11,14 @@ import errno
 import http.client
 import os
 import re
+import socket
 import time
 from pathlib import Path
 
 import pytest
 
 from fsmount.testing.fault_proxy import Fault, FaultProxy
-from fsmount.testing.http_wire import Request, Response
+from fsmount.testing.http_wire import Request, Response, send_raw
 from tests.helpers import S3Server, drop_page_cache, mounted, mounted_via, new_bucket, put_objects
 
 
@@ -170,3 +171,29 @@ def test_a_key_ending_in_a_slash_that_holds_bytes_is_a_directory_never_a_file(s3
         assert os.listdir(m.path / "alone") == []
         assert os.listdir(m.path / "full") == ["x"]
         assert (m.path / "full" / "x").read_bytes() == b"x"
+
+
+class HeadsWithoutLength(FaultProxy):
+    """A server whose HEAD answers carry no Content-Length (Supabase Storage for an empty object, s3ninja, a gateway
+    compressing on the way)."""
+
+    def _handle(self, conn: socket.socket, req: Request, upstream: http.client.HTTPConnection | None
+                ) -> tuple[bool, http.client.HTTPConnection | None]:
+        if req.kind != "heads":
+            return super()._handle(conn, req, upstream)
+        resp, upstream = self._forward(req, upstream)
+        lines = [f"HTTP/1.1 {resp.status} {resp.reason}", *(f"{k}: {v}" for k, v in resp.headers),
+                 "Connection: keep-alive"]
+        return send_raw(conn, ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")), upstream
+
+
+def test_a_head_without_a_content_length_is_sized_by_a_listing(moto_server: S3Server, mountpoint: Path) -> None:
+    """Every lookup by name of such a file failed "unexpectedly" (EIO: a KeyError in the store client)."""
+    bucket = new_bucket(moto_server)
+    put_objects(moto_server, bucket, {"m/empty": b"", "m/w.bin": b"weights"})
+    with HeadsWithoutLength(moto_server.endpoint_url) as proxy, \
+            mounted_via(proxy, moto_server, bucket, mountpoint, "--no-model-prefetch"):
+        assert os.stat(mountpoint / "m" / "w.bin").st_size == 7  # by name first: HEAD, no listing of m
+        assert os.stat(mountpoint / "m" / "empty").st_size == 0
+        assert (mountpoint / "m" / "w.bin").read_bytes() == b"weights"
+        assert proxy.counts()["heads"] >= 2

@@ -208,3 +208,27 @@ def test_dates_in_forms_beside_the_standard_are_read_and_unreadable_ones_still_f
     for unreadable in ("", "garbage", "Thu, 31 Feb 2026 00:00:00 GMT"):
         with pytest.raises(ValueError, match="Invalid timestamp"):
             parse_timestamp(unreadable)
+
+
+def test_a_head_without_a_content_length_takes_the_size_a_listing_gives(aws_config) -> None:  # noqa: ANN001
+    """Supabase Storage (for an empty object), s3ninja, a gateway compressing on the way: HEAD answers 200 without a
+    Content-Length. Read as a missing field, every lookup of such a file failed "unexpectedly" (EIO). The key's entry of
+    a listing gives its size and ETag, in one answer; a key the listing no longer holds is none."""
+    from botocore.stub import Stubber
+
+    from fsmount.config import StoreConfig
+    from fsmount.data import Boto3Store
+
+    aws_config("[default]\nregion = us-east-1\n")
+    store = Boto3Store(StoreConfig(bucket="models", endpoint_url="http://127.0.0.1:9000"))
+    with Stubber(store._client) as stub:  # noqa: SLF001
+        stub.add_response("head_object", {"ETag": '"e1"'}, {"Bucket": "models", "Key": "m/a.bin"})
+        stub.add_response("list_objects_v2", {"KeyCount": 1, "Contents": [{"Key": "m/a.bin", "Size": 0, "ETag": "e1"}]},
+                          {"Bucket": "models", "Prefix": "m/a.bin", "MaxKeys": 1})
+        meta = store.head("m/a.bin")
+        assert meta is not None and (meta.key, meta.size, meta.etag) == ("m/a.bin", 0, '"e1"')
+        stub.add_response("head_object", {"ETag": '"e2"'}, {"Bucket": "models", "Key": "m/b.bin"})
+        stub.add_response("list_objects_v2", {"KeyCount": 1, "Contents": [{"Key": "m/b.bin.tmp", "Size": 5}]},
+                          {"Bucket": "models", "Prefix": "m/b.bin", "MaxKeys": 1})
+        assert store.head("m/b.bin") is None
+        stub.assert_no_pending_responses()

@@ -242,6 +242,7 @@ class Boto3Store:
         self._session, self._botocfg = session, botocfg
         self._region_lock = threading.Lock()  # also guards get_retries
         self.get_retries = 0  # ranged GETs sent again after a transient failure (get_range's own retries)
+        self._if_match_refused = False  # the server refuses its own ETags in If-Match (`_refuses_its_own_etag`)
         # OSS's create-only header is x-oss-*, which a presigned URL would have to sign: conditional PUTs to
         # OSS stay with botocore.
         self._oss = is_oss(self._client.meta.endpoint_url)
@@ -422,6 +423,34 @@ class Boto3Store:
 
     def get_range(self, key: str, etag: str, start: int, end: int,
                   buffer: WritableBuffer | None = None) -> bytes | WritableBuffer:
+        if_match = not self._if_match_refused
+        try:
+            return self._get_range(key, etag, start, end, buffer, if_match)
+        except PreconditionFailed:
+            if not (etag and if_match and self._refuses_its_own_etag(key, etag)):
+                raise
+            return self._get_range(key, etag, start, end, buffer, False)
+
+    def _refuses_its_own_etag(self, key: str, etag: str) -> bool:
+        """Whether a GET of version `etag` refused with 412 met a server that refuses If-Match with the ETags it gives
+        (a HEAD says `etag` is the current version): SeaweedFS 3.97 for objects older versions stored
+        (seaweedfs#7274), a server giving weak ETags (If-Match never matches them). Every read was EIO ("object
+        changed"). GETs are then sent without If-Match, for good, each answer's ETag checked instead (and needed)."""
+        try:
+            meta = self.head(key)
+        except StoreError:
+            return False
+        if meta is None or changed_etag(etag, meta.etag, "") is not None:
+            return False  # replaced indeed
+        with self._region_lock:
+            told, self._if_match_refused = self._if_match_refused, True
+        if not told:
+            log.warning("%s: the server refuses If-Match with the ETag %s its HEAD gives: reads are sent without "
+                        "If-Match from now on, the ETag of each answer checked instead", key, etag)
+        return True
+
+    def _get_range(self, key: str, etag: str, start: int, end: int, buffer: WritableBuffer | None,
+                   if_match: bool) -> bytes | WritableBuffer:
         want = end - start
         if want <= 0:
             return b""
@@ -430,10 +459,10 @@ class Boto3Store:
         for attempt in range(1, attempts + 1):
             try:
                 if self._ranges is None:
-                    return self._boto3_get_range(key, etag, start, end, buffer, what)
+                    return self._boto3_get_range(key, etag, start, end, buffer, what, if_match)
                 if buffer is None:
                     buffer = new_buffer(want)
-                self._ranges.get_into(key, etag, start, buffer, what)
+                self._ranges.get_into(key, etag, start, buffer, what, if_match=if_match)
                 return buffer
             except Exception as exc:  # noqa: BLE001
                 err = translate_error(exc, self.bucket, what)
@@ -448,16 +477,16 @@ class Boto3Store:
         raise AssertionError("unreachable")
 
     def _boto3_get_range(self, key: str, etag: str, start: int, end: int, buffer: WritableBuffer | None,
-                         what: str) -> bytes | WritableBuffer:
+                         what: str, if_match: bool = True) -> bytes | WritableBuffer:
         want = end - start
         kwargs: dict[str, Any] = dict(Bucket=self.bucket, Key=key, Range=f"bytes={start}-{end - 1}")
-        if etag:
+        if etag and if_match:
             kwargs["IfMatch"] = etag
         resp = self._client.get_object(**kwargs)
         content_range = resp.get("ContentRange")
         if content_range and not content_range.startswith(f"bytes {start}-{end - 1}/"):
             raise TransientError(f"{what}: server answered with {content_range!r}")
-        changed = changed_etag(etag, resp.get("ETag"), what)
+        changed = changed_etag(etag, resp.get("ETag"), what, needed=not if_match)
         if changed is not None:
             raise changed
         # A body longer than the range is as wrong as a short one: ask for one byte more than the range.

@@ -191,9 +191,13 @@ class RangeGetter:
 
     # -- one GET ---------------------------------------------------------------------------------
 
-    def get_into(self, key: str, etag: str, start: int, buffer: WritableBuffer | bytearray, what: str) -> None:
-        """Fill `buffer` with bytes [start, start + len(buffer)) of the object version `etag`, or raise."""
-        self._signed_again(lambda fresh: self._get(key, etag, start, buffer, what, fresh_url=fresh))
+    def get_into(self, key: str, etag: str, start: int, buffer: WritableBuffer | bytearray, what: str, *,
+                 if_match: bool = True) -> None:
+        """Fill `buffer` with bytes [start, start + len(buffer)) of the object version `etag`, or raise. Without
+        `if_match` (a server that refuses its own ETags there) the version is checked by the answer's ETag alone,
+        which must then be there."""
+        self._signed_again(lambda fresh: self._get(key, etag, start, buffer, what, fresh_url=fresh,
+                                                   if_match=if_match))
 
     def _signed_again(self, send: Callable[[bool], T]) -> T:
         """`send(fresh)`: one request with a URL reused (False) or signed now (True). Sent again once, signed anew,
@@ -216,16 +220,16 @@ class RangeGetter:
             return send(True)
 
     def _get(self, key: str, etag: str, start: int, buffer: WritableBuffer | bytearray, what: str,
-             fresh_url: bool) -> None:
+             fresh_url: bool, if_match: bool = True) -> None:
         want = len(buffer)
         headers = {"Range": f"bytes={start}-{start + want - 1}", "Accept-Encoding": "identity"}
-        if etag:
+        if etag and if_match:
             headers["If-Match"] = etag
         url = self._url(key, fresh_url)
         origin, conn, resp = self._request(url, headers, what)
         reusable = False
         try:
-            reusable = self._read(resp, conn.sock, start, want, etag, buffer, what, url)
+            reusable = self._read(resp, conn.sock, start, want, etag, buffer, what, url, etag_needed=not if_match)
         except (http.client.HTTPException, OSError) as exc:
             # Reset, timeout, a response cut short: worth another try.
             raise _transport_error(what, exc) from None
@@ -353,9 +357,9 @@ class RangeGetter:
         return conn.getresponse()
 
     def _read(self, resp: http.client.HTTPResponse, sock: socket.socket | None, start: int, want: int, etag: str,
-              buffer: WritableBuffer | bytearray, what: str, url: str) -> bool:
+              buffer: WritableBuffer | bytearray, what: str, url: str, etag_needed: bool = False) -> bool:
         """Check the response (to a GET of `url`) and read its body into `buffer`; True if the connection may be
-        reused."""
+        reused. `etag_needed`: an answer without an ETag is refused (nothing else pins the version)."""
         if resp.status >= 300:
             raise self._error(resp, what, url)
         length = resp.getheader("Content-Length")
@@ -368,7 +372,7 @@ class RangeGetter:
             raise TransientError(f"{what}: server answered {resp.status} without the range")
         if length is not None and length != str(want):
             raise TransientError(f"{what}: server sends {length} bytes, {want} asked for")
-        changed = changed_etag(etag, resp.getheader("ETag"), what)
+        changed = changed_etag(etag, resp.getheader("ETag"), what, needed=etag_needed)
         if changed is not None:
             raise changed
         with memoryview(buffer) as view:

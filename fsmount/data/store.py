@@ -110,10 +110,13 @@ class PreconditionFailed(StoreError):
     errno = errno.EIO
 
 
-def changed_etag(pinned: str, got: str | None, what: str) -> PreconditionFailed | None:
+def changed_etag(pinned: str, got: str | None, what: str, *, needed: bool = False) -> StoreError | None:
     """The error for a GET of the version `pinned` answered with the ETag `got`, if that is another version. One
     version's ETag in two forms is not another: weak (`W/"x"`) or not, quoted or not, in either case (servers that
-    differ between a listing's and a GET's failed every read "object changed", nothing having changed)."""
+    differ between a listing's and a GET's failed every read "object changed", nothing having changed). `needed`:
+    nothing else pins the version (a GET sent without If-Match), so an answer without an ETag is refused too."""
+    if pinned and not got and needed:
+        return StoreError(f"{what}: the server sent no ETag, and refuses If-Match: which version it sent is unknown")
     if not pinned or not got:
         return None
     if _etag_value(pinned) == _etag_value(got):

@@ -787,3 +787,27 @@ def test_a_redirect_is_said_for_what_it_is(origin: Origin) -> None:
     with pytest.raises(StoreError, match=r"GET k: the server answered 307 Temporary Redirect \(to "
                                          r"http://elsewhere:9000/k\), which S3 does not for an object"):
         get(getter(origin), 0, 10)
+
+
+def test_without_if_match_the_version_is_checked_by_the_answers_etag_which_must_be_there(origin: Origin) -> None:
+    """For a server that refuses its own ETags in If-Match (Boto3Store._refuses_its_own_etag): no If-Match sent; an
+    answer of another ETag, or of none (nothing else would pin the version then), is refused."""
+    g = getter(origin)
+    buffer = mmap.mmap(-1, 100)
+    g.get_into("k", ETAG, 0, buffer, "GET k", if_match=False)
+    assert bytes(buffer) == DATA[:100] and "if-match" not in origin.requests[-1]
+    origin.script = lambda h, start, end: h.answer(206, DATA[start:end], {"Content-Range": f"bytes {start}-{end - 1}/"
+                                                                          f"{len(DATA)}"}, etag='"other"') or True
+    with pytest.raises(PreconditionFailed, match="object changed"):
+        g.get_into("k", ETAG, 0, buffer, "GET k", if_match=False)
+
+    class NoETag(Handler):
+        def end_headers(self) -> None:
+            self._headers_buffer = [line for line in self._headers_buffer if not line.lower().startswith(b"etag:")]
+            super().end_headers()
+    origin.script = None
+    origin.RequestHandlerClass = NoETag
+    with pytest.raises(StoreError, match="sent no ETag, and refuses If-Match"):
+        g.get_into("k2", ETAG, 0, buffer, "GET k2", if_match=False)
+    g.get_into("k2", ETAG, 0, buffer, "GET k2")  # with If-Match, the server's 206 is the version's
+    assert bytes(buffer) == DATA[:100]

@@ -37,6 +37,8 @@ from fsmount.data.store import (
     error_for_status,
     local_failure,
     quoted_etag,
+    sent_etag,
+    version_tag,
 )
 
 log = logging.getLogger(__name__)
@@ -93,6 +95,13 @@ def parse_timestamp(value: Any) -> Any:
             raise exc from None
         # `-0000` is "zone unknown", which leaves it naive: HTTP dates are GMT, not this machine's local time.
         return parsed if parsed.tzinfo is not None else parsed.replace(tzinfo=datetime.UTC)
+
+
+def _meta(key: str, size: int, etag: str, last_modified: Any) -> ObjectMeta:
+    """One object version as HEAD or a listing gives it: its ETag quoted (`quoted_etag`), or a tag of its size and
+    Last-Modified where the server gives none (`version_tag`)."""
+    mtime_ns = _mtime_ns(last_modified)
+    return ObjectMeta(key, size, version_tag(quoted_etag(etag), size, mtime_ns), mtime_ns)
 
 
 def _client_error_code(exc: Exception) -> tuple[str, int, str]:
@@ -319,8 +328,7 @@ class Boto3Store:
             # the key's entry of a listing says its size, with the ETag of that same answer. Read as a missing key
             # (KeyError), every lookup of the file failed "unexpectedly", EIO.
             return self._listed(key)
-        return ObjectMeta(key, int(resp["ContentLength"]), quoted_etag(resp.get("ETag", "")),
-                          _mtime_ns(resp.get("LastModified")))
+        return _meta(key, int(resp["ContentLength"]), resp.get("ETag", ""), resp.get("LastModified"))
 
     def _listed(self, key: str) -> ObjectMeta | None:
         """The key as a listing gives it (None if there is none): the first key a listing of it as a prefix names."""
@@ -330,8 +338,7 @@ class Boto3Store:
             raise translate_error(exc, self.bucket, f"listing {key!r}") from None
         for item in resp.get("Contents", ())[:1]:
             if item.get("Key") == key:
-                return ObjectMeta(key, int(item.get("Size", 0)), quoted_etag(item.get("ETag", "")),
-                                  _mtime_ns(item.get("LastModified")))
+                return _meta(key, int(item.get("Size", 0)), item.get("ETag", ""), item.get("LastModified"))
         return None
 
     def list_pages(self, prefix: str) -> Iterator[ListingPage]:
@@ -356,8 +363,7 @@ class Boto3Store:
                 if isinstance(key, bytes):
                     undecodable.append(key)
                     continue
-                objects.append(ObjectMeta(key, int(item.get("Size", 0)), quoted_etag(item.get("ETag", "")),
-                                          _mtime_ns(item.get("LastModified"))))
+                objects.append(_meta(key, int(item.get("Size", 0)), item.get("ETag", ""), item.get("LastModified")))
             for item in resp.get("CommonPrefixes", ()):
                 sub = _decode_key(item["Prefix"], encoded)
                 if isinstance(sub, bytes):
@@ -423,6 +429,7 @@ class Boto3Store:
 
     def get_range(self, key: str, etag: str, start: int, end: int,
                   buffer: WritableBuffer | None = None) -> bytes | WritableBuffer:
+        etag = sent_etag(etag)  # none for a version the server gave no ETag for
         if_match = not self._if_match_refused
         try:
             return self._get_range(key, etag, start, end, buffer, if_match)

@@ -41,7 +41,7 @@ import trio
 
 from fsmount.data.budget import MemoryBudget
 from fsmount.data.identity import Chunk, ChunkId, WritableBuffer, new_buffer
-from fsmount.data.store import NotFound, ObjectStore, PreconditionFailed, StoreError, Unreachable
+from fsmount.data.store import NotFound, ObjectStore, PreconditionFailed, StoreError, Unreachable, sent_etag
 from fsmount.data.trailing import TrailingWrites
 
 log = logging.getLogger(__name__)
@@ -297,7 +297,7 @@ class LevelStack:
             # An mmap call only: its pages are faulted in by the read that fills them, and the buffer is
             # reused for later chunks once READs took it (budget.py).
             buffer = new_buffer(length)
-        for i, level in enumerate(self.levels if cid.etag else ()):  # (no ETag: see `missed`)
+        for i, level in enumerate(self.levels if sent_etag(cid.etag) else ()):  # (no ETag: see `missed`)
             contains = self._contains[i]
             if contains is not None and (self._skipped(i) or not contains(cid)):
                 # Not held (the index says so without a thread), or the level's reads hang: a miss.
@@ -450,7 +450,7 @@ class LevelStack:
         """The levels asked before the one that had the chunk (all of them after an origin fetch), but for those
         skipped while their reads hang. None for a chunk of an object the server gave no ETag: the cache levels
         outlive the object's versions, and could not tell two of them apart (old bytes for a replaced object)."""
-        if not cid.etag:
+        if not sent_etag(cid.etag):
             return []
         levels = self.levels if hit is None else self.levels[:hit]
         return [level for i, level in enumerate(levels) if not self._skipped(i)]

@@ -135,6 +135,26 @@ def quoted_etag(etag: str) -> str:
     return f'"{etag}"'
 
 
+# The version tag of an object the server gave no ETag for (`version_tag`): not an ETag, never sent as one.
+UNPINNED = "no-etag:"
+
+
+def version_tag(etag: str, size: int, mtime_ns: int) -> str:
+    """`etag`, or where the server gave none, a tag of the version its size and Last-Modified second name (what a
+    HEAD's header and a listing say alike): one tag for every version, and an object replaced by one of another size,
+    or a second later, kept the same inode and the same chunk ids: a new open read the old version's bytes from the
+    page cache and the chunk memory (wrong bytes, mixed with the new size)."""
+    if etag:
+        return etag
+    return f"{UNPINNED}{size}:{mtime_ns // 1_000_000_000}"
+
+
+def sent_etag(etag: str) -> str:
+    """The ETag a request may pin (If-Match) and an answer's ETag is compared with: none for a `version_tag` made up
+    where the server gave none."""
+    return "" if etag.startswith(UNPINNED) else etag
+
+
 def _etag_value(etag: str) -> str:
     etag = etag.strip()
     if etag[:2] in ("W/", "w/"):

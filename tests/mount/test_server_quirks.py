@@ -233,3 +233,41 @@ def test_a_server_refusing_if_match_with_its_own_etag_is_read_by_the_etag_of_eac
             assert changed.value.errno == errno.EIO
         time.sleep(1.2)  # the TTL
         assert path.read_bytes() == new
+
+
+class NoETags(FaultProxy):
+    """A server that gives no ETag at all: none on HEAD or GET, none in listings."""
+
+    def _forward(self, req: Request, upstream: http.client.HTTPConnection | None
+                 ) -> tuple[Response, http.client.HTTPConnection]:
+        resp, upstream = super()._forward(req, upstream)
+        body = re.sub(rb"<ETag>[^<]*</ETag>", b"", resp.body) if req.kind == "lists" else resp.body
+        return dataclasses.replace(resp, body=body, content_length=None if body != resp.body else resp.content_length,
+                                   headers=[(k, v) for k, v in resp.headers if k.lower() != "etag"]), upstream
+
+
+@pytest.mark.parametrize("client", ["presigned", "boto3", "cache-dir"])
+def test_a_server_that_gives_no_etag_is_read_exactly(moto_server: S3Server, tmp_path: Path, client: str) -> None:
+    """Nothing pins a version by its ETag then. An object replaced by one of another size kept its inode and its chunk
+    ids: an open after the TTL read the old version's bytes (from the page cache and the chunk memory) under the new
+    size. Its size and Last-Modified name the version now; names, sizes and bytes are right, by name and by listing,
+    and no cache level (which outlives versions) holds such chunks."""
+    bucket = new_bucket(moto_server)
+    body = os.urandom(2 * 1024 * 1024 + 3)
+    put_objects(moto_server, bucket, {"m/w.bin": body, "m/sub/x": b"x"})
+    extra = ("--cache-dir", str(tmp_path / "cache")) if client == "cache-dir" else ("--get-client", client)
+    with NoETags(moto_server.endpoint_url) as proxy, \
+            mounted_via(proxy, moto_server, bucket, tmp_path / "mnt", "--no-model-prefetch", "--chunk-size", "1M",
+                        "--metadata-ttl", "1", *extra) as m:
+        path = m.path / "m" / "w.bin"
+        by_name = os.stat(path)  # HEAD
+        assert by_name.st_size == len(body)
+        assert path.read_bytes() == body
+        listed = {e.name: (e.is_dir(), e.inode()) for e in os.scandir(m.path / "m")}
+        assert listed == {"w.bin": (False, by_name.st_ino), "sub": (True, listed["sub"][1])}  # one version, not two
+        smaller = os.urandom(1024 * 1024 + 1)
+        put_objects(moto_server, bucket, {"m/w.bin": smaller})
+        time.sleep(1.2)  # the TTL
+        assert path.read_bytes() == smaller
+        if client == "cache-dir":
+            assert not [f for f in (tmp_path / "cache").rglob("*") if f.is_file() and "chunks" in f.parts]

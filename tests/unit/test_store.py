@@ -232,3 +232,12 @@ def test_a_head_without_a_content_length_takes_the_size_a_listing_gives(aws_conf
                           {"Bucket": "models", "Prefix": "m/b.bin", "MaxKeys": 1})
         assert store.head("m/b.bin") is None
         stub.assert_no_pending_responses()
+
+
+def test_a_version_without_an_etag_is_named_by_its_size_and_last_modified_second_never_sent() -> None:
+    """HEAD's Last-Modified has seconds, a listing's milliseconds: one tag for both. It is never sent as an ETag."""
+    from fsmount.data.store import sent_etag, version_tag
+
+    listed, headed = version_tag("", 5, 1_700_000_000_123_000_000), version_tag("", 5, 1_700_000_000_000_000_000)
+    assert listed == headed != version_tag("", 6, 1_700_000_000 * 10**9) != version_tag("", 5, 1_700_000_001 * 10**9)
+    assert sent_etag(listed) == "" and sent_etag('"abc"') == '"abc"' and version_tag('"abc"', 5, 0) == '"abc"'

@@ -107,9 +107,9 @@ class Fuzz:
         self.seed, self.ttl = seed, ttl
         # SeaweedFS keeps a file and a directory of one name apart: `x` beside `x/y` only elsewhere.
         self.conflicts = not seaweedfs
-        # SeaweedFS keeps a folder whose keys were all deleted, and its delimited listings name it (a common prefix
-        # with no key under it; a lookup, whose one-key listing finds nothing, says there is none): such a directory
-        # may show, empty, or not. The directories any state had, for that.
+        # SeaweedFS keeps a folder whose keys were all deleted (not one whose marker was deleted), and its delimited
+        # listings name it, a common prefix with no key under it; lookups list delimited too (B52): such a directory
+        # may show, empty, or not, as the keys that made it went. The directories any state had, for that.
         self.folders_stay = seaweedfs
         self.ever_dirs: set[str] = set()
         for _, _, state in history:

@@ -108,7 +108,7 @@ class Fuzz:
         # SeaweedFS keeps a file and a directory of one name apart: `x` beside `x/y` only elsewhere.
         self.conflicts = not seaweedfs
         # SeaweedFS keeps a folder whose keys were all deleted (not one whose marker was deleted), and its delimited
-        # listings name it, a common prefix with no key under it; lookups list delimited too (B52): such a directory
+        # listings name it, a common prefix with no key under it; lookups list delimited too (B61): such a directory
         # may show, empty, or not, as the keys that made it went. The directories any state had, for that.
         self.folders_stay = seaweedfs
         self.ever_dirs: set[str] = set()

@@ -548,8 +548,18 @@ class Operations(pyfuse3.Operations):
     async def create(self, parent_inode: int, name: bytes, mode: int, flags: int,
                      ctx: pyfuse3.RequestContext) -> tuple[pyfuse3.FileInfo, pyfuse3.EntryAttributes]:
         assert self.writes is not None
-        new = await self.writes.create(self.ns.node(parent_inode), name)
-        return await self._writer_handle(new, ctx), self._attributes(new.node)
+        new = await self.writes.create(self.ns.node(parent_inode), name, flags)
+        if new is not None:
+            return await self._writer_handle(new, ctx), self._attributes(new.node)
+        # Another writer stored a file at the name since this mount found it free: opened as it is (writes.create).
+        node = await self.ns.resolve(parent_inode, name)
+        try:
+            info = await self.open(node.ino, flags, ctx)
+        except BaseException:
+            self.ns.entry_refused(node)
+            raise
+        self.ns.entry_taken(node)  # CREATE's reply counts as a lookup
+        return info, self._attributes(node)
 
     @_writable
     async def write(self, fh: int, off: int, buf: bytes) -> int:

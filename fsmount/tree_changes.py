@@ -30,6 +30,18 @@ class WritableNamespace(Namespace):
             raise PathError(errno.EINVAL)
         return self._join(parent.path, name)
 
+    def _node_for(self, path: str, is_dir: bool, meta: ObjectMeta | None, as_of: float | None = None) -> Node:
+        """As `Namespace._node_for`, but a file's modification time never steps back: one this mount stored shows
+        the time of its close until the bucket is asked again, whose Last-Modified (whole seconds, and for a
+        multipart upload the time it began) is earlier. `make` and `rsync` saw a file just written go back in time."""
+        ino = self._ino_by_path.get((path, meta.etag)) if meta is not None and not is_dir else None
+        known = self._nodes.get(ino) if ino is not None else None
+        before = known.mtime_ns if known is not None else 0
+        node = super()._node_for(path, is_dir, meta, as_of)
+        if node is known:
+            node.mtime_ns = max(node.mtime_ns, before)
+        return node
+
     def key_of(self, path: str) -> str:
         return self.prefix + path
 

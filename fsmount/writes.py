@@ -8,6 +8,9 @@ The rules (README "Writing checkpoints"):
   gets EIO and stores nothing. A rename's copy is create-only as well: CopyObject has no create-only
   form, so without --allow-overwrite every copy is a multipart upload of UploadPartCopy parts (one, for
   a small file) whose completion is create-only.
+- A create (the kernel's answer to O_CREAT of a name this mount said was free) that finds a file in the bucket (another
+  writer stored it since) opens that file as an OPEN with its flags would, or fails with EEXIST for O_EXCL: it asks
+  the bucket unless --allow-overwrite lets it replace the file and it truncates.
 - A name the bucket holds as the other kind is refused, asked at the create, mkdir or rename (another mount may have
   made it since this one listed): a file where a directory is (EISDIR; it would never be seen, a name that is both is
   shown as the directory), a directory where a file is (EEXIST, ENOTDIR; it would hide the file).
@@ -16,7 +19,8 @@ The rules (README "Writing checkpoints"):
 - A rename is a server-side copy and then a delete of the old key (If-Match on the version copied), not atomic:
   for a moment both names exist in the bucket. Renaming a file still being written only renames it in this
   mount; the object is stored under its final name at close (moved by a copy if its upload had begun under the
-  old one). A directory with anything in it is not renamed (EXDEV).
+  old one). A directory with anything in it is not renamed (EXDEV); one renamed onto an empty directory replaces it
+  (with --allow-overwrite: its marker is put at the other's key), ENOTEMPTY onto one with anything in it.
 - One writer per file: opening a file that is being written fails with EBUSY, for reading or writing.
 - Unlinking a file that is being written needs no `--allow-delete` (nothing of it is in the bucket yet):
   its upload is aborted, and what its handles still write goes nowhere, as on a local disk. A rewrite (O_TRUNC)
@@ -384,19 +388,28 @@ class Writes:
         self.ns.found_in_bucket(path)
         raise PathError(err)
 
-    async def create(self, parent: Node, name: bytes) -> NewFile:
+    async def create(self, parent: Node, name: bytes,
+                     flags: int = os.O_WRONLY | os.O_CREAT | os.O_TRUNC) -> NewFile | None:
+        """A new file at `name` (the kernel sends CREATE for a name it holds no entry of), or None where the bucket
+        holds a file there that another writer stored since this mount found the name free: the caller opens that
+        file as an OPEN with `flags` would (a touch of an empty one, a rewrite with O_TRUNC, ...), as O_CREAT without
+        O_EXCL does on a local disk. Before, such a create was EPERM, or with --allow-overwrite replaced the object
+        with only what was written (an appender's `open(p, "a")` lost the file's bytes)."""
         path = self.ns.child_path(parent, name)
         if self.ns.pending(path) is not None:
-            raise PathError(errno.EBUSY)
+            raise PathError(errno.EEXIST if flags & os.O_EXCL else errno.EBUSY)
         self._not_an_upload_of_another(path)
-        # Without --allow-overwrite nothing may replace a key: the HEAD goes with the directory's listing.
-        is_file, is_dir = await self._in_bucket(path, file=not self.allow_overwrite, directory=True)
+        # The HEAD goes with the directory's listing: without --allow-overwrite nothing may replace a key, and with it
+        # only a create that truncates may, without asking (an O_EXCL create must fail on a file that is there).
+        head = not self.allow_overwrite or not flags & os.O_TRUNC or bool(flags & os.O_EXCL)
+        is_file, is_dir = await self._in_bucket(path, file=head, directory=True)
         if is_dir:
             self._refuse_beside(path, True, errno.EISDIR)
         if is_file:
-            log.warning("%s exists; replacing it needs --allow-overwrite", path)
-            self.ns.found_in_bucket(path)  # a rename onto it is refused as such then, not at its copy (EIO)
-            raise PathError(errno.EPERM)
+            self.ns.found_in_bucket(path)  # looked up again, it is found (and a rename onto it refused as such)
+            if flags & os.O_EXCL:
+                raise PathError(errno.EEXIST)
+            return None
         return self._start(self.ns.begin_file(path))
 
     def open_existing(self, node: Node, flags: int) -> NewFile | None:
@@ -533,13 +546,17 @@ class Writes:
         if target is not None:
             if flags & RENAME_NOREPLACE:
                 raise PathError(errno.EEXIST)
-            if target.is_dir or node.is_dir:
+            if target.is_dir != node.is_dir:
                 raise PathError(errno.EISDIR if target.is_dir else errno.ENOTDIR)
             if target.writing:
                 raise PathError(errno.EBUSY)
             if not self.allow_overwrite:
                 log.warning("rename onto %s: replacing it needs --allow-overwrite", path)
                 raise PathError(errno.EPERM)
+            # A directory replaces an empty one, as rename(2) does (`mv new old` of two empty run directories was
+            # EISDIR): its marker is put where the other's was.
+            if target.is_dir and not await self.ns.dir_is_empty(target):
+                raise PathError(errno.ENOTEMPTY)
         else:
             # A name this mount knows nothing at: a file, or directory, of the other kind that another mount made
             # there would hide, or be hidden by, what is renamed.
@@ -571,7 +588,7 @@ class Writes:
                 new.replaces, new.replaced = path, target
 
         if node.is_dir:
-            await self._rename_dir(node, path)
+            await self._rename_dir(node, path, replaces=target is not None)
         elif new is not None and await new.rename(move_pending):
             pass
         else:
@@ -590,7 +607,8 @@ class Writes:
             self.stats.deletes_refused += 1
             raise PathError(errno.EPERM)
 
-    async def _rename_dir(self, node: Node, path: str) -> None:
+    async def _rename_dir(self, node: Node, path: str, *, replaces: bool) -> None:
+        """`replaces`: an empty directory is at `path` (its marker, if any, is the key put here)."""
         if not await self.ns.dir_is_empty(node):
             log.warning("rename of %s: a directory with anything in it is not renamed (EXDEV)", node.path)
             raise PathError(errno.EXDEV)
@@ -598,6 +616,8 @@ class Writes:
         self._check_rename_deletes(node)
         await self.call(self.uploads.put, self.ns.dir_key(path), b"")
         await self.call(self.uploads.delete, self.ns.dir_key(node.path))
+        if replaces:
+            self.ns.removed(path, is_dir=True)
         self.ns.dir_moved(node, path)
 
     async def move_object(self, meta: ObjectMeta, key: str) -> ObjectMeta:

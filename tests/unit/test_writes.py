@@ -183,7 +183,9 @@ async def parts_ended(writes: Writes) -> None:
 
 
 async def new_file(writes: Writes, ns: Namespace, name: bytes) -> NewFile:
-    return await writes.create(ns.node(ROOT_INODE), name)
+    new = await writes.create(ns.node(ROOT_INODE), name)
+    assert new is not None
+    return new
 
 
 async def test_small_file_is_one_put_and_enters_the_tree() -> None:
@@ -468,9 +470,12 @@ async def test_overwrite_and_delete_need_their_flags(allowed_logs: list[str]) ->
     writes, uploads, ns = make()
     uploads.store.put("old", b"1")
     root = ns.node(ROOT_INODE)
+    # A create that finds the key (stored since this mount found the name free) is an open of it (refused below), and
+    # an exclusive one EEXIST.
+    assert await writes.create(root, b"old") is None
     with pytest.raises(PathError) as info:
-        await writes.create(root, b"old")
-    assert info.value.errno == errno.EPERM
+        await writes.create(root, b"old", os.O_WRONLY | os.O_CREAT | os.O_EXCL)
+    assert info.value.errno == errno.EEXIST
     node = await ns.lookup(ROOT_INODE, b"old")
     for attempt in (lambda: writes.unlink(node), lambda: writes.rename(node, root, b"new", None, 0)):
         with pytest.raises(PathError) as info:
@@ -480,6 +485,33 @@ async def test_overwrite_and_delete_need_their_flags(allowed_logs: list[str]) ->
     with pytest.raises(PathError) as info:
         writes.open_existing(node, 0o1)
     assert info.value.errno == errno.EPERM
+
+
+async def test_a_directory_renamed_onto_an_empty_one_replaces_it(allowed_logs: list[str]) -> None:
+    """rename(2) replaces an empty directory (EISDIR before), needs --allow-overwrite as a rename onto a file does, and
+    is ENOTEMPTY onto one with anything in it."""
+    allowed_logs.append("needs --allow-overwrite")
+    for overwrite in (False, True):
+        writes, uploads, ns = make(allow_overwrite=overwrite)
+        async with serving(writes):
+            root = ns.node(ROOT_INODE)
+            a, b, full = [await writes.mkdir(root, name) for name in (b"a", b"b", b"full")]
+            uploads.store.put("full/x", b"x")
+            with pytest.raises(PathError) as info:
+                await writes.rename(a, root, b"full", full, 0)
+            assert info.value.errno == (errno.ENOTEMPTY if overwrite else errno.EPERM)
+            if not overwrite:
+                with pytest.raises(PathError) as info:
+                    await writes.rename(a, root, b"b", b, 0)
+                assert info.value.errno == errno.EPERM
+                continue
+            await writes.rename(a, root, b"b", b, 0)
+            assert set(uploads.objects) == {"b/", "full/", "full/x"}
+            moved = await ns.lookup(ROOT_INODE, b"b")
+            assert moved.ino == a.ino and moved.path == "b" and await ns.dir_is_empty(moved)
+            with pytest.raises(PathError) as info:
+                await ns.lookup(ROOT_INODE, b"a")
+            assert info.value.errno == errno.ENOENT
 
 
 async def test_a_stored_file_renamed_onto_a_name_looked_up_before_is_found_there() -> None:

@@ -1,0 +1,321 @@
+"""A `--writable --allow-overwrite --allow-delete` mount used as a POSIX directory (checkpoint scripts, shell tools,
+Python `os`/`shutil`), compared with a local directory: the same steps, one after the other, against both; after
+each, the same result (a value or an errno) and the same tree (names, kinds, files' sizes and link counts), and on
+the mount a file's mtime that never steps back. What the mount documents it does not do (README "Writing
+checkpoints": sequential writes only, no links, no truncate of a stored file, no rename of a non-empty directory) is
+listed in DIVERGES with both answers, and undone on the local side where it changed something there."""
+
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+import stat
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.helpers import S3Server, delete_bucket, mounted, new_bucket, put_objects
+
+TTL_S = 1.0
+FLAGS = ("--writable", "--allow-overwrite", "--allow-delete", "--metadata-ttl", f"{TTL_S:g}")
+# The warnings the documented refusals log.
+REFUSALS = (r"only sequential writes are supported", r"only whole rewrites", r"is not renamed \(EXDEV\)",
+            r"will not be stored", r"not stored")
+
+Outcome = tuple[str, Any]
+
+
+def outcome(fn: Callable[[], Any]) -> Outcome:
+    try:
+        return ("ok", fn())
+    except OSError as exc:
+        return ("err", errno.errorcode.get(exc.errno, exc.errno))
+
+
+def write_file(path: Path, data: bytes, flags: int = os.O_WRONLY | os.O_CREAT | os.O_TRUNC) -> int:
+    """open, write, close; the first error of the three."""
+    fd = os.open(path, flags, 0o644)
+    failed: OSError | None = None
+    try:
+        if data:
+            os.write(fd, data)
+    except OSError as exc:
+        failed = exc
+    try:
+        os.close(fd)
+    except OSError as exc:
+        failed = failed or exc
+    if failed is not None:
+        raise failed
+    return len(data)
+
+
+def open_close(path: Path, flags: int) -> bool:
+    os.close(os.open(path, flags, 0o644))
+    return True
+
+
+def written_while_open(path: Path, then: Callable[[], Any]) -> int:
+    """A file written, `then` done while it is open, then closed."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        os.write(fd, b"open")
+        then()
+        os.write(fd, b" still")
+    finally:
+        os.close(fd)
+    return 10
+
+
+def seek_back(path: Path) -> int:
+    """A writer that patches what it wrote (zipfile, np.savez)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    failed: OSError | None = None
+    try:
+        os.write(fd, b"header and body")
+        os.pwrite(fd, b"H", 0)
+    except OSError as exc:
+        failed = exc
+    try:
+        os.close(fd)
+    except OSError as exc:
+        failed = failed or exc
+    if failed is not None:
+        raise failed
+    return 0
+
+
+def extended(path: Path) -> bytes:
+    """What safetensors' save_file does: a new file extended by ftruncate before its first write."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        os.ftruncate(fd, 10)
+        os.write(fd, b"abc")
+    finally:
+        os.close(fd)
+    return path.read_bytes()
+
+
+def makedirs_racing(path: Path) -> list[Outcome]:
+    """`mkdir -p` of one path from 4 threads at once: each succeeds."""
+    results: list[Outcome] = []
+    start = threading.Barrier(4)
+
+    def one() -> None:
+        start.wait()
+        results.append(outcome(lambda: os.makedirs(path, exist_ok=True)))
+
+    threads = [threading.Thread(target=one) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return results
+
+
+def same_dir(a: Path, b: Path) -> bool:
+    sa, sb = os.stat(a), os.stat(b)
+    return (sa.st_dev, sa.st_ino) == (sb.st_dev, sb.st_ino)
+
+
+LONG = "n" * 256
+LONGEST = "m" * 255
+Step = tuple[str, Callable[[Path], Any]]
+
+STEPS: list[Step] = [
+    ("mkdir", lambda r: os.mkdir(r / "d")),
+    ("mkdir existing", lambda r: os.mkdir(r / "d")),
+    ("makedirs -p", lambda r: os.makedirs(r / "d/a/b", exist_ok=True)),
+    ("makedirs existing", lambda r: os.makedirs(r / "d/a/b")),
+    ("makedirs racing", lambda r: makedirs_racing(r / "p/q/r")),
+    ("write", lambda r: write_file(r / "d/f", b"hello")),
+    ("read", lambda r: (r / "d/f").read_bytes()),
+    ("O_EXCL existing", lambda r: open_close(r / "d/f", os.O_WRONLY | os.O_CREAT | os.O_EXCL)),
+    ("O_EXCL new", lambda r: write_file(r / "d/x", b"excl", os.O_WRONLY | os.O_CREAT | os.O_EXCL)),
+    ("rmdir non-empty", lambda r: os.rmdir(r / "d")),
+    ("unlink dir", lambda r: os.unlink(r / "d")),
+    ("rmdir file", lambda r: os.rmdir(r / "d/f")),
+    ("create under file", lambda r: open_close(r / "d/f/x", os.O_WRONLY | os.O_CREAT)),
+    ("stat file/", lambda r: os.stat(str(r / "d/f") + "/").st_size),
+    ("stat dir/", lambda r: stat.S_ISDIR(os.stat(str(r / "d/a") + "/").st_mode)),
+    ("..", lambda r: same_dir(r / "d/a/b/..", r / "d/a")),
+    ("listdir ..", lambda r: sorted(os.listdir(r / "d/a/.."))),
+    ("create in missing dir", lambda r: open_close(r / "d/missing/x", os.O_WRONLY | os.O_CREAT)),
+    ("unlink missing", lambda r: os.unlink(r / "d/missing")),
+    ("rename missing", lambda r: os.rename(r / "d/missing", r / "d/y")),
+    ("rename into missing dir", lambda r: os.rename(r / "d/x", r / "d/missing/x")),
+    ("mkdir on file", lambda r: os.mkdir(r / "d/f")),
+    ("create on dir", lambda r: open_close(r / "d/a", os.O_WRONLY | os.O_CREAT)),
+    ("open dir to write", lambda r: open_close(r / "d/a", os.O_WRONLY)),
+    ("rename file", lambda r: os.rename(r / "d/f", r / "d/g")),
+    ("write another", lambda r: write_file(r / "d/h", b"world!")),
+    ("rename onto file", lambda r: os.rename(r / "d/g", r / "d/h")),
+    ("rename to itself", lambda r: os.rename(r / "d/h", r / "d/../d/h")),
+    ("rename file onto dir", lambda r: os.rename(r / "d/h", r / "d/a")),
+    ("rename dir onto file", lambda r: os.rename(r / "d/a/b", r / "d/h")),
+    ("mkdir e1", lambda r: os.mkdir(r / "d/e1")),
+    ("mkdir e2", lambda r: os.mkdir(r / "d/e2")),
+    ("rename empty dir onto empty dir", lambda r: os.rename(r / "d/e1", r / "d/e2")),
+    ("rename empty dir onto non-empty dir", lambda r: os.rename(r / "d/e2", r / "d/a")),
+    ("rename dir into itself", lambda r: os.rename(r / "d/a", r / "d/a/b/c")),
+    ("rename dir onto its ancestor", lambda r: os.rename(r / "d/a/b", r / "d")),
+    ("rename non-empty dir", lambda r: os.rename(r / "d/a", r / "d/a2")),
+    ("rename file across dirs", lambda r: os.replace(r / "d/h", r / "p/h")),
+    ("O_TRUNC rewrite", lambda r: write_file(r / "p/h", b"rewritten")),
+    ("read rewrite", lambda r: (r / "p/h").read_bytes()),
+    ("append open", lambda r: open_close(r / "p/h", os.O_WRONLY | os.O_APPEND)),
+    ("O_RDWR open", lambda r: open_close(r / "p/h", os.O_RDWR)),
+    ("truncate same size", lambda r: os.truncate(r / "p/h", 9)),
+    ("truncate shorter", lambda r: os.truncate(r / "p/h", 2)),
+    ("utime", lambda r: os.utime(r / "p/h", (1, 1))),
+    ("chmod", lambda r: os.chmod(r / "p/h", 0o600)),
+    ("access W_OK", lambda r: os.access(r / "p/h", os.W_OK)),
+    ("symlink", lambda r: os.symlink("h", r / "p/s")),
+    ("link", lambda r: os.link(r / "p/h", r / "p/l")),
+    ("create long name", lambda r: open_close(r / "d" / LONG, os.O_WRONLY | os.O_CREAT)),
+    ("mkdir long name", lambda r: os.mkdir(r / "d" / LONG)),
+    ("rename to long name", lambda r: os.rename(r / "p/h", r / "p" / LONG)),
+    ("create longest name", lambda r: write_file(r / "d" / LONGEST, b"255")),
+    ("create empty", lambda r: open_close(r / "d/empty", os.O_WRONLY | os.O_CREAT)),
+    ("touch empty", lambda r: open_close(r / "d/empty", os.O_WRONLY | os.O_CREAT)),
+    ("ftruncate extends new", lambda r: extended(r / "d/sparse")),
+    ("seek back", lambda r: seek_back(r / "d/patched")),
+    ("unlink while written", lambda r: written_while_open(r / "d/tmp", lambda: os.unlink(r / "d/tmp"))),
+    ("rename while written", lambda r: written_while_open(r / "d/w.tmp", lambda: os.rename(r / "d/w.tmp", r / "d/w"))),
+    ("read renamed", lambda r: (r / "d/w").read_bytes()),
+    ("rmdir .", lambda r: os.rmdir(r / "d/a/b/.")),
+    ("unlink", lambda r: os.unlink(r / "d/empty")),
+    ("rmdir leaf", lambda r: os.rmdir(r / "d/a/b")),
+    ("rmdir", lambda r: os.rmdir(r / "d/a")),
+    ("rmtree", lambda r: shutil.rmtree(r / "d")),
+    ("a TTL later", lambda r: time.sleep(TTL_S + 0.3)),
+    ("rmtree all", lambda r: [shutil.rmtree(r / n) for n in sorted(os.listdir(r))]),
+]
+
+ERR = "err"
+NOTSUP = errno.errorcode[errno.EOPNOTSUPP]  # ENOTSUP, the same number on Linux
+# step: (the local answer, the mount's, what undoes the local change so that the trees stay comparable).
+DIVERGES: dict[str, tuple[Outcome, Outcome, Callable[[Path], Any] | None]] = {
+    "rename non-empty dir": (("ok", None), (ERR, "EXDEV"), lambda r: os.rename(r / "d/a2", r / "d/a")),
+    "append open": (("ok", True), (ERR, NOTSUP), None),
+    "O_RDWR open": (("ok", True), (ERR, NOTSUP), None),
+    "truncate shorter": (("ok", None), (ERR, NOTSUP), lambda r: write_file(r / "p/h", b"rewritten")),
+    "symlink": (("ok", None), (ERR, "EPERM"), lambda r: os.unlink(r / "p/s")),
+    "link": (("ok", None), (ERR, "EPERM"), lambda r: os.unlink(r / "p/l")),
+    "seek back": (("ok", 0), (ERR, "EINVAL"), lambda r: os.unlink(r / "d/patched")),
+}
+
+
+def tree(root: Path) -> list[tuple[Any, ...]]:
+    """Every name under `root` by walking it (listings, then an lstat of each): a directory's kind, a file's kind,
+    size and link count (a directory's link count is not promised)."""
+    out: list[tuple[Any, ...]] = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        rel = os.path.relpath(dirpath, root)
+        for name in dirnames:
+            out.append((os.path.join(rel, name), "dir"))
+        for name in filenames:
+            st = os.lstat(os.path.join(dirpath, name))
+            out.append((os.path.join(rel, name), stat.S_IFMT(st.st_mode), st.st_size, st.st_nlink))
+    return sorted(out)
+
+
+def mtimes(root: Path) -> dict[tuple[int, int], int]:
+    return {(st.st_ino, st.st_size): st.st_mtime_ns
+            for dirpath, _, filenames in os.walk(root) for name in filenames
+            if (st := os.lstat(os.path.join(dirpath, name)))}
+
+
+def test_the_mount_answers_as_a_local_directory(s3: S3Server, mountpoint: Path, tmp_path: Path) -> None:
+    local = tmp_path / "local"
+    local.mkdir()
+    bucket = new_bucket(s3)
+    seen: dict[tuple[int, int], int] = {}
+    with mounted(s3, bucket, mountpoint, *FLAGS, allowed=REFUSALS):
+        for name, step in STEPS:
+            here, there = outcome(lambda: step(local)), outcome(lambda: step(mountpoint))  # noqa: B023
+            if name in DIVERGES:
+                want_here, want_there, undo = DIVERGES[name]
+                assert (here, there) == (want_here, want_there), name
+                if undo is not None:
+                    undo(local)
+            else:
+                assert there == here, name
+            assert tree(mountpoint) == tree(local), name
+            # An inode of a file is one version: its mtime never goes back (the close time, then Last-Modified).
+            for version, mtime in mtimes(mountpoint).items():
+                assert mtime >= seen.get(version, 0), (name, version)
+                seen[version] = mtime
+    delete_bucket(s3, bucket)
+
+
+def test_a_file_another_writer_stored_after_this_mount_found_the_name_free_opens_as_it_is(
+        s3: S3Server, mountpoint: Path) -> None:
+    """The kernel sends CREATE for a name the mount said was missing; another writer stored a file there since. A
+    lock file's second `open(O_CREAT|O_WRONLY)` was EPERM, where opening the stored (empty) file is a touch; an
+    O_EXCL create was EPERM, where a lock taker waits on EEXIST."""
+    bucket = new_bucket(s3)
+    names = ("lock", "excl", "full")
+    with mounted(s3, bucket, mountpoint, "--writable", "--metadata-ttl", "60",
+                 allowed=(r"needs --allow-overwrite",)):
+        for name in names:
+            assert not (mountpoint / name).exists()
+        put_objects(s3, bucket, {"lock": b"", "excl": b"", "full": b"theirs"})
+        fd = os.open(mountpoint / "lock", os.O_WRONLY | os.O_CREAT)
+        try:
+            assert os.fstat(fd).st_size == 0
+            with pytest.raises(OSError) as info:
+                os.write(fd, b"x")  # a touch, as for an open of the known empty file
+            assert info.value.errno == errno.EPERM
+        finally:
+            os.close(fd)
+        with pytest.raises(OSError) as info:
+            os.open(mountpoint / "excl", os.O_WRONLY | os.O_CREAT | os.O_EXCL)
+        assert info.value.errno == errno.EEXIST
+        with pytest.raises(OSError) as info:
+            os.open(mountpoint / "full", os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+        assert info.value.errno == errno.EPERM  # replacing bytes still needs the flag
+        assert (mountpoint / "full").read_bytes() == b"theirs"
+    assert s3.client().get_object(Bucket=bucket, Key="full")["Body"].read() == b"theirs"
+    delete_bucket(s3, bucket)
+
+
+def test_an_append_to_a_file_another_writer_stored_after_this_mount_found_the_name_free_keeps_its_bytes(
+        s3: S3Server, mountpoint: Path) -> None:
+    """With --allow-overwrite a create replaces what is there without asking, but one that does not truncate
+    (`open(p, "a")`, a logger's) replaced another writer's object with only what it appended."""
+    bucket = new_bucket(s3)
+    with mounted(s3, bucket, mountpoint, "--writable", "--allow-overwrite", "--metadata-ttl", "60",
+                 allowed=(r"only whole rewrites",)):
+        assert not (mountpoint / "log").exists()
+        put_objects(s3, bucket, {"log": b"line 1\n"})
+        with pytest.raises(OSError) as info:
+            open(mountpoint / "log", "a")
+        assert info.value.errno == errno.EOPNOTSUPP  # as for an append to the known file
+        with open(mountpoint / "log") as f:
+            assert f.read() == "line 1\n"
+    assert s3.client().get_object(Bucket=bucket, Key="log")["Body"].read() == b"line 1\n"
+    delete_bucket(s3, bucket)
+
+
+def test_a_file_just_written_keeps_its_mtime_once_the_bucket_is_asked_again(s3: S3Server, mountpoint: Path) -> None:
+    """After close a file showed its close time; once the TTL had passed and the bucket was asked again, its
+    Last-Modified (whole seconds; a multipart upload's start), earlier: the mtime stepped back, and `make` or
+    `rsync` took a file just written for an older one."""
+    bucket = new_bucket(s3)
+    with mounted(s3, bucket, mountpoint, "--writable", "--metadata-ttl", f"{TTL_S:g}"):
+        path = mountpoint / "out.bin"
+        path.write_bytes(b"x" * 1000)
+        closed = os.stat(path)
+        time.sleep(TTL_S + 0.2)  # the TTL passes: the stat below asks the bucket again (a HEAD), the scandir lists
+        again = os.stat(path)
+        listed = next(e for e in os.scandir(mountpoint) if e.name == "out.bin").stat()
+        assert again.st_ino == closed.st_ino
+        assert again.st_mtime_ns >= closed.st_mtime_ns
+        assert listed.st_mtime_ns >= closed.st_mtime_ns
+    delete_bucket(s3, bucket)

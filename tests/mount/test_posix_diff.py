@@ -19,13 +19,14 @@ from typing import Any
 
 import pytest
 
-from tests.helpers import S3Server, delete_bucket, mounted, new_bucket, put_objects
+from tests.helpers import MiB, S3Server, delete_bucket, mounted, new_bucket, put_objects, random_bytes, sha
 
 TTL_S = 1.0
 FLAGS = ("--writable", "--allow-overwrite", "--allow-delete", "--metadata-ttl", f"{TTL_S:g}")
 # The warnings the documented refusals log.
 REFUSALS = (r"only sequential writes are supported", r"only whole rewrites", r"is not renamed \(EXDEV\)",
-            r"will not be stored", r"not stored")
+            r"will not be stored", r"not stored",
+            r"fetching chunk \d+ of 'd/big2?' failed", r"read failed: GET 'd/big2?'")
 
 Outcome = tuple[str, Any]
 
@@ -60,16 +61,36 @@ def open_close(path: Path, flags: int) -> bool:
     return True
 
 
-def written_while_open(path: Path, then: Callable[[], Any]) -> int:
+def written_while_open(path: Path, then: Callable[[], Any], *, fsync: bool = False) -> int:
     """A file written, `then` done while it is open, then closed."""
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
         os.write(fd, b"open")
         then()
+        if fsync:
+            os.fsync(fd)
         os.write(fd, b" still")
     finally:
         os.close(fd)
     return 10
+
+
+def fsynced(path: Path, flags: int) -> bool:
+    fd = os.open(path, flags)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    return True
+
+
+def read_across(path: Path, change: Callable[[], Any]) -> str:
+    """A reader that has begun a file, while `change` is done to its name: what it reads on, as a digest."""
+    with open(path, "rb", buffering=0) as f:
+        first = f.read(4096)
+        change()
+        rest = f.read()
+    return sha(first + rest)
 
 
 def seek_back(path: Path) -> int:
@@ -123,6 +144,7 @@ def same_dir(a: Path, b: Path) -> bool:
     return (sa.st_dev, sa.st_ino) == (sb.st_dev, sb.st_ino)
 
 
+BIG = random_bytes(20 * MiB, 1)
 LONG = "n" * 256
 LONGEST = "m" * 255
 Step = tuple[str, Callable[[Path], Any]]
@@ -189,6 +211,26 @@ STEPS: list[Step] = [
     ("rename while written", lambda r: written_while_open(r / "d/w.tmp", lambda: os.rename(r / "d/w.tmp", r / "d/w"))),
     ("read renamed", lambda r: (r / "d/w").read_bytes()),
     ("rmdir .", lambda r: os.rmdir(r / "d/a/b/.")),
+    ("fsync dir", lambda r: fsynced(r / "d", os.O_RDONLY | os.O_DIRECTORY)),
+    ("fsync stored file", lambda r: fsynced(r / "d/w", os.O_RDONLY)),
+    ("fsync new file", lambda r: written_while_open(r / "d/synced", lambda: None, fsync=True)),
+    ("statvfs namemax", lambda r: os.statvfs(r).f_namemax),
+    ("access X_OK", lambda r: os.access(r / "d/w", os.X_OK)),
+    ("access R_OK", lambda r: os.access(r / "d/w", os.R_OK)),
+    ("mkdir trailing /", lambda r: os.mkdir(str(r / "d/t") + "/")),
+    ("rmdir trailing /", lambda r: os.rmdir(str(r / "d/t") + "/")),
+    ("unlink trailing /", lambda r: os.unlink(str(r / "d/w") + "/")),
+    ("rename file to trailing /", lambda r: os.rename(r / "d/w", str(r / "d/w2") + "/")),
+    ("create O_RDONLY", lambda r: open_close(r / "d/ro", os.O_RDONLY | os.O_CREAT)),
+    ("mkfifo", lambda r: os.mkfifo(r / "d/fifo")),
+    ("read across a rename", lambda r: read_across(r / "d/w", lambda: os.rename(r / "d/w", r / "d/w3"))),
+    ("read across an unlink", lambda r: read_across(r / "d/w3", lambda: os.unlink(r / "d/w3"))),
+    ("write big", lambda r: write_file(r / "d/big", BIG)),
+    ("read big across a rename", lambda r: read_across(r / "d/big", lambda: os.rename(r / "d/big", r / "d/big2"))),
+    ("read big across a replace",
+     lambda r: read_across(r / "d/big2", lambda: os.replace(r / "d/synced", r / "d/big2"))),
+    ("write big again", lambda r: write_file(r / "d/big", BIG)),
+    ("read big across an unlink", lambda r: read_across(r / "d/big", lambda: os.unlink(r / "d/big"))),
     ("unlink", lambda r: os.unlink(r / "d/empty")),
     ("rmdir leaf", lambda r: os.rmdir(r / "d/a/b")),
     ("rmdir", lambda r: os.rmdir(r / "d/a")),
@@ -207,8 +249,15 @@ DIVERGES: dict[str, tuple[Outcome, Outcome, Callable[[Path], Any] | None]] = {
     "truncate shorter": (("ok", None), (ERR, NOTSUP), lambda r: write_file(r / "p/h", b"rewritten")),
     "symlink": (("ok", None), (ERR, "EPERM"), lambda r: os.unlink(r / "p/s")),
     "link": (("ok", None), (ERR, "EPERM"), lambda r: os.unlink(r / "p/l")),
+    "mkfifo": (("ok", None), (ERR, "EPERM"), lambda r: os.unlink(r / "d/fifo")),
+    # The object a reader has begun goes from the bucket: what was fetched ahead of it is read, then EIO (S3 keeps no
+    # old version to read); never other bytes.
+    "read big across a replace": (("ok", sha(BIG)), (ERR, "EIO"), None),
+    "read big across an unlink": (("ok", sha(BIG)), (ERR, "EIO"), None),
     "seek back": (("ok", 0), (ERR, "EINVAL"), lambda r: os.unlink(r / "d/patched")),
 }
+
+EXACT_OR_EIO = ("read big across a replace", "read big across an unlink")
 
 
 def tree(root: Path) -> list[tuple[Any, ...]]:
@@ -241,7 +290,8 @@ def test_the_mount_answers_as_a_local_directory(s3: S3Server, mountpoint: Path, 
             here, there = outcome(lambda: step(local)), outcome(lambda: step(mountpoint))  # noqa: B023
             if name in DIVERGES:
                 want_here, want_there, undo = DIVERGES[name]
-                assert (here, there) == (want_here, want_there), name
+                assert here == want_here, name
+                assert there == want_there or (there == here and name in EXACT_OR_EIO), name
                 if undo is not None:
                     undo(local)
             else:
@@ -318,4 +368,26 @@ def test_a_file_just_written_keeps_its_mtime_once_the_bucket_is_asked_again(s3: 
         assert again.st_ino == closed.st_ino
         assert again.st_mtime_ns >= closed.st_mtime_ns
         assert listed.st_mtime_ns >= closed.st_mtime_ns
+    delete_bucket(s3, bucket)
+
+
+def test_a_reader_follows_a_file_renamed_through_the_mount(s3: S3Server, mountpoint: Path) -> None:
+    """A rename through the mount copies the object to its new key and deletes the old one. A descriptor opened
+    before kept reading the old key: what it had not read yet was EIO (404), where a local file's descriptor reads on,
+    whatever its name. It follows the object now, with the same ETag (CopyObject) too."""
+    bucket = new_bucket(s3)
+    data = random_bytes(24 * MiB, 2)
+    # One PUT (a part size above the file's), so that the copy's ETag is the same on moto as on SeaweedFS.
+    with mounted(s3, bucket, mountpoint, "--writable", "--allow-overwrite", "--metadata-ttl", "60",
+                 "--write-part-size", "32M"):
+        (mountpoint / "ckpt.pt").write_bytes(data)
+        fd = os.open(mountpoint / "ckpt.pt", os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)  # no read-ahead: the reader has fetched one chunk
+            assert os.pread(fd, 4096, 0) == data[:4096]
+            os.rename(mountpoint / "ckpt.pt", mountpoint / "ckpt-old.pt")
+            assert os.pread(fd, MiB, 20 * MiB) == data[20 * MiB:21 * MiB]
+        finally:
+            os.close(fd)
+        assert (mountpoint / "ckpt-old.pt").read_bytes() == data
     delete_bucket(s3, bucket)

@@ -559,8 +559,14 @@ class Writes:
                 raise PathError(errno.ENOTEMPTY)
         else:
             # A name this mount knows nothing at: a file, or directory, of the other kind that another mount made
-            # there would hide, or be hidden by, what is renamed.
-            is_file, is_dir = await self._in_bucket(path, file=node.is_dir, directory=not node.is_dir)
+            # there would hide, or be hidden by, what is renamed. With RENAME_NOREPLACE (`mv -n`) one of the same kind
+            # is asked for too: it was replaced, with --allow-overwrite, where it must be left (EEXIST).
+            noreplace = bool(flags & RENAME_NOREPLACE)
+            is_file, is_dir = await self._in_bucket(path, file=node.is_dir or noreplace,
+                                                    directory=not node.is_dir or noreplace)
+            if noreplace and (is_file or is_dir):
+                self.ns.found_in_bucket(path)
+                raise PathError(errno.EEXIST)
             if is_file or is_dir:
                 self._refuse_beside(path, is_dir, errno.EISDIR if is_dir else errno.ENOTDIR)
         if not node.is_dir:

@@ -7,6 +7,7 @@ listed in DIVERGES with both answers, and undone on the local side where it chan
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import os
 import shutil
@@ -22,6 +23,8 @@ import pytest
 from tests.helpers import MiB, S3Server, delete_bucket, mounted, new_bucket, put_objects, random_bytes, sha
 
 TTL_S = 1.0
+AT_FDCWD = -100
+RENAME_NOREPLACE = 1
 FLAGS = ("--writable", "--allow-overwrite", "--allow-delete", "--metadata-ttl", f"{TTL_S:g}")
 # The warnings the documented refusals log.
 REFUSALS = (r"only sequential writes are supported", r"only whole rewrites", r"is not renamed \(EXDEV\)",
@@ -390,4 +393,34 @@ def test_a_reader_follows_a_file_renamed_through_the_mount(s3: S3Server, mountpo
         finally:
             os.close(fd)
         assert (mountpoint / "ckpt-old.pt").read_bytes() == data
+    delete_bucket(s3, bucket)
+
+
+def renameat2(old: Path, new: Path, flags: int) -> None:
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.renameat2(AT_FDCWD, bytes(old), AT_FDCWD, bytes(new), flags) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err), str(new))
+
+
+def test_a_rename_noreplace_leaves_a_file_another_writer_stored_after_this_mount_found_the_name_free(
+        s3: S3Server, mountpoint: Path) -> None:
+    """`mv -n` (renameat2 RENAME_NOREPLACE) onto a name the mount said was free, where another writer has stored a
+    file or made a directory since: with --allow-overwrite the rename replaced their object (it asked the bucket only
+    for the other kind). It is EEXIST, and nothing changes, as on a local disk."""
+    bucket = new_bucket(s3)
+    with mounted(s3, bucket, mountpoint, "--writable", "--allow-overwrite", "--allow-delete", "--metadata-ttl", "60"):
+        (mountpoint / "mine").write_bytes(b"mine")
+        os.mkdir(mountpoint / "empty")
+        for name in ("theirs", "their-dir"):
+            assert not (mountpoint / name).exists()
+        put_objects(s3, bucket, {"theirs": b"theirs", "their-dir/x": b"x"})
+        for old, new in (("mine", "theirs"), ("mine", "their-dir"), ("empty", "theirs"), ("empty", "their-dir")):
+            with pytest.raises(OSError) as info:
+                renameat2(mountpoint / old, mountpoint / new, RENAME_NOREPLACE)
+            assert info.value.errno == errno.EEXIST, (old, new)
+        renameat2(mountpoint / "mine", mountpoint / "free", RENAME_NOREPLACE)
+        assert sorted(os.listdir(mountpoint)) == ["empty", "free", "their-dir", "theirs"]
+        assert (mountpoint / "theirs").read_bytes() == b"theirs"
+    assert s3.client().get_object(Bucket=bucket, Key="theirs")["Body"].read() == b"theirs"
     delete_bucket(s3, bucket)

@@ -12,6 +12,7 @@ import errno
 import os
 import shutil
 import stat
+import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -94,6 +95,18 @@ def read_across(path: Path, change: Callable[[], Any]) -> str:
         change()
         rest = f.read()
     return sha(first + rest)
+
+
+def atomic_write(directory: Path, name: str, data: bytes) -> bytes:
+    """The atomic-write idiom: a temporary file beside the target, fsynced, renamed over it."""
+    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp")
+    try:
+        os.write(fd, data)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(tmp, directory / name)
+    return (directory / name).read_bytes()
 
 
 def seek_back(path: Path) -> int:
@@ -213,6 +226,8 @@ STEPS: list[Step] = [
     ("unlink while written", lambda r: written_while_open(r / "d/tmp", lambda: os.unlink(r / "d/tmp"))),
     ("rename while written", lambda r: written_while_open(r / "d/w.tmp", lambda: os.rename(r / "d/w.tmp", r / "d/w"))),
     ("read renamed", lambda r: (r / "d/w").read_bytes()),
+    ("rename onto a file being written",
+     lambda r: written_while_open(r / "d/busy", lambda: os.rename(r / "d/w", r / "d/busy")) and None),
     ("rmdir .", lambda r: os.rmdir(r / "d/a/b/.")),
     ("fsync dir", lambda r: fsynced(r / "d", os.O_RDONLY | os.O_DIRECTORY)),
     ("fsync stored file", lambda r: fsynced(r / "d/w", os.O_RDONLY)),
@@ -234,6 +249,14 @@ STEPS: list[Step] = [
      lambda r: read_across(r / "d/big2", lambda: os.replace(r / "d/synced", r / "d/big2"))),
     ("write big again", lambda r: write_file(r / "d/big", BIG)),
     ("read big across an unlink", lambda r: read_across(r / "d/big", lambda: os.unlink(r / "d/big"))),
+    ("mkstemp and replace", lambda r: atomic_write(r / "d", "state.json", b'{"step": 1}')),
+    ("mkstemp and replace again", lambda r: atomic_write(r / "d", "state.json", b'{"step": 2}')),
+    ("read replaced", lambda r: (r / "d/state.json").read_bytes()),
+    ("copytree", lambda r: shutil.copytree(r / "d/a", r / "tree") and None),
+    ("copy2", lambda r: shutil.copy2(r / "d/state.json", r / "tree/state.json") and None),
+    ("move dir", lambda r: shutil.move(r / "tree", r / "moved") and None),
+    ("move file", lambda r: shutil.move(r / "moved/state.json", r / "moved/b/state.json") and None),
+    ("mkdtemp and rmtree", lambda r: shutil.rmtree(tempfile.mkdtemp(dir=r / "moved"))),
     ("unlink", lambda r: os.unlink(r / "d/empty")),
     ("rmdir leaf", lambda r: os.rmdir(r / "d/a/b")),
     ("rmdir", lambda r: os.rmdir(r / "d/a")),
@@ -252,6 +275,9 @@ DIVERGES: dict[str, tuple[Outcome, Outcome, Callable[[Path], Any] | None]] = {
     "truncate shorter": (("ok", None), (ERR, NOTSUP), lambda r: write_file(r / "p/h", b"rewritten")),
     "symlink": (("ok", None), (ERR, "EPERM"), lambda r: os.unlink(r / "p/s")),
     "link": (("ok", None), (ERR, "EPERM"), lambda r: os.unlink(r / "p/l")),
+    # (the writer's close then stores what it wrote before the refused rename)
+    "rename onto a file being written": (
+        ("ok", None), (ERR, "EBUSY"), lambda r: os.rename(r / "d/busy", r / "d/w") or write_file(r / "d/busy", b"open")),
     "mkfifo": (("ok", None), (ERR, "EPERM"), lambda r: os.unlink(r / "d/fifo")),
     # The object a reader has begun goes from the bucket: what was fetched ahead of it is read, then EIO (S3 keeps no
     # old version to read); never other bytes.

@@ -277,7 +277,8 @@ DIVERGES: dict[str, tuple[Outcome, Outcome, Callable[[Path], Any] | None]] = {
     "link": (("ok", None), (ERR, "EPERM"), lambda r: os.unlink(r / "p/l")),
     # (the writer's close then stores what it wrote before the refused rename)
     "rename onto a file being written": (
-        ("ok", None), (ERR, "EBUSY"), lambda r: os.rename(r / "d/busy", r / "d/w") or write_file(r / "d/busy", b"open")),
+        ("ok", None), (ERR, "EBUSY"),
+        lambda r: os.rename(r / "d/busy", r / "d/w") or write_file(r / "d/busy", b"open")),
     "mkfifo": (("ok", None), (ERR, "EPERM"), lambda r: os.unlink(r / "d/fifo")),
     # The object a reader has begun goes from the bucket: what was fetched ahead of it is read, then EIO (S3 keeps no
     # old version to read); never other bytes.

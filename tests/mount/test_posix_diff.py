@@ -310,12 +310,16 @@ def mtimes(root: Path) -> dict[tuple[int, int], int]:
             if (st := os.lstat(os.path.join(dirpath, name)))}
 
 
-def test_the_mount_answers_as_a_local_directory(s3: S3Server, mountpoint: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("cache", [False, True], ids=["", "cache-dir"])
+def test_the_mount_answers_as_a_local_directory(s3: S3Server, mountpoint: Path, tmp_path: Path, cache: bool) -> None:
+    """With --cache-dir too: files then go through local copies (write_staging), and one extended by ftruncate
+    before its first write is uploaded at its close."""
     local = tmp_path / "local"
     local.mkdir()
     bucket = new_bucket(s3)
     seen: dict[tuple[int, int], int] = {}
-    with mounted(s3, bucket, mountpoint, *FLAGS, allowed=REFUSALS):
+    cache_dir = ("--cache-dir", str(tmp_path / "cache")) if cache else ()
+    with mounted(s3, bucket, mountpoint, *FLAGS, *cache_dir, allowed=REFUSALS):
         for name, step in STEPS:
             here, there = outcome(lambda: step(local)), outcome(lambda: step(mountpoint))  # noqa: B023
             if name in DIVERGES:

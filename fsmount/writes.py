@@ -13,7 +13,8 @@ The rules (README "Writing checkpoints"):
   the bucket unless --allow-overwrite lets it replace the file and it truncates.
 - A name the bucket holds as the other kind is refused, asked at the create, mkdir or rename (another mount may have
   made it since this one listed): a file where a directory is (EISDIR; it would never be seen, a name that is both is
-  shown as the directory), a directory where a file is (EEXIST, ENOTDIR; it would hide the file).
+  shown as the directory), a directory where a file is (EEXIST, ENOTDIR; it would hide the file). So is a mkdir
+  where a directory is (EEXIST), and a RENAME_NOREPLACE onto anything there (EEXIST).
 - Without `--allow-delete` nothing is deleted: unlink and rmdir fail with EPERM, and so does renaming a
   file or directory this mount did not write (a rename deletes the old key or marker).
 - A rename is a server-side copy and then a delete of the old key (If-Match on the version copied), not atomic:
@@ -487,8 +488,14 @@ class Writes:
 
     async def mkdir(self, parent: Node, name: bytes) -> Node:
         path = self.ns.child_path(parent, name)
-        if (await self._in_bucket(path, file=True, directory=False))[0]:
+        is_file, is_dir = await self._in_bucket(path, file=True, directory=True)
+        if is_file:
             self._refuse_beside(path, False, errno.EEXIST)
+        if is_dir:
+            # Made by another writer since this mount found the name free: EEXIST, as a local mkdir of an existing
+            # directory (a `mkdir` taken as a lock by two nodes: both got it, the second putting the marker again).
+            self.ns.found_in_bucket(path)
+            raise PathError(errno.EEXIST)
         await self.call(self.uploads.put, self.ns.dir_key(path), b"")
         node = self.ns.dir_added(path)
         self._written.add(node.ino)  # its marker: a rename deletes it, which needs no --allow-delete then

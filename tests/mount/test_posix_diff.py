@@ -455,3 +455,23 @@ def test_a_rename_noreplace_leaves_a_file_another_writer_stored_after_this_mount
         assert (mountpoint / "theirs").read_bytes() == b"theirs"
     assert s3.client().get_object(Bucket=bucket, Key="theirs")["Body"].read() == b"theirs"
     delete_bucket(s3, bucket)
+
+
+def test_a_mkdir_where_another_writer_made_a_directory_since_this_mount_found_the_name_free_is_eexist(
+        s3: S3Server, mountpoint: Path) -> None:
+    """`mkdir lock` taken as a lock by two nodes: the second mount, whose answer said the name was free, put the
+    marker again and returned 0, so both held the lock. It is EEXIST, as on a local disk; `makedirs(exist_ok=True)`
+    still succeeds, and the directory is shown as it is."""
+    bucket = new_bucket(s3)
+    with mounted(s3, bucket, mountpoint, "--writable", "--metadata-ttl", "60"):
+        for name in ("lock", "run"):
+            assert not (mountpoint / name).exists()
+        put_objects(s3, bucket, {"lock/": b"", "run/rank0.pt": b"theirs"})
+        with pytest.raises(OSError) as info:
+            os.mkdir(mountpoint / "lock")
+        assert info.value.errno == errno.EEXIST
+        os.makedirs(mountpoint / "run", exist_ok=True)
+        assert os.listdir(mountpoint / "run") == ["rank0.pt"]
+        assert sorted(os.listdir(mountpoint)) == ["lock", "run"]
+    assert sorted(o["Key"] for o in s3.client().list_objects_v2(Bucket=bucket)["Contents"]) == ["lock/", "run/rank0.pt"]
+    delete_bucket(s3, bucket)

@@ -16,9 +16,15 @@ from __future__ import annotations
 
 import errno
 import time
+from typing import Any
+
+import cachetools
 
 from fsmount.data import ObjectMeta
 from fsmount.namespace import DirEntry, Namespace, Node, PathError, child_name, invalid_segment_reason
+
+# Files whose store time is kept (`_stored_at`), the most recent: a checkpoint run's, many times over.
+STORED_AT_ENTRIES = 20_000
 
 
 class WritableNamespace(Namespace):
@@ -30,16 +36,19 @@ class WritableNamespace(Namespace):
             raise PathError(errno.EINVAL)
         return self._join(parent.path, name)
 
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        # The time each file this mount stored was closed (or renamed to its name), by (path, ETag): apart from the
+        # nodes, as the kernel forgets inodes meanwhile (with --metadata-ttl 0 at once). Bounded, oldest first out.
+        self._stored_at: cachetools.LRUCache[tuple[str, str], int] = cachetools.LRUCache(STORED_AT_ENTRIES)
+
     def _node_for(self, path: str, is_dir: bool, meta: ObjectMeta | None, as_of: float | None = None) -> Node:
-        """As `Namespace._node_for`, but a file's modification time never steps back: one this mount stored shows
-        the time of its close until the bucket is asked again, whose Last-Modified (whole seconds, and for a
+        """As `Namespace._node_for`, but the modification time of a file this mount stored never steps back: it
+        shows the time of its close until the bucket is asked again, whose Last-Modified (whole seconds, and for a
         multipart upload the time it began) is earlier. `make` and `rsync` saw a file just written go back in time."""
-        ino = self._ino_by_path.get((path, meta.etag)) if meta is not None and not is_dir else None
-        known = self._nodes.get(ino) if ino is not None else None
-        before = known.mtime_ns if known is not None else 0
         node = super()._node_for(path, is_dir, meta, as_of)
-        if node is known:
-            node.mtime_ns = max(node.mtime_ns, before)
+        if meta is not None:
+            node.mtime_ns = max(node.mtime_ns, self._stored_at.get((path, meta.etag), 0))
         return node
 
     def key_of(self, path: str) -> str:
@@ -82,6 +91,7 @@ class WritableNamespace(Namespace):
     def _stored(self, node: Node, meta: ObjectMeta) -> None:
         """`node` is the version `meta` of its path, now in the bucket."""
         node.size, node.etag, node.mtime_ns = meta.size, meta.etag, meta.mtime_ns
+        self._stored_at[(node.path, meta.etag)] = meta.mtime_ns
         now = time.monotonic()
         node.fresh_until = now + self.ttl
         self._asked(node.path, now)

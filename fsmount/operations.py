@@ -418,7 +418,14 @@ class Operations(pyfuse3.Operations):
                 return await self._read(handle, off, size)
             if self._rewritten(handle):
                 continue
-            data = await self._read(handle, off, size)
+            try:
+                data = await self._read(handle, off, size)
+            except StoreError:
+                # Its GET went to the old key after a rename through this mount had moved the file (one queued
+                # behind others, or the READ asked while the rename ran): the handle follows it there.
+                if self._rewritten(handle):
+                    continue
+                raise
             # A reply goes into the inode's pages: none of the old version once the rewrite is stored.
             if not self._rewritten(handle):
                 return data

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import mmap
 import os
 import shutil
 import stat
@@ -21,16 +22,19 @@ from typing import Any
 
 import pytest
 
+from fsmount.testing.fault_proxy import FaultProxy
 from tests.helpers import (
     MiB,
     S3Server,
     delete_bucket,
     drop_kernel_caches,
     mounted,
+    mounted_via,
     new_bucket,
     put_objects,
     random_bytes,
     sha,
+    wait_for,
 )
 
 TTL_S = 1.0
@@ -493,3 +497,36 @@ def test_a_mkdir_where_another_writer_made_a_directory_since_this_mount_found_th
         assert sorted(os.listdir(mountpoint)) == ["lock", "run"]
     assert sorted(o["Key"] for o in s3.client().list_objects_v2(Bucket=bucket)["Contents"]) == ["lock/", "run/rank0.pt"]
     delete_bucket(s3, bucket)
+
+
+def test_a_read_whose_get_reaches_the_old_key_after_a_rename_follows_the_file(moto_server: S3Server, proxy: FaultProxy,
+                                                                               mountpoint: Path) -> None:
+    """A READ's GET queued for the old key (behind others; here held by the proxy) reaches the bucket after a rename
+    through the mount deleted that key: 404, and the reader got EIO, though the file is whole under its new name. The
+    READ follows the handle to the new key."""
+    bucket = new_bucket(moto_server)
+    data = random_bytes(24 * MiB, 3)
+    with mounted_via(proxy, moto_server, bucket, mountpoint, "--writable", "--allow-overwrite", "--metadata-ttl", "60",
+                     "--write-part-size", "32M",
+                     allowed=(r"fetching chunk 2 of 'ckpt.pt' failed: GET 'ckpt.pt' .*not found",)):
+        (mountpoint / "ckpt.pt").write_bytes(data)
+        # O_DIRECT: the kernel sends the READ once (a page-cache read tries a failed one again, which hid it).
+        fd = os.open(mountpoint / "ckpt.pt", os.O_RDONLY | os.O_DIRECT)
+        buf = mmap.mmap(-1, MiB)
+
+        def read_at(offset: int) -> bytes:
+            return bytes(buf[:os.preadv(fd, [buf], offset)])
+
+        try:
+            assert read_at(0) == data[:MiB]
+            held = proxy.inject("latency", seconds=1.5, times=1)  # the next data GET: chunk 2's, below
+            got: list[Outcome] = []
+            reader = threading.Thread(target=lambda: got.append(outcome(lambda: read_at(20 * MiB))))
+            reader.start()
+            wait_for("the GET held", lambda: held.hits, timeout=10)
+            os.rename(mountpoint / "ckpt.pt", mountpoint / "ckpt-old.pt")  # done before the GET goes on
+            reader.join()
+            assert got == [("ok", data[20 * MiB:21 * MiB])]
+        finally:
+            os.close(fd)
+    delete_bucket(moto_server, bucket)

@@ -10,6 +10,8 @@ written) and `_changes`/`_seq` (changes kept for listings under way). Rules (all
   recorded in `_changes` with a sequence number: such a listing is patched with it when it lands, and a
   change is forgotten once no listing under way began before it (one that begins later finds it in the
   bucket).
+- A file this mount stored shows its store time as its mtime, never the bucket's earlier Last-Modified: kept in
+  `_stored_at` by (path, ETag), apart from the nodes.
 """
 
 from __future__ import annotations
@@ -28,6 +30,12 @@ STORED_AT_ENTRIES = 20_000
 
 
 class WritableNamespace(Namespace):
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        # The time each file this mount stored was closed (or renamed to its name), by (path, ETag): apart from the
+        # nodes, as the kernel forgets inodes meanwhile (with --metadata-ttl 0 at once). Bounded, oldest first out.
+        self._stored_at: cachetools.LRUCache[tuple[str, str], int] = cachetools.LRUCache(STORED_AT_ENTRIES)
+
     def child_path(self, parent: Node, name_b: bytes) -> str:
         """The path of a new entry `name_b` of `parent`; refused (EINVAL) where the read side would skip
         the name, so that nothing this mount writes is invisible to it."""
@@ -35,12 +43,6 @@ class WritableNamespace(Namespace):
         if invalid_segment_reason(name) is not None or "/" in name:
             raise PathError(errno.EINVAL)
         return self._join(parent.path, name)
-
-    def __init__(self, *args: Any, **kwargs: Any):
-        super().__init__(*args, **kwargs)
-        # The time each file this mount stored was closed (or renamed to its name), by (path, ETag): apart from the
-        # nodes, as the kernel forgets inodes meanwhile (with --metadata-ttl 0 at once). Bounded, oldest first out.
-        self._stored_at: cachetools.LRUCache[tuple[str, str], int] = cachetools.LRUCache(STORED_AT_ENTRIES)
 
     def _node_for(self, path: str, is_dir: bool, meta: ObjectMeta | None, as_of: float | None = None) -> Node:
         """As `Namespace._node_for`, but the modification time of a file this mount stored never steps back: it

@@ -563,7 +563,8 @@ class Operations(pyfuse3.Operations):
         # Another writer stored a file at the name since this mount found it free: opened as it is (writes.create).
         node = await self.ns.resolve(parent_inode, name)
         try:
-            info = await self.open(node.ino, flags, ctx)
+            # As the kernel's OPEN of a name it knows: without O_CREAT and O_EXCL (`flock(1)` opens O_RDONLY|O_CREAT).
+            info = await self.open(node.ino, flags & ~(os.O_CREAT | os.O_EXCL), ctx)
         except BaseException:
             self.ns.entry_refused(node)
             raise

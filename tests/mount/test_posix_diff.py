@@ -362,7 +362,7 @@ def test_a_file_another_writer_stored_after_this_mount_found_the_name_free_opens
     lock file's second `open(O_CREAT|O_WRONLY)` was EPERM, where opening the stored (empty) file is a touch; an
     O_EXCL create was EPERM, where a lock taker waits on EEXIST."""
     bucket = new_bucket(s3)
-    names = ("lock", "excl", "full")
+    names = ("lock", "excl", "full", "lock2")
     with mounted(s3, bucket, mountpoint, "--writable", "--metadata-ttl", "60",
                  allowed=(r"needs --allow-overwrite",)):
         for name in names:
@@ -383,6 +383,12 @@ def test_a_file_another_writer_stored_after_this_mount_found_the_name_free_opens
             os.open(mountpoint / "full", os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
         assert info.value.errno == errno.EPERM  # replacing bytes still needs the flag
         assert (mountpoint / "full").read_bytes() == b"theirs"
+        put_objects(s3, bucket, {"lock2": b"flock"})
+        fd = os.open(mountpoint / "lock2", os.O_RDONLY | os.O_CREAT)  # `flock(1)` of a lock file with bytes in it
+        try:
+            assert os.read(fd, 100) == b"flock"
+        finally:
+            os.close(fd)
     assert s3.client().get_object(Bucket=bucket, Key="full")["Body"].read() == b"theirs"
     delete_bucket(s3, bucket)
 

@@ -40,7 +40,7 @@ from fsmount.data.uploads import Exists
 from fsmount.namespace import ROOT_INODE, DirEntry, PathError
 from fsmount.new_file import PART_GROWTH_EVERY, NewFile, part_size
 from fsmount.tree_changes import WritableNamespace as Namespace
-from fsmount.writes import Writes
+from fsmount.writes import RENAME_NOREPLACE, Writes
 from tests.unit.fake_store import FakeStore
 
 MiB = 1 << 20
@@ -512,6 +512,41 @@ async def test_a_directory_renamed_onto_an_empty_one_replaces_it(allowed_logs: l
             with pytest.raises(PathError) as info:
                 await ns.lookup(ROOT_INODE, b"a")
             assert info.value.errno == errno.ENOENT
+
+
+async def test_names_another_writer_filled_after_this_mount_found_them_free() -> None:
+    """What the bucket holds at a name this mount said was free decides, as on a local disk: a mkdir there is EEXIST,
+    a RENAME_NOREPLACE onto it EEXIST (with --allow-overwrite, which would replace it otherwise), and with it a create
+    that does not truncate opens what is there (None) instead of replacing it; one that truncates replaces it."""
+    writes, uploads, ns = make(allow_overwrite=True, allow_delete=True)
+    async with serving(writes):
+        root = ns.node(ROOT_INODE)
+        mine = await new_file(writes, ns, b"mine")
+        await mine.commit()
+        for name in (b"dir", b"file"):
+            with pytest.raises(PathError):
+                await ns.lookup(ROOT_INODE, name)
+        uploads.store.put("dir/x", b"x")
+        uploads.store.put("file", b"theirs")
+        with pytest.raises(PathError) as info:
+            await writes.mkdir(root, b"dir")
+        assert info.value.errno == errno.EEXIST
+        node = await ns.lookup(ROOT_INODE, b"mine")
+        for name in (b"dir", b"file"):
+            with pytest.raises(PathError) as info:
+                await writes.rename(node, root, name, None, RENAME_NOREPLACE)
+            assert info.value.errno == errno.EEXIST
+        assert await writes.create(root, b"file", os.O_WRONLY | os.O_CREAT | os.O_APPEND) is None
+        with pytest.raises(PathError) as info:
+            await writes.create(root, b"file", os.O_WRONLY | os.O_CREAT | os.O_EXCL)
+        assert info.value.errno == errno.EEXIST
+        assert uploads.objects == {"mine": b"", "dir/x": b"x", "file": b"theirs"}
+        uploads.store.put("file2", b"theirs")
+        new = await writes.create(root, b"file2", os.O_WRONLY | os.O_CREAT | os.O_TRUNC)  # no HEAD: replaces it
+        assert new is not None
+        await new.write(0, b"new")
+        await new.commit()
+        assert uploads.objects["file2"] == b"new"
 
 
 async def test_a_stored_file_renamed_onto_a_name_looked_up_before_is_found_there() -> None:

@@ -2,8 +2,12 @@
 Python `os`/`shutil`), compared with a local directory: the same steps, one after the other, against both; after
 each, the same result (a value or an errno) and the same tree (names, kinds, files' sizes and link counts), and on
 the mount a file's mtime that never steps back. What the mount documents it does not do (README "Writing
-checkpoints": sequential writes only, no links, no truncate of a stored file, no rename of a non-empty directory) is
-listed in DIVERGES with both answers, and undone on the local side where it changed something there."""
+checkpoints": sequential writes only, no links or FIFOs, no truncate of a stored file, no rename of a non-empty
+directory, one writer per file, no old version left to a reader of a file unlinked or replaced) is listed in DIVERGES
+with both answers, and undone on the local side where it changed something there.
+
+Then what a local directory does where another writer fills a name after this mount found it free (the kernel's
+CREATE, mkdir, `mv -n`), a file's mtime once the bucket is asked again, and readers across renames."""
 
 from __future__ import annotations
 
@@ -43,7 +47,7 @@ RENAME_NOREPLACE = 1
 FLAGS = ("--writable", "--allow-overwrite", "--allow-delete", "--metadata-ttl", f"{TTL_S:g}")
 # The warnings the documented refusals log.
 REFUSALS = (r"only sequential writes are supported", r"only whole rewrites", r"is not renamed \(EXDEV\)",
-            r"will not be stored", r"not stored",
+            r"not stored",
             r"fetching chunk \d+ of 'd/big2?' failed", r"read failed: GET 'd/big2?'")
 
 Outcome = tuple[str, Any]

@@ -2,8 +2,8 @@
 directories, deletes and renames, each done in the bucket first and then told to the namespace.
 
 The rules (README "Writing checkpoints"):
-- Without `--allow-overwrite` nothing replaces an existing key: a create checks the bucket (HEAD) first,
-  and an open with O_TRUNC or a rename onto an existing file fails with EPERM. The file's final PUT or
+- Without `--allow-overwrite` nothing replaces an existing key: a create or a file's rename checks the bucket (HEAD)
+  first, and an open with O_TRUNC or a rename onto an existing file fails with EPERM. The file's final PUT or
   completion is create-only too, so a key another mount stored meanwhile is not replaced: that close
   gets EIO and stores nothing. A rename's copy is create-only as well: CopyObject has no create-only
   form, so without --allow-overwrite every copy is a multipart upload of UploadPartCopy parts (one, for
@@ -568,12 +568,18 @@ class Writes:
             # A name this mount knows nothing at: a file, or directory, of the other kind that another mount made
             # there would hide, or be hidden by, what is renamed. With RENAME_NOREPLACE (`mv -n`) one of the same kind
             # is asked for too: it was replaced, with --allow-overwrite, where it must be left (EEXIST).
+            # Without --allow-overwrite a file's rename asks for a file there too: found at the create-only copy's
+            # completion instead, it was EIO, where a rename onto a name this mount knows is EPERM.
             noreplace = bool(flags & RENAME_NOREPLACE)
-            is_file, is_dir = await self._in_bucket(path, file=node.is_dir or noreplace,
+            is_file, is_dir = await self._in_bucket(path, file=node.is_dir or noreplace or not self.allow_overwrite,
                                                     directory=not node.is_dir or noreplace)
             if noreplace and (is_file or is_dir):
                 self.ns.found_in_bucket(path)
                 raise PathError(errno.EEXIST)
+            if is_file and not node.is_dir:
+                log.warning("rename onto %s: replacing it needs --allow-overwrite", path)
+                self.ns.found_in_bucket(path)
+                raise PathError(errno.EPERM)
             if is_file or is_dir:
                 self._refuse_beside(path, is_dir, errno.EISDIR if is_dir else errno.ENOTDIR)
         if not node.is_dir:

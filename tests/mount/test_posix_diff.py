@@ -540,3 +540,26 @@ def test_a_read_whose_get_reaches_the_old_key_after_a_rename_follows_the_file(mo
         finally:
             os.close(fd)
     delete_bucket(moto_server, bucket)
+
+
+def test_a_rename_onto_a_file_another_writer_stored_after_this_mount_found_the_name_free_needs_allow_overwrite(
+        s3: S3Server, mountpoint: Path) -> None:
+    """Without --allow-overwrite, `os.replace(tmp, final)` onto a name the mount said was free, where another writer
+    has stored a file since: the create-only copy found it at its completion and the rename was EIO, which a trainer
+    takes for the bucket failing and retries; onto a name the mount knows it is EPERM, and now here too. Nothing
+    changes in the bucket either way."""
+    bucket = new_bucket(s3)
+    with mounted(s3, bucket, mountpoint, "--writable", "--metadata-ttl", "60", allowed=(r"needs --allow-overwrite",)):
+        (mountpoint / "step.tmp").write_bytes(b"mine")
+        assert not (mountpoint / "step.pt").exists()
+        put_objects(s3, bucket, {"step.pt": b"theirs"})
+        with pytest.raises(OSError) as info:
+            os.replace(mountpoint / "step.tmp", mountpoint / "step.pt")
+        assert info.value.errno == errno.EPERM
+        assert (mountpoint / "step.pt").read_bytes() == b"theirs"
+        assert (mountpoint / "step.tmp").read_bytes() == b"mine"
+    client = s3.client()
+    assert {o["Key"]: o["Size"] for o in client.list_objects_v2(Bucket=bucket)["Contents"]} == {"step.tmp": 4,
+                                                                                              "step.pt": 6}
+    assert not client.list_multipart_uploads(Bucket=bucket).get("Uploads")
+    delete_bucket(s3, bucket)

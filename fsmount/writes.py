@@ -66,6 +66,7 @@ from fsmount.data import (
     TimedOut,
     Unreachable,
     Uploads,
+    sent_etag,
     wait_to_retry,
     within,
 )
@@ -644,6 +645,9 @@ class Writes:
         mount may have stored a file under the old name meanwhile: the unconditional delete removed it); the new
         object's metadata. Without --allow-overwrite the copy is create-only (`Exists` if another writer stored `key`
         meanwhile; the old key is then left as it is, for the caller to decide)."""
+        # The version copied and deleted as a request may pin it: none for one the server gave no ETag for, whose tag
+        # (`store.version_tag`) no server knows (its DELETE was refused as another writer's, and both names stayed).
+        meta = dataclasses.replace(meta, etag=sent_etag(meta.etag))
         if self.create_only and meta.size == 0:
             etag = await self.call(self.uploads.put, key, b"", True)  # nothing to copy
         elif self.create_only or meta.size > COPY_OBJECT_MAX or (

@@ -58,6 +58,7 @@ from fsmount.data.store import (
     TimedOut,
     TransientError,
     Unreachable,
+    sent_etag,
 )
 from fsmount.data.uploads import (
     COPY_OBJECT_MAX,
@@ -85,5 +86,5 @@ __all__ = [
     "PendingUpload", "COPY_OBJECT_MAX", "Uploads", "new_buffer", "pwrite_all", "round_up",
     "UNREACHABLE_RETRY_S", "wait_to_retry", "WRITES_DIR", "NAMES_DIR", "sweep_staged_writes", "DISK_THREADS",
     "is_cache_dir",
-    "PUT_THREADS", "OutOfResources", "multipart_etag", "put_etag", "within",
+    "PUT_THREADS", "OutOfResources", "multipart_etag", "put_etag", "sent_etag", "within",
 ]

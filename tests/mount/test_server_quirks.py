@@ -271,3 +271,30 @@ def test_a_server_that_gives_no_etag_is_read_exactly(moto_server: S3Server, tmp_
         assert path.read_bytes() == smaller
         if client == "cache-dir":
             assert not [f for f in (tmp_path / "cache").rglob("*") if f.is_file() and "chunks" in f.parts]
+
+
+@pytest.mark.parametrize("overwrite", [False, True], ids=["create-only", "allow-overwrite"])
+def test_a_file_the_server_gave_no_etag_is_renamed_whole(moto_server: S3Server, tmp_path: Path,
+                                                         overwrite: bool) -> None:
+    """Its version tag (size and Last-Modified, `store.version_tag`) is no ETag: a rename's copy and its DELETE of the
+    old key went with it as their condition, which no server holds, and the old name stayed beside the new one ("another
+    writer has stored a new m/a.bin since")."""
+    sent: list[tuple[str, str]] = []
+
+    class Recorded(NoETags):
+        def _forward(self, req: Request, upstream: http.client.HTTPConnection | None
+                     ) -> tuple[Response, http.client.HTTPConnection]:
+            sent.extend(req.headers)
+            return super()._forward(req, upstream)
+
+    bucket = new_bucket(moto_server)
+    put_objects(moto_server, bucket, {"m/a.bin": b"weights"})
+    extra = ("--allow-overwrite",) if overwrite else ()
+    with Recorded(moto_server.endpoint_url) as proxy, \
+            mounted_via(proxy, moto_server, bucket, tmp_path / "mnt", "--writable", "--allow-delete", *extra) as m:
+        os.rename(m.path / "m" / "a.bin", m.path / "m" / "b.bin")
+        assert os.listdir(m.path / "m") == ["b.bin"]
+        assert (m.path / "m" / "b.bin").read_bytes() == b"weights"
+    listed = moto_server.client().list_objects_v2(Bucket=bucket).get("Contents", [])
+    assert [o["Key"] for o in listed] == ["m/b.bin"]
+    assert not [(k, v) for k, v in sent if "no-etag" in v.lower()]

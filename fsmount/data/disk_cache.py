@@ -56,6 +56,7 @@ from fsmount.data.cache_dir import (
     CHUNKS_DIR,
     SHARD_HEX_CHARS,
     TMP_SUFFIX,
+    CacheDirBusy,
     acquire_dir_lock,
     bytes_for_fraction,
     chunk_path,
@@ -211,6 +212,7 @@ class DiskCache:
         # root or a directory other services share (`--cache-dir /nvme`), and its owner chose who enters it.
         os.makedirs(self.root, mode=0o700, exist_ok=True)
         self._lock_fd = acquire_dir_lock(self.root)
+        self._lock_fd_guard = threading.Lock()  # the swap of `_lock_fd` (`_lock_again`) against its release (`close`)
         self._dev = os.stat(self.root).st_dev  # its filesystem: directories removed are made again only there
         try:
             os.makedirs(self._chunks_dir, mode=0o700, exist_ok=True)
@@ -277,7 +279,8 @@ class DiskCache:
             if locked:
                 self._lock.release()
         self._toucher.close()
-        release_dir_lock(self._lock_fd)
+        with self._lock_fd_guard:
+            release_dir_lock(self._lock_fd)
 
     def keep_free(self) -> int:
         """Evict the least recently used chunks while the filesystem has less than min_free_bytes free, as a put
@@ -637,6 +640,8 @@ class DiskCache:
             raise OSError(errno.ENODEV, f"{existing} is no longer on the cache dir's filesystem (was its disk "
                                         "unmounted?): the cache's directories are not made again there")
         os.makedirs(self.root, mode=0o700, exist_ok=True)
+        if os.stat(self.root).st_ino != os.fstat(self._lock_fd).st_ino:
+            self._lock_again()
         os.makedirs(self._chunks_dir, mode=0o700, exist_ok=True)
         real_dir(self._chunks_dir)
         self._make_shards(shard)
@@ -644,6 +649,22 @@ class DiskCache:
             "disk cache %s: %s was removed under the mount; made again (and so any other directory of it)",
             self.root, shard or self.root)
         self._remade_logged = True
+
+    def _lock_again(self) -> None:
+        """The cache dir is another directory than the one whose flock this cache holds (removed whole, made again):
+        that one is taken too, or refused. Nobody's, `modelfs cache clear` (which refuses while a mount uses the dir)
+        emptied it under the mount, and a second mount of it went in beside this one, each evicting the other's
+        files."""
+        try:
+            fd = acquire_dir_lock(self.root)
+        except CacheDirBusy as exc:  # another mount or command took the new directory first: not written here
+            raise OSError(errno.EBUSY, str(exc)) from None
+        with self._lock_fd_guard:
+            if self._closed:  # closed meanwhile: what it held is released, and so is this
+                release_dir_lock(fd)
+                return
+            release_dir_lock(self._lock_fd)
+            self._lock_fd = fd
 
     def _write_failed(self, err: OSError) -> None:
         with self._lock:

@@ -9,7 +9,9 @@ import shutil
 import stat
 from pathlib import Path
 
-from fsmount.data import disk_cache
+import pytest
+
+from fsmount.data import CacheDirBusy, cache_clear, disk_cache
 from fsmount.data.cache_dir import CHUNKS_DIR
 from fsmount.data.disk_cache import DiskCache
 from tests.helpers import tmpfs
@@ -64,6 +66,20 @@ def test_a_cache_dir_removed_whole_under_a_live_cache_is_made_again(tmp_path: Pa
         assert cache.get(chunk_id(2)) == payload(chunk_id(2))
         assert cache.stats.write_errors == 0 and not warnings_from_cache(caplog)
         assert stat.S_IMODE(os.stat(root).st_mode) == 0o700
+
+
+def test_a_cache_dir_made_again_is_held_as_the_removed_one_was(tmp_path: Path) -> None:
+    """The lock is a flock on the cache dir itself: after `rm -rf CACHE` the dir made again was nobody's, and `modelfs
+    cache clear` (refused while a mount uses the dir) emptied it under the mount; a second mount went in beside this
+    one, each evicting the other's files. The dir made again is held as the removed one was."""
+    root = tmp_path / "c"
+    with DiskCache(root, BIG, min_free_bytes=0) as cache:
+        shutil.rmtree(root)
+        cache.put(chunk_id(1), payload(chunk_id(1)))
+        with pytest.raises(CacheDirBusy):
+            cache_clear(root)
+        assert cache.get(chunk_id(1)) == payload(chunk_id(1))
+    assert cache_clear(root)[0] == 1  # released at close
 
 
 def test_a_floor_check_that_evicts_nothing_says_nothing(tmp_path: Path, caplog, monkeypatch) -> None:  # noqa: ANN001

@@ -32,7 +32,7 @@ import os
 from collections.abc import Mapping
 from typing import Protocol
 
-from fsmount.data import NAMES_DIR, ObjectMeta
+from fsmount.data import NAMES_DIR, ObjectMeta, sent_etag
 
 log = logging.getLogger(__name__)
 
@@ -74,7 +74,7 @@ def _saved(entry: Entry) -> Saved | None:
     is_dir, meta = entry
     if is_dir:
         return (True, "", 0, "", 0)
-    if meta is None or not meta.etag:  # a file being written, or a version nothing pins (no ETag): not kept
+    if meta is None or not sent_etag(meta.etag):  # a file being written, or a version no ETag pins: not kept
         return None
     return (False, meta.key, meta.size, meta.etag, meta.mtime_ns)
 

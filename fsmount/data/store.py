@@ -127,8 +127,9 @@ def changed_etag(pinned: str, got: str | None, what: str, *, needed: bool = Fals
 
 def quoted_etag(etag: str) -> str:
     """An ETag in the form headers give it, in double quotes (none given stays ''): NetApp ONTAP, and other S3
-    gateways, list ETags without them, and one version's two forms were taken for two versions (a new inode and its
-    chunks fetched again every TTL). The form If-Match sends, too."""
+    gateways, list ETags without them (and SeaweedFS answers CopyObject so), and one version's two forms were taken
+    for two versions (a new inode and its chunks fetched again every TTL). The form If-Match sends, too; the one
+    `uploads` returns for what it stored."""
     etag = etag.strip()
     if not etag or etag.startswith('"') or etag[:3] in ('W/"', 'w/"'):
         return etag

@@ -19,7 +19,7 @@ from datetime import datetime
 from typing import Any
 
 from fsmount.data.boto3_store import Boto3Store, _client_error_code, translate_error
-from fsmount.data.store import NotFound, PreconditionFailed, StoreError, TimedOut, TransientError
+from fsmount.data.store import NotFound, PreconditionFailed, StoreError, TimedOut, TransientError, quoted_etag
 
 log = logging.getLogger(__name__)
 
@@ -116,11 +116,6 @@ def multipart_etag(etags: list[str]) -> str | None:
     return f'"{hashlib.md5(digests, usedforsecurity=False).hexdigest()}-{len(etags)}"'
 
 
-def quoted(etag: str) -> str:
-    """ETags as HEAD and GET give them: in double quotes (SeaweedFS answers CopyObject without them)."""
-    return etag if etag.startswith('"') or etag.startswith('W/"') else f'"{etag}"'
-
-
 @dataclasses.dataclass(frozen=True, slots=True)
 class PendingUpload:
     """An incomplete multipart upload in the bucket."""
@@ -163,7 +158,7 @@ class Uploads:
     def put(self, key: str, body: bytes | bytearray, only_if_absent: bool = False) -> str:
         """Store a whole object in one PUT; its ETag. `only_if_absent`: see `finish`."""
         what = f"PUT {key!r}"
-        return quoted(_field(self._call(what, self._client.put_object, Key=key, Body=body,
+        return quoted_etag(_field(self._call(what, self._client.put_object, Key=key, Body=body,
                                         **_if_absent(only_if_absent)), "ETag", what))
 
     def start(self, key: str) -> str:
@@ -221,7 +216,7 @@ class Uploads:
         what = f"completing the upload of {key!r}"
         resp = self._call(what, self._client.complete_multipart_upload, Key=key, UploadId=upload_id,
                           MultipartUpload={"Parts": parts}, **_if_absent(only_if_absent))
-        return quoted(_field(resp, "ETag", what))
+        return quoted_etag(_field(resp, "ETag", what))
 
     def abort(self, key: str, upload_id: str) -> None:
         """Drop an incomplete upload and its parts (one already gone counts as done)."""
@@ -236,7 +231,7 @@ class Uploads:
         what = f"copying {source!r} to {key!r}"
         resp = self._call(what, self._client.copy_object, Key=key, CopySource={"Bucket": self.bucket, "Key": source},
                           CopySourceIfMatch=source_etag)
-        return quoted(_field(_field(resp, "CopyObjectResult", what), "ETag", what))
+        return quoted_etag(_field(_field(resp, "CopyObjectResult", what), "ETag", what))
 
     def delete(self, key: str) -> None:
         """Delete a key (S3 answers a missing key with success too)."""

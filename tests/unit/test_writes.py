@@ -678,24 +678,6 @@ async def test_unlinking_a_file_being_written_drops_it_without_allow_delete() ->
         assert writes.memory.used == 0
 
 
-async def test_a_reads_check_for_a_rewrite_builds_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Operations._rewritten runs twice per READ of a writable mount: a handle of the node's own version is told so from
-    the node's fields, without an ObjectVersion built for the comparison (~1 us each, on the trio thread)."""
-    import types
-
-    from fsmount.namespace import Node
-    from fsmount.operations import Operations, Owner
-
-    writes, uploads, ns = make()
-    ops = Operations(ns, None, None, None, max_readahead=0, owner=Owner(0, 0, 0o644, 0o755),  # type: ignore[arg-type]
-                     writes=writes)
-    uploads.store.put("d/f", b"12345")
-    node = await ns.lookup((await ns.lookup(ROOT_INODE, b"d")).ino, b"f")
-    handle = types.SimpleNamespace(fh=1, ino=node.ino, version=node.version(ns.prefix))
-    monkeypatch.setattr(Node, "version", lambda self, prefix: pytest.fail("an ObjectVersion built for a READ"))
-    assert not ops._rewritten(handle)  # type: ignore[arg-type]
-
-
 async def test_a_directory_opened_while_files_in_it_were_written_lists_what_became_of_them(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """opendir takes the entries once; a file still being written then (an empty file is stored at RELEASE,

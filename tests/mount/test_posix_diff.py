@@ -60,13 +60,11 @@ def outcome(fn: Callable[[], Any]) -> Outcome:
         return ("err", errno.errorcode.get(exc.errno, exc.errno))
 
 
-def write_file(path: Path, data: bytes, flags: int = os.O_WRONLY | os.O_CREAT | os.O_TRUNC) -> int:
-    """open, write, close; the first error of the three."""
-    fd = os.open(path, flags, 0o644)
+def closed_after(fd: int, work: Callable[[int], Any]) -> None:
+    """`work(fd)`, then close; the first error of the two (a close reports what the writes could not store)."""
     failed: OSError | None = None
     try:
-        if data:
-            os.write(fd, data)
+        work(fd)
     except OSError as exc:
         failed = exc
     try:
@@ -75,6 +73,11 @@ def write_file(path: Path, data: bytes, flags: int = os.O_WRONLY | os.O_CREAT | 
         failed = failed or exc
     if failed is not None:
         raise failed
+
+
+def write_file(path: Path, data: bytes, flags: int = os.O_WRONLY | os.O_CREAT | os.O_TRUNC) -> int:
+    """open, write, close; the first error of the three."""
+    closed_after(os.open(path, flags, 0o644), lambda fd: os.write(fd, data) if data else None)
     return len(data)
 
 
@@ -129,19 +132,11 @@ def atomic_write(directory: Path, name: str, data: bytes) -> bytes:
 
 def seek_back(path: Path) -> int:
     """A writer that patches what it wrote (zipfile, np.savez)."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    failed: OSError | None = None
-    try:
+    def patched(fd: int) -> None:
         os.write(fd, b"header and body")
         os.pwrite(fd, b"H", 0)
-    except OSError as exc:
-        failed = exc
-    try:
-        os.close(fd)
-    except OSError as exc:
-        failed = failed or exc
-    if failed is not None:
-        raise failed
+
+    closed_after(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644), patched)
     return 0
 
 

@@ -57,6 +57,7 @@ class Staging:
     """The `writes/` folder of a cache directory."""
 
     def __init__(self, cache_dir: str):
+        self.cache_dir = cache_dir
         self.root = os.path.join(cache_dir, WRITES_DIR)
         files, size = sweep_staged_writes(cache_dir)
         if files:
@@ -65,8 +66,10 @@ class Staging:
         os.makedirs(self.root, mode=0o700, exist_ok=True)
         if os.path.islink(self.root):  # never a symlink's target: open_disk_cache refuses the mount before this
             raise OSError(errno.ENOTDIR, f"{self.root} is a symlink: the copies go only in a directory of its own")
+        self._dev = os.stat(self.root).st_dev
         self._names = itertools.count(1)
         self._failed_logged = False
+        self._remade_logged = False
         self._direct = True  # O_DIRECT for the copies, until the filesystem refuses it
         # open() and promise() run in the trio thread, block_returned() and discard() in workers.
         self._blocks_lock = threading.Lock()
@@ -77,8 +80,13 @@ class Staging:
 
     def open(self) -> StagedFile | None:
         path = os.path.join(self.root, str(next(self._names)))
+        flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
         try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+            try:
+                fd = os.open(path, flags, 0o600)
+            except FileNotFoundError:
+                self._remake()
+                fd = os.open(path, flags, 0o600)
         except OSError as exc:
             self.failed(exc)
             return None
@@ -93,6 +101,28 @@ class Staging:
                 else:
                     log.debug("%s: no O_DIRECT descriptor (%s); this copy goes through the page cache", path, exc)
         return StagedFile(self, fd, path, direct_fd)
+
+    def _remake(self) -> None:
+        """`writes/` (or the cache dir) was removed under the mount (an operator's `rm -rf CACHE/writes`): no file
+        written was kept on this node until the next mount. Made again as the disk cache makes its own (B56): 0700,
+        never through a symlink, and only on the cache dir's filesystem (a cache disk unmounted lazily leaves the
+        path on the root filesystem, which the copies would fill)."""
+        existing = self.root
+        while not os.path.lexists(existing):
+            existing = os.path.dirname(existing)
+        if os.stat(existing).st_dev != self._dev:
+            raise OSError(errno.ENODEV, f"{existing} is no longer on the cache dir's filesystem (was its disk "
+                                        "unmounted?): the copies of written files are not made there")
+        for path in (self.cache_dir, self.root):
+            try:
+                os.mkdir(path, 0o700)
+            except FileExistsError:
+                pass
+            if os.path.islink(path) or not os.path.isdir(path):
+                raise OSError(errno.ENOTDIR, f"{path} is not a directory of its own: no copies are kept through it")
+        (log.debug if self._remade_logged else log.info)(
+            "%s was removed under the mount; made again for the copies of written files", self.root)
+        self._remade_logged = True
 
     def _take_block(self) -> bool:
         with self._blocks_lock:

@@ -19,7 +19,15 @@ from datetime import datetime
 from typing import Any
 
 from fsmount.data.boto3_store import Boto3Store, _client_error_code, translate_error
-from fsmount.data.store import NotFound, PreconditionFailed, StoreError, TimedOut, TransientError, quoted_etag
+from fsmount.data.store import (
+    NotFound,
+    PreconditionFailed,
+    StoreError,
+    TimedOut,
+    TransientError,
+    quoted_etag,
+    sent_etag,
+)
 
 log = logging.getLogger(__name__)
 
@@ -87,6 +95,14 @@ def _note_start_answer(response_dict: dict[str, Any] | None = None, exception: E
 
 def _if_absent(only_if_absent: bool) -> dict[str, str]:
     return {"IfNoneMatch": "*"} if only_if_absent else {}
+
+
+def _if_source(etag: str) -> dict[str, str]:
+    """The condition pinning a copy's source to the version `etag`: none for one the server gave no ETag for (and so
+    none for its `store.version_tag`), where botocore sent an empty `x-amz-copy-source-if-match:`, which no version
+    matches."""
+    etag = sent_etag(etag)
+    return {"CopySourceIfMatch": etag} if etag else {}
 
 
 def _field(resp: dict[str, Any], name: str, what: str) -> Any:
@@ -204,7 +220,7 @@ class Uploads:
         what = f"copying part {number} of {key!r}"
         resp = self._call(what, self._client.upload_part_copy, Key=key,
                           UploadId=upload_id, PartNumber=number,
-                          CopySource={"Bucket": self.bucket, "Key": source}, CopySourceIfMatch=source_etag,
+                          CopySource={"Bucket": self.bucket, "Key": source}, **_if_source(source_etag),
                           CopySourceRange=f"bytes={start}-{end - 1}")
         return _field(_field(resp, "CopyPartResult", what), "ETag", what)
 
@@ -230,7 +246,7 @@ class Uploads:
         """Copy an object of at most COPY_OBJECT_MAX bytes, as it is at `source_etag`; the copy's ETag."""
         what = f"copying {source!r} to {key!r}"
         resp = self._call(what, self._client.copy_object, Key=key, CopySource={"Bucket": self.bucket, "Key": source},
-                          CopySourceIfMatch=source_etag)
+                          **_if_source(source_etag))
         return quoted_etag(_field(_field(resp, "CopyObjectResult", what), "ETag", what))
 
     def delete(self, key: str) -> None:

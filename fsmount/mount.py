@@ -867,14 +867,17 @@ class Daemon:
             signal.signal(signal.SIGINT, signal.default_int_handler)
 
     async def _take_signals(self) -> None:
-        with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as signals:
+        with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1) as signals:
             async for signum in _chain(self.early_stops, signals):
-                if signum == signal.SIGHUP:
+                if signum in (signal.SIGHUP, signal.SIGUSR1):
                     # What logrotate's postrotate and `systemctl reload` send: the log file is reopened
                     # (LogFile does that by itself, at each line); a mount in use must not go away. Its options stay
                     # as they were: an operator who edited the config and reloaded would otherwise think it applied.
-                    log.info("received SIGHUP: still mounted, the log file is reopened when it moves; the options "
-                             "are not read again (a restart of the mount applies a changed configuration)")
+                    # SIGUSR1 is nginx's reopen, which a postrotate copied from it sends: its default action
+                    # killed the daemon, taking the mount down under every reader.
+                    log.info("received %s: still mounted, the log file is reopened when it moves; the options "
+                             "are not read again (a restart of the mount applies a changed configuration)",
+                             signal.Signals(signum).name)
                     continue
                 name = signal.Signals(signum).name
                 busy = self.ops.open_files
@@ -939,10 +942,11 @@ def run(cfg: MountConfig, ready: Callable[[str | None], None]) -> int:
     a pre-flight failure. Metrics are served on `cfg.metrics_addr` (HOST:PORT) once the mount answers.
     Returns the exit status."""
     metrics = None
-    # SIGHUP only ever reopens the log (a logrotate postrotate, a systemd reload): ignored until the daemon's
-    # own receiver takes it, and again once that is gone (the stop's drain). By default it killed the daemon
-    # silently during a slow pre-flight.
+    # SIGHUP only ever reopens the log (a logrotate postrotate, a systemd reload), and so does SIGUSR1 (nginx's
+    # reopen): ignored until the daemon's own receiver takes them, and again once that is gone (the stop's drain).
+    # By default they killed the daemon silently during a slow pre-flight.
     signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
     # A stop (systemctl stop, Ctrl-C) during a slow pre-flight (an endpoint that does not answer) is said in one
     # line, as every pre-flight failure is; SIGTERM's default action ended the daemon without a word (143). It
     # exits at once: nothing is mounted yet, and an exception raised in the handler was swallowed by the HTTP

@@ -128,10 +128,15 @@ def changed_etag(pinned: str, got: str | None, what: str, *, needed: bool = Fals
 def quoted_etag(etag: str) -> str:
     """An ETag in the form headers give it, in double quotes (none given stays ''): NetApp ONTAP, and other S3
     gateways, list ETags without them (and SeaweedFS answers CopyObject so), and one version's two forms were taken
-    for two versions (a new inode and its chunks fetched again every TTL). The form If-Match sends, too; the one
-    `uploads` returns for what it stored."""
+    for two versions (a new inode and its chunks fetched again every TTL). A weak ETag (`W/"x"`) is one version's with
+    `"x"` too, as `changed_etag` holds: a server listing one and HEADing the other got two versions the same way. The
+    form If-Match sends, too, strong: it never matches a weak one, and a server that keeps weak ETags refuses it,
+    which `Boto3Store._refuses_its_own_etag` (B66) takes as a server refusing If-Match. The form `uploads` returns for
+    what it stored."""
     etag = etag.strip()
-    if not etag or etag.startswith('"') or etag[:3] in ('W/"', 'w/"'):
+    if etag[:2] in ("W/", "w/"):
+        etag = etag[2:].strip()
+    if not etag or etag.startswith('"'):
         return etag
     return f'"{etag}"'
 

@@ -183,12 +183,13 @@ def test_a_listing_the_server_says_goes_on_and_cannot_fails_said(aws_config, ser
 
 def test_etags_are_kept_in_the_quoted_form_headers_give() -> None:
     """NetApp ONTAP lists ETags without their quotes while HEAD and GET give them quoted: one form for both, so one
-    version is one version (test_server_quirks.py has the mount's side). Weak and absent ETags stay as they are."""
+    version is one version (test_server_quirks.py has the mount's side). A weak ETag is its strong form's version too
+    (test_weak_etags.py); an absent one stays absent."""
     from fsmount.data.store import quoted_etag
 
     assert quoted_etag("abc") == quoted_etag('"abc"') == '"abc"'
     assert quoted_etag(" abc-2 ") == '"abc-2"'
-    assert quoted_etag('W/"abc"') == 'W/"abc"'
+    assert quoted_etag('W/"abc"') == quoted_etag('w/"abc"') == quoted_etag('"abc"') == '"abc"'
     assert quoted_etag("") == ""
 
 

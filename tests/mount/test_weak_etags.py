@@ -7,13 +7,14 @@ import dataclasses
 import http.client
 import os
 import re
+import socket
 import time
 from pathlib import Path
 
 import pytest
 
 from fsmount.testing.fault_proxy import FaultProxy
-from fsmount.testing.http_wire import Request, Response
+from fsmount.testing.http_wire import Request, Response, error_response, send
 from tests.helpers import S3Server, drop_page_cache, mounted_via, new_bucket, put_objects
 
 
@@ -62,3 +63,36 @@ def test_a_version_listed_and_headed_weak_and_strong_is_one_version(request: pyt
             assert path.read_bytes() == body
             assert {e.name: e.inode() for e in os.scandir(mountpoint / "m")} == {"w.bin": first}
         assert proxy.counts().get("data_gets", 0) == gets, "an unchanged file was fetched again"
+
+
+class OnlyWeakETags(WeakETags):
+    """Weak ETags everywhere, and If-Match refused as RFC 9110's strong comparison refuses it for them (412)."""
+
+    def __init__(self, endpoint_url: str) -> None:
+        super().__init__(endpoint_url, "all")
+
+    def _forward(self, req: Request, upstream: http.client.HTTPConnection | None
+                 ) -> tuple[Response, http.client.HTTPConnection]:
+        self.weak = "lists" if req.kind == "lists" else "heads"
+        return super()._forward(req, upstream)
+
+    def _handle(self, conn: socket.socket, req: Request, upstream: http.client.HTTPConnection | None
+                ) -> tuple[bool, http.client.HTTPConnection | None]:
+        if req.method == "GET" and req.header("if-match"):
+            return send(conn, error_response(412, "PreconditionFailed"), req), upstream
+        return super()._handle(conn, req, upstream)
+
+
+def test_a_server_giving_only_weak_etags_is_read_without_if_match(moto_server: S3Server, mountpoint: Path) -> None:
+    """If-Match goes out in the strong form, which such a server refuses: read as B66 reads a server refusing its own
+    ETags, one version throughout."""
+    bucket = new_bucket(moto_server)
+    body = os.urandom(2 * 1024 * 1024 + 5)
+    put_objects(moto_server, bucket, {"m/w.bin": body})
+    with OnlyWeakETags(moto_server.endpoint_url) as proxy, \
+            mounted_via(proxy, moto_server, bucket, mountpoint, "--metadata-ttl", "1", "--no-model-prefetch",
+                        allowed=(r"refuses If-Match",)):
+        path = mountpoint / "m" / "w.bin"
+        listed = {e.name: e.inode() for e in os.scandir(mountpoint / "m")}
+        assert path.read_bytes() == body
+        assert listed["w.bin"] == os.stat(path).st_ino

@@ -36,6 +36,7 @@ from fsmount.data import (
     new_buffer,
     pwrite_all,
     round_up,
+    still_on,
     sweep_staged_writes,
 )
 
@@ -107,12 +108,7 @@ class Staging:
         written was kept on this node until the next mount. Made again as the disk cache makes its own (B56): 0700,
         never through a symlink, and only on the cache dir's filesystem (a cache disk unmounted lazily leaves the
         path on the root filesystem, which the copies would fill)."""
-        existing = self.root
-        while not os.path.lexists(existing):
-            existing = os.path.dirname(existing)
-        if os.stat(existing).st_dev != self._dev:
-            raise OSError(errno.ENODEV, f"{existing} is no longer on the cache dir's filesystem (was its disk "
-                                        "unmounted?): the copies of written files are not made there")
+        still_on(self.root, self._dev, "the folder of the copies of written files")
         for path in (self.cache_dir, self.root):
             try:
                 os.mkdir(path, 0o700)

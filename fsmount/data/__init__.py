@@ -28,6 +28,7 @@ from fsmount.data.cache_dir import (
     cache_bytes,
     free_bytes,
     is_cache_dir,
+    still_on,
     sweep_staged_writes,
 )
 from fsmount.data.chunk_file import ALIGN, pwrite_all, round_up
@@ -85,6 +86,6 @@ __all__ = [
     "MIN_PART_SIZE",
     "PendingUpload", "COPY_OBJECT_MAX", "Uploads", "new_buffer", "pwrite_all", "round_up",
     "UNREACHABLE_RETRY_S", "wait_to_retry", "WRITES_DIR", "NAMES_DIR", "sweep_staged_writes", "DISK_THREADS",
-    "is_cache_dir",
+    "is_cache_dir", "still_on",
     "PUT_THREADS", "OutOfResources", "multipart_etag", "put_etag", "sent_etag", "within",
 ]

@@ -286,6 +286,18 @@ def _check_ours(lock_fd: int, path: str) -> None:
                                     f"away, or use another cache dir")
 
 
+def still_on(path: str, dev: int, what: str) -> None:
+    """Refuse (ENODEV) to make `path` again unless the nearest of it and its parents that exists is on the filesystem
+    `dev` (the cache dir's at the mount): a cache disk unmounted lazily under the mount leaves the path on the one
+    below it (the root filesystem), which `what`, sized for the disk, would fill."""
+    existing = path
+    while not os.path.lexists(existing):
+        existing = os.path.dirname(existing)
+    if os.stat(existing).st_dev != dev:
+        raise OSError(errno.ENODEV, f"{existing} is no longer on the cache dir's filesystem (was its disk "
+                                    f"unmounted?): {what} is not made again there")
+
+
 def is_cache_dir(root: str) -> bool:
     """Whether `root` is a cache dir: it has `chunks/`, or a `lock` that names a modelfs holder (an operator's
     `rm -rf CACHE/chunks` under a live mount, which makes it again at its next put, left only that)."""

@@ -65,6 +65,7 @@ from fsmount.data.cache_dir import (
     real_dir,
     release_dir_lock,
     scan_chunk_files,
+    still_on,
 )
 from fsmount.data.chunk_file import (
     ChunkFileWriter,
@@ -631,14 +632,7 @@ class DiskCache:
         """`shard` (every shard if None), `chunks/` or the cache dir itself was removed under the mount (an operator's
         `rm -rf CACHE/chunks/*`): every put failed until the next mount. Made again, never through a symlink, and 0700
         as at open (the cache dir came back with the umask's mode)."""
-        # Not on another filesystem: a cache disk unmounted lazily under the mount leaves the path on the one below
-        # it (the root filesystem), which the cache, sized for the disk, would fill.
-        existing = self._chunks_dir
-        while not os.path.lexists(existing):
-            existing = os.path.dirname(existing)
-        if os.stat(existing).st_dev != self._dev:
-            raise OSError(errno.ENODEV, f"{existing} is no longer on the cache dir's filesystem (was its disk "
-                                        "unmounted?): the cache's directories are not made again there")
+        still_on(self._chunks_dir, self._dev, "the NVMe cache")
         os.makedirs(self.root, mode=0o700, exist_ok=True)
         if os.stat(self.root).st_ino != os.fstat(self._lock_fd).st_ino:
             self._lock_again()

@@ -109,6 +109,24 @@ class UnquotedListingETags(FaultProxy):
         return resp, upstream
 
 
+def read_as_one_version(proxy: FaultProxy, mountpoint: Path, body: bytes) -> None:
+    """`m/w.bin` (`body`), mounted with a TTL of 1 s: one inode from its listing and its HEAD, and across two TTLs,
+    its bytes fetched once."""
+    path = mountpoint / "m" / "w.bin"
+    listed = {e.name: e.inode() for e in os.scandir(mountpoint / "m")}  # the entry from the listing
+    assert path.read_bytes() == body
+    first = os.stat(path).st_ino
+    assert listed["w.bin"] == first
+    gets = proxy.counts().get("data_gets", 0)
+    for _ in range(2):
+        time.sleep(1.2)  # a TTL: asked of the bucket again, by name (HEAD), then by a listing
+        assert os.stat(path).st_ino == first
+        drop_page_cache(path)
+        assert path.read_bytes() == body
+        assert {e.name: e.inode() for e in os.scandir(mountpoint / "m")} == {"w.bin": first}
+    assert proxy.counts().get("data_gets", 0) == gets, "an unchanged file was fetched again"
+
+
 def test_a_version_listed_and_headed_in_two_forms_of_its_etag_is_one_version(moto_server: S3Server,
                                                                           mountpoint: Path) -> None:
     """Listed as `abc`, HEADed as `"abc"`: one version, not two. Taken for two, every TTL an unchanged file was
@@ -119,19 +137,7 @@ def test_a_version_listed_and_headed_in_two_forms_of_its_etag_is_one_version(mot
     put_objects(moto_server, bucket, {"m/w.bin": body})
     with UnquotedListingETags(moto_server.endpoint_url) as proxy, \
             mounted_via(proxy, moto_server, bucket, mountpoint, "--metadata-ttl", "1", "--no-model-prefetch"):
-        path = mountpoint / "m" / "w.bin"
-        listed = {e.name: e.inode() for e in os.scandir(mountpoint / "m")}  # the entry from the listing
-        assert path.read_bytes() == body
-        first = os.stat(path).st_ino
-        assert listed["w.bin"] == first
-        gets = proxy.counts().get("data_gets", 0)
-        for _ in range(2):
-            time.sleep(1.2)  # a TTL: asked of the bucket again, by name (HEAD), then by a listing
-            assert os.stat(path).st_ino == first
-            drop_page_cache(path)
-            assert path.read_bytes() == body
-            assert {e.name: e.inode() for e in os.scandir(mountpoint / "m")} == {"w.bin": first}
-        assert proxy.counts().get("data_gets", 0) == gets, "an unchanged file was fetched again"
+        read_as_one_version(proxy, mountpoint, body)
 
 
 class OddLastModified(FaultProxy):
@@ -273,28 +279,39 @@ def test_a_server_that_gives_no_etag_is_read_exactly(moto_server: S3Server, tmp_
             assert not [f for f in (tmp_path / "cache").rglob("*") if f.is_file() and "chunks" in f.parts]
 
 
+class RecordedNoETags(NoETags):
+    """`NoETags`, noting each request's headers."""
+
+    def __init__(self, *args, **kwargs) -> None:  # noqa: ANN002, ANN003
+        super().__init__(*args, **kwargs)
+        self.sent: list[tuple[str, str]] = []
+
+    def _forward(self, req: Request, upstream: http.client.HTTPConnection | None
+                 ) -> tuple[Response, http.client.HTTPConnection]:
+        self.sent.extend(req.headers)
+        return super()._forward(req, upstream)
+
+
+@pytest.mark.parametrize("server", ["moto_server", "seaweed_server"])
 @pytest.mark.parametrize("overwrite", [False, True], ids=["create-only", "allow-overwrite"])
-def test_a_file_the_server_gave_no_etag_is_renamed_whole(moto_server: S3Server, tmp_path: Path,
+def test_a_file_the_server_gave_no_etag_is_renamed_whole(request: pytest.FixtureRequest, tmp_path: Path, server: str,
                                                          overwrite: bool) -> None:
     """Its version tag (size and Last-Modified, `store.version_tag`) is no ETag: a rename's copy and its DELETE of the
     old key went with it as their condition, which no server holds, and the old name stayed beside the new one ("another
-    writer has stored a new m/a.bin since")."""
-    sent: list[tuple[str, str]] = []
-
-    class Recorded(NoETags):
-        def _forward(self, req: Request, upstream: http.client.HTTPConnection | None
-                     ) -> tuple[Response, http.client.HTTPConnection]:
-            sent.extend(req.headers)
-            return super()._forward(req, upstream)
-
-    bucket = new_bucket(moto_server)
-    put_objects(moto_server, bucket, {"m/a.bin": b"weights"})
+    writer has stored a new m/a.bin since") (B75). Create-only renames copy in parts (UploadPartCopy), the others whole
+    (CopyObject): neither sends its source condition empty either (botocore sends `CopySourceIfMatch=""` as an empty
+    header, a condition no version matches) (B79)."""
+    s3: S3Server = request.getfixturevalue(server)
+    bucket = new_bucket(s3)
+    put_objects(s3, bucket, {"m/a.bin": b"weights"})
     extra = ("--allow-overwrite",) if overwrite else ()
-    with Recorded(moto_server.endpoint_url) as proxy, \
-            mounted_via(proxy, moto_server, bucket, tmp_path / "mnt", "--writable", "--allow-delete", *extra) as m:
+    with RecordedNoETags(s3.endpoint_url) as proxy, \
+            mounted_via(proxy, s3, bucket, tmp_path / "mnt", "--writable", "--allow-delete", *extra) as m:
         os.rename(m.path / "m" / "a.bin", m.path / "m" / "b.bin")
         assert os.listdir(m.path / "m") == ["b.bin"]
         assert (m.path / "m" / "b.bin").read_bytes() == b"weights"
-    listed = moto_server.client().list_objects_v2(Bucket=bucket).get("Contents", [])
+    listed = s3.client().list_objects_v2(Bucket=bucket).get("Contents", [])
     assert [o["Key"] for o in listed] == ["m/b.bin"]
-    assert not [(k, v) for k, v in sent if "no-etag" in v.lower()]
+    assert not [(k, v) for k, v in proxy.sent if "no-etag" in v.lower()]
+    assert [k for k, _v in proxy.sent if k.lower() == "x-amz-copy-source"]  # the rename was a server-side copy
+    assert [(k, v) for k, v in proxy.sent if k.lower() == "x-amz-copy-source-if-match"] == []

@@ -162,10 +162,7 @@ def sent_etag(etag: str) -> str:
 
 
 def _etag_value(etag: str) -> str:
-    etag = etag.strip()
-    if etag[:2] in ("W/", "w/"):
-        etag = etag[2:]
-    return etag.strip('"').lower()
+    return quoted_etag(etag).strip('"').lower()
 
 
 class TransientError(StoreError):

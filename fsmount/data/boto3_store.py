@@ -38,6 +38,7 @@ from fsmount.data.store import (
     local_failure,
     quoted_etag,
     sent_etag,
+    server_age_s,
     version_tag,
 )
 
@@ -537,7 +538,10 @@ class Boto3Store:
             if isinstance(err, NotFound):
                 return None
             raise err from None
-        return ObjectReader(resp["Body"], int(resp["ContentLength"]), self.bucket, what)
+        reader = ObjectReader(resp["Body"], int(resp["ContentLength"]), self.bucket, what)
+        reader.server_age_s = server_age_s(resp.get("ResponseMetadata", {}).get("HTTPHeaders", {}).get("date"),
+                                           resp.get("LastModified"))
+        return reader
 
     def put_object(self, key: str, body: bytes | Sequence[bytes | WritableBuffer], *,
                    only_if_absent: bool = False) -> bool:
@@ -592,6 +596,7 @@ class ObjectReader:
     def __init__(self, body: Any, size: int, bucket: str, what: str):
         self._body = body
         self.size = size
+        self.server_age_s: float | None = None  # the object's age on the server's clock (store.server_age_s)
         self._bucket, self._what = bucket, what
 
     def __enter__(self) -> ObjectReader:

@@ -41,6 +41,7 @@ from fsmount.data.store import (
     changed_etag,
     error_for_status,
     local_failure,
+    server_age_s,
 )
 
 # A URL is signed for this long and reused for half of it: a presign is ~0.1 ms, so signing rarely only
@@ -427,6 +428,7 @@ class Body:
     def __init__(self, getter: RangeGetter, origin: tuple[str, str, int], conn: http.client.HTTPConnection,
                  resp: http.client.HTTPResponse, size: int, what: str):
         self.size = size
+        self.server_age_s = server_age_s(resp.getheader("Date"), resp.getheader("Last-Modified"))
         self._getter, self._origin, self._conn, self._resp, self._what = getter, origin, conn, resp, what
         self._got = 0
 

@@ -13,7 +13,8 @@ absent (If-None-Match: *). The claimer fetches the chunk from the origin; the le
 here, and `put` then drops the claim (`abandon` drops it when the fetch failed, so that the others need
 not wait for it). The other nodes poll for the chunk object for up to `wait` seconds, then fetch it from
 the origin themselves; every CLAIM_CHECK_S they also look at the claim, and once it is gone (dropped) or
-older than CLAIM_TTL_S (its node died; it is broken) they claim the chunk and fetch it at once. A tier
+older than CLAIM_TTL_S by the tier server's clock (its node died; it is broken: `_expired`) they claim the chunk
+and fetch it at once. A tier
 that does not honour conditional writes is found at mount (`probe_claims`) and run without claims.
 
 Trailing writes: while no other node is seen, the level stack may hold this node's chunk writes back
@@ -93,9 +94,11 @@ PUT_THREADS = 4
 
 
 class ObjectStream(Protocol):
-    """One GET's body (boto3_store.ObjectReader): `size` bytes to read front to back."""
+    """One GET's body (boto3_store.ObjectReader): `size` bytes to read front to back, and the object's age on the
+    server's clock (store.server_age_s; None if the server did not give it)."""
 
     size: int
+    server_age_s: float | None
 
     def read(self, n: int) -> bytes: ...
 
@@ -433,6 +436,14 @@ class SharedTier:
             return _CORRUPT
         return data
 
+    def _held_claim(self, key: str) -> tuple[bytes, float | None] | None:
+        """The claim's body and its age on the server's clock, None if there is no claim."""
+        stream = self.client.open_object(key)
+        if stream is None:
+            return None
+        with stream:
+            return stream.read(stream.size), stream.server_age_s
+
     def _claim(self, chunk: ChunkId) -> bool | None:
         """True: this node claimed the chunk. False: another node holds a live claim. None: the tier
         failed the request."""
@@ -444,11 +455,11 @@ class SharedTier:
                         self._claimed.add(chunk)
                         self.stats.claims += 1
                     return True
-                held = self.client.get_object(key)
-                if held is None or not _expired(held):
+                held = self._held_claim(key)
+                if held is None or not _expired(*held):
                     return False
                 log.info("%s: breaking a claim older than %gs on chunk %d of %r (%s)", self, CLAIM_TTL_S,
-                         chunk.index, chunk.key, held[:100].decode("utf-8", "replace"))
+                         chunk.index, chunk.key, held[0][:100].decode("utf-8", "replace"))
                 self.client.delete_object(key)
             except (Unreachable, TransientError) as exc:
                 self._failed(exc)
@@ -549,8 +560,15 @@ class SharedTier:
                         "not written to the tier)", self, what, exc.message, WRITE_RETRY_S)
 
 
-def _expired(claim: bytes) -> bool:
-    """A claim's body starts with its creation time (epoch seconds); unreadable counts as expired."""
+def _expired(claim: bytes, server_age_s: float | None) -> bool:
+    """Whether a claim is older than CLAIM_TTL_S: by the tier server's clock (its answer's Date less the claim's
+    Last-Modified), which is one clock for every node. Compared with this node's clock, the creation time a claim's
+    body starts with (epoch seconds on the claimer's clock) made a node whose clock was a minute or more ahead of the
+    claimer's (a clock stepped at boot, a VM resumed, a wrong RTC) break every live claim it met and fetch the chunk
+    from the origin too, and one behind it never break a dead node's claims. The body's time is only used where the
+    server gives no Date or Last-Modified; there an unreadable one counts as expired."""
+    if server_age_s is not None:
+        return server_age_s > CLAIM_TTL_S
     try:
         created = float(claim.split(b" ", 1)[0])
     except ValueError:

@@ -165,6 +165,27 @@ def _etag_value(etag: str) -> str:
     return quoted_etag(etag).strip('"').lower()
 
 
+def server_age_s(date: object, last_modified: object) -> float | None:
+    """An object's age on the server's own clock: its answer's Date less the object's Last-Modified (each an HTTP
+    date, or a datetime as botocore parses them), whole seconds; None unless both are there and readable. What the
+    age of something another node wrote is measured by: this node's clock may be hours off the writer's (a clock
+    stepped at boot, a VM resumed after days), the server's is one clock for all."""
+    import datetime
+    import email.utils
+
+    stamps = []
+    for value in (date, last_modified):
+        if not isinstance(value, datetime.datetime):
+            try:
+                value = email.utils.parsedate_to_datetime(str(value)) if value else None
+            except (TypeError, ValueError):
+                value = None
+        if value is None:
+            return None
+        stamps.append(value if value.tzinfo is not None else value.replace(tzinfo=datetime.UTC))
+    return (stamps[0] - stamps[1]).total_seconds()
+
+
 class TransientError(StoreError):
     errno = errno.EIO
 

@@ -34,7 +34,7 @@ from pathlib import Path
 import pytest
 
 from fsmount.data.identity import ChunkId
-from fsmount.data.shared_tier import SharedTier
+from fsmount.data.shared_tier import CLAIM_TTL_S, SharedTier
 from fsmount.mount import SHARED_TIER_RETRIES
 from fsmount.testing.fault_proxy import Down, Fault, FaultProxy
 from tests.helpers import (
@@ -545,6 +545,7 @@ def put_claims(fleet: Fleet, created: float, keys: Sequence[str]) -> None:
 def test_stale_claims_are_broken_at_once(fleet: Fleet) -> None:
     fleet = fleet_with(fleet, 32 * MiB, seed=6)
     put_claims(fleet, time.time() - 60, fleet.claim_keys())
+    time.sleep(CLAIM_TTL_S + 2)  # stale by the tier server's clock, which claims are aged by (B90), not their body
     with fleet.node("n", "--shared-cache-wait", "10") as m:
         elapsed = timed_read(m, fleet.body)
         wait_writes_done(m)

@@ -36,10 +36,13 @@ from fsmount.data.store import ListingPage, ObjectMeta
 
 ORIGIN = "http://origin.example:9000"
 CHUNK = 1 << 20
+# The tier server's clock: the real one, whatever a test does to this node's (time.time patched).
+SERVER_CLOCK_NS = time.time_ns
 
 
 class DictClient:
-    """A tier bucket in a dict; `fail` makes every request raise it, `refuse_puts` only PUTs."""
+    """A tier bucket in a dict; `fail` makes every request raise it, `refuse_puts` only PUTs. A GET gives the
+    object's age on the server's clock, as S3's Date and Last-Modified do, where `mtime_ns` has its PUT time."""
 
     bucket = "tier"
 
@@ -62,7 +65,10 @@ class DictClient:
 
     def open_object(self, key: str) -> BytesStream | None:
         blob = self.get_object(key)
-        return None if blob is None else BytesStream(blob)
+        if blob is None:
+            return None
+        put_at = self.mtime_ns.get(key)
+        return BytesStream(blob, None if put_at is None else (SERVER_CLOCK_NS() - put_at) / 1e9)
 
     def put_object(self, key: str, body: bytes | list, *, only_if_absent: bool = False) -> bool:
         self._request()
@@ -73,7 +79,7 @@ class DictClient:
             if only_if_absent and key in self.objects:
                 return False
             self.objects[key] = bytes(body)
-            self.mtime_ns[key] = time.time_ns()
+            self.mtime_ns[key] = SERVER_CLOCK_NS()
             return True
 
     def delete_object(self, key: str) -> None:
@@ -89,9 +95,10 @@ class DictClient:
 class BytesStream(io.BytesIO):
     """An object body as the tier reads it: `size`, read, readinto, a context manager."""
 
-    def __init__(self, blob: bytes):
+    def __init__(self, blob: bytes, server_age_s: float | None = None):
         super().__init__(blob)
         self.size = len(blob)
+        self.server_age_s = server_age_s
 
 
 class Clock:
@@ -298,6 +305,35 @@ def test_a_stale_claim_of_a_dead_node_is_broken_and_taken_over(allowed_logs: lis
     assert t.get(cid) is None  # a miss at once: ours to fetch, no waiting
     assert time.monotonic() - started < 1.0
     assert t.stats.claims == 1 and t.stats.claim_waits == 0
+
+
+@pytest.mark.parametrize("skew", ["waiter ahead", "dead claimer ahead"])
+def test_claim_ages_go_by_the_tier_server_s_clock_not_the_nodes(skew: str, monkeypatch: pytest.MonkeyPatch,
+                                                                 allowed_logs: list[str]) -> None:
+    """Nodes' clocks an hour apart (one stepped at boot, a VM resumed after days): a node ahead of a live claimer
+    waits for its claim (it broke it at once and fetched the chunk from the origin too), and a claim a dead node
+    with a clock ahead left in the tier long ago is broken at once (it was waited out, --shared-cache-wait per
+    chunk, and never broken)."""
+    client = DictClient()
+    claimer, waiter = tier(client), tier(client, wait=0.5)
+    cid = chunk()
+    real_time = time.time
+    if skew == "waiter ahead":
+        assert claimer.get(cid) is None and claimer.stats.claims == 1  # a live claim, just made
+        held = client.objects[claimer.claim_key(cid)]
+        monkeypatch.setattr(time, "time", lambda: real_time() + 3600)  # this node's clock is an hour ahead
+        assert waiter.get(cid) is None
+        assert waiter.stats.claim_waits == 1 and waiter.stats.fallbacks == 1 and waiter.stats.claims == 0
+        assert client.objects[claimer.claim_key(cid)] == held  # the claimer's still: not broken
+    else:
+        key = waiter.claim_key(cid)
+        client.objects[key] = f"{real_time() + 3600:.3f} deadhost 1".encode()  # its clock was an hour ahead
+        client.mtime_ns[key] = SERVER_CLOCK_NS() - int((CLAIM_TTL_S + 60) * 1e9)  # made long ago, by the server
+        started = time.monotonic()
+        assert waiter.get(cid) is None  # ours to fetch, at once
+        assert time.monotonic() - started < 0.4
+        assert waiter.stats.claims == 1 and waiter.stats.claim_waits == 0
+        assert b"deadhost" not in client.objects[key]
 
 
 def test_an_unavailable_tier_is_skipped_for_a_while(allowed_logs: list[str]) -> None:

@@ -52,7 +52,13 @@ def cleanup(cfg: StoreConfig, older_than: float, *, keys: Sequence[str] = (), dr
     now = time.time()
     found = aborted = young = 0
     for upload in pending:
-        age = now - upload.initiated.timestamp() if upload.initiated is not None else float("inf")
+        # By the server's clock, as `initiated` is: a machine whose clock was a day ahead (a wrong RTC, a VM resumed)
+        # took the uploads a running mount was writing for a day old and aborted them. This machine's clock only
+        # where the listing had no Date.
+        if upload.age_s is not None:
+            age = upload.age_s
+        else:
+            age = now - upload.initiated.timestamp() if upload.initiated is not None else float("inf")
         if age < older_than:
             young += 1
             continue

@@ -27,6 +27,7 @@ from fsmount.data.store import (
     TransientError,
     quoted_etag,
     sent_etag,
+    server_age_s,
 )
 
 log = logging.getLogger(__name__)
@@ -134,11 +135,13 @@ def multipart_etag(etags: list[str]) -> str | None:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class PendingUpload:
-    """An incomplete multipart upload in the bucket."""
+    """An incomplete multipart upload in the bucket; `age_s` its age on the server's clock (the listing's Date less
+    `initiated`: store.server_age_s), None if the server did not give both."""
 
     key: str
     upload_id: str
     initiated: datetime | None
+    age_s: float | None = None
 
 
 class Uploads:
@@ -276,8 +279,10 @@ class Uploads:
         kwargs: dict[str, Any] = {"Prefix": prefix}
         while True:
             resp = self._call(f"listing uploads under {prefix!r}", self._client.list_multipart_uploads, **kwargs)
+            date = resp.get("ResponseMetadata", {}).get("HTTPHeaders", {}).get("date")
             for item in resp.get("Uploads", ()):
-                out.append(PendingUpload(item["Key"], item["UploadId"], item.get("Initiated")))
+                out.append(PendingUpload(item["Key"], item["UploadId"], item.get("Initiated"),
+                                         server_age_s(date, item.get("Initiated"))))
             if not resp.get("IsTruncated"):
                 return out
             kwargs.update(KeyMarker=resp.get("NextKeyMarker", ""), UploadIdMarker=resp.get("NextUploadIdMarker", ""))

@@ -1,13 +1,16 @@
-"""Ages of what another node wrote, measured on the server's clock rather than this node's, on moto and SeaweedFS
-and by both GET paths (presigned, boto3): this node's clock stepped an hour ahead (time.time patched in this
-process) changes nothing. The rules without a server: tests/unit/test_shared_tier.py."""
+"""Ages of what another node wrote (shared-tier claims, incomplete uploads), measured on the server's clock rather
+than this machine's, on moto and SeaweedFS (claims by both GET paths, presigned and boto3): this machine's clock
+stepped ahead (time.time patched in this process) changes nothing. The claims' rules without a server:
+tests/unit/test_shared_tier.py."""
 
 from __future__ import annotations
 
+import io
 import time
 
 import pytest
 
+from fsmount.cleanup_command import cleanup
 from fsmount.config import GET_CLIENTS, StoreConfig
 from fsmount.data import Boto3Store, ChunkId
 from fsmount.data.shared_tier import SharedTier
@@ -37,3 +40,26 @@ def test_a_node_whose_clock_is_an_hour_ahead_leaves_a_live_claim_alone(s3: S3Ser
     assert waiter.get(cid) is None
     assert waiter.stats.claim_waits == 1 and waiter.stats.claims == 0 and waiter.stats.fallbacks == 1
     assert waiter.client.get_object(claimer.claim_key(cid)) == held  # still the claimer's
+
+
+@pytest.mark.seaweedfs
+def test_cleanup_on_a_machine_whose_clock_is_days_ahead_leaves_a_fresh_upload_alone(
+        seaweed_server: S3Server, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`modelfs cleanup` (default: uploads begun over a day ago) run where the clock is two days ahead: it aborted the
+    upload a running mount had begun a moment before, and that mount's close then failed. SeaweedFS only: moto lists
+    every upload as initiated on 2010-11-10."""
+    s3 = seaweed_server
+    bucket = new_bucket(s3)
+    client = s3.client()
+    upload_id = client.create_multipart_upload(Bucket=bucket, Key="ckpt/model.bin")["UploadId"]
+    for name, value in s3.env.items():
+        monkeypatch.setenv(name, value)
+    real_time = time.time
+    monkeypatch.setattr(time, "time", lambda: real_time() + 2 * 86400)
+    out = io.StringIO()
+    assert cleanup(StoreConfig(bucket, endpoint_url=s3.endpoint_url, addressing_style="path"), 86400, dry_run=False,
+                   out=out) == (0, 0), out.getvalue()
+    assert "left 1 incomplete upload" in out.getvalue()
+    assert [u["UploadId"] for u in client.list_multipart_uploads(Bucket=bucket).get("Uploads", [])] == [upload_id]
+    assert cleanup(StoreConfig(bucket, endpoint_url=s3.endpoint_url, addressing_style="path"), 0, dry_run=False,
+                   out=out) == (1, 1)  # what --older-than 0 asks for (the advised command after a failed close)

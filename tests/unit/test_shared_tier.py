@@ -263,7 +263,9 @@ def test_a_waiter_takes_over_a_claim_that_is_dropped_or_goes_stale_while_it_wait
         assert claimer.get(cid) is None and claimer.stats.claims == 1
         threading.Timer(1.0, claimer.abandon, (cid,)).start()
     else:  # a dead node's claim, 1 s short of stale
-        client.objects[waiter.claim_key(cid)] = f"{time.time() - CLAIM_TTL_S + 1:.3f} deadhost 1".encode()
+        key = waiter.claim_key(cid)
+        client.objects[key] = f"{time.time() - CLAIM_TTL_S + 1:.3f} deadhost 1".encode()
+        client.mtime_ns[key] = SERVER_CLOCK_NS() - int((CLAIM_TTL_S - 1) * 1e9)
     started = time.monotonic()
     assert waiter.get(cid) is None  # ours to fetch now
     assert 1.0 <= time.monotonic() - started < 1.0 + 2 * CLAIM_CHECK_S + 1.0
@@ -296,11 +298,15 @@ def test_a_waiter_that_wins_a_claim_just_after_the_chunk_landed_reads_it(monkeyp
     assert waiter.stats.claims == 0  # a hit, not a claim: each chunk load counts as one of the two
 
 
-def test_a_stale_claim_of_a_dead_node_is_broken_and_taken_over(allowed_logs: list[str]) -> None:
+@pytest.mark.parametrize("server_dates", [True, False])
+def test_a_stale_claim_of_a_dead_node_is_broken_and_taken_over(server_dates: bool, allowed_logs: list[str]) -> None:
+    """Aged by the server's Date and Last-Modified, or where it gives none by the time in the claim's body."""
     client = DictClient()
     t = tier(client, wait=30.0)
     cid = chunk()
     client.objects[t.claim_key(cid)] = f"{time.time() - CLAIM_TTL_S - 5:.3f} deadhost 1".encode()
+    if server_dates:
+        client.mtime_ns[t.claim_key(cid)] = SERVER_CLOCK_NS() - int((CLAIM_TTL_S + 5) * 1e9)
     started = time.monotonic()
     assert t.get(cid) is None  # a miss at once: ours to fetch, no waiting
     assert time.monotonic() - started < 1.0

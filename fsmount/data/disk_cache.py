@@ -32,7 +32,8 @@ Concurrency rules (callers are worker threads of the chunk engine):
 The directory layout and its lock are cache_dir's; the chunk file format is chunk_file's.
 LRU order lives in memory (OrderedDict, most recent last) and persists across restarts as file mtime:
 put sets it, a hit refreshes it (at most once per TOUCH_INTERVAL_NS, from a thread of its own: _Toucher), open
-sorts by it.
+sorts by it. A stamp in the future was set while the clock was ahead (a wrong RTC that chrony then stepped back): open
+counts it older than every other stamp, and a hit restamps it.
 """
 
 from __future__ import annotations
@@ -359,7 +360,11 @@ class DiskCache:
     def _rebuild_index(self) -> None:
         started = time.perf_counter()
         found, self.swept_tmp_files = scan_chunk_files(self._chunks_dir, sweep_tmp=True)
-        found.sort()  # by mtime: least recently used first, as OrderedDict order expects
+        # By mtime: least recently used first, as OrderedDict order expects. Stamps in the future were set before the
+        # clock was stepped back, so before every stamp of now: counted as the oldest, they sat at the recent end,
+        # evicted last, until the clock caught up with them (a year for an RTC a year ahead).
+        now = time.time_ns()
+        found.sort(key=lambda f: (f[0] <= now, f))
         for _mtime_ns, digest, size, _path in found:
             self._index[digest] = size
         self.stats.chunks = len(self._index)
@@ -430,7 +435,8 @@ class DiskCache:
             except Corrupt as why:
                 self._drop_corrupt(digest, path, st, why)
                 return None
-            if time.time_ns() - st.st_mtime_ns > TOUCH_INTERVAL_NS:
+            # Either way: a stamp in the future (the clock since stepped back) was never refreshed.
+            if abs(time.time_ns() - st.st_mtime_ns) > TOUCH_INTERVAL_NS:
                 self._toucher.touch(path)
         except OSError as err:
             self._read_failed(digest, err)

@@ -204,6 +204,29 @@ def test_hit_refreshes_persisted_lru_stamp_and_reopen_evicts_by_it(tmp_path: Pat
         assert len(disk_files(tmp_path)) == 2
 
 
+def test_chunks_stamped_while_the_clock_was_ahead_are_evicted_first_unless_hit_since(tmp_path: Path) -> None:
+    """A node booted with its clock a year ahead, then stepped back (chrony): the chunks written before the step
+    bore stamps a year ahead. A hit never restamped them (they were not older than a minute) and each reopen put
+    them at the recent end, evicted last, for a year; the chunks the node used since went first."""
+    chunks = [chunk_id(i) for i in range(4)]
+    with DiskCache(tmp_path, BIG, min_free_bytes=0) as cache:
+        for c in chunks:
+            cache.put(c, payload(c))
+        size = file_size_of(cache, chunks[0])
+        year_ahead, hour_ago = time.time_ns() + 365 * 86400 * 10**9, time.time_ns() - 3600 * 10**9
+        for c, stamp in zip(chunks, [year_ahead, year_ahead + 10**9, hour_ago, hour_ago + 10**9], strict=True):
+            os.utime(chunk_file_of(cache, c), ns=(stamp, stamp))  # chunks 0 and 1 written before the step back
+        assert cache.get(chunks[0]) == payload(chunks[0])  # used since the step: stamped "now" (from a thread)
+        deadline = time.monotonic() + 10
+        while os.stat(chunk_file_of(cache, chunks[0])).st_mtime_ns > time.time_ns() + 60 * 10**9:
+            assert time.monotonic() < deadline, "the hit's stamp was not written"
+            time.sleep(0.01)
+
+    with DiskCache(tmp_path, 4 * size, min_free_bytes=0) as cache:
+        cache.put(chunk_id(10), payload(chunk_id(10)))  # full: evicts the least recent, chunk 1
+        assert [cache.contains(c) for c in chunks] == [True, False, True, True]
+
+
 # -- corruption -------------------------------------------------------------------------------------
 
 

@@ -8,6 +8,8 @@ store sees a library exception. Every method blocks; callers run them in worker 
 from __future__ import annotations
 
 import dataclasses
+import datetime
+import email.utils
 import errno
 import os
 from collections.abc import Iterator
@@ -170,9 +172,6 @@ def server_age_s(date: object, last_modified: object) -> float | None:
     date, or a datetime as botocore parses them), whole seconds; None unless both are there and readable. What the
     age of something another node wrote is measured by: this node's clock may be hours off the writer's (a clock
     stepped at boot, a VM resumed after days), the server's is one clock for all."""
-    import datetime
-    import email.utils
-
     stamps = []
     for value in (date, last_modified):
         if not isinstance(value, datetime.datetime):

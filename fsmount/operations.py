@@ -637,9 +637,25 @@ class Operations(pyfuse3.Operations):
         target = await self._child(parent_inode_new, name_new)
         await self.writes.rename(node, self.ns.node(parent_inode_new), name_new, target, flags)
 
+    @_writable
+    async def mknod(self, parent_inode: int, name: bytes, mode: int, rdev: int,
+                    ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
+        """A regular file (`mknod(p, S_IFREG)`, as a local disk makes one) is made as `open(O_CREAT|O_EXCL)` and
+        its close make one: an empty object. FIFOs, sockets and devices: EPERM (S3 has none)."""
+        assert self.writes is not None
+        if not stat.S_ISREG(mode):
+            raise pyfuse3.FUSEError(errno.EPERM)
+        new = await self.writes.create(self.ns.node(parent_inode), name, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
+        assert new is not None  # O_EXCL: a file stored there is EEXIST
+        try:
+            await self._commit(new)
+        except BaseException:
+            self.ns.forget(new.node.ino, 1)  # counted as looked up (begin_file); a failed MKNOD gives no entry
+            raise
+        return self._attributes(new.node)
+
     # -- what no mount does (S3 has no such things) --------------------------------------------
 
-    mknod = _unsupported("mknod")
     symlink = _unsupported("symlink")
     link = _unsupported("link")
 

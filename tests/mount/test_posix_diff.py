@@ -238,6 +238,11 @@ STEPS: list[Step] = [
     ("create longest name", lambda r: write_file(r / "d" / LONGEST, b"255")),
     ("create empty", lambda r: open_close(r / "d/empty", os.O_WRONLY | os.O_CREAT)),
     ("touch empty", lambda r: open_close(r / "d/empty", os.O_WRONLY | os.O_CREAT)),
+    ("mknod regular", lambda r: os.mknod(r / "d/node", stat.S_IFREG | 0o644)),
+    ("mknod existing", lambda r: os.mknod(r / "d/node", stat.S_IFREG | 0o644)),
+    ("mknod on dir", lambda r: os.mknod(r / "d/a", stat.S_IFREG | 0o644)),
+    ("mknod no type", lambda r: os.mknod(r / "d/node0")),
+    ("read mknod", lambda r: (r / "d/node").read_bytes()),
     ("ftruncate extends new", lambda r: extended(r / "d/sparse")),
     ("seek back", lambda r: seek_back(r / "d/patched")),
     ("unlink while written", lambda r: written_while_open(r / "d/tmp", lambda: os.unlink(r / "d/tmp"))),
@@ -361,12 +366,12 @@ def test_a_file_another_writer_stored_after_this_mount_found_the_name_free_opens
     lock file's second `open(O_CREAT|O_WRONLY)` was EPERM, where opening the stored (empty) file is a touch; an
     O_EXCL create was EPERM, where a lock taker waits on EEXIST."""
     bucket = new_bucket(s3)
-    names = ("lock", "excl", "full", "lock2")
+    names = ("lock", "excl", "full", "lock2", "node")
     with mounted(s3, bucket, mountpoint, "--writable", "--metadata-ttl", "60",
                  allowed=(r"needs --allow-overwrite",)):
         for name in names:
             assert not (mountpoint / name).exists()
-        put_objects(s3, bucket, {"lock": b"", "excl": b"", "full": b"theirs"})
+        put_objects(s3, bucket, {"lock": b"", "excl": b"", "full": b"theirs", "node": b"theirs"})
         fd = os.open(mountpoint / "lock", os.O_WRONLY | os.O_CREAT)
         try:
             assert os.fstat(fd).st_size == 0
@@ -382,13 +387,17 @@ def test_a_file_another_writer_stored_after_this_mount_found_the_name_free_opens
             os.open(mountpoint / "full", os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
         assert info.value.errno == errno.EPERM  # replacing bytes still needs the flag
         assert (mountpoint / "full").read_bytes() == b"theirs"
+        with pytest.raises(OSError) as info:
+            os.mknod(mountpoint / "node", stat.S_IFREG | 0o644)  # as an O_EXCL create
+        assert info.value.errno == errno.EEXIST
         put_objects(s3, bucket, {"lock2": b"flock"})
         fd = os.open(mountpoint / "lock2", os.O_RDONLY | os.O_CREAT)  # `flock(1)` of a lock file with bytes in it
         try:
             assert os.read(fd, 100) == b"flock"
         finally:
             os.close(fd)
-    assert s3.client().get_object(Bucket=bucket, Key="full")["Body"].read() == b"theirs"
+    for key in ("full", "node"):
+        assert s3.client().get_object(Bucket=bucket, Key=key)["Body"].read() == b"theirs"
     delete_bucket(s3, bucket)
 
 

@@ -92,6 +92,12 @@ WRITE_DRAIN_S = 30.0
 # unmount. Longer while a file is open for writing, so that a close storing it may finish.
 STOP_GRACE_S = 5.0
 STOP_GRACE_WRITING_S = 20.0
+# Signals whose default action ends a process, that nothing in or around the daemon sends, so that only a stray one
+# comes (an operator's `kill -USR2` meant for another daemon, a script's): taken and ignored, one line each, as the
+# mount's readers would otherwise get ENOTCONN. SIGTERM and SIGINT stop it, SIGHUP and SIGUSR1 reopen the log;
+# SIGPIPE and SIGXFSZ Python ignores already (the write gets EPIPE, EFBIG); SIGQUIT, SIGXCPU and the faults' (SEGV,
+# BUS, ABRT, ...) keep their action, which is meant to end it.
+STRAY_SIGNALS = (signal.SIGUSR2, signal.SIGALRM, signal.SIGVTALRM, signal.SIGPROF, signal.SIGIO, signal.SIGPWR)
 # At a stop, how long page-cache pushes in flight may take to end while READs are still answered.
 PUSH_STOP_S = 5.0
 # A cache dir with room for fewer chunks than this is worth a warning at mount.
@@ -867,8 +873,13 @@ class Daemon:
             signal.signal(signal.SIGINT, signal.default_int_handler)
 
     async def _take_signals(self) -> None:
-        with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1) as signals:
+        with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1,
+                                       *STRAY_SIGNALS) as signals:
             async for signum in _chain(self.early_stops, signals):
+                if signum in STRAY_SIGNALS:
+                    log.warning("received %s: ignored, still mounted (SIGTERM or `modelfs unmount` stops the mount)",
+                                signal.Signals(signum).name)
+                    continue
                 if signum in (signal.SIGHUP, signal.SIGUSR1):
                     # What logrotate's postrotate and `systemctl reload` send: the log file is reopened
                     # (LogFile does that by itself, at each line); a mount in use must not go away. Its options stay
@@ -947,6 +958,8 @@ def run(cfg: MountConfig, ready: Callable[[str | None], None]) -> int:
     # By default they killed the daemon silently during a slow pre-flight.
     signal.signal(signal.SIGHUP, signal.SIG_IGN)
     signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+    for signum in STRAY_SIGNALS:  # and those only a stray `kill` sends, likewise
+        signal.signal(signum, signal.SIG_IGN)
     # A stop (systemctl stop, Ctrl-C) during a slow pre-flight (an endpoint that does not answer) is said in one
     # line, as every pre-flight failure is; SIGTERM's default action ended the daemon without a word (143). It
     # exits at once: nothing is mounted yet, and an exception raised in the handler was swallowed by the HTTP

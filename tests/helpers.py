@@ -281,8 +281,9 @@ def mounted_at(mountpoint: Path) -> bool:
 
 
 def unmount(path: Path) -> None:
-    """fusermount3 -u, lazily if that fails; nothing if `path` is not a mountpoint."""
-    if not os.path.ismount(path):
+    """fusermount3 -u, lazily if that fails; nothing if `path` is not a mountpoint (one whose daemon died is one:
+    its stat fails with ENOTCONN, so `ismount` says no)."""
+    if not os.path.ismount(path) and not mounted_at(path):
         return
     res = subprocess.run(["fusermount3", "-u", str(path)], capture_output=True)
     if res.returncode != 0:

@@ -1,5 +1,6 @@
 """SIGUSR1, what an nginx-style logrotate postrotate (`kill -USR1`) sends: its default action killed the daemon,
-taking the mount down under every reader. It is taken as SIGHUP is, a log reopen."""
+taking the mount down under every reader. It is taken as SIGHUP is, a log reopen. So did a stray `kill -USR2` (and
+ALRM, VTALRM, PROF, IO, PWR): ignored, one line each. TERM still stops it."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import os
 import signal
 from pathlib import Path
 
-from tests.helpers import S3Server, bucket_with, daemon_env, run_modelfs, unmount, wait_for
+from tests.helpers import S3Server, bucket_with, daemon_env, mounted_at, run_modelfs, unmount, wait_for
 from tests.mount.test_cli_mount import daemon_pid
 
 
@@ -27,5 +28,35 @@ def test_sigusr1_reopens_the_log_and_leaves_the_mount_up(moto_server: S3Server, 
             assert held.read() == b"a" * 100
         assert (mountpoint / "a.bin").read_bytes() == b"a" * 100
         os.kill(pid, 0)  # the daemon is still there
+    finally:
+        unmount(mountpoint)
+
+
+LOGGED = ("SIGUSR2", "SIGALRM", "SIGVTALRM", "SIGPROF", "SIGIO", "SIGPWR")
+SILENT = ("SIGPIPE", "SIGXFSZ")  # ignored by Python itself: a write gets EPIPE, EFBIG
+
+
+def test_stray_signals_leave_the_mount_up_and_sigterm_still_stops_it(moto_server: S3Server, mountpoint: Path,
+                                                                     tmp_path: Path) -> None:
+    bucket = bucket_with(moto_server, {"a.bin": b"a" * 100})
+    log_file = tmp_path / "modelfs.log"
+    try:
+        res = run_modelfs("mount", bucket, str(mountpoint), "--endpoint-url", moto_server.endpoint_url, "--log-file",
+                          str(log_file), env=daemon_env(moto_server))
+        assert res.returncode == 0, res.stderr
+        pid = daemon_pid(mountpoint)
+        with open(mountpoint / "a.bin", "rb") as held:
+            for name in LOGGED + SILENT:
+                os.kill(pid, getattr(signal, name))
+                if name in LOGGED:
+                    wait_for(f"the line saying {name} was ignored",
+                             lambda: f"received {name}: ignored" in log_file.read_text())  # noqa: B023
+            os.kill(pid, signal.SIGUSR2)  # and again: each one is
+            wait_for("the second line", lambda: log_file.read_text().count("received SIGUSR2: ignored") == 2)
+            assert held.read() == b"a" * 100
+        assert (mountpoint / "a.bin").read_bytes() == b"a" * 100
+        os.kill(pid, 0)  # the daemon is still there
+        os.kill(pid, signal.SIGTERM)
+        wait_for("the stop", lambda: not mounted_at(mountpoint))
     finally:
         unmount(mountpoint)

@@ -128,6 +128,9 @@ class NewFile:
         # onto (`replaced`: that file's node). Renamed or unlinked before that, the old object is deleted (Writes).
         self.replaces: str | None = None
         self.replaced: Node | None = None
+        # The key it was created at with O_EXCL: stored there, its PUT or completion is create-only as without
+        # --allow-overwrite (another mount's file stored there since the create's HEAD is not replaced: close EIO).
+        self.excl_key: str | None = None
         self.handles = 0  # open file handles on it
         self.opener: int | None = None  # the process that opened it (holders.py), None where unknown
         # A descriptor of it was closed while it was still empty and nothing was written since: it is stored
@@ -424,7 +427,7 @@ class NewFile:
                     body = buf
                 await writes.stage(self._staged, 0, body)
                 etag = await self._last_request(final_key, lambda: put_etag(body), writes.uploads.put, final_key, body,
-                                                writes.create_only)
+                                                *self._if_absent(final_key))
             finally:
                 if buf is not None:
                     self._release(reserved)
@@ -438,7 +441,7 @@ class NewFile:
         assert self._key is not None
         etags = [self._etags[i] for i in range(1, self._parts + 1)]
         etag = await self._last_request(self._key, lambda: multipart_etag(etags), writes.uploads.finish, self._key,
-                                        self._upload_id, etags, writes.create_only)
+                                        self._upload_id, etags, *self._if_absent(self._key))
         self._upload_id = None
         writes.unregister(self)
         meta = ObjectMeta(self._key, self.written, etag, time.time_ns())
@@ -472,7 +475,7 @@ class NewFile:
                 body = bytearray(size)
                 await self._read_copy(0, body)
                 etag = await self._last_request(key, lambda: put_etag(body), writes.uploads.put, key, body,
-                                                writes.create_only)
+                                                *self._if_absent(key))
             writes.count_part(size)
             return ObjectMeta(key, size, etag, time.time_ns())
         self._key = key
@@ -508,10 +511,19 @@ class NewFile:
             raise StoreError(self.error)
         etags = [self._etags[i] for i in range(1, len(ranges) + 1)]
         etag = await self._last_request(key, lambda: multipart_etag(etags), writes.uploads.finish, key,
-                                        self._upload_id, etags, writes.create_only)
+                                        self._upload_id, etags, *self._if_absent(self._key))
         self._upload_id = None
         writes.unregister(self)
         return ObjectMeta(key, size, etag, time.time_ns())
+
+    def _if_absent(self, key: str | None) -> tuple[bool, bool]:
+        """`only_if_absent` and `or_plain` (uploads.finish) for its store under `key`: create-only without
+        --allow-overwrite; with it, where it is stored under the name it was created at with O_EXCL and still has
+        (unless the server refuses the header). One renamed while written is completed under its old key as B31
+        says."""
+        create_only = self._writes.create_only
+        excl = key is not None and key == self.excl_key == self._writes.key_of(self.node)
+        return create_only or excl, not create_only
 
     async def _last_request(self, key: str, expected: Callable[[], str | None], fn: Callable[..., str],
                             *args: Any) -> str:

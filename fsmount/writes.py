@@ -412,7 +412,10 @@ class Writes:
             if flags & os.O_EXCL:
                 raise PathError(errno.EEXIST)
             return None
-        return self._start(self.ns.begin_file(path))
+        new = self._start(self.ns.begin_file(path))
+        if flags & os.O_EXCL:
+            new.excl_key = self.key_of(new.node)  # the HEAD above is not atomic: its store is create-only
+        return new
 
     def open_existing(self, node: Node, flags: int) -> NewFile | None:
         """An open for writing of a stored file: only a whole rewrite (O_TRUNC, or an empty file). Without

@@ -154,6 +154,9 @@ class Uploads:
         self.has_children = store.has_children
         self._client.meta.events.register("before-send.s3", _no_try_past_the_deadline)
         self._client.meta.events.register("response-received.s3.CreateMultipartUpload", _note_start_answer)
+        # Set once the server refused If-None-Match itself (`_or_plain`): an O_EXCL file's store then goes without it.
+        # Written from request threads, only ever to True.
+        self.if_none_match_refused = False
         # Told the key of an upload the server may have begun that `start` never returned (an answer lost, and
         # botocore sent the request again; or an answer cut short): nothing of this mount will abort it. Called in
         # the request's thread.
@@ -167,18 +170,35 @@ class Uploads:
             # 412 (S3, SeaweedFS, MinIO) or 409 (OSS's FileAlreadyExists; S3's conflicting conditional write)
             # to a create-only request: the key exists.
             if "IfNoneMatch" in kwargs and (isinstance(err, PreconditionFailed) or _client_error_code(exc)[1] == 409):
-                raise Exists(f"{what}: the key was created meanwhile by another writer (replacing it needs "
-                             "--allow-overwrite)") from None
+                raise Exists(f"{what}: the key was created meanwhile by another writer (a create-only store: "
+                             "no --allow-overwrite, or a file created O_EXCL)") from None
             # 412 to a conditional DELETE (409: a conditional write to the key is in progress, S3).
             if "IfMatch" in kwargs and (isinstance(err, PreconditionFailed) or _client_error_code(exc)[1] == 409):
                 raise Replaced(f"{what}: another object is under the key now") from None
             raise err from None
 
-    def put(self, key: str, body: bytes | bytearray, only_if_absent: bool = False) -> str:
-        """Store a whole object in one PUT; its ETag. `only_if_absent`: see `finish`."""
+    def _or_plain(self, or_plain: bool, what: str, fn: Any, **kwargs: Any) -> Any:
+        """`_call`; with `or_plain`, a server that refuses If-None-Match itself (501, a 4xx of its own: not the 412
+        or 409 of a key that exists) gets the request again without it, and so do the next ones (one warning)."""
+        if or_plain and self.if_none_match_refused:
+            kwargs.pop("IfNoneMatch", None)
+        try:
+            return self._call(what, fn, **kwargs)
+        except StoreError as exc:
+            if not or_plain or "IfNoneMatch" not in kwargs or type(exc) is not StoreError:
+                raise
+            if not self.if_none_match_refused:
+                log.warning("%s: the server refused it with If-None-Match (%s): an O_EXCL file's store replaces "
+                            "what another writer stored meanwhile on this server", what, exc.message)
+            self.if_none_match_refused = True
+            del kwargs["IfNoneMatch"]
+            return self._call(what, fn, **kwargs)
+
+    def put(self, key: str, body: bytes | bytearray, only_if_absent: bool = False, or_plain: bool = False) -> str:
+        """Store a whole object in one PUT; its ETag. `only_if_absent`, `or_plain`: see `finish`."""
         what = f"PUT {key!r}"
-        return quoted_etag(_field(self._call(what, self._client.put_object, Key=key, Body=body,
-                                        **_if_absent(only_if_absent)), "ETag", what))
+        return quoted_etag(_field(self._or_plain(or_plain, what, self._client.put_object, Key=key, Body=body,
+                                                 **_if_absent(only_if_absent)), "ETag", what))
 
     def start(self, key: str) -> str:
         """Begin a multipart upload; its upload id."""
@@ -227,14 +247,17 @@ class Uploads:
                           CopySourceRange=f"bytes={start}-{end - 1}")
         return _field(_field(resp, "CopyPartResult", what), "ETag", what)
 
-    def finish(self, key: str, upload_id: str, etags: list[str], only_if_absent: bool = False) -> str:
+    def finish(self, key: str, upload_id: str, etags: list[str], only_if_absent: bool = False,
+               or_plain: bool = False) -> str:
         """Complete the upload from its parts' ETags, in part order; the object's ETag. With `only_if_absent`
         the server refuses it if the key exists by then (If-None-Match: *, on OSS x-oss-forbid-overwrite):
-        `Exists`, and the upload is left to abort."""
+        `Exists`, and the upload is left to abort. With `or_plain` too, a server that refuses the condition itself
+        gets the request without it (`_or_plain`): for an O_EXCL file under --allow-overwrite, which stored so before
+        the condition was sent."""
         parts = [{"PartNumber": i, "ETag": etag} for i, etag in enumerate(etags, 1)]
         what = f"completing the upload of {key!r}"
-        resp = self._call(what, self._client.complete_multipart_upload, Key=key, UploadId=upload_id,
-                          MultipartUpload={"Parts": parts}, **_if_absent(only_if_absent))
+        resp = self._or_plain(or_plain, what, self._client.complete_multipart_upload, Key=key, UploadId=upload_id,
+                              MultipartUpload={"Parts": parts}, **_if_absent(only_if_absent))
         return quoted_etag(_field(resp, "ETag", what))
 
     def abort(self, key: str, upload_id: str) -> None:

@@ -315,3 +315,38 @@ def test_a_file_the_server_gave_no_etag_is_renamed_whole(request: pytest.Fixture
     assert not [(k, v) for k, v in proxy.sent if "no-etag" in v.lower()]
     assert [k for k, _v in proxy.sent if k.lower() == "x-amz-copy-source"]  # the rename was a server-side copy
     assert [(k, v) for k, v in proxy.sent if k.lower() == "x-amz-copy-source-if-match"] == []
+
+
+class RefusesIfNoneMatch(FaultProxy):
+    """A server that refuses a PUT or a completion sent with If-None-Match (501 NotImplemented, or a 400 of its own),
+    as one without conditional writes may."""
+
+    def __init__(self, upstream_url: str, status: int, code: str):
+        super().__init__(upstream_url)
+        self.refusal = error_response(status, code)
+
+    def _handle(self, conn: socket.socket, req: Request, upstream: http.client.HTTPConnection | None
+                ) -> tuple[bool, http.client.HTTPConnection | None]:
+        if req.method in ("PUT", "POST") and req.header("if-none-match"):
+            return send(conn, self.refusal, req), upstream
+        return super()._handle(conn, req, upstream)
+
+
+@pytest.mark.parametrize(("status", "code"), [(501, "NotImplemented"), (400, "InvalidArgument")])
+def test_an_o_excl_file_is_stored_on_a_server_refusing_if_none_match_with_allow_overwrite(
+        moto_server: S3Server, mountpoint: Path, status: int, code: str) -> None:
+    """An O_EXCL file's store is create-only under --allow-overwrite too (B84); a server that refuses the header
+    itself stored such files before it was sent, and still does: without it, with one warning."""
+    bucket = new_bucket(moto_server)
+    small, big = os.urandom(1000), os.urandom(12 * 1024 * 1024)
+    with RefusesIfNoneMatch(moto_server.endpoint_url, status, code) as proxy, \
+            mounted_via(proxy, moto_server, bucket, mountpoint, "--writable", "--allow-overwrite",
+                        "--write-part-size", "5M", allowed=(r"refused it with If-None-Match",)) as m:
+        for name, data in (("big", big), ("small", small)):  # the completion refused first, then the PUT goes plain
+            fd = os.open(mountpoint / name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            os.write(fd, data)
+            os.close(fd)
+        assert m.log().count("refused it with If-None-Match") == 1
+    client = moto_server.client()
+    assert client.get_object(Bucket=bucket, Key="small")["Body"].read() == small
+    assert client.get_object(Bucket=bucket, Key="big")["Body"].read() == big

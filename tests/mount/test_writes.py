@@ -484,6 +484,34 @@ def test_two_mounts_creating_one_key_only_the_first_close_stores_it(s3: S3Server
     delete_bucket(s3, bucket)
 
 
+@pytest.mark.parametrize("size", [1000, 12 * MiB], ids=["one-put", "multipart"])
+def test_an_o_excl_file_does_not_replace_a_key_stored_before_its_close_with_allow_overwrite(
+        s3: S3Server, mountpoint: Path, size: int) -> None:
+    """With --allow-overwrite an O_EXCL create checked the bucket at its create only: another writer's object stored
+    before the close was replaced. Its PUT or completion is create-only, as without the flag: close gets EIO and the
+    other writer's object stays, with no upload left behind."""
+    bucket = new_bucket(s3)
+    mine = random_bytes(size, 35)
+    with mounted(s3, bucket, mountpoint, *WRITABLE, "--allow-overwrite", "--write-part-size", "5M",
+                 allowed=("created meanwhile by another writer", "will not be stored")) as m:
+        fd = os.open(mountpoint / "lock", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        os.write(fd, mine)
+        put_objects(s3, bucket, {"lock": b"theirs"})
+        with pytest.raises(OSError) as info:
+            os.close(fd)
+        assert info.value.errno == errno.EIO
+        assert "created meanwhile by another writer" in m.log()
+        # A create without O_EXCL still replaces, as the flag allows.
+        fd = os.open(mountpoint / "plain", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        put_objects(s3, bucket, {"plain": b"theirs"})
+        os.write(fd, b"mine")
+        os.close(fd)
+    assert s3.client().get_object(Bucket=bucket, Key="lock")["Body"].read() == b"theirs"
+    assert s3.client().get_object(Bucket=bucket, Key="plain")["Body"].read() == b"mine"
+    assert uploads_in(s3, bucket) == []
+    delete_bucket(s3, bucket)
+
+
 def test_a_file_renamed_while_written_does_not_replace_a_key_another_mount_stored(s3: S3Server, mountpoint: Path,
                                                                                  tmp_path: Path) -> None:
     """save_file's order on mount A (write a temp file, rename it over the final name, close) while mount B

@@ -83,7 +83,7 @@ class FakeUploads:
     def has_children(self, prefix: str) -> bool:
         return self.store.has_children(prefix)
 
-    def put(self, key: str, body: bytes, only_if_absent: bool = False) -> str:
+    def put(self, key: str, body: bytes, only_if_absent: bool = False, or_plain: bool = False) -> str:
         self._check_absent(key, only_if_absent)
         self.puts += 1
         return self._store(key, bytes(body), f'"put-{len(body)}"')
@@ -120,7 +120,8 @@ class FakeUploads:
         self.bodies.append(body)
         return f'"p{number}"'
 
-    def finish(self, key: str, upload_id: str, etags: list[str], only_if_absent: bool = False) -> str:
+    def finish(self, key: str, upload_id: str, etags: list[str], only_if_absent: bool = False,
+               or_plain: bool = False) -> str:
         self._refuse()
         if self.fail_finish:
             raise TransientError("complete refused")
@@ -722,7 +723,7 @@ async def test_the_last_short_part_is_sent_from_its_buffer_not_a_copy(size: int)
         sent[number] = bytes(body) if len(body) == 5 * MiB else body
         return f'"p{number}"'
 
-    def keep_put(key: str, body: bytearray, only_if_absent: bool = False) -> str:
+    def keep_put(key: str, body: bytearray, only_if_absent: bool = False, or_plain: bool = False) -> str:
         sent[1] = body
         return '"put"'
 
@@ -946,7 +947,7 @@ async def test_a_rename_right_after_the_close_of_an_empty_file_stores_it_under_t
     writes, uploads, ns = make()
     gate = threading.Event()
     put = uploads.put
-    uploads.put = lambda key, body, only_if_absent=False: gate.wait(10) and put(key, body, only_if_absent)
+    uploads.put = lambda key, body, *conditions: gate.wait(10) and put(key, body, *conditions)
     async with serving(writes) as nursery:
         root = ns.node(ROOT_INODE)
         new = await new_file(writes, ns, b"tmp")
@@ -1113,7 +1114,7 @@ async def test_a_rename_that_waited_for_a_failed_commit_leaves_no_ghost(allowed_
     writes, uploads, ns = make()
     gate = threading.Event()
 
-    def failing_put(key: str, body: bytes, only_if_absent: bool = False) -> str:
+    def failing_put(key: str, body: bytes, only_if_absent: bool = False, or_plain: bool = False) -> str:
         gate.wait(10)
         raise TransientError("put refused")
 

@@ -239,6 +239,11 @@ class Operations(pyfuse3.Operations):
         elif not node.writing and node.ino != pyfuse3.ROOT_INODE:
             timeout = min(timeout, max(0.0, node.fresh_until - time.monotonic()))
         attr.entry_timeout = attr.attr_timeout = timeout
+        if node.writing:
+            # Its size and time are those of its last write until it is stored, then the stored version's: kept,
+            # the attributes a SETATTR answered (a `touch -d`, a writer's futime) showed its create time after its
+            # close, and its stored time a TTL later (for good with `forever`), nothing done to it meanwhile.
+            attr.attr_timeout = 0.0
         if node.is_dir:
             attr.st_mode = stat.S_IFDIR | self.owner.dir_mode
             attr.st_nlink = 2
@@ -269,6 +274,8 @@ class Operations(pyfuse3.Operations):
 
     @_fuse_errors
     async def getattr(self, inode: int, ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
+        if self.writes is not None:
+            await self.writes.settle(self.ns.node(inode))  # an empty file closed: stored at its RELEASE, just sent
         return self._attributes(await self.ns.refresh(self.ns.node(inode)))
 
     @_fuse_errors

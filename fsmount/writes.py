@@ -356,15 +356,20 @@ class Writes:
         return self._files.get(node.ino)
 
     async def settle(self, node: Node) -> None:
-        """Before an open of a file being written: if its last descriptor looks closed (closed while empty,
-        nothing written since), wait up to RELEASE_WAIT_S for the RELEASE that stores it. An empty file is
+        """Before an open or a stat of a file being written: if its last descriptor looks closed (closed while empty,
+        nothing written since), wait up to RELEASE_WAIT_S, once, for the RELEASE that stores it. An empty file is
         stored at RELEASE, not at FLUSH (a shell's `> file` closes a first descriptor before it writes), and
         the kernel sends RELEASE after close(2) returned: without this wait `open(p, "w").close();
         open(p)` would get EBUSY."""
         new = self._files.get(node.ino) if node.writing else None
         if new is not None and new.closed_empty:
-            with trio.move_on_after(RELEASE_WAIT_S):
+            with trio.move_on_after(RELEASE_WAIT_S) as waited:
                 await new.settled.wait()
+            if waited.cancelled_caught:
+                # Another descriptor holds it (`exec 9>lock`, a dup): no RELEASE comes, and the next stat or open
+                # does not wait for one again until a descriptor of it is closed (each `ls -l` of a lock file held
+                # so took a second).
+                new.closed_empty = False
 
     async def _in_bucket(self, path: str, *, file: bool, directory: bool) -> tuple[bool, bool]:
         """Whether the bucket holds a file at `path`, and a directory (any key under `path/`), each asked only if

@@ -441,6 +441,68 @@ def test_a_file_just_written_keeps_its_mtime_once_the_bucket_is_asked_again(s3: 
     delete_bucket(s3, bucket)
 
 
+def touched(path: Path) -> None:
+    """`touch -d`: a new empty file, its times set by path, closed (stored at RELEASE, after close returned)."""
+    os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_NONBLOCK, 0o644))
+    os.utime(path, (978307200, 978307200))
+
+
+def written_with_futime(path: Path) -> None:
+    """A writer that sets its file's times through its descriptor before closing it (stored at that close)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        os.write(fd, b"x" * 1000)
+        os.utime(fd, (5, 5))
+        os.fstat(fd)
+    finally:
+        os.close(fd)
+
+
+@pytest.mark.parametrize("make", [touched, written_with_futime], ids=["touch -d", "futime"])
+def test_the_mtime_a_new_file_shows_after_its_close_stays_after_a_utime(s3: S3Server, mountpoint: Path,
+                                                                        make: Callable[[Path], None]) -> None:
+    """Times set by `utime` are not kept (a bucket keeps none), and a stat after it shows the file's own time. After
+    a utime of a file being written (`touch -d` of a new name, a writer's `futime`), the kernel kept the attributes
+    its SETATTR answered, the time the file was created, until the TTL passed: then the stored version's time. A
+    file's mtime changed a TTL after its close with nothing done to it (`make`, `rsync -t` saw it change)."""
+    bucket = new_bucket(s3)
+    with mounted(s3, bucket, mountpoint, "--writable", "--metadata-ttl", f"{TTL_S:g}"):
+        path = mountpoint / "f"
+        make(path)
+        closed = os.stat(path)
+        os.utime(path, (1, 1))  # of the stored file: accepted, and it shows its own time still
+        assert os.stat(path).st_mtime_ns == closed.st_mtime_ns
+        time.sleep(TTL_S + 0.3)
+        assert os.stat(path).st_mtime_ns == closed.st_mtime_ns
+    delete_bucket(s3, bucket)
+
+
+def test_an_empty_file_held_by_another_descriptor_is_waited_for_once(s3: S3Server, mountpoint: Path) -> None:
+    """`exec 9>lock`: the file is opened, dup'ed, and the first descriptor closed, empty. A stat or open then waits
+    (up to a second) for the RELEASE that would store it; none comes while the other descriptor is held, and each
+    `ls -l` of the lock file would take that second."""
+    bucket = new_bucket(s3)
+    with mounted(s3, bucket, mountpoint, "--writable", "--metadata-ttl", f"{TTL_S:g}"):
+        path = mountpoint / "lock"
+        first = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        held = os.dup(first)
+        os.close(first)
+        try:
+            os.stat(path)  # waits once
+            started = time.monotonic()
+            for _ in range(3):
+                assert os.stat(path).st_size == 0
+                with pytest.raises(OSError) as info:
+                    os.open(path, os.O_RDONLY)
+                assert info.value.errno == errno.EBUSY  # readable once it is stored
+            assert time.monotonic() - started < 1.0
+        finally:
+            os.close(held)
+        assert os.stat(path).st_size == 0
+    assert s3.client().get_object(Bucket=bucket, Key="lock")["Body"].read() == b""
+    delete_bucket(s3, bucket)
+
+
 def test_a_reader_follows_a_file_renamed_through_the_mount(s3: S3Server, mountpoint: Path) -> None:
     """A rename through the mount copies the object to its new key and deletes the old one. A descriptor opened
     before kept reading the old key: what it had not read yet was EIO (404), where a local file's descriptor reads on,

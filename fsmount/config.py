@@ -40,6 +40,9 @@ DEFAULT_CONNECT_TIMEOUT = 10.0
 # What carries the bytes of a ranged GET: presigned URLs read by http.client into recycled buffers
 # (the default: less CPU per byte), or boto3's get_object.
 GET_CLIENTS = ("presigned", "boto3")
+# Metadata calls (HEAD, LIST) get their own threads so a burst of lookups never waits behind data (mount.py); the
+# store's boto3 client keeps a connection for each, beside those of the writes and the data.
+METADATA_THREADS = 8
 # --write-part-size: S3 part sizes are 5 MiB to 5 GiB; 8 MiB as Mountpoint-S3 (and our chunks).
 DEFAULT_WRITE_PART_SIZE = 8 * MiB
 MIN_WRITE_PART_SIZE = 5 * MiB

@@ -30,7 +30,7 @@ import pyfuse3
 import trio
 
 from fsmount import residency
-from fsmount.config import MiB, MountConfig, StoreConfig, tier_inside_mount, virtual_style_ignored
+from fsmount.config import METADATA_THREADS, MiB, MountConfig, StoreConfig, tier_inside_mount, virtual_style_ignored
 from fsmount.data import (
     DISK_THREADS,
     PUT_THREADS,
@@ -73,8 +73,6 @@ FUSE_DEVICE = "/dev/fuse"
 FUSE_DEVICE_NUMBER = (10, 229)
 # fusermount3's configuration (user_allow_other).
 FUSE_CONF = "/etc/fuse.conf"
-# Metadata calls (HEAD, LIST) get their own threads so a burst of lookups never waits behind data.
-METADATA_THREADS = 8
 # Metadata requests given up on (--read-timeout) whose threads may still be running, beyond METADATA_THREADS.
 ABANDONED_METADATA_THREADS = 32
 # How long readiness may take before the daemon gives up (the first request of a mount is fast;

@@ -19,7 +19,7 @@ import urllib.parse
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from fsmount.config import StoreConfig
+from fsmount.config import METADATA_THREADS, StoreConfig
 from fsmount.data.identity import WritableBuffer, new_buffer
 from fsmount.data.presigned import URL_EXPIRES_S, Body, RangeGetter, proxied
 from fsmount.data.store import (
@@ -231,8 +231,10 @@ class Boto3Store:
             # SigV4 named, not left to botocore: it presigns URLs with SigV2 otherwise (us-east-1 and
             # custom endpoints), which newer regions refuse.
             signature_version=UNSIGNED if cfg.no_sign_request else "s3v4",
-            # One spare connection for metadata calls next to the data fetches.
-            max_pool_connections=cfg.max_connections + 4,
+            # A connection for each thread that may use the client at once: the data fetches (--get-client boto3)
+            # or the writes' requests (--max-connections each), and the metadata calls. A smaller pool
+            # (--max-connections + 4) had urllib3 drop the spare connections with a WARNING each (B98).
+            max_pool_connections=2 * cfg.max_connections + METADATA_THREADS,
             connect_timeout=timeout,
             read_timeout=PREFLIGHT_TIMEOUT if preflight else cfg.read_timeout,
             # botocore's max_attempts counts retries after the first request.

@@ -17,6 +17,7 @@ import errno
 import os
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -203,3 +204,28 @@ def test_a_file_found_replaced_then_opened_while_the_origin_is_down_is_eio_not_e
         proxy.origin_back()
         time.sleep(DOWN_FAST_FAIL_S + 0.5)
         assert path.read_bytes() == b"2" * (4 * chunk)
+
+
+def test_slow_metadata_requests_at_once_keep_their_connections(proxy: FaultProxy, moto_server: S3Server,
+                                                               mountpoint: Path) -> None:
+    """Ten directories listed at once, then a missing name looked up in each at once, while every request takes
+    half a second, on a mount of `--max-connections 2`: every answer is right and the daemon logs nothing. Its boto3
+    client kept max-connections + 4 connections while up to METADATA_THREADS (8) metadata requests run at once
+    (beside the writes' own): urllib3 dropped the spare ones with a WARNING each ("Connection pool is full,
+    discarding connection") and connected again for the next requests."""
+    dirs = [f"d{i}" for i in range(10)]
+    bucket = new_bucket(moto_server)
+    put_objects(moto_server, bucket, {f"{d}/{n}": b"x" for d in dirs for n in ("a", "b")})
+    with mounted_via(proxy, moto_server, bucket, mountpoint, *META_ARGS, "--max-connections", "2"):
+        assert sorted(os.listdir(mountpoint)) == dirs
+        proxy.inject(Fault.LATENCY, seconds=0.5, data_only=False)
+        barrier = threading.Barrier(len(dirs))
+
+        def listing(d: str) -> tuple[list[str], bool]:
+            barrier.wait()
+            names = sorted(os.listdir(mountpoint / d))
+            barrier.wait()
+            return names, (mountpoint / d / "missing").exists()
+
+        with ThreadPoolExecutor(len(dirs)) as pool:
+            assert list(pool.map(listing, dirs)) == [(["a", "b"], False)] * len(dirs)

@@ -4,7 +4,8 @@ The write and read fuzzers run one operation at a time; a node runs many process
 time, seeded workers do on two mounts of one bucket (`--writable --allow-overwrite --allow-delete`, few connections,
 a small `--memory-limit`, parts of 5 MiB so that multipart uploads happen and their queues fill):
 - savers (a training job's ranks): each writes its shard of `ckpt/step-N/` under a temporary name and `os.replace`s
-  it onto its final name (as `save_pretrained` does), some through a `cp` subprocess; a rank of each mount also
+  it onto its final name (as `save_pretrained` does), some through a `cp` subprocess, some in `save_file`'s order
+  (ftruncate to the size, write, rename while open, close); a rank of each mount also
   replaces a name shared by both mounts (`shared/latest.bin`), another rewrites one in place (`shared/direct.bin`,
   O_TRUNC, by both mounts at once), and rank 0 rotates away the oldest steps of its own mount with `shutil.rmtree`;
 - readers (an inference server's workers): whole files of `ckpt/` and `shared/` read with `read` or a shared
@@ -171,7 +172,20 @@ class Crowd:
                     stage = "mkdir"
                     (root / final).parent.mkdir(parents=True, exist_ok=True)
                     stage = "write"
-                    if rng.random() < 0.25:  # a subprocess writes it
+                    how = rng.choices(["cp", "write", "presized"], [1, 2, 1])[0]
+                    if direct and how == "presized":
+                        how = "write"
+                    if how == "presized":
+                        # safetensors' save_file order: ftruncate the new, empty file to its size, write it,
+                        # rename it while still open; the close stores it under its new name.
+                        with self.busy_retried(open, root / tmp_rel, "wb") as f:
+                            os.ftruncate(f.fileno(), size)
+                            f.write(data)
+                            f.flush()
+                            stage = "replace while open"
+                            self.busy_retried(os.replace, root / tmp_rel, root / final)
+                            stage = "close"
+                    elif how == "cp":  # a subprocess writes it
                         src = self.tmp / f"{name}.src"
                         src.write_bytes(data)
                         res = subprocess.run(["cp", str(src), str(root / tmp_rel)], capture_output=True, text=True,
@@ -183,8 +197,8 @@ class Crowd:
                         with self.busy_retried(open, root / tmp_rel, "wb") as f:
                             for off in range(0, len(data), MiB):
                                 f.write(data[off:off + MiB])
-                    stage = "replace"
-                    if not direct:
+                    if how != "presized" and not direct:
+                        stage = "replace"
                         self.busy_retried(os.replace, root / tmp_rel, root / final)
                     self.count("save")
                 except OSError as exc:

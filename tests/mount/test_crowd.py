@@ -256,7 +256,7 @@ class Crowd:
                 continue
             path = rng.choice(sorted(candidates))
             rel = str(path.relative_to(root))
-            how = rng.choice(["read", "read", "mmap"])
+            how = rng.choice(["read", "slow read", "mmap"])
             with self.op(name, f"{how} {rel}"):
                 if how == "mmap":
                     self.mmap_read(name, path, rel)
@@ -269,8 +269,10 @@ class Crowd:
                     continue
                 got, err = bytearray(), 0
                 try:
-                    while block := os.read(fd, MiB):
+                    while block := os.read(fd, MiB):  # a slow reader holds it while the savers go on
                         got += block
+                        if how == "slow read":
+                            time.sleep(0.1)
                 except OSError as exc:
                     err = exc.errno
                 finally:

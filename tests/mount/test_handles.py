@@ -41,8 +41,8 @@ from tests.helpers import (
 MEMORY_LIMIT = "192M"
 # How long an asynchronous RELEASE / FORGET / idle thread exit may take on a loaded 2-core machine.
 SETTLE_S = 30.0
-# Sockets the daemon may hold: the origin connection pool (max connections + 4, store.py), plus trio's
-# wake-up socket pair and slack.
+# Sockets the daemon may hold: the GET pool (max connections + 4, presigned.py), plus trio's wake-up socket
+# pair and slack: a read-only mount's few metadata calls at a time reuse its boto3 connections.
 MAX_SOCKETS = DEFAULT_MAX_CONNECTIONS + 4 + 4
 
 

@@ -179,7 +179,9 @@ class Uploads:
 
     def _or_plain(self, or_plain: bool, what: str, fn: Any, **kwargs: Any) -> Any:
         """`_call`; with `or_plain`, a server that refuses If-None-Match itself (501, a 4xx of its own: not the 412
-        or 409 of a key that exists) gets the request again without it, and so do the next ones (one warning)."""
+        or 409 of a key that exists) gets the request again without it, and so do the next ones (one warning). The
+        header counts as refused only where the request without it is taken: a refusal for another reason (a key
+        the server refuses, a part it lost) made every later O_EXCL file of the mount replace another writer's."""
         if or_plain and self.if_none_match_refused:
             kwargs.pop("IfNoneMatch", None)
         try:
@@ -187,12 +189,14 @@ class Uploads:
         except StoreError as exc:
             if not or_plain or "IfNoneMatch" not in kwargs or type(exc) is not StoreError:
                 raise
-            if not self.if_none_match_refused:
-                log.warning("%s: the server refused it with If-None-Match (%s): an O_EXCL file's store replaces "
-                            "what another writer stored meanwhile on this server", what, exc.message)
-            self.if_none_match_refused = True
-            del kwargs["IfNoneMatch"]
-            return self._call(what, fn, **kwargs)
+            refused = exc
+        del kwargs["IfNoneMatch"]
+        result = self._call(what, fn, **kwargs)
+        if not self.if_none_match_refused:
+            log.warning("%s: the server refused it with If-None-Match (%s): an O_EXCL file's store replaces "
+                        "what another writer stored meanwhile on this server", what, refused.message)
+        self.if_none_match_refused = True
+        return result
 
     def put(self, key: str, body: bytes | bytearray, only_if_absent: bool = False, or_plain: bool = False) -> str:
         """Store a whole object in one PUT; its ETag. `only_if_absent`, `or_plain`: see `finish`."""

@@ -350,3 +350,39 @@ def test_an_o_excl_file_is_stored_on_a_server_refusing_if_none_match_with_allow_
     client = moto_server.client()
     assert client.get_object(Bucket=bucket, Key="small")["Body"].read() == small
     assert client.get_object(Bucket=bucket, Key="big")["Body"].read() == big
+
+
+class RefusesOneKey(FaultProxy):
+    """A server that refuses every PUT of the key `refused` with a 400 of its own (as S3 refuses a key over 1024
+    bytes: KeyTooLongError), with If-None-Match or without it; conditional writes it does honour."""
+
+    def _handle(self, conn: socket.socket, req: Request, upstream: http.client.HTTPConnection | None
+                ) -> tuple[bool, http.client.HTTPConnection | None]:
+        if req.method == "PUT" and req.target.split("?", 1)[0].endswith("/refused"):
+            return send(conn, error_response(400, "KeyTooLongError"), req), upstream
+        return super()._handle(conn, req, upstream)
+
+
+def test_a_store_refused_for_another_reason_keeps_o_excl_files_create_only(s3: S3Server, mountpoint: Path) -> None:
+    """An O_EXCL file's store refused with a 400 that is not about If-None-Match (a key the server refuses) was taken
+    for a server refusing the header: the log said so, and every O_EXCL file of the mount was stored without it from
+    then on, replacing what another writer stored at its name meanwhile. The store is sent again without the header
+    once; only where that succeeds is the header taken as refused."""
+    bucket = new_bucket(s3)
+    with RefusesOneKey(s3.endpoint_url) as proxy, \
+            mounted_via(proxy, s3, bucket, mountpoint, "--writable", "--allow-overwrite",
+                        allowed=(r"KeyTooLongError", r"created meanwhile by another writer",
+                                 r"will not be stored")) as m:
+        fd = os.open(mountpoint / "refused", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        os.write(fd, b"mine")
+        with pytest.raises(OSError) as info:
+            os.close(fd)
+        assert info.value.errno == errno.EIO
+        fd = os.open(mountpoint / "lock", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        os.write(fd, b"mine")
+        put_objects(s3, bucket, {"lock": b"theirs"})
+        with pytest.raises(OSError) as info:
+            os.close(fd)
+        assert info.value.errno == errno.EIO
+        assert "refused it with If-None-Match" not in m.log()
+    assert s3.client().get_object(Bucket=bucket, Key="lock")["Body"].read() == b"theirs"

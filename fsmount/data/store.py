@@ -177,7 +177,7 @@ def server_age_s(date: object, last_modified: object) -> float | None:
         if not isinstance(value, datetime.datetime):
             try:
                 value = email.utils.parsedate_to_datetime(str(value)) if value else None
-            except (TypeError, ValueError):
+            except (TypeError, ValueError, OverflowError):  # OverflowError: a year no datetime holds
                 value = None
         if value is None:
             return None

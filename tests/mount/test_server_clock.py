@@ -5,6 +5,8 @@ tests/unit/test_shared_tier.py."""
 
 from __future__ import annotations
 
+import dataclasses
+import http.client
 import io
 import time
 
@@ -14,6 +16,8 @@ from fsmount.cleanup_command import cleanup
 from fsmount.config import GET_CLIENTS, StoreConfig
 from fsmount.data import Boto3Store, ChunkId
 from fsmount.data.shared_tier import SharedTier
+from fsmount.testing.fault_proxy import FaultProxy
+from fsmount.testing.http_wire import Request, Response
 from tests.helpers import S3Server, new_bucket
 
 
@@ -63,3 +67,37 @@ def test_cleanup_on_a_machine_whose_clock_is_days_ahead_leaves_a_fresh_upload_al
     assert [u["UploadId"] for u in client.list_multipart_uploads(Bucket=bucket).get("Uploads", [])] == [upload_id]
     assert cleanup(StoreConfig(bucket, endpoint_url=s3.endpoint_url, addressing_style="path"), 0, dry_run=False,
                    out=out) == (1, 1)  # what --older-than 0 asks for (the advised command after a failed close)
+
+
+class OddDate(FaultProxy):
+    """A server whose Date header reads as a date no clock can hold (year 99999999999)."""
+
+    def _forward(self, req: Request, upstream: http.client.HTTPConnection | None
+                 ) -> tuple[Response, http.client.HTTPConnection]:
+        resp, upstream = super()._forward(req, upstream)
+        headers = [(k, v) for k, v in resp.headers if k.lower() != "date"]
+        return dataclasses.replace(resp, headers=[*headers, ("Date", "Mon, 01 Jan 99999999999 00:00:00 GMT")]), upstream
+
+
+@pytest.mark.parametrize("get_client", GET_CLIENTS)
+def test_a_claim_read_with_a_date_no_clock_can_hold_is_aged_by_its_body(s3: S3Server, get_client: str,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """A Date header that parses to a year past what a datetime holds raised OverflowError out of the tier's read of
+    a claim (and out of every GET of a tier object): the node's chunk read failed, where a Date it cannot read is
+    one it does not have. The claim is aged by its body's time, as on a server that gives no Date."""
+    bucket = new_bucket(s3)
+    for name, value in s3.env.items():
+        monkeypatch.setenv(name, value)
+
+    def node(endpoint_url: str) -> SharedTier:
+        store = Boto3Store(StoreConfig(bucket, endpoint_url=endpoint_url, addressing_style="path",
+                                       get_client=get_client))
+        return SharedTier(store, origin="http://origin.example", prefix="t/", wait=0.5, read_only=False, threads=2,
+                          clock=time.monotonic)
+
+    with OddDate(s3.endpoint_url) as proxy:
+        claimer, waiter = node(s3.endpoint_url), node(proxy.endpoint_url)
+        cid = ChunkId("models", "llm/model.safetensors", '"e1"', 1 << 20, 0)
+        assert claimer.get(cid) is None and claimer.stats.claims == 1
+        assert waiter.get(cid) is None  # the claim is live: waited for, then the origin
+        assert waiter.stats.claim_waits == 1 and waiter.stats.claims == 0 and waiter.stats.fallbacks == 1

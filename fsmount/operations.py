@@ -274,8 +274,7 @@ class Operations(pyfuse3.Operations):
 
     @_fuse_errors
     async def getattr(self, inode: int, ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
-        if self.writes is not None:
-            await self.writes.settle(self.ns.node(inode))  # an empty file closed: stored at its RELEASE, just sent
+        await self._settle(inode)  # an empty file closed: stored at its RELEASE, just sent
         return self._attributes(await self.ns.refresh(self.ns.node(inode)))
 
     @_fuse_errors
@@ -353,8 +352,7 @@ class Operations(pyfuse3.Operations):
 
     @_fuse_errors
     async def open(self, inode: int, flags: int, ctx: pyfuse3.RequestContext) -> pyfuse3.FileInfo:
-        if self.writes is not None:
-            await self.writes.settle(self.ns.node(inode))
+        await self._settle(inode)
         if flags & WRITE_FLAGS:
             if self.writes is None:
                 raise pyfuse3.FUSEError(errno.EROFS)
@@ -536,6 +534,18 @@ class Operations(pyfuse3.Operations):
                 entry = self.ns.kernel_entry(node.path)
                 if entry is not None:
                     await _drop_entry(entry, self._drop_threads)
+
+    async def _settle(self, inode: int) -> None:
+        """Before a stat or an open: writes.settle, unless the empty file just closed is still held in its opener's
+        tree (`exec 9>lock`, whose script's commands each close the copy they inherited as they exit): no RELEASE
+        comes then, and each stat or open after such a close waited a second for one."""
+        if self.writes is None:
+            return
+        node = self.ns.node(inode)
+        new = self.writes.writing(node)
+        if new is not None and new.closed_empty and await self._held_elsewhere(new):
+            new.closed_empty = False  # its next close (FLUSH) is looked at again
+        await self.writes.settle(node)
 
     async def _held_elsewhere(self, new: NewFile) -> bool:
         if new.opener is None:

@@ -17,6 +17,7 @@ import mmap
 import os
 import shutil
 import stat
+import subprocess
 import tempfile
 import threading
 import time
@@ -499,6 +500,33 @@ def test_an_empty_file_held_by_another_descriptor_is_waited_for_once(s3: S3Serve
         finally:
             os.close(held)
         assert os.stat(path).st_size == 0
+    assert s3.client().get_object(Bucket=bucket, Key="lock")["Body"].read() == b""
+    delete_bucket(s3, bucket)
+
+
+def test_an_empty_file_a_script_holds_is_not_waited_for_after_each_of_its_commands(s3: S3Server,
+                                                                                  mountpoint: Path) -> None:
+    """`exec 9>lock; flock 9; cmd; ls -l lock; cmd; ...`: each command the script runs inherits the descriptor, and
+    its exit closes that copy (a FLUSH of the empty file). A stat or open after it waited a second for a RELEASE that
+    no close brings while the script holds the file: each `ls -l` of the lock file took a second, where a local
+    disk's took none."""
+    bucket = new_bucket(s3)
+    with mounted(s3, bucket, mountpoint, "--writable", "--metadata-ttl", f"{TTL_S:g}"):
+        path = mountpoint / "lock"
+        held = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            for _ in range(3):
+                subprocess.run(["true"], pass_fds=(held,), check=True)
+                started = time.monotonic()
+                assert os.stat(path).st_size == 0
+                with pytest.raises(OSError) as info:
+                    os.open(path, os.O_RDONLY)
+                assert info.value.errno == errno.EBUSY  # readable once it is stored
+                assert time.monotonic() - started < 0.5
+        finally:
+            os.close(held)
+        assert os.stat(path).st_size == 0
+        assert (mountpoint / "lock").read_bytes() == b""  # the last close's RELEASE stored it, waited for
     assert s3.client().get_object(Bucket=bucket, Key="lock")["Body"].read() == b""
     delete_bucket(s3, bucket)
 

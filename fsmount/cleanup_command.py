@@ -55,8 +55,10 @@ def cleanup(cfg: StoreConfig, older_than: float, *, keys: Sequence[str] = (), dr
         # By the server's clock, as `initiated` is: a machine whose clock was a day ahead (a wrong RTC, a VM resumed)
         # took the uploads a running mount was writing for a day old and aborted them. This machine's clock only
         # where the listing had no Date.
+        # Below 0 (a Date of the second the upload began, to the millisecond; a server's nodes whose clocks
+        # disagree) it is 0: `--older-than 0`, what the daemon's warnings advise, left such an upload alone.
         if upload.age_s is not None:
-            age = upload.age_s
+            age = max(0.0, upload.age_s)
         else:
             age = now - upload.initiated.timestamp() if upload.initiated is not None else float("inf")
         if age < older_than:

@@ -70,13 +70,17 @@ def test_cleanup_on_a_machine_whose_clock_is_days_ahead_leaves_a_fresh_upload_al
 
 
 class OddDate(FaultProxy):
-    """A server whose Date header reads as a date no clock can hold (year 99999999999)."""
+    """A server whose every answer gives `date` as its Date header."""
+
+    def __init__(self, upstream_url: str, date: str):
+        super().__init__(upstream_url)
+        self.date = date
 
     def _forward(self, req: Request, upstream: http.client.HTTPConnection | None
                  ) -> tuple[Response, http.client.HTTPConnection]:
         resp, upstream = super()._forward(req, upstream)
         headers = [(k, v) for k, v in resp.headers if k.lower() != "date"]
-        return dataclasses.replace(resp, headers=[*headers, ("Date", "Mon, 01 Jan 99999999999 00:00:00 GMT")]), upstream
+        return dataclasses.replace(resp, headers=[*headers, ("Date", self.date)]), upstream
 
 
 @pytest.mark.parametrize("get_client", GET_CLIENTS)
@@ -95,9 +99,28 @@ def test_a_claim_read_with_a_date_no_clock_can_hold_is_aged_by_its_body(s3: S3Se
         return SharedTier(store, origin="http://origin.example", prefix="t/", wait=0.5, read_only=False, threads=2,
                           clock=time.monotonic)
 
-    with OddDate(s3.endpoint_url) as proxy:
+    with OddDate(s3.endpoint_url, "Mon, 01 Jan 99999999999 00:00:00 GMT") as proxy:  # a year no datetime holds
         claimer, waiter = node(s3.endpoint_url), node(proxy.endpoint_url)
         cid = ChunkId("models", "llm/model.safetensors", '"e1"', 1 << 20, 0)
         assert claimer.get(cid) is None and claimer.stats.claims == 1
         assert waiter.get(cid) is None  # the claim is live: waited for, then the origin
         assert waiter.stats.claim_waits == 1 and waiter.stats.claims == 0 and waiter.stats.fallbacks == 1
+
+
+def test_cleanup_older_than_0_takes_an_upload_the_server_dates_before_its_initiated(
+        s3: S3Server, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`--older-than 0`, the command the daemon's warnings advise for a key's upload, left it alone ("left 1
+    incomplete upload begun less than 0s ago") where the listing's Date was before the upload's Initiated: the age
+    came out negative (S3 gives Initiated to the millisecond and Date to the second, so an upload of the current
+    second; a server whose nodes' clocks disagree, by more). An age below 0 is 0: every upload is at least that old."""
+    bucket = new_bucket(s3)
+    client = s3.client()
+    client.create_multipart_upload(Bucket=bucket, Key="ckpt/model.bin")
+    for name, value in s3.env.items():
+        monkeypatch.setenv(name, value)
+    with OddDate(s3.endpoint_url, "Mon, 01 Jan 2001 00:00:00 GMT") as proxy:  # before every Initiated here
+        cfg = StoreConfig(bucket, endpoint_url=proxy.endpoint_url, addressing_style="path")
+        out = io.StringIO()
+        assert cleanup(cfg, 86400, dry_run=False, out=out) == (0, 0), out.getvalue()  # younger than a day
+        assert cleanup(cfg, 0, keys=["ckpt/model.bin"], dry_run=False, out=out) == (1, 1), out.getvalue()
+    assert client.list_multipart_uploads(Bucket=bucket).get("Uploads", []) == []

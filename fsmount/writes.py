@@ -410,8 +410,8 @@ class Writes:
         # only a create that truncates may, without asking (an O_EXCL create must fail on a file that is there).
         head = not self.allow_overwrite or not flags & os.O_TRUNC or bool(flags & os.O_EXCL)
         is_file, is_dir = await self._in_bucket(path, file=head, directory=True)
-        if is_dir:
-            self._refuse_beside(path, True, errno.EISDIR)
+        if is_dir:  # as a local disk answers: O_EXCL (and mknod) EEXIST, the name being there; else EISDIR
+            self._refuse_beside(path, True, errno.EEXIST if flags & os.O_EXCL else errno.EISDIR)
         if is_file:
             self.ns.found_in_bucket(path)  # looked up again, it is found (and a rename onto it refused as such)
             if flags & os.O_EXCL:

@@ -10,6 +10,7 @@ import fcntl
 import json
 import os
 import shutil
+import stat
 import subprocess
 import sys
 import textwrap
@@ -795,6 +796,26 @@ def test_a_name_another_writer_made_of_the_other_kind_is_not_hidden_or_hiding(s3
         assert sorted(os.listdir(mountpoint)) == ["ckpt.pt", "empty", "latest", "run", "step.tmp"]
         assert (mountpoint / "step.tmp").read_bytes() == b"ckpt"
     assert keys(s3, bucket) == {"step.tmp": 4, "empty/": 0, "run/rank0.pt": 6, "latest": 7, "ckpt.pt": 10}
+    delete_bucket(s3, bucket)
+
+
+def test_an_o_excl_create_or_mknod_onto_a_directory_another_writer_made_is_eexist(s3: S3Server,
+                                                                                 mountpoint: Path) -> None:
+    """`open(O_CREAT|O_EXCL)` and `mknod` of a name a local disk holds a directory at are EEXIST (the name exists;
+    EISDIR is a create without O_EXCL's). Where another writer made the directory since this mount listed the name
+    free, the mount said EISDIR: a lock taker that waits on EEXIST (`open(p, "x")`) failed instead."""
+    bucket = new_bucket(s3)
+    with mounted(s3, bucket, mountpoint, *WRITABLE, allowed=(r"of that name is in the bucket",)):
+        assert os.listdir(mountpoint) == []  # listed: the names below are free here
+        put_objects(s3, bucket, {"a/x": b"1", "b/x": b"2"})
+        with pytest.raises(OSError) as info:
+            os.open(mountpoint / "a", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        assert info.value.errno == errno.EEXIST
+        with pytest.raises(OSError) as info:
+            os.mknod(mountpoint / "b", stat.S_IFREG | 0o644)
+        assert info.value.errno == errno.EEXIST
+        assert (mountpoint / "a").is_dir() and (mountpoint / "b").is_dir()
+    assert keys(s3, bucket) == {"a/x": 1, "b/x": 1}
     delete_bucket(s3, bucket)
 
 

@@ -233,7 +233,7 @@ class Boto3Store:
             signature_version=UNSIGNED if cfg.no_sign_request else "s3v4",
             # A connection for each thread that may use the client at once: the data fetches (--get-client boto3)
             # or the writes' requests (--max-connections each), and the metadata calls. A smaller pool
-            # (--max-connections + 4) had urllib3 drop the spare connections with a WARNING each (B98).
+            # (--max-connections + 4) had urllib3 drop the spare connections with a WARNING each (B89).
             max_pool_connections=2 * cfg.max_connections + METADATA_THREADS,
             connect_timeout=timeout,
             read_timeout=PREFLIGHT_TIMEOUT if preflight else cfg.read_timeout,

@@ -23,7 +23,7 @@ left in the cache dir's `writes/`; each daemon exits within seconds of its unmou
 
 Not in the default suite: threads interleave differently each run, and one run in about a dozen failed for a cause
 not yet found (the run's output was not kept). `MODELFS_CROWD_SECONDS=20` runs it (20 s on SeaweedFS is 10 s:
-about 80 s in all), `MODELFS_CROWD_SEED=N` on other seeds. The audit with it found B98 (urllib3 dropping
+about 80 s in all), `MODELFS_CROWD_SEED=N` on other seeds. The audit with it found B89 (urllib3 dropping
 connections, with a warning each, under a burst of metadata calls beside writes).
 """
 

@@ -545,7 +545,7 @@ def put_claims(fleet: Fleet, created: float, keys: Sequence[str]) -> None:
 def test_stale_claims_are_broken_at_once(fleet: Fleet) -> None:
     fleet = fleet_with(fleet, 32 * MiB, seed=6)
     put_claims(fleet, time.time() - 60, fleet.claim_keys())
-    time.sleep(CLAIM_TTL_S + 2)  # stale by the tier server's clock, which claims are aged by (B90), not their body
+    time.sleep(CLAIM_TTL_S + 2)  # stale by the tier server's clock, which claims are aged by (B86), not their body
     with fleet.node("n", "--shared-cache-wait", "10") as m:
         elapsed = timed_read(m, fleet.body)
         wait_writes_done(m)

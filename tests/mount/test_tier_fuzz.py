@@ -362,7 +362,7 @@ class TierFuzzer:
         except self.client.exceptions.ClientError:
             return
         for chunk in self.rng.sample(chunks, min(len(chunks), self.rng.randint(1, 3))):
-            # Aged by the tier server's clock (B90): a "stale" one is live too until CLAIM_TTL_S after this PUT; its
+            # Aged by the tier server's clock (B86): a "stale" one is live too until CLAIM_TTL_S after this PUT; its
             # body's old time only counts against a server that gives no Date.
             created = time.time() - (120 if stale else 0)
             self.client.put_object(Bucket=self.tier, Key=self.namer.claim_key(chunk),

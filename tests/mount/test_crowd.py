@@ -21,10 +21,13 @@ are dumped with py-spy if one does); no daemon warning but the documented read f
 mounts, a fresh mount and boto3 agree on every name, size and byte; no multipart upload is left; no staging file is
 left in the cache dir's `writes/`; each daemon exits within seconds of its unmount.
 
-Not in the default suite: threads interleave differently each run, and one run in about a dozen failed for a cause
-not yet found (the run's output was not kept). `MODELFS_CROWD_SECONDS=20` runs it (20 s on SeaweedFS is 10 s:
-about 80 s in all), `MODELFS_CROWD_SEED=N` on other seeds. The audit with it found B89 (urllib3 dropping
-connections, with a warning each, under a burst of metadata calls beside writes).
+Not in the default suite: threads interleave differently each run. Of the failures seen (about one run in a dozen at
+first), two were the model's: a reader of the name rewritten in place read pages of one version then pages of a later
+one its own mount wrote, as a reader of a local file does (now checked page by page: `rewritten_in_place`). One is
+not explained: a 1-byte read of that name that was no version's first byte (RELIABILITY, "Not covered yet").
+`MODELFS_CROWD_SECONDS=20` runs it (20 s on SeaweedFS is 10 s: about 80 s in all), `MODELFS_CROWD_SEED=N` on other
+seeds. The audit with it found B89 (urllib3 dropping connections, with a warning each, under a burst of metadata
+calls beside writes).
 """
 
 from __future__ import annotations
@@ -92,6 +95,7 @@ class Crowd:
         self.lock = threading.Lock()
         # Every version ever written to a path (relative to the bucket): {sha: bytes}; written before its write.
         self.versions: dict[str, dict[str, bytes]] = {}
+        self.written_by: dict[str, dict[str, set[int]]] = {}  # path -> {sha: the mounts that wrote it}
         self.failures: list[str] = []
         self.busy: dict[str, tuple[float, str]] = {}  # worker -> (start of its current operation, what)
         self.counts: dict[str, int] = {}
@@ -99,9 +103,10 @@ class Crowd:
 
     # -- bookkeeping ---------------------------------------------------------------------------------
 
-    def register(self, rel: str, data: bytes) -> None:
+    def register(self, rel: str, data: bytes, m: int) -> None:
         with self.lock:
             self.versions.setdefault(rel, {})[sha(data)] = data
+            self.written_by.setdefault(rel, {}).setdefault(sha(data), set()).add(m)
 
     def fail(self, text: str) -> None:
         with self.lock:
@@ -128,27 +133,47 @@ class Crowd:
     def running(self) -> bool:
         return not self.stop.is_set() and time.monotonic() < self.deadline
 
-    def check_read(self, rel: str, got: bytes, err: int, how: str) -> None:
-        """The bytes read of `rel` are one version written there, or a prefix of one ended by EIO."""
+    def check_read(self, rel: str, got: bytes, err: int, how: str, m: int) -> None:
+        """The bytes read of `rel` through mount m are one version written there, or a prefix of one ended by EIO;
+        of the name rewritten in place, what `rewritten_in_place` allows."""
         if err not in (0, errno.EIO):
             self.fail(f"{how} {rel}: errno {err} ({errno.errorcode.get(err)}) while reading")
             return
         with self.lock:
             known = list(self.versions.get(rel, {}).values())
-        if err == 0 and rel == IN_PLACE and any(v.startswith(got) for v in known):
-            # A rewrite in place (O_TRUNC) through the reader's mount is the same file, as on a local disk: the
-            # open for writing empties it, so a reader holding it reads short until the new bytes are stored.
-            self.count("short read of a file rewritten in place")
+            own = [v for key, v in self.versions.get(rel, {}).items() if m in self.written_by[rel][key]]
+        if rel == IN_PLACE and self.rewritten_in_place(got, known, own):
+            self.count("read of a file rewritten in place")
             return
         if err == 0:
             if not any(sha(got) == sha(v) for v in known):
                 self.fail(f"{how} {rel}: {len(got)} bytes that are no version written there "
-                          f"(sizes {[len(v) for v in known]})")
+                          f"(sizes {[len(v) for v in known]}); read {got[:16].hex()}..., the versions' first bytes "
+                          f"{[v[:4].hex() for v in known]}, of them this mount's {[v[:4].hex() for v in own]}")
         elif not any(v.startswith(got) for v in known):
             self.fail(f"{how} {rel}: {len(got)} bytes then EIO, not a prefix of any version written there")
         self.count(f"read {'EIO' if err else 'ok'}")
 
     # -- the workers ---------------------------------------------------------------------------------
+
+    @staticmethod
+    def rewritten_in_place(got: bytes, known: list[bytes], own: list[bytes]) -> bool:
+        """A rewrite in place (O_TRUNC) through the reader's own mount is the same file, as on a local disk: the open
+        for writing empties it, and the reader that holds it reads on in the new bytes once they are stored (README,
+        "Writing checkpoints"). So: pages of one version (any mount's: the one it opened), then pages of versions its
+        own mount wrote, each at its own offset, possibly ending short. Another mount's rewrite is a replaced object:
+        the reader's version is pinned, it gets EIO, never such a mix (checked on every other name, with `known`)."""
+        page = 4096
+        current = known
+        for off in range(0, len(got), page):
+            block = got[off:off + page]
+            same = [v for v in current if v[off:off + page] == block]
+            if not same:
+                same = [v for v in own if v[off:off + page] == block]
+                if not same:
+                    return False
+            current = same
+        return True
 
     def saver(self, m: int, rank: int) -> None:
         rng = random.Random(f"{self.seed}-saver-{m}-{rank}")
@@ -166,8 +191,8 @@ class Crowd:
             direct = rank == 1 and rng.random() < 0.3  # written in place, by both mounts at once
             if direct:
                 final = tmp_rel = IN_PLACE
-            self.register(final, data)
-            self.register(tmp_rel, data)
+            self.register(final, data, m)
+            self.register(tmp_rel, data, m)
             with self.op(name, f"save {final} ({size} bytes)"):
                 try:
                     stage = "mkdir"
@@ -258,6 +283,8 @@ class Crowd:
             path = rng.choice(sorted(candidates))
             rel = str(path.relative_to(root))
             how = rng.choice(["read", "slow read", "mmap"])
+            if how == "mmap" and rel == IN_PLACE:
+                how = "read"  # its mix of pages is checked page by page (rewritten_in_place); the mapper gives a sha
             with self.op(name, f"{how} {rel}"):
                 if how == "mmap":
                     self.mmap_read(name, path, rel)
@@ -278,7 +305,7 @@ class Crowd:
                     err = exc.errno
                 finally:
                     os.close(fd)
-                self.check_read(rel, bytes(got), err, name)
+                self.check_read(rel, bytes(got), err, name, m)
 
     def mmap_read(self, name: str, path: Path, rel: str) -> None:
         res = subprocess.run([sys.executable, "-c", MMAP_READER, str(path)], capture_output=True, text=True,

@@ -478,6 +478,14 @@ def test_the_mtime_a_new_file_shows_after_its_close_stays_after_a_utime(s3: S3Se
     delete_bucket(s3, bucket)
 
 
+def assert_held_empty(path: Path) -> None:
+    """A new file still held open, empty: its stat says so, and an open for reading is EBUSY until it is stored."""
+    assert os.stat(path).st_size == 0
+    with pytest.raises(OSError) as info:
+        os.open(path, os.O_RDONLY)
+    assert info.value.errno == errno.EBUSY
+
+
 def test_an_empty_file_held_by_another_descriptor_is_not_waited_for_at_each_stat(s3: S3Server,
                                                                                  mountpoint: Path) -> None:
     """`exec 9>lock`: the file is opened, dup'ed, and the first descriptor closed, empty. A stat or open waited (up
@@ -493,10 +501,7 @@ def test_an_empty_file_held_by_another_descriptor_is_not_waited_for_at_each_stat
             os.stat(path)  # waits at most once
             started = time.monotonic()
             for _ in range(3):
-                assert os.stat(path).st_size == 0
-                with pytest.raises(OSError) as info:
-                    os.open(path, os.O_RDONLY)
-                assert info.value.errno == errno.EBUSY  # readable once it is stored
+                assert_held_empty(path)
             assert time.monotonic() - started < 1.0
         finally:
             os.close(held)
@@ -519,10 +524,7 @@ def test_an_empty_file_a_script_holds_is_not_waited_for_after_each_of_its_comman
             for _ in range(3):
                 subprocess.run(["true"], pass_fds=(held,), check=True)
                 started = time.monotonic()
-                assert os.stat(path).st_size == 0
-                with pytest.raises(OSError) as info:
-                    os.open(path, os.O_RDONLY)
-                assert info.value.errno == errno.EBUSY  # readable once it is stored
+                assert_held_empty(path)
                 assert time.monotonic() - started < 0.5
         finally:
             os.close(held)

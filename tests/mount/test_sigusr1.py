@@ -12,15 +12,20 @@ from tests.helpers import S3Server, bucket_with, daemon_env, mounted_at, run_mod
 from tests.mount.test_cli_mount import daemon_pid
 
 
+def mount_logging(server: S3Server, mountpoint: Path, log_file: Path, *options: str) -> int:
+    """A mount of a bucket holding `a.bin` (100 bytes of `a`), logging to `log_file`: its daemon's pid."""
+    bucket = bucket_with(server, {"a.bin": b"a" * 100})
+    res = run_modelfs("mount", bucket, str(mountpoint), "--endpoint-url", server.endpoint_url, "--log-file",
+                      str(log_file), *options, env=daemon_env(server))
+    assert res.returncode == 0, res.stderr
+    return daemon_pid(mountpoint)
+
+
 def test_sigusr1_reopens_the_log_and_leaves_the_mount_up(moto_server: S3Server, mountpoint: Path,
                                                           tmp_path: Path) -> None:
-    bucket = bucket_with(moto_server, {"a.bin": b"a" * 100})
     log_file = tmp_path / "modelfs.log"
     try:
-        res = run_modelfs("mount", bucket, str(mountpoint), "--endpoint-url", moto_server.endpoint_url, "--log-file",
-                          str(log_file), "--log-level", "info", env=daemon_env(moto_server))
-        assert res.returncode == 0, res.stderr
-        pid = daemon_pid(mountpoint)
+        pid = mount_logging(moto_server, mountpoint, log_file, "--log-level", "info")
         with open(mountpoint / "a.bin", "rb") as held:
             log_file.rename(tmp_path / "modelfs.log.1")  # what logrotate does before its postrotate
             os.kill(pid, signal.SIGUSR1)
@@ -38,13 +43,9 @@ SILENT = ("SIGPIPE", "SIGXFSZ")  # ignored by Python itself: a write gets EPIPE,
 
 def test_stray_signals_leave_the_mount_up_and_sigterm_still_stops_it(moto_server: S3Server, mountpoint: Path,
                                                                      tmp_path: Path) -> None:
-    bucket = bucket_with(moto_server, {"a.bin": b"a" * 100})
     log_file = tmp_path / "modelfs.log"
     try:
-        res = run_modelfs("mount", bucket, str(mountpoint), "--endpoint-url", moto_server.endpoint_url, "--log-file",
-                          str(log_file), env=daemon_env(moto_server))
-        assert res.returncode == 0, res.stderr
-        pid = daemon_pid(mountpoint)
+        pid = mount_logging(moto_server, mountpoint, log_file)
         with open(mountpoint / "a.bin", "rb") as held:
             for name in LOGGED + SILENT:
                 os.kill(pid, getattr(signal, name))

@@ -68,6 +68,7 @@ class NotFound(StoreError):
 
 class AccessDenied(StoreError):
     errno = errno.EACCES
+    code = ""  # the S3 error code of the refusal, where the answer gave one (`error_for_status`)
 
 
 class NoCredentials(AccessDenied):
@@ -197,6 +198,15 @@ class TimedOut(TransientError):
 MESSAGE_MAX = 300
 
 
+# What an operator should know of a refusal whose code says more than "access denied".
+CREDENTIAL_ADVICE = {
+    "ExpiredToken": "the credentials' session token has expired: give new credentials (a credentials file or a "
+                    "profile is read again when requests are refused; credentials in the environment need a remount)",
+    "InvalidToken": "the credentials' session token is not valid: give new credentials",
+    "InvalidAccessKeyId": "the server does not know the access key id (revoked, or mistyped): give new credentials",
+}
+
+
 def error_for_status(code: str, status: int, bucket: str, what: str, message: str = "") -> StoreError:
     """The StoreError for an S3 error answer (its error code, its HTTP status, its message): the one mapping,
     used by every client whatever library carried the request."""
@@ -210,7 +220,10 @@ def error_for_status(code: str, status: int, bucket: str, what: str, message: st
         return StoreError(f"{what}: the object is archived ({code}): restore it before reading it")
     if code in ("InvalidAccessKeyId", "SignatureDoesNotMatch", "AccessDenied", "AllAccessDisabled",
                 "InvalidToken", "ExpiredToken") or status == 403:
-        return AccessDenied(f"access denied to bucket {bucket!r} ({code or status}): check credentials")
+        denied = AccessDenied(f"access denied to bucket {bucket!r} ({code or status}): "
+                              + CREDENTIAL_ADVICE.get(code, "check credentials"))
+        denied.code = code
+        return denied
     if code == "PreconditionFailed" or status == 412:
         return PreconditionFailed(f"{what}: object changed in the bucket since it was opened")
     if code == "NotImplemented" or status == 501:  # a feature the server lacks: asking again will not help

@@ -242,3 +242,15 @@ def test_a_version_without_an_etag_is_named_by_its_size_and_last_modified_second
     listed, headed = version_tag("", 5, 1_700_000_000_123_000_000), version_tag("", 5, 1_700_000_000_000_000_000)
     assert listed == headed != version_tag("", 6, 1_700_000_000 * 10**9) != version_tag("", 5, 1_700_000_001 * 10**9)
     assert sent_etag(listed) == "" and sent_etag('"abc"') == '"abc"' and version_tag('"abc"', 5, 0) == '"abc"'
+
+
+def test_a_refusal_for_expired_or_unknown_credentials_says_so() -> None:
+    """Temporary credentials past their expiry (AWS_SESSION_TOKEN in the environment, read once) said only "check
+    credentials", as any 403 does: an operator learnt nothing of a token that had expired."""
+    expired = translate_error(client_error("ExpiredToken", 400), "b", "x")
+    assert isinstance(expired, AccessDenied) and expired.errno == errno.EACCES and expired.code == "ExpiredToken"
+    assert "(ExpiredToken): the credentials' session token has expired" in expired.message
+    assert "credentials in the environment need a remount" in expired.message
+    unknown = translate_error(client_error("InvalidAccessKeyId", 403), "b", "x")
+    assert "does not know the access key id" in unknown.message
+    assert translate_error(client_error("AccessDenied", 403), "b", "x").message.endswith("check credentials")

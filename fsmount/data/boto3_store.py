@@ -60,6 +60,10 @@ PRESIGNED_GET_ATTEMPTS = BOTO_MAX_ATTEMPTS + 1
 PRESIGNED_BACKOFF_BASE = 0.05
 # Keys per ListObjectsV2 page: S3's maximum.
 LIST_PAGE_KEYS = 1000
+# The error codes of a 403 worth looking the credentials up again for (`Boto3Store._signed_anew`); "403" is what
+# botocore says of a refused HEAD, whose answer has no body to name a code.
+CREDENTIAL_CODES = frozenset({"403", "ExpiredToken", "InvalidToken", "InvalidAccessKeyId", "TokenRefreshRequired",
+                              "SignatureDoesNotMatch", "AccessDenied"})
 # Pre-flight check: one attempt, short timeouts, so a wrong endpoint fails in seconds.
 PREFLIGHT_TIMEOUT = 5.0
 
@@ -213,11 +217,15 @@ class Boto3Store:
         from botocore import UNSIGNED
         from botocore.config import Config
 
+        import fsmount.data.credentials as credentials
+
         self.bucket = cfg.bucket
         self._cfg = cfg
         core = botocore.session.Session()
         core.get_component("response_parser_factory").set_parser_defaults(timestamp_parser=parse_timestamp)
         session = boto3.session.Session(botocore_session=core, profile_name=cfg.profile or None)
+        # Credentials looked up again when the bucket refuses them (a file rewritten with a new key): `_renew`.
+        credentials.install(core, cfg.profile or None)
         timeout = PREFLIGHT_TIMEOUT if preflight else cfg.connect_timeout
         # `auto` is botocore's own default: left out, so that an AWS config file's `s3 = addressing_style = ...`
         # holds, as it does for boto3 (OSS needs `virtual`, and a profile for it says so).
@@ -248,6 +256,9 @@ class Boto3Store:
             response_checksum_validation="when_required",
         )
         self._client = session.client("s3", endpoint_url=cfg.endpoint_url, config=botocfg)
+        found = None if cfg.no_sign_request else session.get_credentials()
+        self._credentials = found if isinstance(found, credentials.Renewable) else None
+        self._client.meta.events.register("needs-retry.s3", self._signed_anew)
         # What presigns URLs: the client, or one for the bucket's region once a read found it elsewhere
         # (`_use_region`); replaced, never changed, under `_region_lock`.
         self._presigner = self._client
@@ -272,7 +283,7 @@ class Boto3Store:
                                            pool_size=cfg.max_connections + 4,
                                            connect_timeout=cfg.connect_timeout, read_timeout=cfg.read_timeout,
                                            ssl_context=_ssl_context(cfg.profile, self._client.meta.endpoint_url),
-                                           on_wrong_region=self._use_region)
+                                           on_wrong_region=self._use_region, on_refused=self._renew)
         # How many tries a ranged GET gets, and the backoff between them, by what carries its bytes.
         self._get_attempts, self._backoff_base = ((GET_ATTEMPTS, GET_BACKOFF_BASE) if self._ranges is None
                                                   else (PRESIGNED_GET_ATTEMPTS, PRESIGNED_BACKOFF_BASE))
@@ -401,6 +412,26 @@ class Boto3Store:
         except Exception as exc:  # noqa: BLE001
             raise translate_error(exc, self.bucket, f"listing {prefix!r}") from None
         return bool(resp.get("KeyCount") or resp.get("Contents") or resp.get("CommonPrefixes"))
+
+    def _renew(self, why: str) -> bool:
+        """After a request was refused for its credentials (`why`: the error code): whether they are other now
+        than when it was signed (`credentials.Renewable.renew`), so that sending it again may help."""
+        return self._credentials is not None and self._credentials.renew(why)
+
+    def _signed_anew(self, response: Any = None, request_dict: Any = None, **_: Any) -> int | None:
+        """botocore's `needs-retry` hook (called after its own retry handler said no): a request refused for its
+        credentials is sent once more, signed anew, if they changed (`_renew`). Every call on the client: HEADs,
+        listings, the writes of `uploads.Uploads`, GETs of --get-client boto3."""
+        if not response or response[0] is None or response[0].status_code != 403:
+            return None
+        code = str((response[1] or {}).get("Error", {}).get("Code", ""))
+        context = request_dict.get("context", {}) if request_dict else {}
+        if code not in CREDENTIAL_CODES or context.get("modelfs_signed_anew"):
+            return None
+        if not self._renew(code):
+            return None
+        context["modelfs_signed_anew"] = True
+        return 0
 
     def _use_region(self, region: str) -> bool:
         """Presign for `region` from now on: the bucket said it is there (presigned.WrongRegion). False if that is

@@ -137,12 +137,16 @@ class RangeGetter:
     def __init__(self, presign: Callable[[str], str], *, bucket: str, pool_size: int, connect_timeout: float,
                  read_timeout: float, ssl_context: ssl.SSLContext | None = None,
                  presign_put: Callable[[str], str] | None = None, presign_delete: Callable[[str], str] | None = None,
-                 on_wrong_region: Callable[[str], object] | None = None):
+                 on_wrong_region: Callable[[str], object] | None = None,
+                 on_refused: Callable[[str], object] | None = None):
         """`presign(key)` returns a signed GET URL of the key, valid for URL_EXPIRES_S; `presign_put(key)` a
         signed PUT URL (for `put`), `presign_delete(key)` a signed DELETE URL (for `delete`).
         `on_wrong_region(region)`, if given, is told the bucket's region when a GET signed for another one is
-        refused; `presign` signs for it from then on, and the GET is sent again once."""
+        refused; `presign` signs for it from then on, and the GET is sent again once. `on_refused(code)`, if
+        given, is told the error code of a request refused for its credentials before it is signed again (it may
+        look them up again: `credentials.Renewable.renew`)."""
         self._presign = presign
+        self._on_refused = on_refused
         self._on_wrong_region = on_wrong_region
         self._presign_put = presign_put
         self._presign_delete = presign_delete
@@ -210,7 +214,9 @@ class RangeGetter:
         Requests in flight when another switched get their second try too."""
         try:
             return send(False)
-        except AccessDenied:
+        except AccessDenied as exc:
+            if self._on_refused is not None:
+                self._on_refused(exc.code or "403")
             return send(True)
         except WrongRegion as exc:
             if self._on_wrong_region is None or exc.signed_for == exc.region:

@@ -134,6 +134,17 @@ class LogEntry:
     target: str
     range: str | None
     outcome: str
+    key_id: str | None = None  # the access key id it was signed with (`signed_key_id`)
+
+
+def signed_key_id(authorization: str, target: str) -> str | None:
+    """The access key id a SigV4 request is signed with: its Authorization header's `Credential=` or a presigned
+    URL's `X-Amz-Credential`. None if it has neither."""
+    for text, mark in ((authorization, "Credential="), (urllib.parse.unquote(target), "X-Amz-Credential=")):
+        at = text.find(mark)
+        if at >= 0:
+            return text[at + len(mark):].split("/", 1)[0]
+    return None
 
 
 class FaultProxy:
@@ -160,6 +171,8 @@ class FaultProxy:
         self._synthetic: list[SyntheticDirectory] = []
         # `bucket_region`: requests signed for another region are refused as S3 refuses them (301).
         self._region: str | None = None
+        # `revoke_key`: access key ids whose signatures are refused (403 ExpiredToken), as S3 refuses expired ones.
+        self._revoked: set[str] = set()
         self.port = 0
 
     # -- lifecycle -----------------------------------------------------------------------------
@@ -223,6 +236,12 @@ class FaultProxy:
         301 PermanentRedirect with the bucket's region in `x-amz-bucket-region`. None: forward them all."""
         with self._lock:
             self._region = region
+
+    def revoke_key(self, key_id: str) -> None:
+        """Refuse every request signed with access key id `key_id` (in the Authorization header's or a presigned
+        URL's credential) as S3 refuses credentials past their expiry: 403 ExpiredToken."""
+        with self._lock:
+            self._revoked.add(key_id)
 
     def origin_down(self, mode: Down | str = Down.REFUSE) -> None:
         """Play dead until `origin_back()`. Returns once the new state holds."""
@@ -369,7 +388,8 @@ class FaultProxy:
 
     def _note(self, req: Request, outcome: str) -> None:
         with self._lock:
-            self._log.append(LogEntry(time.monotonic(), req.method, req.target, req.header("range"), outcome))
+            self._log.append(LogEntry(time.monotonic(), req.method, req.target, req.header("range"), outcome,
+                                      signed_key_id(req.header("Authorization") or "", req.target)))
 
     def _hold(self, seconds: float, release: threading.Event) -> None:
         release.wait(min(seconds, MAX_HOLD_S))
@@ -386,7 +406,11 @@ class FaultProxy:
                 self._hold(MAX_HOLD_S, release)
             return False, upstream
         with self._lock:
-            region = self._region
+            region, revoked = self._region, set(self._revoked)
+        if revoked and signed_key_id(req.header("Authorization") or "", req.target) in revoked:
+            self._note(req, "revoked-key")
+            send(conn, error_response(403, "ExpiredToken"), req)
+            return True, upstream
         signed = signed_region(req.header("Authorization") or "") or signed_region(req.target)
         if region is not None and signed not in (None, region):
             self._note(req, "wrong-region")

@@ -15,7 +15,7 @@ LAYERS = {
     "fsmount": 0, "fsmount.config": 0, "fsmount.safetensors": 0,
     "fsmount.data.identity": 1, "fsmount.data.store": 2,
     "fsmount.data.presigned": 3, "fsmount.data.chunk_file": 3, "fsmount.data.cache_dir": 3,
-    "fsmount.data.budget": 3, "fsmount.data.trailing": 3, "fsmount.data.boto3_store": 4,
+    "fsmount.data.budget": 3, "fsmount.data.trailing": 3, "fsmount.data.credentials": 3, "fsmount.data.boto3_store": 4,
     "fsmount.data.levels": 4, "fsmount.data.disk_cache": 5, "fsmount.data.cache_admin": 5,
     "fsmount.data.shared_tier": 5, "fsmount.data.uploads": 5,
     "fsmount.data.engine": 6, "fsmount.data": 7,

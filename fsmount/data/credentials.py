@@ -1,0 +1,131 @@
+"""Credentials over the life of a mount: looked up again when the bucket refuses them.
+
+botocore resolves a session's credentials once. Those it can refresh (a credential_process with an Expiration, an
+instance role, container credentials, an assumed role) it refreshes before they expire; those it read from a file
+(the shared credentials file, the config file, a profile's `credential_process` without an Expiration) or from the
+environment it keeps for the life of the process. An outside agent that rewrites the credentials file with a new
+key and revokes the old one (a rotation job, `aws configure`, a vault agent) left a daemon that runs for weeks
+refusing every request (EACCES) until it was restarted.
+
+`install(session, profile)` puts a `Renewable` in front of a botocore session's credential chain: it signs with
+what the chain resolved, and `renew()` resolves the chain again (a fresh botocore session: files read again,
+processes run again) at most once per `RECHECK_S`, and signs with the result from then on if it differs. The
+store calls `renew()` when a request is refused for its credentials (AccessDenied, ExpiredToken, InvalidToken,
+InvalidAccessKeyId) and sends that request once more, signed anew, if it returned True.
+
+Thread-safety: `Renewable.get_frozen_credentials` is called by every signing thread without a lock: it reads one
+reference (`_source`), replaced whole by `renew` (never changed in place), so a signature never mixes a key id and
+a secret of two generations. `renew` serializes lookups under `_lock`; `_next_check` and `_changed_at` are only
+touched under it. No secret is ever logged: only how the credentials were found (botocore's method name).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from botocore.credentials import Credentials
+
+log = logging.getLogger(__name__)
+
+# At most one lookup per this many seconds: a lookup may run a credential_process or ask an instance's metadata
+# service, and a bucket that refuses the credentials for good (a policy, a revoked key not replaced yet) refuses
+# every request.
+RECHECK_S = 30.0
+
+
+def _frozen(credentials: Any) -> tuple[str, str, str | None]:
+    frozen = credentials.get_frozen_credentials()
+    return frozen.access_key, frozen.secret_key, frozen.token
+
+
+class Renewable(Credentials):  # type: ignore[misc]
+    """Credentials botocore signs with, whose source a lookup may replace (`renew`). Every attribute botocore
+    reads is the source's (Credentials.__init__ is not called: it would set them)."""
+
+    def __init__(self, first: Any, resolve: Callable[[], Any], *, recheck_s: float = RECHECK_S):  # noqa: B027
+        self._source = first  # botocore credentials, refreshable or not; replaced whole, never changed
+        self._resolve = resolve
+        self._recheck_s = recheck_s
+        self._lock = threading.Lock()
+        self._next_check = 0.0
+        self._changed_at = -float("inf")  # monotonic time of the last renewal that changed them
+
+    @property
+    def method(self) -> str:
+        return str(getattr(self._source, "method", "") or "")
+
+    def get_frozen_credentials(self) -> Any:
+        return self._source.get_frozen_credentials()
+
+    @property
+    def access_key(self) -> str:
+        return str(self.get_frozen_credentials().access_key)
+
+    @property
+    def secret_key(self) -> str:
+        return str(self.get_frozen_credentials().secret_key)
+
+    @property
+    def token(self) -> str | None:
+        return self.get_frozen_credentials().token  # type: ignore[no-any-return]
+
+    @property
+    def account_id(self) -> str | None:
+        return getattr(self._source, "account_id", None)
+
+    def renew(self, why: str) -> bool:
+        """Look the credentials up again (at most once per `recheck_s`) after a request was refused for `why`
+        (an error code). True if they are other than before, now or at a renewal within `recheck_s`: a request
+        signed before that renewal deserves its second try too."""
+        now = time.monotonic()
+        with self._lock:
+            if now < self._next_check:
+                return now - self._changed_at < self._recheck_s
+            self._next_check = now + self._recheck_s
+            try:
+                fresh = self._resolve()
+            except Exception as exc:  # noqa: BLE001 - whatever a provider raises: keep the credentials there are
+                log.warning("requests were refused (%s); looking the credentials up again failed: %s: %s",
+                            why, type(exc).__name__, str(exc)[:200])
+                return False
+            if fresh is None or _frozen(fresh) == _frozen(self._source):
+                return False
+            self._source, self._changed_at = fresh, now
+            method = self.method
+        log.warning("requests were refused (%s) and the credentials (%s) have changed since they were read: "
+                    "signing with the new ones from now on", why, method or "unknown source")
+        return True
+
+
+class _Provider:
+    """The only entry of a session's credential chain: the chain it replaced, resolved once, as a `Renewable`."""
+
+    METHOD = "modelfs-renewable"
+    CANONICAL_NAME = "modelfs-renewable"
+
+    def __init__(self, chain: Any, resolve: Callable[[], Any]):
+        self._chain = chain
+        self._resolve = resolve
+
+    def load(self) -> Renewable | None:
+        first = self._chain.load_credentials()
+        return None if first is None else Renewable(first, self._resolve)
+
+
+def install(core: Any, profile: str | None) -> None:
+    """Make the credentials of botocore session `core` (with `profile`, the one it was given) a `Renewable`: every
+    client it creates afterwards signs with it, and its `get_credentials()` returns it."""
+    import botocore.credentials
+    import botocore.session
+
+    def resolve() -> Any:
+        return botocore.session.Session(profile=profile).get_credentials()
+
+    resolver = core.get_component("credential_provider")
+    chain = botocore.credentials.CredentialResolver(list(resolver.providers))
+    resolver.providers[:] = [_Provider(chain, resolve)]
+

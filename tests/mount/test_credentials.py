@@ -1,0 +1,179 @@
+"""Credentials over the life of a mount (fsmount.data.credentials): a store whose credentials are rotated while it
+runs, the old key refused by the fault proxy (403 ExpiredToken, `FaultProxy.revoke_key`) in front of moto."""
+
+from __future__ import annotations
+
+import stat
+import sys
+from pathlib import Path
+
+import pytest
+
+from fsmount.config import StoreConfig
+from fsmount.data import Boto3Store
+from fsmount.data.store import AccessDenied
+from fsmount.testing.fault_proxy import FaultProxy
+from tests.helpers import TEST_REGION, S3Server, bucket_with
+
+DATA = bytes(range(256)) * 4096  # 1 MiB
+OLD, NEW = "AKIAOLDOLDOLDOLD0001", "AKIANEWNEWNEWNEW0002"
+OLD_SECRET, NEW_SECRET = "old-secret-never-logged", "new-secret-never-logged"
+
+
+@pytest.fixture
+def aws_files(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """An AWS config and credentials file of our own; no credentials from the environment."""
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE", "AWS_ENDPOINT_URL",
+                 "AWS_ENDPOINT_URL_S3", "AWS_CONTAINER_CREDENTIALS_FULL_URI", "AWS_CONTAINER_CREDENTIALS_RELATIVE_URI"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "config"))
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "credentials"))
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    monkeypatch.setenv("AWS_DEFAULT_REGION", TEST_REGION)
+    (tmp_path / "config").write_text("")
+    return tmp_path
+
+
+def keys_seen(proxy: FaultProxy, since: int) -> set[str | None]:
+    return {e.key_id for e in proxy.log()[since:] if e.outcome == "forwarded"}
+
+
+def read(store: Boto3Store) -> None:
+    assert bytes(store.get_range("w.bin", "", 0, len(DATA))) == DATA
+
+
+def head(store: Boto3Store) -> None:
+    meta = store.head("w.bin")
+    assert meta is not None and meta.size == len(DATA)
+
+
+def listing(store: Boto3Store) -> None:
+    assert [o.key for page in store.list_pages("") for o in page.objects] == ["w.bin"]
+
+
+def whole(store: Boto3Store) -> None:
+    assert store.get_object("w.bin") == DATA
+
+
+def write(store: Boto3Store) -> None:
+    store.put_object("tier/x", b"chunk")
+    store.delete_object("tier/x")
+
+
+STEPS = {"read": read, "head": head, "listing": listing, "whole": whole, "write": write}
+
+
+def exercise(store: Boto3Store, first: str = "read") -> None:
+    """Each kind of request a mount sends through `store` (ranged reads, HEADs, listings, the shared tier's whole
+    reads and writes), `first` first."""
+    for name in [first, *(n for n in STEPS if n != first)]:
+        STEPS[name](store)
+
+
+@pytest.mark.parametrize("get_client", ["presigned", "boto3"])
+@pytest.mark.parametrize("first", list(STEPS))
+def test_a_credentials_file_rewritten_with_a_new_key_is_read_again_when_the_old_key_is_refused(
+        aws_files: Path, moto_server: S3Server, proxy: FaultProxy, allowed_logs: list[str],
+        caplog: pytest.LogCaptureFixture, first: str, get_client: str) -> None:
+    """botocore reads the credentials file once: an agent that rewrote it with a new key and revoked the old one
+    left the daemon refusing every read, listing and write (EACCES) until it was restarted. A refusal now looks the
+    credentials up again (at most once per RECHECK_S) and the request is sent once more, signed with the new key."""
+    allowed_logs.append(r"requests were refused \((ExpiredToken|403)\) and the credentials \(shared-credentials-file\) "
+                        r"have changed")
+    bucket = bucket_with(moto_server, {"w.bin": DATA})
+    creds = aws_files / "credentials"
+    creds.write_text(f"[default]\naws_access_key_id = {OLD}\naws_secret_access_key = {OLD_SECRET}\n")
+    store = Boto3Store(StoreConfig(bucket=bucket, endpoint_url=proxy.endpoint_url, addressing_style="path",
+                                   get_client=get_client))
+    exercise(store)
+    assert keys_seen(proxy, 0) == {OLD}
+
+    creds.write_text(f"[default]\naws_access_key_id = {NEW}\naws_secret_access_key = {NEW_SECRET}\n")
+    proxy.revoke_key(OLD)
+    since = len(proxy.log())
+    exercise(store, first)  # the first request refused is sent again, signed with the new key
+    assert keys_seen(proxy, since) == {NEW}
+    warnings = [r.getMessage() for r in caplog.records if "have changed" in r.getMessage()]
+    assert len(warnings) == 1, warnings
+    assert not any(secret in r.getMessage() for r in caplog.records for secret in (OLD_SECRET, NEW_SECRET))
+
+
+def test_a_key_refused_and_not_replaced_is_eacces_said_and_looked_up_at_most_once_per_recheck(
+        aws_files: Path, moto_server: S3Server, proxy: FaultProxy, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A key revoked and not replaced: every request is EACCES with the reason (ExpiredToken), and the credentials
+    are looked up again at most once per RECHECK_S, not on every refused request."""
+    bucket = bucket_with(moto_server, {"w.bin": DATA})
+    (aws_files / "credentials").write_text(f"[default]\naws_access_key_id = {OLD}\naws_secret_access_key = s\n")
+    store = Boto3Store(StoreConfig(bucket=bucket, endpoint_url=proxy.endpoint_url, addressing_style="path"))
+    lookups = []
+    renewable = store._credentials
+    assert renewable is not None
+    resolve = renewable._resolve
+    monkeypatch.setattr(renewable, "_resolve", lambda: lookups.append(1) or resolve())
+    proxy.revoke_key(OLD)
+    for _ in range(3):
+        with pytest.raises(AccessDenied, match=r"\(ExpiredToken\): the credentials' session token has expired"):
+            store.get_range("w.bin", "", 0, 10)
+        with pytest.raises(AccessDenied, match=r"\(403\): check credentials"):  # a HEAD's answer names no code
+            store.head("w.bin")
+        with pytest.raises(AccessDenied, match=r"\(ExpiredToken\): the credentials' session token has expired"):
+            list(store.list_pages(""))
+    assert len(lookups) == 1
+
+
+def test_credentials_botocore_refreshes_sign_with_the_new_key_after_a_rotation(
+        aws_files: Path, moto_server: S3Server, proxy: FaultProxy) -> None:
+    """A credential_process with an Expiration (as container and instance credentials have one): botocore refreshes
+    them itself, through the Renewable in front of them; presigned reads, HEADs, listings and writes all sign with
+    the key it gives after a rotation."""
+    bucket = bucket_with(moto_server, {"w.bin": DATA})
+    current = aws_files / "current-key"
+    current.write_text(OLD)
+    script = aws_files / "process.py"
+    # Expiring in 12 minutes: within botocore's advisory refresh window (15 min), so each signing asks again.
+    script.write_text(
+        "import datetime, json, pathlib\n"
+        f"key = pathlib.Path({str(current)!r}).read_text()\n"
+        "until = datetime.datetime.now(datetime.timezone.utc) + datetime.timedelta(minutes=12)\n"
+        "print(json.dumps({'Version': 1, 'AccessKeyId': key, 'SecretAccessKey': 's-' + key, 'SessionToken': 't',"
+        " 'Expiration': until.strftime('%Y-%m-%dT%H:%M:%SZ')}))\n")
+    script.chmod(script.stat().st_mode | stat.S_IXUSR)
+    (aws_files / "config").write_text(f"[default]\ncredential_process = {sys.executable} {script}\n")
+    store = Boto3Store(StoreConfig(bucket=bucket, endpoint_url=proxy.endpoint_url, addressing_style="path"))
+    exercise(store)
+    current.write_text(NEW)
+    proxy.revoke_key(OLD)
+    since = len(proxy.log())
+    exercise(store)
+    assert keys_seen(proxy, since) == {NEW}
+
+
+def test_the_renewal_is_installed_in_front_of_the_chain_and_keeps_its_order(aws_files: Path,
+                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """Environment credentials still win over the file (botocore's order), through the Renewable."""
+    from fsmount.data.credentials import Renewable
+
+    (aws_files / "credentials").write_text(f"[default]\naws_access_key_id = {OLD}\naws_secret_access_key = s\n")
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", NEW)
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "s2")
+    store = Boto3Store(StoreConfig(bucket="b", endpoint_url="http://127.0.0.1:9", addressing_style="path"))
+    assert isinstance(store._credentials, Renewable)
+    assert store._credentials.method == "env" and store._credentials.access_key == NEW
+    assert f"X-Amz-Credential={NEW}" in store._presign("k")
+
+
+@pytest.mark.seaweedfs
+@pytest.mark.parametrize("first", list(STEPS))
+def test_a_key_the_server_refuses_is_replaced_by_the_file_s_new_one_on_seaweedfs(
+        aws_files: Path, seaweed_server: S3Server, allowed_logs: list[str], first: str) -> None:
+    """On a server that checks signatures: a key it does not know (its own refusal, as it words it) is looked up
+    again, and the request sent again with the key the credentials file holds now."""
+    allowed_logs.append(r"requests were refused \(\w+\) and the credentials \(shared-credentials-file\) have changed")
+    bucket = bucket_with(seaweed_server, {"w.bin": DATA})
+    creds = aws_files / "credentials"
+    creds.write_text(f"[default]\naws_access_key_id = {OLD}\naws_secret_access_key = {OLD_SECRET}\n")
+    store = Boto3Store(StoreConfig(bucket=bucket, endpoint_url=seaweed_server.endpoint_url, addressing_style="path"))
+    env = seaweed_server.env
+    creds.write_text(f"[default]\naws_access_key_id = {env['AWS_ACCESS_KEY_ID']}\n"
+                     f"aws_secret_access_key = {env['AWS_SECRET_ACCESS_KEY']}\n")
+    exercise(store, first)

@@ -3,8 +3,12 @@ runs, the old key refused by the fault proxy (403 ExpiredToken, `FaultProxy.revo
 
 from __future__ import annotations
 
+import datetime
+import http.server
+import json
 import stat
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -146,6 +150,82 @@ def test_credentials_botocore_refreshes_sign_with_the_new_key_after_a_rotation(
     since = len(proxy.log())
     exercise(store)
     assert keys_seen(proxy, since) == {NEW}
+
+
+class CredentialServer(http.server.ThreadingHTTPServer):
+    """A container-credentials endpoint and an instance metadata service (IMDSv2) on 127.0.0.1, both giving
+    `key` (changed by the test) with an Expiration 12 minutes away: within botocore's advisory refresh window
+    (15 min), so each signing asks again."""
+
+    daemon_threads = True
+
+    def __init__(self) -> None:
+        super().__init__(("127.0.0.1", 0), CredentialHandler)
+        self.key = OLD
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.server_address[1]}"
+
+    def document(self) -> bytes:
+        until = datetime.datetime.now(datetime.UTC) + datetime.timedelta(minutes=12)
+        return json.dumps({"Code": "Success", "AccessKeyId": self.key, "SecretAccessKey": "s-" + self.key,
+                           "Token": "t", "Expiration": until.strftime("%Y-%m-%dT%H:%M:%SZ")}).encode()
+
+
+class CredentialHandler(http.server.BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    server: CredentialServer
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+    def answer(self, body: bytes) -> None:
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def do_PUT(self) -> None:  # noqa: N802 - http.server's name
+        self.answer(b"imds-token")  # IMDSv2's session token (latest/api/token)
+
+    def do_GET(self) -> None:  # noqa: N802 - http.server's name
+        if self.path.rstrip("/").endswith("security-credentials"):
+            self.answer(b"role")
+        else:
+            self.answer(self.server.document())
+
+
+@pytest.mark.parametrize("source", ["container", "imds"])
+def test_container_and_instance_credentials_sign_with_the_new_key_after_a_rotation(
+        aws_files: Path, moto_server: S3Server, proxy: FaultProxy, monkeypatch: pytest.MonkeyPatch,
+        allowed_logs: list[str], source: str) -> None:
+    """Container credentials (AWS_CONTAINER_CREDENTIALS_FULL_URI) and an instance role (IMDS, at
+    AWS_EC2_METADATA_SERVICE_ENDPOINT): after a rotation every kind of request signs with the new key. botocore
+    refreshes container credentials itself; instance credentials this close to their expiry it does not (it moves
+    their expiry 12 to 20 minutes on, as if the metadata service were failing), so before the Renewable the old
+    key, refused, stayed in use: the first refusal now fetches them again (one warning)."""
+    allowed_logs.append(r"requests were refused \(ExpiredToken\) and the credentials \(iam-role\) have changed")
+    server = CredentialServer()
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        if source == "container":
+            monkeypatch.setenv("AWS_CONTAINER_CREDENTIALS_FULL_URI", server.url + "/creds")
+        else:
+            monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "false")
+            monkeypatch.setenv("AWS_EC2_METADATA_SERVICE_ENDPOINT", server.url + "/")
+        bucket = bucket_with(moto_server, {"w.bin": DATA})
+        store = Boto3Store(StoreConfig(bucket=bucket, endpoint_url=proxy.endpoint_url, addressing_style="path"))
+        exercise(store)
+        assert keys_seen(proxy, 0) == {OLD}
+        server.key = NEW
+        proxy.revoke_key(OLD)
+        since = len(proxy.log())
+        exercise(store)
+        assert keys_seen(proxy, since) == {NEW}
+    finally:
+        server.shutdown()
+        server.server_close()
 
 
 def test_the_renewal_is_installed_in_front_of_the_chain_and_keeps_its_order(aws_files: Path,

@@ -6,9 +6,11 @@ from __future__ import annotations
 import datetime
 import http.server
 import json
+import os
 import stat
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -17,7 +19,7 @@ from fsmount.config import StoreConfig
 from fsmount.data import Boto3Store
 from fsmount.data.store import AccessDenied
 from fsmount.testing.fault_proxy import FaultProxy
-from tests.helpers import TEST_REGION, S3Server, bucket_with
+from tests.helpers import TEST_REGION, S3Server, bucket_with, mounted
 
 DATA = bytes(range(256)) * 4096  # 1 MiB
 OLD, NEW = "AKIAOLDOLDOLDOLD0001", "AKIANEWNEWNEWNEW0002"
@@ -257,3 +259,36 @@ def test_a_key_the_server_refuses_is_replaced_by_the_file_s_new_one_on_seaweedfs
     creds.write_text(f"[default]\naws_access_key_id = {env['AWS_ACCESS_KEY_ID']}\n"
                      f"aws_secret_access_key = {env['AWS_SECRET_ACCESS_KEY']}\n")
     exercise(store, first)
+
+
+def test_a_mount_reads_on_after_its_profile_s_key_is_rotated_in_its_file_and_the_old_one_revoked(
+        tmp_path: Path, moto_server: S3Server, proxy: FaultProxy, mountpoint: Path) -> None:
+    """Through FUSE, with --profile: a file read across the rotation (through a handle opened before it), a file
+    never opened, a listing and a stat past the metadata TTL all succeed, exact, once the old key is refused."""
+    big = os.urandom(6 << 20)
+    bucket = bucket_with(moto_server, {"a.bin": big, "b.bin": DATA})
+    creds, config = tmp_path / "credentials", tmp_path / "config"
+    creds.write_text(f"[rot]\naws_access_key_id = {OLD}\naws_secret_access_key = {OLD_SECRET}\n")
+    config.write_text("")
+    server = S3Server("moto via proxy", proxy.endpoint_url,
+                      {"AWS_SHARED_CREDENTIALS_FILE": str(creds), "AWS_CONFIG_FILE": str(config),
+                       "AWS_DEFAULT_REGION": TEST_REGION, "AWS_EC2_METADATA_DISABLED": "true"})
+    with mounted(server, bucket, mountpoint, "--profile", "rot", "--chunk-size", "1M", "--max-readahead", "0",
+                 "--no-model-prefetch", "--metadata-ttl", "1", "--read-timeout", "10",
+                 allowed=(r"requests were refused \(ExpiredToken\) and the credentials \(shared-credentials-file\)",)
+                 ) as m:
+        with open(mountpoint / "a.bin", "rb", buffering=0) as f:
+            head = f.read(1 << 20)
+            creds.write_text(f"[rot]\naws_access_key_id = {NEW}\naws_secret_access_key = {NEW_SECRET}\n")
+            proxy.revoke_key(OLD)
+            since = len(proxy.log())
+            rest = b"".join(iter(lambda: f.read(1 << 20), b""))
+        assert head + rest == big
+        assert (mountpoint / "b.bin").read_bytes() == DATA
+        time.sleep(1.2)  # past the TTL: the listing and the HEAD are asked again
+        assert sorted(os.listdir(mountpoint)) == ["a.bin", "b.bin"]
+        assert (mountpoint / "b.bin").stat().st_size == len(DATA)
+        assert keys_seen(proxy, since) == {NEW}
+        log = m.log()
+        assert log.count("have changed since they were read") == 1, log[-3000:]
+        assert OLD_SECRET not in log and NEW_SECRET not in log

@@ -46,7 +46,7 @@ class Renewable(Credentials):  # type: ignore[misc]
     """Credentials botocore signs with, whose source a lookup may replace (`renew`). Every attribute botocore
     reads is the source's (Credentials.__init__ is not called: it would set them)."""
 
-    def __init__(self, first: Any, resolve: Callable[[], Any], *, recheck_s: float = RECHECK_S):  # noqa: B027
+    def __init__(self, first: Any, resolve: Callable[[], Any], *, recheck_s: float = RECHECK_S):
         self._source = first  # botocore credentials, refreshable or not; replaced whole, never changed
         self._resolve = resolve
         self._recheck_s = recheck_s

@@ -204,8 +204,8 @@ def test_container_and_instance_credentials_sign_with_the_new_key_after_a_rotati
         allowed_logs: list[str], source: str) -> None:
     """Container credentials (AWS_CONTAINER_CREDENTIALS_FULL_URI) and an instance role (IMDS, at
     AWS_EC2_METADATA_SERVICE_ENDPOINT): after a rotation every kind of request signs with the new key. botocore
-    refreshes container credentials itself; instance credentials this close to their expiry it does not (it moves
-    their expiry 12 to 20 minutes on, as if the metadata service were failing), so before the Renewable the old
+    refreshes container credentials itself; instance credentials this close to their expiry it does not (it sets
+    their expiry 17 to 25 minutes ahead, as if the metadata service were failing), so before the Renewable the old
     key, refused, stayed in use: the first refusal now fetches them again (one warning)."""
     allowed_logs.append(r"requests were refused \(ExpiredToken\) and the credentials \(iam-role\) have changed")
     server = CredentialServer()

@@ -70,6 +70,7 @@ from fsmount.data import (
     multipart_etag,
     put_etag,
 )
+from fsmount.data.uploads import Exists
 from fsmount.namespace import Node, PathError
 from fsmount.write_staging import StagedFile
 
@@ -131,6 +132,9 @@ class NewFile:
         # The key it was created at with O_EXCL: stored there, its PUT or completion is create-only as without
         # --allow-overwrite (another mount's file stored there since the create's HEAD is not replaced: close EIO).
         self.excl_key: str | None = None
+        # Its store was refused because another writer stored the key since the create found it free (`Exists`): a
+        # mknod says EEXIST then, as a local disk does (a close can only say EIO).
+        self.taken_meanwhile = False
         self.handles = 0  # open file handles on it
         self.opener: int | None = None  # the process that opened it (holders.py), None where unknown
         # A descriptor of it was closed while it was still empty and nothing was written since: it is stored
@@ -383,6 +387,9 @@ class NewFile:
                     # The last request (the PUT, or completing the multipart upload) may yet land: after a
                     # timeout "will not be stored" was wrong as often as not.
                     self._fail(exc.message, "the bucket may or may not hold it now (close gets EIO)")
+                except Exists as exc:
+                    self.taken_meanwhile = True
+                    self._fail(exc.message)
                 except StoreError as exc:
                     self._fail(exc.message)
                 except PathError:

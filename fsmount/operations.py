@@ -658,7 +658,8 @@ class Operations(pyfuse3.Operations):
     async def mknod(self, parent_inode: int, name: bytes, mode: int, rdev: int,
                     ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
         """A regular file (`mknod(p, S_IFREG)`, as a local disk makes one) is made as `open(O_CREAT|O_EXCL)` and
-        its close make one: an empty object. FIFOs, sockets and devices: EPERM (S3 has none)."""
+        its close make one: an empty object; EEXIST where another writer stored the key between the two (its PUT is
+        create-only), as where one had before. FIFOs, sockets and devices: EPERM (S3 has none)."""
         assert self.writes is not None
         if not stat.S_ISREG(mode):
             raise pyfuse3.FUSEError(errno.EPERM)
@@ -666,8 +667,10 @@ class Operations(pyfuse3.Operations):
         assert new is not None  # O_EXCL: a file stored there is EEXIST
         try:
             await self._commit(new)
-        except BaseException:
+        except BaseException as exc:
             self.ns.forget(new.node.ino, 1)  # counted as looked up (begin_file); a failed MKNOD gives no entry
+            if isinstance(exc, PathError) and new.taken_meanwhile:
+                raise pyfuse3.FUSEError(errno.EEXIST) from None
             raise
         return self._attributes(new.node)
 

@@ -14,10 +14,12 @@ import stat
 import subprocess
 import sys
 import textwrap
+import threading
 from pathlib import Path
 
 import pytest
 
+from fsmount.testing.fault_proxy import Fault, FaultProxy
 from tests.helpers import (
     FETCH_FAILED,
     READ_FAILED,
@@ -28,6 +30,7 @@ from tests.helpers import (
     delete_bucket,
     mount_stats,
     mounted,
+    mounted_via,
     new_bucket,
     put_objects,
     random_bytes,
@@ -816,6 +819,38 @@ def test_an_o_excl_create_or_mknod_onto_a_directory_another_writer_made_is_eexis
         assert info.value.errno == errno.EEXIST
         assert (mountpoint / "a").is_dir() and (mountpoint / "b").is_dir()
     assert keys(s3, bucket) == {"a/x": 1, "b/x": 1}
+    delete_bucket(s3, bucket)
+
+
+@pytest.mark.parametrize("overwrite", [(), ("--allow-overwrite",)], ids=["create-only", "allow-overwrite"])
+def test_a_mknod_that_loses_the_race_for_its_name_to_another_writer_is_eexist(s3: S3Server, mountpoint: Path,
+                                                                              overwrite: tuple[str, ...]) -> None:
+    """`mknod(p, S_IFREG)` is an O_EXCL create and close: its HEAD finds the name free, its create-only PUT finds the
+    key another mount stored in between (412). A local disk says EEXIST; the mount said EIO (a lock taker that
+    waits on EEXIST failed instead). The other writer's object stays, and the name is found as that file."""
+    bucket = new_bucket(s3)
+    with FaultProxy(s3.endpoint_url) as proxy, \
+            mounted_via(proxy, s3, bucket, mountpoint, *WRITABLE, *overwrite, allowed=(r"created meanwhile",)):
+        held = proxy.inject(Fault.LATENCY, seconds=60, op="put", times=1)  # the mknod's PUT, held until cleared
+        failed: list[int] = []
+
+        def make() -> None:
+            try:
+                os.mknod(mountpoint / "lock", stat.S_IFREG | 0o644)
+            except OSError as exc:
+                failed.append(exc.errno)
+
+        maker = threading.Thread(target=make)
+        maker.start()
+        try:
+            wait_for("the mknod's PUT at the proxy", lambda: held.hits)
+            put_objects(s3, bucket, {"lock": b"theirs"})  # the other mount's, after the HEAD, before the PUT
+        finally:
+            proxy.clear()
+            maker.join(60)
+        assert failed == [errno.EEXIST]
+        assert (mountpoint / "lock").read_bytes() == b"theirs"
+    assert keys(s3, bucket) == {"lock": 6}
     delete_bucket(s3, bucket)
 
 

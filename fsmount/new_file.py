@@ -525,11 +525,13 @@ class NewFile:
 
     def _if_absent(self, key: str | None) -> tuple[bool, bool]:
         """`only_if_absent` and `or_plain` (uploads.finish) for its store under `key`: create-only without
-        --allow-overwrite; with it, where it is stored under the name it was created at with O_EXCL and still has
-        (unless the server refuses the header). One renamed while written is completed under its old key as B31
-        says."""
+        --allow-overwrite; with it, where `key` is the name it was created at with O_EXCL (unless the server refuses
+        the header). That is its name still, or the old name of one renamed while written, whose upload is completed
+        there before it is moved (B31): that store replaced another writer's object stored there meanwhile, and the
+        move's delete then removed it. Stored under a name it was renamed to, it replaces what is there, as any rename
+        does."""
         create_only = self._writes.create_only
-        excl = key is not None and key == self.excl_key == self._writes.key_of(self.node)
+        excl = key is not None and key == self.excl_key
         return create_only or excl, not create_only
 
     async def _last_request(self, key: str, expected: Callable[[], str | None], fn: Callable[..., str],

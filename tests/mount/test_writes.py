@@ -516,6 +516,30 @@ def test_an_o_excl_file_does_not_replace_a_key_stored_before_its_close_with_allo
     delete_bucket(s3, bucket)
 
 
+def test_an_o_excl_file_renamed_while_written_does_not_replace_a_key_stored_at_its_old_name(
+        s3: S3Server, mountpoint: Path) -> None:
+    """With --allow-overwrite, an O_EXCL file renamed while written (safetensors' order, its temp file made with
+    `open(p, "x")` or `mkstemp`) has its upload completed under the name it was created at, then moved. That
+    completion went without the create-only condition: another writer's object stored at the old name meanwhile was
+    replaced, and the move's delete then removed it, the loss O_EXCL promised against. It is create-only: close gets
+    EIO, the other object stays, no upload is left."""
+    bucket = new_bucket(s3)
+    mine = random_bytes(12 * MiB, 36)
+    with mounted(s3, bucket, mountpoint, *WRITABLE, "--allow-overwrite", "--write-part-size", "5M",
+                 allowed=("created meanwhile by another writer", "will not be stored")) as m:
+        fd = os.open(mountpoint / ".tmp", os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        os.write(fd, mine)  # its upload has begun under ".tmp"
+        os.rename(mountpoint / ".tmp", mountpoint / "model")
+        put_objects(s3, bucket, {".tmp": b"theirs"})
+        with pytest.raises(OSError) as info:
+            os.close(fd)
+        assert info.value.errno == errno.EIO
+        assert "created meanwhile by another writer" in m.log()
+    assert keys(s3, bucket) == {".tmp": 6}
+    assert uploads_in(s3, bucket) == []
+    delete_bucket(s3, bucket)
+
+
 def test_a_file_renamed_while_written_does_not_replace_a_key_another_mount_stored(s3: S3Server, mountpoint: Path,
                                                                                  tmp_path: Path) -> None:
     """save_file's order on mount A (write a temp file, rename it over the final name, close) while mount B

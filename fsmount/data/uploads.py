@@ -157,16 +157,24 @@ class Uploads:
         # Set once the server refused If-None-Match itself (`_or_plain`): an O_EXCL file's store then goes without it.
         # Written from request threads, only ever to True.
         self.if_none_match_refused = False
+        # Set once a create-only store that cannot go without the condition (no --allow-overwrite) was refused for a
+        # reason of the server's own, and the warning saying what to do was logged (`_call`). Written from request
+        # threads, only ever to True (two refusals at once may both log it).
+        self.create_only_refusal_told = False
         # Told the key of an upload the server may have begun that `start` never returned (an answer lost, and
         # botocore sent the request again; or an answer cut short): nothing of this mount will abort it. Called in
         # the request's thread.
         self.on_unknown_upload: Callable[[str], None] | None = None
 
-    def _call(self, what: str, fn: Any, **kwargs: Any) -> Any:
+    def _call(self, what: str, fn: Any, *, advise: bool = False, **kwargs: Any) -> Any:
+        """`fn` on the bucket, its failure as a StoreError. `advise`: a create-only store that has no way without
+        the condition; refused for a reason of the server's own, the first such refusal is told with what to do."""
         try:
             return fn(Bucket=self.bucket, **kwargs)
         except Exception as exc:  # noqa: BLE001 - every failure becomes one StoreError
             err = translate_error(exc, self.bucket, what)
+            if advise and "IfNoneMatch" in kwargs and type(err) is StoreError:
+                self._tell_create_only_refused(what, exc)
             # 412 (S3, SeaweedFS, MinIO) or 409 (OSS's FileAlreadyExists; S3's conflicting conditional write)
             # to a create-only request: the key exists.
             if "IfNoneMatch" in kwargs and (isinstance(err, PreconditionFailed) or _client_error_code(exc)[1] == 409):
@@ -177,6 +185,21 @@ class Uploads:
                 raise Replaced(f"{what}: another object is under the key now") from None
             raise err from None
 
+    def _tell_create_only_refused(self, what: str, exc: Exception) -> None:
+        """Without --allow-overwrite every store is create-only, and on a server that refuses If-None-Match itself
+        (501, a 400 of its own) every close got EIO with the server's error alone: nothing said why, nor what to do.
+        One warning says it (the refusal may be of the key instead, hence the "if")."""
+        if self.create_only_refusal_told:
+            return
+        self.create_only_refusal_told = True
+        code, status, _ = _client_error_code(exc)
+        answer = " ".join(part for part in (str(status) if status else "", code) if part) or "an error"
+        log.warning("%s: the server refused a create-only store (If-None-Match: *) with %s. Without "
+                    "--allow-overwrite every store of this mount is create-only (nothing another writer stored is "
+                    "replaced), so if this server does not take If-None-Match no file can be stored here (each "
+                    "close gets EIO): mount with --allow-overwrite, which then stores without the condition, "
+                    "replacing what another writer stored under the same name meanwhile", what, answer)
+
     def _or_plain(self, or_plain: bool, what: str, fn: Any, **kwargs: Any) -> Any:
         """`_call`; with `or_plain`, a server that refuses If-None-Match itself (501, a 4xx of its own: not the 412
         or 409 of a key that exists) gets the request again without it, and so do the next ones (one warning). The
@@ -185,7 +208,7 @@ class Uploads:
         if or_plain and self.if_none_match_refused:
             kwargs.pop("IfNoneMatch", None)
         try:
-            return self._call(what, fn, **kwargs)
+            return self._call(what, fn, advise=not or_plain, **kwargs)
         except StoreError as exc:
             if not or_plain or "IfNoneMatch" not in kwargs or type(exc) is not StoreError:
                 raise

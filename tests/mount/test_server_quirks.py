@@ -352,6 +352,30 @@ def test_an_o_excl_file_is_stored_on_a_server_refusing_if_none_match_with_allow_
     assert client.get_object(Bucket=bucket, Key="big")["Body"].read() == big
 
 
+@pytest.mark.parametrize(("status", "code"), [(501, "NotImplemented"), (400, "InvalidArgument")])
+def test_a_server_refusing_if_none_match_without_allow_overwrite_is_named_with_what_to_do(
+        moto_server: S3Server, mountpoint: Path, status: int, code: str) -> None:
+    """Without --allow-overwrite every store is create-only; on a server that refuses If-None-Match itself every
+    close got EIO, and each file's warning gave the server's error alone, nothing said why nor what to do. The stores
+    stay create-only (nothing is replaced silently) and still fail, and one warning says that the server refused the
+    condition and that --allow-overwrite stores without it."""
+    bucket = new_bucket(moto_server)
+    advice = "mount with --allow-overwrite"
+    with RefusesIfNoneMatch(moto_server.endpoint_url, status, code) as proxy, \
+            mounted_via(proxy, moto_server, bucket, mountpoint, "--writable", "--write-part-size", "5M",
+                        allowed=(code, r"will not be stored")) as m:
+        for name, size in (("big", 12 * 1024 * 1024), ("small", 1000), ("again", 10)):
+            fd = os.open(mountpoint / name, os.O_WRONLY | os.O_CREAT, 0o644)
+            os.write(fd, os.urandom(size))
+            with pytest.raises(OSError) as info:
+                os.close(fd)
+            assert info.value.errno == errno.EIO
+        log = m.log()
+        assert log.count(advice) == 1, log
+        assert f"refused a create-only store (If-None-Match: *) with {status} {code}" in log, log
+    assert moto_server.client().list_objects_v2(Bucket=bucket).get("KeyCount") == 0
+
+
 class RefusesOneKey(FaultProxy):
     """A server that refuses every PUT of the key `refused` with a 400 of its own (as S3 refuses a key over 1024
     bytes: KeyTooLongError), with If-None-Match or without it; conditional writes it does honour."""

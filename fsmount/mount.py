@@ -94,8 +94,12 @@ STOP_GRACE_WRITING_S = 20.0
 # comes (an operator's `kill -USR2` meant for another daemon, a script's): taken and ignored, one line each, as the
 # mount's readers would otherwise get ENOTCONN. SIGTERM and SIGINT stop it, SIGHUP and SIGUSR1 reopen the log;
 # SIGPIPE and SIGXFSZ Python ignores already (the write gets EPIPE, EFBIG); SIGQUIT, SIGXCPU and the faults' (SEGV,
-# BUS, ABRT, ...) keep their action, which is meant to end it.
-STRAY_SIGNALS = (signal.SIGUSR2, signal.SIGALRM, signal.SIGVTALRM, signal.SIGPROF, signal.SIGIO, signal.SIGPWR)
+# BUS, ABRT, ...) keep their action, which is meant to end it. So are SIGSTKFLT (unused on Linux) and the real-time
+# signals SIGRTMIN..SIGRTMAX: no library of the daemon uses one (trio takes signals through a wakeup fd, libfuse and
+# botocore none; glibc's own two for its threads lie below SIGRTMIN, and Python does not offer them), and a stray
+# `kill -RTMIN+n` ended the daemon.
+STRAY_SIGNALS = (signal.SIGUSR2, signal.SIGALRM, signal.SIGVTALRM, signal.SIGPROF, signal.SIGIO, signal.SIGPWR,
+                 signal.SIGSTKFLT, *range(signal.SIGRTMIN, signal.SIGRTMAX + 1))
 # At a stop, how long page-cache pushes in flight may take to end while READs are still answered.
 PUSH_STOP_S = 5.0
 # A cache dir with room for fewer chunks than this is worth a warning at mount.
@@ -876,7 +880,7 @@ class Daemon:
             async for signum in _chain(self.early_stops, signals):
                 if signum in STRAY_SIGNALS:
                     log.warning("received %s: ignored, still mounted (SIGTERM or `modelfs unmount` stops the mount)",
-                                signal.Signals(signum).name)
+                                signal_name(signum))
                     continue
                 if signum in (signal.SIGHUP, signal.SIGUSR1):
                     # What logrotate's postrotate and `systemctl reload` send: the log file is reopened
@@ -936,6 +940,14 @@ class Daemon:
                  f" (prefix {self.cfg.store.prefix})" if self.cfg.store.prefix else "", self.mountpoint)
         self.on_ready()
         sd_notify("READY=1")
+
+
+def signal_name(signum: int) -> str:
+    """A signal's name; SIGRTMIN+n for the real-time ones between SIGRTMIN and SIGRTMAX, which Python leaves unnamed."""
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return f"SIGRTMIN+{signum - signal.SIGRTMIN}"
 
 
 async def _chain(first: list[int], then: AsyncIterator[int]) -> AsyncIterator[int]:

@@ -1,6 +1,7 @@
 """SIGUSR1, what an nginx-style logrotate postrotate (`kill -USR1`) sends: its default action killed the daemon,
 taking the mount down under every reader. It is taken as SIGHUP is, a log reopen. So did a stray `kill -USR2` (and
-ALRM, VTALRM, PROF, IO, PWR): ignored, one line each. TERM still stops it."""
+ALRM, VTALRM, PROF, IO, PWR, STKFLT, and the real-time signals SIGRTMIN..SIGRTMAX): ignored, one line each. TERM
+still stops it."""
 
 from __future__ import annotations
 
@@ -54,6 +55,32 @@ def test_stray_signals_leave_the_mount_up_and_sigterm_still_stops_it(moto_server
                              lambda: f"received {name}: ignored" in log_file.read_text())  # noqa: B023
             os.kill(pid, signal.SIGUSR2)  # and again: each one is
             wait_for("the second line", lambda: log_file.read_text().count("received SIGUSR2: ignored") == 2)
+            assert held.read() == b"a" * 100
+        assert (mountpoint / "a.bin").read_bytes() == b"a" * 100
+        os.kill(pid, 0)  # the daemon is still there
+        os.kill(pid, signal.SIGTERM)
+        wait_for("the stop", lambda: not mounted_at(mountpoint))
+    finally:
+        unmount(mountpoint)
+
+
+# The real-time signals (default action: end the process), which no library of the daemon uses (glibc keeps two below
+# SIGRTMIN for its threads; Python does not offer them), and SIGSTKFLT, unused on Linux: a stray `kill -RTMIN+3` (a
+# tool's own notification sent to the wrong pid) ended the daemon, leaving the mountpoint ENOTCONN.
+REAL_TIME = ((signal.SIGRTMIN, "SIGRTMIN"), (signal.SIGRTMIN + 3, "SIGRTMIN+3"),
+             (signal.SIGRTMAX - 1, f"SIGRTMIN+{signal.SIGRTMAX - 1 - signal.SIGRTMIN}"),
+             (signal.SIGRTMAX, "SIGRTMAX"), (signal.SIGSTKFLT, "SIGSTKFLT"))
+
+
+def test_real_time_signals_leave_the_mount_up(moto_server: S3Server, mountpoint: Path, tmp_path: Path) -> None:
+    log_file = tmp_path / "modelfs.log"
+    try:
+        pid = mount_logging(moto_server, mountpoint, log_file)
+        with open(mountpoint / "a.bin", "rb") as held:
+            for signum, name in REAL_TIME:
+                os.kill(pid, signum)
+                wait_for(f"the line saying {name} was ignored",
+                         lambda: f"received {name}: ignored" in log_file.read_text())  # noqa: B023
             assert held.read() == b"a" * 100
         assert (mountpoint / "a.bin").read_bytes() == b"a" * 100
         os.kill(pid, 0)  # the daemon is still there

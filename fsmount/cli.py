@@ -739,7 +739,7 @@ def cmd_cache(args: argparse.Namespace) -> int:
 
 
 def _cache_action(args: argparse.Namespace) -> int:
-    from fsmount.data import CacheDirBusy, cache_clear, cache_stats, cache_verify
+    from fsmount.data import CacheDirBusy, cache_clear, cache_stats, cache_verify, counted
     from fsmount.stats_table import human_size
 
     try:
@@ -751,18 +751,23 @@ def _cache_action(args: argparse.Namespace) -> int:
                 value = st[key]
                 shown = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(value)) if value else "-"
                 print(f"{key.replace('_', ' '):15} {shown}")
+            future = int(st["future_stamps"] or 0)
+            if future:
+                print(f"{'future stamps':15} {counted(future, 'chunk', 'chunks')} (used while this machine's clock "
+                      f"was ahead; the cache counts {'it' if future == 1 else 'them'} as the oldest)")
             if st["staged_files"]:
-                print(f"{'staged writes':15} {st['staged_files']} files, {human_size(int(st['staged_bytes'] or 0))} "
+                print(f"{'staged writes':15} {counted(int(st['staged_files'] or 0), 'file', 'files')}, "
+                      f"{human_size(int(st['staged_bytes'] or 0))} "
                       "(copies of files a --writable mount is writing, or that a killed one left: `clear` removes "
                       "them, and so does the next mount)")
         elif args.action == "clear":
             chunks, staged, names = cache_clear(args.cache_dir)
-            print(f"removed {chunks} chunk files" +
+            print(f"removed {counted(chunks, 'chunk file', 'chunk files')}" +
                   (f", {human_size(staged)} of copies a --writable mount left in writes/" if staged else "") +
                   (f", {names} files of the names mounts learnt (names/)" if names else ""))
         else:
             ok, bad, other = cache_verify(args.cache_dir)
-            print(f"{ok} chunks verified, {len(bad)} corrupt (removed)" +
+            print(f"{counted(ok, 'chunk', 'chunks')} verified, {len(bad)} corrupt (removed)" +
                   (f", {other} of another version's format (removed: not damaged, but this version cannot read "
                    "them)" if other else ""))
             for path in bad:

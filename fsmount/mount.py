@@ -50,6 +50,7 @@ from fsmount.data import (
     Unreachable,
     Uploads,
     cache_bytes,
+    counted,
     default_min_free,
     free_bytes,
     origin_identity,
@@ -466,8 +467,8 @@ def open_disk_cache(cfg: MountConfig) -> DiskCache:
     if not cfg.writable:  # (a --writable mount's staging empties it itself)
         files, staged = sweep_staged_writes(cache.root)
         if files:
-            log.info("cache dir %s: removed %d copies of files (%d MiB) that a --writable mount left in writes/ "
-                     "when it was killed", cache.root, files, staged // MiB)
+            log.info("cache dir %s: removed %s (%d MiB) that a --writable mount left in writes/ when it was killed",
+                     cache.root, counted(files, "copy of a file", "copies of files"), staged // MiB)
     room = min(cache.max_bytes, cache.stats.bytes_used + free - cache.min_free_bytes)
     if room < CACHE_ROOM_CHUNKS * cfg.chunk_size:
         log.warning("cache dir %s has room for %d MiB of chunks only (--cache-size %d MiB; %d MiB free on its "

@@ -26,6 +26,7 @@ from fsmount.data.cache_dir import (
     WRITES_DIR,
     CacheDirBusy,
     cache_bytes,
+    counted,
     free_bytes,
     is_cache_dir,
     still_on,
@@ -85,7 +86,7 @@ __all__ = [
     "default_min_free", "cache_clear", "cache_stats", "cache_verify", "MAX_PART_SIZE", "MAX_PARTS",
     "MIN_PART_SIZE",
     "PendingUpload", "COPY_OBJECT_MAX", "Uploads", "new_buffer", "pwrite_all", "round_up",
-    "UNREACHABLE_RETRY_S", "wait_to_retry", "WRITES_DIR", "NAMES_DIR", "sweep_staged_writes", "DISK_THREADS",
+    "UNREACHABLE_RETRY_S", "wait_to_retry", "WRITES_DIR", "NAMES_DIR", "sweep_staged_writes", "counted", "DISK_THREADS",
     "is_cache_dir", "still_on",
     "PUT_THREADS", "OutOfResources", "multipart_etag", "put_etag", "sent_etag", "within",
 ]

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import time
 
 from fsmount.data.cache_dir import (
     CHUNKS_DIR,
@@ -22,15 +23,20 @@ from fsmount.data.chunk_file import Corrupt, OtherFormat, read_chunk_file
 
 
 def cache_stats(root: str | os.PathLike[str]) -> dict[str, int | float | None]:
-    """Counts from a stat-only scan; safe while a mount uses the dir. Access times are epoch seconds."""
+    """Counts from a stat-only scan; safe while a mount uses the dir. Access times are epoch seconds, of the stamps
+    not in the future: one there was set while the clock was ahead (stepped back since), and the cache counts it as
+    older than every other (disk_cache: evicted first), so it is counted apart (`future_stamps`) and neither the
+    oldest access nor, a date to come, the newest."""
     found, _ = scan_chunk_files(os.path.join(os.fspath(root), CHUNKS_DIR), sweep_tmp=False)
-    stamps = [mtime_ns for mtime_ns, _d, _s, _p in found]
+    now = time.time_ns()
+    stamps = [mtime_ns for mtime_ns, _d, _s, _p in found if mtime_ns <= now]
     staged_files, staged_bytes = staged_writes(os.fspath(root))
     return {
         "chunks": len(found),
         "bytes": sum(size for _m, _d, size, _p in found),
         "oldest_access": min(stamps) / 1e9 if stamps else None,
         "newest_access": max(stamps) / 1e9 if stamps else None,
+        "future_stamps": len(found) - len(stamps),
         # Local copies of files a --writable mount is writing, or that a killed one left behind (`clear` removes
         # them, and so does the next mount of the dir).
         "staged_files": staged_files,

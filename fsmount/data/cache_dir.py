@@ -88,6 +88,12 @@ def staged_writes(root: str) -> tuple[int, int]:
     return files, total
 
 
+def counted(n: int, one: str, many: str) -> str:
+    """`n` and the noun for it, in the number it takes ("1 chunk", "0 chunks"): what the cache's log lines and
+    commands say of what they found or removed."""
+    return f"{n} {one if n == 1 else many}"
+
+
 def sweep_staged_writes(root: str) -> tuple[int, int]:
     """Remove the copies in `root`'s WRITES_DIR (regular files named as write_staging names them, never a folder nor
     a symlink), and say what they were (staged_writes). Anything else there is left alone, with a log line; so is a

@@ -1168,12 +1168,42 @@ def test_index_rebuild_of_100k_chunk_files(tmp_path: Path, allowed_logs) -> None
 # -- maintenance functions ----------------------------------------------------------------------------
 
 
+def test_cache_stats_counts_stamps_in_the_future_apart(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A chunk used while the clock was ahead (a wrong RTC that chrony then stepped back) keeps a stamp in the future,
+    which the cache counts as older than every other (evicted first). `modelfs cache stats` showed it as the newest
+    access, a date to come. Such stamps are counted apart, and the accesses shown are the others'."""
+    from fsmount import cli
+
+    with DiskCache(tmp_path, BIG, min_free_bytes=0) as cache:
+        for i in range(3):
+            cache.put(chunk_id(i), payload(chunk_id(i), 1000))
+        paths = [Path(chunk_file_of(cache, chunk_id(i))) for i in range(3)]
+    ahead = time.time_ns() + 86_400 * 10**9  # a day ahead
+    for i, p in enumerate(paths):
+        os.utime(p, ns=(ahead if i == 2 else 1_700_000_000 * 10**9 + i * 10**9,) * 2)
+    stats = cache_stats(tmp_path)
+    assert (stats["oldest_access"], stats["newest_access"], stats["future_stamps"]) == (
+        1_700_000_000.0, 1_700_000_001.0, 1)
+    assert cli.main(["cache", "stats", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    shown = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(1_700_000_001))
+    assert f"newest access   {shown}\n" in out, out
+    assert "future stamps   1 chunk (used while this machine's clock was ahead; the cache counts it as the " \
+           "oldest)\n" in out, out
+    for p in paths:
+        os.utime(p, ns=(ahead,) * 2)
+    assert cli.main(["cache", "stats", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "oldest access   -\nnewest access   -\n" in out and "future stamps   3 chunks (" in out, out
+
+
 def test_cache_stats_clear_verify(tmp_path: Path) -> None:
     assert cache_stats(tmp_path / "absent") == {
         "chunks": 0,
         "bytes": 0,
         "oldest_access": None,
         "newest_access": None,
+        "future_stamps": 0,
         "staged_files": 0,
         "staged_bytes": 0,
     }
@@ -1190,6 +1220,7 @@ def test_cache_stats_clear_verify(tmp_path: Path) -> None:
             "bytes": sum(p.stat().st_size for p in paths),
             "oldest_access": 1_700_000_000.0,
             "newest_access": 1_700_000_004.0,
+            "future_stamps": 0,
             "staged_files": 0,
             "staged_bytes": 0,
         }

@@ -173,8 +173,6 @@ class Uploads:
             return fn(Bucket=self.bucket, **kwargs)
         except Exception as exc:  # noqa: BLE001 - every failure becomes one StoreError
             err = translate_error(exc, self.bucket, what)
-            if advise and "IfNoneMatch" in kwargs and type(err) is StoreError:
-                self._tell_create_only_refused(what, exc)
             # 412 (S3, SeaweedFS, MinIO) or 409 (OSS's FileAlreadyExists; S3's conflicting conditional write)
             # to a create-only request: the key exists.
             if "IfNoneMatch" in kwargs and (isinstance(err, PreconditionFailed) or _client_error_code(exc)[1] == 409):
@@ -183,6 +181,8 @@ class Uploads:
             # 412 to a conditional DELETE (409: a conditional write to the key is in progress, S3).
             if "IfMatch" in kwargs and (isinstance(err, PreconditionFailed) or _client_error_code(exc)[1] == 409):
                 raise Replaced(f"{what}: another object is under the key now") from None
+            if advise and "IfNoneMatch" in kwargs and type(err) is StoreError:  # not the 412/409 of a key that exists
+                self._tell_create_only_refused(what, exc)
             raise err from None
 
     def _tell_create_only_refused(self, what: str, exc: Exception) -> None:

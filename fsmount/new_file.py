@@ -61,6 +61,7 @@ import trio
 from fsmount.data import (
     MAX_PART_SIZE,
     MAX_PARTS,
+    Exists,
     MemoryBudget,
     ObjectMeta,
     StoreError,
@@ -70,7 +71,6 @@ from fsmount.data import (
     multipart_etag,
     put_etag,
 )
-from fsmount.data.uploads import Exists
 from fsmount.namespace import Node, PathError
 from fsmount.write_staging import StagedFile
 

@@ -24,8 +24,9 @@ left in the cache dir's `writes/`; each daemon exits within seconds of its unmou
 Not in the default suite: threads interleave differently each run. Of the failures seen (about one run in a dozen at
 first), one was shown to be the model's and one more looked the same: a reader of the name rewritten in place read
 pages of one version then pages of a later one its own mount wrote, as a reader of a local file does (now checked
-page by page: `rewritten_in_place`). One is not explained: a 1-byte read of that name that was no version's first
-byte (RELIABILITY, "Not covered yet").
+page by page: `rewritten_in_place`). One, a 1-byte read of that name that was no version's first byte, was the
+kernel's zero-fill of a short READ of the reader's old version while its mount's writer set the file's size (B95,
+now EIO; `test_rewrite_beside_reader.py` reproduces it).
 `MODELFS_CROWD_SECONDS=20` runs it (20 s on SeaweedFS is 10 s: about 80 s in all), `MODELFS_CROWD_SEED=N` on other
 seeds. The audit with it found B89 (urllib3 dropping connections, with a warning each, under a burst of metadata
 calls beside writes).

@@ -31,7 +31,7 @@ from fsmount.data import ChunkEngine, NotFound, PreconditionFailed, StoreError
 from fsmount.handles import OpenFile
 from fsmount.namespace import DirEntry, Namespace, Node, PathError
 from fsmount.new_file import NewFile
-from fsmount.pagecache import PageCachePusher
+from fsmount.pagecache import SETTLE_WAIT_S, PageCachePusher
 from fsmount.stats import STATS_XATTR
 from fsmount.streaming import ModelStreamer
 from fsmount.writes import Writes
@@ -360,8 +360,12 @@ class Operations(pyfuse3.Operations):
             old = node.version(self.ns.prefix)
             new = self.writes.open_existing(node, flags)
             if new is not None:
-                # Its stream would push the old bytes into the pages of what is now the new file.
+                # Its stream would push the old bytes into the pages of what is now the new file; a push already
+                # copying is waited for, so the kernel's truncate at this open's reply drops what it stored.
                 self.streamer.rewritten(old)
+                if not await self.pusher.settled(inode):
+                    log.info("inode %d: a page-cache push still copying after %.0f s at its rewrite's open", inode,
+                             SETTLE_WAIT_S)
                 return await self._writer_handle(new, ctx)
             # A touch of an empty file (writes.py): a reader's handle, whose WRITEs get EPERM.
         elif self.ns.node(inode).writing:

@@ -21,7 +21,8 @@ Concurrency: `_reading` and `_reader_at` are changed only in the trio thread (`r
 `limit` (`evicted`, `release`; `evicted` reads /proc/meminfo and the cgroup's counters there, ~0.1 ms, once
 per eviction seen);
 `push` checks them there before handing the data to a worker thread. Up to `pushes_at_once` pushes copy at
-once, each in its own thread; `pushed`, `stored_total` and `_copying` are counted in the trio thread around them.
+once, each in its own thread; `pushed`, `stored_total`, `_copying` and `_copying_into` are counted in the trio
+thread around them.
 A stop (`stop`) refuses new pushes and waits for those copying while the FUSE loop still answers READs.
 """
 
@@ -66,8 +67,11 @@ KERNEL_WINDOWS_AHEAD = 2
 # with safe_open was fetched 2.2-2.9 times: each push evicted pages pushed before, the loader's READs fetched
 # them again, and the stream ran once more for the pages dropped (bench/RESULTS.md).
 PRESSURE_FREE_SHARE = 1 / 4
-# How often a stop looks whether the pushes in flight have ended (`stop`).
+# How often a stop looks whether the pushes in flight have ended (`stop`, `settled`).
 STOP_POLL_S = 0.01
+# The longest a rewrite's open waits for a push into its inode that was copying (`settled`): one chunk's copy,
+# unless it waits for pages a READ holds, which the trio thread answers meanwhile.
+SETTLE_WAIT_S = 5.0
 
 
 def default_pushes_at_once() -> int:
@@ -101,6 +105,7 @@ class PageCachePusher:
         self._turn = trio.Semaphore(self.pushes_at_once)  # FIFO: turns go in the order pushes came
         self._disabled = limit <= 0
         self._copying = 0  # pushes in notify_store now
+        self._copying_into: collections.Counter[int] = collections.Counter()  # of those, how many into each inode
 
     @property
     def enabled(self) -> bool:
@@ -165,6 +170,17 @@ class PageCachePusher:
                 await trio.sleep(STOP_POLL_S)
         return not self._copying
 
+    async def settled(self, ino: int, timeout: float = SETTLE_WAIT_S) -> bool:
+        """Waits (at most `timeout`) until no push into `ino` is copying; True if none is. A rewrite in place keeps
+        the inode and its stream stops at the O_TRUNC open (`ModelStreamer.rewritten`), but a push already in
+        notify_store ends its copy: after the kernel emptied the inode at the open, its old pages stayed in the new
+        file's cache, the last one zero-filled past the old version's end (B95's zeros, for a mapping of the old
+        version). The open answers once it ended, so the kernel's truncate at the open's reply drops them."""
+        with trio.move_on_after(timeout):
+            while self._copying_into[ino]:
+                await trio.sleep(STOP_POLL_S)
+        return not self._copying_into[ino]
+
     async def push(self, ino: int, offset: int, length: int, take: Callable[[], Chunk | None]) -> bool:
         """Store `length` bytes at `offset` of `ino` in the page cache; False if skipped. At most
         `pushes_at_once` run at once, the others wait for a turn in the order they came, and the bytes are
@@ -188,10 +204,14 @@ class PageCachePusher:
                 # bounded copy into the page cache, and the trio thread stays free to answer READs.
                 with trio.CancelScope(shield=True):
                     self._copying += 1
+                    self._copying_into[ino] += 1
                     try:
                         await trio.to_thread.run_sync(pyfuse3.notify_store, ino, offset, data)
                     finally:
                         self._copying -= 1
+                        self._copying_into[ino] -= 1
+                        if not self._copying_into[ino]:
+                            del self._copying_into[ino]
             except OSError as exc:
                 self.pushed -= len(data)
                 if exc.errno == errno.ENOSYS:

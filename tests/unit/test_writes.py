@@ -1258,3 +1258,57 @@ async def test_the_unmount_aborts_the_uploads_of_files_still_open_at_once(monkey
         answer.set()
     assert took < 0.9, took
     assert not writes._open
+
+
+async def test_a_rewrite_s_open_waits_for_a_push_into_its_inode_still_copying(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A rewrite in place keeps the inode; its O_TRUNC open stops the old version's stream, but a push already in
+    notify_store ended its copy after the kernel had emptied the inode at the open: the old pages stayed in the new
+    file's cache, the last zero-filled past the old end (B95's zeros, for a mapping of the old version; seen in a
+    review, B103). The open now answers only once the push into that inode ended, so the kernel's truncate at the
+    reply drops what it stored; a push into another inode is not waited for."""
+    import types
+
+    import fsmount.pagecache
+    from fsmount.operations import Operations, Owner
+    from fsmount.pagecache import PageCachePusher
+
+    release, copying = threading.Event(), threading.Event()
+
+    def notify_store(ino: int, offset: int, data: object) -> None:
+        copying.set()
+        release.wait(10)
+
+    monkeypatch.setattr(fsmount.pagecache.pyfuse3, "notify_store", notify_store)
+    writes, uploads, ns = make(allow_overwrite=True)
+    uploads.store.put("m.bin", b"old")
+    uploads.store.put("other.bin", b"other")
+    pusher = PageCachePusher(1 << 30, pushes_at_once=2)
+    rewritten: list[str] = []
+    streamer = types.SimpleNamespace(rewritten=lambda version: rewritten.append(version.key))
+    ops = Operations(ns, None, streamer, pusher, max_readahead=0, owner=Owner(0, 0, 0o644, 0o755),  # type: ignore[arg-type]
+                     writes=writes)
+    ctx = types.SimpleNamespace(pid=os.getpid(), uid=0, gid=0, umask=0o022)
+    opened: list[Any] = []
+
+    async def open_for_rewrite(ino: int) -> None:
+        opened.append(await ops.open(ino, os.O_WRONLY | os.O_TRUNC, ctx))  # type: ignore[arg-type]
+
+    async with serving(writes) as nursery:
+        node = await ns.lookup(ROOT_INODE, b"m.bin")
+        other = await ns.lookup(ROOT_INODE, b"other.bin")
+        nursery.start_soon(pusher.push, node.ino, 0, 3, lambda: b"old")
+        await trio.to_thread.run_sync(copying.wait, 5)
+        with trio.fail_after(5):
+            await open_for_rewrite(other.ino)  # another inode's push is not waited for
+        nursery.start_soon(open_for_rewrite, node.ino)
+        await trio.sleep(0.3)
+        assert len(opened) == 1 and rewritten == ["other.bin", "m.bin"]  # the stream stopped; the open waits
+        release.set()
+        with trio.fail_after(5):
+            while len(opened) < 2:
+                await trio.sleep(0.01)
+        assert pusher.stored_total == 3
+        for info in opened:
+            await ops.release(info.fh)
+    assert uploads.objects["m.bin"] == b"" and uploads.objects["other.bin"] == b""

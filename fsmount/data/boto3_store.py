@@ -60,10 +60,13 @@ PRESIGNED_GET_ATTEMPTS = BOTO_MAX_ATTEMPTS + 1
 PRESIGNED_BACKOFF_BASE = 0.05
 # Keys per ListObjectsV2 page: S3's maximum.
 LIST_PAGE_KEYS = 1000
-# The error codes of a 403 worth looking the credentials up again for (`Boto3Store._signed_anew`); "403" is what
-# botocore says of a refused HEAD, whose answer has no body to name a code.
-CREDENTIAL_CODES = frozenset({"403", "ExpiredToken", "InvalidToken", "InvalidAccessKeyId", "TokenRefreshRequired",
-                              "SignatureDoesNotMatch", "AccessDenied"})
+# The error codes of a 400 or 403 worth looking the credentials up again for (`Boto3Store._signed_anew`). AWS S3
+# refuses a session token past its expiry (ExpiredToken), a malformed one (InvalidToken) and one to refresh
+# (TokenRefreshRequired) with 400, the others with 403. "400" and "403" are what botocore says of a refused HEAD,
+# whose answer has no body to name a code.
+CREDENTIAL_CODES = frozenset({"400", "403", "ExpiredToken", "InvalidToken", "InvalidAccessKeyId",
+                              "TokenRefreshRequired", "SignatureDoesNotMatch", "AccessDenied"})
+CREDENTIAL_STATUSES = (400, 403)
 # Pre-flight check: one attempt, short timeouts, so a wrong endpoint fails in seconds.
 PREFLIGHT_TIMEOUT = 5.0
 
@@ -422,7 +425,7 @@ class Boto3Store:
         """botocore's `needs-retry` hook (called after its own retry handler said no): a request refused for its
         credentials is sent once more, signed anew, if they changed (`_renew`). Every call on the client: HEADs,
         listings, the writes of `uploads.Uploads`, GETs of --get-client boto3."""
-        if not response or response[0] is None or response[0].status_code != 403:
+        if not response or response[0] is None or response[0].status_code not in CREDENTIAL_STATUSES:
             return None
         code = str((response[1] or {}).get("Error", {}).get("Code", ""))
         context = request_dict.get("context", {}) if request_dict else {}

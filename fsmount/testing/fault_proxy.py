@@ -171,8 +171,8 @@ class FaultProxy:
         self._synthetic: list[SyntheticDirectory] = []
         # `bucket_region`: requests signed for another region are refused as S3 refuses them (301).
         self._region: str | None = None
-        # `revoke_key`: access key ids whose signatures are refused (403 ExpiredToken), as S3 refuses expired ones.
-        self._revoked: set[str] = set()
+        # `revoke_key`: access key ids whose signatures are refused (ExpiredToken), each with its HTTP status.
+        self._revoked: dict[str, int] = {}
         self.port = 0
 
     # -- lifecycle -----------------------------------------------------------------------------
@@ -237,11 +237,13 @@ class FaultProxy:
         with self._lock:
             self._region = region
 
-    def revoke_key(self, key_id: str) -> None:
+    def revoke_key(self, key_id: str, status: int = 403) -> None:
         """Refuse every request signed with access key id `key_id` (in the Authorization header's or a presigned
-        URL's credential) as S3 refuses credentials past their expiry: 403 ExpiredToken."""
+        URL's credential) as credentials past their expiry are refused: ExpiredToken, with HTTP `status`. AWS S3
+        answers 400 (a HEAD's answer then has no body: botocore names its code "400"); 403 is the status of the
+        other refusals for credentials (AccessDenied, InvalidAccessKeyId, SignatureDoesNotMatch)."""
         with self._lock:
-            self._revoked.add(key_id)
+            self._revoked[key_id] = status
 
     def origin_down(self, mode: Down | str = Down.REFUSE) -> None:
         """Play dead until `origin_back()`. Returns once the new state holds."""
@@ -406,10 +408,11 @@ class FaultProxy:
                 self._hold(MAX_HOLD_S, release)
             return False, upstream
         with self._lock:
-            region, revoked = self._region, set(self._revoked)
-        if revoked and signed_key_id(req.header("Authorization") or "", req.target) in revoked:
+            region, revoked = self._region, dict(self._revoked)
+        refused = revoked.get(signed_key_id(req.header("Authorization") or "", req.target) or "") if revoked else None
+        if refused is not None:
             self._note(req, "revoked-key")
-            send(conn, error_response(403, "ExpiredToken"), req)
+            send(conn, error_response(refused, "ExpiredToken"), req)
             return True, upstream
         signed = signed_region(req.header("Authorization") or "") or signed_region(req.target)
         if region is not None and signed not in (None, region):

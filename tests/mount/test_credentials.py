@@ -104,6 +104,33 @@ def test_a_credentials_file_rewritten_with_a_new_key_is_read_again_when_the_old_
     assert not any(secret in r.getMessage() for r in caplog.records for secret in (OLD_SECRET, NEW_SECRET))
 
 
+@pytest.mark.parametrize("get_client", ["presigned", "boto3"])
+@pytest.mark.parametrize("first", list(STEPS))
+def test_session_credentials_expired_as_s3_says_it_400_are_read_again_from_the_rewritten_file(
+        aws_files: Path, moto_server: S3Server, proxy: FaultProxy, allowed_logs: list[str],
+        caplog: pytest.LogCaptureFixture, first: str, get_client: str) -> None:
+    """S3 refuses a session token past its expiry with 400 ExpiredToken, not 403 (a HEAD's 400 has no body, its
+    code "400"). The needs-retry hook looked at 403s only: a file an agent rewrote with new session credentials was
+    read again by a refused presigned GET, but a mount whose HEADs, listings or writes met the expiry first got
+    EACCES (EIO for a HEAD) on every one of them while no GET came to renew them."""
+    allowed_logs.append(r"requests were refused \((ExpiredToken|400)\) and the credentials \(shared-credentials-file\) "
+                        r"have changed")
+    bucket = bucket_with(moto_server, {"w.bin": DATA})
+    creds = aws_files / "credentials"
+    creds.write_text(f"[default]\naws_access_key_id = {OLD}\naws_secret_access_key = {OLD_SECRET}\n"
+                     "aws_session_token = old-token\n")
+    store = Boto3Store(StoreConfig(bucket=bucket, endpoint_url=proxy.endpoint_url, addressing_style="path",
+                                   get_client=get_client))
+    exercise(store)
+    creds.write_text(f"[default]\naws_access_key_id = {NEW}\naws_secret_access_key = {NEW_SECRET}\n"
+                     "aws_session_token = new-token\n")
+    proxy.revoke_key(OLD, status=400)
+    since = len(proxy.log())
+    exercise(store, first)
+    assert keys_seen(proxy, since) == {NEW}
+    assert len([r for r in caplog.records if "have changed" in r.getMessage()]) == 1
+
+
 def test_a_key_refused_and_not_replaced_is_eacces_said_and_looked_up_at_most_once_per_recheck(
         aws_files: Path, moto_server: S3Server, proxy: FaultProxy, monkeypatch: pytest.MonkeyPatch) -> None:
     """A key revoked and not replaced: every request is EACCES with the reason (ExpiredToken), and the credentials

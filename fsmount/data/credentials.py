@@ -88,11 +88,17 @@ class Renewable(Credentials):  # type: ignore[misc]
             self._next_check = now + self._recheck_s
             try:
                 fresh = self._resolve()
+                # A role assumed through a profile, SSO, a web identity: their credentials are fetched here (STS).
+                new = None if fresh is None else _frozen(fresh)
             except Exception as exc:  # noqa: BLE001 - whatever a provider raises: keep the credentials there are
                 log.warning("requests were refused (%s); looking the credentials up again failed: %s: %s",
                             why, type(exc).__name__, str(exc)[:200])
                 return False
-            if fresh is None or _frozen(fresh) == _frozen(self._source):
+            try:
+                old = _frozen(self._source)
+            except Exception:  # noqa: BLE001 - those signed with cannot be had any more (a refresh fails): take the new
+                old = None
+            if new is None or new == old:
                 return False
             self._source, self._changed_at = fresh, now
             method = self.method

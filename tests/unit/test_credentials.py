@@ -49,3 +49,39 @@ def test_a_lookup_that_fails_keeps_the_credentials_and_says_why(allowed_logs: li
     renewable = Renewable(Credentials("OLD", "s", method="env"), resolve)
     assert not renewable.renew("403")
     assert renewable.access_key == "OLD" and renewable.token is None and renewable.account_id is None
+
+
+def test_a_lookup_whose_credentials_fail_when_fetched_keeps_the_old_ones_and_says_why(
+        allowed_logs: list[str]) -> None:
+    """A role assumed through a profile (`role_arn`), SSO and web identity give credentials fetched when first
+    used (botocore's DeferredRefreshableCredentials): their STS call, not the lookup, fails (STS unreachable, an MFA
+    prompt with no terminal). It raised out of `renew`, through botocore's needs-retry hook, out of the request
+    that was refused: an S3 read or HEAD failed as if the bucket's endpoint were unreachable (STS's error, taken for
+    the bucket's), where the lookup's failure is to be said and the refusal kept."""
+    from botocore.credentials import DeferredRefreshableCredentials
+
+    allowed_logs.append(r"requests were refused \(ExpiredToken\); looking the credentials up again failed: "
+                        r"OSError: sts unreachable")
+
+    def fetch() -> dict[str, str]:
+        raise OSError("sts unreachable")
+
+    renewable = Renewable(Credentials("OLD", "s", method="assume-role"),
+                          lambda: DeferredRefreshableCredentials(fetch, "assume-role"))
+    assert not renewable.renew("ExpiredToken")
+    assert renewable.access_key == "OLD"
+
+
+def test_credentials_that_cannot_be_had_any_more_are_replaced_by_a_lookup_that_gives_some(
+        allowed_logs: list[str]) -> None:
+    """The credentials signed with fail when asked for again (a refresh that fails) while a lookup gives new ones:
+    those are signed with from then on, not the failure raised out of `renew`."""
+    allowed_logs.append(r"requests were refused \(ExpiredToken\) and the credentials \(env\) have changed")
+
+    class Failing(Credentials):  # type: ignore[misc]
+        def get_frozen_credentials(self) -> None:
+            raise OSError("refresh failed")
+
+    renewable = Renewable(Failing("OLD", "s", method="env"), lambda: Credentials("NEW", "s2", method="env"))
+    assert renewable.renew("ExpiredToken")
+    assert renewable.access_key == "NEW"

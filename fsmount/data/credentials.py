@@ -11,12 +11,15 @@ refusing every request (EACCES) until it was restarted.
 what the chain resolved, and `renew()` resolves the chain again (a fresh botocore session: files read again,
 processes run again) at most once per `RECHECK_S`, and signs with the result from then on if it differs. The
 store calls `renew()` when a request is refused for its credentials (AccessDenied, ExpiredToken, InvalidToken,
-InvalidAccessKeyId) and sends that request once more, signed anew, if it returned True.
+InvalidAccessKeyId) and sends that request once more, signed anew, if it returned True. Signing calls it too when
+the credentials' own refresh fails (a role assumed with a source key rotated in the file and revoked), for no
+request is sent then to be refused.
 
 Thread-safety: `Renewable.get_frozen_credentials` is called by every signing thread without a lock: it reads one
 reference (`_source`), replaced whole by `renew` (never changed in place), so a signature never mixes a key id and
-a secret of two generations. `renew` serializes lookups under `_lock`; `_next_check` and `_changed_at` are only
-touched under it. No secret is ever logged: only how the credentials were found (botocore's method name).
+a secret of two generations; only when the source fails does it call `renew`. `renew` serializes lookups under
+`_lock`; `_next_check` and `_changed_at` are only touched under it. No secret is ever logged: only how the
+credentials were found (botocore's method name).
 """
 
 from __future__ import annotations
@@ -59,7 +62,14 @@ class Renewable(Credentials):  # type: ignore[misc]
         return str(getattr(self._source, "method", "") or "")
 
     def get_frozen_credentials(self) -> Any:
-        return self._source.get_frozen_credentials()
+        try:
+            return self._source.get_frozen_credentials()
+        except Exception as exc:
+            # Credentials botocore refreshes, whose refresh fails (a role assumed with a source key rotated in the
+            # file and revoked): no request is sent, so no refusal would look them up again.
+            if not self.renew(type(exc).__name__, event="the credentials' refresh failed"):
+                raise
+            return self._source.get_frozen_credentials()
 
     @property
     def access_key(self) -> str:
@@ -77,10 +87,10 @@ class Renewable(Credentials):  # type: ignore[misc]
     def account_id(self) -> str | None:
         return getattr(self._source, "account_id", None)
 
-    def renew(self, why: str) -> bool:
+    def renew(self, why: str, *, event: str = "requests were refused") -> bool:
         """Look the credentials up again (at most once per `recheck_s`) after a request was refused for `why`
-        (an error code). True if they are other than before, now or at a renewal within `recheck_s`: a request
-        signed before that renewal deserves its second try too."""
+        (an error code), or another `event` (what the log says). True if they are other than before, now or at a
+        renewal within `recheck_s`: a request signed before that renewal deserves its second try too."""
         now = time.monotonic()
         with self._lock:
             if now < self._next_check:
@@ -91,8 +101,8 @@ class Renewable(Credentials):  # type: ignore[misc]
                 # A role assumed through a profile, SSO, a web identity: their credentials are fetched here (STS).
                 new = None if fresh is None else _frozen(fresh)
             except Exception as exc:  # noqa: BLE001 - whatever a provider raises: keep the credentials there are
-                log.warning("requests were refused (%s); looking the credentials up again failed: %s: %s",
-                            why, type(exc).__name__, str(exc)[:200])
+                log.warning("%s (%s); looking the credentials up again failed: %s: %s",
+                            event, why, type(exc).__name__, str(exc)[:200])
                 return False
             try:
                 old = _frozen(self._source)
@@ -102,8 +112,8 @@ class Renewable(Credentials):  # type: ignore[misc]
                 return False
             self._source, self._changed_at = fresh, now
             method = self.method
-        log.warning("requests were refused (%s) and the credentials (%s) have changed since they were read: "
-                    "signing with the new ones from now on", why, method or "unknown source")
+        log.warning("%s (%s) and the credentials (%s) have changed since they were read: "
+                    "signing with the new ones from now on", event, why, method or "unknown source")
         return True
 
 

@@ -85,3 +85,31 @@ def test_credentials_that_cannot_be_had_any_more_are_replaced_by_a_lookup_that_g
     renewable = Renewable(Failing("OLD", "s", method="env"), lambda: Credentials("NEW", "s2", method="env"))
     assert renewable.renew("ExpiredToken")
     assert renewable.access_key == "NEW"
+
+
+def test_credentials_whose_refresh_fails_are_looked_up_again_when_signing(allowed_logs: list[str]) -> None:
+    """A role assumed through a profile whose source key was rotated in the file and revoked: botocore refreshes
+    the role's credentials with the source key it read at start, STS refuses it, and past their expiry every
+    signing raised that refusal. No request was sent, so no refusal of the bucket looked the credentials up again:
+    the mount refused everything until restarted. Signing now looks them up again (at most once per recheck)."""
+    import datetime
+
+    from botocore.credentials import RefreshableCredentials
+
+    allowed_logs.append(r"the credentials' refresh failed \(OSError\) and the credentials \(assume-role\) have "
+                        r"changed")
+    lookups: list[int] = []
+
+    def refuse() -> dict[str, str]:
+        raise OSError("InvalidClientTokenId")
+
+    past = datetime.datetime.now(datetime.UTC) - datetime.timedelta(minutes=1)
+    expired = RefreshableCredentials("OLD", "s", "t", past, refuse, "assume-role")
+
+    def resolve() -> Credentials:
+        lookups.append(1)
+        return Credentials("NEW", "s2", "t2", method="assume-role")
+
+    renewable = Renewable(expired, resolve)
+    assert renewable.get_frozen_credentials().access_key == "NEW" and len(lookups) == 1
+    assert renewable.access_key == "NEW" and len(lookups) == 1

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import signal
+from collections.abc import Callable
 from pathlib import Path
 
 from tests.helpers import S3Server, bucket_with, daemon_env, mounted_at, run_modelfs, unmount, wait_for
@@ -42,19 +43,14 @@ LOGGED = ("SIGUSR2", "SIGALRM", "SIGVTALRM", "SIGPROF", "SIGIO", "SIGPWR")
 SILENT = ("SIGPIPE", "SIGXFSZ")  # ignored by Python itself: a write gets EPIPE, EFBIG
 
 
-def test_stray_signals_leave_the_mount_up_and_sigterm_still_stops_it(moto_server: S3Server, mountpoint: Path,
-                                                                     tmp_path: Path) -> None:
-    log_file = tmp_path / "modelfs.log"
+def signals_leave_the_mount_up(moto_server: S3Server, mountpoint: Path, log_file: Path,
+                               send: Callable[[int], None]) -> None:
+    """Mounts, has `send(pid)` signal the daemon while a file is held open, then checks the mount still serves it
+    and SIGTERM still stops the daemon; always unmounts."""
     try:
         pid = mount_logging(moto_server, mountpoint, log_file)
         with open(mountpoint / "a.bin", "rb") as held:
-            for name in LOGGED + SILENT:
-                os.kill(pid, getattr(signal, name))
-                if name in LOGGED:
-                    wait_for(f"the line saying {name} was ignored",
-                             lambda: f"received {name}: ignored" in log_file.read_text())  # noqa: B023
-            os.kill(pid, signal.SIGUSR2)  # and again: each one is
-            wait_for("the second line", lambda: log_file.read_text().count("received SIGUSR2: ignored") == 2)
+            send(pid)
             assert held.read() == b"a" * 100
         assert (mountpoint / "a.bin").read_bytes() == b"a" * 100
         os.kill(pid, 0)  # the daemon is still there
@@ -62,6 +58,22 @@ def test_stray_signals_leave_the_mount_up_and_sigterm_still_stops_it(moto_server
         wait_for("the stop", lambda: not mounted_at(mountpoint))
     finally:
         unmount(mountpoint)
+
+
+def test_stray_signals_leave_the_mount_up_and_sigterm_still_stops_it(moto_server: S3Server, mountpoint: Path,
+                                                                     tmp_path: Path) -> None:
+    log_file = tmp_path / "modelfs.log"
+
+    def send(pid: int) -> None:
+        for name in LOGGED + SILENT:
+            os.kill(pid, getattr(signal, name))
+            if name in LOGGED:
+                wait_for(f"the line saying {name} was ignored",
+                         lambda: f"received {name}: ignored" in log_file.read_text())  # noqa: B023
+        os.kill(pid, signal.SIGUSR2)  # and again: each one is
+        wait_for("the second line", lambda: log_file.read_text().count("received SIGUSR2: ignored") == 2)
+
+    signals_leave_the_mount_up(moto_server, mountpoint, log_file, send)
 
 
 # The real-time signals (default action: end the process), which no library of the daemon uses (glibc keeps two below
@@ -74,17 +86,11 @@ REAL_TIME = ((signal.SIGRTMIN, "SIGRTMIN"), (signal.SIGRTMIN + 3, "SIGRTMIN+3"),
 
 def test_real_time_signals_leave_the_mount_up(moto_server: S3Server, mountpoint: Path, tmp_path: Path) -> None:
     log_file = tmp_path / "modelfs.log"
-    try:
-        pid = mount_logging(moto_server, mountpoint, log_file)
-        with open(mountpoint / "a.bin", "rb") as held:
-            for signum, name in REAL_TIME:
-                os.kill(pid, signum)
-                wait_for(f"the line saying {name} was ignored",
-                         lambda: f"received {name}: ignored" in log_file.read_text())  # noqa: B023
-            assert held.read() == b"a" * 100
-        assert (mountpoint / "a.bin").read_bytes() == b"a" * 100
-        os.kill(pid, 0)  # the daemon is still there
-        os.kill(pid, signal.SIGTERM)
-        wait_for("the stop", lambda: not mounted_at(mountpoint))
-    finally:
-        unmount(mountpoint)
+
+    def send(pid: int) -> None:
+        for signum, name in REAL_TIME:
+            os.kill(pid, signum)
+            wait_for(f"the line saying {name} was ignored",
+                     lambda: f"received {name}: ignored" in log_file.read_text())  # noqa: B023
+
+    signals_leave_the_mount_up(moto_server, mountpoint, log_file, send)

@@ -233,6 +233,12 @@ def _flock_or_wait_for_draining(fd: int, root: str, path: str) -> None:
             return
         except BlockingIOError:
             holder = _holder(path).split() or ["unknown"]
+            real = _flock_holders(fd)
+            if real and 0 not in real and not any(holder[0] in _pid_names(pid) for pid in real):
+                # `lock` names a process that does not hold the dir: a holder that could not write it (a read-only
+                # cache dir) left the last writer's text, "PID draining" of a daemon long gone, which had the next
+                # comer wait DRAINING_WAIT_S for a live mount and then name that dead pid. The kernel's word counts.
+                holder = [str(min(real))]
             if holder[1:] != [DRAINING] and time.monotonic() < grace:
                 time.sleep(0.1)
                 continue
@@ -247,6 +253,39 @@ def _flock_or_wait_for_draining(fd: int, root: str, path: str) -> None:
                 log.info("cache dir %s: waiting for the daemon of the mount before (pid %s), unmounted, to finish "
                          "writing what it fetched (up to %g s)", root, holder[0], DRAINING_WAIT_S)
             time.sleep(0.1)
+
+
+def _flock_holders(fd: int) -> set[int] | None:
+    """The pids that /proc/locks shows holding a flock on the file of `fd` (0 for a holder outside this process's pid
+    namespace); None where it cannot tell (no /proc)."""
+    st = os.fstat(fd)
+    # /proc/locks names the file "MAJOR:MINOR:INODE", the device numbers in hex: "1: FLOCK  ADVISORY  WRITE 4565
+    # fe:00:15360195 0 EOF" (a waiter's line has "->" after the number, and so one field more before the pid).
+    file_id = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
+    try:
+        with open("/proc/locks", encoding="ascii", errors="replace") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    pids = set()
+    for line in lines:
+        fields = line.split()
+        if len(fields) >= 6 and fields[1] == "FLOCK" and fields[5] == file_id and fields[4].isdigit():
+            pids.add(int(fields[4]))
+    return pids
+
+
+def _pid_names(pid: int) -> set[str]:
+    """`pid` and what the process is called in the pid namespaces below this one (NSpid: a daemon in a container
+    wrote its own number in `lock`)."""
+    try:
+        with open(f"/proc/{pid}/status", encoding="ascii", errors="replace") as f:
+            for line in f:
+                if line.startswith("NSpid:"):
+                    return {str(pid), *line.split()[1:]}
+    except OSError:
+        pass
+    return {str(pid)}
 
 
 def mark_draining(root: str) -> None:

@@ -879,7 +879,7 @@ def test_a_second_cache_is_refused_even_once_the_lock_file_is_removed(tmp_path: 
             shutil.rmtree(entry) if entry.is_dir() else entry.unlink()
         with pytest.raises(CacheDirBusy) as busy:
             DiskCache(tmp_path / "c", BIG, min_free_bytes=0)
-        assert "pid unknown" in str(busy.value)
+        assert f"(pid {os.getpid()})" in str(busy.value)  # the holder /proc/locks shows: the `lock` file is gone
         with pytest.raises(CacheDirBusy):
             cache_verify(tmp_path / "c")
 
@@ -1421,6 +1421,40 @@ def test_a_mount_waits_for_a_cache_dir_whose_holder_is_draining_and_is_refused_b
         (tmp_path / "lock").mkdir()
         second.mark_draining()
     (tmp_path / "lock").rmdir()
+
+
+def test_a_draining_word_left_in_the_lock_by_a_gone_daemon_does_not_make_the_next_comer_wait_for_a_live_holder(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A read-only cache dir keeps the `lock` text of the last daemon that could write it: "PID draining" of a
+    daemon long gone. Beside a live read-only mount of it, `modelfs cache verify` (and a second mount) waited
+    DRAINING_WAIT_S, saying it waited for that unmounted daemon, then was refused naming its dead pid. The holder
+    /proc/locks shows counts: refused at once, naming the live holder."""
+    import fsmount.data.cache_dir as cache_dir
+    from fsmount.data.cache_dir import CacheDirBusy, acquire_dir_lock, release_dir_lock
+
+    monkeypatch.setattr(cache_dir, "DRAINING_WAIT_S", 3.0)  # the old code's wait, shortened
+    gone = subprocess.Popen(["true"])
+    gone.wait()  # a pid that holds nothing
+    live = acquire_dir_lock(str(tmp_path))  # the live holder: this process, through its own descriptor
+    timer = threading.Timer(0.5, release_dir_lock, [live])
+    try:
+        (tmp_path / "lock").write_text(f"{gone.pid} draining\n")  # what a read-only holder could not write over
+        began = time.monotonic()
+        with pytest.raises(CacheDirBusy, match=rf"\(pid {os.getpid()}\)"):
+            acquire_dir_lock(str(tmp_path))
+        assert time.monotonic() - began < cache_dir.DRAINING_GRACE_S + 1.5  # refused, not waited for
+        # A holder that says so itself is still waited for (its own pid with the word).
+        (tmp_path / "lock").write_text(f"{os.getpid()} draining\n")
+        timer.start()
+        began = time.monotonic()
+        second = acquire_dir_lock(str(tmp_path))
+        assert 0.4 < time.monotonic() - began < 3
+        release_dir_lock(second)
+    finally:
+        if timer.ident is None:  # never started: still ours to release
+            release_dir_lock(live)
+        else:
+            timer.join()
 
 
 @pytest.mark.parametrize("kind", ["fifo", "directory"])

@@ -1,6 +1,7 @@
 """The layout of a cache directory and what guards it: a flock on the directory itself (held by the one process
-using it; `root/lock` names that process's pid where it can write it, and /proc/locks where it cannot), `root/chunks/<d[:2]>/<d>` where d = ChunkId.digest(), temp
-files `*.tmp` beside them, a stat-only scan of what is there, and the size a `--cache-size` names.
+using it; `root/lock` names that process's pid where it can write it, and /proc/locks where it cannot),
+`root/chunks/<d[:2]>/<d>` where d = ChunkId.digest(), temp files `*.tmp` beside them, a stat-only scan of what is
+there, and the size a `--cache-size` names.
 
 Plain functions; the cache (disk_cache) and the `modelfs cache` commands (cache_admin) both use them.
 """

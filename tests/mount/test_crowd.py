@@ -27,11 +27,11 @@ pages of one version then pages of a later one its own mount wrote, as a reader 
 page by page: `rewritten_in_place`). One, a 1-byte read of that name that was no version's first byte, was the
 kernel's zero-fill of a short READ of the reader's old version while its mount's writer set the file's size (B95,
 now EIO; `test_rewrite_beside_reader.py` reproduces it). Later, 4 runs in 10 (5 configurations
-of 30) failed at a `cp` onto the name rewritten in place, early: its first two saves raced to create it, and `cp`,
+of 30) failed at a `cp` onto the name rewritten in place. Four, early: its first two saves raced to create it; `cp`,
 whose stat found the name free, opens it with O_EXCL, so it got EEXIST at the open (a listing within the metadata
 TTL of the other mount's store) or EIO at the close (the other mount stored it after this one's HEAD: README,
 O_EXCL's create-only store), as a racing `cp` gets EEXIST on a local disk; the name is now stored before the crowd
-starts. One more was EBUSY for a `cp` onto it, which is now retried as the savers' own opens are (`busy_retried`).
+starts. The fifth was EBUSY for a `cp` onto it, which is now retried as the savers' own opens are (`busy_retried`).
 `MODELFS_CROWD_SECONDS=20` runs it (20 s on SeaweedFS is 10 s: about 80 s in all), `MODELFS_CROWD_SEED=N` on other
 seeds. The audit with it found B89 (urllib3 dropping connections, with a warning each, under a burst of metadata
 calls beside writes).

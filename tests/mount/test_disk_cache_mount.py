@@ -634,7 +634,7 @@ def test_copies_a_killed_writable_mount_left_are_shown_cleared_and_swept_by_the_
 
     left_by_a_killed_writer()
     res = cache_cmd("stats", cache)
-    assert "staged writes   1 files, 3.00 MiB" in res.stdout, res.stdout
+    assert "staged writes   1 file, 3.00 MiB" in res.stdout, res.stdout
     res = cache_cmd("clear", cache)
     assert res.stdout == ("removed 2 chunk files, 3.00 MiB of copies a --writable mount left in writes/, 1 files of "
                           "the names mounts learnt (names/)\n"), res
@@ -642,4 +642,4 @@ def test_copies_a_killed_writable_mount_left_are_shown_cleared_and_swept_by_the_
     left_by_a_killed_writer()
     with mounted(moto_server, bucket, mountpoint, *cache_args(cache)) as m:
         assert not left.exists()
-    assert re.search(r"removed 1 copies of files \(3 MiB\) that a --writable mount left in writes/", m.log())
+    assert re.search(r"removed 1 copy of a file \(3 MiB\) that a --writable mount left in writes/", m.log())

@@ -286,7 +286,8 @@ class Boto3Store:
                                            pool_size=cfg.max_connections + 4,
                                            connect_timeout=cfg.connect_timeout, read_timeout=cfg.read_timeout,
                                            ssl_context=_ssl_context(cfg.profile, self._client.meta.endpoint_url),
-                                           on_wrong_region=self._use_region, on_refused=self._renew)
+                                           on_wrong_region=self._use_region, on_refused=self._renew,
+                                           on_refused_again=self._refused_again)
         # How many tries a ranged GET gets, and the backoff between them, by what carries its bytes.
         self._get_attempts, self._backoff_base = ((GET_ATTEMPTS, GET_BACKOFF_BASE) if self._ranges is None
                                                   else (PRESIGNED_GET_ATTEMPTS, PRESIGNED_BACKOFF_BASE))
@@ -421,6 +422,12 @@ class Boto3Store:
         than when it was signed (`credentials.Renewable.renew`), so that sending it again may help."""
         return self._credentials is not None and self._credentials.renew(why)
 
+    def _refused_again(self, why: str) -> None:
+        """A request sent again, signed anew because `_renew` said the credentials changed, was refused again for
+        `why` (`credentials.Renewable.refused_again`: a policy's refusal looks the credentials up no more)."""
+        if self._credentials is not None:
+            self._credentials.refused_again(why)
+
     def _signed_anew(self, response: Any = None, request_dict: Any = None, **_: Any) -> int | None:
         """botocore's `needs-retry` hook (called after its own retry handler said no): a request refused for its
         credentials is sent once more, signed anew, if they changed (`_renew`). Every call on the client: HEADs,
@@ -429,7 +436,10 @@ class Boto3Store:
             return None
         code = str((response[1] or {}).get("Error", {}).get("Code", ""))
         context = request_dict.get("context", {}) if request_dict else {}
-        if code not in CREDENTIAL_CODES or context.get("modelfs_signed_anew"):
+        if code not in CREDENTIAL_CODES:
+            return None
+        if context.get("modelfs_signed_anew"):
+            self._refused_again(code)
             return None
         if not self._renew(code):
             return None

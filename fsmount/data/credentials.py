@@ -15,11 +15,19 @@ InvalidAccessKeyId) and sends that request once more, signed anew, if it returne
 the credentials' own refresh fails (a role assumed with a source key rotated in the file and revoked), for no
 request is sent then to be refused.
 
+Some refusals are not only the credentials' (`NOT_ONLY_CREDENTIALS`: AccessDenied, a HEAD's bare 400 or 403): a bucket
+policy refuses so too. A source that mints new keys at each lookup (a role assumed through a profile, SSO, a
+credential_process giving new session keys each run) looks changed at every lookup, so a policy's refusal cost a
+lookup (an STS call, a process run), a "have changed" warning and a second request per `RECHECK_S`, for good. When a
+request sent again with credentials a renewal changed is refused again for such a code (`refused_again`), the
+refusal is the bucket's own: such codes look the credentials up no more, until a renewal for another reason (a
+code that names the credentials, a failed refresh) changes them.
+
 Thread-safety: `Renewable.get_frozen_credentials` is called by every signing thread without a lock: it reads one
 reference (`_source`), replaced whole by `renew` (never changed in place), so a signature never mixes a key id and
 a secret of two generations; only when the source fails does it call `renew`. `renew` serializes lookups under
-`_lock`; `_next_check` and `_changed_at` are only touched under it. No secret is ever logged: only how the
-credentials were found (botocore's method name).
+`_lock`; `_next_check`, `_changed_at` and `_policy_refusals` are only touched under it. No secret is ever logged: only
+how the credentials were found (botocore's method name).
 """
 
 from __future__ import annotations
@@ -38,6 +46,10 @@ log = logging.getLogger(__name__)
 # service, and a bucket that refuses the credentials for good (a policy, a revoked key not replaced yet) refuses
 # every request.
 RECHECK_S = 30.0
+# Refusals a bucket also gives for reasons of its own (a policy, an ACL, a prefix the role may not read), not only
+# for credentials it does not take: AccessDenied, and a HEAD's answer without a body (botocore names its code by the
+# status). The others (ExpiredToken, InvalidToken, InvalidAccessKeyId, SignatureDoesNotMatch...) name the credentials.
+NOT_ONLY_CREDENTIALS = frozenset({"AccessDenied", "400", "403"})
 
 
 def _frozen(credentials: Any) -> tuple[str, str, str | None]:
@@ -56,6 +68,9 @@ class Renewable(Credentials):  # type: ignore[misc]
         self._lock = threading.Lock()
         self._next_check = 0.0
         self._changed_at = -float("inf")  # monotonic time of the last renewal that changed them
+        # Set when credentials a renewal changed were refused again for a code of NOT_ONLY_CREDENTIALS
+        # (`refused_again`): such refusals are the bucket's own, and look nothing up until a change for another reason.
+        self._policy_refusals = False
 
     @property
     def method(self) -> str:
@@ -93,6 +108,8 @@ class Renewable(Credentials):  # type: ignore[misc]
         renewal within `recheck_s`: a request signed before that renewal deserves its second try too."""
         now = time.monotonic()
         with self._lock:
+            if self._policy_refusals and why in NOT_ONLY_CREDENTIALS:
+                return False
             if now < self._next_check:
                 return now - self._changed_at < self._recheck_s
             self._next_check = now + self._recheck_s
@@ -110,11 +127,26 @@ class Renewable(Credentials):  # type: ignore[misc]
                 old = None
             if new is None or new == old:
                 return False
-            self._source, self._changed_at = fresh, now
+            self._source, self._changed_at, self._policy_refusals = fresh, now, False
             method = self.method
         log.warning("%s (%s) and the credentials (%s) have changed since they were read: "
                     "signing with the new ones from now on", event, why, method or "unknown source")
         return True
+
+    def refused_again(self, why: str) -> None:
+        """A request sent again because `renew` said the credentials changed was refused again for `why`. For a
+        code of NOT_ONLY_CREDENTIALS the refusal is the bucket's own, not the credentials' (a source that mints new
+        keys at each lookup looks changed every time): such codes look the credentials up no more (one warning)."""
+        if why not in NOT_ONLY_CREDENTIALS:
+            return
+        with self._lock:
+            if self._policy_refusals:
+                return
+            self._policy_refusals = True
+        log.warning("requests sent again with the credentials looked up anew were refused again (%s): the bucket "
+                    "refuses them for a reason of its own (a bucket or IAM policy?), not for their key. Such refusals "
+                    "(AccessDenied, a HEAD's bare 400 or 403) no longer look the credentials up again; an expired or "
+                    "unknown key, named so by the server, still does", why)
 
 
 class _Provider:

@@ -138,15 +138,18 @@ class RangeGetter:
                  read_timeout: float, ssl_context: ssl.SSLContext | None = None,
                  presign_put: Callable[[str], str] | None = None, presign_delete: Callable[[str], str] | None = None,
                  on_wrong_region: Callable[[str], object] | None = None,
-                 on_refused: Callable[[str], object] | None = None):
+                 on_refused: Callable[[str], object] | None = None,
+                 on_refused_again: Callable[[str], object] | None = None):
         """`presign(key)` returns a signed GET URL of the key, valid for URL_EXPIRES_S; `presign_put(key)` a
         signed PUT URL (for `put`), `presign_delete(key)` a signed DELETE URL (for `delete`).
         `on_wrong_region(region)`, if given, is told the bucket's region when a GET signed for another one is
         refused; `presign` signs for it from then on, and the GET is sent again once. `on_refused(code)`, if
         given, is told the error code of a request refused for its credentials before it is signed again (it may
-        look them up again: `credentials.Renewable.renew`)."""
+        look them up again: `credentials.Renewable.renew`); `on_refused_again(code)` is told the code of that
+        request's second refusal if `on_refused` returned True (they changed, and are refused still)."""
         self._presign = presign
         self._on_refused = on_refused
+        self._on_refused_again = on_refused_again
         self._on_wrong_region = on_wrong_region
         self._presign_put = presign_put
         self._presign_delete = presign_delete
@@ -215,9 +218,7 @@ class RangeGetter:
         try:
             return send(False)
         except AccessDenied as exc:
-            if self._on_refused is not None:
-                self._on_refused(exc.code or "403")
-            return send(True)
+            renewed = self._on_refused is not None and self._on_refused(exc.code or "403")
         except WrongRegion as exc:
             if self._on_wrong_region is None or exc.signed_for == exc.region:
                 raise
@@ -225,6 +226,12 @@ class RangeGetter:
             with self._lock:
                 self._urls.clear()  # every URL signed so far is for the old region
             return send(True)
+        try:
+            return send(True)
+        except AccessDenied as again:
+            if renewed and self._on_refused_again is not None:
+                self._on_refused_again(again.code or "403")
+            raise
 
     def _get(self, key: str, etag: str, start: int, buffer: WritableBuffer | bytearray, what: str,
              fresh_url: bool, if_match: bool = True) -> None:

@@ -319,3 +319,44 @@ def test_a_mount_reads_on_after_its_profile_s_key_is_rotated_in_its_file_and_the
         log = m.log()
         assert log.count("have changed since they were read") == 1, log[-3000:]
         assert OLD_SECRET not in log and NEW_SECRET not in log
+
+
+@pytest.mark.parametrize("get_client", ["presigned", "boto3"])
+def test_a_bucket_policy_refusing_credentials_minted_at_each_lookup_costs_one_lookup_not_one_per_refusal(
+        aws_files: Path, moto_server: S3Server, proxy: FaultProxy, allowed_logs: list[str],
+        caplog: pytest.LogCaptureFixture, get_client: str) -> None:
+    """A credential_process that gives new session keys at each run (as an assumed role or SSO does at each lookup):
+    every lookup looked changed, so a bucket policy's AccessDenied ran the process, warned "have changed" and sent
+    the request twice at each refusal (each RECHECK_S; 0 here). The second refusal of credentials a lookup changed
+    says the refusal is the bucket's: no more lookups, nor second requests, for AccessDenied (the first request of a
+    refusal after which the process is not run again, one warning of each kind)."""
+    allowed_logs.extend([r"requests were refused \(AccessDenied\) and the credentials \(custom-process\) have changed",
+                         r"refused again \(AccessDenied\): the bucket refuses them for a reason of its own"])
+    bucket = bucket_with(moto_server, {"w.bin": DATA})
+    runs = aws_files / "runs"
+    script = aws_files / "process.py"
+    script.write_text(
+        "import json, pathlib\n"
+        f"runs = pathlib.Path({str(runs)!r})\n"
+        "n = len(runs.read_text()) if runs.exists() else 0\n"
+        "runs.write_text('x' * (n + 1))\n"
+        "print(json.dumps({'Version': 1, 'AccessKeyId': f'ASIAMINTED{n:010d}', 'SecretAccessKey': 's',"
+        " 'SessionToken': 't'}))\n")
+    (aws_files / "config").write_text(f"[default]\ncredential_process = {sys.executable} {script}\n")
+    store = Boto3Store(StoreConfig(bucket=bucket, endpoint_url=proxy.endpoint_url, addressing_style="path",
+                                   get_client=get_client))
+    assert store._credentials is not None
+    store._credentials._recheck_s = 0.0  # every refusal may look them up: what RECHECK_S spaces out
+    read(store)
+    proxy.inject("error", status=403, code="AccessDenied", data_only=False)  # the bucket's policy now refuses all
+    since, before = len(proxy.log()), len(runs.read_text())
+    for _ in range(4):
+        with pytest.raises(AccessDenied):
+            store.get_range("w.bin", "", 0, 10)
+        with pytest.raises(AccessDenied):
+            list(store.list_pages(""))
+    assert len(runs.read_text()) - before == 1  # one lookup: the first refusal's
+    # The listings sent once each (a presigned GET is sent again with a URL signed now, whatever the lookup found).
+    assert len([e for e in proxy.log()[since:] if "list-type=2" in e.target]) == 4
+    said = [r.getMessage() for r in caplog.records if r.name == "fsmount.data.credentials"]
+    assert len(said) == 2, said

@@ -113,3 +113,53 @@ def test_credentials_whose_refresh_fails_are_looked_up_again_when_signing(allowe
     renewable = Renewable(expired, resolve)
     assert renewable.get_frozen_credentials().access_key == "NEW" and len(lookups) == 1
     assert renewable.access_key == "NEW" and len(lookups) == 1
+
+
+def test_a_policy_s_refusal_of_credentials_minted_anew_at_each_lookup_looks_them_up_no_more(
+        monkeypatch: pytest.MonkeyPatch, allowed_logs: list[str], caplog: pytest.LogCaptureFixture) -> None:
+    """A source that mints new keys at each lookup (an assumed role, SSO, a credential_process giving new session
+    keys each run) looks changed at every lookup: a bucket policy's AccessDenied cost a lookup (an STS call), a "have
+    changed" warning and a second request every RECHECK_S, for good. Once the credentials a renewal changed are
+    refused again for such a code, such codes look nothing up; a code that names the credentials still does."""
+    allowed_logs.extend([r"requests were refused \((AccessDenied|ExpiredToken)\) and the credentials \(assume-role\)",
+                         r"refused again \(AccessDenied\): the bucket refuses them for a reason of its own"])
+    now = [100.0]
+    monkeypatch.setattr(credentials.time, "monotonic", lambda: now[0])
+    lookups: list[int] = []
+
+    def resolve() -> Credentials:
+        lookups.append(1)
+        return Credentials(f"ASIA{len(lookups)}", "s", "t", method="assume-role")
+
+    renewable = Renewable(Credentials("ASIA0", "s", "t", method="assume-role"), resolve, recheck_s=30)
+    assert renewable.renew("AccessDenied") and len(lookups) == 1  # minted anew: it looks changed
+    renewable.refused_again("AccessDenied")  # and the request sent again with them is refused too
+    for _ in range(5):
+        now[0] += 31
+        assert not renewable.renew("AccessDenied") and not renewable.renew("403") and not renewable.renew("400")
+    assert len(lookups) == 1 and renewable.access_key == "ASIA1"
+    assert renewable.renew("ExpiredToken") and len(lookups) == 2  # a code that names the credentials
+    now[0] += 31
+    assert renewable.renew("AccessDenied") and len(lookups) == 3  # they changed since: one more look
+    said = [r.getMessage() for r in caplog.records if r.name == "fsmount.data.credentials"]
+    assert len([s for s in said if "have changed" in s]) == 3 and len([s for s in said if "own" in s]) == 1
+
+
+def test_a_request_refused_again_for_a_code_naming_the_credentials_keeps_them_looked_up(
+        monkeypatch: pytest.MonkeyPatch, allowed_logs: list[str]) -> None:
+    """Credentials a renewal changed that are refused again as expired (a file rewritten with keys that are stale
+    too) say nothing of a policy: the next refusal past RECHECK_S looks them up again."""
+    allowed_logs.append(r"requests were refused \(ExpiredToken\) and the credentials \(env\) have changed")
+    now = [100.0]
+    monkeypatch.setattr(credentials.time, "monotonic", lambda: now[0])
+    lookups: list[int] = []
+
+    def resolve() -> Credentials:
+        lookups.append(1)
+        return Credentials(f"K{len(lookups)}", "s", method="env")
+
+    renewable = Renewable(Credentials("K0", "s", method="env"), resolve, recheck_s=30)
+    assert renewable.renew("ExpiredToken")
+    renewable.refused_again("ExpiredToken")
+    now[0] += 31
+    assert renewable.renew("ExpiredToken") and renewable.access_key == "K2"

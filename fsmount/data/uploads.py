@@ -32,6 +32,23 @@ from fsmount.data.store import (
 
 log = logging.getLogger(__name__)
 
+# The error codes a server that does not take If-None-Match answers a create-only store with: S3 before its
+# conditional writes, MinIO, Ceph and the like say NotImplemented (501), others a generic 400 (InvalidArgument,
+# InvalidRequest, an unsupported header). A code that names something else (KeyTooLongError, InvalidObjectName,
+# EntityTooLarge, a part lost: InvalidPart, NoSuchUpload) is a refusal of the key or the body, not of the condition.
+CONDITION_REFUSAL_CODES = frozenset({"NotImplemented", "InvalidArgument", "InvalidRequest", "BadRequest",
+                                     "UnsupportedHeader", "NotSupported"})
+
+
+def refuses_the_condition(exc: Exception) -> bool:
+    """Whether a create-only store's refusal (not the 412/409 of a key that exists) may be of If-None-Match itself:
+    a 501, a code of CONDITION_REFUSAL_CODES, an answer with no code (botocore names it by its status), or a message
+    that names the header."""
+    code, status, message = _client_error_code(exc)
+    if status == 501 or code in CONDITION_REFUSAL_CODES or code in ("", str(status)):
+        return True
+    return any(word in message.lower() for word in ("if-none-match", "ifnonematch", "conditional"))
+
 # S3's limits on multipart uploads (and what OSS, SeaweedFS and MinIO accept).
 MIN_PART_SIZE = 5 * 1024 * 1024
 MAX_PART_SIZE = 5 * 1024 * 1024 * 1024
@@ -181,14 +198,16 @@ class Uploads:
             # 412 to a conditional DELETE (409: a conditional write to the key is in progress, S3).
             if "IfMatch" in kwargs and (isinstance(err, PreconditionFailed) or _client_error_code(exc)[1] == 409):
                 raise Replaced(f"{what}: another object is under the key now") from None
-            if advise and "IfNoneMatch" in kwargs and type(err) is StoreError:  # not the 412/409 of a key that exists
+            # Not the 412/409 of a key that exists, nor a refusal of the key or the body (KeyTooLongError).
+            if advise and "IfNoneMatch" in kwargs and type(err) is StoreError and refuses_the_condition(exc):
                 self._tell_create_only_refused(what, exc)
             raise err from None
 
     def _tell_create_only_refused(self, what: str, exc: Exception) -> None:
         """Without --allow-overwrite every store is create-only, and on a server that refuses If-None-Match itself
         (501, a 400 of its own) every close got EIO with the server's error alone: nothing said why, nor what to do.
-        One warning says it (the refusal may be of the key instead, hence the "if")."""
+        One warning says it (the refusal may be of the key instead, hence the "if"; a code that names the key or the
+        body, KeyTooLongError, does not tell it: `refuses_the_condition`)."""
         if self.create_only_refusal_told:
             return
         self.create_only_refusal_told = True

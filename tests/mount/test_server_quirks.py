@@ -387,6 +387,28 @@ class RefusesOneKey(FaultProxy):
         return super()._handle(conn, req, upstream)
 
 
+def test_a_create_only_store_refused_for_its_key_does_not_advise_allow_overwrite(
+        moto_server: S3Server, mountpoint: Path) -> None:
+    """Without --allow-overwrite every store is create-only, and the first refusal of one that was not the 412/409 of
+    a key that exists logged that the server may not take If-None-Match and to mount with --allow-overwrite, also
+    for a 400 that names the key (KeyTooLongError): advice that sent a user to replace other writers' files for
+    nothing. Only a refusal that may be of the condition (501, a generic 400) tells it."""
+    bucket = new_bucket(moto_server)
+    with RefusesOneKey(moto_server.endpoint_url) as proxy, \
+            mounted_via(proxy, moto_server, bucket, mountpoint, "--writable",
+                        allowed=(r"KeyTooLongError", r"will not be stored", r"allow-overwrite")) as m:
+        fd = os.open(mountpoint / "refused", os.O_WRONLY | os.O_CREAT, 0o644)
+        os.write(fd, b"mine")
+        with pytest.raises(OSError) as info:
+            os.close(fd)
+        assert info.value.errno == errno.EIO
+        with open(mountpoint / "kept", "wb") as f:  # the server takes If-None-Match: other files are stored
+            f.write(b"kept")
+        log = m.log()
+        assert "KeyTooLongError" in log and "--allow-overwrite" not in log, log
+    assert moto_server.client().get_object(Bucket=bucket, Key="kept")["Body"].read() == b"kept"
+
+
 def test_a_store_refused_for_another_reason_keeps_o_excl_files_create_only(s3: S3Server, mountpoint: Path) -> None:
     """An O_EXCL file's store refused with a 400 that is not about If-None-Match (a key the server refuses) was taken
     for a server refusing the header: the log said so, and every O_EXCL file of the mount was stored without it from

@@ -204,6 +204,11 @@ CREDENTIAL_ADVICE = {
                     "profile is read again when requests are refused; credentials in the environment need a remount)",
     "InvalidToken": "the credentials' session token is not valid: give new credentials",
     "InvalidAccessKeyId": "the server does not know the access key id (revoked, or mistyped): give new credentials",
+    # A 400 without an error document: what AWS S3 answers a HEAD signed with a session token past its expiry (its
+    # answer has no body to say ExpiredToken; B104). It stays EIO, a bad request being possible too, but says so.
+    "400": "400 without an error code: AWS S3 answers so a HEAD whose credentials' session token has expired. If the "
+           "credentials are temporary, give new ones (a credentials file or a profile is read again when requests "
+           "are refused; credentials in the environment need a remount)",
 }
 
 
@@ -226,6 +231,8 @@ def error_for_status(code: str, status: int, bucket: str, what: str, message: st
         return denied
     if code == "PreconditionFailed" or status == 412:
         return PreconditionFailed(f"{what}: object changed in the bucket since it was opened")
+    if status == 400 and code in ("", "400"):
+        return StoreError(f"{what}: {CREDENTIAL_ADVICE['400']}")
     if code == "NotImplemented" or status == 501:  # a feature the server lacks: asking again will not help
         return StoreError(f"{what}: not implemented by the server")
     if status >= 500 or code in ("SlowDown", "Throttling", "RequestTimeout", "InternalError"):

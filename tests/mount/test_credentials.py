@@ -360,3 +360,22 @@ def test_a_bucket_policy_refusing_credentials_minted_at_each_lookup_costs_one_lo
     assert len([e for e in proxy.log()[since:] if "list-type=2" in e.target]) == 4
     said = [r.getMessage() for r in caplog.records if r.name == "fsmount.data.credentials"]
     assert len(said) == 2, said
+
+
+def test_a_head_refused_with_a_bare_400_and_no_new_credentials_says_what_it_probably_means(
+        aws_files: Path, moto_server: S3Server, proxy: FaultProxy) -> None:
+    """A session token past its expiry, as AWS S3 answers a HEAD signed with it (400, no body), and no new
+    credentials in the file: the HEAD's EIO said "HEAD 'w.bin': 400" alone. It names the probable cause and what to
+    do now; a listing's refusal names its code (B97)."""
+    from fsmount.data.store import StoreError
+
+    bucket = bucket_with(moto_server, {"w.bin": DATA})
+    (aws_files / "credentials").write_text(f"[default]\naws_access_key_id = {OLD}\naws_secret_access_key = s\n"
+                                           "aws_session_token = old-token\n")
+    store = Boto3Store(StoreConfig(bucket=bucket, endpoint_url=proxy.endpoint_url, addressing_style="path"))
+    proxy.revoke_key(OLD, status=400)
+    with pytest.raises(StoreError, match=r"HEAD 'w.bin': 400 without an error code: AWS S3 answers so a HEAD whose "
+                                         r"credentials' session token has expired\. If the credentials are temporary"):
+        store.head("w.bin")
+    with pytest.raises(AccessDenied, match=r"\(ExpiredToken\): the credentials' session token has expired"):
+        list(store.list_pages(""))

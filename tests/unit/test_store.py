@@ -254,3 +254,16 @@ def test_a_refusal_for_expired_or_unknown_credentials_says_so() -> None:
     unknown = translate_error(client_error("InvalidAccessKeyId", 403), "b", "x")
     assert "does not know the access key id" in unknown.message
     assert translate_error(client_error("AccessDenied", 403), "b", "x").message.endswith("check credentials")
+
+
+def test_a_bare_400_says_it_may_be_an_expired_session_token() -> None:
+    """AWS S3 answers a HEAD signed with a session token past its expiry with 400 and no body (botocore names its
+    code "400"). With no new credentials to be had, a stat was EIO with "HEAD 'k': 400" alone in the log: nothing
+    said what it probably meant or what to do. It stays EIO (a bad request may be one) and says both."""
+    bare = translate_error(client_error("400", 400), "b", "HEAD 'k'")
+    assert type(bare) is StoreError and bare.errno == errno.EIO
+    assert bare.message.startswith("HEAD 'k': 400 without an error code: AWS S3 answers so a HEAD whose credentials' "
+                                   "session token has expired"), bare.message
+    assert "credentials in the environment need a remount" in bare.message
+    named = translate_error(client_error("InvalidArgument", 400), "b", "PUT 'k'")  # a code: the server's own word
+    assert "session token" not in named.message and "InvalidArgument" in named.message

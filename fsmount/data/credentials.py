@@ -26,8 +26,10 @@ code that names the credentials, a failed refresh) changes them.
 Thread-safety: `Renewable.get_frozen_credentials` is called by every signing thread without a lock: it reads one
 reference (`_source`), replaced whole by `renew` (never changed in place), so a signature never mixes a key id and
 a secret of two generations; only when the source fails does it call `renew`. `renew` serializes lookups under
-`_lock`; `_next_check`, `_changed_at` and `_policy_refusals` are only touched under it. No secret is ever logged: only
-how the credentials were found (botocore's method name).
+`_lock`; `_next_check`, `_changed_at`, `_policy_refusals` and `_lookup` are only touched under it. A lookup runs in
+a thread of its own, waited for at most `LOOKUP_TIMEOUT_S` (under `_lock`, so a caller of `renew` waits at most about
+that long); one that takes longer is left to end there, and no other starts meanwhile. No secret is ever logged:
+only how the credentials were found (botocore's method name).
 """
 
 from __future__ import annotations
@@ -50,6 +52,15 @@ RECHECK_S = 30.0
 # for credentials it does not take: AccessDenied, and a HEAD's answer without a body (botocore names its code by the
 # status). The others (ExpiredToken, InvalidToken, InvalidAccessKeyId, SignatureDoesNotMatch...) name the credentials.
 NOT_ONLY_CREDENTIALS = frozenset({"AccessDenied", "400", "403"})
+# The longest a lookup is waited for: a credential_process that hangs (a vault agent down, a prompt with no
+# terminal), an STS or SSO endpoint that does not answer. botocore's lookup has no bound of its own, and the threads
+# that waited on it (metadata requests, writes, given up on by their deadline but never ended) kept their slots for
+# good: every later stat or close timed out. The lookup goes on in its thread; none other starts until it ends.
+LOOKUP_TIMEOUT_S = 10.0
+
+
+class _GivenUp(Exception):
+    """A lookup that took longer than LOOKUP_TIMEOUT_S (`Renewable._look_up`)."""
 
 
 def _frozen(credentials: Any) -> tuple[str, str, str | None]:
@@ -71,6 +82,7 @@ class Renewable(Credentials):  # type: ignore[misc]
         # Set when credentials a renewal changed were refused again for a code of NOT_ONLY_CREDENTIALS
         # (`refused_again`): such refusals are the bucket's own, and look nothing up until a change for another reason.
         self._policy_refusals = False
+        self._lookup: threading.Thread | None = None  # a lookup given up on (`LOOKUP_TIMEOUT_S`) that may still run
 
     @property
     def method(self) -> str:
@@ -113,10 +125,15 @@ class Renewable(Credentials):  # type: ignore[misc]
             if now < self._next_check:
                 return now - self._changed_at < self._recheck_s
             self._next_check = now + self._recheck_s
+            if self._lookup is not None and self._lookup.is_alive():
+                return False  # the one given up on still runs (said when given up on)
             try:
-                fresh = self._resolve()
-                # A role assumed through a profile, SSO, a web identity: their credentials are fetched here (STS).
-                new = None if fresh is None else _frozen(fresh)
+                fresh, new = self._look_up()
+            except _GivenUp:
+                log.warning("%s (%s); looking the credentials up again took more than %g s (a credential_process "
+                            "that hangs? an STS or SSO endpoint that does not answer?): keeping those there are, "
+                            "and looking up no more until it ends", event, why, LOOKUP_TIMEOUT_S)
+                return False
             except Exception as exc:  # noqa: BLE001 - whatever a provider raises: keep the credentials there are
                 log.warning("%s (%s); looking the credentials up again failed: %s: %s",
                             event, why, type(exc).__name__, str(exc)[:200])
@@ -132,6 +149,31 @@ class Renewable(Credentials):  # type: ignore[misc]
         log.warning("%s (%s) and the credentials (%s) have changed since they were read: "
                     "signing with the new ones from now on", event, why, method or "unknown source")
         return True
+
+    def _look_up(self) -> tuple[Any, tuple[str, str, str | None] | None]:
+        """The chain resolved anew and its frozen credentials (a role assumed through a profile, SSO, a web
+        identity: fetched here, from STS), in a thread of its own: _GivenUp past `LOOKUP_TIMEOUT_S`, the
+        thread left running in `_lookup`. Called under `_lock`."""
+        done = threading.Event()
+        box: dict[str, Any] = {}
+
+        def run() -> None:
+            try:
+                fresh = self._resolve()
+                box["result"] = (fresh, None if fresh is None else _frozen(fresh))
+            except BaseException as exc:  # noqa: BLE001 - handed to the caller, raised there
+                box["error"] = exc
+            finally:
+                done.set()
+
+        thread = threading.Thread(target=run, name="credentials-lookup", daemon=True)
+        thread.start()
+        if not done.wait(LOOKUP_TIMEOUT_S):
+            self._lookup = thread
+            raise _GivenUp
+        if "error" in box:
+            raise box["error"]
+        return box["result"]  # type: ignore[no-any-return]
 
     def refused_again(self, why: str) -> None:
         """A request sent again because `renew` said the credentials changed was refused again for `why`. For a

@@ -379,3 +379,53 @@ def test_a_head_refused_with_a_bare_400_and_no_new_credentials_says_what_it_prob
         store.head("w.bin")
     with pytest.raises(AccessDenied, match=r"\(ExpiredToken\): the credentials' session token has expired"):
         list(store.list_pages(""))
+
+
+def test_a_credential_process_that_hangs_holds_no_request_past_the_lookup_timeout(
+        aws_files: Path, moto_server: S3Server, proxy: FaultProxy, monkeypatch: pytest.MonkeyPatch,
+        allowed_logs: list[str]) -> None:
+    """A credential_process that hangs when run again (a vault agent down): the refused request that ran it, and
+    every other refused one queued behind it, waited for good; a mount's metadata and write threads, abandoned at
+    their deadline but never ended, kept their slots until every stat and close timed out. Each now gets its refusal
+    within about LOOKUP_TIMEOUT_S, and the process is not run again while it hangs."""
+    from fsmount.data import credentials
+
+    allowed_logs.append(r"requests were refused \(\w+\); looking the credentials up again took more than 0\.5 s")
+    monkeypatch.setattr(credentials, "LOOKUP_TIMEOUT_S", 0.5, raising=False)
+    bucket = bucket_with(moto_server, {"w.bin": DATA})
+    runs, script = aws_files / "runs", aws_files / "process.py"
+    script.write_text(
+        "import json, pathlib, time\n"
+        f"runs = pathlib.Path({str(runs)!r})\n"
+        "n = len(runs.read_text()) if runs.exists() else 0\n"
+        "runs.write_text('x' * (n + 1))\n"
+        "if n:\n"
+        "    time.sleep(4)\n"
+        f"print(json.dumps({{'Version': 1, 'AccessKeyId': {OLD!r}, 'SecretAccessKey': 's'}}))\n")
+    (aws_files / "config").write_text(f"[default]\ncredential_process = {sys.executable} {script}\n")
+    store = Boto3Store(StoreConfig(bucket=bucket, endpoint_url=proxy.endpoint_url, addressing_style="path"))
+    assert store._credentials is not None
+    store._credentials._recheck_s = 0.0
+    read(store)
+    proxy.revoke_key(OLD)
+    started = time.monotonic()
+    failed: list[BaseException] = []
+
+    def refused() -> None:
+        for step in (head, listing, whole):
+            try:
+                step(store)
+            except AccessDenied as exc:
+                failed.append(exc)
+
+    callers = [threading.Thread(target=refused, daemon=True) for _ in range(3)]
+    for caller in callers:
+        caller.start()
+    for caller in callers:
+        caller.join(10)
+    assert not any(c.is_alive() for c in callers) and len(failed) == 9
+    assert time.monotonic() - started < 3
+    assert len(runs.read_text()) == 2  # the first run, and the one that hangs: not run again meanwhile
+    lookup = store._credentials._lookup
+    assert lookup is not None
+    lookup.join(10)  # the process ends by itself

@@ -163,3 +163,41 @@ def test_a_request_refused_again_for_a_code_naming_the_credentials_keeps_them_lo
     renewable.refused_again("ExpiredToken")
     now[0] += 31
     assert renewable.renew("ExpiredToken") and renewable.access_key == "K2"
+
+
+def test_a_lookup_that_hangs_is_given_up_on_and_no_other_starts_until_it_ends(
+        monkeypatch: pytest.MonkeyPatch, allowed_logs: list[str]) -> None:
+    """A credential_process that hangs (a vault agent down) held `renew` for good, under its lock: the thread
+    refused first and every other one refused after it (metadata requests, writes: given up on by their deadline,
+    never ended, their slots kept) waited forever, until every later stat or close timed out. A lookup is waited
+    for at most LOOKUP_TIMEOUT_S now, and none other starts while it still runs; once it ends, lookups go on."""
+    import threading
+
+    allowed_logs.append(r"requests were refused \(ExpiredToken\); looking the credentials up again took more than "
+                        r"0\.2 s \(a credential_process that hangs\?")
+    allowed_logs.append(r"requests were refused \(ExpiredToken\) and the credentials \(env\) have changed")
+    monkeypatch.setattr(credentials, "LOOKUP_TIMEOUT_S", 0.2, raising=False)
+    hang = threading.Event()
+    lookups: list[int] = []
+
+    def resolve() -> Credentials:
+        lookups.append(1)
+        if len(lookups) == 1:
+            hang.wait(30)
+        return Credentials(f"K{len(lookups)}", "s", method="env")
+
+    renewable = Renewable(Credentials("K0", "s", method="env"), resolve, recheck_s=0)
+    answers: list[bool] = []
+    callers = [threading.Thread(target=lambda: answers.append(renewable.renew("ExpiredToken")), daemon=True)
+               for _ in range(3)]
+    try:
+        for caller in callers:
+            caller.start()
+        for caller in callers:
+            caller.join(5)
+        assert not any(c.is_alive() for c in callers) and answers == [False, False, False]
+        assert len(lookups) == 1 and renewable.access_key == "K0"  # no second lookup beside the hung one
+    finally:
+        hang.set()
+    renewable._lookup.join(5)  # type: ignore[union-attr]
+    assert renewable.renew("ExpiredToken") and renewable.access_key == "K2"

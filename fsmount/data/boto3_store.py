@@ -76,6 +76,37 @@ PREFLIGHT_TIMEOUT = 5.0
 NOT_TLS_SIGNS = ("WRONG_VERSION_NUMBER", "wrong version number", "record layer failure", "packet length too long")
 
 
+class _NoRetryQuota:
+    """A retry quota that never runs out, in place of the one botocore's standard mode keeps per client (500 units,
+    14 per retried 5xx or connection error, 5 per throttling retry, 1 back per request answered at once): an
+    outage of about 35 retried failures drained it, and for hundreds of requests after it a lookup, a listing or a
+    write that met one 5xx failed at its first error, EIO, where botocore retries them (B116). Every call's retries
+    are bounded already (`BOTO_MAX_ATTEMPTS`, and `--read-timeout` for a call given up on), and calls at once by the
+    connections (`max_pool_connections`): that quota only took retries from the calls after an outage."""
+
+    def acquire(self, capacity_amount: int) -> bool:
+        return True
+
+    def release(self, capacity_amount: int) -> None:
+        pass
+
+
+def _without_retry_quota(client: Any) -> None:
+    """Gives `client`'s standard-mode retry handler a quota that never runs out (`_NoRetryQuota`). botocore offers no
+    setting for it: the handler is found by the name botocore registers it under. Should a botocore release keep it
+    elsewhere, its quota stays, and a warning says so (tests/mount/test_faults.py notices too)."""
+    try:
+        event = client.meta.service_model.service_id.hyphenize()
+        handler = client.meta.events._emitter._unique_id_handlers[f"retry-config-{event}"]["handler"]
+        checker = handler.__self__._retry_quota
+        if not hasattr(checker, "_quota"):
+            raise AttributeError("_quota")
+        checker._quota = _NoRetryQuota()
+    except (AttributeError, KeyError, TypeError) as exc:
+        log.warning("botocore's retry quota is left on (not found: %r): after a long outage, requests that meet one "
+                    "5xx may fail without a retry until successes refill it", exc)
+
+
 def _mtime_ns(value: Any) -> int:
     try:
         return int(value.timestamp() * 1_000_000_000)
@@ -259,6 +290,7 @@ class Boto3Store:
             response_checksum_validation="when_required",
         )
         self._client = session.client("s3", endpoint_url=cfg.endpoint_url, config=botocfg)
+        _without_retry_quota(self._client)
         found = None if cfg.no_sign_request else session.get_credentials()
         self._credentials = found if isinstance(found, credentials.Renewable) else None
         self._client.meta.events.register("needs-retry.s3", self._signed_anew)

@@ -209,6 +209,35 @@ def test_fault_proxy_faults_look_as_documented_to_boto3(moto_server: S3Server, p
     assert get() == data[1000:201000]
 
 
+def test_after_a_long_outage_a_lookup_or_a_write_that_meets_one_5xx_is_still_retried(
+        moto_server: S3Server, proxy: FaultProxy, monkeypatch: pytest.MonkeyPatch) -> None:
+    """No mount: the store's client. botocore's standard mode keeps one retry quota per client (500 units, 14 per
+    retried 5xx, 1 back per request that succeeds at once): an outage of about 35 retried failures drained it, and
+    afterwards a HEAD or a PUT that met one 5xx failed at its first error (EIO for a lookup, a close) until
+    hundreds of successes had refilled it, against the promise that botocore retries them (B116)."""
+    from fsmount.config import StoreConfig
+    from fsmount.data.boto3_store import Boto3Store
+    from fsmount.data.store import StoreError
+
+    for name, value in moto_server.env.items():
+        monkeypatch.setenv(name, value)
+    data = random_bytes(64 * KiB, 17)
+    bucket = bucket_with(moto_server, {"k": data})
+    store = Boto3Store(StoreConfig(bucket=bucket, endpoint_url=proxy.endpoint_url, addressing_style="path"))
+    outage = proxy.inject(Fault.ERROR, status=500, data_only=False)
+    for _ in range(12):  # each call retried BOTO_MAX_ATTEMPTS times: 48 retried failures
+        with pytest.raises(StoreError):
+            store.head("k")
+    assert outage.hits == 12 * (BOTO_MAX_ATTEMPTS + 1)
+    proxy.clear()
+    for i in range(3):  # the origin is back, with the odd 5xx
+        blip = proxy.inject(Fault.ERROR, status=500, data_only=False, times=1)
+        assert store.head("k").size == len(data)
+        proxy.inject(Fault.ERROR, status=500, data_only=False, times=1)
+        store.client.put_object(Bucket=bucket, Key=f"w{i}", Body=b"x" * 10)  # as uploads.Uploads writes
+        assert blip.hits == 1 and store.head(f"w{i}").size == 10
+
+
 @pytest.mark.seaweedfs
 def test_signed_requests_through_the_proxy_on_seaweedfs(seaweed_server: S3Server, mountpoint: Path) -> None:
     """SeaweedFS verifies SigV4: the proxy keeps the signed Host header, so the daemon's requests pass."""

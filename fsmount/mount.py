@@ -82,7 +82,7 @@ READY_TIMEOUT = 60.0
 # Where the fuse control file system lives (per-connection settings).
 FUSECTL = "/sys/fs/fuse/connections"
 # At unmount, how long to wait for chunks already fetched to reach the NVMe cache. A full default memory
-# budget (2 GiB) writes in ~4 s at the dev box's O_DIRECT rate; the unit's TimeoutStopSec (120 s) covers every bound
+# budget (2 GiB) writes in ~4 s at the dev box's O_DIRECT rate; the unit's TimeoutStopSec (130 s) covers every bound
 # of a stop together (tests/unit/test_ops.py).
 WRITE_DRAIN_S = 30.0
 # After SIGTERM/SIGINT, how long requests already in flight may take before they are cut short: pyfuse3's main

@@ -488,7 +488,7 @@ async def test_a_file_rewritten_through_the_mount_stops_its_stream_while_handles
 
     The push in flight at the rewrite ends in its thread, and only then are the stream's pushes given back: the
     test waited for it with a sleep of virtual time, which the autojump clock passes at once while that thread
-    waits for a CPU (on a loaded machine `pushed` was still 3 MiB, 1 in 30 runs on one busy core)."""
+    waits for a CPU (with two busy loops on its one core, `pushed` was still 3 MiB in 1 run of 9)."""
     stored = recorded_stores(monkeypatch)
     store, engine, streamer = prefetch_rig("m.safetensors", model_bytes(tmp_path, 64 * MiB), conns=2,
                                            memory=512 * MiB, push_limit=1 << 40)

@@ -749,7 +749,7 @@ def _cache_action(args: argparse.Namespace) -> int:
             print(f"{'bytes':15} {st['bytes']} ({human_size(int(st['bytes'] or 0))})")
             for key in ("oldest_access", "newest_access"):
                 value = st[key]
-                shown = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(value)) if value else "-"
+                shown = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(value)) if value is not None else "-"
                 print(f"{key.replace('_', ' '):15} {shown}")
             future = int(st["future_stamps"] or 0)
             if future:
@@ -764,7 +764,7 @@ def _cache_action(args: argparse.Namespace) -> int:
             chunks, staged, names = cache_clear(args.cache_dir)
             print(f"removed {counted(chunks, 'chunk file', 'chunk files')}" +
                   (f", {human_size(staged)} of copies a --writable mount left in writes/" if staged else "") +
-                  (f", {names} files of the names mounts learnt (names/)" if names else ""))
+                  (f", {counted(names, 'file', 'files')} of the names mounts learnt (names/)" if names else ""))
         else:
             ok, bad, other = cache_verify(args.cache_dir)
             print(f"{counted(ok, 'chunk', 'chunks')} verified, {len(bad)} corrupt (removed)" +

@@ -62,6 +62,7 @@ from fsmount.pagecache import PageCachePusher, default_push_limit
 from fsmount.prometheus import MetricsAddressError, MetricsServer
 from fsmount.saved_names import SAVE_EVERY_S, SavedNames
 from fsmount.stats import MountStats
+from fsmount.stats_table import human_size
 from fsmount.streaming import ModelStreamer
 from fsmount.tree_changes import WritableNamespace
 from fsmount.write_staging import STAGING_BYTES
@@ -467,8 +468,8 @@ def open_disk_cache(cfg: MountConfig) -> DiskCache:
     if not cfg.writable:  # (a --writable mount's staging empties it itself)
         files, staged = sweep_staged_writes(cache.root)
         if files:
-            log.info("cache dir %s: removed %s (%d MiB) that a --writable mount left in writes/ when it was killed",
-                     cache.root, counted(files, "copy of a file", "copies of files"), staged // MiB)
+            log.info("cache dir %s: removed %s (%s) that a --writable mount left in writes/ when it was killed",
+                     cache.root, counted(files, "copy of a file", "copies of files"), human_size(staged))
     room = min(cache.max_bytes, cache.stats.bytes_used + free - cache.min_free_bytes)
     if room < CACHE_ROOM_CHUNKS * cfg.chunk_size:
         log.warning("cache dir %s has room for %d MiB of chunks only (--cache-size %d MiB; %d MiB free on its "

@@ -40,6 +40,7 @@ from fsmount.data import (
     still_on,
     sweep_staged_writes,
 )
+from fsmount.stats_table import human_size
 
 log = logging.getLogger(__name__)
 
@@ -63,8 +64,8 @@ class Staging:
         self.root = os.path.join(cache_dir, WRITES_DIR)
         files, size = sweep_staged_writes(cache_dir)
         if files:
-            log.info("cache dir %s: removed %s (%d MiB) that a --writable mount left in %s/ when it was killed",
-                     cache_dir, counted(files, "copy of a file", "copies of files"), size >> 20, WRITES_DIR)
+            log.info("cache dir %s: removed %s (%s) that a --writable mount left in %s/ when it was killed",
+                     cache_dir, counted(files, "copy of a file", "copies of files"), human_size(size), WRITES_DIR)
         os.makedirs(self.root, mode=0o700, exist_ok=True)
         if os.path.islink(self.root):  # never a symlink's target: open_disk_cache refuses the mount before this
             raise OSError(errno.ENOTDIR, f"{self.root} is a symlink: the copies go only in a directory of its own")

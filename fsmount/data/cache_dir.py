@@ -111,8 +111,9 @@ def sweep_staged_writes(root: str) -> tuple[int, int]:
             continue
         files, total = files + 1, total + size
     if others:
-        log.info("cache dir %s: left %d entries in %s/ that modelfs did not write there (%s)", root, len(others),
-                 WRITES_DIR, ", ".join(sorted(others)[:5]) + (", ..." if len(others) > 5 else ""))
+        log.info("cache dir %s: left %s in %s/ that modelfs did not write there (%s)", root,
+                 counted(len(others), "entry", "entries"), WRITES_DIR,
+                 ", ".join(sorted(others)[:5]) + (", ..." if len(others) > 5 else ""))
     return files, total
 
 

@@ -602,7 +602,7 @@ def test_cache_commands_on_a_real_cache(moto_server: S3Server, mountpoint: Path,
     stray.write_text("x")
     foreign.write_text("y")
     res = cache_cmd("clear", cache)
-    assert (res.returncode, res.stdout) == (0, f"removed {n - 1} chunk files, 1 files of the names mounts learnt "
+    assert (res.returncode, res.stdout) == (0, f"removed {n - 1} chunk files, 1 file of the names mounts learnt "
                                                "(names/)\n"), res
     assert os.listdir(cache / "names") == []
     assert chunk_files(cache) == [foreign] and stray.read_text() == "x" and foreign.read_text() == "y"
@@ -636,10 +636,10 @@ def test_copies_a_killed_writable_mount_left_are_shown_cleared_and_swept_by_the_
     res = cache_cmd("stats", cache)
     assert "staged writes   1 file, 3.00 MiB" in res.stdout, res.stdout
     res = cache_cmd("clear", cache)
-    assert res.stdout == ("removed 2 chunk files, 3.00 MiB of copies a --writable mount left in writes/, 1 files of "
+    assert res.stdout == ("removed 2 chunk files, 3.00 MiB of copies a --writable mount left in writes/, 1 file of "
                           "the names mounts learnt (names/)\n"), res
     assert not left.exists()
     left_by_a_killed_writer()
     with mounted(moto_server, bucket, mountpoint, *cache_args(cache)) as m:
         assert not left.exists()
-    assert re.search(r"removed 1 copy of a file \(3 MiB\) that a --writable mount left in writes/", m.log())
+    assert re.search(r"removed 1 copy of a file \(3\.00 MiB\) that a --writable mount left in writes/", m.log())

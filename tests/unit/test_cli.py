@@ -8,6 +8,7 @@ import re
 import shlex
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -756,3 +757,33 @@ def test_ctrl_c_in_cache_commands_and_stats_is_one_line_and_exit_130(
             raise AssertionError(f"modelfs {' '.join(argv)}: Ctrl-C ended in a traceback") from None
         assert code == 130, (argv, code)
         assert capsys.readouterr().err == f"modelfs: {said}\n", argv
+
+
+def test_cache_clear_counts_one_file_of_names_and_one_foreign_entry_in_the_singular(
+        tmp_path, capsys: pytest.CaptureFixture[str]) -> None:  # noqa: ANN001
+    """`modelfs cache clear` said "1 files of the names mounts learnt", and of one file it leaves alone in writes/
+    "left 1 entries"."""
+    (tmp_path / "chunks").mkdir()
+    (tmp_path / "names").mkdir()
+    (tmp_path / "names" / ("0" * 32 + ".json")).write_text("{}")
+    (tmp_path / "writes").mkdir()
+    (tmp_path / "writes" / "notes.txt").write_text("mine")
+    assert cli.main(["cache", "clear", str(tmp_path)]) == 0
+    out = capsys.readouterr()
+    assert out.out == "removed 0 chunk files, 1 file of the names mounts learnt (names/)\n", out
+    assert f"cache dir {tmp_path}: left 1 entry in writes/ that modelfs did not write there (notes.txt)" in out.err, out
+    assert (tmp_path / "writes" / "notes.txt").read_text() == "mine"
+
+
+def test_cache_stats_shows_a_stamp_of_the_epoch_as_a_date(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:  # noqa: ANN001
+    """A chunk whose mtime is 0 (restored by a tool that zeroes mtimes) is a real stamp, the oldest there can be:
+    `cache stats` showed "-", its word for none, as if the cache held no chunk."""
+    shard = tmp_path / "chunks" / "ab"
+    shard.mkdir(parents=True)
+    chunk = shard / ("ab" + "0" * 62)
+    chunk.write_bytes(b"x")
+    os.utime(chunk, ns=(0, 0))
+    assert cli.main(["cache", "stats", str(tmp_path)]) == 0
+    epoch = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(0))
+    out = capsys.readouterr().out.splitlines()
+    assert out[2:4] == [f"oldest access   {epoch}", f"newest access   {epoch}"], out

@@ -350,11 +350,12 @@ def test_a_deferred_copy_is_promised_room_on_the_disk_beside_the_others(tmp_path
     assert staging.promise(10 * MiB)
 
 
-@pytest.mark.parametrize(("left", "said"), [(1, "removed 1 copy of a file (0 MiB)"),
-                                             (2, "removed 2 copies of files (0 MiB)")])
+@pytest.mark.parametrize(("left", "said"), [(1, "removed 1 copy of a file (1 B)"),
+                                             (2, "removed 2 copies of files (2 B)")])
 def test_the_copies_a_killed_mount_left_are_counted_in_words_that_fit(tmp_path: Path, caplog: pytest.LogCaptureFixture,
                                                                       left: int, said: str) -> None:
-    """The next mount of the dir removes them and says how many: one was "removed 1 copies of files"."""
+    """The next mount of the dir removes them and says how many: one was "removed 1 copies of files"; and how much,
+    truly: copies under 1 MiB were "(0 MiB)", as if empty."""
     (tmp_path / "writes").mkdir()
     for n in range(1, left + 1):
         (tmp_path / "writes" / str(n)).write_bytes(b"x")

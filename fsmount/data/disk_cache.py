@@ -295,6 +295,7 @@ class DiskCache:
                 # it has no room (squashfs): its chunks stay.
                 if os.statvfs(self.root).f_flag & os.ST_RDONLY:
                     return 0
+                self._held_or_lock_again()
                 short_of_free = self.min_free_bytes + self._unwritten - free_bytes(self.root)
             except OSError as err:  # the dir removed under the mount: puts say so
                 log.debug("disk cache %s: free space unknown: %s", self.root, err)
@@ -566,6 +567,7 @@ class DiskCache:
         False (nothing evicted, counted in writes_skipped) when even evicting everything indexed would
         not do but the puts in flight, once indexed and evictable, would; raises ENOSPC when not even
         they would, so the caller's one-warning path reports a disk filled by something else."""
+        self._held_or_lock_again()
         over_limit = self.stats.bytes_used + self._reserved + file_size - self.max_bytes
         # Read under the lock, as _unwritten is: a temp file is in statvfs or in _unwritten, not both.
         try:
@@ -649,6 +651,23 @@ class DiskCache:
             "disk cache %s: %s was removed under the mount; made again (and so any other directory of it)",
             self.root, shard or self.root)
         self._remade_logged = True
+
+    def _held_or_lock_again(self) -> None:
+        """Before a put or an eviction (under the cache lock): the cache dir is still the directory this cache holds,
+        or it is taken (`_lock_again`; OSError EBUSY where another holds it). `rm -rf CACHE` and a second mount of
+        CACHE, which found it free and made it again: this one wrote its chunks there and evicted there by its own
+        index, each mount removing the other's files (B114). Gone altogether: the put makes it again
+        (`_remake_shard`)."""
+        try:
+            st = os.stat(self.root)
+        except FileNotFoundError:
+            return
+        with self._lock_fd_guard:  # not a descriptor close released (and the number reused)
+            if self._closed:
+                raise OSError(errno.EBADF, "cache closed during put")
+            held = os.fstat(self._lock_fd)
+        if (st.st_dev, st.st_ino) != (held.st_dev, held.st_ino):
+            self._lock_again()
 
     def _lock_again(self) -> None:
         """The cache dir is another directory than the one whose flock this cache holds (removed whole, made again):

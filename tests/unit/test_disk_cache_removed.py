@@ -82,6 +82,30 @@ def test_a_cache_dir_made_again_is_held_as_the_removed_one_was(tmp_path: Path) -
     assert cache_clear(root)[0] == 1  # released at close
 
 
+def test_a_cache_dir_removed_and_made_again_by_another_mount_is_left_to_it(tmp_path: Path, caplog,  # noqa: ANN001
+                                                                          allowed_logs) -> None:
+    """`rm -rf CACHE` under mount A, then mount B of the same dir, which finds it free (A's flock is on the directory
+    removed) and makes it again: A went on writing its chunks into B's directory and evicting there by its own index,
+    unlinking a file B had just written (B's reads of it then missed). A's puts now find the dir another's: refused,
+    one warning naming the holder; B's files are left alone, and both serve their chunks (each file checked)."""
+    allowed_logs.append(r"write failed")
+    root = tmp_path / "c"
+    with DiskCache(root, BIG, min_free_bytes=0) as a:
+        for i in range(3):
+            a.put(chunk_id(i), payload(chunk_id(i)))
+        a.max_bytes = a.stats.bytes_used  # full: A's next put evicts its oldest, chunk 0
+        shutil.rmtree(root)
+        with DiskCache(root, BIG, min_free_bytes=0) as b:
+            b.put(chunk_id(0), payload(chunk_id(0)))
+            a.put(chunk_id(5), payload(chunk_id(5)))
+            assert os.path.exists(chunk_file_of(b, chunk_id(0))), "A evicted B's file"
+            assert not os.path.exists(chunk_file_of(b, chunk_id(5))), "A wrote into B's dir"
+            assert a.stats.write_errors == 1 and a.stats.evictions == 0
+            assert "in use by another modelfs mount" in warnings_from_cache(caplog)[0].getMessage()
+            assert b.get(chunk_id(0)) == payload(chunk_id(0)) and b.stats.chunks == 1
+            assert a.get(chunk_id(0)) == payload(chunk_id(0))  # B's file, of the same chunk: its header says so
+
+
 def test_a_floor_check_that_evicts_nothing_says_nothing(tmp_path: Path, caplog, monkeypatch) -> None:  # noqa: ANN001
     """Chunk files the daemon cannot remove (a cache dir restored from a backup with another owner) on a disk something
     else filled: every floor check (every 5 s) logged "0 bytes evicted to keep ... free", for good."""

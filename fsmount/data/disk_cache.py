@@ -61,6 +61,7 @@ from fsmount.data.cache_dir import (
     acquire_dir_lock,
     bytes_for_fraction,
     chunk_path,
+    counted,
     free_bytes,
     mark_draining,
     real_dir,
@@ -338,8 +339,8 @@ class DiskCache:
             if len(missing) < len(batch):
                 break
         if forgotten:
-            log.info("disk cache %s: %d chunk files were removed by something else; no longer counted", self.root,
-                     forgotten)
+            log.info("disk cache %s: %s removed by something else; no longer counted", self.root,
+                     counted(forgotten, "chunk file was", "chunk files were"))
         return forgotten
 
     def _gone(self, digest: str) -> bool:

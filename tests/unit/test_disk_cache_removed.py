@@ -39,9 +39,10 @@ def test_chunk_files_removed_by_hand_are_no_longer_counted(tmp_path: Path) -> No
         assert cache.get(chunk_id(9)) == payload(chunk_id(9))
 
 
-def test_forgetting_removed_chunks_is_bounded_per_call(tmp_path: Path, monkeypatch) -> None:  # noqa: ANN001
+def test_forgetting_removed_chunks_is_bounded_per_call(tmp_path: Path, monkeypatch, caplog) -> None:  # noqa: ANN001
     """Each call looks at most FORGET_CHECK_MAX chunks (it runs every few seconds beside the reads); the next
-    calls go on where it stopped."""
+    calls go on where it stopped. Each says how many it forgot, in words that fit: one was "1 chunk files were"."""
+    caplog.set_level(logging.INFO, logger="fsmount.data.disk_cache")
     monkeypatch.setattr(disk_cache, "FORGET_CHECK_MAX", 4)
     monkeypatch.setattr(disk_cache, "FORGET_BATCH", 2)
     with DiskCache(tmp_path / "c", BIG, min_free_bytes=0) as cache:
@@ -50,6 +51,9 @@ def test_forgetting_removed_chunks_is_bounded_per_call(tmp_path: Path, monkeypat
         for i in range(9):
             os.unlink(chunk_file_of(cache, chunk_id(i)))
         assert [cache.forget_removed() for _ in range(4)] == [4, 4, 1, 0]
+        said = [r.getMessage().split(": ", 1)[1] for r in caplog.records if "by something else" in r.getMessage()]
+        assert said == [f"{n} removed by something else; no longer counted"
+                        for n in ("4 chunk files were", "4 chunk files were", "1 chunk file was")], said
         assert cache.stats.chunks == 1 and cache.get(chunk_id(9)) == payload(chunk_id(9))
 
 

@@ -80,7 +80,7 @@ class _NoRetryQuota:
     """A retry quota that never runs out, in place of the one botocore's standard mode keeps per client (500 units,
     14 per retried 5xx or connection error, 5 per throttling retry, 1 back per request answered at once): an
     outage of about 35 retried failures drained it, and for hundreds of requests after it a lookup, a listing or a
-    write that met one 5xx failed at its first error, EIO, where botocore retries them (B116). Every call's retries
+    write that met one 5xx failed at its first error, EIO, where botocore retries them (B114). Every call's retries
     are bounded already (`BOTO_MAX_ATTEMPTS`, and `--read-timeout` for a call given up on), and calls at once by the
     connections (`max_pool_connections`): that quota only took retries from the calls after an outage."""
 

@@ -657,7 +657,7 @@ class DiskCache:
         """Before a put or an eviction (under the cache lock): the cache dir is still the directory this cache holds,
         or it is taken (`_lock_again`; OSError EBUSY where another holds it). `rm -rf CACHE` and a second mount of
         CACHE, which found it free and made it again: this one wrote its chunks there and evicted there by its own
-        index, each mount removing the other's files (B114). Gone altogether: the put makes it again
+        index, each mount removing the other's files (B113). Gone altogether: the put makes it again
         (`_remake_shard`)."""
         try:
             st = os.stat(self.root)

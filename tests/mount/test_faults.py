@@ -214,7 +214,7 @@ def test_after_a_long_outage_a_lookup_or_a_write_that_meets_one_5xx_is_still_ret
     """No mount: the store's client. botocore's standard mode keeps one retry quota per client (500 units, 14 per
     retried 5xx, 1 back per request that succeeds at once): an outage of about 35 retried failures drained it, and
     afterwards a HEAD or a PUT that met one 5xx failed at its first error (EIO for a lookup, a close) until
-    hundreds of successes had refilled it, against the promise that botocore retries them (B116)."""
+    hundreds of successes had refilled it, against the promise that botocore retries them (B114)."""
     from fsmount.config import StoreConfig
     from fsmount.data.boto3_store import Boto3Store
     from fsmount.data.store import StoreError

@@ -393,7 +393,7 @@ def test_only_a_reply_to_a_dropped_request_is_downgraded_from_error() -> None:
 def test_the_units_stop_timeout_covers_every_bound_of_a_stop() -> None:
     """systemd SIGKILLs a daemon still stopping at TimeoutStopSec, which leaves a dead mount. Every step of a stop
     is bounded; together they came to 110 s with --writable, --cache-dir and a shared tier, against 60 s. And this
-    sum left out three of them (B117): the pushes' second wait once the loop has stopped, the cache dir marked
+    sum left out three of them (B115): the pushes' second wait once the loop has stopped, the cache dir marked
     draining, and the names written to it: 121 s, against 120 s."""
     from fsmount import mount, writes
 

@@ -53,6 +53,7 @@ from fsmount.data import (
     counted,
     default_min_free,
     free_bytes,
+    human_size,
     origin_identity,
     sweep_staged_writes,
 )
@@ -62,7 +63,6 @@ from fsmount.pagecache import PageCachePusher, default_push_limit
 from fsmount.prometheus import MetricsAddressError, MetricsServer
 from fsmount.saved_names import SAVE_EVERY_S, SavedNames
 from fsmount.stats import MountStats
-from fsmount.stats_table import human_size
 from fsmount.streaming import ModelStreamer
 from fsmount.tree_changes import WritableNamespace
 from fsmount.write_staging import STAGING_BYTES

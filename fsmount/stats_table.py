@@ -9,6 +9,7 @@ import json
 import os
 from typing import Any
 
+from fsmount.data import human_size
 from fsmount.stats import STATS_FORMAT_VERSION, STATS_XATTR, ratio
 
 # How long `modelfs stats` waits for the daemon's answer (it comes in milliseconds from a daemon that runs).
@@ -65,14 +66,6 @@ def read_stats(mountpoint: str, timeout: float = STATS_TIMEOUT_S) -> dict[str, A
     if not isinstance(snapshot, dict) or snapshot.get("format") != STATS_FORMAT_VERSION:
         raise StatsUnavailable(f"{mountpoint}: stats format not understood (daemon of another version?)")
     return snapshot
-
-
-def human_size(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1024
-    raise AssertionError("unreachable")
 
 
 def _percent(ratio: float) -> str:

@@ -34,13 +34,13 @@ from fsmount.data import (
     ChunkId,
     WritableBuffer,
     counted,
+    human_size,
     new_buffer,
     pwrite_all,
     round_up,
     still_on,
     sweep_staged_writes,
 )
-from fsmount.stats_table import human_size
 
 log = logging.getLogger(__name__)
 

@@ -28,6 +28,7 @@ from fsmount.data.cache_dir import (
     cache_bytes,
     counted,
     free_bytes,
+    human_size,
     is_cache_dir,
     still_on,
     sweep_staged_writes,
@@ -88,6 +89,6 @@ __all__ = [
     "MIN_PART_SIZE",
     "PendingUpload", "COPY_OBJECT_MAX", "Exists", "Uploads", "new_buffer", "pwrite_all", "round_up",
     "UNREACHABLE_RETRY_S", "wait_to_retry", "WRITES_DIR", "NAMES_DIR", "sweep_staged_writes", "counted", "DISK_THREADS",
-    "is_cache_dir", "still_on",
+    "is_cache_dir", "still_on", "human_size",
     "PUT_THREADS", "OutOfResources", "multipart_etag", "put_etag", "sent_etag", "within",
 ]

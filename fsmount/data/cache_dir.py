@@ -95,6 +95,16 @@ def counted(n: int, one: str, many: str) -> str:
     return f"{n} {one if n == 1 else many}"
 
 
+def human_size(n: float) -> str:
+    """`n` bytes in the largest binary unit under which it is >= 1 ("512 B", "3.00 MiB"): what the cache's log lines
+    and commands, and `modelfs stats`, say of a size."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
 def sweep_staged_writes(root: str) -> tuple[int, int]:
     """Remove the copies in `root`'s WRITES_DIR (regular files named as write_staging names them, never a folder nor
     a symlink), and say what they were (staged_writes). Anything else there is left alone, with a log line; so is a

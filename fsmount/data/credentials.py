@@ -28,7 +28,8 @@ reference (`_source`), replaced whole by `renew` (never changed in place), so a 
 a secret of two generations; only when the source fails does it call `renew`. `renew` serializes lookups under
 `_lock`; `_next_check`, `_changed_at`, `_policy_refusals` and `_lookup` are only touched under it. A lookup runs in
 a thread of its own, waited for at most `LOOKUP_TIMEOUT_S` (under `_lock`, so a caller of `renew` waits at most about
-that long); one that takes longer is left to end there, and no other starts meanwhile. No secret is ever logged:
+that long); one that takes longer is left to end there, no other starts meanwhile, and the next renewal takes its
+result (its thread writes only its own box, read once it has ended). No secret is ever logged:
 only how the credentials were found (botocore's method name).
 """
 
@@ -82,7 +83,8 @@ class Renewable(Credentials):  # type: ignore[misc]
         # Set when credentials a renewal changed were refused again for a code of NOT_ONLY_CREDENTIALS
         # (`refused_again`): such refusals are the bucket's own, and look nothing up until a change for another reason.
         self._policy_refusals = False
-        self._lookup: threading.Thread | None = None  # a lookup given up on (`LOOKUP_TIMEOUT_S`) that may still run
+        # A lookup given up on (`LOOKUP_TIMEOUT_S`) that may still run, and the box its result or error lands in.
+        self._lookup: tuple[threading.Thread, dict[str, Any]] | None = None
 
     @property
     def method(self) -> str:
@@ -125,7 +127,7 @@ class Renewable(Credentials):  # type: ignore[misc]
             if now < self._next_check:
                 return now - self._changed_at < self._recheck_s
             self._next_check = now + self._recheck_s
-            if self._lookup is not None and self._lookup.is_alive():
+            if self._lookup is not None and self._lookup[0].is_alive():
                 return False  # the one given up on still runs (said when given up on)
             try:
                 fresh, new = self._look_up()
@@ -153,7 +155,13 @@ class Renewable(Credentials):  # type: ignore[misc]
     def _look_up(self) -> tuple[Any, tuple[str, str, str | None] | None]:
         """The chain resolved anew and its frozen credentials (a role assumed through a profile, SSO, a web
         identity: fetched here, from STS), in a thread of its own: _GivenUp past `LOOKUP_TIMEOUT_S`, the
-        thread left running in `_lookup`. Called under `_lock`."""
+        thread left running in `_lookup`. A lookup given up on that has ended since gives its result instead of
+        a new one: a source that always takes longer (a slow vault's credential_process) was never renewed, each
+        lookup given up on in turn. Called under `_lock`."""
+        if self._lookup is not None:
+            late, self._lookup = self._lookup[1], None
+            if "result" in late:
+                return late["result"]  # type: ignore[no-any-return]
         done = threading.Event()
         box: dict[str, Any] = {}
 
@@ -169,7 +177,7 @@ class Renewable(Credentials):  # type: ignore[misc]
         thread = threading.Thread(target=run, name="credentials-lookup", daemon=True)
         thread.start()
         if not done.wait(LOOKUP_TIMEOUT_S):
-            self._lookup = thread
+            self._lookup = (thread, box)
             raise _GivenUp
         if "error" in box:
             raise box["error"]

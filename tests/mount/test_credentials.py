@@ -428,4 +428,4 @@ def test_a_credential_process_that_hangs_holds_no_request_past_the_lookup_timeou
     assert len(runs.read_text()) == 2  # the first run, and the one that hangs: not run again meanwhile
     lookup = store._credentials._lookup
     assert lookup is not None
-    lookup.join(10)  # the process ends by itself
+    lookup[0].join(10)  # the process ends by itself

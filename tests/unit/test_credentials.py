@@ -199,5 +199,35 @@ def test_a_lookup_that_hangs_is_given_up_on_and_no_other_starts_until_it_ends(
         assert len(lookups) == 1 and renewable.access_key == "K0"  # no second lookup beside the hung one
     finally:
         hang.set()
-    renewable._lookup.join(5)  # type: ignore[union-attr]
-    assert renewable.renew("ExpiredToken") and renewable.access_key == "K2"
+    renewable._lookup[0].join(5)  # type: ignore[index]
+    # The lookup given up on has ended: its result, not a new lookup.
+    assert renewable.renew("ExpiredToken") and renewable.access_key == "K1" and len(lookups) == 1
+    assert renewable.renew("ExpiredToken") and renewable.access_key == "K2"  # then lookups go on
+
+
+def test_a_source_whose_lookup_always_outlasts_the_timeout_is_renewed_by_the_lookup_given_up_on(
+        monkeypatch: pytest.MonkeyPatch, allowed_logs: list[str]) -> None:
+    """A source whose every lookup takes longer than LOOKUP_TIMEOUT_S (a credential_process asking a slow vault):
+    each lookup was given up on, its result thrown away when it came, and the next renewal past the recheck started
+    another that was given up on too: a key rotated there was never picked up (before B111 it was, late). The next
+    renewal after a lookup given up on has ended takes that lookup's result."""
+    import threading
+    import time
+
+    allowed_logs.append(r"requests were refused \(ExpiredToken\); looking the credentials up again took more than "
+                        r"0\.2 s")
+    allowed_logs.append(r"requests were refused \(ExpiredToken\) and the credentials \(env\) have changed")
+    monkeypatch.setattr(credentials, "LOOKUP_TIMEOUT_S", 0.2, raising=False)
+    lookups: list[int] = []
+
+    def resolve() -> Credentials:
+        lookups.append(1)
+        time.sleep(0.5)
+        return Credentials("NEW", "s", method="env")
+
+    renewable = Renewable(Credentials("OLD", "s", method="env"), resolve, recheck_s=0)
+    assert not renewable.renew("ExpiredToken") and renewable.access_key == "OLD"  # given up on
+    deadline = time.monotonic() + 5
+    while any(t.name == "credentials-lookup" for t in threading.enumerate()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert renewable.renew("ExpiredToken") and renewable.access_key == "NEW" and len(lookups) == 1

@@ -20,16 +20,18 @@ policy refuses so too. A source that mints new keys at each lookup (a role assum
 credential_process giving new session keys each run) looks changed at every lookup, so a policy's refusal cost a
 lookup (an STS call, a process run), a "have changed" warning and a second request per `RECHECK_S`, for good. When a
 request sent again with credentials a renewal changed is refused again for such a code (`refused_again`), the
-refusal is the bucket's own: such codes look the credentials up no more, until a renewal for another reason (a
-code that names the credentials, a failed refresh) changes them.
+refusal is the bucket's own: such codes look the credentials up no more than once per `POLICY_RECHECK_S`, until a
+renewal for another reason (a code that names the credentials, a failed refresh) changes them. Not never: a key
+revoked is refused so too (an assumed role's sessions revoked in IAM, a server that names no other code), and a
+HEAD's refusal never names its code.
 
 Thread-safety: `Renewable.get_frozen_credentials` is called by every signing thread without a lock: it reads one
 reference (`_source`), replaced whole by `renew` (never changed in place), so a signature never mixes a key id and
 a secret of two generations; only when the source fails does it call `renew`. `renew` serializes lookups under
-`_lock`; `_next_check`, `_changed_at`, `_policy_refusals` and `_lookup` are only touched under it. A lookup runs in
-a thread of its own, waited for at most `LOOKUP_TIMEOUT_S` (under `_lock`, so a caller of `renew` waits at most about
-that long); one that takes longer is left to end there, no other starts meanwhile, and the next renewal takes its
-result (its thread writes only its own box, read once it has ended). No secret is ever logged:
+`_lock`; `_next_check`, `_changed_at`, `_policy_refusals`, `_policy_told` and `_lookup` are only touched under it. A
+lookup runs in a thread of its own, waited for at most `LOOKUP_TIMEOUT_S` (under `_lock`, so a caller of `renew` waits
+at most about that long); one that takes longer is left to end there, no other starts meanwhile, and the next renewal
+takes its result (its thread writes only its own box, read once it has ended). No secret is ever logged:
 only how the credentials were found (botocore's method name).
 """
 
@@ -53,6 +55,11 @@ RECHECK_S = 30.0
 # for credentials it does not take: AccessDenied, and a HEAD's answer without a body (botocore names its code by the
 # status). The others (ExpiredToken, InvalidToken, InvalidAccessKeyId, SignatureDoesNotMatch...) name the credentials.
 NOT_ONLY_CREDENTIALS = frozenset({"AccessDenied", "400", "403"})
+# How often such refusals look the credentials up once they were found the bucket's own (`Renewable.refused_again`):
+# seldom, for a source minting keys at each lookup pays a lookup and a second request each time, but not never, for a
+# key revoked is refused so too (IAM's "revoke active sessions" of an assumed role: AccessDenied, and a new session
+# would be taken; a server naming an unknown key AccessDenied), and a HEAD's bare 403 names nothing.
+POLICY_RECHECK_S = 600.0
 # The longest a lookup is waited for: a credential_process that hangs (a vault agent down, a prompt with no
 # terminal), an STS or SSO endpoint that does not answer. botocore's lookup has no bound of its own, and the threads
 # that waited on it (metadata requests, writes, given up on by their deadline but never ended) kept their slots for
@@ -80,9 +87,11 @@ class Renewable(Credentials):  # type: ignore[misc]
         self._lock = threading.Lock()
         self._next_check = 0.0
         self._changed_at = -float("inf")  # monotonic time of the last renewal that changed them
-        # Set when credentials a renewal changed were refused again for a code of NOT_ONLY_CREDENTIALS
-        # (`refused_again`): such refusals are the bucket's own, and look nothing up until a change for another reason.
-        self._policy_refusals = False
+        # When credentials a renewal changed were refused again for a code of NOT_ONLY_CREDENTIALS (`refused_again`),
+        # monotonic; None until then, and again after a change: such refusals are the bucket's own, and look the
+        # credentials up once per POLICY_RECHECK_S only. `_policy_told`: its warning was logged (later ones are INFO).
+        self._policy_refusals: float | None = None
+        self._policy_told = False
         # A lookup given up on (`LOOKUP_TIMEOUT_S`) that may still run, and the box its result or error lands in.
         self._lookup: tuple[threading.Thread, dict[str, Any]] | None = None
 
@@ -122,7 +131,8 @@ class Renewable(Credentials):  # type: ignore[misc]
         renewal within `recheck_s`: a request signed before that renewal deserves its second try too."""
         now = time.monotonic()
         with self._lock:
-            if self._policy_refusals and why in NOT_ONLY_CREDENTIALS:
+            since = self._policy_refusals if why in NOT_ONLY_CREDENTIALS else None
+            if since is not None and now < since + POLICY_RECHECK_S:
                 return False
             if now < self._next_check:
                 return now - self._changed_at < self._recheck_s
@@ -146,10 +156,11 @@ class Renewable(Credentials):  # type: ignore[misc]
                 old = None
             if new is None or new == old:
                 return False
-            self._source, self._changed_at, self._policy_refusals = fresh, now, False
+            self._source, self._changed_at, self._policy_refusals = fresh, now, None
             method = self.method
-        log.warning("%s (%s) and the credentials (%s) have changed since they were read: "
-                    "signing with the new ones from now on", event, why, method or "unknown source")
+        # Past POLICY_RECHECK_S of a policy's refusals, a source minting keys at each lookup looks changed each time.
+        log.log(logging.INFO if since is not None else logging.WARNING, "%s (%s) and the credentials (%s) have changed "
+                "since they were read: signing with the new ones from now on", event, why, method or "unknown source")
         return True
 
     def _look_up(self) -> tuple[Any, tuple[str, str, str | None] | None]:
@@ -186,17 +197,19 @@ class Renewable(Credentials):  # type: ignore[misc]
     def refused_again(self, why: str) -> None:
         """A request sent again because `renew` said the credentials changed was refused again for `why`. For a
         code of NOT_ONLY_CREDENTIALS the refusal is the bucket's own, not the credentials' (a source that mints new
-        keys at each lookup looks changed every time): such codes look the credentials up no more (one warning)."""
+        keys at each lookup looks changed every time): such codes look the credentials up once per POLICY_RECHECK_S
+        only (one warning; INFO after the first)."""
         if why not in NOT_ONLY_CREDENTIALS:
             return
         with self._lock:
-            if self._policy_refusals:
+            if self._policy_refusals is not None:
                 return
-            self._policy_refusals = True
-        log.warning("requests sent again with the credentials looked up anew were refused again (%s): the bucket "
-                    "refuses them for a reason of its own (a bucket or IAM policy?), not for their key. Such refusals "
-                    "(AccessDenied, a HEAD's bare 400 or 403) no longer look the credentials up again; an expired or "
-                    "unknown key, named so by the server, still does", why)
+            self._policy_refusals, told, self._policy_told = time.monotonic(), self._policy_told, True
+        log.log(logging.INFO if told else logging.WARNING,
+                "requests sent again with the credentials looked up anew were refused again (%s): the bucket refuses "
+                "them for a reason of its own (a bucket or IAM policy?), not for their key. Such refusals "
+                "(AccessDenied, a HEAD's bare 400 or 403) look the credentials up again every %g s only; an expired "
+                "or unknown key, named so by the server, still does", why, POLICY_RECHECK_S)
 
 
 class _Provider:

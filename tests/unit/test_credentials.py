@@ -145,6 +145,44 @@ def test_a_policy_s_refusal_of_credentials_minted_anew_at_each_lookup_looks_them
     assert len([s for s in said if "have changed" in s]) == 3 and len([s for s in said if "own" in s]) == 1
 
 
+def test_a_policy_s_refusals_look_minted_credentials_up_again_after_a_while_so_a_revoked_session_is_replaced(
+        monkeypatch: pytest.MonkeyPatch, allowed_logs: list[str], caplog: pytest.LogCaptureFixture) -> None:
+    """Once a policy's refusal of credentials minted at each lookup was found the bucket's own (B108), AccessDenied
+    and a HEAD's bare 403 looked nothing up for the life of the mount: an assumed role's sessions revoked in IAM
+    (every request AccessDenied; a new session would be taken) were refused until botocore's own refresh, or for
+    good for a credential_process without an expiry. Such refusals look them up once per POLICY_RECHECK_S, the
+    repeated words at INFO."""
+    import logging
+
+    allowed_logs.extend([r"requests were refused \(AccessDenied\) and the credentials \(assume-role\)",
+                         r"refused again \(AccessDenied\): the bucket refuses them for a reason of its own"])
+    caplog.set_level(logging.INFO, logger="fsmount.data.credentials")
+    monkeypatch.setattr(credentials, "POLICY_RECHECK_S", 300.0, raising=False)
+    now = [100.0]
+    monkeypatch.setattr(credentials.time, "monotonic", lambda: now[0])
+    lookups: list[int] = []
+
+    def resolve() -> Credentials:
+        lookups.append(1)
+        return Credentials(f"ASIA{len(lookups)}", "s", "t", method="assume-role")
+
+    renewable = Renewable(Credentials("ASIA0", "s", "t", method="assume-role"), resolve, recheck_s=30)
+    assert renewable.renew("AccessDenied")
+    renewable.refused_again("AccessDenied")  # the bucket's own
+    while now[0] + 31 < 100 + 300:
+        now[0] += 31
+        assert not renewable.renew("AccessDenied") and not renewable.renew("403")
+    assert len(lookups) == 1  # B108's saving kept
+    now[0] += 31
+    assert renewable.renew("403") and len(lookups) == 2 and renewable.access_key == "ASIA2"  # a new session
+    renewable.refused_again("AccessDenied")  # a policy still: looked up seldom again, said at INFO this time
+    now[0] += 31
+    assert not renewable.renew("AccessDenied") and len(lookups) == 2
+    warned = [r.getMessage() for r in caplog.records if r.name == "fsmount.data.credentials"
+              and r.levelno >= logging.WARNING]
+    assert len(warned) == 2, warned
+
+
 def test_a_request_refused_again_for_a_code_naming_the_credentials_keeps_them_looked_up(
         monkeypatch: pytest.MonkeyPatch, allowed_logs: list[str]) -> None:
     """Credentials a renewal changed that are refused again as expired (a file rewritten with keys that are stale

@@ -49,6 +49,7 @@ def refuses_the_condition(exc: Exception) -> bool:
         return True
     return any(word in message.lower() for word in ("if-none-match", "ifnonematch", "conditional"))
 
+
 # S3's limits on multipart uploads (and what OSS, SeaweedFS and MinIO accept).
 MIN_PART_SIZE = 5 * 1024 * 1024
 MAX_PART_SIZE = 5 * 1024 * 1024 * 1024

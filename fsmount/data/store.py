@@ -231,7 +231,9 @@ def error_for_status(code: str, status: int, bucket: str, what: str, message: st
         return denied
     if code == "PreconditionFailed" or status == 412:
         return PreconditionFailed(f"{what}: object changed in the bucket since it was opened")
-    if status == 400 and code in ("", "400"):
+    if status == 400 and code in ("", "400") and what.startswith("HEAD "):
+        # A HEAD's only: the answer to any other request has a body to say ExpiredToken in, so a bare 400 of a PUT, a
+        # GET or a multipart call is something else (a gateway, a header refused) and keeps its server's words.
         return StoreError(f"{what}: {CREDENTIAL_ADVICE['400']}")
     if code == "NotImplemented" or status == 501:  # a feature the server lacks: asking again will not help
         return StoreError(f"{what}: not implemented by the server")

@@ -267,3 +267,14 @@ def test_a_bare_400_says_it_may_be_an_expired_session_token() -> None:
     assert "credentials in the environment need a remount" in bare.message
     named = translate_error(client_error("InvalidArgument", 400), "b", "PUT 'k'")  # a code: the server's own word
     assert "session token" not in named.message and "InvalidArgument" in named.message
+
+
+def test_a_bare_400_of_a_request_other_than_a_head_is_not_told_to_be_an_expired_session_token() -> None:
+    """Only a HEAD's answer has no body to name ExpiredToken in: B110's advice was given to every bare 400, so a PUT
+    (a create-only store a gateway refuses, the tier's probe), a GET or a DELETE refused so logged "AWS S3 answers so
+    a HEAD whose credentials' session token has expired", which sent an operator to the credentials, and lost the
+    server's message."""
+    for what in ("PUT 'k'", "GET 'k' bytes 0-9", "DELETE 'k'", "listing 'p/'"):
+        bare = translate_error(client_error("400", 400, "Bad Request"), "b", what)
+        assert type(bare) is StoreError and bare.errno == errno.EIO
+        assert bare.message == f"{what}: 400 (Bad Request)", bare.message

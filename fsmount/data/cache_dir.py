@@ -205,12 +205,13 @@ def scandir(path: str) -> Iterator[os.DirEntry[str]]:
         return
 
 
-def acquire_dir_lock(root: str) -> int:
+def acquire_dir_lock(root: str, wait: bool = True) -> int:
     """Take the cache dir for this process: a flock on the directory itself (a flock on its `lock` file alone let a
     second daemon in once an operator's `rm -rf CACHE/*` had removed that file: two indexes evicting each other's
     files, each within its own --cache-size). The `lock` file names the holder's pid, for the next comer, and is
     flocked too where it can be opened (older versions lock only it); it may be missing or unwritable (a read-only
-    cache dir). Returns the descriptor to give to release_dir_lock."""
+    cache dir). Returns the descriptor to give to release_dir_lock. `wait=False`: refused at once where another holds
+    it, without the waits for a holder about to drain or draining (a mount asking again under its cache lock)."""
     path = os.path.join(root, LOCK_FILE)
     # A read-only descriptor (flock ignores the mode): one open for writing would make the filesystem refuse a
     # remount read-only while we run.
@@ -222,7 +223,7 @@ def acquire_dir_lock(root: str) -> int:
         file_fd = _open_lock_file(path, os.O_RDONLY | os.O_CREAT)
         for held in (fd, file_fd):
             if held is not None:
-                _flock_or_wait_for_draining(held, root, path)
+                _flock_or_wait_for_draining(held, root, path, wait)
         if file_fd is not None:
             _check_ours(file_fd, path)
         _write_pid(path)
@@ -236,8 +237,8 @@ def acquire_dir_lock(root: str) -> int:
     return fd
 
 
-def _flock_or_wait_for_draining(fd: int, root: str, path: str) -> None:
-    """flock `fd`; while another holds it, and says it is draining, wait for it up to DRAINING_WAIT_S."""
+def _flock_or_wait_for_draining(fd: int, root: str, path: str, wait: bool = True) -> None:
+    """flock `fd`; while another holds it, and says it is draining, wait for it up to DRAINING_WAIT_S (if `wait`)."""
     deadline, grace = None, time.monotonic() + DRAINING_GRACE_S
     while True:
         try:
@@ -251,10 +252,10 @@ def _flock_or_wait_for_draining(fd: int, root: str, path: str) -> None:
                 # cache dir) left the last writer's text, "PID draining" of a daemon long gone, which had the next
                 # comer wait DRAINING_WAIT_S for a live mount and then name that dead pid. The kernel's word counts.
                 holder = [str(min(real))]
-            if holder[1:] != [DRAINING] and time.monotonic() < grace:
+            if wait and holder[1:] != [DRAINING] and time.monotonic() < grace:
                 time.sleep(0.1)
                 continue
-            if holder[1:] != [DRAINING] or (deadline is not None and time.monotonic() > deadline):
+            if not wait or holder[1:] != [DRAINING] or (deadline is not None and time.monotonic() > deadline):
                 raise CacheDirBusy(
                     f"cache dir {root} is in use by another modelfs mount or cache command (pid {holder[0]}); a "
                     f"cache dir serves one mount or command at a time: unmount it (or let the command finish) first, "

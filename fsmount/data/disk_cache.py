@@ -674,9 +674,11 @@ class DiskCache:
         """The cache dir is another directory than the one whose flock this cache holds (removed whole, made again):
         that one is taken too, or refused. Nobody's, `modelfs cache clear` (which refuses while a mount uses the dir)
         emptied it under the mount, and a second mount of it went in beside this one, each evicting the other's
-        files."""
+        files. Asked without acquire_dir_lock's waits: a put's room check and the floor check ask under the cache lock,
+        which every read of a cached chunk waits for (while another mount held the dir, each floor check, every 5 s,
+        held it 1 s; a draining one, up to DRAINING_WAIT_S)."""
         try:
-            fd = acquire_dir_lock(self.root)
+            fd = acquire_dir_lock(self.root, wait=False)
         except CacheDirBusy as exc:  # another mount or command took the new directory first: not written here
             raise OSError(errno.EBUSY, str(exc)) from None
         with self._lock_fd_guard:

@@ -7,11 +7,12 @@ import logging
 import os
 import shutil
 import stat
+import time
 from pathlib import Path
 
 import pytest
 
-from fsmount.data import CacheDirBusy, cache_clear, disk_cache
+from fsmount.data import CacheDirBusy, cache_clear, cache_dir, disk_cache
 from fsmount.data.cache_dir import CHUNKS_DIR
 from fsmount.data.disk_cache import DiskCache
 from tests.helpers import tmpfs
@@ -108,6 +109,31 @@ def test_a_cache_dir_removed_and_made_again_by_another_mount_is_left_to_it(tmp_p
             assert "in use by another modelfs mount" in warnings_from_cache(caplog)[0].getMessage()
             assert b.get(chunk_id(0)) == payload(chunk_id(0)) and b.stats.chunks == 1
             assert a.get(chunk_id(0)) == payload(chunk_id(0))  # B's file, of the same chunk: its header says so
+
+
+def test_a_cache_dir_another_mount_holds_costs_no_wait_under_the_cache_lock(tmp_path: Path, monkeypatch,  # noqa: ANN001
+                                                                            allowed_logs) -> None:
+    """Mount A finds its removed cache dir made again and held by mount B: A's floor check (every 5 s) and a put asked
+    for B's lock as a new mount does, with its wait for a holder about to say it drains (1 s), under A's cache lock,
+    which every read of a cached chunk waits for (a read then waited 1 s and went to the origin); B draining, up to
+    DRAINING_WAIT_S (60 s). They are refused at once."""
+    allowed_logs.append(r"write failed")
+    monkeypatch.setattr(cache_dir, "DRAINING_WAIT_S", 3.0)
+    root = tmp_path / "c"
+    with DiskCache(root, BIG, min_free_bytes=0) as a:
+        a.put(chunk_id(0), payload(chunk_id(0)))
+        shutil.rmtree(root)
+        with DiskCache(root, BIG, min_free_bytes=0) as b:
+            for draining in (False, True):
+                if draining:
+                    b.mark_draining()
+                started = time.monotonic()
+                assert a.keep_free() == 0
+                a.put(chunk_id(1 + draining), payload(chunk_id(1 + draining)))
+                a._write_failed_at = None  # the next put tries again at once
+                assert time.monotonic() - started < cache_dir.DRAINING_GRACE_S / 2, draining
+            assert a.stats.write_errors == 2 and b.stats.chunks == 0
+            assert not any(os.path.exists(chunk_file_of(b, chunk_id(i))) for i in (1, 2))
 
 
 def test_a_floor_check_that_evicts_nothing_says_nothing(tmp_path: Path, caplog, monkeypatch) -> None:  # noqa: ANN001

@@ -551,7 +551,8 @@ class DiskCache:
                     self._write_failed_at = None
                     log.info("disk cache %s: writes succeed again, cache filling resumed", self.root)
         except OSError as err:
-            self._write_failed(err)
+            if not self._closed:  # closed meanwhile (`_held_or_lock_again`'s EBADF): a no-op, as any put after close
+                self._write_failed(err)
         finally:
             with self._lock:
                 self._writing.discard(digest)

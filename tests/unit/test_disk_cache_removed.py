@@ -136,6 +136,24 @@ def test_a_cache_dir_another_mount_holds_costs_no_wait_under_the_cache_lock(tmp_
             assert not any(os.path.exists(chunk_file_of(b, chunk_id(i))) for i in (1, 2))
 
 
+def test_a_put_that_the_cache_close_overtakes_says_nothing(tmp_path: Path, monkeypatch) -> None:  # noqa: ANN001
+    """The unmount closes the cache while the engine's threads still put (past WRITE_DRAIN_S). A put that had passed
+    its first check of `_closed` then met `_held_or_lock_again`'s EBADF at its room check: a write episode and its
+    warning, "write failed (cache closed during put) ... retrying writes every 30 s", as the daemon exited. After close
+    a put is a no-op, quietly, as one closed at its rename is."""
+    with DiskCache(tmp_path / "c", BIG, min_free_bytes=0) as cache:
+        real = disk_cache.encode_header
+
+        def closing(chunk, data):  # noqa: ANN001, ANN202
+            cache.close()  # between the put's two locked steps
+            return real(chunk, data)
+
+        monkeypatch.setattr(disk_cache, "encode_header", closing)
+        cache.put(chunk_id(1), payload(chunk_id(1)))
+        assert cache.stats.write_errors == 0 and cache.stats.writes == 0
+        assert not os.path.exists(chunk_file_of(cache, chunk_id(1)))
+
+
 def test_a_floor_check_that_evicts_nothing_says_nothing(tmp_path: Path, caplog, monkeypatch) -> None:  # noqa: ANN001
     """Chunk files the daemon cannot remove (a cache dir restored from a backup with another owner) on a disk something
     else filled: every floor check (every 5 s) logged "0 bytes evicted to keep ... free", for good."""

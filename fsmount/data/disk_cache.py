@@ -216,6 +216,7 @@ class DiskCache:
         os.makedirs(self.root, mode=0o700, exist_ok=True)
         self._lock_fd = acquire_dir_lock(self.root)
         self._lock_fd_guard = threading.Lock()  # the swap of `_lock_fd` (`_lock_again`) against its release (`close`)
+        self._relocking = threading.Lock()  # one `_lock_again` at a time; taken before `_lock_fd_guard`, never `_lock`
         self._dev = os.stat(self.root).st_dev  # its filesystem: directories removed are made again only there
         try:
             os.makedirs(self._chunks_dir, mode=0o700, exist_ok=True)
@@ -644,8 +645,7 @@ class DiskCache:
         as at open (the cache dir came back with the umask's mode)."""
         still_on(self._chunks_dir, self._dev, "the NVMe cache")
         os.makedirs(self.root, mode=0o700, exist_ok=True)
-        if os.stat(self.root).st_ino != os.fstat(self._lock_fd).st_ino:
-            self._lock_again()
+        self._held_or_lock_again()
         os.makedirs(self._chunks_dir, mode=0o700, exist_ok=True)
         real_dir(self._chunks_dir)
         self._make_shards(shard)
@@ -659,17 +659,26 @@ class DiskCache:
         or it is taken (`_lock_again`; OSError EBUSY where another holds it). `rm -rf CACHE` and a second mount of
         CACHE, which found it free and made it again: this one wrote its chunks there and evicted there by its own
         index, each mount removing the other's files (B113). Gone altogether: the put makes it again
-        (`_remake_shard`)."""
+        (`_remake_shard`, which asks here too, without the cache lock)."""
+        if self._holds_root() is False:
+            # One thread at a time, asking again once its turn comes: a put making its shard again in `_write_tmp`
+            # asks without the cache lock, and this process's second flock of the new dir, through a descriptor of
+            # its own, was refused as another mount's (a failed put, its warning naming this daemon's pid) (B120).
+            with self._relocking:
+                if self._holds_root() is False:
+                    self._lock_again()
+
+    def _holds_root(self) -> bool | None:
+        """Whether the cache dir is the directory whose flock this cache holds; None where it is gone."""
         try:
             st = os.stat(self.root)
         except FileNotFoundError:
-            return
+            return None
         with self._lock_fd_guard:  # not a descriptor close released (and the number reused)
             if self._closed:
                 raise OSError(errno.EBADF, "cache closed during put")
             held = os.fstat(self._lock_fd)
-        if (st.st_dev, st.st_ino) != (held.st_dev, held.st_ino):
-            self._lock_again()
+        return (st.st_dev, st.st_ino) == (held.st_dev, held.st_ino)
 
     def _lock_again(self) -> None:
         """The cache dir is another directory than the one whose flock this cache holds (removed whole, made again):

@@ -7,6 +7,7 @@ import logging
 import os
 import shutil
 import stat
+import threading
 import time
 from pathlib import Path
 
@@ -134,6 +135,35 @@ def test_a_cache_dir_another_mount_holds_costs_no_wait_under_the_cache_lock(tmp_
                 assert time.monotonic() - started < cache_dir.DRAINING_GRACE_S / 2, draining
             assert a.stats.write_errors == 2 and b.stats.chunks == 0
             assert not any(os.path.exists(chunk_file_of(b, chunk_id(i))) for i in (1, 2))
+
+
+def test_two_puts_that_find_the_cache_dir_made_again_at_once_take_it_once(tmp_path: Path, monkeypatch) -> None:  # noqa: ANN001
+    """`rm -rf CACHE` under a load: puts past their room check make their shard again outside the cache lock
+    (`_write_tmp`) while another put checks the dir under it, and each asked for the new dir's flock. The second
+    flock, this process's own through another descriptor, was refused as another mount's: that put failed, a write
+    episode and its warning "in use by another modelfs mount or cache command (pid <its own>)". One takes it, the
+    other finds it taken."""
+    root = tmp_path / "c"
+    with DiskCache(root, BIG, min_free_bytes=0) as cache:
+        shutil.rmtree(root)
+        os.makedirs(root)  # made again by nobody's lock (the names' save, say)
+        real, calls, writers = disk_cache.acquire_dir_lock, [], []
+
+        def and_a_put_writing_meanwhile(path, wait=True):  # noqa: ANN001, ANN202
+            calls.append(path)
+            if len(calls) == 1:  # the put at its room check asks: a put in `_write_tmp` remakes its shard meanwhile
+                shard = os.path.dirname(chunk_file_of(cache, chunk_id(2)))
+                writers.append(threading.Thread(target=cache._remake_shard, args=(shard,)))
+                writers[0].start()
+                writers[0].join(1)  # done, or waiting for this one's turn
+            return real(path, wait)
+
+        monkeypatch.setattr(disk_cache, "acquire_dir_lock", and_a_put_writing_meanwhile)
+        cache.put(chunk_id(1), payload(chunk_id(1)))
+        writers[0].join(5)
+        assert cache.stats.write_errors == 0 and cache.get(chunk_id(1)) == payload(chunk_id(1))
+        with pytest.raises(CacheDirBusy):
+            cache_clear(root)
 
 
 def test_a_put_that_the_cache_close_overtakes_says_nothing(tmp_path: Path, monkeypatch) -> None:  # noqa: ANN001

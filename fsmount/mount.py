@@ -8,6 +8,7 @@ while the loop is serving.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import fcntl
@@ -24,7 +25,7 @@ import sys
 import threading
 import time
 import urllib.parse
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 
 import pyfuse3
 import trio
@@ -104,6 +105,9 @@ STRAY_SIGNALS = (signal.SIGUSR2, signal.SIGALRM, signal.SIGVTALRM, signal.SIGPRO
                  signal.SIGSTKFLT, *range(signal.SIGRTMIN, signal.SIGRTMAX + 1))
 # At a stop, how long page-cache pushes in flight may take to end while READs are still answered.
 PUSH_STOP_S = 5.0
+# Once the FUSE connection was aborted for a push still waiting after the loop ended, how long that push may take to
+# end: its pages unlock with the abort, and it copies one chunk.
+PUSH_ABORT_S = 2.0
 # A cache dir with room for fewer chunks than this is worth a warning at mount.
 CACHE_ROOM_CHUNKS = 4
 # How often the NVMe cache checks its free-space floor while nothing is put (DiskCache.keep_free): a statvfs, and
@@ -560,13 +564,11 @@ def raise_kernel_readahead(mountpoint: str, dev: int, kib: int) -> None:
         log.info("could not raise kernel readahead (%s); READs stay at the kernel default", exc.strerror or exc)
 
 
-def raise_fuse_background(mountpoint: str, dev: int, max_background: int) -> None:
-    """Let the kernel queue `max_background` READs of its read-ahead on this connection (fusectl's
-    max_background, congestion at 3/4 of it). Best effort, as root only. Where fusectl is not mounted
-    (systemd mounts it at boot; containers often do not) it is mounted for the write and unmounted
-    again: the values belong to the connection, not to that mount. `dev`: the mount's device, as above."""
-    if max_background <= 0:
-        return
+@contextlib.contextmanager
+def fusectl_connection(dev: int) -> Iterator[str]:
+    """The fuse control file system's directory of the connection whose mount has device `dev`. Where fusectl is not
+    mounted (systemd mounts it at boot; containers often do not) it is mounted for the caller's writes and unmounted
+    again: what is written there belongs to the connection, not to that mount. As root only (OSError otherwise)."""
     conn = f"{FUSECTL}/{(os.major(dev) << 20) | os.minor(dev)}"  # the kernel's dev_t encoding
     mounted_here = False
     libc = ctypes.CDLL(None, use_errno=True)
@@ -575,16 +577,39 @@ def raise_fuse_background(mountpoint: str, dev: int, max_background: int) -> Non
             if libc.mount(b"fusectl", FUSECTL.encode(), b"fusectl", 0, None) != 0:
                 raise OSError(ctypes.get_errno(), os.strerror(ctypes.get_errno()))
             mounted_here = True
-        with open(f"{conn}/max_background", "w") as f:
-            f.write(str(max_background))
-        with open(f"{conn}/congestion_threshold", "w") as f:
-            f.write(str(max(1, max_background * 3 // 4)))
-        log.info("FUSE background requests for %s set to %d", mountpoint, max_background)
-    except OSError as exc:
-        log.info("could not raise FUSE background requests (%s); the kernel's 12 stay", exc.strerror or exc)
+        yield conn
     finally:
         if mounted_here:
             libc.umount2(FUSECTL.encode(), 0)
+
+
+def raise_fuse_background(mountpoint: str, dev: int, max_background: int) -> None:
+    """Let the kernel queue `max_background` READs of its read-ahead on this connection (fusectl's
+    max_background, congestion at 3/4 of it). Best effort, as root only (`fusectl_connection`). `dev`: the mount's
+    device, as above."""
+    if max_background <= 0:
+        return
+    try:
+        with fusectl_connection(dev) as conn:
+            with open(f"{conn}/max_background", "w") as f:
+                f.write(str(max_background))
+            with open(f"{conn}/congestion_threshold", "w") as f:
+                f.write(str(max(1, max_background * 3 // 4)))
+        log.info("FUSE background requests for %s set to %d", mountpoint, max_background)
+    except OSError as exc:
+        log.info("could not raise FUSE background requests (%s); the kernel's 12 stay", exc.strerror or exc)
+
+
+def abort_connection(dev: int) -> str | None:
+    """Abort the FUSE connection of the mount with device `dev` (fusectl's `abort`, what `umount -f` does): every
+    request it holds ends, their pages are unlocked, and whatever waits in the kernel on them goes on. None once
+    done, else why not."""
+    try:
+        with fusectl_connection(dev) as conn, open(f"{conn}/abort", "w") as f:
+            f.write("1")
+    except OSError as exc:
+        return str(exc.strerror or exc)
+    return None
 
 
 def sd_notify(message: str) -> None:
@@ -787,12 +812,8 @@ class Daemon:
             self._until_served.cancel()
             # The mount goes before the drains below (up to about a minute): nobody reads its requests any more, so
             # a stat of the mount point hung until they ended, and a second stop meanwhile (the default action by
-            # then) left the mount in place, ENOTCONN until someone unmounted it. Not while a push is still in
-            # notify_store (one that outlived the stop's wait): the session it writes to must outlive it.
-            if await self.pusher.stop(PUSH_STOP_S):
-                self.end_session()
-            else:
-                log.info("a page-cache push is still running: the mount stays until the daemon exits")
+            # then) left the mount in place, ENOTCONN until someone unmounted it.
+            await self._end_session_after_pushes()
             # A mount started now in this one's place waits for the drains below (its cache dir's lock), and needs
             # the metrics port this one holds: a restart script's `modelfs unmount && modelfs mount` failed "in use".
             if self.metrics is not None:
@@ -810,6 +831,27 @@ class Daemon:
                 with trio.move_on_after(NAMES_SAVE_S):
                     await self._save_names(self.saved_names)
             nursery.cancel_scope.cancel()
+
+    async def _end_session_after_pushes(self) -> None:
+        """End the session once no page-cache push is in notify_store: the session a push writes to must outlive it.
+        A push waiting for the pages of a READ the stop cut short (its grace was over: pyfuse3 sends no reply for a
+        cancelled handler, so the kernel keeps that READ's pages locked until the connection ends) never ended, and
+        neither did the daemon, even SIGKILLed, until someone aborted the connection (B116). Here a push still copying
+        after PUSH_STOP_S gets the connection aborted through fusectl: the READs it held end, their pages unlock, the
+        push ends (within PUSH_ABORT_S), and the session closes. One warning says so."""
+        if await self.pusher.stop(PUSH_STOP_S):
+            self.end_session()
+            return
+        why = "the mount's device is not known" if self.ops.device is None else abort_connection(self.ops.device)
+        if why is None and await self.pusher.stop(PUSH_ABORT_S):
+            log.warning("a page-cache push was still waiting %g s after the FUSE loop ended (for the pages of a READ "
+                        "the stop cut short): the FUSE connection was aborted to end it", PUSH_STOP_S)
+            self.end_session()
+            return
+        log.warning("a page-cache push was still waiting %g s after the FUSE loop ended%s: the mount stays until the "
+                    "daemon exits, which waits for the push (`umount -f %s` ends both)", PUSH_STOP_S,
+                    f" and the FUSE connection could not be aborted ({why})" if why else
+                    f", and {PUSH_ABORT_S:g} s after its connection was aborted", self.mountpoint)
 
     @staticmethod
     async def _keep_cache_floor(cache: DiskCache) -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 
 import pytest
 import trio
@@ -284,6 +285,54 @@ async def test_a_stop_waits_for_the_pushes_copying_and_refuses_new_ones(monkeypa
         await trio.sleep(0.05)
         release.set()
     assert stopped == [False, True] and pusher.stored_total == 4
+
+
+async def test_a_push_waiting_on_the_pages_of_a_read_cut_short_at_a_stop_is_ended_by_aborting_the_connection(
+        monkeypatch, tmp_path, caplog, allowed_logs) -> None:  # noqa: ANN001
+    """A stop cancels the READs still in flight after its grace and pyfuse3 sends no reply for them, so the kernel
+    keeps their pages locked until the connection ends, and a notify_store waiting for those pages with them. `serve`
+    left the session open (its close would free what the push writes to) and waited for the shielded push: the daemon
+    never exited, even SIGKILLed, until someone aborted the connection (B116). Here notify_store waits, as the kernel
+    does, until the connection's fusectl `abort` is written: the step that ends the session aborts it once the push
+    outlives its wait, closes the session only after the push ended, and says so in one warning."""
+    import types
+
+    import fsmount.mount
+    import fsmount.pagecache
+
+    dev = os.makedev(0, 77)
+    conn = tmp_path / str((os.major(dev) << 20) | os.minor(dev))
+    conn.mkdir()
+    monkeypatch.setattr(fsmount.mount, "FUSECTL", str(tmp_path))
+    monkeypatch.setattr(fsmount.mount, "PUSH_STOP_S", 0.2)
+    gave_up: list[bool] = []
+
+    def notify_store(ino: int, offset: int, data: bytes) -> None:
+        # The kernel's wait has no end of its own: only the abort ends it (and, so that this test ends, 5 s).
+        deadline = time.monotonic() + 5
+        while not ((conn / "abort").exists() and (conn / "abort").read_text() == "1"):
+            if time.monotonic() > deadline:
+                gave_up.append(True)
+                return
+            time.sleep(0.01)
+
+    monkeypatch.setattr(fsmount.pagecache.pyfuse3, "notify_store", notify_store)
+    closed: list[int] = []  # pushes copying when the session closed
+    pusher = PageCachePusher(1 << 30, pushes_at_once=1)
+    monkeypatch.setattr(fsmount.mount.pyfuse3, "close", lambda unmount: closed.append(pusher._copying))
+    daemon = fsmount.mount.Daemon.__new__(fsmount.mount.Daemon)
+    daemon.pusher, daemon.ops, daemon.mountpoint, daemon._session_open = pusher, types.SimpleNamespace(device=dev), \
+        "/mnt/m", True
+    allowed_logs.append("FUSE connection was aborted")
+    async with trio.open_nursery() as n:
+        n.start_soon(pusher.push, 2, 0, 4, lambda: b"data")
+        await trio.sleep(0.05)  # in notify_store now: the READ's pages are locked
+        await daemon._end_session_after_pushes()
+    # The old code left the session open and waited (here until the fake kernel's 5 s) for the push.
+    assert not gave_up and (conn / "abort").read_text() == "1" and closed == [0] and not daemon._session_open
+    assert pusher.stored_total == 4
+    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(warnings) == 1 and "was aborted" in warnings[0], warnings
 
 
 async def test_a_header_whose_parse_would_take_half_the_chunk_memory_is_not_streamed(autojump_clock, caplog,  # noqa: ANN001

@@ -83,6 +83,8 @@ ABANDONED_METADATA_THREADS = 32
 READY_TIMEOUT = 60.0
 # Where the fuse control file system lives (per-connection settings).
 FUSECTL = "/sys/fs/fuse/connections"
+# umount2's flag for a lazy unmount.
+MNT_DETACH = 2
 # At unmount, how long to wait for chunks already fetched to reach the NVMe cache. A full default memory
 # budget (2 GiB) writes in ~4 s at the dev box's O_DIRECT rate; the unit's TimeoutStopSec (130 s) covers every bound
 # of a stop together (tests/unit/test_ops.py).
@@ -612,6 +614,28 @@ def abort_connection(dev: int) -> str | None:
     return None
 
 
+def _unescaped(field: str) -> str:
+    """A path as /proc/self/mountinfo writes it (space, tab, newline and backslash as octal escapes), unescaped."""
+    return re.sub(r"\\([0-7]{3})", lambda m: chr(int(m[1], 8)), field)
+
+
+def detach_aborted(mountpoint: str, dev: int) -> None:
+    """Lazily unmount the mount of device `dev` at `mountpoint`, whose connection was aborted: libfuse's unmount at the
+    session's close skips a connection that is severed (its device file polls POLLERR), which left the aborted mount
+    in place, ENOTCONN for everyone. Only that mount, found in /proc/self/mountinfo (a stat of it is ENOTCONN); as
+    root, which the abort needed too. Best effort."""
+    want = f"{os.major(dev)}:{os.minor(dev)}"
+    try:
+        with open("/proc/self/mountinfo") as f:
+            found = any(fields[2] == want and _unescaped(fields[4]) == mountpoint
+                        for fields in (line.split() for line in f))
+        if found and ctypes.CDLL(None, use_errno=True).umount2(mountpoint.encode(), MNT_DETACH) != 0:
+            raise OSError(ctypes.get_errno(), os.strerror(ctypes.get_errno()))
+    except OSError as exc:
+        log.warning("the aborted mount at %s could not be unmounted (%s): `umount -l %s` does it", mountpoint,
+                    exc.strerror or exc, mountpoint)
+
+
 def sd_notify(message: str) -> None:
     """systemd's notify protocol (Type=notify), without a libsystemd dependency."""
     addr = os.environ.get("NOTIFY_SOCKET")
@@ -847,6 +871,8 @@ class Daemon:
             log.warning("a page-cache push was still waiting %g s after the FUSE loop ended (for the pages of a READ "
                         "the stop cut short): the FUSE connection was aborted to end it", PUSH_STOP_S)
             self.end_session()
+            assert self.ops.device is not None
+            detach_aborted(self.mountpoint, self.ops.device)
             return
         log.warning("a page-cache push was still waiting %g s after the FUSE loop ended%s: the mount stays until the "
                     "daemon exits, which waits for the push (`umount -f %s` ends both)", PUSH_STOP_S,

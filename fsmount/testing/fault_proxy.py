@@ -114,11 +114,14 @@ class Rule:
     op: str | None = None        # only write requests of this operation (http_wire.Request.operation: "put",
                                  # "start", "part", "complete", "copy", "part_copy", "delete", "abort"); wins over kind
     skip: int = 0                # the first `skip` requests it matches pass untouched (page 3 of 5: skip=2)
+    range_from: int | None = None  # only GETs whose Range starts at this byte (one chunk's fetches)
     hits: int = 0
     seen: int = 0
 
     def matches(self, req: Request) -> bool:
         if self.times is not None and self.hits >= self.times:
+            return False
+        if self.range_from is not None and not (req.header("range") or "").startswith(f"bytes={self.range_from}-"):
             return False
         if self.op is not None:
             return req.operation == self.op
@@ -211,14 +214,15 @@ class FaultProxy:
 
     def inject(self, fault: Fault | str, *, seconds: float = 0.0, after_bytes: int | None = None,
                status: int = 503, code: str | None = None, times: int | None = None, fraction: float = 1.0,
-               data_only: bool = True, kind: str | None = None, op: str | None = None, skip: int = 0) -> Rule:
+               data_only: bool = True, kind: str | None = None, op: str | None = None, skip: int = 0,
+               range_from: int | None = None) -> Rule:
         """Add a fault rule (checked after those added before it). Returns it; `rule.hits` counts."""
         fault = Fault(fault)
         if fault in (Fault.RESET, Fault.TRUNCATE, Fault.SHORT) and after_bytes is None:
             after_bytes = 0
         rule = Rule(fault, seconds=min(seconds, MAX_HOLD_S), after_bytes=after_bytes, status=status,
                     code=code or S3_ERROR_CODES.get(status, "InternalError"), times=times, fraction=fraction,
-                    data_only=data_only, kind=kind, op=op, skip=skip)
+                    data_only=data_only, kind=kind, op=op, skip=skip, range_from=range_from)
         with self._lock:
             self._rules.append(rule)
         return rule

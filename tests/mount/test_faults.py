@@ -19,6 +19,7 @@ MODELFS_SOAK_SECONDS=600 for that). docs/RELIABILITY.md maps every scenario to i
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import errno
 import json
 import os
@@ -57,6 +58,7 @@ from tests.helpers import (
     failing_read_bound,
     fd_count,
     fds_by_kind,
+    model_bytes,
     mount_stats,
     mounted,
     mounted_via,
@@ -475,6 +477,72 @@ def test_sigterm_during_a_stall_stops_within_its_grace_not_the_read_timeout(moto
     log = m.log_path.read_text()
     assert "were cut short" in log
     assert "received SIGTERM, unmounting with 1 files open (their next reads and writes fail with ENOTCONN)" in log
+
+
+def abort_fuse_connection(dev: int) -> None:
+    """`umount -f`'s abort of the FUSE connection of the mount with device `dev`, through fusectl (mounted for it
+    if it is not, and unmounted again). In this process: a fork beside a thread the kernel holds in that mount's
+    read-ahead never got to its exec."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    fusectl = "/sys/fs/fuse/connections"
+    conn = Path(fusectl) / str((os.major(dev) << 20) | os.minor(dev))
+    mounted_here = not conn.is_dir()
+    if mounted_here:
+        assert libc.mount(b"fusectl", fusectl.encode(), b"fusectl", 0, None) == 0, os.strerror(ctypes.get_errno())
+    try:
+        (conn / "abort").write_text("1")
+    finally:
+        if mounted_here:
+            libc.umount2(fusectl.encode(), 0)
+
+
+def test_a_push_waiting_on_the_pages_of_a_read_cut_short_by_a_stop_does_not_hold_the_daemon(
+        moto_server: S3Server, proxy: FaultProxy, mountpoint: Path, tmp_path: Path) -> None:
+    """A model stream's push of chunk 4 waits in notify_store for the page at 4 MiB, which the kernel locked for a
+    read-ahead READ that waits for a background slot (one at a time here), held by a READ of chunk 3's last page that
+    waits on a stalled origin. SIGTERM: the stop cuts that READ short after its grace and pyfuse3 sends no reply, so
+    the slot is never given back and the push never ends. The daemon left its session open and waited for the push
+    for good, even SIGKILLed (B116); it aborts the connection and exits within its bounds, leaving no mount."""
+    from fsmount.mount import PUSH_ABORT_S, PUSH_STOP_S
+
+    data = model_bytes(tmp_path, 8 * MiB, seed=116)
+    bucket = bucket_with(moto_server, {"m.safetensors": data})
+    stalled = proxy.inject(Fault.STALL, seconds=100, range_from=3 * MiB)  # chunk 3: for good
+    proxy.inject(Fault.STALL, seconds=4, range_from=4 * MiB)  # chunk 4: pushed once its first page is locked
+    bound = PUSH_STOP_S + STOP_GRACE_S + PUSH_STOP_S + PUSH_ABORT_S + TIMEOUT_MARGIN_S
+    with mounted_via(proxy, moto_server, bucket, mountpoint, "--read-timeout", "90", "--chunk-size", "1M",
+                     "--max-readahead", "0", "--kernel-readahead", "0", "--fuse-max-background", "1",
+                     "--pagecache-push-limit", "1G",
+                     allowed=("page-cache pushes still running", "were cut short",
+                              "FUSE connection was aborted")) as m:
+        dev = os.stat(mountpoint).st_dev
+        fd = open_random(mountpoint / "m.safetensors")  # the open starts the stream
+        try:
+            wait_for("chunk 3's GET", lambda: stalled.hits)
+            # A READ that waits on chunk 3, then one whose page is locked while it waits for the background slot
+            # (the kernel's wait: this call returns when the slot comes).
+            os.posix_fadvise(fd, 4 * MiB - 4096, 4096, os.POSIX_FADV_WILLNEED)
+            time.sleep(0.3)
+            threading.Thread(target=os.posix_fadvise, args=(fd, 4 * MiB, 4096, os.POSIX_FADV_WILLNEED),
+                             daemon=True).start()
+            # The push of chunk 4 starts and never ends: counted when it starts, stored when it ends.
+            wait_for("a push in notify_store", lambda: mount_stats(mountpoint),
+                     lambda st: st["pagecache_pushed_bytes"] - st["pagecache_stored_bytes"] >= MiB)
+            time.sleep(1)
+            st = mount_stats(mountpoint)
+            assert st["pagecache_pushed_bytes"] - st["pagecache_stored_bytes"] >= MiB, st
+            m.proc.send_signal(signal.SIGTERM)
+            try:
+                m.proc.wait(bound)
+            except subprocess.TimeoutExpired:
+                pytest.fail(f"the daemon was still running {bound:g} s after SIGTERM")
+        finally:
+            if m.proc.poll() is None:  # end the push as the fix does, or the daemon (even killed) waits for good
+                abort_fuse_connection(dev)
+            with contextlib.suppress(OSError):  # ENOTCONN: the mount is gone
+                os.close(fd)
+        assert not os.path.ismount(mountpoint)
+    assert "the FUSE connection was aborted to end it" in m.log()
 
 
 @pytest.mark.parametrize("fault", [Fault.RESET, Fault.TRUNCATE, Fault.SHORT])

@@ -403,6 +403,6 @@ def test_the_units_stop_timeout_covers_every_bound_of_a_stop() -> None:
     # In the order a SIGTERM runs them: pushes while the loop answers (_watch_signals), requests in flight, pushes
     # still copying once it stopped and once the connection was aborted for them (serve), then the drains.
     worst = (mount.PUSH_STOP_S + max(mount.STOP_GRACE_S, mount.STOP_GRACE_WRITING_S) + mount.PUSH_STOP_S
-             + mount.PUSH_ABORT_S + mount.MARK_DRAINING_S + writes.ABORT_ALL_S + writes.CACHE_FILL_S + mount.WRITE_DRAIN_S
-             + mount.CLAIM_DROP_S + mount.NAMES_SAVE_S)
+             + mount.PUSH_ABORT_S + mount.MARK_DRAINING_S + writes.ABORT_ALL_S + writes.CACHE_FILL_S
+             + mount.WRITE_DRAIN_S + mount.CLAIM_DROP_S + mount.NAMES_SAVE_S)
     assert float(timeout[:-1]) >= worst + 5, (timeout, worst)

@@ -663,7 +663,7 @@ class DiskCache:
         if self._holds_root() is False:
             # One thread at a time, asking again once its turn comes: a put making its shard again in `_write_tmp`
             # asks without the cache lock, and this process's second flock of the new dir, through a descriptor of
-            # its own, was refused as another mount's (a failed put, its warning naming this daemon's pid) (B120).
+            # its own, was refused as another mount's (a failed put, its warning naming this daemon's pid) (B119).
             with self._relocking:
                 if self._holds_root() is False:
                     self._lock_again()

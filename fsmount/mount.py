@@ -614,22 +614,30 @@ def abort_connection(dev: int) -> str | None:
     return None
 
 
-def _unescaped(field: str) -> str:
-    """A path as /proc/self/mountinfo writes it (space, tab, newline and backslash as octal escapes), unescaped."""
-    return re.sub(r"\\([0-7]{3})", lambda m: chr(int(m[1], 8)), field)
+def _unescaped(field: bytes) -> bytes:
+    """A path as /proc/self/mountinfo writes it (space, tab, newline and backslash as octal escapes, every other byte
+    as it is), unescaped."""
+    return re.sub(rb"\\([0-7]{3})", lambda m: bytes([int(m[1], 8)]), field)
 
 
 def detach_aborted(mountpoint: str, dev: int) -> None:
     """Lazily unmount the mount of device `dev` at `mountpoint`, whose connection was aborted: libfuse's unmount at the
     session's close skips a connection that is severed (its device file polls POLLERR), which left the aborted mount
-    in place, ENOTCONN for everyone. Only that mount, found in /proc/self/mountinfo (a stat of it is ENOTCONN); as
-    root, which the abort needed too. Best effort."""
-    want = f"{os.major(dev)}:{os.minor(dev)}"
+    in place, ENOTCONN for everyone. Only that mount, found in /proc/self/mountinfo (a stat of it is ENOTCONN), read
+    as bytes: a path there that is not UTF-8, this one's or any other mount's, raised a UnicodeDecodeError out of the
+    stop. And only while nothing is mounted over it: umount2 takes the topmost mount at a path, which was another
+    one's. As root (umount2). Best effort."""
+    want = f"{os.major(dev)}:{os.minor(dev)}".encode()
+    path = os.fsencode(mountpoint)
     try:
-        with open("/proc/self/mountinfo") as f:
-            found = any(fields[2] == want and _unescaped(fields[4]) == mountpoint
-                        for fields in (line.split() for line in f))
-        if found and ctypes.CDLL(None, use_errno=True).umount2(mountpoint.encode(), MNT_DETACH) != 0:
+        with open("/proc/self/mountinfo", "rb") as f:
+            # mount id, parent id, device, mount point
+            mounts = [(fields[0], fields[1], fields[2], _unescaped(fields[4])) for fields in map(bytes.split, f)]
+        ours = {mnt_id for mnt_id, _, device, at in mounts if device == want and at == path}
+        if any(parent in ours and at == path for _, parent, _, at in mounts):
+            log.warning("the aborted mount at %s is left in place: another mount was made over it", mountpoint)
+            return
+        if ours and ctypes.CDLL(None, use_errno=True).umount2(path, MNT_DETACH) != 0:
             raise OSError(ctypes.get_errno(), os.strerror(ctypes.get_errno()))
     except OSError as exc:
         log.warning("the aborted mount at %s could not be unmounted (%s): `umount -l %s` does it", mountpoint,

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import threading
 import time
 
@@ -959,3 +960,47 @@ async def test_pushes_waiting_for_a_turn_keep_to_a_limit_lowered_meanwhile(monke
         assert pusher.evicted() and pusher.limit == 8  # memory is short: the limit halves
         release.set()
     assert done == [True, True, False] and pusher.pushed == 8
+
+
+def _mount_tmpfs(path: bytes, unmount: bool = False) -> None:
+    """A tmpfs mounted at `path`, or the topmost mount there unmounted."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    if (libc.umount2(path, 0) if unmount else libc.mount(b"tmpfs", path, b"tmpfs", 0, None)) != 0:
+        raise OSError(ctypes.get_errno(), os.strerror(ctypes.get_errno()))
+
+
+def _mounts_at(path: bytes) -> int:
+    """How many mounts /proc/self/mountinfo has at `path` (written there with a space, tab, newline and backslash
+    as octal escapes)."""
+    with open("/proc/self/mountinfo", "rb") as f:
+        return sum(re.sub(rb"\\([0-7]{3})", lambda m: bytes([int(m[1], 8)]), line.split()[4]) == path for line in f)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounts a tmpfs")
+@pytest.mark.parametrize("name", [b"m \\x", b"m \xff"])
+def test_an_aborted_mount_is_detached_at_a_path_that_is_not_utf8_and_not_from_under_another_mount(
+        name, tmp_path, caplog, allowed_logs) -> None:  # noqa: ANN001
+    """The stop detaches the mount whose connection it aborted (B116), found in /proc/self/mountinfo by its device
+    and mount point. That file was read as text: a mount point that is not UTF-8 (here the mount's own; any other
+    mount's line before it did the same) raised a UnicodeDecodeError out of the stop, past its drains (B121). And
+    umount2 takes the topmost mount at a path: a mount made over this one was the one detached."""
+    from fsmount.mount import detach_aborted
+
+    path = os.fsencode(tmp_path) + b"/" + name
+    os.mkdir(path)
+    _mount_tmpfs(path)
+    try:
+        dev = os.stat(path).st_dev
+        _mount_tmpfs(path)  # another mount over it: left alone
+        allowed_logs.append("another mount was made over it")
+        detach_aborted(os.fsdecode(path), dev)
+        assert _mounts_at(path) == 2 and os.stat(path).st_dev != dev
+        assert "another mount was made over it" in caplog.text
+        _mount_tmpfs(path, unmount=True)
+        detach_aborted(os.fsdecode(path), dev)  # on top again: detached
+        assert _mounts_at(path) == 0
+    finally:
+        while _mounts_at(path):
+            _mount_tmpfs(path, unmount=True)

@@ -684,6 +684,7 @@ class Daemon:
         self._served = trio.Event()
         self._until_served = trio.CancelScope()  # around the signal watcher and _announce_ready
         self._session_open = True  # pyfuse3's session: mounted, until end_session
+        self._aborted: int | None = None  # the device of the mount whose connection the stop aborted (B116)
         self.disk_cache = open_disk_cache(cfg) if cfg.cache_dir else None
         self.shared_tier = open_shared_tier(cfg, self.store) if cfg.shared_cache else None
         # The cache levels below memory, asked in this order before the origin.
@@ -730,10 +731,14 @@ class Daemon:
                               writes=self.writes, kernel_window=cfg.kernel_window)
 
     def end_session(self) -> None:
-        """Unmount (lazily, if files are open: their callers get ENOTCONN) and close the FUSE session; once."""
+        """Unmount (lazily, if files are open: their callers get ENOTCONN) and close the FUSE session; once. A mount
+        whose connection the stop aborted is detached here (libfuse's unmount skips it), whenever the session closes:
+        at the stop, or at the daemon's exit after a push that outlived PUSH_ABORT_S too."""
         if self._session_open:
             self._session_open = False
             pyfuse3.close(unmount=True)
+            if self._aborted is not None:
+                detach_aborted(self.mountpoint, self._aborted)
 
     def close(self) -> None:
         if self.metrics is not None:
@@ -874,14 +879,15 @@ class Daemon:
         if await self.pusher.stop(PUSH_STOP_S):
             self.end_session()
             return
-        why = "the mount's device is not known" if self.ops.device is None else abort_connection(self.ops.device)
-        if why is None and await self.pusher.stop(PUSH_ABORT_S):
-            log.warning("a page-cache push was still waiting %g s after the FUSE loop ended (for the pages of a READ "
-                        "the stop cut short): the FUSE connection was aborted to end it", PUSH_STOP_S)
-            self.end_session()
-            assert self.ops.device is not None
-            detach_aborted(self.mountpoint, self.ops.device)
-            return
+        dev = self.ops.device
+        why = "the mount's device is not known" if dev is None else abort_connection(dev)
+        if why is None:
+            self._aborted = dev
+            if await self.pusher.stop(PUSH_ABORT_S):
+                log.warning("a page-cache push was still waiting %g s after the FUSE loop ended (for the pages of a "
+                            "READ the stop cut short): the FUSE connection was aborted to end it", PUSH_STOP_S)
+                self.end_session()
+                return
         log.warning("a page-cache push was still waiting %g s after the FUSE loop ended%s: the mount stays until the "
                     "daemon exits, which waits for the push (`umount -f %s` ends both)", PUSH_STOP_S,
                     f" and the FUSE connection could not be aborted ({why})" if why else

@@ -324,6 +324,7 @@ async def test_a_push_waiting_on_the_pages_of_a_read_cut_short_at_a_stop_is_ende
     daemon = fsmount.mount.Daemon.__new__(fsmount.mount.Daemon)
     daemon.pusher, daemon.ops, daemon.mountpoint, daemon._session_open = pusher, types.SimpleNamespace(device=dev), \
         "/mnt/m", True
+    daemon._aborted = None
     allowed_logs.append("FUSE connection was aborted")
     async with trio.open_nursery() as n:
         n.start_soon(pusher.push, 2, 0, 4, lambda: b"data")
@@ -334,6 +335,48 @@ async def test_a_push_waiting_on_the_pages_of_a_read_cut_short_at_a_stop_is_ende
     assert pusher.stored_total == 4
     warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
     assert len(warnings) == 1 and "was aborted" in warnings[0], warnings
+
+
+async def test_an_aborted_mount_whose_push_outlives_the_aborts_wait_is_detached_when_the_session_closes(
+        monkeypatch, tmp_path, allowed_logs) -> None:  # noqa: ANN001
+    """A push still copying PUSH_ABORT_S after the stop aborted the connection (B116) keeps the session open, and the
+    daemon waits for it; the session closes at the daemon's exit, where libfuse's unmount skips a severed connection.
+    Only the stop's own close detached the aborted mount: this one stayed, ENOTCONN for everyone (B122)."""
+    import types
+
+    import fsmount.mount
+    import fsmount.pagecache
+
+    dev = os.makedev(0, 78)
+    conn = tmp_path / str((os.major(dev) << 20) | os.minor(dev))
+    conn.mkdir()
+    monkeypatch.setattr(fsmount.mount, "FUSECTL", str(tmp_path))
+    monkeypatch.setattr(fsmount.mount, "PUSH_STOP_S", 0.1)
+    monkeypatch.setattr(fsmount.mount, "PUSH_ABORT_S", 0.1)
+
+    def notify_store(ino: int, offset: int, data: bytes) -> None:
+        deadline = time.monotonic() + 5  # the abort, then 0.5 s more: past PUSH_ABORT_S
+        while not (conn / "abort").exists() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.5)
+
+    monkeypatch.setattr(fsmount.pagecache.pyfuse3, "notify_store", notify_store)
+    monkeypatch.setattr(fsmount.mount.pyfuse3, "close", lambda unmount: None)
+    detached: list[tuple[str, int]] = []
+    monkeypatch.setattr(fsmount.mount, "detach_aborted", lambda mountpoint, d: detached.append((mountpoint, d)))
+    pusher = PageCachePusher(1 << 30, pushes_at_once=1)
+    daemon = fsmount.mount.Daemon.__new__(fsmount.mount.Daemon)
+    daemon.pusher, daemon.ops, daemon.mountpoint, daemon._session_open = pusher, types.SimpleNamespace(device=dev), \
+        "/mnt/m", True
+    daemon._aborted = None
+    allowed_logs.append("after its connection was aborted")
+    async with trio.open_nursery() as n:
+        n.start_soon(pusher.push, 2, 0, 4, lambda: b"data")
+        await trio.sleep(0.05)  # in notify_store now
+        await daemon._end_session_after_pushes()
+        assert (conn / "abort").read_text() == "1" and daemon._session_open and not detached
+    daemon.end_session()  # run()'s, once the push ended
+    assert detached == [("/mnt/m", dev)]
 
 
 async def test_a_header_whose_parse_would_take_half_the_chunk_memory_is_not_streamed(autojump_clock, caplog,  # noqa: ANN001

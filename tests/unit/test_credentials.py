@@ -115,6 +115,18 @@ def test_credentials_whose_refresh_fails_are_looked_up_again_when_signing(allowe
     assert renewable.access_key == "NEW" and len(lookups) == 1
 
 
+def minting_anew() -> tuple[Renewable, list[int]]:
+    """Credentials of a source that mints new keys at each lookup (an assumed role): ASIA0, then ASIA1, ASIA2...; and
+    the list its lookups are counted in."""
+    lookups: list[int] = []
+
+    def resolve() -> Credentials:
+        lookups.append(1)
+        return Credentials(f"ASIA{len(lookups)}", "s", "t", method="assume-role")
+
+    return Renewable(Credentials("ASIA0", "s", "t", method="assume-role"), resolve, recheck_s=30), lookups
+
+
 def test_a_policy_s_refusal_of_credentials_minted_anew_at_each_lookup_looks_them_up_no_more(
         monkeypatch: pytest.MonkeyPatch, allowed_logs: list[str], caplog: pytest.LogCaptureFixture) -> None:
     """A source that mints new keys at each lookup (an assumed role, SSO, a credential_process giving new session
@@ -125,13 +137,7 @@ def test_a_policy_s_refusal_of_credentials_minted_anew_at_each_lookup_looks_them
                          r"refused again \(AccessDenied\): the bucket refuses them for a reason of its own"])
     now = [100.0]
     monkeypatch.setattr(credentials.time, "monotonic", lambda: now[0])
-    lookups: list[int] = []
-
-    def resolve() -> Credentials:
-        lookups.append(1)
-        return Credentials(f"ASIA{len(lookups)}", "s", "t", method="assume-role")
-
-    renewable = Renewable(Credentials("ASIA0", "s", "t", method="assume-role"), resolve, recheck_s=30)
+    renewable, lookups = minting_anew()
     assert renewable.renew("AccessDenied") and len(lookups) == 1  # minted anew: it looks changed
     renewable.refused_again("AccessDenied")  # and the request sent again with them is refused too
     for _ in range(5):
@@ -160,13 +166,7 @@ def test_a_policy_s_refusals_look_minted_credentials_up_again_after_a_while_so_a
     monkeypatch.setattr(credentials, "POLICY_RECHECK_S", 300.0, raising=False)
     now = [100.0]
     monkeypatch.setattr(credentials.time, "monotonic", lambda: now[0])
-    lookups: list[int] = []
-
-    def resolve() -> Credentials:
-        lookups.append(1)
-        return Credentials(f"ASIA{len(lookups)}", "s", "t", method="assume-role")
-
-    renewable = Renewable(Credentials("ASIA0", "s", "t", method="assume-role"), resolve, recheck_s=30)
+    renewable, lookups = minting_anew()
     assert renewable.renew("AccessDenied")
     renewable.refused_again("AccessDenied")  # the bucket's own
     while now[0] + 31 < 100 + 300:

@@ -9,6 +9,7 @@ import os
 import re
 import threading
 import time
+from typing import Any
 
 import pytest
 import trio
@@ -288,6 +289,19 @@ async def test_a_stop_waits_for_the_pushes_copying_and_refuses_new_ones(monkeypa
     assert stopped == [False, True] and pusher.stored_total == 4
 
 
+def stopping_daemon(pusher: PageCachePusher, dev: int) -> Any:
+    """A `mount.Daemon` with only what its stop's end of the session reads: the pusher, the mount's device, a mount
+    point, an open session."""
+    import types
+
+    import fsmount.mount
+
+    daemon = fsmount.mount.Daemon.__new__(fsmount.mount.Daemon)
+    daemon.pusher, daemon.ops, daemon.mountpoint = pusher, types.SimpleNamespace(device=dev), "/mnt/m"
+    daemon._session_open, daemon._aborted = True, None
+    return daemon
+
+
 async def test_a_push_waiting_on_the_pages_of_a_read_cut_short_at_a_stop_is_ended_by_aborting_the_connection(
         monkeypatch, tmp_path, caplog, allowed_logs) -> None:  # noqa: ANN001
     """A stop cancels the READs still in flight after its grace and pyfuse3 sends no reply for them, so the kernel
@@ -296,8 +310,6 @@ async def test_a_push_waiting_on_the_pages_of_a_read_cut_short_at_a_stop_is_ende
     never exited, even SIGKILLed, until someone aborted the connection (B116). Here notify_store waits, as the kernel
     does, until the connection's fusectl `abort` is written: the step that ends the session aborts it once the push
     outlives its wait, closes the session only after the push ended, and says so in one warning."""
-    import types
-
     import fsmount.mount
     import fsmount.pagecache
 
@@ -321,10 +333,7 @@ async def test_a_push_waiting_on_the_pages_of_a_read_cut_short_at_a_stop_is_ende
     closed: list[int] = []  # pushes copying when the session closed
     pusher = PageCachePusher(1 << 30, pushes_at_once=1)
     monkeypatch.setattr(fsmount.mount.pyfuse3, "close", lambda unmount: closed.append(pusher._copying))
-    daemon = fsmount.mount.Daemon.__new__(fsmount.mount.Daemon)
-    daemon.pusher, daemon.ops, daemon.mountpoint, daemon._session_open = pusher, types.SimpleNamespace(device=dev), \
-        "/mnt/m", True
-    daemon._aborted = None
+    daemon = stopping_daemon(pusher, dev)
     allowed_logs.append("FUSE connection was aborted")
     async with trio.open_nursery() as n:
         n.start_soon(pusher.push, 2, 0, 4, lambda: b"data")
@@ -342,8 +351,6 @@ async def test_an_aborted_mount_whose_push_outlives_the_aborts_wait_is_detached_
     """A push still copying PUSH_ABORT_S after the stop aborted the connection (B116) keeps the session open, and the
     daemon waits for it; the session closes at the daemon's exit, where libfuse's unmount skips a severed connection.
     Only the stop's own close detached the aborted mount: this one stayed, ENOTCONN for everyone (B122)."""
-    import types
-
     import fsmount.mount
     import fsmount.pagecache
 
@@ -365,10 +372,7 @@ async def test_an_aborted_mount_whose_push_outlives_the_aborts_wait_is_detached_
     detached: list[tuple[str, int]] = []
     monkeypatch.setattr(fsmount.mount, "detach_aborted", lambda mountpoint, d: detached.append((mountpoint, d)))
     pusher = PageCachePusher(1 << 30, pushes_at_once=1)
-    daemon = fsmount.mount.Daemon.__new__(fsmount.mount.Daemon)
-    daemon.pusher, daemon.ops, daemon.mountpoint, daemon._session_open = pusher, types.SimpleNamespace(device=dev), \
-        "/mnt/m", True
-    daemon._aborted = None
+    daemon = stopping_daemon(pusher, dev)
     allowed_logs.append("after its connection was aborted")
     async with trio.open_nursery() as n:
         n.start_soon(pusher.push, 2, 0, 4, lambda: b"data")

@@ -235,9 +235,9 @@ def test_after_a_long_outage_a_lookup_or_a_write_that_meets_one_5xx_is_still_ret
     for i in range(3):  # the origin is back, with the odd 5xx
         blip = proxy.inject(Fault.ERROR, status=500, data_only=False, times=1)
         assert store.head("k").size == len(data)
-        proxy.inject(Fault.ERROR, status=500, data_only=False, times=1)
+        put_blip = proxy.inject(Fault.ERROR, status=500, data_only=False, times=1)
         store.client.put_object(Bucket=bucket, Key=f"w{i}", Body=b"x" * 10)  # as uploads.Uploads writes
-        assert blip.hits == 1 and store.head(f"w{i}").size == 10
+        assert blip.hits == 1 and put_blip.hits == 1 and store.head(f"w{i}").size == 10
 
 
 @pytest.mark.seaweedfs

@@ -620,6 +620,12 @@ def _unescaped(field: bytes) -> bytes:
     return re.sub(rb"\\([0-7]{3})", lambda m: bytes([int(m[1], 8)]), field)
 
 
+def lazy_unmount_advice(mountpoint: str) -> str:
+    """The command that detaches a mount that stays (its connection aborted, its session still open) for whoever runs
+    this daemon: `umount -l` needs root; a user's own FUSE mount is detached by `fusermount3 -uz`."""
+    return f"`umount -l {mountpoint}`" if os.geteuid() == 0 else f"`fusermount3 -uz {mountpoint}`"
+
+
 def detach_aborted(mountpoint: str, dev: int) -> None:
     """Lazily unmount the mount of device `dev` at `mountpoint`, whose connection was aborted: libfuse's unmount at the
     session's close skips a connection that is severed (its device file polls POLLERR), which left the aborted mount
@@ -640,8 +646,9 @@ def detach_aborted(mountpoint: str, dev: int) -> None:
         if ours and ctypes.CDLL(None, use_errno=True).umount2(path, MNT_DETACH) != 0:
             raise OSError(ctypes.get_errno(), os.strerror(ctypes.get_errno()))
     except OSError as exc:
-        log.warning("the aborted mount at %s could not be unmounted (%s): `umount -l %s` does it", mountpoint,
-                    exc.strerror or exc, mountpoint)
+        # Not root: umount2 is EPERM, and so would `umount -l` be for the same user.
+        log.warning("the aborted mount at %s could not be unmounted (%s): %s does it", mountpoint,
+                    exc.strerror or exc, lazy_unmount_advice(mountpoint))
 
 
 def sd_notify(message: str) -> None:
@@ -888,10 +895,14 @@ class Daemon:
                             "READ the stop cut short): the FUSE connection was aborted to end it", PUSH_STOP_S)
                 self.end_session()
                 return
+        # Not aborted: `umount -f` aborts the connection, which ends the push, and unmounts. Aborted already: that
+        # cannot end the push again, and the mount stays until the session closes; a lazy unmount detaches it now.
         log.warning("a page-cache push was still waiting %g s after the FUSE loop ended%s: the mount stays until the "
-                    "daemon exits, which waits for the push (`umount -f %s` ends both)", PUSH_STOP_S,
+                    "daemon exits, which waits for the push (%s)", PUSH_STOP_S,
                     f" and the FUSE connection could not be aborted ({why})" if why else
-                    f", and {PUSH_ABORT_S:g} s after its connection was aborted", self.mountpoint)
+                    f", and {PUSH_ABORT_S:g} s after its connection was aborted",
+                    f"`umount -f {self.mountpoint}` ends both" if why else
+                    f"{lazy_unmount_advice(self.mountpoint)} detaches it now")
 
     @staticmethod
     async def _keep_cache_floor(cache: DiskCache) -> None:

@@ -4,6 +4,7 @@ tests/mount/test_prefetch_mount.py."""
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import re
@@ -346,11 +347,15 @@ async def test_a_push_waiting_on_the_pages_of_a_read_cut_short_at_a_stop_is_ende
     assert len(warnings) == 1 and "was aborted" in warnings[0], warnings
 
 
+@pytest.mark.parametrize(("euid", "advice"), [(0, "`umount -l /mnt/m` detaches it now"),
+                                               (1000, "`fusermount3 -uz /mnt/m` detaches it now")])
 async def test_an_aborted_mount_whose_push_outlives_the_aborts_wait_is_detached_when_the_session_closes(
-        monkeypatch, tmp_path, allowed_logs) -> None:  # noqa: ANN001
+        euid, advice, monkeypatch, tmp_path, caplog, allowed_logs) -> None:  # noqa: ANN001
     """A push still copying PUSH_ABORT_S after the stop aborted the connection (B116) keeps the session open, and the
     daemon waits for it; the session closes at the daemon's exit, where libfuse's unmount skips a severed connection.
-    Only the stop's own close detached the aborted mount: this one stayed, ENOTCONN for everyone (B122)."""
+    Only the stop's own close detached the aborted mount: this one stayed, ENOTCONN for everyone (B122). Its warning
+    advised `umount -f`, which aborts a connection that is aborted already; a lazy unmount is what detaches the mount
+    now, and one the daemon's user can run (B123)."""
     import fsmount.mount
     import fsmount.pagecache
 
@@ -369,6 +374,7 @@ async def test_an_aborted_mount_whose_push_outlives_the_aborts_wait_is_detached_
 
     monkeypatch.setattr(fsmount.pagecache.pyfuse3, "notify_store", notify_store)
     monkeypatch.setattr(fsmount.mount.pyfuse3, "close", lambda unmount: None)
+    monkeypatch.setattr(fsmount.mount.os, "geteuid", lambda: euid)
     detached: list[tuple[str, int]] = []
     monkeypatch.setattr(fsmount.mount, "detach_aborted", lambda mountpoint, d: detached.append((mountpoint, d)))
     pusher = PageCachePusher(1 << 30, pushes_at_once=1)
@@ -381,6 +387,33 @@ async def test_an_aborted_mount_whose_push_outlives_the_aborts_wait_is_detached_
         assert (conn / "abort").read_text() == "1" and daemon._session_open and not detached
     daemon.end_session()  # run()'s, once the push ended
     assert detached == [("/mnt/m", dev)]
+    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(warnings) == 1 and advice in warnings[0] and "umount -f" not in warnings[0], warnings
+
+
+def test_an_aborted_mount_that_a_daemon_not_root_cannot_detach_is_left_to_fusermount3(
+        monkeypatch, caplog, allowed_logs) -> None:  # noqa: ANN001
+    """umount2 is EPERM for a daemon that is not root, and so is `umount -l` for its user, which the warning advised;
+    `fusermount3 -uz` detaches a user's own FUSE mount (B123). A mount of /proc/self/mountinfo stands in for the
+    aborted one (umount2 is faked: nothing is unmounted)."""
+    import types
+
+    import fsmount.mount
+
+    with open("/proc/self/mountinfo", "rb") as f:
+        mounts = [line.split() for line in f]
+    # the only mount at its path, which has nothing escaped
+    major_minor, at = next((fields[2], fields[4]) for fields in mounts
+                           if b"\\" not in fields[4] and sum(o[4] == fields[4] for o in mounts) == 1)
+    major, minor = map(int, major_minor.split(b":"))
+    libc = types.SimpleNamespace(umount2=lambda path, flags: -1)
+    monkeypatch.setattr(fsmount.mount, "ctypes", types.SimpleNamespace(CDLL=lambda name, use_errno: libc,
+                                                                        get_errno=lambda: errno.EPERM))
+    monkeypatch.setattr(fsmount.mount.os, "geteuid", lambda: 1000)
+    allowed_logs.append("could not be unmounted")
+    fsmount.mount.detach_aborted(os.fsdecode(at), os.makedev(major, minor))
+    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(warnings) == 1 and f"`fusermount3 -uz {os.fsdecode(at)}` does it" in warnings[0], warnings
 
 
 async def test_a_header_whose_parse_would_take_half_the_chunk_memory_is_not_streamed(autojump_clock, caplog,  # noqa: ANN001

@@ -59,7 +59,7 @@ from fsmount.data import (
     sweep_staged_writes,
 )
 from fsmount.namespace import Namespace
-from fsmount.operations import FAILED, Operations, Owner
+from fsmount.operations import FAILED, SESSION_CALLS_S, Operations, Owner
 from fsmount.pagecache import PageCachePusher, default_push_limit
 from fsmount.prometheus import MetricsAddressError, MetricsServer
 from fsmount.saved_names import SAVE_EVERY_S, SavedNames
@@ -743,6 +743,10 @@ class Daemon:
         at the stop, or at the daemon's exit after a push that outlived PUSH_ABORT_S too."""
         if self._session_open:
             self._session_open = False
+            # The stop waited for them already (_end_session_calls); at run()'s close, here, bounded.
+            if not self.ops.session_calls.end(SESSION_CALLS_S):
+                log.warning("a call into the FUSE session (a kernel entry dropped) was still under way %g s after "
+                            "the FUSE loop ended: the session is closed anyway", SESSION_CALLS_S)
             pyfuse3.close(unmount=True)
             if self._aborted is not None:
                 detach_aborted(self.mountpoint, self._aborted)
@@ -883,6 +887,7 @@ class Daemon:
         neither did the daemon, even SIGKILLed, until someone aborted the connection (B116). Here a push still copying
         after PUSH_STOP_S gets the connection aborted through fusectl: the READs it held end, their pages unlock, the
         push ends (within PUSH_ABORT_S), and the session closes. One warning says so."""
+        await self._end_session_calls()
         if await self.pusher.stop(PUSH_STOP_S):
             self.end_session()
             return
@@ -903,6 +908,23 @@ class Daemon:
                     f", and {PUSH_ABORT_S:g} s after its connection was aborted",
                     f"`umount -f {self.mountpoint}` ends both" if why else
                     f"{lazy_unmount_advice(self.mountpoint)} detaches it now")
+
+    async def _end_session_calls(self) -> None:
+        """No call into the session from a worker thread from now on, and none under way (B124): the threads the
+        handlers stopped waiting for (a kernel entry's drop, waiting for the directory's lock) called into the
+        session as `pyfuse3.close` freed it. One still there after SESSION_CALLS_S waits for a lock that a request
+        the stop cut short holds, with no reply until the connection ends: the connection is aborted (its requests
+        end, their locks go), and the call ends. Else end_session waits once more, and says so."""
+        calls = self.ops.session_calls
+        if await trio.to_thread.run_sync(calls.end, SESSION_CALLS_S, abandon_on_cancel=True):
+            return
+        dev = self.ops.device
+        if self._aborted is None and dev is not None and abort_connection(dev) is None:
+            self._aborted = dev
+            log.warning("a call into the FUSE session (a kernel entry dropped) was still under way %g s after the "
+                        "FUSE loop ended (for a request the stop cut short): the FUSE connection was aborted to end "
+                        "it", SESSION_CALLS_S)
+            await trio.to_thread.run_sync(calls.end, SESSION_CALLS_S, abandon_on_cancel=True)
 
     @staticmethod
     async def _keep_cache_floor(cache: DiskCache) -> None:

@@ -18,6 +18,7 @@ import logging
 import os
 import re
 import stat
+import threading
 import time
 from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
@@ -52,6 +53,9 @@ DOT_ENTRIES = 2
 INVALIDATE_WAIT_S = 2.0
 # Threads dropping kernel entries at once, at most (`_drop_entry`).
 DROP_THREADS = 4
+# How long the stop waits for the calls into the FUSE session still under way in worker threads (SessionCalls)
+# before it closes the session; as long again once it aborted the connection for them.
+SESSION_CALLS_S = 2.0
 
 
 # What statfs reports for a writable mount (in 1 MiB blocks): a bucket has no size.
@@ -107,16 +111,82 @@ def _invalidate_entry(parent: int, name: bytes) -> None:
         log.debug("dropping the kernel's entry of %r: %s", name, exc)
 
 
-async def _drop_entry(entry: tuple[int, bytes], threads: trio.CapacityLimiter) -> None:
+class SessionCalls:
+    """The calls into the FUSE session (pyfuse3.invalidate_*) that worker threads make, which the loop may stop
+    waiting for: a drop of a kernel entry waits for the directory's lock, which a request in flight may hold, and is
+    given up on after INVALIDATE_WAIT_S, its thread left to end on its own. pyfuse3.close frees the session and closes
+    its descriptor whatever such a thread does in it: a call still in libfuse as the stop closed the session read
+    freed memory, or wrote its message to whatever file took the descriptor's number (B124). `end`, before the close,
+    makes every later call a no-op and waits, bounded, for those under way. The drops that cannot wait go to one
+    thread of this mount's, in order (pyfuse3's invalidate_entry_async has a thread of its own that nothing can wait
+    for). Shared between the trio thread and the workers: every field under `_cond`."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._running = 0  # calls under way
+        self._ending = False
+        self._queued: collections.deque[tuple[Callable[..., None], tuple[Any, ...]]] = collections.deque()
+        self._worker: threading.Thread | None = None
+
+    def call(self, fn: Callable[..., None], *args: Any) -> None:
+        """`fn(*args)` in this thread, unless the session is ending (blocking: in a worker thread)."""
+        with self._cond:
+            if self._ending:
+                return
+            self._running += 1
+        try:
+            fn(*args)
+        finally:
+            self._done()
+
+    def queue(self, fn: Callable[..., None], *args: Any) -> None:
+        """`fn(*args)` in the queue's thread, after those queued before; for a caller that cannot wait."""
+        with self._cond:
+            if self._ending:
+                return
+            self._queued.append((fn, args))
+            self._cond.notify_all()
+            if self._worker is None:
+                self._worker = threading.Thread(target=self._serve_queue, name="fuse-notify", daemon=True)
+                self._worker.start()
+
+    def end(self, timeout: float) -> bool:
+        """No call starts from now on (those queued are dropped); whether none is under way, within `timeout`."""
+        with self._cond:
+            self._ending = True
+            self._queued.clear()
+            self._cond.notify_all()
+            return self._cond.wait_for(lambda: self._running == 0, timeout)
+
+    def _serve_queue(self) -> None:
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: self._queued or self._ending)
+                if self._ending:
+                    return
+                fn, args = self._queued.popleft()
+                self._running += 1  # with the pop, under the lock: `end` cannot miss it
+            try:
+                fn(*args)
+            finally:
+                self._done()
+
+    def _done(self) -> None:
+        with self._cond:
+            self._running -= 1
+            self._cond.notify_all()
+
+
+async def _drop_entry(entry: tuple[int, bytes], threads: trio.CapacityLimiter, calls: SessionCalls) -> None:
     """Have the kernel drop the entry (parent inode, name) before the request under way is answered: at most
     INVALIDATE_WAIT_S, in one of `threads`. A thread given up on keeps its token until the kernel lets it go: on
     trio's shared limiter, 40 of them stuck on a busy directory's lock held up every other thread of the mount (the
-    review). With none free, the drop is queued to pyfuse3's notify thread, unordered with the answer."""
+    review). With none free, the drop is queued to `calls`'s thread, unordered with the answer."""
     if threads.available_tokens == 0:
-        pyfuse3.invalidate_entry_async(*entry, ignore_enoent=True)
+        calls.queue(_invalidate_entry, *entry)
         return
     with trio.move_on_after(INVALIDATE_WAIT_S):
-        await trio.to_thread.run_sync(_invalidate_entry, *entry, limiter=threads, abandon_on_cancel=True)
+        await trio.to_thread.run_sync(calls.call, _invalidate_entry, *entry, limiter=threads, abandon_on_cancel=True)
 
 
 def _fuse_errors(fn: Callable[..., Coroutine[Any, Any, T]]) -> Callable[..., Coroutine[Any, Any, T]]:
@@ -195,6 +265,7 @@ class Operations(pyfuse3.Operations):
         self._writers: dict[int, NewFile] = {}  # fh -> the file it writes
         self._next_fh = 1
         self._drop_threads = trio.CapacityLimiter(DROP_THREADS)
+        self.session_calls = SessionCalls()  # ended by the stop before it closes the session
         # This mount's device number (st_dev), set once it answers: which of a process's descriptors are on it
         # (holders.py). Inode numbers alone repeat across mounts.
         self.device: int | None = None
@@ -494,7 +565,7 @@ class Operations(pyfuse3.Operations):
             # mixes versions), and the next open of the path gets the bucket's current one, TTL or not.
             entry = self.ns.gone(handle.version)
             if entry is not None:  # so that a stat, too, looks the name up again (the TTL may be forever)
-                await _drop_entry(entry, self._drop_threads)
+                await _drop_entry(entry, self._drop_threads, self.session_calls)
             raise StoreError(f"{exc.message}; new opens get what the bucket holds now") from None
 
     @_fuse_errors
@@ -544,11 +615,11 @@ class Operations(pyfuse3.Operations):
             node = new.node
             if node.pages_stale and not node.writing and node.etag:
                 # From a worker thread: the kernel waits for pages that READs queued to this loop hold.
-                await trio.to_thread.run_sync(_invalidate_pages, node.ino)
+                await trio.to_thread.run_sync(self.session_calls.call, _invalidate_pages, node.ino)
             elif new.stored is None and not new.unlinked and self.ns.pending(node.path) is None:
                 entry = self.ns.kernel_entry(node.path)
                 if entry is not None:
-                    await _drop_entry(entry, self._drop_threads)
+                    await _drop_entry(entry, self._drop_threads, self.session_calls)
 
     async def _settle(self, inode: int) -> None:
         """Before a stat or an open: writes.settle, unless the empty file just closed is still held in its opener's

@@ -1025,20 +1025,20 @@ async def test_entry_drops_stuck_in_the_kernel_hold_no_other_thread_of_the_mount
     INVALIDATE_WAIT_S while the thread waits for the directory's lock. On trio's shared limiter, 40 such threads
     (READs of replaced shards in a busy directory) held every token, and every open for writing, flush and page-cache
     push of the mount waited for them (the review). They have DROP_THREADS of their own; past that, a drop goes to
-    pyfuse3's notify thread."""
+    the queue of the mount's calls into the session (one thread)."""
     from fsmount import holders, operations
 
     directory_lock = threading.Event()  # the kernel's lock of the directory, held by another request
     queued: list[tuple[int, bytes]] = []
     monkeypatch.setattr(operations.pyfuse3, "invalidate_entry", lambda parent, name: directory_lock.wait())
-    monkeypatch.setattr(operations.pyfuse3, "invalidate_entry_async",
-                        lambda parent, name, ignore_enoent: queued.append((parent, name)))
     monkeypatch.setattr(operations, "INVALIDATE_WAIT_S", 0.2)
     threads = trio.CapacityLimiter(operations.DROP_THREADS)
+    calls = operations.SessionCalls()
+    monkeypatch.setattr(calls, "queue", lambda fn, parent, name: queued.append((parent, name)))
     try:
         async with trio.open_nursery() as nursery:
             for i in range(40):
-                nursery.start_soon(operations._drop_entry, (1, f"shard-{i}".encode()), threads)
+                nursery.start_soon(operations._drop_entry, (1, f"shard-{i}".encode()), threads, calls)
         assert len(queued) == 40 - operations.DROP_THREADS
         with trio.move_on_after(3) as scope:  # an open for writing elsewhere in the mount
             assert await trio.to_thread.run_sync(holders.thread_group, os.getpid()) == os.getpid()

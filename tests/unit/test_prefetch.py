@@ -291,14 +291,16 @@ async def test_a_stop_waits_for_the_pushes_copying_and_refuses_new_ones(monkeypa
 
 
 def stopping_daemon(pusher: PageCachePusher, dev: int) -> Any:
-    """A `mount.Daemon` with only what its stop's end of the session reads: the pusher, the mount's device, a mount
-    point, an open session."""
+    """A `mount.Daemon` with only what its stop's end of the session reads: the pusher, the mount's device and its
+    calls into the session, a mount point, an open session."""
     import types
 
     import fsmount.mount
+    from fsmount.operations import SessionCalls
 
     daemon = fsmount.mount.Daemon.__new__(fsmount.mount.Daemon)
-    daemon.pusher, daemon.ops, daemon.mountpoint = pusher, types.SimpleNamespace(device=dev), "/mnt/m"
+    daemon.pusher, daemon.mountpoint = pusher, "/mnt/m"
+    daemon.ops = types.SimpleNamespace(device=dev, session_calls=SessionCalls())
     daemon._session_open, daemon._aborted = True, None
     return daemon
 
@@ -389,6 +391,55 @@ async def test_an_aborted_mount_whose_push_outlives_the_aborts_wait_is_detached_
     assert detached == [("/mnt/m", dev)]
     warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
     assert len(warnings) == 1 and advice in warnings[0] and "umount -f" not in warnings[0], warnings
+
+
+async def test_the_drops_of_kernel_entries_still_in_the_session_at_the_stop_end_before_it_closes(
+        monkeypatch, tmp_path, caplog, allowed_logs) -> None:  # noqa: ANN001
+    """A handler gives up on a drop of a kernel entry after INVALIDATE_WAIT_S (the directory's lock is held by a
+    request in flight) and leaves its thread in pyfuse3.invalidate_entry; past DROP_THREADS a drop was queued to
+    pyfuse3's own thread. The stop closed the session (pyfuse3.close frees it and closes its descriptor) with such
+    calls still in libfuse, and queued ones went on calling into it (B124). Here the directory's lock is held by a
+    request the stop cut short: only the connection's end lets it go. The stop waits for the calls, aborts the
+    connection when they outlive SESSION_CALLS_S, and closes the session once none is in it; none starts after."""
+    import fsmount.mount
+    from fsmount import operations
+
+    dev = os.makedev(0, 79)
+    conn = tmp_path / str((os.major(dev) << 20) | os.minor(dev))
+    conn.mkdir()
+    monkeypatch.setattr(fsmount.mount, "FUSECTL", str(tmp_path))
+    monkeypatch.setattr(fsmount.mount, "SESSION_CALLS_S", 0.2)
+    monkeypatch.setattr(operations, "INVALIDATE_WAIT_S", 0.1)
+    entered: list[bytes] = []
+    in_session: list[bytes] = []
+
+    def invalidate_entry(parent: int, name: bytes) -> None:
+        entered.append(name)
+        in_session.append(name)
+        deadline = time.monotonic() + 5  # the kernel's wait for the lock ends with the connection (here, or 5 s)
+        while not (conn / "abort").exists() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        in_session.remove(name)
+
+    monkeypatch.setattr(operations.pyfuse3, "invalidate_entry", invalidate_entry)
+    closed: list[list[bytes]] = []  # the calls in the session when it closed
+    monkeypatch.setattr(fsmount.mount.pyfuse3, "close", lambda unmount: closed.append(list(in_session)))
+    monkeypatch.setattr(fsmount.mount, "detach_aborted", lambda mountpoint, d: None)
+    daemon = stopping_daemon(PageCachePusher(1 << 30, pushes_at_once=1), dev)
+    calls = daemon.ops.session_calls
+    threads = trio.CapacityLimiter(1)
+    await operations._drop_entry((1, b"a"), threads, calls)  # given up on: its thread waits for the lock
+    await operations._drop_entry((1, b"b"), threads, calls)  # no thread free: queued
+    await trio.sleep(0.05)
+    assert sorted(in_session) == [b"a", b"b"]
+    allowed_logs.append("FUSE connection was aborted to end it")
+    await daemon._end_session_after_pushes()
+    # The old code closed the session with both calls in it.
+    assert closed == [[]] and (conn / "abort").read_text() == "1" and not daemon._session_open
+    await operations._drop_entry((1, b"c"), trio.CapacityLimiter(1), calls)  # after the close: nothing
+    assert sorted(entered) == [b"a", b"b"]
+    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(warnings) == 1 and "a kernel entry dropped" in warnings[0], warnings
 
 
 def test_an_aborted_mount_that_a_daemon_not_root_cannot_detach_is_left_to_fusermount3(

@@ -86,7 +86,7 @@ FUSECTL = "/sys/fs/fuse/connections"
 # umount2's flag for a lazy unmount.
 MNT_DETACH = 2
 # At unmount, how long to wait for chunks already fetched to reach the NVMe cache. A full default memory
-# budget (2 GiB) writes in ~4 s at the dev box's O_DIRECT rate; the unit's TimeoutStopSec (130 s) covers every bound
+# budget (2 GiB) writes in ~4 s at the dev box's O_DIRECT rate; the unit's TimeoutStopSec (135 s) covers every bound
 # of a stop together (tests/unit/test_ops.py).
 WRITE_DRAIN_S = 30.0
 # After SIGTERM/SIGINT, how long requests already in flight may take before they are cut short: pyfuse3's main

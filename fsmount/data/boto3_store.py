@@ -107,6 +107,17 @@ def _without_retry_quota(client: Any) -> None:
                     "5xx may fail without a retry until successes refill it", exc)
 
 
+def _listing(resp: dict[str, Any], prefix: str) -> dict[str, Any]:
+    """A ListObjectsV2 answer, checked to hold a listing: every one holds a ListBucketResult (its Name, Prefix,
+    MaxKeys, IsTruncated...). A 200 whose body was cut to nothing with a Content-Length that says so (a proxy, a
+    server restarting) parsed as a listing of no keys: a directory of files was empty, each of them ENOENT for the
+    TTL, and a lookup's probe found no directory (B125). TransientError: the listing fails, whole, and is asked again
+    later."""
+    if not resp.keys() - {"ResponseMetadata"}:
+        raise TransientError(f"listing {prefix!r}: the server's answer had no listing in it (an empty body)")
+    return resp
+
+
 def _mtime_ns(value: Any) -> int:
     try:
         return int(value.timestamp() * 1_000_000_000)
@@ -383,7 +394,7 @@ class Boto3Store:
     def _listed(self, key: str) -> ObjectMeta | None:
         """The key as a listing gives it (None if there is none): the first key a listing of it as a prefix names."""
         try:
-            resp = self._client.list_objects_v2(Bucket=self.bucket, Prefix=key, MaxKeys=1)
+            resp = _listing(self._client.list_objects_v2(Bucket=self.bucket, Prefix=key, MaxKeys=1), key)
         except Exception as exc:  # noqa: BLE001
             raise translate_error(exc, self.bucket, f"listing {key!r}") from None
         for item in resp.get("Contents", ())[:1]:
@@ -401,7 +412,7 @@ class Boto3Store:
                 # Opaque (S3) or the last key as it is (SeaweedFS): never encoded, so sent back unchanged.
                 kwargs["ContinuationToken"] = token
             try:
-                resp = self._client.list_objects_v2(**kwargs)
+                resp = _listing(self._client.list_objects_v2(**kwargs), prefix)
             except Exception as exc:  # noqa: BLE001
                 raise translate_error(exc, self.bucket, f"listing {prefix!r}") from None
             encoded = resp.get("EncodingType") == "url"
@@ -443,8 +454,8 @@ class Boto3Store:
         # parent's delimited listing and in its own (as the object `prefix`), but not in an undelimited one, so a
         # lookup called ENOENT a directory `ls` showed. On S3 both find the same keys.
         try:
-            resp = self._client.list_objects_v2(Bucket=self.bucket, Prefix=prefix, Delimiter="/", MaxKeys=1,
-                                                EncodingType="url")
+            resp = _listing(self._client.list_objects_v2(Bucket=self.bucket, Prefix=prefix, Delimiter="/",
+                                                         MaxKeys=1, EncodingType="url"), prefix)
         except Exception as exc:  # noqa: BLE001
             raise translate_error(exc, self.bucket, f"listing {prefix!r}") from None
         return bool(resp.get("KeyCount") or resp.get("Contents") or resp.get("CommonPrefixes"))

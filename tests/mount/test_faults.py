@@ -240,6 +240,27 @@ def test_after_a_long_outage_a_lookup_or_a_write_that_meets_one_5xx_is_still_ret
         assert blip.hits == 1 and put_blip.hits == 1 and store.head(f"w{i}").size == 10
 
 
+def test_a_listing_answered_with_an_empty_body_fails_and_is_not_an_empty_directory(
+        moto_server: S3Server, proxy: FaultProxy, monkeypatch: pytest.MonkeyPatch) -> None:
+    """No mount: the store's client. A listing's 200 whose body was cut to nothing with a Content-Length that says so
+    (a proxy, a server restarting) parsed as a listing of no keys: the directory was empty, every file in it ENOENT
+    (the fault fuzz's seed 6010 under load, an open of a file the bucket holds). Every ListObjectsV2 answer holds a
+    ListBucketResult: one with nothing of it fails, and the page after it is not taken for the last."""
+    from fsmount.config import StoreConfig
+    from fsmount.data.boto3_store import Boto3Store
+    from fsmount.data.store import TransientError
+
+    for name, value in moto_server.env.items():
+        monkeypatch.setenv(name, value)
+    bucket = bucket_with(moto_server, {"d/a.bin": b"a", "d/b.bin": b"b"})
+    store = Boto3Store(StoreConfig(bucket=bucket, endpoint_url=proxy.endpoint_url, addressing_style="path"))
+    cut = proxy.inject(Fault.SHORT, after_bytes=0, data_only=False, kind="lists", times=1)
+    with pytest.raises(TransientError, match="no listing"):
+        list(store.list_pages("d/"))
+    assert cut.hits == 1
+    assert [o.key for page in store.list_pages("d/") for o in page.objects] == ["d/a.bin", "d/b.bin"]
+
+
 @pytest.mark.seaweedfs
 def test_signed_requests_through_the_proxy_on_seaweedfs(seaweed_server: S3Server, mountpoint: Path) -> None:
     """SeaweedFS verifies SigV4: the proxy keeps the signed Host header, so the daemon's requests pass."""

@@ -119,7 +119,8 @@ class SessionCalls:
     freed memory, or wrote its message to whatever file took the descriptor's number (B124). `end`, before the close,
     makes every later call a no-op and waits, bounded, for those under way. The drops that cannot wait go to one
     thread of this mount's, in order (pyfuse3's invalidate_entry_async has a thread of its own that nothing can wait
-    for). Shared between the trio thread and the workers: every field under `_cond`."""
+    for), which outlives a call that fails. Shared between the trio thread and the workers: every field under `_cond`
+    (but `_failure_logged`, the queue's thread's alone)."""
 
     def __init__(self) -> None:
         self._cond = threading.Condition()
@@ -127,6 +128,7 @@ class SessionCalls:
         self._ending = False
         self._queued: collections.deque[tuple[Callable[..., None], tuple[Any, ...]]] = collections.deque()
         self._worker: threading.Thread | None = None
+        self._failure_logged = False  # the queue's thread's own: a call of it failed unexpectedly (logged once)
 
     def call(self, fn: Callable[..., None], *args: Any) -> None:
         """`fn(*args)` in this thread, unless the session is ending (blocking: in a worker thread)."""
@@ -168,6 +170,13 @@ class SessionCalls:
                 self._running += 1  # with the pop, under the lock: `end` cannot miss it
             try:
                 fn(*args)
+            except Exception:  # noqa: BLE001 - one failed call must not end the thread every later drop waits for
+                # An OSError the call took itself; anything else ended this thread, and the drops queued after it
+                # were never run, held until the stop (B126).
+                log.log(logging.DEBUG if self._failure_logged else logging.ERROR,
+                        "a call into the FUSE session failed unexpectedly (later ones are logged at debug level)",
+                        exc_info=True)
+                self._failure_logged = True
             finally:
                 self._done()
 

@@ -442,6 +442,38 @@ async def test_the_drops_of_kernel_entries_still_in_the_session_at_the_stop_end_
     assert len(warnings) == 1 and "a kernel entry dropped" in warnings[0], warnings
 
 
+def test_a_queued_drop_of_a_kernel_entry_that_fails_unexpectedly_leaves_the_queue_served(
+        monkeypatch, caplog, allowed_logs) -> None:  # noqa: ANN001
+    """The drops of kernel entries that no thread of the mount's was free for go to SessionCalls' one thread, in
+    order. Only an OSError of pyfuse3.invalidate_entry (ENOENT: the kernel holds no such entry) was caught: anything
+    else (a TypeError of an argument pyfuse3 does not take, a MemoryError) ended that thread, said only on stderr, and
+    every later drop was queued behind it for good, never run (the kernel kept the stale entries) and held until the
+    stop (B126). The queue goes on; the first failure is logged with its traceback, the others at debug level."""
+    from fsmount import operations
+
+    dropped: list[bytes] = []
+
+    def invalidate_entry(parent: int, name: bytes) -> None:
+        if name.startswith(b"bad"):
+            raise TypeError(f"an argument pyfuse3 does not take: {name!r}")
+        dropped.append(name)
+
+    monkeypatch.setattr(operations.pyfuse3, "invalidate_entry", invalidate_entry)
+    allowed_logs.append("a call into the FUSE session failed unexpectedly")
+    calls = operations.SessionCalls()
+    for name in (b"bad-1", b"a", b"bad-2", b"b"):
+        calls.queue(operations._invalidate_entry, 1, name)
+    deadline = time.monotonic() + 5
+    while len(dropped) < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    # The old code's thread ended at the first: nothing after it ran, and the queue kept all three.
+    assert dropped == [b"a", b"b"]
+    assert calls.end(1)
+    failures = [r for r in caplog.records if "failed unexpectedly" in r.getMessage()]
+    assert [r.levelno for r in failures] == [logging.ERROR, logging.DEBUG], failures
+    assert failures[0].exc_info is not None
+
+
 def test_an_aborted_mount_that_a_daemon_not_root_cannot_detach_is_left_to_fusermount3(
         monkeypatch, caplog, allowed_logs) -> None:  # noqa: ANN001
     """umount2 is EPERM for a daemon that is not root, and so is `umount -l` for its user, which the warning advised;

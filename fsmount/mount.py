@@ -891,13 +891,13 @@ class Daemon:
         if await self.pusher.stop(PUSH_STOP_S):
             self.end_session()
             return
-        dev = self.ops.device
-        why = "the mount's device is not known" if dev is None else abort_connection(dev)
+        aborted_before = self._aborted is not None  # for a call into the session (_end_session_calls)
+        why = self._abort_once()
         if why is None:
-            self._aborted = dev
             if await self.pusher.stop(PUSH_ABORT_S):
                 log.warning("a page-cache push was still waiting %g s after the FUSE loop ended (for the pages of a "
-                            "READ the stop cut short): the FUSE connection was aborted to end it", PUSH_STOP_S)
+                            "READ the stop cut short): the FUSE connection was aborted %s", PUSH_STOP_S,
+                            "already (for a call into the session)" if aborted_before else "to end it")
                 self.end_session()
                 return
         # Not aborted: `umount -f` aborts the connection, which ends the push, and unmounts. Aborted already: that
@@ -918,13 +918,23 @@ class Daemon:
         calls = self.ops.session_calls
         if await trio.to_thread.run_sync(calls.end, SESSION_CALLS_S, abandon_on_cancel=True):
             return
-        dev = self.ops.device
-        if self._aborted is None and dev is not None and abort_connection(dev) is None:
-            self._aborted = dev
+        if self._abort_once() is None:
             log.warning("a call into the FUSE session (a kernel entry dropped) was still under way %g s after the "
                         "FUSE loop ended (for a request the stop cut short): the FUSE connection was aborted to end "
                         "it", SESSION_CALLS_S)
             await trio.to_thread.run_sync(calls.end, SESSION_CALLS_S, abandon_on_cancel=True)
+
+    def _abort_once(self) -> str | None:
+        """Abort the mount's FUSE connection through fusectl, at most once a stop (the step that ends the session, for
+        a call into it or a push still waiting after the loop ended): None once it is aborted, now or before, else
+        why not. The aborted mount's device is kept (`_aborted`): `end_session` detaches that mount (B122)."""
+        if self._aborted is not None:
+            return None
+        dev = self.ops.device
+        why = "the mount's device is not known" if dev is None else abort_connection(dev)
+        if why is None:
+            self._aborted = dev
+        return why
 
     @staticmethod
     async def _keep_cache_floor(cache: DiskCache) -> None:

@@ -442,6 +442,48 @@ async def test_the_drops_of_kernel_entries_still_in_the_session_at_the_stop_end_
     assert len(warnings) == 1 and "a kernel entry dropped" in warnings[0], warnings
 
 
+async def test_the_stop_aborts_the_connection_once_for_a_call_and_a_push_that_both_outlive_their_waits(
+        monkeypatch, caplog, allowed_logs) -> None:  # noqa: ANN001
+    """The step that ends the session aborts the connection for a call into the session still under way after
+    SESSION_CALLS_S (B124), and for a push still copying after PUSH_STOP_S (B116): once a stop (`_abort_once`). The
+    push's warning says the connection was aborted already, not that it was aborted to end the push."""
+    import fsmount.mount
+    import fsmount.pagecache
+    from fsmount import operations
+
+    dev = os.makedev(0, 80)
+    aborts: list[int] = []
+    aborted = threading.Event()
+
+    def abort_connection(d: int) -> None:
+        aborts.append(d)
+        aborted.set()
+
+    monkeypatch.setattr(fsmount.mount, "abort_connection", abort_connection)
+    monkeypatch.setattr(fsmount.mount, "SESSION_CALLS_S", 0.1)
+    monkeypatch.setattr(fsmount.mount, "PUSH_STOP_S", 0.1)
+    monkeypatch.setattr(operations.pyfuse3, "invalidate_entry", lambda parent, name: aborted.wait(5))
+
+    def notify_store(ino: int, offset: int, data: bytes) -> None:
+        aborted.wait(5)
+        time.sleep(0.3)  # past PUSH_STOP_S after the abort, within PUSH_ABORT_S
+
+    monkeypatch.setattr(fsmount.pagecache.pyfuse3, "notify_store", notify_store)
+    monkeypatch.setattr(fsmount.mount.pyfuse3, "close", lambda unmount: None)
+    monkeypatch.setattr(fsmount.mount, "detach_aborted", lambda mountpoint, d: None)
+    pusher = PageCachePusher(1 << 30, pushes_at_once=1)
+    daemon = stopping_daemon(pusher, dev)
+    allowed_logs.append("FUSE connection was aborted")
+    async with trio.open_nursery() as n:
+        n.start_soon(pusher.push, 2, 0, 4, lambda: b"data")
+        await operations._drop_entry((1, b"a"), trio.CapacityLimiter(0), daemon.ops.session_calls)  # queued
+        await trio.sleep(0.05)
+        await daemon._end_session_after_pushes()
+    assert aborts == [dev] and daemon._aborted == dev and not daemon._session_open
+    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(warnings) == 2 and "aborted already" in warnings[1], warnings
+
+
 def test_a_queued_drop_of_a_kernel_entry_that_fails_unexpectedly_leaves_the_queue_served(
         monkeypatch, caplog, allowed_logs) -> None:  # noqa: ANN001
     """The drops of kernel entries that no thread of the mount's was free for go to SessionCalls' one thread, in

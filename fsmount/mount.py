@@ -852,8 +852,19 @@ class Daemon:
                 nursery.start_soon(self._keep_cache_floor, self.disk_cache)
             if self.saved_names is not None:
                 nursery.start_soon(self._keep_names, self.saved_names)
-            with self._requests:
-                await pyfuse3.main()
+            try:
+                with self._requests:
+                    await pyfuse3.main()
+            except (Exception, trio.Cancelled):
+                # A task of the mount failed (its nursery is cancelled, and with it the loop) or the loop itself did.
+                # The session ends here all the same, shielded: a push waiting for the pages of a READ that the loop's
+                # end cut short held the nursery, and so the daemon, for good, ENOTCONN for everyone, as B116's stop
+                # did (B127); and run()'s close would not abort a call into the session still under way.
+                self._served.set()
+                self._until_served.cancel()
+                with trio.CancelScope(shield=True):
+                    await self._end_session_after_pushes()
+                raise
             self._served.set()
             # The session is about to close: nothing may call into it any more (pyfuse3.terminate() of a closed one
             # is a SIGSEGV: a stop during the drains after `modelfs unmount`), nor announce a mount that is gone.

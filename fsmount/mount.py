@@ -855,8 +855,12 @@ class Daemon:
             try:
                 with self._requests:
                     await pyfuse3.main()
-            except (Exception, trio.Cancelled):
+            except BaseException as exc:
+                if not _loop_failed(exc):  # a KeyboardInterrupt: a second Ctrl-C, which ends the daemon at once
+                    raise
                 # A task of the mount failed (its nursery is cancelled, and with it the loop) or the loop itself did.
+                # pyfuse3.main runs its handlers in a nursery of its own: its Cancelled comes out in an exception
+                # group, which an `except (Exception, trio.Cancelled)` did not take (B128).
                 # The session ends here all the same, shielded: a push waiting for the pages of a READ that the loop's
                 # end cut short held the nursery, and so the daemon, for good, ENOTCONN for everyone, as B116's stop
                 # did (B127); and run()'s close would not abort a call into the session still under way.
@@ -1078,6 +1082,14 @@ class Daemon:
                  f" (prefix {self.cfg.store.prefix})" if self.cfg.store.prefix else "", self.mountpoint)
         self.on_ready()
         sd_notify("READY=1")
+
+
+def _loop_failed(exc: BaseException) -> bool:
+    """Whether `exc`, out of pyfuse3.main(), says that the loop or a task of the mount failed (and cancelled it): an
+    Exception or trio's Cancelled, bare or in exception groups (pyfuse3's own nursery wraps them), and nothing else."""
+    if isinstance(exc, BaseExceptionGroup):
+        return exc.split((Exception, trio.Cancelled))[1] is None
+    return isinstance(exc, (Exception, trio.Cancelled))
 
 
 def signal_name(signum: int) -> str:

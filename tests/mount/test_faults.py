@@ -25,6 +25,7 @@ import json
 import os
 import random
 import re
+import shutil
 import signal
 import subprocess
 import threading
@@ -564,6 +565,81 @@ def test_a_push_waiting_on_the_pages_of_a_read_cut_short_by_a_stop_does_not_hold
                 os.close(fd)
         assert not os.path.ismount(mountpoint)
     assert "the FUSE connection was aborted to end it" in m.log()
+
+
+def test_a_task_of_the_mount_that_fails_with_a_push_waiting_on_a_read_it_cut_short_does_not_hold_the_daemon(
+        moto_server: S3Server, proxy: FaultProxy, mountpoint: Path, tmp_path: Path) -> None:
+    """B116's stuck push, but the loop ends because a task of the mount fails (injected here: a sitecustomize on the
+    daemon's path makes `_announce_ready` raise once the test says so), not on a stop: the nursery's cancellation cuts
+    the READ on the stalled chunk short with no reply, and the push waits for good. `serve`'s end of the session for
+    that path (B127) caught a bare Cancelled, but pyfuse3.main hands on its nursery's in an exception group: it never
+    ran, and the daemon waited for the push, its mount ENOTCONN for everyone (B128). It aborts the connection, exits
+    on the error within its bounds, and leaves no mount."""
+    from fsmount.mount import PUSH_ABORT_S, PUSH_STOP_S
+    from fsmount.operations import SESSION_CALLS_S
+    from tests.helpers import REPO, via
+
+    fail_now = tmp_path / "fail-now"
+    inject = tmp_path / "inject"
+    inject.mkdir()
+    (inject / "sitecustomize.py").write_text(f"""
+import os
+
+import trio
+
+import fsmount.mount
+
+announce = fsmount.mount.Daemon._announce_ready
+
+
+async def announce_then_fail(self):
+    await announce(self)
+    while not os.path.exists({str(fail_now)!r}):
+        await trio.sleep(0.05)
+    raise RuntimeError("a bug of a task of the mount's (injected)")
+
+
+fsmount.mount.Daemon._announce_ready = announce_then_fail
+""")
+    data = model_bytes(tmp_path, 8 * MiB, seed=128)
+    bucket = bucket_with(moto_server, {"m.safetensors": data})
+    stalled = proxy.inject(Fault.STALL, seconds=100, range_from=3 * MiB)  # chunk 3: for good
+    proxy.inject(Fault.STALL, seconds=4, range_from=4 * MiB)  # chunk 4: pushed once its first page is locked
+    bound = SESSION_CALLS_S + PUSH_STOP_S + PUSH_ABORT_S + TIMEOUT_MARGIN_S
+    try:
+        with mounted(via(proxy, moto_server), bucket, mountpoint, "--read-timeout", "90", "--chunk-size", "1M",
+                     "--max-readahead", "0", "--kernel-readahead", "0", "--fuse-max-background", "1",
+                     "--pagecache-push-limit", "1G", check_log=False,
+                     wrap=(shutil.which("env") or "/usr/bin/env", f"PYTHONPATH={inject}:{REPO}")) as m:
+            dev = os.stat(mountpoint).st_dev
+            fd = open_random(mountpoint / "m.safetensors")  # the open starts the stream
+            try:
+                wait_for("chunk 3's GET", lambda: stalled.hits)
+                # A READ that waits on chunk 3, then one whose page is locked while it waits for the background slot.
+                os.posix_fadvise(fd, 4 * MiB - 4096, 4096, os.POSIX_FADV_WILLNEED)
+                time.sleep(0.3)
+                threading.Thread(target=os.posix_fadvise, args=(fd, 4 * MiB, 4096, os.POSIX_FADV_WILLNEED),
+                                 daemon=True).start()
+                wait_for("a push in notify_store", lambda: mount_stats(mountpoint),
+                         lambda st: st["pagecache_pushed_bytes"] - st["pagecache_stored_bytes"] >= MiB)
+                time.sleep(1)
+                fail_now.touch()
+                try:
+                    m.proc.wait(bound)
+                except subprocess.TimeoutExpired:
+                    pytest.fail(f"the daemon was still running {bound:g} s after a task of it failed")
+            finally:
+                if m.proc.poll() is None:  # end the push as the fix does, or the daemon (even killed) waits for good
+                    abort_fuse_connection(dev)
+                with contextlib.suppress(OSError):  # ENOTCONN: the mount is gone
+                    os.close(fd)
+            assert not os.path.ismount(mountpoint)
+    finally:
+        proxy.clear()
+        proxy.origin_back()
+    log = m.log()
+    assert "the FUSE connection was aborted to end it" in log and "a bug of a task of the mount's" in log, log[-4000:]
+    assert "daemon stopped on an error" in log and m.proc.returncode != 0, log[-4000:]
 
 
 @pytest.mark.parametrize("fault", [Fault.RESET, Fault.TRUNCATE, Fault.SHORT])

@@ -442,13 +442,16 @@ async def test_the_drops_of_kernel_entries_still_in_the_session_at_the_stop_end_
     assert len(warnings) == 1 and "a kernel entry dropped" in warnings[0], warnings
 
 
+@pytest.mark.parametrize("loop", ["bare", "nursery"])
 async def test_a_task_of_the_mount_that_fails_ends_the_session_and_a_push_waiting_on_a_read_it_cut_short(
-        monkeypatch, tmp_path, caplog, allowed_logs) -> None:  # noqa: ANN001
+        monkeypatch, tmp_path, caplog, allowed_logs, loop) -> None:  # noqa: ANN001
     """A task of the mount that raises (a bug in the engine's or the streamer's) cancels `serve`'s nursery, and with
     it pyfuse3's loop: the READs in flight get no reply, so a push in notify_store waits for their pages with no end
     of its own, and the nursery for the push. Only the stop ended the session after the loop (B116): here the daemon
     never exited, its mount ENOTCONN for everyone, until someone aborted the connection (B127). Its end now runs on
-    that path too: the connection is aborted, the push ends, the session closes, and the error goes on out."""
+    that path too: the connection is aborted, the push ends, the session closes, and the error goes on out. pyfuse3's
+    loop runs its handlers in a nursery of its own, so its cancellation comes out of `main()` in an exception group,
+    not as a bare Cancelled: B127's end did not run on that path, the real one (B128); both are tried here."""
     import types
 
     import fsmount.mount
@@ -470,7 +473,10 @@ async def test_a_task_of_the_mount_that_fails_ends_the_session_and_a_push_waitin
             time.sleep(0.01)
 
     async def main() -> None:  # pyfuse3's loop: serves until cancelled
-        await trio.sleep_forever()
+        if loop == "bare":
+            await trio.sleep_forever()
+        async with trio.open_nursery() as nursery:  # as pyfuse3.main: its session loop, a task of its nursery
+            nursery.start_soon(trio.sleep_forever)
 
     monkeypatch.setattr(fsmount.pagecache.pyfuse3, "notify_store", notify_store)
     monkeypatch.setattr(fsmount.mount.pyfuse3, "main", main)
@@ -547,6 +553,23 @@ async def test_the_stop_aborts_the_connection_once_for_a_call_and_a_push_that_bo
     assert aborts == [dev] and daemon._aborted == dev and not daemon._session_open
     warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
     assert len(warnings) == 2 and "aborted already" in warnings[1], warnings
+
+
+def test_what_comes_out_of_the_fuse_loop_ends_the_session_there_only_for_a_failure() -> None:
+    """`serve` ends the session itself, shielded, when the loop ends on a failure (B127): an exception, or the
+    cancellation of a task of the mount that failed, which pyfuse3.main's own nursery hands on in an exception group
+    (B128). A KeyboardInterrupt (a second Ctrl-C, once the stop's drain has given SIGINT its default action) ends the
+    daemon at once, as before: not the shielded end, up to PUSH_STOP_S + PUSH_ABORT_S."""
+    from fsmount.mount import _loop_failed
+
+    def cancelled() -> trio.Cancelled:
+        return trio.Cancelled._create(source="nursery")  # type: ignore[attr-defined]
+
+    assert _loop_failed(RuntimeError("bug")) and _loop_failed(cancelled())
+    assert _loop_failed(BaseExceptionGroup("pyfuse3's nursery", [cancelled()]))
+    assert _loop_failed(BaseExceptionGroup("", [cancelled(), ExceptionGroup("", [OSError(5, "EIO")])]))
+    assert not _loop_failed(KeyboardInterrupt())
+    assert not _loop_failed(BaseExceptionGroup("", [cancelled(), KeyboardInterrupt()]))
 
 
 def test_a_queued_drop_of_a_kernel_entry_that_fails_unexpectedly_leaves_the_queue_served(

@@ -875,8 +875,11 @@ class Daemon:
             self._until_served.cancel()
             # The mount goes before the drains below (up to about a minute): nobody reads its requests any more, so
             # a stat of the mount point hung until they ended, and a second stop meanwhile (the default action by
-            # then) left the mount in place, ENOTCONN until someone unmounted it.
-            await self._end_session_after_pushes()
+            # then) left the mount in place, ENOTCONN until someone unmounted it. Shielded, as on the loop's failure:
+            # a task that failed in its wait for a push cancelled it before the abort, and the nursery waited for the
+            # push for good (B129).
+            with trio.CancelScope(shield=True):
+                await self._end_session_after_pushes()
             # A mount started now in this one's place waits for the drains below (its cache dir's lock), and needs
             # the metrics port this one holds: a restart script's `modelfs unmount && modelfs mount` failed "in use".
             if self.metrics is not None:

@@ -513,6 +513,72 @@ async def test_a_task_of_the_mount_that_fails_ends_the_session_and_a_push_waitin
     assert len(warnings) == 1 and "was aborted to end it" in warnings[0], warnings
 
 
+async def test_a_task_of_the_mount_that_fails_as_the_stop_ends_the_session_does_not_cut_that_end_short(
+        monkeypatch, tmp_path, caplog, allowed_logs) -> None:  # noqa: ANN001
+    """A stop's loop ended (main() returned) with a push waiting on the pages of a READ the stop cut short, and
+    `serve` waits PUSH_STOP_S for the push before it aborts the connection (B116). A task of the mount that fails in
+    that wait (a bug of the engine's, tripped by the READs the stop cancelled) cancelled it: the connection was never
+    aborted, and the nursery, and so the daemon, waited for the push for good (B129). That end is shielded, as on
+    the loop's own failure (B127): the connection is aborted, the push ends, the session closes, the error goes on."""
+    import types
+
+    import fsmount.mount
+    import fsmount.pagecache
+
+    dev = os.makedev(0, 82)
+    conn = tmp_path / str((os.major(dev) << 20) | os.minor(dev))
+    conn.mkdir()
+    monkeypatch.setattr(fsmount.mount, "FUSECTL", str(tmp_path))
+    monkeypatch.setattr(fsmount.mount, "PUSH_STOP_S", 0.6)
+    gave_up: list[bool] = []
+
+    def notify_store(ino: int, offset: int, data: bytes) -> None:
+        deadline = time.monotonic() + 5  # only the abort ends the kernel's wait (and, so that this test ends, 5 s)
+        while not (conn / "abort").exists():
+            if time.monotonic() > deadline:
+                gave_up.append(True)
+                return
+            time.sleep(0.01)
+
+    async def main() -> None:  # pyfuse3's loop, ended by the stop's terminate()
+        await trio.sleep(0.1)
+
+    monkeypatch.setattr(fsmount.pagecache.pyfuse3, "notify_store", notify_store)
+    monkeypatch.setattr(fsmount.mount.pyfuse3, "main", main)
+    closed: list[int] = []  # pushes copying when the session closed
+    pusher = PageCachePusher(1 << 30, pushes_at_once=1)
+    monkeypatch.setattr(fsmount.mount.pyfuse3, "close", lambda unmount: closed.append(pusher._copying))
+    detached: list[int] = []
+    monkeypatch.setattr(fsmount.mount, "detach_aborted", lambda mountpoint, d: detached.append(d))
+
+    async def streams(*, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+        task_status.started()
+        await pusher.push(2, 0, 4, lambda: b"data")
+
+    async def engine(*, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+        task_status.started()
+        await trio.sleep(0.3)  # the loop has ended; the session's end waits for the push
+        raise RuntimeError("a bug of the engine's")
+
+    async def idle() -> None:
+        await trio.sleep_forever()
+
+    daemon = stopping_daemon(pusher, dev)
+    daemon.engine = types.SimpleNamespace(run=engine, levels=types.SimpleNamespace(writes_pending=0))
+    daemon.streamer = types.SimpleNamespace(run=streams)
+    daemon._watch_signals = daemon._announce_ready = idle
+    daemon.writes = daemon.disk_cache = daemon.saved_names = daemon.metrics = daemon.shared_tier = None
+    daemon._requests, daemon._served, daemon._until_served = trio.CancelScope(), trio.Event(), trio.CancelScope()
+    allowed_logs.append("FUSE connection was aborted")
+    with pytest.raises(BaseExceptionGroup) as raised:
+        await daemon.serve()
+    assert raised.group_contains(RuntimeError, match="a bug of the engine's")
+    # The old code stopped waiting at the failure, never aborted, and waited for the push (the fake kernel's 5 s).
+    assert not gave_up and closed == [0] and detached == [dev] and not daemon._session_open
+    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(warnings) == 1 and "was aborted to end it" in warnings[0], warnings
+
+
 async def test_the_stop_aborts_the_connection_once_for_a_call_and_a_push_that_both_outlive_their_waits(
         monkeypatch, caplog, allowed_logs) -> None:  # noqa: ANN001
     """The step that ends the session aborts the connection for a call into the session still under way after

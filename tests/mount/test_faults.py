@@ -567,17 +567,10 @@ def test_a_push_waiting_on_the_pages_of_a_read_cut_short_by_a_stop_does_not_hold
     assert "the FUSE connection was aborted to end it" in m.log()
 
 
-def test_a_task_of_the_mount_that_fails_with_a_push_waiting_on_a_read_it_cut_short_does_not_hold_the_daemon(
-        moto_server: S3Server, proxy: FaultProxy, mountpoint: Path, tmp_path: Path) -> None:
-    """B116's stuck push, but the loop ends because a task of the mount fails (injected here: a sitecustomize on the
-    daemon's path makes `_announce_ready` raise once the test says so), not on a stop: the nursery's cancellation cuts
-    the READ on the stalled chunk short with no reply, and the push waits for good. `serve`'s end of the session for
-    that path (B127) caught a bare Cancelled, but pyfuse3.main hands on its nursery's in an exception group: it never
-    ran, and the daemon waited for the push, its mount ENOTCONN for everyone (B128). It aborts the connection, exits
-    on the error within its bounds, and leaves no mount."""
-    from fsmount.mount import PUSH_ABORT_S, PUSH_STOP_S
-    from fsmount.operations import SESSION_CALLS_S
-    from tests.helpers import REPO, via
+def failing_task(tmp_path: Path) -> tuple[tuple[str, ...], Path]:
+    """A `wrap` for `mounted` whose daemon has a task of the mount fail (a bug of it, injected by a sitecustomize on
+    the daemon's path: `_announce_ready` raises, once the mount answered, when the file returned is made)."""
+    from tests.helpers import REPO
 
     fail_now = tmp_path / "fail-now"
     inject = tmp_path / "inject"
@@ -601,6 +594,22 @@ async def announce_then_fail(self):
 
 fsmount.mount.Daemon._announce_ready = announce_then_fail
 """)
+    return (shutil.which("env") or "/usr/bin/env", f"PYTHONPATH={inject}:{REPO}"), fail_now
+
+
+def test_a_task_of_the_mount_that_fails_with_a_push_waiting_on_a_read_it_cut_short_does_not_hold_the_daemon(
+        moto_server: S3Server, proxy: FaultProxy, mountpoint: Path, tmp_path: Path) -> None:
+    """B116's stuck push, but the loop ends because a task of the mount fails (injected here: a sitecustomize on the
+    daemon's path makes `_announce_ready` raise once the test says so), not on a stop: the nursery's cancellation cuts
+    the READ on the stalled chunk short with no reply, and the push waits for good. `serve`'s end of the session for
+    that path (B127) caught a bare Cancelled, but pyfuse3.main hands on its nursery's in an exception group: it never
+    ran, and the daemon waited for the push, its mount ENOTCONN for everyone (B128). It aborts the connection, exits
+    on the error within its bounds, and leaves no mount."""
+    from fsmount.mount import PUSH_ABORT_S, PUSH_STOP_S
+    from fsmount.operations import SESSION_CALLS_S
+    from tests.helpers import via
+
+    wrap, fail_now = failing_task(tmp_path)
     data = model_bytes(tmp_path, 8 * MiB, seed=128)
     bucket = bucket_with(moto_server, {"m.safetensors": data})
     stalled = proxy.inject(Fault.STALL, seconds=100, range_from=3 * MiB)  # chunk 3: for good
@@ -609,8 +618,7 @@ fsmount.mount.Daemon._announce_ready = announce_then_fail
     try:
         with mounted(via(proxy, moto_server), bucket, mountpoint, "--read-timeout", "90", "--chunk-size", "1M",
                      "--max-readahead", "0", "--kernel-readahead", "0", "--fuse-max-background", "1",
-                     "--pagecache-push-limit", "1G", check_log=False,
-                     wrap=(shutil.which("env") or "/usr/bin/env", f"PYTHONPATH={inject}:{REPO}")) as m:
+                     "--pagecache-push-limit", "1G", check_log=False, wrap=wrap) as m:
             dev = os.stat(mountpoint).st_dev
             fd = open_random(mountpoint / "m.safetensors")  # the open starts the stream
             try:
@@ -628,6 +636,60 @@ fsmount.mount.Daemon._announce_ready = announce_then_fail
                     m.proc.wait(bound)
                 except subprocess.TimeoutExpired:
                     pytest.fail(f"the daemon was still running {bound:g} s after a task of it failed")
+            finally:
+                if m.proc.poll() is None:  # end the push as the fix does, or the daemon (even killed) waits for good
+                    abort_fuse_connection(dev)
+                with contextlib.suppress(OSError):  # ENOTCONN: the mount is gone
+                    os.close(fd)
+            assert not os.path.ismount(mountpoint)
+    finally:
+        proxy.clear()
+        proxy.origin_back()
+    log = m.log()
+    assert "the FUSE connection was aborted to end it" in log and "a bug of a task of the mount's" in log, log[-4000:]
+    assert "daemon stopped on an error" in log and m.proc.returncode != 0, log[-4000:]
+
+
+def test_a_task_of_the_mount_that_fails_as_a_stop_waits_for_a_push_does_not_hold_the_daemon(
+        moto_server: S3Server, proxy: FaultProxy, mountpoint: Path, tmp_path: Path) -> None:
+    """B116's stop, with the push waiting on a READ the stop cut short; then, while the end of the session waits
+    PUSH_STOP_S for that push before it aborts the connection, a task of the mount fails (injected). Its cancellation
+    cut that wait short: no abort, and the daemon waited for the push for good, its mount ENOTCONN (B129). The end is
+    shielded: the daemon aborts the connection, exits on the error within its bounds, and leaves no mount."""
+    from fsmount.mount import PUSH_ABORT_S, PUSH_STOP_S
+    from tests.helpers import via
+
+    wrap, fail_now = failing_task(tmp_path)
+    data = model_bytes(tmp_path, 8 * MiB, seed=129)
+    bucket = bucket_with(moto_server, {"m.safetensors": data})
+    stalled = proxy.inject(Fault.STALL, seconds=100, range_from=3 * MiB)  # chunk 3: for good
+    proxy.inject(Fault.STALL, seconds=4, range_from=4 * MiB)  # chunk 4: pushed once its first page is locked
+    bound = PUSH_STOP_S + STOP_GRACE_S + TIMEOUT_MARGIN_S
+    try:
+        with mounted(via(proxy, moto_server), bucket, mountpoint, "--read-timeout", "90", "--chunk-size", "1M",
+                     "--max-readahead", "0", "--kernel-readahead", "0", "--fuse-max-background", "1",
+                     "--pagecache-push-limit", "1G", check_log=False, wrap=wrap) as m:
+            dev = os.stat(mountpoint).st_dev
+            fd = open_random(mountpoint / "m.safetensors")  # the open starts the stream
+            try:
+                wait_for("chunk 3's GET", lambda: stalled.hits)
+                os.posix_fadvise(fd, 4 * MiB - 4096, 4096, os.POSIX_FADV_WILLNEED)
+                time.sleep(0.3)
+                threading.Thread(target=os.posix_fadvise, args=(fd, 4 * MiB, 4096, os.POSIX_FADV_WILLNEED),
+                                 daemon=True).start()
+                wait_for("a push in notify_store", lambda: mount_stats(mountpoint),
+                         lambda st: st["pagecache_pushed_bytes"] - st["pagecache_stored_bytes"] >= MiB)
+                time.sleep(1)
+                m.proc.send_signal(signal.SIGTERM)
+                # The stop's grace is over and the loop ended: the end of the session waits for the push.
+                wait_for("the READ cut short", m.log, lambda log: "were cut short" in log, timeout=bound)
+                time.sleep(1)  # the loop has ended (at once); the wait for the push has PUSH_STOP_S to go
+                fail_now.touch()
+                try:
+                    m.proc.wait(PUSH_STOP_S + PUSH_ABORT_S + TIMEOUT_MARGIN_S)
+                except subprocess.TimeoutExpired:
+                    pytest.fail("the daemon was still running after a task of it failed as its stop ended the "
+                                "session")
             finally:
                 if m.proc.poll() is None:  # end the push as the fix does, or the daemon (even killed) waits for good
                     abort_fuse_connection(dev)

@@ -689,7 +689,7 @@ class Daemon:
         # unless main() returned first (_served: from then on a stop ends the daemon at once).
         self._requests = trio.CancelScope()
         self._served = trio.Event()
-        self._until_served = trio.CancelScope()  # around the signal watcher and _announce_ready
+        self._until_served = trio.CancelScope()  # around the signal watcher (_announce_ready checks _served)
         self._session_open = True  # pyfuse3's session: mounted, until end_session
         self._aborted: int | None = None  # the device of the mount whose connection the stop aborted (B116)
         self.disk_cache = open_disk_cache(cfg) if cfg.cache_dir else None

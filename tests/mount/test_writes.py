@@ -15,6 +15,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -1116,6 +1117,70 @@ def test_cp_a_into_the_mount_goes_on_without_xattrs(s3: S3Server, mountpoint: Pa
             os.setxattr(mountpoint / "ckpt" / "config.json", "user.origin", b"x")
         assert info.value.errno == errno.ENOTSUP
     assert keys(s3, bucket) == {"ckpt/": 0, "ckpt/sub/": 0, "ckpt/sub/w.bin": 3 * MiB, "ckpt/config.json": 2}
+    delete_bucket(s3, bucket)
+
+
+def rsync(src: Path, dst: Path, *flags: str) -> tuple[int, list[str], str]:
+    """`rsync -a -i FLAGS src/ dst/`: its exit status, the files it sent (its `>f` lines) and its stderr."""
+    res = subprocess.run(["rsync", "-a", "-i", *flags, f"{src}/", f"{dst}/"], capture_output=True, text=True,
+                         timeout=120)
+    return res.returncode, sorted(line.split(" ", 1)[1] for line in res.stdout.splitlines() if line.startswith(">f")), \
+        res.stderr
+
+
+@pytest.mark.skipif(shutil.which("rsync") is None, reason="rsync is not installed")
+@pytest.mark.parametrize("overwrite", [False, True], ids=["create-only", "allow-overwrite"])
+def test_rsync_as_the_readme_says_skips_what_is_stored_and_sends_what_changed(s3: S3Server, mountpoint: Path,
+                                                                            tmp_path: Path, overwrite: bool) -> None:
+    """Times set by utime are not kept (a bucket keeps none): a stored file shows its store time, later than its
+    source's, so `rsync -a` sends every file again at each run, and `-u` skips them, on a fresh mount too. The
+    README said `rsync` needs `--inplace`: with --allow-overwrite its second run then failed (exit 23, EOPNOTSUPP:
+    an in-place update opens the stored file without O_TRUNC), where without `--inplace` a changed file is written
+    to a temporary name and renamed over the stored one. Without --allow-overwrite `--inplace` keeps a changed
+    file's refusal (EPERM) from leaving rsync's temporary object behind (B134)."""
+    bucket = new_bucket(s3)
+    src = tmp_path / "ckpt"
+    (src / "sub").mkdir(parents=True)
+    big = random_bytes(6 * MiB + 3, 60)
+    (src / "w.bin").write_bytes(big)
+    (src / "sub" / "cfg.json").write_text("{}")
+    an_hour_ago = time.time() - 3600
+    for path in (src / "w.bin", src / "sub" / "cfg.json"):
+        os.utime(path, (an_hour_ago, an_hour_ago))  # checkpoints written before the sync
+    advice = ("-u",) if overwrite else ("-u", "--inplace")
+    flags = ("--allow-overwrite",) if overwrite else ()
+    dst = mountpoint / "ckpt"
+    with mounted(s3, bucket, mountpoint, *WRITABLE, "--write-part-size", "5M", *flags,
+                 allowed=(NEEDS_OVERWRITE, "only whole rewrites", "needs --allow-delete")):
+        assert rsync(src, dst, *advice) == (0, ["sub/cfg.json", "w.bin"], "")
+        assert rsync(src, dst, *advice) == (0, [], "")  # nothing changed: nothing sent
+        code, sent, _ = rsync(src, dst)
+        assert sent == ["sub/cfg.json", "w.bin"]  # without -u: sent again, each time (times are not kept)
+        assert code == (0 if overwrite else 23)  # create-only: the renames onto them were refused
+        if overwrite:
+            # The old advice: an in-place update of a stored file is refused (only whole rewrites).
+            code, sent, err = rsync(src, dst, "--inplace")
+            assert (code, sent) == (23, ["sub/cfg.json", "w.bin"]) and "Operation not supported" in err
+        # Create-only without --inplace, rsync's temporary objects stay (its unlink of them needs --allow-delete).
+        assert len(list(dst.rglob(".*"))) == (0 if overwrite else 2)
+    client = s3.client()
+    for key in keys(s3, bucket):
+        if "/." in key:
+            client.delete_object(Bucket=bucket, Key=key)
+    (src / "sub" / "cfg.json").write_text('{"step": 2}')  # changed after the sync
+    with mounted(s3, bucket, mountpoint, *WRITABLE, *flags, allowed=(NEEDS_OVERWRITE,)):  # a fresh mount
+        code, sent, err = rsync(src, dst, *advice)
+        assert sent == ["sub/cfg.json"]  # w.bin's store time is still later than its source's
+        if overwrite:
+            assert (code, err) == (0, "")
+            assert (dst / "sub" / "cfg.json").read_text() == '{"step": 2}'
+        else:
+            assert code == 23 and "Operation not permitted" in err  # replacing it needs --allow-overwrite
+            assert (dst / "sub" / "cfg.json").read_text() == "{}"
+        assert (dst / "w.bin").read_bytes() == big
+    assert keys(s3, bucket) == {"ckpt/": 0, "ckpt/sub/": 0, "ckpt/w.bin": len(big),
+                                "ckpt/sub/cfg.json": len('{"step": 2}') if overwrite else 2}
+    assert uploads_in(s3, bucket) == []
     delete_bucket(s3, bucket)
 
 

@@ -1184,6 +1184,32 @@ def test_rsync_as_the_readme_says_skips_what_is_stored_and_sends_what_changed(s3
     delete_bucket(s3, bucket)
 
 
+def test_tar_x_over_stored_files_needs_allow_delete_or_overwrite(s3: S3Server, mountpoint: Path,
+                                                                  tmp_path: Path) -> None:
+    """`tar x` sets each file's mode and times after writing it (accepted, not stored): exit 0. Over files already
+    stored it unlinks each first, which needs --allow-delete (with --allow-overwrite alone: "File exists", exit 2,
+    the stored file untouched); `tar x --overwrite` rewrites them with O_TRUNC, which --allow-overwrite allows."""
+    bucket = new_bucket(s3)
+    src = tmp_path / "src"
+    (src / "d").mkdir(parents=True)
+    (src / "d" / "w.bin").write_bytes(random_bytes(6 * MiB, 61))
+    archive = tmp_path / "a.tar"
+    subprocess.run(["tar", "cf", str(archive), "-C", str(src), "d"], check=True)
+    with mounted(s3, bucket, mountpoint, *WRITABLE, "--write-part-size", "5M", "--allow-overwrite",
+                 allowed=(r"needs --allow-delete",)):
+        untar = ["tar", "xf", str(archive), "-C", str(mountpoint)]
+        assert subprocess.run(untar, capture_output=True, timeout=120).returncode == 0
+        again = subprocess.run(untar, capture_output=True, text=True, timeout=120)
+        assert again.returncode == 2 and "File exists" in again.stderr
+        assert subprocess.run([*untar, "--overwrite"], capture_output=True, timeout=120).returncode == 0
+        assert (mountpoint / "d" / "w.bin").read_bytes() == (src / "d" / "w.bin").read_bytes()
+    with mounted(s3, bucket, mountpoint, *WRITABLE, "--allow-overwrite", "--allow-delete"):
+        assert subprocess.run(untar, capture_output=True, timeout=120).returncode == 0
+    assert keys(s3, bucket) == {"d/": 0, "d/w.bin": 6 * MiB}
+    assert uploads_in(s3, bucket) == []
+    delete_bucket(s3, bucket)
+
+
 @pytest.mark.parametrize("name", ["with space.bin", "plus+sign.bin", "ünïcödé-ß.bin", "percent%20.bin"])
 def test_names_written_are_the_keys_and_list_back(s3: S3Server, mountpoint: Path, name: str) -> None:
     bucket = new_bucket(s3)

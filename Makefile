@@ -1,7 +1,7 @@
 # The two commands of the README, and what they need. Everything installs from this repo's own files.
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
-APT_PACKAGES := fuse3 libfuse3-dev pkg-config gcc python3-dev python3-venv curl util-linux s3fs rclone
+APT_PACKAGES := fuse3 libfuse3-dev pkg-config gcc python3-dev python3-venv curl util-linux s3fs rclone rsync
 
 .PHONY: install bench-install demo test bench bench-quick device-kit lint clean
 

@@ -46,9 +46,19 @@ from fsmount.data.store import (
 
 # A URL is signed for this long and reused for half of it: a presign is ~0.1 ms, so signing rarely only
 # saves a little, but a URL signed with temporary credentials must not outlive them (botocore refreshes
-# those at least 10 minutes before they expire); a 403 on a reused URL signs a new one and tries again.
+# those at least 10 minutes before they expire); a 403 on a URL signed with other credentials than those there are
+# now signs a new one and tries again (`RangeGetter._signed_again`). Its age is counted on CLOCK_BOOTTIME, which goes
+# on while the machine is suspended (CLOCK_MONOTONIC does not): a URL kept over a suspend of an hour was expired, and
+# the same credentials' refusal is not sent again.
 URL_EXPIRES_S = 1200
 URL_REUSE_S = 600
+
+
+def since_boot() -> float:
+    """Seconds on the clock a URL's age is counted on (suspended time included)."""
+    return time.clock_gettime(time.CLOCK_BOOTTIME)
+
+
 # The most of an error body read to find its S3 error code (an XML document of a few hundred bytes).
 ERROR_BODY_MAX = 64 * 1024
 _CODE_RE = re.compile(rb"<Code>([^<]{1,128})</Code>")
@@ -74,6 +84,17 @@ def signed_region(text: str) -> str | None:
     or an Authorization header. None if it has none."""
     found = _SCOPE_RE.search(urllib.parse.unquote(text))
     return found.group(1) if found else None
+
+
+def signed_by(url: str) -> tuple[str, str, str]:
+    """The credentials a presigned URL is signed with, as it names them: its access key id (SigV4's X-Amz-Credential
+    less its scope, SigV2's AWSAccessKeyId) and session token; empty strings for a URL not signed."""
+    query = {name.lower(): values[-1] for name, values in
+             urllib.parse.parse_qs(urllib.parse.urlsplit(url).query, keep_blank_values=True).items()}
+    return (query.get("x-amz-credential", "").split("/", 1)[0], query.get("awsaccesskeyid", ""),
+            query.get("x-amz-security-token", ""))
+
+
 # A body longer than twice this is received with the socket's receive low-water mark (SO_RCVLOWAT) at this
 # many bytes, up to its last this-many bytes: a fetch thread then wakes once per MiB that arrived instead of
 # once per burst of segments (~180 KB on loopback). 16 threads of 8 MiB GETs of 1 GiB from SeaweedFS on
@@ -145,8 +166,9 @@ class RangeGetter:
         `on_wrong_region(region)`, if given, is told the bucket's region when a GET signed for another one is
         refused; `presign` signs for it from then on, and the GET is sent again once. `on_refused(code)`, if
         given, is told the error code of a request refused for its credentials before it is signed again (it may
-        look them up again: `credentials.Renewable.renew`); `on_refused_again(code)` is told the code of that
-        request's second refusal if `on_refused` returned True (they changed, and are refused still)."""
+        look them up again, `credentials.Renewable.renew`: True if they changed; see `_signed_again`);
+        `on_refused_again(code)` is told the code of that request's second refusal if `on_refused` returned True
+        (they changed, and are refused still)."""
         self._presign = presign
         self._on_refused = on_refused
         self._on_refused_again = on_refused_again
@@ -165,7 +187,7 @@ class RangeGetter:
     # -- URLs ------------------------------------------------------------------------------------
 
     def _url(self, key: str, fresh: bool) -> str:
-        now = time.monotonic()
+        now = since_boot()
         with self._lock:
             cached = None if fresh else self._urls.get(key)
         if cached is not None and now - cached[0] < URL_REUSE_S:
@@ -204,42 +226,48 @@ class RangeGetter:
         """Fill `buffer` with bytes [start, start + len(buffer)) of the object version `etag`, or raise. Without
         `if_match` (a server that refuses its own ETags there) the version is checked by the answer's ETag alone,
         which must then be there."""
-        self._signed_again(lambda fresh: self._get(key, etag, start, buffer, what, fresh_url=fresh,
-                                                   if_match=if_match))
+        self._signed_again(lambda fresh: self._url(key, fresh),
+                           lambda url: self._get(key, etag, start, buffer, what, url, if_match=if_match))
 
-    def _signed_again(self, send: Callable[[bool], T]) -> T:
-        """`send(fresh)`: one request with a URL reused (False) or signed now (True). Sent again once, signed anew,
-        when refused for a URL signed with credentials rotated since (AccessDenied), or for another region than
-        the bucket's (WrongRegion, whose `signed_for` the request set). Signed for the region the AWS configuration
-        said while the bucket is elsewhere: botocore follows such redirects for listings, so the mount listed and
-        every read (and every write of a shared tier) failed. URLs are signed for the bucket's region from then on,
-        unless the refused one was signed for it already (the endpoint is another region's: --endpoint-url).
-        Requests in flight when another switched get their second try too."""
+    def _signed_again(self, sign: Callable[[bool], str], send: Callable[[str], T]) -> T:
+        """`send(url)`: one request to `url`, which `sign(fresh)` gives: a URL reused (False) or signed now (True).
+        Sent again once, signed anew, when refused for a URL signed with credentials rotated since (AccessDenied: the
+        credentials a lookup finds, `on_refused`, or a URL signed now, are others than the refused one's), or for
+        another region than the bucket's (WrongRegion, whose `signed_for` the request set). A refusal of a URL signed
+        with the credentials there are is not sent again: a bucket policy's refusal cost every read a second GET (and
+        a lookup, `on_refused`, until `credentials.Renewable.refused_again` found it the bucket's own). Signed for the
+        region the AWS configuration said while the bucket is elsewhere: botocore follows such redirects for
+        listings, so the mount listed and every read (and every write of a shared tier) failed. URLs are signed for
+        the bucket's region from then on, unless the refused one was signed for it already (the endpoint is another
+        region's: --endpoint-url). Requests in flight when another switched get their second try too."""
+        url = sign(False)
         try:
-            return send(False)
+            return send(url)
         except AccessDenied as exc:
             renewed = self._on_refused is not None and self._on_refused(exc.code or "403")
+            fresh = sign(True)
+            if not renewed and signed_by(fresh) == signed_by(url):
+                raise  # the credentials there are were refused: the same refusal again, at the cost of a request
         except WrongRegion as exc:
             if self._on_wrong_region is None or exc.signed_for == exc.region:
                 raise
             self._on_wrong_region(exc.region)
             with self._lock:
                 self._urls.clear()  # every URL signed so far is for the old region
-            return send(True)
+            return send(sign(True))
         try:
-            return send(True)
+            return send(fresh)
         except AccessDenied as again:
             if renewed and self._on_refused_again is not None:
                 self._on_refused_again(again.code or "403")
             raise
 
-    def _get(self, key: str, etag: str, start: int, buffer: WritableBuffer | bytearray, what: str,
-             fresh_url: bool, if_match: bool = True) -> None:
+    def _get(self, key: str, etag: str, start: int, buffer: WritableBuffer | bytearray, what: str, url: str,
+             if_match: bool = True) -> None:
         want = len(buffer)
         headers = {"Range": f"bytes={start}-{start + want - 1}", "Accept-Encoding": "identity"}
         if etag and if_match:
             headers["If-Match"] = etag
-        url = self._url(key, fresh_url)
         origin, conn, resp = self._request(url, headers, what)
         reusable = False
         try:
@@ -258,10 +286,9 @@ class RangeGetter:
         length is not known beforehand (the shared tier's chunk objects). Failures, a missing key
         included (NotFound), are raised as StoreErrors; nothing is retried but a stale kept-alive
         connection and a URL refused as `_signed_again` says."""
-        return self._signed_again(lambda fresh: self._open(key, what, fresh_url=fresh))
+        return self._signed_again(lambda fresh: self._url(key, fresh), lambda url: self._open(url, what))
 
-    def _open(self, key: str, what: str, fresh_url: bool) -> Body:
-        url = self._url(key, fresh_url)
+    def _open(self, url: str, what: str) -> Body:
         origin, conn, resp = self._request(url, {"Accept-Encoding": "identity"}, what)
         try:
             if resp.status >= 300:
@@ -300,8 +327,8 @@ class RangeGetter:
                 body: Sequence[bytes | WritableBuffer], what: str, *, conditional: bool) -> bool:
         """One PUT or DELETE whose answer has no body worth reading (signed now, every time; `_signed_again`).
         True; False if `conditional` and the server says the precondition failed (409, 412)."""
-        return self._signed_again(lambda fresh: self._send_change(presign(key), method, headers, body, what,
-                                                                  conditional))
+        return self._signed_again(lambda fresh: presign(key),
+                                  lambda url: self._send_change(url, method, headers, body, what, conditional))
 
     def _send_change(self, url_text: str, method: str, headers: dict[str, str],
                      body: Sequence[bytes | WritableBuffer], what: str, conditional: bool) -> bool:

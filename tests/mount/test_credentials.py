@@ -329,7 +329,8 @@ def test_a_bucket_policy_refusing_credentials_minted_at_each_lookup_costs_one_lo
     every lookup looked changed, so a bucket policy's AccessDenied ran the process, warned "have changed" and sent
     the request twice at each refusal (each RECHECK_S; 0 here). The second refusal of credentials a lookup changed
     says the refusal is the bucket's: no more lookups, nor second requests, for AccessDenied (the first request of a
-    refusal after which the process is not run again, one warning of each kind)."""
+    refusal after which the process is not run again, one warning of each kind). A presigned GET was sent twice at
+    every refusal all the same, the second signed now with the same credentials (B130)."""
     allowed_logs.extend([r"requests were refused \(AccessDenied\) and the credentials \(custom-process\) have changed",
                          r"refused again \(AccessDenied\): the bucket refuses them for a reason of its own"])
     bucket = bucket_with(moto_server, {"w.bin": DATA})
@@ -356,8 +357,10 @@ def test_a_bucket_policy_refusing_credentials_minted_at_each_lookup_costs_one_lo
         with pytest.raises(AccessDenied):
             list(store.list_pages(""))
     assert len(runs.read_text()) - before == 1  # one lookup: the first refusal's
-    # The listings sent once each (a presigned GET is sent again with a URL signed now, whatever the lookup found).
+    # The listings sent once each; the reads twice the first time only (the lookup changed the credentials), not
+    # again with a URL signed now with the same ones (B130).
     assert len([e for e in proxy.log()[since:] if "list-type=2" in e.target]) == 4
+    assert len([e for e in proxy.log()[since:] if e.range is not None]) == 5
     said = [r.getMessage() for r in caplog.records if r.name == "fsmount.data.credentials"]
     assert len(said) == 2, said
 

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from fsmount.data import AccessDenied, NotFound, PreconditionFailed, StoreError, TransientError, Unreachable
-from fsmount.data.presigned import RECEIVE_LOWAT, RangeGetter
+from fsmount.data.presigned import RECEIVE_LOWAT, RangeGetter, since_boot
 
 DATA = bytes(range(256)) * 64  # 16 KiB
 ETAG = '"abc"'
@@ -204,16 +204,60 @@ def test_an_archived_object_is_said_so_once_and_its_message_kept(origin: Origin)
 
 
 def test_403_signs_again_once_then_access_denied(origin: Origin) -> None:
+    key_id = ["old"]
+
+    def presign(key: str) -> str:
+        return f"{origin.url}/bucket/{key}?X-Amz-Credential={key_id[0]}%2F20261206%2Fus-east-1%2Fs3%2Faws4_request"
+
+    body = b"<Error><Code>AccessDenied</Code></Error>"
+    origin.script = lambda h, s, e: h.answer(403, body) or True
+    renewals: list[str] = []
+
+    def renew(code: str) -> bool:  # a lookup finds new credentials
+        renewals.append(code)
+        key_id[0] = "new"
+        return True
+
+    g = RangeGetter(presign, bucket="bucket", pool_size=2, connect_timeout=2.0, read_timeout=2.0, on_refused=renew)
+    with pytest.raises(AccessDenied):  # refused, looked up (other credentials), sent again, refused
+        get(g, 0, 10)
+    assert renewals == ["AccessDenied"] and len(origin.requests) == 2
+    # Rotated credentials: the first (cached) URL, signed with the old ones, is refused; one signed now works.
+    key_id[:] = ["new"]
+    g = RangeGetter(presign, bucket="bucket", pool_size=2, connect_timeout=2.0, read_timeout=2.0)
+    g._urls["k"] = (since_boot(), presign("k").replace("new", "old"))
+    origin.script = lambda h, s, e: "old" in h.path and h.answer(403, body) or False
+    assert get(g, 0, 10) == DATA[:10]
+
+
+def test_a_refusal_of_the_credentials_there_are_is_not_sent_again(origin: Origin) -> None:
+    """A bucket policy that refuses the GETs of a prefix: each read cost two GETs, the second signed anew with the same
+    credentials, once `credentials.Renewable` looked them up no more (B108, B118: `on_refused` False). A URL signed
+    with the credentials there are is refused once, as the control plane's requests are."""
     presigned: list[str] = []
     body = b"<Error><Code>AccessDenied</Code></Error>"
     origin.script = lambda h, s, e: h.answer(403, body) or True
-    g = getter(origin, presigned)
+    told: list[str] = []
+    g = RangeGetter(lambda key: presigned.append(key) or f"{origin.url}/bucket/{key}?X-Amz-Credential=same%2Fscope"
+                    f"&X-Amz-Security-Token=t&X-Amz-Signature=s{len(presigned)}",
+                    presign_put=lambda key: f"{origin.url}/bucket/{key}?X-Amz-Credential=same%2Fscope",
+                    bucket="bucket", pool_size=2, connect_timeout=2.0, read_timeout=2.0,
+                    on_refused=lambda code: told.append(code) and False)
+    for _ in range(3):
+        with pytest.raises(AccessDenied):
+            get(g, 0, 10)
     with pytest.raises(AccessDenied):
-        get(g, 0, 10)
-    assert presigned == ["k", "k"]
-    # Rotated credentials: the first (cached) URL is refused, the fresh one works.
-    origin.script = lambda h, s, e: h.path.endswith("s3") and h.answer(403, body) or False
-    assert get(g, 0, 10) == DATA[:10]
+        g.open("k", "GET k").close()
+    with pytest.raises(AccessDenied):
+        g.put("k", [b"x"], "PUT k")
+    assert len(origin.requests) == 5 and told == ["AccessDenied"] * 5
+    # Unsigned (--no-sign-request): nothing to sign anew either.
+    origin.requests.clear()
+    plain = RangeGetter(lambda key: f"{origin.url}/bucket/{key}", bucket="bucket", pool_size=2, connect_timeout=2.0,
+                        read_timeout=2.0)
+    with pytest.raises(AccessDenied):
+        get(plain, 0, 10)
+    assert len(origin.requests) == 1
 
 
 def test_an_idle_connection_the_server_closed_is_replaced_at_once(origin: Origin) -> None:
@@ -694,7 +738,7 @@ def test_a_bucket_in_another_region_is_read_with_urls_signed_for_its_region(orig
     # A GET signed before another one switched the region is sent again, though the switch is done already.
     switched = RangeGetter(presign, bucket="b", pool_size=2, connect_timeout=2.0, read_timeout=2.0,
                            on_wrong_region=lambda bucket_region: None)
-    switched._urls["k"] = (time.monotonic(), presign("k"))  # signed for us-east-1 before the switch
+    switched._urls["k"] = (since_boot(), presign("k"))  # signed for us-east-1 before the switch
     region[0] = "eu-west-1"
     assert get(switched, 0, 10) == DATA[:10]
     # Signed for the bucket's region already, and refused all the same (an --endpoint-url of another region): one

@@ -161,8 +161,9 @@ def _client_error_code(exc: Exception) -> tuple[str, int, str]:
     return code, status, str(response.get("Error", {}).get("Message", ""))
 
 
-def translate_error(exc: Exception, bucket: str, what: str) -> StoreError:
-    """Map a botocore/urllib3 exception to a StoreError. The one error mapping of the project."""
+def translate_error(exc: Exception, bucket: str, what: str, *, method: str = "") -> StoreError:
+    """Map a botocore/urllib3 exception to a StoreError. The one error mapping of the project; `method` as
+    `error_for_status` takes it."""
     from botocore import exceptions as bex
     from botocore.parsers import ResponseParserError
 
@@ -176,7 +177,7 @@ def translate_error(exc: Exception, bucket: str, what: str) -> StoreError:
         )
     if isinstance(exc, bex.ClientError):
         code, status, message = _client_error_code(exc)
-        return error_for_status(code, status, bucket, what, message)
+        return error_for_status(code, status, bucket, what, message, method=method)
     local = local_failure(exc, f"{what}: cannot open a connection")
     if local is not None:
         return local
@@ -380,7 +381,7 @@ class Boto3Store:
         try:
             resp = self._client.head_object(Bucket=self.bucket, Key=key)
         except Exception as exc:  # noqa: BLE001
-            err = translate_error(exc, self.bucket, f"HEAD {key!r}")
+            err = translate_error(exc, self.bucket, f"HEAD {key!r}", method="HEAD")
             if isinstance(err, NotFound):
                 return None
             raise err from None

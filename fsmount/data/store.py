@@ -212,8 +212,10 @@ CREDENTIAL_ADVICE = {
 }
 
 
-def error_for_status(code: str, status: int, bucket: str, what: str, message: str = "") -> StoreError:
-    """The StoreError for an S3 error answer (its error code, its HTTP status, its message): the one mapping,
+def error_for_status(code: str, status: int, bucket: str, what: str, message: str = "", *,
+                     method: str = "") -> StoreError:
+    """The StoreError for an S3 error answer (its error code, its HTTP status, its message) to a request of `method`
+    ("HEAD", "GET"...; "" where no answer of it is told apart) that `what` names for the message: the one mapping,
     used by every client whatever library carried the request."""
     if code == "NoSuchBucket":
         return BucketMissing(f"bucket {bucket!r} does not exist")
@@ -231,7 +233,7 @@ def error_for_status(code: str, status: int, bucket: str, what: str, message: st
         return denied
     if code == "PreconditionFailed" or status == 412:
         return PreconditionFailed(f"{what}: object changed in the bucket since it was opened")
-    if status == 400 and code in ("", "400") and what.startswith("HEAD "):
+    if status == 400 and code in ("", "400") and method == "HEAD":
         # A HEAD's only: the answer to any other request has a body to say ExpiredToken in, so a bare 400 of a PUT, a
         # GET or a multipart call is something else (a gateway, a header refused) and keeps its server's words.
         return StoreError(f"{what}: {CREDENTIAL_ADVICE['400']}")

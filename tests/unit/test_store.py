@@ -260,7 +260,7 @@ def test_a_bare_400_says_it_may_be_an_expired_session_token() -> None:
     """AWS S3 answers a HEAD signed with a session token past its expiry with 400 and no body (botocore names its
     code "400"). With no new credentials to be had, a stat was EIO with "HEAD 'k': 400" alone in the log: nothing
     said what it probably meant or what to do. It stays EIO (a bad request may be one) and says both."""
-    bare = translate_error(client_error("400", 400), "b", "HEAD 'k'")
+    bare = translate_error(client_error("400", 400), "b", "HEAD 'k'", method="HEAD")
     assert type(bare) is StoreError and bare.errno == errno.EIO
     assert bare.message.startswith("HEAD 'k': 400 without an error code: AWS S3 answers so a HEAD whose credentials' "
                                    "session token has expired"), bare.message
@@ -278,3 +278,6 @@ def test_a_bare_400_of_a_request_other_than_a_head_is_not_told_to_be_an_expired_
         bare = translate_error(client_error("400", 400, "Bad Request"), "b", what)
         assert type(bare) is StoreError and bare.errno == errno.EIO
         assert bare.message == f"{what}: 400 (Bad Request)", bare.message
+    # Told apart by the request's method, not by the words its message begins with.
+    assert "session token" not in translate_error(client_error("400", 400), "b", "HEAD 'k'").message
+    assert "session token" in translate_error(client_error("400", 400), "b", "stat of 'k'", method="HEAD").message

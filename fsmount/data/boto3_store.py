@@ -23,6 +23,7 @@ from fsmount.config import METADATA_THREADS, StoreConfig
 from fsmount.data.identity import WritableBuffer, new_buffer
 from fsmount.data.presigned import URL_EXPIRES_S, Body, RangeGetter, proxied
 from fsmount.data.store import (
+    AccessDenied,
     BucketMissing,
     ListingPage,
     NoCredentials,
@@ -313,6 +314,7 @@ class Boto3Store:
         self._region_lock = threading.Lock()  # also guards get_retries
         self.get_retries = 0  # ranged GETs sent again after a transient failure (get_range's own retries)
         self._if_match_refused = False  # the server refuses its own ETags in If-Match (`_refuses_its_own_etag`)
+        self._missing_as_403_told = False  # `_listed_after_refusal` logged; set once, only ever to True (any thread)
         # OSS's create-only header is x-oss-*, which a presigned URL would have to sign: conditional PUTs to
         # OSS stay with botocore.
         self._oss = is_oss(self._client.meta.endpoint_url)
@@ -375,6 +377,12 @@ class Boto3Store:
                     "it the S3 API's address and port?")
             elif isinstance(err, NotFound):
                 err = BucketMissing(f"bucket {self.bucket!r} does not exist")
+            elif type(err) is AccessDenied and err.code in ("AccessDenied", "403"):
+                # A policy's word as much as the credentials': a mount lists its prefix (and answers lookups by
+                # listings), which S3 grants by s3:ListBucket, not s3:GetObject.
+                code, err = err.code, AccessDenied(f"{err.message}, and that they may list it: a mount needs "
+                                                   "s3:ListBucket on the bucket for its prefix, and s3:GetObject")
+                err.code = code
             raise err from None
 
     def head(self, key: str) -> ObjectMeta | None:
@@ -384,6 +392,8 @@ class Boto3Store:
             err = translate_error(exc, self.bucket, f"HEAD {key!r}", method="HEAD")
             if isinstance(err, NotFound):
                 return None
+            if isinstance(err, AccessDenied) and err.code == "403" and not self._listed_after_refusal(key):
+                return None
             raise err from None
         if resp.get("ContentLength") is None:
             # No Content-Length (Supabase Storage for an empty object, s3ninja, a gateway compressing on the way):
@@ -391,6 +401,23 @@ class Boto3Store:
             # (KeyError), every lookup of the file failed "unexpectedly", EIO.
             return self._listed(key)
         return _meta(key, int(resp["ContentLength"]), resp.get("ETag", ""), resp.get("LastModified"))
+
+    def _listed_after_refusal(self, key: str) -> bool:
+        """After a HEAD of `key` refused with a bare 403: whether a listing names the key (or cannot say: refused too,
+        failed). AWS S3 answers a HEAD of a key that does not exist 403, not 404, to a caller without s3:ListBucket
+        on it (a policy granting ListBucket only under some prefixes does not grant it to a HEAD), so a loader's
+        probe of an optional file (generation_config.json) was EACCES, with a warning to check the credentials,
+        and asked again at each probe. A listing that answers and does not name the key makes it a missing key."""
+        try:
+            if self._listed(key) is not None:
+                return True
+        except StoreError:
+            return True
+        if not self._missing_as_403_told:
+            self._missing_as_403_told = True
+            log.info("HEAD %r was refused (403) and a listing does not name the key: read as missing (S3 answers a "
+                     "HEAD of a missing key 403 to a caller without s3:ListBucket on it)", key)
+        return False
 
     def _listed(self, key: str) -> ObjectMeta | None:
         """The key as a listing gives it (None if there is none): the first key a listing of it as a prefix names."""

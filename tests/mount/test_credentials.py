@@ -384,6 +384,19 @@ def test_a_head_refused_with_a_bare_400_and_no_new_credentials_says_what_it_prob
         list(store.list_pages(""))
 
 
+def test_a_listing_refused_at_the_mount_names_the_permission_it_needs(
+        aws_files: Path, moto_server: S3Server, proxy: FaultProxy) -> None:
+    """Credentials without s3:ListBucket (a policy granting s3:GetObject alone): the mount's check said "access
+    denied ... check credentials", which sent an operator to the keys, not to the policy (B131)."""
+    bucket = bucket_with(moto_server, {"w.bin": DATA})
+    (aws_files / "credentials").write_text(f"[default]\naws_access_key_id = {OLD}\naws_secret_access_key = s\n")
+    store = Boto3Store(StoreConfig(bucket=bucket, endpoint_url=proxy.endpoint_url, addressing_style="path"))
+    proxy.inject("error", status=403, code="AccessDenied", kind="lists")
+    with pytest.raises(AccessDenied, match=r"\(AccessDenied\): check credentials, and that they may list it: a mount "
+                                           r"needs s3:ListBucket on the bucket for its prefix"):
+        store.check_bucket("")
+
+
 def test_a_credential_process_that_hangs_holds_no_request_past_the_lookup_timeout(
         aws_files: Path, moto_server: S3Server, proxy: FaultProxy, monkeypatch: pytest.MonkeyPatch,
         allowed_logs: list[str]) -> None:

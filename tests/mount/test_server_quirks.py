@@ -87,10 +87,38 @@ def test_an_open_file_keeps_its_attributes_when_heads_are_refused_after_the_moun
             assert os.fstat(fd).st_size == len(body)
             with pytest.raises(PermissionError):
                 os.open(path, os.O_RDONLY)
-            with pytest.raises(PermissionError):
+            # A listing, allowed, does not name it: missing, as S3 answers a HEAD of a missing key 403 without
+            # s3:ListBucket (B131).
+            with pytest.raises(FileNotFoundError):
                 os.stat(mountpoint / "m" / "never-seen.bin")
         finally:
             os.close(fd)
+
+
+def test_names_a_loader_probes_for_are_enoent_where_heads_of_missing_keys_are_refused(
+        moto_server: S3Server, proxy: FaultProxy, mountpoint: Path) -> None:
+    """AWS S3 answers a HEAD of a key that does not exist 403, not 404, to a caller without s3:ListBucket on it (a
+    policy granting ListBucket under some prefixes only does not grant it to a HEAD). A loader's probes of optional
+    files (transformers: generation_config.json, model.safetensors.index.json) were EACCES, each sent again for good
+    (no negative entry), and logged "lookup failed: access denied ... check credentials": `open` raised
+    PermissionError where the loader catches FileNotFoundError. A HEAD's bare 403 is now checked by a listing: a key
+    it does not name is missing (ENOENT, cached as such); one it names stays refused (B131)."""
+    bucket = new_bucket(moto_server)
+    put_objects(moto_server, bucket, {"m/config.json": b"{}", "m/model.safetensors": b"x" * 100})
+    proxy.inject(Fault.ERROR, status=403, code="AccessDenied", kind="heads")
+    with mounted_via(proxy, moto_server, bucket, mountpoint, "--metadata-ttl", "60", "--no-model-prefetch",
+                     allowed=(r"(lookup|open) failed: access denied",)):
+        probes = ["generation_config.json", "model.safetensors.index.json", "tokenizer.json", "chat_template.jinja"]
+        assert (mountpoint / "m").is_dir()
+        heads = proxy.counts().get("heads", 0)
+        for _ in range(3):
+            for name in probes:
+                assert not os.path.isfile(mountpoint / "m" / name)
+                with pytest.raises(FileNotFoundError):
+                    open(mountpoint / "m" / name, "rb")  # noqa: SIM115 - it must fail
+        assert proxy.counts().get("heads", 0) - heads == len(probes)  # once per name, then known missing
+        with pytest.raises(PermissionError):  # there, and refused: as before
+            open(mountpoint / "m" / "config.json", "rb")  # noqa: SIM115 - it must fail
 
 
 class UnquotedListingETags(FaultProxy):

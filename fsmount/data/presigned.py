@@ -48,15 +48,24 @@ from fsmount.data.store import (
 # saves a little, but a URL signed with temporary credentials must not outlive them (botocore refreshes
 # those at least 10 minutes before they expire); a 403 on a URL signed with other credentials than those there are
 # now signs a new one and tries again (`RangeGetter._signed_again`). Its age is counted on CLOCK_BOOTTIME, which goes
-# on while the machine is suspended (CLOCK_MONOTONIC does not): a URL kept over a suspend of an hour was expired, and
-# the same credentials' refusal is not sent again.
+# on while the machine is suspended (CLOCK_MONOTONIC does not), and on the wall clock, which its X-Amz-Date is read
+# by: a VM its hypervisor paused counts the pause on neither of the others (B132). A URL kept over a suspend or a
+# pause of an hour was expired, and the same credentials' refusal is not sent again.
 URL_EXPIRES_S = 1200
 URL_REUSE_S = 600
 
 
 def since_boot() -> float:
-    """Seconds on the clock a URL's age is counted on (suspended time included)."""
+    """Seconds on the clock a URL's age is counted on (suspended time included); the wall clock too (`_reusable`)."""
     return time.clock_gettime(time.CLOCK_BOOTTIME)
+
+
+def _reusable(signed: tuple[float, float], now: tuple[float, float]) -> bool:
+    """Whether a URL signed at `signed` (`since_boot()`, `time.time()`) may be sent at `now`: younger than URL_REUSE_S
+    on both clocks. A VM paused by its hypervisor (a saved state restored, a laptop's host asleep) counts the pause
+    on no clock of its own but the wall clock, set right at its resume; a wall clock set back means the URL's
+    X-Amz-Date was ahead of the time."""
+    return all(0 <= b - a < URL_REUSE_S for a, b in zip(signed, now, strict=True))
 
 
 # The most of an error body read to find its S3 error code (an XML document of a few hundred bytes).
@@ -182,15 +191,15 @@ class RangeGetter:
         self._ssl_context = ssl_context if ssl_context is not None else ssl.create_default_context()
         self._lock = threading.Lock()
         self._idle: list[tuple[tuple[str, str, int], http.client.HTTPConnection]] = []
-        self._urls: dict[str, tuple[float, str]] = {}
+        self._urls: dict[str, tuple[tuple[float, float], str]] = {}  # key: (when signed, `_reusable`), URL
 
     # -- URLs ------------------------------------------------------------------------------------
 
     def _url(self, key: str, fresh: bool) -> str:
-        now = since_boot()
+        now = (since_boot(), time.time())
         with self._lock:
             cached = None if fresh else self._urls.get(key)
-        if cached is not None and now - cached[0] < URL_REUSE_S:
+        if cached is not None and _reusable(cached[0], now):
             return cached[1]
         url = self._presign(key)
         with self._lock:

@@ -225,7 +225,7 @@ def test_403_signs_again_once_then_access_denied(origin: Origin) -> None:
     # Rotated credentials: the first (cached) URL, signed with the old ones, is refused; one signed now works.
     key_id[:] = ["new"]
     g = RangeGetter(presign, bucket="bucket", pool_size=2, connect_timeout=2.0, read_timeout=2.0)
-    g._urls["k"] = (since_boot(), presign("k").replace("new", "old"))
+    g._urls["k"] = ((since_boot(), time.time()), presign("k").replace("new", "old"))
     origin.script = lambda h, s, e: "old" in h.path and h.answer(403, body) or False
     assert get(g, 0, 10) == DATA[:10]
 
@@ -258,6 +258,39 @@ def test_a_refusal_of_the_credentials_there_are_is_not_sent_again(origin: Origin
     with pytest.raises(AccessDenied):
         get(plain, 0, 10)
     assert len(origin.requests) == 1
+
+
+def test_a_url_kept_while_the_machine_was_frozen_is_not_reused_past_its_expiry(
+        origin: Origin, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A VM paused by its hypervisor (a saved state restored, a laptop's host asleep) counts no time on any of its
+    clocks but the wall clock, set right at its resume: a URL cached before the pause looked a minute old on
+    CLOCK_BOOTTIME and was hours past its X-Amz-Expires. S3 refused it (AccessDenied, "Request has expired") and,
+    the URL signed now naming the same credentials, it was not sent again (B130): every read of a file opened before
+    the pause was EACCES for up to URL_REUSE_S. A URL is reused only while its age on the wall clock is too (B132)."""
+    from fsmount.data import presigned
+
+    wall = [time.time()]
+    monkeypatch.setattr(presigned.time, "time", lambda: wall[0])
+
+    def presign(key: str) -> str:  # signed with the wall clock's time, as botocore signs
+        return f"{origin.url}/bucket/{key}?X-Amz-Credential=same%2Fscope&X-Amz-Date={int(wall[0])}"
+
+    def expired(h: Handler, s: int, e: int) -> bool:
+        signed = int(h.path.rpartition("X-Amz-Date=")[2])
+        return wall[0] - signed > 1200 and h.answer(403, b"<Error><Code>AccessDenied</Code><Message>Request has "
+                                                          b"expired</Message></Error>") or False
+
+    origin.script = expired
+    g = RangeGetter(presign, bucket="bucket", pool_size=2, connect_timeout=2.0, read_timeout=2.0,
+                    on_refused=lambda code: False)
+    assert get(g, 0, 10) == DATA[:10]
+    wall[0] += 3 * 3600  # frozen for three hours: CLOCK_BOOTTIME has not moved
+    assert get(g, 0, 10) == DATA[:10]
+    assert len(origin.requests) == 2  # signed anew, not sent expired
+    # The wall clock set back (it was ahead when the URL was signed): not reused either.
+    wall[0] -= 4 * 3600
+    assert get(g, 0, 10) == DATA[:10]
+    assert int(origin.requests[-1]["path"].rpartition("X-Amz-Date=")[2]) == int(wall[0])
 
 
 def test_an_idle_connection_the_server_closed_is_replaced_at_once(origin: Origin) -> None:
@@ -738,7 +771,7 @@ def test_a_bucket_in_another_region_is_read_with_urls_signed_for_its_region(orig
     # A GET signed before another one switched the region is sent again, though the switch is done already.
     switched = RangeGetter(presign, bucket="b", pool_size=2, connect_timeout=2.0, read_timeout=2.0,
                            on_wrong_region=lambda bucket_region: None)
-    switched._urls["k"] = (since_boot(), presign("k"))  # signed for us-east-1 before the switch
+    switched._urls["k"] = ((since_boot(), time.time()), presign("k"))  # signed for us-east-1 before the switch
     region[0] = "eu-west-1"
     assert get(switched, 0, 10) == DATA[:10]
     # Signed for the bucket's region already, and refused all the same (an --endpoint-url of another region): one

@@ -333,7 +333,8 @@ class Boto3Store:
                                            connect_timeout=cfg.connect_timeout, read_timeout=cfg.read_timeout,
                                            ssl_context=_ssl_context(cfg.profile, self._client.meta.endpoint_url),
                                            on_wrong_region=self._use_region, on_refused=self._renew,
-                                           on_refused_again=self._refused_again)
+                                           on_refused_again=self._refused_again,
+                                           credentials_changes=self._credentials_changes)
         # How many tries a ranged GET gets, and the backoff between them, by what carries its bytes.
         self._get_attempts, self._backoff_base = ((GET_ATTEMPTS, GET_BACKOFF_BASE) if self._ranges is None
                                                   else (PRESIGNED_GET_ATTEMPTS, PRESIGNED_BACKOFF_BASE))
@@ -492,6 +493,10 @@ class Boto3Store:
         """After a request was refused for its credentials (`why`: the error code): whether they are other now
         than when it was signed (`credentials.Renewable.renew`), so that sending it again may help."""
         return self._credentials is not None and self._credentials.renew(why)
+
+    def _credentials_changes(self) -> int:
+        """How many renewals changed the credentials (`credentials.Renewable.changes`; 0 if nothing renews them)."""
+        return self._credentials.changes if self._credentials is not None else 0
 
     def _refused_again(self, why: str) -> None:
         """A request sent again, signed anew because `_renew` said the credentials changed, was refused again for

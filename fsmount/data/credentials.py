@@ -87,6 +87,10 @@ class Renewable(Credentials):  # type: ignore[misc]
         self._lock = threading.Lock()
         self._next_check = 0.0
         self._changed_at = -float("inf")  # monotonic time of the last renewal that changed them
+        # How many renewals changed them: a presigned URL cached before one is not reused (`presigned.RangeGetter`'s
+        # `credentials_changes`; a key id kept with a new secret names nothing new in the URL). Written under the
+        # lock, only ever up; read without it (an int).
+        self.changes = 0
         # When credentials a renewal changed were refused again for a code of NOT_ONLY_CREDENTIALS (`refused_again`),
         # monotonic; None until then, and again after a change: such refusals are the bucket's own, and look the
         # credentials up once per POLICY_RECHECK_S only. `_policy_told`: its warning was logged (later ones are INFO).
@@ -157,6 +161,7 @@ class Renewable(Credentials):  # type: ignore[misc]
             if new is None or new == old:
                 return False
             self._source, self._changed_at, self._policy_refusals = fresh, now, None
+            self.changes += 1
             method = self.method
         # Past POLICY_RECHECK_S of a policy's refusals, a source minting keys at each lookup looks changed each time.
         log.log(logging.INFO if since is not None else logging.WARNING, "%s (%s) and the credentials (%s) have changed "

@@ -169,7 +169,8 @@ class RangeGetter:
                  presign_put: Callable[[str], str] | None = None, presign_delete: Callable[[str], str] | None = None,
                  on_wrong_region: Callable[[str], object] | None = None,
                  on_refused: Callable[[str], object] | None = None,
-                 on_refused_again: Callable[[str], object] | None = None):
+                 on_refused_again: Callable[[str], object] | None = None,
+                 credentials_changes: Callable[[], int] | None = None):
         """`presign(key)` returns a signed GET URL of the key, valid for URL_EXPIRES_S; `presign_put(key)` a
         signed PUT URL (for `put`), `presign_delete(key)` a signed DELETE URL (for `delete`).
         `on_wrong_region(region)`, if given, is told the bucket's region when a GET signed for another one is
@@ -177,10 +178,12 @@ class RangeGetter:
         given, is told the error code of a request refused for its credentials before it is signed again (it may
         look them up again, `credentials.Renewable.renew`: True if they changed; see `_signed_again`);
         `on_refused_again(code)` is told the code of that request's second refusal if `on_refused` returned True
-        (they changed, and are refused still)."""
+        (they changed, and are refused still). `credentials_changes()`, if given, counts the renewals that changed
+        the credentials (`credentials.Renewable.changes`): a URL cached before one is signed anew, not reused."""
         self._presign = presign
         self._on_refused = on_refused
         self._on_refused_again = on_refused_again
+        self._changes = credentials_changes or (lambda: 0)
         self._on_wrong_region = on_wrong_region
         self._presign_put = presign_put
         self._presign_delete = presign_delete
@@ -191,21 +194,24 @@ class RangeGetter:
         self._ssl_context = ssl_context if ssl_context is not None else ssl.create_default_context()
         self._lock = threading.Lock()
         self._idle: list[tuple[tuple[str, str, int], http.client.HTTPConnection]] = []
-        self._urls: dict[str, tuple[tuple[float, float], str]] = {}  # key: (when signed, `_reusable`), URL
+        # key: (when signed, `_reusable`), `credentials_changes()` then, URL
+        self._urls: dict[str, tuple[tuple[float, float], int, str]] = {}
 
     # -- URLs ------------------------------------------------------------------------------------
 
     def _url(self, key: str, fresh: bool) -> str:
-        now = (since_boot(), time.time())
+        now, changes = (since_boot(), time.time()), self._changes()
         with self._lock:
             cached = None if fresh else self._urls.get(key)
-        if cached is not None and _reusable(cached[0], now):
-            return cached[1]
+        # Signed before a renewal changed the credentials: a key id kept with a new secret (MinIO's and Ceph's users
+        # rotate so) names nothing new in a URL signed now, so its refusal would not be sent again (B133).
+        if cached is not None and cached[1] == changes and _reusable(cached[0], now):
+            return cached[2]
         url = self._presign(key)
         with self._lock:
             if len(self._urls) > 4096:  # many objects opened once: forget the old ones
                 self._urls.clear()
-            self._urls[key] = (now, url)
+            self._urls[key] = (now, changes, url)
         return url
 
     # -- connections -----------------------------------------------------------------------------

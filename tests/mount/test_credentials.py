@@ -11,7 +11,9 @@ import stat
 import sys
 import threading
 import time
+import urllib.parse
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -19,6 +21,7 @@ from fsmount.config import StoreConfig
 from fsmount.data import Boto3Store
 from fsmount.data.store import AccessDenied
 from fsmount.testing.fault_proxy import FaultProxy
+from fsmount.testing.http_wire import error_response
 from tests.helpers import TEST_REGION, S3Server, bucket_with, mounted
 
 DATA = bytes(range(256)) * 4096  # 1 MiB
@@ -445,3 +448,39 @@ def test_a_credential_process_that_hangs_holds_no_request_past_the_lookup_timeou
     lookup = store._credentials._lookup
     assert lookup is not None
     lookup[0].join(10)  # the process ends by itself
+
+
+class RefusesSignatures(FaultProxy):
+    """Refuses, SignatureDoesNotMatch, the presigned URLs whose signature is in `refused`: those signed with a secret
+    the server no longer holds for their key id."""
+
+    refused: set[str] = set()
+
+    def _forward(self, req: Any, upstream: Any) -> Any:
+        query = urllib.parse.parse_qs(urllib.parse.urlsplit(req.target).query)
+        if self.refused & set(query.get("X-Amz-Signature", ())):
+            return error_response(403, "SignatureDoesNotMatch"), upstream
+        return super()._forward(req, upstream)
+
+
+def test_a_url_cached_before_the_secret_of_its_key_was_rotated_is_not_sent(
+        aws_files: Path, moto_server: S3Server, allowed_logs: list[str]) -> None:
+    """A key id kept with a new secret (MinIO's or Ceph's users rotate so; a credentials file rewritten): a lookup
+    took the new secret, but a URL cached before it, signed with the old one, was reused for up to URL_REUSE_S. Its
+    refusal, once the lookup had nothing newer (RECHECK_S later), was not sent again, a URL signed now naming the
+    same key id (B130): each file's next read was EACCES. A URL signed before a renewal changed the credentials is
+    not reused (B133)."""
+    allowed_logs.append(r"requests were refused \(403\) and the credentials \(shared-credentials-file\) have changed")
+    bucket = bucket_with(moto_server, {"w.bin": DATA})
+    creds = aws_files / "credentials"
+    creds.write_text(f"[default]\naws_access_key_id = {OLD}\naws_secret_access_key = {OLD_SECRET}\n")
+    with RefusesSignatures(moto_server.endpoint_url) as proxy:
+        store = Boto3Store(StoreConfig(bucket=bucket, endpoint_url=proxy.endpoint_url, addressing_style="path"))
+        assert bytes(store.get_range("w.bin", "", 0, 10)) == DATA[:10]  # its URL cached, signed with OLD_SECRET
+        old_url = store._ranges._urls["w.bin"][-1]
+        creds.write_text(f"[default]\naws_access_key_id = {OLD}\naws_secret_access_key = {NEW_SECRET}\n")
+        proxy.refused = set(urllib.parse.parse_qs(urllib.parse.urlsplit(old_url).query)["X-Amz-Signature"])
+        proxy.inject("error", status=403, code="SignatureDoesNotMatch", kind="heads", times=1)
+        assert store.head("w.bin") is not None  # refused, looked up: the new secret, the HEAD sent again
+        store._credentials._recheck_s = 0  # as RECHECK_S after that renewal: its change is not news any more
+        assert bytes(store.get_range("w.bin", "", 0, 10)) == DATA[:10]

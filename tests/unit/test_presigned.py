@@ -225,7 +225,7 @@ def test_403_signs_again_once_then_access_denied(origin: Origin) -> None:
     # Rotated credentials: the first (cached) URL, signed with the old ones, is refused; one signed now works.
     key_id[:] = ["new"]
     g = RangeGetter(presign, bucket="bucket", pool_size=2, connect_timeout=2.0, read_timeout=2.0)
-    g._urls["k"] = ((since_boot(), time.time()), presign("k").replace("new", "old"))
+    g._urls["k"] = ((since_boot(), time.time()), 0, presign("k").replace("new", "old"))
     origin.script = lambda h, s, e: "old" in h.path and h.answer(403, body) or False
     assert get(g, 0, 10) == DATA[:10]
 
@@ -771,7 +771,7 @@ def test_a_bucket_in_another_region_is_read_with_urls_signed_for_its_region(orig
     # A GET signed before another one switched the region is sent again, though the switch is done already.
     switched = RangeGetter(presign, bucket="b", pool_size=2, connect_timeout=2.0, read_timeout=2.0,
                            on_wrong_region=lambda bucket_region: None)
-    switched._urls["k"] = ((since_boot(), time.time()), presign("k"))  # signed for us-east-1 before the switch
+    switched._urls["k"] = ((since_boot(), time.time()), 0, presign("k"))  # signed for us-east-1 before the switch
     region[0] = "eu-west-1"
     assert get(switched, 0, 10) == DATA[:10]
     # Signed for the bucket's region already, and refused all the same (an --endpoint-url of another region): one

@@ -28,7 +28,9 @@ Configurations, all on 64 KiB chunks with `--read-timeout 3`: defaults (model st
 from __future__ import annotations
 
 import errno
+import random
 import signal
+import socket
 import struct
 import subprocess
 import sys
@@ -223,6 +225,7 @@ class FaultFuzzer(Fuzzer):
         self.log.append(f"origin_down {mode.value}")
         self.faulty = True
         self.faults += 1
+        self.end_pulses()
         self.proxy.origin_down(mode)
 
     def op_pulse(self) -> None:
@@ -234,11 +237,20 @@ class FaultFuzzer(Fuzzer):
         seconds = self.rng.uniform(0.3, PULSE_MAX_S)
         self.log.append(f"origin refuses for {seconds:.2f}s")
         self.faults += 1
+        self.end_pulses()
         self.metadata_faulty_until = time.monotonic() + seconds + DOWN_FAST_FAIL_S + 1.0
         self.proxy.origin_down(Down.REFUSE)
         timer = threading.Timer(seconds, self.proxy.origin_back)
         self.timers.append(timer)
         timer.start()
+
+    def end_pulses(self) -> None:
+        """Wait for the ends of earlier op_pulse outages, before the origin's state changes again: a pulse's timer
+        that fired later would bring the origin back in the middle of the next change (an `origin_down` waiting for
+        the listener to close saw it open again and raised) or end the next outage early (B138)."""
+        for timer in self.timers:
+            timer.join()
+        self.timers.clear()
 
     def op_back(self) -> None:
         self.log.append("origin_back")
@@ -256,9 +268,7 @@ class FaultFuzzer(Fuzzer):
         """Every fault ended and the mount settled: from here nothing may fail, and every file reads whole."""
         self.log.append("checkpoint")
         self.checkpoints += 1
-        for timer in self.timers:
-            timer.join()
-        self.timers.clear()
+        self.end_pulses()
         self.proxy.clear()
         self.proxy.origin_back()
         ended = time.monotonic()
@@ -395,3 +405,31 @@ def test_random_faults_with_a_cache_dir_cached_chunks_keep_serving(moto_server: 
 @pytest.mark.seaweedfs
 def test_random_faults_on_seaweedfs(seaweed_server: S3Server, tmp_path: Path) -> None:
     fuzz(seaweed_server, tmp_path, 6200, 40, "--memory-limit", "256K")
+
+
+class _Refuse:
+    """An rng whose every choice is Down.REFUSE (op_down's choice of outage)."""
+
+    @staticmethod
+    def choice(options: list[Down]) -> Down:
+        return Down.REFUSE
+
+
+def test_a_pulse_never_ends_the_outage_that_follows_it() -> None:
+    """op_down just after an op_pulse (no mount needed: the fuzzer's own schedule): the origin stays down from
+    op_down's return until op_back, after the pulse's timer has fired too (B138: the timer brought it back
+    meanwhile, or in the middle of the next origin_down, which then raised "listener did not close")."""
+    with FaultProxy("http://127.0.0.1:9") as proxy:
+        f = FaultFuzzer.__new__(FaultFuzzer)  # only the schedule's state: no files, no mount
+        f.proxy, f.rng, f.log, f.timers = proxy, random.Random(1), [], []
+        f.faulty, f.faults, f.metadata_faulty_until = False, 0, 0.0
+        f.op_pulse()
+        f.rng = _Refuse()  # type: ignore[assignment]
+        f.op_down()
+        time.sleep(PULSE_MAX_S + 0.5)  # every pulse has ended
+        try:
+            with pytest.raises(ConnectionRefusedError):
+                socket.create_connection(("127.0.0.1", proxy.port), timeout=1).close()
+        finally:
+            f.end_pulses()
+            f.op_back()

@@ -388,12 +388,33 @@ class Boto3Store:
 
     def head(self, key: str) -> ObjectMeta | None:
         try:
+            return self._head(key)
+        except AccessDenied as err:
+            # A bare 403, which botocore's hook leaves to this (`_signed_anew`): a listing says first whether the
+            # key is there at all, for S3 answers a HEAD of a missing key so (`_listed_after_refusal`). Only then
+            # are the credentials looked up again, and the HEAD sent once more if they changed: renewed on a missing
+            # key's refusal, credentials minted at each lookup (SSO, an assumed role) were refused again, which
+            # `Renewable.refused_again` took for the bucket refusing them (B135).
+            if err.code != "403":
+                raise
+            if not self._listed_after_refusal(key):
+                return None
+            if not self._renew("403"):
+                raise
+        try:
+            return self._head(key)
+        except AccessDenied as err:
+            if err.code == "403":
+                self._refused_again("403")
+            raise
+
+    def _head(self, key: str) -> ObjectMeta | None:
+        """One HEAD of `key`: None if the server says it is not there (404)."""
+        try:
             resp = self._client.head_object(Bucket=self.bucket, Key=key)
         except Exception as exc:  # noqa: BLE001
             err = translate_error(exc, self.bucket, f"HEAD {key!r}", method="HEAD")
             if isinstance(err, NotFound):
-                return None
-            if isinstance(err, AccessDenied) and err.code == "403" and not self._listed_after_refusal(key):
                 return None
             raise err from None
         if resp.get("ContentLength") is None:
@@ -504,16 +525,20 @@ class Boto3Store:
         if self._credentials is not None:
             self._credentials.refused_again(why)
 
-    def _signed_anew(self, response: Any = None, request_dict: Any = None, **_: Any) -> int | None:
+    def _signed_anew(self, response: Any = None, request_dict: Any = None, operation: Any = None,
+                     **_: Any) -> int | None:
         """botocore's `needs-retry` hook (called after its own retry handler said no): a request refused for its
         credentials is sent once more, signed anew, if they changed (`_renew`). Every call on the client: HEADs,
-        listings, the writes of `uploads.Uploads`, GETs of --get-client boto3."""
+        listings, the writes of `uploads.Uploads`, GETs of --get-client boto3; a HEAD's bare 403 excepted, which
+        `head` renews for once a listing named the key (a missing key's answer too, B131/B135)."""
         if not response or response[0] is None or response[0].status_code not in CREDENTIAL_STATUSES:
             return None
         code = str((response[1] or {}).get("Error", {}).get("Code", ""))
         context = request_dict.get("context", {}) if request_dict else {}
         if code not in CREDENTIAL_CODES:
             return None
+        if code == "403" and getattr(operation, "name", "") == "HeadObject":
+            return None  # maybe a missing key's answer: `head` lists it first, then renews (B135)
         if context.get("modelfs_signed_anew"):
             self._refused_again(code)
             return None

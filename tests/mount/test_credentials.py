@@ -400,6 +400,42 @@ def test_a_listing_refused_at_the_mount_names_the_permission_it_needs(
         store.check_bucket("")
 
 
+def test_probes_of_missing_keys_refused_403_leave_credentials_minted_at_each_lookup_renewed_at_a_revocation(
+        aws_files: Path, moto_server: S3Server, proxy: FaultProxy, allowed_logs: list[str],
+        caplog: pytest.LogCaptureFixture) -> None:
+    """S3 answers a HEAD of a missing key 403 to a caller without s3:ListBucket on it (B131). botocore's hook looked
+    the credentials up at that refusal, a source minting keys at each lookup (SSO, an assumed role) looked changed,
+    the HEAD was refused again, and `Renewable.refused_again` took it for the bucket refusing them: one probe of an
+    optional file warned "the bucket refuses them for a reason of its own (a bucket or IAM policy?)", and a HEAD's
+    bare 403 looked them up once per POLICY_RECHECK_S (10 minutes) after that, so a session revoked later left every
+    HEAD EACCES. A listing now says first whether the key is there; only a key it names renews them (B135)."""
+    allowed_logs.append(r"requests were refused \(ExpiredToken\) and the credentials \(custom-process\) have changed")
+    bucket = bucket_with(moto_server, {"w.bin": DATA})
+    runs = aws_files / "runs"
+    script = aws_files / "process.py"
+    script.write_text(
+        "import json, pathlib\n"
+        f"runs = pathlib.Path({str(runs)!r})\n"
+        "n = len(runs.read_text()) if runs.exists() else 0\n"
+        "runs.write_text('x' * (n + 1))\n"
+        "print(json.dumps({'Version': 1, 'AccessKeyId': f'ASIAMINTED{n:010d}', 'SecretAccessKey': 's',"
+        " 'SessionToken': 't'}))\n")
+    (aws_files / "config").write_text(f"[default]\ncredential_process = {sys.executable} {script}\n")
+    store = Boto3Store(StoreConfig(bucket=bucket, endpoint_url=proxy.endpoint_url, addressing_style="path"))
+    assert store._credentials is not None
+    head(store)
+    proxy.inject("error", status=403, code="AccessDenied", kind="heads")  # a HEAD of a missing key, as S3 answers it
+    before = len(runs.read_text())
+    for name in ("generation_config.json", "model.safetensors.index.json", "tokenizer.json"):
+        assert store.head(name) is None
+    proxy.clear()
+    assert len(runs.read_text()) == before  # no lookup: a missing key's refusal is not the credentials'
+    assert not [r.getMessage() for r in caplog.records if r.name == "fsmount.data.credentials"]
+    proxy.revoke_key(store._credentials.access_key)  # the session revoked: a HEAD's bare 403, a listing's named
+    head(store)  # looked up again (once: RECHECK_S), signed with the new session's key
+    assert len(runs.read_text()) == before + 1
+
+
 def test_a_credential_process_that_hangs_holds_no_request_past_the_lookup_timeout(
         aws_files: Path, moto_server: S3Server, proxy: FaultProxy, monkeypatch: pytest.MonkeyPatch,
         allowed_logs: list[str]) -> None:

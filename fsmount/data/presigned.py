@@ -254,14 +254,17 @@ class RangeGetter:
         region the AWS configuration said while the bucket is elsewhere: botocore follows such redirects for
         listings, so the mount listed and every read (and every write of a shared tier) failed. URLs are signed for
         the bucket's region from then on, unless the refused one was signed for it already (the endpoint is another
-        region's: --endpoint-url). Requests in flight when another switched get their second try too."""
+        region's: --endpoint-url). Requests in flight when another switched get their second try too. A URL refused
+        as expired ("Request has expired") is sent again signed now whatever its credentials: a server whose clock is
+        ahead of ours by more than URL_EXPIRES_S - URL_REUSE_S finds a URL reused near the end of URL_REUSE_S past
+        its expiry (B136)."""
         url = sign(False)
         try:
             return send(url)
         except AccessDenied as exc:
             renewed = self._on_refused is not None and self._on_refused(exc.code or "403")
             fresh = sign(True)
-            if not renewed and signed_by(fresh) == signed_by(url):
+            if not renewed and signed_by(fresh) == signed_by(url) and not exc.expired:
                 raise  # the credentials there are were refused: the same refusal again, at the cost of a request
         except WrongRegion as exc:
             if self._on_wrong_region is None or exc.signed_for == exc.region:

@@ -12,6 +12,7 @@ import datetime
 import email.utils
 import errno
 import os
+import re
 from collections.abc import Iterator
 from typing import Protocol, Self
 
@@ -69,6 +70,9 @@ class NotFound(StoreError):
 class AccessDenied(StoreError):
     errno = errno.EACCES
     code = ""  # the S3 error code of the refusal, where the answer gave one (`error_for_status`)
+    # The server said the request has expired (a presigned URL past its X-Amz-Expires on the server's clock): the
+    # URL's age, not the credentials, was refused (`presigned.RangeGetter._signed_again` signs it anew, B136).
+    expired = False
 
 
 class NoCredentials(AccessDenied):
@@ -212,6 +216,10 @@ CREDENTIAL_ADVICE = {
 }
 
 
+# What AWS S3 and MinIO say of a presigned URL past its expiry (AccessDenied, "Request has expired").
+_EXPIRED_RE = re.compile(r"request has expired", re.IGNORECASE)
+
+
 def error_for_status(code: str, status: int, bucket: str, what: str, message: str = "", *,
                      method: str = "") -> StoreError:
     """The StoreError for an S3 error answer (its error code, its HTTP status, its message) to a request of `method`
@@ -227,8 +235,15 @@ def error_for_status(code: str, status: int, bucket: str, what: str, message: st
         return StoreError(f"{what}: the object is archived ({code}): restore it before reading it")
     if code in ("InvalidAccessKeyId", "SignatureDoesNotMatch", "AccessDenied", "AllAccessDisabled",
                 "InvalidToken", "ExpiredToken") or status == 403:
-        denied = AccessDenied(f"access denied to bucket {bucket!r} ({code or status}): "
-                              + CREDENTIAL_ADVICE.get(code, "check credentials"))
+        if code == "AccessDenied" and _EXPIRED_RE.search(message):
+            said = " ".join(message.split())[:100]
+            denied = AccessDenied(f"access denied to bucket {bucket!r} ({code}: {said}): a URL signed just now "
+                                  "refused so means the server's clock is ahead of this machine's by more than a URL's "
+                                  "life (20 minutes): check both clocks (NTP)")
+            denied.expired = True
+        else:
+            denied = AccessDenied(f"access denied to bucket {bucket!r} ({code or status}): "
+                                  + CREDENTIAL_ADVICE.get(code, "check credentials"))
         denied.code = code
         return denied
     if code == "PreconditionFailed" or status == 412:

@@ -293,6 +293,48 @@ def test_a_url_kept_while_the_machine_was_frozen_is_not_reused_past_its_expiry(
     assert int(origin.requests[-1]["path"].rpartition("X-Amz-Date=")[2]) == int(wall[0])
 
 
+def test_a_url_reused_where_the_server_s_clock_is_ahead_is_signed_anew_when_refused_as_expired(
+        origin: Origin, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A server whose clock is ahead of ours by more than URL_EXPIRES_S - URL_REUSE_S (here 700 s) finds a URL reused
+    near the end of URL_REUSE_S past its X-Amz-Expires: AccessDenied, "Request has expired". Before B130 the refusal
+    was sent again with a URL signed now, which hid the skew; after it, a URL signed now naming the same credentials,
+    the read was EACCES. A refusal for expiry is the URL's age, not the credentials': sent again signed now (B136).
+    Signed now and refused as expired still (the clock more than a URL's life ahead), it says to check the clocks."""
+    from fsmount.data import presigned
+
+    wall, ahead = [time.time()], [700]
+    monkeypatch.setattr(presigned.time, "time", lambda: wall[0])
+    monkeypatch.setattr(presigned, "since_boot", lambda: wall[0])
+
+    def presign(key: str) -> str:  # signed with our clock's time, as botocore signs
+        return f"{origin.url}/bucket/{key}?X-Amz-Credential=same%2Fscope&X-Amz-Date={int(wall[0])}"
+
+    def expired(h: Handler, s: int, e: int) -> bool:  # expiry judged on the server's clock
+        signed = int(h.path.rpartition("X-Amz-Date=")[2])
+        return wall[0] + ahead[0] - signed > presigned.URL_EXPIRES_S and h.answer(
+            403, b"<Error><Code>AccessDenied</Code><Message>Request has expired</Message></Error>") or False
+
+    origin.script = expired
+    g = RangeGetter(presign, bucket="bucket", pool_size=2, connect_timeout=2.0, read_timeout=2.0,
+                    on_refused=lambda code: False)
+    assert get(g, 0, 10) == DATA[:10]
+    wall[0] += presigned.URL_REUSE_S - 50  # reused: 550 s old here, 1250 s on the server's clock
+    assert get(g, 0, 10) == DATA[:10]
+    assert len(origin.requests) == 3  # refused as expired, then sent signed now
+    assert get(g, 0, 10) == DATA[:10]  # the URL signed now is reused
+    assert len(origin.requests) == 4
+    ahead[0] = 2 * presigned.URL_EXPIRES_S  # even a URL signed now is past its expiry there
+    with pytest.raises(AccessDenied, match=r"Request has expired\): a URL signed just now refused so means the "
+                                           r"server's clock is ahead"):
+        get(g, 0, 10)
+    # A policy's refusal without a word of expiry is not sent again (B130).
+    origin.requests.clear()
+    origin.script = lambda h, s, e: h.answer(403, b"<Error><Code>AccessDenied</Code></Error>") or True
+    with pytest.raises(AccessDenied, match="check credentials"):
+        get(g, 0, 10)
+    assert len(origin.requests) == 1
+
+
 def test_an_idle_connection_the_server_closed_is_replaced_at_once(origin: Origin) -> None:
     def close_after(h: Handler, s: int, e: int) -> bool:
         h.answer(206, DATA[s:e], {"Content-Range": f"bytes {s}-{e - 1}/{len(DATA)}"})

@@ -436,6 +436,41 @@ def test_probes_of_missing_keys_refused_403_leave_credentials_minted_at_each_loo
     assert len(runs.read_text()) == before + 1
 
 
+def test_a_loader_s_probes_through_a_mount_where_heads_of_missing_keys_are_refused_look_nothing_up(
+        tmp_path: Path, moto_server: S3Server, proxy: FaultProxy, mountpoint: Path) -> None:
+    """Through FUSE, with a profile whose credential_process gives new session keys at each run (as SSO or a role
+    assumed through a profile do at each lookup), where the server answers a HEAD of a missing key 403: a loader's
+    probes of optional files are ENOENT, and run the process no more nor warn. The first probe ran it, sent the HEAD
+    again, and warned that the bucket refuses the credentials "for a reason of its own (a bucket or IAM policy?)"
+    (B135)."""
+    bucket = bucket_with(moto_server, {"m/config.json": b"{}", "m/model.safetensors": b"x" * 100})
+    runs, script, config = tmp_path / "runs", tmp_path / "process.py", tmp_path / "config"
+    script.write_text(
+        "import json, pathlib\n"
+        f"runs = pathlib.Path({str(runs)!r})\n"
+        "n = len(runs.read_text()) if runs.exists() else 0\n"
+        "runs.write_text('x' * (n + 1))\n"
+        "print(json.dumps({'Version': 1, 'AccessKeyId': f'ASIAMINTED{n:010d}', 'SecretAccessKey': 's',"
+        " 'SessionToken': 't'}))\n")
+    config.write_text(f"[profile minted]\ncredential_process = {sys.executable} {script}\n")
+    server = S3Server("moto via proxy", proxy.endpoint_url,
+                      {"AWS_SHARED_CREDENTIALS_FILE": str(tmp_path / "credentials"), "AWS_CONFIG_FILE": str(config),
+                       "AWS_DEFAULT_REGION": TEST_REGION, "AWS_EC2_METADATA_DISABLED": "true"})
+    with mounted(server, bucket, mountpoint, "--profile", "minted", "--metadata-ttl", "60",
+                 "--no-model-prefetch") as m:
+        assert (mountpoint / "m" / "config.json").read_bytes() == b"{}"
+        proxy.inject("error", status=403, code="AccessDenied", kind="heads")  # as S3 answers a missing key's HEAD
+        before, heads = len(runs.read_text()), proxy.counts().get("heads", 0)
+        probes = ["generation_config.json", "model.safetensors.index.json", "tokenizer.json"]
+        for name in probes:
+            with pytest.raises(FileNotFoundError):
+                open(mountpoint / "m" / name, "rb")  # noqa: SIM115 - it must fail
+        assert len(runs.read_text()) == before  # no lookup
+        assert proxy.counts().get("heads", 0) - heads == len(probes)  # each HEAD sent once
+        log = m.log()
+        assert "reason of its own" not in log and "have changed" not in log, log[-3000:]
+
+
 def test_a_credential_process_that_hangs_holds_no_request_past_the_lookup_timeout(
         aws_files: Path, moto_server: S3Server, proxy: FaultProxy, monkeypatch: pytest.MonkeyPatch,
         allowed_logs: list[str]) -> None:

@@ -255,17 +255,15 @@ class RangeGetter:
         listings, so the mount listed and every read (and every write of a shared tier) failed. URLs are signed for
         the bucket's region from then on, unless the refused one was signed for it already (the endpoint is another
         region's: --endpoint-url). Requests in flight when another switched get their second try too. A URL refused
-        as expired ("Request has expired") is sent again signed now whatever its credentials: a server whose clock is
-        ahead of ours by more than URL_EXPIRES_S - URL_REUSE_S finds a URL reused near the end of URL_REUSE_S past
-        its expiry (B136)."""
+        as expired ("Request has expired") is sent again signed now whatever its credentials, and without a lookup: a
+        server whose clock is ahead of ours by more than URL_EXPIRES_S - URL_REUSE_S finds a URL reused near the end
+        of URL_REUSE_S past its expiry (B136, B137); one signed now and refused for its credentials is then a refusal
+        as above (at most three requests)."""
         url = sign(False)
         try:
             return send(url)
         except AccessDenied as exc:
-            renewed = self._on_refused is not None and self._on_refused(exc.code or "403")
-            fresh = sign(True)
-            if not renewed and signed_by(fresh) == signed_by(url) and not exc.expired:
-                raise  # the credentials there are were refused: the same refusal again, at the cost of a request
+            refused = exc
         except WrongRegion as exc:
             if self._on_wrong_region is None or exc.signed_for == exc.region:
                 raise
@@ -273,6 +271,21 @@ class RangeGetter:
             with self._lock:
                 self._urls.clear()  # every URL signed so far is for the old region
             return send(sign(True))
+        if refused.expired:
+            # The URL's age was refused, not its credentials: signed now, nothing looked up. A lookup there ran a
+            # process or an STS call, a source minting keys at each one warned "have changed", and a URL signed now
+            # refused as expired too was told to `on_refused_again` as a bucket policy's refusal (B137).
+            url = sign(True)
+            try:
+                return send(url)
+            except AccessDenied as again:
+                if again.expired:
+                    raise
+                refused = again  # refused for its credentials after all (a key rotated too): as any refusal
+        renewed = self._on_refused is not None and self._on_refused(refused.code or "403")
+        fresh = sign(True)
+        if not renewed and signed_by(fresh) == signed_by(url):
+            raise refused  # the credentials there are were refused: the same refusal again, at the cost of a request
         try:
             return send(fresh)
         except AccessDenied as again:

@@ -335,6 +335,60 @@ def test_a_url_reused_where_the_server_s_clock_is_ahead_is_signed_anew_when_refu
     assert len(origin.requests) == 1
 
 
+def test_a_url_refused_as_expired_looks_no_credentials_up(origin: Origin, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A refusal for the URL's age (a server's clock ahead, B136) is not the credentials': it looked them up
+    (`on_refused`: a process run or an STS call, and with a source minting keys at each lookup a "have changed"
+    warning and every cached URL dropped), and a URL signed now refused as expired too was told to
+    `on_refused_again`, which takes it for a bucket policy's refusal (one warning, and AccessDenied looking the
+    credentials up once per POLICY_RECHECK_S only). It is now signed anew and sent again without a lookup; a URL signed
+    now refused for its credentials after all (a key rotated too) gets the lookup and its second try (B137)."""
+    from fsmount.data import presigned
+
+    wall, ahead, key_id, revoked = [time.time()], [700], ["old"], set()
+    monkeypatch.setattr(presigned.time, "time", lambda: wall[0])
+    monkeypatch.setattr(presigned, "since_boot", lambda: wall[0])
+    looked_up: list[str] = []
+    again: list[str] = []
+
+    def presign(key: str) -> str:
+        return f"{origin.url}/bucket/{key}?X-Amz-Credential={key_id[0]}%2Fscope&X-Amz-Date={int(wall[0])}"
+
+    def answer(h: Handler, s: int, e: int) -> bool:
+        signed = int(h.path.rpartition("X-Amz-Date=")[2])
+        if wall[0] + ahead[0] - signed > presigned.URL_EXPIRES_S:
+            h.answer(403, b"<Error><Code>AccessDenied</Code><Message>Request has expired</Message></Error>")
+            return True
+        if h.path.partition("X-Amz-Credential=")[2].partition("%2F")[0] in revoked:
+            h.answer(403, b"<Error><Code>InvalidAccessKeyId</Code></Error>")
+            return True
+        return False
+
+    def on_refused(code: str) -> bool:  # a source minting keys at each lookup: always "changed"
+        looked_up.append(code)
+        if key_id[0] in revoked:
+            key_id[0] = "new"
+        return True
+
+    origin.script = answer
+    g = RangeGetter(presign, bucket="bucket", pool_size=2, connect_timeout=2.0, read_timeout=2.0,
+                    on_refused=on_refused, on_refused_again=again.append)
+    assert get(g, 0, 10) == DATA[:10]
+    wall[0] += presigned.URL_REUSE_S - 50  # reused: past its expiry on the server's clock
+    assert get(g, 0, 10) == DATA[:10]
+    assert len(origin.requests) == 3 and looked_up == []
+    ahead[0] = 2 * presigned.URL_EXPIRES_S  # even a URL signed now is past its expiry there
+    with pytest.raises(AccessDenied, match="Request has expired"):
+        get(g, 0, 10)
+    assert looked_up == [] and again == []
+    # Expired, and its key revoked meanwhile: the URL signed now is refused for its key, which is looked up.
+    ahead[0] = 700
+    revoked.add("old")
+    wall[0] += presigned.URL_REUSE_S - 50
+    origin.requests.clear()
+    assert get(g, 0, 10) == DATA[:10]
+    assert looked_up == ["InvalidAccessKeyId"] and again == [] and len(origin.requests) == 3
+
+
 def test_an_idle_connection_the_server_closed_is_replaced_at_once(origin: Origin) -> None:
     def close_after(h: Handler, s: int, e: int) -> bool:
         h.answer(206, DATA[s:e], {"Content-Range": f"bytes {s}-{e - 1}/{len(DATA)}"})

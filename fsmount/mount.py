@@ -626,29 +626,49 @@ def lazy_unmount_advice(mountpoint: str) -> str:
     return f"`umount -l {mountpoint}`" if os.geteuid() == 0 else f"`fusermount3 -uz {mountpoint}`"
 
 
-def detach_aborted(mountpoint: str, dev: int) -> None:
-    """Lazily unmount the mount of device `dev` at `mountpoint`, whose connection was aborted: libfuse's unmount at the
-    session's close skips a connection that is severed (its device file polls POLLERR), which left the aborted mount
-    in place, ENOTCONN for everyone. Only that mount, found in /proc/self/mountinfo (a stat of it is ENOTCONN), read
-    as bytes: a path there that is not UTF-8, this one's or any other mount's, raised a UnicodeDecodeError out of the
-    stop. And only while nothing is mounted over it: umount2 takes the topmost mount at a path, which was another
-    one's. As root (umount2). Best effort."""
+def _mounts() -> list[tuple[bytes, bytes, bytes, bytes]]:
+    """/proc/self/mountinfo as (mount id, parent id, device, mount point), read as bytes: a path there that is not
+    UTF-8, this one's or any other mount's, raised a UnicodeDecodeError out of the stop (B121)."""
+    with open("/proc/self/mountinfo", "rb") as f:
+        return [(fields[0], fields[1], fields[2], _unescaped(fields[4])) for fields in map(bytes.split, f)]
+
+
+def mount_id(mountpoint: str, dev: int) -> bytes | None:
+    """The mount id of the mount of device `dev` at `mountpoint` (the topmost one, if several), or None: what
+    `detach_aborted` is told, with the device, to know that mount from one made at the path since (B139)."""
+    want, path = f"{os.major(dev)}:{os.minor(dev)}".encode(), os.fsencode(mountpoint)
+    try:
+        ids = [mnt_id for mnt_id, _, device, at in _mounts() if device == want and at == path]
+    except OSError:
+        return None
+    return ids[-1] if ids else None
+
+
+def detach_aborted(mountpoint: str, dev: int, only: bytes | None = None) -> bool:
+    """Lazily unmount the mount of device `dev` at `mountpoint` (and with mount id `only`, if given), whose connection
+    was aborted: libfuse's unmount at the session's close skips a connection that is severed (its device file polls
+    POLLERR), which left the aborted mount in place, ENOTCONN for everyone. Only that mount, found in
+    /proc/self/mountinfo (a stat of it is ENOTCONN). And only while nothing is mounted over it: umount2 takes the
+    topmost mount at a path, which was another one's. As root (umount2). Best effort: whether a mount was detached."""
     want = f"{os.major(dev)}:{os.minor(dev)}".encode()
     path = os.fsencode(mountpoint)
     try:
-        with open("/proc/self/mountinfo", "rb") as f:
-            # mount id, parent id, device, mount point
-            mounts = [(fields[0], fields[1], fields[2], _unescaped(fields[4])) for fields in map(bytes.split, f)]
-        ours = {mnt_id for mnt_id, _, device, at in mounts if device == want and at == path}
+        mounts = _mounts()
+        ours = {mnt_id for mnt_id, _, device, at in mounts
+                if device == want and at == path and only in (None, mnt_id)}
         if any(parent in ours and at == path for _, parent, _, at in mounts):
             log.warning("the aborted mount at %s is left in place: another mount was made over it", mountpoint)
-            return
-        if ours and ctypes.CDLL(None, use_errno=True).umount2(path, MNT_DETACH) != 0:
+            return False
+        if not ours:
+            return False
+        if ctypes.CDLL(None, use_errno=True).umount2(path, MNT_DETACH) != 0:
             raise OSError(ctypes.get_errno(), os.strerror(ctypes.get_errno()))
     except OSError as exc:
         # Not root: umount2 is EPERM, and so would `umount -l` be for the same user.
         log.warning("the aborted mount at %s could not be unmounted (%s): %s does it", mountpoint,
                     exc.strerror or exc, lazy_unmount_advice(mountpoint))
+        return False
+    return True
 
 
 def sd_notify(message: str) -> None:
@@ -692,6 +712,7 @@ class Daemon:
         self._until_served = trio.CancelScope()  # around the signal watcher (_announce_ready checks _served)
         self._session_open = True  # pyfuse3's session: mounted, until end_session
         self._aborted: int | None = None  # the device of the mount whose connection the stop aborted (B116)
+        self._mount_id: bytes | None = None  # this mount's id, once it answers (_announce_ready; B139)
         self.disk_cache = open_disk_cache(cfg) if cfg.cache_dir else None
         self.shared_tier = open_shared_tier(cfg, self.store) if cfg.shared_cache else None
         # The cache levels below memory, asked in this order before the origin.
@@ -740,7 +761,8 @@ class Daemon:
     def end_session(self) -> None:
         """Unmount (lazily, if files are open: their callers get ENOTCONN) and close the FUSE session; once. A mount
         whose connection the stop aborted is detached here (libfuse's unmount skips it), whenever the session closes:
-        at the stop, or at the daemon's exit after a push that outlived PUSH_ABORT_S too."""
+        at the stop, or at the daemon's exit after a push that outlived PUSH_ABORT_S too; and so is this mount still
+        there after libfuse's unmount, whose connection someone else aborted (B139)."""
         if self._session_open:
             self._session_open = False
             # The stop waited for them already (_end_session_calls); at run()'s close, here, bounded.
@@ -750,6 +772,14 @@ class Daemon:
             pyfuse3.close(unmount=True)
             if self._aborted is not None:
                 detach_aborted(self.mountpoint, self._aborted)
+            elif self.ops.device is not None and self._mount_id is not None and \
+                    detach_aborted(self.mountpoint, self.ops.device, only=self._mount_id):
+                # Still there after libfuse's unmount: someone else aborted the connection (`umount -f` with files
+                # open, whose unmount then fails busy; fusectl's abort), which libfuse takes for an unmount and skips.
+                # It stayed, ENOTCONN until `fusermount3 -u` (B139). This mount's id and device, taken while it
+                # answered, tell it from one made at the path since.
+                log.info("the FUSE connection of %s was aborted by someone else (`umount -f`, fusectl's abort): its "
+                         "mount was detached", self.mountpoint)
 
     def close(self) -> None:
         if self.metrics is not None:
@@ -1075,6 +1105,7 @@ class Daemon:
         if self._served.is_set():  # stopped as it came up: that stat may have reached the directory under the mount
             return
         self.ops.device = dev
+        self._mount_id = await trio.to_thread.run_sync(mount_id, self.mountpoint, dev)
         await trio.to_thread.run_sync(raise_kernel_readahead, self.mountpoint, dev, self.cfg.kernel_window // 1024)
         await trio.to_thread.run_sync(raise_fuse_background, self.mountpoint, dev, self.cfg.fuse_max_background)
         if self._served.is_set():

@@ -1308,3 +1308,32 @@ def test_an_outage_costs_new_names_one_timeout_not_one_each_and_they_resolve_onc
         began = time.monotonic()
         assert os.stat(mountpoint / "d" / "b.txt").st_size == 1  # a name not looked up before the outage
         assert time.monotonic() - began < timeout, time.monotonic() - began
+
+
+
+@pytest.mark.parametrize("how", ["umount -f", "fusectl abort"])
+def test_a_connection_aborted_by_someone_else_leaves_no_mount(moto_server: S3Server, mountpoint: Path,
+                                                              how: str) -> None:
+    """`umount -f` of a mount with a file open aborts its FUSE connection, then fails to unmount it (busy); an operator
+    writes fusectl's `abort`. libfuse takes the severed connection for an unmount and skips its own: the daemon exited
+    0 and left the mount in place, ENOTCONN for everyone until `fusermount3 -u` (B139). The daemon detaches its own
+    aborted mount (its device and mount id, taken while it answered), exits 0, and leaves none."""
+    from tests.helpers import mounted_at
+
+    data = random_bytes(2 * MiB, 139)
+    bucket = bucket_with(moto_server, {"f.bin": data})
+    with mounted(moto_server, bucket, mountpoint) as m:
+        fd = os.open(mountpoint / "f.bin", os.O_RDONLY)
+        try:
+            assert os.pread(fd, MiB, 0) == data[:MiB]
+            if how == "umount -f":
+                res = subprocess.run(["umount", "-f", str(mountpoint)], capture_output=True, text=True)
+                assert res.returncode != 0, "the forced unmount was expected to fail busy"
+            else:
+                abort_fuse_connection(os.stat(mountpoint).st_dev)
+            assert m.proc.wait(UNMOUNT_EXIT_S) == 0
+            assert not mounted_at(mountpoint), "the aborted mount stayed"
+        finally:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+    assert "was aborted by someone else (`umount -f`, fusectl's abort): its mount was detached" in m.log()

@@ -1363,3 +1363,26 @@ def test_an_aborted_mount_is_detached_at_a_path_that_is_not_utf8_and_not_from_un
     finally:
         while _mounts_at(path):
             _mount_tmpfs(path, unmount=True)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounts a tmpfs")
+def test_an_aborted_mount_told_by_its_id_is_detached_and_no_other_mount_of_its_device_and_path(tmp_path) -> None:  # noqa: ANN001
+    """The daemon detaches its mount when someone else aborted its connection (B139), told by the device and mount
+    id it took while the mount answered: a mount of that device at that path with another id (made there since) is
+    left alone."""
+    from fsmount.mount import detach_aborted, mount_id
+
+    path = os.fsencode(tmp_path) + b"/m"
+    os.mkdir(path)
+    _mount_tmpfs(path)
+    try:
+        dev = os.stat(path).st_dev
+        mnt_id = mount_id(os.fsdecode(path), dev)
+        assert mnt_id is not None and mount_id(os.fsdecode(path), dev + 1) is None
+        assert not detach_aborted(os.fsdecode(path), dev, only=mnt_id + b"0")
+        assert _mounts_at(path) == 1
+        assert detach_aborted(os.fsdecode(path), dev, only=mnt_id)
+        assert _mounts_at(path) == 0
+    finally:
+        while _mounts_at(path):
+            _mount_tmpfs(path, unmount=True)

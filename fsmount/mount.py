@@ -898,6 +898,7 @@ class Daemon:
                 self._until_served.cancel()
                 with trio.CancelScope(shield=True):
                     await self._end_session_after_pushes()
+                    await self._drains_after_failure()
                 raise
             self._served.set()
             # The session is about to close: nothing may call into it any more (pyfuse3.terminate() of a closed one
@@ -923,10 +924,28 @@ class Daemon:
                 await self.writes.drain_cache_fills()
             await self._drain_cache_writes()
             await self._drop_claims()
-            if self.saved_names is not None:
-                with trio.move_on_after(NAMES_SAVE_S):
-                    await self._save_names(self.saved_names)
+            await self._save_names_at_end()
             nursery.cancel_scope.cancel()
+
+    async def _drains_after_failure(self) -> None:
+        """Where a task of the mount failed (or the loop did), the drains of a clean end that are bounded on their own
+        and lean on no task of the mount: the shared tier's claims dropped (CLAIM_DROP_S; others waited up to
+        CLAIM_TTL_S for the chunks this node had claimed) and the names learnt saved (NAMES_SAVE_S; a remount while the
+        origin is away found those of the last round only). Each on its own: one that fails is logged, and neither
+        stops the error that ended the loop from going out (B140). The uploads' aborts and the cache writes' drain are
+        left out: they wait on the writes' and the engine's tasks, one of which may be the one that failed."""
+        for what, drain in (("the shared cache's claims could not be dropped", self._drop_claims),
+                            ("the names learnt could not be saved", self._save_names_at_end)):
+            try:
+                await drain()
+            except Exception as exc:  # noqa: BLE001 - the loop's own error goes out; this one is only logged
+                log.warning("%s after the mount's failure: %r", what, exc)
+
+    async def _save_names_at_end(self) -> None:
+        """The names learnt, saved once more at the end, within NAMES_SAVE_S."""
+        if self.saved_names is not None:
+            with trio.move_on_after(NAMES_SAVE_S):
+                await self._save_names(self.saved_names)
 
     async def _end_session_after_pushes(self) -> None:
         """End the session once no page-cache push is in notify_store: the session a push writes to must outlive it.

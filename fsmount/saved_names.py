@@ -16,9 +16,9 @@ listing, a lookup, a change) go first; a directory of more than SAVED_DIR_ENTRIE
 model's). A file that cannot be read is logged and left out: the mount then knows what the origin tells it, as
 without a cache dir.
 
-Rules between tasks: every method but `save` runs in the trio thread. A directory's entries are a dict of
-plain tuples changed in place; `snapshot` copies each (C-level dict copies, no encoding) so that the worker thread
-encodes what no task changes.
+Rules between tasks: every method but `save` runs in the trio thread; `save`s, in worker threads, write one at a time
+(`_writing`). A directory's entries are a dict of plain tuples changed in place; `snapshot` copies each (C-level dict
+copies, no encoding) so that the worker thread encodes what no task changes.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ import hashlib
 import json
 import logging
 import os
+import threading
 from collections.abc import Mapping
 from typing import Protocol
 
@@ -87,6 +88,7 @@ def _entry(saved: Saved) -> Entry:
 class SavedNames:
     def __init__(self, cache_dir: str, bucket: str, prefix: str):
         self.path = names_file(cache_dir, bucket, prefix)
+        self._writing = threading.Lock()  # `save`'s, across worker threads
         self.bucket, self.prefix = bucket, prefix
         self._dirs: dict[str, SavedDir] = {}  # least recently used first (`_used`)
         self._count = 0
@@ -224,15 +226,18 @@ class SavedNames:
         new one. Raises OSError (a full disk, a removed cache dir)."""
         doc = {"format": FORMAT, "bucket": self.bucket, "prefix": self.prefix, "dirs": snapshot}
         data = json.dumps(doc, separators=(",", ":")).encode()
-        os.makedirs(os.path.dirname(self.path), mode=0o700, exist_ok=True)
-        tmp = self.path + ".tmp"
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        try:
-            with os.fdopen(fd, "wb") as f:
-                f.write(data)
-                os.fsync(f.fileno())  # so a power loss leaves the old file or the new one, not an empty one (XFS)
-            os.replace(tmp, self.path)
-        except BaseException:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
-            raise
+        # One write of the temp file at a time, in the order they came: a save given up on (its thread abandoned: the
+        # loop's, cancelled as a task of the mount failed) may still be writing when the end's save starts (B140).
+        with self._writing:
+            os.makedirs(os.path.dirname(self.path), mode=0o700, exist_ok=True)
+            tmp = self.path + ".tmp"
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            try:
+                with os.fdopen(fd, "wb") as f:
+                    f.write(data)
+                    os.fsync(f.fileno())  # so a power loss leaves the old file or the new one, not an empty one (XFS)
+                os.replace(tmp, self.path)
+            except BaseException:
+                with contextlib.suppress(OSError):
+                    os.unlink(tmp)
+                raise

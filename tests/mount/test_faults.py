@@ -650,6 +650,30 @@ def test_a_task_of_the_mount_that_fails_with_a_push_waiting_on_a_read_it_cut_sho
     assert "daemon stopped on an error" in log and m.proc.returncode != 0, log[-4000:]
 
 
+
+def test_a_task_of_the_mount_that_fails_saves_the_names_it_learnt(moto_server: S3Server, mountpoint: Path,
+                                                                  tmp_path: Path) -> None:
+    """A task of the mount that fails ends the session (B127, B128) but ran none of a clean end's drains: the names
+    learnt since the last round (every SAVE_EVERY_S) were not saved to the cache dir, so a remount while the origin
+    is away did not find them (B140). They are saved now, and the daemon still exits on the error."""
+    from fsmount.saved_names import SAVE_EVERY_S, names_file
+
+    wrap, fail_now = failing_task(tmp_path)
+    bucket = bucket_with(moto_server, {"d/a.bin": b"a", "d/b.bin": b"b"})
+    cache = tmp_path / "cache"
+    names = Path(names_file(str(cache), bucket, ""))
+    start = time.monotonic()
+    with mounted(moto_server, bucket, mountpoint, "--cache-dir", str(cache), check_log=False, wrap=wrap) as m:
+        assert sorted(os.listdir(mountpoint / "d")) == ["a.bin", "b.bin"]
+        fail_now.touch()
+        assert m.proc.wait(UNMOUNT_EXIT_S + 10) != 0
+        assert time.monotonic() - start < SAVE_EVERY_S, "the loop's own save may have run: the test proves nothing"
+        assert not os.path.ismount(mountpoint)
+    log = m.log()
+    assert "daemon stopped on an error" in log and "a bug of a task of the mount's" in log, log[-4000:]
+    assert names.exists() and "a.bin" in names.read_text(), log[-4000:]
+
+
 def test_a_task_of_the_mount_that_fails_as_a_stop_waits_for_a_push_does_not_hold_the_daemon(
         moto_server: S3Server, proxy: FaultProxy, mountpoint: Path, tmp_path: Path) -> None:
     """B116's stop, with the push waiting on a READ the stop cut short; then, while the end of the session waits

@@ -301,7 +301,7 @@ def stopping_daemon(pusher: PageCachePusher, dev: int) -> Any:
     daemon = fsmount.mount.Daemon.__new__(fsmount.mount.Daemon)
     daemon.pusher, daemon.mountpoint = pusher, "/mnt/m"
     daemon.ops = types.SimpleNamespace(device=dev, session_calls=SessionCalls())
-    daemon._session_open, daemon._aborted = True, None
+    daemon._session_open, daemon._aborted, daemon._mount_id, daemon.shared_tier = True, None, None, None
     return daemon
 
 
@@ -511,6 +511,70 @@ async def test_a_task_of_the_mount_that_fails_ends_the_session_and_a_push_waitin
     assert not gave_up and closed == [0] and detached == [dev] and not daemon._session_open
     warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
     assert len(warnings) == 1 and "was aborted to end it" in warnings[0], warnings
+
+
+
+@pytest.mark.parametrize("claims", ["dropped", "failing", "hanging"])
+async def test_a_task_of_the_mount_that_fails_drops_its_claims_and_saves_the_names(
+        monkeypatch, caplog, allowed_logs, claims) -> None:  # noqa: ANN001
+    """A task of the mount that fails ends the session (B127, B128), and ran none of a clean end's drains: the shared
+    tier's claims stayed (other nodes waited up to CLAIM_TTL_S for the chunks) and the names learnt since the last
+    round were not saved (B140). Both run now, each bounded and on its own: a drop of the claims that fails or hangs
+    still lets the names be saved, and the error that ended the loop goes out."""
+    import types
+
+    import fsmount.mount
+
+    async def main() -> None:  # as pyfuse3.main: its session loop, a task of its nursery
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(trio.sleep_forever)
+
+    monkeypatch.setattr(fsmount.mount.pyfuse3, "main", main)
+    monkeypatch.setattr(fsmount.mount.pyfuse3, "close", lambda unmount: None)
+    monkeypatch.setattr(fsmount.mount, "CLAIM_DROP_S", 0.3)
+    done: list[object] = []
+
+    def drop_claims() -> int:
+        if claims == "failing":
+            raise RuntimeError("a bug of the tier's")
+        if claims == "hanging":
+            time.sleep(2)
+        done.append("claims")
+        return 2
+
+    async def engine(*, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+        task_status.started()
+        await trio.sleep(0.1)
+        raise RuntimeError("a bug of the engine's")
+
+    async def started(*, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+        task_status.started()
+        await trio.sleep_forever()
+
+    async def idle() -> None:
+        await trio.sleep_forever()
+
+    daemon = stopping_daemon(PageCachePusher(1 << 30), os.makedev(0, 82))
+    daemon.engine, daemon.streamer = types.SimpleNamespace(run=engine), types.SimpleNamespace(run=started)
+    daemon._watch_signals = daemon._announce_ready = idle
+    daemon.writes = daemon.disk_cache = daemon.metrics = None
+    daemon.shared_tier = types.SimpleNamespace(drop_claims=drop_claims)
+    daemon.saved_names = types.SimpleNamespace(dirty=True, path="/cache/names/n.json", snapshot=lambda: {"": "names"},
+                                               save=lambda snapshot: done.append(snapshot))
+    daemon._names_saving, daemon._names_failure_logged = trio.Lock(), False
+    daemon._requests, daemon._served, daemon._until_served = trio.CancelScope(), trio.Event(), trio.CancelScope()
+    allowed_logs.append("could not be dropped after the mount's failure")
+    start = time.monotonic()
+    with pytest.raises(BaseExceptionGroup) as raised:
+        await daemon.serve()
+    assert raised.group_contains(RuntimeError, match="a bug of the engine's")
+    assert time.monotonic() - start < 1.5
+    # The old code ran neither: done == [].
+    assert done == ([] if claims != "dropped" else ["claims"]) + [{"": "names"}], done
+    assert not daemon._session_open
+    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert warnings == (["the shared cache's claims could not be dropped after the mount's failure: "
+                         "RuntimeError(\"a bug of the tier's\")"] if claims == "failing" else []), warnings
 
 
 async def test_a_task_of_the_mount_that_fails_as_the_stop_ends_the_session_does_not_cut_that_end_short(
@@ -1386,3 +1450,4 @@ def test_an_aborted_mount_told_by_its_id_is_detached_and_no_other_mount_of_its_d
     finally:
         while _mounts_at(path):
             _mount_tmpfs(path, unmount=True)
+

@@ -623,8 +623,12 @@ class Operations(pyfuse3.Operations):
         finally:
             node = new.node
             if node.pages_stale and not node.writing and node.etag:
-                # From a worker thread: the kernel waits for pages that READs queued to this loop hold.
-                await trio.to_thread.run_sync(self.session_calls.call, _invalidate_pages, node.ino)
+                # From a worker thread: the kernel waits for pages that READs queued to this loop hold. Abandoned at a
+                # stop's cancellation: a READ it cut short keeps its page locked until the connection ends, and the
+                # handler held the loop, and the daemon, for good; the call stays counted in `session_calls`, whose
+                # end at the stop aborts the connection past SESSION_CALLS_S (B124, B141).
+                await trio.to_thread.run_sync(self.session_calls.call, _invalidate_pages, node.ino,
+                                              abandon_on_cancel=True)
             elif new.stored is None and not new.unlinked and self.ns.pending(node.path) is None:
                 entry = self.ns.kernel_entry(node.path)
                 if entry is not None:

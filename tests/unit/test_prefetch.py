@@ -1451,3 +1451,39 @@ def test_an_aborted_mount_told_by_its_id_is_detached_and_no_other_mount_of_its_d
         while _mounts_at(path):
             _mount_tmpfs(path, unmount=True)
 
+
+async def test_a_rewrite_s_page_drop_waiting_on_a_page_lock_does_not_hold_a_cancelled_handler(monkeypatch) -> None:  # noqa: ANN001
+    """Once a rewrite of a stored file is stored, its close drops the inode's pages from a worker thread
+    (`Operations._commit`), which waits for the lock of a page a READ in flight holds. A stop that cut that READ short
+    (no reply: the page stays locked until the connection ends) cancels the close's handler too, but the thread was
+    not abandoned: the handler, pyfuse3's loop and the daemon waited for it for good, before the end of the session
+    that aborts the connection for a call still under way (B124) could run (B141). The handler now ends at its
+    cancellation; the call stays counted in `SessionCalls`, which that end waits for and aborts past."""
+    import types
+
+    import fsmount.operations
+    from fsmount.operations import Operations, SessionCalls
+
+    unlocked = threading.Event()  # the connection aborted: the page unlocks
+
+    def invalidate_inode(ino: int, attr_only: bool) -> None:
+        unlocked.wait(5)
+
+    monkeypatch.setattr(fsmount.operations.pyfuse3, "invalidate_inode", invalidate_inode)
+
+    async def commit() -> None:
+        pass
+
+    node = types.SimpleNamespace(pages_stale=True, writing=False, etag="e1", ino=5, path="f")
+    new = types.SimpleNamespace(commit=commit, node=node, stored=object(), unlinked=False)
+    calls = SessionCalls()
+    ops = types.SimpleNamespace(session_calls=calls)
+    start = time.monotonic()
+    with trio.move_on_after(0.3) as stop:  # the stop's cancellation of the handlers
+        await Operations._commit(ops, new)  # type: ignore[arg-type]
+    try:
+        assert stop.cancelled_caught and time.monotonic() - start < 1.5  # the old code: the fake kernel's 5 s
+        assert not calls.end(0.1)  # still under way: the end of the session waits for it, then aborts
+    finally:
+        unlocked.set()
+    assert calls.end(2)

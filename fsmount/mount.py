@@ -1030,6 +1030,12 @@ class Daemon:
             except OSError as exc:
                 saved.dirty = True  # tried again at the next round
                 self._names_not_saved(saved, exc)
+            except BaseException:
+                # Cancelled, its thread abandoned: that write may never end (the daemon exits on a task's failure, its
+                # worker threads with it). The snapshot cleared `dirty`, and the end's save, finding nothing to
+                # write, skipped the names of this round; they are written again, after that thread's (B142).
+                saved.dirty = True
+                raise
 
     def _names_not_saved(self, saved: SavedNames, exc: OSError) -> None:
         # A warning once a mount, then at debug level. A cache disk that is full or read-only at info level: the NVMe

@@ -577,6 +577,67 @@ async def test_a_task_of_the_mount_that_fails_drops_its_claims_and_saves_the_nam
                          "RuntimeError(\"a bug of the tier's\")"] if claims == "failing" else []), warnings
 
 
+async def test_a_task_of_the_mount_that_fails_during_the_loop_s_save_of_the_names_saves_them_again(
+        monkeypatch) -> None:  # noqa: ANN001
+    """A task of the mount that fails while the names task's own save is in its thread (a slow fsync) cancels that
+    save, its thread abandoned, and the daemon exits before it ends. The snapshot had cleared `dirty`, so the save at
+    the failure's end (B140) found nothing to write and the names of that round were lost (B142). The cancelled save
+    leaves them dirty: the end's save writes them."""
+    import types
+
+    import fsmount.mount
+
+    async def main() -> None:  # as pyfuse3.main: its session loop, a task of its nursery
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(trio.sleep_forever)
+
+    monkeypatch.setattr(fsmount.mount.pyfuse3, "main", main)
+    monkeypatch.setattr(fsmount.mount.pyfuse3, "close", lambda unmount: None)
+    monkeypatch.setattr(fsmount.mount, "SAVE_EVERY_S", 0.05)
+    saves: list[str] = []
+    slow_write_done = threading.Event()
+
+    def save(snapshot: object) -> None:
+        if not saves:
+            saves.append("loop's, begun")
+            time.sleep(0.8)  # the loop's save: still writing as the engine fails
+            slow_write_done.set()
+            return
+        saves.append("the end's")
+
+    def snapshot() -> dict[str, str]:
+        names.dirty = False
+        return {"": "names"}
+
+    async def engine(*, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+        task_status.started()
+        await trio.sleep(0.3)
+        raise RuntimeError("a bug of the engine's")
+
+    async def started(*, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+        task_status.started()
+        await trio.sleep_forever()
+
+    async def idle() -> None:
+        await trio.sleep_forever()
+
+    daemon = stopping_daemon(PageCachePusher(1 << 30), os.makedev(0, 82))
+    daemon.engine, daemon.streamer = types.SimpleNamespace(run=engine), types.SimpleNamespace(run=started)
+    daemon._watch_signals = daemon._announce_ready = idle
+    daemon.writes = daemon.disk_cache = daemon.metrics = None
+    names = types.SimpleNamespace(dirty=True, path="/cache/names/n.json", snapshot=snapshot, save=save)
+    daemon.saved_names = names
+    daemon._names_saving, daemon._names_failure_logged = trio.Lock(), False
+    daemon._requests, daemon._served, daemon._until_served = trio.CancelScope(), trio.Event(), trio.CancelScope()
+    with pytest.raises(BaseExceptionGroup) as raised:
+        await daemon.serve()
+    assert raised.group_contains(RuntimeError, match="a bug of the engine's")
+    # The old code: ["loop's, begun"], the end's save skipped as nothing was dirty.
+    assert saves == ["loop's, begun", "the end's"], saves
+    assert not slow_write_done.is_set(), "the loop's save ended before the failure: the test proves nothing"
+    await trio.to_thread.run_sync(slow_write_done.wait, 5)
+
+
 async def test_a_task_of_the_mount_that_fails_as_the_stop_ends_the_session_does_not_cut_that_end_short(
         monkeypatch, tmp_path, caplog, allowed_logs) -> None:  # noqa: ANN001
     """A stop's loop ended (main() returned) with a push waiting on the pages of a READ the stop cut short, and

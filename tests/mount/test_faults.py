@@ -30,8 +30,9 @@ import signal
 import subprocess
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import pytest
 
@@ -51,6 +52,7 @@ from tests.helpers import (
     TIMEOUT_MARGIN_S,
     KiB,
     MiB,
+    Mount,
     S3Server,
     bucket_with,
     daemon_env,
@@ -518,6 +520,52 @@ def abort_fuse_connection(dev: int) -> None:
             libc.umount2(fusectl.encode(), 0)
 
 
+@contextlib.contextmanager
+def a_push_stuck_behind_a_cut_read(moto_server: S3Server, proxy: FaultProxy, mountpoint: Path, tmp_path: Path,
+                                   seed: int, **mount_kwargs: Any) -> Iterator[Mount]:
+    """A mount through `proxy` whose model stream's push of chunk 4 waits in notify_store for the page at 4 MiB, which
+    the kernel locked for a read-ahead READ that waits for a background slot (one at a time here), held by a READ of
+    chunk 3's last page that waits on a stalled origin (B116). Yields the mount once the push is under way; at the end
+    the connection is aborted if the daemon still runs (else even a killed one waits for the push for good), and no
+    mount may be left."""
+    from tests.helpers import via
+
+    data = model_bytes(tmp_path, 8 * MiB, seed=seed)
+    bucket = bucket_with(moto_server, {"m.safetensors": data})
+    stalled = proxy.inject(Fault.STALL, seconds=100, range_from=3 * MiB)  # chunk 3: for good
+    proxy.inject(Fault.STALL, seconds=4, range_from=4 * MiB)  # chunk 4: pushed once its first page is locked
+    try:
+        with mounted(via(proxy, moto_server), bucket, mountpoint, "--read-timeout", "90", "--chunk-size", "1M",
+                     "--max-readahead", "0", "--kernel-readahead", "0", "--fuse-max-background", "1",
+                     "--pagecache-push-limit", "1G", **mount_kwargs) as m:
+            dev = os.stat(mountpoint).st_dev
+            fd = open_random(mountpoint / "m.safetensors")  # the open starts the stream
+            try:
+                wait_for("chunk 3's GET", lambda: stalled.hits)
+                # A READ that waits on chunk 3, then one whose page is locked while it waits for the background slot
+                # (the kernel's wait: this call returns when the slot comes).
+                os.posix_fadvise(fd, 4 * MiB - 4096, 4096, os.POSIX_FADV_WILLNEED)
+                time.sleep(0.3)
+                threading.Thread(target=os.posix_fadvise, args=(fd, 4 * MiB, 4096, os.POSIX_FADV_WILLNEED),
+                                 daemon=True).start()
+                # The push of chunk 4 starts and never ends: counted when it starts, stored when it ends.
+                wait_for("a push in notify_store", lambda: mount_stats(mountpoint),
+                         lambda st: st["pagecache_pushed_bytes"] - st["pagecache_stored_bytes"] >= MiB)
+                time.sleep(1)
+                st = mount_stats(mountpoint)
+                assert st["pagecache_pushed_bytes"] - st["pagecache_stored_bytes"] >= MiB, st
+                yield m
+            finally:
+                if m.proc.poll() is None:  # end the push as the fix does, or the daemon (even killed) waits for good
+                    abort_fuse_connection(dev)
+                with contextlib.suppress(OSError):  # ENOTCONN: the mount is gone
+                    os.close(fd)
+            assert not os.path.ismount(mountpoint)
+    finally:
+        proxy.clear()
+        proxy.origin_back()
+
+
 def test_a_push_waiting_on_the_pages_of_a_read_cut_short_by_a_stop_does_not_hold_the_daemon(
         moto_server: S3Server, proxy: FaultProxy, mountpoint: Path, tmp_path: Path) -> None:
     """A model stream's push of chunk 4 waits in notify_store for the page at 4 MiB, which the kernel locked for a
@@ -527,43 +575,15 @@ def test_a_push_waiting_on_the_pages_of_a_read_cut_short_by_a_stop_does_not_hold
     for good, even SIGKILLed (B116); it aborts the connection and exits within its bounds, leaving no mount."""
     from fsmount.mount import PUSH_ABORT_S, PUSH_STOP_S
 
-    data = model_bytes(tmp_path, 8 * MiB, seed=116)
-    bucket = bucket_with(moto_server, {"m.safetensors": data})
-    stalled = proxy.inject(Fault.STALL, seconds=100, range_from=3 * MiB)  # chunk 3: for good
-    proxy.inject(Fault.STALL, seconds=4, range_from=4 * MiB)  # chunk 4: pushed once its first page is locked
     bound = PUSH_STOP_S + STOP_GRACE_S + PUSH_STOP_S + PUSH_ABORT_S + TIMEOUT_MARGIN_S
-    with mounted_via(proxy, moto_server, bucket, mountpoint, "--read-timeout", "90", "--chunk-size", "1M",
-                     "--max-readahead", "0", "--kernel-readahead", "0", "--fuse-max-background", "1",
-                     "--pagecache-push-limit", "1G",
-                     allowed=("page-cache pushes still running", "were cut short",
-                              "FUSE connection was aborted")) as m:
-        dev = os.stat(mountpoint).st_dev
-        fd = open_random(mountpoint / "m.safetensors")  # the open starts the stream
+    with a_push_stuck_behind_a_cut_read(moto_server, proxy, mountpoint, tmp_path, 116,
+                                        allowed=("page-cache pushes still running", "were cut short",
+                                                 "FUSE connection was aborted")) as m:
+        m.proc.send_signal(signal.SIGTERM)
         try:
-            wait_for("chunk 3's GET", lambda: stalled.hits)
-            # A READ that waits on chunk 3, then one whose page is locked while it waits for the background slot
-            # (the kernel's wait: this call returns when the slot comes).
-            os.posix_fadvise(fd, 4 * MiB - 4096, 4096, os.POSIX_FADV_WILLNEED)
-            time.sleep(0.3)
-            threading.Thread(target=os.posix_fadvise, args=(fd, 4 * MiB, 4096, os.POSIX_FADV_WILLNEED),
-                             daemon=True).start()
-            # The push of chunk 4 starts and never ends: counted when it starts, stored when it ends.
-            wait_for("a push in notify_store", lambda: mount_stats(mountpoint),
-                     lambda st: st["pagecache_pushed_bytes"] - st["pagecache_stored_bytes"] >= MiB)
-            time.sleep(1)
-            st = mount_stats(mountpoint)
-            assert st["pagecache_pushed_bytes"] - st["pagecache_stored_bytes"] >= MiB, st
-            m.proc.send_signal(signal.SIGTERM)
-            try:
-                m.proc.wait(bound)
-            except subprocess.TimeoutExpired:
-                pytest.fail(f"the daemon was still running {bound:g} s after SIGTERM")
-        finally:
-            if m.proc.poll() is None:  # end the push as the fix does, or the daemon (even killed) waits for good
-                abort_fuse_connection(dev)
-            with contextlib.suppress(OSError):  # ENOTCONN: the mount is gone
-                os.close(fd)
-        assert not os.path.ismount(mountpoint)
+            m.proc.wait(bound)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"the daemon was still running {bound:g} s after SIGTERM")
     assert "the FUSE connection was aborted to end it" in m.log()
 
 
@@ -607,48 +627,19 @@ def test_a_task_of_the_mount_that_fails_with_a_push_waiting_on_a_read_it_cut_sho
     on the error within its bounds, and leaves no mount."""
     from fsmount.mount import PUSH_ABORT_S, PUSH_STOP_S
     from fsmount.operations import SESSION_CALLS_S
-    from tests.helpers import via
 
     wrap, fail_now = failing_task(tmp_path)
-    data = model_bytes(tmp_path, 8 * MiB, seed=128)
-    bucket = bucket_with(moto_server, {"m.safetensors": data})
-    stalled = proxy.inject(Fault.STALL, seconds=100, range_from=3 * MiB)  # chunk 3: for good
-    proxy.inject(Fault.STALL, seconds=4, range_from=4 * MiB)  # chunk 4: pushed once its first page is locked
     bound = SESSION_CALLS_S + PUSH_STOP_S + PUSH_ABORT_S + TIMEOUT_MARGIN_S
-    try:
-        with mounted(via(proxy, moto_server), bucket, mountpoint, "--read-timeout", "90", "--chunk-size", "1M",
-                     "--max-readahead", "0", "--kernel-readahead", "0", "--fuse-max-background", "1",
-                     "--pagecache-push-limit", "1G", check_log=False, wrap=wrap) as m:
-            dev = os.stat(mountpoint).st_dev
-            fd = open_random(mountpoint / "m.safetensors")  # the open starts the stream
-            try:
-                wait_for("chunk 3's GET", lambda: stalled.hits)
-                # A READ that waits on chunk 3, then one whose page is locked while it waits for the background slot.
-                os.posix_fadvise(fd, 4 * MiB - 4096, 4096, os.POSIX_FADV_WILLNEED)
-                time.sleep(0.3)
-                threading.Thread(target=os.posix_fadvise, args=(fd, 4 * MiB, 4096, os.POSIX_FADV_WILLNEED),
-                                 daemon=True).start()
-                wait_for("a push in notify_store", lambda: mount_stats(mountpoint),
-                         lambda st: st["pagecache_pushed_bytes"] - st["pagecache_stored_bytes"] >= MiB)
-                time.sleep(1)
-                fail_now.touch()
-                try:
-                    m.proc.wait(bound)
-                except subprocess.TimeoutExpired:
-                    pytest.fail(f"the daemon was still running {bound:g} s after a task of it failed")
-            finally:
-                if m.proc.poll() is None:  # end the push as the fix does, or the daemon (even killed) waits for good
-                    abort_fuse_connection(dev)
-                with contextlib.suppress(OSError):  # ENOTCONN: the mount is gone
-                    os.close(fd)
-            assert not os.path.ismount(mountpoint)
-    finally:
-        proxy.clear()
-        proxy.origin_back()
+    with a_push_stuck_behind_a_cut_read(moto_server, proxy, mountpoint, tmp_path, 128, check_log=False,
+                                        wrap=wrap) as m:
+        fail_now.touch()
+        try:
+            m.proc.wait(bound)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"the daemon was still running {bound:g} s after a task of it failed")
     log = m.log()
     assert "the FUSE connection was aborted to end it" in log and "a bug of a task of the mount's" in log, log[-4000:]
     assert "daemon stopped on an error" in log and m.proc.returncode != 0, log[-4000:]
-
 
 
 def test_a_task_of_the_mount_that_fails_saves_the_names_it_learnt(moto_server: S3Server, mountpoint: Path,
@@ -681,48 +672,20 @@ def test_a_task_of_the_mount_that_fails_as_a_stop_waits_for_a_push_does_not_hold
     cut that wait short: no abort, and the daemon waited for the push for good, its mount ENOTCONN (B129). The end is
     shielded: the daemon aborts the connection, exits on the error within its bounds, and leaves no mount."""
     from fsmount.mount import PUSH_ABORT_S, PUSH_STOP_S
-    from tests.helpers import via
 
     wrap, fail_now = failing_task(tmp_path)
-    data = model_bytes(tmp_path, 8 * MiB, seed=129)
-    bucket = bucket_with(moto_server, {"m.safetensors": data})
-    stalled = proxy.inject(Fault.STALL, seconds=100, range_from=3 * MiB)  # chunk 3: for good
-    proxy.inject(Fault.STALL, seconds=4, range_from=4 * MiB)  # chunk 4: pushed once its first page is locked
     bound = PUSH_STOP_S + STOP_GRACE_S + TIMEOUT_MARGIN_S
-    try:
-        with mounted(via(proxy, moto_server), bucket, mountpoint, "--read-timeout", "90", "--chunk-size", "1M",
-                     "--max-readahead", "0", "--kernel-readahead", "0", "--fuse-max-background", "1",
-                     "--pagecache-push-limit", "1G", check_log=False, wrap=wrap) as m:
-            dev = os.stat(mountpoint).st_dev
-            fd = open_random(mountpoint / "m.safetensors")  # the open starts the stream
-            try:
-                wait_for("chunk 3's GET", lambda: stalled.hits)
-                os.posix_fadvise(fd, 4 * MiB - 4096, 4096, os.POSIX_FADV_WILLNEED)
-                time.sleep(0.3)
-                threading.Thread(target=os.posix_fadvise, args=(fd, 4 * MiB, 4096, os.POSIX_FADV_WILLNEED),
-                                 daemon=True).start()
-                wait_for("a push in notify_store", lambda: mount_stats(mountpoint),
-                         lambda st: st["pagecache_pushed_bytes"] - st["pagecache_stored_bytes"] >= MiB)
-                time.sleep(1)
-                m.proc.send_signal(signal.SIGTERM)
-                # The stop's grace is over and the loop ended: the end of the session waits for the push.
-                wait_for("the READ cut short", m.log, lambda log: "were cut short" in log, timeout=bound)
-                time.sleep(1)  # the loop has ended (at once); the wait for the push has PUSH_STOP_S to go
-                fail_now.touch()
-                try:
-                    m.proc.wait(PUSH_STOP_S + PUSH_ABORT_S + TIMEOUT_MARGIN_S)
-                except subprocess.TimeoutExpired:
-                    pytest.fail("the daemon was still running after a task of it failed as its stop ended the "
-                                "session")
-            finally:
-                if m.proc.poll() is None:  # end the push as the fix does, or the daemon (even killed) waits for good
-                    abort_fuse_connection(dev)
-                with contextlib.suppress(OSError):  # ENOTCONN: the mount is gone
-                    os.close(fd)
-            assert not os.path.ismount(mountpoint)
-    finally:
-        proxy.clear()
-        proxy.origin_back()
+    with a_push_stuck_behind_a_cut_read(moto_server, proxy, mountpoint, tmp_path, 129, check_log=False,
+                                        wrap=wrap) as m:
+        m.proc.send_signal(signal.SIGTERM)
+        # The stop's grace is over and the loop ended: the end of the session waits for the push.
+        wait_for("the READ cut short", m.log, lambda log: "were cut short" in log, timeout=bound)
+        time.sleep(1)  # the loop has ended (at once); the wait for the push has PUSH_STOP_S to go
+        fail_now.touch()
+        try:
+            m.proc.wait(PUSH_STOP_S + PUSH_ABORT_S + TIMEOUT_MARGIN_S)
+        except subprocess.TimeoutExpired:
+            pytest.fail("the daemon was still running after a task of it failed as its stop ended the session")
     log = m.log()
     assert "the FUSE connection was aborted to end it" in log and "a bug of a task of the mount's" in log, log[-4000:]
     assert "daemon stopped on an error" in log and m.proc.returncode != 0, log[-4000:]
@@ -1289,7 +1252,6 @@ def test_soak_random_preads_rss_and_fds_flat(moto_server: S3Server, proxy: Fault
     assert max(s.threads for s in samples) <= at10.threads + 8, samples
     assert final["fetches_inflight"] == 0 and final["open_files"] == 0, final
     assert reads[0] > 100
-
 
 
 def test_an_outage_costs_new_names_one_timeout_not_one_each_and_they_resolve_once_it_ends(

@@ -10,6 +10,8 @@ import os
 import re
 import threading
 import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -305,6 +307,72 @@ def stopping_daemon(pusher: PageCachePusher, dev: int) -> Any:
     return daemon
 
 
+def failing_engine(after: float) -> Callable[..., Awaitable[None]]:
+    """An engine's `run` that starts, then fails `after` seconds on (a bug of the engine's)."""
+    async def engine(*, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+        task_status.started()
+        await trio.sleep(after)
+        raise RuntimeError("a bug of the engine's")
+    return engine
+
+
+async def started_forever(*, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+    """A task of the mount that starts and runs until cancelled."""
+    task_status.started()
+    await trio.sleep_forever()
+
+
+def serving_daemon(pusher: PageCachePusher, dev: int, engine: Callable[..., Awaitable[None]],
+                   streams: Callable[..., Awaitable[None]] = started_forever) -> Any:
+    """A `stopping_daemon` that `serve()` runs: `engine` and `streams` as its engine's and streamer's tasks, a signal
+    watcher and an announcement that only wait, and no writes, caches, names or metrics (a test sets its own)."""
+    import types
+
+    daemon = stopping_daemon(pusher, dev)
+    daemon.engine = types.SimpleNamespace(run=engine, levels=types.SimpleNamespace(writes_pending=0))
+    daemon.streamer = types.SimpleNamespace(run=streams)
+    daemon._watch_signals = daemon._announce_ready = trio.sleep_forever
+    daemon.writes = daemon.disk_cache = daemon.saved_names = daemon.metrics = None
+    daemon._names_saving, daemon._names_failure_logged = trio.Lock(), False
+    daemon._requests, daemon._served, daemon._until_served = trio.CancelScope(), trio.Event(), trio.CancelScope()
+    return daemon
+
+
+def a_kernel_holding_a_push(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, dev: int, push_stop_s: float) -> Any:
+    """A fake kernel whose notify_store waits, as a push into the pages of a READ the loop cut short does, until the
+    connection's fusectl `abort` (under `tmp_path`) is written (5 s at most, `gave_up`, so that a failing test ends);
+    a session close that notes the pushes copying then (`closed`), a detach that notes the device (`detached`); and a
+    streamer's task (`streams`) that pushes once into it."""
+    import types
+
+    import fsmount.mount
+    import fsmount.pagecache
+
+    conn = tmp_path / str((os.major(dev) << 20) | os.minor(dev))
+    conn.mkdir()
+    monkeypatch.setattr(fsmount.mount, "FUSECTL", str(tmp_path))
+    monkeypatch.setattr(fsmount.mount, "PUSH_STOP_S", push_stop_s)
+    k = types.SimpleNamespace(gave_up=[], closed=[], detached=[], pusher=PageCachePusher(1 << 30, pushes_at_once=1))
+
+    def notify_store(ino: int, offset: int, data: bytes) -> None:
+        deadline = time.monotonic() + 5
+        while not (conn / "abort").exists():
+            if time.monotonic() > deadline:
+                k.gave_up.append(True)
+                return
+            time.sleep(0.01)
+
+    async def streams(*, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+        task_status.started()
+        await k.pusher.push(2, 0, 4, lambda: b"data")
+
+    k.streams = streams
+    monkeypatch.setattr(fsmount.pagecache.pyfuse3, "notify_store", notify_store)
+    monkeypatch.setattr(fsmount.mount.pyfuse3, "close", lambda unmount: k.closed.append(k.pusher._copying))
+    monkeypatch.setattr(fsmount.mount, "detach_aborted", lambda mountpoint, d: k.detached.append(d))
+    return k
+
+
 async def test_a_push_waiting_on_the_pages_of_a_read_cut_short_at_a_stop_is_ended_by_aborting_the_connection(
         monkeypatch, tmp_path, caplog, allowed_logs) -> None:  # noqa: ANN001
     """A stop cancels the READs still in flight after its grace and pyfuse3 sends no reply for them, so the kernel
@@ -452,25 +520,10 @@ async def test_a_task_of_the_mount_that_fails_ends_the_session_and_a_push_waitin
     that path too: the connection is aborted, the push ends, the session closes, and the error goes on out. pyfuse3's
     loop runs its handlers in a nursery of its own, so its cancellation comes out of `main()` in an exception group,
     not as a bare Cancelled: B127's end did not run on that path, the real one (B128); both are tried here."""
-    import types
-
     import fsmount.mount
-    import fsmount.pagecache
 
     dev = os.makedev(0, 81)
-    conn = tmp_path / str((os.major(dev) << 20) | os.minor(dev))
-    conn.mkdir()
-    monkeypatch.setattr(fsmount.mount, "FUSECTL", str(tmp_path))
-    monkeypatch.setattr(fsmount.mount, "PUSH_STOP_S", 0.2)
-    gave_up: list[bool] = []
-
-    def notify_store(ino: int, offset: int, data: bytes) -> None:
-        deadline = time.monotonic() + 5  # only the abort ends the kernel's wait (and, so that this test ends, 5 s)
-        while not (conn / "abort").exists():
-            if time.monotonic() > deadline:
-                gave_up.append(True)
-                return
-            time.sleep(0.01)
+    k = a_kernel_holding_a_push(monkeypatch, tmp_path, dev, push_stop_s=0.2)
 
     async def main() -> None:  # pyfuse3's loop: serves until cancelled
         if loop == "bare":
@@ -478,37 +531,14 @@ async def test_a_task_of_the_mount_that_fails_ends_the_session_and_a_push_waitin
         async with trio.open_nursery() as nursery:  # as pyfuse3.main: its session loop, a task of its nursery
             nursery.start_soon(trio.sleep_forever)
 
-    monkeypatch.setattr(fsmount.pagecache.pyfuse3, "notify_store", notify_store)
     monkeypatch.setattr(fsmount.mount.pyfuse3, "main", main)
-    closed: list[int] = []  # pushes copying when the session closed
-    pusher = PageCachePusher(1 << 30, pushes_at_once=1)
-    monkeypatch.setattr(fsmount.mount.pyfuse3, "close", lambda unmount: closed.append(pusher._copying))
-    detached: list[int] = []
-    monkeypatch.setattr(fsmount.mount, "detach_aborted", lambda mountpoint, d: detached.append(d))
-
-    async def streams(*, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
-        task_status.started()
-        await pusher.push(2, 0, 4, lambda: b"data")
-
-    async def engine(*, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
-        task_status.started()
-        await trio.sleep(0.1)  # the push is in notify_store
-        raise RuntimeError("a bug of the engine's")
-
-    async def idle() -> None:
-        await trio.sleep_forever()
-
-    daemon = stopping_daemon(pusher, dev)
-    daemon.engine, daemon.streamer = types.SimpleNamespace(run=engine), types.SimpleNamespace(run=streams)
-    daemon._watch_signals = daemon._announce_ready = idle
-    daemon.writes = daemon.disk_cache = daemon.saved_names = daemon.metrics = None
-    daemon._requests, daemon._served, daemon._until_served = trio.CancelScope(), trio.Event(), trio.CancelScope()
+    daemon = serving_daemon(k.pusher, dev, failing_engine(0.1), k.streams)  # fails once the push is in notify_store
     allowed_logs.append("FUSE connection was aborted")
     with pytest.raises(BaseExceptionGroup) as raised:
         await daemon.serve()
     assert raised.group_contains(RuntimeError, match="a bug of the engine's")
     # The old code waited for the push (here until the fake kernel's 5 s) and left the session open.
-    assert not gave_up and closed == [0] and detached == [dev] and not daemon._session_open
+    assert not k.gave_up and k.closed == [0] and k.detached == [dev] and not daemon._session_open
     warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
     assert len(warnings) == 1 and "was aborted to end it" in warnings[0], warnings
 
@@ -542,27 +572,10 @@ async def test_a_task_of_the_mount_that_fails_drops_its_claims_and_saves_the_nam
         done.append("claims")
         return 2
 
-    async def engine(*, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
-        task_status.started()
-        await trio.sleep(0.1)
-        raise RuntimeError("a bug of the engine's")
-
-    async def started(*, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
-        task_status.started()
-        await trio.sleep_forever()
-
-    async def idle() -> None:
-        await trio.sleep_forever()
-
-    daemon = stopping_daemon(PageCachePusher(1 << 30), os.makedev(0, 82))
-    daemon.engine, daemon.streamer = types.SimpleNamespace(run=engine), types.SimpleNamespace(run=started)
-    daemon._watch_signals = daemon._announce_ready = idle
-    daemon.writes = daemon.disk_cache = daemon.metrics = None
+    daemon = serving_daemon(PageCachePusher(1 << 30), os.makedev(0, 82), failing_engine(0.1))
     daemon.shared_tier = types.SimpleNamespace(drop_claims=drop_claims)
     daemon.saved_names = types.SimpleNamespace(dirty=True, path="/cache/names/n.json", snapshot=lambda: {"": "names"},
                                                save=lambda snapshot: done.append(snapshot))
-    daemon._names_saving, daemon._names_failure_logged = trio.Lock(), False
-    daemon._requests, daemon._served, daemon._until_served = trio.CancelScope(), trio.Event(), trio.CancelScope()
     allowed_logs.append("could not be dropped after the mount's failure")
     start = time.monotonic()
     with pytest.raises(BaseExceptionGroup) as raised:
@@ -609,26 +622,9 @@ async def test_a_task_of_the_mount_that_fails_during_the_loop_s_save_of_the_name
         names.dirty = False
         return {"": "names"}
 
-    async def engine(*, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
-        task_status.started()
-        await trio.sleep(0.3)
-        raise RuntimeError("a bug of the engine's")
-
-    async def started(*, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
-        task_status.started()
-        await trio.sleep_forever()
-
-    async def idle() -> None:
-        await trio.sleep_forever()
-
-    daemon = stopping_daemon(PageCachePusher(1 << 30), os.makedev(0, 82))
-    daemon.engine, daemon.streamer = types.SimpleNamespace(run=engine), types.SimpleNamespace(run=started)
-    daemon._watch_signals = daemon._announce_ready = idle
-    daemon.writes = daemon.disk_cache = daemon.metrics = None
+    daemon = serving_daemon(PageCachePusher(1 << 30), os.makedev(0, 82), failing_engine(0.3))
     names = types.SimpleNamespace(dirty=True, path="/cache/names/n.json", snapshot=snapshot, save=save)
     daemon.saved_names = names
-    daemon._names_saving, daemon._names_failure_logged = trio.Lock(), False
-    daemon._requests, daemon._served, daemon._until_served = trio.CancelScope(), trio.Event(), trio.CancelScope()
     with pytest.raises(BaseExceptionGroup) as raised:
         await daemon.serve()
     assert raised.group_contains(RuntimeError, match="a bug of the engine's")
@@ -645,61 +641,23 @@ async def test_a_task_of_the_mount_that_fails_as_the_stop_ends_the_session_does_
     that wait (a bug of the engine's, tripped by the READs the stop cancelled) cancelled it: the connection was never
     aborted, and the nursery, and so the daemon, waited for the push for good (B129). That end is shielded, as on
     the loop's own failure (B127): the connection is aborted, the push ends, the session closes, the error goes on."""
-    import types
-
     import fsmount.mount
-    import fsmount.pagecache
 
     dev = os.makedev(0, 82)
-    conn = tmp_path / str((os.major(dev) << 20) | os.minor(dev))
-    conn.mkdir()
-    monkeypatch.setattr(fsmount.mount, "FUSECTL", str(tmp_path))
-    monkeypatch.setattr(fsmount.mount, "PUSH_STOP_S", 0.6)
-    gave_up: list[bool] = []
-
-    def notify_store(ino: int, offset: int, data: bytes) -> None:
-        deadline = time.monotonic() + 5  # only the abort ends the kernel's wait (and, so that this test ends, 5 s)
-        while not (conn / "abort").exists():
-            if time.monotonic() > deadline:
-                gave_up.append(True)
-                return
-            time.sleep(0.01)
+    k = a_kernel_holding_a_push(monkeypatch, tmp_path, dev, push_stop_s=0.6)
 
     async def main() -> None:  # pyfuse3's loop, ended by the stop's terminate()
         await trio.sleep(0.1)
 
-    monkeypatch.setattr(fsmount.pagecache.pyfuse3, "notify_store", notify_store)
     monkeypatch.setattr(fsmount.mount.pyfuse3, "main", main)
-    closed: list[int] = []  # pushes copying when the session closed
-    pusher = PageCachePusher(1 << 30, pushes_at_once=1)
-    monkeypatch.setattr(fsmount.mount.pyfuse3, "close", lambda unmount: closed.append(pusher._copying))
-    detached: list[int] = []
-    monkeypatch.setattr(fsmount.mount, "detach_aborted", lambda mountpoint, d: detached.append(d))
-
-    async def streams(*, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
-        task_status.started()
-        await pusher.push(2, 0, 4, lambda: b"data")
-
-    async def engine(*, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
-        task_status.started()
-        await trio.sleep(0.3)  # the loop has ended; the session's end waits for the push
-        raise RuntimeError("a bug of the engine's")
-
-    async def idle() -> None:
-        await trio.sleep_forever()
-
-    daemon = stopping_daemon(pusher, dev)
-    daemon.engine = types.SimpleNamespace(run=engine, levels=types.SimpleNamespace(writes_pending=0))
-    daemon.streamer = types.SimpleNamespace(run=streams)
-    daemon._watch_signals = daemon._announce_ready = idle
-    daemon.writes = daemon.disk_cache = daemon.saved_names = daemon.metrics = daemon.shared_tier = None
-    daemon._requests, daemon._served, daemon._until_served = trio.CancelScope(), trio.Event(), trio.CancelScope()
+    # The engine fails once the loop has ended and the session's end waits for the push.
+    daemon = serving_daemon(k.pusher, dev, failing_engine(0.3), k.streams)
     allowed_logs.append("FUSE connection was aborted")
     with pytest.raises(BaseExceptionGroup) as raised:
         await daemon.serve()
     assert raised.group_contains(RuntimeError, match="a bug of the engine's")
     # The old code stopped waiting at the failure, never aborted, and waited for the push (the fake kernel's 5 s).
-    assert not gave_up and closed == [0] and detached == [dev] and not daemon._session_open
+    assert not k.gave_up and k.closed == [0] and k.detached == [dev] and not daemon._session_open
     warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
     assert len(warnings) == 1 and "was aborted to end it" in warnings[0], warnings
 

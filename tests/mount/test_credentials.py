@@ -324,6 +324,19 @@ def test_a_mount_reads_on_after_its_profile_s_key_is_rotated_in_its_file_and_the
         assert OLD_SECRET not in log and NEW_SECRET not in log
 
 
+def minting_process(runs: Path, script: Path) -> str:
+    """A credential_process (`script`, written here; the config line's value returned) that gives new session keys at
+    each run, as an assumed role or SSO does at each lookup; each run adds a byte to `runs`."""
+    script.write_text(
+        "import json, pathlib\n"
+        f"runs = pathlib.Path({str(runs)!r})\n"
+        "n = len(runs.read_text()) if runs.exists() else 0\n"
+        "runs.write_text('x' * (n + 1))\n"
+        "print(json.dumps({'Version': 1, 'AccessKeyId': f'ASIAMINTED{n:010d}', 'SecretAccessKey': 's',"
+        " 'SessionToken': 't'}))\n")
+    return f"{sys.executable} {script}"
+
+
 @pytest.mark.parametrize("get_client", ["presigned", "boto3"])
 def test_a_bucket_policy_refusing_credentials_minted_at_each_lookup_costs_one_lookup_not_one_per_refusal(
         aws_files: Path, moto_server: S3Server, proxy: FaultProxy, allowed_logs: list[str],
@@ -338,15 +351,7 @@ def test_a_bucket_policy_refusing_credentials_minted_at_each_lookup_costs_one_lo
                          r"refused again \(AccessDenied\): the bucket refuses them for a reason of its own"])
     bucket = bucket_with(moto_server, {"w.bin": DATA})
     runs = aws_files / "runs"
-    script = aws_files / "process.py"
-    script.write_text(
-        "import json, pathlib\n"
-        f"runs = pathlib.Path({str(runs)!r})\n"
-        "n = len(runs.read_text()) if runs.exists() else 0\n"
-        "runs.write_text('x' * (n + 1))\n"
-        "print(json.dumps({'Version': 1, 'AccessKeyId': f'ASIAMINTED{n:010d}', 'SecretAccessKey': 's',"
-        " 'SessionToken': 't'}))\n")
-    (aws_files / "config").write_text(f"[default]\ncredential_process = {sys.executable} {script}\n")
+    (aws_files / "config").write_text(f"[default]\ncredential_process = {minting_process(runs, aws_files / 'p.py')}\n")
     store = Boto3Store(StoreConfig(bucket=bucket, endpoint_url=proxy.endpoint_url, addressing_style="path",
                                    get_client=get_client))
     assert store._credentials is not None
@@ -412,15 +417,7 @@ def test_probes_of_missing_keys_refused_403_leave_credentials_minted_at_each_loo
     allowed_logs.append(r"requests were refused \(ExpiredToken\) and the credentials \(custom-process\) have changed")
     bucket = bucket_with(moto_server, {"w.bin": DATA})
     runs = aws_files / "runs"
-    script = aws_files / "process.py"
-    script.write_text(
-        "import json, pathlib\n"
-        f"runs = pathlib.Path({str(runs)!r})\n"
-        "n = len(runs.read_text()) if runs.exists() else 0\n"
-        "runs.write_text('x' * (n + 1))\n"
-        "print(json.dumps({'Version': 1, 'AccessKeyId': f'ASIAMINTED{n:010d}', 'SecretAccessKey': 's',"
-        " 'SessionToken': 't'}))\n")
-    (aws_files / "config").write_text(f"[default]\ncredential_process = {sys.executable} {script}\n")
+    (aws_files / "config").write_text(f"[default]\ncredential_process = {minting_process(runs, aws_files / 'p.py')}\n")
     store = Boto3Store(StoreConfig(bucket=bucket, endpoint_url=proxy.endpoint_url, addressing_style="path"))
     assert store._credentials is not None
     head(store)
@@ -444,15 +441,8 @@ def test_a_loader_s_probes_through_a_mount_where_heads_of_missing_keys_are_refus
     again, and warned that the bucket refuses the credentials "for a reason of its own (a bucket or IAM policy?)"
     (B135)."""
     bucket = bucket_with(moto_server, {"m/config.json": b"{}", "m/model.safetensors": b"x" * 100})
-    runs, script, config = tmp_path / "runs", tmp_path / "process.py", tmp_path / "config"
-    script.write_text(
-        "import json, pathlib\n"
-        f"runs = pathlib.Path({str(runs)!r})\n"
-        "n = len(runs.read_text()) if runs.exists() else 0\n"
-        "runs.write_text('x' * (n + 1))\n"
-        "print(json.dumps({'Version': 1, 'AccessKeyId': f'ASIAMINTED{n:010d}', 'SecretAccessKey': 's',"
-        " 'SessionToken': 't'}))\n")
-    config.write_text(f"[profile minted]\ncredential_process = {sys.executable} {script}\n")
+    runs, config = tmp_path / "runs", tmp_path / "config"
+    config.write_text(f"[profile minted]\ncredential_process = {minting_process(runs, tmp_path / 'p.py')}\n")
     server = S3Server("moto via proxy", proxy.endpoint_url,
                       {"AWS_SHARED_CREDENTIALS_FILE": str(tmp_path / "credentials"), "AWS_CONFIG_FILE": str(config),
                        "AWS_DEFAULT_REGION": TEST_REGION, "AWS_EC2_METADATA_DISABLED": "true"})

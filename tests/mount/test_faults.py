@@ -1296,7 +1296,6 @@ def test_an_outage_costs_new_names_one_timeout_not_one_each_and_they_resolve_onc
         assert time.monotonic() - began < timeout, time.monotonic() - began
 
 
-
 @pytest.mark.parametrize("how", ["umount -f", "fusectl abort"])
 def test_a_connection_aborted_by_someone_else_leaves_no_mount(moto_server: S3Server, mountpoint: Path,
                                                               how: str) -> None:

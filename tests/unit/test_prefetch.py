@@ -543,7 +543,6 @@ async def test_a_task_of_the_mount_that_fails_ends_the_session_and_a_push_waitin
     assert len(warnings) == 1 and "was aborted to end it" in warnings[0], warnings
 
 
-
 @pytest.mark.parametrize("claims", ["dropped", "failing", "hanging"])
 async def test_a_task_of_the_mount_that_fails_drops_its_claims_and_saves_the_names(
         monkeypatch, caplog, allowed_logs, claims) -> None:  # noqa: ANN001

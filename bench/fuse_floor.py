@@ -320,8 +320,9 @@ def tune_like_modelfs(mountpoint: str, max_background: int) -> str:
     logger.setLevel(logging.INFO)
     logger.addHandler(keep := Keep())
     try:
-        raise_kernel_readahead(mountpoint, READ_AHEAD_KB)
-        raise_fuse_background(mountpoint, max_background)
+        dev = os.stat(mountpoint).st_dev  # the mount answers (announce_ready's probe): its own device
+        raise_kernel_readahead(mountpoint, dev, READ_AHEAD_KB)
+        raise_fuse_background(mountpoint, dev, max_background)
     finally:
         logger.removeHandler(keep)
     return "; ".join(lines)

@@ -931,15 +931,21 @@ class Daemon:
         """Where a task of the mount failed (or the loop did), the drains of a clean end that are bounded on their own
         and lean on no task of the mount: the shared tier's claims dropped (CLAIM_DROP_S; others waited up to
         CLAIM_TTL_S for the chunks this node had claimed) and the names learnt saved (NAMES_SAVE_S; a remount while the
-        origin is away found those of the last round only). Each on its own: one that fails is logged, and neither
-        stops the error that ended the loop from going out (B140). The uploads' aborts and the cache writes' drain are
-        left out: they wait on the writes' and the engine's tasks, one of which may be the one that failed."""
-        for what, drain in (("the shared cache's claims could not be dropped", self._drop_claims),
+        origin is away found those of the last round only). Each on its own: one that fails is logged, and none
+        stops the error that ended the loop from going out (B140). And first the uploads of files still open, aborted
+        straight through the store within ABORT_ALL_S (`Writes.abort_after_failure`; their parts stayed in the bucket,
+        billed, B147). The cache writes' drain is left out: it waits on the engine's tasks, which may have failed."""
+        for what, drain in (("the uploads of files still open could not be aborted", self._abort_uploads_after_failure),
+                            ("the shared cache's claims could not be dropped", self._drop_claims),
                             ("the names learnt could not be saved", self._save_names_at_end)):
             try:
                 await drain()
             except Exception as exc:  # noqa: BLE001 - the loop's own error goes out; this one is only logged
                 log.warning("%s after the mount's failure: %r", what, exc)
+
+    async def _abort_uploads_after_failure(self) -> None:
+        if self.writes is not None:
+            await self.writes.abort_after_failure()
 
     async def _save_names_at_end(self) -> None:
         """The names learnt, saved once more at the end, within NAMES_SAVE_S."""

@@ -599,6 +599,16 @@ class NewFile:
             await self.abort()
             return True
 
+    def take_upload(self) -> tuple[str, str] | None:
+        """This file's upload under way, (key, upload id), handed over to be aborted without its tasks (the mount
+        failed: `Writes.abort_after_failure`); None if it has none, or its own abort took it first. Parts still in
+        flight then see it gone, as after `abort`."""
+        if self._upload_id is None:
+            return None
+        assert self._key is not None
+        upload_id, self._upload_id = self._upload_id, None
+        return self._key, upload_id
+
     async def abort(self) -> None:
         """Drop the upload and its parts (at a failure, unlink, or when the mount stops); the file leaves the tree.
         Parts still in flight fail on their own (the upload is gone) and release their memory then."""

@@ -493,6 +493,44 @@ class Writes:
             log.warning("%d uploads could not be aborted at unmount; `%s` removes them", len(self._open),
                         cleanup_command(self._origin, keys))
 
+    async def abort_after_failure(self) -> None:
+        """Where a task of the mount failed (or the loop did): the uploads of files still open, aborted straight
+        through the store, each in a thread of its own, all within ABORT_ALL_S (B147). Not through `abort_all`: a
+        file's abort there goes through `call`, whose limiter the abandoned threads of its parts may hold (the writes'
+        tasks are cancelled with the mount's nursery, and a part's request goes on in its thread), and it discards
+        the local copy first in line behind a stalled cache disk's writes; the next mount of the cache dir removes
+        those copies. A part that lands after the abort fails (the upload is gone). A file whose own abort was under
+        way keeps it (shielded, bounded, with its own warning)."""
+        files = list(self._files.values())
+        for new in files:
+            if not new.unlinked:
+                log.warning("%s was still being written when the mount failed: it is not stored (%d bytes written; "
+                            "its upload is aborted)", new.node.path, new.written)
+        taken = [(new, upload) for new in list(self._open) if (upload := new.take_upload()) is not None]
+        if not taken:
+            return
+        threads = trio.CapacityLimiter(len(taken))  # none of them waits for a thread another task left behind
+        # upload id -> (key, why it is not aborted yet)
+        left = {upload_id: (key, f"no answer in {ABORT_ALL_S:g} s") for _, (key, upload_id) in taken}
+
+        async def abort(new: NewFile, key: str, upload_id: str) -> None:
+            try:
+                await trio.to_thread.run_sync(within, time.monotonic() + ABORT_ALL_S, self.uploads.abort, key,
+                                              upload_id, limiter=threads, abandon_on_cancel=True)
+            except Exception as exc:  # noqa: BLE001 - one upload left, said below; the mount's own error goes out
+                left[upload_id] = (key, exc.message if isinstance(exc, StoreError) else repr(exc))
+                return
+            del left[upload_id]
+            self.unregister(new)
+
+        with trio.move_on_after(ABORT_ALL_S):
+            async with trio.open_nursery() as nursery:
+                for new, (key, upload_id) in taken:
+                    nursery.start_soon(abort, new, key, upload_id)
+        for key, reason in sorted(left.values()):
+            log.warning("the upload of %s could not be aborted after the mount's failure (%s); `%s` removes it", key,
+                        reason, cleanup_command(self._origin, [key]))
+
     # -- directories and names -------------------------------------------------------------------
 
     async def mkdir(self, parent: Node, name: bytes) -> Node:

@@ -49,6 +49,7 @@ from tests.helpers import (
     via,
     wait_for,
 )
+from tests.mount.test_faults import failing_task
 
 WRITE_ARGS = ("--writable", "--write-part-size", "5M", "--read-timeout", "5", "--max-connections", "4")
 
@@ -227,6 +228,29 @@ def test_stopping_the_daemon_aborts_the_uploads_of_files_still_open(seaweed_serv
         assert "half.bin was still being written when the mount stopped: it is not stored" in m.log()
     assert objects_in(s3, bucket) == []
     assert uploads_in(s3, bucket) == []
+    delete_bucket(s3, bucket)
+
+
+def test_a_task_of_the_mount_that_fails_aborts_the_uploads_of_files_still_open(moto_server: S3Server,
+                                                                            mountpoint: Path, tmp_path: Path) -> None:
+    """A task of the mount that fails (injected) with a file half written: the daemon stops on the error (B127, B140)
+    and its writer gets ENOTCONN, but the upload's parts stayed in the bucket, billed until `modelfs cleanup` or a
+    lifecycle rule removed them: a clean end's aborts wait on the writes' tasks, left out on that path. They are
+    aborted now, straight through the store, before the daemon exits (B147)."""
+    s3 = moto_server
+    wrap, fail_now = failing_task(tmp_path)
+    bucket = new_bucket(s3)
+    with mounted(s3, bucket, mountpoint, *WRITE_ARGS, check_log=False, wrap=wrap) as m:
+        with writer_with_parts_sent(mountpoint / "half.bin"):
+            assert uploads_in(s3, bucket) == ["half.bin"]
+            fail_now.touch()
+            assert m.proc.wait(30) != 0
+    log = m.log()
+    assert "daemon stopped on an error" in log and "a bug of a task of the mount's" in log, log[-4000:]
+    assert objects_in(s3, bucket) == []
+    assert uploads_in(s3, bucket) == [], log[-4000:]
+    assert "half.bin was still being written when the mount failed: it is not stored" in log, log[-4000:]
+    assert "could not be aborted" not in log, log[-4000:]
     delete_bucket(s3, bucket)
 
 

@@ -316,6 +316,36 @@ async def test_uploads_left_unaborted_are_named_with_the_cleanup_command_of_exac
                     f"--older-than 0` removes them"], said
 
 
+async def test_after_the_mount_s_failure_uploads_are_aborted_without_the_threads_its_parts_left(
+        allowed_logs: list[str]) -> None:
+    """A task of the mount failed: the writes' tasks are cancelled with its nursery, and the requests of the parts
+    in flight go on in their abandoned threads, each holding a slot of the writes' limiter (both here, stalled), so
+    an abort through `call` waits for one. The failure's abort goes straight through the store: done at once, and
+    the parts that land later fail (B147)."""
+    allowed_logs.append("was still being written when the mount failed")
+    writes, uploads, ns = make()
+    uploads.gate.clear()
+    try:
+        async with trio.open_nursery() as nursery:
+            await nursery.start(writes.run)
+            new = await new_file(writes, ns, b"x")
+            await new.write(0, bytes(11 * MiB))  # parts 1 and 2 sent, stalled in their threads
+            with trio.fail_after(5):
+                while writes._limiter.borrowed_tokens < 2:
+                    await trio.sleep(0.01)
+            nursery.cancel_scope.cancel()
+        with trio.move_on_after(0.5) as waited:
+            await writes.call(uploads.abort, "y", "u0")
+        assert waited.cancelled_caught, "the limiter had a slot: the test proves nothing"
+        start = trio.current_time()
+        await writes.abort_after_failure()
+        assert trio.current_time() - start < 2  # the parts' threads stall for 10 s
+        assert uploads.aborted == ["x"] and uploads.parts == {} and not writes._open
+        assert new.take_upload() is None  # its parts see the upload gone
+    finally:
+        uploads.gate.set()
+
+
 async def test_an_endpoint_that_refuses_connections_for_a_while_costs_a_write_only_time(
         allowed_logs: list[str], caplog: pytest.LogCaptureFixture) -> None:
     """A server restarting refuses connections: the requests of a file being written (its start, parts and

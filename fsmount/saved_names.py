@@ -17,8 +17,9 @@ model's). A file that cannot be read is logged and left out: the mount then know
 without a cache dir.
 
 Rules between tasks: every method but `save` runs in the trio thread; `save`s, in worker threads, write one at a time
-(`_writing`). A directory's entries are a dict of plain tuples changed in place; `snapshot` copies each (C-level dict
-copies, no encoding) so that the worker thread encodes what no task changes.
+(`_writing`), never an older snapshot over a newer one (`Snapshot.generation`, `_written` under `_writing`). A
+directory's entries are a dict of plain tuples changed in place; `snapshot` copies each (C-level dict copies, no
+encoding) so that the worker thread encodes what no task changes.
 """
 
 from __future__ import annotations
@@ -85,10 +86,19 @@ def _entry(saved: Saved) -> Entry:
     return (True, None) if is_dir else (False, ObjectMeta(key, size, etag, mtime_ns))
 
 
+@dataclasses.dataclass(frozen=True)
+class Snapshot:
+    """What `SavedNames.save` writes: the directories, copied, and the order it was taken in (1, 2, ...)."""
+    generation: int
+    dirs: dict[str, tuple[bool, dict[str, Saved]]]
+
+
 class SavedNames:
     def __init__(self, cache_dir: str, bucket: str, prefix: str):
         self.path = names_file(cache_dir, bucket, prefix)
         self._writing = threading.Lock()  # `save`'s, across worker threads
+        self._taken = 0  # snapshots taken (trio thread): each one's generation
+        self._written = 0  # the generation of the snapshot in the file (under `_writing`)
         self.bucket, self.prefix = bucket, prefix
         self._dirs: dict[str, SavedDir] = {}  # least recently used first (`_used`)
         self._count = 0
@@ -216,19 +226,24 @@ class SavedNames:
 
     # -- the file ----------------------------------------------------------------------------------
 
-    def snapshot(self) -> dict[str, tuple[bool, dict[str, Saved]]]:
-        """What `save` writes, copied (trio thread); clears `dirty`."""
+    def snapshot(self) -> Snapshot:
+        """What `save` writes, copied (trio thread), with its generation; clears `dirty`."""
         self.dirty = False
-        return {path: (d.complete, dict(d.entries)) for path, d in self._dirs.items()}
+        self._taken += 1
+        return Snapshot(self._taken, {path: (d.complete, dict(d.entries)) for path, d in self._dirs.items()})
 
-    def save(self, snapshot: dict[str, tuple[bool, dict[str, Saved]]]) -> None:
+    def save(self, snapshot: Snapshot) -> None:
         """Write a snapshot (a worker thread): a temp file, then a rename, so a crash leaves the old file or the
-        new one. Raises OSError (a full disk, a removed cache dir)."""
-        doc = {"format": FORMAT, "bucket": self.bucket, "prefix": self.prefix, "dirs": snapshot}
+        new one; nothing if the file holds a newer one already. Raises OSError (a full disk, a removed cache dir)."""
+        doc = {"format": FORMAT, "bucket": self.bucket, "prefix": self.prefix, "dirs": snapshot.dirs}
         data = json.dumps(doc, separators=(",", ":")).encode()
-        # One write of the temp file at a time, in the order they came: a save given up on (its thread abandoned: the
-        # loop's, cancelled as a task of the mount failed) may still be writing when the end's save starts (B140).
+        # One write of the temp file at a time: a save given up on (its thread abandoned: the loop's, cancelled as a
+        # task of the mount failed) may still be writing when the end's save starts (B140). And never an older
+        # snapshot over a newer one: each encodes its own before the lock, which is not first come first served, so
+        # the abandoned one could write after the end's, the daemon exiting with the older names (B148).
         with self._writing:
+            if snapshot.generation <= self._written:
+                return
             os.makedirs(os.path.dirname(self.path), mode=0o700, exist_ok=True)
             tmp = self.path + ".tmp"
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
@@ -237,6 +252,7 @@ class SavedNames:
                     f.write(data)
                     os.fsync(f.fileno())  # so a power loss leaves the old file or the new one, not an empty one (XFS)
                 os.replace(tmp, self.path)
+                self._written = snapshot.generation
             except BaseException:
                 with contextlib.suppress(OSError):
                     os.unlink(tmp)

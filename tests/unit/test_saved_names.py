@@ -121,6 +121,21 @@ def test_another_bucket_or_prefix_has_a_file_of_its_own(tmp_path: Path) -> None:
     assert len(paths) == 3
 
 
+def test_an_older_snapshot_saved_after_a_newer_one_does_not_replace_it(tmp_path: Path) -> None:
+    """A save given up on in its thread (the names task's, cancelled as a task of the mount failed) and the end's save,
+    of a newer snapshot, run side by side: each encodes its snapshot before it takes the lock, and a lock is not
+    first come first served, so the abandoned one can write after the end's, its older names over the newer file,
+    which the daemon then exits with (B148). Here it comes second."""
+    saved = SavedNames(str(tmp_path), "b", "")
+    listed(saved, "", {"a": file_entry("a")})
+    abandoned = saved.snapshot()
+    listed(saved, "", {"a": file_entry("a"), "b": file_entry("b")})
+    saved.save(saved.snapshot())  # the end's save
+    saved.save(abandoned)  # the abandoned thread, late
+    assert set(json.loads(Path(saved.path).read_bytes())["dirs"][""][1]) == {"a", "b"}
+    assert os.listdir(os.path.dirname(saved.path)) == [os.path.basename(saved.path)]  # no temp file left
+
+
 def test_a_failed_write_leaves_the_last_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     saved = SavedNames(str(tmp_path), "b", "")
     listed(saved, "", {"a": file_entry("a")})

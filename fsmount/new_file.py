@@ -135,6 +135,9 @@ class NewFile:
         # Its store was refused because another writer stored the key since the create found it free (`Exists`): a
         # mknod says EEXIST then, as a local disk does (a close can only say EIO).
         self.taken_meanwhile = False
+        # Its last request (the PUT, or the completion) was sent: a close cut short after that (the mount's end) may
+        # have stored it in its abandoned thread, whatever the writer was told (Writes._not_stored).
+        self.storing = False
         self.handles = 0  # open file handles on it
         self.opener: int | None = None  # the process that opened it (holders.py), None where unknown
         # A descriptor of it was closed while it was still empty and nothing was written since: it is stored
@@ -543,6 +546,7 @@ class NewFile:
         save then got EPERM). So the bucket is asked: a key that holds exactly this file (`expected`: its ETag,
         None where it cannot be told) is the file stored."""
         writes = self._writes
+        self.storing = True
         try:
             return await writes.call(fn, *args)
         except (Unreachable, TimedOut):

@@ -478,10 +478,7 @@ class Writes:
     async def abort_all(self) -> None:
         """At unmount: the uploads of files never closed are aborted."""
         files = list(self._files.values())
-        for new in files:
-            if not new.unlinked:
-                log.warning("%s was still being written when the mount stopped: it is not stored (%d bytes "
-                            "written; its upload is aborted)", new.node.path, new.written)
+        self._not_stored(files, "stopped")
         # All at once: each abort waits up to ABORT_TIMEOUT_S, shielded, so one after another N stalled ones took N
         # times that, past the stop's budget (a helper's reading).
         with trio.move_on_after(ABORT_ALL_S):
@@ -493,6 +490,21 @@ class Writes:
             log.warning("%d uploads could not be aborted at unmount; `%s` removes them", len(self._open),
                         cleanup_command(self._origin, keys))
 
+    @staticmethod
+    def _not_stored(files: list[NewFile], end: str) -> None:
+        """The warning for each file still being written as the mount ended (`end`: "stopped", "failed"). One whose
+        close was cut short once its last request was sent may be stored all the same, that request landing in its
+        abandoned thread before the end's abort: said so, not "not stored" (B154)."""
+        for new in files:
+            if new.unlinked:
+                continue
+            if new.storing:
+                log.warning("%s was being stored when the mount %s (its close was cut short): the bucket may or may "
+                            "not hold it (%d bytes written)", new.node.path, end, new.written)
+            else:
+                log.warning("%s was still being written when the mount %s: it is not stored (%d bytes written; its "
+                            "upload is aborted)", new.node.path, end, new.written)
+
     async def abort_after_failure(self) -> None:
         """Where a task of the mount failed (or the loop did): the uploads of files still open, aborted straight
         through the store, each in a thread of its own, all within ABORT_ALL_S (B147). Not through `abort_all`: a
@@ -501,11 +513,7 @@ class Writes:
         the local copy first in line behind a stalled cache disk's writes; the next mount of the cache dir removes
         those copies. A part that lands after the abort fails (the upload is gone). A file whose own abort was under
         way keeps it (shielded, bounded, with its own warning)."""
-        files = list(self._files.values())
-        for new in files:
-            if not new.unlinked:
-                log.warning("%s was still being written when the mount failed: it is not stored (%d bytes written; "
-                            "its upload is aborted)", new.node.path, new.written)
+        self._not_stored(list(self._files.values()), "failed")
         taken = [(new, upload) for new in list(self._open) if (upload := new.take_upload()) is not None]
         if not taken:
             return

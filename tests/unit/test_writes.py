@@ -346,6 +346,47 @@ async def test_after_the_mount_s_failure_uploads_are_aborted_without_the_threads
         uploads.gate.set()
 
 
+@pytest.mark.parametrize("end", ["failed", "stopped"])
+async def test_a_file_whose_close_was_storing_it_as_the_mount_ended_is_not_said_to_be_unstored(
+        end: str, allowed_logs: list[str], caplog: pytest.LogCaptureFixture) -> None:
+    """The close of a file is completing its upload as the mount ends: a task of the mount fails (no grace: the close
+    is cut short at once), or a stop's grace runs out. The completion goes on in its abandoned thread and lands, the
+    file stored; the end's abort then finds no upload. The end's warning said "it is not stored (...; its upload is
+    aborted)" for a file the bucket held whole (B154)."""
+    allowed_logs.append(f"when the mount {end}")
+    writes, uploads, ns = make()
+    sent, land = threading.Event(), threading.Event()
+    finish = uploads.finish
+
+    def held_finish(*args: Any) -> str:
+        sent.set()
+        land.wait(10)
+        return finish(*args)
+
+    uploads.finish = held_finish  # type: ignore[method-assign]
+    try:
+        async with trio.open_nursery() as nursery:
+            await nursery.start(writes.run)
+            new = await new_file(writes, ns, b"x")
+            await new.write(0, bytes(11 * MiB))  # parts 1 and 2: a multipart upload
+            nursery.start_soon(new.commit)  # the close
+            with trio.fail_after(5):
+                while not sent.is_set():
+                    await trio.sleep(0.01)
+            nursery.cancel_scope.cancel()  # the close cut short, its completion left in its thread
+        land.set()
+        with trio.fail_after(5):
+            while "x" not in uploads.objects:
+                await trio.sleep(0.01)
+        await (writes.abort_after_failure() if end == "failed" else writes.abort_all())
+    finally:
+        land.set()
+    said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("x ")]
+    assert said == [f"x was being stored when the mount {end} (its close was cut short): the bucket may or may not "
+                    f"hold it ({11 * MiB} bytes written)"], said
+    assert uploads.objects["x"] == bytes(11 * MiB)
+
+
 async def test_an_endpoint_that_refuses_connections_for_a_while_costs_a_write_only_time(
         allowed_logs: list[str], caplog: pytest.LogCaptureFixture) -> None:
     """A server restarting refuses connections: the requests of a file being written (its start, parts and

@@ -88,7 +88,11 @@ def files_under(paths: list[str]) -> Iterator[tuple[str, str, int]]:
 def warm(paths: list[str], *, keep_pagecache: bool = True, threads: int = THREADS,
          progress: bool = True) -> int:
     """Read every file under `paths`; returns bytes read. A file that cannot be opened or read does not stop the
-    others: WarmError at the end names the files that failed (a stale shard left a fleet warm-up mostly cold)."""
+    others, nor does a path given that cannot be found (a stale shard named on the command line read nothing at all):
+    PartlyWarmed at the end names what failed (a stale shard left a fleet warm-up mostly cold). Only where no path
+    given can be found, or one is not on a modelfs mount or its daemon is gone, is it WarmError before any read."""
+    failures: list[str] = []
+    found: list[str] = []
     for path in paths:
         try:
             os.stat(path)
@@ -97,15 +101,19 @@ def warm(paths: list[str], *, keep_pagecache: bool = True, threads: int = THREAD
             if exc.errno == errno.ENOTCONN:
                 raise WarmError(f"{path}: the daemon of its mount is gone (transport endpoint is not connected); "
                                 "`modelfs unmount` it and mount again") from None
-            raise WarmError(f"{path}: {exc.strerror.lower() if exc.strerror else exc}") from None
+            failures.append(f"{path}: {exc.strerror.lower() if exc.strerror else exc}")
+            continue
         if mount_fstype(path) != MODELFS_FSTYPE:
             raise WarmError(f"{path} is not on a modelfs mount")
+        found.append(path)
+    if not found:
+        raise WarmError("; ".join(failures))
     try:
         # Each file once, however many of the paths name it (a directory and a file in it, a path twice, a symlink to
         # the mount beside the mount's own path).
-        files = list({where: (path, size) for path, where, size in files_under(paths)}.values())
+        files = list({where: (path, size) for path, where, size in files_under(found)}.values())
     except OSError as exc:
-        raise WarmError(f"{exc.filename or paths[0]}: {exc.strerror or exc}") from None
+        raise WarmError(f"{exc.filename or found[0]}: {exc.strerror or exc}") from None
     total = sum(size for _, size in files)
     bar = None
     if progress:
@@ -115,7 +123,6 @@ def warm(paths: list[str], *, keep_pagecache: bool = True, threads: int = THREAD
                    file=sys.stderr, dynamic_ncols=True)
     lock = threading.Lock()
     done = 0
-    failures: list[str] = []
 
     def read_block(fd: int, offset: int, size: int) -> None:
         nonlocal done
@@ -180,8 +187,10 @@ def warm(paths: list[str], *, keep_pagecache: bool = True, threads: int = THREAD
     if failures:
         named = "; ".join(failures[:FAILURES_NAMED])
         more = f"; and {len(failures) - FAILURES_NAMED} more" if len(failures) > FAILURES_NAMED else ""
-        raise PartlyWarmed(f"{len(failures)} of {len(files)} files could not be read ({named}{more}); the other "
-                           f"{len(files) - len(failures)} were", done)
+        # A path not found counts as one file that could not be read.
+        given = len(files) + len(paths) - len(found)
+        raise PartlyWarmed(f"{len(failures)} of {given} files could not be read ({named}{more}); the other "
+                           f"{given - len(failures)} were", done)
     return done
 
 

@@ -336,6 +336,10 @@ def test_modelfs_prefetch_command_warms_the_cache(moto_server: S3Server, mountpo
         assert res.returncode == 1 and "not on a modelfs mount" in res.stderr
         res = run_modelfs("prefetch", str(mountpoint / "nope"), timeout=None)
         assert res.returncode == 1 and "no such file" in res.stderr
+        # A path not found among others does not stop them (B143).
+        res = run_modelfs("prefetch", str(mountpoint / "model" / "shard-2.bin"), str(mountpoint / "nope"), timeout=None)
+        assert res.returncode == 1 and "1 of 2 files could not be read" in res.stderr, res.stderr
+        assert f"prefetched {len(payload['model/shard-2.bin'])} bytes" in res.stdout, res.stdout
     stored = sum(f.stat().st_size for f in (cache / "chunks").rglob("*") if f.is_file())
     assert stored >= sum(map(len, payload.values()))
     assert "origin requests=" in m.log()

@@ -354,6 +354,29 @@ def test_prefetch_reads_small_files_side_by_side(monkeypatch: pytest.MonkeyPatch
     assert partly.value.done == 15 * 4096
 
 
+def test_prefetch_of_several_paths_warms_the_others_when_one_is_not_found(monkeypatch: pytest.MonkeyPatch,
+                                                                          tmp_path) -> None:  # noqa: ANN001
+    """`modelfs prefetch A B C` with B not in the bucket (a shard renamed since the warm-up script was written) read
+    nothing at all, A and C included: a path not found stopped the command before any read, where the README says a
+    file it cannot read does not stop the others. Now B is named at the end (exit 1) and A and C are warmed; a prefetch
+    of nothing that can be found still fails at once."""
+    import fsmount.prefetch_command as pc
+
+    monkeypatch.setattr(pc, "mount_fstype", lambda path: pc.MODELFS_FSTYPE)
+    (tmp_path / "model").mkdir()
+    for i in range(3):
+        (tmp_path / "model" / f"shard-{i}").write_bytes(bytes([i]) * (4096 + i))
+    (tmp_path / "config.json").write_bytes(b"{}")
+    gone = str(tmp_path / "renamed-shard")
+    with pytest.raises(pc.PartlyWarmed, match=rf"1 of 5 files could not be read \({re.escape(gone)}: no such file "
+                                             r"or directory\); the other 4 were$") as partly:
+        pc.warm([str(tmp_path / "model"), gone, str(tmp_path / "config.json")], threads=2, progress=False)
+    assert partly.value.done == 3 * 4096 + 3 + 2
+    with pytest.raises(pc.WarmError, match=rf"^{re.escape(gone)}: no such file or directory$") as alone:
+        pc.warm([gone], threads=2, progress=False)
+    assert not isinstance(alone.value, pc.PartlyWarmed)
+
+
 def test_prefetch_reads_a_file_named_through_a_symlink_and_by_its_path_once(monkeypatch: pytest.MonkeyPatch,
                                                                             tmp_path) -> None:  # noqa: ANN001
     """`modelfs prefetch ~/models /models` with ~/models a symlink to the mount read every file twice and counted it

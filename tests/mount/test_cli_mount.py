@@ -289,6 +289,37 @@ def test_background_mount_returns_when_ready_and_unmount(moto_server: S3Server, 
     assert "mounted bucket" in log.read_text()
 
 
+def test_unmount_of_a_busy_mount_names_what_holds_it(moto_server: S3Server, tmp_path: Path) -> None:
+    """`modelfs unmount` of a mount that a shell had `cd`'d into said "files are open: close them or use --lazy", with
+    no file open anywhere: the user was sent looking for files. It names the processes that hold it, and how (B144)."""
+    bucket = bucket_with(moto_server, {"m/model.bin": b"x" * 4096})
+    mp = tmp_path / "mnt"
+    mp.mkdir()
+    try:
+        res = run_modelfs("mount", bucket, str(mp), "--endpoint-url", moto_server.endpoint_url,
+                          "--log-file", str(tmp_path / "daemon.log"), env=daemon_env(moto_server))
+        assert res.returncode == 0, res.stderr
+        in_it = subprocess.Popen(["sleep", "60"], cwd=mp / "m")
+        reader = subprocess.Popen([sys.executable, "-c", "import sys, time; f = open(sys.argv[1], 'rb'); "
+                                   "print('open', flush=True); time.sleep(60)", str(mp / "m" / "model.bin")],
+                                  stdout=subprocess.PIPE, text=True)
+        try:
+            assert reader.stdout is not None and reader.stdout.readline() == "open\n"
+            res = run_modelfs("unmount", str(mp))
+            assert res.returncode == 1, res.stderr
+            assert f"in use by sleep (pid {in_it.pid}: working directory), " in res.stderr, res.stderr
+            assert f"(pid {reader.pid}: 1 open file)" in res.stderr, res.stderr
+            assert "files are open" not in res.stderr
+        finally:
+            for proc in (in_it, reader):
+                proc.kill()
+                proc.wait()
+        res = run_modelfs("unmount", str(mp))
+        assert res.returncode == 0, res.stderr
+    finally:
+        unmount(mp)
+
+
 def test_unmount_leaves_a_mount_that_is_not_modelfs_alone(tmp_path: Path) -> None:
     """fusermount3, run as root, unmounts whatever is mounted there: `modelfs unmount /data` by mistake took a
     disk away. Only a modelfs mount is unmounted."""

@@ -437,8 +437,11 @@ def make_parser() -> argparse.ArgumentParser:
     c = sub.add_parser("cache", help="inspect or empty a local chunk cache directory")
     c.add_argument("action", choices=("stats", "clear", "verify"),
                    help="stats: size and chunks; verify: check every chunk against its hash and delete the corrupt "
-                        "ones (exit 1 if any); clear: delete every chunk. verify and clear refuse while a mount "
-                        "uses the directory")
+                        "ones (exit 1 if any) and those of another version's format; clear: delete every chunk, and "
+                        "with them the copies a killed --writable mount left in writes/ and the names mounts learnt "
+                        "in names/ (what a mount started while the origin is unreachable serves from). verify and "
+                        "clear refuse while a mount uses the directory (`rm -rf CACHE_DIR/chunks` frees its disk "
+                        "then)")
     c.add_argument("cache_dir")
     u = sub.add_parser("unmount", aliases=["umount"], help="unmount a modelfs mount")
     u.add_argument("mountpoint")

@@ -354,6 +354,20 @@ def test_prefetch_reads_small_files_side_by_side(monkeypatch: pytest.MonkeyPatch
     assert partly.value.done == 15 * 4096
 
 
+def test_cache_help_says_what_clear_removes_beside_the_chunks(capsys: pytest.CaptureFixture[str]) -> None:
+    """`modelfs cache --help` said "clear: delete every chunk": it also deletes the names kept in names/, with which a
+    mount started while the origin is unreachable comes up (README "While the origin is unreachable"), and the copies
+    a killed --writable mount left in writes/; and verify also deletes chunks of another version's format (B145)."""
+    with pytest.raises(SystemExit) as done:
+        cli.main(["cache", "--help"])
+    assert done.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert "clear: delete every chunk, and with them the copies a killed --writable mount left in writes/ and the " \
+           "names mounts learnt in names/" in text, text
+    assert "and those of another version's format" in text
+    assert "`rm -rf CACHE_DIR/chunks` frees its disk then" in text
+
+
 def test_prefetch_of_several_paths_warms_the_others_when_one_is_not_found(monkeypatch: pytest.MonkeyPatch,
                                                                           tmp_path) -> None:  # noqa: ANN001
     """`modelfs prefetch A B C` with B not in the bucket (a shard renamed since the warm-up script was written) read

@@ -231,8 +231,10 @@ def pending_writes(mountpoint: str) -> int:
 
 
 def mounts_of(paths: list[str]) -> list[str]:
-    """The mount points holding `paths`, each once."""
-    return sorted({mount_of(path)[0] for path in paths})
+    """The modelfs mount points holding `paths`, each once. Not the mount of a path given that was not found, on
+    another file system (`modelfs prefetch /models/m /tmp/typo`): `warm` named it, and its mount has no daemon to
+    wait for."""
+    return sorted({mnt for mnt, fstype in map(mount_of, paths) if fstype == MODELFS_FSTYPE})
 
 
 def unwritten(paths: list[str]) -> int:

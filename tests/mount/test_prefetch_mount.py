@@ -340,6 +340,10 @@ def test_modelfs_prefetch_command_warms_the_cache(moto_server: S3Server, mountpo
         res = run_modelfs("prefetch", str(mountpoint / "model" / "shard-2.bin"), str(mountpoint / "nope"), timeout=None)
         assert res.returncode == 1 and "1 of 2 files could not be read" in res.stderr, res.stderr
         assert f"prefetched {len(payload['model/shard-2.bin'])} bytes" in res.stdout, res.stdout
+        # Not on the mount either: named as not found, not its file system said to be no modelfs mount.
+        res = run_modelfs("prefetch", str(mountpoint / "model" / "shard-2.bin"), str(tmp_path / "nope"), timeout=None)
+        assert res.returncode == 1 and f"1 of 2 files could not be read ({tmp_path / 'nope'}: no such file" \
+            in res.stderr, res.stderr
     stored = sum(f.stat().st_size for f in (cache / "chunks").rglob("*") if f.is_file())
     assert stored >= sum(map(len, payload.values()))
     assert "origin requests=" in m.log()

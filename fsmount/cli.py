@@ -645,16 +645,17 @@ def cmd_unmount(args: argparse.Namespace) -> int:
     return 0
 
 
-def mapped_paths(maps: str) -> set[str]:
-    """The paths of the files a process maps (its /proc/PID/maps: the sixth field, where there is one)."""
+def mapped_paths(maps: str, dev: tuple[int, int]) -> set[str]:
+    """The paths of the files a process maps from the file system of device `dev` (major, minor): its
+    /proc/PID/maps, the sixth field where there is one and the fourth (the device, in hexadecimal) is `dev`."""
     found = set()
     try:
         with open(maps, "rb") as f:
             for line in f:
                 fields = line.rstrip(b"\n").split(maxsplit=5)
-                if len(fields) == 6:
+                if len(fields) == 6 and tuple(int(n, 16) for n in fields[3].split(b":")) == dev:
                     found.add(os.fsdecode(fields[5]).removesuffix(" (deleted)"))
-    except OSError:
+    except (OSError, ValueError):
         pass
     return found
 
@@ -663,45 +664,103 @@ def mapped_paths(maps: str) -> set[str]:
 MOUNT_USERS_NAMED = 5
 
 
-def mount_users(mountpoint: str, proc: str = "/proc") -> list[str]:
-    """What keeps `mountpoint` busy, as 'NAME (pid N: what)', from /proc alone: the links there are paths the kernel
-    writes itself, so nothing asks the mount's daemon (which may be stopped or hung). This process is left out (a
-    `modelfs unmount .` run from inside the mount: its shell, which made it so, is named). A process in another
-    mount namespace, or one this user may not inspect, is not seen."""
+def mount_at(mountpoint: str, mountinfo: str = "/proc/self/mountinfo") -> tuple[int, tuple[int, int]] | None:
+    """(mount id, device (major, minor)) of the mount at `mountpoint`: the one on top where mounts are stacked
+    there, as `umount` takes it; None if nothing is mounted there."""
+    from fsmount.prefetch_command import MOUNTINFO_ESCAPE
+
+    found = None
+    try:
+        with open(mountinfo, "rb") as f:
+            for line in f:
+                fields = line.split()
+                if os.fsdecode(MOUNTINFO_ESCAPE.sub(lambda m: bytes([int(m[1], 8)]), fields[4])) == mountpoint:
+                    major, minor = fields[2].split(b":")
+                    found = (int(fields[0]), (int(major), int(minor)))
+    except (OSError, ValueError):
+        return None
+    return found
+
+
+def fd_mount_id(fdinfo: str) -> int | None:
+    """The mount id in a /proc/PID/fdinfo/N: the mount the descriptor's file was opened through."""
+    try:
+        with open(fdinfo, "rb") as f:
+            for line in f:
+                if line.startswith(b"mnt_id:"):
+                    return int(line.split()[1])
+    except (OSError, ValueError):
+        pass
+    return None
+
+
+def link_mount_id(link: str) -> int | None:
+    """The mount id of where /proc/PID/cwd or /proc/PID/root leads. Opened O_PATH: the kernel jumps to the
+    directory the process holds, and nothing asks its file system (a stopped daemon is never waited for)."""
+    try:
+        fd = os.open(link, os.O_PATH | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        return fd_mount_id(f"/proc/self/fdinfo/{fd}")
+    finally:
+        os.close(fd)
+
+
+def mount_users(mountpoint: str) -> list[str]:
+    """What keeps `mountpoint` busy, as 'NAME (pid N: what)', from /proc alone: nothing asks the mount's daemon
+    (which may be stopped or hung). A path under the mountpoint is not enough: a shell whose working directory
+    was the mountpoint's own directory before the mount shows the same path, and does not hold the mount. So a
+    working directory, root or open file counts where its mount id is the mount's, and a mapped file where its
+    device is. This process is left out (a `modelfs unmount .` run from inside the mount: its shell, which made it
+    so, is named). A process in another mount namespace, or one this user may not inspect, is not seen."""
+    mount = mount_at(mountpoint)
+    if mount is None:
+        return []
+    mnt_id, dev = mount
     inside = mountpoint.rstrip("/") + "/"
 
     def under(target: str) -> bool:
         return target == mountpoint or target.startswith(inside)
 
-    def links(pid: str, what: str) -> list[str]:
+    def holds(pid: str, what: str) -> bool:
         try:
-            names = os.listdir(f"{proc}/{pid}/{what}") if what == "fd" else [""]
+            target = os.readlink(f"/proc/{pid}/{what}")
         except OSError:
-            return []
-        found = []
-        for name in names:
+            return False
+        return under(target.removesuffix(" (deleted)")) and link_mount_id(f"/proc/{pid}/{what}") == mnt_id
+
+    def open_files(pid: str) -> int:
+        try:
+            fds = os.listdir(f"/proc/{pid}/fd")
+        except OSError:
+            return 0
+        count = 0
+        for fd in fds:
             try:
-                found.append(os.readlink(f"{proc}/{pid}/{what}/{name}" if name else f"{proc}/{pid}/{what}"))
+                target = os.readlink(f"/proc/{pid}/fd/{fd}")
             except OSError:
                 continue
-        return found
+            if under(target.removesuffix(" (deleted)")) and fd_mount_id(f"/proc/{pid}/fdinfo/{fd}") == mnt_id:
+                count += 1
+        return count
 
     named: list[str] = []
     more = 0
     try:
-        pids = sorted((e for e in os.listdir(proc) if e.isdigit() and int(e) != os.getpid()), key=int)
+        pids = sorted((e for e in os.listdir("/proc") if e.isdigit() and int(e) != os.getpid()), key=int)
     except OSError:
         return []
     for pid in pids:
         what = []
-        if any(under(t) for t in links(pid, "cwd")):
+        if holds(pid, "cwd"):
             what.append("working directory")
-        if any(under(t) for t in links(pid, "root")):
+        if holds(pid, "root"):
             what.append("root directory")
-        open_files = sum(under(t.removesuffix(" (deleted)")) for t in links(pid, "fd"))
-        if open_files:
-            what.append(f"{open_files} open file{'s' if open_files > 1 else ''}")
-        if any(under(t) for t in mapped_paths(f"{proc}/{pid}/maps")):
+        count = open_files(pid)
+        if count:
+            what.append(f"{count} open file{'s' if count > 1 else ''}")
+        if any(under(t) for t in mapped_paths(f"/proc/{pid}/maps", dev)):
             what.append("mapped files")
         if not what:
             continue
@@ -709,7 +768,7 @@ def mount_users(mountpoint: str, proc: str = "/proc") -> list[str]:
             more += 1
             continue
         try:
-            with open(f"{proc}/{pid}/comm", "rb") as f:
+            with open(f"/proc/{pid}/comm", "rb") as f:
                 name = os.fsdecode(f.read().strip()) or "?"
         except OSError:
             name = "?"

@@ -320,6 +320,50 @@ def test_unmount_of_a_busy_mount_names_what_holds_it(moto_server: S3Server, tmp_
         unmount(mp)
 
 
+def test_unmount_of_a_busy_mount_names_only_what_holds_it(moto_server: S3Server, tmp_path: Path) -> None:
+    """A shell whose working directory was the mountpoint's own directory before the mount (`cd /models; modelfs
+    mount BUCKET /models`) shows the same path in /proc and does not hold the mount: the busy unmount named it
+    among the holders, and told the user to stop it. Holders are told by the mount they hold, not by a path (a
+    mapping by the mount's device). All of it without asking the daemon: it is stopped."""
+    bucket = bucket_with(moto_server, {"m/model.bin": b"x" * 8192})
+    mp = tmp_path / "mnt"
+    mp.mkdir()
+    beneath = subprocess.Popen(["sleep", "60"], cwd=mp)
+    procs = [beneath]
+    try:
+        res = run_modelfs("mount", bucket, str(mp), "--endpoint-url", moto_server.endpoint_url,
+                          "--log-file", str(tmp_path / "daemon.log"), env=daemon_env(moto_server))
+        assert res.returncode == 0, res.stderr
+        in_it = subprocess.Popen(["sleep", "60"], cwd=mp / "m")
+        procs.append(in_it)
+        mapper = subprocess.Popen([sys.executable, "-c", "import mmap, sys, time; f = open(sys.argv[1], 'rb'); "
+                                   "m = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ); f.close(); m[0]; "  # keeps a dup
+                                   "print('mapped', flush=True); time.sleep(60)", str(mp / "m" / "model.bin")],
+                                  stdout=subprocess.PIPE, text=True)
+        procs.append(mapper)
+        assert mapper.stdout is not None and mapper.stdout.readline() == "mapped\n"
+        daemon = daemon_pid(mp)
+        os.kill(daemon, signal.SIGSTOP)
+        try:
+            res = run_modelfs("unmount", str(mp), timeout=20)
+        finally:
+            os.kill(daemon, signal.SIGCONT)
+        assert res.returncode == 1, res.stderr
+        assert f"sleep (pid {in_it.pid}: working directory)" in res.stderr, res.stderr
+        assert f"(pid {mapper.pid}: 1 open file, mapped files)" in res.stderr, res.stderr
+        assert f"pid {beneath.pid}" not in res.stderr, res.stderr
+        for proc in procs[1:]:
+            proc.kill()
+            proc.wait()
+        res = run_modelfs("unmount", str(mp))
+        assert res.returncode == 0, res.stderr
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait()
+        unmount(mp)
+
+
 def test_unmount_leaves_a_mount_that_is_not_modelfs_alone(tmp_path: Path) -> None:
     """fusermount3, run as root, unmounts whatever is mounted there: `modelfs unmount /data` by mistake took a
     disk away. Only a modelfs mount is unmounted."""

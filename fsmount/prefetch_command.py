@@ -106,8 +106,8 @@ def warm(paths: list[str], *, keep_pagecache: bool = True, threads: int = THREAD
         if mount_fstype(path) != MODELFS_FSTYPE:
             raise WarmError(f"{path} is not on a modelfs mount")
         found.append(path)
-    if not found:
-        raise WarmError("; ".join(failures))
+    if not found:  # named as the failures at the end are: a stale list of 60 shards made a 60-path message
+        raise WarmError(_named(failures))
     try:
         # Each file once, however many of the paths name it (a directory and a file in it, a path twice, a symlink to
         # the mount beside the mount's own path).
@@ -185,13 +185,17 @@ def warm(paths: list[str], *, keep_pagecache: bool = True, threads: int = THREAD
         if bar is not None:
             bar.close()
     if failures:
-        named = "; ".join(failures[:FAILURES_NAMED])
-        more = f"; and {len(failures) - FAILURES_NAMED} more" if len(failures) > FAILURES_NAMED else ""
         # A path not found counts as one file that could not be read.
         given = len(files) + len(paths) - len(found)
-        raise PartlyWarmed(f"{len(failures)} of {given} files could not be read ({named}{more}); the other "
+        raise PartlyWarmed(f"{len(failures)} of {given} files could not be read ({_named(failures)}); the other "
                            f"{given - len(failures)} were", done)
     return done
+
+
+def _named(failures: list[str]) -> str:
+    """The first FAILURES_NAMED of `failures`, and how many more."""
+    more = f"; and {len(failures) - FAILURES_NAMED} more" if len(failures) > FAILURES_NAMED else ""
+    return "; ".join(failures[:FAILURES_NAMED]) + more
 
 
 def _reason(exc: BaseException) -> str:

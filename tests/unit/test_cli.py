@@ -391,6 +391,21 @@ def test_prefetch_of_several_paths_warms_the_others_when_one_is_not_found(monkey
     assert not isinstance(alone.value, pc.PartlyWarmed)
 
 
+def test_prefetch_of_many_paths_none_found_names_a_few(monkeypatch: pytest.MonkeyPatch,
+                                                      tmp_path) -> None:  # noqa: ANN001
+    """`modelfs prefetch` of a warm-up list gone stale (a model renamed: none of its 60 shards is there) failed with
+    every path named in one line, where a prefetch names 5 failures and counts the rest."""
+    import fsmount.prefetch_command as pc
+
+    monkeypatch.setattr(pc, "mount_fstype", lambda path: pc.MODELFS_FSTYPE)
+    gone = [str(tmp_path / f"shard-{i:05d}") for i in range(60)]
+    with pytest.raises(pc.WarmError) as failed:
+        pc.warm(gone, threads=2, progress=False)
+    assert not isinstance(failed.value, pc.PartlyWarmed)
+    assert str(failed.value) == "; ".join(f"{p}: no such file or directory" for p in gone[:pc.FAILURES_NAMED]) + \
+        f"; and {60 - pc.FAILURES_NAMED} more"
+
+
 def test_prefetch_reads_a_file_named_through_a_symlink_and_by_its_path_once(monkeypatch: pytest.MonkeyPatch,
                                                                             tmp_path) -> None:  # noqa: ANN001
     """`modelfs prefetch ~/models /models` with ~/models a symlink to the mount read every file twice and counted it

@@ -638,7 +638,12 @@ def cmd_unmount(args: argparse.Namespace) -> int:
         hint = ""
         if "busy" in reason.lower():
             users = mount_users(path)
-            hint = (f" (in use by {', '.join(users)}: stop them, or leave the mount, or use --lazy)" if users else
+            inside = mounts_inside(path)
+            said = ([f"in use by {', '.join(users)}"] if users else []) + \
+                ([f"{'a mount' if len(inside) == 1 else 'mounts'} inside it: {', '.join(inside)}"] if inside else [])
+            todo = (["stop them, or leave the mount"] if users else []) + \
+                ([f"unmount {'it' if len(inside) == 1 else 'them'} first"] if inside else [])
+            hint = (f" ({'; '.join(said)}: {', or '.join(todo)}, or use --lazy)" if said else
                     " (in use: a process has a file in it open or mapped, or its working directory there: close them "
                     "or use --lazy)")
         return fail(f"cannot unmount {args.mountpoint}: {reason}{hint}")
@@ -679,6 +684,27 @@ def mount_at(mountpoint: str, mountinfo: str = "/proc/self/mountinfo") -> tuple[
                     found = (int(fields[0]), (int(major), int(minor)))
     except (OSError, ValueError):
         return None
+    return found
+
+
+def mounts_inside(mountpoint: str, mountinfo: str = "/proc/self/mountinfo") -> list[str]:
+    """The mounts made on a directory of the mount at `mountpoint`, as 'PATH (TYPE)': each keeps it busy, whoever
+    uses it. Only those mounted on it directly (the ones below them are theirs to unmount)."""
+    from fsmount.prefetch_command import MOUNTINFO_ESCAPE
+
+    mount = mount_at(mountpoint, mountinfo)
+    if mount is None:
+        return []
+    found = []
+    try:
+        with open(mountinfo, "rb") as f:
+            for line in f:
+                fields = line.split()
+                if int(fields[1]) == mount[0]:
+                    path = os.fsdecode(MOUNTINFO_ESCAPE.sub(lambda m: bytes([int(m[1], 8)]), fields[4]))
+                    found.append(f"{path} ({os.fsdecode(fields[fields.index(b'-') + 1])})")
+    except (OSError, ValueError):
+        return []
     return found
 
 

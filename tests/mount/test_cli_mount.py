@@ -364,6 +364,42 @@ def test_unmount_of_a_busy_mount_names_only_what_holds_it(moto_server: S3Server,
         unmount(mp)
 
 
+def test_unmount_of_a_mount_with_a_mount_inside_says_so(moto_server: S3Server, tmp_path: Path) -> None:
+    """A mount made on a directory of the mount (another file system over one of its directories) keeps it busy
+    with no process using it: the busy unmount spoke of open files and working directories, and named nothing. It
+    names the mount inside, and still the processes using the mount."""
+    bucket = bucket_with(moto_server, {"m/model.bin": b"x" * 4096})
+    mp = tmp_path / "mnt"
+    mp.mkdir()
+    in_it = None
+    try:
+        res = run_modelfs("mount", bucket, str(mp), "--endpoint-url", moto_server.endpoint_url,
+                          "--log-file", str(tmp_path / "daemon.log"), env=daemon_env(moto_server))
+        assert res.returncode == 0, res.stderr
+        subprocess.run(["mount", "-t", "tmpfs", "tmpfs", str(mp / "m")], check=True)
+        try:
+            res = run_modelfs("unmount", str(mp))
+            assert res.returncode == 1, res.stderr
+            assert f"(a mount inside it: {mp / 'm'} (tmpfs): unmount it first, or use --lazy)" in res.stderr, \
+                res.stderr
+            in_it = subprocess.Popen(["sleep", "60"], cwd=mp)
+            res = run_modelfs("unmount", str(mp))
+            assert res.returncode == 1, res.stderr
+            assert f"(in use by sleep (pid {in_it.pid}: working directory); a mount inside it: {mp / 'm'} (tmpfs): " \
+                "stop them, or leave the mount, or unmount it first, or use --lazy)" in res.stderr, res.stderr
+        finally:
+            subprocess.run(["umount", str(mp / "m")], check=True)
+        in_it.kill()
+        in_it.wait()
+        res = run_modelfs("unmount", str(mp))
+        assert res.returncode == 0, res.stderr
+    finally:
+        if in_it is not None:
+            in_it.kill()
+            in_it.wait()
+        unmount(mp)
+
+
 def test_unmount_leaves_a_mount_that_is_not_modelfs_alone(tmp_path: Path) -> None:
     """fusermount3, run as root, unmounts whatever is mounted there: `modelfs unmount /data` by mistake took a
     disk away. Only a modelfs mount is unmounted."""

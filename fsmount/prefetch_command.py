@@ -28,6 +28,11 @@ WRITES_POLL_S = 0.2
 MOUNTINFO_ESCAPE = re.compile(rb"\\([0-7]{3})")
 
 
+def mountinfo_path(field: bytes) -> str:
+    """A path as /proc/self/mountinfo writes it (its fifth field, the mount point), unescaped."""
+    return os.fsdecode(MOUNTINFO_ESCAPE.sub(lambda m: bytes([int(m[1], 8)]), field))
+
+
 class WarmError(Exception):
     pass
 
@@ -58,7 +63,7 @@ def mount_of(path: str, mountinfo: str = "/proc/self/mountinfo", resolve: bool =
     with open(mountinfo, "rb") as f:
         for line in f:
             fields = line.split()
-            mnt = os.fsdecode(MOUNTINFO_ESCAPE.sub(lambda m: bytes([int(m[1], 8)]), fields[4]))
+            mnt = mountinfo_path(fields[4])
             fstype = os.fsdecode(fields[fields.index(b"-") + 1])
             if (real == mnt or real.startswith(mnt.rstrip("/") + "/")) and len(mnt) >= len(best):
                 best, best_type = mnt, fstype

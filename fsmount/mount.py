@@ -891,26 +891,17 @@ class Daemon:
                 # A task of the mount failed (its nursery is cancelled, and with it the loop) or the loop itself did.
                 # pyfuse3.main runs its handlers in a nursery of its own: its Cancelled comes out in an exception
                 # group, which an `except (Exception, trio.Cancelled)` did not take (B128).
-                # The session ends here all the same, shielded: a push waiting for the pages of a READ that the loop's
-                # end cut short held the nursery, and so the daemon, for good, ENOTCONN for everyone, as B116's stop
-                # did (B127); and run()'s close would not abort a call into the session still under way.
-                self._served.set()
-                self._until_served.cancel()
+                # The session ends here all the same: a push waiting for the pages of a READ that the loop's end cut
+                # short held the nursery, and so the daemon, for good, ENOTCONN for everyone, as B116's stop did
+                # (B127); and run()'s close would not abort a call into the session still under way.
+                await self._end_served()
                 with trio.CancelScope(shield=True):
-                    await self._end_session_after_pushes()
                     await self._drains_after_failure()
                 raise
-            self._served.set()
-            # The session is about to close: nothing may call into it any more (pyfuse3.terminate() of a closed one
-            # is a SIGSEGV: a stop during the drains after `modelfs unmount`), nor announce a mount that is gone.
-            self._until_served.cancel()
             # The mount goes before the drains below (up to about a minute): nobody reads its requests any more, so
             # a stat of the mount point hung until they ended, and a second stop meanwhile (the default action by
-            # then) left the mount in place, ENOTCONN until someone unmounted it. Shielded, as on the loop's failure:
-            # a task that failed in its wait for a push cancelled it before the abort, and the nursery waited for the
-            # push for good (B129).
-            with trio.CancelScope(shield=True):
-                await self._end_session_after_pushes()
+            # then) left the mount in place, ENOTCONN until someone unmounted it.
+            await self._end_served()
             # A mount started now in this one's place waits for the drains below (its cache dir's lock), and needs
             # the metrics port this one holds: a restart script's `modelfs unmount && modelfs mount` failed "in use".
             if self.metrics is not None:
@@ -926,6 +917,16 @@ class Daemon:
             await self._drop_claims()
             await self._save_names_at_end()
             nursery.cancel_scope.cancel()
+
+    async def _end_served(self) -> None:
+        """The loop has ended, cleanly or not: the session ends, shielded (a task that failed in its wait for a push
+        cancelled it before the abort, and the nursery waited for the push for good, B129). The session is about to
+        close, so nothing may call into it any more (pyfuse3.terminate() of a closed one is a SIGSEGV: a stop during
+        the drains after `modelfs unmount`), nor announce a mount that is gone."""
+        self._served.set()
+        self._until_served.cancel()
+        with trio.CancelScope(shield=True):
+            await self._end_session_after_pushes()
 
     async def _drains_after_failure(self) -> None:
         """Where a task of the mount failed (or the loop did), the drains of a clean end that are bounded on their own

@@ -1,0 +1,73 @@
+"""The docs against the code, for what goes stale without a word: a test a doc names as proof (a renamed test left
+docs/RELIABILITY.md citing one that no longer exists: three did), and a `modelfs` option a doc tells users to give."""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+from fsmount.cli import make_parser
+
+ROOT = Path(__file__).resolve().parents[2]
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), ROOT / "bench" / "README.md"]
+
+# `--x` in the docs that are other programs' options (aws, cp, rsync, tar, getfattr, systemctl, prlimit, hf, garage)
+# or no option at all (`--flag`, a placeholder; `--shared-cache-`, the family). A new one of a tool: add it here.
+NOT_MODELFS = {"--bucket", "--lifecycle-configuration", "--sparse", "--inplace", "--update", "--overwrite",
+               "--only-values", "--now", "--nofile", "--local-dir", "--gen-secret", "--flag", "--shared-cache-"}
+
+
+def defined_tests() -> dict[str, set[str]]:
+    """Every test function under tests/, by its file's path relative to the repository root."""
+    found: dict[str, set[str]] = {}
+    for path in (ROOT / "tests").rglob("test_*.py"):
+        tree = ast.parse(path.read_text())
+        found[path.relative_to(ROOT).as_posix()] = {
+            node.name for node in tree.body
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and node.name.startswith("test_")}
+    return found
+
+
+def test_every_test_the_docs_name_as_proof_exists() -> None:
+    """`path::name`, `file.py::name`, a bare `test_name`, or a prefix written `test_name_...` / `test_name_*`: each
+    must name a test function or a test file that exists."""
+    tests = defined_tests()
+    names = {name for functions in tests.values() for name in functions}
+    stems = {Path(path).stem for path in tests}
+    stale = []
+    for doc in DOCS:
+        text = doc.read_text()
+        for m in re.finditer(r"([\w/{},]*\.py)::(test_\w+)", text):
+            file, name = m.groups()
+            prefix = text[m.end():m.end() + 3] in ("...", "*") or name.endswith("_")
+            files = [p for p in tests if p == file or p.endswith("/" + file)]
+            if not any(n == name or (prefix and n.startswith(name)) for p in files for n in tests[p]):
+                stale.append(f"{doc.name}: {file}::{name}")
+        for m in re.finditer(r"(?<![\w/:])(test_\w+)", text):
+            name = m.group(1)
+            after = text[m.end():m.end() + 3]
+            if after.startswith(".py"):
+                if name not in stems:
+                    stale.append(f"{doc.name}: {name}.py")
+            elif after in ("...", "*") or after.startswith("*") or name.endswith("_"):
+                if not any(n.startswith(name) for n in names | stems):
+                    stale.append(f"{doc.name}: {name}...")
+            elif name not in names | stems:
+                stale.append(f"{doc.name}: {name}")
+    assert not stale, f"the docs name tests that do not exist (renamed?): {sorted(set(stale))}"
+
+
+def test_every_option_the_docs_give_modelfs_is_one_it_takes() -> None:
+    parser = make_parser()
+    options = set(parser._option_string_actions)
+    for action in parser._actions:
+        if isinstance(action.choices, dict):  # the subcommands
+            for sub in action.choices.values():
+                options |= set(sub._option_string_actions)
+    unknown = []
+    for doc in [*DOCS[:-1], *sorted((ROOT / "systemd").iterdir())]:  # bench/README's are the bench scripts'
+        for flag in set(re.findall(r"(?<![\w-])--[a-z][a-z0-9-]*", doc.read_text())):
+            if flag not in options and flag not in NOT_MODELFS:
+                unknown.append(f"{doc.name}: {flag}")
+    assert not unknown, f"the docs give options no modelfs command takes: {sorted(unknown)}"

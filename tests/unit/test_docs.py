@@ -4,6 +4,8 @@ docs/RELIABILITY.md citing one that no longer exists: three did), and a `modelfs
 from __future__ import annotations
 
 import ast
+import importlib
+import inspect
 import re
 from pathlib import Path
 
@@ -71,3 +73,55 @@ def test_every_option_the_docs_give_modelfs_is_one_it_takes() -> None:
             if flag not in options and flag not in NOT_MODELFS:
                 unknown.append(f"{doc.name}: {flag}")
     assert not unknown, f"the docs give options no modelfs command takes: {sorted(unknown)}"
+
+
+# `module.name` in the docs that is no module of ours: mount(8)'s helper, safetensors' own numpy loader.
+NOT_OURS = {"mount.fuse3", "safetensors.numpy"}
+
+
+def test_every_module_name_the_docs_point_to_is_defined_there() -> None:
+    """`engine.peek`, `data.ChunkEngine.request`, `mount_users.mounts_inside`: the next engineer greps that module
+    for that name (B144's `cli.mount_users` stayed in docs/RELIABILITY.md after the scan moved out of cli.py)."""
+    sources: dict[str, str] = {}
+    for path in (ROOT / "fsmount").rglob("*.py"):
+        name = path.parent.name if path.stem == "__init__" else path.stem
+        text = path.read_text()
+        if path.stem == "__init__":  # a package holds its modules, and the names it imports from them
+            held = [p.stem for p in path.parent.glob("*.py")]
+            held += [p.parent.name for p in path.parent.glob("*/__init__.py")]
+            held += [alias.asname or alias.name for node in ast.walk(ast.parse(text))
+                     if isinstance(node, ast.ImportFrom) for alias in node.names]
+            text += "".join(f"\n{module} = ...\n" for module in held)
+        sources[name] = sources.get(name, "") + text
+    missing = []
+    for doc in DOCS:
+        for m in re.finditer(r"(?<![\w./@-])(?:fsmount\.)?(?:data\.)?([a-z_]+)\.([A-Za-z_]\w*)", doc.read_text()):
+            module, name = m.groups()
+            if module not in sources or name == "py" or f"{module}.{name}" in NOT_OURS:
+                continue
+            defined = rf"\b(def|class) {name}\b|^{name}\b|self\.{name}\b|^\s+{name}\s*[:=]|[\"']{name}[\"']"
+            if not re.search(defined, sources[module], re.M):
+                missing.append(f"{doc.name}: {m.group(0)}")
+    assert not missing, f"the docs point to names their module does not define (moved? renamed?): {sorted(missing)}"
+
+
+def test_every_class_member_the_docs_name_exists() -> None:
+    """`Writes._in_bucket`, `NewFile.write`, `MemoryBudget.touch`: a method, attribute or field of that class."""
+    classes: dict[str, type] = {}
+    for path in sorted((ROOT / "fsmount").rglob("*.py")):
+        if path.stem in ("__init__", "__main__"):
+            continue
+        module = importlib.import_module(".".join(path.relative_to(ROOT).with_suffix("").parts))
+        for name, obj in vars(module).items():
+            if isinstance(obj, type) and obj.__module__ == module.__name__:
+                classes[name] = obj
+    missing = []
+    for doc in DOCS:
+        for m in re.finditer(r"(?<![\w.])([A-Z][A-Za-z0-9]+)\.([a-z_]\w*)", doc.read_text()):
+            cls, name = classes.get(m.group(1)), m.group(2)
+            if cls is None or hasattr(cls, name):
+                continue
+            own = "".join(inspect.getsource(c) for c in cls.__mro__ if c.__module__.startswith("fsmount"))
+            if not re.search(rf"self\.{name}\b|^\s+{name}\s*:", own, re.M):
+                missing.append(f"{doc.name}: {m.group(0)}")
+    assert not missing, f"the docs name class members that do not exist (renamed?): {sorted(missing)}"

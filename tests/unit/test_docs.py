@@ -125,3 +125,34 @@ def test_every_class_member_the_docs_name_exists() -> None:
             if not re.search(rf"self\.{name}\b|^\s+{name}\s*:", own, re.M):
                 missing.append(f"{doc.name}: {m.group(0)}")
     assert not missing, f"the docs name class members that do not exist (renamed?): {sorted(missing)}"
+
+
+UNITS = {"": 1, "ms": 1e-3, "s": 1, "minutes": 60, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30}
+
+
+def test_every_constant_the_docs_give_a_value_has_that_value() -> None:
+    """`LOCAL_WINDOW (32 MiB)`, `ONE_CALL_S` (0.1 s), `GET_ATTEMPTS = 3`: the value the docs quote beside a
+    constant's name is the code's (any module's, where two modules have a constant of that name)."""
+    values: dict[str, list[object]] = {}
+    for path in sorted((ROOT / "fsmount").rglob("*.py")):
+        if path.stem == "__main__":
+            continue
+        dotted = ".".join(path.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
+        module = importlib.import_module(dotted)
+        for name, value in vars(module).items():
+            if re.fullmatch(r"[A-Z][A-Z0-9_]+", name) and isinstance(value, int | float):
+                values.setdefault(name, []).append(value)
+    number = r"(\d[\d,]*(?:\.\d+)?) ?(ms|s|minutes|KiB|MiB|GiB)?"
+    quoted = re.compile(rf"\b([A-Z][A-Z0-9_]{{3,}})`? \({number}[;)]|`([A-Z][A-Z0-9_]{{3,}}) = {number}`")
+    checked, wrong = 0, []
+    for doc in DOCS[:-1]:  # bench/README's `PARALLEL_PUSHES = 1` is what bench/device.sh sets in a copy
+        for m in quoted.finditer(doc.read_text()):
+            name, number, unit = m.groups()[:3] if m.group(1) else m.groups()[3:]
+            if name not in values:
+                continue
+            checked += 1
+            said = float(number.replace(",", "")) * UNITS[unit or ""]
+            if not any(abs(float(v) - said) <= 1e-9 * max(1.0, said) for v in values[name]):
+                wrong.append(f"{doc.name}: {m.group(0)} (code: {values[name]})")
+    assert checked >= 10, checked  # the pattern still finds what the docs quote
+    assert not wrong, f"the docs quote constants at values the code no longer has: {wrong}"

@@ -156,3 +156,24 @@ def test_every_constant_the_docs_give_a_value_has_that_value() -> None:
                 wrong.append(f"{doc.name}: {m.group(0)} (code: {values[name]})")
     assert checked >= 10, checked  # the pattern still finds what the docs quote
     assert not wrong, f"the docs quote constants at values the code no longer has: {wrong}"
+
+
+def test_a_default_the_help_writes_out_is_the_option_s_default() -> None:
+    """`--chunk-size ... (default 8M)`: the help texts that spell a default out instead of `%(default)s` say the
+    value the parser gives (a changed default left `--help` saying the old one)."""
+    parser = make_parser()
+    checked, wrong = 0, []
+    for action in parser._actions:
+        if not isinstance(action.choices, dict):
+            continue
+        for sub in action.choices.values():
+            for option in sub._actions:
+                said = re.search(r"\(default (\w[\w.]*)\)", option.help or "")
+                if said is None or option.default is None:
+                    continue
+                checked += 1
+                value = option.type(said.group(1)) if callable(option.type) else said.group(1)
+                if value != option.default:
+                    wrong.append(f"{option.option_strings[0]}: help says {said.group(1)}, default {option.default!r}")
+    assert checked >= 4, checked
+    assert not wrong, wrong

@@ -177,3 +177,24 @@ def test_a_default_the_help_writes_out_is_the_option_s_default() -> None:
                     wrong.append(f"{option.option_strings[0]}: help says {said.group(1)}, default {option.default!r}")
     assert checked >= 4, checked
     assert not wrong, wrong
+
+
+def test_the_defaults_the_readme_gives_are_the_parser_s() -> None:
+    """README's "Main options" (`--chunk-size` (8M), `--max-connections` (16 parallel GETs), ...) and the options it
+    gives a "default X" (`--shared-cache-wait`, ...): each the value `modelfs mount` takes when it is not given."""
+    text = (ROOT / "README.md").read_text()
+    main = text[text.index("Main options:"):]
+    main = main[:main.index("\n\n")]
+    said = re.findall(r"`(--[a-z-]+)` \((\d[\w.%]*)[ ,;)]", main)
+    said += re.findall(r"`(--[a-z-]+)` \([^)`]*?default `?([\w./%]+?)`?[),;]", text)
+    options = make_parser()._subparsers._group_actions[0].choices["mount"]._option_string_actions
+    checked, wrong = 0, []
+    for flag, value in said:
+        option = options[flag]
+        if option.default is None:  # worked out at mount (--memory-limit, --cache-size): not the parser's
+            continue
+        checked += 1
+        if (option.type(value) if callable(option.type) else value) != option.default:
+            wrong.append(f"README: {flag} ({value}), default {option.default!r}")
+    assert checked >= 8, checked
+    assert not wrong, wrong

@@ -28,8 +28,9 @@ LAYERS = {
     "fsmount.operations": 13, "fsmount.prometheus": 13, "fsmount.stats_table": 13,
     "fsmount.cleanup_command": 13,
     "fsmount.mount": 14, "fsmount.prefetch_command": 14,
-    "fsmount.cli": 15,
-    "fsmount.__main__": 16,
+    "fsmount.mount_users": 15,
+    "fsmount.cli": 16,
+    "fsmount.__main__": 17,
 }
 TESTING = "fsmount.testing"  # support for tests, bench and demo: may import anything, imported by nothing
 

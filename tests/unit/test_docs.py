@@ -1,5 +1,7 @@
 """The docs against the code, for what goes stale without a word: a test a doc names as proof (a renamed test left
-docs/RELIABILITY.md citing one that no longer exists: three did), and a `modelfs` option a doc tells users to give."""
+docs/RELIABILITY.md citing one that no longer exists: three did), a `modelfs` option a doc tells users to give, a
+`module.name` or `Class.member` it points the next engineer to, a constant's value it quotes, and the defaults that
+README and `--help` write out."""
 
 from __future__ import annotations
 
@@ -14,8 +16,8 @@ from fsmount.cli import make_parser
 ROOT = Path(__file__).resolve().parents[2]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), ROOT / "bench" / "README.md"]
 
-# `--x` in the docs that are other programs' options (aws, cp, rsync, tar, getfattr, systemctl, prlimit, hf, garage)
-# or no option at all (`--flag`, a placeholder; `--shared-cache-`, the family). A new one of a tool: add it here.
+# `--x` in the docs that are other programs' options (aws, cp, rsync, tar, getfattr, systemctl, prlimit, hf,
+# radosgw-admin) or no option at all (`--flag`, a placeholder; `--shared-cache-`, the family). Another tool's: add it.
 NOT_MODELFS = {"--bucket", "--lifecycle-configuration", "--sparse", "--inplace", "--update", "--overwrite",
                "--only-values", "--now", "--nofile", "--local-dir", "--gen-secret", "--flag", "--shared-cache-"}
 

@@ -1,5 +1,6 @@
 """A fault-injecting HTTP reverse proxy for tests: it sits on 127.0.0.1 between modelfs and an S3 server
-and, on command, delays, stalls, resets or truncates responses, answers with 5xx storms, or plays dead.
+and, on command, delays, stalls, resets or truncates responses (their bodies, or their heads between two header
+lines), answers with 5xx storms, or plays dead.
 
 It must never listen beyond 127.0.0.1, never alter a byte it forwards (a fault only delays, cuts or
 replaces a whole response), and never wait without a bound: every hold ends at `MAX_HOLD_S`, at
@@ -53,7 +54,9 @@ from fsmount.data.presigned import signed_region
 from fsmount.testing.http_wire import (
     Request,
     Response,
+    cut_head,
     error_response,
+    head_bytes,
     read_request,
     reset,
     send,
@@ -90,6 +93,8 @@ class Fault(enum.StrEnum):
     ERROR = "error"        # answer `status` with an S3 error document (`code`); the server never sees it
     DROP = "drop"          # forward the request, then RST the connection unanswered: the server did it, the
                            # client never hears (a reply lost on the way back)
+    CUT_HEADERS = "cut_headers"  # send the head up to a line's end (`after_bytes` of it, rounded down; None: the
+                                 # status line alone), never the blank line that ends it; hold `seconds`, then close
 
 
 class Down(enum.StrEnum):
@@ -447,6 +452,10 @@ class FaultProxy:
             return send(conn, resp, req), upstream
         if rule.fault is Fault.DROP:
             reset(conn)
+            return False, upstream
+        if rule.fault is Fault.CUT_HEADERS:
+            if send_raw(conn, cut_head(head_bytes(resp, req), rule.after_bytes)):
+                self._hold(rule.seconds, release)
             return False, upstream
         cut = rule.after_bytes or 0
         if rule.fault is Fault.STALL:

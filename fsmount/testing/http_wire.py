@@ -132,6 +132,15 @@ def head_bytes(resp: Response, req: Request) -> bytes:
     return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
 
 
+def cut_head(head: bytes, after_bytes: int | None) -> bytes:
+    """A response head (`head_bytes`) cut at the end of a line: the last whole line within its first `after_bytes`
+    bytes, never before the status line's end (None: the status line alone), never with the blank line that ends the
+    head. (A cut inside a line would leave http.client a shorter value it cannot tell from a whole one.)"""
+    status_end = head.index(b"\r\n") + 2
+    within = min(max(after_bytes or 0, status_end), len(head) - 2)
+    return head[:head.rfind(b"\r\n", 0, within) + 2]
+
+
 def send(conn: socket.socket, resp: Response, req: Request, body_end: int | None = None) -> bool:
     """Write a response (its body up to `body_end`); False if the client has gone."""
     body = b"" if req.method == "HEAD" else resp.body[:body_end]

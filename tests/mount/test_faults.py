@@ -73,6 +73,7 @@ from tests.helpers import (
     random_bytes,
     read_all_exact,
     run_modelfs,
+    timed,
     timed_pread,
     unmount,
     upload,
@@ -183,6 +184,17 @@ def test_fault_proxy_faults_look_as_documented_to_boto3(moto_server: S3Server, p
     proxy.clear()
     proxy.inject(Fault.SHORT, after_bytes=1000, times=1)
     assert get() == data[1000:2000]  # a body as long as its Content-Length says: only a length check sees it
+    # A head cut after its status line: http.client takes the closed connection for the end of the headers, so the
+    # answer is a 206 with none, and an empty body; cut before the blank line, the body its headers promise is missing.
+    proxy.clear()
+    cut = proxy.inject(Fault.CUT_HEADERS, data_only=False, times=2)
+    assert get() == b""
+    assert "ContentLength" not in client.head_object(Bucket=bucket, Key="k")
+    assert cut.hits == 2
+    proxy.clear()
+    proxy.inject(Fault.CUT_HEADERS, after_bytes=1 << 20, times=1)
+    with pytest.raises(ResponseStreamingError):
+        get()
     assert get() == data[1000:201000]  # `times` used up
     for status, code in [(500, "InternalError"), (503, "SlowDown")]:
         proxy.clear()
@@ -720,6 +732,69 @@ def test_broken_body_is_retried_then_eio_and_bounded(moto_server: S3Server, prox
             proxy.clear()
             read_until_ok(fd, data, MiB, MiB)
             read_all_exact(fd, data)
+
+
+# A response cut inside its head, CUT_HEADERS's arguments: after the status line (http.client takes the end of the
+# connection for the end of the headers: a 206 or 200 with none, and an empty body), after every header line but
+# the blank line (a HEAD is then whole; a GET's body never comes), or after the status line and then silence.
+CUT_HEAD = {
+    "after-the-status-line": {},
+    "before-the-blank-line": {"after_bytes": 1 << 20},
+    "status-line-then-silence": {"seconds": 100.0},
+}
+
+
+@pytest.mark.parametrize("cut", list(CUT_HEAD))
+def test_a_response_cut_inside_its_headers_is_retried_or_eio_never_wrong_never_hung(
+        moto_server: S3Server, proxy: FaultProxy, mountpoint: Path, get_client: str, cut: str) -> None:
+    """Lookups (HEAD), a listing's pages and chunk GETs whose answer dies between the status line and the blank
+    line: one such answer of a chunk or a HEAD is retried (exact bytes, the right size) and a listing's page fails the
+    listing with EIO, where the fault does not outlast --read-timeout; every one cut, each fails with EIO within the
+    bound; over, all serve again."""
+    kwargs = CUT_HEAD[cut]
+    silent = "seconds" in kwargs
+    data = random_bytes(4 * MiB + 77, 31)
+    names = [f"w{i:04d}.bin" for i in range(2500)]  # 3 pages
+    bucket = new_bucket(moto_server)
+    put_objects(moto_server, bucket, {"d/data.bin": data, "d/new.bin": b"new bytes", "d/later.bin": b"later",
+                                      "big/": b"", "big2/": b""})
+    proxy.serve_directory(bucket, "big/", names, size=16)
+    proxy.serve_directory(bucket, "big2/", names, size=16)
+    with mounted_via(proxy, moto_server, bucket, mountpoint, *FAULT_ARGS, "--get-client", get_client,
+                     allowed=(FETCH_FAILED, OPS_FAILED, r"listing .* failed")):
+        assert (mountpoint / "big").is_dir() and (mountpoint / "big2").is_dir()
+        with opened_random(mountpoint / "d" / "data.bin") as fd:
+            assert os.pread(fd, MiB, 0) == data[:MiB]
+            if not silent:  # one cut answer of each kind, then whole ones
+                rule = proxy.inject(Fault.CUT_HEADERS, times=1, **kwargs)
+                assert os.pread(fd, MiB, MiB) == data[MiB:2 * MiB]
+                assert rule.hits == 1
+                rule = proxy.inject(Fault.CUT_HEADERS, kind="heads", times=1, **kwargs)
+                assert os.stat(mountpoint / "d" / "new.bin").st_size == len(b"new bytes")
+                assert (mountpoint / "d" / "new.bin").read_bytes() == b"new bytes"
+                rule = proxy.inject(Fault.CUT_HEADERS, kind="lists", skip=1, times=1, **kwargs)
+                got, took = timed(os.listdir, mountpoint / "big")
+                assert rule.hits == 1 and took <= FAILING_READ_BOUND_S, took
+                # botocore takes the page for a 200 with no body (its promised Content-Length unchecked): no listing
+                # in it, the listing fails whole (B125), nothing of it kept, and the next one is asked again.
+                assert got == errno.EIO, got if isinstance(got, int) else len(got)
+                assert sorted(os.listdir(mountpoint / "big")) == names
+            # Every answer cut: a chunk, a new name, a listing fail, each within one --read-timeout and slack.
+            proxy.inject(Fault.CUT_HEADERS, data_only=False, **kwargs)
+            assert_eio_in_time(fd, MiB, 2 * MiB)
+            for what, call in [("stat", lambda: os.stat(mountpoint / "d" / "later.bin")),
+                               ("listdir", lambda: os.listdir(mountpoint / "big2"))]:
+                got, took = timed(call)
+                assert got == errno.EIO, (what, got)
+                assert took <= FAILING_READ_BOUND_S, (what, took)
+            proxy.clear()
+            read_until_ok(fd, data, MiB, 2 * MiB)
+            read_all_exact(fd, data)
+        wait_for("a lookup after the fault", lambda: timed(os.stat, mountpoint / "d" / "later.bin")[0],
+                 lambda st: not isinstance(st, int) and st.st_size == len(b"later"), RECOVERY_S, 0.5)
+        wait_for("a listing after the fault", lambda: timed(os.listdir, mountpoint / "big2")[0],
+                 lambda got: got == names or (isinstance(got, list) and sorted(got) == names), RECOVERY_S, 0.5)
+        assert (mountpoint / "d" / "later.bin").read_bytes() == b"later"
 
 
 @pytest.mark.parametrize("status", [500, 503], ids=["500-InternalError", "503-SlowDown"])

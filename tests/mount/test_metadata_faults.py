@@ -41,7 +41,8 @@ META_ARGS = ("--read-timeout", f"{READ_TIMEOUT_S:g}", "--metadata-ttl", "300", "
 META_FAILED = r"(opendir|lookup|getattr) failed: "
 
 # fault, inject() arguments. SHORT is truncated XML with a Content-Length that matches it, so only the
-# parser notices; TRUNCATE promises the whole body and closes early.
+# parser notices; TRUNCATE promises the whole body and closes early; CUT_HEADERS closes after the status line
+# (a 200 with no headers and no body to http.client: a HEAD without a size, a listing without a listing).
 FAULTS = {
     "500": (Fault.ERROR, {"status": 500}),
     "503-SlowDown": (Fault.ERROR, {"status": 503}),
@@ -50,6 +51,7 @@ FAULTS = {
     "reset": (Fault.RESET, {"after_bytes": 300}),
     "truncated-xml": (Fault.SHORT, {"after_bytes": 300}),
     "truncated-connection": (Fault.TRUNCATE, {"after_bytes": 300}),
+    "cut-after-the-status-line": (Fault.CUT_HEADERS, {}),
 }
 
 

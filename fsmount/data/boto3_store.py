@@ -417,10 +417,12 @@ class Boto3Store:
             if isinstance(err, NotFound):
                 return None
             raise err from None
-        if resp.get("ContentLength") is None:
+        if resp.get("ContentLength") is None or not resp.get("ETag"):
             # No Content-Length (Supabase Storage for an empty object, s3ninja, a gateway compressing on the way):
             # the key's entry of a listing says its size, with the ETag of that same answer. Read as a missing key
-            # (KeyError), every lookup of the file failed "unexpectedly", EIO.
+            # (KeyError), every lookup of the file failed "unexpectedly", EIO. No ETag: an answer whose head was cut
+            # after its size (a server sending Content-Length before ETag) is no answer of a server that gives none,
+            # whose versions nothing pins (B150); a server that gives none pays a listing per HEAD.
             return self._listed(key)
         return _meta(key, int(resp["ContentLength"]), resp.get("ETag", ""), resp.get("LastModified"))
 

@@ -2,7 +2,8 @@
 with random changes of what the fault proxy does, through a real mount.
 
 The schedule, seeded: faults injected with random parameters (each `Fault` kind; `after_bytes` inside a chunk, at 0
-or at its end; `seconds` under or past `--read-timeout`; `times` 1 to 3 or until cleared; on data GETs only, on
+or at its end; a head cut after its status line, a header line or all of them; `seconds` under or past
+`--read-timeout`; `times` 1 to 3 or until cleared; on data GETs only, on
 every request, or on HEADs or listings only), the origin going down (refusing or a black hole) and coming back,
 `clear()`, and objects replaced in the bucket meanwhile (`--metadata-ttl 1`). Now and then a checkpoint ends every
 fault and waits for the mount to settle.
@@ -202,6 +203,9 @@ class FaultFuzzer(Fuzzer):
             params["after_bytes"] = None  # before the headers
         if fault in (Fault.STALL, Fault.LATENCY):
             params["seconds"] = SHORT_S if fault is Fault.LATENCY else rng.choice([SHORT_S, LONG_S])
+        if fault is Fault.CUT_HEADERS:  # after the status line, a header line or every one; closed at once or later
+            params["after_bytes"] = rng.choice([None, 40, 1 << 20])
+            params["seconds"] = rng.choice([0.0, 0.0, SHORT_S, LONG_S])
         if fault is Fault.ERROR:
             # 5xx, and a 404 a misbehaving gateway could give for an object that is there. (Not 403: it is EACCES
             # by design, a credentials problem, for the requests that meet it, an fstat of an open file included.)

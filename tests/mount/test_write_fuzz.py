@@ -659,6 +659,7 @@ def test_random_write_sequences_match_the_model(config: str, request: pytest.Fix
     server, seed, steps, flags, cache_dir, libraries = CONFIGS[config]
     if libraries:
         pytest.importorskip("torch")
+    seed = int(os.environ.get("WRITE_FUZZ_SEED", seed))  # to explore beyond the suite's seeds
     s3: S3Server = request.getfixturevalue(server)
     bucket = new_bucket(s3)
     put_objects(s3, bucket, SEEDED)

@@ -10,8 +10,9 @@ written in random pieces, sometimes with an `fsync` midway; two or three written
 The faults, one schedule per step, on one kind of write request (PUT, CreateMultipartUpload, UploadPart,
 CompleteMultipartUpload, CopyObject, UploadPartCopy, DeleteObject, AbortMultipartUpload) or on all: 5xx storms (a
 few, retried by botocore, or for good), an answer lost after the server acted (`Fault.DROP`), answers cut short (RST
-or FIN after some bytes), slow answers, answers stalled past `--read-timeout`, and the origin refusing connections
-or black-holing them for a while, then back.
+or FIN after some bytes, or inside their head: after the status line or before the blank line), slow answers,
+answers stalled past `--read-timeout`, and the origin refusing connections or black-holing them for a while, then
+back.
 
 What is asserted, once the step's faults are cleared and the bucket is read with boto3 behind the proxy:
 - a `close` (or an `fsync`, a rename) that returned 0: the bucket holds exactly the bytes written, under that name;
@@ -184,8 +185,9 @@ class FaultFuzz:
             self.proxy.inject(Fault.DROP, times=self.rng.choice([1, 2]), **where)
             return f"answers lost on {on}", None
         if r < 0.65:
-            fault = self.rng.choice([Fault.RESET, Fault.TRUNCATE])
-            cut = self.rng.choice([0, 10, 100])
+            fault = self.rng.choice([Fault.RESET, Fault.TRUNCATE, Fault.CUT_HEADERS])
+            # CUT_HEADERS: after the status line (a 200 with no headers and no body), or before the blank line.
+            cut = self.rng.choice([0, 10, 100] if fault is not Fault.CUT_HEADERS else [0, 1 << 20])
             self.proxy.inject(fault, after_bytes=cut, times=self.rng.choice([1, 2]), **where)
             return f"{fault.value} after {cut} on {on}", None
         self.held = r >= 0.65

@@ -318,8 +318,16 @@ class Uploads:
     def copy(self, source: str, source_etag: str, key: str) -> str:
         """Copy an object of at most COPY_OBJECT_MAX bytes, as it is at `source_etag`; the copy's ETag."""
         what = f"copying {source!r} to {key!r}"
-        resp = self._call(what, self._client.copy_object, Key=key, CopySource={"Bucket": self.bucket, "Key": source},
-                          **_if_source(source_etag))
+        kwargs: dict[str, Any] = dict(Key=key, CopySource={"Bucket": self.bucket, "Key": source},
+                                      **_if_source(source_etag))
+        resp = self._call(what, self._client.copy_object, **kwargs)
+        if not (resp.get("CopyObjectResult") or {}).get("ETag"):
+            # An answer cut short (a head cut after its status line: a 200 with no body, parsed as a result with
+            # nothing in it, which botocore does not send again): the copy was likely made, and a rename got EIO with
+            # the file under both names (B151). Pinned to its source's version and replacing whatever `key` holds, it
+            # is the same done twice: sent once more.
+            log.info("%s: the answer was cut short; sent again", what)
+            resp = self._call(what, self._client.copy_object, **kwargs)
         return quoted_etag(_field(_field(resp, "CopyObjectResult", what), "ETag", what))
 
     def delete(self, key: str) -> None:

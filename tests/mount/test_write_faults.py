@@ -547,6 +547,27 @@ def test_a_rename_given_up_on_is_not_done_later_by_botocore_retrying_it(moto_ser
     delete_bucket(moto_server, bucket)
 
 
+def test_a_rename_whose_copy_answer_is_cut_after_its_status_line_is_done(moto_server: S3Server, proxy: FaultProxy,
+                                                                          mountpoint: Path) -> None:
+    """CopyObject answered with its head cut after the status line (a 200 with no body: botocore parses it as an answer
+    with nothing in it, and sends nothing again): the server had made the copy, the rename got EIO, and the bucket held
+    the file under both names, the new one replaced (the write fault fuzzer, seed 3 with --allow-overwrite). A copy
+    pinned to its source's version is the same done twice: sent once more, it gives the answer the rename needs."""
+    bucket = new_bucket(moto_server)
+    data, old = random_bytes(MiB, 26), random_bytes(3000, 27)
+    put_objects(moto_server, bucket, {"a.bin": data, "b.bin": old})
+    args = ("--writable", "--allow-delete", "--allow-overwrite", "--read-timeout", "5")
+    with mounted_via(proxy, moto_server, bucket, mountpoint, *args):
+        assert (mountpoint / "a.bin").stat().st_size == len(data) and (mountpoint / "b.bin").stat().st_size == 3000
+        cut = proxy.inject(Fault.CUT_HEADERS, op="copy", times=1)
+        os.rename(mountpoint / "a.bin", mountpoint / "b.bin")
+        assert cut.hits == 1
+        assert (mountpoint / "b.bin").read_bytes() == data and not (mountpoint / "a.bin").exists()
+    assert objects_in(moto_server, bucket) == ["b.bin"]
+    assert moto_server.client().get_object(Bucket=bucket, Key="b.bin")["Body"].read() == data
+    delete_bucket(moto_server, bucket)
+
+
 def test_an_upload_begun_after_its_start_was_given_up_on_is_named(moto_server: S3Server, proxy: FaultProxy,
                                                                  mountpoint: Path) -> None:
     """CreateMultipartUpload answered late (a slow server; here held by the proxy past --read-timeout, then

@@ -66,7 +66,6 @@ from fsmount.data import (
     ObjectMeta,
     StoreError,
     TimedOut,
-    Unreachable,
     Uploads,
     multipart_etag,
     put_etag,
@@ -563,6 +562,9 @@ class NewFile:
                 raise exc from None
             log.info("%s: %s, but the bucket holds this file whole: stored", key, exc.message)
             return meta.etag
+        """The request that makes the file an object (its PUT, or the completion); its ETag, as
+        `Writes.last_request` asks it (failed, it may have taken effect all the same)."""
+        return await self._writes.last_request(key, expected, fn, *args)
 
     @contextlib.asynccontextmanager
     async def _reserved(self, n: int) -> AsyncIterator[None]:

@@ -66,6 +66,7 @@ from fsmount.data import (
     TimedOut,
     Unreachable,
     Uploads,
+    multipart_etag,
     sent_etag,
     wait_to_retry,
     within,
@@ -193,6 +194,32 @@ class Writes:
             # which tells the caller the bucket may hold it).
             raise refused
         raise TimedOut(f"{what} timed out after {self._timeout:g}s")
+
+    async def last_request(self, key: str, expected: Callable[[], str | None], fn: Callable[..., str],
+                           *args: Any) -> str:
+        """The request that makes an object of `key` (a new file's PUT or completion, a rename's completion of its
+        copy in parts); its ETag. Failed, it may have taken effect all the same: the server stored the object and
+        its answer was lost, so botocore sent it again and that found the key, its own (412 to a create-only
+        request), or the upload already completed (NoSuchUpload); or the answer was cut short (a 200 with no body).
+        The close, or the rename, said EIO for an object the bucket held whole (a trainer's retry of the save then
+        got EPERM; a rename left the file under both names, B163). So the bucket is asked: a key that holds exactly
+        this object (`expected`: its ETag, None where it cannot be told) is the object stored."""
+        try:
+            return await self.call(fn, *args)
+        except (Unreachable, TimedOut):
+            # Never reached the bucket; or given up on at --read-timeout, when asking too would take the close past
+            # its bound (the request may land later: the warning says so).
+            raise
+        except StoreError as exc:
+            etag = expected()
+            try:
+                meta = await self.call(self.uploads.head, key) if etag is not None else None
+            except StoreError:
+                meta = None
+            if meta is None or meta.etag != etag:
+                raise exc from None
+            log.info("%s: %s, but the bucket holds this object whole: stored", key, exc.message)
+            return meta.etag
 
     def stage_open(self) -> StagedFile | None:
         return self._staging.open() if self._staging is not None else None
@@ -746,8 +773,10 @@ class Writes:
                     nursery.start_soon(one, number, start, end)
             if failures:
                 raise failures[0]
-            etag = await self.call(self.uploads.finish, key, upload_id, [etags[i] for i in range(1, len(ranges) + 1)],
-                                   self.create_only)
+            parts = [etags[i] for i in range(1, len(ranges) + 1)]
+            # Its answer cut short or lost, the copy may be made all the same: the bucket is asked (B163).
+            etag = await self.last_request(key, lambda: multipart_etag(parts), self.uploads.finish, key, upload_id,
+                                           parts, self.create_only)
             finished = True
             return etag
         finally:

@@ -568,6 +568,27 @@ def test_a_rename_whose_copy_answer_is_cut_after_its_status_line_is_done(moto_se
     delete_bucket(moto_server, bucket)
 
 
+def test_a_create_only_rename_whose_completion_answer_is_cut_after_its_status_line_is_done(
+        moto_server: S3Server, proxy: FaultProxy, mountpoint: Path) -> None:
+    """Without --allow-overwrite a rename copies in parts, create-only, and completes that upload: its answer cut after
+    the status line (a 200 with no body: no ETag in it, which botocore does not send again), the server had made the
+    copy, the rename got EIO, and the bucket held the file under both names (B163). A key that holds what the parts
+    make (their multipart ETag) is the copy done, as a new file's close takes it. (An answer lost instead, botocore
+    sends the completion again, which moto answers as the first: that passed before.)"""
+    bucket = new_bucket(moto_server)
+    data = random_bytes(MiB, 28)
+    put_objects(moto_server, bucket, {"a.bin": data})
+    with mounted_via(proxy, moto_server, bucket, mountpoint, "--writable", "--allow-delete", "--read-timeout", "5"):
+        assert (mountpoint / "a.bin").stat().st_size == len(data)
+        rule = proxy.inject(Fault.CUT_HEADERS, op="complete", times=1)
+        os.rename(mountpoint / "a.bin", mountpoint / "c.bin")
+        assert rule.hits == 1
+        assert (mountpoint / "c.bin").read_bytes() == data and not (mountpoint / "a.bin").exists()
+    assert objects_in(moto_server, bucket) == ["c.bin"]
+    assert moto_server.client().get_object(Bucket=bucket, Key="c.bin")["Body"].read() == data
+    delete_bucket(moto_server, bucket)
+
+
 def test_an_upload_begun_after_its_start_was_given_up_on_is_named(moto_server: S3Server, proxy: FaultProxy,
                                                                  mountpoint: Path) -> None:
     """CreateMultipartUpload answered late (a slow server; here held by the proxy past --read-timeout, then

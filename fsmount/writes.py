@@ -67,6 +67,7 @@ from fsmount.data import (
     Unreachable,
     Uploads,
     multipart_etag,
+    put_etag,
     sent_etag,
     wait_to_retry,
     within,
@@ -197,13 +198,14 @@ class Writes:
 
     async def last_request(self, key: str, expected: Callable[[], str | None], fn: Callable[..., str],
                            *args: Any) -> str:
-        """The request that makes an object of `key` (a new file's PUT or completion, a rename's completion of its
-        copy in parts); its ETag. Failed, it may have taken effect all the same: the server stored the object and
-        its answer was lost, so botocore sent it again and that found the key, its own (412 to a create-only
-        request), or the upload already completed (NoSuchUpload); or the answer was cut short (a 200 with no body).
-        The close, or the rename, said EIO for an object the bucket held whole (a trainer's retry of the save then
-        got EPERM; a rename left the file under both names, B163). So the bucket is asked: a key that holds exactly
-        this object (`expected`: its ETag, None where it cannot be told) is the object stored."""
+        """The request that makes an object of `key` (a new file's PUT or completion; a rename's completion of its
+        copy in parts, or its PUT of an empty object); its ETag. Failed, it may have taken effect all the same: the
+        server stored the object and its answer was lost, so botocore sent it again and that found the key, its own
+        (412 to a create-only request), or the upload already completed (NoSuchUpload); or the answer was cut short
+        (a 200 with no body or no ETag). The close, or the rename, said EIO for an object the bucket held whole (a
+        trainer's retry of the save then got EPERM; a rename left the file under both names, B163, B164). So the
+        bucket is asked: a key that holds exactly this object (`expected`: its ETag, None where it cannot be told)
+        is the object stored."""
         try:
             return await self.call(fn, *args)
         except (Unreachable, TimedOut):
@@ -715,7 +717,9 @@ class Writes:
             raise PathError(errno.EXDEV)
         # Its marker is deleted below: another's needs --allow-delete, as a file's does (a fuzzer: it went without).
         self._check_rename_deletes(node)
-        await self.call(self.uploads.put, self.ns.dir_key(path), b"")
+        # Its answer cut short or lost, the marker may be stored all the same: the bucket is asked (B164).
+        marker = self.ns.dir_key(path)
+        await self.last_request(marker, lambda: put_etag(b""), self.uploads.put, marker, b"")
         await self.call(self.uploads.delete, self.ns.dir_key(node.path))
         if replaces:
             self.ns.removed(path, is_dir=True)
@@ -730,7 +734,8 @@ class Writes:
         # (`store.version_tag`) no server knows (its DELETE was refused as another writer's, and both names stayed).
         meta = dataclasses.replace(meta, etag=sent_etag(meta.etag))
         if self.create_only and meta.size == 0:
-            etag = await self.call(self.uploads.put, key, b"", True)  # nothing to copy
+            # Nothing to copy. Its answer cut short or lost, the PUT may be done all the same: the bucket is asked.
+            etag = await self.last_request(key, lambda: put_etag(b""), self.uploads.put, key, b"", True)
         elif self.create_only or meta.size > COPY_OBJECT_MAX or (
                 meta.size > COPY_PART_MIN and self._max_connections > 1):
             etag = await self._copy_in_parts(meta, key)

@@ -589,6 +589,27 @@ def test_a_create_only_rename_whose_completion_answer_is_cut_after_its_status_li
     delete_bucket(moto_server, bucket)
 
 
+@pytest.mark.parametrize("what", ["empty-file", "directory"])
+def test_a_rename_whose_put_of_an_empty_object_is_answered_cut_after_its_status_line_is_done(
+        moto_server: S3Server, proxy: FaultProxy, mountpoint: Path, what: str) -> None:
+    """A rename that PUTs an empty object at the new name, then deletes the old key: an empty file's, create-only
+    (without --allow-overwrite: nothing to copy), or an empty directory's marker. Its answer cut after the status line
+    (a 200 with no headers: no ETag, which botocore does not send again), the server had stored it, the rename got
+    EIO, and the bucket held the file, or the directory, under both names (B164). An object with the empty body's ETag
+    at the new name is the PUT done."""
+    bucket = new_bucket(moto_server)
+    old, new = ("a.bin", "c.bin") if what == "empty-file" else ("d/", "e/")
+    put_objects(moto_server, bucket, {old: b""})
+    with mounted_via(proxy, moto_server, bucket, mountpoint, "--writable", "--allow-delete", "--read-timeout", "5"):
+        assert (mountpoint / old).exists()
+        rule = proxy.inject(Fault.CUT_HEADERS, op="put", times=1)
+        os.rename(mountpoint / old, mountpoint / new)
+        assert rule.hits == 1
+        assert (mountpoint / new).exists() and not (mountpoint / old).exists()
+    assert objects_in(moto_server, bucket) == [new]
+    delete_bucket(moto_server, bucket)
+
+
 def test_an_upload_begun_after_its_start_was_given_up_on_is_named(moto_server: S3Server, proxy: FaultProxy,
                                                                  mountpoint: Path) -> None:
     """CreateMultipartUpload answered late (a slow server; here held by the proxy past --read-timeout, then

@@ -538,32 +538,10 @@ class NewFile:
 
     async def _last_request(self, key: str, expected: Callable[[], str | None], fn: Callable[..., str],
                             *args: Any) -> str:
-        """The request that makes the file an object (its PUT, or the completion); its ETag. Failed, it may have
-        taken effect all the same: the server stored the file and its answer was lost, so botocore sent it again and
-        that found the key, its own (412 to a create-only request), or the upload already completed (NoSuchUpload);
-        or the answer was cut short. The close said EIO for a file the bucket held whole (a trainer's retry of the
-        save then got EPERM). So the bucket is asked: a key that holds exactly this file (`expected`: its ETag,
-        None where it cannot be told) is the file stored."""
-        writes = self._writes
-        self.storing = True
-        try:
-            return await writes.call(fn, *args)
-        except (Unreachable, TimedOut):
-            # Never reached the bucket; or given up on at --read-timeout, when asking too would take the close past
-            # its bound (the request may land later: the warning says so).
-            raise
-        except StoreError as exc:
-            etag = expected()
-            try:
-                meta = await writes.call(writes.uploads.head, key) if etag is not None else None
-            except StoreError:
-                meta = None
-            if meta is None or meta.etag != etag:
-                raise exc from None
-            log.info("%s: %s, but the bucket holds this file whole: stored", key, exc.message)
-            return meta.etag
         """The request that makes the file an object (its PUT, or the completion); its ETag, as
-        `Writes.last_request` asks it (failed, it may have taken effect all the same)."""
+        `Writes.last_request` asks it (failed, it may have taken effect all the same). Marked `storing` first: a close
+        cut short after this may have stored it in its abandoned thread (B154)."""
+        self.storing = True
         return await self._writes.last_request(key, expected, fn, *args)
 
     @contextlib.asynccontextmanager

@@ -423,7 +423,8 @@ def main(argv: list[str] | None = None) -> int:
                             f" (py-spy) {out.gil_main / gb:5.3f} (trio) + {out.gil_other / gb:5.3f} (others) s/GB,")
                         gil = "" if not args.gil else (
                             f"  GIL held{spied} at most (CPU) {out.gil_bound / gb:5.3f} s/GB, trio thread "
-                            f"{(out.main_user + out.main_sys) / gb:5.3f} CPU-s/GB")
+                            f"{(out.main_user + out.main_sys) / gb:5.3f} CPU-s/GB (user {out.main_user / gb:5.3f} sys "
+                            f"{out.main_sys / gb:5.3f})")
                         print(f"round {round_no} {variant:8s} {scenario:10s} {out.seconds:6.2f} s  daemon user "
                               f"{out.user:5.2f} sys {out.sys:5.2f} ({(out.user + out.sys) / gb:5.2f} CPU-s/GB)  "
                               f"weed {out.weed:5.2f} CPU-s  faulted {out.faults * mmap.PAGESIZE / 2**20:5.0f} MiB  "

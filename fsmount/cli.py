@@ -493,9 +493,11 @@ def run_foreground(cfg: MountConfig, ready_fd: int | None, use_syslog: bool) -> 
         return 2 if isinstance(exc, mount.SettingError) else 1
     try:
         mount.setup_logging(cfg.log_level, cfg.log_file, use_syslog)
-    except OSError as exc:
-        ready(f"cannot write the log file {cfg.log_file}: {exc.strerror or exc}")
-        return 1
+    except OSError as exc:  # the --log-file's open; without one, syslog's socket refusing the connection
+        failure = (mount.log_file_error(cfg.log_file, exc) if cfg.log_file else
+                   mount.MountError(f"cannot log to syslog ({mount.SYSLOG_SOCKET}): {exc.strerror or exc}"))
+        ready(str(failure))
+        return 2 if isinstance(failure, mount.SettingError) else 1
     if ready_fd is not None:
         logging.getLogger().addHandler(early)
     return mount.run(cfg, ready)

@@ -284,6 +284,33 @@ def setup_logging(level: str, log_file: str | None = None, use_syslog: bool = Fa
         pyfuse3_log.addFilter(DroppedRequestReply())
 
 
+# The errors of opening --log-file that only another setting (or a person's chmod, chattr, policy) mends: exit status 2,
+# which the systemd unit does not restart on (RestartPreventExitStatus=2); with 1 it failed the same way every
+# RestartSec for good. EISDIR: the path is a directory. ENOTDIR, ELOOP, ENAMETOOLONG: the path itself is wrong (a file
+# where a directory of it should be, a symlink loop, a name too long). EACCES and EPERM: the daemon may not write
+# there; it runs as root with CAP_DAC_OVERRIDE under the unit, so what refuses is a permission root does not pass (an
+# NFS root_squash, another user's FUSE mount, chattr +i or +a, an LSM's policy): a person's to change, never a
+# moment's. Every other errno may mend by itself and stays status 1 (started again): ENOENT, a parent not there yet (a
+# directory another unit makes, a mount not up yet; modelfs never makes it, B53); ENOSPC and EDQUOT, a full disk or
+# quota that frees; EROFS, a file system remounted read-write after its check, or whose mount over it comes later;
+# EIO and the like.
+LOG_FILE_SETTING_ERRNOS = frozenset({errno.EISDIR, errno.ENOTDIR, errno.ELOOP, errno.ENAMETOOLONG, errno.EACCES,
+                                     errno.EPERM})
+
+
+def log_file_error(log_file: str, exc: OSError) -> MountError:
+    """What `setup_logging`'s failure to open `log_file` says, one line naming the flag: a SettingError where only
+    another setting mends it (LOG_FILE_SETTING_ERRNOS), else a MountError (status 1: it may mend by itself)."""
+    reason = exc.strerror or str(exc)
+    if exc.errno == errno.EISDIR:
+        return SettingError(f"--log-file {log_file} is a directory: give the path of a file (such as "
+                            f"{os.path.join(log_file, 'modelfs.log')})")
+    if exc.errno in LOG_FILE_SETTING_ERRNOS:
+        return SettingError(f"--log-file {log_file}: cannot write the log file ({reason}): give a file this daemon "
+                            "may write")
+    return MountError(f"cannot write the log file {log_file} (--log-file): {reason}")
+
+
 def user_allow_other(fuse_conf: str = FUSE_CONF) -> bool:
     """Whether fusermount3 lets users other than root mount with allow_other (`user_allow_other` in its conf)."""
     try:

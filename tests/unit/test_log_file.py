@@ -65,3 +65,21 @@ def test_under_systemd_the_dropped_lines_are_said_as_a_warning(monkeypatch: pyte
         with contextlib.suppress(OSError):
             handler.close()
     assert capsys.readouterr().err.startswith("<4>modelfs: cannot write the log file /dev/full")
+
+
+def test_a_log_file_that_cannot_mend_by_itself_is_a_setting() -> None:
+    """A --log-file that no wait mends (a directory, a path through a file, a permission root does not pass) is exit
+    status 2, which the systemd unit does not restart on; one that may mend (a parent not there yet, a full or
+    read-only disk) stays 1, started again (B173). Each says --log-file on one line."""
+    import errno
+    import os
+
+    from fsmount.mount import MountError, SettingError, log_file_error
+
+    for code in (errno.EISDIR, errno.ENOTDIR, errno.EACCES, errno.EPERM, errno.ELOOP):
+        said = log_file_error("/var/log/m", OSError(code, os.strerror(code)))
+        assert isinstance(said, SettingError) and "--log-file /var/log/m" in str(said), code
+    for code in (errno.ENOENT, errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EIO):
+        said = log_file_error("/var/log/m", OSError(code, os.strerror(code)))
+        assert type(said) is MountError and "--log-file" in str(said) and os.strerror(code) in str(said), code
+    assert "\n" not in str(log_file_error("/var/log/m", OSError(errno.EISDIR, "Is a directory")))

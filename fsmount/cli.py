@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import difflib
+import errno
 import logging
 import math
 import os
@@ -738,6 +739,18 @@ def cmd_cache(args: argparse.Namespace) -> int:
     from fsmount.data import is_cache_dir
 
     if not is_cache_dir(args.cache_dir):
+        # A typo, or the cache dir of a mount not made yet, was said to be "not a modelfs cache directory", which sent
+        # the user looking at a directory that is not there: say what the path is (B174). Status 1, as before.
+        try:
+            os.stat(args.cache_dir)
+        except OSError as exc:
+            if exc.errno == errno.ENOENT:
+                dangling = os.path.islink(args.cache_dir)
+                return fail(f"{args.cache_dir} does not exist" + (" (a symlink to nothing)" if dangling else "")
+                            + ": give the --cache-dir of a mount")
+            return fail(f"cache dir {args.cache_dir}: {exc.strerror or exc}")
+        if not os.path.isdir(args.cache_dir):
+            return fail(f"{args.cache_dir} is not a directory: give the --cache-dir of a mount")
         return fail(f"{args.cache_dir} is not a modelfs cache directory")
     # What the cache dir's code says at info level, on stderr: a wait of up to a minute for the daemon of a mount just
     # unmounted to finish its writes, entries of writes/ left alone. With no logging set up in the CLI it went nowhere,

@@ -611,6 +611,9 @@ def test_cache_commands_on_a_real_cache(moto_server: S3Server, mountpoint: Path,
     st = stats(cache)
     assert st["chunks"] == "0" and st["bytes"] == "0 (0 B)" and st["oldest access"] == "-"
     res = cache_cmd("stats", tmp_path / "not-a-cache")
+    assert res.returncode == 1 and "not-a-cache does not exist" in res.stderr  # B174
+    (tmp_path / "not-a-cache").mkdir()
+    res = cache_cmd("stats", tmp_path / "not-a-cache")
     assert res.returncode == 1 and "not a modelfs cache directory" in res.stderr
 
     m = read_whole_file(moto_server, bucket, mountpoint, args, body)  # a cleared cache is a cold cache

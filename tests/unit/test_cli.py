@@ -762,6 +762,25 @@ def test_cache_stats_of_a_cache_dir_whose_chunks_were_removed(tmp_path, capsys: 
         assert "is not a modelfs cache directory" in capsys.readouterr().err
 
 
+def test_cache_commands_of_a_path_that_is_not_there_say_so(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:  # noqa: ANN001
+    """`modelfs cache stats /var/cache/modelfs` with a typo, or before the first mount made the dir, said it "is not a
+    modelfs cache directory": the user looked for what was wrong with a directory that is not there (B174). Exit
+    status 1 each, as for a directory that is not a cache dir."""
+    (tmp_path / "afile").write_text("x")
+    (tmp_path / "dangling").symlink_to(tmp_path / "gone")
+    for action in ("stats", "verify", "clear"):
+        for path, said in ((tmp_path / "missing", f"modelfs: {tmp_path / 'missing'} does not exist: give the "
+                                                  "--cache-dir of a mount\n"),
+                           (tmp_path / "dangling", f"modelfs: {tmp_path / 'dangling'} does not exist (a symlink to "
+                                                   "nothing): give the --cache-dir of a mount\n"),
+                           (tmp_path / "afile", f"modelfs: {tmp_path / 'afile'} is not a directory: give the "
+                                                "--cache-dir of a mount\n"),
+                           (tmp_path, f"modelfs: {tmp_path} is not a modelfs cache directory\n")):
+            assert cli.main(["cache", action, str(path)]) == 1, (action, path)
+            assert capsys.readouterr().err == said, (action, path)
+    assert not (tmp_path / "missing").exists() and not (tmp_path / "gone").exists()
+
+
 def test_cache_clear_says_it_waits_for_the_daemon_of_a_mount_just_unmounted(
         tmp_path, capsys: pytest.CaptureFixture[str]) -> None:  # noqa: ANN001
     """`modelfs unmount X && modelfs cache clear CACHE`: the daemon, unmounted, still writes what it fetched, and clear

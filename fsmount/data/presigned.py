@@ -258,7 +258,10 @@ class RangeGetter:
         as expired ("Request has expired") is sent again signed now whatever its credentials, and without a lookup: a
         server whose clock is ahead of ours by more than URL_EXPIRES_S - URL_REUSE_S finds a URL reused near the end
         of URL_REUSE_S past its expiry (B136, B137); one signed now and refused for its credentials is then a refusal
-        as above (at most three requests)."""
+        as above (at most three requests). A URL refused as not valid yet (our clock ahead of the server's by more
+        than it allows) is raised at once: a URL signed now bears the same clock's time, and a lookup of credentials
+        (a process run, an STS call, and with a source minting keys at each one a "have changed" warning and every
+        cached URL dropped) would follow every read for nothing (B175)."""
         url = sign(False)
         try:
             return send(url)
@@ -271,6 +274,8 @@ class RangeGetter:
             with self._lock:
                 self._urls.clear()  # every URL signed so far is for the old region
             return send(sign(True))
+        if refused.not_yet_valid:
+            raise refused
         if refused.expired:
             # The URL's age was refused, not its credentials: signed now, nothing looked up. A lookup there ran a
             # process or an STS call, a source minting keys at each one warned "have changed", and a URL signed now
@@ -279,7 +284,7 @@ class RangeGetter:
             try:
                 return send(url)
             except AccessDenied as again:
-                if again.expired:
+                if again.expired or again.not_yet_valid:
                     raise
                 refused = again  # refused for its credentials after all (a key rotated too): as any refusal
         renewed = self._on_refused is not None and self._on_refused(refused.code or "403")
@@ -289,7 +294,8 @@ class RangeGetter:
         try:
             return send(fresh)
         except AccessDenied as again:
-            if renewed and self._on_refused_again is not None:
+            # Refused for the clock (not valid yet, expired): not the new credentials' refusal by a policy.
+            if renewed and self._on_refused_again is not None and not (again.not_yet_valid or again.expired):
                 self._on_refused_again(again.code or "403")
             raise
 
@@ -488,7 +494,7 @@ class RangeGetter:
             return StoreError(f"{what}: the server answered {resp.status} {resp.reason}"
                               + (f" (to {location[:200]})" if location else "")
                               + ", which S3 does not for an object: is the endpoint a web server or a proxy?")
-        return error_for_status(code, resp.status, self.bucket, what, message)
+        return error_for_status(code, resp.status, self.bucket, what, message, url_life_s=URL_EXPIRES_S)
 
 
 class Body:

@@ -73,6 +73,10 @@ class AccessDenied(StoreError):
     # The server said the request has expired (a presigned URL past its X-Amz-Expires on the server's clock): the
     # URL's age, not the credentials, was refused (`presigned.RangeGetter._signed_again` signs it anew, B136).
     expired = False
+    # The server said the request is not valid yet: its X-Amz-Date, this machine's clock, is ahead of the server's by
+    # more than the skew the server allows. No URL signed here helps, nor do other credentials
+    # (`presigned.RangeGetter._signed_again` sends nothing more and looks nothing up, B175).
+    not_yet_valid = False
 
 
 class NoCredentials(AccessDenied):
@@ -218,13 +222,22 @@ CREDENTIAL_ADVICE = {
 
 # What AWS S3 and MinIO say of a presigned URL past its expiry (AccessDenied, "Request has expired").
 _EXPIRED_RE = re.compile(r"request has expired", re.IGNORECASE)
+# What they say of a presigned URL whose X-Amz-Date is ahead of the server's clock by more than the skew it allows:
+# AWS S3 answers AccessDenied, "Request is not yet valid" (its error document names X-Amz-Date and ServerTime);
+# MinIO AccessDenied, "Request is not valid yet" (cmd/api-errors.go, ErrRequestNotReadyYet; raised by
+# cmd/signature-v4.go's doesPresignedSignatureMatch where X-Amz-Date is after its time plus globalMaxSkewTime, 15
+# minutes); SeaweedFS keeps MinIO's error (weed/s3api/s3err/s3api_errors.go, ErrRequestNotReadyYet, "Request is not
+# valid yet."), which its older presigned check raised for any X-Amz-Date after its time, with no skew allowed, and
+# its newer one does not raise (it checks the expiry only).
+_NOT_YET_VALID_RE = re.compile(r"request is not (?:yet valid|valid yet)", re.IGNORECASE)
 
 
 def error_for_status(code: str, status: int, bucket: str, what: str, message: str = "", *,
-                     method: str = "") -> StoreError:
+                     method: str = "", url_life_s: float | None = None) -> StoreError:
     """The StoreError for an S3 error answer (its error code, its HTTP status, its message) to a request of `method`
     ("HEAD", "GET"...; "" where no answer of it is told apart) that `what` names for the message: the one mapping,
-    used by every client whatever library carried the request."""
+    used by every client whatever library carried the request. `url_life_s`: how long the request's URL was signed
+    for, where it was a presigned URL (`presigned.URL_EXPIRES_S`), which a refusal as expired names."""
     if code == "NoSuchBucket":
         return BucketMissing(f"bucket {bucket!r} does not exist")
     if code in ("NoSuchKey", "NotFound") or status == 404:
@@ -237,10 +250,17 @@ def error_for_status(code: str, status: int, bucket: str, what: str, message: st
                 "InvalidToken", "ExpiredToken") or status == 403:
         if code == "AccessDenied" and _EXPIRED_RE.search(message):
             said = " ".join(message.split())[:100]
+            life = f" ({url_life_s / 60:g} minutes)" if url_life_s else ""
             denied = AccessDenied(f"access denied to bucket {bucket!r} ({code}: {said}): a URL signed just now "
                                   "refused so means the server's clock is ahead of this machine's by more than a URL's "
-                                  "life (20 minutes): check both clocks (NTP)")
+                                  f"life{life}: check both clocks (NTP)")
             denied.expired = True
+        elif code == "AccessDenied" and _NOT_YET_VALID_RE.search(message):
+            said = " ".join(message.split())[:100]
+            denied = AccessDenied(f"access denied to bucket {bucket!r} ({code}: {said}): this machine's clock is "
+                                  "ahead of the server's by more than the server allows (MinIO: 15 minutes): a URL "
+                                  "signed here cannot be read there until the clocks agree: check both (NTP)")
+            denied.not_yet_valid = True
         else:
             denied = AccessDenied(f"access denied to bucket {bucket!r} ({code or status}): "
                                   + CREDENTIAL_ADVICE.get(code, "check credentials"))

@@ -389,6 +389,39 @@ def test_a_url_refused_as_expired_looks_no_credentials_up(origin: Origin, monkey
     assert looked_up == ["InvalidAccessKeyId"] and again == [] and len(origin.requests) == 3
 
 
+@pytest.mark.parametrize("said", [b"Request is not valid yet.", b"Request is not yet valid"], ids=["minio", "aws"])
+def test_a_url_refused_as_not_valid_yet_says_the_clock_and_looks_nothing_up(origin: Origin, said: bytes) -> None:
+    """This machine's clock ahead of the server's by more than the skew it allows: a presigned URL is refused
+    AccessDenied, "Request is not valid yet" (MinIO, SeaweedFS's error) or "Request is not yet valid" (AWS S3). It read
+    "check credentials", and the refusal looked the credentials up (`on_refused`: a process run or an STS call at every
+    read, a source minting keys at each lookup warning "have changed") and sent a URL signed now, which bears the same
+    clock's time. It says the clock now, and sends nothing more (B175)."""
+    looked_up: list[str] = []
+    again: list[str] = []
+    origin.script = lambda h, s, e: h.answer(
+        403, b"<Error><Code>AccessDenied</Code><Message>" + said + b"</Message></Error>") or True
+    g = RangeGetter(lambda key: f"{origin.url}/bucket/{key}?X-Amz-Credential=id%2Fscope", bucket="bucket",
+                    pool_size=2, connect_timeout=2.0, read_timeout=2.0,
+                    on_refused=lambda code: looked_up.append(code) or True, on_refused_again=again.append)
+    for _ in range(3):
+        with pytest.raises(AccessDenied, match=r"this machine's clock is ahead of the server's") as caught:
+            get(g, 0, 10)
+        assert caught.value.not_yet_valid and caught.value.errno == errno.EACCES
+        assert "check credentials" not in str(caught.value)
+    assert looked_up == [] and again == [] and len(origin.requests) == 3
+
+
+def test_a_refusal_as_expired_names_the_life_urls_are_signed_for() -> None:
+    """It said "20 minutes" whatever URL_EXPIRES_S was: the life is the constant's (B175)."""
+    from fsmount.data import presigned
+    from fsmount.data.store import error_for_status
+
+    for life in (presigned.URL_EXPIRES_S, 3600):
+        denied = error_for_status("AccessDenied", 403, "b", "GET 'k'", "Request has expired", url_life_s=life)
+        assert isinstance(denied, AccessDenied) and denied.expired
+        assert f"by more than a URL's life ({life / 60:g} minutes)" in str(denied), str(denied)
+
+
 def test_an_idle_connection_the_server_closed_is_replaced_at_once(origin: Origin) -> None:
     def close_after(h: Handler, s: int, e: int) -> bool:
         h.answer(206, DATA[s:e], {"Content-Range": f"bytes {s}-{e - 1}/{len(DATA)}"})

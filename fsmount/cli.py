@@ -20,7 +20,7 @@ import sys
 import time
 import urllib.parse
 from collections.abc import Callable
-from typing import NoReturn, TypeVar
+from typing import TYPE_CHECKING, NoReturn, TypeVar
 
 from fsmount import __version__
 from fsmount.config import (
@@ -45,6 +45,9 @@ from fsmount.config import (
     parse_size,
     parse_ttl,
 )
+
+if TYPE_CHECKING:
+    from fsmount.mount_users import MountUsers
 
 EPILOG = """\
 examples:
@@ -641,17 +644,36 @@ def cmd_unmount(args: argparse.Namespace) -> int:
         reason = res.stderr.strip().splitlines()[-1] if res.stderr.strip() else f"status {res.returncode}"
         hint = ""
         if "busy" in reason.lower():
-            users = mount_users(path)
-            inside = mounts_inside(path)
-            said = ([f"in use by {', '.join(users)}"] if users else []) + \
-                ([f"{'a mount' if len(inside) == 1 else 'mounts'} inside it: {', '.join(inside)}"] if inside else [])
-            todo = (["stop them, or leave the mount"] if users else []) + \
-                ([f"unmount {'it' if len(inside) == 1 else 'them'} first"] if inside else [])
-            hint = (f" ({'; '.join(said)}: {', or '.join(todo)}, or use --lazy)" if said else
-                    " (in use: a process has a file in it open or mapped, or its working directory there: close them "
-                    "or use --lazy)")
+            hint = busy_hint(mount_users(path), mounts_inside(path))
         return fail(f"cannot unmount {args.mountpoint}: {reason}{hint}")
     return 0
+
+
+def busy_hint(users: MountUsers, inside: list[str]) -> str:
+    """What a busy unmount says holds the mount (`mount_users.mount_users`, `mounts_inside`) and what to do. Where the
+    scan of /proc did not finish (its time bound passed, a process's maps did not answer), the holders it found are
+    named and the generic hint follows them, with the processes whose maps did not answer (B176)."""
+    from fsmount.mount_users import MOUNT_USERS_NAMED, MOUNT_USERS_SCAN_S
+
+    generic = "a process has a file in it open or mapped, or its working directory there"
+    cut = ""
+    if not users.complete:
+        stuck = users.unread[:MOUNT_USERS_NAMED] + ([f"{len(users.unread) - MOUNT_USERS_NAMED} more"]
+                                                    if len(users.unread) > MOUNT_USERS_NAMED else [])
+        cut = (f"; /proc was not read whole within {MOUNT_USERS_SCAN_S:g}s"
+               + (f" (the memory map of {', '.join(stuck)} did not answer: perhaps waiting on this mount)"
+                  if stuck else ""))
+    said = ([f"in use by {', '.join(users.named)}"] if users.named else []) + \
+        ([f"{'a mount' if len(inside) == 1 else 'mounts'} inside it: {', '.join(inside)}"] if inside else [])
+    if not said:
+        return f" (in use: {generic}{cut}: close them or use --lazy)"
+    todo = (["stop them, or leave the mount"] if users.named else []) + \
+        ([f"unmount {'it' if len(inside) == 1 else 'them'} first"] if inside else [])
+    if cut:
+        said.append(f"maybe others: {generic}{cut}")
+        if not users.named:
+            todo.insert(0, "close them")
+    return f" ({'; '.join(said)}: {', or '.join(todo)}, or use --lazy)"
 
 
 def cmd_stats(args: argparse.Namespace) -> int:

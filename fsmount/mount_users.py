@@ -1,13 +1,44 @@
 """What keeps a mount busy, read from /proc alone (for `modelfs unmount` of a busy mount): the processes whose
 working directory, root, open files or mappings are on it, and the mounts made inside it. Nothing here asks the
-mount's daemon, which may be stopped or hung: the kernel answers every read (B144, B157, B159). Plain blocking reads,
-run by the CLI, never by the daemon."""
+mount's daemon, which may be stopped or hung: the kernel answers every read (B144, B157, B159). Run by the CLI, never
+by the daemon; the whole scan is bounded in time (MOUNT_USERS_SCAN_S), and the one read that may wait on another
+process, its /proc/PID/maps, runs in a thread of its own that is left behind past MAPS_READ_S (B176)."""
 
 from __future__ import annotations
 
 import os
+import threading
+import time
+from typing import NamedTuple
 
 from fsmount.prefetch_command import mountinfo_path
+
+# The most `mount_users` takes: past it, what it found so far, said as not the whole of it. Reading every process's
+# descriptors and maps takes ~0.1 ms a process on the test machine, so this leaves room for a busy host's thousands.
+MOUNT_USERS_SCAN_S = 2.0
+# The most one process's /proc/PID/maps is waited for. Its open takes the process's exec_update_lock (mm_access), and
+# its read the process's memory map lock: before Linux 6.17 mmap_lock for the whole read (mmap_read_lock_killable in
+# fs/proc/task_mmu.c's m_start); since, with CONFIG_PER_VMA_LOCK (this test machine's 6.18 has it), the VMAs are
+# walked under RCU and per-VMA locks, and mmap_lock is still taken where a VMA is being changed
+# (lock_next_vma_under_mmap_lock in mm/mmap_lock.c, fallback_to_mmap_lock in task_mmu.c). A process blocked on a hung
+# mount can hold mmap_lock (a fault or a get_user_pages of the mount's pages while another of its threads waits to
+# mmap or munmap, which makes every new reader wait behind that writer), so the read may wait as long as the mount
+# hangs. The other reads here take no lock another process can hold: readlink and fdinfo of /proc/PID/fd (task_lock,
+# a spinlock; the fdinfo of a descriptor on the mount only, and FUSE files have no show_fdinfo of their own),
+# cwd and root (the same), comm. A maps reader left waiting is a daemon thread; the waits above are killable (but
+# for fallback_to_mmap_lock's plain mmap_read_lock, taken where the per-VMA walk gives up on a VMA: rare), so the
+# process's exit ends it.
+MAPS_READ_S = 0.5
+
+
+class MountUsers(NamedTuple):
+    """What `mount_users` found: `named`, 'NAME (pid N: what)' for up to MOUNT_USERS_NAMED holders and 'K more';
+    `complete`, whether every process was looked at whole within MOUNT_USERS_SCAN_S; `unread`, 'NAME (pid N)' of the
+    processes whose maps did not answer within MAPS_READ_S (one waiting on this mount may be among them)."""
+
+    named: list[str]
+    complete: bool
+    unread: list[str]
 
 
 def mapped_paths(maps: str, dev: tuple[int, int]) -> set[str]:
@@ -89,16 +120,38 @@ def link_mount_id(link: str) -> int | None:
         os.close(fd)
 
 
-def mount_users(mountpoint: str) -> list[str]:
-    """What keeps `mountpoint` busy, as 'NAME (pid N: what)', from /proc alone: nothing asks the mount's daemon
-    (which may be stopped or hung). A path under the mountpoint is not enough: a shell whose working directory
-    was the mountpoint's own directory before the mount shows the same path, and does not hold the mount. So a
-    working directory, root or open file counts where its mount id is the mount's, and a mapped file where its
-    device is. This process is left out (a `modelfs unmount .` run from inside the mount: its shell, which made it
-    so, is named). A process in another mount namespace, or one this user may not inspect, is not seen."""
+def _process_name(pid: str) -> str:
+    try:
+        with open(f"/proc/{pid}/comm", "rb") as f:
+            return os.fsdecode(f.read().strip()) or "?"
+    except OSError:
+        return "?"
+
+
+def _mapped_paths_within(maps: str, dev: tuple[int, int], timeout: float) -> set[str] | None:
+    """`mapped_paths(maps, dev)`, or None if it did not answer within `timeout`: it is read in a daemon thread, left
+    waiting where the process's memory map lock is held (MAPS_READ_S says which kernel code waits)."""
+    answer: list[set[str]] = []
+    reader = threading.Thread(target=lambda: answer.append(mapped_paths(maps, dev)), name="modelfs-maps-reader",
+                              daemon=True)
+    reader.start()
+    reader.join(max(0.0, timeout))
+    return answer[0] if answer else None
+
+
+def mount_users(mountpoint: str) -> MountUsers:
+    """What keeps `mountpoint` busy, from /proc alone: nothing asks the mount's daemon (which may be stopped or hung).
+    A path under the mountpoint is not enough: a shell whose working directory was the mountpoint's own directory
+    before the mount shows the same path, and does not hold the mount. So a working directory, root or open file
+    counts where its mount id is the mount's, and a mapped file where its device is. This process is left out (a
+    `modelfs unmount .` run from inside the mount: its shell, which made it so, is named). A process in another mount
+    namespace, or one this user may not inspect, is not seen. Within MOUNT_USERS_SCAN_S: first every process's
+    working directory, root and descriptors (reads no other process can hold up), then their maps, each waited for
+    MAPS_READ_S at most, so a process whose maps do not answer hides no holder found the first way."""
+    deadline = time.monotonic() + MOUNT_USERS_SCAN_S
     mount = mount_at(mountpoint)
     if mount is None:
-        return []
+        return MountUsers([], True, [])
     mnt_id, dev = mount
     inside = mountpoint.rstrip("/") + "/"
 
@@ -127,14 +180,17 @@ def mount_users(mountpoint: str) -> list[str]:
                 count += 1
         return count
 
-    named: list[str] = []
-    more = 0
     try:
         pids = sorted((e for e in os.listdir("/proc") if e.isdigit() and int(e) != os.getpid()), key=int)
     except OSError:
-        return []
+        return MountUsers([], False, [])
+    holding: dict[str, list[str]] = {pid: [] for pid in pids}
+    complete = True
     for pid in pids:
-        what = []
+        if time.monotonic() >= deadline:
+            complete = False
+            break
+        what = holding[pid]
         if holds(pid, "cwd"):
             what.append("working directory")
         if holds(pid, "root"):
@@ -142,19 +198,29 @@ def mount_users(mountpoint: str) -> list[str]:
         count = open_files(pid)
         if count:
             what.append(f"{count} open file{'s' if count > 1 else ''}")
-        if any(under(t) for t in mapped_paths(f"/proc/{pid}/maps", dev)):
-            what.append("mapped files")
+    unread: list[str] = []
+    for pid in pids if complete else []:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            complete = False
+            break
+        paths = _mapped_paths_within(f"/proc/{pid}/maps", dev, min(MAPS_READ_S, left))
+        if paths is None:
+            complete = False
+            if left < MAPS_READ_S:  # cut by the scan's bound, not found stuck
+                break
+            unread.append(f"{_process_name(pid)} (pid {pid})")
+        elif any(under(t) for t in paths):
+            holding[pid].append("mapped files")
+    named: list[str] = []
+    more = 0
+    for pid, what in holding.items():
         if not what:
             continue
         if len(named) == MOUNT_USERS_NAMED:
             more += 1
             continue
-        try:
-            with open(f"/proc/{pid}/comm", "rb") as f:
-                name = os.fsdecode(f.read().strip()) or "?"
-        except OSError:
-            name = "?"
-        named.append(f"{name} (pid {pid}: {', '.join(what)})")
+        named.append(f"{_process_name(pid)} (pid {pid}: {', '.join(what)})")
     if more:
         named.append(f"{more} more")
-    return named
+    return MountUsers(named, complete, unread)

@@ -2,11 +2,13 @@
 working directory, root, open files or mappings are on it, and the mounts made inside it. Nothing here asks the
 mount's daemon, which may be stopped or hung: the kernel answers every read (B144, B157, B159). Run by the CLI, never
 by the daemon; the whole scan is bounded in time (MOUNT_USERS_SCAN_S), and the one read that may wait on another
-process, its /proc/PID/maps, runs in a thread of its own that is left behind past MAPS_READ_S (B176)."""
+process, its /proc/PID/maps, runs in a thread of its own that is left behind past MAPS_READ_S (B176): the scan's
+state is its own; a maps reader shares only the queues it takes its reads from and gives its answers to."""
 
 from __future__ import annotations
 
 import os
+import queue
 import threading
 import time
 from typing import NamedTuple
@@ -128,15 +130,39 @@ def _process_name(pid: str) -> str:
         return "?"
 
 
-def _mapped_paths_within(maps: str, dev: tuple[int, int], timeout: float) -> set[str] | None:
-    """`mapped_paths(maps, dev)`, or None if it did not answer within `timeout`: it is read in a daemon thread, left
-    waiting where the process's memory map lock is held (MAPS_READ_S says which kernel code waits)."""
-    answer: list[set[str]] = []
-    reader = threading.Thread(target=lambda: answer.append(mapped_paths(maps, dev)), name="modelfs-maps-reader",
-                              daemon=True)
-    reader.start()
-    reader.join(max(0.0, timeout))
-    return answer[0] if answer else None
+class _MapsReader:
+    """Reads processes' /proc/PID/maps (`mapped_paths`) one at a time in a daemon thread of its own, each waited for
+    at most the time `read` is given. A reader that did not answer in time is left behind, waiting where the
+    process's memory map lock is held (MAPS_READ_S says which kernel code waits), told to end once it is free, and a
+    new one takes the next read: a thread per read cost as much again as the scan's own reads. Used by one thread."""
+
+    def __init__(self) -> None:
+        self._jobs: queue.SimpleQueue[tuple[str, tuple[int, int], queue.SimpleQueue[set[str]]] | None] | None = None
+
+    def read(self, maps: str, dev: tuple[int, int], timeout: float) -> set[str] | None:
+        """`mapped_paths(maps, dev)`, or None if it did not answer within `timeout`."""
+        if self._jobs is None:
+            self._jobs = queue.SimpleQueue()
+            threading.Thread(target=self._serve, args=(self._jobs,), name="modelfs-maps-reader", daemon=True).start()
+        answer: queue.SimpleQueue[set[str]] = queue.SimpleQueue()
+        self._jobs.put((maps, dev, answer))
+        try:
+            return answer.get(timeout=max(0.0, timeout))
+        except queue.Empty:
+            self.close()
+            return None
+
+    def close(self) -> None:
+        """The reader ends after the read it is in, if any."""
+        if self._jobs is not None:
+            self._jobs.put(None)
+            self._jobs = None
+
+    @staticmethod
+    def _serve(jobs: queue.SimpleQueue[tuple[str, tuple[int, int], queue.SimpleQueue[set[str]]] | None]) -> None:
+        while (job := jobs.get()) is not None:
+            maps, dev, answer = job
+            answer.put(mapped_paths(maps, dev))
 
 
 def mount_users(mountpoint: str) -> MountUsers:
@@ -199,19 +225,23 @@ def mount_users(mountpoint: str) -> MountUsers:
         if count:
             what.append(f"{count} open file{'s' if count > 1 else ''}")
     unread: list[str] = []
-    for pid in pids if complete else []:
-        left = deadline - time.monotonic()
-        if left <= 0:
-            complete = False
-            break
-        paths = _mapped_paths_within(f"/proc/{pid}/maps", dev, min(MAPS_READ_S, left))
-        if paths is None:
-            complete = False
-            if left < MAPS_READ_S:  # cut by the scan's bound, not found stuck
+    reader = _MapsReader()
+    try:
+        for pid in pids if complete else []:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                complete = False
                 break
-            unread.append(f"{_process_name(pid)} (pid {pid})")
-        elif any(under(t) for t in paths):
-            holding[pid].append("mapped files")
+            paths = reader.read(f"/proc/{pid}/maps", dev, min(MAPS_READ_S, left))
+            if paths is None:
+                complete = False
+                if left < MAPS_READ_S:  # cut by the scan's bound, not found stuck
+                    break
+                unread.append(f"{_process_name(pid)} (pid {pid})")
+            elif any(under(t) for t in paths):
+                holding[pid].append("mapped files")
+    finally:
+        reader.close()
     named: list[str] = []
     more = 0
     for pid, what in holding.items():

@@ -70,7 +70,7 @@ def test_a_process_whose_maps_do_not_answer_holds_the_scan_up_only_briefly(
         took = time.monotonic() - started
     finally:
         release.set()
-    assert took < mount_users.MAPS_READ_S + 1.0, took
+    assert took < mount_users.MOUNT_USERS_SCAN_S + 0.5, took  # the stuck read costs MAPS_READ_S of it
     assert found.named == [f"sleep (pid {holder.pid}: working directory)"], found
     assert not found.complete and found.unread == [f"sleep (pid {other.pid})"], found
     hint = cli.busy_hint(found, [])

@@ -26,6 +26,7 @@ import threading
 import time
 import urllib.parse
 from collections.abc import AsyncIterator, Callable, Iterator
+from typing import TextIO
 
 import pyfuse3
 import trio
@@ -242,6 +243,20 @@ class LogFile(logging.handlers.WatchedFileHandler):
             except (OSError, ValueError):
                 pass
 
+    def _open(self) -> TextIO:
+        """The file at its path, opened for appending with O_NONBLOCK (B190). A FIFO (a log shipper's) that no process
+        reads held the plain open until one did: the mount's start-up waited STARTUP_TIMEOUT and said only "did not
+        answer", and a reopen after the FIFO was made anew blocked the daemon's log call, FUSE requests included; a
+        reader that stopped reading blocked every line's write the same way once the pipe was full. Now the open
+        fails at once (ENXIO: `log_file_error` says the FIFO has no reader) and a line the pipe has no room for is
+        dropped and said, as a full disk's. A regular file is written as before (O_NONBLOCK changes nothing there)."""
+        fd = os.open(self.baseFilename, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC | os.O_NONBLOCK, 0o666)
+        try:
+            return open(fd, self.mode, encoding=self.encoding, errors=self.errors)
+        except BaseException:
+            os.close(fd)
+            raise
+
     def handleError(self, record: logging.LogRecord) -> None:  # noqa: N802 - logging's name
         failed = sys.exc_info()[1]
         if isinstance(failed, OSError):
@@ -289,13 +304,22 @@ def setup_logging(level: str, log_file: str | None = None, use_syslog: bool = Fa
 # RestartSec for good. EISDIR: the path is a directory. ENOTDIR, ELOOP, ENAMETOOLONG: the path itself is wrong (a file
 # where a directory of it should be, a symlink loop, a name too long). EACCES and EPERM: the daemon may not write
 # there; it runs as root with CAP_DAC_OVERRIDE under the unit, so what refuses is a permission root does not pass (an
-# NFS root_squash, another user's FUSE mount, chattr +i or +a, an LSM's policy): a person's to change, never a
-# moment's. Every other errno may mend by itself and stays status 1 (started again): ENOENT, a parent not there yet (a
-# directory another unit makes, a mount not up yet; modelfs never makes it, B53); ENOSPC and EDQUOT, a full disk or
-# quota that frees; EROFS, a file system remounted read-write after its check, or whose mount over it comes later;
-# EIO and the like.
+# NFS root_squash, another user's FUSE mount, chattr +i or +a, an LSM's policy), and a user's own mount (`modelfs
+# mount` run as that user, --foreground or not) is refused a file or directory of another's: a person's to change (a
+# chmod, another path), never a moment's. Every other errno may mend by itself and stays status 1 (started again):
+# ENOENT, a parent not there yet (a directory another unit makes, a mount not up yet; modelfs never makes it, B53);
+# ENOSPC and EDQUOT, a full disk or quota that frees; EROFS, a file system remounted read-write after its check, or
+# whose mount over it comes later; ENXIO, a FIFO that no process reads yet (its reader starts later, B190); EIO and
+# the like.
 LOG_FILE_SETTING_ERRNOS = frozenset({errno.EISDIR, errno.ENOTDIR, errno.ELOOP, errno.ENAMETOOLONG, errno.EACCES,
                                      errno.EPERM})
+
+
+def _is_fifo(path: str) -> bool:
+    try:
+        return stat.S_ISFIFO(os.stat(path).st_mode)
+    except OSError:
+        return False
 
 
 def log_file_error(log_file: str, exc: OSError) -> MountError:
@@ -305,6 +329,10 @@ def log_file_error(log_file: str, exc: OSError) -> MountError:
     if exc.errno == errno.EISDIR:
         return SettingError(f"--log-file {log_file} is a directory: give the path of a file (such as "
                             f"{os.path.join(log_file, 'modelfs.log')})")
+    if exc.errno == errno.ENXIO and _is_fifo(log_file):
+        # A reader (a log shipper) may start later: status 1, started again (B190).
+        return MountError(f"cannot write the log file {log_file} (--log-file): it is a FIFO that no process reads: "
+                          "start its reader first")
     if exc.errno in LOG_FILE_SETTING_ERRNOS:
         return SettingError(f"--log-file {log_file}: cannot write the log file ({reason}): give a file this daemon "
                             "may write")

@@ -625,11 +625,13 @@ def test_mount_refuses_what_would_break_it_and_says_why(moto_server: S3Server, t
     there made the next mount find the mountpoint not empty; exit status 2, a setting to change), an empty
     --cache-dir (silently no cache), a --read-timeout without bound (taken, then every request failed), a log
     file that cannot be written (a traceback in the foreground, "exited with status 1" in the background), a log file
-    that is a directory (status 1, which the systemd unit started again every 5 s for good: 2 now, B173)."""
+    that is a directory (status 1, which the systemd unit started again every 5 s for good: 2 now, B173), a log FIFO
+    that no process reads (the start-up waited for a reader: B190)."""
     bucket = new_bucket(moto_server)
     mp = tmp_path / "mnt"
     mp.mkdir()
     (tmp_path / "afile").write_bytes(b"x")
+    os.mkfifo(tmp_path / "log.fifo")
     base = ("mount", bucket, str(mp), "--endpoint-url", moto_server.endpoint_url)
     try:
         for extra, message, code in (
@@ -652,6 +654,10 @@ def test_mount_refuses_what_would_break_it_and_says_why(moto_server: S3Server, t
                 (("--log-file", str(tmp_path)), f"--log-file {tmp_path} is a directory: give the path of a file", 2),
                 (("--log-file", str(tmp_path), "--foreground"), f"--log-file {tmp_path} is a directory", 2),
                 (("--log-file", str(tmp_path / "afile" / "x.log")), "Not a directory", 2),
+                # A FIFO no process reads: the open waited for a reader, the background mount said "did not answer"
+                # after 120 s, the foreground one hung; a reader may start later: 1, started again (B190).
+                (("--log-file", str(tmp_path / "log.fifo")), "it is a FIFO that no process reads", 1),
+                (("--log-file", str(tmp_path / "log.fifo"), "--foreground"), "it is a FIFO that no process reads", 1),
                 # Created in the mountpoint before the mount; with --allow-non-empty logged through it: a read-only
                 # daemon died at its next line, a --writable one waited on its own mount for good.
                 (("--log-file", str(mp / "modelfs.log")), "is inside the mountpoint", 2),

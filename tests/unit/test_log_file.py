@@ -83,3 +83,65 @@ def test_a_log_file_that_cannot_mend_by_itself_is_a_setting() -> None:
         said = log_file_error("/var/log/m", OSError(code, os.strerror(code)))
         assert type(said) is MountError and "--log-file" in str(said) and os.strerror(code) in str(said), code
     assert "\n" not in str(log_file_error("/var/log/m", OSError(errno.EISDIR, "Is a directory")))
+
+
+def test_a_log_fifo_with_no_reader_or_a_stalled_one_never_blocks_the_daemon(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A --log-file that is a FIFO (a log shipper's): with no process reading it, the open waited for one (the mount's
+    start-up said only "did not answer" after STARTUP_TIMEOUT; a reopen blocked the daemon's log call, FUSE requests
+    included), and a reader that stopped reading blocked every line's write once the pipe was full. Now the open fails
+    at once, said as a FIFO with no reader (status 1: a reader may come), and a line the pipe has no room for is
+    dropped and said once, as a full disk's (B190)."""
+    import errno
+    import os
+    import threading
+
+    from fsmount.mount import MountError, SettingError, log_file_error
+
+    fifo = tmp_path / "modelfs.fifo"
+    os.mkfifo(fifo)
+    opened: list[object] = []
+
+    def open_it() -> None:
+        try:
+            opened.append(LogFile(str(fifo)))
+        except OSError as exc:
+            opened.append(exc)
+
+    opener = threading.Thread(target=open_it, daemon=True)
+    opener.start()
+    opener.join(5)
+    if opener.is_alive():  # the old open, waiting for a reader: give it one, so that the thread ends
+        os.close(os.open(fifo, os.O_RDONLY | os.O_NONBLOCK))
+        opener.join(5)
+        pytest.fail("the open of a FIFO with no reader waited for one")
+    assert isinstance(opened[0], OSError) and opened[0].errno == errno.ENXIO, opened
+    said = log_file_error(str(fifo), opened[0])
+    assert type(said) is MountError and not isinstance(said, SettingError)
+    assert str(said) == f"cannot write the log file {fifo} (--log-file): it is a FIFO that no process reads: start " \
+        "its reader first"
+
+    reader = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)  # a reader that reads nothing
+    try:
+        handler = LogFile(str(fifo))
+        written = threading.Thread(target=lambda: [handler.handle(line("x" * 1000)) for _ in range(200)], daemon=True)
+        written.start()  # 200 kB: more than a pipe holds (64 kB)
+        written.join(10)
+        blocked = written.is_alive()
+        first = os.read(reader, 1001)
+        while written.is_alive():  # the old write, blocked: read the pipe empty until it ends
+            with contextlib.suppress(BlockingIOError):
+                os.read(reader, 1 << 16)
+        assert not blocked, "a write to a FIFO whose reader stopped reading blocked the log call"
+        assert first == b"x" * 1000 + b"\n"
+        assert capsys.readouterr().err.count("cannot write the log file") == 1
+        while True:  # the reader catches up: lines are written again
+            try:
+                os.read(reader, 1 << 16)
+            except BlockingIOError:
+                break
+        handler.handle(line("again"))
+        assert os.read(reader, 1 << 16).endswith(b"again\n")
+        handler.close()
+    finally:
+        os.close(reader)

@@ -212,6 +212,11 @@ CREDENTIAL_ADVICE = {
                     "profile is read again when requests are refused; credentials in the environment need a remount)",
     "InvalidToken": "the credentials' session token is not valid: give new credentials",
     "InvalidAccessKeyId": "the server does not know the access key id (revoked, or mistyped): give new credentials",
+    # A request signed in its headers (a HEAD, a listing, a write: botocore's) whose X-Amz-Date is off the server's
+    # clock by more than it allows (15 minutes on AWS S3 and MinIO), either way: the clock's, not the credentials'
+    # (B191; a presigned URL's refusals for the clock are told by their message, B136, B175).
+    "RequestTimeTooSkewed": "this machine's clock and the server's differ by more than the server allows (AWS S3, "
+                            "MinIO: 15 minutes): check both clocks (NTP); the credentials may be right",
     # A 400 without an error document: what AWS S3 answers a HEAD signed with a session token past its expiry (its
     # answer has no body to say ExpiredToken; B104). It stays EIO, a bad request being possible too, but says so.
     "400": "400 without an error code: AWS S3 answers so a HEAD whose credentials' session token has expired. If the "

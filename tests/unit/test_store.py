@@ -256,6 +256,17 @@ def test_a_refusal_for_expired_or_unknown_credentials_says_so() -> None:
     assert translate_error(client_error("AccessDenied", 403), "b", "x").message.endswith("check credentials")
 
 
+def test_a_request_refused_for_the_clock_says_the_clock_not_the_credentials() -> None:
+    """This machine's clock off the server's by more than 15 minutes: AWS S3, MinIO and SeaweedFS refuse a request
+    signed in its headers (the mount's first listing, every HEAD) with 403 RequestTimeTooSkewed, which read "check
+    credentials": the operator looked at the keys, which were right (B191; its presigned sibling: B175)."""
+    skewed = translate_error(client_error("RequestTimeTooSkewed", 403, "The difference between the request time and "
+                                          "the current time is too large."), "b", "x")
+    assert isinstance(skewed, AccessDenied) and skewed.errno == errno.EACCES and skewed.code == "RequestTimeTooSkewed"
+    assert "this machine's clock and the server's differ by more than the server allows" in skewed.message
+    assert "check credentials" not in skewed.message and not skewed.expired and not skewed.not_yet_valid
+
+
 def test_a_bare_400_says_it_may_be_an_expired_session_token() -> None:
     """AWS S3 answers a HEAD signed with a session token past its expiry with 400 and no body (botocore names its
     code "400"). With no new credentials to be had, a stat was EIO with "HEAD 'k': 400" alone in the log: nothing

@@ -142,8 +142,15 @@ class _MapsReader:
     def read(self, maps: str, dev: tuple[int, int], timeout: float) -> set[str] | None:
         """`mapped_paths(maps, dev)`, or None if it did not answer within `timeout`."""
         if self._jobs is None:
-            self._jobs = queue.SimpleQueue()
-            threading.Thread(target=self._serve, args=(self._jobs,), name="modelfs-maps-reader", daemon=True).start()
+            jobs: queue.SimpleQueue[tuple[str, tuple[int, int], queue.SimpleQueue[set[str]]] | None] = \
+                queue.SimpleQueue()
+            try:
+                threading.Thread(target=self._serve, args=(jobs,), name="modelfs-maps-reader", daemon=True).start()
+            except RuntimeError:
+                # No thread to be had (a pids cgroup at its limit, RLIMIT_NPROC, as where a trainer's threads filled
+                # it): `modelfs unmount` failed with a traceback. Read here, without a bound, as before B176 (B192).
+                return mapped_paths(maps, dev)
+            self._jobs = jobs
         answer: queue.SimpleQueue[set[str]] = queue.SimpleQueue()
         self._jobs.put((maps, dev, answer))
         try:

@@ -8,6 +8,7 @@ import os
 import subprocess
 import threading
 import time
+import types
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -118,3 +119,21 @@ def test_a_scan_that_finishes_says_what_it_said_before(held: tuple[str, subproce
     assert cli.busy_hint(MountUsers([], False, []), []) == (
         " (in use: a process has a file in it open or mapped, or its working directory there; /proc was not read "
         f"whole within {mount_users.MOUNT_USERS_SCAN_S:g}s: close them or use --lazy)")
+
+
+def test_a_scan_with_no_thread_to_be_had_still_answers(held: tuple[str, subprocess.Popen, subprocess.Popen],
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """A pids cgroup at its limit (a trainer's threads filled it) or RLIMIT_NPROC: the maps reader's thread could not
+    start, and `modelfs unmount` of a busy mount failed with a RuntimeError's traceback. The maps are read in the
+    scan's own thread then, as before B176 (B192)."""
+    mp, holder, _ = held
+
+    class NoThread:
+        def __init__(self, **_: object) -> None:
+            pass
+
+        def start(self) -> None:
+            raise RuntimeError("can't start new thread")
+
+    monkeypatch.setattr(mount_users, "threading", types.SimpleNamespace(Thread=NoThread))
+    assert mount_users.mount_users(mp) == MountUsers([f"sleep (pid {holder.pid}: working directory)"], True, [])

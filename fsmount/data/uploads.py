@@ -280,7 +280,8 @@ class Uploads:
     def put_part(self, key: str, upload_id: str, number: int, body: bytes | bytearray) -> str:
         """Upload part `number` (1-based); its ETag."""
         what = f"uploading part {number} of {key!r}"
-        resp = self._call(what, self._client.upload_part, Key=key, UploadId=upload_id, PartNumber=number, Body=body)
+        resp = self._once_more_if_cut(what, lambda r: r.get("ETag"), self._client.upload_part, Key=key,
+                                      UploadId=upload_id, PartNumber=number, Body=body)
         return _field(resp, "ETag", what)
 
     def copy_part(self, key: str, upload_id: str, number: int, source: str, source_etag: str, start: int,
@@ -288,11 +289,24 @@ class Uploads:
         """Part `number` of `key` is bytes [start, end) of `source` (version `source_etag`), copied by the
         server; its ETag."""
         what = f"copying part {number} of {key!r}"
-        resp = self._call(what, self._client.upload_part_copy, Key=key,
-                          UploadId=upload_id, PartNumber=number,
-                          CopySource={"Bucket": self.bucket, "Key": source}, **_if_source(source_etag),
-                          CopySourceRange=f"bytes={start}-{end - 1}")
+        resp = self._once_more_if_cut(what, lambda r: (r.get("CopyPartResult") or {}).get("ETag"),
+                                      self._client.upload_part_copy, Key=key, UploadId=upload_id, PartNumber=number,
+                                      CopySource={"Bucket": self.bucket, "Key": source}, **_if_source(source_etag),
+                                      CopySourceRange=f"bytes={start}-{end - 1}")
         return _field(_field(resp, "CopyPartResult", what), "ETag", what)
+
+    def _once_more_if_cut(self, what: str, etag_of: Callable[[dict[str, Any]], Any], fn: Any,
+                          **kwargs: Any) -> dict[str, Any]:
+        """`_call`, sent once more where its answer has no ETag (`etag_of`): a part's upload or copy answered with its
+        head cut after the status line reaches botocore as a 200 with nothing in it, which it does not send again, and
+        the file's write, or the rename, got EIO although the server had likely stored the part (B166). A part sent
+        again under the same number replaces the one stored (S3, MinIO and SeaweedFS keep the last), and the
+        completion names the ETag that second answer gives, so it is the same done twice, as a copy is (B151)."""
+        resp = self._call(what, fn, **kwargs)
+        if not etag_of(resp):
+            log.info("%s: the answer was cut short; sent again", what)
+            resp = self._call(what, fn, **kwargs)
+        return resp
 
     def finish(self, key: str, upload_id: str, etags: list[str], only_if_absent: bool = False,
                or_plain: bool = False) -> str:

@@ -632,3 +632,31 @@ def test_an_upload_begun_after_its_start_was_given_up_on_is_named(moto_server: S
     done = run_modelfs(*shlex.split(advised[1])[1:], env=daemon_env(moto_server))
     assert done.returncode == 0 and uploads_in(moto_server, bucket) == [], done.stdout + done.stderr
     delete_bucket(moto_server, bucket)
+
+
+@pytest.mark.parametrize("op", ["part", "part_copy"])
+def test_a_part_whose_answer_is_cut_after_its_status_line_is_sent_again(s3: S3Server, mountpoint: Path,
+                                                                        op: str) -> None:
+    """UploadPart (a new file's part) or UploadPartCopy (a create-only rename's) answered with its head cut after the
+    status line: a 200 with no ETag, which botocore does not send again. The server had stored the part, but the
+    write failed with EIO at close, or the rename with EIO (B166). A part sent again under its number replaces the one
+    stored: sent once more, it gives the ETag the completion needs. On moto and SeaweedFS (how each keeps a part sent
+    twice is its own)."""
+    bucket = new_bucket(s3)
+    data = random_bytes(13 * MiB if op == "part" else MiB, 29)
+    if op == "part_copy":
+        put_objects(s3, bucket, {"a.bin": data})
+    with FaultProxy(s3.endpoint_url) as proxy, \
+            mounted_via(proxy, s3, bucket, mountpoint, *WRITE_ARGS, "--allow-delete"):
+        rule = proxy.inject(Fault.CUT_HEADERS, op=op, times=1)
+        if op == "part":
+            (mountpoint / "c.bin").write_bytes(data)
+        else:
+            assert (mountpoint / "a.bin").stat().st_size == len(data)
+            os.rename(mountpoint / "a.bin", mountpoint / "c.bin")
+        assert rule.hits == 1
+        assert (mountpoint / "c.bin").read_bytes() == data and not (mountpoint / "a.bin").exists()
+    assert objects_in(s3, bucket) == ["c.bin"]
+    assert s3.client().get_object(Bucket=bucket, Key="c.bin")["Body"].read() == data
+    assert uploads_in(s3, bucket) == []
+    delete_bucket(s3, bucket)

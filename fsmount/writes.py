@@ -580,7 +580,10 @@ class Writes:
             # directory (a `mkdir` taken as a lock by two nodes: both got it, the second putting the marker again).
             self.ns.found_in_bucket(path)
             raise PathError(errno.EEXIST)
-        await self.call(self.uploads.put, self.ns.dir_key(path), b"")
+        # Its answer cut short or lost, the marker may be stored all the same: the bucket is asked (B167), as a
+        # directory's rename does (B164). Failed for that, the directory was made and the retry got EEXIST.
+        marker = self.ns.dir_key(path)
+        await self.last_request(marker, lambda: put_etag(b""), self.uploads.put, marker, b"")
         node = self.ns.dir_added(path)
         self._written.add(node.ino)  # its marker: a rename deletes it, which needs no --allow-delete then
         return node

@@ -660,3 +660,20 @@ def test_a_part_whose_answer_is_cut_after_its_status_line_is_sent_again(s3: S3Se
     assert s3.client().get_object(Bucket=bucket, Key="c.bin")["Body"].read() == data
     assert uploads_in(s3, bucket) == []
     delete_bucket(s3, bucket)
+
+
+def test_a_mkdir_whose_marker_put_is_answered_cut_after_its_status_line_is_done(s3: S3Server,
+                                                                                 mountpoint: Path) -> None:
+    """mkdir PUTs the directory's marker: its answer cut after the status line (a 200 with no ETag, which botocore does
+    not send again), the server had stored it, but mkdir got EIO, and a second mkdir EEXIST (B167). An object with the
+    empty body's ETag at the marker's key is the PUT done, as for a rename's (B164)."""
+    bucket = new_bucket(s3)
+    with FaultProxy(s3.endpoint_url) as proxy, \
+            mounted_via(proxy, s3, bucket, mountpoint, "--writable", "--read-timeout", "5"):
+        rule = proxy.inject(Fault.CUT_HEADERS, op="put", times=1)
+        (mountpoint / "d").mkdir()
+        assert rule.hits == 1
+        assert (mountpoint / "d").is_dir()
+        (mountpoint / "d" / "a.bin").write_bytes(b"x")
+    assert sorted(objects_in(s3, bucket)) == ["d/", "d/a.bin"]
+    delete_bucket(s3, bucket)

@@ -444,7 +444,11 @@ class Boto3Store:
         return False
 
     def _listed(self, key: str) -> ObjectMeta | None:
-        """The key as a listing gives it (None if there is none): the first key a listing of it as a prefix names."""
+        """The key as a listing gives it (None if there is none): the first key a listing of it as a prefix names.
+        Keys XML 1.0 cannot carry (control characters) come through: botocore asks with encoding-type=url where the
+        caller does not, and decodes the keys itself (`list_pages` asks for it, and so decodes them: `_decode_key`).
+        A non-UTF-8 key decodes to one with U+FFFD, which is never the key asked, so it is not listed
+        (`tests/mount/test_server_quirks.py::test_a_control_character_key_whose_head_has_no_etag_is_found_by_its_listing`)."""
         try:
             resp = _listing(self._client.list_objects_v2(Bucket=self.bucket, Prefix=key, MaxKeys=1), key)
         except Exception as exc:  # noqa: BLE001

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from fsmount.testing.fault_proxy import Fault, FaultProxy
+from fsmount.testing.fault_proxy import Fault, FaultProxy, synthetic_body
 from fsmount.testing.http_wire import Request, Response, error_response, send, send_raw
 from tests.helpers import S3Server, drop_page_cache, mounted, mounted_via, new_bucket, put_objects
 
@@ -508,3 +508,31 @@ def test_a_store_refused_for_another_reason_keeps_o_excl_files_create_only(s3: S
         assert info.value.errno == errno.EIO
         assert "refused it with If-None-Match" not in m.log()
     assert s3.client().get_object(Bucket=bucket, Key="lock")["Body"].read() == b"theirs"
+
+
+class SyntheticHeadsWithoutETags(FaultProxy):
+    """The proxy's synthetic directory (keys of any bytes, which moto refuses) answering its HEADs without an ETag."""
+
+    def _synthetic_response(self, req: Request) -> Response | None:
+        resp = super()._synthetic_response(req)
+        if resp is None or req.method != "HEAD":
+            return resp
+        return dataclasses.replace(resp, headers=[(k, v) for k, v in resp.headers if k.lower() != "etag"])
+
+
+def test_a_control_character_key_whose_head_has_no_etag_is_found_by_its_listing(moto_server: S3Server,
+                                                                                 tmp_path: Path) -> None:
+    """A HEAD without an ETag is asked of a one-key listing (B150), which must carry keys XML 1.0 cannot (a control
+    character): asked for raw keys, such a listing is no XML, and the file was EIO on a server whose HEADs lack an
+    ETag. botocore asks with encoding-type=url by itself and decodes the keys (`Boto3Store._listed` relies on that):
+    the file is found, with the listing's ETag, and read exactly."""
+    bucket = new_bucket(moto_server)
+    name = "a\x01b.bin"
+    with SyntheticHeadsWithoutETags(moto_server.endpoint_url) as proxy:
+        proxy.serve_directory(bucket, "m/", [name, "z.bin"], size=4096)
+        with mounted_via(proxy, moto_server, bucket, tmp_path / "mnt", "--no-model-prefetch") as m:
+            path = m.path / "m" / name
+            assert os.stat(path).st_size == 4096  # by name: the HEAD, then its listing
+            asked = [e.target for e in proxy.log() if "max-keys=1&" in e.target and "prefix=m%2Fa%01b" in e.target]
+            assert asked and all("encoding-type=url" in target for target in asked), asked
+            assert path.read_bytes() == synthetic_body(f"m/{name}".encode(), 4096)

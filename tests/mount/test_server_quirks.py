@@ -313,6 +313,7 @@ class HeadCutBeforeItsETag(FaultProxy):
     writes Content-Length last, so CUT_HEADERS itself never leaves a size without an ETag.)"""
 
     head_cuts = 0  # set by the test between requests; taken by the connection thread of the next HEAD
+    cut_at = "etag"  # the first header line lost (by name, lower case), and every one after it
 
     def _forward(self, req: Request, upstream: http.client.HTTPConnection | None
                  ) -> tuple[Response, http.client.HTTPConnection]:
@@ -320,7 +321,7 @@ class HeadCutBeforeItsETag(FaultProxy):
         if req.method != "HEAD" or self.head_cuts <= 0:
             return resp, upstream
         self.head_cuts -= 1
-        return dataclasses.replace(resp, headers=[(k, v) for k, v in sorted(resp.headers) if k.lower() < "etag"]), \
+        return dataclasses.replace(resp, headers=[(k, v) for k, v in sorted(resp.headers) if k.lower() < self.cut_at]), \
             upstream
 
 
@@ -353,6 +354,27 @@ def test_a_head_cut_before_its_etag_pins_the_version_all_the_same(moto_server: S
                 assert exc.errno == errno.EIO  # the version opened is gone: EIO, as with any ETag
             else:
                 assert got == old[2 * 1024 * 1024:], "the handle read another version's bytes"
+
+
+
+def test_a_head_cut_before_its_last_modified_gives_the_real_mtime(moto_server: S3Server, tmp_path: Path) -> None:
+    """A HEAD whose answer lost its Last-Modified line (cut after its ETag, as a server that sends its lines by name
+    does) gave size and ETag, and no mtime: the file was dated the mount's start for the metadata's TTL, the newest
+    of its directory to a script that keeps the newest checkpoints by mtime (B168). Such an answer is asked of a
+    listing now, as one without an ETag is (B150). The object is stored seconds before the mount, to tell the two."""
+    bucket = new_bucket(moto_server)
+    put_objects(moto_server, bucket, {"m/w.bin": b"w" * 4096})
+    stored = moto_server.client().head_object(Bucket=bucket, Key="m/w.bin")["LastModified"].timestamp()
+    time.sleep(3)
+    with HeadCutBeforeItsETag(moto_server.endpoint_url) as proxy, \
+            mounted_via(proxy, moto_server, bucket, tmp_path / "mnt", "--no-model-prefetch",
+                        "--metadata-ttl", "300") as m:
+        proxy.cut_at = "last-modified"
+        assert (m.path / "m").is_dir()
+        proxy.head_cuts = 1
+        st = os.stat(m.path / "m" / "w.bin")  # the lookup: its HEAD cut before Last-Modified
+        assert proxy.head_cuts == 0
+        assert st.st_size == 4096 and abs(st.st_mtime - stored) < 1.5, (st.st_mtime, stored)
 
 
 class RecordedNoETags(NoETags):

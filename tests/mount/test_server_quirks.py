@@ -321,8 +321,8 @@ class HeadCutBeforeItsETag(FaultProxy):
         if req.method != "HEAD" or self.head_cuts <= 0:
             return resp, upstream
         self.head_cuts -= 1
-        return dataclasses.replace(resp, headers=[(k, v) for k, v in sorted(resp.headers) if k.lower() < self.cut_at]), \
-            upstream
+        kept = [(k, v) for k, v in sorted(resp.headers) if k.lower() < self.cut_at]
+        return dataclasses.replace(resp, headers=kept), upstream
 
 
 @pytest.mark.parametrize("client", ["presigned", "boto3"])

@@ -417,16 +417,27 @@ class Boto3Store:
             if isinstance(err, NotFound):
                 return None
             raise err from None
-        if resp.get("ContentLength") is None or not resp.get("ETag") or resp.get("LastModified") is None:
+        if resp.get("ContentLength") is None or not resp.get("ETag"):
             # No Content-Length (Supabase Storage for an empty object, s3ninja, a gateway compressing on the way):
             # the key's entry of a listing says its size, with the ETag of that same answer. Read as a missing key
             # (KeyError), every lookup of the file failed "unexpectedly", EIO. No ETag: an answer whose head was cut
             # after its size (a server sending Content-Length before ETag) is no answer of a server that gives none,
-            # whose versions nothing pins (B150); a server that gives none pays a listing per HEAD. No Last-Modified
-            # (an answer cut after its ETag, by a server sending its lines by name): no mtime, so the file was dated
-            # the mount's start for the TTL, wrongly the newest of its directory (B168); S3 servers send one with every
-            # HEAD, so only a cut answer pays the listing.
+            # whose versions nothing pins (B150); a server that gives none pays a listing per HEAD.
             return self._listed(key)
+        if resp.get("LastModified") is None:
+            # No Last-Modified (an answer cut after its ETag, by a server sending its lines by name): no mtime, so the
+            # file was dated the mount's start for the TTL, wrongly the newest of its directory (B168). A listing
+            # dates it; S3 servers send one with every HEAD (moto and SeaweedFS too, for empty objects, directory
+            # markers and implicit directories), so only a cut answer pays it. The HEAD's size and ETag are the
+            # object's all the same: a listing that cannot date it (refused by a policy that grants s3:ListBucket
+            # for the directory's prefix only, failed, or not naming the key yet) leaves it undated, as before, and
+            # never makes the file missing (EACCES, ENOENT) or a lookup fail (B200).
+            try:
+                listed = self._listed(key)
+            except StoreError:
+                listed = None
+            if listed is not None:
+                return listed
         return _meta(key, int(resp["ContentLength"]), resp.get("ETag", ""), resp.get("LastModified"))
 
     def _listed_after_refusal(self, key: str) -> bool:

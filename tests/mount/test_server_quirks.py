@@ -377,6 +377,47 @@ def test_a_head_cut_before_its_last_modified_gives_the_real_mtime(moto_server: S
         assert st.st_size == 4096 and abs(st.st_mtime - stored) < 1.5, (st.st_mtime, stored)
 
 
+class HeadCutAndItsListingUnanswered(HeadCutBeforeItsETag):
+    """`HeadCutBeforeItsETag`, and the one-key listing of `m/w.bin` itself answered `listing`: "refused" (403
+    AccessDenied, as from a policy that grants s3:ListBucket for the directory's prefix, "m/", only) or "unnamed"
+    (a listing that does not name the key yet)."""
+
+    listing = "refused"
+    listings = 0  # how many of those listings were answered so
+
+    def _synthetic_response(self, req: Request) -> Response | None:
+        if req.method != "GET" or req.query().get("prefix") != "m/w.bin":
+            return super()._synthetic_response(req)
+        self.listings += 1
+        if self.listing == "refused":
+            return error_response(403, "AccessDenied")
+        body = (b'<?xml version="1.0" encoding="UTF-8"?>\n'
+                b'<ListBucketResult xmlns="http://s3.amazonaws.com/doc/2006-03-01/"><Name>b</Name>'
+                b"<Prefix>m/w.bin</Prefix><KeyCount>0</KeyCount><MaxKeys>1</MaxKeys>"
+                b"<IsTruncated>false</IsTruncated></ListBucketResult>")
+        return Response(200, "OK", [("Content-Type", "application/xml")], body)
+
+
+@pytest.mark.parametrize("listing", ["refused", "unnamed"])
+def test_a_head_cut_before_its_last_modified_whose_listing_cannot_date_it_finds_the_file(
+        moto_server: S3Server, tmp_path: Path, listing: str) -> None:
+    """A HEAD that lost only its Last-Modified gave the object's size and ETag; the listing asked for its mtime
+    (B168) refused, or not naming the key, made the file EACCES or ENOENT, where before B168 it was found (B200).
+    It is found, undated (the mount's start), and read whole."""
+    bucket = new_bucket(moto_server)
+    put_objects(moto_server, bucket, {"m/w.bin": b"w" * 4096})
+    with HeadCutAndItsListingUnanswered(moto_server.endpoint_url) as proxy, \
+            mounted_via(proxy, moto_server, bucket, tmp_path / "mnt", "--no-model-prefetch",
+                        "--metadata-ttl", "300") as m:
+        proxy.cut_at, proxy.listing = "last-modified", listing
+        assert (m.path / "m").is_dir()
+        proxy.head_cuts = 1
+        st = os.stat(m.path / "m" / "w.bin")  # the lookup: its HEAD cut before Last-Modified, then its listing
+        assert proxy.head_cuts == 0 and proxy.listings >= 1
+        assert st.st_size == 4096
+        assert (m.path / "m" / "w.bin").read_bytes() == b"w" * 4096
+
+
 class RecordedNoETags(NoETags):
     """`NoETags`, noting each request's headers."""
 

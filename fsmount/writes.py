@@ -198,14 +198,14 @@ class Writes:
 
     async def last_request(self, key: str, expected: Callable[[], str | None], fn: Callable[..., str],
                            *args: Any) -> str:
-        """The request that makes an object of `key` (a new file's PUT or completion; a rename's completion of its
-        copy in parts, or its PUT of an empty object); its ETag. Failed, it may have taken effect all the same: the
-        server stored the object and its answer was lost, so botocore sent it again and that found the key, its own
-        (412 to a create-only request), or the upload already completed (NoSuchUpload); or the answer was cut short
-        (a 200 with no body or no ETag). The close, or the rename, said EIO for an object the bucket held whole (a
-        trainer's retry of the save then got EPERM; a rename left the file under both names, B163, B164). So the
-        bucket is asked: a key that holds exactly this object (`expected`: its ETag, None where it cannot be told)
-        is the object stored."""
+        """The request that makes an object of `key` (a new file's PUT or completion; a rename's completion of its copy
+        in parts, or its PUT of an empty object; a directory's marker, by mkdir or a rename); its ETag. Failed, it may
+        have taken effect all the same: the server stored the object and its answer was lost, so botocore sent it again
+        and that found the key, its own (412 to a create-only request), or the upload already completed (NoSuchUpload);
+        or the answer was cut short (a 200 with no body or no ETag). The close, or the rename, said EIO for an object
+        the bucket held whole (a trainer's retry of the save then got EPERM; a rename left the file under both names,
+        B163, B164). So the bucket is asked: a key that holds exactly this object (`expected`: its ETag, None where it
+        cannot be told) is the object stored."""
         try:
             return await self.call(fn, *args)
         except (Unreachable, TimedOut):

@@ -356,7 +356,6 @@ def test_a_head_cut_before_its_etag_pins_the_version_all_the_same(moto_server: S
                 assert got == old[2 * 1024 * 1024:], "the handle read another version's bytes"
 
 
-
 def test_a_head_cut_before_its_last_modified_gives_the_real_mtime(moto_server: S3Server, tmp_path: Path) -> None:
     """A HEAD whose answer lost its Last-Modified line (cut after its ETag, as a server that sends its lines by name
     does) gave size and ETag, and no mtime: the file was dated the mount's start for the metadata's TTL, the newest

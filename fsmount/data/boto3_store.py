@@ -430,8 +430,9 @@ class Boto3Store:
             # dates it; S3 servers send one with every HEAD (moto and SeaweedFS too, for empty objects, directory
             # markers and implicit directories), so only a cut answer pays it. The HEAD's size and ETag are the
             # object's all the same: a listing that cannot date it (refused by a policy that grants s3:ListBucket
-            # for the directory's prefix only, failed, or not naming the key yet) leaves it undated, as before, and
-            # never makes the file missing (EACCES, ENOENT) or a lookup fail (B200).
+            # for the directory's prefix only, or only with the delimiter "/", which this one does not send; failed;
+            # not naming the key yet) leaves it undated, as before, and never makes the file missing (EACCES,
+            # ENOENT) or a lookup fail (B200).
             try:
                 listed = self._listed(key)
             except StoreError:

@@ -390,6 +390,7 @@ def check_mountpoint(path: str, allow_non_empty: bool) -> tuple[str, int]:
     real = os.path.realpath(path)
     if not os.path.isdir(real):
         raise MountError(f"mountpoint {path} is not a directory")
+    check_user_may_mount_on(path, real)
     try:
         lock = os.open(real, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     except OSError as exc:
@@ -407,6 +408,24 @@ def check_mountpoint(path: str, allow_non_empty: bool) -> tuple[str, int]:
         os.close(lock)
         raise
     return real, lock
+
+
+def check_user_may_mount_on(path: str, real: str) -> None:
+    """A user other than root mounts through the setuid fusermount3, which refuses a mountpoint that user could
+    not write (and a sticky one, such as /tmp itself, that is not theirs): it says so on stderr, which a background
+    mount (the default) does not show, and libfuse then says only "fuse_session_mount failed". The same rules,
+    asked the same way (access(2) as the real uid), are checked here first so that the refusal names its cause.
+    Root mounts by itself (mount(2)) and is not held to them."""
+    if os.geteuid() == 0:
+        return
+    st = os.stat(real)
+    if st.st_mode & stat.S_ISVTX and st.st_uid != os.getuid():
+        raise MountError(f"mountpoint {path} is a sticky directory you do not own: fusermount3, which mounts for "
+                         "users other than root, refuses it; mount on a directory of your own (mkdir ~/models)")
+    if not os.access(real, os.W_OK):
+        raise MountError(f"mountpoint {path} is not writable by you (uid {os.getuid()}): fusermount3, which mounts "
+                         "for users other than root, needs write access to it; mount on a directory of your own "
+                         "(mkdir ~/models), or have its owner give it to you (chown)")
 
 
 def _check_free(path: str, real: str, allow_non_empty: bool) -> None:

@@ -468,6 +468,39 @@ def test_a_user_without_dev_fuse_or_user_allow_other_is_told_which(monkeypatch: 
     check_fuse_available(True, str(tmp_path / "missing.conf"))  # root needs no user_allow_other
 
 
+def test_a_user_is_told_fusermount3_refuses_a_mountpoint_they_may_not_write_or_a_sticky_one_of_another(
+        monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:  # noqa: ANN001
+    """fusermount3 refuses a user other than root a mountpoint they cannot write, or a sticky directory they do not
+    own; a background mount lost its line saying so, and the user read "fuse_session_mount failed" (B180)."""
+    from fsmount import mount
+    from fsmount.mount import MountError, check_mountpoint
+
+    mp = tmp_path / "mnt"
+    mp.mkdir()
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    monkeypatch.setattr(os, "getuid", lambda: 1000)
+    real_access = os.access
+    writable = {"yes": False}
+    monkeypatch.setattr(os, "access", lambda path, mode: (writable["yes"] or not mode & os.W_OK)
+                        and real_access(path, mode))
+    with pytest.raises(MountError, match=r"is not writable by you \(uid 1000\): fusermount3"):
+        check_mountpoint(str(mp), False)
+    writable["yes"] = True
+    mp.chmod(0o1777)  # owned by the test's uid, not 1000
+    with pytest.raises(MountError, match="is a sticky directory you do not own"):
+        check_mountpoint(str(mp), False)
+    monkeypatch.setattr(os, "getuid", lambda: mp.stat().st_uid)
+    os.close(check_mountpoint(str(mp), False)[1])
+    mp.chmod(0o755)
+    monkeypatch.setattr(os, "getuid", lambda: 1000)
+    os.close(check_mountpoint(str(mp), False)[1])
+    monkeypatch.setattr(os, "geteuid", lambda: 0)  # root mounts by itself: neither rule
+    writable["yes"] = False
+    mp.chmod(0o1777)
+    os.close(check_mountpoint(str(mp), False)[1])
+    assert mount.check_user_may_mount_on(str(mp), str(mp)) is None
+
+
 def test_a_negative_value_is_the_option_s_value_and_its_check_names_it(capsys: pytest.CaptureFixture[str]) -> None:
     """argparse took `--cache-size -5G` for a missing value ("expected one argument"); joined to its option,
     the size check says what is wrong with it, in the flag form and the -o form alike."""

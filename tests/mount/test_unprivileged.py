@@ -1,0 +1,371 @@
+"""modelfs run by a user who is not root: the daemon itself unprivileged, mounting through the setuid fusermount3.
+
+Every other mount test runs the daemon as root (test_permissions.py only runs probes as other uids). Here each
+`modelfs` command, the daemon and the readers run as a real user (a fixed system account, `modelfs-unpriv`, made
+with useradd if it is not there and removed again by the test that made it: fusermount3 refuses a uid without a
+passwd entry), as a researcher on a shared node would run `modelfs mount BUCKET ~/models`:
+
+- a mountpoint the user may not write (root's) is refused naming why, where fusermount3's own line used to be lost
+  in a background mount (B180);
+- a background mount with `--cache-dir` and `--writable` in the user's directory; `ls`, `cat`, safetensors'
+  `load_file`, a file written and closed (then in the bucket), `modelfs prefetch`, `modelfs stats --json`; a busy
+  `modelfs unmount` (a shell's working directory inside) names the holder and advises nothing root-only, a plain
+  one then unmounts;
+- a foreground daemon stopped with SIGTERM while a reader is mid-file: it unmounts and exits 0;
+- a daemon killed with SIGKILL: `modelfs unmount` (fusermount3 -u, as that user) undoes its mount, which then
+  mounts again over the NVMe cache the killed daemon left;
+- the daemons' logs: the root-only tuning (the bdi's read_ahead_kb, max_background in fusectl) skipped with an info
+  line each, no traceback, no warning, and no advice only root can follow (`umount -l`).
+
+What the user needs of the machine: an interpreter it can run that is the same Python as the test's (the project's
+packages are put on its PYTHONPATH from this environment's site-packages), and read-write access to /dev/fuse (libfuse
+opens it itself before it asks fusermount3, and fails if it cannot). Where /dev/fuse is root's alone (0600, as in
+many containers) the test gives that one user access for its duration with a POSIX ACL and puts the device's ACL and
+mode back after; where none of that can be had, it skips. The working directory of the test's user is a directory
+made under /tmp that it owns (its HOME).
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import json
+import os
+import pwd
+import shutil
+import signal
+import stat
+import struct
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from fsmount import mount as fsmount_mount
+from tests.helpers import REPO, S3Server, bucket_with, mounted_at, wait_for, warning_lines
+
+USER = "modelfs-unpriv"
+ACL_XATTR = "system.posix_acl_access"
+# posix_acl_xattr (include/uapi/linux/posix_acl_xattr.h): a version, then (tag, perm, id) entries.
+ACL_USER_OBJ, ACL_USER, ACL_GROUP_OBJ, ACL_MASK, ACL_OTHER = 0x01, 0x02, 0x04, 0x10, 0x20
+ACL_UNDEFINED_ID = 0xFFFFFFFF
+
+
+def world_can_run(path: str) -> bool:
+    """`path` and every directory above it can be reached and executed by any user."""
+    real = Path(os.path.realpath(path))
+    if not real.is_file() or not real.stat().st_mode & stat.S_IXOTH:
+        return False
+    return all(p.stat().st_mode & stat.S_IXOTH for p in real.parents)
+
+
+@dataclass
+class User:
+    uid: int
+    gid: int
+    home: Path
+    python: str
+    pythonpath: str
+
+    def env(self, server: S3Server) -> dict[str, str]:
+        return {"PATH": "/usr/bin:/bin", "HOME": str(self.home), "PYTHONPATH": self.pythonpath,
+                "PYTHONWARNINGS": "ignore", **server.env}
+
+    def popen(self, server: S3Server, argv: list[str], **kw) -> subprocess.Popen:  # noqa: ANN003
+        return subprocess.Popen(argv, user=self.uid, group=self.gid, extra_groups=[], env=self.env(server),
+                                cwd=kw.pop("cwd", self.home), **kw)
+
+    def run(self, server: S3Server, argv: list[str], timeout: float = 60, **kw) -> subprocess.CompletedProcess:  # noqa: ANN003
+        return subprocess.run(argv, user=self.uid, group=self.gid, extra_groups=[], env=self.env(server),
+                              cwd=kw.pop("cwd", self.home), capture_output=True, text=True, timeout=timeout, **kw)
+
+    def modelfs(self, server: S3Server, *args: str, timeout: float = 60, **kw) -> subprocess.CompletedProcess:  # noqa: ANN003
+        return self.run(server, [self.python, "-m", "fsmount", *args], timeout=timeout, **kw)
+
+
+def _user_account() -> Iterator[tuple[int, int]]:
+    try:
+        pw = pwd.getpwnam(USER)
+        made = False
+    except KeyError:
+        res = subprocess.run(["useradd", "--system", "--no-create-home", "--shell", "/usr/sbin/nologin", USER],
+                             capture_output=True, text=True)
+        if res.returncode != 0 and "already exists" not in res.stderr:
+            pytest.skip(f"cannot make a user to run modelfs as: {res.stderr.strip()}")
+        made = res.returncode == 0
+        pw = pwd.getpwnam(USER)
+    try:
+        yield pw.pw_uid, pw.pw_gid
+    finally:
+        if made:  # once the daemons it ran are gone (userdel refuses a user with processes)
+            deadline = time.monotonic() + 30
+            while user_processes(pw.pw_uid) and time.monotonic() < deadline:
+                time.sleep(0.1)
+            subprocess.run(["userdel", USER], capture_output=True)
+
+
+def user_processes(uid: int) -> list[int]:
+    pids = []
+    for entry in os.listdir("/proc"):
+        try:
+            if entry.isdigit() and os.stat(f"/proc/{entry}").st_uid == uid:
+                pids.append(int(entry))
+        except OSError:
+            pass
+    return pids
+
+
+def _acl(uid: int) -> bytes:
+    entry = lambda tag, perm, ident=ACL_UNDEFINED_ID: struct.pack("<HHI", tag, perm, ident)  # noqa: E731
+    return (struct.pack("<I", 2) + entry(ACL_USER_OBJ, 6) + entry(ACL_USER, 6, uid) + entry(ACL_GROUP_OBJ, 0)
+            + entry(ACL_MASK, 6) + entry(ACL_OTHER, 0))
+
+
+def _fuse_device_for(uid: int, gid: int, python: str) -> Iterator[None]:
+    """The user may open /dev/fuse for the duration: already, or through an ACL entry put back after."""
+    def can_open() -> bool:
+        probe = "import os; os.close(os.open('/dev/fuse', os.O_RDWR))"
+        return subprocess.run([python, "-I", "-c", probe], user=uid, group=gid, extra_groups=[],
+                              capture_output=True, timeout=30).returncode == 0
+
+    if can_open():
+        yield
+        return
+    device = fsmount_mount.FUSE_DEVICE
+    mode = os.stat(device).st_mode
+    try:
+        before: bytes | None = os.getxattr(device, ACL_XATTR)
+    except OSError as exc:
+        if exc.errno not in (errno.ENODATA, errno.ENOTSUP):
+            raise
+        before = None
+    try:
+        os.setxattr(device, ACL_XATTR, _acl(uid))
+    except OSError as exc:
+        pytest.skip(f"{device} is root's alone and takes no ACL ({exc.strerror})")
+    try:
+        if not can_open():
+            pytest.skip(f"the test user cannot open {device} even with an ACL entry")
+        yield
+    finally:
+        if before is None:
+            os.removexattr(device, ACL_XATTR)
+        else:
+            os.setxattr(device, ACL_XATTR, before)
+        os.chmod(device, stat.S_IMODE(mode))
+
+
+@pytest.fixture(scope="module")
+def user() -> Iterator[User]:
+    if os.geteuid() != 0:
+        pytest.skip("needs root: it makes the user and switches to it")
+    if not os.path.exists(fsmount_mount.FUSE_DEVICE) or shutil.which("fusermount3") is None:
+        pytest.skip("no /dev/fuse or fusermount3 here")
+    version = f"{sys.version_info.major}.{sys.version_info.minor}"
+    pythons = [p for p in (sys.executable, getattr(sys, "_base_executable", ""), f"/usr/bin/python{version}",
+                           shutil.which(f"python{version}") or "") if p and world_can_run(p)]
+    paths = dict.fromkeys([str(REPO), sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]])
+    pythonpath = os.pathsep.join(paths)
+    accounts = _user_account()
+    uid, gid = next(accounts)
+    home = Path(tempfile.mkdtemp(prefix="modelfs-unpriv-", dir="/tmp"))
+    try:
+        home.chmod(0o755)
+        os.chown(home, uid, gid)
+        if not all(p.stat().st_mode & stat.S_IXOTH for p in home.parents):
+            pytest.skip(f"{home.parent} is not traversable by other users")
+        check = "import fsmount, pyfuse3, trio, boto3, safetensors, numpy; print(fsmount.__file__)"
+        python = next((p for p in pythons if (r := subprocess.run(
+            [p, "-c", check], user=uid, group=gid, extra_groups=[], cwd=home, capture_output=True, text=True,
+            env={"PATH": "/usr/bin:/bin", "HOME": str(home), "PYTHONPATH": pythonpath}, timeout=60)).returncode == 0
+            and r.stdout.strip().startswith(str(REPO))), None)
+        if python is None:
+            pytest.skip(f"no Python {version} that {USER} can run with this checkout's packages")
+        devices = _fuse_device_for(uid, gid, python)
+        next(devices)
+        try:
+            yield User(uid, gid, home, python, pythonpath)
+        finally:
+            next(devices, None)
+    finally:
+        for child in home.iterdir() if home.exists() else ():
+            if mounted_at(child):
+                subprocess.run(["fusermount3", "-uz", str(child)], capture_output=True)
+        shutil.rmtree(home, ignore_errors=True)
+        next(accounts, None)
+
+
+def safetensors_bytes() -> tuple[bytes, np.ndarray]:
+    from safetensors.numpy import save
+
+    weights = np.random.default_rng(7).standard_normal((512, 1024), dtype=np.float32)
+    return save({"w": weights}), weights
+
+
+@pytest.fixture(scope="module")
+def bucket(moto_server: S3Server) -> str:
+    data, _ = safetensors_bytes()
+    return bucket_with(moto_server, {"m/model.safetensors": data, "m/config.json": b'{"a": 1}\n',
+                                     "big.bin": np.random.default_rng(8).bytes(24 << 20)})
+
+
+@pytest.fixture
+def mountpoint(user: User) -> Iterator[Path]:
+    mp = user.home / "models"
+    mp.mkdir()
+    os.chown(mp, user.uid, user.gid)
+    try:
+        yield mp
+    finally:
+        if mounted_at(mp):
+            subprocess.run(["fusermount3", "-uz", str(mp)], capture_output=True)
+        for p in user.home.iterdir():
+            if p.is_dir() and not mounted_at(p):
+                shutil.rmtree(p, ignore_errors=True)
+            elif p.is_file():
+                p.unlink()
+
+
+def assert_clean_log(log: Path) -> None:
+    """Root-only tuning skipped with its info lines; no warning, no traceback, no advice for root."""
+    text = log.read_text(errors="replace")
+    assert "could not raise kernel readahead" in text and "could not raise FUSE background requests" in text, text
+    assert "Traceback" not in text and "umount -l" not in text, text
+    assert not warning_lines(text), warning_lines(text)
+
+
+def test_a_mountpoint_the_user_may_not_write_is_refused_naming_why(user: User, moto_server: S3Server,
+                                                                     bucket: str) -> None:
+    """fusermount3's "user has no write access to mountpoint" went to a background mount's nowhere: the user read
+    only "fuse_session_mount failed" (B180)."""
+    roots = Path(tempfile.mkdtemp(prefix="modelfs-unpriv-root-", dir="/tmp"))
+    try:
+        roots.chmod(0o755)
+        res = user.modelfs(moto_server, "mount", bucket, str(roots), "--endpoint-url", moto_server.endpoint_url)
+        assert res.returncode == 1 and not mounted_at(roots), res.stderr
+        assert "is not writable by you" in res.stderr and "fuse_session_mount failed" not in res.stderr, res.stderr
+    finally:
+        if mounted_at(roots):
+            subprocess.run(["fusermount3", "-uz", str(roots)], capture_output=True)
+        shutil.rmtree(roots, ignore_errors=True)
+
+
+def test_a_user_mounts_reads_writes_prefetches_and_unmounts(user: User, moto_server: S3Server, bucket: str,
+                                                            mountpoint: Path) -> None:
+    cache, log = user.home / "cache", user.home / "daemon.log"
+    res = user.modelfs(moto_server, "mount", bucket, str(mountpoint), "--endpoint-url", moto_server.endpoint_url,
+                       "--cache-dir", str(cache), "--writable", "--log-file", str(log))
+    assert res.returncode == 0 and mounted_at(mountpoint), res.stderr
+    try:
+        data, weights = safetensors_bytes()
+        script = f"""
+import hashlib, os, sys
+from safetensors.numpy import load_file
+m = {str(mountpoint)!r}
+print(sorted(os.listdir(m)), sorted(os.listdir(m + "/m")))
+print(open(m + "/m/config.json").read().strip())
+print(hashlib.sha256(open(m + "/m/model.safetensors", "rb").read()).hexdigest())
+print(float(load_file(m + "/m/model.safetensors")["w"].sum()))
+with open(m + "/new.txt", "wb") as f:
+    f.write(b"written by a user")
+"""
+        res = user.run(moto_server, [user.python, "-c", script])
+        assert res.returncode == 0, res.stderr
+        lines = res.stdout.splitlines()
+        assert lines[0] == "['big.bin', 'm'] ['config.json', 'model.safetensors']"
+        assert lines[1:3] == ['{"a": 1}', hashlib.sha256(data).hexdigest()]
+        assert float(lines[3]) == pytest.approx(float(weights.sum()))
+        body = moto_server.client().get_object(Bucket=bucket, Key="new.txt")["Body"].read()
+        assert body == b"written by a user"
+
+        res = user.modelfs(moto_server, "prefetch", str(mountpoint))
+        assert res.returncode == 0 and "prefetched" in res.stdout, res.stdout + res.stderr
+        res = user.modelfs(moto_server, "stats", str(mountpoint), "--json")
+        assert res.returncode == 0 and json.loads(res.stdout)["bucket"] == bucket, res.stdout + res.stderr
+        assert (cache / "chunks").is_dir() and (cache / "chunks").stat().st_uid == user.uid
+
+        # A shell's cd inside (root, the chdir of subprocess's cwd=, may not enter a mount without allow_other).
+        holder = user.popen(moto_server, ["sh", "-c", f"cd {mountpoint / 'm'} && exec sleep 30"])
+        wait_for("the holder's cd", lambda: os.readlink(f"/proc/{holder.pid}/cwd") == str(mountpoint / "m"))
+        try:
+            res = user.modelfs(moto_server, "unmount", str(mountpoint))
+            assert res.returncode == 1 and mounted_at(mountpoint), res.stderr
+            assert f"sleep (pid {holder.pid}: working directory)" in res.stderr, res.stderr
+            assert "umount -l" not in res.stderr and "--lazy" in res.stderr, res.stderr
+        finally:
+            holder.kill()
+            holder.wait()
+        res = user.modelfs(moto_server, "unmount", str(mountpoint))
+        assert res.returncode == 0 and not mounted_at(mountpoint), res.stderr
+        wait_for("the daemon's end in its log", lambda: "unmounted " in log.read_text(), timeout=30)
+        assert_clean_log(log)
+    finally:
+        if mounted_at(mountpoint):
+            subprocess.run(["fusermount3", "-uz", str(mountpoint)], capture_output=True)
+
+
+READER = """
+import sys, time
+f = open(sys.argv[1], "rb")
+f.read(1 << 20)
+print("reading", flush=True)
+try:
+    while f.read(1 << 20):
+        time.sleep(0.2)
+    print("done")
+except OSError as exc:
+    print("error", exc.errno)
+"""
+
+
+def test_a_user_s_daemon_stopped_mid_read_or_killed_leaves_no_mount(user: User, moto_server: S3Server, bucket: str,
+                                                                      mountpoint: Path) -> None:
+    cache, log = user.home / "cache", user.home / "fg.log"
+    argv = [user.python, "-m", "fsmount", "mount", bucket, str(mountpoint), "--endpoint-url",
+            moto_server.endpoint_url, "--cache-dir", str(cache), "--foreground", "--log-file", str(log)]
+
+    def start() -> subprocess.Popen:
+        daemon = user.popen(moto_server, argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        wait_for("the user's mount", lambda: mounted_at(mountpoint) and "mounted bucket" in log.read_text()
+                 or daemon.poll() is not None, timeout=30)
+        assert daemon.poll() is None, log.read_text()
+        return daemon
+
+    daemon = start()
+    try:
+        reader = user.popen(moto_server, [user.python, "-c", READER, str(mountpoint / "big.bin")],
+                            stdout=subprocess.PIPE, text=True)
+        assert reader.stdout is not None and reader.stdout.readline().strip() == "reading"
+        daemon.send_signal(signal.SIGTERM)
+        assert daemon.wait(30) == 0, log.read_text()
+        assert not mounted_at(mountpoint)
+        out, _ = reader.communicate(timeout=30)
+        assert out.split()[0] in ("error", "done"), out
+        assert_clean_log(log)
+
+        log.unlink()
+        daemon = start()
+        daemon.send_signal(signal.SIGKILL)
+        daemon.wait(30)
+        assert mounted_at(mountpoint)  # ENOTCONN until someone unmounts it
+        res = user.modelfs(moto_server, "unmount", str(mountpoint))
+        assert res.returncode == 0 and not mounted_at(mountpoint), res.stderr
+        daemon = start()
+        res = user.run(moto_server, ["cat", str(mountpoint / "m" / "config.json")])
+        assert res.returncode == 0 and res.stdout == '{"a": 1}\n', res.stderr
+        daemon.send_signal(signal.SIGTERM)
+        assert daemon.wait(30) == 0, log.read_text()
+        assert_clean_log(log)
+    finally:
+        if daemon.poll() is None:
+            daemon.kill()
+            daemon.wait()
+        if mounted_at(mountpoint):
+            subprocess.run(["fusermount3", "-uz", str(mountpoint)], capture_output=True)

@@ -22,6 +22,7 @@ import signal
 import socket
 import stat
 import sys
+import tempfile
 import threading
 import time
 import urllib.parse
@@ -408,6 +409,37 @@ def check_mountpoint(path: str, allow_non_empty: bool) -> tuple[str, int]:
         os.close(lock)
         raise
     return real, lock
+
+
+# What libfuse and fusermount3 start their lines on stderr with.
+FUSE_STDERR_PREFIXES = ("fusermount3:", "fuse:")
+STDERR_CAPTURE_BYTES = 64 * 1024
+
+
+@contextlib.contextmanager
+def stderr_captured() -> Iterator[list[str]]:
+    """Descriptor 2 sent to a temporary file for the block; its lines (the first `STDERR_CAPTURE_BYTES`) are in the
+    list once the block has ended. Around the mount itself: libfuse and the fusermount3 it runs for a user other than
+    root say why a mount failed only there (fusermount3: "mounting over filesystem type ... is forbidden", "too many
+    FUSE filesystems mounted", ...), and a background mount (the default) shows none of its stderr; libfuse's error
+    is "fuse_session_mount failed" alone. fusermount3 ends once the mount is made (no auto_unmount), so nothing keeps
+    the file after."""
+    lines: list[str] = []
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        with tempfile.TemporaryFile() as tmp:
+            os.dup2(tmp.fileno(), 2)
+            try:
+                yield lines
+            finally:
+                sys.stderr.flush()
+                os.dup2(saved, 2)
+                tmp.seek(0)
+                lines.extend(line for line in tmp.read(STDERR_CAPTURE_BYTES).decode(errors="replace").splitlines()
+                             if line.strip())
+    finally:
+        os.close(saved)
 
 
 def check_user_may_mount_on(path: str, real: str) -> None:
@@ -1311,11 +1343,20 @@ def run(cfg: MountConfig, ready: Callable[[str | None], None]) -> int:
     daemon.early_stops = early_stops
     tune_malloc()
     try:
-        pyfuse3.init(daemon.ops, mountpoint, daemon.fuse_options())
-    except RuntimeError as exc:
-        daemon.close()
-        ready(f"cannot mount at {mountpoint}: {exc}")
-        return 1
+        with stderr_captured() as said:
+            try:
+                pyfuse3.init(daemon.ops, mountpoint, daemon.fuse_options())
+                failure = None
+            except RuntimeError as exc:
+                failure = str(exc)
+        why = [line for line in said if line.startswith(FUSE_STDERR_PREFIXES)]
+        said_else = said if failure is None else [line for line in said if line not in why]
+        if said_else:
+            os.write(2, ("\n".join(said_else) + "\n").encode())
+        if failure is not None:
+            daemon.close()
+            ready(f"cannot mount at {mountpoint}: {failure}" + (f" ({'; '.join(why)})" if why else ""))
+            return 1
     finally:
         os.close(lock)  # mounted (or not): a mount started after this one finds it there
     clean = False

@@ -7,6 +7,8 @@ passwd entry), as a researcher on a shared node would run `modelfs mount BUCKET 
 
 - a mountpoint the user may not write (root's) is refused naming why, where fusermount3's own line used to be lost
   in a background mount (B180);
+- a mountpoint fusermount3 refuses for a reason modelfs does not check itself (a ramfs: not a filesystem type it
+  mounts over for users) ends the error line on fusermount3's own reason, background and foreground (B181);
 - a background mount with `--cache-dir` and `--writable` in the user's directory; `ls`, `cat`, safetensors'
   `load_file`, a file written and closed (then in the bucket), `modelfs prefetch`, `modelfs stats --json`; a busy
   `modelfs unmount` (a shell's working directory inside) names the holder and advises nothing root-only, a plain
@@ -369,3 +371,33 @@ def test_a_user_s_daemon_stopped_mid_read_or_killed_leaves_no_mount(user: User, 
             daemon.wait()
         if mounted_at(mountpoint):
             subprocess.run(["fusermount3", "-uz", str(mountpoint)], capture_output=True)
+
+
+def test_a_mount_fusermount3_refuses_says_fusermount3_s_reason(user: User, moto_server: S3Server,
+                                                                 bucket: str) -> None:
+    """fusermount3 lets a user other than root mount only over the filesystem types it lists (not ramfs, which
+    modelfs's own checks do not foresee), and says so on its stderr: lost in a background mount, whose user read
+    "fuse_session_mount failed" alone; its line now ends the refusal, in the foreground too (B181)."""
+    ram = Path(tempfile.mkdtemp(prefix="modelfs-unpriv-ramfs-", dir="/tmp"))
+    try:
+        ram.chmod(0o755)
+        res = subprocess.run(["mount", "-t", "ramfs", "-o", "mode=755", "modelfs-unpriv-ramfs", str(ram)],
+                             capture_output=True, text=True)
+        if res.returncode != 0:
+            pytest.skip(f"cannot mount a ramfs here: {res.stderr.strip()}")
+        mp = ram / "mnt"
+        mp.mkdir()
+        os.chown(mp, user.uid, user.gid)
+        for extra in ((), ("--foreground",)):
+            res = user.modelfs(moto_server, "mount", bucket, str(mp), "--endpoint-url", moto_server.endpoint_url,
+                               *extra)
+            assert res.returncode == 1 and not mounted_at(mp), res.stderr
+            last = res.stderr.strip().splitlines()[-1]
+            assert last.startswith(f"modelfs: cannot mount at {mp}: "), res.stderr
+            assert "(fusermount3: mounting over filesystem type 0x858458f6 is forbidden)" in last, res.stderr
+            assert res.stderr.count("fusermount3:") == 1, res.stderr  # not said twice in the foreground
+    finally:
+        for path in (ram / "mnt", ram):
+            if mounted_at(path):
+                subprocess.run(["umount", "-l", str(path)], capture_output=True)
+        shutil.rmtree(ram, ignore_errors=True)

@@ -618,9 +618,19 @@ def run_background(cfg: MountConfig, mount_argv: list[str]) -> int:
                 "run with --foreground to see why")
 
 
+def user_name(uid: int) -> str:
+    """"root (uid 0)", or "uid N" for a uid without a passwd entry."""
+    import pwd
+
+    try:
+        return f"{pwd.getpwuid(uid).pw_name} (uid {uid})"
+    except KeyError:
+        return f"uid {uid}"
+
+
 def cmd_unmount(args: argparse.Namespace) -> int:
     from fsmount.mount_users import mount_users, mounts_inside
-    from fsmount.prefetch_command import MODELFS_FSTYPE, mount_of
+    from fsmount.prefetch_command import MODELFS_FSTYPE, mount_of, mount_owner
 
     # Found in /proc/self/mountinfo without a stat of the mountpoint: a stat goes to the mount's daemon, and one
     # that is stopped or hung (SIGSTOP, a debugger, a deadlock) left `modelfs unmount` waiting in the kernel for
@@ -635,6 +645,11 @@ def cmd_unmount(args: argparse.Namespace) -> int:
     # fusermount3 run as root unmounts whatever is there: a typo must not take a disk or an NFS share away.
     if fstype != MODELFS_FSTYPE:
         return fail(f"{args.mountpoint} is a {fstype or 'non-modelfs'} mount, not a modelfs one: left mounted")
+    # fusermount3 says "entry for M not found in /etc/mtab" of another user's mount, which is there: say whose it is.
+    owner = mount_owner(path)
+    if os.geteuid() != 0 and owner is not None and owner != os.getuid():
+        return fail(f"cannot unmount {args.mountpoint}: it is the mount of {user_name(owner)}, and only that user "
+                    "or root may unmount it")
     tool = shutil.which("fusermount3") or shutil.which("fusermount")
     if tool is None:
         return fail("fusermount3 not found: install the fuse3 package")

@@ -70,6 +70,23 @@ def mount_of(path: str, mountinfo: str = "/proc/self/mountinfo", resolve: bool =
     return best, best_type
 
 
+def mount_owner(path: str, mountinfo: str = "/proc/self/mountinfo") -> int | None:
+    """The uid of the user who made the FUSE mount at exactly `path` (its `user_id=` in the mount's options; the
+    topmost mount there), or None where there is none or it says no user. fusermount3 lets a user other than root
+    unmount only their own mounts, and says of any other "entry ... not found in /etc/mtab"."""
+    owner = None
+    with open(mountinfo, "rb") as f:
+        for line in f:
+            fields = line.split()
+            if mountinfo_path(fields[4]) != path:
+                continue
+            owner = None
+            for option in fields[-1].split(b","):
+                if option.startswith(b"user_id=") and option[len(b"user_id="):].isdigit():
+                    owner = int(option[len(b"user_id="):])
+    return owner
+
+
 def _raise(exc: OSError) -> None:
     raise exc  # a directory that cannot be listed is a failure, not an empty directory
 

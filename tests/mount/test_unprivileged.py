@@ -9,6 +9,8 @@ passwd entry), as a researcher on a shared node would run `modelfs mount BUCKET 
   in a background mount (B180);
 - a mountpoint fusermount3 refuses for a reason modelfs does not check itself (a ramfs: not a filesystem type it
   mounts over for users) ends the error line on fusermount3's own reason, background and foreground (B181);
+- `modelfs unmount` of root's mount by the user says whose mount it is, not fusermount3's "not found in /etc/mtab"
+  (B182);
 - a background mount with `--cache-dir` and `--writable` in the user's directory; `ls`, `cat`, safetensors'
   `load_file`, a file written and closed (then in the bucket), `modelfs prefetch`, `modelfs stats --json`; a busy
   `modelfs unmount` (a shell's working directory inside) names the holder and advises nothing root-only, a plain
@@ -51,7 +53,7 @@ import numpy as np
 import pytest
 
 from fsmount import mount as fsmount_mount
-from tests.helpers import REPO, S3Server, bucket_with, mounted_at, wait_for, warning_lines
+from tests.helpers import REPO, S3Server, bucket_with, mounted, mounted_at, wait_for, warning_lines
 
 USER = "modelfs-unpriv"
 ACL_XATTR = "system.posix_acl_access"
@@ -401,3 +403,17 @@ def test_a_mount_fusermount3_refuses_says_fusermount3_s_reason(user: User, moto_
             if mounted_at(path):
                 subprocess.run(["umount", "-l", str(path)], capture_output=True)
         shutil.rmtree(ram, ignore_errors=True)
+
+
+def test_a_user_told_whose_mount_they_may_not_unmount(user: User, moto_server: S3Server, bucket: str) -> None:
+    """fusermount3 said "entry for M not found in /etc/mtab" of root's mount, which the user saw in `mount` (B182)."""
+    shared = Path(tempfile.mkdtemp(prefix="modelfs-unpriv-shared-", dir="/tmp"))
+    try:
+        shared.chmod(0o755)
+        with mounted(moto_server, bucket, shared / "models"):
+            res = user.modelfs(moto_server, "unmount", str(shared / "models"))
+            assert res.returncode == 1 and mounted_at(shared / "models"), res.stderr
+            assert "it is the mount of root (uid 0), and only that user or root may unmount it" in res.stderr, \
+                res.stderr
+    finally:
+        shutil.rmtree(shared, ignore_errors=True)

@@ -305,6 +305,40 @@ def test_prefetch_finds_its_mount_under_any_name(tmp_path) -> None:  # noqa: ANN
     assert pc.mount_of(str(tmp_path), str(info)) == ("/", "ext4")
 
 
+def test_unmount_of_another_user_s_mount_says_whose_it_is(monkeypatch: pytest.MonkeyPatch, tmp_path,  # noqa: ANN001
+                                                          capsys: pytest.CaptureFixture[str]) -> None:
+    """fusermount3 answers a user other than root who unmounts someone else's mount "entry for M not found in
+    /etc/mtab", though it is there for all to see: the user is told whose mount it is (B182)."""
+    import fsmount.prefetch_command as pc
+    from fsmount.cli import main
+
+    mp = tmp_path / "models"
+    info = tmp_path / "mountinfo"
+    info.write_bytes(b"22 1 0:21 / / rw,relatime shared:1 - ext4 /dev/root rw\n"
+                     b"40 22 0:50 / %s rw,nosuid - fuse.modelfs models ro,user_id=0,group_id=0,default_permissions\n"
+                     % os.fsencode(str(mp)))
+    assert pc.mount_owner(str(mp), str(info)) == 0
+    assert pc.mount_owner(str(tmp_path), str(info)) is None
+    info.write_bytes(info.read_bytes() + b"41 40 0:51 / %s rw - fuse.modelfs other rw,user_id=4242,group_id=4242\n"
+                     % os.fsencode(str(mp)))
+    assert pc.mount_owner(str(mp), str(info)) == 4242  # the topmost
+    real_mount_of, real_owner = pc.mount_of, pc.mount_owner
+    monkeypatch.setattr(pc, "mount_of", lambda path, mountinfo=None, resolve=True: real_mount_of(path, str(info),
+                                                                                                 resolve))
+    monkeypatch.setattr(pc, "mount_owner", lambda path: real_owner(path, str(info)))
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    monkeypatch.setattr(os, "getuid", lambda: 1000)
+    ran = []
+    monkeypatch.setattr(subprocess, "run", lambda *a, **kw: ran.append(a) or subprocess.CompletedProcess(a, 0))
+    mp.mkdir()
+    assert main(["unmount", str(mp)]) == 1
+    assert ("cannot unmount " + str(mp) + ": it is the mount of uid 4242, and only that user or root may unmount it"
+            in capsys.readouterr().err) and not ran
+    monkeypatch.setattr(os, "getuid", lambda: 4242)  # their own: fusermount3 is asked
+    monkeypatch.setattr(os, "geteuid", lambda: 4242)
+    assert main(["unmount", str(mp)]) == 0 and ran
+
+
 def test_prefetch_reads_small_files_side_by_side(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:  # noqa: ANN001
     """--threads applies across files: one file at a time, 3000 files of 4 KB took 14 s. Every byte is still
     read, and a failing file is named."""

@@ -699,6 +699,12 @@ def cmd_stats(args: argparse.Namespace) -> int:
     try:
         snapshot = read_stats(args.mountpoint)  # a hung daemon is waited for up to 10 s: Ctrl-C comes then
     except StatsUnavailable as exc:
+        if exc.errno == errno.EACCES:  # another user's mount made without --allow-other: say so, not only EACCES
+            from fsmount.prefetch_command import closed_to_you
+
+            why = closed_to_you(args.mountpoint)
+            if why:
+                return fail(f"cannot read stats of {args.mountpoint}: {why}")
         return fail(str(exc))
     except KeyboardInterrupt:
         return fail("stats interrupted", 130)

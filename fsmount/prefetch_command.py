@@ -70,6 +70,34 @@ def mount_of(path: str, mountinfo: str = "/proc/self/mountinfo", resolve: bool =
     return best, best_type
 
 
+def closed_to_you(path: str, mountinfo: str = "/proc/self/mountinfo") -> str:
+    """Why `path` may be refused (EACCES) to this user: it is on another user's modelfs mount made without
+    --allow-other, which the kernel keeps to that user alone, whatever the modes say; "" where that is not so."""
+    real = os.path.realpath(path)
+    best, owner, open_to_all = "", None, False
+    with open(mountinfo, "rb") as f:
+        for line in f:
+            fields = line.split()
+            mnt = mountinfo_path(fields[4])
+            if (real == mnt or real.startswith(mnt.rstrip("/") + "/")) and len(mnt) >= len(best):
+                options = fields[-1].split(b",")
+                ids = [o[len(b"user_id="):] for o in options if o.startswith(b"user_id=")]
+                is_modelfs = os.fsdecode(fields[fields.index(b"-") + 1]) == MODELFS_FSTYPE
+                best = mnt
+                owner = int(ids[0]) if is_modelfs and ids and ids[0].isdigit() else None
+                open_to_all = b"allow_other" in options
+    if owner is None or owner == os.getuid() or open_to_all:
+        return ""
+    import pwd
+
+    try:
+        whose = f"{pwd.getpwuid(owner).pw_name} (uid {owner})"
+    except KeyError:
+        whose = f"uid {owner}"
+    return (f"{best} is the modelfs mount of {whose}, made without --allow-other, so no other user may enter it; its "
+            "owner can mount it with --allow-other to let others in")
+
+
 def mount_owner(path: str, mountinfo: str = "/proc/self/mountinfo") -> int | None:
     """The uid of the user who made the FUSE mount at exactly `path` (its `user_id=` in the mount's options; the
     topmost mount there), or None where there is none or it says no user. fusermount3 lets a user other than root
@@ -123,7 +151,8 @@ def warm(paths: list[str], *, keep_pagecache: bool = True, threads: int = THREAD
             if exc.errno == errno.ENOTCONN:
                 raise WarmError(f"{path}: the daemon of its mount is gone (transport endpoint is not connected); "
                                 "`modelfs unmount` it and mount again") from None
-            failures.append(f"{path}: {exc.strerror.lower() if exc.strerror else exc}")
+            why = closed_to_you(path) if exc.errno == errno.EACCES else ""
+            failures.append(f"{path}: {exc.strerror.lower() if exc.strerror else exc}" + (f" ({why})" if why else ""))
             continue
         if mount_fstype(path) != MODELFS_FSTYPE:
             raise WarmError(f"{path} is not on a modelfs mount")

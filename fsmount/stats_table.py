@@ -17,7 +17,12 @@ STATS_TIMEOUT_S = 10.0
 
 
 class StatsUnavailable(Exception):
-    """`modelfs stats` cannot get numbers from this path; the message says why."""
+    """`modelfs stats` cannot get numbers from this path; the message says why (`errno`: the error of the read of the
+    stats, where one said it, for the caller to say more)."""
+
+    def __init__(self, message: str, errno: int | None = None):
+        super().__init__(message)
+        self.errno = errno
 
 
 class DaemonSilent(StatsUnavailable):
@@ -58,7 +63,7 @@ def read_stats(mountpoint: str, timeout: float = STATS_TIMEOUT_S) -> dict[str, A
             raise StatsUnavailable(f"the daemon of {mountpoint} is gone (transport endpoint is not connected); "
                                    f"its counters went with it: run `modelfs unmount {mountpoint}`, then mount "
                                    "again") from None
-        raise StatsUnavailable(f"cannot read stats of {mountpoint}: {exc.strerror or exc}") from None
+        raise StatsUnavailable(f"cannot read stats of {mountpoint}: {exc.strerror or exc}", exc.errno) from None
     try:
         snapshot = json.loads(raw)
     except ValueError:

@@ -10,7 +10,7 @@ passwd entry), as a researcher on a shared node would run `modelfs mount BUCKET 
 - a mountpoint fusermount3 refuses for a reason modelfs does not check itself (a ramfs: not a filesystem type it
   mounts over for users) ends the error line on fusermount3's own reason, background and foreground (B181);
 - `modelfs unmount` of root's mount by the user says whose mount it is, not fusermount3's "not found in /etc/mtab"
-  (B182);
+  (B182), and its `prefetch` and `stats` of root's mount made without --allow-other say it is closed to them (B183);
 - a background mount with `--cache-dir` and `--writable` in the user's directory; `ls`, `cat`, safetensors'
   `load_file`, a file written and closed (then in the bucket), `modelfs prefetch`, `modelfs stats --json`; a busy
   `modelfs unmount` (a shell's working directory inside) names the holder and advises nothing root-only, a plain
@@ -415,5 +415,26 @@ def test_a_user_told_whose_mount_they_may_not_unmount(user: User, moto_server: S
             assert res.returncode == 1 and mounted_at(shared / "models"), res.stderr
             assert "it is the mount of root (uid 0), and only that user or root may unmount it" in res.stderr, \
                 res.stderr
+    finally:
+        shutil.rmtree(shared, ignore_errors=True)
+
+
+def test_prefetch_and_stats_of_root_s_mount_made_without_allow_other_say_so(user: User, moto_server: S3Server,
+                                                                            bucket: str) -> None:
+    """Root's mount made without --allow-other is closed to every other user whatever its modes: `modelfs prefetch`
+    and `modelfs stats` said "permission denied" alone, and the user went looking at modes (B183)."""
+    shared = Path(tempfile.mkdtemp(prefix="modelfs-unpriv-shared-", dir="/tmp"))
+    try:
+        shared.chmod(0o755)
+        mp = shared / "models"
+        with mounted(moto_server, bucket, mp):
+            closed = f"{mp} is the modelfs mount of root (uid 0), made without --allow-other"
+            res = user.modelfs(moto_server, "prefetch", str(mp / "m"))
+            assert res.returncode == 1 and f"{mp / 'm'}: permission denied ({closed}" in res.stderr, res.stderr
+            res = user.modelfs(moto_server, "stats", str(mp))
+            assert res.returncode == 1 and f"cannot read stats of {mp}: {closed}" in res.stderr, res.stderr
+        with mounted(moto_server, bucket, mp, "--allow-other"):  # open to all: no such word, and it works
+            res = user.modelfs(moto_server, "stats", str(mp), "--json")
+            assert res.returncode == 0 and json.loads(res.stdout)["bucket"] == bucket, res.stderr
     finally:
         shutil.rmtree(shared, ignore_errors=True)

@@ -339,6 +339,26 @@ def test_unmount_of_another_user_s_mount_says_whose_it_is(monkeypatch: pytest.Mo
     assert main(["unmount", str(mp)]) == 0 and ran
 
 
+def test_another_user_s_mount_without_allow_other_is_said_closed(monkeypatch: pytest.MonkeyPatch,
+                                                                 tmp_path) -> None:  # noqa: ANN001
+    """The reason of an EACCES on another user's modelfs mount made without --allow-other (B183)."""
+    import fsmount.prefetch_command as pc
+
+    mp = tmp_path / "models"
+    info = tmp_path / "mountinfo"
+    line = b"40 22 0:50 / %s rw,nosuid - fuse.modelfs models ro,user_id=0,group_id=0%s\n"
+    info.write_bytes(b"22 1 0:21 / / rw - ext4 /dev/root rw\n" + line % (os.fsencode(str(mp)), b""))
+    monkeypatch.setattr(os, "getuid", lambda: 1000)
+    assert pc.closed_to_you(str(mp / "m" / "x"), str(info)).startswith(
+        f"{mp} is the modelfs mount of root (uid 0), made without --allow-other, so no other user may enter it")
+    assert pc.closed_to_you(str(tmp_path), str(info)) == ""  # not on the mount
+    monkeypatch.setattr(os, "getuid", lambda: 0)
+    assert pc.closed_to_you(str(mp), str(info)) == ""  # its owner
+    monkeypatch.setattr(os, "getuid", lambda: 1000)
+    info.write_bytes(b"22 1 0:21 / / rw - ext4 /dev/root rw\n" + line % (os.fsencode(str(mp)), b",allow_other"))
+    assert pc.closed_to_you(str(mp), str(info)) == ""  # open to all: EACCES is the modes'
+
+
 def test_prefetch_reads_small_files_side_by_side(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:  # noqa: ANN001
     """--threads applies across files: one file at a time, 3000 files of 4 KB took 14 s. Every byte is still
     read, and a failing file is named."""

@@ -21,6 +21,7 @@ import shutil
 import signal
 import socket
 import stat
+import subprocess
 import sys
 import tempfile
 import threading
@@ -726,6 +727,10 @@ def _unescaped(field: bytes) -> bytes:
     return re.sub(rb"\\([0-7]{3})", lambda m: bytes([int(m[1], 8)]), field)
 
 
+# How long the daemon waits for `fusermount3 -uz` to detach its own aborted mount (a user other than root).
+FUSERMOUNT_S = 10.0
+
+
 def lazy_unmount_advice(mountpoint: str) -> str:
     """The command that detaches a mount that stays (its connection aborted, its session still open) for whoever runs
     this daemon: `umount -l` needs root; a user's own FUSE mount is detached by `fusermount3 -uz`."""
@@ -755,7 +760,8 @@ def detach_aborted(mountpoint: str, dev: int, only: bytes | None = None) -> bool
     was aborted: libfuse's unmount at the session's close skips a connection that is severed (its device file polls
     POLLERR), which left the aborted mount in place, ENOTCONN for everyone. Only that mount, found in
     /proc/self/mountinfo (a stat of it is ENOTCONN). And only while nothing is mounted over it: umount2 takes the
-    topmost mount at a path, which was another one's. As root (umount2). Best effort: whether a mount was detached."""
+    topmost mount at a path, which was another one's. As root umount2; as another user (EPERM) `fusermount3 -uz`,
+    which detaches that user's own mount (B184). Best effort: whether a mount was detached."""
     want = f"{os.major(dev)}:{os.minor(dev)}".encode()
     path = os.fsencode(mountpoint)
     try:
@@ -768,13 +774,33 @@ def detach_aborted(mountpoint: str, dev: int, only: bytes | None = None) -> bool
         if not ours:
             return False
         if ctypes.CDLL(None, use_errno=True).umount2(path, MNT_DETACH) != 0:
-            raise OSError(ctypes.get_errno(), os.strerror(ctypes.get_errno()))
+            failed = OSError(ctypes.get_errno(), os.strerror(ctypes.get_errno()))
+            if failed.errno != errno.EPERM or os.geteuid() == 0:
+                raise failed
+            # Not root: umount2 is EPERM, and so would `umount -l` be for the same user; fusermount3 detaches a user's
+            # own FUSE mount, the topmost at the path, which is this one (nothing over it, above). It left the mount
+            # to the user, ENOTCONN, with a warning naming this command.
+            fusermount_detach(mountpoint, failed)
     except OSError as exc:
-        # Not root: umount2 is EPERM, and so would `umount -l` be for the same user.
         log.warning("the aborted mount at %s could not be unmounted (%s): %s does it", mountpoint,
                     exc.strerror or exc, lazy_unmount_advice(mountpoint))
         return False
     return True
+
+
+def fusermount_detach(mountpoint: str, failed: OSError) -> None:
+    """`fusermount3 -uz mountpoint`, bounded (`FUSERMOUNT_S`); `failed` (umount2's EPERM) raised where it fails, its
+    reason in the message."""
+    tool = shutil.which("fusermount3") or shutil.which("fusermount")
+    if tool is None:
+        raise failed
+    try:
+        res = subprocess.run([tool, "-uz", mountpoint], capture_output=True, text=True, timeout=FUSERMOUNT_S)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise OSError(failed.errno, f"{failed.strerror}; fusermount3: {exc}") from None
+    if res.returncode != 0:
+        said = res.stderr.strip().splitlines()[-1] if res.stderr.strip() else f"status {res.returncode}"
+        raise OSError(failed.errno, f"{failed.strerror}; {said}")
 
 
 def sd_notify(message: str) -> None:

@@ -11,6 +11,8 @@ passwd entry), as a researcher on a shared node would run `modelfs mount BUCKET 
   mounts over for users) ends the error line on fusermount3's own reason, background and foreground (B181);
 - `modelfs unmount` of root's mount by the user says whose mount it is, not fusermount3's "not found in /etc/mtab"
   (B182), and its `prefetch` and `stats` of root's mount made without --allow-other say it is closed to them (B183);
+- root's `umount -f` of the user's mount with a file open: the daemon detaches its aborted mount with
+  `fusermount3 -uz` (B184);
 - a background mount with `--cache-dir` and `--writable` in the user's directory; `ls`, `cat`, safetensors'
   `load_file`, a file written and closed (then in the bucket), `modelfs prefetch`, `modelfs stats --json`; a busy
   `modelfs unmount` (a shell's working directory inside) names the holder and advises nothing root-only, a plain
@@ -438,3 +440,43 @@ def test_prefetch_and_stats_of_root_s_mount_made_without_allow_other_say_so(user
             assert res.returncode == 0 and json.loads(res.stdout)["bucket"] == bucket, res.stderr
     finally:
         shutil.rmtree(shared, ignore_errors=True)
+
+
+HOLDER = """
+import sys, time
+f = open(sys.argv[1], "rb")
+f.read(10)
+print("open", flush=True)
+time.sleep(60)
+"""
+
+
+def test_a_user_s_mount_aborted_by_umount_f_with_a_file_open_is_detached(user: User, moto_server: S3Server,
+                                                                           bucket: str, mountpoint: Path) -> None:
+    """`umount -f` (root's) with a file open aborts the connection and fails busy; the daemon, ending, detaches its
+    own mount (B139), but a daemon that is not root could not (umount2: EPERM), and left the mount ENOTCONN for its
+    user with a warning naming `fusermount3 -uz`, which it may run itself: it does now (B184)."""
+    log = user.home / "force.log"
+    daemon = user.popen(moto_server, [user.python, "-m", "fsmount", "mount", bucket, str(mountpoint), "--endpoint-url",
+                                      moto_server.endpoint_url, "--foreground", "--log-file", str(log)],
+                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    holder = None
+    try:
+        wait_for("the user's mount", lambda: mounted_at(mountpoint) and "mounted bucket" in log.read_text()
+                 or daemon.poll() is not None, timeout=30)
+        holder = user.popen(moto_server, [user.python, "-c", HOLDER, str(mountpoint / "big.bin")],
+                            stdout=subprocess.PIPE, text=True)
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "open"
+        res = subprocess.run(["umount", "-f", str(mountpoint)], capture_output=True, text=True)
+        assert res.returncode != 0, "umount -f unmounted a mount with a file open"
+        assert daemon.wait(30) == 0, log.read_text()
+        assert not mounted_at(mountpoint), log.read_text()
+        text = log.read_text()
+        assert "aborted by someone else" in text and not warning_lines(text), text
+    finally:
+        for proc in (holder, daemon):
+            if proc is not None and proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        if mounted_at(mountpoint):
+            subprocess.run(["fusermount3", "-uz", str(mountpoint)], capture_output=True)

@@ -8,6 +8,7 @@ import errno
 import logging
 import os
 import re
+import subprocess
 import threading
 import time
 from collections.abc import Awaitable, Callable
@@ -771,10 +772,25 @@ def test_an_aborted_mount_that_a_daemon_not_root_cannot_detach_is_left_to_fuserm
     monkeypatch.setattr(fsmount.mount, "ctypes", types.SimpleNamespace(CDLL=lambda name, use_errno: libc,
                                                                         get_errno=lambda: errno.EPERM))
     monkeypatch.setattr(fsmount.mount.os, "geteuid", lambda: 1000)
+    # The daemon runs fusermount3 -uz itself now (B184): faked, as this test runs as root and must unmount nothing.
+    ran: list[list[str]] = []
+    answer = {"rc": 1}
+
+    def fusermount(argv, **kw):  # noqa: ANN001, ANN003, ANN202
+        ran.append(argv)
+        return subprocess.CompletedProcess(argv, answer["rc"], "", "" if answer["rc"] == 0 else
+                                           f"fusermount3: failed to unmount {argv[-1]}: Invalid argument\n")
+
+    monkeypatch.setattr(fsmount.mount.subprocess, "run", fusermount)
     allowed_logs.append("could not be unmounted")
-    fsmount.mount.detach_aborted(os.fsdecode(at), os.makedev(major, minor))
+    assert not fsmount.mount.detach_aborted(os.fsdecode(at), os.makedev(major, minor))
     warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
     assert len(warnings) == 1 and f"`fusermount3 -uz {os.fsdecode(at)}` does it" in warnings[0], warnings
+    assert "fusermount3: failed to unmount" in warnings[0] and ran[-1][1:] == ["-uz", os.fsdecode(at)], (warnings, ran)
+    answer["rc"] = 0  # its own mount: fusermount3 detaches it, and no warning
+    caplog.clear()
+    assert fsmount.mount.detach_aborted(os.fsdecode(at), os.makedev(major, minor)) and len(ran) == 2
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
 
 
 async def test_a_header_whose_parse_would_take_half_the_chunk_memory_is_not_streamed(autojump_clock, caplog,  # noqa: ANN001

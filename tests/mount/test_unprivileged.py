@@ -215,11 +215,16 @@ def safetensors_bytes() -> tuple[bytes, np.ndarray]:
     return save({"w": weights}), weights
 
 
+def bucket_of(server: S3Server) -> str:
+    """A bucket of a small safetensors model, a config and a 24 MiB file."""
+    data, _ = safetensors_bytes()
+    return bucket_with(server, {"m/model.safetensors": data, "m/config.json": b'{"a": 1}\n',
+                                "big.bin": np.random.default_rng(8).bytes(24 << 20)})
+
+
 @pytest.fixture(scope="module")
 def bucket(moto_server: S3Server) -> str:
-    data, _ = safetensors_bytes()
-    return bucket_with(moto_server, {"m/model.safetensors": data, "m/config.json": b'{"a": 1}\n',
-                                     "big.bin": np.random.default_rng(8).bytes(24 << 20)})
+    return bucket_of(moto_server)
 
 
 @pytest.fixture
@@ -263,8 +268,10 @@ def test_a_mountpoint_the_user_may_not_write_is_refused_naming_why(user: User, m
         shutil.rmtree(roots, ignore_errors=True)
 
 
-def test_a_user_mounts_reads_writes_prefetches_and_unmounts(user: User, moto_server: S3Server, bucket: str,
-                                                            mountpoint: Path) -> None:
+def test_a_user_mounts_reads_writes_prefetches_and_unmounts(user: User, s3: S3Server, mountpoint: Path) -> None:
+    """On moto and SeaweedFS."""
+    moto_server = s3  # the name the rest of the module uses for its server
+    bucket = bucket_of(s3)
     cache, log = user.home / "cache", user.home / "daemon.log"
     res = user.modelfs(moto_server, "mount", bucket, str(mountpoint), "--endpoint-url", moto_server.endpoint_url,
                        "--cache-dir", str(cache), "--writable", "--log-file", str(log))

@@ -23,7 +23,6 @@ import socket
 import stat
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 import urllib.parse
@@ -419,28 +418,50 @@ STDERR_CAPTURE_BYTES = 64 * 1024
 
 @contextlib.contextmanager
 def stderr_captured() -> Iterator[list[str]]:
-    """Descriptor 2 sent to a temporary file for the block; its lines (the first `STDERR_CAPTURE_BYTES`) are in the
-    list once the block has ended. Around the mount itself: libfuse and the fusermount3 it runs for a user other than
-    root say why a mount failed only there (fusermount3: "mounting over filesystem type ... is forbidden", "too many
-    FUSE filesystems mounted", ...), and a background mount (the default) shows none of its stderr; libfuse's error
-    is "fuse_session_mount failed" alone. fusermount3 ends once the mount is made (no auto_unmount), so nothing keeps
-    the file after."""
+    """Descriptor 2 sent to an anonymous in-memory file (memfd) for the block; its lines (the first
+    `STDERR_CAPTURE_BYTES`) are in the list once the block has ended. Around the mount itself: libfuse and the
+    fusermount3 it runs for a user other than root say why a mount failed only there (fusermount3: "mounting over
+    filesystem type ... is forbidden", "too many FUSE filesystems mounted", ...), and a background mount (the default)
+    shows none of its stderr; libfuse's error is "fuse_session_mount failed" alone. fusermount3 ends once the mount is
+    made (no auto_unmount), so nothing keeps the file after.
+
+    Best effort, and never in the mount's way: the capture needs no directory (a temporary file in /tmp failed the
+    whole mount, with a traceback, in a container whose root filesystem is read-only, B204), and where descriptor 2 is
+    closed (`2>&-`; Python's sys.stderr is then None) or no memfd can be made, the block runs uncaptured and the list
+    stays empty. Descriptor 2 is put back whatever happens in the block or in the flush of sys.stderr (a full disk
+    behind it), so that nothing after is written into the capture."""
     lines: list[str] = []
-    sys.stderr.flush()
-    saved = os.dup(2)
     try:
-        with tempfile.TemporaryFile() as tmp:
-            os.dup2(tmp.fileno(), 2)
-            try:
-                yield lines
-            finally:
-                sys.stderr.flush()
-                os.dup2(saved, 2)
-                tmp.seek(0)
-                lines.extend(line for line in tmp.read(STDERR_CAPTURE_BYTES).decode(errors="replace").splitlines()
-                             if line.strip())
+        sink = os.memfd_create("modelfs-mount-stderr", os.MFD_CLOEXEC)
+    except (AttributeError, OSError):  # no memfd here (an old kernel, a seccomp filter): not captured
+        sink = None
+    try:
+        saved = os.dup(2) if sink is not None else None
+    except OSError:  # descriptor 2 closed: nothing to put back, and a descriptor opened meanwhile could become it
+        saved = None
+    if saved is None:
+        if sink is not None:
+            os.close(sink)
+        yield lines
+        return
+    try:
+        with contextlib.suppress(Exception):
+            if sys.stderr is not None:
+                sys.stderr.flush()  # what Python holds for the terminal goes there, not into the capture
+        os.dup2(sink, 2)
+        try:
+            yield lines
+        finally:
+            with contextlib.suppress(Exception):
+                if sys.stderr is not None:
+                    sys.stderr.flush()
+            os.dup2(saved, 2)
+        with contextlib.suppress(OSError):
+            said = os.pread(sink, STDERR_CAPTURE_BYTES, 0)
+            lines.extend(line for line in said.decode(errors="replace").splitlines() if line.strip())
     finally:
         os.close(saved)
+        os.close(sink)
 
 
 def check_user_may_mount_on(path: str, real: str) -> None:
@@ -1378,7 +1399,8 @@ def run(cfg: MountConfig, ready: Callable[[str | None], None]) -> int:
         why = [line for line in said if line.startswith(FUSE_STDERR_PREFIXES)]
         said_else = said if failure is None else [line for line in said if line not in why]
         if said_else:
-            os.write(2, ("\n".join(said_else) + "\n").encode())
+            with contextlib.suppress(OSError):  # a stderr gone (a closed pipe, a hung-up terminal) is no reason to fail
+                os.write(2, ("\n".join(said_else) + "\n").encode())
         if failure is not None:
             daemon.close()
             ready(f"cannot mount at {mountpoint}: {failure}" + (f" ({'; '.join(why)})" if why else ""))

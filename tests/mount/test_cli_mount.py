@@ -231,6 +231,35 @@ def test_a_stop_right_after_the_mount_was_made_unmounts_it(moto_server: S3Server
         assert "Traceback" not in err, err
 
 
+def test_a_foreground_daemon_started_with_stderr_closed_mounts_and_serves(moto_server: S3Server,
+                                                                          tmp_path: Path) -> None:
+    """A daemon started with descriptor 2 closed (`modelfs mount --foreground ... 2>&-`, a supervisor that closes
+    it): the capture of fusermount3's lines around the mount (B181) flushed sys.stderr, which Python sets to None
+    then, and the AttributeError ended the daemon before it mounted, its traceback going nowhere (B204)."""
+    bucket = bucket_with(moto_server, {"a.bin": b"served"})
+    mnt, log = tmp_path / "mnt", tmp_path / "daemon.log"
+    mnt.mkdir()
+    proc = subprocess.Popen(modelfs_cmd("mount", bucket, str(mnt), "--foreground", "--endpoint-url",
+                                        moto_server.endpoint_url, "--log-file", str(log)),
+                            env=daemon_env(moto_server), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            preexec_fn=lambda: os.close(2))
+    try:
+        wait_for("the mount", lambda: (mounted_at(mnt) and "mounted bucket" in log.read_text())
+                 or proc.poll() is not None, timeout=60)
+        assert proc.poll() is None, log.read_text() if log.exists() else "no log"
+        assert (mnt / "a.bin").read_bytes() == b"served"
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0, log.read_text()
+        assert not mounted_at(mnt)
+        assert "Traceback" not in log.read_text(), log.read_text()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        if mounted_at(mnt):
+            subprocess.run(["fusermount3", "-uz", str(mnt)], check=False)
+
+
 def test_mountpoint_problems(moto_server: S3Server, tmp_path: Path) -> None:
     bucket = new_bucket(moto_server)
     afile = tmp_path / "file"

@@ -555,6 +555,55 @@ def test_a_user_is_told_fusermount3_refuses_a_mountpoint_they_may_not_write_or_a
     assert mount.check_user_may_mount_on(str(mp), str(mp)) is None
 
 
+
+STDERR_CAPTURE_CHILD = """
+import os, sys
+from fsmount.mount import stderr_captured
+with stderr_captured() as said:
+    os.write(1, b"in the block\\n")
+os.write(1, (repr(sys.stderr) + " " + repr(said) + "\\n").encode())
+"""
+
+
+def test_the_mount_s_stderr_capture_needs_no_directory_and_never_fails_the_mount(
+        monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:  # noqa: ANN001
+    """The capture of fusermount3's lines around the mount (B181) is best effort: it made a temporary file, which
+    raised out of the mount (a traceback, nothing mounted) where no directory can be written (a container whose root
+    filesystem is read-only), where descriptor 2 is closed (Python's sys.stderr is then None), or where the flush of
+    sys.stderr fails; and a failed flush at its end left descriptor 2 in the capture for good (B204)."""
+    import tempfile
+
+    from fsmount.mount import stderr_captured
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "read-only-root"))  # no temporary file can be made
+    before = os.fstat(2)
+    with stderr_captured() as said:
+        os.write(2, b"fusermount3: mounting over filesystem type 0x858458f6 is forbidden\n\n")
+        assert os.fstat(2).st_ino != before.st_ino
+    assert said == ["fusermount3: mounting over filesystem type 0x858458f6 is forbidden"]
+    assert (os.fstat(2).st_dev, os.fstat(2).st_ino) == (before.st_dev, before.st_ino)
+
+    class FullDisk:
+        def flush(self) -> None:
+            raise OSError(28, "No space left on device")
+
+        def write(self, text: str) -> int:
+            return len(text)
+
+    monkeypatch.setattr(sys, "stderr", FullDisk())
+    with pytest.raises(KeyError), stderr_captured() as said:  # an error in the block: put back all the same
+        os.write(2, b"fuse: said\n")
+        raise KeyError("in the block")
+    assert (os.fstat(2).st_dev, os.fstat(2).st_ino) == (before.st_dev, before.st_ino) and said == []
+    monkeypatch.undo()
+
+    # A daemon started with descriptor 2 closed (`2>&-`): the block runs, uncaptured.
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    res = subprocess.run([sys.executable, "-c", STDERR_CAPTURE_CHILD], capture_output=True, text=True, timeout=60,
+                         preexec_fn=lambda: os.close(2), env={**os.environ, "PYTHONPATH": repo})
+    assert res.returncode == 0 and res.stdout.splitlines() == ["in the block", "None []"], res.stdout + res.stderr
+
+
 def test_a_negative_value_is_the_option_s_value_and_its_check_names_it(capsys: pytest.CaptureFixture[str]) -> None:
     """argparse took `--cache-size -5G` for a missing value ("expected one argument"); joined to its option,
     the size check says what is wrong with it, in the flag form and the -o form alike."""

@@ -2,8 +2,9 @@
 
 Every other mount test runs the daemon as root (test_permissions.py only runs probes as other uids). Here each
 `modelfs` command, the daemon and the readers run as a real user (a fixed system account, `modelfs-unpriv`, made
-with useradd if it is not there and removed again by the test that made it: fusermount3 refuses a uid without a
-passwd entry), as a researcher on a shared node would run `modelfs mount BUCKET ~/models`:
+with useradd if it is not there and removed again by the test that made it, or by the next run where a run was
+killed: fusermount3 refuses a uid without a passwd entry), as a researcher on a shared node would run
+`modelfs mount BUCKET ~/models`:
 
 - a mountpoint the user may not write (root's) is refused naming why, where fusermount3's own line used to be lost
   in a background mount (B180);
@@ -27,13 +28,16 @@ What the user needs of the machine: an interpreter it can run that is the same P
 packages are put on its PYTHONPATH from this environment's site-packages), and read-write access to /dev/fuse (libfuse
 opens it itself before it asks fusermount3, and fails if it cannot). Where /dev/fuse is root's alone (0600, as in
 many containers) the test gives that one user access for its duration with a POSIX ACL and puts the device's ACL and
-mode back after; where none of that can be had, it skips. The working directory of the test's user is a directory
-made under /tmp that it owns (its HOME).
+mode back after (the next run puts back one that a killed run left); where none of that can be had (not root, no
+useradd, no ACL on the device, no such Python), it skips. The user and the ACL are the machine's: one run of this
+module at a time holds a lock (`RUN_LOCK`), and another waits for it. The working directory of the test's user is
+a directory made under /tmp that it owns (its HOME).
 """
 
 from __future__ import annotations
 
 import errno
+import fcntl
 import hashlib
 import json
 import os
@@ -58,6 +62,14 @@ from fsmount import mount as fsmount_mount
 from tests.helpers import REPO, S3Server, bucket_with, mounted, mounted_at, wait_for, warning_lines
 
 USER = "modelfs-unpriv"
+# The account's comment: a user of that name with it was made by this test (one whose run was killed left it), and
+# is removed by the run that finds it; one without it is someone's own and left alone.
+USER_COMMENT = "modelfs test user (tests/mount/test_unprivileged.py)"
+# The account and /dev/fuse's ACL are the machine's, not the run's: two runs at once (two checkouts, two CI jobs on
+# one host) each found the other's user and ACL, and the first to end removed both under the second, whose daemons
+# then failed to open /dev/fuse. One run at a time holds this lock (released by the kernel if the run is killed).
+RUN_LOCK = "/tmp/modelfs-test-unprivileged.lock"
+RUN_LOCK_WAIT_S = 600.0
 ACL_XATTR = "system.posix_acl_access"
 # posix_acl_xattr (include/uapi/linux/posix_acl_xattr.h): a version, then (tag, perm, id) entries.
 ACL_USER_OBJ, ACL_USER, ACL_GROUP_OBJ, ACL_MASK, ACL_OTHER = 0x01, 0x02, 0x04, 0x10, 0x20
@@ -96,16 +108,36 @@ class User:
         return self.run(server, [self.python, "-m", "fsmount", *args], timeout=timeout, **kw)
 
 
+def _one_run_at_a_time() -> Iterator[None]:
+    """Held for the module: the next run waits (up to `RUN_LOCK_WAIT_S`, then skips)."""
+    fd = os.open(RUN_LOCK, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    try:
+        deadline = time.monotonic() + RUN_LOCK_WAIT_S
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    pytest.skip(f"another run of this module held {RUN_LOCK} for {RUN_LOCK_WAIT_S:g} s")
+                time.sleep(0.5)
+        yield
+    finally:
+        os.close(fd)
+
+
 def _user_account() -> Iterator[tuple[int, int]]:
     try:
         pw = pwd.getpwnam(USER)
-        made = False
+        made = pw.pw_gecos == USER_COMMENT  # left by a run that was killed: this run's to remove
     except KeyError:
-        res = subprocess.run(["useradd", "--system", "--no-create-home", "--shell", "/usr/sbin/nologin", USER],
-                             capture_output=True, text=True)
-        if res.returncode != 0 and "already exists" not in res.stderr:
+        if shutil.which("useradd") is None or shutil.which("userdel") is None:
+            pytest.skip("no useradd/userdel here to make a user to run modelfs as")
+        res = subprocess.run(["useradd", "--system", "--no-create-home", "--shell", "/usr/sbin/nologin", "--comment",
+                              USER_COMMENT, USER], capture_output=True, text=True)
+        if res.returncode != 0:
             pytest.skip(f"cannot make a user to run modelfs as: {res.stderr.strip()}")
-        made = res.returncode == 0
+        made = True
         pw = pwd.getpwnam(USER)
     try:
         yield pw.pw_uid, pw.pw_gid
@@ -128,10 +160,23 @@ def user_processes(uid: int) -> list[int]:
     return pids
 
 
-def _acl(uid: int) -> bytes:
+def _acl(uid: int, mode: int) -> bytes:
+    """The device's mode as an ACL, plus read-write for `uid` (the mask widened to let it through; the owner, group
+    and others keep what the mode gave them)."""
     entry = lambda tag, perm, ident=ACL_UNDEFINED_ID: struct.pack("<HHI", tag, perm, ident)  # noqa: E731
-    return (struct.pack("<I", 2) + entry(ACL_USER_OBJ, 6) + entry(ACL_USER, 6, uid) + entry(ACL_GROUP_OBJ, 0)
-            + entry(ACL_MASK, 6) + entry(ACL_OTHER, 0))
+    owner, group, other = (mode >> 6) & 7, (mode >> 3) & 7, mode & 7
+    return (struct.pack("<I", 2) + entry(ACL_USER_OBJ, owner) + entry(ACL_USER, 6, uid) + entry(ACL_GROUP_OBJ, group)
+            + entry(ACL_MASK, group | 6) + entry(ACL_OTHER, other))
+
+
+def _left_by_a_killed_run(acl: bytes, uid: int) -> int | None:
+    """The mode the device had before a run that was killed gave `uid` its ACL entry (that ACL is `_acl`'s, which
+    keeps the mode's bits), or None where the ACL is not such a leftover."""
+    entries = [struct.unpack_from("<HHI", acl, at) for at in range(4, len(acl) - 7, 8)]
+    if (ACL_USER, 6, uid) not in entries:
+        return None
+    perm = {tag: perm for tag, perm, _ in entries if tag != ACL_USER}
+    return (perm.get(ACL_USER_OBJ, 6) << 6) | (perm.get(ACL_GROUP_OBJ, 0) << 3) | perm.get(ACL_OTHER, 0)
 
 
 def _fuse_device_for(uid: int, gid: int, python: str) -> Iterator[None]:
@@ -141,19 +186,21 @@ def _fuse_device_for(uid: int, gid: int, python: str) -> Iterator[None]:
         return subprocess.run([python, "-I", "-c", probe], user=uid, group=gid, extra_groups=[],
                               capture_output=True, timeout=30).returncode == 0
 
-    if can_open():
-        yield
-        return
     device = fsmount_mount.FUSE_DEVICE
-    mode = os.stat(device).st_mode
+    mode = stat.S_IMODE(os.stat(device).st_mode)
     try:
         before: bytes | None = os.getxattr(device, ACL_XATTR)
     except OSError as exc:
         if exc.errno not in (errno.ENODATA, errno.ENOTSUP):
             raise
         before = None
+    if before is not None and (was := _left_by_a_killed_run(before, uid)) is not None:
+        before, mode = None, (mode & ~0o777) | was  # put back as it was before that run
+    elif can_open():
+        yield
+        return
     try:
-        os.setxattr(device, ACL_XATTR, _acl(uid))
+        os.setxattr(device, ACL_XATTR, _acl(uid, mode))
     except OSError as exc:
         pytest.skip(f"{device} is root's alone and takes no ACL ({exc.strerror})")
     try:
@@ -165,7 +212,7 @@ def _fuse_device_for(uid: int, gid: int, python: str) -> Iterator[None]:
             os.removexattr(device, ACL_XATTR)
         else:
             os.setxattr(device, ACL_XATTR, before)
-        os.chmod(device, stat.S_IMODE(mode))
+        os.chmod(device, mode)
 
 
 @pytest.fixture(scope="module")
@@ -178,7 +225,15 @@ def user() -> Iterator[User]:
     pythons = [p for p in (sys.executable, getattr(sys, "_base_executable", ""), f"/usr/bin/python{version}",
                            shutil.which(f"python{version}") or "") if p and world_can_run(p)]
     paths = dict.fromkeys([str(REPO), sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]])
-    pythonpath = os.pathsep.join(paths)
+    lock = _one_run_at_a_time()
+    next(lock)
+    try:
+        yield from _the_user(pythons, os.pathsep.join(paths), version)
+    finally:
+        next(lock, None)
+
+
+def _the_user(pythons: list[str], pythonpath: str, version: str) -> Iterator[User]:
     accounts = _user_account()
     uid, gid = next(accounts)
     home = Path(tempfile.mkdtemp(prefix="modelfs-unpriv-", dir="/tmp"))
@@ -471,6 +526,7 @@ def test_a_user_s_mount_aborted_by_umount_f_with_a_file_open_is_detached(user: U
     try:
         wait_for("the user's mount", lambda: mounted_at(mountpoint) and "mounted bucket" in log.read_text()
                  or daemon.poll() is not None, timeout=30)
+        assert daemon.poll() is None, log.read_text()
         holder = user.popen(moto_server, [user.python, "-c", HOLDER, str(mountpoint / "big.bin")],
                             stdout=subprocess.PIPE, text=True)
         assert holder.stdout is not None and holder.stdout.readline().strip() == "open"

@@ -785,6 +785,7 @@ def detach_aborted(mountpoint: str, dev: int, only: bytes | None = None) -> bool
     which detaches that user's own mount (B184). Best effort: whether a mount was detached."""
     want = f"{os.major(dev)}:{os.minor(dev)}".encode()
     path = os.fsencode(mountpoint)
+    advice = lazy_unmount_advice(mountpoint)
     try:
         mounts = _mounts()
         ours = {mnt_id for mnt_id, _, device, at in mounts
@@ -800,11 +801,13 @@ def detach_aborted(mountpoint: str, dev: int, only: bytes | None = None) -> bool
                 raise failed
             # Not root: umount2 is EPERM, and so would `umount -l` be for the same user; fusermount3 detaches a user's
             # own FUSE mount, the topmost at the path, which is this one (nothing over it, above). It left the mount
-            # to the user, ENOTCONN, with a warning naming this command.
+            # to the user, ENOTCONN, with a warning naming this command. Where it fails too, the warning names what
+            # is left: root's lazy unmount (not the command that has just failed).
+            advice = f"root's `umount -l {mountpoint}`"
             fusermount_detach(mountpoint, failed)
     except OSError as exc:
         log.warning("the aborted mount at %s could not be unmounted (%s): %s does it", mountpoint,
-                    exc.strerror or exc, lazy_unmount_advice(mountpoint))
+                    exc.strerror or exc, advice)
         return False
     return True
 

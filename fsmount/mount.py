@@ -464,13 +464,35 @@ def stderr_captured() -> Iterator[list[str]]:
         os.close(sink)
 
 
+# CAP_SYS_ADMIN's bit in /proc/self/status's CapEff.
+CAP_SYS_ADMIN = 21
+
+
+def mounts_by_itself(status: str = "/proc/self/status") -> bool:
+    """Whether libfuse mounts with mount(2) itself, not through fusermount3: as root, or as another user with
+    CAP_SYS_ADMIN (a systemd unit's `User=` with `AmbientCapabilities=CAP_SYS_ADMIN`): libfuse tries mount(2) first
+    and asks fusermount3 only where that is EPERM."""
+    if os.geteuid() == 0:
+        return True
+    try:
+        with open(status) as f:
+            for line in f:
+                if line.startswith("CapEff:"):
+                    return bool(int(line.split()[1], 16) >> CAP_SYS_ADMIN & 1)
+    except (OSError, ValueError, IndexError):
+        return False
+    return False
+
+
 def check_user_may_mount_on(path: str, real: str) -> None:
     """A user other than root mounts through the setuid fusermount3, which refuses a mountpoint that user could
     not write (and a sticky one, such as /tmp itself, that is not theirs): it says so on stderr, which a background
     mount (the default) does not show, and libfuse then says only "fuse_session_mount failed". The same rules,
     asked the same way (access(2) as the real uid), are checked here first so that the refusal names its cause.
-    Root mounts by itself (mount(2)) and is not held to them."""
-    if os.geteuid() == 0:
+    Whoever mounts by itself (`mounts_by_itself`: root, or a user with CAP_SYS_ADMIN) is not held to them: a user
+    with CAP_SYS_ADMIN was refused root's /models, which it had mounted before (B205). Where its mount(2) is refused
+    after all and fusermount3 is asked, fusermount3's own line ends the error (B181)."""
+    if mounts_by_itself():
         return
     st = os.stat(real)
     if st.st_mode & stat.S_ISVTX and st.st_uid != os.getuid():

@@ -7,7 +7,7 @@ killed: fusermount3 refuses a uid without a passwd entry), as a researcher on a 
 `modelfs mount BUCKET ~/models`:
 
 - a mountpoint the user may not write (root's) is refused naming why, where fusermount3's own line used to be lost
-  in a background mount (B180);
+  in a background mount (B180); but a user with CAP_SYS_ADMIN, who mounts with mount(2) itself, mounts there (B205);
 - a mountpoint fusermount3 refuses for a reason modelfs does not check itself (a ramfs: not a filesystem type it
   mounts over for users) ends the error line on fusermount3's own reason, background and foreground (B181);
 - `modelfs unmount` of root's mount by the user says whose mount it is, not fusermount3's "not found in /etc/mtab"
@@ -322,6 +322,34 @@ def test_a_mountpoint_the_user_may_not_write_is_refused_naming_why(user: User, m
             subprocess.run(["fusermount3", "-uz", str(roots)], capture_output=True)
         shutil.rmtree(roots, ignore_errors=True)
 
+
+
+def test_a_user_with_cap_sys_admin_mounts_on_root_s_directory_as_before(user: User, moto_server: S3Server,
+                                                                        bucket: str) -> None:
+    """A user with CAP_SYS_ADMIN (a systemd unit's `User=` with `AmbientCapabilities=CAP_SYS_ADMIN`) mounts with
+    mount(2) itself, as root does, and fusermount3's rules are not asked: B180's check refused such a daemon the
+    root-owned /models it had mounted before (B205)."""
+    setpriv = shutil.which("setpriv")
+    if setpriv is None:
+        pytest.skip("no setpriv (util-linux) here to give the user CAP_SYS_ADMIN")
+    roots = Path(tempfile.mkdtemp(prefix="modelfs-unpriv-root-", dir="/tmp"))
+    log = user.home / "capable.log"
+    try:
+        roots.chmod(0o755)
+        argv = [setpriv, f"--reuid={user.uid}", f"--regid={user.gid}", "--clear-groups", "--inh-caps=+sys_admin",
+                "--ambient-caps=+sys_admin", "--", user.python, "-m", "fsmount", "mount", bucket, str(roots),
+                "--endpoint-url", moto_server.endpoint_url, "--log-file", str(log)]
+        res = subprocess.run(argv, env=user.env(moto_server), cwd=user.home, capture_output=True, text=True,
+                             timeout=60)
+        assert res.returncode == 0 and mounted_at(roots), res.stderr
+        res = user.run(moto_server, ["cat", str(roots / "m" / "config.json")])
+        assert res.returncode == 0 and res.stdout == '{"a": 1}\n', res.stderr
+        res = user.modelfs(moto_server, "unmount", str(roots))  # its own mount (user_id=), without the capability
+        assert res.returncode == 0 and not mounted_at(roots), res.stderr
+    finally:
+        if mounted_at(roots):
+            subprocess.run(["fusermount3", "-uz", str(roots)], capture_output=True)
+        shutil.rmtree(roots, ignore_errors=True)
 
 def test_a_user_mounts_reads_writes_prefetches_and_unmounts(user: User, s3: S3Server, mountpoint: Path) -> None:
     """On moto and SeaweedFS."""

@@ -533,6 +533,10 @@ def test_a_user_is_told_fusermount3_refuses_a_mountpoint_they_may_not_write_or_a
     mp.mkdir()
     monkeypatch.setattr(os, "geteuid", lambda: 1000)
     monkeypatch.setattr(os, "getuid", lambda: 1000)
+    status = tmp_path / "status"  # no CAP_SYS_ADMIN (this test's root has it): mounts through fusermount3
+    status.write_text("Name:\tx\nCapEff:\t0000000000000000\n")
+    real_mounts_by_itself = mount.mounts_by_itself
+    monkeypatch.setattr(mount, "mounts_by_itself", lambda: real_mounts_by_itself(str(status)))
     real_access = os.access
     writable = {"yes": False}
     monkeypatch.setattr(os, "access", lambda path, mode: (writable["yes"] or not mode & os.W_OK)
@@ -553,6 +557,16 @@ def test_a_user_is_told_fusermount3_refuses_a_mountpoint_they_may_not_write_or_a
     mp.chmod(0o1777)
     os.close(check_mountpoint(str(mp), False)[1])
     assert mount.check_user_may_mount_on(str(mp), str(mp)) is None
+    # Nor a user with CAP_SYS_ADMIN (systemd's AmbientCapabilities=): libfuse mounts with mount(2), fusermount3 is not
+    # asked, and root's directory was refused though it mounted (B205).
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    with pytest.raises(MountError, match="is a sticky directory you do not own"):
+        check_mountpoint(str(mp), False)
+    status.write_text("Name:\tx\nCapEff:\t0000000000200000\n")  # CAP_SYS_ADMIN alone
+    os.close(check_mountpoint(str(mp), False)[1])
+    mp.chmod(0o755)
+    os.close(check_mountpoint(str(mp), False)[1])
+    assert real_mounts_by_itself(str(tmp_path / "no-status")) is False
 
 
 

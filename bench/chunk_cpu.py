@@ -166,7 +166,8 @@ def measure_python(args: argparse.Namespace) -> list[str]:
 class _NullStore:
     bucket = "bucket"
 
-    def get_range(self, key: str, etag: str, start: int, end: int, buffer: Any = None) -> Any:
+    def get_range(self, key: str, etag: str, start: int, end: int, buffer: Any = None,
+                  size: int | None = None) -> Any:
         return buffer
 
 

@@ -105,7 +105,8 @@ class _MemoryStore:
     def has_children(self, prefix: str) -> bool:
         return False
 
-    def get_range(self, key: str, etag: str, start: int, end: int, buffer: Any = None) -> Any:
+    def get_range(self, key: str, etag: str, start: int, end: int, buffer: Any = None,
+                  size: int | None = None) -> Any:
         if buffer is None:
             buffer = bytearray(end - start)
         if self.piece:

@@ -30,6 +30,7 @@ from fsmount.data.store import (
     NotFound,
     ObjectMeta,
     PreconditionFailed,
+    SizeChanged,
     StoreError,
     TimedOut,
     TransientError,
@@ -40,6 +41,7 @@ from fsmount.data.store import (
     quoted_etag,
     sent_etag,
     server_age_s,
+    size_changed,
     version_tag,
 )
 
@@ -596,16 +598,18 @@ class Boto3Store:
     def _presign_delete(self, key: str) -> str:
         return self._presign(key, "delete_object")
 
-    def get_range(self, key: str, etag: str, start: int, end: int,
-                  buffer: WritableBuffer | None = None) -> bytes | WritableBuffer:
+    def get_range(self, key: str, etag: str, start: int, end: int, buffer: WritableBuffer | None = None,
+                  size: int | None = None) -> bytes | WritableBuffer:
         etag = sent_etag(etag)  # none for a version the server gave no ETag for
         if_match = not self._if_match_refused
         try:
-            return self._get_range(key, etag, start, end, buffer, if_match)
+            return self._get_range(key, etag, start, end, buffer, if_match, size)
+        except SizeChanged:
+            raise  # the ETag matched: no refusal of it (a HEAD would say "the same version", and If-Match be dropped)
         except PreconditionFailed:
             if not (etag and if_match and self._refuses_its_own_etag(key, etag)):
                 raise
-            return self._get_range(key, etag, start, end, buffer, False)
+            return self._get_range(key, etag, start, end, buffer, False, size)
 
     def _refuses_its_own_etag(self, key: str, etag: str) -> bool:
         """Whether a GET of version `etag` refused with 412 met a server that refuses If-Match with the ETags it gives
@@ -626,7 +630,7 @@ class Boto3Store:
         return True
 
     def _get_range(self, key: str, etag: str, start: int, end: int, buffer: WritableBuffer | None,
-                   if_match: bool) -> bytes | WritableBuffer:
+                   if_match: bool, size: int | None) -> bytes | WritableBuffer:
         want = end - start
         if want <= 0:
             return b""
@@ -635,10 +639,10 @@ class Boto3Store:
         for attempt in range(1, attempts + 1):
             try:
                 if self._ranges is None:
-                    return self._boto3_get_range(key, etag, start, end, buffer, what, if_match)
+                    return self._boto3_get_range(key, etag, start, end, buffer, what, if_match, size)
                 if buffer is None:
                     buffer = new_buffer(want)
-                self._ranges.get_into(key, etag, start, buffer, what, if_match=if_match)
+                self._ranges.get_into(key, etag, start, buffer, what, if_match=if_match, size=size)
                 return buffer
             except Exception as exc:  # noqa: BLE001
                 err = translate_error(exc, self.bucket, what)
@@ -653,7 +657,7 @@ class Boto3Store:
         raise AssertionError("unreachable")
 
     def _boto3_get_range(self, key: str, etag: str, start: int, end: int, buffer: WritableBuffer | None,
-                         what: str, if_match: bool = True) -> bytes | WritableBuffer:
+                         what: str, if_match: bool = True, size: int | None = None) -> bytes | WritableBuffer:
         want = end - start
         kwargs: dict[str, Any] = dict(Bucket=self.bucket, Key=key, Range=f"bytes={start}-{end - 1}")
         if etag and if_match:
@@ -662,6 +666,14 @@ class Boto3Store:
         content_range = resp.get("ContentRange")
         if content_range and not content_range.startswith(f"bytes {start}-{end - 1}/"):
             raise TransientError(f"{what}: server answered with {content_range!r}")
+        # The object's size on the server (a 200's whole length where no range is said) against the one the version
+        # was pinned at (B209, as `RangeGetter._read`); the body is left unread.
+        length = resp.get("ContentLength")
+        total = content_range.rpartition("/")[2] if content_range else None if length is None else str(length)
+        wrong_size = size_changed(total, size, what)
+        if wrong_size is not None:
+            resp["Body"].close()
+            raise wrong_size
         changed = changed_etag(etag, resp.get("ETag"), what, needed=not if_match)
         if changed is not None:
             raise changed

@@ -99,12 +99,13 @@ class _QueueEntry:
 class Fetch:
     """One chunk on its way into memory; `await fetch.wait()` for its bytes."""
 
-    __slots__ = ("cid", "length", "done", "data", "error", "owners", "demanded", "started",
+    __slots__ = ("cid", "length", "size", "done", "data", "error", "owners", "demanded", "started",
                  "abandoned", "source", "deadline", "entry")
 
-    def __init__(self, cid: ChunkId, length: int):
+    def __init__(self, cid: ChunkId, length: int, size: int | None = None):
         self.cid = cid
         self.length = length
+        self.size = size  # the object's, as its version was pinned: what the origin's answer must say (B209)
         self.done = trio.Event()
         self.data: Chunk | None = None
         self.error: BaseException | None = None
@@ -172,7 +173,7 @@ class ChunkEngine:
 
     def current_again(self, obj: ObjectVersion) -> None:
         """The namespace holds `obj` current, as of an answer newer than any GET that found it gone."""
-        self.levels.current_again(self.bucket, obj.key, obj.etag)
+        self.levels.current_again(self.bucket, obj.key, obj.etag, obj.size)
 
     def chunk_id(self, obj: ObjectVersion, index: int) -> ChunkId:
         return ChunkId(self.bucket, obj.key, obj.etag, self.chunk_size, index)
@@ -196,7 +197,7 @@ class ChunkEngine:
         heapq.heappush(self._queue, fetch.entry)
         self._queued.release()
 
-    def _fetch_for(self, cid: ChunkId, length: int, priority: int) -> Fetch:
+    def _fetch_for(self, cid: ChunkId, length: int, priority: int, size: int | None = None) -> Fetch:
         fetch = self._inflight.get(cid)
         if fetch is not None and fetch.demanded and trio.current_time() > fetch.deadline + RETRY_GRACE_S:
             if fetch.started:
@@ -210,7 +211,7 @@ class ChunkEngine:
                 fetch.demanded = False
                 fetch.deadline = math.inf
         if fetch is None or fetch.abandoned:
-            fetch = self._inflight[cid] = Fetch(cid, length)
+            fetch = self._inflight[cid] = Fetch(cid, length, size)
             self._enqueue(fetch, priority)
         elif priority == DEMAND and not fetch.demanded and not fetch.started:
             self._enqueue(fetch, DEMAND)  # jump the read-ahead queue; the older entry is skipped
@@ -250,7 +251,7 @@ class ChunkEngine:
         data = self.memory.get(cid)
         if data is not None:
             return data
-        fetch = self._fetch_for(cid, self.chunk_length(obj, index), priority)
+        fetch = self._fetch_for(cid, self.chunk_length(obj, index), priority, obj.size)
         fetch.owners.add(owner)
         return fetch
 
@@ -271,7 +272,7 @@ class ChunkEngine:
             if data is not None:
                 parts.append((cid, data))
                 continue
-            fetch = self._fetch_for(cid, self.chunk_length(obj, index), DEMAND)
+            fetch = self._fetch_for(cid, self.chunk_length(obj, index), DEMAND, obj.size)
             if not fetch.demanded:
                 fetch.demanded = True
                 now = trio.current_time()
@@ -380,7 +381,8 @@ class ChunkEngine:
         if buffer is None:
             buffer = await self.memory.reserve(fetch.length, reuse=reuse, chunk=True)
         try:
-            data, hit = await self.levels.load(fetch.cid, fetch.length, buffer, fetch.retry_until, self._nursery)
+            data, hit = await self.levels.load(fetch.cid, fetch.length, buffer, fetch.retry_until, self._nursery,
+                                               fetch.size)
             del buffer  # a level or the origin filled it (it is `data`), or a level's own bytes replace it
             fetch.data = data
             fetch.source = "origin" if hit is None else "level"

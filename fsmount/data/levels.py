@@ -222,8 +222,10 @@ class LevelStack:
         self.stats = LevelStats(level_hits=[0] * n, level_misses=[0] * n, level_bytes=[0] * n,
                                 level_saved_bytes=[0] * n)
         self._fetched: collections.OrderedDict[ChunkId, None] = collections.OrderedDict()  # latest origin fetches
-        # (bucket, key, etag) -> the refusal, for GONE_FOR_S. Both are touched by the trio thread only.
-        self._gone: cachetools.TTLCache[tuple[str, str, str], StoreError] = cachetools.TTLCache(
+        # (bucket, key, etag, size pinned) -> the refusal, for GONE_FOR_S. Both are touched by the trio thread only.
+        # The size is part of the version: a version pinned at a wrong size (SizeChanged: a HEAD cut inside its
+        # Content-Length line) is refused with the right ETag, and the same ETag at the right size is read.
+        self._gone: cachetools.TTLCache[tuple[str, str, str, int | None], StoreError] = cachetools.TTLCache(
             GONE_MEMORY, GONE_FOR_S, timer=trio.current_time)
         self.origin_latency = LatencyHistogram()
         self._run_blocking = run_blocking
@@ -258,10 +260,10 @@ class LevelStack:
         failure = self._origin_failures.get(cid)
         return failure[1] if failure is not None and failure[0] >= since else None
 
-    def current_again(self, bucket: str, key: str, etag: str) -> None:
+    def current_again(self, bucket: str, key: str, etag: str, size: int | None) -> None:
         """The bucket holds this version (again): what a GET that found it gone said no longer holds. (Wrongly told,
         the next GET finds it gone again; one request.)"""
-        self._gone.pop((bucket, key, etag), None)
+        self._gone.pop((bucket, key, etag, size), None)
 
     def holds(self, cid: ChunkId) -> bool:
         """Whether a local level says it holds the chunk (its `contains`, no I/O) and answers; False if none can
@@ -288,11 +290,14 @@ class LevelStack:
         return bool(self.levels)
 
     async def load(self, cid: ChunkId, length: int, buffer: mmap.mmap | None,
-                   retry_until: Callable[[], float], nursery: trio.Nursery | None = None) -> tuple[Chunk, int | None]:
+                   retry_until: Callable[[], float], nursery: trio.Nursery | None = None,
+                   size: int | None = None) -> tuple[Chunk, int | None]:
         """The chunk and the index of the level that had it (read into `buffer` if given, else a new
         one), or from the origin with index None. While the origin refuses connections the GET is tried
         again until `retry_until()` (a deadline on trio's clock, re-read at each try). With a `nursery`, a read
-        from a local level is given up after `get_deadline` (the read goes on in a task there)."""
+        from a local level is given up after `get_deadline` (the read goes on in a task there). `size`: the object
+        size the version was pinned at, which the origin's answer must say (`store.SizeChanged`); the chunk id
+        does not carry it, so the levels' interface (get/put by chunk id) does not see it."""
         if buffer is None and length == cid.chunk_size:
             # An mmap call only: its pages are faulted in by the read that fills them, and the buffer is
             # reused for later chunks once READs took it (budget.py).
@@ -318,7 +323,7 @@ class LevelStack:
                     self.stats.level_saved_bytes[i] += length
                 return data, i
             self.stats.level_misses[i] += 1
-        return await self._from_origin(cid, length, buffer, retry_until), None
+        return await self._from_origin(cid, length, buffer, retry_until, size), None
 
     async def _get_within_deadline(self, nursery: trio.Nursery, i: int, cid: ChunkId, buffer: mmap.mmap | None,
                                    length: int) -> tuple[bool, Any]:
@@ -397,8 +402,8 @@ class LevelStack:
         return bool(self._overdue[i]) or trio.current_time() < self._skip_until[i]
 
     async def _from_origin(self, cid: ChunkId, length: int, buffer: mmap.mmap | None,
-                           retry_until: Callable[[], float]) -> Chunk:
-        version = (cid.bucket, cid.key, cid.etag)
+                           retry_until: Callable[[], float], size: int | None = None) -> Chunk:
+        version = (cid.bucket, cid.key, cid.etag, size)
         gone = self._gone.get(version)
         if gone is not None:
             error = gone.detached()
@@ -414,7 +419,7 @@ class LevelStack:
                 self.trailing.origin_started()
                 try:
                     data = await self._run_blocking(self.store.get_range, cid.key, cid.etag, cid.offset,
-                                                    cid.offset + length, buffer, limiter=self._s3_limiter)
+                                                    cid.offset + length, buffer, size, limiter=self._s3_limiter)
                     break
                 except Unreachable as exc:
                     # A restarting origin refuses connections for a moment: a reader that may still wait
@@ -422,6 +427,7 @@ class LevelStack:
                     self._origin_failures[cid] = (trio.current_time(), exc.message)
                     backoff = await wait_to_retry(exc, backoff, retry_until(), f"chunk {cid.index} of {cid.key!r}")
                 except (PreconditionFailed, NotFound) as exc:
+                    # (SizeChanged too: the server's size is not the one pinned, and will not be at the next try.)
                     # A copy: the error raised holds, in its traceback, the frames of this fetch, and through them
                     # its buffer, which the budget no longer counts once the fetch failed.
                     self._gone[version] = exc.detached()

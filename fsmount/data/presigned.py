@@ -8,9 +8,10 @@ this module saves is botocore's per-request machinery and the fresh bytes object
 read cost 0.18-0.19 CPU-s/GB this way against 0.25-0.28 with `get_object().read()` (issue #10's
 measurements; bench/clients.py), and reading into a recycled buffer takes no page faults.
 
-One call is one request; it retries nothing and checks what it got (status, Content-Range, length,
-ETag). Retries, backoff and the choice of this path over boto3's belong to `Boto3Store`.
-Failures leave as `StoreError`s through the store's one mapping (`store.error_for_status`).
+One call is one request; it retries nothing and checks what it got (status, Content-Range and its total
+against the size the version was pinned at, length, ETag). Retries, backoff and the choice of this path over
+boto3's belong to `Boto3Store`. Failures leave as `StoreError`s through the store's one mapping
+(`store.error_for_status`).
 
 Threading: `RangeGetter` is shared by every fetch thread. Its connection pool (a list under a lock)
 holds idle connections only; a connection is used by one thread at a time and goes back only after
@@ -42,6 +43,7 @@ from fsmount.data.store import (
     error_for_status,
     local_failure,
     server_age_s,
+    size_changed,
 )
 
 # A URL is signed for this long and reused for half of it: a presign is ~0.1 ms, so signing rarely only
@@ -237,12 +239,13 @@ class RangeGetter:
     # -- one GET ---------------------------------------------------------------------------------
 
     def get_into(self, key: str, etag: str, start: int, buffer: WritableBuffer | bytearray, what: str, *,
-                 if_match: bool = True) -> None:
+                 if_match: bool = True, size: int | None = None) -> None:
         """Fill `buffer` with bytes [start, start + len(buffer)) of the object version `etag`, or raise. Without
         `if_match` (a server that refuses its own ETags there) the version is checked by the answer's ETag alone,
-        which must then be there."""
+        which must then be there. `size`: the object size the version was pinned at, which the answer's total must be
+        (SizeChanged); None: not checked."""
         self._signed_again(lambda fresh: self._url(key, fresh),
-                           lambda url: self._get(key, etag, start, buffer, what, url, if_match=if_match))
+                           lambda url: self._get(key, etag, start, buffer, what, url, if_match=if_match, size=size))
 
     def _signed_again(self, sign: Callable[[bool], str], send: Callable[[str], T]) -> T:
         """`send(url)`: one request to `url`, which `sign(fresh)` gives: a URL reused (False) or signed now (True).
@@ -300,7 +303,7 @@ class RangeGetter:
             raise
 
     def _get(self, key: str, etag: str, start: int, buffer: WritableBuffer | bytearray, what: str, url: str,
-             if_match: bool = True) -> None:
+             if_match: bool = True, size: int | None = None) -> None:
         want = len(buffer)
         headers = {"Range": f"bytes={start}-{start + want - 1}", "Accept-Encoding": "identity"}
         if etag and if_match:
@@ -308,7 +311,8 @@ class RangeGetter:
         origin, conn, resp = self._request(url, headers, what)
         reusable = False
         try:
-            reusable = self._read(resp, conn.sock, start, want, etag, buffer, what, url, etag_needed=not if_match)
+            reusable = self._read(resp, conn.sock, start, want, etag, buffer, what, url, etag_needed=not if_match,
+                                  size=size)
         except (http.client.HTTPException, OSError) as exc:
             # Reset, timeout, a response cut short: worth another try.
             raise _transport_error(what, exc) from None
@@ -435,9 +439,12 @@ class RangeGetter:
         return conn.getresponse()
 
     def _read(self, resp: http.client.HTTPResponse, sock: socket.socket | None, start: int, want: int, etag: str,
-              buffer: WritableBuffer | bytearray, what: str, url: str, etag_needed: bool = False) -> bool:
+              buffer: WritableBuffer | bytearray, what: str, url: str, etag_needed: bool = False,
+              size: int | None = None) -> bool:
         """Check the response (to a GET of `url`) and read its body into `buffer`; True if the connection may be
-        reused. `etag_needed`: an answer without an ETag is refused (nothing else pins the version)."""
+        reused. `etag_needed`: an answer without an ETag is refused (nothing else pins the version). `size`: the
+        object size the version was pinned at; an answer whose total differs is refused (SizeChanged), its body
+        unread."""
         if resp.status >= 300:
             raise self._error(resp, what, url)
         length = resp.getheader("Content-Length")
@@ -445,9 +452,18 @@ class RangeGetter:
         if resp.status == 206:
             if not content_range or not content_range.startswith(f"bytes {start}-{start + want - 1}/"):
                 raise TransientError(f"{what}: server answered with {content_range!r}")
+            total: str | None = content_range.rpartition("/")[2]
         elif not (resp.status == 200 and start == 0 and length == str(want)):
             # A 200 is the whole object: right only if that is exactly the range asked for.
             raise TransientError(f"{what}: server answered {resp.status} without the range")
+        else:
+            total = length
+        # The object's size on the server, against the one the version was pinned at: a HEAD cut inside its
+        # Content-Length line gave a smaller one with the right ETag, and the file read back short, every GET
+        # matching If-Match (B209).
+        wrong_size = size_changed(total, size, what)
+        if wrong_size is not None:
+            raise wrong_size
         if length is not None and length != str(want):
             raise TransientError(f"{what}: server sends {length} bytes, {want} asked for")
         changed = changed_etag(etag, resp.getheader("ETag"), what, needed=etag_needed)

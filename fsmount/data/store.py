@@ -121,6 +121,27 @@ class PreconditionFailed(StoreError):
     errno = errno.EIO
 
 
+class SizeChanged(PreconditionFailed):
+    """A GET's answer says the object is another size than the one its version was pinned at (ObjectVersion.size, from
+    a HEAD or a listing): the total after the `/` of its Content-Range. The ETag may match all the same: a HEAD cut
+    inside its Content-Length line (http.client takes the shorter number for a whole one), a listing or a proxy
+    giving a wrong size, or, on a server that gives no ETag, an object replaced by one of another size. The file was
+    read back short (or long) as if it were whole. Handled as the object having changed (the handle EIO, the name
+    looked up again), and, like any PreconditionFailed, not retried: the same answer would come again. Not a 412:
+    `Boto3Store.get_range` never takes it for a server refusing its own ETags."""
+
+
+def size_changed(total: str | None, size: int | None, what: str) -> SizeChanged | None:
+    """The error for a GET answered with the object size `total` (a Content-Range's text after its `/`, or the length
+    of a 200's whole object) of a version pinned at `size` bytes, if they differ. None where either is unknown: no
+    `size` given (GETs of objects no version's size was pinned for), no total said, or `*` (the range syntax's
+    "unknown"). One string compare per GET."""
+    if size is None or total is None or total == "*" or total == str(size):
+        return None
+    return SizeChanged(f"{what}: the server says the object is {total} bytes, its version was pinned at {size} bytes "
+                       "(a HEAD or listing answer cut or wrong): not served")
+
+
 def changed_etag(pinned: str, got: str | None, what: str, *, needed: bool = False) -> StoreError | None:
     """The error for a GET of the version `pinned` answered with the ETag `got`, if that is another version. One
     version's ETag in two forms is not another: weak (`W/"x"`) or not, quoted or not, in either case (servers that
@@ -305,8 +326,9 @@ class ObjectStore(Protocol):
         folder there (SeaweedFS keeps one whose keys were all deleted): a directory, as the parent's listing says."""
         ...
 
-    def get_range(self, key: str, etag: str, start: int, end: int,
-                  buffer: WritableBuffer | None = None) -> bytes | WritableBuffer:
+    def get_range(self, key: str, etag: str, start: int, end: int, buffer: WritableBuffer | None = None,
+                  size: int | None = None) -> bytes | WritableBuffer:
         """Bytes [start, end) of the object version `etag`; exactly end - start bytes or an error. With
-        `buffer` (end - start bytes long) the bytes are read into it and it is returned."""
+        `buffer` (end - start bytes long) the bytes are read into it and it is returned. `size`: the object size the
+        version was pinned at, which the answer's must be (`SizeChanged` else); None: not checked."""
         ...

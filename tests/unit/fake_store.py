@@ -12,6 +12,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from fsmount.data import ListingPage, ObjectMeta, PreconditionFailed, StoreError
+from fsmount.data.store import size_changed
 
 PAGE_SIZE = 1000  # S3's ListObjectsV2 page size
 
@@ -67,7 +68,8 @@ class FakeStore:
     def has_children(self, prefix: str) -> bool:
         return any(k.startswith(prefix) for k in self.objects)
 
-    def get_range(self, key: str, etag: str, start: int, end: int, buffer: Any = None) -> Any:
+    def get_range(self, key: str, etag: str, start: int, end: int, buffer: Any = None,
+                  size: int | None = None) -> Any:
         with self._lock:
             self.gets.append((key, start, end))
         if self.latency:
@@ -78,6 +80,9 @@ class FakeStore:
             raise StoreError(f"GET {key!r}: not found")
         if etag and self.etags[key] != etag:
             raise PreconditionFailed(f"GET {key!r}: object changed")
+        wrong_size = size_changed(str(len(self.objects[key])), size, f"GET {key!r}")  # as the Content-Range total
+        if wrong_size is not None:
+            raise wrong_size
         data = self.objects[key][start:end]
         if buffer is None:
             return data

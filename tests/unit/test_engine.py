@@ -31,6 +31,7 @@ from fsmount.data.levels import (
     WRITE_DEADLINE_S,
     LevelStack,
 )
+from fsmount.data.store import SizeChanged
 from fsmount.data.trailing import TRAIL_IDLE_S, WAITERS_CHECK_S
 from fsmount.handles import OpenFile
 from fsmount.readahead import LOCAL_WINDOW, ReadAhead
@@ -514,6 +515,30 @@ async def test_a_version_the_bucket_refused_fails_its_other_chunks_without_a_get
         await trio.sleep(GONE_FOR_S)
         assert await engine.read(old, 2 * MiB, 2 * MiB + 100) == data[2 * MiB:2 * MiB + 100]
         assert len(store.gets) == 2
+
+    await run_engine(engine, body)
+
+
+@pytest.mark.parametrize("etag", [True, False], ids=["etag", "no-etag"])
+async def test_a_version_pinned_at_another_size_than_the_origin_s_is_refused_not_read_short(  # noqa: ANN001
+        autojump_clock, allowed_logs, etag: bool) -> None:
+    """A version pinned at a size smaller than the object's (a HEAD cut inside its Content-Length line), with its right
+    ETag: every GET matched, and the file read back short as if whole. The size reaches the store's GET, which refuses
+    it (SizeChanged, a PreconditionFailed): no bytes served, one GET (not retried), the version gone (B209). Where the
+    server gives no ETag, the size is the one thing an answer says of the version: an object replaced by one of
+    another size is refused so too."""
+    allowed_logs.append("fetching chunk .* failed")
+    store = FakeStore()
+    data = put_object(store, "m", 3 * MiB)
+    engine = make_engine(store)
+    short = dataclasses.replace(version(store, "m"), size=MiB + 10, **({} if etag else {"etag": ""}))
+
+    async def body() -> None:
+        with pytest.raises(SizeChanged, match=f"object is {3 * MiB} bytes, its version was pinned at {MiB + 10}"):
+            await engine.read(short, 0, 100)
+        assert len(store.gets) == 1 and engine.levels._gone  # noqa: SLF001 - gone, as a 412's version
+        whole = dataclasses.replace(short, size=len(data))
+        assert await engine.read(whole, 0, 100) == data[:100]  # the size the store says: read
 
     await run_engine(engine, body)
 
@@ -1507,7 +1532,7 @@ async def test_a_failed_fetch_s_error_holds_no_chunk_buffer_for_its_waiters(auto
     allowed_logs.append("fetching chunk .* failed")
     buffers = tracked_buffers(monkeypatch)
 
-    def get_range(key: str, etag: str, start: int, end: int, buffer=None):  # noqa: ANN001, ANN202
+    def get_range(key: str, etag: str, start: int, end: int, buffer=None, size=None):  # noqa: ANN001, ANN202
         def receive(into) -> None:  # noqa: ANN001 - holds the buffer, as the store's body read does
             raise OSError("connection reset")
         try:

@@ -19,6 +19,7 @@ import pytest
 
 from fsmount.data import AccessDenied, NotFound, PreconditionFailed, StoreError, TransientError, Unreachable
 from fsmount.data.presigned import RECEIVE_LOWAT, RangeGetter, since_boot
+from fsmount.data.store import SizeChanged
 
 DATA = bytes(range(256)) * 64  # 16 KiB
 ETAG = '"abc"'
@@ -1017,3 +1018,42 @@ def test_without_if_match_the_version_is_checked_by_the_answers_etag_which_must_
         g.get_into("k2", ETAG, 0, buffer, "GET k2", if_match=False)
     g.get_into("k2", ETAG, 0, buffer, "GET k2")  # with If-Match, the server's 206 is the version's
     assert bytes(buffer) == DATA[:100]
+
+
+def test_an_answer_whose_total_is_not_the_size_pinned_is_refused_unread(origin: Origin) -> None:
+    """A HEAD cut inside its Content-Length line gives a smaller size with the right ETag; every GET matched If-Match
+    and the file read back short as if whole (B209). The Content-Range total (or a whole-object 200's length) must be
+    the size the version was pinned at; `*` says nothing and passes, as does a GET given no size."""
+    g = getter(origin)
+    buffer = mmap.mmap(-1, 100)
+    g.get_into("k", ETAG, 100, buffer, "GET k", size=len(DATA))
+    assert bytes(buffer) == DATA[100:200]
+    g.get_into("k", ETAG, 100, buffer, "GET k")  # no size known: not checked
+    with pytest.raises(SizeChanged, match=f"the server says the object is {len(DATA)} bytes, its version was pinned "
+                                          f"at {len(DATA) - 1000} bytes"):
+        g.get_into("k", ETAG, 100, buffer, "GET k", size=len(DATA) - 1000)
+    assert isinstance(SizeChanged(""), PreconditionFailed)  # the handle EIO, the name looked up again (operations)
+    origin.script = lambda h, s, e: h.answer(200, DATA) or True  # a whole-object answer: its length is the total
+    whole = mmap.mmap(-1, len(DATA))
+    with pytest.raises(SizeChanged):
+        g.get_into("k", ETAG, 0, whole, "GET k", size=len(DATA) + 1)
+    g.get_into("k", ETAG, 0, whole, "GET k", size=len(DATA))
+    assert bytes(whole) == DATA
+    origin.script = lambda h, s, e: h.answer(206, DATA[s:e], {"Content-Range": f"bytes {s}-{e - 1}/*"}) or True
+    g.get_into("k", ETAG, 100, buffer, "GET k", size=1)
+    assert bytes(buffer) == DATA[100:200]
+
+
+@pytest.mark.parametrize("client", ["presigned", "boto3"])
+def test_the_store_refuses_a_size_other_than_pinned_once_and_keeps_if_match(origin: Origin,
+                                                                          monkeypatch: pytest.MonkeyPatch,
+                                                                          client: str) -> None:
+    """Both GET clients (`--get-client`): a total other than the size pinned is SizeChanged at the first answer, not
+    retried (the same answer would come again), and not taken for a server refusing its own ETags (no HEAD asked, If-
+    Match still sent)."""
+    store = store_on(origin, monkeypatch, get_client=client)
+    with pytest.raises(SizeChanged, match=f"its version was pinned at {len(DATA) // 2} bytes"):
+        store.get_range("k", ETAG, 10, 110, None, len(DATA) // 2)
+    assert len(origin.requests) == 1
+    assert bytes(store.get_range("k", ETAG, 10, 110, None, len(DATA))) == DATA[10:110]
+    assert origin.requests[-1]["if-match"] == ETAG and len(origin.requests) == 2

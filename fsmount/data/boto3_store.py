@@ -667,9 +667,13 @@ class Boto3Store:
         if content_range and not content_range.startswith(f"bytes {start}-{end - 1}/"):
             raise TransientError(f"{what}: server answered with {content_range!r}")
         # The object's size on the server (a 200's whole length where no range is said) against the one the version
-        # was pinned at (B209, as `RangeGetter._read`); the body is left unread.
-        length = resp.get("ContentLength")
-        total = content_range.rpartition("/")[2] if content_range else None if length is None else str(length)
+        # was pinned at (B209, as `RangeGetter._read`); the body is left unread. A 206 without a Content-Range says no
+        # total: not compared.
+        if content_range:
+            total: str | None = content_range.rpartition("/")[2]
+        else:
+            whole = resp.get("ResponseMetadata", {}).get("HTTPStatusCode") == 200 and "ContentLength" in resp
+            total = str(resp["ContentLength"]) if whole else None
         wrong_size = size_changed(total, size, what)
         if wrong_size is not None:
             resp["Body"].close()

@@ -1057,3 +1057,7 @@ def test_the_store_refuses_a_size_other_than_pinned_once_and_keeps_if_match(orig
     assert len(origin.requests) == 1
     assert bytes(store.get_range("k", ETAG, 10, 110, None, len(DATA))) == DATA[10:110]
     assert origin.requests[-1]["if-match"] == ETAG and len(origin.requests) == 2
+    origin.script = lambda h, s, e: h.answer(200, DATA) or True  # a whole-object answer: its length is the total
+    with pytest.raises(SizeChanged):
+        store.get_range("k", ETAG, 0, len(DATA), None, len(DATA) + 1)
+    assert bytes(store.get_range("k", ETAG, 0, len(DATA), None, len(DATA))) == DATA

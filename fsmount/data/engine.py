@@ -10,6 +10,8 @@ Concurrency rules (everything runs in the trio thread):
 - `_inflight[cid]` is the one pending `Fetch` for a chunk; it is removed only by the worker that
   finished it (or dropped it) and only if it is still the registered one. A demanded fetch that
   failed at its deadline stays registered (done, with its error) until RETRY_GRACE_S after it.
+  A request pinned at another object size than the registered fetch's (`Fetch.size`) does not join
+  it: a fresh one takes its place, and the old one goes on for its own waiters, unregistered.
 - `_queue` (a heap) and `_queued` (a Semaphore) move together: every heap push releases the
   semaphore once, so a worker that acquired it always finds an entry to pop. A priority upgrade
   pushes a new entry and empties the old one (`_QueueEntry.fetch = None`), so an entry left in the
@@ -210,7 +212,11 @@ class ChunkEngine:
                 # next demand gives it a deadline of its own (`request`).
                 fetch.demanded = False
                 fetch.deadline = math.inf
-        if fetch is None or fetch.abandoned:
+        if fetch is None or fetch.abandoned or fetch.size != size:
+            # A fetch for a handle pinned at another size of the same ETag (a HEAD cut inside its Content-Length
+            # line, B209; the chunk id does not carry the size) is not joined: its GET checks its own size, and the
+            # handle of the right size, opened after the wrong one's EIO, got that EIO from it (B213). It goes on
+            # for its own waiters, as an abandoned one does, and this one takes its place.
             fetch = self._inflight[cid] = Fetch(cid, length, size)
             self._enqueue(fetch, priority)
         elif priority == DEMAND and not fetch.demanded and not fetch.started:

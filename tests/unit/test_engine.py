@@ -17,6 +17,7 @@ from fsmount.data import (
     ChunkEngine,
     ChunkId,
     NotFound,
+    ObjectVersion,
     PreconditionFailed,
     StoreError,
     TransientError,
@@ -539,6 +540,39 @@ async def test_a_version_pinned_at_another_size_than_the_origin_s_is_refused_not
         assert len(store.gets) == 1 and engine.levels._gone  # noqa: SLF001 - gone, as a 412's version
         whole = dataclasses.replace(short, size=len(data))
         assert await engine.read(whole, 0, 100) == data[:100]  # the size the store says: read
+
+    await run_engine(engine, body)
+
+
+@pytest.mark.parametrize("first", ["short", "whole"])
+async def test_a_fetch_pinned_at_another_size_of_the_same_etag_is_not_joined(autojump_clock, allowed_logs,  # noqa: ANN001
+                                                                              first: str) -> None:
+    """Two handles of one ETag pinned at two sizes (the one a HEAD cut inside its Content-Length line gave, and the
+    right one the next lookup gave, B209) read the same chunk at once: the chunk id has no size, so the second joined
+    the first's fetch and got its answer. The right handle got the wrong one's SizeChanged (EIO, its good inode
+    superseded), or the wrong one got the bytes unchecked. Each now has a fetch of its own size (B213)."""
+    allowed_logs.append("fetching chunk .* failed")
+    store = FakeStore()
+    data = put_object(store, "m", 3 * MiB)
+    engine = make_engine(store)
+    whole = version(store, "m")
+    short = dataclasses.replace(whole, size=MiB + 10)
+    outcomes: dict[str, object] = {}
+
+    async def read(which: str, obj: ObjectVersion) -> None:
+        try:
+            outcomes[which] = bytes(await engine.read(obj, 0, 100))
+        except SizeChanged as exc:
+            outcomes[which] = exc
+
+    async def body() -> None:
+        async with trio.open_nursery() as nursery:
+            order = [("short", short), ("whole", whole)] if first == "short" else [("whole", whole), ("short", short)]
+            nursery.start_soon(read, *order[0])
+            await trio.sleep(LATENCY / 2)  # its GET in flight
+            nursery.start_soon(read, *order[1])
+        assert outcomes["whole"] == data[:100]
+        assert isinstance(outcomes["short"], SizeChanged)
 
     await run_engine(engine, body)
 

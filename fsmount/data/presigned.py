@@ -453,17 +453,19 @@ class RangeGetter:
             if not content_range or not content_range.startswith(f"bytes {start}-{start + want - 1}/"):
                 raise TransientError(f"{what}: server answered with {content_range!r}")
             total: str | None = content_range.rpartition("/")[2]
-        elif not (resp.status == 200 and start == 0 and length == str(want)):
-            # A 200 is the whole object: right only if that is exactly the range asked for.
-            raise TransientError(f"{what}: server answered {resp.status} without the range")
         else:
-            total = length
+            total = length if resp.status == 200 else None  # a 200 is the whole object: its length is the size
         # The object's size on the server, against the one the version was pinned at: a HEAD cut inside its
         # Content-Length line gave a smaller one with the right ETag, and the file read back short, every GET
-        # matching If-Match (B209).
+        # matching If-Match (B209). A 200 is compared before its range is: the whole of an object asked for by a
+        # version pinned smaller is not the range asked for, and was a transient error retried to the last try,
+        # the wrong size left pinned, where the boto3 client refused the version at once (B214).
         wrong_size = size_changed(total, size, what)
         if wrong_size is not None:
             raise wrong_size
+        if resp.status != 206 and not (resp.status == 200 and start == 0 and length == str(want)):
+            # A 200 is the whole object: right only if that is exactly the range asked for.
+            raise TransientError(f"{what}: server answered {resp.status} without the range")
         if length is not None and length != str(want):
             raise TransientError(f"{what}: server sends {length} bytes, {want} asked for")
         changed = changed_etag(etag, resp.getheader("ETag"), what, needed=etag_needed)

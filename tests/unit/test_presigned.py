@@ -1061,3 +1061,19 @@ def test_the_store_refuses_a_size_other_than_pinned_once_and_keeps_if_match(orig
     with pytest.raises(SizeChanged):
         store.get_range("k", ETAG, 0, len(DATA), None, len(DATA) + 1)
     assert bytes(store.get_range("k", ETAG, 0, len(DATA), None, len(DATA))) == DATA
+
+
+@pytest.mark.parametrize("client", ["presigned", "boto3"])
+def test_a_whole_object_200_longer_than_the_size_pinned_is_refused_not_retried(origin: Origin,
+                                                                              monkeypatch: pytest.MonkeyPatch,
+                                                                              client: str) -> None:
+    """A server that answers a ranged GET with the whole object (200), to a version pinned smaller than it is (a HEAD
+    cut inside its Content-Length line, B209): the presigned client took it for a 200 that is not the range asked for,
+    a transient error retried to the last try, then an EIO that left the wrong size pinned for the TTL; the boto3
+    client refused the version at once. Both refuse it now (SizeChanged), with one GET (B214)."""
+    store = store_on(origin, monkeypatch, get_client=client)
+    origin.script = lambda h, s, e: h.answer(200, DATA) or True
+    pinned = len(DATA) - 1000
+    with pytest.raises(SizeChanged, match=f"object is {len(DATA)} bytes, its version was pinned at {pinned}"):
+        store.get_range("k", ETAG, 0, pinned, None, pinned)
+    assert len(origin.requests) == 1

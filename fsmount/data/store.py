@@ -139,7 +139,7 @@ def size_changed(total: str | None, size: int | None, what: str) -> SizeChanged 
     if size is None or total is None or total == "*" or total == str(size):
         return None
     return SizeChanged(f"{what}: the server says the object is {total} bytes, its version was pinned at {size} bytes "
-                       "(a HEAD or listing answer cut or wrong): not served")
+                       "(a HEAD or listing answer cut or wrong, or the object replaced): not served")
 
 
 def changed_etag(pinned: str, got: str | None, what: str, *, needed: bool = False) -> StoreError | None:

@@ -668,11 +668,15 @@ class Boto3Store:
             raise TransientError(f"{what}: server answered with {content_range!r}")
         # The object's size on the server (a 200's whole length where no range is said) against the one the version
         # was pinned at (B209, as `RangeGetter._read`); the body is left unread. A 206 without a Content-Range says no
-        # total: not compared.
+        # total: not compared; nor a 200 that does not name the version (another ETag, or none where the version has
+        # one: a proxy's page of its own, the transient error it was, B215).
         if content_range:
             total: str | None = content_range.rpartition("/")[2]
         else:
-            whole = resp.get("ResponseMetadata", {}).get("HTTPStatusCode") == 200 and "ContentLength" in resp
+            got = resp.get("ETag")
+            ours = not etag or bool(got) and changed_etag(etag, got, what) is None
+            whole = (resp.get("ResponseMetadata", {}).get("HTTPStatusCode") == 200 and "ContentLength" in resp
+                     and ours)
             total = str(resp["ContentLength"]) if whole else None
         wrong_size = size_changed(total, size, what)
         if wrong_size is not None:

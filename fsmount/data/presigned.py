@@ -454,7 +454,11 @@ class RangeGetter:
                 raise TransientError(f"{what}: server answered with {content_range!r}")
             total: str | None = content_range.rpartition("/")[2]
         else:
-            total = length if resp.status == 200 else None  # a 200 is the whole object: its length is the size
+            # A 200 is the whole object, its length the object's size: where it names the version (its ETag, or the
+            # version has none). One that does not (a proxy's page of its own) is left to the checks below (B215).
+            got = resp.getheader("ETag")
+            ours = not etag or bool(got) and changed_etag(etag, got, what) is None
+            total = length if resp.status == 200 and ours else None
         # The object's size on the server, against the one the version was pinned at: a HEAD cut inside its
         # Content-Length line gave a smaller one with the right ETag, and the file read back short, every GET
         # matching If-Match (B209). A 200 is compared before its range is: the whole of an object asked for by a

@@ -23,7 +23,7 @@ What it asserts, after every operation:
 
 Configurations, all on 64 KiB chunks with `--read-timeout 3`: defaults (model streaming of the safetensors file);
 `--memory-limit` at its minimum; `--get-client boto3` with streaming off; `--cache-dir`; SeaweedFS behind the proxy.
-`MODELFS_FUZZ_RUNS` and `MODELFS_FUZZ_STEPS` explore further, as in test_read_fuzz.py.
+`MODELFS_FUZZ_RUNS`, `MODELFS_FUZZ_STEPS` and `MODELFS_FUZZ_SEED_SHIFT` explore further, as in test_read_fuzz.py.
 """
 
 from __future__ import annotations
@@ -62,7 +62,7 @@ from tests.helpers import (
     random_bytes,
     wait_for,
 )
-from tests.mount.test_read_fuzz import CHUNK, RUNS, SMALL_CHUNKS, Fuzzer, Handle, awkward_files, settled
+from tests.mount.test_read_fuzz import CHUNK, RUNS, SHIFT, SMALL_CHUNKS, Fuzzer, Handle, awkward_files, settled
 
 READ_TIMEOUT_S = 3.0
 ARGS = ("--read-timeout", f"{READ_TIMEOUT_S:g}", *SMALL_CHUNKS, "--metadata-ttl", "1")
@@ -399,16 +399,16 @@ CONFIGS = {
 @pytest.mark.parametrize("config", list(CONFIGS))
 def test_random_faults_between_reads_never_wrong_bytes_never_hung_and_recovered(
         moto_server: S3Server, tmp_path: Path, config: str) -> None:
-    fuzz(moto_server, tmp_path, 6000 + 10 * list(CONFIGS).index(config), 60, *CONFIGS[config])
+    fuzz(moto_server, tmp_path, SHIFT + 6000 + 10 * list(CONFIGS).index(config), 60, *CONFIGS[config])
 
 
 def test_random_faults_with_a_cache_dir_cached_chunks_keep_serving(moto_server: S3Server, tmp_path: Path) -> None:
-    fuzz(moto_server, tmp_path, 6100, 60, cache_dir=True)
+    fuzz(moto_server, tmp_path, SHIFT + 6100, 60, cache_dir=True)
 
 
 @pytest.mark.seaweedfs
 def test_random_faults_on_seaweedfs(seaweed_server: S3Server, tmp_path: Path) -> None:
-    fuzz(seaweed_server, tmp_path, 6200, 40, "--memory-limit", "256K")
+    fuzz(seaweed_server, tmp_path, SHIFT + 6200, 40, "--memory-limit", "256K")
 
 
 class _Refuse:

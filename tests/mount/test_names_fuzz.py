@@ -17,7 +17,8 @@ current state's. A listing is one state's names and types. Bytes read are always
 reading the version it opened, or fails with EIO once that version is gone; a read of a path the bucket changed
 within the window may fail with EIO too (a version found gone); any other error is ENOENT or ENOTDIR, as the state
 says. After a read found its version gone, the next open of the path gets what the bucket holds now, even with
-`forever`. A failure names the seed and the steps that led to it; `MODELFS_FUZZ_RUNS=N` runs N seeds per test.
+`forever`. A failure names the seed and the steps that led to it; `MODELFS_FUZZ_RUNS=N` runs N seeds per test,
+`MODELFS_FUZZ_SEED_SHIFT=N` moves each test's first seed on by N.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from tests.helpers import FETCH_FAILED, READ_FAILED, S3Server, delete_bucket, mo
 
 RUNS = int(os.environ.get("MODELFS_FUZZ_RUNS", "1"))
 STEPS = int(os.environ.get("MODELFS_FUZZ_STEPS", "0"))
+SHIFT = int(os.environ.get("MODELFS_FUZZ_SEED_SHIFT", "0"))  # moves each first seed on (as in test_read_fuzz.py)
 # Timer slack on top of the TTL: the kernel's entry timeouts are in jiffies, a listing's TTL counts from its start.
 SLACK_S = 0.3
 MAX_SIZE = 3000
@@ -563,6 +565,7 @@ CONFIGS = {
 def test_the_namespace_follows_another_writer_within_the_ttl(config: str, request: pytest.FixtureRequest,
                                                               mountpoint: Path) -> None:
     server_name, ttl_arg, ttl, seed, steps = CONFIGS[config]
+    seed += SHIFT
     s3: S3Server = request.getfixturevalue({"moto": "moto_server", "seaweedfs": "seaweed_server"}[server_name])
     bucket = new_bucket(s3)
     try:

@@ -60,9 +60,11 @@ BASE = ("--read-timeout", f"{READ_TIMEOUT_S:g}")
 SMALL_CHUNKS = ("--chunk-size", "64K")
 PAGE = mmap.PAGESIZE
 # To explore beyond the suite's fixed seeds: MODELFS_FUZZ_RUNS=N runs N seeds one after another where a test runs one
-# (its seed, seed + 1, ...), each of MODELFS_FUZZ_STEPS operations if that is set.
+# (its seed, seed + 1, ...), each of MODELFS_FUZZ_STEPS operations if that is set; MODELFS_FUZZ_SEED_SHIFT=N moves
+# every test's first seed on by N (read fuzz 1000 + 6000 runs 7000), to run seeds the suite never ran.
 RUNS = int(os.environ.get("MODELFS_FUZZ_RUNS", "1"))
 STEPS = int(os.environ.get("MODELFS_FUZZ_STEPS", "0"))
+SHIFT = int(os.environ.get("MODELFS_FUZZ_SEED_SHIFT", "0"))
 
 
 AWKWARD_SIZES = {"empty.bin": 0, "one.bin": 1, "chunk-1.bin": CHUNK - 1, "chunk.bin": CHUNK, "chunk+1.bin": CHUNK + 1,
@@ -494,7 +496,7 @@ def test_random_reader_sequences_read_exact_bytes(moto_server: S3Server, mountpo
                                                    files: dict[str, bytes], config: str) -> None:
     """With a healthy origin and nothing replaced, every read of every kind returns exactly the bytes uploaded, in
     time, and nothing fails; afterwards nothing is left open, in flight or counted."""
-    seed = 1000 + list(CONFIGS).index(config)
+    seed = SHIFT + 1000 + list(CONFIGS).index(config)
     bucket = new_bucket(moto_server)
     put_objects(moto_server, bucket, files)
     chunk, args = CONFIGS[config]
@@ -515,10 +517,10 @@ def test_random_reader_sequences_read_exact_bytes_on_seaweedfs(seaweed_server: S
     put_objects(seaweed_server, bucket, files)
     with mounted(seaweed_server, bucket, mountpoint, *BASE, *SMALL_CHUNKS, "--memory-limit", "256K"):
         for run in range(RUNS):
-            fuzz = Fuzzer(seaweed_server, bucket, mountpoint, files, 2000 + run)
+            fuzz = Fuzzer(seaweed_server, bucket, mountpoint, files, SHIFT + 2000 + run)
             fuzz.run(200)
             assert fuzz.eio == 0
-            print(f"seed {2000 + run}: slowest {fuzz.slowest}")
+            print(f"seed {SHIFT + 2000 + run}: slowest {fuzz.slowest}")
         settled(mountpoint)
 
 
@@ -534,7 +536,7 @@ def test_random_reader_sequences_on_a_cache_dir_cold_then_warm(moto_server: S3Se
     for run in ("cold", "warm"):
         mountpoint = tmp_path / f"mnt-{run}"
         with mounted(moto_server, bucket, mountpoint, *args):
-            for seed in range(3000, 3000 + RUNS):
+            for seed in range(SHIFT + 3000, SHIFT + 3000 + RUNS):
                 fuzz = Fuzzer(moto_server, bucket, mountpoint, files, seed, chunk=chunk)
                 fuzz.run(200)
                 assert fuzz.eio == 0
@@ -554,7 +556,7 @@ def test_objects_replaced_between_steps_never_mix_versions(moto_server: S3Server
     put_objects(moto_server, bucket, files)
     allowed = ("object changed", "fetching chunk", "read failed", "not found")
     args = ("--memory-limit", "256K") if memory == "min-memory" else ()
-    seed = 4000 if memory == "default-memory" else 5000
+    seed = SHIFT + (4000 if memory == "default-memory" else 5000)
     with mounted(moto_server, bucket, mountpoint, *BASE, *SMALL_CHUNKS, "--metadata-ttl", "1", *args,
                  allowed=allowed):
         for run in range(RUNS):

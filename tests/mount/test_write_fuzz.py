@@ -380,6 +380,12 @@ class Fuzz:
         self.expect(what, want, os.rename, self.p(src), self.p(dst))
         if want is not None:
             return None
+        if self.reader is not None and self.reader[1] == src:
+            # The held descriptor goes with its file (the kernel's inode), as on a local disk: an O_TRUNC rewrite of
+            # the new name is that inode, whose new bytes the reader may read (WRITE_FUZZ_SEED=14: `a` held, renamed
+            # onto `d/y`, then torch.save of `d/y`; the model kept the reader at `a` and called those bytes no
+            # version's). A file stored at `src` later is another inode: allowing its bytes too only widens.
+            self.reader = (self.reader[0], dst, self.reader[2])
         if w is not None:
             if w.replaces is not None:
                 self.objects.pop(w.replaces)  # the object it replaces goes at the rename, as on a local disk

@@ -578,7 +578,12 @@ def test_the_namespace_follows_another_writer_within_the_ttl(config: str, reques
                 fuzz.run(STEPS or steps)
                 print(f"seed {seed + run}: {fuzz.ran}")
                 ran |= set(fuzz.ran)
-            # (The wait for a TTL also ends every run.)
-            assert fuzz.chosen <= ran, f"operations never chosen: {fuzz.chosen - ran}"
+            # (The wait for a TTL also ends every run.) The suite's seeds choose every operation, which keeps the
+            # schedule honest; another seed may well not (seed 500 never chose `op_race`, weight 1.5 of ~62, in its
+            # 150 steps), and what it did choose was checked all the same.
+            if SHIFT == 0:
+                assert fuzz.chosen <= ran, f"operations never chosen: {fuzz.chosen - ran}"
+            elif fuzz.chosen - ran:
+                print(f"operations never chosen: {fuzz.chosen - ran}")
     finally:
         delete_bucket(s3, bucket)

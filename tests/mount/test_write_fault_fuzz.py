@@ -74,14 +74,16 @@ RECOVERY_S = 3 * READ_TIMEOUT
 # A step that never returns is a hang: the test fails rather than wait for the run's timeout.
 STEP_BOUND = 150
 OPS = ("put", "start", "part", "complete", "copy", "part_copy", "delete", "abort")
-# What the daemon says about a fault, as documented: failed files, parts, aborts, moves, reads. A listing cut inside
-# its head (the schedule's faults on all requests) is a 200 with nothing in it, which fails that listing (B125): a
-# create's probe for a directory of its name so failed ("create failed: listing 'f21/': the server's answer had no
-# listing in it", WRITE_FAULT_FUZZ_SEED=17, create-only), and the create got EIO, as a fault may make it.
+# What the daemon says about a fault, as documented: failed files, parts, aborts, moves, reads, and a create whose
+# probes of the bucket (the HEAD of its name, the listing of `name/`: writes.Writes._in_bucket) failed under the
+# schedule's faults on every request, which gets EIO as a fault may make it: "create failed: listing 'f21/': the
+# server's answer had no listing in it" (a listing cut inside its head is a 200 with nothing in it, B125;
+# WRITE_FAULT_FUZZ_SEED=17, create-only), "create failed: HEAD 'f28.tmp': server error 503" (5xx on every request for
+# good; seed 28, create-only, or the listing's "server error SlowDown" first).
 ALLOWED = (r"will not be stored", r"may or may not hold it", r"could not be aborted", r"could not be deleted",
            r"uploads could not be aborted", r"cannot reach", r"timed out", r"part \d+", r"is left in the bucket",
            r"was still being written when the mount stopped", r"may have begun", r"cut short",
-           r"the server's answer had no listing in it", FETCH_FAILED, READ_FAILED)
+           r"create failed: (HEAD|listing) '", FETCH_FAILED, READ_FAILED)
 
 
 # torch.save and safetensors' save_file run here: their native code holds the GIL in open() and write(), and the

@@ -33,6 +33,7 @@ import pyfuse3
 import trio
 
 from fsmount import residency
+from fsmount.capabilities import CAP_SYS_ADMIN, has_capability
 from fsmount.config import METADATA_THREADS, MiB, MountConfig, StoreConfig, tier_inside_mount, virtual_style_ignored
 from fsmount.data import (
     DISK_THREADS,
@@ -464,24 +465,11 @@ def stderr_captured() -> Iterator[list[str]]:
         os.close(sink)
 
 
-# CAP_SYS_ADMIN's bit in /proc/self/status's CapEff.
-CAP_SYS_ADMIN = 21
-
-
 def mounts_by_itself(status: str = "/proc/self/status") -> bool:
     """Whether libfuse mounts with mount(2) itself, not through fusermount3: as root, or as another user with
     CAP_SYS_ADMIN (a systemd unit's `User=` with `AmbientCapabilities=CAP_SYS_ADMIN`): libfuse tries mount(2) first
     and asks fusermount3 only where that is EPERM."""
-    if os.geteuid() == 0:
-        return True
-    try:
-        with open(status) as f:
-            for line in f:
-                if line.startswith("CapEff:"):
-                    return bool(int(line.split()[1], 16) >> CAP_SYS_ADMIN & 1)
-    except (OSError, ValueError, IndexError):
-        return False
-    return False
+    return os.geteuid() == 0 or has_capability(CAP_SYS_ADMIN, status)
 
 
 def check_user_may_mount_on(path: str, real: str) -> None:

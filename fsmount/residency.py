@@ -17,6 +17,8 @@ import ctypes.util
 import mmap
 import os
 
+from fsmount.capabilities import CAP_FOWNER, has_capability
+
 PAGE = mmap.PAGESIZE
 # mincore's vector: bit 0 of each byte says whether that page is resident; the other bits are reserved.
 _RESIDENT_BIT = bytes(b & 1 for b in range(256))
@@ -64,22 +66,9 @@ class NotTold(OSError):
     `--uid` someone else, on a read-only mount, would have believed every chunk held."""
 
 
-# CAP_FOWNER's bit in /proc/self/status's CapEff.
-CAP_FOWNER = 3
-
-
 def may_ask(owner: int, status: str = "/proc/self/status") -> bool:
     """Whether mincore tells this process the truth about a file owned by `owner` (read-only descriptors)."""
-    if owner == os.geteuid():
-        return True
-    try:
-        with open(status) as f:
-            for line in f:
-                if line.startswith("CapEff:"):
-                    return bool(int(line.split()[1], 16) >> CAP_FOWNER & 1)
-    except (OSError, ValueError, IndexError):
-        return False
-    return False
+    return owner == os.geteuid() or has_capability(CAP_FOWNER, status)
 
 
 def held_ranges(path: str, ino: int, ranges: list[tuple[int, int]]) -> list[bool] | None:

@@ -154,7 +154,7 @@ class Writes:
         lost and botocore began it again, or the answer was cut short): left in the bucket, billed, unless named.
         Any thread."""
         log.warning("an upload of %s may have begun in the bucket that this mount never heard of (the answer to its "
-                    "start was lost); once the file is stored or failed, `%s` removes it", key,
+                    "start was lost or cut short); once the file is stored or failed, `%s` removes it", key,
                     cleanup_command(self._origin, [key]))
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:

@@ -251,12 +251,21 @@ class Uploads:
         """Begin a multipart upload; its upload id."""
         what = f"starting an upload of {key!r}"
         _start_tries.maybe_begun, _start_tries.answered_2xx = False, 0
+        cut = False
         try:
             resp = self._call(what, self._client.create_multipart_upload, Key=key)
+            if "UploadId" not in resp:
+                # Its head cut after the status line (or its body before the first byte): a 200 with nothing in it,
+                # which botocore does not send again, and the file's write got EIO (B220). Sent once more; the
+                # upload the first try likely began is named below (`cut`), never used, as a lost answer's is.
+                # A second try past the deadline is never sent (`_no_try_past_the_deadline`: TimedOut).
+                cut = True
+                log.info("%s: the answer was cut short; sent again", what)
+                resp = self._call(what, self._client.create_multipart_upload, Key=key)
         except TransientError:
             # A try may have reached the server (no answer in time, a connection cut) and begun an upload whose id
             # never came back: a rename given up on left one in the bucket, named nowhere (the write fault fuzzer).
-            if _start_tries.maybe_begun or _start_tries.answered_2xx:
+            if cut or _start_tries.maybe_begun or _start_tries.answered_2xx:
                 self._unknown_upload(key)
             raise
         deadline = getattr(_deadline, "at", None)
@@ -266,10 +275,13 @@ class Uploads:
             _deadline.at = None
             try:
                 self.abort(key, resp["UploadId"])
+                aborted = True
             except StoreError:
+                aborted = False
+            if cut or not aborted:  # the upload the cut try began is not the one aborted
                 self._unknown_upload(key)
             raise TimedOut(f"{what}: answered after its deadline (the upload is aborted)")
-        if _start_tries.maybe_begun or _start_tries.answered_2xx > 1 or "UploadId" not in resp:
+        if cut or _start_tries.maybe_begun or _start_tries.answered_2xx > 1 or "UploadId" not in resp:
             self._unknown_upload(key)
         return _field(resp, "UploadId", what)
 

@@ -28,7 +28,7 @@ import pytest
 
 from fsmount.config import StoreConfig
 from fsmount.data import Boto3Store
-from fsmount.data.store import TimedOut
+from fsmount.data.store import TimedOut, TransientError
 from fsmount.data.uploads import Uploads, within
 from fsmount.testing.fault_proxy import Down, Fault, FaultProxy
 from tests.helpers import (
@@ -677,3 +677,51 @@ def test_a_mkdir_whose_marker_put_is_answered_cut_after_its_status_line_is_done(
         (mountpoint / "d" / "a.bin").write_bytes(b"x")
     assert sorted(objects_in(s3, bucket)) == ["d/", "d/a.bin"]
     delete_bucket(s3, bucket)
+
+
+def test_a_start_whose_answer_is_cut_after_its_status_line_is_sent_again(moto_server: S3Server, proxy: FaultProxy,
+                                                                         mountpoint: Path) -> None:
+    """CreateMultipartUpload answered with its head cut after the status line: a 200 with no UploadId, which botocore
+    does not send again, and the file's write got EIO although nothing else had failed (B220). Sent once more, the
+    file is stored; the upload the cut try began is named with the `modelfs cleanup --key` that removes it."""
+    bucket = new_bucket(moto_server)
+    data = random_bytes(13 * MiB, 30)
+    with mounted_via(proxy, moto_server, bucket, mountpoint, *WRITE_ARGS, allowed=(r"may have begun",)) as m:
+        cut = proxy.inject(Fault.CUT_HEADERS, op="start", times=1)
+        (mountpoint / "a.bin").write_bytes(data)
+        assert cut.hits == 1
+        log = m.log()
+    assert moto_server.client().get_object(Bucket=bucket, Key="a.bin")["Body"].read() == data
+    assert uploads_in(moto_server, bucket) == ["a.bin"]  # the cut try's
+    advised = re.search(r"`(modelfs cleanup [^`]*--key a\.bin[^`]*)`", log)
+    assert advised, "the upload left behind is named nowhere"
+    done = run_modelfs(*shlex.split(advised[1])[1:], env=daemon_env(moto_server))
+    assert done.returncode == 0 and uploads_in(moto_server, bucket) == [], done.stdout + done.stderr
+    delete_bucket(moto_server, bucket)
+
+
+@pytest.mark.parametrize("second", ["past-the-deadline", "cut-too"])
+def test_a_start_sent_again_after_a_cut_answer_keeps_its_deadline_and_names_the_cut_upload(
+        moto_server: S3Server, proxy: FaultProxy, monkeypatch: pytest.MonkeyPatch, second: str) -> None:
+    """The start sent again after a cut answer (B220): answered past the deadline, the second try is never sent
+    (TimedOut, as any try past it); cut too, the start fails. Either way the upload the cut try began is named."""
+    bucket = new_bucket(moto_server)
+    uploads = _uploads_of(via(proxy, moto_server), bucket, monkeypatch)
+    named: list[str] = []
+    uploads.on_unknown_upload = named.append
+    if second == "past-the-deadline":  # the cut answer comes 1 s after its status line: past the deadline
+        cut = proxy.inject(Fault.CUT_HEADERS, seconds=1, op="start", times=1)
+        with pytest.raises(TimedOut):
+            within(time.monotonic() + 0.5, uploads.start, "a.bin")
+        assert cut.hits == 1 and uploads_in(moto_server, bucket) == ["a.bin"]
+    else:
+        cut = proxy.inject(Fault.CUT_HEADERS, op="start", times=2)
+        with pytest.raises(TransientError, match="cut short"):
+            within(time.monotonic() + 10, uploads.start, "a.bin")
+        assert cut.hits == 2 and uploads_in(moto_server, bucket) == ["a.bin", "a.bin"]
+    assert named == ["a.bin"]
+    client = moto_server.client()
+    for upload in client.list_multipart_uploads(Bucket=bucket).get("Uploads", ()):
+        client.abort_multipart_upload(Bucket=bucket, Key="a.bin", UploadId=upload["UploadId"])
+    delete_bucket(moto_server, bucket)
+

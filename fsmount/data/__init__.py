@@ -50,6 +50,7 @@ from fsmount.data.shared_tier import SharedTier, origin_identity
 from fsmount.data.store import (
     AccessDenied,
     BucketMissing,
+    CutShort,
     ListingPage,
     NoCredentials,
     NotFound,
@@ -78,7 +79,7 @@ from fsmount.data.uploads import (
 
 __all__ = [
     "AHEAD", "ALIGN", "BACKGROUND", "CHUNKS_DIR", "DEMAND", "AccessDenied", "Boto3Store", "BucketMissing",
-    "NoCredentials",
+    "CutShort", "NoCredentials",
     "CacheDirBusy", "Chunk", "ChunkCache", "ChunkEngine", "ChunkId", "DiskCache", "Fetch", "LatencyHistogram",
     "LevelStack", "ListingPage", "MemoryBudget", "NotFound", "ObjectMeta", "ObjectStore", "ObjectVersion",
     "PreconditionFailed", "ReadTimeout", "SharedTier", "StoreError", "TimedOut", "TransientError", "Unreachable",

@@ -25,6 +25,7 @@ from fsmount.data.presigned import URL_EXPIRES_S, Body, RangeGetter, proxied
 from fsmount.data.store import (
     AccessDenied,
     BucketMissing,
+    CutShort,
     ListingPage,
     NoCredentials,
     NotFound,
@@ -114,10 +115,10 @@ def _listing(resp: dict[str, Any], prefix: str) -> dict[str, Any]:
     """A ListObjectsV2 answer, checked to hold a listing: every one holds a ListBucketResult (its Name, Prefix,
     MaxKeys, IsTruncated...). A 200 whose body was cut to nothing with a Content-Length that says so (a proxy, a
     server restarting) parsed as a listing of no keys: a directory of files was empty, each of them ENOENT for the
-    TTL, and a lookup's probe found no directory (B125). TransientError: the listing fails, whole, and is asked again
-    later."""
+    TTL, and a lookup's probe found no directory (B125). CutShort: the listing fails, whole, and is asked again
+    later (a create's probe asks it at once, B221)."""
     if not resp.keys() - {"ResponseMetadata"}:
-        raise TransientError(f"listing {prefix!r}: the server's answer had no listing in it (an empty body)")
+        raise CutShort(f"listing {prefix!r}: the server's answer had no listing in it (an empty body)")
     return resp
 
 

@@ -219,6 +219,11 @@ class TransientError(StoreError):
     errno = errno.EIO
 
 
+class CutShort(TransientError):
+    """An answer that reached botocore as a success with nothing in it (its head cut after the status line, its body
+    cut before the first byte), which botocore does not send again: a read-only request so answered may be."""
+
+
 class TimedOut(TransientError):
     """A request that got no answer within its deadline (a metadata call given up on after --read-timeout)."""
 

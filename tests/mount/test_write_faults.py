@@ -725,3 +725,21 @@ def test_a_start_sent_again_after_a_cut_answer_keeps_its_deadline_and_names_the_
         client.abort_multipart_upload(Bucket=bucket, Key="a.bin", UploadId=upload["UploadId"])
     delete_bucket(moto_server, bucket)
 
+
+@pytest.mark.parametrize("fault,kind", [(Fault.CUT_HEADERS, "lists"), (Fault.DROP, "lists"),
+                                        (Fault.CUT_HEADERS, "heads")])
+def test_a_create_whose_probe_of_the_bucket_is_answered_cut_is_asked_again(
+        moto_server: S3Server, proxy: FaultProxy, mountpoint: Path, fault: Fault, kind: str) -> None:
+    """A create asks the bucket whether the name is free: a HEAD of it (create-only, as here), and a one-key listing
+    of `name/` for a directory of that name (B45). That listing answered with its head cut after the status line (a
+    200 with no listing in it, B125, which botocore does not send again) failed the create with EIO (B221): asked
+    again now. A connection cut (botocore sends it again) and a HEAD cut so (a listing finds its size) passed."""
+    bucket = new_bucket(moto_server)
+    with mounted_via(proxy, moto_server, bucket, mountpoint, "--writable", "--read-timeout", "5"):
+        assert os.listdir(mountpoint) == []  # the lookup of the new name is answered from this listing
+        rule = proxy.inject(fault, kind=kind, times=1)
+        (mountpoint / "a.bin").write_bytes(b"new bytes")
+        assert rule.hits == 1
+        assert (mountpoint / "a.bin").read_bytes() == b"new bytes"
+    assert objects_in(moto_server, bucket) == ["a.bin"]
+    delete_bucket(moto_server, bucket)

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from typing import TextIO
 
 from fsmount.config import StoreConfig
-from fsmount.data import Boto3Store, NoCredentials, StoreError, Uploads
+from fsmount.data import Boto3Store, BucketMissing, NoCredentials, NotFound, StoreError, Uploads, endpoint_path_hint
 
 # A command someone waits for, not the daemon: each request gets this long to answer, and one retry, so that
 # an endpoint that accepts connections and never answers fails it in a minute (with the daemon's 120 s and
@@ -48,7 +48,7 @@ def cleanup(cfg: StoreConfig, older_than: float, *, keys: Sequence[str] = (), dr
                            "a profile, only its own credentials count: botocore does not read the AWS_* keys then); "
                            "aborting an upload needs the bucket's credentials") from None
     except StoreError as exc:
-        raise CleanupError(exc.message) from None
+        raise CleanupError(_not_listed(store, cfg, exc)) from None
     now = time.time()
     found = aborted = young = 0
     for upload in pending:
@@ -81,3 +81,20 @@ def cleanup(cfg: StoreConfig, older_than: float, *, keys: Sequence[str] = (), dr
         print(f"left {young} incomplete upload{'' if young == 1 else 's'} begun less than {older_than:g}s ago alone "
               "(a running mount may be writing them; a smaller --older-than takes them too)", file=out)
     return found, aborted
+
+
+def _not_listed(store: Boto3Store, cfg: StoreConfig, exc: StoreError) -> str:
+    """Why the uploads could not be listed. An answer without an S3 error (an endpoint that is not the S3 API, such
+    as SeaweedFS's filer port, or one with the bucket in its path) read "listing uploads: not found", where `modelfs
+    mount` says what is wrong: the listing of objects its pre-flight sends (`check_bucket`) tells those apart, and
+    is sent on this failure only (cleanup's own permissions need not include s3:ListBucket). A refusal or a failure
+    to reach the endpoint is said as it was."""
+    if not isinstance(exc, NotFound) and type(exc) is not StoreError:
+        return exc.message
+    try:
+        store.check_bucket(cfg.prefix)
+    except BucketMissing as missing:
+        return missing.message + endpoint_path_hint(store.configured_endpoint_url)
+    except StoreError as other:
+        return other.message if type(other) is StoreError else exc.message
+    return exc.message

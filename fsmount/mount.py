@@ -25,7 +25,6 @@ import subprocess
 import sys
 import threading
 import time
-import urllib.parse
 from collections.abc import AsyncIterator, Callable, Iterator
 from typing import TextIO
 
@@ -56,6 +55,7 @@ from fsmount.data import (
     cache_bytes,
     counted,
     default_min_free,
+    endpoint_path_hint,
     free_bytes,
     human_size,
     origin_identity,
@@ -547,10 +547,8 @@ def check_bucket(cfg: MountConfig) -> None:
                              "not public; drop --no-sign-request and give credentials") from None
         raise MountError(exc.message) from None
     except StoreError as exc:
-        path = urllib.parse.urlsplit(endpoint_url or "").path.strip("/")
-        hint = (f" (the endpoint URL has a path, /{path}: the bucket is the first argument, a path inside it "
-                "--prefix)") if isinstance(exc, BucketMissing) and path else ""
-        raise MountError(exc.message + hint) from None
+        raise MountError(exc.message + (endpoint_path_hint(endpoint_url) if isinstance(exc, BucketMissing) else "")) \
+            from None
     if empty:  # a typo would look like an empty model directory
         log.warning("no key in bucket %s starts with %r: the mount is empty (is --prefix right?)", cfg.store.bucket,
                     cfg.store.prefix)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import http.server
 import io
 import json
 import os
@@ -17,6 +18,7 @@ import re
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -462,3 +464,32 @@ def version(store: FakeStore, key: str):  # noqa: ANN201
     from fsmount.data import ObjectVersion
     m = store.meta(key)
     return ObjectVersion(m.key, m.etag, m.size)
+
+
+class _NotS3(http.server.BaseHTTPRequestHandler):
+    """What a web server that does not speak S3 answers to everything: an error status and no S3 error document
+    (SeaweedFS's filer, the port a SeaweedFS user knows, answers 404 so; its volume server 400)."""
+
+    status = 404
+
+    def do_GET(self) -> None:  # noqa: N802 - the name http.server calls
+        self.send_response(self.status)
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+@contextlib.contextmanager
+def not_an_s3_server(status: int) -> Iterator[str]:
+    """An HTTP server on loopback that answers `status` to every request; its URL."""
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), type("Handler", (_NotS3,), {"status": status}))
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join()

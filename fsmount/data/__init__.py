@@ -17,7 +17,7 @@ here, never from the modules inside, which are private to the package:
 - uploads: the write requests of `--writable` (PUT, multipart, copy, delete, incomplete uploads).
 """
 
-from fsmount.data.boto3_store import Boto3Store
+from fsmount.data.boto3_store import Boto3Store, endpoint_path_hint
 from fsmount.data.budget import MemoryBudget
 from fsmount.data.cache_admin import cache_clear, cache_stats, cache_verify
 from fsmount.data.cache_dir import (
@@ -90,6 +90,6 @@ __all__ = [
     "MIN_PART_SIZE",
     "PendingUpload", "COPY_OBJECT_MAX", "Exists", "Uploads", "new_buffer", "pwrite_all", "round_up",
     "UNREACHABLE_RETRY_S", "wait_to_retry", "WRITES_DIR", "NAMES_DIR", "sweep_staged_writes", "counted", "DISK_THREADS",
-    "is_cache_dir", "still_on", "human_size",
+    "is_cache_dir", "still_on", "human_size", "endpoint_path_hint",
     "PUT_THREADS", "OutOfResources", "multipart_etag", "put_etag", "sent_etag", "within",
 ]

@@ -203,6 +203,14 @@ def translate_error(exc: Exception, bucket: str, what: str, *, method: str = "")
     return StoreError(f"{what}: {type(exc).__name__}: {exc}")
 
 
+def endpoint_path_hint(endpoint_url: str | None) -> str:
+    """What a missing origin bucket's message adds where the endpoint URL has a path: the bucket put there too (as
+    a path-style URL spells it), which sends every request to a bucket of that path's name."""
+    path = urllib.parse.urlsplit(endpoint_url or "").path.strip("/")
+    return (f" (the endpoint URL has a path, /{path}: the bucket is the first argument, a path inside it --prefix)"
+            if path else "")
+
+
 def is_oss(endpoint_url: str) -> bool:
     """Whether the endpoint is Alibaba OSS (its public, internal and accelerate endpoints)."""
     host = urllib.parse.urlsplit(endpoint_url).hostname or ""

@@ -382,7 +382,8 @@ class Uploads:
         out: list[PendingUpload] = []
         kwargs: dict[str, Any] = {"Prefix": prefix}
         while True:
-            resp = self._call(f"listing uploads under {prefix!r}", self._client.list_multipart_uploads, **kwargs)
+            what = f"listing uploads under {prefix!r}" if prefix else "listing uploads"  # not "under ''"
+            resp = self._call(what, self._client.list_multipart_uploads, **kwargs)
             date = resp.get("ResponseMetadata", {}).get("HTTPHeaders", {}).get("date")
             for item in resp.get("Uploads", ()):
                 out.append(PendingUpload(item["Key"], item["UploadId"], item.get("Initiated"),

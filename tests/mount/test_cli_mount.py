@@ -28,6 +28,7 @@ from tests.helpers import (
     mounted,
     mounted_at,
     new_bucket,
+    not_an_s3_server,
     run_modelfs,
     unmount,
     wait_for,
@@ -125,6 +126,30 @@ def test_bucket_missing(moto_server: S3Server, tmp_path: Path) -> None:
     bucket = new_bucket(moto_server)
     mount_fails_fast("llama", tmp_path, f"{moto_server.endpoint_url}/{bucket}", daemon_env(moto_server),
                      f"(the endpoint URL has a path, /{bucket}: the bucket is the first argument")
+
+
+def test_cleanup_says_what_is_wrong_with_the_endpoint_as_mount_does(moto_server: S3Server) -> None:
+    """B230: `modelfs cleanup` given an endpoint that is not the S3 API (SeaweedFS's filer port for its S3 one), or
+    one with the bucket in its path, said "listing uploads under '': not found", where `modelfs mount` of the same
+    says what is wrong. It now says it as mount does; a bucket that is missing and a clean run are as before."""
+    env = daemon_env(moto_server)
+    for status in (404, 400):
+        with not_an_s3_server(status) as url:
+            res = run_modelfs("cleanup", "models", "--endpoint-url", url, "--dry-run", env=env)
+        assert res.returncode == 1 and len(res.stderr.strip().splitlines()) == 1, res.stderr
+        assert f"{url} answered {status} without an S3 error: is it the S3 API" in res.stderr, res.stderr
+    bucket = new_bucket(moto_server)
+    for extra in ((), ("--key", "run1/a.bin")):
+        res = run_modelfs("cleanup", "llama", "--endpoint-url", f"{moto_server.endpoint_url}/{bucket}", *extra,
+                          env=env)
+        assert res.returncode == 1 and len(res.stderr.strip().splitlines()) == 1, res.stderr
+        assert f"bucket 'llama' does not exist (the endpoint URL has a path, /{bucket}: the bucket is the first " \
+               "argument" in res.stderr, res.stderr
+    res = run_modelfs("cleanup", f"{bucket}-typo", "--endpoint-url", moto_server.endpoint_url, env=env)
+    assert res.returncode == 1 and f"bucket '{bucket}-typo' does not exist" in res.stderr, res.stderr
+    assert "(the endpoint URL has a path" not in res.stderr, res.stderr
+    res = run_modelfs("cleanup", bucket, "--endpoint-url", moto_server.endpoint_url, "--dry-run", env=env)
+    assert res.returncode == 0 and "0 incomplete uploads" in res.stdout and not res.stderr, res
 
 
 @pytest.mark.seaweedfs

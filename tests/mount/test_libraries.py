@@ -11,7 +11,6 @@ built from a config (nothing is downloaded)."""
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import http.server
 import json
@@ -20,7 +19,6 @@ import subprocess
 import sys
 import textwrap
 import threading
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -32,6 +30,7 @@ from tests.helpers import (
     mount_stats,
     mounted,
     new_bucket,
+    not_an_s3_server,
     run_modelfs,
     sha,
     upload,
@@ -246,35 +245,6 @@ def test_hf_hub_download_into_a_writable_mount(seaweed_server: S3Server, mountpo
 
 
 # -- the errors a new user meets on the way ---------------------------------------------------------
-
-class _NotS3(http.server.BaseHTTPRequestHandler):
-    """What a web server that does not speak S3 answers to everything: an error status and no S3 error document
-    (SeaweedFS's filer, the port a SeaweedFS user knows, answers 404 so; its volume server 400)."""
-
-    status = 404
-
-    def do_GET(self) -> None:  # noqa: N802 - the name http.server calls
-        self.send_response(self.status)
-        self.send_header("Content-Length", "0")
-        self.end_headers()
-
-    def log_message(self, *args: object) -> None:
-        pass
-
-
-@contextlib.contextmanager
-def not_an_s3_server(status: int) -> Iterator[str]:
-    """An HTTP server on loopback that answers `status` to every request; its URL."""
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), type("Handler", (_NotS3,), {"status": status}))
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}"
-    finally:
-        server.shutdown()
-        server.server_close()
-        thread.join()
-
 
 @pytest.mark.parametrize("status", [404, 400])
 def test_an_endpoint_that_is_not_s3_is_not_said_to_lack_the_bucket(seaweed_server: S3Server, tmp_path: Path,

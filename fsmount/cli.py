@@ -20,7 +20,7 @@ import sys
 import time
 import urllib.parse
 from collections.abc import Callable
-from typing import TYPE_CHECKING, NoReturn, TypeVar
+from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
 
 from fsmount import __version__
 from fsmount.config import (
@@ -402,11 +402,18 @@ class _OneLineErrors(argparse.ArgumentParser):
     usage above the error, and `modelfs mount`'s is 35 lines, so under systemd one bad value in MODELFS_OPTS put
     them in the journal above the line that says what is wrong. `--help` still shows the usage."""
 
+    #: The parsers of the commands, by name and alias (`make_parser`'s own; empty in theirs).
+    commands: dict[str, argparse.ArgumentParser]
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.commands = {}
+
     def error(self, message: str) -> NoReturn:
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
-def make_parser() -> argparse.ArgumentParser:
+def make_parser() -> _OneLineErrors:
     p = _OneLineErrors(
         prog="modelfs", formatter_class=argparse.RawDescriptionHelpFormatter, epilog=EPILOG,
         description="Mount an S3 or Alibaba OSS bucket, tuned for loading model weights (read-only unless "
@@ -450,6 +457,7 @@ def make_parser() -> argparse.ArgumentParser:
     u = sub.add_parser("unmount", aliases=["umount"], help="unmount a modelfs mount")
     u.add_argument("mountpoint")
     u.add_argument("--lazy", "-z", action="store_true", help="detach now even if files are open")
+    p.commands = dict(sub.choices)
     return p
 
 
@@ -887,7 +895,11 @@ def _main(argv: list[str] | None) -> int:
         except ConfigError as exc:
             return fail(str(exc), 2)
     parser = make_parser()
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        # argparse's parse_args said these as the top-level parser's, "modelfs: error: unrecognized arguments: --jsn
+        # (see modelfs --help)", whose help lists no command's options: the command's own parser says it (B231).
+        parser.commands.get(args.command, parser).error(f"unrecognized arguments: {' '.join(unknown)}")
     if args.command == "mount":
         # The child gets the same normalised arguments, minus the ones the parent adds itself.
         return cmd_mount(args, strip_internal(argv))

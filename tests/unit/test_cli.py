@@ -119,6 +119,30 @@ def test_a_mistyped_command_is_named_not_mounted_as_a_bucket(capsys: pytest.Capt
         assert f"unknown command {argv[0]!r} ({hint})" in err and f"modelfs mount {argv[0]} MOUNTPOINT" in err, err
 
 
+def test_an_unknown_argument_is_said_by_the_command_whose_help_lists_its_options(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """B231: `modelfs stats --jsn /models` said "modelfs: error: unrecognized arguments: --jsn (see modelfs --help)",
+    and `modelfs --help` lists no command's options; an extra word after a command's arguments the same."""
+    from fsmount.cli import main
+
+    for argv, command, unknown in ((["stats", "--jsn", "/models"], "stats", "--jsn"),
+                                   (["prefetch", "--bogus", "/m/a"], "prefetch", "--bogus"),
+                                   (["cleanup", "b", "x"], "cleanup", "x"),
+                                   (["cache", "stats", "/c", "x"], "cache", "x"),
+                                   (["umount", "/m", "/n"], "unmount", "/n"),
+                                   (["mount", "b", "/m", "--bogus"], "mount", "--bogus"),
+                                   (["b", "/m", "x", "-o", "ro"], "mount", "x")):  # the fstab form is a mount
+        with pytest.raises(SystemExit) as raised:
+            main(argv)
+        err = capsys.readouterr().err
+        assert raised.value.code == 2 and err == (f"modelfs {command}: error: unrecognized arguments: {unknown} "
+                                                  f"(see modelfs {command} --help)\n"), err
+    with pytest.raises(SystemExit) as raised:
+        main(["--bogus"])
+    assert raised.value.code == 2 and "modelfs: error: unrecognized arguments: --bogus (see modelfs --help)" in \
+        capsys.readouterr().err
+
+
 def test_a_bucket_named_like_a_command_mounts_in_the_fstab_form(monkeypatch: pytest.MonkeyPatch) -> None:
     """mount(8) runs `modelfs BUCKET MOUNTPOINT -o OPTS`: an fstab line of a bucket named `cache` (or `stats`, ...)
     ran `modelfs cache`, which failed with "invalid choice: '/models'". Without -o the command is still run."""

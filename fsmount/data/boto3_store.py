@@ -334,6 +334,10 @@ class Boto3Store:
                 self._client.meta.events.register(f"before-sign.s3.{operation}", _oss_forbid_overwrite)
         self.list_page_keys = LIST_PAGE_KEYS
         self._ranges: RangeGetter | None = None
+        if preflight:
+            # botocore's failure to read the CA bundle names no file ("SSL validation failed for URL [Errno 2] No such
+            # file or directory"): the pre-flight reads it as the reads will, whose failure names it (B232).
+            _ssl_context(cfg.profile, self._client.meta.endpoint_url)
         if cfg.get_client == "presigned" and not preflight:
             if proxied(self._client.meta.endpoint_url):
                 log.info("a proxy is set for %s: ranged GETs go through boto3", self._client.meta.endpoint_url)

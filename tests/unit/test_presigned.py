@@ -827,6 +827,27 @@ def test_no_ca_bundle_is_read_for_an_http_endpoint_and_an_unreadable_one_is_name
         _ssl_context(None, "https://127.0.0.1:9000")
 
 
+def test_the_mounts_pre_flight_names_a_ca_bundle_it_cannot_read(monkeypatch: pytest.MonkeyPatch,
+                                                                tmp_path: Path) -> None:
+    """B232: the reads named an unreadable bundle (above), but `modelfs mount` never got that far: its pre-flight
+    listing went through botocore, which said "listing bucket 'b': SSL validation failed for https://... [Errno 2] No
+    such file or directory", naming neither the file nor the variable that gave it."""
+    from fsmount.config import StoreConfig
+    from fsmount.data import Boto3Store
+
+    for name in [n for n in os.environ if n.startswith("AWS_") or n == "REQUESTS_CA_BUNDLE"]:
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "k")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "s")
+    monkeypatch.setenv("AWS_CONFIG_FILE", "/nonexistent")
+    monkeypatch.setenv("AWS_CA_BUNDLE", str(tmp_path / "missing.pem"))
+    with socket.create_server(("127.0.0.1", 0)) as listening:  # connects, never answers: TLS is what fails
+        cfg = StoreConfig(bucket="b", endpoint_url=f"https://127.0.0.1:{listening.getsockname()[1]}",
+                          region="us-east-1")
+        with pytest.raises(StoreError, match=r"cannot use the CA bundle .*missing\.pem \(AWS_CA_BUNDLE or the profile"):
+            Boto3Store(cfg, preflight=True).check_bucket("")
+
+
 def test_a_machine_out_of_descriptors_is_said_and_not_retried_as_an_endpoint_away(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """EMFILE from connect(2) was "cannot reach the endpoint", tried again until --read-timeout."""

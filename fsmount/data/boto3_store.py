@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import os
 import random
+import socket
 import threading
 import time
 import urllib.parse
@@ -186,6 +187,19 @@ def translate_error(exc: Exception, bucket: str, what: str, *, method: str = "")
     if local is not None:
         return local
     if isinstance(exc, (bex.EndpointConnectionError, bex.ConnectTimeoutError)):
+        unresolved = _name_not_resolved(exc)
+        if unresolved is not None:
+            # A typo in the endpoint's host read as any connection that failed: "Could not connect to the endpoint
+            # URL" (B233). Still Unreachable: DNS that is not up yet at boot mends by itself.
+            url = str(getattr(exc, "kwargs", {}).get("endpoint_url", ""))
+            parts = urllib.parse.urlsplit(url)
+            host = parts.hostname or ""
+            check = "check the endpoint URL's host, or this machine's DNS"
+            if bucket and host.startswith(f"{bucket.lower()}."):
+                check = ("the bucket is in it (virtual-hosted addressing): check the endpoint URL's host, and a server "
+                         "without a DNS name for each bucket needs --addressing-style path")
+            return Unreachable(f"cannot reach the endpoint: its host name {host!r} does not resolve "
+                               f"({unresolved.strerror or unresolved}): {check} ({parts.scheme}://{parts.netloc})")
         return Unreachable(f"cannot reach the endpoint: {exc}")
     if isinstance(exc, (bex.ReadTimeoutError, TimeoutError)):
         return TimedOut(f"{what}: no answer in time: {type(exc).__name__}: {exc}")
@@ -201,6 +215,17 @@ def translate_error(exc: Exception, bucket: str, what: str, *, method: str = "")
     if isinstance(exc, OSError):
         return TransientError(f"{what}: {exc}")
     return StoreError(f"{what}: {type(exc).__name__}: {exc}")
+
+
+def _name_not_resolved(exc: BaseException | None) -> socket.gaierror | None:
+    """The resolver's failure that `exc` was raised from (botocore keeps urllib3's error in `kwargs`), if any."""
+    seen = 0
+    while exc is not None and seen < 8:
+        if isinstance(exc, socket.gaierror):
+            return exc
+        exc = exc.__cause__ or exc.__context__ or getattr(exc, "kwargs", {}).get("error")
+        seen += 1
+    return None
 
 
 def endpoint_path_hint(endpoint_url: str | None) -> str:

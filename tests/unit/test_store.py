@@ -292,3 +292,40 @@ def test_a_bare_400_of_a_request_other_than_a_head_is_not_told_to_be_an_expired_
     # Told apart by the request's method, not by the words its message begins with.
     assert "session token" not in translate_error(client_error("400", 400), "b", "HEAD 'k'").message
     assert "session token" in translate_error(client_error("400", 400), "b", "stat of 'k'", method="HEAD").message
+
+
+def test_an_endpoint_host_that_does_not_resolve_is_said_so(aws_config, monkeypatch) -> None:  # noqa: ANN001
+    """B233: a typo in the endpoint's host name (`--endpoint-url http://minio.lcoal:9000`) failed the mount as "cannot
+    reach the endpoint: Could not connect to the endpoint URL", as if the server were down; with virtual-hosted
+    addressing the name is the bucket's, which a server without wildcard DNS does not have. Still Unreachable (DNS
+    not up yet at boot mends by itself); a connection refused is said as before."""
+    import socket
+
+    from fsmount.config import StoreConfig
+    from fsmount.data import Boto3Store, Unreachable
+
+    aws_config("[default]\nregion = us-east-1\n")
+    real = socket.getaddrinfo
+
+    def resolve(host, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+        if str(host).endswith(".invalid"):
+            raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
+        return real(host, *args, **kwargs)
+
+    monkeypatch.setattr(socket, "getaddrinfo", resolve)
+    for style, host, says in (
+            ("path", "minio.invalid", "check the endpoint URL's host, or this machine's DNS (http://minio.invalid:9000)"),
+            ("virtual", "models.minio.invalid", "the bucket is in it (virtual-hosted addressing): check the endpoint "
+                                                "URL's host, and a server without a DNS name for each bucket needs "
+                                                "--addressing-style path (http://models.minio.invalid:9000)")):
+        store = Boto3Store(StoreConfig(bucket="models", endpoint_url="http://minio.invalid:9000",
+                                       addressing_style=style), preflight=True)
+        with pytest.raises(Unreachable) as err:
+            store.check_bucket("")
+        assert err.value.message == (f"cannot reach the endpoint: its host name '{host}' does not resolve (Name or "
+                                     f"service not known): {says}"), err.value.message
+    with socket.create_server(("127.0.0.1", 0)) as closed:
+        port = closed.getsockname()[1]
+    with pytest.raises(Unreachable, match="cannot reach the endpoint: Could not connect to the endpoint URL"):
+        Boto3Store(StoreConfig(bucket="models", endpoint_url=f"http://127.0.0.1:{port}"), preflight=True) \
+            .check_bucket("")

@@ -238,8 +238,10 @@ def warm(paths: list[str], *, keep_pagecache: bool = True, threads: int = THREAD
     if failures:
         # A path not found counts as one file that could not be read.
         given = len(files) + len(paths) - len(found)
-        raise PartlyWarmed(f"{len(failures)} of {given} files could not be read ({_named(failures)}); the other "
-                           f"{given - len(failures)} were", done)
+        # "the other 0 were" where none was read, "the other 1 were" for one: words that read as cut short (B234).
+        read = given - len(failures)
+        rest = "" if not read else "; the other one was read" if read == 1 else f"; the other {read} were read"
+        raise PartlyWarmed(f"{len(failures)} of {given} files could not be read ({_named(failures)}){rest}", done)
     return done
 
 

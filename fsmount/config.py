@@ -274,8 +274,11 @@ class SharedCacheConfig:
 
     def __post_init__(self) -> None:
         _check_bucket(self, "invalid --shared-cache-bucket", "--shared-cache-addressing-style")
-        if not (math.isfinite(self.wait) and math.isfinite(self.timeout)) or self.wait < 0 or self.timeout <= 0:
-            raise ConfigError("--shared-cache-wait must be >= 0 and --shared-cache-timeout > 0, both in seconds")
+        # Bounded as --read-timeout is: the tier's requests take `timeout` as theirs (StoreConfig), and a larger one
+        # (1e20) was refused there, in the daemon, as "--read-timeout must be ...", an option not given (B235).
+        if not (0 <= self.wait <= MAX_READ_TIMEOUT and 0 < self.timeout <= MAX_READ_TIMEOUT):
+            raise ConfigError("--shared-cache-wait must be >= 0 and --shared-cache-timeout > 0, both in seconds and "
+                              f"at most {MAX_READ_TIMEOUT:g}")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -678,6 +678,14 @@ def test_a_tier_flag_without_the_tier_is_refused_and_log_levels_take_any_case() 
         with pytest.raises(ConfigError, match=f"{flags[0]} needs --shared-cache-bucket"):
             config(*flags)
     assert config("--shared-cache-bucket", "tier", "--shared-cache-wait", "3").shared_cache.wait == 3
+    # B235: a --shared-cache-timeout above --read-timeout's bound was taken here and refused by the daemon as
+    # "cannot mount: --read-timeout must be > 0 and at most 86400 seconds" (status 1), naming an option not given.
+    for flags in (["--shared-cache-timeout", "1e20"], ["--shared-cache-timeout", "inf"], ["--shared-cache-wait", "nan"],
+                  ["--shared-cache-wait", "1e20"], ["--shared-cache-timeout", "0"], ["--shared-cache-wait", "-1"]):
+        with pytest.raises(ConfigError, match=r"^--shared-cache-wait must be >= 0 and --shared-cache-timeout > 0, "
+                                              r"both in seconds and at most 86400$"):
+            config("--shared-cache-bucket", "tier", *flags)
+    assert config("--shared-cache-bucket", "tier", "--shared-cache-timeout", "86400").shared_cache.timeout == 86400
     assert make_parser().parse_args(["mount", "b", "/m", "--log-level", "DEBUG"]).log_level == "debug"
 
 

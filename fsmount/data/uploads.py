@@ -262,10 +262,13 @@ class Uploads:
                 cut = True
                 log.info("%s: the answer was cut short; sent again", what)
                 resp = self._call(what, self._client.create_multipart_upload, Key=key)
-        except TransientError:
+        except StoreError as exc:
             # A try may have reached the server (no answer in time, a connection cut) and begun an upload whose id
             # never came back: a rename given up on left one in the bucket, named nowhere (the write fault fuzzer).
-            if cut or _start_tries.maybe_begun or _start_tries.answered_2xx:
+            # One answered 2xx (cut short: `cut`) began one for certain, whatever the try sent again then met: its
+            # connection refused (a server restarting after the cut) was Unreachable, which `Writes.call` starts
+            # again, and the cut try's upload was named nowhere (B222). A refused connection alone began nothing.
+            if cut or _start_tries.answered_2xx or (isinstance(exc, TransientError) and _start_tries.maybe_begun):
                 self._unknown_upload(key)
             raise
         deadline = getattr(_deadline, "at", None)

@@ -23,12 +23,13 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from fsmount.config import StoreConfig
 from fsmount.data import Boto3Store
-from fsmount.data.store import TimedOut, TransientError
+from fsmount.data.store import TimedOut, TransientError, Unreachable
 from fsmount.data.uploads import Uploads, within
 from fsmount.testing.fault_proxy import Down, Fault, FaultProxy
 from tests.helpers import (
@@ -700,11 +701,13 @@ def test_a_start_whose_answer_is_cut_after_its_status_line_is_sent_again(moto_se
     delete_bucket(moto_server, bucket)
 
 
-@pytest.mark.parametrize("second", ["past-the-deadline", "cut-too"])
+@pytest.mark.parametrize("second", ["past-the-deadline", "cut-too", "refused"])
 def test_a_start_sent_again_after_a_cut_answer_keeps_its_deadline_and_names_the_cut_upload(
         moto_server: S3Server, proxy: FaultProxy, monkeypatch: pytest.MonkeyPatch, second: str) -> None:
     """The start sent again after a cut answer (B220): answered past the deadline, the second try is never sent
-    (TimedOut, as any try past it); cut too, the start fails. Either way the upload the cut try began is named."""
+    (TimedOut, as any try past it); cut too, the start fails; its connection refused (a server restarting after
+    the cut), the start is Unreachable, which `Writes.call` starts again: the cut upload was named nowhere (B222).
+    Each way the upload the cut try began is named."""
     bucket = new_bucket(moto_server)
     uploads = _uploads_of(via(proxy, moto_server), bucket, monkeypatch)
     named: list[str] = []
@@ -714,11 +717,29 @@ def test_a_start_sent_again_after_a_cut_answer_keeps_its_deadline_and_names_the_
         with pytest.raises(TimedOut):
             within(time.monotonic() + 0.5, uploads.start, "a.bin")
         assert cut.hits == 1 and uploads_in(moto_server, bucket) == ["a.bin"]
-    else:
+    elif second == "cut-too":
         cut = proxy.inject(Fault.CUT_HEADERS, op="start", times=2)
         with pytest.raises(TransientError, match="cut short"):
             within(time.monotonic() + 10, uploads.start, "a.bin")
         assert cut.hits == 2 and uploads_in(moto_server, bucket) == ["a.bin", "a.bin"]
+    if second == "refused":
+        cut = proxy.inject(Fault.CUT_HEADERS, op="start", times=1)
+        send = uploads._client.create_multipart_upload
+        sent: list[str] = []
+
+        def restarting(**kwargs: Any) -> Any:
+            sent.append(kwargs["Key"])
+            if len(sent) == 2:  # the server goes down after its cut answer, before the start is sent again
+                proxy.origin_down(Down.REFUSE)
+            return send(**kwargs)
+
+        monkeypatch.setattr(uploads._client, "create_multipart_upload", restarting)
+        try:
+            with pytest.raises(Unreachable):
+                within(time.monotonic() + 30, uploads.start, "a.bin")
+        finally:
+            proxy.origin_back()
+        assert cut.hits == 1 and sent == ["a.bin", "a.bin"] and uploads_in(moto_server, bucket) == ["a.bin"]
     assert named == ["a.bin"]
     client = moto_server.client()
     for upload in client.list_multipart_uploads(Bucket=bucket).get("Uploads", ()):

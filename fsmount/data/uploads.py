@@ -281,7 +281,9 @@ class Uploads:
                 aborted = True
             except StoreError:
                 aborted = False
-            if cut or not aborted:  # the upload the cut try began is not the one aborted
+            # The upload of a cut try, or of one whose answer was lost (botocore sent it again), is not the one
+            # aborted: it was named nowhere (B223).
+            if cut or not aborted or _start_tries.maybe_begun or _start_tries.answered_2xx > 1:
                 self._unknown_upload(key)
             raise TimedOut(f"{what}: answered after its deadline (the upload is aborted)")
         if cut or _start_tries.maybe_begun or _start_tries.answered_2xx > 1 or "UploadId" not in resp:

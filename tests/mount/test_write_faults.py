@@ -765,3 +765,26 @@ def test_a_create_whose_probe_of_the_bucket_is_answered_cut_is_asked_again(
         assert (mountpoint / "a.bin").read_bytes() == b"new bytes"
     assert objects_in(moto_server, bucket) == ["a.bin"]
     delete_bucket(moto_server, bucket)
+
+
+def test_a_start_answered_late_after_a_lost_answer_names_the_lost_one(moto_server: S3Server, proxy: FaultProxy,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """CreateMultipartUpload whose answer was lost (botocore sends it again) and whose second try is answered past
+    the deadline: the late one's upload is aborted, and the lost answer's, begun all the same, was named nowhere
+    (B223). It is named now."""
+    bucket = new_bucket(moto_server)
+    uploads = _uploads_of(via(proxy, moto_server), bucket, monkeypatch)
+    named: list[str] = []
+    uploads.on_unknown_upload = named.append
+    lost = proxy.inject(Fault.DROP, op="start", times=1)
+    held = proxy.inject(Fault.STALL, seconds=5, op="start", times=1)
+    # 3 s for botocore's second try (its backoff is under 1 s) to be sent before the deadline, on a loaded host.
+    with pytest.raises(TimedOut, match="answered after its deadline"):
+        within(time.monotonic() + 3, uploads.start, "a.bin")
+    assert lost.hits == 1 and held.hits == 1
+    assert uploads_in(moto_server, bucket) == ["a.bin"]  # the lost answer's: the late one's is aborted
+    assert named == ["a.bin"]
+    client = moto_server.client()
+    for upload in client.list_multipart_uploads(Bucket=bucket).get("Uploads", ()):
+        client.abort_multipart_upload(Bucket=bucket, Key="a.bin", UploadId=upload["UploadId"])
+    delete_bucket(moto_server, bucket)

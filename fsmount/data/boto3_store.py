@@ -195,7 +195,12 @@ def translate_error(exc: Exception, bucket: str, what: str, *, method: str = "")
             parts = urllib.parse.urlsplit(url)
             host = parts.hostname or ""
             check = "check the endpoint URL's host, or this machine's DNS"
-            if bucket and host.startswith(f"{bucket.lower()}."):
+            if host == "amazonaws.com" or host.endswith((".amazonaws.com", ".amazonaws.com.cn")):
+                # AWS's names are made of the region, with or without an endpoint URL: `--region us-eest-1` was told
+                # to check an endpoint URL not given, and to use path style, whose name does not resolve either (B236).
+                check = ("S3's host names are made of the region: check --region (AWS_DEFAULT_REGION, the profile's "
+                         "region) and the endpoint URL if one is given, or this machine's DNS")
+            elif bucket and host.startswith(f"{bucket.lower()}.") and not is_oss(url):  # OSS takes virtual only
                 check = ("the bucket is in it (virtual-hosted addressing): check the endpoint URL's host, and a server "
                          "without a DNS name for each bucket needs --addressing-style path")
             return Unreachable(f"cannot reach the endpoint: its host name {host!r} does not resolve "

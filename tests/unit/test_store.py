@@ -324,6 +324,23 @@ def test_an_endpoint_host_that_does_not_resolve_is_said_so(aws_config, monkeypat
             store.check_bucket("")
         assert err.value.message == (f"cannot reach the endpoint: its host name '{host}' does not resolve (Name or "
                                      f"service not known): {says}"), err.value.message
+    # B236: AWS's names are made of the region, and OSS takes virtual-hosted requests only: neither is told to use
+    # path style, and a region typo (no endpoint URL given) is said as one.
+    for cfg, host, says in (
+            (StoreConfig(bucket="models", region="us-eest-1"), "models.s3.us-eest-1.amazonaws.com",
+             "S3's host names are made of the region: check --region (AWS_DEFAULT_REGION, the profile's region) and "
+             "the endpoint URL if one is given, or this machine's DNS (https://models.s3.us-eest-1.amazonaws.com)"),
+            (StoreConfig(bucket="models", endpoint_url="https://oss-cn-hangzou.aliyuncs.com",
+                         addressing_style="virtual"),
+             "models.oss-cn-hangzou.aliyuncs.com",
+             "check the endpoint URL's host, or this machine's DNS (https://models.oss-cn-hangzou.aliyuncs.com)")):
+        monkeypatch.setattr(socket, "getaddrinfo", lambda *a, **k: (_ for _ in ()).throw(  # noqa: ARG005
+            socket.gaierror(socket.EAI_NONAME, "Name or service not known")))
+        with pytest.raises(Unreachable) as err:
+            Boto3Store(cfg, preflight=True).check_bucket("")
+        assert err.value.message == (f"cannot reach the endpoint: its host name '{host}' does not resolve (Name or "
+                                     f"service not known): {says}"), err.value.message
+    monkeypatch.setattr(socket, "getaddrinfo", real)
     with socket.create_server(("127.0.0.1", 0)) as closed:
         port = closed.getsockname()[1]
     with pytest.raises(Unreachable, match="cannot reach the endpoint: Could not connect to the endpoint URL"):

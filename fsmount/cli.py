@@ -652,7 +652,8 @@ def cmd_unmount(args: argparse.Namespace) -> int:
         return fail(f"{args.mountpoint} {'is not mounted' if os.path.lexists(path) else 'does not exist'}")
     # fusermount3 run as root unmounts whatever is there: a typo must not take a disk or an NFS share away.
     if fstype != MODELFS_FSTYPE:
-        return fail(f"{args.mountpoint} is a {fstype or 'non-modelfs'} mount, not a modelfs one: left mounted")
+        return fail(f"{args.mountpoint} is {'an' if (fstype or 'n')[0] in 'aeiou' else 'a'} {fstype or 'non-modelfs'} "
+                    "mount, not a modelfs one: left mounted")
     # fusermount3 says "entry for M not found in /etc/mtab" of another user's mount, which is there: say whose it is.
     owner = mount_owner(path)
     if os.geteuid() != 0 and owner is not None and owner != os.getuid():

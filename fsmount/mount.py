@@ -1266,8 +1266,8 @@ class Daemon:
                 name = signal.Signals(signum).name
                 busy = self.ops.open_files
                 # An operator reading the log after a stop sees whether anything was still using the mount.
-                log.info("received %s, unmounting%s", name, f" with {busy} files open (their next reads and writes "
-                         "fail with ENOTCONN)" if busy else " (no file open)")
+                log.info("received %s, unmounting%s", name, f" with {busy} file{'s' if busy > 1 else ''} open (their "
+                         "next reads and writes fail with ENOTCONN)" if busy else " (no file open)")
                 sd_notify("STOPPING=1")
                 # Pushes first, while READs are still answered: a push waits for pages a queued READ holds.
                 if not await self.pusher.stop(PUSH_STOP_S):

@@ -466,6 +466,17 @@ def test_unmount_leaves_a_mount_that_is_not_modelfs_alone(tmp_path: Path) -> Non
         assert os.path.ismount(other)
     finally:
         subprocess.run(["umount", str(other)], check=True)
+    # A type that begins with a vowel is said with "an" ("/ is a ext4 mount").
+    layers = {name: tmp_path / name for name in ("lower", "upper", "work", "overlay")}
+    for path in layers.values():
+        path.mkdir()
+    subprocess.run(["mount", "-t", "overlay", "overlay", "-o", f"lowerdir={layers['lower']},upperdir={layers['upper']},"
+                    f"workdir={layers['work']}", str(layers["overlay"])], check=True)
+    try:
+        res = run_modelfs("unmount", str(layers["overlay"]))
+        assert res.returncode == 1 and "is an overlay mount, not a modelfs one" in res.stderr, res.stderr
+    finally:
+        subprocess.run(["umount", str(layers["overlay"])], check=True)
 
 
 def test_a_prefix_that_matches_nothing_is_named_at_mount(s3: S3Server, tmp_path: Path) -> None:

@@ -512,7 +512,7 @@ def test_sigterm_during_a_stall_stops_within_its_grace_not_the_read_timeout(moto
                 os.close(fd)
     log = m.log_path.read_text()
     assert "were cut short" in log
-    assert "received SIGTERM, unmounting with 1 files open (their next reads and writes fail with ENOTCONN)" in log
+    assert "received SIGTERM, unmounting with 1 file open (their next reads and writes fail with ENOTCONN)" in log
 
 
 def abort_fuse_connection(dev: int) -> None:

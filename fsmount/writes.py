@@ -176,7 +176,7 @@ class Writes:
         """One store request in a thread, given up after --read-timeout. An endpoint that refuses connections (a
         server restarting: the request never reached it) is tried again with backoff within that time, as a
         demanded read is (levels.UNREACHABLE_RETRY_S): a 20 s restart lost the checkpoint being written."""
-        what = getattr(fn, "__name__", "request")
+        what = getattr(fn, "__name__", "request").lstrip("_")  # `_has_children`: its request's name
         deadline = trio.current_time() + self._timeout
         backoff = UNREACHABLE_RETRY_S
         refused: Unreachable | None = None

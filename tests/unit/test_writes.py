@@ -33,6 +33,7 @@ from fsmount.data import (
     ObjectMeta,
     ObjectVersion,
     StoreError,
+    TimedOut,
     TransientError,
     Unreachable,
 )
@@ -960,6 +961,20 @@ async def test_a_last_request_that_times_out_is_said_to_have_maybe_landed(
         assert info.value.errno == errno.EIO
     said = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
     assert said == ["x: put timed out after 30s; the bucket may or may not hold it now (close gets EIO)"], said
+
+
+async def test_a_request_given_up_on_is_named_without_its_helpers_underscore(autojump_clock) -> None:  # noqa: ANN001
+    """`Writes.call` names a request by its function: a create's probe (`_has_children`, B221) timed out as
+    "_has_children timed out"; it is the bucket's `has_children` that did."""
+    writes, _, _ = make()
+
+    def _has_children(prefix: str) -> bool:
+        time.sleep(2)  # real seconds: the trio clock jumps past the 30 s timeout meanwhile
+        return False
+
+    autojump_clock.autojump_threshold = 0.5
+    with pytest.raises(TimedOut, match=r"^has_children timed out after 30s$"):
+        await writes.call(_has_children, "d/")
 
 
 async def test_a_pre_sized_file_whose_local_copy_fills_the_disk_gets_enospc(tmp_path: Path, monkeypatch,  # noqa: ANN001

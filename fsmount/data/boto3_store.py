@@ -228,7 +228,8 @@ def _name_not_resolved(exc: BaseException | None) -> socket.gaierror | None:
     while exc is not None and seen < 8:
         if isinstance(exc, socket.gaierror):
             return exc
-        exc = exc.__cause__ or exc.__context__ or getattr(exc, "kwargs", {}).get("error")
+        kwargs = getattr(exc, "kwargs", None)  # botocore's; any other exception's attribute of that name is not
+        exc = exc.__cause__ or exc.__context__ or (kwargs.get("error") if isinstance(kwargs, dict) else None)
         seen += 1
     return None
 

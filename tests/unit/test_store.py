@@ -294,6 +294,31 @@ def test_a_bare_400_of_a_request_other_than_a_head_is_not_told_to_be_an_expired_
     assert "session token" in translate_error(client_error("400", 400), "b", "stat of 'k'", method="HEAD").message
 
 
+def test_a_resolver_failure_is_found_down_the_chain_and_nothing_else_breaks_the_search() -> None:
+    """`_name_not_resolved` follows causes and botocore's `kwargs["error"]`; an exception of another library with an
+    attribute of that name that is not a dict ends the search instead of raising out of the error mapping."""
+    import socket
+
+    from botocore.exceptions import EndpointConnectionError
+
+    from fsmount.data.boto3_store import _name_not_resolved
+
+    class Odd(OSError):
+        kwargs = ("not", "a", "dict")
+
+    lookup = socket.gaierror(socket.EAI_NONAME, "Name or service not known")
+    assert _name_not_resolved(EndpointConnectionError(endpoint_url="http://x.invalid", error=lookup)) is lookup
+    try:
+        try:
+            raise lookup
+        except socket.gaierror as exc:
+            raise Odd("wrapped") from exc
+    except Odd as odd:
+        assert _name_not_resolved(odd) is lookup
+    assert _name_not_resolved(Odd("alone")) is None
+    assert _name_not_resolved(EndpointConnectionError(endpoint_url="http://x", error=ConnectionRefusedError())) is None
+
+
 def test_an_endpoint_host_that_does_not_resolve_is_said_so(aws_config, monkeypatch) -> None:  # noqa: ANN001
     """B233: a typo in the endpoint's host name (`--endpoint-url http://minio.lcoal:9000`) failed the mount as "cannot
     reach the endpoint: Could not connect to the endpoint URL", as if the server were down; with virtual-hosted

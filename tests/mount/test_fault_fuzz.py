@@ -382,9 +382,15 @@ def fuzz(server: S3Server, tmp_path: Path, seed: int, steps: int, *extra: str, c
                   f"slowest {f.slowest}; {dict(f.ran)}; proxy {proxy.counts()}")
             files = {key: f.current(key).data for key in files}
             met += f.eio + f.sigbus
-        # (A refused connection is no request the proxy counts; the reader's failure counts it.)
+        # (A refused connection is no request the proxy counts; the reader's failure counts it.) That some fault met
+        # a request keeps the suite's own seeds honest; a shifted seed may well meet none, and what it did was checked
+        # all the same (seeds 7090-7092, defaults: 12 faults, mostly on HEADs or listings, half the requests, or a
+        # few times, while every file was in memory; which requests a fault meets depends on timing too, and seed
+        # 7090 run alone met one).
         counts = proxy.counts()
-        assert met + counts.get("faulted", 0) + counts.get("dropped", 0) > 0, f"no fault met a request: {counts}"
+        if met + counts.get("faulted", 0) + counts.get("dropped", 0) == 0:
+            assert SHIFT != 0, f"no fault met a request: {counts}"
+            print(f"no fault met a request: {counts}")
         settled(mountpoint)
 
 

@@ -123,6 +123,10 @@ class Fuzzer:
         self.eio = 0
         self.slowest = (0.0, "")  # the slowest single operation: seconds, what
 
+    def thread_bound(self, length: int) -> float:
+        """The longest one `pread` of `length` bytes may take among a burst of threads (op_threads)."""
+        return self.op_bound
+
     # -- bookkeeping ------------------------------------------------------------------------------
 
     def fail(self, what: str) -> None:
@@ -387,8 +391,8 @@ class Fuzzer:
             results = list(pool.map(run, fds, plans))
         for fd, result in zip(fds, results, strict=True):
             for offset, length, got, took in result:
-                if took > self.op_bound:
-                    self.fail(f"a thread's pread of {h.key} at {offset} took {took:.1f}s")
+                if took > self.thread_bound(length):
+                    self.fail(f"a thread's pread of {h.key} at {offset} len {length} took {took:.1f}s")
                 if isinstance(got, OSError):
                     self.errored(handles[fd], "threaded pread", got)
                 else:

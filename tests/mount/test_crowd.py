@@ -17,9 +17,10 @@ one, then EIO or SIGBUS, where the file was replaced or removed while open: RELI
 the reader's own mount rewrote it in place, as on a local disk); every error is one of the documented errnos (ENOENT
 for a name gone between listing and open, EBUSY for a file being written, EIO as said); no operation takes longer
 than twice `--read-timeout` plus a margin (a write may wait for room, then for its own request; the daemons' stacks
-are dumped with py-spy if one does); no daemon warning but the documented read failures. At the end, quiet: both
-mounts, a fresh mount and boto3 agree on every name, size and byte; no multipart upload is left; no staging file is
-left in the cache dir's `writes/`; each daemon exits within seconds of its unmount.
+are dumped with py-spy if one does); no daemon warning but the documented read failures and the EBUSY of a name
+that a file renamed from it while written still uploads under. At the end, quiet: both mounts, a fresh mount and
+boto3 agree on every name, size and byte; no multipart upload is left; no staging file is left in the cache dir's
+`writes/`; each daemon exits within seconds of its unmount.
 
 Not in the default suite: threads interleave differently each run. Of the failures seen (about one run in a dozen at
 first), one was shown to be the model's and one more looked the same: a reader of the name rewritten in place read
@@ -72,7 +73,12 @@ READ_TIMEOUT_S = 10.0
 OP_BOUND_S = 2 * READ_TIMEOUT_S + 10.0  # a write may wait for room (one part's request), then its own request
 SECONDS = float(os.environ.get("MODELFS_CROWD_SECONDS", "0") or 0)  # 0: skipped
 SEED = int(os.environ.get("MODELFS_CROWD_SEED", "0") or 0)  # added to each configuration's seed
-ALLOWED = (FETCH_FAILED, READ_FAILED)
+# The documented read failures; and the EBUSY of a name whose file, renamed away while written, still has its upload
+# under it (README, renaming a file still being written): the savers meet it where a child forked by another thread
+# held their file past its rename (a `write` save, or `save_file`'s), so its close, at the child's exec, moves it while
+# the saver's next save creates that temporary name again (retried, `busy_retried`). Seed 48 met it on two
+# configurations (RELIABILITY, "Not covered yet").
+ALLOWED = (FETCH_FAILED, READ_FAILED, r"still uploads under this name")
 # Rewritten in place (open with O_TRUNC, no rename) by both mounts at once.
 IN_PLACE = "shared/direct.bin"
 

@@ -138,11 +138,19 @@ def tier_inside_mount(sc: SharedCacheConfig, store: StoreConfig, same_endpoint: 
     """Why the shared tier may not be where it is, if it lies inside what the mount shows (`same_endpoint`: the two
     endpoints are one server): accepted, its chunk objects showed as files of the mount, and a prefetch of the
     mount's root read them and wrote chunk objects of them in turn. Checked on the options as given here, and again
-    on the endpoints as the clients resolve them (mount.open_shared_tier: one may come from the AWS configuration)."""
-    if sc.bucket == store.bucket and sc.prefix.startswith(store.prefix) and same_endpoint:
+    on the endpoints as the clients resolve them (mount.open_shared_tier: one may come from the AWS configuration).
+    A mount inside one of the folders the tier writes (`--prefix cache/chunks/` beside a tier at `cache/`) shows its
+    objects too: refused alike (B250)."""
+    if sc.bucket != store.bucket or not same_endpoint:
+        return None
+    if sc.prefix.startswith(store.prefix):
         return (f"the shared tier ({sc.bucket}, prefix {sc.prefix!r}) lies inside what the mount shows "
                 f"({store.bucket}, prefix {store.prefix!r}): give the tier another bucket, or a "
                 "--shared-cache-prefix outside the mount's --prefix")
+    if any(store.prefix.startswith(sc.prefix + folder) for folder in SHARED_TIER_FOLDERS):
+        return (f"the mount ({store.bucket}, prefix {store.prefix!r}) lies inside the shared tier's own objects "
+                f"({sc.bucket}, prefix {sc.prefix!r}: {', '.join(SHARED_TIER_FOLDERS)}): give the tier another "
+                "bucket or --shared-cache-prefix")
     return None
 
 
@@ -248,6 +256,9 @@ def cleanup_command(store: StoreConfig, keys: Iterable[str]) -> str:
 
 
 DEFAULT_SHARED_CACHE_PREFIX = "modelfs/"
+# The folders the shared tier writes under its prefix (shared_tier's chunk objects, claims, waiting markers): a mount
+# showing one of them would show the tier's objects as files (tier_inside_mount).
+SHARED_TIER_FOLDERS = ("chunks/", "claims/", "waiting/")
 # A node waits this long per chunk for another node's fetch of it to appear in the shared tier, then
 # fetches it from the origin itself: 8 MiB at a few hundred MB/s takes tens of ms, so seconds of waiting
 # only pass when the node that claimed the chunk is slow or gone.

@@ -52,6 +52,7 @@ import urllib.parse
 from collections.abc import Callable, Iterator, Sequence
 from typing import Protocol
 
+from fsmount.config import SHARED_TIER_FOLDERS
 from fsmount.data.chunk_file import (
     HEADER_READ_BYTES,
     Corrupt,
@@ -65,9 +66,8 @@ from fsmount.data.trailing import TRAIL_WORKERS
 
 log = logging.getLogger(__name__)
 
-CHUNKS = "chunks/"
-CLAIMS = "claims/"
-WAITING = "waiting/"
+# The folders under the prefix (named in config: a mount that would show one of them is refused).
+CHUNKS, CLAIMS, WAITING = SHARED_TIER_FOLDERS
 # A claim this old is taken to belong to a node that died: long enough for a slow origin GET of one
 # chunk and its write to the tier, short enough that a dead node costs others seconds, not minutes.
 CLAIM_TTL_S = 30.0

@@ -699,7 +699,17 @@ def test_a_shared_tier_inside_the_mounted_tree_is_refused() -> None:
                   ["--prefix", "cache/", "--shared-cache-bucket", "models", "--shared-cache-prefix", "cache/tier/"]):
         with pytest.raises(ConfigError, match="the shared tier .* lies inside what the mount shows"):
             config(*flags)
+    # B250: a mount of one of the tier's own folders showed its chunk objects (or claims) as files.
+    for flags in (["--prefix", "cache/chunks/", "--shared-cache-bucket", "models", "--shared-cache-prefix", "cache/"],
+                  ["--prefix", "modelfs/claims", "--shared-cache-bucket", "models"],
+                  ["--prefix", "waiting/", "--shared-cache-bucket", "models", "--shared-cache-prefix", "/"]):
+        with pytest.raises(ConfigError, match=r"^the mount \(models, prefix '.*'\) lies inside the shared tier's own "
+                                              r"objects \(models, prefix '.*': chunks/, claims/, waiting/\)"):
+            config(*flags)
     assert config("--prefix", "llama/", "--shared-cache-bucket", "models").shared_cache.prefix == "modelfs/"
+    # A mount under the tier's prefix but outside its folders shows none of its objects.
+    assert config("--prefix", "modelfs/models/", "--shared-cache-bucket", "models").shared_cache.prefix == "modelfs/"
+    assert config("--prefix", "llama/", "--shared-cache-bucket", "models", "--shared-cache-prefix", "/").shared_cache
     assert config("--shared-cache-bucket", "tier").shared_cache.bucket == "tier"
     assert config("--endpoint-url", "http://h:1", "--shared-cache-bucket", "models",
                   "--shared-cache-endpoint-url", "http://other:1").shared_cache.bucket == "models"

@@ -144,8 +144,9 @@ def format_stats(s: dict[str, Any], mountpoint: str) -> str:
             ("shared tier", f"{sc['bucket']} ({mode}): {sc['hits']} hits, {sc['misses']} misses "
                             f"({_percent(sc['hit_ratio'])} hit), {human_size(sc['bytes'])} loaded"),
             ("shared tier fleet", f"{sc['claims']} chunks fetched for the fleet, {sc['claim_waits']} waits for "
-                                  f"other nodes, {sc['fallbacks']} fallbacks, {sc['writes']} written "
-                                  f"({sc['trailed']} after the load, {sc['trail_dropped']} given up)"
+                                  f"other nodes, {sc['fallbacks']} fallbacks, {sc['writes']} written, "
+                                  f"{sc['trailed']} held back until the load ended ({sc['trail_dropped']} of "
+                                  "those given up)"
                                   + (f", {sc['writes_skipped']} not written (the tier failed or refused writes)"
                                      if sc.get("writes_skipped") else "")),
         ]
@@ -162,7 +163,10 @@ def format_stats(s: dict[str, Any], mountpoint: str) -> str:
                             f"{human_size(s['pagecache_stored_bytes'])} pushed into the page cache "
                             f"({human_size(s['pagecache_pushed_bytes'])} for files still open), "
                             f"{s['pagecache_drops']} dropped by the kernel"),
-        ("now", f"{s['fetches_inflight']} fetches in flight, {s['open_files']} open files"),
+        # Writes still to run: a held-back count above the written one read as a miscount without it (B251).
+        ("now", f"{s['fetches_inflight']} fetches in flight, {s['open_files']} open files"
+                + (f", {s['cache_writes_pending']} fetched chunks still to write to the cache levels"
+                   if s.get("cache_writes_pending") else "")),
     ]
     errors = [f"origin {origin['errors']}"]
     failed = s.get("failed_requests") or {}

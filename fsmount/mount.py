@@ -643,7 +643,10 @@ def open_shared_tier(cfg: MountConfig, origin: Boto3Store) -> SharedTier:
     try:
         client.check_bucket(shared.prefix)
     except (BucketMissing, AccessDenied) as exc:
-        raise MountError(f"--shared-cache-bucket: {exc.message}") from None
+        # B252: a tier endpoint URL with the bucket in its path was told only that the bucket does not exist.
+        hint = endpoint_path_hint(client.configured_endpoint_url, "--shared-cache-bucket", "--shared-cache-prefix")
+        raise MountError(f"--shared-cache-bucket: {exc.message}" + (hint if isinstance(exc, BucketMissing) else "")) \
+            from None
     except StoreError as exc:
         log.warning("shared cache %s does not answer (%s); reading from the origin until it does",
                     shared.bucket, exc.message)

@@ -234,11 +234,12 @@ def _name_not_resolved(exc: BaseException | None) -> socket.gaierror | None:
     return None
 
 
-def endpoint_path_hint(endpoint_url: str | None) -> str:
-    """What a missing origin bucket's message adds where the endpoint URL has a path: the bucket put there too (as
-    a path-style URL spells it), which sends every request to a bucket of that path's name."""
+def endpoint_path_hint(endpoint_url: str | None, bucket: str = "the first argument", prefix: str = "--prefix") -> str:
+    """What a missing bucket's message adds where the endpoint URL has a path: the bucket put there too (as a
+    path-style URL spells it), which sends every request to a bucket of that path's name. `bucket` and `prefix` name
+    where they go instead (the shared tier's flags for its endpoint)."""
     path = urllib.parse.urlsplit(endpoint_url or "").path.strip("/")
-    return (f" (the endpoint URL has a path, /{path}: the bucket is the first argument, a path inside it --prefix)"
+    return (f" (the endpoint URL has a path, /{path}: the bucket is {bucket}, a path inside it {prefix})"
             if path else "")
 
 

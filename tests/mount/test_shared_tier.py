@@ -750,6 +750,12 @@ def test_missing_tier_bucket_fails_the_mount(fleet: Fleet) -> None:
     stderr = mount_must_fail(fleet, fleet.tmp / "mnt-flag", env, "--shared-cache-bucket", "no-such-tier-bucket",
                              "--shared-cache-endpoint-url", fleet.server.endpoint_url)
     assert "--shared-cache-bucket:" in stderr and "does not exist" in stderr, stderr
+    assert "(the endpoint URL has a path" not in stderr, stderr
+    # B252: the tier's bucket put in its endpoint URL as well (a path-style URL) was told only that it does not exist.
+    stderr = mount_must_fail(fleet, fleet.tmp / "mnt-path", env, "--shared-cache-bucket", fleet.tier,
+                             "--shared-cache-endpoint-url", f"{fleet.server.endpoint_url}/{fleet.tier}")
+    assert f"bucket '{fleet.tier}' does not exist (the endpoint URL has a path, /{fleet.tier}: the bucket is " \
+        "--shared-cache-bucket, a path inside it --shared-cache-prefix)" in stderr, stderr
     # The fstab form of the same options.
     stderr = mount_must_fail(fleet, fleet.tmp / "mnt-o", env, "-o",
                              f"shared_cache_bucket=no-such-tier-bucket,"

@@ -133,6 +133,8 @@ NAMES_SAVE_S = 5.0
 # botocore's retries of one shared-tier request: none, since the origin is the fallback; a request then
 # takes at most --shared-cache-timeout.
 SHARED_TIER_RETRIES = 0
+# A tier request, and a wait for another node's claim, take at most this share of --read-timeout (B253).
+TIER_SHARE_OF_READ_TIMEOUT = 4
 # glibc mallopt parameters: return freed chunk-sized blocks to the OS at once, and do not grow one
 # arena per worker thread; otherwise RSS stays at its peak long after the memory limit was hit. The mmap
 # threshold sits above the largest FUSE request (1 MiB of data and its header), and the heap keeps up to
@@ -627,10 +629,19 @@ def open_shared_tier(cfg: MountConfig, origin: Boto3Store) -> SharedTier:
     shared = cfg.shared_cache
     assert shared is not None
     warn_path_style(shared.endpoint_url, shared.addressing_style, "--shared-cache-addressing-style")
+    # B253: a tier lookup runs before the origin's GET within the READ's --read-timeout. A tier request (or a wait for
+    # another node's claim) as long as that failed reads with EIO while the tier did not answer, the origin well;
+    # each is at most a quarter of it, as a local level's read is (levels.GET_DEADLINE_S).
+    bound = cfg.store.read_timeout / TIER_SHARE_OF_READ_TIMEOUT
+    timeout, wait = min(shared.timeout, bound), min(shared.wait, bound)
+    if (timeout, wait) != (shared.timeout, shared.wait):
+        log.info("shared cache: requests time out after %gs and claims are waited for %gs at most (a quarter of "
+                 "--read-timeout %gs), so that the origin has the rest of a read's time", timeout, wait,
+                 cfg.store.read_timeout)
     tier_store = StoreConfig(bucket=shared.bucket, endpoint_url=shared.endpoint_url, region=shared.region,
                              profile=shared.profile, addressing_style=shared.addressing_style,
-                             max_connections=cfg.store.max_connections, connect_timeout=shared.timeout,
-                             read_timeout=shared.timeout)
+                             max_connections=cfg.store.max_connections, connect_timeout=timeout,
+                             read_timeout=timeout)
     try:
         client = Boto3Store(tier_store, retries=SHARED_TIER_RETRIES, sign_payloads=False)
     except Exception as exc:  # noqa: BLE001 - botocore's ProfileNotFound and the like: say it is the tier's
@@ -652,7 +663,7 @@ def open_shared_tier(cfg: MountConfig, origin: Boto3Store) -> SharedTier:
                     shared.bucket, exc.message)
         answered = False
     tier = SharedTier(client, origin=origin_identity(origin.configured_endpoint_url, origin.region),
-                      prefix=shared.prefix, wait=shared.wait, read_only=shared.read_only,
+                      prefix=shared.prefix, wait=wait, read_only=shared.read_only,
                       threads=cfg.store.max_connections)
     if answered:  # (a tier that did not answer the check would make the probe wait its timeout again)
         tier.probe_claims()

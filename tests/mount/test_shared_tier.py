@@ -454,6 +454,24 @@ def test_a_dead_tier_costs_time_not_bytes(fleet: Fleet, mode: Down, when: str) -
     assert not warnings_matching(m, NO_CONDITIONAL_WRITES), warning_lines(m.log())
 
 
+def test_a_dead_tier_does_not_fail_reads_with_a_short_read_timeout(fleet: Fleet) -> None:
+    """B253: with --read-timeout 4 and the tier's defaults (5 s a request), a tier that became a black hole after
+    the mount failed the reads in flight with EIO: their tier lookup waited out the tier's timeout, past the READ's,
+    while the origin answered. Each tier request now gets a quarter of --read-timeout at most."""
+    fleet = fleet_with(fleet, 8 * MiB, seed=41)
+    allowed = (UNAVAILABLE,)
+    with FaultProxy(fleet.server.endpoint_url) as proxy:
+        with fleet.node("n", "--read-timeout", "4", "--chunk-size", "1M", "--max-connections",
+                        str(DEAD_TIER_CONNECTIONS), tier_endpoint=proxy.endpoint_url, allowed=allowed) as m:
+            proxy.origin_down(Down.BLACKHOLE)
+            elapsed = timed_read(m, fleet.body)
+            s = mount_stats(m.path)
+            assert "requests time out after 1s and claims are waited for 1s at most" in m.log(), m.log()
+    assert elapsed < 4 + MARGIN_S, elapsed
+    assert s["origin"]["bytes"] == len(fleet.body) and not s["failed_requests"], s
+    assert s["shared_cache"]["hits"] == 0 and s["shared_cache"]["errors"] >= 1, s["shared_cache"]
+
+
 # -- 5. a tier that refuses writes -----------------------------------------------------------------
 
 

@@ -471,6 +471,15 @@ def test_a_dead_tier_does_not_fail_reads_with_a_short_read_timeout(fleet: Fleet)
     assert s["origin"]["bytes"] == len(fleet.body) and not s["failed_requests"], s
     assert s["shared_cache"]["hits"] == 0 and s["shared_cache"]["errors"] >= 1, s["shared_cache"]
 
+    # Live claims of another node on every chunk: each is waited for a quarter of --read-timeout, not the
+    # --shared-cache-wait of 10 s given (the READ's EIO at 4 s, before).
+    put_claims(fleet, time.time(), fleet.claim_keys(MiB))
+    with fleet.node("w", "--read-timeout", "4", "--shared-cache-wait", "10", "--chunk-size", "1M") as m:
+        timed_read(m, fleet.body)
+        s = mount_stats(m.path)
+    assert s["origin"]["bytes"] == len(fleet.body) and not s["failed_requests"], s
+    assert s["shared_cache"]["claim_waits"] == s["shared_cache"]["fallbacks"] >= 1, s["shared_cache"]
+
 
 # -- 5. a tier that refuses writes -----------------------------------------------------------------
 

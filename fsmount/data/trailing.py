@@ -10,7 +10,8 @@ Queued writes run, TRAIL_WORKERS at a time, as soon as any of these holds:
 - no origin GET has been in flight for TRAIL_IDLE_S (the load is done, or paused);
 - the oldest has waited TRAIL_MAX_S (well below the tier's claim TTL, so a claim is never taken for a
   dead node's while its chunk trails), or more than TRAIL_MAX_BYTES trail (what is left to write when a
-  long load ends, and what an unmount right after it has to drain, stays bounded);
+  long load ends, and what an unmount right after it has to drain, stays bounded), or more than
+  TRAIL_LOCAL_SHARE of the local level's size (its copies must outlast their turn);
 - the level no longer trails (another node was seen) or a listing of its waiting markers
   (`look_for_waiters`, every WAITERS_CHECK_S while writes trail) finds another node waiting;
 - the mount is draining its writes (unmount).
@@ -42,6 +43,10 @@ TRAIL_IDLE_S = 0.5
 # never take the claim for a dead node's.
 TRAIL_MAX_S = 20.0
 TRAIL_MAX_BYTES = 4 << 30
+# And at most this share of the local level's size (`max_bytes`): a write whose chunk the local level evicted
+# before its turn is given up, so a node loading alone a model larger than its NVMe cache wrote next to nothing to
+# the tier (7 of 50 chunks on a 64 MiB cache, B254), and the next node fetched the rest from the origin, alike.
+TRAIL_LOCAL_SHARE = 0.25
 # Trailing writes run this many at a time, each with one chunk buffer of its own (held outside the
 # engine's budget: the shared tier counts them in its staging_bytes).
 TRAIL_WORKERS = 2
@@ -64,7 +69,8 @@ class TrailingLevel(Protocol):
 
 
 class LocalLevel(Protocol):
-    """A level that keeps a local copy the trailing write reads back (disk_cache.DiskCache)."""
+    """A level that keeps a local copy the trailing write reads back (disk_cache.DiskCache); its `max_bytes`, if it
+    has one, bounds what trails (TRAIL_LOCAL_SHARE)."""
 
     def contains(self, chunk: ChunkId) -> bool: ...
 
@@ -124,6 +130,8 @@ class TrailingWrites:
         """Queue the write of `cid` to `level` if it may trail and `local` holds the chunk; False: write it now."""
         if self._draining or not getattr(level, "trails", None) or not level.trails() or not local.contains(cid):
             return False
+        if self._queued_bytes + length > self._most(local):
+            return False  # the local copies of what trails already fill their share: written from memory, at once
         self._queue.append(Queued(cid, length, level, put_limiter, local, get_limiter, trio.current_time()))
         self._queued_bytes += length
         self.queued += 1
@@ -134,10 +142,16 @@ class TrailingWrites:
 
     # -- running them --
 
-    def _may_run(self, level: TrailingLevel, queued_at: float) -> bool:
+    @staticmethod
+    def _most(local: Any) -> int:
+        """The most bytes that may trail with copies on `local`."""
+        size = getattr(local, "max_bytes", None)
+        return TRAIL_MAX_BYTES if size is None else min(TRAIL_MAX_BYTES, int(size * TRAIL_LOCAL_SHARE))
+
+    def _may_run(self, head: Queued) -> bool:
         now = trio.current_time()
-        return (self._draining or not level.trails() or now - queued_at >= TRAIL_MAX_S
-                or self._queued_bytes > TRAIL_MAX_BYTES
+        return (self._draining or not head.level.trails() or now - head.queued_at >= TRAIL_MAX_S
+                or self._queued_bytes + self._chunk_size > self._most(head.local)  # full: offers go at once
                 or (not self._origin_in_flight and now - self._origin_idle_since >= TRAIL_IDLE_S))
 
     async def _worker(self, nursery: trio.Nursery) -> None:
@@ -145,7 +159,7 @@ class TrailingWrites:
         try:
             while self._queue:
                 head = self._queue[0]
-                if not self._may_run(head.level, head.queued_at):
+                if not self._may_run(head):
                     self._check_waiters(nursery, head.level, head.put_limiter)
                     await trio.sleep(POLL_S)
                     continue

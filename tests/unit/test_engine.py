@@ -1185,10 +1185,10 @@ class TrailingBed:
     get_ends: list[float]  # the virtual time each origin GET ended
 
 
-def trailing_engine(size: int, local: bool = True) -> TrailingBed:
+def trailing_engine(size: int, local: bool = True, nvme: IndexedLevel | None = None) -> TrailingBed:
     store = FakeStore()
     data = put_object(store, "m", size)
-    nvme, tier = IndexedLevel(), TrailingTier()
+    nvme, tier = nvme or IndexedLevel(), TrailingTier()
     get_ends: list[float] = []
 
     async def run(fn, *args, limiter):  # noqa: ANN001, ANN202
@@ -1308,6 +1308,39 @@ async def test_no_more_than_trail_max_bytes_trail(autojump_clock, monkeypatch) -
     assert trailing_at_most <= 5, trailing_at_most
     assert sum(t < get_ends[-1] for t in tier.put_at.values()) >= 18
     assert len(tier.chunks) == 24 and engine.levels.trailing.queued == 24
+
+
+class SmallNvme(IndexedLevel):
+    """A local level of `max_bytes` that evicts its oldest chunks to make room, as a full DiskCache does."""
+
+    def __init__(self, max_bytes: int) -> None:
+        super().__init__()
+        self.max_bytes = max_bytes
+
+    def put(self, cid, data) -> None:  # noqa: ANN001
+        super().put(cid, data)
+        while sum(map(len, self.chunks.values())) > self.max_bytes:
+            del self.chunks[next(iter(self.chunks))]
+
+
+async def test_a_model_larger_than_the_nvme_cache_is_written_to_the_tier(autojump_clock) -> None:  # noqa: ANN001
+    """B254: a node loading alone a model larger than its NVMe cache held every tier write back until the load ended,
+    and by then the cache had evicted the most of their copies: 32 of 40 chunks given up, never in the tier (7 of 50
+    on a mount with a 64 MiB cache), and the next node fetched them from the origin. What trails is now at most a
+    quarter of the local level's size; past it a write goes at once, from memory, as without a local level."""
+    bed = trailing_engine(40 * CHUNK, nvme=SmallNvme(8 * CHUNK))
+    engine, v, data, tier = bed.engine, bed.v, bed.data, bed.tier
+
+    async def body() -> None:
+        await read_chunk_by_chunk(engine, v, data, pause=0.05)
+        await trio.sleep(30.0)
+        assert engine.levels.writes_pending == 0
+
+    await run_engine(engine, body)
+    trailing = engine.levels.trailing
+    assert len(tier.chunks) >= 38 and trailing.dropped <= 2, (len(tier.chunks), trailing.queued, trailing.dropped)
+    assert all(bytes(d) == data[cid.index * CHUNK:(cid.index + 1) * CHUNK] for cid, d in tier.chunks.items())
+    assert trailing.queued >= 2  # writes still trail, as far as the share allows
 
 
 async def test_a_trailing_write_whose_local_copy_is_gone_is_given_up_and_its_claim_dropped(autojump_clock,  # noqa: ANN001

@@ -10,8 +10,9 @@ Queued writes run, TRAIL_WORKERS at a time, as soon as any of these holds:
 - no origin GET has been in flight for TRAIL_IDLE_S (the load is done, or paused);
 - the oldest has waited TRAIL_MAX_S (well below the tier's claim TTL, so a claim is never taken for a
   dead node's while its chunk trails), or more than TRAIL_MAX_BYTES trail (what is left to write when a
-  long load ends, and what an unmount right after it has to drain, stays bounded), or more than
-  TRAIL_LOCAL_SHARE of the local level's size (its copies must outlast their turn);
+  long load ends, and what an unmount right after it has to drain, stays bounded), or the queue is within a
+  chunk of TRAIL_LOCAL_SHARE of the local level's size (its copies must outlast their turn: past that share a
+  write is not queued, it goes at once, from memory);
 - the level no longer trails (another node was seen) or a listing of its waiting markers
   (`look_for_waiters`, every WAITERS_CHECK_S while writes trail) finds another node waiting;
 - the mount is draining its writes (unmount).
@@ -27,6 +28,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import math
 from collections.abc import Awaitable, Callable
 from typing import Any, NamedTuple, Protocol
 
@@ -130,8 +132,11 @@ class TrailingWrites:
         """Queue the write of `cid` to `level` if it may trail and `local` holds the chunk; False: write it now."""
         if self._draining or not getattr(level, "trails", None) or not level.trails() or not local.contains(cid):
             return False
-        if self._queued_bytes + length > self._most(local):
-            return False  # the local copies of what trails already fill their share: written from memory, at once
+        if self._queued_bytes + length > self._share(local):
+            # The local copies of what trails already fill their share: written from memory, at once. Not past
+            # TRAIL_MAX_BYTES, which only starts the queue: a write from memory is pinned until written, so a lone
+            # node's load past it was held back to the tier's write speed where the local level had room (B255).
+            return False
         self._queue.append(Queued(cid, length, level, put_limiter, local, get_limiter, trio.current_time()))
         self._queued_bytes += length
         self.queued += 1
@@ -143,15 +148,16 @@ class TrailingWrites:
     # -- running them --
 
     @staticmethod
-    def _most(local: Any) -> int:
-        """The most bytes that may trail with copies on `local`."""
+    def _share(local: Any) -> float:
+        """The most bytes that may trail with copies on `local` (its TRAIL_LOCAL_SHARE; no bound if it has no size)."""
         size = getattr(local, "max_bytes", None)
-        return TRAIL_MAX_BYTES if size is None else min(TRAIL_MAX_BYTES, int(size * TRAIL_LOCAL_SHARE))
+        return math.inf if size is None else size * TRAIL_LOCAL_SHARE
 
     def _may_run(self, head: Queued) -> bool:
         now = trio.current_time()
         return (self._draining or not head.level.trails() or now - head.queued_at >= TRAIL_MAX_S
-                or self._queued_bytes + self._chunk_size > self._most(head.local)  # full: offers go at once
+                or self._queued_bytes > TRAIL_MAX_BYTES
+                or self._queued_bytes + self._chunk_size > self._share(head.local)  # full: offers go at once
                 or (not self._origin_in_flight and now - self._origin_idle_since >= TRAIL_IDLE_S))
 
     async def _worker(self, nursery: trio.Nursery) -> None:

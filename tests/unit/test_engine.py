@@ -1185,7 +1185,9 @@ class TrailingBed:
     get_ends: list[float]  # the virtual time each origin GET ended
 
 
-def trailing_engine(size: int, local: bool = True, nvme: IndexedLevel | None = None) -> TrailingBed:
+def trailing_engine(size: int, local: bool = True, nvme: IndexedLevel | None = None, tier_put_s: float = 0.0,
+                    ) -> TrailingBed:
+    """`tier_put_s`: virtual seconds each chunk write to the tier takes (0: at once)."""
     store = FakeStore()
     data = put_object(store, "m", size)
     nvme, tier = nvme or IndexedLevel(), TrailingTier()
@@ -1196,6 +1198,8 @@ def trailing_engine(size: int, local: bool = True, nvme: IndexedLevel | None = N
             if fn.__name__ == "get_range":
                 await trio.sleep(LATENCY)
                 get_ends.append(trio.current_time())
+            elif fn == tier.put:
+                await trio.sleep(tier_put_s)
             return fn(*args)
 
     engine = ChunkEngine(store, chunk_size=CHUNK, memory_limit=64 * MiB, max_connections=4, read_timeout=30.0,
@@ -1341,6 +1345,31 @@ async def test_a_model_larger_than_the_nvme_cache_is_written_to_the_tier(autojum
     assert len(tier.chunks) >= 38 and trailing.dropped <= 2, (len(tier.chunks), trailing.queued, trailing.dropped)
     assert all(bytes(d) == data[cid.index * CHUNK:(cid.index + 1) * CHUNK] for cid, d in tier.chunks.items())
     assert trailing.queued >= 2  # writes still trail, as far as the share allows
+
+
+async def test_a_node_alone_is_not_held_back_by_a_slow_tier_past_trail_max_bytes(autojump_clock,  # noqa: ANN001
+                                                                                 monkeypatch) -> None:
+    """B255: past TRAIL_MAX_BYTES (4 GiB), B254 sent a node's further tier writes at once from memory, pinned until
+    written, even where its NVMe cache had room for them to trail: a node loading alone a model larger than 4 GiB
+    was held back to the tier's write speed, which trailing is there to spare it. Only the NVMe cache's share
+    bounds what is offered; TRAIL_MAX_BYTES only starts the queue."""
+    monkeypatch.setattr(fsmount.data.trailing, "TRAIL_MAX_BYTES", 4 * CHUNK)
+    n = 160
+    bed = trailing_engine(n * CHUNK, nvme=SmallNvme(1024 * CHUNK), tier_put_s=0.5)
+    engine, v, data, tier = bed.engine, bed.v, bed.data, bed.tier
+
+    async def body() -> None:
+        started = trio.current_time()
+        await read_chunk_by_chunk(engine, v, data, pause=0.02)
+        took = trio.current_time() - started
+        alone = n * (LATENCY + 0.02)
+        assert took < 1.5 * alone, (took, alone)
+        await trio.sleep(200.0)
+        assert engine.levels.writes_pending == 0
+
+    await run_engine(engine, body)
+    assert len(tier.chunks) == n and engine.levels.trailing.queued == n and engine.levels.trailing.dropped == 0
+    assert all(bytes(d) == data[cid.index * CHUNK:(cid.index + 1) * CHUNK] for cid, d in tier.chunks.items())
 
 
 async def test_a_trailing_write_whose_local_copy_is_gone_is_given_up_and_its_claim_dropped(autojump_clock,  # noqa: ANN001

@@ -60,6 +60,7 @@ from fsmount.data import (
     human_size,
     origin_identity,
     sweep_staged_writes,
+    within,
 )
 from fsmount.namespace import Namespace
 from fsmount.operations import FAILED, SESSION_CALLS_S, Operations, Owner
@@ -980,12 +981,16 @@ class Daemon:
         # A request given up on is left to end in its thread (botocore's own timeouts and retries end it, up to
         # a few --read-timeouts later), but gives its slot back at once: trio frees an abandoned thread's limiter
         # token only when the thread ends, so a few of them kept every lookup waiting long after the origin was
-        # back. Threads, abandoned ones included, are bounded by `_meta_threads`.
+        # back. Threads, abandoned ones included, are bounded by `_meta_threads`. No try of its request begins
+        # past the deadline in that thread (`within`): a listing answered cut short is asked once more there (B245),
+        # as botocore sends a failed try again, and given up on, neither outlasts --read-timeout by another try.
         self.metadata_requests += 1
+        deadline = trio.current_time() + timeout
         try:
-            with trio.move_on_after(timeout):  # the wait for a slot included
+            with trio.move_on_at(deadline):  # the wait for a slot included
                 async with self._meta_limiter:
-                    return await trio.to_thread.run_sync(fn, *args, limiter=self._meta_threads,
+                    until = time.monotonic() + (deadline - trio.current_time())
+                    return await trio.to_thread.run_sync(within, until, fn, *args, limiter=self._meta_threads,
                                                          abandon_on_cancel=True)
         except Exception:
             self.metadata_errors += 1

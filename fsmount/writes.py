@@ -59,7 +59,6 @@ from fsmount.data import (
     UNREACHABLE_RETRY_S,
     ChunkCache,
     ChunkId,
-    CutShort,
     MemoryBudget,
     ObjectMeta,
     ObjectVersion,
@@ -176,7 +175,7 @@ class Writes:
         """One store request in a thread, given up after --read-timeout. An endpoint that refuses connections (a
         server restarting: the request never reached it) is tried again with backoff within that time, as a
         demanded read is (levels.UNREACHABLE_RETRY_S): a 20 s restart lost the checkpoint being written."""
-        what = getattr(fn, "__name__", "request").lstrip("_")  # `_has_children`: its request's name
+        what = getattr(fn, "__name__", "request").lstrip("_")  # a private helper named as its request
         deadline = trio.current_time() + self._timeout
         backoff = UNREACHABLE_RETRY_S
         refused: Unreachable | None = None
@@ -410,22 +409,13 @@ class Writes:
         if file:
             calls["file"] = lambda: self.call(self.uploads.head, self.ns.key_of(path))
         if directory:
-            calls["directory"] = lambda: self.call(self._has_children, self.ns.dir_key(path))
+            # Its listing answered cut short is asked once more, within the one deadline of `call` (B221).
+            calls["directory"] = lambda: self.call(self.uploads.has_children, self.ns.dir_key(path))
         found = await at_once(calls)
         for failed in ("file_error", "directory_error"):
             if failed in found:
                 raise found[failed]
         return found.get("file") is not None, bool(found.get("directory"))
-
-    def _has_children(self, prefix: str) -> bool:
-        """`has_children`, asked once more where its answer was cut short (a 200 with no listing in it, which botocore
-        does not send again): one such answer failed the create with EIO (B221). A listing is read-only; both tries
-        are within the one deadline of `call` (no try begins past it)."""
-        try:
-            return self.uploads.has_children(prefix)
-        except CutShort as exc:
-            log.info("%s; asked again", exc.message)
-            return self.uploads.has_children(prefix)
 
     def _refuse_beside(self, path: str, is_dir: bool, err: int) -> NoReturn:
         """`err` for a file where the bucket holds a directory of its name (it would be stored and never seen), or

@@ -17,7 +17,7 @@ here, never from the modules inside, which are private to the package:
 - uploads: the write requests of `--writable` (PUT, multipart, copy, delete, incomplete uploads).
 """
 
-from fsmount.data.boto3_store import Boto3Store, endpoint_path_hint
+from fsmount.data.boto3_store import Boto3Store, endpoint_path_hint, within
 from fsmount.data.budget import MemoryBudget
 from fsmount.data.cache_admin import cache_clear, cache_stats, cache_verify
 from fsmount.data.cache_dir import (
@@ -74,7 +74,6 @@ from fsmount.data.uploads import (
     Uploads,
     multipart_etag,
     put_etag,
-    within,
 )
 
 __all__ = [

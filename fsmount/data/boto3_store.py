@@ -17,7 +17,7 @@ import socket
 import threading
 import time
 import urllib.parse
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from fsmount.config import METADATA_THREADS, StoreConfig
@@ -112,12 +112,36 @@ def _without_retry_quota(client: Any) -> None:
                     "5xx may fail without a retry until successes refill it", exc)
 
 
+# The deadline (time.monotonic()) of the request this thread runs for a caller that gives up on it then
+# (`within`: a write request of `Writes.call`, a metadata request of the mount's store call), None outside one.
+_deadline = threading.local()
+
+
+def within(deadline: float, fn: Callable[..., Any], *args: Any) -> Any:
+    """`fn(*args)` in this thread, where no try of a request begins after `deadline` (time.monotonic())."""
+    _deadline.at = deadline
+    try:
+        return fn(*args)
+    finally:
+        _deadline.at = None
+
+
+def _no_try_past_the_deadline(**_: Any) -> None:
+    """botocore's before-send, before each try of a request (a cut listing asked again too,
+    `Boto3Store._list_objects`). A write request given up on at its deadline went on in its abandoned thread,
+    botocore trying it again after its backoff (up to 8 s after a SlowDown): a rename that had got EIO was done
+    seconds later, the file under both names (the write fault fuzzer)."""
+    deadline = getattr(_deadline, "at", None)
+    if deadline is not None and time.monotonic() > deadline:
+        raise TimedOut("given up on at its deadline: not tried again")
+
+
 def _listing(resp: dict[str, Any], prefix: str) -> dict[str, Any]:
     """A ListObjectsV2 answer, checked to hold a listing: every one holds a ListBucketResult (its Name, Prefix,
     MaxKeys, IsTruncated...). A 200 whose body was cut to nothing with a Content-Length that says so (a proxy, a
     server restarting) parsed as a listing of no keys: a directory of files was empty, each of them ENOENT for the
-    TTL, and a lookup's probe found no directory (B125). CutShort: the listing fails, whole, and is asked again
-    later (a create's probe asks it at once, B221)."""
+    TTL, and a lookup's probe found no directory (B125). CutShort: `Boto3Store._list_objects` asks it once more
+    (B221, B245); a second one so fails the listing, whole."""
     if not resp.keys() - {"ResponseMetadata"}:
         raise CutShort(f"listing {prefix!r}: the server's answer had no listing in it (an empty body)")
     return resp
@@ -350,6 +374,8 @@ class Boto3Store:
         found = None if cfg.no_sign_request else session.get_credentials()
         self._credentials = found if isinstance(found, credentials.Renewable) else None
         self._client.meta.events.register("needs-retry.s3", self._signed_anew)
+        # A request whose caller gave up on it at its deadline (`within`) is not sent again in its abandoned thread.
+        self._client.meta.events.register("before-send.s3", _no_try_past_the_deadline)
         # What presigns URLs: the client, or one for the bucket's region once a read found it elsewhere
         # (`_use_region`); replaced, never changed, under `_region_lock`.
         self._presigner = self._client
@@ -505,16 +531,32 @@ class Boto3Store:
                      "HEAD of a missing key 403 to a caller without s3:ListBucket on it)", key)
         return False
 
+    def _list_objects(self, prefix: str, **kwargs: Any) -> dict[str, Any]:
+        """One ListObjectsV2 of `prefix` (a page of a directory's listing, a lookup's or a create's one-key probe, a
+        HEAD's fallback), checked to hold a listing (`_listing`). One whose answer was cut short (its head cut
+        after the status line: a 200 with no listing in it, which botocore does not send again) is asked once more:
+        a listing is read-only. One such answer failed a lookup of a name, a directory's `ls`, with EIO (B245), and
+        a create (B221). Where the caller runs it `within` a deadline, no try begins past it
+        (`_no_try_past_the_deadline`): given up on, a second try in the abandoned thread outlasted --read-timeout."""
+        def ask() -> dict[str, Any]:
+            try:
+                return _listing(self._client.list_objects_v2(Bucket=self.bucket, Prefix=prefix, **kwargs), prefix)
+            except Exception as exc:  # noqa: BLE001
+                raise translate_error(exc, self.bucket, f"listing {prefix!r}") from None
+
+        try:
+            return ask()
+        except CutShort as exc:
+            log.info("%s; asked again", exc.message)
+            return ask()
+
     def _listed(self, key: str) -> ObjectMeta | None:
         """The key as a listing gives it (None if there is none): the first key a listing of it as a prefix names.
         Keys XML 1.0 cannot carry (control characters) come through: botocore asks with encoding-type=url where the
         caller does not, and decodes the keys itself (`list_pages` asks for it, and so decodes them: `_decode_key`).
         A non-UTF-8 key decodes to one with U+FFFD, which is never the key asked, so it is not listed
         (`tests/mount/test_server_quirks.py::test_a_control_character_key_whose_head_has_no_etag_is_found_by_its_listing`)."""
-        try:
-            resp = _listing(self._client.list_objects_v2(Bucket=self.bucket, Prefix=key, MaxKeys=1), key)
-        except Exception as exc:  # noqa: BLE001
-            raise translate_error(exc, self.bucket, f"listing {key!r}") from None
+        resp = self._list_objects(key, MaxKeys=1)
         for item in resp.get("Contents", ())[:1]:
             if item.get("Key") == key:
                 return _meta(key, int(item.get("Size", 0)), item.get("ETag", ""), item.get("LastModified"))
@@ -524,15 +566,12 @@ class Boto3Store:
         token: str | None = None
         tokens: set[str] = set()  # every continuation token given so far: a server that ignores them repeats one
         while True:
-            kwargs: dict[str, Any] = dict(Bucket=self.bucket, Prefix=prefix, Delimiter="/", EncodingType="url",
+            kwargs: dict[str, Any] = dict(prefix=prefix, Delimiter="/", EncodingType="url",
                                           MaxKeys=self.list_page_keys)
             if token:
                 # Opaque (S3) or the last key as it is (SeaweedFS): never encoded, so sent back unchanged.
                 kwargs["ContinuationToken"] = token
-            try:
-                resp = _listing(self._client.list_objects_v2(**kwargs), prefix)
-            except Exception as exc:  # noqa: BLE001
-                raise translate_error(exc, self.bucket, f"listing {prefix!r}") from None
+            resp = self._list_objects(**kwargs)
             encoded = resp.get("EncodingType") == "url"
             objects: list[ObjectMeta] = []
             prefixes: list[str] = []
@@ -571,11 +610,7 @@ class Boto3Store:
         # Delimited, as the listings are: SeaweedFS keeps a folder whose keys were all deleted, and names it in its
         # parent's delimited listing and in its own (as the object `prefix`), but not in an undelimited one, so a
         # lookup called ENOENT a directory `ls` showed. On S3 both find the same keys.
-        try:
-            resp = _listing(self._client.list_objects_v2(Bucket=self.bucket, Prefix=prefix, Delimiter="/",
-                                                         MaxKeys=1, EncodingType="url"), prefix)
-        except Exception as exc:  # noqa: BLE001
-            raise translate_error(exc, self.bucket, f"listing {prefix!r}") from None
+        resp = self._list_objects(prefix, Delimiter="/", MaxKeys=1, EncodingType="url")
         return bool(resp.get("KeyCount") or resp.get("Contents") or resp.get("CommonPrefixes"))
 
     def _renew(self, why: str) -> bool:

@@ -18,7 +18,7 @@ from collections.abc import Callable
 from datetime import datetime
 from typing import Any
 
-from fsmount.data.boto3_store import Boto3Store, _client_error_code, translate_error
+from fsmount.data.boto3_store import Boto3Store, _client_error_code, _deadline, translate_error
 from fsmount.data.store import (
     NotFound,
     PreconditionFailed,
@@ -64,28 +64,6 @@ class Exists(StoreError):
 
 class Replaced(StoreError):
     """A conditional DELETE found another object under the key: another writer stored it meanwhile."""
-
-
-# The deadline (time.monotonic()) of the write request this thread runs (`within`), None outside one.
-_deadline = threading.local()
-
-
-def within(deadline: float, fn: Callable[..., Any], *args: Any) -> Any:
-    """`fn(*args)` in this thread, where no try of a request begins after `deadline` (time.monotonic())."""
-    _deadline.at = deadline
-    try:
-        return fn(*args)
-    finally:
-        _deadline.at = None
-
-
-def _no_try_past_the_deadline(**_: Any) -> None:
-    """botocore's before-send, before each try of a request. A write request given up on at its deadline went on
-    in its abandoned thread, botocore trying it again after its backoff (up to 8 s after a SlowDown): a rename that
-    had got EIO was done seconds later, the file under both names (the write fault fuzzer)."""
-    deadline = getattr(_deadline, "at", None)
-    if deadline is not None and time.monotonic() > deadline:
-        raise TimedOut("given up on at its deadline: not tried again")
 
 
 # Whether a try of the CreateMultipartUpload this thread sends may have begun an upload whose id never came back:
@@ -170,7 +148,6 @@ class Uploads:
         self._client = store.client
         self.head = store.head
         self.has_children = store.has_children
-        self._client.meta.events.register("before-send.s3", _no_try_past_the_deadline)
         self._client.meta.events.register("response-received.s3.CreateMultipartUpload", _note_start_answer)
         # Set once the server refused If-None-Match itself (`_or_plain`): an O_EXCL file's store then goes without it.
         # Written from request threads, only ever to True.

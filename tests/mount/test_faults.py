@@ -27,6 +27,7 @@ import random
 import re
 import shutil
 import signal
+import stat
 import subprocess
 import threading
 import time
@@ -260,7 +261,8 @@ def test_a_listing_answered_with_an_empty_body_fails_and_is_not_an_empty_directo
     """No mount: the store's client. A listing's 200 whose body was cut to nothing with a Content-Length that says so
     (a proxy, a server restarting) parsed as a listing of no keys: the directory was empty, every file in it ENOENT
     (the fault fuzz's seed 6010 under load, an open of a file the bucket holds). Every ListObjectsV2 answer holds a
-    ListBucketResult: one with nothing of it fails, and the page after it is not taken for the last."""
+    ListBucketResult: one with nothing of it is asked once more (B245), and a second one so fails the listing; the
+    page after it is not taken for the last."""
     from fsmount.config import StoreConfig
     from fsmount.data.boto3_store import Boto3Store
     from fsmount.data.store import TransientError
@@ -269,11 +271,68 @@ def test_a_listing_answered_with_an_empty_body_fails_and_is_not_an_empty_directo
         monkeypatch.setenv(name, value)
     bucket = bucket_with(moto_server, {"d/a.bin": b"a", "d/b.bin": b"b"})
     store = Boto3Store(StoreConfig(bucket=bucket, endpoint_url=proxy.endpoint_url, addressing_style="path"))
-    cut = proxy.inject(Fault.SHORT, after_bytes=0, data_only=False, kind="lists", times=1)
+    cut = proxy.inject(Fault.SHORT, after_bytes=0, data_only=False, kind="lists", times=2)
     with pytest.raises(TransientError, match="no listing"):
         list(store.list_pages("d/"))
-    assert cut.hits == 1
+    assert cut.hits == 2
     assert [o.key for page in store.list_pages("d/") for o in page.objects] == ["d/a.bin", "d/b.bin"]
+    cut = proxy.inject(Fault.SHORT, after_bytes=0, data_only=False, kind="lists", times=1)
+    assert [o.key for page in store.list_pages("d/") for o in page.objects] == ["d/a.bin", "d/b.bin"]
+    assert cut.hits == 1
+
+
+def test_a_listing_cut_after_its_status_line_is_asked_once_more_never_past_its_deadline(
+        moto_server: S3Server, proxy: FaultProxy, monkeypatch: pytest.MonkeyPatch) -> None:
+    """No mount: the store's client. A listing answered with its head cut after the status line (a 200 with no
+    listing in it, which botocore does not send again) is asked once more: a page of a directory's listing, a
+    lookup's one-key probe (B245). Where its caller gave up at its deadline (`within`: the mount's store call after
+    --read-timeout), the cut answer arriving later is not asked again in the abandoned thread."""
+    from fsmount.config import StoreConfig
+    from fsmount.data.boto3_store import Boto3Store, within
+    from fsmount.data.store import CutShort, TimedOut
+
+    for name, value in moto_server.env.items():
+        monkeypatch.setenv(name, value)
+    bucket = bucket_with(moto_server, {"d/a.bin": b"a"})
+    store = Boto3Store(StoreConfig(bucket=bucket, endpoint_url=proxy.endpoint_url, addressing_style="path"))
+    cut = proxy.inject(Fault.CUT_HEADERS, kind="lists", times=1)
+    assert store.has_children("d/")
+    assert cut.hits == 1
+    cut = proxy.inject(Fault.CUT_HEADERS, kind="lists", times=2)
+    with pytest.raises(CutShort):
+        store.has_children("d/")
+    assert cut.hits == 2
+    # The status line, then 1.5 s of silence, then the connection closed: cut, past the deadline of 0.5 s.
+    late = proxy.inject(Fault.CUT_HEADERS, seconds=1.5, kind="lists", times=2)
+    with pytest.raises(TimedOut, match="deadline"):
+        within(time.monotonic() + 0.5, store.has_children, "d/")
+    assert late.hits == 1
+    proxy.clear()
+    assert store.has_children("d/")
+
+
+@pytest.mark.parametrize("what", ["directory", "file", "listing"])
+def test_a_lookup_or_listing_cut_after_its_status_line_is_asked_again(
+        moto_server: S3Server, proxy: FaultProxy, mountpoint: Path, what: str) -> None:
+    """A lookup of a name no listing answered asks a HEAD and a one-key listing of `name/`; that listing answered
+    with its head cut after the status line (a 200 with no listing in it, B125, which botocore does not send again)
+    failed the `stat` of a directory, and of a file, with EIO; one such page of a directory's listing failed the
+    `ls`. Each is asked once more now (B245), within the one --read-timeout of its request."""
+    bucket = bucket_with(moto_server, {"d/a.bin": b"a", "d/b.bin": b"b", "f.bin": b"file bytes"})
+    with mounted_via(proxy, moto_server, bucket, mountpoint, "--read-timeout", str(READ_TIMEOUT_S)):
+        if what == "listing":
+            assert os.path.isdir(mountpoint / "d")  # its lookup, before the fault
+        rule = proxy.inject(Fault.CUT_HEADERS, kind="lists", times=1)
+        if what == "directory":
+            got, took = timed(os.stat, mountpoint / "d")
+            assert not isinstance(got, int) and stat.S_ISDIR(got.st_mode), got
+        elif what == "file":
+            got, took = timed(os.stat, mountpoint / "f.bin")
+            assert not isinstance(got, int) and got.st_size == len(b"file bytes"), got
+        else:
+            got, took = timed(os.listdir, mountpoint / "d")
+            assert not isinstance(got, int) and sorted(got) == ["a.bin", "b.bin"], got
+        assert rule.hits == 1 and took <= FAILING_READ_BOUND_S, took
 
 
 @pytest.mark.seaweedfs
@@ -757,12 +816,12 @@ def test_a_response_cut_inside_its_headers_is_retried_or_eio_never_wrong_never_h
     names = [f"w{i:04d}.bin" for i in range(2500)]  # 3 pages
     bucket = new_bucket(moto_server)
     put_objects(moto_server, bucket, {"d/data.bin": data, "d/new.bin": b"new bytes", "d/later.bin": b"later",
-                                      "big/": b"", "big2/": b""})
-    proxy.serve_directory(bucket, "big/", names, size=16)
-    proxy.serve_directory(bucket, "big2/", names, size=16)
+                                      "big/": b"", "big2/": b"", "big3/": b""})
+    for big in ("big/", "big2/", "big3/"):
+        proxy.serve_directory(bucket, big, names, size=16)
     with mounted_via(proxy, moto_server, bucket, mountpoint, *FAULT_ARGS, "--get-client", get_client,
                      allowed=(FETCH_FAILED, OPS_FAILED, r"listing .* failed")):
-        assert (mountpoint / "big").is_dir() and (mountpoint / "big2").is_dir()
+        assert all((mountpoint / big).is_dir() for big in ("big", "big2", "big3"))
         with opened_random(mountpoint / "d" / "data.bin") as fd:
             assert os.pread(fd, MiB, 0) == data[:MiB]
             if not silent:  # one cut answer of each kind, then whole ones
@@ -776,9 +835,14 @@ def test_a_response_cut_inside_its_headers_is_retried_or_eio_never_wrong_never_h
                 got, took = timed(os.listdir, mountpoint / "big")
                 assert rule.hits == 1 and took <= FAILING_READ_BOUND_S, took
                 # botocore takes the page for a 200 with no body (its promised Content-Length unchecked): no listing
-                # in it, the listing fails whole (B125), nothing of it kept, and the next one is asked again.
+                # in it (B125), so the page is asked once more (B245), and the listing is whole.
+                assert not isinstance(got, int) and sorted(got) == names, got
+                # Cut twice, the listing fails whole, nothing of it kept, and the next one is asked again.
+                rule = proxy.inject(Fault.CUT_HEADERS, kind="lists", skip=1, times=2, **kwargs)
+                got, took = timed(os.listdir, mountpoint / "big3")
+                assert rule.hits == 2 and took <= FAILING_READ_BOUND_S, took
                 assert got == errno.EIO, got if isinstance(got, int) else len(got)
-                assert sorted(os.listdir(mountpoint / "big")) == names
+                assert sorted(os.listdir(mountpoint / "big3")) == names
             # Every answer cut: a chunk, a new name, a listing fail, each within one --read-timeout and slack.
             proxy.inject(Fault.CUT_HEADERS, data_only=False, **kwargs)
             assert_eio_in_time(fd, MiB, 2 * MiB)

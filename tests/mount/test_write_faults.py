@@ -29,8 +29,9 @@ import pytest
 
 from fsmount.config import StoreConfig
 from fsmount.data import Boto3Store
+from fsmount.data.boto3_store import within
 from fsmount.data.store import TimedOut, TransientError, Unreachable
-from fsmount.data.uploads import Uploads, within
+from fsmount.data.uploads import Uploads
 from fsmount.testing.fault_proxy import Down, Fault, FaultProxy
 from tests.helpers import (
     MiB,

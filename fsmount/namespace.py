@@ -15,7 +15,8 @@ Concurrency (all methods run in the trio thread; store calls are awaited through
   superseded version's entries go once the kernel forgets its inode (`forget`): kept, every replaced file left
   ~330 bytes for the life of the mount (65 MiB after 200,000 checkpoint versions); it comes back as a new inode.
 - `_nodes` entries are created on lookup/readdir and dropped by `forget` when the lookup count
-  reaches zero. Between two awaits a node's metadata may be refreshed by another task; readers
+  reaches zero (a current version's, or a directory's, kept in `_forgotten`, which answers only while the origin
+  is away). Between two awaits a node's metadata may be refreshed by another task; readers
   take a snapshot (`Node.version()`) instead of reading fields across awaits.
 
 Changes made through this mount (`--writable`) are tree_changes.WritableNamespace's, a subclass: files
@@ -67,6 +68,10 @@ NEGATIVE_CACHE_ENTRIES = 100_000
 # Paths whose newest answer's time is kept (`_latest_asked`): older answers about them are older news. Bounded, as
 # paths come and go (a checkpoint rotation's); past it the oldest news is forgotten first.
 LATEST_ASKED_ENTRIES = 20_000
+# Current nodes the kernel forgot (`_forgotten`), kept for outages: a file found by its HEAD, not in any listing, whose
+# inode the kernel dropped (memory pressure, drop_caches) was EIO at its next lookup while the origin was away (B246).
+# ~300 B each (tracemalloc, its path and ETag strings included): ~3 MiB.
+FORGOTTEN_NODES = 10_000
 # A HEAD's answer that a file is current also holds for the requests that follow it within this long, those of the
 # same system call: an open() is a LOOKUP, a GETATTR (the permission check, once the attributes are older than the TTL)
 # and an OPEN. Each asking again, with `--metadata-ttl 0` a file rewritten every 50 ms was found replaced between two of
@@ -253,6 +258,9 @@ class Namespace:
         # from the nodes, as the kernel forgets inodes meanwhile.
         self._latest_asked: cachetools.LRUCache[str, float] = cachetools.LRUCache(LATEST_ASKED_ENTRIES)
         self._nodes: dict[int, Node] = {ROOT_INODE: Node(ROOT_INODE, "", True, lookups=1)}
+        # Nodes of current versions (and directories) the kernel forgot, by inode number: what `_known_while_down`
+        # answers a lookup of them from while the origin is away. Never served while it answers.
+        self._forgotten: cachetools.LRUCache[int, Node] = cachetools.LRUCache(FORGOTTEN_NODES)
         self._listings: cachetools.TTLCache[str, Listing] = cachetools.TTLCache(
             maxsize=LISTING_CACHE_ENTRIES, ttl=ttl, getsizeof=lambda entries: max(1, len(entries)))
         self._negative: cachetools.TTLCache[str, bool] = cachetools.TTLCache(NEGATIVE_CACHE_ENTRIES, ttl)
@@ -325,6 +333,7 @@ class Namespace:
         node = self._nodes.get(ino)
         if node is None:
             node = self._nodes[ino] = Node(ino, path, is_dir)
+            self._forgotten.pop(ino, None)  # an answer of the bucket's (or a listing's) is newer
         if is_dir and as_of is not None:
             node.fresh_until = max(node.fresh_until, as_of + self.ttl)
         if meta is not None:
@@ -361,12 +370,16 @@ class Namespace:
                     del self._ino_by_path[(node.path, node.etag)]
                 if latest:
                     del self._latest_file[node.path]
+            elif not node.writing and (node.is_dir or node.etag):
+                node.lookups = 0
+                self._forgotten[ino] = node
 
     def forget_all(self) -> None:
         """At unmount: the kernel forgets everything."""
         for ino in list(self._nodes):
             if ino != ROOT_INODE:
                 del self._nodes[ino]
+        self._forgotten.clear()
 
     # -- versions ------------------------------------------------------------------------------
 
@@ -444,6 +457,8 @@ class Namespace:
         node = self._nodes.get(ino) if ino is not None else None
         if node is not None and not node.writing:
             self._supersede(node)
+        if ino is not None:
+            self._forgotten.pop(ino, None)
         self._listings.pop(path.rpartition("/")[0], None)  # also when the kernel has forgotten the inode
         if self.saved is not None:
             self.saved.gone(path, version.etag)
@@ -521,6 +536,7 @@ class Namespace:
             # ENOENT.) Its version is known by its number again, unless a newer lookup gave it another meanwhile.
             self._nodes[node.ino] = node
             self._ino_by_path.setdefault((node.path, None if node.is_dir else node.etag), node.ino)
+            self._forgotten.pop(node.ino, None)  # (`_known_while_down` answers from those)
         elif held is not node:
             node = held  # forgotten and made again meanwhile: the one the table has is current
         node.lookups += 1
@@ -599,6 +615,11 @@ class Namespace:
         (True, None), a file's version (False, meta), or nothing."""
         if self.saved is not None:
             self.saved.found(path, entry)
+        for ino in (self._ino_by_path.get((path, None)), self._latest_file.get(path)):
+            forgotten = self._forgotten.get(ino) if ino is not None else None
+            if forgotten is not None and (entry is None or entry[0] != forgotten.is_dir or
+                                          (entry[1] is not None and entry[1].etag != forgotten.etag)):
+                del self._forgotten[ino]
 
     def _known_while_down(self, path: str, exc: BaseException, answered: dict[str, Any]) -> Node | None:
         """While the origin is unreachable, a name the mount already knows keeps resolving: as what the request of
@@ -615,7 +636,8 @@ class Namespace:
             return "meta" not in answered or (answered["meta"] is not None and answered["meta"].etag == etag)
 
         for ino in (self._ino_by_path.get((path, None)), self._latest_file.get(path)):
-            node = self._nodes.get(ino) if ino is not None else None
+            # One the kernel holds, or one it forgot (B246: a file found by its HEAD, its inode dropped since).
+            node = (self._nodes.get(ino) or self._forgotten.get(ino)) if ino is not None else None
             # Not a version found replaced (a 412, a HEAD) while the kernel still holds it: its open is ESTALE, and so
             # was the kernel's retry, answered the same way (ESTALE reached the reader).
             if (node is not None and not node.superseded and (node.is_dir or node.etag)

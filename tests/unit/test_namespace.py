@@ -812,6 +812,46 @@ async def test_while_the_origin_is_down_a_listed_name_the_kernel_forgot_still_re
         await ns.lookup(d.ino, b"never-listed")
 
 
+async def test_while_the_origin_is_down_a_name_found_by_its_head_the_kernel_forgot_still_resolves(
+        allowed_logs: list[str]) -> None:
+    """A file looked up by its HEAD (its directory never listed), read, then forgotten by the kernel (memory pressure,
+    another process's drop_caches): while the origin was away its next lookup was EIO, although the mount knew it a
+    moment before (tests/mount/test_metadata_faults.py's re-read of `d/known.txt`, B246). A directory the same. Not
+    a version found gone meanwhile, nor one the bucket was found to hold no more."""
+    allowed_logs.append(ORIGIN_UNAVAILABLE)
+    store = FakeStore()
+    store.put("d/f", b"12345")
+    store.put("d/g", b"123")
+    store.put("d/sub/x", b"x")
+    ns = Namespace(store, call, prefix="", ttl=60)
+    d = await ns.lookup(ROOT_INODE, b"d")
+    f, g, sub = (await ns.lookup(d.ino, b"f")), (await ns.lookup(d.ino, b"g")), (await ns.lookup(d.ino, b"sub"))
+    gone = g.version(ns.prefix)
+    for node in (f, g, sub):
+        ns.forget(node.ino, 1)  # the kernel dropped the dentries and forgot the inodes
+    ns.gone(gone)  # a GET found g replaced meanwhile
+    store.head = store.has_children = store.list_pages = origin_down  # type: ignore[method-assign]
+    node = await ns.lookup(d.ino, b"f")
+    assert node.ino == f.ino and node.size == 5 and (await ns.open_file(node.ino)).size == 5
+    assert (await ns.lookup(d.ino, b"sub")).ino == sub.ino
+    with pytest.raises(Unreachable):
+        await ns.lookup(d.ino, b"g")
+    with pytest.raises(Unreachable):
+        await ns.lookup(d.ino, b"never-looked-up")
+    # Found deleted while forgotten: not answered from what the mount knew before.
+    store2 = FakeStore()
+    store2.put("h", b"1")
+    ns2 = Namespace(store2, call, prefix="", ttl=0)
+    h = await ns2.lookup(ROOT_INODE, b"h")
+    ns2.forget(h.ino, 1)
+    del store2.objects["h"]
+    with pytest.raises(PathError):
+        await ns2.lookup(ROOT_INODE, b"h")
+    store2.head = store2.has_children = store2.list_pages = origin_down  # type: ignore[method-assign]
+    with pytest.raises(Unreachable):
+        await ns2.lookup(ROOT_INODE, b"h")
+
+
 def test_the_listing_caches_stay_within_the_runtime_share_of_the_memory_limit() -> None:
     """The listings kept for outages outlive their TTL, up to LISTING_CACHE_ENTRIES entries. Estimated at 100 B an
     entry, 2,000,000 of them held ~780 MiB beyond --memory-limit, whose runtime share is 96 MiB (the audit)."""

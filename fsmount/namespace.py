@@ -635,9 +635,16 @@ class Namespace:
                 return "dir" not in answered
             return "meta" not in answered or (answered["meta"] is not None and answered["meta"].etag == etag)
 
+        # A listing of the directory begun after the newest answer about the path is newer news than a node the
+        # kernel forgot: that listing decides (below). Answered from the node, a file deleted, replaced or made a
+        # directory since, as `ls` had said, resolved as the version the mount learnt was gone (B247).
+        listing = self._last_listings.get(path.rpartition("/")[0])
+        listed_since = listing is not None and listing.at > self._latest_asked.get(path, 0.0)
         for ino in (self._ino_by_path.get((path, None)), self._latest_file.get(path)):
             # One the kernel holds, or one it forgot (B246: a file found by its HEAD, its inode dropped since).
-            node = (self._nodes.get(ino) or self._forgotten.get(ino)) if ino is not None else None
+            node = self._nodes.get(ino) if ino is not None else None
+            if node is None and ino is not None and not listed_since:
+                node = self._forgotten.get(ino)
             # Not a version found replaced (a 412, a HEAD) while the kernel still holds it: its open is ESTALE, and so
             # was the kernel's retry, answered the same way (ESTALE reached the reader).
             if (node is not None and not node.superseded and (node.is_dir or node.etag)

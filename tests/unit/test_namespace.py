@@ -852,6 +852,36 @@ async def test_while_the_origin_is_down_a_name_found_by_its_head_the_kernel_forg
         await ns2.lookup(ROOT_INODE, b"h")
 
 
+async def test_while_the_origin_is_down_a_forgotten_node_a_later_listing_contradicts_is_not_served(
+        allowed_logs: list[str]) -> None:
+    """A file found by its HEAD, forgotten by the kernel, then deleted, replaced or made a directory, as a listing of
+    its directory said since (`ls`, or the prefetch's listing: no node made of its entries): while the origin was
+    away its lookup was answered from the node kept when the kernel forgot it (B246), the version the mount had
+    learnt was gone, not from that newer listing (B247)."""
+    allowed_logs.append(ORIGIN_UNAVAILABLE)
+    store = FakeStore()
+    for key in ("d/deleted", "d/replaced", "d/now-dir"):
+        store.put(key, b"12345")
+    ns = Namespace(store, call, prefix="", ttl=0)
+    d = await ns.lookup(ROOT_INODE, b"d")
+    for name in (b"deleted", b"replaced", b"now-dir"):
+        ns.forget((await ns.lookup(d.ino, name)).ino, 1)  # the kernel dropped the dentry and forgot the inode
+    del store.objects["d/deleted"]
+    store.put("d/replaced", b"123")
+    del store.objects["d/now-dir"]
+    store.put("d/now-dir/x", b"x")
+    assert await names(ns, d.ino) == {b"replaced": False, b"now-dir": True}
+    store.put("d/late", b"1234")  # found by its HEAD after that listing: newer news than it
+    ns.forget((await ns.lookup(d.ino, b"late")).ino, 1)
+    store.head = store.has_children = store.list_pages = origin_down  # type: ignore[method-assign]
+    with pytest.raises(Unreachable):
+        await ns.lookup(d.ino, b"deleted")
+    replaced = await ns.lookup(d.ino, b"replaced")
+    assert replaced.size == 3 and (await ns.open_file(replaced.ino)).size == 3
+    assert (await ns.lookup(d.ino, b"now-dir")).is_dir
+    assert (await ns.lookup(d.ino, b"late")).size == 4
+
+
 def test_the_listing_caches_stay_within_the_runtime_share_of_the_memory_limit() -> None:
     """The listings kept for outages outlive their TTL, up to LISTING_CACHE_ENTRIES entries. Estimated at 100 B an
     entry, 2,000,000 of them held ~780 MiB beyond --memory-limit, whose runtime share is 96 MiB (the audit)."""

@@ -901,7 +901,10 @@ def _main(argv: list[str] | None) -> int:
     if unknown:
         # argparse's parse_args said these as the top-level parser's, "modelfs: error: unrecognized arguments: --jsn
         # (see modelfs --help)", whose help lists no command's options: the command's own parser says it (B231).
-        parser.commands.get(args.command, parser).error(f"unrecognized arguments: {' '.join(unknown)}")
+        # One given before the command (`modelfs --jsn stats /m`) is the top-level parser's to say.
+        before = argv[:argv.index(args.command)] if args.command in argv else argv
+        said_by = parser if any(word in before for word in unknown) else parser.commands.get(args.command, parser)
+        said_by.error(f"unrecognized arguments: {' '.join(unknown)}")
     if args.command == "mount":
         # The child gets the same normalised arguments, minus the ones the parent adds itself.
         return cmd_mount(args, strip_internal(argv))

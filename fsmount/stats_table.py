@@ -145,7 +145,7 @@ def format_stats(s: dict[str, Any], mountpoint: str) -> str:
                             f"({_percent(sc['hit_ratio'])} hit), {human_size(sc['bytes'])} loaded"),
             ("shared tier fleet", f"{sc['claims']} chunks fetched for the fleet, {sc['claim_waits']} waits for "
                                   f"other nodes, {sc['fallbacks']} fallbacks, {sc['writes']} written, "
-                                  f"{sc['trailed']} held back until the load ended ({sc['trail_dropped']} of "
+                                  f"{sc['trailed']} held back behind the load ({sc['trail_dropped']} of "
                                   "those given up)"
                                   + (f", {sc['writes_skipped']} not written (the tier failed or refused writes)"
                                      if sc.get("writes_skipped") else "")),

@@ -10,7 +10,8 @@ Queued writes run, TRAIL_WORKERS at a time, as soon as any of these holds:
 - no origin GET has been in flight for TRAIL_IDLE_S (the load is done, or paused);
 - the oldest has waited TRAIL_MAX_S (well below the tier's claim TTL, so a claim is never taken for a
   dead node's while its chunk trails), or more than TRAIL_MAX_BYTES trail (what is left to write when a
-  long load ends, and what an unmount right after it has to drain, stays bounded), or the queue is within a
+  long load ends, and what an unmount right after it has to drain, stays bounded while the tier keeps up;
+  behind a tier slower than the origin the queue grows on, up to the share below), or the queue is within a
   chunk of TRAIL_LOCAL_SHARE of the local level's size (its copies must outlast their turn: past that share a
   write is not queued, it goes at once, from memory);
 - the level no longer trails (another node was seen) or a listing of its waiting markers

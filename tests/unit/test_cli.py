@@ -137,10 +137,13 @@ def test_an_unknown_argument_is_said_by_the_command_whose_help_lists_its_options
         err = capsys.readouterr().err
         assert raised.value.code == 2 and err == (f"modelfs {command}: error: unrecognized arguments: {unknown} "
                                                   f"(see modelfs {command} --help)\n"), err
-    with pytest.raises(SystemExit) as raised:
-        main(["--bogus"])
-    assert raised.value.code == 2 and "modelfs: error: unrecognized arguments: --bogus (see modelfs --help)" in \
-        capsys.readouterr().err
+    # One given before the command is the top-level parser's (not the command's, whose help does not list it).
+    for argv in (["--bogus"], ["--bogus", "stats", "/models"]):
+        with pytest.raises(SystemExit) as raised:
+            main(argv)
+        err = capsys.readouterr().err
+        assert raised.value.code == 2, err
+        assert err == "modelfs: error: unrecognized arguments: --bogus (see modelfs --help)\n", err
 
 
 def test_a_bucket_named_like_a_command_mounts_in_the_fstab_form(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -40,16 +40,16 @@ def test_shared_tier_loads_are_not_called_nvme_ones() -> None:
             "corrupt": 0, "errors": 0, "egress_saved_bytes": 8 * MiB, "trailed": 1, "trail_dropped": 0,
             "waiters_seen": 0}
     text = format_stats(snapshot(shared_cache=tier), "/models")
-    assert "1 written, 1 held back until the load ended (0 of those given up)\n" in text, text
+    assert "1 written, 1 held back behind the load (0 of those given up)\n" in text, text
     # Chunks not written while the tier failed showed in the JSON alone (a fleet tester).
     skipped = format_stats(snapshot(shared_cache={**tier, "writes_skipped": 13}), "/models")
-    assert "1 written, 1 held back until the load ended (0 of those given up), 13 not written (the tier failed or " \
+    assert "1 written, 1 held back behind the load (0 of those given up), 13 not written (the tier failed or " \
         "refused writes)" in skipped
     # B251: just after a load, "18 written (50 after the load, 0 given up)" read as a miscount: the writes held back
     # were counted as they were queued, and the 32 still to run showed nowhere.
     loading = format_stats(snapshot(shared_cache={**tier, "writes": 18, "trailed": 50}, cache_writes_pending=32),
                            "/models")
-    assert "18 written, 50 held back until the load ended (0 of those given up)\n" in loading, loading
+    assert "18 written, 50 held back behind the load (0 of those given up)\n" in loading, loading
     assert rows(loading)["now"] == "0 fetches in flight, 0 open files, 32 fetched chunks still to write to the " \
         "cache levels", loading
     assert rows(text)["now"] == "0 fetches in flight, 0 open files", text

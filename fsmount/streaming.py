@@ -513,7 +513,8 @@ class ModelStreamer:
             reader_near = job.ino is not None and self.pusher.reader_near(job.ino, offset, offset + length)
             if reader_near or self.engine.memory.read_by_kernel(cid):
                 return None
-            return self.engine.memory.get(cid)
+            data = self.engine.memory.get(cid)
+            return data if data is not None and len(data) == length else None  # another size's: not ours (B290)
 
         if job.ino is not None and await self.pusher.push(job.ino, offset, length, take):
             job.pushed += length

@@ -254,10 +254,11 @@ class ChunkEngine:
         return self._fetch(self.chunk_id(obj, index), obj, index, owner, priority)
 
     def _fetch(self, cid: ChunkId, obj: ObjectVersion, index: int, owner: object, priority: int) -> Fetch | Chunk:
+        length = self.chunk_length(obj, index)
         data = self.memory.get(cid)
-        if data is not None:
+        if data is not None and len(data) == length:
             return data
-        fetch = self._fetch_for(cid, self.chunk_length(obj, index), priority, obj.size)
+        fetch = self._fetch_for(cid, length, priority, obj.size)
         fetch.owners.add(owner)
         return fetch
 
@@ -274,11 +275,15 @@ class ChunkEngine:
         parts: list[tuple[ChunkId, Fetch | Chunk]] = []
         for index in self.chunk_range(obj, start, end):
             cid = self.chunk_id(obj, index)
+            length = self.chunk_length(obj, index)
             data = self.memory.touch(cid)
-            if data is not None:
+            if data is not None and len(data) == length:
                 parts.append((cid, data))
                 continue
-            fetch = self._fetch_for(cid, self.chunk_length(obj, index), DEMAND, obj.size)
+            # Not in memory, or held at another length: the chunk id names the ETag, not the size, and a version
+            # pinned at a wrong size (a HEAD cut inside its Content-Length line, B209) would otherwise read the
+            # chunk a right handle fetched, short, with no GET to refuse it (B290). Its own fetch goes to the store.
+            fetch = self._fetch_for(cid, length, DEMAND, obj.size)
             if not fetch.demanded:
                 fetch.demanded = True
                 now = trio.current_time()

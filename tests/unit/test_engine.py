@@ -577,6 +577,33 @@ async def test_a_fetch_pinned_at_another_size_of_the_same_etag_is_not_joined(aut
     await run_engine(engine, body)
 
 
+@pytest.mark.parametrize("short_by", [MiB - 10, -MiB // 2], ids=["pinned-smaller", "pinned-larger"])
+async def test_a_chunk_in_memory_is_not_served_to_a_version_pinned_at_another_size(autojump_clock,  # noqa: ANN001
+                                                                                   allowed_logs, short_by: int) -> None:
+    """A right handle read the file, so its chunks are in memory; a handle of the same ETag pinned at another size (a
+    HEAD cut inside its Content-Length line, B209) then read its last chunk. The chunk id names no size, so the chunk
+    in memory was served without a GET to refuse it: the file read back short as if whole (pinned smaller), or a
+    READ came back short in the middle (pinned larger). A chunk in memory now counts only at the length its version
+    gives; otherwise the version's own GET decides: SizeChanged, no bytes (B290)."""
+    allowed_logs.append("fetching chunk .* failed")
+    store = FakeStore()
+    data = put_object(store, "m", 3 * MiB - MiB // 2)
+    engine = make_engine(store)
+    whole = version(store, "m")
+    other = dataclasses.replace(whole, size=whole.size - short_by)
+    last = (other.size - 1) // MiB * MiB  # the other handle's last chunk, held in memory at another length
+
+    async def body() -> None:
+        assert await engine.read(whole, 0, len(data)) == data
+        gets = len(store.gets)
+        with pytest.raises(SizeChanged):
+            await engine.read(other, last, other.size)
+        assert len(store.gets) == gets + 1  # its own GET, refused
+        assert await engine.read(whole, 0, len(data)) == data  # the right handle is served as before
+
+    await run_engine(engine, body)
+
+
 @pytest.mark.parametrize("down_s, outcome", [(3.0, "exact"), (3600.0, "error")])
 async def test_an_unreachable_origin_is_waited_for_until_the_deadline(autojump_clock, allowed_logs,  # noqa: ANN001
                                                                       down_s: float, outcome: str) -> None:

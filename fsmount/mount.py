@@ -134,7 +134,8 @@ NAMES_SAVE_S = 5.0
 # botocore's retries of one shared-tier request: none, since the origin is the fallback; a request then
 # takes at most --shared-cache-timeout.
 SHARED_TIER_RETRIES = 0
-# A tier request, and a wait for another node's claim, take at most this share of --read-timeout (B253).
+# A tier lookup (its requests, a wait for another node's claim) takes at most this share of --read-timeout (B253,
+# B256); one request at most half of that share, so that requests begun in the first half end within it.
 TIER_SHARE_OF_READ_TIMEOUT = 4
 # glibc mallopt parameters: return freed chunk-sized blocks to the OS at once, and do not grow one
 # arena per worker thread; otherwise RSS stays at its peak long after the memory limit was hit. The mmap
@@ -630,15 +631,19 @@ def open_shared_tier(cfg: MountConfig, origin: Boto3Store) -> SharedTier:
     shared = cfg.shared_cache
     assert shared is not None
     warn_path_style(shared.endpoint_url, shared.addressing_style, "--shared-cache-addressing-style")
-    # B253: a tier lookup runs before the origin's GET within the READ's --read-timeout. A tier request (or a wait for
-    # another node's claim) as long as that failed reads with EIO while the tier did not answer, the origin well;
-    # each is at most a quarter of it, as a local level's read is (levels.GET_DEADLINE_S).
-    bound = cfg.store.read_timeout / TIER_SHARE_OF_READ_TIMEOUT
-    timeout, wait = min(shared.timeout, bound), min(shared.wait, bound)
+    # A tier lookup runs before the origin's GET within the READ's --read-timeout. A tier request (or a wait for
+    # another node's claim) as long as that failed reads with EIO while the tier did not answer, the origin well
+    # (B253); so did the sum of a lookup's requests, each shorter, against a tier that answered slowly (B256). A
+    # lookup takes at most a quarter of it, as a local level's read does (levels.GET_DEADLINE_S): its requests begin
+    # within the first part of that quarter (SharedTier.begin_within), each takes at most the rest.
+    share = cfg.store.read_timeout / TIER_SHARE_OF_READ_TIMEOUT
+    timeout = min(shared.timeout, share / 2)
+    begin_within = share - timeout
+    wait = min(shared.wait, begin_within)
     if (timeout, wait) != (shared.timeout, shared.wait):
-        log.info("shared cache: requests time out after %gs and claims are waited for %gs at most (a quarter of "
-                 "--read-timeout %gs), so that the origin has the rest of a read's time", timeout, wait,
-                 cfg.store.read_timeout)
+        log.info("shared cache: a lookup takes at most %gs (a quarter of --read-timeout %gs), so that the origin has "
+                 "the rest of a read's time: requests time out after %gs and claims are waited for %gs at most",
+                 share, cfg.store.read_timeout, timeout, wait)
     tier_store = StoreConfig(bucket=shared.bucket, endpoint_url=shared.endpoint_url, region=shared.region,
                              profile=shared.profile, addressing_style=shared.addressing_style,
                              max_connections=cfg.store.max_connections, connect_timeout=timeout,
@@ -665,7 +670,7 @@ def open_shared_tier(cfg: MountConfig, origin: Boto3Store) -> SharedTier:
         answered = False
     tier = SharedTier(client, origin=origin_identity(origin.configured_endpoint_url, origin.region),
                       prefix=shared.prefix, wait=wait, read_only=shared.read_only,
-                      threads=cfg.store.max_connections)
+                      threads=cfg.store.max_connections, begin_within=begin_within)
     if answered:  # (a tier that did not answer the check would make the probe wait its timeout again)
         tier.probe_claims()
     log.info("%s: %s", tier, "read-only" if shared.read_only else

@@ -26,15 +26,19 @@ does when it has itself found another node's claim in the last FLEET_QUIET_S. Fr
 marker's LastModified with this node's clock: clocks off by more than WAITING_FRESH_S only make a node
 write at once (or trail, for at most trailing.TRAIL_MAX_S, below CLAIM_TTL_S), never a wrong byte.
 
-Failures never reach a reader: every request has the tier client's own timeout; a tier that fails a
+Failures never reach a reader: every request has the tier client's own timeout, and every request of one
+`get` begins within `begin_within` seconds of its start (a claim not looked at by then counts as live, a
+wait ends, a claim won after a hit is left to go later: `_left`), so a lookup against a tier that answers,
+slowly, takes at most `begin_within` and one request's timeout (the mount makes that a quarter of
+--read-timeout: the origin has the rest of the READ's time); a tier that fails a
 request is skipped for UNAVAILABLE_RETRY_S (one warning per episode) and reads go to the origin; a
 refused PUT pauses writes for WRITE_RETRY_S (one warning per episode) while reads go on. get and put never
 raise.
 
 Threads: get, put and look_for_waiters run in the level stack's worker threads; trails() runs in the trio
 thread. `_lock` guards the counters, the failure episodes, the log-once flags, `_claimed` (chunks this
-node has claimed and not yet written), `_left` (claims let go while the tier was silent, or whose DELETE failed),
-`_others_seen_at` and `_marker_put_at`.
+node has claimed and not yet written), `_left` (claims let go while the tier was silent, or past a lookup's time for
+requests, or whose DELETE failed), `_others_seen_at` and `_marker_put_at`.
 """
 
 from __future__ import annotations
@@ -159,11 +163,15 @@ class TierStats:
 
 class SharedTier:
     def __init__(self, client: TierClient, *, origin: str, prefix: str, wait: float, read_only: bool,
-                 threads: int, clock: Callable[[], float] = time.monotonic):
+                 threads: int, begin_within: float = math.inf, clock: Callable[[], float] = time.monotonic):
         self.client = client
         self.origin = origin
         self.prefix = prefix
         self.wait = wait
+        # No request of one get begins later than this after the get began: each of them, one after another (a read,
+        # a claim, a marker, the polls and claim checks of a wait), took up to the client's timeout, and against a
+        # tier that answered slowly their sum passed the READ's --read-timeout while the origin answered.
+        self.begin_within = begin_within
         self.read_only = read_only
         self.claims = not read_only
         self.threads = threads  # the level stack runs this many lookups at once (network, not disk)
@@ -273,49 +281,59 @@ class SharedTier:
     def get(self, chunk: ChunkId, buffer: WritableBuffer | None = None) -> bytes | WritableBuffer | None:
         if self._down():
             return None
+        until = self._clock() + self.begin_within  # no request of this lookup begins past it
         data = self._read(chunk, buffer)
         if data is _CORRUPT:
             # A bad object: waiting for another node's claim would read the whole of it again every POLL_S
             # (225 GETs of 8 MiB for 3 chunks, measured) until that node rewrites it. The origin it is.
-            if self.claims and not self._writes_paused():  # never on a read-only node (claims off)
-                self._claim(chunk)  # ours if nobody holds it: this node's put then rewrites the object
+            if self.claims and not self._writes_paused() and self._in_time(until):  # never on a read-only node
+                self._claim(chunk, until)  # ours if nobody holds it: this node's put then rewrites the object
             with self._lock:
                 self.stats.fallbacks += 1
             return None
         if data is not None or not self.claims or self._down() or self._writes_paused():
             return data
-        claimed = self._claim(chunk)
+        if not self._in_time(until):
+            return None  # unclaimed, as on a tier without claims: the put writes it all the same
+        claimed = self._claim(chunk, until)
         if claimed is not False:
             return None  # ours to fetch from the origin (True), or the tier failed (None)
         with self._lock:
             self.stats.claim_waits += 1
             self._others_seen_at = self._clock()
-        self._mark_waiting()
-        deadline = self._clock() + self.wait
+        if self._in_time(until):
+            self._mark_waiting()
+        deadline = min(self._clock() + self.wait, until)
         next_check = self._clock() + CLAIM_CHECK_S
         while self._clock() < deadline and not self._down():
-            time.sleep(POLL_S)
+            time.sleep(max(0.0, min(POLL_S, deadline - self._clock())))
+            if not self._in_time(until):
+                break
             data = self._read(chunk, buffer)
             if data is _CORRUPT:
                 break  # written, but bad: not read again every POLL_S; the origin it is
             if data is not None:
                 return data
-            if self._clock() < next_check:
+            if self._clock() < next_check or not self._in_time(until):
                 continue
             # The claim may be gone (its node's fetch failed, or the node stopped) or stale (the node died):
             # then this node claims the chunk and fetches it, instead of waiting out `wait` for nothing.
-            claimed = self._claim(chunk)
+            claimed = self._claim(chunk, until)
             if claimed:
-                data = self._read(chunk, buffer)  # the claimer may have written it just before it let go
+                # The claimer may have written it just before it let go.
+                data = self._read(chunk, buffer) if self._in_time(until) else None
                 if data is None or data is _CORRUPT:
                     return None  # ours to fetch from the origin
-                self._release(chunk)  # a hit after all: this claim fetches nothing, so it is not counted
+                # A hit after all: this claim fetches nothing, so it is not counted. Dropped now, or with no time left
+                # for a request, later (`_left`: the chunk is there, so it holds nobody up meanwhile).
+                self._release(chunk, in_time=self._in_time(until))
                 with self._lock:
                     self.stats.claims -= 1
                 return data
             if claimed is None:
                 break
-            self._mark_waiting()
+            if self._in_time(until):
+                self._mark_waiting()
             next_check = self._clock() + CLAIM_CHECK_S
         with self._lock:
             self.stats.fallbacks += 1
@@ -444,19 +462,23 @@ class SharedTier:
         with stream:
             return stream.read(stream.size), stream.server_age_s
 
-    def _claim(self, chunk: ChunkId) -> bool | None:
-        """True: this node claimed the chunk. False: another node holds a live claim. None: the tier
-        failed the request."""
+    def _claim(self, chunk: ChunkId, until: float) -> bool | None:
+        """True: this node claimed the chunk. False: another node holds a claim, live or not looked at before
+        `until` (no request begins past it). None: the tier failed the request."""
         key = self.claim_key(chunk)
-        for _ in range(2):  # a second try only after breaking a stale claim
+        for attempt in range(2):  # a second try only after breaking a stale claim
             try:
+                if attempt and not self._in_time(until):
+                    return False
                 if self.client.put_object(key, f"{time.time():.3f} {self._owner}".encode(), only_if_absent=True):
                     with self._lock:
                         self._claimed.add(chunk)
                         self.stats.claims += 1
                     return True
+                if not self._in_time(until):
+                    return False
                 held = self._held_claim(key)
-                if held is None or not _expired(*held):
+                if held is None or not _expired(*held) or not self._in_time(until):
                     return False
                 log.info("%s: breaking a claim older than %gs on chunk %d of %r (%s)", self, CLAIM_TTL_S,
                          chunk.index, chunk.key, held[0][:100].decode("utf-8", "replace"))
@@ -484,14 +506,16 @@ class SharedTier:
         except StoreError as exc:  # the claimer then writes at its own pace (TRAIL_MAX_S at most)
             log.debug("%s: writing this node's waiting marker failed: %s", self, exc)
 
-    def _release(self, chunk: ChunkId) -> None:
+    def _release(self, chunk: ChunkId, in_time: bool = True) -> None:
+        """Drop this node's claim on `chunk`, if it holds one; not `in_time` (a lookup with no time left for a
+        request), or while the tier is silent, later (`_left`)."""
         with self._lock:
             if chunk not in self._claimed:
                 return
             self._claimed.discard(chunk)
         with self._lock:
             silent = self._clock() < self._silent_until
-            if silent:
+            if silent or not in_time:
                 # Left to expire (CLAIM_TTL_S), and deleted once the tier answers (`_left`): against a tier that
                 # stopped answering, each DELETE waited out the tier's timeout, one claim after another, and held the
                 # unmount's drain of writes past its bound. A tier that answered with an error (one 503 SlowDown) is
@@ -521,6 +545,10 @@ class SharedTier:
                 self._left.add(chunk)
             return False
         return True
+
+    def _in_time(self, until: float) -> bool:
+        """Whether a request of a lookup whose requests begin before `until` may begin now."""
+        return self._clock() < until
 
     def _down(self) -> bool:
         with self._lock:

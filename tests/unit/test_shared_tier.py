@@ -11,7 +11,9 @@ import time
 from collections.abc import Iterator
 
 import pytest
+import trio
 
+from fsmount.config import StoreConfig
 from fsmount.data import (
     AccessDenied,
     ChunkId,
@@ -750,3 +752,69 @@ def test_a_tier_that_answered_one_request_with_an_error_still_drops_this_node_s_
     requests = client.requests
     c.abandon(z)
     assert client.requests == requests and c.claim_key(z) in client.objects
+
+
+class SlowTierClient(DictClient):
+    """A tier that answers every request, slowly: each takes SLOW_SHARE of the timeout the mount gives its client
+    (`mount.open_shared_tier` builds it in place of the Boto3Store)."""
+
+    SLOW_SHARE = 0.6
+
+    def __init__(self, cfg: StoreConfig, **_: object) -> None:
+        super().__init__()
+        self.bucket = cfg.bucket
+        self.endpoint_url = self.configured_endpoint_url = cfg.endpoint_url
+        self.delay = self.SLOW_SHARE * cfg.read_timeout
+
+    def check_bucket(self, prefix: str) -> None:
+        return None
+
+    def _request(self) -> None:
+        time.sleep(self.delay)
+        super()._request()
+
+
+@pytest.mark.parametrize("claim", ["live", "dropped-while-waiting"])
+async def test_a_lookup_in_a_tier_that_answers_slowly_ends_within_its_share_of_the_read_timeout(
+        monkeypatch: pytest.MonkeyPatch, claim: str) -> None:
+    """B256: B253 bounded each tier request, and a wait for another node's claim, by a quarter of --read-timeout, but
+    one lookup makes several in a row (the read, the claim and a look at the claim held, the marker, the polls and
+    claim checks of the wait, a read after a claim won): against a tier answering each a little under its timeout
+    with another node's claim held, they added up past --read-timeout (4 s), and the READ failed while the origin
+    answered. The lookup now ends within the quarter, and the chunk comes from the origin well within the read's
+    time."""
+    from types import SimpleNamespace
+
+    from fsmount import mount
+    from fsmount.config import MountConfig, SharedCacheConfig
+    from fsmount.data.levels import LevelStack
+
+    from .fake_store import FakeStore
+
+    read_timeout = 4.0
+    monkeypatch.setattr(mount, "Boto3Store", SlowTierClient)
+    cfg = MountConfig(store=StoreConfig(bucket="models", endpoint_url=ORIGIN, read_timeout=read_timeout),
+                      mountpoint="/mnt", shared_cache=SharedCacheConfig(bucket="tier",
+                                                                        endpoint_url="http://tier.example:9000"))
+    origin = SimpleNamespace(endpoint_url=ORIGIN, configured_endpoint_url=ORIGIN, region="us-east-1")
+    t = mount.open_shared_tier(cfg, origin)  # type: ignore[arg-type]
+    client = t.client
+    assert isinstance(client, SlowTierClient) and t.claims
+    store = FakeStore("models")
+    data = bytes(range(256)) * (CHUNK // 256)
+    store.put("llm/model.safetensors", data)
+    cid = ChunkId("models", "llm/model.safetensors", store.etags["llm/model.safetensors"], CHUNK, 0)
+    key = t.claim_key(cid)
+    client.objects[key] = f"{time.time():.3f} otherhost 1".encode()  # another node's, live
+    client.mtime_ns[key] = SERVER_CLOCK_NS()
+    if claim == "dropped-while-waiting":  # its fetch failed: the waiter claims the chunk itself
+        threading.Timer(client.delay * 1.5, client.objects.pop, (key, None)).start()
+    stack = LevelStack(store, [t], max_connections=4, chunk_size=CHUNK)
+    started = time.monotonic()
+    with trio.fail_after(read_timeout):  # the READ's time: EIO past it
+        got, hit = await stack.load(cid, CHUNK, None, lambda: started + read_timeout)
+    elapsed = time.monotonic() - started
+    assert hit is None and bytes(got) == data  # the origin's bytes
+    assert elapsed < read_timeout / mount.TIER_SHARE_OF_READ_TIMEOUT + 0.5, elapsed
+    assert t.stats.claim_waits == 1 and t.stats.errors == 0, t.stats
+    assert t.stats.claims + t.stats.fallbacks == 1, t.stats  # the wait ended in a claim of its own, or counted

@@ -247,10 +247,11 @@ def add_mount_arguments(p: argparse.ArgumentParser) -> None:
     t.add_argument("--shared-cache-read-only", action="store_true", help="use the tier, never write to it")
     t.add_argument("--shared-cache-wait", type=float, default=DEFAULT_SHARED_CACHE_WAIT,
                    help="seconds a node waits for a chunk another node is fetching, then fetches it itself "
-                        "(default %(default)s; at most a quarter of --read-timeout)")
+                        "(default %(default)s; a tier lookup, this wait included, takes at most a quarter of "
+                        "--read-timeout)")
     t.add_argument("--shared-cache-timeout", type=float, default=DEFAULT_SHARED_CACHE_TIMEOUT,
                    help="seconds one tier request may take before the origin is asked (default %(default)s; at "
-                        "most a quarter of --read-timeout)")
+                        "most an eighth of --read-timeout: a tier lookup takes at most a quarter of it)")
     o = p.add_argument_group("logging and metrics")
     o.add_argument("--log-level", default="info", type=str.lower,
                    choices=("debug", "info", "warning", "error", "critical"))

@@ -818,3 +818,62 @@ async def test_a_lookup_in_a_tier_that_answers_slowly_ends_within_its_share_of_t
     assert elapsed < read_timeout / mount.TIER_SHARE_OF_READ_TIMEOUT + 0.5, elapsed
     assert t.stats.claim_waits == 1 and t.stats.errors == 0, t.stats
     assert t.stats.claims + t.stats.fallbacks == 1, t.stats  # the wait ended in a claim of its own, or counted
+
+
+class TimedClient(DictClient):
+    """A tier whose every request takes `step` seconds of a `Clock`; `begun` holds when each began. `before` runs
+    before each request (the test's other node acting at a moment of the lookup)."""
+
+    def __init__(self, clock: Clock, step: float) -> None:
+        super().__init__()
+        self.clock, self.step = clock, step
+        self.begun: list[float] = []
+        self.before: list[object] = []
+
+    def _request(self) -> None:
+        self.begun.append(self.clock.now)
+        for act in self.before:
+            act()  # type: ignore[operator]
+        self.clock.now += self.step
+        super()._request()
+
+
+@pytest.mark.parametrize("path", ["claimed", "live-claim", "stale-claim", "claim-won-after-the-chunk-landed"])
+def test_every_request_of_a_lookup_begins_within_its_time(monkeypatch: pytest.MonkeyPatch, path: str,
+                                                          allowed_logs: list[str]) -> None:
+    """B256: whichever way a lookup goes (a claim of its own; a wait for a live claim; a stale claim broken; a claim
+    won in a wait just after the claimer wrote the chunk and let go), no request of it begins past `begin_within`, so
+    it ends within that and one request. A claim won past that time after a hit is not dropped then, nor left in the
+    tier for good: it goes with the next write that succeeds."""
+    allowed_logs.append("breaking a claim older than")
+    monkeypatch.setattr(shared_tier, "CLAIM_CHECK_S", 0.0)  # a claim check after every look
+    clock = Clock()
+    client = TimedClient(clock, step=1.0)
+    t = SharedTier(client, origin=ORIGIN, prefix="modelfs/", wait=30.0, read_only=False, threads=4,
+                   begin_within=6.5, clock=clock)
+    cid, other = chunk(), chunk(index=1)
+    key = t.claim_key(cid)
+    if path != "claimed":
+        client.objects[key] = b"%.3f otherhost 1" % time.time()
+        age = CLAIM_TTL_S + 5 if path == "stale-claim" else 0
+        client.mtime_ns[key] = SERVER_CLOCK_NS() - int(age * 1e9)
+    if path == "claim-won-after-the-chunk-landed":
+        def land() -> None:  # the claimer's put, and its claim dropped, just before the waiter's claim check
+            if clock.now == 1005.0:
+                client.objects[t.chunk_key(cid)] = b"".join(encode_chunk(cid, data_of(cid)))
+                del client.objects[key]
+        client.before.append(land)
+    started = clock.now
+    got = t.get(cid)
+    assert client.begun and max(client.begun) < started + 6.5, client.begun
+    assert clock.now <= started + 6.5 + 1.0
+    if path == "claim-won-after-the-chunk-landed":
+        # read 1000, claim 1001 (another's), look at it 1002, marker 1003; a wait: read 1004, claim 1005 (won), read
+        # 1006: a hit, at 1007, past the lookup's time for requests: its claim left to drop later.
+        assert got == data_of(cid) and t.stats.claims == 0 and key in client.objects
+        t.put(other, data_of(other))  # a write that succeeds: the claims left go
+        assert key not in client.objects
+    elif path == "live-claim":
+        assert got is None and t.stats.claim_waits == t.stats.fallbacks == 1
+    else:
+        assert got is None and t.stats.claims == 1 and cid in t._claimed  # noqa: SLF001 - ours to fetch

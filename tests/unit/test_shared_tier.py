@@ -774,9 +774,8 @@ class SlowTierClient(DictClient):
         super()._request()
 
 
-@pytest.mark.parametrize("claim", ["live", "dropped-while-waiting"])
 async def test_a_lookup_in_a_tier_that_answers_slowly_ends_within_its_share_of_the_read_timeout(
-        monkeypatch: pytest.MonkeyPatch, claim: str) -> None:
+        monkeypatch: pytest.MonkeyPatch) -> None:
     """B256: B253 bounded each tier request, and a wait for another node's claim, by a quarter of --read-timeout, but
     one lookup makes several in a row (the read, the claim and a look at the claim held, the marker, the polls and
     claim checks of the wait, a read after a claim won): against a tier answering each a little under its timeout
@@ -807,8 +806,6 @@ async def test_a_lookup_in_a_tier_that_answers_slowly_ends_within_its_share_of_t
     key = t.claim_key(cid)
     client.objects[key] = f"{time.time():.3f} otherhost 1".encode()  # another node's, live
     client.mtime_ns[key] = SERVER_CLOCK_NS()
-    if claim == "dropped-while-waiting":  # its fetch failed: the waiter claims the chunk itself
-        threading.Timer(client.delay * 1.5, client.objects.pop, (key, None)).start()
     stack = LevelStack(store, [t], max_connections=4, chunk_size=CHUNK)
     started = time.monotonic()
     with trio.fail_after(read_timeout):  # the READ's time: EIO past it
@@ -816,8 +813,7 @@ async def test_a_lookup_in_a_tier_that_answers_slowly_ends_within_its_share_of_t
     elapsed = time.monotonic() - started
     assert hit is None and bytes(got) == data  # the origin's bytes
     assert elapsed < read_timeout / mount.TIER_SHARE_OF_READ_TIMEOUT + 0.5, elapsed
-    assert t.stats.claim_waits == 1 and t.stats.errors == 0, t.stats
-    assert t.stats.claims + t.stats.fallbacks == 1, t.stats  # the wait ended in a claim of its own, or counted
+    assert t.stats.claim_waits == t.stats.fallbacks == 1 and t.stats.errors == 0, t.stats
 
 
 class TimedClient(DictClient):

@@ -216,10 +216,11 @@ class DroppedRequestReply(logging.Filter):
 
 class LogFile(logging.handlers.WatchedFileHandler):
     """--log-file: reopened at its path when it is moved or deleted (logrotate without copytruncate), checked at each
-    line. A line it cannot write (its directory removed, a full disk, one remounted read-only) is dropped, and said once
-    on stderr (the journal under systemd) until a line is written again. WatchedFileHandler raised a failed reopen from
-    the log call itself: the first line logged after an `rm -rf` of the log's directory (a SIGHUP's) took the daemon and
-    its mount down; and a failed write printed a traceback per line."""
+    line and at SIGHUP and SIGUSR1 (`reopen`). A line it cannot write (its directory removed, a full disk, one
+    remounted read-only) is dropped, and said once on stderr (the journal under systemd) until a line is written again.
+    WatchedFileHandler raised a failed reopen from the log call itself: the first line logged after an `rm -rf` of the
+    log's directory (a SIGHUP's) took the daemon and its mount down; and a failed write printed a traceback per
+    line."""
 
     def __init__(self, filename: str) -> None:
         super().__init__(filename)
@@ -228,6 +229,24 @@ class LogFile(logging.handlers.WatchedFileHandler):
 
     def emit(self, record: logging.LogRecord) -> None:
         self._failed = None
+        if self._reopened():
+            logging.FileHandler.emit(self, record)  # a failed write comes to handleError
+        self._say_failure()
+
+    def reopen(self) -> None:
+        """What SIGHUP and SIGUSR1 (a logrotate postrotate) ask: a file moved or deleted is let go of and the path
+        opened now, not at the next line, which at `--log-level warning` may be days away (the rotated file, compressed
+        and deleted, held its disk space until then, B260)."""
+        self.acquire()
+        try:
+            self._failed = None
+            self._reopened()
+            self._say_failure()
+        finally:
+            self.release()
+
+    def _reopened(self) -> bool:
+        """The file at its path open (reopened if it moved or went); False, with `_failed` set, where it cannot be."""
         try:
             self.reopenIfNeeded()
             if self.stream is None:  # a reopen that failed closed the old stream: try the path again
@@ -235,8 +254,10 @@ class LogFile(logging.handlers.WatchedFileHandler):
                 self._statstream()
         except OSError as err:
             self._failed = err
-        else:
-            logging.FileHandler.emit(self, record)  # a failed write comes to handleError
+            return False
+        return True
+
+    def _say_failure(self) -> None:
         if self._failed is None:
             self._failing = False
         elif not self._failing:
@@ -269,6 +290,15 @@ class LogFile(logging.handlers.WatchedFileHandler):
             self._failed = failed
         else:  # a log call's own mistake (its arguments), not the file's: as logging reports it
             super().handleError(record)
+
+
+def reopen_log_file() -> bool:
+    """SIGHUP's and SIGUSR1's: a --log-file that was moved or deleted is let go of, and its path opened, now. Whether
+    the daemon logs to a file."""
+    files = [handler for handler in logging.getLogger().handlers if isinstance(handler, LogFile)]
+    for handler in files:
+        handler.reopen()
+    return bool(files)
 
 
 SYSLOG_SOCKET = "/dev/log"
@@ -1278,14 +1308,15 @@ class Daemon:
                                 signal_name(signum))
                     continue
                 if signum in (signal.SIGHUP, signal.SIGUSR1):
-                    # What logrotate's postrotate and `systemctl reload` send: the log file is reopened
-                    # (LogFile does that by itself, at each line); a mount in use must not go away. Its options stay
+                    # What logrotate's postrotate and `systemctl reload` send: the log file is reopened now
+                    # (LogFile does it at each line too, but a quiet daemon logs none for days: the rotated file,
+                    # compressed and deleted, held its disk space); a mount in use must not go away. Its options stay
                     # as they were: an operator who edited the config and reloaded would otherwise think it applied.
                     # SIGUSR1 is nginx's reopen, which a postrotate copied from it sends: its default action
                     # killed the daemon, taking the mount down under every reader.
-                    log.info("received %s: still mounted, the log file is reopened when it moves; the options "
-                             "are not read again (a restart of the mount applies a changed configuration)",
-                             signal.Signals(signum).name)
+                    log.info("received %s: still mounted%s; the options are not read again (a restart of the mount "
+                             "applies a changed configuration)", signal.Signals(signum).name,
+                             ", the log file reopened if it was moved" if reopen_log_file() else "")
                     continue
                 name = signal.Signals(signum).name
                 busy = self.ops.open_files

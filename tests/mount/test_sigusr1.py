@@ -5,6 +5,7 @@ still stops it."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 from collections.abc import Callable
@@ -35,6 +36,36 @@ def test_sigusr1_reopens_the_log_and_leaves_the_mount_up(moto_server: S3Server, 
             assert held.read() == b"a" * 100
         assert (mountpoint / "a.bin").read_bytes() == b"a" * 100
         os.kill(pid, 0)  # the daemon is still there
+    finally:
+        unmount(mountpoint)
+
+
+def files_held(pid: int) -> list[str]:
+    """What the descriptors of process `pid` point to."""
+    held = []
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        with contextlib.suppress(OSError):  # closed meanwhile
+            held.append(os.readlink(fd))
+    return held
+
+
+def test_a_quiet_daemon_lets_go_of_the_rotated_log_at_the_signal(moto_server: S3Server, mountpoint: Path,
+                                                                 tmp_path: Path) -> None:
+    """At --log-level warning the line that says the signal is not written, and the log file was reopened only at a
+    line: the rotated file stayed open (compressed and deleted by logrotate, its disk space held) and no file was at
+    the log's path until the next warning, days later perhaps (B260)."""
+    log_file, rotated = tmp_path / "modelfs.log", tmp_path / "modelfs.log.1"
+    try:
+        pid = mount_logging(moto_server, mountpoint, log_file, "--log-level", "warning")
+        for signum in (signal.SIGUSR1, signal.SIGHUP):
+            log_file.rename(rotated)
+            os.kill(pid, signum)
+            wait_for(f"a log file at its path after {signum.name}", log_file.exists, timeout=10)
+            wait_for("the rotated file let go of", lambda: str(rotated) in files_held(pid), lambda held: not held,
+                     timeout=10)
+            assert str(log_file) in files_held(pid)
+            rotated.unlink()  # what logrotate's compress does with it
+        assert (mountpoint / "a.bin").read_bytes() == b"a" * 100
     finally:
         unmount(mountpoint)
 

@@ -63,11 +63,15 @@ examples:
 """
 
 SUBCOMMANDS = ("mount", "unmount", "umount", "cache", "prefetch", "stats", "cleanup")
-# mount(8) generic options that mean nothing to a FUSE daemon; accepted and ignored.
+# mount(8)'s filesystem-independent options, which mean nothing to a FUSE daemon; accepted and ignored. mount(8) and
+# mount.fuse3 pass them on to `modelfs` as written in fstab (not `norelatime`, `nomand`: mount(8) keeps those): the
+# `lazytime`, `dirsync`, `iversion` or `nosymfollow` of a copied fstab line failed the mount as unknown (B261).
+# SELinux's `context=` and the like stay refused: a label asked for is not silently left off.
 IGNORED_MOUNT_OPTIONS = {"defaults", "_netdev", "nofail", "noauto", "auto", "user", "users", "nouser",
                          "owner", "group", "dev", "nodev", "suid", "nosuid", "exec", "noexec", "atime",
-                         "noatime", "relatime", "strictatime", "nodiratime", "diratime", "sync", "async",
-                         "rw", "silent", "loud"}
+                         "noatime", "relatime", "norelatime", "strictatime", "nostrictatime", "nodiratime", "diratime",
+                         "lazytime", "nolazytime", "iversion", "noiversion", "mand", "nomand", "nosymfollow", "dirsync",
+                         "sync", "async", "rw", "silent", "loud"}
 # libfuse's own -o options: refused as ours are not them (taken as the start of one of ours, `max_read=` became
 # `--max-readahead`: a 128 KiB read-ahead, silently).
 LIBFUSE_OPTIONS = frozenset({"max_read", "max_write", "max_background", "congestion_threshold", "blksize", "fsname",

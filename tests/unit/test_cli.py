@@ -55,6 +55,18 @@ def test_fstab_options_expand_and_generic_ones_are_ignored() -> None:
     assert not cfg.writable
 
 
+def test_every_generic_mount_option_mount_passes_on_is_ignored() -> None:
+    """mount(8) and mount.fuse3 pass an fstab line's filesystem-independent options on as written (with `dev,suid`
+    added): `defaults,noatime,lazytime` reached modelfs as `rw,noatime,lazytime,dev,suid` and failed the mount with
+    "unknown mount option 'lazytime'" (B261)."""
+    generic = ("rw,noatime,lazytime,nolazytime,dirsync,iversion,noiversion,mand,nomand,nosymfollow,norelatime,"
+               "nostrictatime,dev,suid")
+    assert expand_mount_options(["mount", "b", "/m", "-o", f"{generic},endpoint_url=http://h:1"]) == [
+        "mount", "b", "/m", "--endpoint-url=http://h:1"]
+    with pytest.raises(ConfigError, match="unknown mount option 'context'"):  # a label asked for is not left off
+        expand_mount_options(["mount", "b", "/m", "-o", "context=system_u:object_r:tmp_t:s0"])
+
+
 def test_an_unknown_fstab_option_is_named_as_written() -> None:
     """argparse named `--bogus-opt 1`, a flag the user never typed, under the top-level usage line."""
     with pytest.raises(ConfigError, match=r"unknown mount option 'bogus_opt' in -o ro,bogus_opt=1"):

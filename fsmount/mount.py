@@ -623,6 +623,15 @@ def check_cache_dir_outside(cache_dir: str | None, mountpoint: str) -> None:
 
 def open_disk_cache(cfg: MountConfig) -> DiskCache:
     assert cfg.cache_dir is not None
+    # The cache dir is made, the directories above it are not (as a --log-file's, B53): `--cache-dir /nvme/modelfs`
+    # started before the NVMe disk was mounted (a boot script's RAID, a slow instance store) made /nvme/modelfs on the
+    # root disk and filled it to --cache-size of that disk, hidden once the NVMe was mounted over /nvme (B262).
+    # Status 1: the unit starts it again every RestartSec, and once the disk is there it mounts.
+    parent = os.path.dirname(os.path.abspath(cfg.cache_dir))
+    if not os.path.lexists(cfg.cache_dir) and not os.path.isdir(parent):
+        raise MountError(f"cannot use cache dir {cfg.cache_dir}: {parent}, the directory it goes in, "
+                         f"{'is not a directory' if os.path.lexists(parent) else 'does not exist'} (a disk not mounted "
+                         "yet?); modelfs makes the cache dir itself, not the directories above it")
     try:
         cache = DiskCache(cfg.cache_dir, cache_bytes(cfg.cache_size, cfg.cache_dir),
                           min_free_bytes=default_min_free(cfg.cache_dir))

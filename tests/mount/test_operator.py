@@ -18,6 +18,7 @@ from tests.helpers import (
     free_port,
     mount_stats,
     mounted,
+    mounted_at,
     random_bytes,
     run_modelfs,
     tmpfs,
@@ -78,6 +79,29 @@ def test_a_log_file_whose_directory_was_removed_does_not_take_the_mount_down(mot
         wait_for("a new log file", lambda: (logs / "modelfs.log").exists() and "received SIGHUP" in
                  (logs / "modelfs.log").read_text())
         assert (mountpoint / "a.bin").read_bytes() == b"a" * 100
+    finally:
+        unmount(mountpoint)
+
+
+def test_a_cache_dir_whose_disk_is_not_mounted_yet_is_retried_not_made_on_the_root_disk(
+        moto_server: S3Server, mountpoint: Path, tmp_path: Path) -> None:
+    """`--cache-dir /nvme/modelfs` started before /nvme was mounted: the mount made /nvme/modelfs on the disk below and
+    filled it to --cache-size of that disk (B262). Now exit status 1 (the unit starts it again) until the directory the
+    cache dir goes in is there, and nothing is made above the cache dir."""
+    bucket = bucket_with(moto_server, {"a.bin": b"a" * 100})
+    nvme = tmp_path / "nvme"
+    args = ("mount", bucket, str(mountpoint), "--endpoint-url", moto_server.endpoint_url, "--cache-dir",
+            str(nvme / "modelfs"))
+    try:
+        res = run_modelfs(*args, env=daemon_env(moto_server))
+        assert res.returncode == 1, res.stderr
+        assert f"{nvme}, the directory it goes in, does not exist (a disk not mounted yet?)" in res.stderr, res.stderr
+        assert not nvme.exists() and not mounted_at(mountpoint)
+        nvme.mkdir()  # the disk is mounted
+        res = run_modelfs(*args, env=daemon_env(moto_server))
+        assert res.returncode == 0, res.stderr
+        assert (mountpoint / "a.bin").read_bytes() == b"a" * 100
+        assert (nvme / "modelfs" / "chunks").is_dir()
     finally:
         unmount(mountpoint)
 

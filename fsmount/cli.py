@@ -173,7 +173,8 @@ def add_origin_arguments(s: argparse._ArgumentGroup | argparse.ArgumentParser, p
                    help="S3-compatible endpoint (default: AWS, or the AWS configuration's: $AWS_ENDPOINT_URL_S3, "
                         "$AWS_ENDPOINT_URL, a profile's endpoint_url)")
     s.add_argument("--region", default=None, help="region name (default: from the AWS configuration)")
-    s.add_argument("--profile", default=None, help="profile from ~/.aws/credentials")
+    s.add_argument("--profile", default=None,
+                   help="profile of the AWS configuration (~/.aws/credentials, ~/.aws/config)")
     s.add_argument("--addressing-style", choices=("auto", "path", "virtual"), default="auto",
                    help="bucket addressing; Alibaba OSS needs virtual")
 
@@ -258,8 +259,11 @@ def add_mount_arguments(p: argparse.ArgumentParser) -> None:
                         "most an eighth of --read-timeout: a tier lookup takes at most a quarter of it)")
     o = p.add_argument_group("logging and metrics")
     o.add_argument("--log-level", default="info", type=str.lower,
-                   choices=("debug", "info", "warning", "error", "critical"))
-    o.add_argument("--log-file", default=None, help="log here instead of stderr/syslog")
+                   choices=("debug", "info", "warning", "error", "critical"),
+                   help="how much the daemon logs (default %(default)s)")
+    o.add_argument("--log-file", default=None,
+                   help="log here instead of stderr/syslog; reopened at its path when it is moved or deleted "
+                        "(logrotate), at once at SIGHUP or SIGUSR1")
     o.add_argument("--metrics-addr", type=_metrics_addr, default=None, metavar="HOST:PORT",
                    help="serve Prometheus metrics at http://HOST:PORT/metrics (':PORT' for every IPv4 interface)")
     p.add_argument("-o", dest="options", action="append", default=[], metavar="OPTS",

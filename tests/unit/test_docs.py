@@ -5,6 +5,7 @@ README and `--help` write out."""
 
 from __future__ import annotations
 
+import argparse
 import ast
 import importlib
 import inspect
@@ -200,3 +201,24 @@ def test_the_defaults_the_readme_gives_are_the_parser_s() -> None:
             wrong.append(f"README: {flag} ({value}), default {option.default!r}")
     assert checked >= 8, checked
     assert not wrong, wrong
+
+
+def test_every_option_a_command_s_help_lists_says_what_it_does_and_the_readme_names_it() -> None:
+    """`--log-level` had no help text, and `--no-sign-request`, in `modelfs mount --help`, was named nowhere in README:
+    an operator who follows README never learnt of it (B263)."""
+    readme = (ROOT / "README.md").read_text()
+    silent, unnamed = [], []
+    for action in make_parser()._actions:
+        if not isinstance(action.choices, dict):
+            continue
+        for name, sub in action.choices.items():
+            for option in sub._actions:
+                if not option.option_strings or option.help == argparse.SUPPRESS or "-h" in option.option_strings:
+                    continue
+                if not option.help:
+                    silent.append(f"modelfs {name} {option.option_strings[0]}")
+                named = (re.search(rf"(?<![\w-]){re.escape(flag)}(?![\w-])", readme) for flag in option.option_strings)
+                if not any(named):
+                    unnamed.append(f"modelfs {name} {option.option_strings[0]}")
+    assert not silent, f"options whose --help says nothing: {sorted(set(silent))}"
+    assert not unnamed, f"options README never names: {sorted(set(unnamed))}"

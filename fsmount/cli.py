@@ -311,6 +311,10 @@ def expand_mount_options(argv: list[str]) -> list[str]:
             key, has_value, value = opt.partition("=")
             if key in IGNORED_MOUNT_OPTIONS or key.startswith(("x-systemd.", "x-", "comment")):
                 continue
+            if key == "remount":  # `mount -o remount /models`: mount(8) hands it to mount.fuse3, which runs us
+                raise ConfigError("modelfs cannot change the options of a mount it serves (-o remount): unmount it "
+                                  "and mount it again (umount MOUNTPOINT && mount MOUNTPOINT); the mount is left as "
+                                  "it was")
             if key == "ro":  # read-only is the default; with `writable` too it is a contradiction (build_config)
                 out.append("--mount-ro")
                 continue

@@ -67,6 +67,14 @@ def test_every_generic_mount_option_mount_passes_on_is_ignored() -> None:
         expand_mount_options(["mount", "b", "/m", "-o", "context=system_u:object_r:tmp_t:s0"])
 
 
+def test_a_remount_is_said_to_need_an_unmount_not_called_an_unknown_option() -> None:
+    """`mount -o remount,noatime /models` (to apply an edited fstab line) reaches modelfs through mount.fuse3 as
+    `modelfs BUCKET /models -o ro,remount,noatime,...,dev,suid`, which said "unknown mount option 'remount'" (B264)."""
+    with pytest.raises(ConfigError, match=r"cannot change the options of a mount it serves \(-o remount\): unmount it "
+                                          r"and mount it again"):
+        expand_mount_options(["b", "/models", "-o", "ro,remount,noatime,endpoint_url=http://h:1,dev,suid"])
+
+
 def test_an_unknown_fstab_option_is_named_as_written() -> None:
     """argparse named `--bogus-opt 1`, a flag the user never typed, under the top-level usage line."""
     with pytest.raises(ConfigError, match=r"unknown mount option 'bogus_opt' in -o ro,bogus_opt=1"):

@@ -630,7 +630,7 @@ def open_disk_cache(cfg: MountConfig) -> DiskCache:
     parent = os.path.dirname(os.path.abspath(cfg.cache_dir))
     if not os.path.lexists(cfg.cache_dir) and not os.path.isdir(parent):
         raise MountError(f"cannot use cache dir {cfg.cache_dir}: {parent}, the directory it goes in, "
-                         f"{'is not a directory' if os.path.lexists(parent) else 'does not exist'} (a disk not mounted "
+                         f"{'is not a directory' if os.path.exists(parent) else 'does not exist'} (a disk not mounted "
                          "yet?); modelfs makes the cache dir itself, not the directories above it")
     try:
         cache = DiskCache(cfg.cache_dir, cache_bytes(cfg.cache_size, cfg.cache_dir),

@@ -9,7 +9,7 @@ import json
 import os
 from typing import Any
 
-from fsmount.data import human_size
+from fsmount.data import counted, human_size
 from fsmount.stats import STATS_FORMAT_VERSION, STATS_XATTR, ratio
 
 # How long `modelfs stats` waits for the daemon's answer (it comes in milliseconds from a daemon that runs).
@@ -112,7 +112,8 @@ def format_stats(s: dict[str, Any], mountpoint: str) -> str:
         ("read from NVMe cache" if sc is None else "read from NVMe cache or shared tier", human_size(served["cache"])),
         ("read from origin", human_size(served["origin"])),
         ("origin egress saved", f"{human_size(s['egress_saved_bytes'])} ({loaded})"),
-        ("origin downloads", f"{human_size(origin['bytes'])} in {origin['requests']} GETs, {origin['errors']} failed"
+        ("origin downloads", f"{human_size(origin['bytes'])} in {counted(origin['requests'], 'GET', 'GETs')}, "
+                             f"{origin['errors']} failed"
                              + (f", {origin['retries']} sent again" if origin.get("retries") else "")),
         ("origin metadata", f"{origin['metadata_requests']} HEADs and listing pages, "
                             f"{origin['metadata_errors']} failed"),
@@ -126,11 +127,12 @@ def format_stats(s: dict[str, Any], mountpoint: str) -> str:
         used = ratio(dc["bytes_used"], dc["max_bytes"])
         rows += [
             ("NVMe cache", f"{human_size(dc['bytes_used'])} of {human_size(dc['max_bytes'])} ({_percent(used)}), "
-                           f"{dc['chunks']} chunks"
+                           f"{counted(dc['chunks'], 'chunk', 'chunks')}"
                            + (f", {dc['writes_skipped']} not written (writes paused after a failure, or no room)"
                               if dc.get("writes_skipped") else "")),
-            ("NVMe cache lookups", f"{dc['hits']} hits, {dc['misses']} misses ({_percent(dc['hit_ratio'])} hit), "
-                                   f"{dc['evictions']} evictions"),
+            ("NVMe cache lookups", f"{counted(dc['hits'], 'hit', 'hits')}, {counted(dc['misses'], 'miss', 'misses')} "
+                                   f"({_percent(dc['hit_ratio'])} hit), "
+                                   f"{counted(dc['evictions'], 'eviction', 'evictions')}"),
         ]
         if s.get("cache_writes_given_up") or s.get("cache_writes_skipped"):
             rows.append(("cache writes", f"{s['cache_writes_given_up']} given up unfinished, "
@@ -164,8 +166,10 @@ def format_stats(s: dict[str, Any], mountpoint: str) -> str:
                             f"({human_size(s['pagecache_pushed_bytes'])} for files still open), "
                             f"{s['pagecache_drops']} dropped by the kernel"),
         # Writes still to run: a held-back count above the written one read as a miscount without it (B251).
-        ("now", f"{s['fetches_inflight']} fetches in flight, {s['open_files']} open files"
-                + (f", {s['cache_writes_pending']} fetched chunks still to write to the cache levels"
+        ("now", f"{counted(s['fetches_inflight'], 'fetch', 'fetches')} in flight, "
+                f"{counted(s['open_files'], 'open file', 'open files')}"
+                + (f", {counted(s['cache_writes_pending'], 'fetched chunk', 'fetched chunks')} still to write to the "
+                   "cache levels"
                    if s.get("cache_writes_pending") else "")),
     ]
     errors = [f"origin {origin['errors']}"]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from fsmount.stats_table import format_stats
@@ -105,3 +106,16 @@ def test_egress_saved_never_goes_down_and_failed_requests_and_retries_are_counte
     text = format_stats(first, "/models")
     assert "errors                requests failed lookup 1 read 2, origin 0" in text, text
     assert "origin downloads      72.00 MiB in 0 GETs, 0 failed, 3 sent again" in text, text
+
+
+def test_one_of_a_thing_is_not_said_in_the_plural() -> None:
+    """An operator's `modelfs stats` during a load read "0 fetches in flight, 1 open files" (B265)."""
+    dc = {"hits": 1, "misses": 1, "hit_ratio": 0.5, "corrupt": 0, "other_format": 0, "read_errors": 0,
+          "write_errors": 0, "lock_timeouts": 0, "evictions": 1, "writes": 1, "writes_skipped": 0,
+          "bytes_used": 8 * MiB, "max_bytes": 64 * MiB, "chunks": 1}
+    table = format_stats(snapshot(fetches_inflight=1, open_files=1, cache_writes_pending=1, disk_cache=dc), "/models")
+    text = dict(re.split(r"\s{2,}", line, maxsplit=1) for line in table.splitlines())
+    assert text["now"] == "1 fetch in flight, 1 open file, 1 fetched chunk still to write to the cache levels", text
+    assert text["origin downloads"] == "8.00 MiB in 1 GET, 0 failed", text
+    assert text["NVMe cache"] == "8.00 MiB of 64.00 MiB (12.5%), 1 chunk", text
+    assert text["NVMe cache lookups"] == "1 hit, 1 miss (50.0% hit), 1 eviction", text

@@ -663,6 +663,9 @@ def cmd_unmount(args: argparse.Namespace) -> int:
         path = os.path.realpath(args.mountpoint)
         mounted_at, fstype = mount_of(path)
     if mounted_at != path:
+        if fstype == MODELFS_FSTYPE:  # a directory of the mount ("is not mounted" sent the user looking elsewhere)
+            return fail(f"{args.mountpoint} is not a mount point: it is inside the modelfs mount at {mounted_at} "
+                        f"(modelfs unmount {mounted_at})")
         return fail(f"{args.mountpoint} {'is not mounted' if os.path.lexists(path) else 'does not exist'}")
     # fusermount3 run as root unmounts whatever is there: a typo must not take a disk or an NFS share away.
     if fstype != MODELFS_FSTYPE:

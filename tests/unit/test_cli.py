@@ -9,6 +9,7 @@ import shlex
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -1075,3 +1076,20 @@ def test_cache_stats_shows_a_stamp_of_the_epoch_as_a_date(tmp_path, capsys: pyte
     epoch = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(0))
     out = capsys.readouterr().out.splitlines()
     assert out[2:4] == [f"oldest access   {epoch}", f"newest access   {epoch}"], out
+
+
+def test_unmount_of_a_directory_inside_a_mount_names_the_mount(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+                                                               capsys: pytest.CaptureFixture[str]) -> None:
+    """`modelfs unmount /models/llama` said "/models/llama is not mounted", as if nothing were there to unmount
+    (B266)."""
+    import fsmount.prefetch_command as pc
+    from fsmount.cli import main
+
+    (tmp_path / "llama").mkdir()
+    monkeypatch.setattr(pc, "mount_of", lambda path, resolve=True: (str(tmp_path), "fuse.modelfs"))
+    assert main(["unmount", str(tmp_path / "llama")]) == 1
+    assert capsys.readouterr().err == (f"modelfs: {tmp_path}/llama is not a mount point: it is inside the modelfs "
+                                       f"mount at {tmp_path} (modelfs unmount {tmp_path})\n")
+    monkeypatch.setattr(pc, "mount_of", lambda path, resolve=True: ("/", "ext4"))
+    assert main(["unmount", str(tmp_path / "llama")]) == 1
+    assert capsys.readouterr().err == f"modelfs: {tmp_path}/llama is not mounted\n"

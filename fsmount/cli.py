@@ -725,6 +725,12 @@ def cmd_stats(args: argparse.Namespace) -> int:
     try:
         snapshot = read_stats(args.mountpoint)  # a hung daemon is waited for up to 10 s: Ctrl-C comes then
     except StatsUnavailable as exc:
+        if exc.errno in (errno.ENODATA, errno.ENOTSUP):  # a directory of a mount, given for the mount (B266)
+            from fsmount.prefetch_command import MODELFS_FSTYPE, mount_of
+
+            at, fstype = mount_of(args.mountpoint)
+            if fstype == MODELFS_FSTYPE and at != os.path.realpath(args.mountpoint):
+                return fail(f"{exc}: it is inside the modelfs mount at {at} (modelfs stats {at})")
         if exc.errno == errno.EACCES:  # another user's mount made without --allow-other: say so, not only EACCES
             from fsmount.prefetch_command import closed_to_you
 

@@ -58,7 +58,7 @@ def read_stats(mountpoint: str, timeout: float = STATS_TIMEOUT_S) -> dict[str, A
         raw = _getxattr(mountpoint, timeout)
     except OSError as exc:
         if exc.errno in (errno.ENODATA, errno.ENOTSUP):
-            raise StatsUnavailable(f"{mountpoint} is not the root of a modelfs mount") from None
+            raise StatsUnavailable(f"{mountpoint} is not the root of a modelfs mount", exc.errno) from None
         if exc.errno == errno.ENOTCONN:
             raise StatsUnavailable(f"the daemon of {mountpoint} is gone (transport endpoint is not connected); "
                                    f"its counters went with it: run `modelfs unmount {mountpoint}`, then mount "

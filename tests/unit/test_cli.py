@@ -1093,3 +1093,26 @@ def test_unmount_of_a_directory_inside_a_mount_names_the_mount(monkeypatch: pyte
     monkeypatch.setattr(pc, "mount_of", lambda path, resolve=True: ("/", "ext4"))
     assert main(["unmount", str(tmp_path / "llama")]) == 1
     assert capsys.readouterr().err == f"modelfs: {tmp_path}/llama is not mounted\n"
+
+
+def test_stats_of_a_directory_inside_a_mount_names_the_mount(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+                                                             capsys: pytest.CaptureFixture[str]) -> None:
+    """`modelfs stats /models/llama` said only "is not the root of a modelfs mount" (B266)."""
+    import errno
+
+    import fsmount.prefetch_command as pc
+    import fsmount.stats_table as st
+    from fsmount.cli import main
+
+    def no_stats(path: str) -> dict:
+        raise st.StatsUnavailable(f"{path} is not the root of a modelfs mount", errno.ENODATA)
+
+    (tmp_path / "llama").mkdir()
+    monkeypatch.setattr(st, "read_stats", no_stats)
+    monkeypatch.setattr(pc, "mount_of", lambda path, resolve=True: (str(tmp_path), "fuse.modelfs"))
+    assert main(["stats", str(tmp_path / "llama")]) == 1
+    assert capsys.readouterr().err == (f"modelfs: {tmp_path}/llama is not the root of a modelfs mount: it is inside "
+                                       f"the modelfs mount at {tmp_path} (modelfs stats {tmp_path})\n")
+    monkeypatch.setattr(pc, "mount_of", lambda path, resolve=True: ("/", "ext4"))
+    assert main(["stats", str(tmp_path / "llama")]) == 1
+    assert capsys.readouterr().err == f"modelfs: {tmp_path}/llama is not the root of a modelfs mount\n"

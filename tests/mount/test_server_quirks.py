@@ -618,6 +618,38 @@ def test_a_store_refused_for_another_reason_keeps_o_excl_files_create_only(s3: S
     assert s3.client().get_object(Bucket=bucket, Key="lock")["Body"].read() == b"theirs"
 
 
+class SyntheticListingsToTheMillisecond(FaultProxy):
+    """The proxy's synthetic directory answering its listings with a LastModified to the millisecond (`.500Z`), as
+    MinIO, Ceph RGW and R2 do; its HEADs' Last-Modified is an HTTP date, to the second."""
+
+    def _synthetic_response(self, req: Request) -> Response | None:
+        resp = super()._synthetic_response(req)
+        if resp is None or req.method != "GET" or b"<ListBucketResult" not in resp.body:
+            return resp
+        return dataclasses.replace(resp, body=resp.body.replace(b".000Z</LastModified>", b".500Z</LastModified>"))
+
+
+def test_a_file_listed_to_the_millisecond_keeps_its_mtime_once_a_head_asks_again(moto_server: S3Server,
+                                                                                  tmp_path: Path) -> None:
+    """A listing gives LastModified to the millisecond on some servers, a HEAD's Last-Modified is to the second. A
+    file's times came from whichever answered last: `ls -l` showed the listing's 00:00:00.500, a `stat` past the TTL
+    (a HEAD) 00:00:00, and the next listing .500 again, so an inode's mtime stepped back and forth (to a tool that
+    compares nanoseconds, such as `find -newer` or git's index, the file changed). Both answers give the second."""
+    bucket = new_bucket(moto_server)
+    with SyntheticListingsToTheMillisecond(moto_server.endpoint_url) as proxy:
+        proxy.serve_directory(bucket, "m/", ["a.bin", "b.bin"], size=4096)
+        with mounted_via(proxy, moto_server, bucket, tmp_path / "mnt", "--metadata-ttl", "1",
+                         "--no-model-prefetch") as m:
+            listed = {entry.name: entry.stat().st_mtime_ns for entry in os.scandir(m.path / "m")}
+            time.sleep(1.5)
+            before = len(proxy.log())
+            asked = {name: os.stat(m.path / "m" / name).st_mtime_ns for name in listed}  # past the TTL: a HEAD each
+            heads = {e.target.rsplit("/", 2)[-1] for e in proxy.log()[before:] if e.method == "HEAD"}
+    assert {"a.bin", "b.bin"} <= heads, heads
+    whole_second = 1_767_225_600 * 1_000_000_000  # 2026-01-01T00:00:00Z, the synthetic objects' time
+    assert listed == asked == {"a.bin": whole_second, "b.bin": whole_second}
+
+
 class SyntheticHeadsWithoutETags(FaultProxy):
     """The proxy's synthetic directory (keys of any bytes, which moto refuses) answering its HEADs without an ETag."""
 

@@ -149,8 +149,8 @@ def _listing(resp: dict[str, Any], prefix: str) -> dict[str, Any]:
 
 def _mtime_ns(value: Any) -> int:
     """A Last-Modified to the whole second: a HEAD's is an HTTP date, while a listing's is to the millisecond on some
-    servers (MinIO, Ceph RGW, R2), and an inode's mtime must not change with which of the two answered last (rsync
-    and make compare it to the nanosecond)."""
+    servers (MinIO, Ceph RGW), and an inode's mtime must not change with which of the two answered last (`find
+    -newer` and `make` compare it to the nanosecond)."""
     try:
         return int(value.timestamp() // 1) * 1_000_000_000
     except AttributeError:

@@ -620,7 +620,7 @@ def test_a_store_refused_for_another_reason_keeps_o_excl_files_create_only(s3: S
 
 class SyntheticListingsToTheMillisecond(FaultProxy):
     """The proxy's synthetic directory answering its listings with a LastModified to the millisecond (`.500Z`), as
-    MinIO, Ceph RGW and R2 do; its HEADs' Last-Modified is an HTTP date, to the second."""
+    MinIO and Ceph RGW do; its HEADs' Last-Modified is an HTTP date, to the second."""
 
     def _synthetic_response(self, req: Request) -> Response | None:
         resp = super()._synthetic_response(req)
@@ -634,7 +634,7 @@ def test_a_file_listed_to_the_millisecond_keeps_its_mtime_once_a_head_asks_again
     """A listing gives LastModified to the millisecond on some servers, a HEAD's Last-Modified is to the second. A
     file's times came from whichever answered last: `ls -l` showed the listing's 00:00:00.500, a `stat` past the TTL
     (a HEAD) 00:00:00, and the next listing .500 again, so an inode's mtime stepped back and forth (to a tool that
-    compares nanoseconds, such as `find -newer` or git's index, the file changed). Both answers give the second."""
+    compares nanoseconds, such as `find -newer` or `make`, the file changed). Both answers give the second."""
     bucket = new_bucket(moto_server)
     with SyntheticListingsToTheMillisecond(moto_server.endpoint_url) as proxy:
         proxy.serve_directory(bucket, "m/", ["a.bin", "b.bin"], size=4096)

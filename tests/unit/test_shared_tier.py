@@ -873,3 +873,46 @@ def test_every_request_of_a_lookup_begins_within_its_time(monkeypatch: pytest.Mo
         assert got is None and t.stats.claim_waits == t.stats.fallbacks == 1
     else:
         assert got is None and t.stats.claims == 1 and cid in t._claimed  # noqa: SLF001 - ours to fetch
+
+
+class QuickTierClient(SlowTierClient):
+    """A tier as the mount builds it that answers at once; `cfg` is the StoreConfig the mount gave it."""
+
+    SLOW_SHARE = 0.0
+
+    def __init__(self, cfg: StoreConfig, **kwargs: object) -> None:
+        super().__init__(cfg, **kwargs)
+        self.cfg = cfg
+
+
+@pytest.mark.parametrize(("read_timeout", "timeout", "wait", "begin_within"), [
+    (120.0, 5.0, 5.0, 25.0),  # the defaults: a request and a wait as given, as before B256
+    (40.0, 5.0, 5.0, 5.0),  # the shortest --read-timeout that keeps both as given
+    (20.0, 2.5, 2.5, 2.5),
+    (4.0, 0.5, 0.5, 0.5),
+])
+def test_the_mount_gives_a_lookup_a_quarter_of_the_read_timeout(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, read_timeout: float, timeout: float,
+        wait: float, begin_within: float) -> None:
+    """B256: `mount.open_shared_tier` gives a tier request at most an eighth of --read-timeout and the lookup's
+    requests the rest of the quarter to begin in; with the default --read-timeout (120 s) and the tier's defaults
+    (5 s each) a request and a wait are as given, and nothing is said."""
+    from types import SimpleNamespace
+
+    from fsmount import mount
+    from fsmount.config import MountConfig, SharedCacheConfig
+
+    monkeypatch.setattr(mount, "Boto3Store", QuickTierClient)
+    cfg = MountConfig(store=StoreConfig(bucket="models", endpoint_url=ORIGIN, read_timeout=read_timeout),
+                      mountpoint="/mnt", shared_cache=SharedCacheConfig(bucket="tier",
+                                                                        endpoint_url="http://tier.example:9000"))
+    origin = SimpleNamespace(endpoint_url=ORIGIN, configured_endpoint_url=ORIGIN, region="us-east-1")
+    with caplog.at_level(logging.INFO, logger="fsmount.mount"):
+        t = mount.open_shared_tier(cfg, origin)  # type: ignore[arg-type]
+    client = t.client
+    assert isinstance(client, QuickTierClient)
+    assert (client.cfg.connect_timeout, client.cfg.read_timeout, t.wait, t.begin_within) == (
+        timeout, timeout, wait, begin_within)
+    assert timeout + begin_within == read_timeout / mount.TIER_SHARE_OF_READ_TIMEOUT
+    said = [r.getMessage() for r in caplog.records if "a lookup takes at most" in r.getMessage()]
+    assert bool(said) == (read_timeout < 40), said

@@ -26,6 +26,7 @@ from fsmount.data.presigned import URL_EXPIRES_S, Body, RangeGetter, proxied
 from fsmount.data.store import (
     AccessDenied,
     BucketMissing,
+    CredentialsFailed,
     CutShort,
     ListingPage,
     NoCredentials,
@@ -199,8 +200,12 @@ def translate_error(exc: Exception, bucket: str, what: str, *, method: str = "")
     from botocore import exceptions as bex
     from botocore.parsers import ResponseParserError
 
+    from fsmount.data.credentials import Unavailable
+
     if isinstance(exc, StoreError):
         return exc
+    if isinstance(exc, Unavailable):
+        return _credentials_failed(exc, bucket, what)
     if isinstance(exc, bex.NoCredentialsError):
         return NoCredentials(
             "no credentials found: set AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, use --profile (with a profile, "
@@ -247,6 +252,46 @@ def translate_error(exc: Exception, bucket: str, what: str, *, method: str = "")
     if isinstance(exc, OSError):
         return TransientError(f"{what}: {exc}")
     return StoreError(f"{what}: {type(exc).__name__}: {exc}")
+
+
+# What a refusal to give a role's credentials asks to check, by the STS call refused (`_credentials_failed`).
+ROLE_ADVICE = {
+    "AssumeRoleWithWebIdentity": "check the role (AWS_ROLE_ARN, or the profile's role_arn), that its trust policy "
+                                 "allows this web identity (the service account's, on EKS), and the token file "
+                                 "(AWS_WEB_IDENTITY_TOKEN_FILE)",
+    "AssumeRole": "check the profile's role_arn, that the role's trust policy allows its source credentials "
+                  "(source_profile, credential_source), and those",
+}
+
+
+def _credentials_failed(exc: Any, bucket: str, what: str) -> StoreError:
+    """The StoreError of credentials that could not be had when signing (`credentials.Unavailable`): said as their
+    source's failure. An STS refusal of the role was said as the bucket's ("access denied to bucket ...: a mount
+    needs s3:ListBucket"), a web identity token file missing as the bucket's listing failing now and then (a
+    TransientError, retried; a mount with a cache dir came up as if the origin were away). A source that cannot be
+    reached, or answers 5xx, stays what it is (Unreachable, TimedOut, TransientError), named as the credentials'."""
+    from botocore import exceptions as bex
+
+    cause = exc.cause
+    said = f"{what}: the credentials ({exc.method or 'unknown source'}) could not be had"
+    if isinstance(cause, bex.ClientError):
+        code, status, message = _client_error_code(cause)
+        operation = str(getattr(cause, "operation_name", "") or "their request")
+        words = " ".join(message.split())[:300]
+        refused = f"{said}: {operation} answered {code or status}" + (f" ({words})" if words else "")
+        if status >= 500 or code in ("Throttling", "ThrottlingException", "RequestLimitExceeded"):
+            return TransientError(refused)
+        advice = ROLE_ADVICE.get(operation, "check them")
+        return CredentialsFailed(f"{refused}: {advice}")
+    if isinstance(cause, OSError) and cause.filename is not None:  # a file of theirs: a token file, a process
+        where = (" (AWS_WEB_IDENTITY_TOKEN_FILE, or the profile's web_identity_token_file)"
+                 if exc.method == "assume-role-with-web-identity" else "")
+        return CredentialsFailed(f"{said}: {cause.strerror or cause}: {cause.filename}{where}")
+    inner = translate_error(cause, bucket, what)
+    text = inner.message.removeprefix(f"{what}: ")
+    if isinstance(inner, (Unreachable, TransientError)):
+        return type(inner)(f"{said}: {text}")
+    return CredentialsFailed(f"{said}: {text}")
 
 
 def _name_not_resolved(exc: BaseException | None) -> socket.gaierror | None:
@@ -410,7 +455,8 @@ class Boto3Store:
                                            ssl_context=_ssl_context(cfg.profile, self._client.meta.endpoint_url),
                                            on_wrong_region=self._use_region, on_refused=self._renew,
                                            on_refused_again=self._refused_again,
-                                           credentials_changes=self._credentials_changes)
+                                           credentials_changes=self._credentials_changes,
+                                           credentials_expiry=self._credentials_expiry)
         # How many tries a ranged GET gets, and the backoff between them, by what carries its bytes.
         self._get_attempts, self._backoff_base = ((GET_ATTEMPTS, GET_BACKOFF_BASE) if self._ranges is None
                                                   else (PRESIGNED_GET_ATTEMPTS, PRESIGNED_BACKOFF_BASE))
@@ -624,6 +670,10 @@ class Boto3Store:
     def _credentials_changes(self) -> int:
         """How many renewals changed the credentials (`credentials.Renewable.changes`; 0 if nothing renews them)."""
         return self._credentials.changes if self._credentials is not None else 0
+
+    def _credentials_expiry(self) -> float | None:
+        """When the credentials signing now expire (`credentials.Renewable.expiry`; None if nothing says)."""
+        return self._credentials.expiry() if self._credentials is not None else None
 
     def _refused_again(self, why: str) -> None:
         """A request sent again, signed anew because `_renew` said the credentials changed, was refused again for

@@ -13,7 +13,10 @@ processes run again) at most once per `RECHECK_S`, and signs with the result fro
 store calls `renew()` when a request is refused for its credentials (AccessDenied, ExpiredToken, InvalidToken,
 InvalidAccessKeyId) and sends that request once more, signed anew, if it returned True. Signing calls it too when
 the credentials' own refresh fails (a role assumed with a source key rotated in the file and revoked), for no
-request is sent then to be refused.
+request is sent then to be refused. When that lookup gives none either, signing raises `Unavailable` with the source's
+own error (STS refusing the role, a web identity token file missing, an SSO login expired), which the store says as
+the credentials' failure: no request reached the bucket. `Renewable.expiry()` says when the credentials signing now
+expire, so that a presigned URL signed with them is not reused past it (`presigned.RangeGetter`).
 
 Some refusals are not only the credentials' (`NOT_ONLY_CREDENTIALS`: AccessDenied, a HEAD's bare 400 or 403): a bucket
 policy refuses so too. A source that mints new keys at each lookup (a role assumed through a profile, SSO, a
@@ -71,6 +74,19 @@ class _GivenUp(Exception):
     """A lookup that took longer than LOOKUP_TIMEOUT_S (`Renewable._look_up`)."""
 
 
+class Unavailable(Exception):
+    """The credentials could not be had when a request was to be signed: their source (`method`, botocore's name of
+    it) failed to give them (STS refused the role, the web identity token file is missing, a credential_process
+    failed), and a lookup gave none either. `cause`: the source's own error. No request was sent, so nothing the
+    bucket said: `boto3_store.translate_error` says it as the credentials' failure, not the bucket's."""
+
+    def __init__(self, method: str, cause: BaseException):
+        super().__init__(f"the credentials ({method or 'unknown source'}) could not be had: "
+                         f"{type(cause).__name__}: {cause}")
+        self.method = method
+        self.cause = cause
+
+
 def _frozen(credentials: Any) -> tuple[str, str, str | None]:
     frozen = credentials.get_frozen_credentials()
     return frozen.access_key, frozen.secret_key, frozen.token
@@ -110,8 +126,18 @@ class Renewable(Credentials):  # type: ignore[misc]
             # Credentials botocore refreshes, whose refresh fails (a role assumed with a source key rotated in the
             # file and revoked): no request is sent, so no refusal would look them up again.
             if not self.renew(type(exc).__name__, event="the credentials' refresh failed"):
-                raise
+                raise Unavailable(self.method, exc) from exc
             return self._source.get_frozen_credentials()
+
+    def expiry(self) -> float | None:
+        """When the credentials signing now expire (`time.time()`), as their source says: temporary ones botocore
+        refreshes (an assumed role, a web identity, SSO, a credential_process with an Expiration, an instance or
+        container role) keep it; None for others, and for those not fetched yet."""
+        when = getattr(self._source, "_expiry_time", None)  # botocore's RefreshableCredentials'; no public getter
+        try:
+            return float(when.timestamp())
+        except (AttributeError, TypeError, ValueError, OverflowError):
+            return None
 
     @property
     def access_key(self) -> str:

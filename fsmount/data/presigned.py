@@ -55,6 +55,10 @@ from fsmount.data.store import (
 # pause of an hour was expired, and the same credentials' refusal is not sent again.
 URL_EXPIRES_S = 1200
 URL_REUSE_S = 600
+# Nor is a URL reused within this many seconds of the expiry of the session credentials it was signed with (a server
+# refuses it past their Expiration, ExpiredToken, whatever its X-Amz-Expires): botocore refreshes them before it, but
+# a URL cached meanwhile still names the old ones. One minute of room for a server's clock ahead of ours.
+CREDENTIALS_ROOM_S = 60.0
 
 
 def since_boot() -> float:
@@ -172,7 +176,8 @@ class RangeGetter:
                  on_wrong_region: Callable[[str], object] | None = None,
                  on_refused: Callable[[str], object] | None = None,
                  on_refused_again: Callable[[str], object] | None = None,
-                 credentials_changes: Callable[[], int] | None = None):
+                 credentials_changes: Callable[[], int] | None = None,
+                 credentials_expiry: Callable[[], float | None] | None = None):
         """`presign(key)` returns a signed GET URL of the key, valid for URL_EXPIRES_S; `presign_put(key)` a
         signed PUT URL (for `put`), `presign_delete(key)` a signed DELETE URL (for `delete`).
         `on_wrong_region(region)`, if given, is told the bucket's region when a GET signed for another one is
@@ -181,11 +186,15 @@ class RangeGetter:
         look them up again, `credentials.Renewable.renew`: True if they changed; see `_signed_again`);
         `on_refused_again(code)` is told the code of that request's second refusal if `on_refused` returned True
         (they changed, and are refused still). `credentials_changes()`, if given, counts the renewals that changed
-        the credentials (`credentials.Renewable.changes`): a URL cached before one is signed anew, not reused."""
+        the credentials (`credentials.Renewable.changes`): a URL cached before one is signed anew, not reused.
+        `credentials_expiry()`, if given, says when the credentials a URL signed now is signed with expire
+        (`time.time()`; None: they do not, `credentials.Renewable.expiry`): such a URL is not reused past it, less
+        CREDENTIALS_ROOM_S."""
         self._presign = presign
         self._on_refused = on_refused
         self._on_refused_again = on_refused_again
         self._changes = credentials_changes or (lambda: 0)
+        self._expiry = credentials_expiry or (lambda: None)
         self._on_wrong_region = on_wrong_region
         self._presign_put = presign_put
         self._presign_delete = presign_delete
@@ -196,8 +205,9 @@ class RangeGetter:
         self._ssl_context = ssl_context if ssl_context is not None else ssl.create_default_context()
         self._lock = threading.Lock()
         self._idle: list[tuple[tuple[str, str, int], http.client.HTTPConnection]] = []
-        # key: (when signed, `_reusable`), `credentials_changes()` then, URL
-        self._urls: dict[str, tuple[tuple[float, float], int, str]] = {}
+        # key: (when signed, `_reusable`), `credentials_changes()` then, reused until (time.time(): the expiry of the
+        # credentials signed with, less CREDENTIALS_ROOM_S), URL
+        self._urls: dict[str, tuple[tuple[float, float], int, float, str]] = {}
 
     # -- URLs ------------------------------------------------------------------------------------
 
@@ -207,13 +217,20 @@ class RangeGetter:
             cached = None if fresh else self._urls.get(key)
         # Signed before a renewal changed the credentials: a key id kept with a new secret (MinIO's and Ceph's users
         # rotate so) names nothing new in a URL signed now, so its refusal would not be sent again (B133).
-        if cached is not None and cached[1] == changes and _reusable(cached[0], now):
-            return cached[2]
+        # Nor one signed with session credentials near their expiry: botocore refreshes them before it, but the
+        # URL names the old ones, refused past it (ExpiredToken: a second request, a lookup, a "have changed" warning).
+        if cached is not None and cached[1] == changes and _reusable(cached[0], now) and now[1] < cached[2]:
+            return cached[3]
+        # Asked before signing and after: the sooner counts (credentials refreshed meanwhile expire later; those not
+        # fetched before the first signing say nothing until then).
+        before = self._expiry()
         url = self._presign(key)
+        said = [t for t in (before, self._expiry()) if t is not None]
+        until = min(said) - CREDENTIALS_ROOM_S if said else float("inf")
         with self._lock:
             if len(self._urls) > 4096:  # many objects opened once: forget the old ones
                 self._urls.clear()
-            self._urls[key] = (now, changes, url)
+            self._urls[key] = (now, changes, until, url)
         return url
 
     # -- connections -----------------------------------------------------------------------------

@@ -84,6 +84,12 @@ class NoCredentials(AccessDenied):
     takes no --no-sign-request, says its own)."""
 
 
+class CredentialsFailed(AccessDenied):
+    """The credentials could not be had when a request was to be signed: their source failed (STS refused to give
+    a role's, a web identity token file missing, a credential_process failing). No request was sent: the message
+    says the source's failure, not a refusal of the bucket's."""
+
+
 class BucketMissing(StoreError):
     errno = errno.ENOENT
 

@@ -269,3 +269,66 @@ def test_a_source_whose_lookup_always_outlasts_the_timeout_is_renewed_by_the_loo
     while any(t.name == "credentials-lookup" for t in threading.enumerate()) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert renewable.renew("ExpiredToken") and renewable.access_key == "NEW" and len(lookups) == 1
+
+
+def sts_refusal(code: str, status: int, operation: str = "AssumeRoleWithWebIdentity") -> Exception:
+    from botocore.exceptions import ClientError
+
+    return ClientError({"Error": {"Code": code, "Message": f"{code} said STS"},
+                        "ResponseMetadata": {"HTTPStatusCode": status}}, operation)
+
+
+@pytest.mark.parametrize("cause, kind, said", [
+    (sts_refusal("AccessDenied", 403), "CredentialsFailed",
+     "AssumeRoleWithWebIdentity answered AccessDenied (AccessDenied said STS): check the role (AWS_ROLE_ARN"),
+    (sts_refusal("AccessDenied", 403, "AssumeRole"), "CredentialsFailed",
+     "AssumeRole answered AccessDenied (AccessDenied said STS): check the profile's role_arn"),
+    (sts_refusal("InternalFailure", 500), "TransientError", "AssumeRoleWithWebIdentity answered InternalFailure"),
+    (FileNotFoundError(2, "No such file or directory", "/var/run/token"), "CredentialsFailed",
+     "No such file or directory: /var/run/token (AWS_WEB_IDENTITY_TOKEN_FILE"),
+])
+def test_credentials_that_cannot_be_had_are_said_as_their_source_s_failure_not_the_bucket_s(
+        allowed_logs: list[str], cause: Exception, kind: str, said: str) -> None:
+    """A web identity's role STS will not give, or its token file missing: the signing raised STS's refusal (or the
+    OSError) as it came, which the store's one mapping took for the bucket's: "access denied to bucket ... check
+    credentials" (and at mount "a mount needs s3:ListBucket"), or a TransientError retried as a listing cut on the
+    way. It is said as the credentials' failure, by their source (B280)."""
+    from botocore.credentials import DeferredRefreshableCredentials
+
+    from fsmount.data import store
+    from fsmount.data.boto3_store import translate_error
+
+    allowed_logs.append(r"the credentials' refresh failed \(\w+\); looking the credentials up again failed")
+
+    def fetch() -> dict[str, str]:
+        raise cause
+
+    renewable = Renewable(DeferredRefreshableCredentials(fetch, "assume-role-with-web-identity"),
+                          lambda: DeferredRefreshableCredentials(fetch, "assume-role-with-web-identity"))
+    with pytest.raises(credentials.Unavailable) as caught:
+        renewable.get_frozen_credentials()
+    err = translate_error(caught.value, "b", "listing bucket 'b'")
+    assert type(err) is getattr(store, kind)
+    assert err.message.startswith("listing bucket 'b': the credentials (assume-role-with-web-identity) could not be "
+                                  "had: " + said), err.message
+    assert "bucket 'b' (" not in err.message and "s3:ListBucket" not in err.message
+
+
+def test_the_expiry_of_the_credentials_signing_is_said_where_their_source_has_one() -> None:
+    """What keeps a presigned URL from being reused past the session credentials it was signed with (B281)."""
+    import datetime
+
+    from botocore.credentials import DeferredRefreshableCredentials, RefreshableCredentials
+
+    until = datetime.datetime.now(datetime.UTC).replace(microsecond=0) + datetime.timedelta(hours=1)
+    temporary = RefreshableCredentials("ASIA", "s", "t", until, lambda: {}, "assume-role-with-web-identity")
+    assert Renewable(temporary, lambda: None).expiry() == until.timestamp()
+    assert Renewable(Credentials("AKIA", "s", method="env"), lambda: None).expiry() is None
+
+    def fetch() -> dict[str, str]:
+        return {"access_key": "ASIA", "secret_key": "s", "token": "t", "expiry_time": until.isoformat()}
+
+    deferred = Renewable(DeferredRefreshableCredentials(fetch, "sso"), lambda: None)
+    assert deferred.expiry() is None  # not fetched yet
+    deferred.get_frozen_credentials()
+    assert deferred.expiry() == until.timestamp()

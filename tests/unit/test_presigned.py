@@ -226,7 +226,7 @@ def test_403_signs_again_once_then_access_denied(origin: Origin) -> None:
     # Rotated credentials: the first (cached) URL, signed with the old ones, is refused; one signed now works.
     key_id[:] = ["new"]
     g = RangeGetter(presign, bucket="bucket", pool_size=2, connect_timeout=2.0, read_timeout=2.0)
-    g._urls["k"] = ((since_boot(), time.time()), 0, presign("k").replace("new", "old"))
+    g._urls["k"] = ((since_boot(), time.time()), 0, float("inf"), presign("k").replace("new", "old"))
     origin.script = lambda h, s, e: "old" in h.path and h.answer(403, body) or False
     assert get(g, 0, 10) == DATA[:10]
 
@@ -292,6 +292,36 @@ def test_a_url_kept_while_the_machine_was_frozen_is_not_reused_past_its_expiry(
     wall[0] -= 4 * 3600
     assert get(g, 0, 10) == DATA[:10]
     assert int(origin.requests[-1]["path"].rpartition("X-Amz-Date=")[2]) == int(wall[0])
+
+
+def test_a_url_is_not_reused_past_the_expiry_of_the_session_credentials_it_was_signed_with(
+        origin: Origin, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Session credentials with less life left than URL_REUSE_S (a credential_process handing out cached keys near
+    their end): botocore refreshed them before each signing, but a URL cached with the old ones was reused past their
+    Expiration, refused (ExpiredToken), looked up again and sent twice. A URL is reused only until CREDENTIALS_ROOM_S
+    before the expiry of those it was signed with (B281)."""
+    from fsmount.data import presigned
+
+    wall = [time.time()]
+    monkeypatch.setattr(presigned.time, "time", lambda: wall[0])
+    expiry = [wall[0] + 100.0]
+    signed: list[str] = []
+
+    def presign(key: str) -> str:
+        signed.append(key)
+        return f"{origin.url}/bucket/{key}?X-Amz-Credential=K{len(signed)}%2Fscope"
+
+    g = RangeGetter(presign, bucket="bucket", pool_size=2, connect_timeout=2.0, read_timeout=2.0,
+                    credentials_expiry=lambda: expiry[0])
+    assert get(g, 0, 10) == DATA[:10]
+    wall[0] += 30  # 70 s left: reused
+    assert get(g, 0, 10) == DATA[:10] and len(signed) == 1
+    wall[0] += 20  # 50 s left, less than CREDENTIALS_ROOM_S: signed anew with the credentials there are now
+    expiry[0] = wall[0] + 3600
+    assert get(g, 0, 10) == DATA[:10] and len(signed) == 2
+    wall[0] += 300  # credentials that expire in an hour: reused for URL_REUSE_S as before
+    assert get(g, 0, 10) == DATA[:10] and len(signed) == 2
+    assert [r["path"].rpartition("=")[2] for r in origin.requests] == ["K1%2Fscope"] * 2 + ["K2%2Fscope"] * 2
 
 
 def test_a_url_reused_where_the_server_s_clock_is_ahead_is_signed_anew_when_refused_as_expired(
@@ -922,7 +952,8 @@ def test_a_bucket_in_another_region_is_read_with_urls_signed_for_its_region(orig
     # A GET signed before another one switched the region is sent again, though the switch is done already.
     switched = RangeGetter(presign, bucket="b", pool_size=2, connect_timeout=2.0, read_timeout=2.0,
                            on_wrong_region=lambda bucket_region: None)
-    switched._urls["k"] = ((since_boot(), time.time()), 0, presign("k"))  # signed for us-east-1 before the switch
+    # signed for us-east-1 before the switch
+    switched._urls["k"] = ((since_boot(), time.time()), 0, float("inf"), presign("k"))
     region[0] = "eu-west-1"
     assert get(switched, 0, 10) == DATA[:10]
     # Signed for the bucket's region already, and refused all the same (an --endpoint-url of another region): one

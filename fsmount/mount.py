@@ -214,6 +214,26 @@ class DroppedRequestReply(logging.Filter):
         return True
 
 
+class CredentialRefreshFailed(logging.Filter):
+    """botocore.credentials logs each refresh of temporary credentials that fails as a WARNING with its traceback
+    (24 lines): a web identity token file missing, or STS refusing the role, put two before the one line that said
+    why a foreground mount (systemd's) failed, and a running mount whose credentials could not be had logged one at
+    every request it signed. A refresh needed before they expire (mandatory) that fails is raised to the request, which
+    `credentials.Renewable` says (its lookup's failure, once per RECHECK_S) and the request's error names: its record is
+    dropped. One that failed while the credentials there are still last (advisory) is said in one line, with the
+    error."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if not record.exc_info or record.exc_info[1] is None:
+            return True
+        if record.args == ("mandatory",):
+            return False
+        exc = record.exc_info[1]
+        record.msg = f"{record.getMessage()} ({type(exc).__name__}: {' '.join(str(exc).split())[:300]})"
+        record.args, record.exc_info, record.exc_text = None, None, None
+        return True
+
+
 class LogFile(logging.handlers.WatchedFileHandler):
     """--log-file: reopened at its path when it is moved or deleted (logrotate without copytruncate), checked at each
     line and at SIGHUP and SIGUSR1 (`reopen`). A line it cannot write (its directory removed, a full disk, one
@@ -330,6 +350,9 @@ def setup_logging(level: str, log_file: str | None = None, use_syslog: bool = Fa
     # These libraries log request headers and credential lookups at debug level: never let them.
     for name in QUIET_LOGGERS:
         logging.getLogger(name).setLevel(max(logging.WARNING, root.level))
+    credentials_log = logging.getLogger("botocore.credentials")
+    if not any(isinstance(f, CredentialRefreshFailed) for f in credentials_log.filters):
+        credentials_log.addFilter(CredentialRefreshFailed())
     pyfuse3_log = logging.getLogger("pyfuse3")
     if not any(isinstance(f, DroppedRequestReply) for f in pyfuse3_log.filters):
         pyfuse3_log.addFilter(DroppedRequestReply())

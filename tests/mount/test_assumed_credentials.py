@@ -176,19 +176,22 @@ def mount_refused(server: S3Server, bucket: str, mountpoint: Path, *extra: str) 
     res = run_modelfs("mount", bucket, str(mountpoint), "--endpoint-url", server.endpoint_url, *extra,
                       env=daemon_env(server))
     assert res.returncode == 1, res
-    assert "Traceback" not in res.stderr, res.stderr
+    # botocore's warning of each failed refresh, with its traceback, came twice before the reason (B282).
+    assert "Traceback" not in res.stderr and "Refreshing temporary credentials failed" not in res.stderr, res.stderr
     return res.stderr.strip().splitlines()
 
 
+@pytest.mark.parametrize("foreground", [False, True])
 def test_a_web_identity_token_file_that_is_not_there_is_said_at_mount(
-        tmp_path: Path, moto_server: S3Server, mountpoint: Path, fake_sts: FakeSts) -> None:
+        tmp_path: Path, moto_server: S3Server, mountpoint: Path, fake_sts: FakeSts, foreground: bool) -> None:
     """The pod's token file missing (a service account without the projected token, a path mistyped): the mount
     failed as if listing the bucket had failed on the way ("[Errno 2] No such file or directory"), and a mount with a
     cache dir that kept names came up as if the origin were away. It names the credentials, the file and the
     variable."""
     bucket = bucket_with(moto_server, {"w.bin": b"x"})
     env = irsa_env(tmp_path, fake_sts.url, token=None)
-    said = mount_refused(S3Server("moto", moto_server.endpoint_url, env), bucket, mountpoint)
+    said = mount_refused(S3Server("moto", moto_server.endpoint_url, env), bucket, mountpoint,
+                         *(["--foreground"] if foreground else []))
     assert said[-1].startswith(f"modelfs: listing bucket '{bucket}': the credentials (assume-role-with-web-identity) "
                                "could not be had: No such file or directory: "
                                f"{env['AWS_WEB_IDENTITY_TOKEN_FILE']} (AWS_WEB_IDENTITY_TOKEN_FILE"), said
@@ -349,3 +352,32 @@ def test_an_sso_login_that_has_expired_is_said_at_mount(
     assert said[-1].startswith(f"modelfs: listing bucket '{bucket}': the credentials (sso) could not be had: "), said
     assert "aws sso login" in said[-1], said
     assert not fake_sts.calls
+
+
+def test_a_running_mount_whose_role_sts_stops_giving_refuses_reads_in_one_line_and_reads_again_once_it_does(
+        tmp_path: Path, moto_server: S3Server, mountpoint: Path, fake_sts: FakeSts) -> None:
+    """Session credentials expired while STS refuses the role (its trust policy changed, the identity provider
+    removed): each read of a chunk not in memory is EACCES at once, saying the credentials could not be had, and the
+    log holds no traceback: botocore logged its 24-line warning at every request it signed (B282). Once STS gives the
+    role again, reads go on with new session credentials, exact."""
+    fake_sts.lifetime = datetime.timedelta(seconds=3)
+    data = os.urandom(8 << 20)
+    bucket = bucket_with(moto_server, {"a.bin": data})
+    server = S3Server("moto", moto_server.endpoint_url, irsa_env(tmp_path, fake_sts.url))
+    with mounted(server, bucket, mountpoint, "--chunk-size", "1M", "--max-readahead", "0", "--no-model-prefetch",
+                 "--metadata-ttl", "forever", "--read-timeout", "10",
+                 allowed=(r"could not be had", r"the credentials' refresh failed \(ClientError\)")) as m:
+        with open(mountpoint / "a.bin", "rb", buffering=0) as f:
+            assert f.read(1 << 20) == data[:1 << 20]
+            fake_sts.refusal = (403, "AccessDenied", "Not authorized to perform sts:AssumeRoleWithWebIdentity")
+            time.sleep(3.5)  # the session credentials have expired
+            for at in (4, 5, 6):  # chunks far from those read: not fetched ahead by the kernel's read-ahead
+                started = time.monotonic()
+                with pytest.raises(PermissionError):
+                    os.pread(f.fileno(), 1 << 20, at << 20)
+                assert time.monotonic() - started < 5
+            fake_sts.refusal = None
+            assert os.pread(f.fileno(), 4 << 20, 4 << 20) == data[4 << 20:]
+        log = m.log()
+        assert "Traceback" not in log and "Refreshing temporary credentials failed" not in log, log[-3000:]
+        assert "AssumeRoleWithWebIdentity answered AccessDenied" in log, log[-3000:]

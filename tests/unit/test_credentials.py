@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 from botocore.credentials import Credentials
 
@@ -332,3 +334,28 @@ def test_the_expiry_of_the_credentials_signing_is_said_where_their_source_has_on
     assert deferred.expiry() is None  # not fetched yet
     deferred.get_frozen_credentials()
     assert deferred.expiry() == until.timestamp()
+
+
+def test_botocore_s_warnings_of_failed_refreshes_are_one_line_or_none() -> None:
+    """botocore.credentials logs each failed refresh with its traceback (B282): a mandatory one, raised to the
+    request (which says why), is dropped; an advisory one, after which the credentials there are still serve, is one
+    line naming the error."""
+    import sys
+
+    from fsmount.mount import CredentialRefreshFailed
+
+    try:
+        raise FileNotFoundError(2, "No such file or directory", "/var/run/token")
+    except FileNotFoundError:
+        failed = sys.exc_info()
+
+    def record(period: str) -> logging.LogRecord:
+        return logging.LogRecord("botocore.credentials", logging.WARNING, __file__, 1,
+                                 "Refreshing temporary credentials failed during %s refresh period.", (period,), failed)
+
+    assert not CredentialRefreshFailed().filter(record("mandatory"))
+    advisory = record("advisory")
+    assert CredentialRefreshFailed().filter(advisory)
+    assert advisory.exc_info is None and logging.Formatter().format(advisory) == (
+        "Refreshing temporary credentials failed during advisory refresh period. (FileNotFoundError: [Errno 2] No "
+        "such file or directory: '/var/run/token')")

@@ -288,7 +288,7 @@ def _credentials_failed(exc: Any, bucket: str, what: str) -> StoreError:
                  if exc.method == "assume-role-with-web-identity" else "")
         return CredentialsFailed(f"{said}: {cause.strerror or cause}: {cause.filename}{where}")
     inner = translate_error(cause, bucket, what)
-    text = inner.message.removeprefix(f"{what}: ")
+    text = " ".join(inner.message.removeprefix(f"{what}: ").split())  # botocore's may span lines
     if isinstance(inner, (Unreachable, TransientError)):
         return type(inner)(f"{said}: {text}")
     return CredentialsFailed(f"{said}: {text}")
@@ -387,7 +387,9 @@ class Boto3Store:
         core.get_component("response_parser_factory").set_parser_defaults(timestamp_parser=parse_timestamp)
         session = boto3.session.Session(botocore_session=core, profile_name=cfg.profile or None)
         # Credentials looked up again when the bucket refuses them (a file rewritten with a new key): `_renew`.
-        credentials.install(core, cfg.profile or None)
+        # Their fetches (STS, SSO) bounded as the pre-flight's requests are, or credentials.FETCH_TIMEOUT_S.
+        credentials.install(core, cfg.profile or None,
+                            **({"timeout_s": PREFLIGHT_TIMEOUT, "retries": 0} if preflight else {}))
         timeout = PREFLIGHT_TIMEOUT if preflight else cfg.connect_timeout
         # `auto` is botocore's own default: left out, so that an AWS config file's `s3 = addressing_style = ...`
         # holds, as it does for boto3 (OSS needs `virtual`, and a profile for it says so).

@@ -68,6 +68,12 @@ POLICY_RECHECK_S = 600.0
 # that waited on it (metadata requests, writes, given up on by their deadline but never ended) kept their slots for
 # good: every later stat or close timed out. The lookup goes on in its thread; none other starts until it ends.
 LOOKUP_TIMEOUT_S = 10.0
+# The timeouts and retries of the requests botocore sends to fetch credentials (STS for an assumed role or a web
+# identity, the SSO portal): its defaults (60 s to connect, 60 s to read, 4 tries) held a mount's pre-flight for 190 s
+# when STS did not answer (a VPC without a route or an endpoint to it), and a running mount's signing threads, behind
+# botocore's refresh lock, as long. STS answers in well under a second; two tries of 5 s each.
+FETCH_TIMEOUT_S = 5.0
+FETCH_RETRIES = 1
 
 
 class _GivenUp(Exception):
@@ -258,14 +264,25 @@ class _Provider:
         return None if first is None else Renewable(first, self._resolve)
 
 
-def install(core: Any, profile: str | None) -> None:
+def install(core: Any, profile: str | None, *, timeout_s: float = FETCH_TIMEOUT_S,
+            retries: int = FETCH_RETRIES) -> None:
     """Make the credentials of botocore session `core` (with `profile`, the one it was given) a `Renewable`: every
-    client it creates afterwards signs with it, and its `get_credentials()` returns it."""
+    client it creates afterwards signs with it, and its `get_credentials()` returns it. The requests that fetch them
+    (STS, SSO), in `core` and in each lookup, time out after `timeout_s` (to connect, and to read), tried `retries`
+    more times: they are the clients `core` creates with no setting of their own (`core`'s default client config, which
+    a client given its own settings, as the store's S3 client is, overrides)."""
     import botocore.credentials
     import botocore.session
+    from botocore.config import Config
+
+    bounded = Config(connect_timeout=timeout_s, read_timeout=timeout_s,
+                     retries={"max_attempts": retries, "mode": "standard"})
+    core.set_default_client_config(bounded)
 
     def resolve() -> Any:
-        return botocore.session.Session(profile=profile).get_credentials()
+        session = botocore.session.Session(profile=profile)
+        session.set_default_client_config(bounded)
+        return session.get_credentials()
 
     resolver = core.get_component("credential_provider")
     chain = botocore.credentials.CredentialResolver(list(resolver.providers))

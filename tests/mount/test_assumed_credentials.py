@@ -6,11 +6,13 @@ looked for in its URL."""
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import hashlib
 import http.server
 import json
 import os
+import socket
 import threading
 import time
 import urllib.parse
@@ -381,3 +383,32 @@ def test_a_running_mount_whose_role_sts_stops_giving_refuses_reads_in_one_line_a
         log = m.log()
         assert "Traceback" not in log and "Refreshing temporary credentials failed" not in log, log[-3000:]
         assert "AssumeRoleWithWebIdentity answered AccessDenied" in log, log[-3000:]
+
+
+def test_an_sts_that_does_not_answer_fails_the_mount_in_seconds_saying_so(
+        tmp_path: Path, moto_server: S3Server, mountpoint: Path) -> None:
+    """STS that takes the connection and never answers (a VPC with no route or endpoint to it, a proxy eating it):
+    botocore's own timeouts and tries held the pre-flight for 190 s (60 s a read, 3 tries, then a lookup's 10 s),
+    and a running mount's signing as long. Its fetches are bounded (credentials.FETCH_TIMEOUT_S; the pre-flight's
+    5 s, one try): the mount fails in seconds saying the credentials got no answer (B283)."""
+    bucket = bucket_with(moto_server, {"w.bin": b"x"})
+    silent = socket.create_server(("127.0.0.1", 0), backlog=16)
+    held: list[socket.socket] = []
+
+    def take() -> None:
+        with contextlib.suppress(OSError):
+            while True:
+                held.append(silent.accept()[0])
+
+    threading.Thread(target=take, daemon=True).start()
+    try:
+        env = irsa_env(tmp_path, f"http://127.0.0.1:{silent.getsockname()[1]}")
+        started = time.monotonic()
+        said = mount_refused(S3Server("moto", moto_server.endpoint_url, env), bucket, mountpoint)
+        assert time.monotonic() - started < 30, said
+        assert said[-1].startswith(f"modelfs: listing bucket '{bucket}': the credentials "
+                                   "(assume-role-with-web-identity) could not be had: no answer in time"), said
+    finally:
+        silent.close()
+        for conn in held:
+            conn.close()

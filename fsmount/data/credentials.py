@@ -15,7 +15,8 @@ InvalidAccessKeyId) and sends that request once more, signed anew, if it returne
 the credentials' own refresh fails (a role assumed with a source key rotated in the file and revoked), for no
 request is sent then to be refused. When that lookup gives none either, signing raises `Unavailable` with the source's
 own error (STS refusing the role, a web identity token file missing, an SSO login expired), which the store says as
-the credentials' failure: no request reached the bucket. `Renewable.expiry()` says when the credentials signing now
+the credentials' failure: no request reached the bucket; for `UNAVAILABLE_HOLD_S` after, signing raises it again at once
+without asking the source. `Renewable.expiry()` says when the credentials signing now
 expire, so that a presigned URL signed with them is not reused past it (`presigned.RangeGetter`).
 
 Some refusals are not only the credentials' (`NOT_ONLY_CREDENTIALS`: AccessDenied, a HEAD's bare 400 or 403): a bucket
@@ -74,6 +75,12 @@ LOOKUP_TIMEOUT_S = 10.0
 # botocore's refresh lock, as long. STS answers in well under a second; two tries of 5 s each.
 FETCH_TIMEOUT_S = 5.0
 FETCH_RETRIES = 1
+# How long credentials that could not be had (`Unavailable`) are not asked for again: every request signed meanwhile
+# fails at once with the same reason. botocore asks its source at each signing once they are within their mandatory
+# refresh window: a running mount whose role STS refused sent STS 8 requests for 3 failed reads, a fleet's nodes as
+# many each (STS throttles an account's calls). Short, for a source that is back (an STS that answers again) is
+# asked again within it.
+UNAVAILABLE_HOLD_S = 5.0
 
 
 class _GivenUp(Exception):
@@ -120,18 +127,25 @@ class Renewable(Credentials):  # type: ignore[misc]
         self._policy_told = False
         # A lookup given up on (`LOOKUP_TIMEOUT_S`) that may still run, and the box its result or error lands in.
         self._lookup: tuple[threading.Thread, dict[str, Any]] | None = None
+        # Credentials that could not be had: until when (monotonic) signing raises this `Unavailable` at once, without
+        # asking their source (`UNAVAILABLE_HOLD_S`). Replaced whole, read without the lock.
+        self._unavailable: tuple[float, str, BaseException] | None = None
 
     @property
     def method(self) -> str:
         return str(getattr(self._source, "method", "") or "")
 
     def get_frozen_credentials(self) -> Any:
+        held = self._unavailable
+        if held is not None and time.monotonic() < held[0]:
+            raise Unavailable(held[1], held[2])  # a new one: raised in many threads at once
         try:
             return self._source.get_frozen_credentials()
         except Exception as exc:
             # Credentials botocore refreshes, whose refresh fails (a role assumed with a source key rotated in the
             # file and revoked): no request is sent, so no refusal would look them up again.
             if not self.renew(type(exc).__name__, event="the credentials' refresh failed"):
+                self._unavailable = (time.monotonic() + UNAVAILABLE_HOLD_S, self.method, exc)
                 raise Unavailable(self.method, exc) from exc
             return self._source.get_frozen_credentials()
 

@@ -21,6 +21,7 @@ from typing import Any
 
 import pytest
 
+from fsmount.data import credentials
 from fsmount.testing.fault_proxy import FaultProxy, signed_key_id
 from fsmount.testing.http_wire import error_response
 from tests.helpers import TEST_KEY, TEST_REGION, S3Server, bucket_with, daemon_env, mounted, run_modelfs
@@ -373,12 +374,16 @@ def test_a_running_mount_whose_role_sts_stops_giving_refuses_reads_in_one_line_a
             assert f.read(1 << 20) == data[:1 << 20]
             fake_sts.refusal = (403, "AccessDenied", "Not authorized to perform sts:AssumeRoleWithWebIdentity")
             time.sleep(3.5)  # the session credentials have expired
+            asked = len(fake_sts.calls)
             for at in (4, 5, 6):  # chunks far from those read: not fetched ahead by the kernel's read-ahead
                 started = time.monotonic()
                 with pytest.raises(PermissionError):
                     os.pread(f.fileno(), 1 << 20, at << 20)
                 assert time.monotonic() - started < 5
+            # STS asked by the first signing and its lookup, not at each request signed (B284: 8 times)
+            assert len(fake_sts.calls) - asked <= 3, fake_sts.calls[asked:]
             fake_sts.refusal = None
+            time.sleep(credentials.UNAVAILABLE_HOLD_S)  # credentials that could not be had are asked for again then
             assert os.pread(f.fileno(), 4 << 20, 4 << 20) == data[4 << 20:]
         log = m.log()
         assert "Traceback" not in log and "Refreshing temporary credentials failed" not in log, log[-3000:]

@@ -359,3 +359,37 @@ def test_botocore_s_warnings_of_failed_refreshes_are_one_line_or_none() -> None:
     assert advisory.exc_info is None and logging.Formatter().format(advisory) == (
         "Refreshing temporary credentials failed during advisory refresh period. (FileNotFoundError: [Errno 2] No "
         "such file or directory: '/var/run/token')")
+
+
+def test_credentials_that_cannot_be_had_are_not_asked_for_again_within_the_hold(
+        monkeypatch: pytest.MonkeyPatch, allowed_logs: list[str]) -> None:
+    """botocore asks the source at every signing once the credentials are due: a role STS refused was asked for at
+    every request (B284). Within UNAVAILABLE_HOLD_S signing raises the same failure at once; after it, the source is
+    asked again, and credentials it gives then are signed with."""
+    from botocore.credentials import DeferredRefreshableCredentials
+
+    allowed_logs.append(r"the credentials' refresh failed \(ClientError\); looking the credentials up again failed")
+    now = [100.0]
+    monkeypatch.setattr(credentials.time, "monotonic", lambda: now[0])
+    asked: list[int] = []
+    refuse = [True]
+
+    def fetch() -> dict[str, str]:
+        asked.append(1)
+        if refuse[0]:
+            raise sts_refusal("AccessDenied", 403)
+        return {"access_key": "ASIA", "secret_key": "s", "token": "t", "expiry_time": "2999-01-01T00:00:00Z"}
+
+    source = DeferredRefreshableCredentials(fetch, "assume-role-with-web-identity")
+    renewable = Renewable(source, lambda: DeferredRefreshableCredentials(fetch, "assume-role-with-web-identity"))
+    with pytest.raises(credentials.Unavailable):
+        renewable.get_frozen_credentials()
+    assert len(asked) == 2  # the source, and a lookup's
+    for _ in range(5):
+        now[0] += credentials.UNAVAILABLE_HOLD_S / 10
+        with pytest.raises(credentials.Unavailable, match="AccessDenied"):
+            renewable.get_frozen_credentials()
+    assert len(asked) == 2
+    refuse[0] = False
+    now[0] += credentials.UNAVAILABLE_HOLD_S
+    assert renewable.get_frozen_credentials().access_key == "ASIA" and len(asked) == 3

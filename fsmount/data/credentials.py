@@ -13,11 +13,11 @@ processes run again) at most once per `RECHECK_S`, and signs with the result fro
 store calls `renew()` when a request is refused for its credentials (AccessDenied, ExpiredToken, InvalidToken,
 InvalidAccessKeyId) and sends that request once more, signed anew, if it returned True. Signing calls it too when
 the credentials' own refresh fails (a role assumed with a source key rotated in the file and revoked), for no
-request is sent then to be refused. When that lookup gives none either, signing raises `Unavailable` with the source's
-own error (STS refusing the role, a web identity token file missing, an SSO login expired), which the store says as
-the credentials' failure: no request reached the bucket; for `UNAVAILABLE_HOLD_S` after, signing raises it again at once
-without asking the source. `Renewable.expiry()` says when the credentials signing now
-expire, so that a presigned URL signed with them is not reused past it (`presigned.RangeGetter`).
+request is sent then to be refused. When that lookup gives none either, signing raises `Unavailable` with the
+source's own error (STS refusing the role, a web identity token file missing, an SSO login expired), which the store
+says as the credentials' failure: no request reached the bucket; for `UNAVAILABLE_HOLD_S` after, signing raises it
+again at once without asking the source. `Renewable.expiry()` says when the credentials signing now expire, so that a
+presigned URL signed with them is not reused past it (`presigned.RangeGetter`).
 
 Some refusals are not only the credentials' (`NOT_ONLY_CREDENTIALS`: AccessDenied, a HEAD's bare 400 or 403): a bucket
 policy refuses so too. A source that mints new keys at each lookup (a role assumed through a profile, SSO, a
@@ -70,7 +70,7 @@ POLICY_RECHECK_S = 600.0
 # good: every later stat or close timed out. The lookup goes on in its thread; none other starts until it ends.
 LOOKUP_TIMEOUT_S = 10.0
 # The timeouts and retries of the requests botocore sends to fetch credentials (STS for an assumed role or a web
-# identity, the SSO portal): its defaults (60 s to connect, 60 s to read, 4 tries) held a mount's pre-flight for 190 s
+# identity, the SSO portal): its defaults (60 s to connect, 60 s to read, 3 tries) held a mount's pre-flight for 190 s
 # when STS did not answer (a VPC without a route or an endpoint to it), and a running mount's signing threads, behind
 # botocore's refresh lock, as long. STS answers in well under a second; two tries of 5 s each.
 FETCH_TIMEOUT_S = 5.0

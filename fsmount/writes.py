@@ -453,11 +453,11 @@ class Writes:
         return new
 
     def open_existing(self, node: Node, flags: int) -> NewFile | None:
-        """An open for writing of a stored file: only a whole rewrite (O_TRUNC, or an empty file). Without
-        --allow-overwrite, one of an empty file that does not append is a touch (None: opened as for reading, so
-        nothing is stored at its close, and its writes fail with EPERM, `refuse_write`): lock files are opened so
-        (filelock, under `hf_hub_download(local_dir=...)`: O_RDWR of the empty lock file its first lock stored), and so
-        are markers."""
+        """An open for writing of a stored file: only a whole rewrite (O_TRUNC, or an empty file, appended to or
+        not). Without --allow-overwrite, one of an empty file that does not append is a touch (None: opened as for
+        reading, so nothing is stored at its close, and its writes fail with EPERM, `refuse_write`): lock files are
+        opened so (filelock, under `hf_hub_download(local_dir=...)`: O_RDWR of the empty lock file its first lock
+        stored), and so are markers."""
         if node.is_dir:
             raise PathError(errno.EISDIR)
         if node.writing:
@@ -465,17 +465,24 @@ class Writes:
         self._not_an_upload_of_another(node.path)
         if not self.allow_overwrite and node.size == 0 and not flags & os.O_APPEND:
             return None  # (an appender is a writer: a logger opened so lost every record, each write a warning)
+        if flags & os.O_APPEND and node.size > 0:
+            # Not what the flag allows either: a hint at the flag alone sent the user round once more. (An append to an
+            # empty file writes it whole from its start, a rewrite: with the flag it is one, below.)
+            log.warning("%s: appending to an existing file is not supported (S3 objects cannot be appended to); only "
+                        "whole rewrites (O_TRUNC) are%s", node.path,
+                        "" if self.allow_overwrite else ", and one needs --allow-overwrite")
+            raise PathError(errno.EOPNOTSUPP if self.allow_overwrite else errno.EPERM)
         if not self.allow_overwrite:
             # `touch` of a stored file opens it for writing without O_TRUNC, then sets its times by path: it
             # replaces nothing, so it is not worth a warning (it still gets EPERM, as any such open does).
-            log.log(logging.WARNING if flags & os.O_TRUNC else logging.INFO,
-                    "%s exists; replacing it needs --allow-overwrite", node.path)
+            log.log(logging.WARNING if flags & (os.O_TRUNC | os.O_APPEND) else logging.INFO,
+                    "%s exists; replacing it needs --allow-overwrite%s", node.path,
+                    "" if flags & os.O_TRUNC or node.size == 0 else ", and only whole rewrites (O_TRUNC) are supported")
             raise PathError(errno.EPERM)
-        if (flags & os.O_APPEND) or not (flags & os.O_TRUNC or node.size == 0):
+        if not (flags & os.O_TRUNC or node.size == 0):
             # `touch` of a stored file opens it this way too, then sets its times by path (and succeeds): a
-            # warning at each one was noise. An append is a writer's mistake worth one.
-            log.log(logging.WARNING if flags & os.O_APPEND else logging.INFO,
-                    "%s: only whole rewrites (O_TRUNC) of existing files are supported", node.path)
+            # warning at each one was noise.
+            log.info("%s: only whole rewrites (O_TRUNC) of existing files are supported", node.path)
             raise PathError(errno.EOPNOTSUPP)
         path = node.path
         new = self._start(self.ns.begin_file(path, node))

@@ -4,7 +4,8 @@ operations, each checked against a model of what the README's "Writing checkpoin
 What it explores, on a small pool of names (`a`, `b`, `c`, `d/x`, `d/y`, `e/z`; directories `d`, `e`; `a`, `d/` and
 `d/x` stored beforehand by someone else, so that the rules for files this mount did not write apply too):
 - opens: a new file (O_WRONLY or O_RDWR, with O_TRUNC, O_EXCL or O_APPEND), an existing object (a whole rewrite with
-  O_TRUNC, an empty one without; appends and partial rewrites refused), a file being written (EBUSY), a directory;
+  O_TRUNC, an empty one without, appended to or not; appends to one with bytes and partial rewrites refused), a file
+  being written (EBUSY), a directory;
 - on a file being written: sequential writes of 1 byte to 6 MiB (parts of 5 MiB, so that multipart uploads happen),
   pwrite at the end, at a gap and back over written bytes (EINVAL, and the file is lost: EIO at its close), O_APPEND
   writes, ftruncate to the same size, up while still empty (what safetensors does) and otherwise (EOPNOTSUPP), fsync,
@@ -212,7 +213,7 @@ class Fuzz:
                 return self.touch(what, path, flags)
             elif not self.overwrite:
                 want = errno.EPERM
-            elif variant == "append" or (variant == "plain" and self.objects[path]):
+            elif variant in ("append", "plain") and self.objects[path]:  # an append to an empty one rewrites it
                 want = errno.EOPNOTSUPP
             else:
                 want, replaces = None, path

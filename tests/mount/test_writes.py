@@ -691,6 +691,50 @@ def test_an_append_to_an_empty_stored_file_still_needs_allow_overwrite(s3: S3Ser
     delete_bucket(s3, bucket)
 
 
+APPENDING = "appending to an existing file is not supported"
+
+
+def test_with_allow_overwrite_an_append_to_an_empty_stored_file_writes_it_whole(s3: S3Server, mountpoint: Path) -> None:
+    """`open(p, "ab")` of a stored empty file (README: an empty file needs no O_TRUNC) writes it whole from its start,
+    as on a local disk (it was EOPNOTSUPP); of one with bytes it stays EOPNOTSUPP, with a warning that says why."""
+    bucket = bucket_with(s3, {"train.log": b"", "full.log": b"step 1\n"})
+    with mounted(s3, bucket, mountpoint, *WRITABLE, "--allow-overwrite", allowed=(APPENDING,)) as m:
+        with open(mountpoint / "train.log", "ab") as f:
+            f.write(b"step 2\n")
+            f.flush()
+            f.write(b"step 3\n")
+        assert (mountpoint / "train.log").read_bytes() == b"step 2\nstep 3\n"
+        with pytest.raises(OSError) as info:
+            open(mountpoint / "full.log", "ab").close()  # noqa: SIM115
+        assert info.value.errno == errno.EOPNOTSUPP
+        assert sum(APPENDING in line for line in warning_lines(m.log())) == 1
+    client = s3.client()
+    assert [client.get_object(Bucket=bucket, Key=k)["Body"].read() for k in ("train.log", "full.log")] == [
+        b"step 2\nstep 3\n", b"step 1\n"]
+    assert uploads_in(s3, bucket) == []
+    delete_bucket(s3, bucket)
+
+
+def test_without_allow_overwrite_a_refused_append_or_update_in_place_says_the_flag_is_not_enough(
+        s3: S3Server, mountpoint: Path) -> None:
+    """An append (`open(p, "ab")`) or an update in place (`open(p, "r+b")`, numpy's `open_memmap(mode="w+")` reopening
+    the header it stored) of a stored file with bytes, without --allow-overwrite: EPERM, and the log says that only
+    whole rewrites are supported. It said only that replacing the file needs --allow-overwrite (and for the append
+    at info level): with the flag the open is EOPNOTSUPP all the same."""
+    bucket = bucket_with(s3, {"full.log": b"step 1\n"})
+    with mounted(s3, bucket, mountpoint, *WRITABLE, allowed=(APPENDING,)) as m:
+        for mode in ("ab", "r+b"):
+            with pytest.raises(OSError) as info:
+                open(mountpoint / "full.log", mode).close()  # noqa: SIM115
+            assert info.value.errno == errno.EPERM
+        said = [line for line in warning_lines(m.log()) if APPENDING in line]
+        assert len(said) == 1 and "needs --allow-overwrite" in said[0], said
+        assert "full.log exists; replacing it needs --allow-overwrite, and only whole rewrites (O_TRUNC) are " \
+            "supported" in m.log()  # the update in place: at info level, as a `touch` opens a stored file so
+    assert keys(s3, bucket) == {"full.log": 7}
+    delete_bucket(s3, bucket)
+
+
 def test_overwrite_and_delete_need_their_flags(s3: S3Server, mountpoint: Path, tmp_path: Path) -> None:
     bucket = bucket_with(s3, {"a.bin": b"old", "d/b.bin": b"bee"})
     with mounted(s3, bucket, mountpoint, *WRITABLE, allowed=(NEEDS_OVERWRITE, "needs --allow-delete")) as m:

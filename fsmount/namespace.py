@@ -337,7 +337,10 @@ class Namespace:
         if is_dir and as_of is not None:
             node.fresh_until = max(node.fresh_until, as_of + self.ttl)
         if meta is not None:
-            node.size, node.etag, node.mtime_ns = meta.size, meta.etag, meta.mtime_ns
+            # A node is one version (path, ETag), whose mtime never steps back: a name a predecessor kept
+            # (saved_names.py) may be dated later than the bucket's answer (a file it wrote, dated its close; a
+            # listing's milliseconds that a daemon before B270 kept), and the bucket's answer came after it (B295).
+            node.size, node.etag, node.mtime_ns = meta.size, meta.etag, max(node.mtime_ns, meta.mtime_ns)
             at = time.monotonic() if as_of is None else as_of
             if self._latest_file.get(path) != ino and at < self._latest_asked.get(path, 0.0):
                 # An answer older than the newest one about the path (a listing begun before that HEAD, or a directory

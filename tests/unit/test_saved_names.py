@@ -3,6 +3,7 @@ file's round trip and its bounds, what an unreadable file does, and a namespace 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import stat
@@ -10,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from fsmount import saved_names
+from fsmount import namespace, saved_names
 from fsmount.data import ObjectMeta, TransientError, Unreachable, cache_clear
 from fsmount.data.store import version_tag
 from fsmount.namespace import ROOT_INODE, DirEntry, Namespace
@@ -297,3 +298,33 @@ def test_the_bound_drops_the_directories_used_least_recently(tmp_path: Path, mon
     listed(saved, "data/1", {f"s{i}": file_entry(f"data/1/s{i}") for i in range(3)})  # 9 over 6: data/0 goes
     assert saved.listing("model") is not None and saved.entry("model") == DIR
     assert saved.listing("data/0") is None
+
+
+async def test_a_file_resolved_from_the_kept_names_keeps_its_mtime_once_the_origin_answers(
+        tmp_path: Path, allowed_logs: list[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """A name kept by a predecessor may be dated later than the bucket's Last-Modified of the same version: a file it
+    wrote (the time of its close; a multipart upload's Last-Modified is when it began), or a listing's milliseconds
+    that a daemon before B270 kept. A mount started while the origin was away showed that date, and once the origin
+    answered the bucket's, earlier, on the same inode: its mtime stepped back (`make`, `find -newer`)."""
+    allowed_logs.append(ORIGIN_UNAVAILABLE)
+    monkeypatch.setattr(namespace, "DOWN_FAST_FAIL_S", 0.0)  # asked again at once once it is back
+    store = FakeStore()
+    store.put("m/w.bin", b"12345")
+    bucket_mtime = store.meta("m/w.bin").mtime_ns
+    first = SavedNames(str(tmp_path), store.bucket, "")
+    first.found("m", DIR)
+    first.found("m/w.bin", (False, dataclasses.replace(store.meta("m/w.bin"), mtime_ns=bucket_mtime + 500_000_000)))
+    first.save(first.snapshot())
+
+    store.head = store.has_children = store.list_pages = origin_down
+    second = SavedNames(str(tmp_path), store.bucket, "")
+    second.load()
+    ns = Namespace(store, call, prefix="", ttl=0, saved=second)
+    m = await ns.lookup(ROOT_INODE, b"m")
+    w = await ns.lookup(m.ino, b"w.bin")
+    kept = w.mtime_ns
+    assert kept == bucket_mtime + 500_000_000
+    del store.head, store.has_children, store.list_pages  # the origin is back
+    again = await ns.lookup(m.ino, b"w.bin")  # the origin answers: the bucket's version, the same inode
+    assert store.heads + store.lists > 0 and again.ino == w.ino
+    assert again.mtime_ns >= kept

@@ -44,6 +44,15 @@ def reloaded(saved: SavedNames, tmp_path: Path) -> SavedNames:
     return again
 
 
+def started_while_down(store: FakeStore, tmp_path: Path, ttl: float) -> Namespace:
+    """A namespace started with the origin away (until `del store.head, store.has_children, store.list_pages`),
+    knowing what its predecessor kept in `tmp_path`."""
+    store.head = store.has_children = store.list_pages = origin_down
+    saved = SavedNames(str(tmp_path), store.bucket, "")
+    saved.load()
+    return Namespace(store, call, prefix="", ttl=ttl, saved=saved)
+
+
 def test_listings_lookups_and_changes_round_trip(tmp_path: Path) -> None:
     saved = SavedNames(str(tmp_path), "b", "p/")
     listed(saved, "m", {"w.bin": file_entry("p/m/w.bin"), "sub": DIR, "odd\udcff": file_entry("k")})
@@ -170,10 +179,7 @@ async def test_a_namespace_started_while_the_origin_is_down_resolves_what_its_pr
     w = await ns.lookup(m.ino, b"w.bin")
     first.save(first.snapshot())
 
-    store.head = store.has_children = store.list_pages = origin_down
-    second = SavedNames(str(tmp_path), store.bucket, "")
-    second.load()
-    ns = Namespace(store, call, prefix="", ttl=60, saved=second)
+    ns = started_while_down(store, tmp_path, ttl=60)
     models = await ns.lookup(ROOT_INODE, b"models")
     m = await ns.lookup(models.ino, b"m")
     assert models.is_dir and m.is_dir
@@ -316,10 +322,7 @@ async def test_a_file_resolved_from_the_kept_names_keeps_its_mtime_once_the_orig
     first.found("m/w.bin", (False, dataclasses.replace(store.meta("m/w.bin"), mtime_ns=bucket_mtime + 500_000_000)))
     first.save(first.snapshot())
 
-    store.head = store.has_children = store.list_pages = origin_down
-    second = SavedNames(str(tmp_path), store.bucket, "")
-    second.load()
-    ns = Namespace(store, call, prefix="", ttl=0, saved=second)
+    ns = started_while_down(store, tmp_path, ttl=0)
     m = await ns.lookup(ROOT_INODE, b"m")
     w = await ns.lookup(m.ino, b"w.bin")
     kept = w.mtime_ns

@@ -650,11 +650,22 @@ def open_disk_cache(cfg: MountConfig) -> DiskCache:
     # started before the NVMe disk was mounted (a boot script's RAID, a slow instance store) made /nvme/modelfs on the
     # root disk and filled it to --cache-size of that disk, hidden once the NVMe was mounted over /nvme (B262).
     # Status 1: the unit starts it again every RestartSec, and once the disk is there it mounts.
+    # Only a parent that is not there is said so: one that cannot be reached (EACCES of a directory above it) was
+    # said "does not exist (a disk not mounted yet?)" too, sending the operator to look for a disk (B293).
     parent = os.path.dirname(os.path.abspath(cfg.cache_dir))
-    if not os.path.lexists(cfg.cache_dir) and not os.path.isdir(parent):
-        raise MountError(f"cannot use cache dir {cfg.cache_dir}: {parent}, the directory it goes in, "
-                         f"{'is not a directory' if os.path.exists(parent) else 'does not exist'} (a disk not mounted "
-                         "yet?); modelfs makes the cache dir itself, not the directories above it")
+    if not os.path.lexists(cfg.cache_dir):
+        try:
+            parent_is_dir = stat.S_ISDIR(os.stat(parent).st_mode)
+        except OSError as exc:
+            if exc.errno == errno.ENOENT:  # (a symlink to nothing too)
+                raise MountError(f"cannot use cache dir {cfg.cache_dir}: {parent}, the directory it goes in, does not "
+                                 "exist (a disk not mounted yet?); modelfs makes the cache dir itself, not the "
+                                 "directories above it") from None
+            raise MountError(f"cannot use cache dir {cfg.cache_dir}: {parent}, the directory it goes in: "
+                             f"{exc.strerror or exc}") from None
+        if not parent_is_dir:
+            raise MountError(f"cannot use cache dir {cfg.cache_dir}: {parent}, the directory it goes in, is not a "
+                             "directory")
     try:
         cache = DiskCache(cfg.cache_dir, cache_bytes(cfg.cache_size, cfg.cache_dir),
                           min_free_bytes=default_min_free(cfg.cache_dir))

@@ -38,7 +38,7 @@ from fsmount.data.cache_dir import (
 from fsmount.data.chunk_file import ALIGN, round_up
 from fsmount.data.disk_cache import DiskCache, default_min_free
 from fsmount.data.identity import new_buffer
-from tests.helpers import CORRUPT_WARNING, KiB, MiB, expects_warning, random_bytes
+from tests.helpers import CORRUPT_WARNING, KiB, MiB, expects_warning, modelfs_env, random_bytes
 from tests.helpers import WRITE_FAILED_WARNING as WRITE_WARNING
 from tests.helpers import tmpfs as mount_tmpfs
 
@@ -970,6 +970,47 @@ def test_a_writes_entry_that_is_not_a_directory_is_left_alone_and_a_writable_mou
         assert "\n" not in str(refused.value)
         assert os.path.lexists(root / "writes")
     assert (elsewhere / "1").read_text() == "linked" and (tmp_path / "file" / "writes").read_text() == "a file"
+
+
+OPEN_CACHE_DIR = """
+import sys
+from fsmount.config import CacheSize, MountConfig, StoreConfig
+from fsmount.mount import MountError, open_disk_cache
+cfg = MountConfig(store=StoreConfig(bucket="b"), mountpoint="/nonexistent", cache_dir=sys.argv[1],
+                  cache_size=CacheSize(bytes=1 << 30), memory_limit=256 << 20)
+try:
+    open_disk_cache(cfg).close()
+except MountError as exc:
+    print(exc)
+"""
+
+
+@pytest.mark.skipif(shutil.which("setpriv") is None or os.geteuid() != 0, reason="needs root and setpriv")
+def test_a_cache_dir_whose_parent_cannot_be_reached_is_not_said_to_be_on_a_disk_not_mounted(tmp_path: Path) -> None:
+    """A cache dir below another user's 0700 directory was said to go in a directory that "does not exist (a disk not
+    mounted yet?)" (B262's check took every failed stat of it for a missing one), where it was there and closed to
+    this user: "Permission denied", as before B262 (B293). A file where it should be is not a disk not mounted."""
+    from fsmount.config import CacheSize, MountConfig, StoreConfig
+    from fsmount.mount import MountError, open_disk_cache
+
+    locked = tmp_path / "locked"
+    (locked / "models").mkdir(parents=True)
+    os.chown(locked, 65534, 65534)
+    locked.chmod(0o700)
+    cache = locked / "models" / "cache"
+    # root without CAP_DAC_OVERRIDE and CAP_DAC_READ_SEARCH: another user's 0700 directory is closed to it.
+    res = subprocess.run([shutil.which("setpriv"), "--bounding-set", "-dac_override,-dac_read_search", "--",
+                          sys.executable, "-c", OPEN_CACHE_DIR, str(cache)],
+                         capture_output=True, text=True, timeout=60, env=modelfs_env())
+    assert res.stdout == (f"cannot use cache dir {cache}: {locked / 'models'}, the directory it goes in: Permission "
+                          "denied\n"), res.stdout + res.stderr
+    (tmp_path / "afile").write_bytes(b"x")
+    cfg = MountConfig(store=StoreConfig(bucket="b"), mountpoint="/nonexistent", cache_dir=str(tmp_path / "afile" / "c"),
+                      cache_size=CacheSize(bytes=1 << 30), memory_limit=256 << 20)
+    with pytest.raises(MountError) as refused:
+        open_disk_cache(cfg)
+    assert str(refused.value) == (f"cannot use cache dir {tmp_path / 'afile' / 'c'}: {tmp_path / 'afile'}, the "
+                                  "directory it goes in, is not a directory")
 
 
 def test_a_lock_file_modelfs_did_not_write_is_not_overwritten_and_the_dir_is_refused_by_name(tmp_path: Path) -> None:

@@ -143,10 +143,12 @@ def format_stats(s: dict[str, Any], mountpoint: str) -> str:
     if sc is not None:
         mode = "read-only" if sc["read_only"] else "claims on" if sc["claims_enabled"] else "claims off"
         rows += [
-            ("shared tier", f"{sc['bucket']} ({mode}): {sc['hits']} hits, {sc['misses']} misses "
+            ("shared tier", f"{sc['bucket']} ({mode}): {counted(sc['hits'], 'hit', 'hits')}, "
+                            f"{counted(sc['misses'], 'miss', 'misses')} "
                             f"({_percent(sc['hit_ratio'])} hit), {human_size(sc['bytes'])} loaded"),
-            ("shared tier fleet", f"{sc['claims']} chunks fetched for the fleet, {sc['claim_waits']} waits for "
-                                  f"other nodes, {sc['fallbacks']} fallbacks, {sc['writes']} written, "
+            ("shared tier fleet", f"{counted(sc['claims'], 'chunk', 'chunks')} fetched for the fleet, "
+                                  f"{counted(sc['claim_waits'], 'wait', 'waits')} for other nodes, "
+                                  f"{counted(sc['fallbacks'], 'fallback', 'fallbacks')}, {sc['writes']} written, "
                                   f"{sc['trailed']} held back behind the load ({sc['trail_dropped']} of "
                                   "those given up)"
                                   + (f", {sc['writes_skipped']} not written (the tier failed or refused writes)"
@@ -154,10 +156,13 @@ def format_stats(s: dict[str, Any], mountpoint: str) -> str:
         ]
     ws = s.get("writes")
     if ws is not None:
-        rows.append(("writes", f"{ws['files_stored']} files stored ({human_size(ws['bytes_uploaded'])} in "
-                               f"{ws['parts_uploaded']} parts), {ws['files_failed']} not stored, {ws['renames']} "
-                               f"renames, {ws['deletes']} deletes"
-                               + (f", {ws['deletes_refused']} deletes refused (they need --allow-delete)"
+        parts = counted(ws["parts_uploaded"], "part", "parts")
+        rows.append(("writes", f"{counted(ws['files_stored'], 'file', 'files')} stored "
+                               f"({human_size(ws['bytes_uploaded'])} in {parts}), {ws['files_failed']} not stored, "
+                               f"{counted(ws['renames'], 'rename', 'renames')}, "
+                               f"{counted(ws['deletes'], 'delete', 'deletes')}"
+                               + (f", {counted(ws['deletes_refused'], 'delete', 'deletes')} refused (they need "
+                                  "--allow-delete)"
                                   if ws.get("deletes_refused") else "")))
     rows += [
         ("chunk memory", f"{human_size(s['memory_used_bytes'])} of {human_size(s['memory_limit_bytes'])}"),

@@ -65,9 +65,9 @@ def test_writes_have_a_row_and_failed_stores_count_as_errors() -> None:
     writes = {"files_stored": 235, "files_failed": 1, "bytes_uploaded": 3 * MiB, "parts_uploaded": 4,
               "renames": 2, "deletes": 1, "chunks_cached": 0}
     text = format_stats(snapshot(writes=writes), "/ckpt")
-    assert "235 files stored (3.00 MiB in 4 parts), 1 not stored, 2 renames, 1 deletes\n" in text + "\n", text
+    assert "235 files stored (3.00 MiB in 4 parts), 1 not stored, 2 renames, 1 delete\n" in text + "\n", text
     refused = format_stats(snapshot(writes={**writes, "deletes_refused": 7}), "/ckpt")
-    assert "1 deletes, 7 deletes refused (they need --allow-delete)" in refused, refused
+    assert "1 delete, 7 deletes refused (they need --allow-delete)" in refused, refused
     assert text.splitlines()[-1].endswith("files not stored 1"), text
     assert "files not stored" not in format_stats(snapshot(), "/models")
 
@@ -119,3 +119,16 @@ def test_one_of_a_thing_is_not_said_in_the_plural() -> None:
     assert text["origin downloads"] == "8.00 MiB in 1 GET, 0 failed", text
     assert text["NVMe cache"] == "8.00 MiB of 64.00 MiB (12.5%), 1 chunk", text
     assert text["NVMe cache lookups"] == "1 hit, 1 miss (50.0% hit), 1 eviction", text
+    # The shared tier's rows and the writes' took the plural too ("1 hits, 1 misses", "1 files stored"; the review).
+    tier = {"bucket": "tier", "read_only": False, "claims_enabled": True, "hits": 1, "misses": 1, "hit_ratio": 0.5,
+            "bytes": 8 * MiB, "claims": 1, "claim_waits": 1, "fallbacks": 1, "writes": 1, "write_errors": 0,
+            "corrupt": 0, "errors": 0, "trailed": 0, "trail_dropped": 0}
+    writes = {"files_stored": 1, "files_failed": 0, "bytes_uploaded": MiB, "parts_uploaded": 1, "renames": 1,
+              "deletes": 1, "deletes_refused": 1}
+    table = format_stats(snapshot(shared_cache=tier, writes=writes), "/models")
+    text = dict(re.split(r"\s{2,}", line, maxsplit=1) for line in table.splitlines())
+    assert text["shared tier"] == "tier (claims on): 1 hit, 1 miss (50.0% hit), 8.00 MiB loaded", text
+    assert text["shared tier fleet"] == ("1 chunk fetched for the fleet, 1 wait for other nodes, 1 fallback, 1 "
+                                         "written, 0 held back behind the load (0 of those given up)"), text
+    assert text["writes"] == ("1 file stored (1.00 MiB in 1 part), 0 not stored, 1 rename, 1 delete, 1 delete refused "
+                              "(they need --allow-delete)"), text

@@ -644,28 +644,47 @@ def check_cache_dir_outside(cache_dir: str | None, mountpoint: str) -> None:
                          "outside it (on local NVMe)")
 
 
+def check_cache_dir_place(cache_dir: str) -> None:
+    """A MountError (status 1: the unit starts the mount again every RestartSec, and once the disk is there it mounts)
+    where the cache dir would go on a disk not mounted yet, or cannot be made for what is above it.
+
+    The cache dir is made, the directories above it are not (as a --log-file's, B53): `--cache-dir /nvme/modelfs`
+    started before the NVMe disk was mounted (a boot script's RAID, a slow instance store) made /nvme/modelfs on the
+    root disk and filled it to --cache-size of that disk, hidden once the NVMe was mounted over /nvme (B262). Only a
+    parent that is not there is said so: one that cannot be reached (EACCES of a directory above it) was said "does
+    not exist (a disk not mounted yet?)" too, sending the operator to look for a disk (B293). A cache dir that is a
+    symlink to a directory not there (`/var/cache/modelfs -> /nvme/modelfs`) is the same disk not mounted yet: it was
+    "it exists and is not a directory", status 2, which the unit never started again (B294); a symlink's target is
+    not made."""
+    try:
+        os.stat(cache_dir)
+    except OSError as exc:
+        target = None
+        if exc.errno == errno.ENOENT:
+            with contextlib.suppress(OSError):  # (not a symlink: EINVAL)
+                target = os.path.join(os.path.dirname(os.path.abspath(cache_dir)), os.readlink(cache_dir))
+        if target is not None:
+            raise MountError(f"cannot use cache dir {cache_dir}: it is a symlink to {target}, which is not there (a "
+                             "disk not mounted yet?); modelfs does not make a symlink's target") from None
+    if os.path.lexists(cache_dir):
+        return
+    parent = os.path.dirname(os.path.abspath(cache_dir))
+    try:
+        parent_is_dir = stat.S_ISDIR(os.stat(parent).st_mode)
+    except OSError as exc:
+        if exc.errno == errno.ENOENT:  # (a symlink to nothing too)
+            raise MountError(f"cannot use cache dir {cache_dir}: {parent}, the directory it goes in, does not exist (a "
+                             "disk not mounted yet?); modelfs makes the cache dir itself, not the directories above "
+                             "it") from None
+        raise MountError(f"cannot use cache dir {cache_dir}: {parent}, the directory it goes in: "
+                         f"{exc.strerror or exc}") from None
+    if not parent_is_dir:
+        raise MountError(f"cannot use cache dir {cache_dir}: {parent}, the directory it goes in, is not a directory")
+
+
 def open_disk_cache(cfg: MountConfig) -> DiskCache:
     assert cfg.cache_dir is not None
-    # The cache dir is made, the directories above it are not (as a --log-file's, B53): `--cache-dir /nvme/modelfs`
-    # started before the NVMe disk was mounted (a boot script's RAID, a slow instance store) made /nvme/modelfs on the
-    # root disk and filled it to --cache-size of that disk, hidden once the NVMe was mounted over /nvme (B262).
-    # Status 1: the unit starts it again every RestartSec, and once the disk is there it mounts.
-    # Only a parent that is not there is said so: one that cannot be reached (EACCES of a directory above it) was
-    # said "does not exist (a disk not mounted yet?)" too, sending the operator to look for a disk (B293).
-    parent = os.path.dirname(os.path.abspath(cfg.cache_dir))
-    if not os.path.lexists(cfg.cache_dir):
-        try:
-            parent_is_dir = stat.S_ISDIR(os.stat(parent).st_mode)
-        except OSError as exc:
-            if exc.errno == errno.ENOENT:  # (a symlink to nothing too)
-                raise MountError(f"cannot use cache dir {cfg.cache_dir}: {parent}, the directory it goes in, does not "
-                                 "exist (a disk not mounted yet?); modelfs makes the cache dir itself, not the "
-                                 "directories above it") from None
-            raise MountError(f"cannot use cache dir {cfg.cache_dir}: {parent}, the directory it goes in: "
-                             f"{exc.strerror or exc}") from None
-        if not parent_is_dir:
-            raise MountError(f"cannot use cache dir {cfg.cache_dir}: {parent}, the directory it goes in, is not a "
-                             "directory")
+    check_cache_dir_place(cfg.cache_dir)
     try:
         cache = DiskCache(cfg.cache_dir, cache_bytes(cfg.cache_size, cfg.cache_dir),
                           min_free_bytes=default_min_free(cfg.cache_dir))
@@ -673,7 +692,7 @@ def open_disk_cache(cfg: MountConfig) -> DiskCache:
     except CacheDirBusy as exc:
         raise MountError(str(exc)) from None
     except OSError as exc:
-        # makedirs says "File exists" of a file, or of a symlink to nothing, where the directory should be.
+        # makedirs says "File exists" of a file (or a symlink loop) where the directory should be.
         if exc.errno == errno.EEXIST and not os.path.isdir(cfg.cache_dir):
             raise SettingError(f"cannot use cache dir {cfg.cache_dir}: it exists and is not a directory") from None
         raise MountError(f"cannot use cache dir {cfg.cache_dir}: {exc.strerror or exc}") from None

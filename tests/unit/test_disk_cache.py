@@ -1013,6 +1013,31 @@ def test_a_cache_dir_whose_parent_cannot_be_reached_is_not_said_to_be_on_a_disk_
                                   "directory it goes in, is not a directory")
 
 
+def test_a_cache_dir_that_is_a_symlink_to_a_disk_not_mounted_yet_is_retried_not_refused_for_good(
+        tmp_path: Path) -> None:
+    """`--cache-dir /var/cache/modelfs`, a symlink to /nvme/modelfs, started before /nvme was mounted: "it exists and
+    is not a directory", a SettingError (exit status 2), which the unit never started again, so the node came up
+    without its mount once the disk was there (B294). Now a MountError (status 1, started again) that names the
+    link's target; the target is not made, and once it is there the cache dir opens through the link."""
+    from fsmount.config import CacheSize, MountConfig, StoreConfig
+    from fsmount.mount import MountError, open_disk_cache
+
+    link = tmp_path / "cache"
+    link.symlink_to(tmp_path / "nvme" / "modelfs")
+    cfg = MountConfig(store=StoreConfig(bucket="b"), mountpoint="/nonexistent", cache_dir=str(link),
+                      cache_size=CacheSize(bytes=1 << 30), memory_limit=256 << 20)
+    with pytest.raises(MountError) as refused:
+        open_disk_cache(cfg)
+    assert type(refused.value) is MountError, refused.value  # not a SettingError: status 1
+    assert str(refused.value) == (f"cannot use cache dir {link}: it is a symlink to {tmp_path / 'nvme' / 'modelfs'}, "
+                                  "which is not there (a disk not mounted yet?); modelfs does not make a symlink's "
+                                  "target")
+    assert not (tmp_path / "nvme").exists()
+    (tmp_path / "nvme" / "modelfs").mkdir(parents=True)  # the disk is mounted
+    open_disk_cache(cfg).close()
+    assert (tmp_path / "nvme" / "modelfs" / "chunks").is_dir() and link.is_symlink()
+
+
 def test_a_lock_file_modelfs_did_not_write_is_not_overwritten_and_the_dir_is_refused_by_name(tmp_path: Path) -> None:
     """An existing folder given as --cache-dir had its own `lock` file replaced by the daemon's pid."""
     from fsmount.config import CacheSize, MountConfig, StoreConfig

@@ -662,7 +662,8 @@ def check_cache_dir_place(cache_dir: str) -> None:
         target = None
         if exc.errno == errno.ENOENT:
             with contextlib.suppress(OSError):  # (not a symlink: EINVAL)
-                target = os.path.join(os.path.dirname(os.path.abspath(cache_dir)), os.readlink(cache_dir))
+                link = os.readlink(cache_dir)
+                target = os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(cache_dir)), link))
         if target is not None:
             raise MountError(f"cannot use cache dir {cache_dir}: it is a symlink to {target}, which is not there (a "
                              "disk not mounted yet?); modelfs does not make a symlink's target") from None

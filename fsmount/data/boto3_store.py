@@ -254,6 +254,16 @@ def translate_error(exc: Exception, bucket: str, what: str, *, method: str = "")
     return StoreError(f"{what}: {type(exc).__name__}: {exc}")
 
 
+# The codes of a credentials source's answer that say to ask again (`_credentials_failed`): it throttles (STS's
+# Throttling, the SSO portal's TooManyRequestsException), or STS could not reach the identity provider a web identity
+# is checked with (IDPCommunicationError: its documented transient error, an EKS cluster's OIDC issuer for a moment).
+SOURCE_BUSY_CODES = frozenset({"Throttling", "ThrottlingException", "RequestLimitExceeded", "TooManyRequestsException",
+                               "IDPCommunicationError"})
+# Sources whose failure botocore says only as "could not be retrieved" (CredentialRetrievalError): the instance
+# metadata service (IMDS: one try of 1 s, throttled under load; botocore raises it even while the credentials there
+# still serve) and container credentials (ECS, EKS Pod Identity's agent). Asked again, they give them.
+METADATA_SOURCES = frozenset({"iam-role", "container-role"})
+
 # What a refusal to give a role's credentials asks to check, by the STS call refused (`_credentials_failed`).
 ROLE_ADVICE = {
     "AssumeRoleWithWebIdentity": "check the role (AWS_ROLE_ARN, or the profile's role_arn), that its trust policy "
@@ -269,7 +279,11 @@ def _credentials_failed(exc: Any, bucket: str, what: str) -> StoreError:
     source's failure. An STS refusal of the role was said as the bucket's ("access denied to bucket ...: a mount
     needs s3:ListBucket"), a web identity token file missing as the bucket's listing failing now and then (a
     TransientError, retried; a mount with a cache dir came up as if the origin were away). A source that cannot be
-    reached, or answers 5xx, stays what it is (Unreachable, TimedOut, TransientError), named as the credentials'."""
+    reached, does not answer in time, answers 5xx or to ask again (SOURCE_BUSY_CODES), or a metadata service that
+    gave nothing (METADATA_SOURCES) is `Unreachable`, named as the credentials': no request reached the bucket, and a
+    read, a metadata request or a write asks again until its deadline (--read-timeout), as for an origin refusing
+    connections. A TransientError or TimedOut had a read's 5 tries in 1 s, all failed at once within the credentials'
+    UNAVAILABLE_HOLD_S, and an IMDS that timed out once was EACCES (B297)."""
     from botocore import exceptions as bex
 
     cause = exc.cause
@@ -279,8 +293,8 @@ def _credentials_failed(exc: Any, bucket: str, what: str) -> StoreError:
         operation = str(getattr(cause, "operation_name", "") or "their request")
         words = " ".join(message.split())[:300]
         refused = f"{said}: {operation} answered {code or status}" + (f" ({words})" if words else "")
-        if status >= 500 or code in ("Throttling", "ThrottlingException", "RequestLimitExceeded"):
-            return TransientError(refused)
+        if status >= 500 or code in SOURCE_BUSY_CODES:
+            return Unreachable(refused)
         advice = ROLE_ADVICE.get(operation, "check them")
         return CredentialsFailed(f"{refused}: {advice}")
     if isinstance(cause, OSError) and cause.filename is not None:  # a file of theirs: a token file, a process
@@ -289,8 +303,9 @@ def _credentials_failed(exc: Any, bucket: str, what: str) -> StoreError:
         return CredentialsFailed(f"{said}: {cause.strerror or cause}: {cause.filename}{where}")
     inner = translate_error(cause, bucket, what)
     text = " ".join(inner.message.removeprefix(f"{what}: ").split())  # botocore's may span lines
-    if isinstance(inner, (Unreachable, TransientError)):
-        return type(inner)(f"{said}: {text}")
+    if isinstance(inner, (Unreachable, TransientError)) or (
+            isinstance(cause, bex.CredentialRetrievalError) and exc.method in METADATA_SOURCES):
+        return Unreachable(f"{said}: {text}")
     return CredentialsFailed(f"{said}: {text}")
 
 

@@ -417,3 +417,32 @@ def test_an_sts_that_does_not_answer_fails_the_mount_in_seconds_saying_so(
         silent.close()
         for conn in held:
             conn.close()
+
+
+@pytest.mark.parametrize("status, code", [(503, "ServiceUnavailable"), (400, "IDPCommunicationError")])
+def test_a_running_mount_whose_sts_fails_for_a_moment_serves_the_read_that_waited_for_it(
+        tmp_path: Path, moto_server: S3Server, mountpoint: Path, fake_sts: FakeSts, status: int, code: str) -> None:
+    """Session credentials expired while STS answers 503, or that it could not reach the identity provider
+    (IDPCommunicationError, its documented transient error), for two seconds: the read waiting for them failed EIO
+    within about a second (a TransientError's 5 tries in 1.1 s, all failed at once within UNAVAILABLE_HOLD_S), or
+    EACCES. It is asked again until --read-timeout, as for an origin refusing connections, and served exact once STS
+    gives them (B297)."""
+    fake_sts.lifetime = datetime.timedelta(seconds=3)
+    data = os.urandom(8 << 20)
+    bucket = bucket_with(moto_server, {"a.bin": data})
+    server = S3Server("moto", moto_server.endpoint_url, irsa_env(tmp_path, fake_sts.url))
+    with mounted(server, bucket, mountpoint, "--chunk-size", "1M", "--max-readahead", "0", "--no-model-prefetch",
+                 "--metadata-ttl", "forever", "--read-timeout", "20",
+                 allowed=(r"could not be had", r"the credentials' refresh failed \(\w+\)")):
+        with open(mountpoint / "a.bin", "rb", buffering=0) as f:
+            assert f.read(1 << 20) == data[:1 << 20]
+            fake_sts.refusal = (status, code, "try again")
+            time.sleep(3.5)  # the session credentials have expired
+            mended = threading.Timer(2.0, lambda: setattr(fake_sts, "refusal", None))
+            mended.start()
+            try:
+                started = time.monotonic()
+                assert os.pread(f.fileno(), 1 << 20, 4 << 20) == data[4 << 20:5 << 20]
+                assert time.monotonic() - started < 20
+            finally:
+                mended.cancel()

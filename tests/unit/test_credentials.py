@@ -285,7 +285,10 @@ def sts_refusal(code: str, status: int, operation: str = "AssumeRoleWithWebIdent
      "AssumeRoleWithWebIdentity answered AccessDenied (AccessDenied said STS): check the role (AWS_ROLE_ARN"),
     (sts_refusal("AccessDenied", 403, "AssumeRole"), "CredentialsFailed",
      "AssumeRole answered AccessDenied (AccessDenied said STS): check the profile's role_arn"),
-    (sts_refusal("InternalFailure", 500), "TransientError", "AssumeRoleWithWebIdentity answered InternalFailure"),
+    (sts_refusal("InternalFailure", 500), "Unreachable", "AssumeRoleWithWebIdentity answered InternalFailure"),
+    (sts_refusal("Throttling", 400), "Unreachable", "AssumeRoleWithWebIdentity answered Throttling"),
+    (sts_refusal("IDPCommunicationError", 400), "Unreachable",
+     "AssumeRoleWithWebIdentity answered IDPCommunicationError"),
     (FileNotFoundError(2, "No such file or directory", "/var/run/token"), "CredentialsFailed",
      "No such file or directory: /var/run/token (AWS_WEB_IDENTITY_TOKEN_FILE"),
 ])
@@ -393,3 +396,38 @@ def test_credentials_that_cannot_be_had_are_not_asked_for_again_within_the_hold(
     refuse[0] = False
     now[0] += credentials.UNAVAILABLE_HOLD_S
     assert renewable.get_frozen_credentials().access_key == "ASIA" and len(asked) == 3
+
+
+@pytest.mark.parametrize("method, kind", [("iam-role", "Unreachable"), ("container-role", "Unreachable"),
+                                          ("custom-process", "CredentialsFailed")])
+def test_a_metadata_service_that_gives_nothing_for_a_moment_is_asked_again_not_said_as_refused(
+        allowed_logs: list[str], method: str, kind: str) -> None:
+    """The instance metadata service timing out once (one try of 1 s, throttled under load) while botocore refreshes
+    an instance role's credentials, still good for 12 minutes: botocore raises "Credential refresh failed" all the
+    same, and B280's mapping made it CredentialsFailed, EACCES, failing the read at once and every read of the next
+    UNAVAILABLE_HOLD_S. It is Unreachable, asked again until the read's deadline; a credential_process that fails
+    stays the credentials' failure (B297)."""
+    import datetime
+
+    from botocore.credentials import RefreshableCredentials
+    from botocore.exceptions import CredentialRetrievalError
+
+    from fsmount.data import store
+    from fsmount.data.boto3_store import translate_error
+
+    allowed_logs.append(r"the credentials' refresh failed \(CredentialRetrievalError\)")
+
+    def refresh() -> dict[str, str]:
+        if method == "iam-role":
+            return {}  # what botocore's InstanceMetadataFetcher gives when IMDS does not answer
+        raise CredentialRetrievalError(provider=method, error_msg="no answer")
+
+    # IMDS's nothing fails even an advisory refresh (12 minutes left); a source's error, a mandatory one (5 minutes)
+    left = datetime.timedelta(minutes=12 if method == "iam-role" else 5)
+    until = datetime.datetime.now(datetime.UTC) + left
+    renewable = Renewable(RefreshableCredentials("ASIA", "s", "t", until, refresh, method), lambda: None)
+    with pytest.raises(credentials.Unavailable) as caught:
+        renewable.get_frozen_credentials()
+    err = translate_error(caught.value, "b", "GET 'k'")
+    assert type(err) is getattr(store, kind), err.message
+    assert err.message.startswith(f"GET 'k': the credentials ({method}) could not be had: "), err.message

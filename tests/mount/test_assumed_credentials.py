@@ -16,6 +16,7 @@ import socket
 import threading
 import time
 import urllib.parse
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -357,19 +358,29 @@ def test_an_sso_login_that_has_expired_is_said_at_mount(
     assert not fake_sts.calls
 
 
+@contextlib.contextmanager
+def mounted_with_short_sessions(tmp_path: Path, moto_server: S3Server, mountpoint: Path, fake_sts: FakeSts,
+                                read_timeout: str) -> Iterator[tuple[Any, bytes]]:
+    """A mount by web identity whose session credentials last 3 s, reading an 8 MiB `a.bin` chunk by chunk (1 MiB,
+    no read-ahead, names kept for good): (the mount, the file's bytes). Its log may say the credentials could not be
+    had."""
+    fake_sts.lifetime = datetime.timedelta(seconds=3)
+    data = os.urandom(8 << 20)
+    bucket = bucket_with(moto_server, {"a.bin": data})
+    server = S3Server("moto", moto_server.endpoint_url, irsa_env(tmp_path, fake_sts.url))
+    with mounted(server, bucket, mountpoint, "--chunk-size", "1M", "--max-readahead", "0", "--no-model-prefetch",
+                 "--metadata-ttl", "forever", "--read-timeout", read_timeout,
+                 allowed=(r"could not be had", r"the credentials' refresh failed \(\w+\)")) as m:
+        yield m, data
+
+
 def test_a_running_mount_whose_role_sts_stops_giving_refuses_reads_in_one_line_and_reads_again_once_it_does(
         tmp_path: Path, moto_server: S3Server, mountpoint: Path, fake_sts: FakeSts) -> None:
     """Session credentials expired while STS refuses the role (its trust policy changed, the identity provider
     removed): each read of a chunk not in memory is EACCES at once, saying the credentials could not be had, and the
     log holds no traceback: botocore logged its 24-line warning at every request it signed (B282). Once STS gives the
     role again, reads go on with new session credentials, exact."""
-    fake_sts.lifetime = datetime.timedelta(seconds=3)
-    data = os.urandom(8 << 20)
-    bucket = bucket_with(moto_server, {"a.bin": data})
-    server = S3Server("moto", moto_server.endpoint_url, irsa_env(tmp_path, fake_sts.url))
-    with mounted(server, bucket, mountpoint, "--chunk-size", "1M", "--max-readahead", "0", "--no-model-prefetch",
-                 "--metadata-ttl", "forever", "--read-timeout", "10",
-                 allowed=(r"could not be had", r"the credentials' refresh failed \(ClientError\)")) as m:
+    with mounted_with_short_sessions(tmp_path, moto_server, mountpoint, fake_sts, "10") as (m, data):
         with open(mountpoint / "a.bin", "rb", buffering=0) as f:
             assert f.read(1 << 20) == data[:1 << 20]
             fake_sts.refusal = (403, "AccessDenied", "Not authorized to perform sts:AssumeRoleWithWebIdentity")
@@ -427,13 +438,7 @@ def test_a_running_mount_whose_sts_fails_for_a_moment_serves_the_read_that_waite
     within about a second (a TransientError's 5 tries in 1.1 s, all failed at once within UNAVAILABLE_HOLD_S), or
     EACCES. It is asked again until --read-timeout, as for an origin refusing connections, and served exact once STS
     gives them (B297)."""
-    fake_sts.lifetime = datetime.timedelta(seconds=3)
-    data = os.urandom(8 << 20)
-    bucket = bucket_with(moto_server, {"a.bin": data})
-    server = S3Server("moto", moto_server.endpoint_url, irsa_env(tmp_path, fake_sts.url))
-    with mounted(server, bucket, mountpoint, "--chunk-size", "1M", "--max-readahead", "0", "--no-model-prefetch",
-                 "--metadata-ttl", "forever", "--read-timeout", "20",
-                 allowed=(r"could not be had", r"the credentials' refresh failed \(\w+\)")):
+    with mounted_with_short_sessions(tmp_path, moto_server, mountpoint, fake_sts, "20") as (_, data):
         with open(mountpoint / "a.bin", "rb", buffering=0) as f:
             assert f.read(1 << 20) == data[:1 << 20]
             fake_sts.refusal = (status, code, "try again")

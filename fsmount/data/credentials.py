@@ -13,7 +13,8 @@ processes run again) at most once per `RECHECK_S`, and signs with the result fro
 store calls `renew()` when a request is refused for its credentials (AccessDenied, ExpiredToken, InvalidToken,
 InvalidAccessKeyId) and sends that request once more, signed anew, if it returned True. Signing calls it too when
 the credentials' own refresh fails (a role assumed with a source key rotated in the file and revoked), for no
-request is sent then to be refused. When that lookup gives none either, signing raises `Unavailable` with the
+request is sent then to be refused (unless they are outside botocore's mandatory refresh window: those it holds
+still serve, `_still_good`). When that lookup gives none either, signing raises `Unavailable` with the
 source's own error (STS refusing the role, a web identity token file missing, an SSO login expired), which the store
 says as the credentials' failure: no request reached the bucket; for `UNAVAILABLE_HOLD_S` after, signing raises it
 again at once without asking the source. `Renewable.expiry()` says when the credentials signing now expire, so that a
@@ -105,6 +106,23 @@ def _frozen(credentials: Any) -> tuple[str, str, str | None]:
     return frozen.access_key, frozen.secret_key, frozen.token
 
 
+def _still_good(source: Any) -> Any:
+    """The frozen credentials botocore's refreshable `source` holds, if they are outside its mandatory refresh window
+    (they serve still), else None. Its refresh within the advisory window raises where the source gave nothing
+    rather than an error: the instance metadata service not answering (botocore's fetch, one try of 1 s, returns
+    nothing then, and IMDS throttles a busy node) failed a signing with credentials good for 10 minutes or more, and
+    every signing for UNAVAILABLE_HOLD_S after it (B298). botocore keeps them itself when the source raises there."""
+    frozen = getattr(source, "_frozen_credentials", None)  # botocore's RefreshableCredentials'; no public getter
+    needed = getattr(source, "refresh_needed", None)
+    mandatory = getattr(source, "_mandatory_refresh_timeout", None)
+    if frozen is None or needed is None or mandatory is None:
+        return None
+    try:
+        return None if needed(mandatory) else frozen
+    except Exception:  # noqa: BLE001 - what botocore's private state holds: no answer is "none"
+        return None
+
+
 class Renewable(Credentials):  # type: ignore[misc]
     """Credentials botocore signs with, whose source a lookup may replace (`renew`). Every attribute botocore
     reads is the source's (Credentials.__init__ is not called: it would set them)."""
@@ -142,6 +160,9 @@ class Renewable(Credentials):  # type: ignore[misc]
         try:
             return self._source.get_frozen_credentials()
         except Exception as exc:
+            still = _still_good(self._source)
+            if still is not None:
+                return still
             # Credentials botocore refreshes, whose refresh fails (a role assumed with a source key rotated in the
             # file and revoked): no request is sent, so no refusal would look them up again.
             if not self.renew(type(exc).__name__, event="the credentials' refresh failed"):

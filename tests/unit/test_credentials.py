@@ -403,10 +403,10 @@ def test_credentials_that_cannot_be_had_are_not_asked_for_again_within_the_hold(
 def test_a_metadata_service_that_gives_nothing_for_a_moment_is_asked_again_not_said_as_refused(
         allowed_logs: list[str], method: str, kind: str) -> None:
     """The instance metadata service timing out once (one try of 1 s, throttled under load) while botocore refreshes
-    an instance role's credentials, still good for 12 minutes: botocore raises "Credential refresh failed" all the
-    same, and B280's mapping made it CredentialsFailed, EACCES, failing the read at once and every read of the next
-    UNAVAILABLE_HOLD_S. It is Unreachable, asked again until the read's deadline; a credential_process that fails
-    stays the credentials' failure (B297)."""
+    an instance role's credentials: botocore raises "Credential refresh failed", and B280's mapping made it
+    CredentialsFailed, EACCES, failing the read at once and every read of the next UNAVAILABLE_HOLD_S. It is
+    Unreachable, asked again until the read's deadline; a credential_process that fails stays the credentials' failure
+    (B297)."""
     import datetime
 
     from botocore.credentials import RefreshableCredentials
@@ -422,12 +422,43 @@ def test_a_metadata_service_that_gives_nothing_for_a_moment_is_asked_again_not_s
             return {}  # what botocore's InstanceMetadataFetcher gives when IMDS does not answer
         raise CredentialRetrievalError(provider=method, error_msg="no answer")
 
-    # IMDS's nothing fails even an advisory refresh (12 minutes left); a source's error, a mandatory one (5 minutes)
-    left = datetime.timedelta(minutes=12 if method == "iam-role" else 5)
-    until = datetime.datetime.now(datetime.UTC) + left
+    until = datetime.datetime.now(datetime.UTC) + datetime.timedelta(minutes=5)  # a mandatory refresh
     renewable = Renewable(RefreshableCredentials("ASIA", "s", "t", until, refresh, method), lambda: None)
     with pytest.raises(credentials.Unavailable) as caught:
         renewable.get_frozen_credentials()
     err = translate_error(caught.value, "b", "GET 'k'")
     assert type(err) is getattr(store, kind), err.message
     assert err.message.startswith(f"GET 'k': the credentials ({method}) could not be had: "), err.message
+
+
+def test_credentials_still_good_are_signed_with_when_the_metadata_service_gives_nothing_before_they_are_due(
+        allowed_logs: list[str]) -> None:
+    """An instance role's credentials 12 minutes from their expiry (botocore's advisory refresh: 15 minutes before,
+    its mandatory one 10) while the instance metadata service does not answer: botocore's fetch returns nothing, and
+    its refresh raises "Credential refresh failed" where a source's error would have been passed over, so the signing
+    failed (a renewal's lookup, then UNAVAILABLE_HOLD_S of every signing failing) with credentials good for 12 more
+    minutes. They are signed with, and nothing is looked up (B298). Once due (5 minutes left), the failure is raised."""
+    import datetime
+
+    from botocore.credentials import RefreshableCredentials
+
+    allowed_logs.append(r"the credentials' refresh failed \(CredentialRetrievalError\)")
+    lookups: list[int] = []
+
+    def look_up() -> None:
+        lookups.append(1)
+
+    def imds_silent() -> dict[str, str]:
+        return {}
+
+    for minutes_left, served in ((12, True), (5, False)):
+        until = datetime.datetime.now(datetime.UTC) + datetime.timedelta(minutes=minutes_left)
+        renewable = Renewable(RefreshableCredentials("ASIAROLE", "s", "t", until, imds_silent, "iam-role"), look_up)
+        if served:
+            frozen = renewable.get_frozen_credentials()
+            assert (frozen.access_key, frozen.secret_key, frozen.token) == ("ASIAROLE", "s", "t")
+            assert not lookups
+        else:
+            with pytest.raises(credentials.Unavailable, match="Credential refresh failed"):
+                renewable.get_frozen_credentials()
+            assert lookups == [1]

@@ -260,8 +260,8 @@ def translate_error(exc: Exception, bucket: str, what: str, *, method: str = "")
 SOURCE_BUSY_CODES = frozenset({"Throttling", "ThrottlingException", "RequestLimitExceeded", "TooManyRequestsException",
                                "IDPCommunicationError"})
 # Sources whose failure botocore says only as "could not be retrieved" (CredentialRetrievalError): the instance
-# metadata service (IMDS: one try of 1 s, throttled under load; botocore raises it even while the credentials there
-# still serve) and container credentials (ECS, EKS Pod Identity's agent). Asked again, they give them.
+# metadata service (IMDS: one try of 1 s, throttled under load) and container credentials (ECS, EKS Pod Identity's
+# agent), once the credentials are due (before, `credentials._still_good`). Asked again, they give them.
 METADATA_SOURCES = frozenset({"iam-role", "container-role"})
 
 # What a refusal to give a role's credentials asks to check, by the STS call refused (`_credentials_failed`).

@@ -386,7 +386,7 @@ class Namespace:
 
     # -- versions ------------------------------------------------------------------------------
 
-    async def refresh(self, node: Node, *, opening: bool = False) -> Node:
+    async def refresh(self, node: Node, *, opening: bool = False, force: bool = False) -> Node:
         """Make a file node's size/etag at most `ttl` old (HEAD). A key replaced or deleted in the bucket leaves
         the node as it was, superseded: descriptors open on it keep their attributes (an fstat, and the GETATTR
         the kernel sends before a read once attributes are old) and read what is cached of it, as those of an
@@ -395,9 +395,11 @@ class Namespace:
         A HEAD refused (AccessDenied: credentials expired or rotated, a policy changed since the mount) leaves a
         known version's attributes as they were too, and asked again next time, as a local file's descriptor
         outlives a chmod: fstat() and read() of pages the kernel held failed with EACCES. Not for an open
-        (`opening`), which is refused."""
+        (`opening`), which is refused. `force`: asked within the TTL too (a rewrite that counts on the file being
+        empty, `Writes.open_existing`)."""
         now = time.monotonic()
-        if node.is_dir or node.writing or now < node.fresh_until or now < node.confirmed_at + ONE_CALL_S:
+        fresh = now < node.fresh_until and not force
+        if node.is_dir or node.writing or fresh or now < node.confirmed_at + ONE_CALL_S:
             return node
         try:
             # Opens of one file at once (8 ranks and a shard) share one HEAD, as lookups of one name do.

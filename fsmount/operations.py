@@ -438,7 +438,7 @@ class Operations(pyfuse3.Operations):
                 raise pyfuse3.FUSEError(errno.EROFS)
             node = self.ns.node(inode)
             old = node.version(self.ns.prefix)
-            new = self.writes.open_existing(node, flags)
+            new = await self.writes.open_existing(node, flags)
             if new is not None:
                 # Its stream would push the old bytes into the pages of what is now the new file; a push already
                 # copying is waited for, so the kernel's truncate at this open's reply drops what it stored.

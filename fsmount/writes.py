@@ -452,14 +452,26 @@ class Writes:
             new.excl_key = self.key_of(new.node)  # the HEAD above is not atomic: its store is create-only
         return new
 
-    def open_existing(self, node: Node, flags: int) -> NewFile | None:
+    async def open_existing(self, node: Node, flags: int) -> NewFile | None:
         """An open for writing of a stored file: only a whole rewrite (O_TRUNC, or an empty file, appended to or
         not). Without --allow-overwrite, one of an empty file that does not append is a touch (None: opened as for
         reading, so nothing is stored at its close, and its writes fail with EPERM, `refuse_write`): lock files are
         opened so (filelock, under `hf_hub_download(local_dir=...)`: O_RDWR of the empty lock file its first lock
-        stored), and so are markers."""
+        stored), and so are markers.
+        A rewrite without O_TRUNC, which keeps nothing of the file only because it is empty (an append, `r+b`), asks
+        the bucket first whether it still is, whatever the TTL: another writer may have stored bytes at the key since
+        this mount listed it, and the rewrite replaced them unseen (an appender's `open(p, "ab")` of a log another node
+        had written since: B299). The bucket holding another version (or none), the inode is superseded and the
+        open ESTALE: the kernel looks the path up again and opens what the bucket holds now (with bytes, refused as
+        any file with bytes is). Bytes stored between this open and its close are replaced, as by any rewrite."""
         if node.is_dir:
             raise PathError(errno.EISDIR)
+        if self.allow_overwrite and node.size == 0 and not flags & os.O_TRUNC:
+            # First: the checks below hold after this await (two appenders at once, both past a check made before it,
+            # both started a file of one inode).
+            node = await self.ns.refresh(node, opening=True, force=True)
+            if node.superseded:
+                raise PathError(errno.ESTALE)
         if node.writing:
             raise PathError(errno.EBUSY)
         self._not_an_upload_of_another(node.path)

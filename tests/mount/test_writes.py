@@ -715,6 +715,36 @@ def test_with_allow_overwrite_an_append_to_an_empty_stored_file_writes_it_whole(
     delete_bucket(s3, bucket)
 
 
+def test_an_append_to_a_file_listed_empty_that_another_writer_filled_since_keeps_its_bytes(
+        s3: S3Server, mountpoint: Path) -> None:
+    """With --allow-overwrite, an append (or `r+b`) of a file this mount listed empty rewrites it whole, which is right
+    only while it is empty: another node stored bytes there since (within the TTL), and `open(p, "ab")` replaced them
+    with its own lines, unseen (B299). The open asks the bucket now: it opens what is there, and a file with bytes is
+    EOPNOTSUPP for an append (the bucket keeps the other node's bytes); one deleted since is created anew."""
+    bucket = bucket_with(s3, {"train.log": b"", "notes": b"", "gone.log": b"", "empty.log": b""})
+    client = s3.client()
+    with mounted(s3, bucket, mountpoint, *WRITABLE, "--allow-overwrite", allowed=(APPENDING,)):
+        assert sorted((p.name, p.stat().st_size) for p in mountpoint.iterdir()) == [
+            ("empty.log", 0), ("gone.log", 0), ("notes", 0), ("train.log", 0)]
+        client.put_object(Bucket=bucket, Key="train.log", Body=b"step 1\n")  # another node
+        client.put_object(Bucket=bucket, Key="notes", Body=b"theirs")
+        client.delete_object(Bucket=bucket, Key="gone.log")
+        for name, mode in (("train.log", "ab"), ("train.log", "a+b"), ("notes", "r+b")):
+            with pytest.raises(OSError) as info:
+                open(mountpoint / name, mode).close()  # noqa: SIM115
+            assert info.value.errno == errno.EOPNOTSUPP, (name, mode)
+        assert (mountpoint / "train.log").read_bytes() == b"step 1\n"
+        with open(mountpoint / "gone.log", "ab") as f:
+            f.write(b"new\n")
+        with open(mountpoint / "empty.log", "ab") as f:  # still empty: written whole, as before
+            f.write(b"step 2\n")
+        assert (mountpoint / "empty.log").read_bytes() == b"step 2\n"
+    assert {k: client.get_object(Bucket=bucket, Key=k)["Body"].read() for k in keys(s3, bucket)} == {
+        "train.log": b"step 1\n", "notes": b"theirs", "gone.log": b"new\n", "empty.log": b"step 2\n"}
+    assert uploads_in(s3, bucket) == []
+    delete_bucket(s3, bucket)
+
+
 def test_without_allow_overwrite_a_refused_append_or_update_in_place_says_the_flag_is_not_enough(
         s3: S3Server, mountpoint: Path) -> None:
     """An append (`open(p, "ab")`) or an update in place (`open(p, "r+b")`, numpy's `open_memmap(mode="w+")` reopening

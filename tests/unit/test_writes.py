@@ -556,7 +556,7 @@ async def test_overwrite_and_delete_need_their_flags(allowed_logs: list[str]) ->
         assert info.value.errno == errno.EPERM
     assert writes.stats.deletes_refused == 2  # counted: a trainer's rotation swallows the EPERM
     with pytest.raises(PathError) as info:
-        writes.open_existing(node, 0o1)
+        await writes.open_existing(node, 0o1)
     assert info.value.errno == errno.EPERM
 
 
@@ -1159,7 +1159,7 @@ async def test_a_rewrite_renamed_before_its_close_leaves_nothing_under_the_old_n
     data = bytes(range(256)) * (size // 256) + bytes(size % 256)
     async with serving(writes):
         root = ns.node(ROOT_INODE)
-        new = writes.open_existing(await ns.lookup(ROOT_INODE, b"f"), os.O_WRONLY | os.O_TRUNC)
+        new = await writes.open_existing(await ns.lookup(ROOT_INODE, b"f"), os.O_WRONLY | os.O_TRUNC)
         await new.write(0, data)
         await writes.rename(new.node, root, b"g", None, 0)
         with pytest.raises(PathError):
@@ -1178,7 +1178,7 @@ async def test_unlinking_a_file_being_rewritten_deletes_the_object_it_replaces(a
         writes, uploads, ns = make(allow_overwrite=True, allow_delete=allow_delete)
         uploads.store.put("f", b"old")
         async with serving(writes):
-            new = writes.open_existing(await ns.lookup(ROOT_INODE, b"f"), os.O_WRONLY | os.O_TRUNC)
+            new = await writes.open_existing(await ns.lookup(ROOT_INODE, b"f"), os.O_WRONLY | os.O_TRUNC)
             await new.write(0, b"new")
             if allow_delete:
                 await writes.unlink(new.node)
@@ -1236,7 +1236,7 @@ async def test_without_allow_delete_a_rewrite_renamed_away_is_refused(allowed_lo
     uploads.store.put("f", b"precious")
     async with serving(writes):
         root = ns.node(ROOT_INODE)
-        new = writes.open_existing(await ns.lookup(ROOT_INODE, b"f"), os.O_WRONLY | os.O_TRUNC)
+        new = await writes.open_existing(await ns.lookup(ROOT_INODE, b"f"), os.O_WRONLY | os.O_TRUNC)
         with pytest.raises(PathError) as info:
             await writes.rename(new.node, root, b"g", None, 0)
         assert info.value.errno == errno.EPERM
@@ -1256,7 +1256,7 @@ async def test_an_unlink_of_a_rewrite_whose_delete_fails_keeps_the_rewrite(allow
 
     delete, uploads.delete = uploads.delete, refused
     async with serving(writes):
-        new = writes.open_existing(await ns.lookup(ROOT_INODE, b"f"), os.O_WRONLY | os.O_TRUNC)
+        new = await writes.open_existing(await ns.lookup(ROOT_INODE, b"f"), os.O_WRONLY | os.O_TRUNC)
         await new.write(0, b"new")
         with pytest.raises(StoreError):
             await writes.unlink(new.node)
@@ -1398,3 +1398,36 @@ async def test_a_rewrite_s_open_waits_for_a_push_into_its_inode_still_copying(
         for info in opened:
             await ops.release(info.fh)
     assert uploads.objects["m.bin"] == b"" and uploads.objects["other.bin"] == b""
+
+
+async def test_two_appenders_of_an_empty_file_at_once_start_one_rewrite() -> None:
+    """With --allow-overwrite an append to an empty stored file asks the bucket first whether it still is (B299):
+    two such opens at once, both waiting on that HEAD, both went on to start a file of the one inode (the second
+    must be EBUSY, as any open of a file being written is)."""
+    writes, uploads, ns = make(allow_overwrite=True)
+    uploads.store.put("log", b"")
+    async with serving(writes):
+        node = await ns.lookup(ROOT_INODE, b"log")
+
+        async def slow(fn: Any, *args: Any) -> Any:  # a HEAD that takes a while, as a real one does
+            await trio.sleep(0.01)
+            return fn(*args)
+
+        ns._ask = slow  # noqa: SLF001 - the store call `make` gave it, which never waits
+        await trio.sleep(namespace.ONE_CALL_S)  # the lookup's answer is no answer for the open
+        got: list[NewFile | int] = []
+
+        async def append() -> None:
+            try:
+                got.append(await writes.open_existing(node, os.O_WRONLY | os.O_APPEND))
+            except PathError as exc:
+                got.append(exc.errno)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(append)
+            nursery.start_soon(append)
+        assert sorted(map(type, got), key=str) == sorted([NewFile, int], key=str) and errno.EBUSY in got, got
+        new = next(g for g in got if isinstance(g, NewFile))
+        await new.write(0, b"line\n")
+        await new.commit()
+        assert uploads.objects == {"log": b"line\n"}

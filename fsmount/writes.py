@@ -477,9 +477,10 @@ class Writes:
         self._not_an_upload_of_another(node.path)
         if not self.allow_overwrite and node.size == 0 and not flags & os.O_APPEND:
             return None  # (an appender is a writer: a logger opened so lost every record, each write a warning)
-        if flags & os.O_APPEND and node.size > 0:
+        if flags & os.O_APPEND and not flags & os.O_TRUNC and node.size > 0:
             # The flag would not let it append either, so the warning says what would work. (An append to an empty
-            # file writes it whole from its start, a rewrite: with the flag it is one, below.)
+            # file writes it whole from its start, a rewrite: with the flag it is one, below; and so is one that
+            # truncates, B300.)
             log.warning("%s: appending to an existing file is not supported (S3 objects cannot be appended to); only "
                         "whole rewrites (O_TRUNC) are%s", node.path,
                         "" if self.allow_overwrite else ", and one needs --allow-overwrite")

@@ -745,6 +745,31 @@ def test_an_append_to_a_file_listed_empty_that_another_writer_filled_since_keeps
     delete_bucket(s3, bucket)
 
 
+def test_an_open_to_append_that_truncates_is_a_whole_rewrite(s3: S3Server, mountpoint: Path) -> None:
+    """`O_WRONLY | O_APPEND | O_TRUNC` of a stored file with bytes empties it and appends: a whole rewrite, as `O_TRUNC`
+    alone is (with --allow-overwrite; EPERM without, its warning naming the flag). It was EOPNOTSUPP, refused as an
+    append, and its warning said that only whole rewrites (O_TRUNC) are supported, to an open that had O_TRUNC
+    (B300)."""
+    bucket = bucket_with(s3, {"run.log": b"old run\n"})
+    flags = os.O_WRONLY | os.O_APPEND | os.O_TRUNC
+    with mounted(s3, bucket, mountpoint, *WRITABLE, allowed=(NEEDS_OVERWRITE,)) as m:
+        with pytest.raises(OSError) as info:
+            os.close(os.open(mountpoint / "run.log", flags))
+        assert info.value.errno == errno.EPERM
+        assert not any(APPENDING in line for line in warning_lines(m.log()))
+    with mounted(s3, bucket, mountpoint, *WRITABLE, "--allow-overwrite") as m:
+        fd = os.open(mountpoint / "run.log", flags)
+        try:
+            os.write(fd, b"new run\n")
+            os.write(fd, b"step 1\n")
+        finally:
+            os.close(fd)
+        assert (mountpoint / "run.log").read_bytes() == b"new run\nstep 1\n"
+    assert s3.client().get_object(Bucket=bucket, Key="run.log")["Body"].read() == b"new run\nstep 1\n"
+    assert uploads_in(s3, bucket) == []
+    delete_bucket(s3, bucket)
+
+
 def test_without_allow_overwrite_a_refused_append_or_update_in_place_says_the_flag_is_not_enough(
         s3: S3Server, mountpoint: Path) -> None:
     """An append (`open(p, "ab")`) or an update in place (`open(p, "r+b")`, numpy's `open_memmap(mode="w+")` reopening

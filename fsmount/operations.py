@@ -679,14 +679,15 @@ class Operations(pyfuse3.Operations):
         if new is not None:
             return await self._writer_handle(new, ctx), self._attributes(new.node)
         # Another writer stored a file at the name since this mount found it free: opened as it is (writes.create).
-        node = await self.ns.resolve(parent_inode, name)
+        # CREATE's reply counts as a lookup, counted before the open: a node the kernel forgot, kept for an outage
+        # (B246), is in the inode table again for it (resolved alone, the open of it was ENOENT, B303).
+        node = await self.ns.lookup(parent_inode, name)
         try:
             # As the kernel's OPEN of a name it knows: without O_CREAT and O_EXCL (`flock(1)` opens O_RDONLY|O_CREAT).
             info = await self.open(node.ino, flags & ~(os.O_CREAT | os.O_EXCL), ctx)
         except BaseException:
-            self.ns.entry_refused(node)
+            self.ns.forget(node.ino, 1)  # the kernel got no entry
             raise
-        self.ns.entry_taken(node)  # CREATE's reply counts as a lookup
         return info, self._attributes(node)
 
     @_writable

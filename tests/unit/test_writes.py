@@ -42,6 +42,7 @@ from fsmount.namespace import ROOT_INODE, DirEntry, PathError
 from fsmount.new_file import PART_GROWTH_EVERY, NewFile, part_size
 from fsmount.tree_changes import WritableNamespace as Namespace
 from fsmount.writes import RENAME_NOREPLACE, Writes
+from tests.helpers import ORIGIN_UNAVAILABLE
 from tests.unit.fake_store import FakeStore
 
 MiB = 1 << 20
@@ -1431,3 +1432,45 @@ async def test_two_appenders_of_an_empty_file_at_once_start_one_rewrite() -> Non
         await new.write(0, b"line\n")
         await new.commit()
         assert uploads.objects == {"log": b"line\n"}
+
+
+async def test_a_create_s_open_of_a_file_the_kernel_forgot_succeeds_while_the_origin_is_away(
+        allowed_logs: list[str]) -> None:
+    """The kernel sends CREATE for a name its LOOKUP just found free; the bucket holding a file there (another writer
+    stored it), the create opens it (writes.create). While the origin was away (or just back, within DOWN_FAST_FAIL_S
+    of a request that got no answer), that file's name resolved from the node kept when the kernel forgot its inode
+    (B246), which is not in the inode table: the open of it was ENOENT (`touch` of a file that is there: "No such
+    file or directory"), where the same create of a name whose inode the kernel still holds opened it (B303)."""
+    import types
+
+    from fsmount.operations import Operations, Owner
+
+    allowed_logs.append(ORIGIN_UNAVAILABLE)
+    writes, uploads, ns = make()
+    store = uploads.store
+    for name in ("held", "kept"):
+        store.put(name, b"")  # empty: `touch` opens it as a reader (writes.open_existing)
+    engine = types.SimpleNamespace(chunk_size=MiB, current_again=lambda version: None)
+    streamer = types.SimpleNamespace(opened=lambda ino, version: None, closed=lambda ino: None)
+    ops = Operations(ns, engine, streamer, None, max_readahead=0, owner=Owner(0, 0, 0o644, 0o755),  # type: ignore[arg-type]
+                     writes=writes)
+    ctx = types.SimpleNamespace(pid=os.getpid(), uid=0, gid=0, umask=0o022)
+    async with serving(writes):
+        held = await ns.lookup(ROOT_INODE, b"held")
+        kept = await ns.lookup(ROOT_INODE, b"kept")
+        ns.forget(kept.ino, 1)  # the kernel dropped the dentry and forgot the inode (drop_caches, memory pressure)
+        store.head = store.has_children = lambda *args: _unreachable()  # type: ignore[method-assign]
+        with pytest.raises(Unreachable):  # the origin stops answering: the namespace's next requests fail at once
+            await ns.lookup(ROOT_INODE, b"other")
+        del store.head, store.has_children  # back: the create's own HEAD finds the file
+        for node in (held, kept):
+            name = node.path.encode()
+            info, attr = await ops.create(ROOT_INODE, name, 0o644, os.O_WRONLY | os.O_CREAT, ctx)  # type: ignore[arg-type]
+            assert attr.st_ino == node.ino and attr.st_size == 0
+            assert ns.node(node.ino).lookups == 1 + (node is held)
+            await ops.release(info.fh)
+    assert uploads.objects == {"held": b"", "kept": b""}
+
+
+def _unreachable() -> None:
+    raise Unreachable("cannot reach the endpoint")

@@ -622,9 +622,17 @@ class Namespace:
             self.saved.found(path, entry)
         for ino in (self._ino_by_path.get((path, None)), self._latest_file.get(path)):
             forgotten = self._forgotten.get(ino) if ino is not None else None
-            if forgotten is not None and (entry is None or entry[0] != forgotten.is_dir or
-                                          (entry[1] is not None and entry[1].etag != forgotten.etag)):
+            node = forgotten if forgotten is not None else self._nodes.get(ino) if ino is not None else None
+            if node is None or not (entry is None or entry[0] != node.is_dir or
+                                    (entry[1] is not None and entry[1].etag != node.etag)):
+                continue
+            if forgotten is not None:
                 del self._forgotten[ino]
+            elif not node.is_dir and not node.writing and not node.superseded:
+                # A file the kernel holds (a descriptor open on it), found gone by a lookup: superseded, as a HEAD of
+                # the inode finding so makes it (`refresh`). Left current, it was kept once the kernel forgot it, and
+                # while the origin was away its name resolved as the version found gone (B304).
+                node.supersede()
 
     def _known_while_down(self, path: str, exc: BaseException, answered: dict[str, Any]) -> Node | None:
         """While the origin is unreachable, a name the mount already knows keeps resolving: as what the request of

@@ -882,6 +882,28 @@ async def test_while_the_origin_is_down_a_forgotten_node_a_later_listing_contrad
     assert (await ns.lookup(d.ino, b"late")).size == 4
 
 
+async def test_while_the_origin_is_down_a_file_found_deleted_while_held_open_is_not_served_once_forgotten(
+        allowed_logs: list[str]) -> None:
+    """A file held open (the kernel holds its inode) that a lookup of its name found deleted (another writer), then
+    closed and forgotten by the kernel: the node was kept as a current version (B246), and while the origin was away
+    the name resolved as the deleted file (its old size, its cached bytes), where a HEAD of the inode finding it gone
+    supersedes it (`refresh`) and nothing is served (B304). Its descriptor keeps its attributes meanwhile."""
+    allowed_logs.append(ORIGIN_UNAVAILABLE)
+    store = FakeStore()
+    store.put("d/f", b"12345")
+    ns = Namespace(store, call, prefix="", ttl=0)
+    d = await ns.lookup(ROOT_INODE, b"d")
+    f = await ns.lookup(d.ino, b"f")  # held open
+    del store.objects["d/f"]
+    with pytest.raises(PathError):
+        await ns.lookup(d.ino, b"f")  # found deleted (`ls d/f` beside the reader)
+    assert ns.node(f.ino).size == 5  # the descriptor's fstat
+    ns.forget(f.ino, 1)  # closed, and the kernel forgot the inode
+    store.head = store.has_children = store.list_pages = origin_down  # type: ignore[method-assign]
+    with pytest.raises(Unreachable):
+        await ns.lookup(d.ino, b"f")
+
+
 def test_the_listing_caches_stay_within_the_runtime_share_of_the_memory_limit() -> None:
     """The listings kept for outages outlive their TTL, up to LISTING_CACHE_ENTRIES entries. Estimated at 100 B an
     entry, 2,000,000 of them held ~780 MiB beyond --memory-limit, whose runtime share is 96 MiB (the audit)."""

@@ -436,7 +436,7 @@ class Namespace:
         if meta is None or meta.etag != node.etag:
             self._supersede(node)
             # Kept as it was, a remount while the origin is away served the version this HEAD found gone.
-            self._found(node.path, (False, meta) if meta is not None else None)
+            self._found(node.path, (False, meta) if meta is not None else None, asked)
             return node
         if node.held_again(asked):
             self._latest_file[node.path] = node.ino
@@ -597,7 +597,7 @@ class Namespace:
         results = await at_once({"meta": lambda: self._call(self._store.head, key),
                                  "dir": lambda: self._call(self._store.has_children, key + "/")})
         if results.get("dir"):  # a key that is both a file and a prefix: the directory wins (whatever the HEAD said)
-            self._found(path, (True, None))
+            self._found(path, (True, None), asked)
             return self._node_for(path, True, None, asked)
         for name in ("meta_error", "dir_error"):
             if name in results:
@@ -606,20 +606,23 @@ class Namespace:
                     return known
                 raise results[name]
         if results["meta"] is not None:
-            self._found(path, (False, results["meta"]))
+            self._found(path, (False, results["meta"]), asked)
             node = self._node_for(path, False, results["meta"], asked)
             if not node.superseded:
                 node.confirmed_at = time.monotonic()
             return node
-        self._found(path, None)
+        self._found(path, None, asked)
         self._negative[path] = True
         raise PathError(errno.ENOENT)
 
-    def _found(self, path: str, entry: tuple[bool, ObjectMeta | None] | None) -> None:
+    def _found(self, path: str, entry: tuple[bool, ObjectMeta | None] | None, asked: float | None = None) -> None:
         """What the bucket (or a change through this mount) says is at `path` now, for the names kept: a directory
-        (True, None), a file's version (False, meta), or nothing."""
+        (True, None), a file's version (False, meta), or nothing; as asked at `asked` (monotonic; now if None)."""
         if self.saved is not None:
             self.saved.found(path, entry)
+        # An answer asked before the newest one about the path (a HEAD of the held inode, this mount's own write) is
+        # older news: it supersedes no node the kernel holds (B306).
+        older = asked is not None and asked < self._latest_asked.get(path, 0.0)
         for ino in (self._ino_by_path.get((path, None)), self._latest_file.get(path)):
             forgotten = self._forgotten.get(ino) if ino is not None else None
             node = forgotten if forgotten is not None else self._nodes.get(ino) if ino is not None else None
@@ -628,7 +631,7 @@ class Namespace:
                 continue
             if forgotten is not None:
                 del self._forgotten[ino]
-            elif not node.is_dir and not node.writing and not node.superseded:
+            elif not older and not node.is_dir and not node.writing and not node.superseded:
                 # A file the kernel holds (a descriptor open on it), found gone by a lookup: superseded, as a HEAD of
                 # the inode finding so makes it (`refresh`). Left current, it was kept once the kernel forgot it, and
                 # while the origin was away its name resolved as the version found gone (B304).

@@ -904,6 +904,42 @@ async def test_while_the_origin_is_down_a_file_found_deleted_while_held_open_is_
         await ns.lookup(d.ino, b"f")
 
 
+async def test_a_lookup_asked_before_a_newer_head_found_the_held_file_does_not_supersede_it(
+        autojump_clock) -> None:  # noqa: ANN001
+    """A lookup's HEAD asked while another writer had deleted the file, answered after a HEAD of the held inode asked
+    later found it there again (the same bytes stored again): older news. Taken as the bucket's word (B304's
+    supersede, by answer order, not age), the current file the kernel holds was superseded: its opens were ESTALE
+    (B306)."""
+    store = FakeStore()
+    store.put("f", b"12345")
+    late: list[bool] = []
+
+    async def late_for_the_lookup(fn, *args):  # noqa: ANN001, ANN202
+        answer = fn(*args)  # what the bucket says when asked
+        if late:
+            await trio.sleep(1)
+        return answer
+
+    ns = Namespace(store, late_for_the_lookup, prefix="", ttl=0)
+    f = await ns.lookup(ROOT_INODE, b"f")  # held open
+
+    async def looked_up() -> None:
+        with pytest.raises(PathError):
+            await ns.lookup(ROOT_INODE, b"f")
+
+    late.append(True)
+    del store.objects["f"]  # another writer deletes it
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(looked_up)
+        await trio.sleep(0.5)  # the lookup's HEAD has found nothing, its answer is on its way
+        late.clear()
+        store.put("f", b"12345")  # and stores the same bytes again (the same ETag)
+        f.confirmed_at = 0.0
+        assert await ns.refresh(f) is f and not f.superseded  # a HEAD of the inode, asked after: there
+    assert not f.superseded
+    assert await ns.open_file(f.ino) == f.version("")
+
+
 def test_the_listing_caches_stay_within_the_runtime_share_of_the_memory_limit() -> None:
     """The listings kept for outages outlive their TTL, up to LISTING_CACHE_ENTRIES entries. Estimated at 100 B an
     entry, 2,000,000 of them held ~780 MiB beyond --memory-limit, whose runtime share is 96 MiB (the audit)."""

@@ -612,7 +612,10 @@ class Namespace:
                 node.confirmed_at = time.monotonic()
             return node
         self._found(path, None, asked)
-        self._negative[path] = True
+        if asked >= self._latest_asked.get(path, 0.0):
+            # Not when a newer answer about the path is known (a HEAD of its inode, this mount's write of it): cached,
+            # this older one made the path ENOENT for the TTL, a file the newest answer found there (B307).
+            self._negative[path] = True
         raise PathError(errno.ENOENT)
 
     def _found(self, path: str, entry: tuple[bool, ObjectMeta | None] | None, asked: float | None = None) -> None:

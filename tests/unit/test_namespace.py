@@ -940,6 +940,39 @@ async def test_a_lookup_asked_before_a_newer_head_found_the_held_file_does_not_s
     assert await ns.open_file(f.ino) == f.version("")
 
 
+async def test_a_lookup_asked_before_a_newer_head_found_the_file_leaves_no_negative_entry(
+        autojump_clock) -> None:  # noqa: ANN001
+    """The same late answer (the file deleted when asked, there again when a later HEAD asked) also made the path's
+    negative entry: the next lookups were ENOENT for the TTL, a file that the newest answer found there (B307)."""
+    store = FakeStore()
+    store.put("f", b"12345")
+    late: list[bool] = []
+
+    async def late_for_the_lookup(fn, *args):  # noqa: ANN001, ANN202
+        answer = fn(*args)
+        if late:
+            await trio.sleep(1)
+        return answer
+
+    ns = Namespace(store, late_for_the_lookup, prefix="", ttl=30.0)
+    f = await ns.lookup(ROOT_INODE, b"f")  # held open
+
+    async def looked_up() -> None:
+        with pytest.raises(PathError):
+            await ns.lookup(ROOT_INODE, b"f")
+
+    late.append(True)
+    del store.objects["f"]
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(looked_up)
+        await trio.sleep(0.5)
+        late.clear()
+        store.put("f", b"12345")
+        f.fresh_until = f.confirmed_at = 0.0
+        await ns.refresh(f)  # asked after the lookup: there
+    assert (await ns.lookup(ROOT_INODE, b"f")).ino == f.ino
+
+
 def test_the_listing_caches_stay_within_the_runtime_share_of_the_memory_limit() -> None:
     """The listings kept for outages outlive their TTL, up to LISTING_CACHE_ENTRIES entries. Estimated at 100 B an
     entry, 2,000,000 of them held ~780 MiB beyond --memory-limit, whose runtime share is 96 MiB (the audit)."""

@@ -904,12 +904,10 @@ async def test_while_the_origin_is_down_a_file_found_deleted_while_held_open_is_
         await ns.lookup(d.ino, b"f")
 
 
-async def test_a_lookup_asked_before_a_newer_head_found_the_held_file_does_not_supersede_it(
-        autojump_clock) -> None:  # noqa: ANN001
-    """A lookup's HEAD asked while another writer had deleted the file, answered after a HEAD of the held inode asked
-    later found it there again (the same bytes stored again): older news. Taken as the bucket's word (B304's
-    supersede, by answer order, not age), the current file the kernel holds was superseded: its opens were ESTALE
-    (B306)."""
+async def _a_lookup_answered_after_a_newer_head(ttl: float) -> tuple[Namespace, Any]:
+    """A file held open (the kernel holds its inode); another writer deletes it, and a lookup's HEAD finds nothing,
+    its answer on its way; the writer stores the same bytes again (the same ETag), and a HEAD of the held inode, asked
+    after, finds them there; then the lookup's answer (ENOENT) lands. The namespace and the held node."""
     store = FakeStore()
     store.put("f", b"12345")
     late: list[bool] = []
@@ -920,42 +918,8 @@ async def test_a_lookup_asked_before_a_newer_head_found_the_held_file_does_not_s
             await trio.sleep(1)
         return answer
 
-    ns = Namespace(store, late_for_the_lookup, prefix="", ttl=0)
-    f = await ns.lookup(ROOT_INODE, b"f")  # held open
-
-    async def looked_up() -> None:
-        with pytest.raises(PathError):
-            await ns.lookup(ROOT_INODE, b"f")
-
-    late.append(True)
-    del store.objects["f"]  # another writer deletes it
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(looked_up)
-        await trio.sleep(0.5)  # the lookup's HEAD has found nothing, its answer is on its way
-        late.clear()
-        store.put("f", b"12345")  # and stores the same bytes again (the same ETag)
-        f.confirmed_at = 0.0
-        assert await ns.refresh(f) is f and not f.superseded  # a HEAD of the inode, asked after: there
-    assert not f.superseded
-    assert await ns.open_file(f.ino) == f.version("")
-
-
-async def test_a_lookup_asked_before_a_newer_head_found_the_file_leaves_no_negative_entry(
-        autojump_clock) -> None:  # noqa: ANN001
-    """The same late answer (the file deleted when asked, there again when a later HEAD asked) also made the path's
-    negative entry: the next lookups were ENOENT for the TTL, a file that the newest answer found there (B307)."""
-    store = FakeStore()
-    store.put("f", b"12345")
-    late: list[bool] = []
-
-    async def late_for_the_lookup(fn, *args):  # noqa: ANN001, ANN202
-        answer = fn(*args)
-        if late:
-            await trio.sleep(1)
-        return answer
-
-    ns = Namespace(store, late_for_the_lookup, prefix="", ttl=30.0)
-    f = await ns.lookup(ROOT_INODE, b"f")  # held open
+    ns = Namespace(store, late_for_the_lookup, prefix="", ttl=ttl)
+    f = await ns.lookup(ROOT_INODE, b"f")
 
     async def looked_up() -> None:
         with pytest.raises(PathError):
@@ -969,7 +933,25 @@ async def test_a_lookup_asked_before_a_newer_head_found_the_file_leaves_no_negat
         late.clear()
         store.put("f", b"12345")
         f.fresh_until = f.confirmed_at = 0.0
-        await ns.refresh(f)  # asked after the lookup: there
+        assert await ns.refresh(f) is f and not f.superseded
+    return ns, f
+
+
+async def test_a_lookup_asked_before_a_newer_head_found_the_held_file_does_not_supersede_it(
+        autojump_clock) -> None:  # noqa: ANN001
+    """The lookup's late answer is older news than the HEAD of the inode. Taken as the bucket's word (B304's
+    supersede, by answer order, not age), the current file the kernel holds was superseded: its opens were ESTALE
+    (B306)."""
+    ns, f = await _a_lookup_answered_after_a_newer_head(ttl=0)
+    assert not f.superseded
+    assert await ns.open_file(f.ino) == f.version("")
+
+
+async def test_a_lookup_asked_before_a_newer_head_found_the_file_leaves_no_negative_entry(
+        autojump_clock) -> None:  # noqa: ANN001
+    """The same late answer also made the path's negative entry: the next lookups were ENOENT for the TTL, a file
+    that the newest answer found there (B307)."""
+    ns, f = await _a_lookup_answered_after_a_newer_head(ttl=30.0)
     assert (await ns.lookup(ROOT_INODE, b"f")).ino == f.ino
 
 

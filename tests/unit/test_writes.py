@@ -1443,6 +1443,8 @@ async def test_a_create_s_open_of_a_file_the_kernel_forgot_succeeds_while_the_or
     file or directory"), where the same create of a name whose inode the kernel still holds opened it (B303)."""
     import types
 
+    import pyfuse3
+
     from fsmount.operations import Operations, Owner
 
     allowed_logs.append(ORIGIN_UNAVAILABLE)
@@ -1450,6 +1452,7 @@ async def test_a_create_s_open_of_a_file_the_kernel_forgot_succeeds_while_the_or
     store = uploads.store
     for name in ("held", "kept"):
         store.put(name, b"")  # empty: `touch` opens it as a reader (writes.open_existing)
+    store.put("full", b"xyz")  # not empty: its open for writing is EPERM (no --allow-overwrite)
     engine = types.SimpleNamespace(chunk_size=MiB, current_again=lambda version: None)
     streamer = types.SimpleNamespace(opened=lambda ino, version: None, closed=lambda ino: None)
     ops = Operations(ns, engine, streamer, None, max_readahead=0, owner=Owner(0, 0, 0o644, 0o755),  # type: ignore[arg-type]
@@ -1458,7 +1461,9 @@ async def test_a_create_s_open_of_a_file_the_kernel_forgot_succeeds_while_the_or
     async with serving(writes):
         held = await ns.lookup(ROOT_INODE, b"held")
         kept = await ns.lookup(ROOT_INODE, b"kept")
-        ns.forget(kept.ino, 1)  # the kernel dropped the dentry and forgot the inode (drop_caches, memory pressure)
+        full = await ns.lookup(ROOT_INODE, b"full")
+        for node in (kept, full):
+            ns.forget(node.ino, 1)  # the kernel dropped the dentry and forgot the inode (drop_caches, memory pressure)
         store.head = store.has_children = lambda *args: _unreachable()  # type: ignore[method-assign]
         with pytest.raises(Unreachable):  # the origin stops answering: the namespace's next requests fail at once
             await ns.lookup(ROOT_INODE, b"other")
@@ -1469,7 +1474,11 @@ async def test_a_create_s_open_of_a_file_the_kernel_forgot_succeeds_while_the_or
             assert attr.st_ino == node.ino and attr.st_size == 0
             assert ns.node(node.ino).lookups == 1 + (node is held)
             await ops.release(info.fh)
-    assert uploads.objects == {"held": b"", "kept": b""}
+        with pytest.raises(pyfuse3.FUSEError) as exc:  # the kernel gets no entry: the lookup counted is given back
+            await ops.create(ROOT_INODE, b"full", 0o644, os.O_WRONLY | os.O_CREAT, ctx)  # type: ignore[arg-type]
+        assert exc.value.errno == errno.EPERM
+        assert full.ino not in ns._nodes and ns._forgotten[full.ino] is full and full.lookups == 0  # kept, as before
+    assert uploads.objects == {"held": b"", "kept": b"", "full": b"xyz"}
 
 
 def _unreachable() -> None:

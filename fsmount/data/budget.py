@@ -112,15 +112,19 @@ class MemoryBudget:
 
     # -- the LRU -------------------------------------------------------------------------------
 
-    def get(self, cid: ChunkId) -> Chunk | None:
-        """The chunk's bytes if it is in memory; its place in the LRU order does not change."""
-        return self._chunks.get(cid)
-
-    def touch(self, cid: ChunkId) -> Chunk | None:
-        """The chunk's bytes if it is in memory, made the most recently used."""
+    def get(self, cid: ChunkId, length: int) -> Chunk | None:
+        """The chunk's bytes if it is in memory at `length`; its place in the LRU order does not change. A chunk id
+        names the ETag, not the object's size: one held at another length is another size's (a version pinned at a
+        wrong size, a HEAD cut inside its Content-Length line, B209), and is not this version's to serve (B290)."""
         data = self._chunks.get(cid)
-        if data is not None:
-            self._chunks.move_to_end(cid)  # (its use, IN_USE_S, is noted when the READ is served: note_served)
+        return data if data is not None and len(data) == length else None
+
+    def touch(self, cid: ChunkId, length: int) -> Chunk | None:
+        """The chunk's bytes if it is in memory at `length` (as `get`), made the most recently used."""
+        data = self._chunks.get(cid)
+        if data is None or len(data) != length:
+            return None
+        self._chunks.move_to_end(cid)  # (its use, IN_USE_S, is noted when the READ is served: note_served)
         return data
 
     def store(self, cid: ChunkId, data: Chunk, demanded: bool = True) -> None:

@@ -255,8 +255,8 @@ class ChunkEngine:
 
     def _fetch(self, cid: ChunkId, obj: ObjectVersion, index: int, owner: object, priority: int) -> Fetch | Chunk:
         length = self.chunk_length(obj, index)
-        data = self.memory.get(cid)
-        if data is not None and len(data) == length:
+        data = self.memory.get(cid, length)
+        if data is not None:
             return data
         fetch = self._fetch_for(cid, length, priority, obj.size)
         fetch.owners.add(owner)
@@ -276,13 +276,10 @@ class ChunkEngine:
         for index in self.chunk_range(obj, start, end):
             cid = self.chunk_id(obj, index)
             length = self.chunk_length(obj, index)
-            data = self.memory.touch(cid)
-            if data is not None and len(data) == length:
+            data = self.memory.touch(cid, length)  # (held at another length: another size's, B290)
+            if data is not None:
                 parts.append((cid, data))
                 continue
-            # Not in memory, or held at another length: the chunk id names the ETag, not the size, and a version
-            # pinned at a wrong size (a HEAD cut inside its Content-Length line, B209) would otherwise read the
-            # chunk a right handle fetched, short, with no GET to refuse it (B290). Its own fetch goes to the store.
             fetch = self._fetch_for(cid, length, DEMAND, obj.size)
             if not fetch.demanded:
                 fetch.demanded = True

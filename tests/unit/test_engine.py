@@ -1592,10 +1592,10 @@ async def test_a_chunk_fetched_again_after_it_was_spent_is_not_taken_as_spent(au
     memory.release(4 * CHUNK)
     del first
     memory.store(cid, new_buffer(CHUNK), demanded=False)  # only memory holds it: its buffer could be taken
-    again = id(memory.get(cid))
+    again = id(memory.get(cid, CHUNK))
     memory.note_served(cid, 0, 128 * 1024, CHUNK)
     assert memory.take_spent_buffer(CHUNK) is None
-    assert id(memory.get(cid)) == again and not memory.in_page_cache(cid)
+    assert id(memory.get(cid, CHUNK)) == again and not memory.in_page_cache(cid)
 
 
 async def test_o_direct_reads_leave_no_belief_that_the_page_cache_holds_their_chunks(autojump_clock) -> None:  # noqa: ANN001

@@ -1388,7 +1388,8 @@ async def test_a_file_opened_again_is_not_fetched_again_for_its_header(autojump_
     async def body() -> None:
         v = version(store, "m.safetensors")
         await stream_once(streamer, v)
-        assert engine.memory.get(engine.chunk_id(v, 0)) is None  # evicted: pushed chunks go first
+        # Evicted: pushed chunks go first.
+        assert engine.memory.get(engine.chunk_id(v, 0), engine.chunk_length(v, 0)) is None
         gets = len(store.gets)
         for _ in range(3):
             await stream_once(streamer, v)

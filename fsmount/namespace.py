@@ -431,6 +431,12 @@ class Namespace:
             # is gone from the kernel, and an open of the inode gets ESTALE, then ENOENT at its lookup.
             node.supersede()
             return node
+        if ((meta is None or meta.etag != node.etag) and not node.superseded and asked < self._latest_asked.get(
+                node.path, 0.0) and self._latest_file.get(node.path) == node.ino):
+            # Asked before the newest answer about the path, which found this version current (a lookup's HEAD sent
+            # after it): older news, which supersedes nothing. Taken as the bucket's word, opens of the current file
+            # were ESTALE for the TTL (B322; B306's rule).
+            return node
         node.fresh_until = time.monotonic() + self.ttl
         self._asked(node.path, asked)
         if meta is None or meta.etag != node.etag:
@@ -621,11 +627,14 @@ class Namespace:
     def _found(self, path: str, entry: tuple[bool, ObjectMeta | None] | None, asked: float | None = None) -> None:
         """What the bucket (or a change through this mount) says is at `path` now, for the names kept: a directory
         (True, None), a file's version (False, meta), or nothing; as asked at `asked` (monotonic; now if None)."""
+        if asked is not None and asked < self._latest_asked.get(path, 0.0):
+            # Asked before the newest answer about the path (a HEAD of the held inode, this mount's own write): older
+            # news, which changes nothing that answer would contradict. It supersedes no node the kernel holds (B306),
+            # drops no node kept of one it forgot (B323: while the origin was away, the name the newest answer found
+            # was EIO), and keeps no name (B324: a remount while the origin was away served the older version).
+            return
         if self.saved is not None:
             self.saved.found(path, entry)
-        # An answer asked before the newest one about the path (a HEAD of the held inode, this mount's own write) is
-        # older news: it supersedes no node the kernel holds (B306).
-        older = asked is not None and asked < self._latest_asked.get(path, 0.0)
         for ino in (self._ino_by_path.get((path, None)), self._latest_file.get(path)):
             forgotten = self._forgotten.get(ino) if ino is not None else None
             node = forgotten if forgotten is not None else self._nodes.get(ino) if ino is not None else None
@@ -634,7 +643,7 @@ class Namespace:
                 continue
             if forgotten is not None:
                 del self._forgotten[ino]
-            elif not older and not node.is_dir and not node.writing and not node.superseded:
+            elif not node.is_dir and not node.writing and not node.superseded:
                 # A file the kernel holds (a descriptor open on it), found gone by a lookup: superseded, as a HEAD of
                 # the inode finding so makes it (`refresh`). Left current, it was kept once the kernel forgot it, and
                 # while the origin was away its name resolved as the version found gone (B304).

@@ -904,10 +904,11 @@ async def test_while_the_origin_is_down_a_file_found_deleted_while_held_open_is_
         await ns.lookup(d.ino, b"f")
 
 
-async def _a_lookup_answered_after_a_newer_head(ttl: float) -> tuple[Namespace, Any]:
+async def _a_lookup_answered_after_a_newer_head(ttl: float, meanwhile: Any = None) -> tuple[Namespace, Any]:
     """A file held open (the kernel holds its inode); another writer deletes it, and a lookup's HEAD finds nothing,
     its answer on its way; the writer stores the same bytes again (the same ETag), and a HEAD of the held inode, asked
-    after, finds them there; then the lookup's answer (ENOENT) lands. The namespace and the held node."""
+    after, finds them there; then (after `meanwhile(ns, node)`, if given) the lookup's answer (ENOENT) lands. The
+    namespace and the held node."""
     store = FakeStore()
     store.put("f", b"12345")
     late: list[bool] = []
@@ -934,6 +935,8 @@ async def _a_lookup_answered_after_a_newer_head(ttl: float) -> tuple[Namespace, 
         store.put("f", b"12345")
         f.fresh_until = f.confirmed_at = 0.0
         assert await ns.refresh(f) is f and not f.superseded
+        if meanwhile is not None:
+            meanwhile(ns, f)
     return ns, f
 
 
@@ -953,6 +956,55 @@ async def test_a_lookup_asked_before_a_newer_head_found_the_file_leaves_no_negat
     that the newest answer found there (B307)."""
     ns, f = await _a_lookup_answered_after_a_newer_head(ttl=30.0)
     assert (await ns.lookup(ROOT_INODE, b"f")).ino == f.ino
+
+
+async def test_a_lookup_asked_before_a_newer_head_found_the_file_leaves_the_node_kept_once_forgotten(
+        autojump_clock, allowed_logs: list[str]) -> None:  # noqa: ANN001
+    """The same late answer, landing once the reader had closed the file and the kernel had forgotten its inode, dropped
+    the node kept of it (B246), as the bucket's word: while the origin was away the name was EIO, a file the newest
+    answer found there (B323)."""
+    allowed_logs.append(ORIGIN_UNAVAILABLE)
+    ns, f = await _a_lookup_answered_after_a_newer_head(ttl=0, meanwhile=lambda ns, node: ns.forget(node.ino, 1))
+    store = ns._store
+    store.head = store.has_children = store.list_pages = origin_down
+    node = await ns.lookup(ROOT_INODE, b"f")
+    assert node.ino == f.ino and (await ns.open_file(node.ino)).size == 5
+
+
+async def test_a_head_of_the_held_inode_asked_before_a_newer_lookup_found_the_file_does_not_supersede_it(
+        autojump_clock) -> None:  # noqa: ANN001
+    """A file held open; another writer deletes it and stores the same bytes again. An open's HEAD of the inode, asked
+    while it was gone, lands after a lookup's HEAD, asked after, found it there: `refresh` took it as the bucket's word
+    and superseded the current version, and every open of the inode was ESTALE for the TTL (B322; B306's rule)."""
+    store = FakeStore()
+    store.put("f", b"12345")
+    late: list[bool] = []
+
+    async def late_for_the_open(fn, *args):  # noqa: ANN001, ANN202
+        answer = fn(*args)  # what the bucket says when asked
+        if late:
+            await trio.sleep(1)
+        return answer
+
+    ns = Namespace(store, late_for_the_open, prefix="", ttl=30.0)
+    f = await ns.lookup(ROOT_INODE, b"f")
+    f.fresh_until = f.confirmed_at = 0.0  # its TTL is over: the next open asks
+    late.append(True)
+    del store.objects["f"]
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(ns.refresh, f)
+        await trio.sleep(0.5)
+        late.clear()
+        store.put("f", b"12345")
+        assert await ns.lookup(ROOT_INODE, b"f") is f  # found there, the open's answer still on its way
+    assert not f.superseded
+    assert await ns.open_file(f.ino) == f.version("")
+    # An answer that no newer one contradicts still supersedes it.
+    del store.objects["f"]
+    f.fresh_until = f.confirmed_at = 0.0
+    with pytest.raises(PathError) as exc:
+        await ns.open_file(f.ino)
+    assert exc.value.errno == errno.ESTALE
 
 
 def test_the_listing_caches_stay_within_the_runtime_share_of_the_memory_limit() -> None:

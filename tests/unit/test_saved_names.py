@@ -10,6 +10,7 @@ import stat
 from pathlib import Path
 
 import pytest
+import trio
 
 from fsmount import namespace, saved_names
 from fsmount.data import ObjectMeta, TransientError, Unreachable, cache_clear
@@ -331,3 +332,39 @@ async def test_a_file_resolved_from_the_kept_names_keeps_its_mtime_once_the_orig
     again = await ns.lookup(m.ino, b"w.bin")  # the origin answers: the bucket's version, the same inode
     assert store.heads + store.lists > 0 and again.ino == w.ino
     assert again.mtime_ns >= kept
+
+
+async def test_a_lookup_asked_before_a_newer_head_found_another_version_does_not_keep_its_older_one(
+        tmp_path: Path, autojump_clock: object, allowed_logs: list[str]) -> None:
+    """A lookup's HEAD finds the version the kernel holds, its answer on its way; another writer stores a new version,
+    and an open's HEAD of the held inode, asked after, finds it (the held one superseded, the new one kept); then the
+    lookup's answer lands. Kept as the bucket's word, the older version went back into the names kept, and a remount
+    while the origin was away served it, the version the mount had seen replaced (B324)."""
+    allowed_logs.append(ORIGIN_UNAVAILABLE)
+    store = FakeStore()
+    store.put("m/w.bin", b"old")
+    late: list[bool] = []
+
+    async def late_for_the_lookup(fn, *args):  # noqa: ANN001, ANN202
+        answer = fn(*args)  # what the bucket says when asked
+        if late:
+            await trio.sleep(1)
+        return answer
+
+    saved = SavedNames(str(tmp_path), store.bucket, "")
+    ns = Namespace(store, late_for_the_lookup, prefix="", ttl=0, saved=saved)
+    m = await ns.lookup(ROOT_INODE, b"m")
+    held = await ns.lookup(m.ino, b"w.bin")
+    late.append(True)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(ns.lookup, m.ino, b"w.bin")
+        await trio.sleep(0.5)
+        late.clear()
+        store.put("m/w.bin", b"new bytes")
+        held.confirmed_at = 0.0  # not the same system call as its lookup
+        assert (await ns.refresh(held)).superseded
+    assert saved.entry("m/w.bin") == (False, store.meta("m/w.bin"))
+    reloaded(saved, tmp_path)
+    ns = started_while_down(store, tmp_path, ttl=60)
+    node = await ns.lookup((await ns.lookup(ROOT_INODE, b"m")).ino, b"w.bin")
+    assert node.size == len(b"new bytes") and node.etag == store.etags["m/w.bin"]

@@ -1481,5 +1481,61 @@ async def test_a_create_s_open_of_a_file_the_kernel_forgot_succeeds_while_the_or
     assert uploads.objects == {"held": b"", "kept": b"", "full": b"xyz"}
 
 
+
+@pytest.mark.parametrize("looked_up", [False, True], ids=["resolved-by-the-rename", "looked-up-by-the-kernel-first"])
+async def test_a_rename_onto_a_name_resolved_from_a_kept_node_replaces_it_for_good(looked_up: bool,
+                                                                                   allowed_logs: list[str]) -> None:
+    """`os.replace(tmp, name)` while the origin was away (or just back, within DOWN_FAST_FAIL_S), `name` a file whose
+    inode the kernel had forgotten: the target resolves from the node kept for it (B246), by the rename's own `_child`
+    (not in the inode table: B303 named it among the resolves that need no inode number), or by the kernel's LOOKUP of
+    the target before its RENAME (which puts it back in the table, as create's does). The renamed file is then the
+    name's version in this mount, looked up and, once the kernel forgets it too, from its own kept node while the
+    origin is still away: the replaced version's kept node never answers again."""
+    import types
+
+    import pyfuse3
+
+    from fsmount.operations import Operations, Owner
+
+    allowed_logs.append(ORIGIN_UNAVAILABLE)
+    writes, uploads, ns = make(allow_overwrite=True)
+    store = uploads.store
+    store.put("model.pt", b"old bytes")
+    store.put("other.pt", b"other")
+    engine = types.SimpleNamespace(chunk_size=MiB, current_again=lambda version: None)
+    streamer = types.SimpleNamespace(opened=lambda ino, version: None, closed=lambda ino: None)
+    ops = Operations(ns, engine, streamer, None, max_readahead=0, owner=Owner(0, 0, 0o644, 0o755),  # type: ignore[arg-type]
+                     writes=writes)
+    ctx = types.SimpleNamespace(pid=os.getpid(), uid=0, gid=0, umask=0o022)
+    async with serving(writes):
+        kept = await ns.lookup(ROOT_INODE, b"model.pt")
+        ns.forget(kept.ino, 1)  # the kernel dropped the dentry and forgot the inode
+        new = await new_file(writes, ns, b"model.pt.tmp")
+        await new.write(0, b"new")
+        await new.commit()
+        tmp = ns.node(new.node.ino)  # held: its create's count
+        store.head = store.has_children = lambda *args: _unreachable()  # type: ignore[method-assign]
+        with pytest.raises(Unreachable):  # the origin stops answering: the namespace's next requests fail at once
+            await ns.lookup(ROOT_INODE, b"other.pt")
+        if looked_up:
+            assert (await ops.lookup(ROOT_INODE, b"model.pt", ctx)).st_ino == kept.ino  # type: ignore[arg-type]
+        assert await ns.resolve(ROOT_INODE, b"model.pt") is kept  # what the rename's target resolves to
+        await ops.rename(ROOT_INODE, b"model.pt.tmp", ROOT_INODE, b"model.pt", 0, ctx)  # type: ignore[arg-type]
+        assert uploads.objects == {"model.pt": b"new", "other.pt": b"other"}
+        if looked_up:
+            assert kept.superseded
+            ns.forget(kept.ino, 1)  # the kernel forgets the replaced inode
+        node = await ns.lookup(ROOT_INODE, b"model.pt")
+        assert node is tmp and node.size == 3 and (await ns.open_file(node.ino)).size == 3
+        ns.forget(node.ino, 2)  # closed and forgotten by the kernel: its create's count and this lookup's
+        node = await ns.lookup(ROOT_INODE, b"model.pt")  # from its kept node
+        assert node is tmp and (await ns.open_file(node.ino)).size == 3
+        with pytest.raises(pyfuse3.FUSEError) as exc:
+            await ops.lookup(ROOT_INODE, b"model.pt.tmp", ctx)  # type: ignore[arg-type]
+        assert exc.value.errno == errno.ENOENT
+        del store.head, store.has_children  # back
+        node = await ns.lookup(ROOT_INODE, b"model.pt")
+        assert node.ino == tmp.ino and node.size == 3
+
 def _unreachable() -> None:
     raise Unreachable("cannot reach the endpoint")

@@ -752,7 +752,9 @@ class Namespace:
             self._listings[path] = entries
             self._last_listings[path] = entries
         if self.saved is not None:
-            self.saved.listed(path, entries)
+            # A name some answer asked after this listing began told of keeps what that answer said (B325).
+            self.saved.listed(path, entries,
+                              lambda name: self._latest_asked.get(self._join(path, name), 0.0) > entries.at)
 
     def _with_pending(self, path: str, entries: dict[bytes, DirEntry]) -> list[DirEntry]:
         """A directory's entries and the files being written in it (which no listing has yet)."""

@@ -31,7 +31,7 @@ import json
 import logging
 import os
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Protocol
 
 from fsmount.data import NAMES_DIR, ObjectMeta, sent_etag
@@ -128,19 +128,32 @@ class SavedNames:
 
     # -- what the namespace learnt ------------------------------------------------------------------
 
-    def listed(self, path: str, entries: Mapping[bytes, Listed]) -> None:
+    def listed(self, path: str, entries: Mapping[bytes, Listed], newer: Callable[[str], bool] | None = None) -> None:
         """A whole listing of the directory `path` landed (entries by name). One too big to keep costs no pass over
-        it (a 200,000-name listing cost 0.4 s of the trio thread)."""
+        it (a 200,000-name listing cost 0.4 s of the trio thread). `newer(name)`: whether an answer about that name
+        asked after this listing began is known; its kept entry (or its absence) is that newer news, and stays as it
+        is, in or out of the listing (B325: the listing's older version was kept over it)."""
         if len(entries) > SAVED_DIR_ENTRIES:
             self._drop(path)
             return
-        kept = {}
-        for name_b, entry in entries.items():
-            saved = _saved((entry.is_dir, entry.meta))
-            if saved is not None:
-                kept[name_b.decode("utf-8", "surrogateescape")] = saved
-        complete = len(kept) == len(entries)  # a name left out (no ETag): never served as the whole listing
         old = self._dirs.get(path)
+        kept = {}
+        left_out = 0
+        for name_b, entry in entries.items():
+            name = name_b.decode("utf-8", "surrogateescape")
+            if newer is not None and newer(name):
+                saved = old.entries.get(name) if old is not None else None
+            else:
+                saved = _saved((entry.is_dir, entry.meta))
+            if saved is not None:
+                kept[name] = saved
+            else:
+                left_out += 1
+        if old is not None and newer is not None:
+            for name, was in old.entries.items():
+                if name not in kept and name.encode("utf-8", "surrogateescape") not in entries and newer(name):
+                    kept[name] = was  # found after this listing began
+        complete = not left_out  # a name left out (no ETag, or gone by newer news): never served as the whole listing
         if old is not None and old.complete == complete and old.entries == kept:
             self._used(path)  # as it was: nothing to write (a listing every TTL of an unchanged directory)
             return

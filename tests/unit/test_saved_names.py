@@ -368,3 +368,46 @@ async def test_a_lookup_asked_before_a_newer_head_found_another_version_does_not
     ns = started_while_down(store, tmp_path, ttl=60)
     node = await ns.lookup((await ns.lookup(ROOT_INODE, b"m")).ino, b"w.bin")
     assert node.size == len(b"new bytes") and node.etag == store.etags["m/w.bin"]
+
+
+async def test_a_listing_begun_before_a_newer_head_found_another_version_does_not_keep_its_older_one(
+        tmp_path: Path, autojump_clock: object, allowed_logs: list[str]) -> None:
+    """A listing of the directory finds the version the kernel holds, its answer on its way; another writer stores a
+    new version, and an open's HEAD of the held inode, begun after, finds it (and a lookup, a file stored since); then
+    the listing lands. Kept whole as the directory's names, it put the older version back over the new one (and left
+    out the file found since), and a remount while the origin was away served it (B325)."""
+    allowed_logs.append(ORIGIN_UNAVAILABLE)
+    store = FakeStore()
+    store.put("m/w.bin", b"old")
+    store.put("m/other.bin", b"other")
+    late: list[bool] = []
+
+    async def late_for_the_listing(fn, *args):  # noqa: ANN001, ANN202
+        answer = fn(*args)  # what the bucket says when asked
+        if late:
+            await trio.sleep(1)
+        return answer
+
+    saved = SavedNames(str(tmp_path), store.bucket, "")
+    ns = Namespace(store, late_for_the_listing, prefix="", ttl=0, saved=saved)
+    m = await ns.lookup(ROOT_INODE, b"m")
+    held = await ns.lookup(m.ino, b"w.bin")
+    late.append(True)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(ns.listing, m)
+        await trio.sleep(0.5)
+        late.clear()
+        store.put("m/w.bin", b"new bytes")
+        held.confirmed_at = 0.0  # not the same system call as its lookup
+        assert (await ns.refresh(held)).superseded
+        store.put("m/added.bin", b"added")  # stored after the listing began, and found by a lookup
+        await ns.lookup(m.ino, b"added.bin")
+    assert saved.entry("m/w.bin") == (False, store.meta("m/w.bin"))
+    assert saved.entry("m/added.bin") == (False, store.meta("m/added.bin"))
+    assert saved.entry("m/other.bin") == (False, store.meta("m/other.bin"))  # the rest of the listing is kept
+    reloaded(saved, tmp_path)
+    ns = started_while_down(store, tmp_path, ttl=60)
+    m = await ns.lookup(ROOT_INODE, b"m")
+    node = await ns.lookup(m.ino, b"w.bin")
+    assert node.size == len(b"new bytes") and node.etag == store.etags["m/w.bin"]
+    assert (await ns.lookup(m.ino, b"added.bin")).size == len(b"added")

@@ -131,6 +131,10 @@ class Node:
     lookups: int = 0
     fresh_until: float = 0.0  # monotonic time until which the version (a directory: that it is there) is trusted
     confirmed_at: float = 0.0  # monotonic time a HEAD's answer last said the version is current (ONE_CALL_S)
+    # When the newest answer that found this version current was asked (monotonic; this mount's store of it: when it
+    # landed): an answer about the node asked before it is older news (`_refresh`, B322). Not `_latest_asked`, which a
+    # read's refusal of another version also dates (`gone`, as it lands: B350).
+    current_as_of: float = 0.0
     superseded: bool = False  # the bucket now holds another version of this path
     superseded_at: float = 0.0  # monotonic time it was found superseded
     writing: bool = False  # this mount is writing the file: not in the bucket until it is closed
@@ -350,6 +354,7 @@ class Namespace:
                     node.supersede()
                 return node
             node.fresh_until = max(node.fresh_until, at + self.ttl)
+            node.current_as_of = max(node.current_as_of, at)
             self._asked(path, at)
             self._latest_file[path] = ino
             node.held_again(at)
@@ -431,11 +436,12 @@ class Namespace:
             # is gone from the kernel, and an open of the inode gets ESTALE, then ENOENT at its lookup.
             node.supersede()
             return node
-        if ((meta is None or meta.etag != node.etag) and not node.superseded and asked < self._latest_asked.get(
-                node.path, 0.0) and self._latest_file.get(node.path) == node.ino):
+        if ((meta is None or meta.etag != node.etag) and not node.superseded and asked < node.current_as_of
+                and self._latest_file.get(node.path) == node.ino):
             # Asked before the newest answer about the path, which found this version current (a lookup's HEAD sent
             # after it): older news, which supersedes nothing. Taken as the bucket's word, opens of the current file
-            # were ESTALE for the TTL (B322; B306's rule).
+            # were ESTALE for the TTL (B322; B306's rule). Only an answer that found this version: a read of an older
+            # one refused since (`gone`) is no such answer, and this one's news of a newer version was lost (B350).
             return node
         node.fresh_until = time.monotonic() + self.ttl
         self._asked(node.path, asked)
@@ -446,6 +452,8 @@ class Namespace:
             return node
         if node.held_again(asked):
             self._latest_file[node.path] = node.ino
+        if not node.superseded:
+            node.current_as_of = max(node.current_as_of, asked)
         node.confirmed_at = time.monotonic()
         return node
 

@@ -95,7 +95,7 @@ class WritableNamespace(Namespace):
         node.size, node.etag, node.mtime_ns = meta.size, meta.etag, meta.mtime_ns
         self._stored_at[(node.path, meta.etag)] = meta.mtime_ns
         now = time.monotonic()
-        node.fresh_until = now + self.ttl
+        node.fresh_until, node.current_as_of = now + self.ttl, now
         self._asked(node.path, now)
         node.superseded = False
         old = self._latest_file.get(node.path)

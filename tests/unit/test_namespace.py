@@ -1007,6 +1007,41 @@ async def test_a_head_of_the_held_inode_asked_before_a_newer_lookup_found_the_fi
     assert exc.value.errno == errno.ESTALE
 
 
+async def test_a_head_of_the_held_inode_finding_it_replaced_supersedes_it_after_a_read_of_an_older_version_failed(
+        autojump_clock) -> None:  # noqa: ANN001
+    """A checkpoint rewritten by another writer, v0, v1, v2: a descriptor still reads v0, the kernel holds v1. An open's
+    HEAD of v1 finds v2, its answer on its way; meanwhile a read of v0 is refused (412: `gone`, dated when it lands).
+    B322 took that refusal for a newer answer that found v1 current, and the HEAD's answer superseded nothing: the
+    open got v1, and its reads EIO, instead of ESTALE and the kernel's lookup of v2 (B350)."""
+    store = FakeStore()
+    store.put("f", b"v0")
+    late: list[bool] = []
+
+    async def late_for_the_open(fn, *args):  # noqa: ANN001, ANN202
+        answer = fn(*args)  # what the bucket says when asked
+        if late:
+            await trio.sleep(1)
+        return answer
+
+    ns = Namespace(store, late_for_the_open, prefix="", ttl=30.0)
+    v0 = (await ns.lookup(ROOT_INODE, b"f")).version("")
+    store.put("f", b"v1")
+    f = await ns.lookup(ROOT_INODE, b"f")
+    assert f.etag == store.etags["f"] != v0.etag
+    f.fresh_until = f.confirmed_at = 0.0  # its TTL is over: the next open asks
+    late.append(True)
+    store.put("f", b"v2")
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(ns.refresh, f)
+        await trio.sleep(0.5)
+        late.clear()
+        ns.gone(v0)  # a read of the descriptor on v0, refused
+    assert f.superseded
+    with pytest.raises(PathError) as exc:
+        await ns.open_file(f.ino)
+    assert exc.value.errno == errno.ESTALE
+
+
 def test_the_listing_caches_stay_within_the_runtime_share_of_the_memory_limit() -> None:
     """The listings kept for outages outlive their TTL, up to LISTING_CACHE_ENTRIES entries. Estimated at 100 B an
     entry, 2,000,000 of them held ~780 MiB beyond --memory-limit, whose runtime share is 96 MiB (the audit)."""

@@ -630,6 +630,17 @@ class Namespace:
             # Not when a newer answer about the path is known (a HEAD of its inode, this mount's write of it): cached,
             # this older one made the path ENOENT for the TTL, a file the newest answer found there (B307).
             self._negative[path] = True
+            # A listing of the directory begun before this answer names a file it found gone: older news of the name.
+            # Undated, one under way brought the file back when it landed, looked up and kept in the names kept as the
+            # version found deleted; one that landed first answered the name from the cache for the TTL (B351). Dated
+            # only for a listing under way: every ENOENT dated (an `import`'s probes of sys.path) evicted the dates of
+            # files that older answers need (`LATEST_ASKED_ENTRIES`).
+            parent, _, name = path.rpartition("/")
+            if parent in self._lists_under_way:
+                self._asked(path, asked)
+            listing = self._listings.get(parent)
+            if listing is not None and listing.at < asked and name.encode("utf-8", "surrogateescape") in listing:
+                self._listings.pop(parent, None)
         raise PathError(errno.ENOENT)
 
     def _found(self, path: str, entry: tuple[bool, ObjectMeta | None] | None, asked: float | None = None) -> None:

@@ -4,6 +4,7 @@ file's round trip and its bounds, what an unreadable file does, and a namespace 
 from __future__ import annotations
 
 import dataclasses
+import errno
 import json
 import os
 import stat
@@ -411,3 +412,41 @@ async def test_a_listing_begun_before_a_newer_head_found_another_version_does_no
     node = await ns.lookup(m.ino, b"w.bin")
     assert node.size == len(b"new bytes") and node.etag == store.etags["m/w.bin"]
     assert (await ns.lookup(m.ino, b"added.bin")).size == len(b"added")
+
+
+@pytest.mark.parametrize("lookup_lands", ["before-the-listing", "after-the-listing"])
+async def test_a_listing_begun_before_a_lookup_found_a_file_deleted_does_not_bring_it_back(
+        lookup_lands: str, tmp_path: Path, autojump_clock: object) -> None:
+    """A listing of the directory finds a file, its answer on its way; another writer deletes it, and a lookup, asked
+    after, finds nothing there. A lookup's answer of nothing was dated nowhere, so the listing was not older news of
+    the name: landing after that answer, the file came back, looked up as the version the lookup had found deleted,
+    and kept in the names kept, which a remount while the origin was away would serve; landing before it, the listing
+    cached went on answering the name for the TTL (B351)."""
+    store = FakeStore()
+    store.put("m/w.bin", b"old")
+    store.put("m/other.bin", b"other")
+    delay = [0.0]
+
+    async def late(fn, *args):  # noqa: ANN001, ANN202
+        answer = fn(*args)  # what the bucket says when asked
+        await trio.sleep(delay[0])
+        return answer
+
+    saved = SavedNames(str(tmp_path), store.bucket, "")
+    ns = Namespace(store, late, prefix="", ttl=60, saved=saved)
+    m = await ns.lookup(ROOT_INODE, b"m")
+    delay[0] = 1.0
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(ns.listing, m)  # asked now, lands in 1 s
+        await trio.sleep(0.5)
+        delay[0] = 0.0 if lookup_lands == "before-the-listing" else 1.0
+        del store.objects["m/w.bin"]
+        with pytest.raises(namespace.PathError) as exc:
+            await ns.lookup(m.ino, b"w.bin")
+        assert exc.value.errno == errno.ENOENT
+    delay[0] = 0.0
+    with pytest.raises(namespace.PathError) as exc:
+        await ns.lookup(m.ino, b"w.bin")
+    assert exc.value.errno == errno.ENOENT
+    assert saved.entry("m/w.bin") is None
+    assert saved.entry("m/other.bin") == (False, store.meta("m/other.bin"))  # the rest of the listing is kept

@@ -1481,7 +1481,6 @@ async def test_a_create_s_open_of_a_file_the_kernel_forgot_succeeds_while_the_or
     assert uploads.objects == {"held": b"", "kept": b"", "full": b"xyz"}
 
 
-
 @pytest.mark.parametrize("looked_up", [False, True], ids=["resolved-by-the-rename", "looked-up-by-the-kernel-first"])
 async def test_a_rename_onto_a_name_resolved_from_a_kept_node_replaces_it_for_good(looked_up: bool,
                                                                                    allowed_logs: list[str]) -> None:
@@ -1536,6 +1535,7 @@ async def test_a_rename_onto_a_name_resolved_from_a_kept_node_replaces_it_for_go
         del store.head, store.has_children  # back
         node = await ns.lookup(ROOT_INODE, b"model.pt")
         assert node.ino == tmp.ino and node.size == 3
+
 
 def _unreachable() -> None:
     raise Unreachable("cannot reach the endpoint")

@@ -471,6 +471,11 @@ def make_parser() -> _OneLineErrors:
     u = sub.add_parser("unmount", aliases=["umount"], help="unmount a modelfs mount")
     u.add_argument("mountpoint")
     u.add_argument("--lazy", "-z", action="store_true", help="detach now even if files are open")
+    u.add_argument("--stale", action="store_true",
+                   help="only a dead mount (its daemon gone: 'transport endpoint is not connected'), detached at "
+                        "once; a mount whose daemon answers (or hangs) is left mounted, exit 1, naming it; nothing "
+                        "mounted there is not an error and says nothing (what systemd/modelfs@.service runs before "
+                        "a start)")
     p.commands = dict(sub.choices)
     return p
 
@@ -640,6 +645,11 @@ def run_background(cfg: MountConfig, mount_argv: list[str]) -> int:
                 "run with --foreground to see why")
 
 
+# How long `unmount --stale` waits for the daemon of a mount to answer before it calls it hung (one answers in
+# milliseconds; a dead one's ENOTCONN comes at once).
+STALE_CHECK_S = 5.0
+
+
 def user_name(uid: int) -> str:
     """"root (uid 0)", or "uid N" for a uid without a passwd entry."""
     import pwd
@@ -663,23 +673,30 @@ def cmd_unmount(args: argparse.Namespace) -> int:
         path = os.path.realpath(args.mountpoint)
         mounted_at, fstype = mount_of(path)
     if mounted_at != path:
+        if args.stale:  # nothing mounted there: a clean start, nothing to say
+            return 0
         if fstype == MODELFS_FSTYPE:  # a directory of the mount ("is not mounted" sent the user looking elsewhere)
             return fail(f"{args.mountpoint} is not a mount point: it is inside the modelfs mount at {mounted_at} "
                         f"(modelfs unmount {mounted_at})")
         return fail(f"{args.mountpoint} {'is not mounted' if os.path.lexists(path) else 'does not exist'}")
     # fusermount3 run as root unmounts whatever is there: a typo must not take a disk or an NFS share away.
     if fstype != MODELFS_FSTYPE:
+        # With --stale not a failure: no dead modelfs mount to clear, and not its business to refuse a start.
         return fail(f"{args.mountpoint} is {'an' if (fstype or 'n')[0] in 'aeiou' else 'a'} {fstype or 'non-modelfs'} "
-                    "mount, not a modelfs one: left mounted")
+                    "mount, not a modelfs one: left mounted", 0 if args.stale else 1)
     # fusermount3 says "entry for M not found in /etc/mtab" of another user's mount, which is there: say whose it is.
     owner = mount_owner(path)
     if os.geteuid() != 0 and owner is not None and owner != os.getuid():
         return fail(f"cannot unmount {args.mountpoint}: it is the mount of {user_name(owner)}, and only that user "
                     "or root may unmount it")
+    if args.stale:
+        refused = live_mount(path, args.mountpoint)
+        if refused:
+            return fail(refused)
     tool = shutil.which("fusermount3") or shutil.which("fusermount")
     if tool is None:
         return fail("fusermount3 not found: install the fuse3 package")
-    cmd = [tool, "-u"] + (["-z"] if args.lazy else []) + [path]
+    cmd = [tool, "-u"] + (["-z"] if args.lazy or args.stale else []) + [path]
     res = subprocess.run(cmd, capture_output=True, text=True)
     if res.returncode != 0:
         reason = res.stderr.strip().splitlines()[-1] if res.stderr.strip() else f"status {res.returncode}"
@@ -687,7 +704,37 @@ def cmd_unmount(args: argparse.Namespace) -> int:
         if "busy" in reason.lower():
             hint = busy_hint(mount_users(path), mounts_inside(path))
         return fail(f"cannot unmount {args.mountpoint}: {reason}{hint}")
+    if args.stale:  # said once, in the journal of the start it made possible
+        print(f"modelfs: cleared the dead mount at {args.mountpoint} (its daemon was gone)", file=sys.stderr)
     return 0
+
+
+def live_mount(path: str, shown: str) -> str:
+    """Why `unmount --stale` leaves the modelfs mount at `path` alone: its daemon answers (named: bucket, pid, user),
+    or does not answer within STALE_CHECK_S (stopped or hung, not gone); "" where the mount is dead (ENOTCONN: its
+    daemon is gone), which is what --stale clears. Asked through the stats attribute in a thread of its own
+    (`stats_table.read_stats`), so a hung daemon costs STALE_CHECK_S, never a hang."""
+    import errno
+
+    from fsmount.prefetch_command import mount_owner
+    from fsmount.stats_table import DaemonSilent, StatsUnavailable, read_stats
+
+    owner = mount_owner(path)
+    try:
+        snap = read_stats(path, STALE_CHECK_S)
+    except DaemonSilent:
+        return (f"{shown} is a modelfs mount whose daemon does not answer within {STALE_CHECK_S:g}s (stopped or "
+                f"hung, not gone): left mounted; stop that daemon, or `modelfs unmount --lazy {shown}`")
+    except StatsUnavailable as exc:
+        if exc.errno == errno.ENOTCONN:
+            return ""
+        snap = {}  # it answered: a daemon of another version
+    named = ([f"bucket {snap['bucket']}"] if isinstance(snap.get("bucket"), str) else []) + \
+        ([f"daemon pid {snap['pid']}"] if isinstance(snap.get("pid"), int) else []) + \
+        ([f"mounted by {user_name(owner)}"] if owner is not None else [])
+    holder = f" ({', '.join(named)})" if named else ""
+    return (f"{shown} is a live modelfs mount{holder}: "
+            f"left mounted; unmount it (modelfs unmount {shown}) or stop its daemon first")
 
 
 def busy_hint(users: MountUsers, inside: list[str]) -> str:

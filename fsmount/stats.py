@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -71,6 +72,7 @@ class MountStats:
         out: dict[str, Any] = {
             "format": STATS_FORMAT_VERSION,
             "bucket": self.bucket,
+            "pid": os.getpid(),  # who serves the mount (`modelfs unmount --stale` names it)
             "uptime_seconds": round(time.monotonic() - self.started, 3),
             # READ reply bytes by where their chunk was when the READ asked for it.
             "served_bytes": served,

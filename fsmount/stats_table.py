@@ -62,7 +62,7 @@ def read_stats(mountpoint: str, timeout: float = STATS_TIMEOUT_S) -> dict[str, A
         if exc.errno == errno.ENOTCONN:
             raise StatsUnavailable(f"the daemon of {mountpoint} is gone (transport endpoint is not connected); "
                                    f"its counters went with it: run `modelfs unmount {mountpoint}`, then mount "
-                                   "again") from None
+                                   "again", errno.ENOTCONN) from None
         raise StatsUnavailable(f"cannot read stats of {mountpoint}: {exc.strerror or exc}", exc.errno) from None
     try:
         snapshot = json.loads(raw)

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from fsmount import __version__
+from fsmount.cli import user_name
 from fsmount.data.disk_cache import DiskCache
 from tests.helpers import (
     REPO,
@@ -537,6 +538,33 @@ def test_a_mount_whose_daemon_was_killed_is_named_so_and_unmounts(moto_server: S
                           env=daemon_env(moto_server))
         assert res.returncode == 0, res.stderr
         assert (mp / "w.bin").read_bytes() == b"w" * 1000
+
+
+def test_unmount_stale_clears_only_a_dead_mount_and_names_a_live_one(moto_server: S3Server, tmp_path: Path) -> None:
+    """The unit's ExecStartPre was `-modelfs unmount --lazy MOUNTPOINT`: at every clean start it logged "is not
+    mounted", and a live mount made by hand at the mountpoint was detached under its users' feet. `--stale` says
+    nothing where nothing is mounted, leaves a live mount mounted and fails naming its bucket and daemon, and clears
+    a dead one (its daemon killed) (B336)."""
+    bucket = new_bucket(moto_server)
+    moto_server.client().put_object(Bucket=bucket, Key="w.bin", Body=b"w" * 1000)
+    mp = tmp_path / "mnt"
+    mp.mkdir()
+    res = run_modelfs("unmount", "--stale", str(mp))
+    assert (res.returncode, res.stderr) == (0, ""), res.stderr  # a clean start: nothing to say
+    with mounted(moto_server, bucket, mp, check_log=False) as m:
+        with open(mp / "w.bin", "rb") as held:  # a user of the live mount
+            res = run_modelfs("unmount", "--stale", str(mp))
+            assert res.returncode == 1, res.stderr
+            assert res.stderr == (f"modelfs: {mp} is a live modelfs mount (bucket {bucket}, daemon pid {m.proc.pid}, "
+                                  f"mounted by {user_name(os.getuid())}): left mounted; unmount it (modelfs "
+                                  f"unmount {mp}) or stop its daemon first\n"), res.stderr
+            assert mounted_at(mp) and held.read() == b"w" * 1000
+        m.proc.send_signal(signal.SIGKILL)
+        m.proc.wait(10)
+        res = run_modelfs("unmount", "--stale", str(mp))
+        assert (res.returncode, res.stderr) == (0, f"modelfs: cleared the dead mount at {mp} (its daemon was "
+                                                   "gone)\n"), res.stderr
+        assert not mounted_at(mp) and mp.is_dir()
 
 
 @pytest.mark.parametrize("lazy", [False, True], ids=["plain", "lazy"])

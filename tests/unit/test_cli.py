@@ -1095,6 +1095,41 @@ def test_unmount_of_a_directory_inside_a_mount_names_the_mount(monkeypatch: pyte
     assert capsys.readouterr().err == f"modelfs: {tmp_path}/llama is not mounted\n"
 
 
+def test_unmount_stale_leaves_a_hung_mount_and_another_file_system_alone(monkeypatch: pytest.MonkeyPatch,
+                                                                          tmp_path: Path,
+                                                                          capsys: pytest.CaptureFixture[str]) -> None:
+    """`modelfs unmount --stale` (the unit's ExecStartPre, B336) detaches only a mount whose daemon is gone: one whose
+    daemon does not answer (stopped, hung) is not dead, and is left mounted with exit 1, within STALE_CHECK_S; a
+    mount of another file system is left alone and the start goes on; nothing mounted says nothing."""
+    import fsmount.prefetch_command as pc
+    import fsmount.stats_table as st
+    from fsmount.cli import STALE_CHECK_S, main
+
+    ran: list = []
+    monkeypatch.setattr(subprocess, "run", lambda *a, **kw: ran.append(a) or subprocess.CompletedProcess(a, 0))
+    monkeypatch.setattr(pc, "mount_of", lambda path, resolve=True: ("/", "ext4"))
+    assert main(["unmount", "--stale", str(tmp_path)]) == 0
+    assert capsys.readouterr().err == "" and not ran
+    monkeypatch.setattr(pc, "mount_of", lambda path, resolve=True: (str(tmp_path), "ext4"))
+    assert main(["unmount", "--stale", str(tmp_path)]) == 0
+    assert capsys.readouterr().err == f"modelfs: {tmp_path} is an ext4 mount, not a modelfs one: left mounted\n"
+    assert not ran
+    monkeypatch.setattr(pc, "mount_of", lambda path, resolve=True: (str(tmp_path), "fuse.modelfs"))
+    monkeypatch.setattr(pc, "mount_owner", lambda path: None)
+    waited: list[float] = []
+
+    def silent(path: str, timeout: float) -> dict:
+        waited.append(timeout)
+        raise st.DaemonSilent("no answer")
+
+    monkeypatch.setattr(st, "read_stats", silent)
+    assert main(["unmount", "--stale", str(tmp_path)]) == 1
+    assert capsys.readouterr().err == (f"modelfs: {tmp_path} is a modelfs mount whose daemon does not answer within "
+                                       f"5s (stopped or hung, not gone): left mounted; stop that daemon, or "
+                                       f"`modelfs unmount --lazy {tmp_path}`\n")
+    assert waited == [STALE_CHECK_S] and not ran
+
+
 def test_stats_of_a_directory_inside_a_mount_names_the_mount(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
                                                              capsys: pytest.CaptureFixture[str]) -> None:
     """`modelfs stats /models/llama` said only "is not the root of a modelfs mount" (B266)."""

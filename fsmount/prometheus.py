@@ -61,8 +61,8 @@ class StatsCollector:
         yield CounterMetricFamily("modelfs_origin_requests", "Ranged GETs sent to the origin",
                                   value=origin["requests"])
         yield CounterMetricFamily("modelfs_origin_bytes", "Bytes downloaded from the origin", value=origin["bytes"])
-        yield CounterMetricFamily("modelfs_origin_errors", "Ranged GETs that failed after retries",
-                                  value=origin["errors"])
+        yield CounterMetricFamily("modelfs_origin_errors", "Chunk fetches that failed after their retries "
+                                  "(read-ahead and streaming ones included)", value=origin["errors"])
         yield CounterMetricFamily("modelfs_origin_retries", "Ranged GETs sent again within a fetch after a transient "
                                   "failure (5xx, throttling, resets, refused connections)", value=origin["retries"])
         failed = CounterMetricFamily("modelfs_failed_requests", "FUSE requests answered with an error because of the "
@@ -75,8 +75,8 @@ class StatsCollector:
         yield CounterMetricFamily("modelfs_origin_metadata_errors", "Metadata requests that failed or timed out",
                                   value=origin["metadata_errors"])
         yield CounterMetricFamily("modelfs_origin_refetched_bytes", "Of the origin's bytes, those of chunks it "
-                                  "had sent before (evicted from memory before they were read)",
-                                  value=origin["refetched_bytes"])
+                                  "had sent before (evicted from memory, or dropped by the kernel, before every "
+                                  "READ that wanted them came)", value=origin["refetched_bytes"])
         latency = origin["get_seconds"]
         buckets = [(_le(b), n) for b, n in latency["buckets"]] + [("+Inf", latency["count"])]
         yield HistogramMetricFamily("modelfs_origin_get_seconds", "Duration of one ranged GET of a chunk, "
@@ -97,6 +97,8 @@ class StatsCollector:
                                 "files still open", value=s["pagecache_pushed_bytes"])
         yield GaugeMetricFamily("modelfs_fetches_inflight", "Chunk fetches running now",
                                 value=s["fetches_inflight"])
+        yield GaugeMetricFamily("modelfs_cache_writes_pending", "Fetched chunks still to be written to the cache "
+                                "levels (written in the background)", value=s["cache_writes_pending"])
         yield CounterMetricFamily("modelfs_cache_writes_given_up", "Cache writes given up on their deadline "
                                   "(a stalled cache disk)", value=s["cache_writes_given_up"])
         yield CounterMetricFamily("modelfs_cache_reads_given_up", "Cache reads given up on their deadline (a cache "

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import errno
 import os
+import re
 import socket
 import socketserver
 import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -102,3 +104,63 @@ os._exit(0)
                           env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
     cpu = float(done.stdout.strip().splitlines()[-1])
     assert cpu < 0.5, f"the metrics thread used {cpu:.2f} s of CPU in 2 s while out of descriptors"
+
+
+def exported_names(snapshot: dict) -> dict[str, str]:
+    """Every metric name a scrape of `snapshot` shows (counters with their _total), and its HELP."""
+
+    class Snapshot:
+        def snapshot(self) -> dict:
+            return snapshot
+
+    return {m.name + ("_total" if m.type == "counter" else ""): m.documentation
+            for m in prometheus.StatsCollector(Snapshot()).collect()}  # type: ignore[arg-type]
+
+
+def readme_metric_names(exported: set[str]) -> set[str]:
+    """The metric names README.md gives: `modelfs_x_{a,b}_total` spelled out, and in a row of the metrics table a
+    bare `_suffix` after the row's first name read as a prefix of that name plus it (the prefix that makes an exported
+    name; the longest where none does, so that it shows as missing)."""
+    text = (Path(__file__).parents[2] / "README.md").read_text()
+    renamed = re.search(r"^- Renamed in this version.*?(?=^- )", text, re.MULTILINE | re.DOTALL)
+    assert renamed, "README's note of the renamed metrics moved"
+    text = text.replace(renamed[0], "")  # the old names it gives are no longer exported
+    names: set[str] = set()
+    for line in text.splitlines():
+        row = line.startswith("| `modelfs_")
+        words = [re.sub(r"\{[a-z]+=.*\}$", "", word)  # labels: `modelfs_served_bytes_total{source=a\|b}`
+                 for word in re.findall(r"`(_?[a-z][^`]*)`", line.split(" | ")[0] if row else line)]
+        first = next((w for w in words if w.startswith("modelfs_")), "")
+        for word in words:
+            if word.startswith("modelfs_"):
+                braces = re.search(r"\{([a-z_,]+)\}", word)
+                names.update([word[:braces.start()] + one + word[braces.end():] for one in braces[1].split(",")]
+                             if braces else [word])
+            elif row and word.startswith("_"):
+                parts = first.split("{")[0].rstrip("_").split("_")
+                made = ["_".join(parts[:n]) + word for n in range(len(parts), 1, -1)]
+                names.add(next((name for name in made if name in exported), made[0]))
+    return names
+
+
+def test_the_readme_metrics_table_and_the_exporter_name_the_same_metrics() -> None:
+    """The README's table of metrics and what --metrics-addr serves agree both ways: `modelfs_cache_writes_pending`
+    was in the stats JSON and not exported, and two HELP texts said other things than the table: origin errors
+    counted "ranged GETs" where they are chunk fetches, refetched bytes left out chunks the kernel dropped (B337)."""
+    from tests.unit.test_stats_table import snapshot
+
+    dc = {"hits": 1, "misses": 1, "corrupt": 0, "other_format": 0, "read_errors": 0, "write_errors": 0,
+          "lock_timeouts": 0, "evictions": 0, "writes": 1, "writes_skipped": 0, "hit_ratio": 0.5, "bytes_used": 1,
+          "max_bytes": 2, "chunks": 1}
+    tier = {name: 0 for name in ("hits", "misses", "bytes", "claims", "claim_waits", "fallbacks", "writes",
+                                 "write_errors", "trailed", "trail_dropped", "waiters_seen", "corrupt", "errors")}
+    writes = {name: 0 for name in ("files_stored", "files_failed", "bytes_uploaded", "parts_uploaded", "renames",
+                                   "deletes", "deletes_refused", "chunks_cached")}
+    snap = snapshot(disk_cache=dc, shared_cache=tier, writes=writes, failed_requests={"read": 1})
+    snap["origin"].update(retries=0, refetched_bytes=0)
+    exported = exported_names(snap)
+    documented = readme_metric_names(set(exported))
+    assert sorted(set(exported) - documented) == [], "exported, not in README's table"
+    assert sorted(documented - set(exported)) == [], "in README's table, not exported"
+    assert exported["modelfs_origin_errors_total"].startswith("Chunk fetches that failed after their retries")
+    assert "dropped by the kernel" in exported["modelfs_origin_refetched_bytes_total"]

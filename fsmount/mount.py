@@ -253,15 +253,17 @@ class LogFile(logging.handlers.WatchedFileHandler):
             logging.FileHandler.emit(self, record)  # a failed write comes to handleError
         self._say_failure()
 
-    def reopen(self) -> None:
+    def reopen(self) -> BaseException | None:
         """What SIGHUP and SIGUSR1 (a logrotate postrotate) ask: a file moved or deleted is let go of and the path
         opened now, not at the next line, which at `--log-level warning` may be days away (the rotated file, compressed
-        and deleted, held its disk space until then, B260)."""
+        and deleted, held its disk space until then, B260). The error where the file cannot be opened, else None."""
         self.acquire()
         try:
             self._failed = None
             self._reopened()
+            failed = self._failed
             self._say_failure()
+            return failed
         finally:
             self.release()
 
@@ -312,13 +314,17 @@ class LogFile(logging.handlers.WatchedFileHandler):
             super().handleError(record)
 
 
-def reopen_log_file() -> bool:
-    """SIGHUP's and SIGUSR1's: a --log-file that was moved or deleted is let go of, and its path opened, now. Whether
-    the daemon logs to a file."""
-    files = [handler for handler in logging.getLogger().handlers if isinstance(handler, LogFile)]
-    for handler in files:
-        handler.reopen()
-    return bool(files)
+def reopen_log_file() -> str:
+    """SIGHUP's and SIGUSR1's: a --log-file that was moved or deleted is let go of, and its path opened, now. What the
+    signal's line says of it: nothing without a log file; that it was reopened, or that it could not be (said on
+    stderr too, once a failure, by `LogFile`), which the line said it was (B338)."""
+    said = ""
+    for handler in [handler for handler in logging.getLogger().handlers if isinstance(handler, LogFile)]:
+        failed = handler.reopen()
+        said += (", the log file reopened if it was moved" if failed is None else
+                 f", the log file {handler.baseFilename} could not be reopened "
+                 f"({getattr(failed, 'strerror', None) or failed}): its lines are dropped until it can be")
+    return said
 
 
 SYSLOG_SOCKET = "/dev/log"
@@ -1379,7 +1385,7 @@ class Daemon:
                     # killed the daemon, taking the mount down under every reader.
                     log.info("received %s: still mounted%s; the options are not read again (a restart of the mount "
                              "applies a changed configuration)", signal.Signals(signum).name,
-                             ", the log file reopened if it was moved" if reopen_log_file() else "")
+                             reopen_log_file())
                     continue
                 name = signal.Signals(signum).name
                 busy = self.ops.open_files

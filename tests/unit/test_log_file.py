@@ -145,3 +145,27 @@ def test_a_log_fifo_with_no_reader_or_a_stalled_one_never_blocks_the_daemon(
         handler.close()
     finally:
         os.close(reader)
+
+
+def test_the_signal_s_line_says_a_failed_reopen_failed(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    """SIGHUP's (and SIGUSR1's) line said "the log file reopened if it was moved" when the reopen had failed (its
+    directory removed), the failure said on stderr alone (B338)."""
+    import fsmount.mount
+
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    handler = LogFile(str(logs / "modelfs.log"))
+    monkeypatch.setattr(logging.getLogger(), "handlers", [handler])
+    try:
+        assert fsmount.mount.reopen_log_file() == ", the log file reopened if it was moved"
+        shutil.rmtree(logs)
+        assert fsmount.mount.reopen_log_file() == (f", the log file {logs}/modelfs.log could not be reopened (No such "
+                                                   "file or directory): its lines are dropped until it can be")
+        assert capsys.readouterr().err.count("cannot write the log file") == 1
+        logs.mkdir()
+        assert fsmount.mount.reopen_log_file() == ", the log file reopened if it was moved"
+        monkeypatch.setattr(logging.getLogger(), "handlers", [logging.NullHandler()])
+        assert fsmount.mount.reopen_log_file() == ""  # no log file: the line names none
+    finally:
+        handler.close()

@@ -666,15 +666,18 @@ def cmd_unmount(args: argparse.Namespace) -> int:
 
     # Found in /proc/self/mountinfo without a stat of the mountpoint: a stat goes to the mount's daemon, and one
     # that is stopped or hung (SIGSTOP, a debugger, a deadlock) left `modelfs unmount` waiting in the kernel for
-    # good, SIGINT or not. Only a path that is no mountpoint as given is resolved (a symlink to one).
+    # good, SIGINT or not. Only a path that is no mountpoint as given is resolved (a symlink to one); not one inside a
+    # modelfs mount, which has no symlinks, and whose resolving asked its daemon too.
     path = os.path.abspath(args.mountpoint)
     mounted_at, fstype = mount_of(path, resolve=False)
-    if mounted_at != path:
+    if mounted_at != path and fstype != MODELFS_FSTYPE:
         path = os.path.realpath(args.mountpoint)
         mounted_at, fstype = mount_of(path)
     if mounted_at != path:
         if args.stale:  # nothing mounted there: a clean start, nothing to say
             return 0
+        if fstype == MODELFS_FSTYPE and not there_in_mount(path):  # "inside the mount" sent the user looking there
+            return fail(f"{args.mountpoint} does not exist")
         if fstype == MODELFS_FSTYPE:  # a directory of the mount ("is not mounted" sent the user looking elsewhere)
             return fail(f"{args.mountpoint} is not a mount point: it is inside the modelfs mount at {mounted_at} "
                         f"(modelfs unmount {mounted_at})")
@@ -707,6 +710,28 @@ def cmd_unmount(args: argparse.Namespace) -> int:
     if args.stale:  # said once, in the journal of the start it made possible
         print(f"modelfs: cleared the dead mount at {args.mountpoint} (its daemon was gone)", file=sys.stderr)
     return 0
+
+
+def there_in_mount(path: str, timeout: float = STALE_CHECK_S) -> bool:
+    """Whether `path`, inside a modelfs mount, may be there: False only where its daemon answered that it is not
+    (ENOENT, ENOTDIR). Asked in a thread of its own: a daemon that is stopped or hung never answers, and a dead one
+    answers ENOTCONN; neither says the path is not there."""
+    import errno
+    import threading
+
+    out: list[int] = []
+
+    def ask() -> None:
+        try:
+            os.lstat(path)
+            out.append(0)
+        except OSError as exc:
+            out.append(exc.errno or -1)
+
+    asker = threading.Thread(target=ask, daemon=True)  # left behind if it never returns
+    asker.start()
+    asker.join(timeout)
+    return not out or out[0] not in (errno.ENOENT, errno.ENOTDIR)
 
 
 def live_mount(path: str, shown: str) -> str:

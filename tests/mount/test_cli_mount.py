@@ -330,6 +330,8 @@ def test_background_mount_returns_when_ready_and_unmount(moto_server: S3Server, 
         assert res.returncode == 0, res.stderr
         assert os.path.ismount(mp)  # already mounted when the command returns
         assert (mp / "hello.txt").read_bytes() == b"hi"
+        res = run_modelfs("unmount", str(mp / "missing"))  # said "inside the modelfs mount" (B339)
+        assert (res.returncode, res.stderr) == (1, f"modelfs: {mp}/missing does not exist\n"), res.stderr
         link = tmp_path / "models"
         link.symlink_to(mp)
         res = run_modelfs("unmount", str(link))  # the mountpoint through a symlink to it

@@ -1095,6 +1095,40 @@ def test_unmount_of_a_directory_inside_a_mount_names_the_mount(monkeypatch: pyte
     assert capsys.readouterr().err == f"modelfs: {tmp_path}/llama is not mounted\n"
 
 
+def test_unmount_of_a_path_not_there_inside_a_mount_says_it_does_not_exist(monkeypatch: pytest.MonkeyPatch,
+                                                                          tmp_path: Path,
+                                                                          capsys: pytest.CaptureFixture[str]) -> None:
+    """`modelfs unmount /models/typo` said "is not a mount point: it is inside the modelfs mount at /models", sending
+    the user looking for a directory that is not there (B339). A mount whose daemon is gone (ENOTCONN) or does not
+    answer cannot say the path is not there: the mount is named then, as before."""
+    import errno
+
+    import fsmount.cli as cli_module
+    import fsmount.prefetch_command as pc
+    from fsmount.cli import main
+
+    monkeypatch.setattr(pc, "mount_of", lambda path, resolve=True: (str(tmp_path), "fuse.modelfs"))
+    assert main(["unmount", str(tmp_path / "typo")]) == 1
+    assert capsys.readouterr().err == f"modelfs: {tmp_path}/typo does not exist\n"
+    assert main(["unmount", str(tmp_path / "typo" / "deeper")]) == 1
+    assert capsys.readouterr().err == f"modelfs: {tmp_path}/typo/deeper does not exist\n"
+    real_lstat = os.lstat
+
+    def gone(path, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+        if str(path).startswith(str(tmp_path) + "/"):
+            raise OSError(errno.ENOTCONN, "Transport endpoint is not connected", str(path))
+        return real_lstat(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "lstat", gone)
+    assert main(["unmount", str(tmp_path / "typo")]) == 1
+    assert capsys.readouterr().err == (f"modelfs: {tmp_path}/typo is not a mount point: it is inside the modelfs "
+                                       f"mount at {tmp_path} (modelfs unmount {tmp_path})\n")
+    monkeypatch.setattr(os, "lstat", lambda *a, **kw: time.sleep(30))  # a daemon that does not answer
+    started = time.monotonic()
+    assert cli_module.there_in_mount(str(tmp_path / "typo"), 0.2)  # may be there: not said not to be
+    assert time.monotonic() - started < 5
+
+
 def test_unmount_stale_leaves_a_hung_mount_and_another_file_system_alone(monkeypatch: pytest.MonkeyPatch,
                                                                           tmp_path: Path,
                                                                           capsys: pytest.CaptureFixture[str]) -> None:

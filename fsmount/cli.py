@@ -645,8 +645,9 @@ def run_background(cfg: MountConfig, mount_argv: list[str]) -> int:
                 "run with --foreground to see why")
 
 
-# How long `unmount --stale` waits for the daemon of a mount to answer before it calls it hung (one answers in
-# milliseconds; a dead one's ENOTCONN comes at once).
+# How long `modelfs unmount` waits for the daemon of a mount to answer (--stale: whether it is alive; a path inside the
+# mount: whether it is there) before it calls it hung (one answers in milliseconds; a dead one's ENOTCONN comes at
+# once).
 STALE_CHECK_S = 5.0
 
 

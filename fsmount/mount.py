@@ -317,7 +317,7 @@ class LogFile(logging.handlers.WatchedFileHandler):
 def reopen_log_file() -> str:
     """SIGHUP's and SIGUSR1's: a --log-file that was moved or deleted is let go of, and its path opened, now. What the
     signal's line says of it: nothing without a log file; that it was reopened, or that it could not be (said on
-    stderr too, once a failure, by `LogFile`), which the line said it was (B338)."""
+    stderr too, once a failure, by `LogFile`); it said "reopened" either way (B338)."""
     said = ""
     for handler in [handler for handler in logging.getLogger().handlers if isinstance(handler, LogFile)]:
         failed = handler.reopen()

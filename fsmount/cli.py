@@ -663,17 +663,18 @@ def user_name(uid: int) -> str:
 
 def cmd_unmount(args: argparse.Namespace) -> int:
     from fsmount.mount_users import mount_users, mounts_inside
-    from fsmount.prefetch_command import MODELFS_FSTYPE, mount_of, mount_owner
+    from fsmount.prefetch_command import MODELFS_FSTYPE, mount_of, mount_owner, resolve_unasked
 
     # Found in /proc/self/mountinfo without a stat of the mountpoint: a stat goes to the mount's daemon, and one
     # that is stopped or hung (SIGSTOP, a debugger, a deadlock) left `modelfs unmount` waiting in the kernel for
     # good, SIGINT or not. Only a path that is no mountpoint as given is resolved (a symlink to one); not one inside a
-    # modelfs mount, which has no symlinks, and whose resolving asked its daemon too.
+    # modelfs mount, which has no symlinks, and whose resolving asked its daemon too; and that without a lstat of a
+    # mount's root or of a path in a modelfs mount (`resolve_unasked`: realpath's asked the daemon, B343).
     path = os.path.abspath(args.mountpoint)
     mounted_at, fstype = mount_of(path, resolve=False)
     if mounted_at != path and fstype != MODELFS_FSTYPE:
-        path = os.path.realpath(args.mountpoint)
-        mounted_at, fstype = mount_of(path)
+        path = resolve_unasked(args.mountpoint)
+        mounted_at, fstype = mount_of(path, resolve=False)
     if mounted_at != path:
         if args.stale:  # nothing mounted there: a clean start, nothing to say
             return 0

@@ -70,6 +70,53 @@ def mount_of(path: str, mountinfo: str = "/proc/self/mountinfo", resolve: bool =
     return best, best_type
 
 
+# Symlinks followed in one path before `resolve_unasked` gives up on it (the kernel's limit, ELOOP).
+MAX_SYMLINKS = 40
+
+
+def resolve_unasked(path: str, mountinfo: str = "/proc/self/mountinfo") -> str:
+    """`os.path.realpath(path)`, asking no modelfs daemon: a part that is a mount point (a mount's root is never a
+    symlink) or that lies in a modelfs mount (which has no symlinks) is taken as it is; the others are read as realpath
+    reads them (readlink). realpath's lstat of a mount's root went to its daemon, and one stopped or hung never
+    answered: `modelfs unmount --stale` of a symlink to its mount (the unit's MOUNTPOINT) hung until TimeoutStartSec
+    (B343). A symlink loop (more than MAX_SYMLINKS) leaves the rest of the path as it is, as realpath does."""
+    mounts: dict[str, str] = {}
+    with open(mountinfo, "rb") as f:
+        for line in f:
+            fields = line.split()
+            mounts[mountinfo_path(fields[4])] = os.fsdecode(fields[fields.index(b"-") + 1])
+
+    def unasked(candidate: str) -> bool:
+        if candidate in mounts:
+            return True
+        holder = max((mnt for mnt in mounts if candidate.startswith(mnt.rstrip("/") + "/")), key=len, default="")
+        return mounts.get(holder) == MODELFS_FSTYPE
+
+    parts = os.path.join(os.getcwd(), path).split("/")[::-1]  # a stack: the next part last
+    resolved, links = "/", 0
+    while parts:
+        name = parts.pop()
+        if name in ("", "."):
+            continue
+        if name == "..":
+            resolved = os.path.dirname(resolved)
+            continue
+        candidate = os.path.join(resolved, name)
+        target = None
+        if links < MAX_SYMLINKS and not unasked(candidate):
+            try:
+                target = os.readlink(candidate)
+            except OSError:  # not a symlink (EINVAL), or not there: as it is
+                pass
+        if target is None:
+            resolved = candidate
+            continue
+        links += 1
+        resolved = "/" if target.startswith("/") else resolved
+        parts.extend(target.split("/")[::-1])
+    return resolved
+
+
 def closed_to_you(path: str, mountinfo: str = "/proc/self/mountinfo") -> str:
     """Why `path` may be refused (EACCES) to this user: it is on another user's modelfs mount made without
     --allow-other, which the kernel keeps to that user alone, whatever the modes say; "" where that is not so."""

@@ -590,6 +590,33 @@ def test_a_mount_whose_daemon_is_stopped_unmounts_without_asking_it(moto_server:
         m.proc.wait(30)
 
 
+def test_unmount_through_a_symlink_to_a_stopped_daemon_s_mount_does_not_hang(moto_server: S3Server,
+                                                                             tmp_path: Path) -> None:
+    """A MOUNTPOINT given through a symlink (`/models -> /nvme/models`) was resolved with realpath, whose lstat of the
+    mount's root waited for the daemon: of a stopped (or hung) one `modelfs unmount --stale`, the unit's start, hung
+    for good (until TimeoutStartSec), as did a plain `modelfs unmount` and one of a path in the mount (B343)."""
+    bucket = new_bucket(moto_server)
+    mp = tmp_path / "mnt"
+    link = tmp_path / "models"
+    link.symlink_to(mp)
+    # --metadata-ttl 0: the kernel keeps no attributes of the root, so every stat of it asks the daemon.
+    with mounted(moto_server, bucket, mp, "--metadata-ttl", "0", check_log=False) as m:
+        os.kill(m.proc.pid, signal.SIGSTOP)
+        try:
+            started = time.monotonic()
+            res = run_modelfs("unmount", "--stale", str(link), timeout=20)
+            assert res.returncode == 1 and "does not answer within 5s (stopped or hung" in res.stderr, res.stderr
+            res = run_modelfs("unmount", str(link / "llama"), timeout=20)
+            assert res.returncode == 1 and f"is inside the modelfs mount at {mp} " in res.stderr, res.stderr
+            assert time.monotonic() - started < 15
+            res = run_modelfs("unmount", str(link), timeout=20)
+            assert res.returncode == 0, res.stderr
+            assert not mounted_at(mp)
+        finally:
+            os.kill(m.proc.pid, signal.SIGCONT)
+        m.proc.wait(30)
+
+
 def test_two_mounts_started_at_once_at_one_mountpoint_make_one_mount(moto_server: S3Server, tmp_path: Path) -> None:
     """Both found the mountpoint free and both mounted, one over the other (9 tries in 10): fstab and a systemd
     unit, or an init container and a sidecar, racing. The second is told the mountpoint is taken."""

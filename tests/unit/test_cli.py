@@ -353,6 +353,41 @@ def test_prefetch_finds_its_mount_under_any_name(tmp_path) -> None:  # noqa: ANN
     assert pc.mount_of(str(tmp_path), str(info)) == ("/", "ext4")
 
 
+def test_resolve_unasked_is_realpath_without_asking_a_modelfs_mount(monkeypatch: pytest.MonkeyPatch,
+                                                                    tmp_path: Path) -> None:
+    """`modelfs unmount LINK` resolved a symlink to a mount with realpath, whose lstat of the mount's root went to its
+    daemon: a stopped or hung one never answered, and `unmount --stale` (the unit's start) hung (B343).
+    `resolve_unasked` gives what realpath gives, reading no link at a mount point or in a modelfs mount."""
+    import fsmount.prefetch_command as pc
+
+    (tmp_path / "mnt").mkdir()
+    (tmp_path / "d" / "e").mkdir(parents=True)
+    (tmp_path / "to-mnt").symlink_to(tmp_path / "mnt")
+    (tmp_path / "d" / "up").symlink_to("../to-mnt")  # relative, through another link
+    (tmp_path / "d" / "e" / "there").symlink_to("../../d/up/llama")
+    (tmp_path / "dangling").symlink_to("mnt/typo")
+    (tmp_path / "loop").symlink_to("loop")
+    monkeypatch.chdir(tmp_path / "d")
+    info = tmp_path / "mountinfo"
+    info.write_bytes(b"22 1 0:21 / / rw - ext4 /dev/root rw\n")
+    for path in ["../to-mnt", str(tmp_path / "d/up"), str(tmp_path / "d/e/there"), "e/../up/x/../y",
+                 str(tmp_path / "dangling"), "./up/", str(tmp_path / "d/e/there/..")]:
+        assert pc.resolve_unasked(path, str(info)) == os.path.realpath(path), path
+    assert pc.resolve_unasked(str(tmp_path / "loop" / "x"), str(info)).endswith("/loop/x")  # ends
+    info.write_bytes(info.read_bytes() + b"40 22 0:50 / %s rw - fuse.modelfs m rw\n" % os.fsencode(tmp_path / "mnt"))
+    asked: list[str] = []
+    real_readlink = os.readlink
+
+    def readlink(path, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+        asked.append(str(path))
+        return real_readlink(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "readlink", readlink)
+    assert pc.resolve_unasked(str(tmp_path / "d/e/there"), str(info)) == str(tmp_path / "mnt" / "llama")
+    assert pc.resolve_unasked(str(tmp_path / "mnt/a/../b"), str(info)) == str(tmp_path / "mnt" / "b")
+    assert not [path for path in asked if path == str(tmp_path / "mnt") or path.startswith(f"{tmp_path}/mnt/")], asked
+
+
 def test_unmount_of_another_user_s_mount_says_whose_it_is(monkeypatch: pytest.MonkeyPatch, tmp_path,  # noqa: ANN001
                                                           capsys: pytest.CaptureFixture[str]) -> None:
     """fusermount3 answers a user other than root who unmounts someone else's mount "entry for M not found in

@@ -738,9 +738,10 @@ def there_in_mount(path: str, timeout: float = STALE_CHECK_S) -> bool:
 
 def live_mount(path: str, shown: str) -> str:
     """Why `unmount --stale` leaves the modelfs mount at `path` alone: its daemon answers (named: bucket, pid, user),
-    or does not answer within STALE_CHECK_S (stopped or hung, not gone); "" where the mount is dead (ENOTCONN: its
-    daemon is gone), which is what --stale clears. Asked through the stats attribute in a thread of its own
-    (`stats_table.read_stats`), so a hung daemon costs STALE_CHECK_S, never a hang."""
+    or does not answer within STALE_CHECK_S (stopped or hung, not gone), or may not be asked (another user's mount
+    made without --allow-other, which the kernel closes to root too: dead or alive, EACCES); "" where the mount is dead
+    (ENOTCONN: its daemon is gone), which is what --stale clears. Asked through the stats attribute in a thread of its
+    own (`stats_table.read_stats`), so a hung daemon costs STALE_CHECK_S, never a hang."""
     import errno
 
     from fsmount.prefetch_command import mount_owner
@@ -755,6 +756,11 @@ def live_mount(path: str, shown: str) -> str:
     except StatsUnavailable as exc:
         if exc.errno == errno.ENOTCONN:
             return ""
+        if exc.errno in (errno.EACCES, errno.EPERM):  # the kernel's answer, not the daemon's: alive or dead (B344)
+            whose = f" of {user_name(owner)}" if owner is not None else ""
+            return (f"{shown} is the modelfs mount{whose}, made without --allow-other: the kernel lets no other user, "
+                    f"root included, ask its daemon whether it is alive: left mounted; unmount it (modelfs unmount "
+                    f"{shown}) if it is not in use")
         snap = {}  # it answered: a daemon of another version
     named = ([f"bucket {snap['bucket']}"] if isinstance(snap.get("bucket"), str) else []) + \
         ([f"daemon pid {snap['pid']}"] if isinstance(snap.get("pid"), int) else []) + \

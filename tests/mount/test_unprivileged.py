@@ -19,8 +19,9 @@ killed: fusermount3 refuses a uid without a passwd entry), as a researcher on a 
   `modelfs unmount` (a shell's working directory inside) names the holder and advises nothing root-only, a plain
   one then unmounts;
 - a foreground daemon stopped with SIGTERM while a reader is mid-file: it unmounts and exits 0;
-- a daemon killed with SIGKILL: `modelfs unmount` (fusermount3 -u, as that user) undoes its mount, which then
-  mounts again over the NVMe cache the killed daemon left;
+- a daemon killed with SIGKILL: root's `modelfs unmount --stale` says it may not ask whether that mount is alive and
+  leaves it (B344); `modelfs unmount` (fusermount3 -u, as that user) undoes it, which then mounts again over the NVMe
+  cache the killed daemon left;
 - the daemons' logs: the root-only tuning (the bdi's read_ahead_kb, max_background in fusectl) skipped with an info
   line each, no traceback, no warning, and no advice only root can follow (`umount -l`).
 
@@ -59,7 +60,7 @@ import numpy as np
 import pytest
 
 from fsmount import mount as fsmount_mount
-from tests.helpers import REPO, S3Server, bucket_with, mounted, mounted_at, wait_for, warning_lines
+from tests.helpers import REPO, S3Server, bucket_with, mounted, mounted_at, run_modelfs, wait_for, warning_lines
 
 USER = "modelfs-unpriv"
 # The account's comment: a user of that name with it was made by this test (one whose run was killed left it), and
@@ -451,6 +452,15 @@ def test_a_user_s_daemon_stopped_mid_read_or_killed_leaves_no_mount(user: User, 
         daemon.send_signal(signal.SIGKILL)
         daemon.wait(30)
         assert mounted_at(mountpoint)  # ENOTCONN until someone unmounts it
+        # Root's `unmount --stale` (the unit's ExecStartPre) may not ask the daemon of a mount made without
+        # --allow-other, dead or alive: it called this dead one "a live modelfs mount" (B344).
+        res = run_modelfs("unmount", "--stale", str(mountpoint))
+        assert (res.returncode, res.stderr) == (1, f"modelfs: {mountpoint} is the modelfs mount of {USER} (uid "
+                                                   f"{user.uid}), made without --allow-other: the kernel lets no "
+                                                   "other user, root included, ask its daemon whether it is alive: "
+                                                   f"left mounted; unmount it (modelfs unmount {mountpoint}) if it "
+                                                   "is not in use\n"), res.stderr
+        assert mounted_at(mountpoint)
         res = user.modelfs(moto_server, "unmount", str(mountpoint))
         assert res.returncode == 0 and not mounted_at(mountpoint), res.stderr
         daemon = start()

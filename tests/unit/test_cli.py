@@ -1199,6 +1199,32 @@ def test_unmount_stale_leaves_a_hung_mount_and_another_file_system_alone(monkeyp
     assert waited == [STALE_CHECK_S] and not ran
 
 
+def test_unmount_stale_of_a_mount_closed_to_root_does_not_call_it_live(monkeypatch: pytest.MonkeyPatch,
+                                                                        tmp_path: Path,
+                                                                        capsys: pytest.CaptureFixture[str]) -> None:
+    """Another user's mount made without --allow-other answers root EACCES from the kernel, its daemon dead or alive:
+    `unmount --stale` called a dead one "a live modelfs mount" (B344). It says it could not ask, and leaves it."""
+    import errno
+
+    import fsmount.prefetch_command as pc
+    import fsmount.stats_table as st
+    from fsmount.cli import main
+
+    ran: list = []
+    monkeypatch.setattr(subprocess, "run", lambda *a, **kw: ran.append(a) or subprocess.CompletedProcess(a, 0))
+    monkeypatch.setattr(pc, "mount_of", lambda path, resolve=True: (str(tmp_path), "fuse.modelfs"))
+    monkeypatch.setattr(pc, "mount_owner", lambda path: 4242)
+
+    def closed(path: str, timeout: float) -> dict:
+        raise st.StatsUnavailable("cannot read stats: Permission denied", errno.EACCES)
+
+    monkeypatch.setattr(st, "read_stats", closed)
+    assert main(["unmount", "--stale", str(tmp_path)]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"modelfs: {tmp_path} is the modelfs mount of uid 4242, made without --allow-other") \
+        and "a live modelfs mount" not in err and not ran, err
+
+
 def test_stats_of_a_directory_inside_a_mount_names_the_mount(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
                                                              capsys: pytest.CaptureFixture[str]) -> None:
     """`modelfs stats /models/llama` said only "is not the root of a modelfs mount" (B266)."""

@@ -256,12 +256,16 @@ class LogFile(logging.handlers.WatchedFileHandler):
     def reopen(self) -> BaseException | None:
         """What SIGHUP and SIGUSR1 (a logrotate postrotate) ask: a file moved or deleted is let go of and the path
         opened now, not at the next line, which at `--log-level warning` may be days away (the rotated file, compressed
-        and deleted, held its disk space until then, B260). The error where the file cannot be opened, else None."""
+        and deleted, held its disk space until then, B260). The error where the file cannot be opened, else None; that
+        error is said on stderr at each such signal, not once an episode as a line's: the signal's own line goes only
+        to the file that failed, and a reload after the first said nothing anywhere (B345)."""
         self.acquire()
         try:
             self._failed = None
             self._reopened()
             failed = self._failed
+            if failed is not None:
+                self._failing = False
             self._say_failure()
             return failed
         finally:

@@ -169,3 +169,29 @@ def test_the_signal_s_line_says_a_failed_reopen_failed(monkeypatch: pytest.Monke
         assert fsmount.mount.reopen_log_file() == ""  # no log file: the line names none
     finally:
         handler.close()
+
+
+def test_each_signal_whose_reopen_fails_says_so_on_stderr(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+                                                          capsys: pytest.CaptureFixture[str]) -> None:
+    """With --log-file the log file is the daemon's only handler: the signal's line saying the reopen failed (B338)
+    goes to the file that failed, and is dropped. stderr (the journal) said the failure once an episode, so a second
+    `systemctl reload` while the log's directory was still gone said nothing anywhere (B345). Each such signal now
+    says it; the lines logged meanwhile still say nothing more."""
+    import fsmount.mount
+
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    handler = LogFile(str(logs / "modelfs.log"))
+    monkeypatch.setattr(logging.getLogger(), "handlers", [handler])
+    try:
+        shutil.rmtree(logs)
+        for _ in range(2):
+            said = fsmount.mount.reopen_log_file()
+            logging.getLogger("fsmount.mount").warning("received SIGHUP: still mounted%s", said)  # dropped
+            handler.handle(line("dropped"))
+        assert capsys.readouterr().err.count(f"cannot write the log file {logs}/modelfs.log") == 2
+        logs.mkdir()
+        assert fsmount.mount.reopen_log_file() == ", the log file reopened if it was moved"
+        assert capsys.readouterr().err == ""
+    finally:
+        handler.close()

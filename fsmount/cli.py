@@ -473,9 +473,9 @@ def make_parser() -> _OneLineErrors:
     u.add_argument("--lazy", "-z", action="store_true", help="detach now even if files are open")
     u.add_argument("--stale", action="store_true",
                    help="only a dead mount (its daemon gone: 'transport endpoint is not connected'), detached at "
-                        "once; a mount whose daemon answers (or hangs) is left mounted, exit 1, naming it; nothing "
-                        "mounted there is not an error and says nothing (what systemd/modelfs@.service runs before "
-                        "a start)")
+                        "once; a mount whose daemon answers (or hangs, or may not be asked) is left mounted, exit 1, "
+                        "naming it; nothing mounted there is not an error and says nothing (what "
+                        "systemd/modelfs@.service runs before a start)")
     p.commands = dict(sub.choices)
     return p
 

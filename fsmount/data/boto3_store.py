@@ -263,6 +263,13 @@ SOURCE_BUSY_CODES = frozenset({"Throttling", "ThrottlingException", "RequestLimi
 # metadata service (IMDS: one try of 1 s, throttled under load) and container credentials (ECS, EKS Pod Identity's
 # agent), once the credentials are due (before, `credentials._still_good`). Asked again, they give them.
 METADATA_SOURCES = frozenset({"iam-role", "container-role"})
+# What botocore says of a credential_process (method `custom-process`) whose output it cannot take
+# (`CredentialRetrievalError`'s error_msg): a Version other than 1, a key missing. Any other such error is the
+# process's own exit with an error (error_msg: what it wrote to stderr); output that is not JSON is botocore's
+# JSONDecodeError, a program that cannot be run Popen's OSError (`_credentials_failed`).
+PROCESS_OUTPUT_REFUSED = ("Unsupported version", "Missing required key")
+PROCESS_ADVICE = ("check the profile's credential_process: it must print JSON with Version 1, AccessKeyId, "
+                  "SecretAccessKey (and SessionToken, Expiration)")
 
 # What a refusal to give a role's credentials asks to check, by the STS call refused (`_credentials_failed`).
 ROLE_ADVICE = {
@@ -283,7 +290,9 @@ def _credentials_failed(exc: Any, bucket: str, what: str) -> StoreError:
     gave nothing (METADATA_SOURCES) is `Unreachable`, named as the credentials': no request reached the bucket, and a
     read, a metadata request or a write asks again until its deadline (--read-timeout), as for an origin refusing
     connections. A TransientError or TimedOut had a read's 5 tries in 1 s, all failed at once within the credentials'
-    UNAVAILABLE_HOLD_S, and an IMDS that timed out once was EACCES (B297)."""
+    UNAVAILABLE_HOLD_S, and an IMDS that timed out once was EACCES (B297). So is a credential_process that exited
+    with an error (a vault agent restarting), which was EACCES at once; one whose output botocore cannot take (not
+    JSON, PROCESS_OUTPUT_REFUSED) or that cannot be run is `CredentialsFailed`, saying what to fix."""
     from botocore import exceptions as bex
 
     cause = exc.cause
@@ -298,9 +307,19 @@ def _credentials_failed(exc: Any, bucket: str, what: str) -> StoreError:
         advice = ROLE_ADVICE.get(operation, "check them")
         return CredentialsFailed(f"{refused}: {advice}")
     if isinstance(cause, OSError) and cause.filename is not None:  # a file of theirs: a token file, a process
-        where = (" (AWS_WEB_IDENTITY_TOKEN_FILE, or the profile's web_identity_token_file)"
-                 if exc.method == "assume-role-with-web-identity" else "")
+        where = {"assume-role-with-web-identity": " (AWS_WEB_IDENTITY_TOKEN_FILE, or the profile's "
+                                                  "web_identity_token_file)",
+                 "custom-process": " (the profile's credential_process)"}.get(exc.method, "")
         return CredentialsFailed(f"{said}: {cause.strerror or cause}: {cause.filename}{where}")
+    if exc.method == "custom-process":
+        if isinstance(cause, bex.CredentialRetrievalError):
+            text = " ".join(str(cause.kwargs.get("error_msg", "")).split())[:300]
+            if not text.startswith(PROCESS_OUTPUT_REFUSED):
+                return Unreachable(f"{said}: the credential_process exited with an error: {text or 'it said nothing'}")
+            return CredentialsFailed(f"{said}: {text}: {PROCESS_ADVICE}")
+        if isinstance(cause, ValueError):  # json.JSONDecodeError: its output is not JSON
+            return CredentialsFailed(f"{said}: the credential_process printed no JSON object ({type(cause).__name__}: "
+                                     f"{cause}): {PROCESS_ADVICE}")
     inner = translate_error(cause, bucket, what)
     text = " ".join(inner.message.removeprefix(f"{what}: ").split())  # botocore's may span lines
     if isinstance(inner, (Unreachable, TransientError)) or (
@@ -402,8 +421,9 @@ class Boto3Store:
         core.get_component("response_parser_factory").set_parser_defaults(timestamp_parser=parse_timestamp)
         session = boto3.session.Session(botocore_session=core, profile_name=cfg.profile or None)
         # Credentials looked up again when the bucket refuses them (a file rewritten with a new key): `_renew`.
-        # Their fetches (STS, SSO) bounded as the pre-flight's requests are, or credentials.FETCH_TIMEOUT_S.
-        credentials.install(core, cfg.profile or None,
+        # Their fetches (STS, SSO) bounded as the pre-flight's requests are, or credentials.FETCH_TIMEOUT_S; a
+        # request run `within` a deadline waits for another thread's refresh of them until then.
+        credentials.install(core, cfg.profile or None, deadline=lambda: getattr(_deadline, "at", None),
                             **({"timeout_s": PREFLIGHT_TIMEOUT, "retries": 0} if preflight else {}))
         timeout = PREFLIGHT_TIMEOUT if preflight else cfg.connect_timeout
         # `auto` is botocore's own default: left out, so that an AWS config file's `s3 = addressing_style = ...`

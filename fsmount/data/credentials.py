@@ -32,7 +32,9 @@ HEAD's refusal never names its code.
 
 Thread-safety: `Renewable.get_frozen_credentials` is called by every signing thread without a lock: it reads one
 reference (`_source`), replaced whole by `renew` (never changed in place), so a signature never mixes a key id and
-a secret of two generations; only when the source fails does it call `renew`. `renew` serializes lookups under
+a secret of two generations; only when the source fails does it call `renew`. Credentials due (botocore's mandatory
+refresh) are refreshed by one signing thread at a time (`_flight`, set and cleared under `_flight_lock`); the others
+wait for its answer, until their request's deadline. `renew` serializes lookups under
 `_lock`; `_next_check`, `_changed_at`, `_policy_refusals`, `_policy_told` and `_lookup` are only touched under it. A
 lookup runs in a thread of its own, waited for at most `LOOKUP_TIMEOUT_S` (under `_lock`, so a caller of `renew` waits
 at most about that long); one that takes longer is left to end there, no other starts meanwhile, and the next renewal
@@ -123,11 +125,35 @@ def _still_good(source: Any) -> Any:
         return None
 
 
+def _due(source: Any) -> bool:
+    """Whether botocore's refreshable `source` must be refreshed before it signs (its mandatory window, or not
+    fetched yet); False for credentials that do not expire."""
+    needed = getattr(source, "refresh_needed", None)
+    mandatory = getattr(source, "_mandatory_refresh_timeout", None)  # botocore's RefreshableCredentials'
+    if needed is None or mandatory is None:
+        return False
+    try:
+        return bool(needed(mandatory))
+    except Exception:  # noqa: BLE001 - what botocore's private state holds: signing will say it
+        return False
+
+
+class _Flight:
+    """One refresh of credentials due, that other signing threads wait for (`Renewable._one_refresh_at_a_time`):
+    its frozen credentials or its error, written by the thread that runs it before `done` is set."""
+
+    def __init__(self) -> None:
+        self.done = threading.Event()
+        self.result: Any = None
+        self.error: BaseException | None = None
+
+
 class Renewable(Credentials):  # type: ignore[misc]
     """Credentials botocore signs with, whose source a lookup may replace (`renew`). Every attribute botocore
     reads is the source's (Credentials.__init__ is not called: it would set them)."""
 
-    def __init__(self, first: Any, resolve: Callable[[], Any], *, recheck_s: float = RECHECK_S):
+    def __init__(self, first: Any, resolve: Callable[[], Any], *, recheck_s: float = RECHECK_S,
+                 deadline: Callable[[], float | None] = lambda: None):
         self._source = first  # botocore credentials, refreshable or not; replaced whole, never changed
         self._resolve = resolve
         self._recheck_s = recheck_s
@@ -148,6 +174,13 @@ class Renewable(Credentials):  # type: ignore[misc]
         # Credentials that could not be had: until when (monotonic) signing raises this `Unavailable` at once, without
         # asking their source (`UNAVAILABLE_HOLD_S`). Replaced whole, read without the lock.
         self._unavailable: tuple[float, str, BaseException] | None = None
+        # The refresh of credentials due that runs now (`_one_refresh_at_a_time`), None when none: set and cleared
+        # under `_flight_lock` by the thread that runs it, which alone writes its result; others wait on its `done`.
+        self._flight_lock = threading.Lock()
+        self._flight: _Flight | None = None
+        # The deadline (time.monotonic()) of the request the calling thread signs for, None if it has none: a thread
+        # waiting for another's refresh gives up then.
+        self._deadline = deadline
 
     @property
     def method(self) -> str:
@@ -157,6 +190,13 @@ class Renewable(Credentials):  # type: ignore[misc]
         held = self._unavailable
         if held is not None and time.monotonic() < held[0]:
             raise Unavailable(held[1], held[2])  # a new one: raised in many threads at once
+        if not _due(self._source):
+            return self._signed_with()
+        return self._one_refresh_at_a_time()
+
+    def _signed_with(self) -> Any:
+        """The source's frozen credentials, refreshed by botocore if due; looked up again (`renew`) if that fails, or
+        `Unavailable` raised and held."""
         try:
             return self._source.get_frozen_credentials()
         except Exception as exc:
@@ -169,6 +209,38 @@ class Renewable(Credentials):  # type: ignore[misc]
                 self._unavailable = (time.monotonic() + UNAVAILABLE_HOLD_S, self.method, exc)
                 raise Unavailable(self.method, exc) from exc
             return self._source.get_frozen_credentials()
+
+    def _one_refresh_at_a_time(self) -> Any:
+        """`_signed_with` for credentials due (botocore's mandatory refresh), by one thread at a time: the others
+        wait for its answer (until their own deadline, `deadline`) and take it, its failure too. botocore lets one
+        thread refresh and blocks the others on its refresh lock, then lets each in, in turn, to refresh again if
+        the first failed: eight fetch threads signing while STS failed asked it 9 times (with the lookup), the last
+        one failing 8 refreshes later; UNAVAILABLE_HOLD_S spared only the callers that came after."""
+        with self._flight_lock:
+            flight = self._flight
+            leads = flight is None
+            if flight is None:
+                flight = self._flight = _Flight()
+        if leads:
+            try:
+                flight.result = self._signed_with()
+                return flight.result
+            except BaseException as exc:
+                flight.error = exc
+                raise
+            finally:
+                with self._flight_lock:
+                    self._flight = None
+                flight.done.set()
+        deadline = self._deadline()
+        if not flight.done.wait(None if deadline is None else max(0.0, deadline - time.monotonic())):
+            raise Unavailable(self.method, TimeoutError("the refresh this request waited for still runs"))
+        error = flight.error
+        if isinstance(error, Unavailable):
+            raise Unavailable(error.method, error.cause)  # a new one: raised in many threads at once
+        if error is not None:
+            raise Unavailable(self.method, error)
+        return flight.result
 
     def expiry(self) -> float | None:
         """When the credentials signing now expire (`time.time()`), as their source says: temporary ones botocore
@@ -290,22 +362,24 @@ class _Provider:
     METHOD = "modelfs-renewable"
     CANONICAL_NAME = "modelfs-renewable"
 
-    def __init__(self, chain: Any, resolve: Callable[[], Any]):
+    def __init__(self, chain: Any, resolve: Callable[[], Any], deadline: Callable[[], float | None]):
         self._chain = chain
         self._resolve = resolve
+        self._deadline = deadline
 
     def load(self) -> Renewable | None:
         first = self._chain.load_credentials()
-        return None if first is None else Renewable(first, self._resolve)
+        return None if first is None else Renewable(first, self._resolve, deadline=self._deadline)
 
 
 def install(core: Any, profile: str | None, *, timeout_s: float = FETCH_TIMEOUT_S,
-            retries: int = FETCH_RETRIES) -> None:
+            retries: int = FETCH_RETRIES, deadline: Callable[[], float | None] = lambda: None) -> None:
     """Make the credentials of botocore session `core` (with `profile`, the one it was given) a `Renewable`: every
     client it creates afterwards signs with it, and its `get_credentials()` returns it. The requests that fetch them
     (STS, SSO), in `core` and in each lookup, time out after `timeout_s` (to connect, and to read), tried `retries`
     more times: they are the clients `core` creates with no setting of their own (`core`'s default client config, which
-    a client given its own settings, as the store's S3 client is, overrides)."""
+    a client given its own settings, as the store's S3 client is, overrides). `deadline`: that of the request the
+    calling thread signs for (time.monotonic(), None if none), the longest it waits for another thread's refresh."""
     import botocore.credentials
     import botocore.session
     from botocore.config import Config
@@ -321,5 +395,5 @@ def install(core: Any, profile: str | None, *, timeout_s: float = FETCH_TIMEOUT_
 
     resolver = core.get_component("credential_provider")
     chain = botocore.credentials.CredentialResolver(list(resolver.providers))
-    resolver.providers[:] = [_Provider(chain, resolve)]
+    resolver.providers[:] = [_Provider(chain, resolve, deadline)]
 

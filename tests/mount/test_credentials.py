@@ -545,3 +545,57 @@ def test_a_url_cached_before_the_secret_of_its_key_was_rotated_is_not_sent(
         assert store.head("w.bin") is not None  # refused, looked up: the new secret, the HEAD sent again
         store._credentials._recheck_s = 0  # as RECHECK_S after that renewal: its change is not news any more
         assert bytes(store.get_range("w.bin", "", 0, 10)) == DATA[:10]
+
+
+@pytest.mark.parametrize("mode", ["exit", "garbage"])
+def test_a_running_mount_whose_credential_process_fails_for_a_moment_serves_the_read_that_waited_for_it(
+        tmp_path: Path, moto_server: S3Server, mountpoint: Path, mode: str) -> None:
+    """A credential_process with an Expiration (a vault agent's helper) whose credentials are due while it exits with
+    an error for three seconds (the agent restarting): the read waiting for them was EACCES at once. It is asked
+    again until --read-timeout, as an STS answering 503 is (B297), and served exact once the process gives them. One
+    that prints what is not JSON (a prompt for a token) is still EACCES at once, its log saying what to fix (B330)."""
+    data = os.urandom(8 << 20)
+    bucket = bucket_with(moto_server, {"a.bin": data})
+    script, mode_file, config = tmp_path / "vault-creds.py", tmp_path / "mode", tmp_path / "config"
+    # Expiring a minute and a second after each run: within botocore's mandatory refresh window (10 minutes), so each
+    # signing runs it, and a presigned URL is not reused past a second (presigned.CREDENTIALS_ROOM_S, a minute).
+    script.write_text(
+        "import datetime, json, pathlib, sys\n"
+        f"mode = pathlib.Path({str(mode_file)!r}).read_text()\n"
+        "if mode == 'exit':\n"
+        "    sys.exit('vault agent is restarting')\n"
+        "if mode == 'garbage':\n"
+        "    print('Enter your vault token:')\n"
+        "    sys.exit()\n"
+        "until = datetime.datetime.now(datetime.timezone.utc) + datetime.timedelta(seconds=61)\n"
+        "print(json.dumps({'Version': 1, 'AccessKeyId': 'ASIAVAULT', 'SecretAccessKey': 's', 'SessionToken': 't',"
+        " 'Expiration': until.strftime('%Y-%m-%dT%H:%M:%SZ')}))\n")
+    mode_file.write_text("ok")
+    config.write_text(f"[default]\ncredential_process = {sys.executable} {script}\n")
+    server = S3Server("moto", moto_server.endpoint_url,
+                      {"AWS_CONFIG_FILE": str(config), "AWS_SHARED_CREDENTIALS_FILE": str(tmp_path / "credentials"),
+                       "AWS_DEFAULT_REGION": TEST_REGION, "AWS_EC2_METADATA_DISABLED": "true"})
+    with mounted(server, bucket, mountpoint, "--chunk-size", "1M", "--max-readahead", "0", "--no-model-prefetch",
+                 "--metadata-ttl", "forever", "--read-timeout", "20",
+                 allowed=(r"could not be had", r"the credentials' refresh failed \(\w+\)")) as m:
+        with open(mountpoint / "a.bin", "rb", buffering=0) as f:
+            assert f.read(1 << 20) == data[:1 << 20]
+            mode_file.write_text(mode)
+            time.sleep(1.5)  # the URL signed for the first read is not reused
+            started = time.monotonic()
+            if mode == "garbage":
+                with pytest.raises(PermissionError):
+                    os.pread(f.fileno(), 1 << 20, 4 << 20)
+                assert time.monotonic() - started < 5
+            else:
+                mended = threading.Timer(3.0, mode_file.write_text, ("ok",))
+                mended.start()
+                try:
+                    assert os.pread(f.fileno(), 1 << 20, 4 << 20) == data[4 << 20:5 << 20]
+                    assert time.monotonic() - started < 20
+                finally:
+                    mended.cancel()
+        log = m.log()
+        said = ("the credential_process printed no JSON object" if mode == "garbage" else
+                "the credential_process exited with an error: vault agent is restarting")
+        assert said in log and "Traceback" not in log, log[-3000:]

@@ -399,14 +399,14 @@ def test_credentials_that_cannot_be_had_are_not_asked_for_again_within_the_hold(
 
 
 @pytest.mark.parametrize("method, kind", [("iam-role", "Unreachable"), ("container-role", "Unreachable"),
-                                          ("custom-process", "CredentialsFailed")])
+                                          ("custom-process", "Unreachable")])
 def test_a_metadata_service_that_gives_nothing_for_a_moment_is_asked_again_not_said_as_refused(
         allowed_logs: list[str], method: str, kind: str) -> None:
     """The instance metadata service timing out once (one try of 1 s, throttled under load) while botocore refreshes
     an instance role's credentials: botocore raises "Credential refresh failed", and B280's mapping made it
     CredentialsFailed, EACCES, failing the read at once and every read of the next UNAVAILABLE_HOLD_S. It is
-    Unreachable, asked again until the read's deadline; a credential_process that fails stays the credentials' failure
-    (B297)."""
+    Unreachable, asked again until the read's deadline (B297); a credential_process that exits with an error is too
+    (B330: `test_a_credential_process_that_exits_with_an_error_is_asked_again_and_one_misconfigured_is_said`)."""
     import datetime
 
     from botocore.credentials import RefreshableCredentials
@@ -462,3 +462,171 @@ def test_credentials_still_good_are_signed_with_when_the_metadata_service_gives_
             with pytest.raises(credentials.Unavailable, match="Credential refresh failed"):
                 renewable.get_frozen_credentials()
             assert lookups == [1]
+
+
+def test_signing_threads_that_wait_for_due_credentials_ask_their_source_once_between_them(
+        allowed_logs: list[str]) -> None:
+    """Session credentials due (botocore's mandatory refresh) while STS fails slowly (an outage: 503 after 0.3 s), and
+    eight fetch threads signing at once: botocore lets one refresh and blocks the others on its refresh lock, and each
+    of them, let in in turn, asked STS again (UNAVAILABLE_HOLD_S only stops callers that come after): 9 calls, the
+    last thread failed 2.7 s later. One refresh at a time now; the others wait for its result and raise its failure:
+    the source asked once, and once by the lookup. Once STS answers again, eight threads at once ask it once."""
+    import datetime
+    import threading
+    import time
+
+    from botocore.credentials import RefreshableCredentials
+
+    allowed_logs.append(r"the credentials' refresh failed \(ClientError\); looking the credentials up again failed")
+    asked: list[int] = []
+    outage = [True]
+
+    def fetch() -> dict[str, str]:
+        asked.append(1)
+        time.sleep(0.3)
+        if outage[0]:
+            raise sts_refusal("ServiceUnavailable", 503)
+        until = datetime.datetime.now(datetime.UTC) + datetime.timedelta(hours=1)
+        return {"access_key": f"ASIA{len(asked)}", "secret_key": "s", "token": "t", "expiry_time": until.isoformat()}
+
+    def due() -> RefreshableCredentials:
+        until = datetime.datetime.now(datetime.UTC) + datetime.timedelta(minutes=5)
+        return RefreshableCredentials("ASIA0", "s", "t", until, fetch, "assume-role-with-web-identity")
+
+    renewable = Renewable(due(), due)
+
+    def sign_at_once(threads: int) -> tuple[list[object], float]:
+        answers: list[object] = []
+        start = threading.Barrier(threads)
+
+        def sign() -> None:
+            start.wait()
+            try:
+                answers.append(renewable.get_frozen_credentials().access_key)
+            except credentials.Unavailable as exc:
+                answers.append(exc)
+
+        signers = [threading.Thread(target=sign, daemon=True) for _ in range(threads)]
+        began = time.monotonic()
+        for signer in signers:
+            signer.start()
+        for signer in signers:
+            signer.join(10)
+        assert not any(s.is_alive() for s in signers)
+        return answers, time.monotonic() - began
+
+    answers, took = sign_at_once(8)
+    assert len(answers) == 8 and all(isinstance(a, credentials.Unavailable) and "ServiceUnavailable" in str(a)
+                                     for a in answers), answers
+    assert len(asked) == 2, len(asked)  # the refresh, and the lookup's
+    assert took < 1.5, took
+    outage[0] = False
+    renewable._unavailable = None  # the hold over: STS is asked again
+    asked.clear()
+    answers, _ = sign_at_once(8)
+    assert answers == ["ASIA1"] * 8 and len(asked) == 1, (answers, asked)
+
+
+def test_a_signing_thread_waits_for_another_s_refresh_of_due_credentials_until_its_own_deadline_only(
+        allowed_logs: list[str]) -> None:
+    """STS not answering while credentials are due: one thread's refresh runs (up to two fetches of FETCH_TIMEOUT_S
+    and a lookup), and a metadata request or write waiting for it, run `within` a deadline, gives up then, said as
+    no answer in time from the credentials' source (Unreachable), not the bucket's."""
+    import datetime
+    import threading
+    import time
+
+    from botocore.credentials import RefreshableCredentials
+
+    from fsmount.data import store
+    from fsmount.data.boto3_store import translate_error
+
+    allowed_logs.append(r"the credentials' refresh failed")
+    stuck = threading.Event()
+
+    def fetch() -> dict[str, str]:
+        stuck.wait(5)
+        raise sts_refusal("ServiceUnavailable", 503)
+
+    until = datetime.datetime.now(datetime.UTC) + datetime.timedelta(minutes=5)
+    deadline: list[float | None] = [None]
+    renewable = Renewable(RefreshableCredentials("ASIA0", "s", "t", until, fetch, "assume-role-with-web-identity"),
+                          lambda: None, deadline=lambda: deadline[0])
+    leader = threading.Thread(target=lambda: pytest.raises(credentials.Unavailable, renewable.get_frozen_credentials),
+                              daemon=True)
+    leader.start()
+    try:
+        time.sleep(0.2)
+        deadline[0] = time.monotonic() + 0.3
+        began = time.monotonic()
+        with pytest.raises(credentials.Unavailable) as caught:
+            renewable.get_frozen_credentials()
+        assert time.monotonic() - began < 1
+        err = translate_error(caught.value, "b", "HEAD 'k'")
+        assert type(err) is store.Unreachable and "the credentials (assume-role-with-web-identity) could not be had: "\
+            "no answer in time" in err.message, err.message
+    finally:
+        stuck.set()
+        leader.join(5)
+
+
+@pytest.mark.parametrize("mode, kind, said", [
+    ("exit", "Unreachable", "the credential_process exited with an error: vault agent is restarting"),
+    ("silent-exit", "Unreachable", "the credential_process exited with an error: it said nothing"),
+    ("garbage", "CredentialsFailed", "the credential_process printed no JSON object (JSONDecodeError: Expecting "
+                                     "value: line 1 column 1 (char 0)): check the profile's credential_process"),
+    ("version", "CredentialsFailed", "Unsupported version '2' for credential process provider, supported versions: 1:"
+                                     " check the profile's credential_process"),
+    ("gone", "CredentialsFailed", "No such file or directory: {script} (the profile's credential_process)"),
+])
+def test_a_credential_process_that_exits_with_an_error_is_asked_again_and_one_misconfigured_is_said(
+        tmp_path: pytest.TempPathFactory, allowed_logs: list[str], mode: str, kind: str, said: str) -> None:
+    """A credential_process with an Expiration (botocore refreshes it) whose credentials are due, run by botocore as
+    it runs it, when it exits with an error (a vault agent restarting), prints what is not JSON, a Version botocore
+    does not take, or is not there any more: its failure was EACCES at once, whatever it was. One that exits with an
+    error is Unreachable, asked again until the request's deadline as B297's sources are; the others say what to
+    fix, CredentialsFailed."""
+    import datetime
+    import sys
+    from pathlib import Path
+
+    from botocore.credentials import ProcessProvider
+
+    from fsmount.data import store
+    from fsmount.data.boto3_store import translate_error
+
+    allowed_logs.append(r"the credentials' refresh failed \(\w+\); looking the credentials up again failed")
+    home = Path(str(tmp_path))
+    script, mode_file = home / "vault-creds", home / "mode"
+    until = datetime.datetime.now(datetime.UTC) + datetime.timedelta(minutes=5)  # due: botocore must refresh them
+    script.write_text(
+        f"#!{sys.executable}\n"
+        "import json, pathlib, sys\n"
+        f"mode = pathlib.Path({str(mode_file)!r}).read_text()\n"
+        "if mode == 'exit':\n"
+        "    sys.exit('vault agent is restarting')\n"
+        "if mode == 'silent-exit':\n"
+        "    sys.exit(1)\n"
+        "if mode == 'garbage':\n"
+        "    print('Enter your vault token:')\n"
+        "    sys.exit()\n"
+        "print(json.dumps({'Version': 2 if mode == 'version' else 1, 'AccessKeyId': 'ASIAP', 'SecretAccessKey': 's',"
+        f" 'SessionToken': 't', 'Expiration': {until.strftime('%Y-%m-%dT%H:%M:%SZ')!r}}}))\n")
+    script.chmod(0o755)
+    mode_file.write_text("ok")
+    config = {"profiles": {"default": {"credential_process": str(script)}}}
+
+    def look_up() -> Credentials:
+        return ProcessProvider("default", lambda: config).load()
+
+    renewable = Renewable(look_up(), look_up)
+    if mode == "gone":
+        script.unlink()
+    else:
+        mode_file.write_text(mode)
+    with pytest.raises(credentials.Unavailable) as caught:
+        renewable.get_frozen_credentials()
+    err = translate_error(caught.value, "b", "GET 'k'")
+    assert type(err) is getattr(store, kind), err.message
+    assert err.message.startswith(
+        f"GET 'k': the credentials (custom-process) could not be had: {said.format(script=script)}"), err.message

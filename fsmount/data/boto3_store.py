@@ -454,9 +454,15 @@ class Boto3Store:
             request_checksum_calculation="when_required",
             response_checksum_validation="when_required",
         )
-        self._client = session.client("s3", endpoint_url=cfg.endpoint_url, config=botocfg)
+        try:
+            self._client = session.client("s3", endpoint_url=cfg.endpoint_url, config=botocfg)
+            found = None if cfg.no_sign_request else session.get_credentials()
+        except credentials.Unavailable as exc:
+            # Their first lookup failed (`credentials._Provider.load`): no client is made without them, so nothing
+            # would ask again; CredentialsFailed, a source failing for a moment too, so that a mount fails saying
+            # so rather than coming up from its cache dir as if the origin were away.
+            raise CredentialsFailed(translate_error(exc, cfg.bucket, f"bucket {cfg.bucket!r}").message) from None
         _without_retry_quota(self._client)
-        found = None if cfg.no_sign_request else session.get_credentials()
         self._credentials = found if isinstance(found, credentials.Renewable) else None
         self._client.meta.events.register("needs-retry.s3", self._signed_anew)
         # A request whose caller gave up on it at its deadline (`within`) is not sent again in its abandoned thread.

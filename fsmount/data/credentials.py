@@ -368,8 +368,18 @@ class _Provider:
         self._deadline = deadline
 
     def load(self) -> Renewable | None:
-        first = self._chain.load_credentials()
-        return None if first is None else Renewable(first, self._resolve, deadline=self._deadline)
+        """The first credentials a provider of the chain gives (botocore's `CredentialResolver.load_credentials`), as
+        a `Renewable`. A provider that raises (a credential_process that exits with an error or prints no JSON,
+        container credentials not answering) raises `Unavailable` with its error, named by its method, as signing
+        does: botocore's own error went bare to the user ("cannot mount: Expecting value: line 1 column 1")."""
+        for provider in self._chain.providers:
+            try:
+                first = provider.load()
+            except Exception as exc:
+                raise Unavailable(str(getattr(provider, "METHOD", "") or ""), exc) from exc
+            if first is not None:
+                return Renewable(first, self._resolve, deadline=self._deadline)
+        return None
 
 
 def install(core: Any, profile: str | None, *, timeout_s: float = FETCH_TIMEOUT_S,

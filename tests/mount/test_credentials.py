@@ -22,7 +22,7 @@ from fsmount.data import Boto3Store
 from fsmount.data.store import AccessDenied
 from fsmount.testing.fault_proxy import FaultProxy
 from fsmount.testing.http_wire import error_response
-from tests.helpers import TEST_REGION, S3Server, bucket_with, mounted
+from tests.helpers import TEST_REGION, S3Server, bucket_with, daemon_env, mounted, run_modelfs
 
 DATA = bytes(range(256)) * 4096  # 1 MiB
 OLD, NEW = "AKIAOLDOLDOLDOLD0001", "AKIANEWNEWNEWNEW0002"
@@ -599,3 +599,32 @@ def test_a_running_mount_whose_credential_process_fails_for_a_moment_serves_the_
         said = ("the credential_process printed no JSON object" if mode == "garbage" else
                 "the credential_process exited with an error: vault agent is restarting")
         assert said in log and "Traceback" not in log, log[-3000:]
+
+
+@pytest.mark.parametrize("mode, said", [
+    ("garbage", "the credential_process printed no JSON object (JSONDecodeError: Expecting value: line 1 column 1 "
+                "(char 0)): check the profile's credential_process"),
+    ("exit", "the credential_process exited with an error: vault agent is restarting"),
+    ("gone", "No such file or directory: {script} (the profile's credential_process)"),
+])
+def test_a_credential_process_that_fails_at_mount_is_said_as_the_credentials_failure(
+        tmp_path: Path, moto_server: S3Server, mountpoint: Path, mode: str, said: str) -> None:
+    """A profile's credential_process that prints what is not JSON (a prompt for a token), exits with an error, or is
+    not there, when the mount starts: botocore runs it when the first client is made, and its error went bare to the
+    user: "modelfs: cannot mount: Expecting value: line 1 column 1 (char 0)", nothing naming the credentials. It is
+    said as their source's failure, as a running mount says it (B331)."""
+    bucket = bucket_with(moto_server, {"w.bin": b"x"})
+    script, config = tmp_path / "vault-creds", tmp_path / "config"
+    if mode != "gone":
+        script.write_text("#!/bin/sh\n" + ("echo 'Enter your vault token:'\n" if mode == "garbage" else
+                                           "echo 'vault agent is restarting' >&2\nexit 1\n"))
+        script.chmod(0o755)
+    config.write_text(f"[default]\ncredential_process = {script}\n")
+    server = S3Server("moto", moto_server.endpoint_url,
+                      {"AWS_CONFIG_FILE": str(config), "AWS_SHARED_CREDENTIALS_FILE": str(tmp_path / "credentials"),
+                       "AWS_DEFAULT_REGION": TEST_REGION, "AWS_EC2_METADATA_DISABLED": "true"})
+    res = run_modelfs("mount", bucket, str(mountpoint), "--endpoint-url", server.endpoint_url, env=daemon_env(server))
+    assert res.returncode == 1 and "Traceback" not in res.stderr, res
+    assert res.stderr.strip().splitlines()[-1].startswith(
+        f"modelfs: bucket '{bucket}': the credentials (custom-process) could not be had: "
+        f"{said.format(script=script)}"), res.stderr

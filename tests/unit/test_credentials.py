@@ -519,7 +519,7 @@ def test_signing_threads_that_wait_for_due_credentials_ask_their_source_once_bet
     assert len(answers) == 8 and all(isinstance(a, credentials.Unavailable) and "ServiceUnavailable" in str(a)
                                      for a in answers), answers
     assert len(asked) == 2, len(asked)  # the refresh, and the lookup's
-    assert took < 1.5, took
+    assert took < 2.0, took  # the refresh and the lookup: 0.6 s; each thread in turn, 2.7 s
     outage[0] = False
     renewable._unavailable = None  # the hold over: STS is asked again
     asked.clear()

@@ -33,8 +33,10 @@ HEAD's refusal never names its code.
 Thread-safety: `Renewable.get_frozen_credentials` is called by every signing thread without a lock: it reads one
 reference (`_source`), replaced whole by `renew` (never changed in place), so a signature never mixes a key id and
 a secret of two generations; only when the source fails does it call `renew`. Credentials due (botocore's mandatory
-refresh) are refreshed by one signing thread at a time (`_flight`, set and cleared under `_flight_lock`); the others
-wait for its answer, until their request's deadline. `renew` serializes lookups under
+refresh) are refreshed one refresh at a time, in a thread of its own (`_flight`, set under `_flight_lock` by the
+signing thread that starts it, cleared under it by the refresh's thread, which alone writes its answer); every signing
+thread waits for that answer until its request's deadline, and no longer than `REFRESH_WAIT_S` after the refresh
+began. `renew` serializes lookups under
 `_lock`; `_next_check`, `_changed_at`, `_policy_refusals`, `_policy_told` and `_lookup` are only touched under it. A
 lookup runs in a thread of its own, waited for at most `LOOKUP_TIMEOUT_S` (under `_lock`, so a caller of `renew` waits
 at most about that long); one that takes longer is left to end there, no other starts meanwhile, and the next renewal
@@ -84,6 +86,15 @@ FETCH_RETRIES = 1
 # many each (STS throttles an account's calls). Short, for a source that is back (an STS that answers again) is
 # asked again within it.
 UNAVAILABLE_HOLD_S = 5.0
+# The longest a refresh of credentials due is waited for, from when it began (`Renewable._one_refresh_at_a_time`),
+# by signing threads whose request has no deadline of their own (a read's chunk fetch) or a later one. botocore waits
+# for a credential_process without a bound: one that hung (a vault agent that does not answer) held the thread that
+# ran it and every fetch thread waiting for it for as long, their READs failed at --read-timeout, and the mount's
+# fetch workers (--max-connections of them) all held, chunks in the cache dir or the shared tier were not served
+# either. Past it, signing fails at once (`Unavailable`: no answer in time, said `Unreachable`) until the refresh
+# ends: a read asks again until its deadline, as for an origin that does not answer. Longer than a refresh that ends:
+# two STS tries of FETCH_TIMEOUT_S (to connect, and to read) and a lookup of LOOKUP_TIMEOUT_S.
+REFRESH_WAIT_S = 30.0
 
 
 class _GivenUp(Exception):
@@ -139,10 +150,11 @@ def _due(source: Any) -> bool:
 
 
 class _Flight:
-    """One refresh of credentials due, that other signing threads wait for (`Renewable._one_refresh_at_a_time`):
-    its frozen credentials or its error, written by the thread that runs it before `done` is set."""
+    """One refresh of credentials due, that signing threads wait for (`Renewable._one_refresh_at_a_time`): its
+    frozen credentials or its error, written by the thread that runs it before `done` is set."""
 
     def __init__(self) -> None:
+        self.began = time.monotonic()
         self.done = threading.Event()
         self.result: Any = None
         self.error: BaseException | None = None
@@ -211,11 +223,13 @@ class Renewable(Credentials):  # type: ignore[misc]
             return self._source.get_frozen_credentials()
 
     def _one_refresh_at_a_time(self) -> Any:
-        """`_signed_with` for credentials due (botocore's mandatory refresh), by one thread at a time: the others
-        wait for its answer (until their own deadline, `deadline`) and take it, its failure too. botocore lets one
-        thread refresh and blocks the others on its refresh lock, then lets each in, in turn, to refresh again if
-        the first failed: eight fetch threads signing while STS failed asked it 9 times (with the lookup), the last
-        one failing 8 refreshes later; UNAVAILABLE_HOLD_S spared only the callers that came after."""
+        """`_signed_with` for credentials due (botocore's mandatory refresh), one refresh at a time, in a thread of its
+        own (`_refresh`): every signing thread waits for its answer (until its own deadline, `deadline`, and no longer
+        than REFRESH_WAIT_S after it began) and takes it, its failure too. botocore lets one thread refresh and blocks
+        the others on its refresh lock, then lets each in, in turn, to refresh again if the first failed: eight fetch
+        threads signing while STS failed asked it 9 times (with the lookup), the last one failing 8 refreshes later;
+        UNAVAILABLE_HOLD_S spared only the callers that came after. Run in the signing thread, a refresh that hung
+        (a credential_process) held it, a read's fetch, for as long (`REFRESH_WAIT_S`)."""
         with self._flight_lock:
             flight = self._flight
             leads = flight is None
@@ -223,17 +237,15 @@ class Renewable(Credentials):  # type: ignore[misc]
                 flight = self._flight = _Flight()
         if leads:
             try:
-                flight.result = self._signed_with()
-                return flight.result
-            except BaseException as exc:
-                flight.error = exc
+                threading.Thread(target=self._refresh, args=(flight,), name="credentials-refresh", daemon=True).start()
+            except BaseException as exc:  # no thread to be had: this refresh fails, the next one is another
+                self._refresh_ended(flight, exc)
                 raise
-            finally:
-                with self._flight_lock:
-                    self._flight = None
-                flight.done.set()
+        until = flight.began + REFRESH_WAIT_S
         deadline = self._deadline()
-        if not flight.done.wait(None if deadline is None else max(0.0, deadline - time.monotonic())):
+        if deadline is not None:
+            until = min(until, deadline)
+        if not flight.done.wait(max(0.0, until - time.monotonic())):
             raise Unavailable(self.method, TimeoutError("the refresh this request waited for still runs"))
         error = flight.error
         if isinstance(error, Unavailable):
@@ -241,6 +253,21 @@ class Renewable(Credentials):  # type: ignore[misc]
         if error is not None:
             raise Unavailable(self.method, error)
         return flight.result
+
+    def _refresh(self, flight: _Flight) -> None:
+        """The thread of `flight`: `_signed_with`, its answer handed to the signing threads waiting for it."""
+        try:
+            flight.result = self._signed_with()
+        except BaseException as exc:  # noqa: BLE001 - handed to the signing threads, raised there
+            self._refresh_ended(flight, exc)
+        else:
+            self._refresh_ended(flight, None)
+
+    def _refresh_ended(self, flight: _Flight, error: BaseException | None) -> None:
+        flight.error = error
+        with self._flight_lock:
+            self._flight = None
+        flight.done.set()
 
     def expiry(self) -> float | None:
         """When the credentials signing now expire (`time.time()`), as their source says: temporary ones botocore

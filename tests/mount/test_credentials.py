@@ -628,3 +628,51 @@ def test_a_credential_process_that_fails_at_mount_is_said_as_the_credentials_fai
     assert res.stderr.strip().splitlines()[-1].startswith(
         f"modelfs: bucket '{bucket}': the credentials (custom-process) could not be had: "
         f"{said.format(script=script)}"), res.stderr
+
+
+@pytest.mark.parametrize("get_client", ["presigned", "boto3"])
+def test_a_read_whose_credential_process_hangs_at_their_refresh_is_not_held_past_the_refresh_wait(
+        aws_files: Path, moto_server: S3Server, monkeypatch: pytest.MonkeyPatch, allowed_logs: list[str],
+        get_client: str) -> None:
+    """A credential_process with an Expiration whose credentials are due, which hangs when botocore refreshes them
+    (a vault agent that does not answer): a read's fetch thread (no deadline of its own) that ran the refresh, and
+    every one behind it, waited for as long as it hung, holding the mount's fetch workers. Each is given up on
+    REFRESH_WAIT_S after the refresh began, no answer in time from the credentials' source (Unreachable: the read asks
+    again until --read-timeout), and reads are served again once the process answers (B357)."""
+    from fsmount.data import credentials
+    from fsmount.data.store import Unreachable
+
+    monkeypatch.setattr(credentials, "REFRESH_WAIT_S", 0.5, raising=False)
+    bucket = bucket_with(moto_server, {"w.bin": DATA, "x.bin": DATA})
+    script, mode = aws_files / "vault-creds.py", aws_files / "mode"
+    # Expiring in five minutes: within botocore's mandatory refresh window, so that each signing runs it.
+    script.write_text(
+        "import datetime, json, pathlib, time\n"
+        f"mode = pathlib.Path({str(mode)!r})\n"
+        "given_up = time.monotonic() + 8\n"
+        "while mode.read_text() == 'hang' and time.monotonic() < given_up:\n"
+        "    time.sleep(0.02)\n"
+        "until = datetime.datetime.now(datetime.timezone.utc) + datetime.timedelta(minutes=5)\n"
+        "print(json.dumps({'Version': 1, 'AccessKeyId': 'ASIAVAULT', 'SecretAccessKey': 's', 'SessionToken': 't',"
+        " 'Expiration': until.strftime('%Y-%m-%dT%H:%M:%SZ')}))\n")
+    mode.write_text("ok")
+    (aws_files / "config").write_text(f"[default]\ncredential_process = {sys.executable} {script}\n")
+    store = Boto3Store(StoreConfig(bucket=bucket, endpoint_url=moto_server.endpoint_url, addressing_style="path",
+                                   get_client=get_client))
+    read(store)
+    mode.write_text("hang")
+    try:
+        started = time.monotonic()
+        with pytest.raises(Unreachable, match=r"credentials \(custom-process\) could not be had: no answer in time"):
+            store.get_range("x.bin", "", 0, 10)  # (a key whose URL is not cached: it is signed now)
+        assert time.monotonic() - started < 3, time.monotonic() - started
+    finally:
+        mode.write_text("ok")
+    for _ in range(100):
+        try:
+            read(store)
+            break
+        except Unreachable:
+            time.sleep(0.05)
+    else:
+        raise AssertionError("reads were not served once the credential_process answered")

@@ -630,3 +630,68 @@ def test_a_credential_process_that_exits_with_an_error_is_asked_again_and_one_mi
     assert type(err) is getattr(store, kind), err.message
     assert err.message.startswith(
         f"GET 'k': the credentials (custom-process) could not be had: {said.format(script=script)}"), err.message
+
+
+def test_a_credential_process_that_hangs_while_its_credentials_are_due_holds_no_signing_thread_past_the_wait(
+        tmp_path: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch, allowed_logs: list[str]) -> None:
+    """A credential_process with an Expiration that hangs when botocore refreshes its credentials (a vault agent that
+    does not answer): botocore waits for it without a bound, and the signing thread that ran the refresh, a read's
+    chunk fetch, which has no deadline of its own, waited as long, and so did every fetch thread behind it: the
+    mount's fetch workers all held, no chunk served, not even from the cache dir. The refresh runs in a thread of its
+    own now; a signing thread gives up on it REFRESH_WAIT_S after it began (no answer in time: Unreachable, a read
+    asks again until its deadline), one coming later at once, and the credentials it gives in the end are signed with
+    (B357)."""
+    import datetime
+    import sys
+    import time
+    from pathlib import Path
+
+    from botocore.credentials import ProcessProvider
+
+    from fsmount.data import store
+    from fsmount.data.boto3_store import translate_error
+
+    monkeypatch.setattr(credentials, "REFRESH_WAIT_S", 0.5, raising=False)
+    home = Path(str(tmp_path))
+    script, mode_file = home / "vault-creds", home / "mode"
+    until = datetime.datetime.now(datetime.UTC) + datetime.timedelta(minutes=5)  # due: botocore must refresh them
+    script.write_text(
+        f"#!{sys.executable}\n"
+        "import json, pathlib, sys, time\n"
+        f"mode = pathlib.Path({str(mode_file)!r})\n"
+        "given_up = time.monotonic() + 8\n"
+        "while mode.read_text() == 'hang' and time.monotonic() < given_up:\n"
+        "    time.sleep(0.02)\n"
+        "print(json.dumps({'Version': 1, 'AccessKeyId': 'ASIA' + mode.read_text().upper(), 'SecretAccessKey': 's',"
+        f" 'SessionToken': 't', 'Expiration': {until.strftime('%Y-%m-%dT%H:%M:%SZ')!r}}}))\n")
+    script.chmod(0o755)
+    mode_file.write_text("first")
+    config = {"profiles": {"default": {"credential_process": str(script)}}}
+
+    def look_up() -> Credentials:
+        return ProcessProvider("default", lambda: config).load()
+
+    renewable = Renewable(look_up(), look_up)
+    mode_file.write_text("hang")
+    try:
+        began = time.monotonic()
+        with pytest.raises(credentials.Unavailable) as caught:
+            renewable.get_frozen_credentials()  # a read's fetch: no deadline
+        assert time.monotonic() - began < 2.5, time.monotonic() - began
+        err = translate_error(caught.value, "b", "GET 'k'")
+        assert type(err) is store.Unreachable and "the credentials (custom-process) could not be had: no answer in " \
+            "time" in err.message, err.message
+        began = time.monotonic()
+        with pytest.raises(credentials.Unavailable):
+            renewable.get_frozen_credentials()  # the refresh still hangs: given up on at once
+        assert time.monotonic() - began < 0.3, time.monotonic() - began
+    finally:
+        mode_file.write_text("back")
+    for _ in range(100):  # the refresh ends once the process answers: its credentials are signed with
+        try:
+            assert renewable.get_frozen_credentials().access_key == "ASIABACK"
+            break
+        except credentials.Unavailable:
+            time.sleep(0.05)
+    else:
+        raise AssertionError("the credentials the process gave once it answered were never signed with")

@@ -234,6 +234,11 @@ class Renewable(Credentials):  # type: ignore[misc]
             flight = self._flight
             leads = flight is None
             if flight is None:
+                # A refresh that failed sets the hold before it ends: a thread that found the credentials due before
+                # that, and comes after it, takes its failure rather than asking the source again within the hold.
+                held = self._unavailable
+                if held is not None and time.monotonic() < held[0]:
+                    raise Unavailable(held[1], held[2])
                 flight = self._flight = _Flight()
         if leads:
             try:

@@ -695,3 +695,53 @@ def test_a_credential_process_that_hangs_while_its_credentials_are_due_holds_no_
             time.sleep(0.05)
     else:
         raise AssertionError("the credentials the process gave once it answered were never signed with")
+
+
+def test_a_signing_thread_that_found_credentials_due_just_before_their_refresh_failed_does_not_ask_again(
+        monkeypatch: pytest.MonkeyPatch, allowed_logs: list[str]) -> None:
+    """A signing thread that found the credentials due (past UNAVAILABLE_HOLD_S's check) just before a refresh of them
+    failed, and came to wait for it just after it ended: it began a refresh of its own, asking the source (STS in an
+    outage) again within the hold that was to spare it. It takes the held failure (B358)."""
+    import datetime
+    import threading
+
+    from botocore.credentials import RefreshableCredentials
+
+    allowed_logs.append(r"the credentials' refresh failed \(ClientError\); looking the credentials up again failed")
+    asked: list[int] = []
+
+    def fetch() -> dict[str, str]:
+        asked.append(1)
+        raise sts_refusal("ServiceUnavailable", 503)
+
+    def due() -> RefreshableCredentials:
+        until = datetime.datetime.now(datetime.UTC) + datetime.timedelta(minutes=5)
+        return RefreshableCredentials("ASIA0", "s", "t", until, fetch, "assume-role-with-web-identity")
+
+    found_due = credentials._due
+    failed = threading.Event()
+
+    def due_after_the_failure(source: object) -> bool:
+        if threading.current_thread().name == "late":
+            failed.wait(5)  # it checked the hold before the refresh failed, and finds them due after
+        return found_due(source)
+
+    monkeypatch.setattr(credentials, "_due", due_after_the_failure)
+    renewable = Renewable(due(), due)
+    answers: list[object] = []
+
+    def sign() -> None:
+        try:
+            answers.append(renewable.get_frozen_credentials())
+        except credentials.Unavailable as exc:
+            answers.append(exc)
+
+    late = threading.Thread(target=sign, name="late", daemon=True)
+    late.start()
+    with pytest.raises(credentials.Unavailable, match="ServiceUnavailable"):
+        renewable.get_frozen_credentials()
+    assert len(asked) == 2  # the refresh, and the lookup's
+    failed.set()
+    late.join(5)
+    assert not late.is_alive() and len(answers) == 1 and isinstance(answers[0], credentials.Unavailable)
+    assert "ServiceUnavailable" in str(answers[0]) and len(asked) == 2, (answers, asked)

@@ -10,6 +10,7 @@ Every method blocks; callers run them in worker threads. Nothing here caches or 
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import random
@@ -317,9 +318,12 @@ def _credentials_failed(exc: Any, bucket: str, what: str) -> StoreError:
             if not text.startswith(PROCESS_OUTPUT_REFUSED):
                 return Unreachable(f"{said}: the credential_process exited with an error: {text or 'it said nothing'}")
             return CredentialsFailed(f"{said}: {text}: {PROCESS_ADVICE}")
-        if isinstance(cause, ValueError):  # json.JSONDecodeError: its output is not JSON
+        if isinstance(cause, json.JSONDecodeError):  # its output is not JSON
             return CredentialsFailed(f"{said}: the credential_process printed no JSON object ({type(cause).__name__}: "
                                      f"{cause}): {PROCESS_ADVICE}")
+        if isinstance(cause, ValueError):  # an Expiration that is no date, output that is not UTF-8
+            return CredentialsFailed(f"{said}: what the credential_process printed cannot be taken "
+                                     f"({type(cause).__name__}: {cause}): {PROCESS_ADVICE}")
     inner = translate_error(cause, bucket, what)
     text = " ".join(inner.message.removeprefix(f"{what}: ").split())  # botocore's may span lines
     if isinstance(inner, (Unreachable, TransientError)) or (

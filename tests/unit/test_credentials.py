@@ -577,6 +577,8 @@ def test_a_signing_thread_waits_for_another_s_refresh_of_due_credentials_until_i
                                      "value: line 1 column 1 (char 0)): check the profile's credential_process"),
     ("version", "CredentialsFailed", "Unsupported version '2' for credential process provider, supported versions: 1:"
                                      " check the profile's credential_process"),
+    ("expiration", "CredentialsFailed", "what the credential_process printed cannot be taken (ParserError: Unknown "
+                                        "string format: soon): check the profile's credential_process"),
     ("gone", "CredentialsFailed", "No such file or directory: {script} (the profile's credential_process)"),
 ])
 def test_a_credential_process_that_exits_with_an_error_is_asked_again_and_one_misconfigured_is_said(
@@ -611,7 +613,8 @@ def test_a_credential_process_that_exits_with_an_error_is_asked_again_and_one_mi
         "    print('Enter your vault token:')\n"
         "    sys.exit()\n"
         "print(json.dumps({'Version': 2 if mode == 'version' else 1, 'AccessKeyId': 'ASIAP', 'SecretAccessKey': 's',"
-        f" 'SessionToken': 't', 'Expiration': {until.strftime('%Y-%m-%dT%H:%M:%SZ')!r}}}))\n")
+        f" 'SessionToken': 't', 'Expiration': 'soon' if mode == 'expiration' else "
+        f"{until.strftime('%Y-%m-%dT%H:%M:%SZ')!r}}}))\n")
     script.chmod(0o755)
     mode_file.write_text("ok")
     config = {"profiles": {"default": {"credential_process": str(script)}}}

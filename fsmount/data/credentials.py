@@ -36,7 +36,8 @@ a secret of two generations; only when the source fails does it call `renew`. Cr
 refresh) are refreshed one refresh at a time, in a thread of its own (`_flight`, set under `_flight_lock` by the
 signing thread that starts it, cleared under it by the refresh's thread, which alone writes its answer); every signing
 thread waits for that answer until its request's deadline, and no longer than `REFRESH_WAIT_S` after the refresh
-began. `renew` serializes lookups under
+began. Credentials in botocore's advisory window begin such a refresh too, and sign meanwhile with what they hold,
+not waiting for it. `renew` serializes lookups under
 `_lock`; `_next_check`, `_changed_at`, `_policy_refusals`, `_policy_told` and `_lookup` are only touched under it. A
 lookup runs in a thread of its own, waited for at most `LOOKUP_TIMEOUT_S` (under `_lock`, so a caller of `renew` waits
 at most about that long); one that takes longer is left to end there, no other starts meanwhile, and the next renewal
@@ -136,15 +137,16 @@ def _still_good(source: Any) -> Any:
         return None
 
 
-def _due(source: Any) -> bool:
+def _due(source: Any, window: str = "_mandatory_refresh_timeout") -> bool:
     """Whether botocore's refreshable `source` must be refreshed before it signs (its mandatory window, or not
-    fetched yet); False for credentials that do not expire."""
+    fetched yet), or, with `window` "_advisory_refresh_timeout", whether botocore would refresh it at a signing (it
+    lets one thread try, and signs the others with what it holds); False for credentials that do not expire."""
     needed = getattr(source, "refresh_needed", None)
-    mandatory = getattr(source, "_mandatory_refresh_timeout", None)  # botocore's RefreshableCredentials'
-    if needed is None or mandatory is None:
+    seconds = getattr(source, window, None)  # botocore's RefreshableCredentials'
+    if needed is None or seconds is None:
         return False
     try:
-        return bool(needed(mandatory))
+        return bool(needed(seconds))
     except Exception:  # noqa: BLE001 - what botocore's private state holds: signing will say it
         return False
 
@@ -202,9 +204,17 @@ class Renewable(Credentials):  # type: ignore[misc]
         held = self._unavailable
         if held is not None and time.monotonic() < held[0]:
             raise Unavailable(held[1], held[2])  # a new one: raised in many threads at once
-        if not _due(self._source):
-            return self._signed_with()
-        return self._one_refresh_at_a_time()
+        source = self._source
+        if _due(source):
+            return self._one_refresh_at_a_time()
+        if _due(source, "_advisory_refresh_timeout"):
+            # botocore would refresh them in this thread, and wait for their source without a bound (a
+            # credential_process that hangs): in the refresh's own thread instead, while this one signs with them.
+            still = _still_good(source)
+            if still is not None:
+                self._refresh_begun()
+                return still
+        return self._signed_with()
 
     def _signed_with(self) -> Any:
         """The source's frozen credentials, refreshed by botocore if due; looked up again (`renew`) if that fails, or
@@ -230,22 +240,7 @@ class Renewable(Credentials):  # type: ignore[misc]
         threads signing while STS failed asked it 9 times (with the lookup), the last one failing 8 refreshes later;
         UNAVAILABLE_HOLD_S spared only the callers that came after. Run in the signing thread, a refresh that hung
         (a credential_process) held it, a read's fetch, for as long (`REFRESH_WAIT_S`)."""
-        with self._flight_lock:
-            flight = self._flight
-            leads = flight is None
-            if flight is None:
-                # A refresh that failed sets the hold before it ends: a thread that found the credentials due before
-                # that, and comes after it, takes its failure rather than asking the source again within the hold.
-                held = self._unavailable
-                if held is not None and time.monotonic() < held[0]:
-                    raise Unavailable(held[1], held[2])
-                flight = self._flight = _Flight()
-        if leads:
-            try:
-                threading.Thread(target=self._refresh, args=(flight,), name="credentials-refresh", daemon=True).start()
-            except BaseException as exc:  # no thread to be had: this refresh fails, the next one is another
-                self._refresh_ended(flight, exc)
-                raise
+        flight = self._refresh_begun()
         until = flight.began + REFRESH_WAIT_S
         deadline = self._deadline()
         if deadline is not None:
@@ -258,6 +253,25 @@ class Renewable(Credentials):  # type: ignore[misc]
         if error is not None:
             raise Unavailable(self.method, error)
         return flight.result
+
+    def _refresh_begun(self) -> _Flight:
+        """The refresh that runs now, begun in a thread of its own (`_refresh`) if none does."""
+        with self._flight_lock:
+            flight = self._flight
+            if flight is not None:
+                return flight
+            # A refresh that failed sets the hold before it ends: a thread that found the credentials due before
+            # that, and comes after it, takes its failure rather than asking the source again within the hold.
+            held = self._unavailable
+            if held is not None and time.monotonic() < held[0]:
+                raise Unavailable(held[1], held[2])
+            flight = self._flight = _Flight()
+        try:
+            threading.Thread(target=self._refresh, args=(flight,), name="credentials-refresh", daemon=True).start()
+        except BaseException as exc:  # no thread to be had: this refresh fails, the next one is another
+            self._refresh_ended(flight, exc)
+            raise
+        return flight
 
     def _refresh(self, flight: _Flight) -> None:
         """The thread of `flight`: `_signed_with`, its answer handed to the signing threads waiting for it."""

@@ -748,3 +748,44 @@ def test_a_signing_thread_that_found_credentials_due_just_before_their_refresh_f
     late.join(5)
     assert not late.is_alive() and len(answers) == 1 and isinstance(answers[0], credentials.Unavailable)
     assert "ServiceUnavailable" in str(answers[0]) and len(asked) == 2, (answers, asked)
+
+
+def test_credentials_in_their_advisory_window_sign_at_once_while_their_refresh_hangs(allowed_logs: list[str]) -> None:
+    """Credentials 12 minutes from their expiry (botocore's advisory refresh: 15 minutes before, its mandatory one 10)
+    whose source hangs (a credential_process that does not answer): botocore refreshes them in the first signing
+    thread that comes, and waits for the source without a bound; that thread (a read's fetch, a metadata request's)
+    waited for as long, though the credentials it held were good for 12 more minutes. The refresh runs in a thread of
+    its own, one at a time; signing threads sign at once with the credentials there are, and with the new ones once
+    it ends (B359)."""
+    import datetime
+    import threading
+    import time
+
+    from botocore.credentials import RefreshableCredentials
+
+    answer = threading.Event()
+    asked: list[int] = []
+
+    def fetch() -> dict[str, str]:
+        asked.append(1)
+        answer.wait(5)
+        until = datetime.datetime.now(datetime.UTC) + datetime.timedelta(hours=1)
+        return {"access_key": "ASIANEW", "secret_key": "s", "token": "t", "expiry_time": until.isoformat()}
+
+    until = datetime.datetime.now(datetime.UTC) + datetime.timedelta(minutes=12)
+    renewable = Renewable(RefreshableCredentials("ASIAOLD", "s", "t", until, fetch, "custom-process"), lambda: None)
+    try:
+        for _ in range(3):
+            began = time.monotonic()
+            assert renewable.get_frozen_credentials().access_key == "ASIAOLD"
+            assert time.monotonic() - began < 1, time.monotonic() - began
+        assert len(asked) == 1  # one refresh runs: the signing threads after it begin none
+    finally:
+        answer.set()
+    for _ in range(100):
+        if renewable.get_frozen_credentials().access_key == "ASIANEW":
+            break
+        time.sleep(0.05)
+    else:
+        raise AssertionError("the credentials the refresh gave were never signed with")
+    assert len(asked) == 1

@@ -665,7 +665,8 @@ def test_a_read_whose_credential_process_hangs_at_their_refresh_is_not_held_past
         started = time.monotonic()
         with pytest.raises(Unreachable, match=r"credentials \(custom-process\) could not be had: no answer in time"):
             store.get_range("x.bin", "", 0, 10)  # (a key whose URL is not cached: it is signed now)
-        assert time.monotonic() - started < 3, time.monotonic() - started
+        # REFRESH_WAIT_S, and the presigned GET's own tries (failing at once) with their backoff; 8 s on the old code
+        assert time.monotonic() - started < 5, time.monotonic() - started
     finally:
         mode.write_text("ok")
     for _ in range(100):

@@ -152,8 +152,9 @@ def _due(source: Any, window: str = "_mandatory_refresh_timeout") -> bool:
 
 
 class _Flight:
-    """One refresh of credentials due, that signing threads wait for (`Renewable._one_refresh_at_a_time`): its
-    frozen credentials or its error, written by the thread that runs it before `done` is set."""
+    """One refresh of credentials (due, or in botocore's advisory window), run in a thread of its own, that signing
+    threads wait for (`Renewable._one_refresh_at_a_time`): its frozen credentials or its error, written by that
+    thread before `done` is set."""
 
     def __init__(self) -> None:
         self.began = time.monotonic()
@@ -283,6 +284,7 @@ class Renewable(Credentials):  # type: ignore[misc]
             self._refresh_ended(flight, None)
 
     def _refresh_ended(self, flight: _Flight, error: BaseException | None) -> None:
+        """`flight` ended (with `error`, or None): the next signing that needs a refresh begins another."""
         flight.error = error
         with self._flight_lock:
             self._flight = None

@@ -1,6 +1,6 @@
 """A fault-injecting HTTP reverse proxy for tests: it sits on 127.0.0.1 between modelfs and an S3 server
-and, on command, delays, stalls, resets or truncates responses (their bodies, or their heads between two header
-lines), answers with 5xx storms, or plays dead.
+and, on command, delays, stalls, dribbles, resets or truncates responses (their bodies, or their heads between two
+header lines), answers with 5xx storms, or plays dead.
 
 It must never listen beyond 127.0.0.1, never alter a byte it forwards (a fault only delays, cuts or
 replaces a whole response), and never wait without a bound: every hold ends at `MAX_HOLD_S`, at
@@ -68,6 +68,8 @@ from fsmount.testing.synthetic_dir import SyntheticDirectory, list_response, obj
 HOST = "127.0.0.1"
 #: No hold (stall, latency, black hole) lasts longer than this, whatever a test asked for.
 MAX_HOLD_S = 120.0
+# The bytes of body a DRIBBLE sends at a time, unless told.
+DRIBBLE_BYTES = 16
 #: The accept loop wakes this often to notice stop and down/up requests.
 ACCEPT_POLL_S = 0.05
 #: A client connection idle this long (no next request) is closed; botocore reconnects.
@@ -95,6 +97,8 @@ class Fault(enum.StrEnum):
                            # client never hears (a reply lost on the way back)
     CUT_HEADERS = "cut_headers"  # send the head up to a line's end (`after_bytes` of it, rounded down; None: the
                                  # status line alone), never the blank line that ends it; hold `seconds`, then close
+    DRIBBLE = "dribble"    # send the head, then the body `after_bytes` (16 by default) at a time, `seconds` apart:
+                           # each packet in time for any read timeout longer than that, the whole body far from it
 
 
 class Down(enum.StrEnum):
@@ -225,6 +229,8 @@ class FaultProxy:
         fault = Fault(fault)
         if fault in (Fault.RESET, Fault.TRUNCATE, Fault.SHORT) and after_bytes is None:
             after_bytes = 0
+        if fault is Fault.DRIBBLE and not after_bytes:
+            after_bytes = DRIBBLE_BYTES
         rule = Rule(fault, seconds=min(seconds, MAX_HOLD_S), after_bytes=after_bytes, status=status,
                     code=code or S3_ERROR_CODES.get(status, "InternalError"), times=times, fraction=fraction,
                     data_only=data_only, kind=kind, op=op, skip=skip, range_from=range_from)
@@ -458,6 +464,8 @@ class FaultProxy:
                 self._hold(rule.seconds, release)
             return False, upstream
         cut = rule.after_bytes or 0
+        if rule.fault is Fault.DRIBBLE:
+            return self._dribble(conn, resp, req, cut, rule.seconds, release), upstream
         if rule.fault is Fault.STALL:
             if not send(conn, resp, req, body_end=cut):
                 return False, upstream
@@ -471,6 +479,22 @@ class FaultProxy:
         if rule.fault is Fault.RESET:
             reset(conn)
         return False, upstream
+
+    def _dribble(self, conn: socket.socket, resp: Response, req: Request, piece: int, seconds: float,
+                 release: threading.Event) -> bool:
+        """The head, then the body `piece` bytes at a time, `seconds` apart; the rest at once when the rule is cleared
+        (`release`) or after MAX_HOLD_S, nothing more once the proxy stops. False if the client has gone."""
+        if not send(conn, resp, req, body_end=0):
+            return False
+        body = b"" if req.method == "HEAD" else resp.body
+        until = time.monotonic() + MAX_HOLD_S
+        for at in range(0, len(body), piece):
+            if release.is_set() or time.monotonic() > until:
+                return send_raw(conn, body[at:])
+            if self._stop.is_set() or not send_raw(conn, body[at:at + piece]):
+                return False
+            release.wait(seconds)
+        return True
 
     def _forward(self, req: Request, upstream: http.client.HTTPConnection | None
                  ) -> tuple[Response, http.client.HTTPConnection]:

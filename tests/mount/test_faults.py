@@ -197,6 +197,16 @@ def test_fault_proxy_faults_look_as_documented_to_boto3(moto_server: S3Server, p
     with pytest.raises(ResponseStreamingError):
         get()
     assert get() == data[1000:201000]  # `times` used up
+    # A body dribbled: no read times out (each packet within boto3's 1 s), the body comes in 64 bytes a 0.3 s, until
+    # the rule is cleared, then whole.
+    proxy.clear()
+    proxy.inject(Fault.DRIBBLE, seconds=0.3, after_bytes=64, times=1)
+    released = threading.Timer(2.0, proxy.clear)
+    released.start()
+    started = time.monotonic()
+    assert get() == data[1000:201000]
+    assert time.monotonic() - started >= 1.9
+    released.join()
     for status, code in [(500, "InternalError"), (503, "SlowDown")]:
         proxy.clear()
         proxy.inject(Fault.ERROR, status=status, data_only=False)

@@ -22,6 +22,7 @@ dict under the same lock (an entry is replaced whole, never mutated).
 from __future__ import annotations
 
 import http.client
+import math
 import re
 import socket
 import ssl
@@ -343,10 +344,12 @@ class RangeGetter:
         """A GET of the whole object (the current version), its body left to read: for objects whose
         length is not known beforehand (the shared tier's chunk objects). Failures, a missing key
         included (NotFound), are raised as StoreErrors; nothing is retried but a stale kept-alive
-        connection and a URL refused as `_signed_again` says."""
+        connection and a URL refused as `_signed_again` says. The body is read by the read timeout after the
+        request began, or not at all (TimedOut, as for a packet that did not come: `Body`)."""
         return self._signed_again(lambda fresh: self._url(key, fresh), lambda url: self._open(url, what))
 
     def _open(self, url: str, what: str) -> Body:
+        deadline = time.monotonic() + self._read_timeout
         origin, conn, resp = self._request(url, {"Accept-Encoding": "identity"}, what)
         try:
             if resp.status >= 300:
@@ -360,7 +363,7 @@ class RangeGetter:
         except BaseException:
             self._release(origin, conn, resp)  # an error document read whole leaves the connection fit
             raise
-        return Body(self, origin, conn, resp, int(length), what)
+        return Body(self, origin, conn, resp, int(length), what, deadline)
 
     def put(self, key: str, parts: Sequence[bytes | WritableBuffer], what: str, *,
             only_if_absent: bool = False) -> bool:
@@ -536,17 +539,55 @@ class RangeGetter:
         return error_for_status(code, resp.status, self.bucket, what, message, url_life_s=URL_EXPIRES_S)
 
 
+# A receive under a deadline (`_Deadline`) may end this much after it: the socket's timeout is set again only when the
+# one set last runs past the deadline by more, so a body received a MiB or a segment at a time costs one settimeout
+# (an ioctl) per this many seconds of its time, not one per receive.
+DEADLINE_SLACK_S = 0.05
+
+
+class _Deadline:
+    """A response's socket as its body's reader sees it (the `socket.SocketIO` under http.client's buffered reader
+    reads through `_sock`): each receive waits at most the time left before `deadline` (time.monotonic()), within
+    DEADLINE_SLACK_S, and none begins past it: TimeoutError, as a socket timeout raises. A per-packet timeout bounded
+    each receive, not the body: one sent a few bytes at a time, each in time, held its reader as long as it took.
+    `changed`: the socket's timeout was set here (to be set back before the connection is reused)."""
+
+    __slots__ = ("_sock", "_deadline", "_timeout", "changed")
+
+    def __init__(self, sock: socket.socket, deadline: float):
+        self._sock, self._deadline = sock, deadline
+        self._timeout = sock.gettimeout()
+        self.changed = False
+
+    def recv_into(self, *args: Any) -> int:
+        left = self._deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError("timed out (the body was not in by its deadline)")
+        if self._timeout is None or self._timeout > left + DEADLINE_SLACK_S:
+            self._sock.settimeout(left)
+            self._timeout, self.changed = left, True
+        return self._sock.recv_into(*args)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._sock, name)
+
+
 class Body:
-    """The body of `RangeGetter.open`: `size` bytes, read front to back with `read` / `readinto`. `close`
-    gives the connection back only when the body was read whole and the server keeps it open. Used by
-    one thread at a time."""
+    """The body of `RangeGetter.open`: `size` bytes, read front to back with `read` / `readinto`, by `deadline`
+    (time.monotonic(); each receive waits at most the time left: `_Deadline`). `close` gives the connection back only
+    when the body was read whole and the server keeps it open. Used by one thread at a time."""
 
     def __init__(self, getter: RangeGetter, origin: tuple[str, str, int], conn: http.client.HTTPConnection,
-                 resp: http.client.HTTPResponse, size: int, what: str):
+                 resp: http.client.HTTPResponse, size: int, what: str, deadline: float = math.inf):
         self.size = size
         self.server_age_s = server_age_s(resp.getheader("Date"), resp.getheader("Last-Modified"))
         self._getter, self._origin, self._conn, self._resp, self._what = getter, origin, conn, resp, what
         self._got = 0
+        raw = getattr(resp.fp, "raw", None)
+        self._deadline: _Deadline | None = None
+        if deadline < math.inf and isinstance(raw, socket.SocketIO) and conn.sock is not None:
+            # The body's bytes are received through this (those that came with the head are read from the buffer).
+            self._deadline = raw._sock = _Deadline(conn.sock, deadline)  # type: ignore[assignment]
 
     def __enter__(self) -> Body:
         return self
@@ -591,6 +632,8 @@ class Body:
         if conn is None:
             return
         if self._got == self.size:
+            if self._deadline is not None and self._deadline.changed and conn.sock is not None:
+                conn.sock.settimeout(self._getter._read_timeout)  # as a kept connection's requests expect it
             self._getter._release(self._origin, conn, self._resp)
         else:
             conn.close()

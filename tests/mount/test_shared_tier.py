@@ -50,6 +50,7 @@ from tests.helpers import (
     opened_random,
     put_objects,
     random_bytes,
+    read_all_exact,
     run_modelfs,
     sha,
     via,
@@ -480,6 +481,32 @@ def test_a_dead_tier_does_not_fail_reads_with_a_short_read_timeout(fleet: Fleet)
         s = mount_stats(m.path)
     assert s["origin"]["bytes"] == len(fleet.body) and not s["failed_requests"], s
     assert s["shared_cache"]["claim_waits"] == s["shared_cache"]["fallbacks"] >= 1, s["shared_cache"]
+
+
+def test_a_tier_sending_its_chunk_objects_slowly_does_not_hold_reads_past_its_share(fleet: Fleet) -> None:
+    """B315: a tier that sends a chunk object's body a few bytes at a time, each packet well within its request timeout,
+    held the lookup as long as the body took: with --read-timeout 4 the READ failed with EIO while the origin
+    answered. A tier request now ends, body included, within its timeout (an eighth of --read-timeout here), so the
+    READ falls back to the origin within the tier's quarter, and reads exact bytes."""
+    fleet = fleet_with(fleet, 4 * MiB, seed=43)
+    with fleet.node("warm", "--chunk-size", "1M") as m:
+        assert_exact(m, fleet.body)
+    assert set(fleet.chunk_keys(MiB)) <= fleet.tier_chunk_objects()
+    with FaultProxy(fleet.server.endpoint_url) as proxy:
+        with fleet.node("n", "--read-timeout", "4", "--chunk-size", "1M", tier_endpoint=proxy.endpoint_url,
+                        allowed=(UNAVAILABLE,)) as m:
+            dribble = proxy.inject(Fault.DRIBBLE, seconds=0.1, kind="gets")  # the tier's object GETs
+            with opened_random(m.path / KEY) as fd:
+                started = time.monotonic()
+                assert os.pread(fd, MiB, 0) == fleet.body[:MiB]
+                first = time.monotonic() - started
+                read_all_exact(fd, fleet.body)
+            s = mount_stats(m.path)
+    assert dribble.hits >= 1
+    # The lookup's quarter of --read-timeout (1 s), then the origin's GET of 1 MiB.
+    assert first < 1 + MARGIN_S / 2, first
+    assert s["origin"]["bytes"] == len(fleet.body) and not s["failed_requests"], s
+    assert s["shared_cache"]["hits"] == 0 and s["shared_cache"]["errors"] >= 1, s["shared_cache"]
 
 
 # -- 5. a tier that refuses writes -----------------------------------------------------------------

@@ -3,6 +3,7 @@ HTTP/1.1 server in this process whose answers each test scripts."""
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import http.server
 import mmap
@@ -19,7 +20,7 @@ import pytest
 
 from fsmount.data import AccessDenied, NotFound, PreconditionFailed, StoreError, TransientError, Unreachable
 from fsmount.data.presigned import RECEIVE_LOWAT, RangeGetter, since_boot
-from fsmount.data.store import SizeChanged
+from fsmount.data.store import SizeChanged, TimedOut
 
 DATA = bytes(range(256)) * 64  # 16 KiB
 ETAG = '"abc"'
@@ -629,6 +630,63 @@ def test_open_errors_map_through_the_one_mapping_and_keep_the_connection(origin:
         with pytest.raises(error):
             g.open("k", "GET k")
     assert origin.connections == (1 if code else 2)
+
+
+def dribble(h: Handler, body: bytes, piece: int, every_s: float, for_s: float) -> None:
+    """A 200 of `body`: its head, then `piece` bytes every `every_s` seconds for `for_s` seconds, then the rest at
+    once (so that a reader that waits for it all is not held for ever). Each packet comes in time for any read timeout
+    longer than `every_s`."""
+    h.send_response(200)
+    h.send_header("Content-Length", str(len(body)))
+    h.send_header("ETag", ETAG)
+    h.end_headers()
+    h.wfile.flush()
+    at, until = 0, time.monotonic() + for_s
+    with contextlib.suppress(OSError):  # the reader gave up and closed
+        while at < len(body) and time.monotonic() < until:
+            h.wfile.write(body[at:at + piece])
+            h.wfile.flush()
+            at += piece
+            time.sleep(every_s)
+        h.wfile.write(body[at:])
+        h.wfile.flush()
+
+
+@pytest.mark.parametrize("how", ["read", "readinto"])
+def test_a_whole_object_sent_slowly_ends_at_the_read_timeout(origin: Origin, how: str) -> None:
+    """B315: each packet of the body in time for the read timeout, the body not: the read ends by the read timeout
+    after the request began, with the error a timeout gives (TimedOut), and the connection is not reused. Without the
+    deadline it took as long as the server (3 s) and read the whole object."""
+    origin.script = lambda h, s, e: dribble(h, DATA, 16, 0.05, 3.0) or True
+    g = getter(origin, read_timeout=1.0)
+    started = time.monotonic()
+    with g.open("k", "GET k") as body, pytest.raises(TimedOut):
+        if how == "read":
+            body.read(body.size)
+        else:
+            body.readinto(bytearray(body.size))
+    assert time.monotonic() - started < 1.0 + 0.5
+    origin.script = None
+    with g.open("k", "GET k") as body:
+        assert body.read(body.size) == DATA
+    assert origin.connections == 2
+
+
+def test_a_whole_object_in_time_leaves_its_kept_connection_with_the_read_timeout(origin: Origin) -> None:
+    """A body received under its deadline sets the socket's timeout to the time left; the connection it gives back
+    has the read timeout again: the next answer on it may take nearly all of it."""
+    def slow_head(h: Handler, s: int, e: int) -> bool:
+        time.sleep(1.2)  # within the 1.5 s read timeout, past what the last body left of it
+        return False
+
+    origin.script = lambda h, s, e: dribble(h, DATA, len(DATA) // 4, 0.2, 5.0) or True
+    g = getter(origin, read_timeout=1.5)
+    with g.open("k", "GET k") as body:
+        buffer = bytearray(body.size)
+        assert body.readinto(buffer) == len(DATA) and buffer == DATA
+    origin.script = slow_head
+    assert get(g, 0, 100) == DATA[:100]
+    assert origin.connections == 1
 
 
 def test_the_store_opens_objects_by_the_presigned_path(origin: Origin, monkeypatch: pytest.MonkeyPatch) -> None:

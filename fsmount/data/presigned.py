@@ -9,7 +9,8 @@ read cost 0.18-0.19 CPU-s/GB this way against 0.25-0.28 with `get_object().read(
 measurements; bench/clients.py), and reading into a recycled buffer takes no page faults.
 
 One call is one request; it retries nothing and checks what it got (status, Content-Range and its total
-against the size the version was pinned at, length, ETag). Retries, backoff and the choice of this path over
+against the size the version was pinned at, length, ETag). A GET's body is read by the read timeout after the request
+began, not per packet only (`_Deadline`). Retries, backoff and the choice of this path over
 boto3's belong to `Boto3Store`. Failures leave as `StoreError`s through the store's one mapping
 (`store.error_for_status`).
 
@@ -326,7 +327,12 @@ class RangeGetter:
         headers = {"Range": f"bytes={start}-{start + want - 1}", "Accept-Encoding": "identity"}
         if etag and if_match:
             headers["If-Match"] = etag
+        # The body is read by the read timeout after the request began (B365): one sent a few bytes at a time, each
+        # in time, held its fetch thread as long as the server went on, and with them all held, READs of chunks the
+        # origin served well failed. Cut, it is a timeout the store tries again, as a stalled body is.
+        deadline = time.monotonic() + self._read_timeout
         origin, conn, resp = self._request(url, headers, what)
+        bounded = _bounded(resp, deadline)
         reusable = False
         try:
             reusable = self._read(resp, conn.sock, start, want, etag, buffer, what, url, etag_needed=not if_match,
@@ -336,6 +342,8 @@ class RangeGetter:
             raise _transport_error(what, exc) from None
         finally:
             if reusable:
+                if bounded is not None:
+                    bounded.restore(self._read_timeout)
                 self._give_back(origin, conn)
             else:
                 conn.close()
@@ -571,6 +579,26 @@ class _Deadline:
     def __getattr__(self, name: str) -> Any:
         return getattr(self._sock, name)
 
+    def restore(self, timeout: float) -> None:
+        """The socket's timeout back to `timeout` if it was changed here (a connection kept for the next request)."""
+        if self.changed:
+            self._sock.settimeout(timeout)
+
+
+def _bounded(resp: http.client.HTTPResponse, deadline: float) -> _Deadline | None:
+    """Bound the rest of `resp` (its body) by `deadline` (time.monotonic()): a `_Deadline` put between http.client's
+    buffered reader and the socket, which `socket.SocketIO` reads through its `_sock`. The socket is taken from
+    there, not from the connection: a response that ends its connection (`Connection: close`, HTTP/1.0) has taken the
+    socket over, and the connection's `sock` is None then. None where the reader is not that (no Python so far
+    differs, 3.11-3.14): each receive is then bounded by the socket's timeout alone, per packet."""
+    raw = getattr(resp.fp, "raw", None)
+    sock = getattr(raw, "_sock", None) if isinstance(raw, socket.SocketIO) else None
+    if sock is None or not isinstance(sock, socket.socket):
+        return None
+    bounded = _Deadline(sock, deadline)
+    raw._sock = bounded  # type: ignore[union-attr]
+    return bounded
+
 
 class Body:
     """The body of `RangeGetter.open`: `size` bytes, read front to back with `read` / `readinto`, by `deadline`
@@ -583,11 +611,8 @@ class Body:
         self.server_age_s = server_age_s(resp.getheader("Date"), resp.getheader("Last-Modified"))
         self._getter, self._origin, self._conn, self._resp, self._what = getter, origin, conn, resp, what
         self._got = 0
-        raw = getattr(resp.fp, "raw", None)
-        self._deadline: _Deadline | None = None
-        if deadline < math.inf and isinstance(raw, socket.SocketIO) and conn.sock is not None:
-            # The body's bytes are received through this (those that came with the head are read from the buffer).
-            self._deadline = raw._sock = _Deadline(conn.sock, deadline)  # type: ignore[assignment]
+        # The body's bytes are received through this (those that came with the head are read from the buffer).
+        self._deadline = _bounded(resp, deadline) if deadline < math.inf else None
 
     def __enter__(self) -> Body:
         return self
@@ -632,8 +657,8 @@ class Body:
         if conn is None:
             return
         if self._got == self.size:
-            if self._deadline is not None and self._deadline.changed and conn.sock is not None:
-                conn.sock.settimeout(self._getter._read_timeout)  # as a kept connection's requests expect it
+            if self._deadline is not None:
+                self._deadline.restore(self._getter._read_timeout)  # as a kept connection's requests expect it
             self._getter._release(self._origin, conn, self._resp)
         else:
             conn.close()

@@ -632,13 +632,16 @@ def test_open_errors_map_through_the_one_mapping_and_keep_the_connection(origin:
     assert origin.connections == (1 if code else 2)
 
 
-def dribble(h: Handler, body: bytes, piece: int, every_s: float, for_s: float) -> None:
-    """A 200 of `body`: its head, then `piece` bytes every `every_s` seconds for `for_s` seconds, then the rest at
-    once (so that a reader that waits for it all is not held for ever). Each packet comes in time for any read timeout
-    longer than `every_s`."""
-    h.send_response(200)
+def dribble(h: Handler, body: bytes, piece: int, every_s: float, for_s: float, status: int = 200,
+            headers: dict[str, str] | None = None) -> None:
+    """A 200 (or `status`, with `headers`) of `body`: its head, then `piece` bytes every `every_s` seconds for `for_s`
+    seconds, then the rest at once (so that a reader that waits for it all is not held for ever). Each packet comes in
+    time for any read timeout longer than `every_s`."""
+    h.send_response(status)
     h.send_header("Content-Length", str(len(body)))
     h.send_header("ETag", ETAG)
+    for name, value in (headers or {}).items():
+        h.send_header(name, value)
     h.end_headers()
     h.wfile.flush()
     at, until = 0, time.monotonic() + for_s
@@ -652,12 +655,14 @@ def dribble(h: Handler, body: bytes, piece: int, every_s: float, for_s: float) -
         h.wfile.flush()
 
 
+@pytest.mark.parametrize("connection", ["keep-alive", "close"])
 @pytest.mark.parametrize("how", ["read", "readinto"])
-def test_a_whole_object_sent_slowly_ends_at_the_read_timeout(origin: Origin, how: str) -> None:
+def test_a_whole_object_sent_slowly_ends_at_the_read_timeout(origin: Origin, how: str, connection: str) -> None:
     """B315: each packet of the body in time for the read timeout, the body not: the read ends by the read timeout
     after the request began, with the error a timeout gives (TimedOut), and the connection is not reused. Without the
-    deadline it took as long as the server (3 s) and read the whole object."""
-    origin.script = lambda h, s, e: dribble(h, DATA, 16, 0.05, 3.0) or True
+    deadline it took as long as the server (3 s) and read the whole object. B364: so for an answer that ends its
+    connection (`Connection: close`), whose socket the response holds, not the connection."""
+    origin.script = lambda h, s, e: dribble(h, DATA, 16, 0.05, 3.0, headers={"Connection": connection}) or True
     g = getter(origin, read_timeout=1.0)
     started = time.monotonic()
     with g.open("k", "GET k") as body, pytest.raises(TimedOut):
@@ -687,6 +692,64 @@ def test_a_whole_object_in_time_leaves_its_kept_connection_with_the_read_timeout
     origin.script = slow_head
     assert get(g, 0, 100) == DATA[:100]
     assert origin.connections == 1
+
+
+@pytest.mark.parametrize("connection", ["keep-alive", "close"])
+def test_a_range_sent_slowly_ends_at_the_read_timeout(origin: Origin, connection: str) -> None:
+    """B365: a ranged GET (the origin's chunk fetches) whose body comes a few bytes at a time, each packet in time: it
+    ends by the read timeout after the request began (TimedOut, which the store tries again), and its connection is
+    not reused. Without the deadline it took as long as the server (3 s), and held its fetch thread so."""
+    def slow(h: Handler, s: int, e: int) -> bool:
+        dribble(h, DATA[s:e], 16, 0.05, 3.0, 206, {"Content-Range": f"bytes {s}-{e - 1}/{len(DATA)}",
+                                                    "Connection": connection})
+        return True
+
+    origin.script = slow
+    g = getter(origin, read_timeout=1.0)
+    started = time.monotonic()
+    with pytest.raises(TimedOut):
+        get(g, 0, len(DATA))
+    assert time.monotonic() - started < 1.0 + 0.5
+    origin.script = None
+    assert get(g, 0, len(DATA)) == DATA
+    assert get(g, 100, 100) == DATA[100:200]
+    assert origin.connections == 2
+
+
+@pytest.mark.parametrize("how", ["open", "get_into"])
+def test_a_body_sent_slowly_over_tls_ends_at_the_read_timeout(tls_origin: tuple[Origin, Path], how: str) -> None:
+    """B315, B365 over TLS: the deadline sits under the TLS socket's reader as under a plain one, with the same
+    meaning (a TLS receive waits at most the socket's timeout); a body sent in time there keeps its connection."""
+    origin, ca = tls_origin
+
+    def slow(h: Handler, s: int, e: int) -> bool:
+        if h.headers["Range"] is None:
+            dribble(h, DATA, 16, 0.05, 3.0)
+        else:
+            dribble(h, DATA[s:e], 16, 0.05, 3.0, 206, {"Content-Range": f"bytes {s}-{e - 1}/{len(DATA)}"})
+        return True
+
+    url = origin.url.replace("http://", "https://")
+    g = RangeGetter(lambda key: f"{url}/b/{key}", bucket="b", pool_size=2, connect_timeout=2.0, read_timeout=1.0,
+                    ssl_context=ssl.create_default_context(cafile=str(ca)))
+
+    def read_all() -> bytes:
+        if how == "open":
+            with g.open("k", "GET k") as body:
+                return body.read(body.size)
+        return get(g, 0, len(DATA))
+
+    origin.script = slow
+    started = time.monotonic()
+    with pytest.raises(TimedOut):
+        read_all()
+    assert time.monotonic() - started < 1.0 + 0.5
+    origin.script = lambda h, s, e: dribble(h, DATA[s:e], len(DATA) // 4, 0.1, 5.0, 200 if h.headers["Range"] is None
+                                            else 206, {"Content-Range": f"bytes {s}-{e - 1}/{len(DATA)}"}) or True
+    assert read_all() == DATA  # in 0.4 s, the timeout set down on the way
+    origin.script = None
+    assert read_all() == DATA
+    assert origin.connections == 2
 
 
 def test_the_store_opens_objects_by_the_presigned_path(origin: Origin, monkeypatch: pytest.MonkeyPatch) -> None:

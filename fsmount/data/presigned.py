@@ -590,8 +590,8 @@ def _bounded(resp: http.client.HTTPResponse, deadline: float) -> _Deadline | Non
     buffered reader and the socket, which `socket.SocketIO` reads through its `_sock`. The socket is taken from
     there, not from the connection: a response that ends its connection (`Connection: close`, HTTP/1.0) has taken the
     socket over, and the connection's `sock` is None then. None where the reader is not that (no Python so far
-    differs, 3.11-3.14): each receive is then bounded by the socket's timeout alone, per packet."""
-    raw = getattr(resp.fp, "raw", None)
+    differs, 3.11-3.14; a test's fake response): each receive is then bounded by the socket's timeout alone."""
+    raw = getattr(getattr(resp, "fp", None), "raw", None)
     sock = getattr(raw, "_sock", None) if isinstance(raw, socket.SocketIO) else None
     if sock is None or not isinstance(sock, socket.socket):
         return None

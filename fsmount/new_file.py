@@ -64,6 +64,7 @@ from fsmount.data import (
     Exists,
     MemoryBudget,
     ObjectMeta,
+    Replaced,
     StoreError,
     TimedOut,
     Uploads,
@@ -131,6 +132,11 @@ class NewFile:
         # The key it was created at with O_EXCL: stored there, its PUT or completion is create-only as without
         # --allow-overwrite (another mount's file stored there since the create's HEAD is not replaced: close EIO).
         self.excl_key: str | None = None
+        # A rewrite that keeps the bytes of the stored version it opened (opened without O_TRUNC: an append to an
+        # empty file, `r+`): (its key, that version's ETag). Its store there is If-Match on that version: another
+        # writer's object stored under the key since the open is not replaced (close EIO). Cleared by a rename
+        # (Writes.rename: the rename deletes that version, and the file is stored as a rename stores).
+        self.if_version: tuple[str, str] | None = None
         # Its store was refused because another writer stored the key since the create found it free (`Exists`): a
         # mknod says EEXIST then, as a local disk does (a close can only say EIO).
         self.taken_meanwhile = False
@@ -392,6 +398,10 @@ class NewFile:
                 except Exists as exc:
                     self.taken_meanwhile = True
                     self._fail(exc.message)
+                except Replaced:
+                    key = self.if_version[0] if self.if_version is not None else self._writes.key_of(self.node)
+                    self._fail(f"another writer changed {key} (stored or deleted it) since this rewrite opened it; "
+                               "storing it would replace that writer's update")
                 except StoreError as exc:
                     self._fail(exc.message)
                 except PathError:
@@ -436,7 +446,7 @@ class NewFile:
                     body = buf
                 await writes.stage(self._staged, 0, body)
                 etag = await self._last_request(final_key, lambda: put_etag(body), writes.uploads.put, final_key, body,
-                                                *self._if_absent(final_key))
+                                                *self._if_absent(final_key), self._if_version(final_key))
             finally:
                 if buf is not None:
                     self._release(reserved)
@@ -450,7 +460,8 @@ class NewFile:
         assert self._key is not None
         etags = [self._etags[i] for i in range(1, self._parts + 1)]
         etag = await self._last_request(self._key, lambda: multipart_etag(etags), writes.uploads.finish, self._key,
-                                        self._upload_id, etags, *self._if_absent(self._key))
+                                        self._upload_id, etags, *self._if_absent(self._key),
+                                        self._if_version(self._key))
         self._upload_id = None
         writes.unregister(self)
         meta = ObjectMeta(self._key, self.written, etag, time.time_ns())
@@ -484,7 +495,7 @@ class NewFile:
                 body = bytearray(size)
                 await self._read_copy(0, body)
                 etag = await self._last_request(key, lambda: put_etag(body), writes.uploads.put, key, body,
-                                                *self._if_absent(key))
+                                                *self._if_absent(key), self._if_version(key))
             writes.count_part(size)
             return ObjectMeta(key, size, etag, time.time_ns())
         self._key = key
@@ -520,10 +531,17 @@ class NewFile:
             raise StoreError(self.error)
         etags = [self._etags[i] for i in range(1, len(ranges) + 1)]
         etag = await self._last_request(key, lambda: multipart_etag(etags), writes.uploads.finish, key,
-                                        self._upload_id, etags, *self._if_absent(self._key))
+                                        self._upload_id, etags, *self._if_absent(self._key),
+                                        self._if_version(self._key))
         self._upload_id = None
         writes.unregister(self)
         return ObjectMeta(key, size, etag, time.time_ns())
+
+    def _if_version(self, key: str | None) -> str | None:
+        """`if_version` (uploads.finish) for its store under `key`: the ETag of the version a rewrite that keeps its
+        bytes opened (`if_version`), where it is stored under that key. An O_TRUNC rewrite keeps nothing of it and
+        replaces what is there at its close, as on a local disk."""
+        return self.if_version[1] if self.if_version is not None and key == self.if_version[0] else None
 
     def _if_absent(self, key: str | None) -> tuple[bool, bool]:
         """`only_if_absent` and `or_plain` (uploads.finish) for its store under `key`: create-only without

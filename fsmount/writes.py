@@ -463,7 +463,10 @@ class Writes:
         this mount listed it, and the rewrite replaced them unseen (an appender's `open(p, "ab")` of a log another node
         had written since: B299). The bucket holding another version (or none), the inode is superseded and the
         open ESTALE: the kernel looks the path up again and opens what the bucket holds now (with bytes, refused as
-        any file with bytes is). Bytes stored between this open and its close are replaced, as by any rewrite."""
+        any file with bytes is). Its store at close is then If-Match on the version it opened (`NewFile.if_version`):
+        bytes another writer stored (or a delete) between this open and its close fail the close with EIO, and are
+        kept (a server that refuses If-Match itself gets the plain store, one warning). An O_TRUNC rewrite keeps
+        nothing of the old version and replaces whatever is there at its close, as on a local disk."""
         if node.is_dir:
             raise PathError(errno.EISDIR)
         if self.allow_overwrite and node.size == 0 and not flags & os.O_TRUNC:
@@ -498,8 +501,13 @@ class Writes:
             log.info("%s: only whole rewrites (O_TRUNC) of existing files are supported", node.path)
             raise PathError(errno.EOPNOTSUPP)
         path = node.path
+        etag = sent_etag(node.etag)
         new = self._start(self.ns.begin_file(path, node))
         new.replaces, new.replaced = path, node
+        if not flags & os.O_TRUNC and etag:
+            # It keeps the bytes of the version it opened (none: it is empty), so it is stored only over that
+            # version: bytes another writer stored under the key since this open were replaced at its close (B308).
+            new.if_version = (self.ns.key_of(path), etag)
         return new
 
     def refuse_write(self, node: Node) -> None:
@@ -704,6 +712,7 @@ class Writes:
                 # would stay, its old bytes back under the old name after the TTL (the audit). It goes now, as its
                 # bytes went at the open for any other file system.
                 await self.call(self.uploads.delete, self.ns.key_of(new.replaces))
+                new.if_version = None  # the version it kept is deleted: stored as a rename stores
                 if new.replaced is not node:  # a file it was renamed onto (a rewrite's own node moves below)
                     self.ns.removed(new.replaces, is_dir=False)
                 new.replaces = new.replaced = None

@@ -63,7 +63,8 @@ class Exists(StoreError):
 
 
 class Replaced(StoreError):
-    """A conditional DELETE found another object under the key: another writer stored it meanwhile."""
+    """A conditional DELETE, or a store sent with If-Match (`put`, `finish`), found another object under the key, or
+    (a store) none: another writer stored it, or deleted it, meanwhile."""
 
 
 # Whether a try of the CreateMultipartUpload this thread sends may have begun an upload whose id never came back:
@@ -92,6 +93,13 @@ def _note_start_answer(response_dict: dict[str, Any] | None = None, exception: E
 
 def _if_absent(only_if_absent: bool) -> dict[str, str]:
     return {"IfNoneMatch": "*"} if only_if_absent else {}
+
+
+def _if_version(etag: str | None) -> dict[str, str]:
+    """The condition of a store that replaces the version `etag` only: none where there is none to pin (a version the
+    server gave no ETag for, `store.version_tag`)."""
+    etag = sent_etag(etag) if etag else ""
+    return {"IfMatch": etag} if etag else {}
 
 
 def _if_source(etag: str) -> dict[str, str]:
@@ -152,6 +160,9 @@ class Uploads:
         # Set once the server refused If-None-Match itself (`_or_plain`): an O_EXCL file's store then goes without it.
         # Written from request threads, only ever to True.
         self.if_none_match_refused = False
+        # The same for If-Match on a store (`_or_plain`): a rewrite that keeps the version it opened is then stored
+        # without it. Written from request threads, only ever to True.
+        self.if_match_refused = False
         # Set once a create-only store that cannot go without the condition (no --allow-overwrite) was refused for a
         # reason of the server's own, and the warning saying what to do was logged (`_call`). Written from request
         # threads, only ever to True (two refusals at once may both log it).
@@ -161,9 +172,11 @@ class Uploads:
         # the request's thread.
         self.on_unknown_upload: Callable[[str], None] | None = None
 
-    def _call(self, what: str, fn: Any, *, advise: bool = False, **kwargs: Any) -> Any:
+    def _call(self, what: str, fn: Any, *, advise: bool = False, gone_is_replaced: bool = False, **kwargs: Any) -> Any:
         """`fn` on the bucket, its failure as a StoreError. `advise`: a create-only store that has no way without
-        the condition; refused for a reason of the server's own, the first such refusal is told with what to do."""
+        the condition; refused for a reason of the server's own, the first such refusal is told with what to do.
+        `gone_is_replaced`: a store sent with If-Match, to which a key that holds nothing any more (S3 and moto: 404
+        NoSuchKey; SeaweedFS: 412) is `Replaced` too (a NoSuchUpload is not: the upload is gone, not the object)."""
         try:
             return fn(Bucket=self.bucket, **kwargs)
         except Exception as exc:  # noqa: BLE001 - every failure becomes one StoreError
@@ -176,6 +189,8 @@ class Uploads:
             # 412 to a conditional DELETE (409: a conditional write to the key is in progress, S3).
             if "IfMatch" in kwargs and (isinstance(err, PreconditionFailed) or _client_error_code(exc)[1] == 409):
                 raise Replaced(f"{what}: another object is under the key now") from None
+            if "IfMatch" in kwargs and gone_is_replaced and _client_error_code(exc)[0] == "NoSuchKey":
+                raise Replaced(f"{what}: the key holds nothing now") from None
             # Not the 412/409 of a key that exists, nor a refusal of the key or the body (KeyTooLongError).
             if advise and "IfNoneMatch" in kwargs and type(err) is StoreError and refuses_the_condition(exc):
                 self._tell_create_only_refused(what, exc)
@@ -198,31 +213,44 @@ class Uploads:
                     "replacing what another writer stored under the same name meanwhile", what, answer)
 
     def _or_plain(self, or_plain: bool, what: str, fn: Any, **kwargs: Any) -> Any:
-        """`_call`; with `or_plain`, a server that refuses If-None-Match itself (501, a 4xx of its own: not the 412
-        or 409 of a key that exists) gets the request again without it, and so do the next ones (one warning). The
-        header counts as refused only where the request without it is taken: a refusal for another reason (a key
-        the server refuses, a part it lost) made every later O_EXCL file of the mount replace another writer's."""
-        if or_plain and self.if_none_match_refused:
-            kwargs.pop("IfNoneMatch", None)
+        """`_call`; with `or_plain`, a server that refuses the request's condition itself (If-None-Match, or a store's
+        If-Match; 501, a 4xx of its own: not the 412 or 409 of another object there) gets the request again without
+        it, and so do the next ones with that condition (one warning). The header counts as refused only where the
+        request without it is taken: a refusal for another reason (a key the server refuses, a part it lost) made
+        every later O_EXCL file of the mount replace another writer's."""
+        header = "IfMatch" if "IfMatch" in kwargs else "IfNoneMatch" if "IfNoneMatch" in kwargs else None
+        refused_before = header is not None and (self.if_match_refused if header == "IfMatch"
+                                                 else self.if_none_match_refused)
+        if or_plain and refused_before:
+            kwargs.pop(header)
         try:
-            return self._call(what, fn, advise=not or_plain, **kwargs)
+            return self._call(what, fn, advise=not or_plain, gone_is_replaced=header == "IfMatch", **kwargs)
         except StoreError as exc:
-            if not or_plain or "IfNoneMatch" not in kwargs or type(exc) is not StoreError:
+            if not or_plain or header not in kwargs or type(exc) is not StoreError:
                 raise
             refused = exc
-        del kwargs["IfNoneMatch"]
+        del kwargs[header]
         result = self._call(what, fn, **kwargs)
+        if header == "IfMatch":
+            if not self.if_match_refused:
+                log.warning("%s: the server refused a store with If-Match (%s): a rewrite that keeps the bytes of the "
+                            "file it opened (an append to an empty file, r+) is stored without it on this server, "
+                            "replacing what another writer stored under its name since its open", what, refused.message)
+            self.if_match_refused = True
+            return result
         if not self.if_none_match_refused:
             log.warning("%s: the server refused it with If-None-Match (%s): an O_EXCL file's store replaces "
                         "what another writer stored meanwhile on this server", what, refused.message)
         self.if_none_match_refused = True
         return result
 
-    def put(self, key: str, body: bytes | bytearray, only_if_absent: bool = False, or_plain: bool = False) -> str:
-        """Store a whole object in one PUT; its ETag. `only_if_absent`, `or_plain`: see `finish`."""
+    def put(self, key: str, body: bytes | bytearray, only_if_absent: bool = False, or_plain: bool = False,
+            if_version: str | None = None) -> str:
+        """Store a whole object in one PUT; its ETag. `only_if_absent`, `or_plain`, `if_version`: see `finish`."""
         what = f"PUT {key!r}"
         return quoted_etag(_field(self._or_plain(or_plain, what, self._client.put_object, Key=key, Body=body,
-                                                 **_if_absent(only_if_absent)), "ETag", what))
+                                                 **_if_absent(only_if_absent), **_if_version(if_version)),
+                                  "ETag", what))
 
     def start(self, key: str) -> str:
         """Begin a multipart upload; its upload id."""
@@ -303,16 +331,20 @@ class Uploads:
         return resp
 
     def finish(self, key: str, upload_id: str, etags: list[str], only_if_absent: bool = False,
-               or_plain: bool = False) -> str:
+               or_plain: bool = False, if_version: str | None = None) -> str:
         """Complete the upload from its parts' ETags, in part order; the object's ETag. With `only_if_absent`
         the server refuses it if the key exists by then (If-None-Match: *, on OSS x-oss-forbid-overwrite):
         `Exists`, and the upload is left to abort. With `or_plain` too, a server that refuses the condition itself
         gets the request without it (`_or_plain`): for an O_EXCL file under --allow-overwrite, which stored so before
-        the condition was sent."""
+        the condition was sent. With `if_version` (an ETag) the server refuses it unless the key still holds that
+        version (If-Match; S3 and SeaweedFS take it on a completion, moto 5.2.6 ignores it there): `Replaced` where
+        another writer stored or deleted the key since, and the upload is left to abort; with `or_plain`, a server
+        that refuses If-Match itself gets the request without it, as above."""
         parts = [{"PartNumber": i, "ETag": etag} for i, etag in enumerate(etags, 1)]
         what = f"completing the upload of {key!r}"
         resp = self._or_plain(or_plain, what, self._client.complete_multipart_upload, Key=key, UploadId=upload_id,
-                              MultipartUpload={"Parts": parts}, **_if_absent(only_if_absent))
+                              MultipartUpload={"Parts": parts}, **_if_absent(only_if_absent),
+                              **_if_version(if_version))
         return quoted_etag(_field(resp, "ETag", what))
 
     def abort(self, key: str, upload_id: str) -> None:

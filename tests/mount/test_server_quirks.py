@@ -560,6 +560,48 @@ def test_a_server_refusing_if_none_match_without_allow_overwrite_is_named_with_w
     assert moto_server.client().list_objects_v2(Bucket=bucket).get("KeyCount") == 0
 
 
+class RefusesIfMatch(FaultProxy):
+    """A server that refuses a PUT or a completion sent with If-Match (501 NotImplemented, or a 400 of its own), as one
+    without conditional writes may; a DELETE or GET with it goes through."""
+
+    def __init__(self, upstream_url: str, status: int, code: str):
+        super().__init__(upstream_url)
+        self.refusal = error_response(status, code)
+        self.refused = 0
+
+    def _handle(self, conn: socket.socket, req: Request, upstream: http.client.HTTPConnection | None
+                ) -> tuple[bool, http.client.HTTPConnection | None]:
+        if req.method in ("PUT", "POST") and req.header("if-match"):
+            self.refused += 1
+            return send(conn, self.refusal, req), upstream
+        return super()._handle(conn, req, upstream)
+
+
+@pytest.mark.parametrize(("status", "code"), [(501, "NotImplemented"), (400, "InvalidArgument")])
+def test_a_rewrite_that_keeps_its_version_is_stored_on_a_server_refusing_if_match(
+        moto_server: S3Server, mountpoint: Path, status: int, code: str) -> None:
+    """A rewrite that keeps the version it opened (an append to an empty file) is stored If-Match on that version
+    (B308); a server that refuses the header itself stored such rewrites before it was sent, and still does: without
+    it, with one warning for the mount (B309)."""
+    bucket = new_bucket(moto_server)
+    put_objects(moto_server, bucket, {"big.log": b"", "small.log": b"", "again.log": b""})
+    small, big = os.urandom(1000), os.urandom(12 * 1024 * 1024)
+    with RefusesIfMatch(moto_server.endpoint_url, status, code) as proxy, \
+            mounted_via(proxy, moto_server, bucket, mountpoint, "--writable", "--allow-overwrite",
+                        "--write-part-size", "5M", allowed=(r"refused a store with If-Match",)) as m:
+        # The completion refused first, then the PUTs go plain.
+        for name, data in (("big.log", big), ("small.log", small), ("again.log", small)):
+            fd = os.open(mountpoint / name, os.O_WRONLY | os.O_APPEND)
+            os.write(fd, data)
+            os.close(fd)
+        assert m.log().count("refused a store with If-Match") == 1
+        assert proxy.refused == 1
+    client = moto_server.client()
+    assert client.get_object(Bucket=bucket, Key="big.log")["Body"].read() == big
+    assert client.get_object(Bucket=bucket, Key="small.log")["Body"].read() == small
+    assert client.get_object(Bucket=bucket, Key="again.log")["Body"].read() == small
+
+
 class RefusesOneKey(FaultProxy):
     """A server that refuses every PUT of the key `refused` with a 400 of its own (as S3 refuses a key over 1024
     bytes: KeyTooLongError), with If-None-Match or without it; conditional writes it does honour."""

@@ -745,6 +745,79 @@ def test_an_append_to_a_file_listed_empty_that_another_writer_filled_since_keeps
     delete_bucket(s3, bucket)
 
 
+CHANGED_SINCE = r"another writer changed .* since this rewrite opened it"
+
+
+def test_a_rewrite_that_keeps_the_opened_version_does_not_replace_another_writer_s_update(
+        s3: S3Server, mountpoint: Path) -> None:
+    """With --allow-overwrite an append to an empty stored file, or its `r+b`, keeps the version it opened (it is
+    empty) and writes on after it; B299 asks the bucket at the open, but what another writer stored (or deleted) under
+    the key between the open and the close was replaced at the close, with nothing said (B308). The store is now
+    If-Match on the version opened: the close is EIO with one warning naming the key, the other writer's object stays,
+    and nothing is left of the upload. Unchanged, such a rewrite is stored as before, one PUT or multipart. (moto 5.2.6
+    ignores If-Match on CompleteMultipartUpload, so the multipart conflict is checked on SeaweedFS; S3 takes it.)"""
+    names = ("train.log", "notes", "gone.log", "big.log", "kept.log", "kept-big.log")
+    bucket = bucket_with(s3, dict.fromkeys(names, b""))
+    client = s3.client()
+    big, theirs_big = random_bytes(12 * MiB, 1), random_bytes(6 * MiB, 2)
+    with mounted(s3, bucket, mountpoint, *WRITABLE, "--allow-overwrite", "--write-part-size", "5M",
+                 allowed=(CHANGED_SINCE, r"will not be stored")) as m:
+        conflicts = {"train.log": (os.O_WRONLY | os.O_APPEND, b"theirs\n"), "notes": (os.O_RDWR, b"their notes"),
+                     "gone.log": (os.O_WRONLY | os.O_APPEND, None)}
+        if s3.name == "seaweedfs":
+            conflicts["big.log"] = (os.O_WRONLY | os.O_APPEND, theirs_big)
+        for name, (flags, theirs) in conflicts.items():
+            fd = os.open(mountpoint / name, flags)
+            try:
+                os.write(fd, big if name == "big.log" else b"mine\n")
+                if theirs is None:
+                    client.delete_object(Bucket=bucket, Key=name)  # another node deleted it
+                else:
+                    client.put_object(Bucket=bucket, Key=name, Body=theirs)  # another node stored it
+            finally:
+                with pytest.raises(OSError) as info:
+                    os.close(fd)
+            assert info.value.errno == errno.EIO, name
+        for name, data in (("kept.log", b"step 1\n"), ("kept-big.log", big)):  # nobody else writing: stored
+            fd = os.open(mountpoint / name, os.O_WRONLY | os.O_APPEND)
+            os.write(fd, data)
+            os.close(fd)
+        warnings = [line for line in warning_lines(m.log()) if "since this rewrite opened it" in line]
+        assert len(warnings) == len(conflicts), warnings
+        for name in conflicts:
+            assert sum(f"changed {name} " in line for line in warnings) == 1, (name, warnings)
+    stored = {k: client.get_object(Bucket=bucket, Key=k)["Body"].read() for k in keys(s3, bucket)}
+    expected = {"train.log": b"theirs\n", "notes": b"their notes", "big.log": theirs_big, "kept.log": b"step 1\n",
+                "kept-big.log": big}
+    if s3.name != "seaweedfs":
+        expected["big.log"] = b""
+    assert {k: sha(v) for k, v in stored.items()} == {k: sha(v) for k, v in expected.items()}
+    assert uploads_in(s3, bucket) == []
+    delete_bucket(s3, bucket)
+
+
+def test_a_rewrite_that_keeps_the_opened_version_renamed_while_written_is_stored_under_its_new_name(
+        s3: S3Server, mountpoint: Path) -> None:
+    """A rewrite that keeps the version it opened is stored If-Match on that version under its key (B308); renamed
+    while written, the rename deletes that version (the object it replaces), and an upload begun under the old key is
+    completed there before it is moved: with the condition still on, that completion found nothing there (412) and the
+    close was EIO (B310). The condition goes with the rename, as a rename replaces what is at its name."""
+    bucket = bucket_with(s3, {"big.log": b"", "small.log": b""})
+    big = random_bytes(12 * MiB, 3)
+    with mounted(s3, bucket, mountpoint, *WRITABLE, "--allow-overwrite", "--allow-delete", "--write-part-size", "5M"):
+        for name, data in (("big.log", big), ("small.log", b"mine\n")):
+            fd = os.open(mountpoint / name, os.O_WRONLY | os.O_APPEND)
+            os.write(fd, data)  # the big one's upload begins under its old key
+            os.rename(mountpoint / name, mountpoint / f"moved-{name}")
+            os.close(fd)
+        assert sorted(p.name for p in mountpoint.iterdir()) == ["moved-big.log", "moved-small.log"]
+    client = s3.client()
+    assert {k: sha(client.get_object(Bucket=bucket, Key=k)["Body"].read()) for k in keys(s3, bucket)} == {
+        "moved-big.log": sha(big), "moved-small.log": sha(b"mine\n")}
+    assert uploads_in(s3, bucket) == []
+    delete_bucket(s3, bucket)
+
+
 def test_an_open_to_append_that_truncates_is_a_whole_rewrite(s3: S3Server, mountpoint: Path) -> None:
     """`O_WRONLY | O_APPEND | O_TRUNC` of a stored file with bytes empties it and appends: a whole rewrite, as `O_TRUNC`
     alone is (with --allow-overwrite; EPERM without, its warning naming the flag). It was EOPNOTSUPP, refused as an

@@ -85,7 +85,8 @@ class FakeUploads:
     def has_children(self, prefix: str) -> bool:
         return self.store.has_children(prefix)
 
-    def put(self, key: str, body: bytes, only_if_absent: bool = False, or_plain: bool = False) -> str:
+    def put(self, key: str, body: bytes, only_if_absent: bool = False, or_plain: bool = False,
+            if_version: str | None = None) -> str:
         self._check_absent(key, only_if_absent)
         self.puts += 1
         return self._store(key, bytes(body), f'"put-{len(body)}"')
@@ -123,7 +124,7 @@ class FakeUploads:
         return f'"p{number}"'
 
     def finish(self, key: str, upload_id: str, etags: list[str], only_if_absent: bool = False,
-               or_plain: bool = False) -> str:
+               or_plain: bool = False, if_version: str | None = None) -> str:
         self._refuse()
         if self.fail_finish:
             raise TransientError("complete refused")
@@ -796,7 +797,8 @@ async def test_the_last_short_part_is_sent_from_its_buffer_not_a_copy(size: int)
         sent[number] = bytes(body) if len(body) == 5 * MiB else body
         return f'"p{number}"'
 
-    def keep_put(key: str, body: bytearray, only_if_absent: bool = False, or_plain: bool = False) -> str:
+    def keep_put(key: str, body: bytearray, only_if_absent: bool = False, or_plain: bool = False,
+                 if_version: str | None = None) -> str:
         sent[1] = body
         return '"put"'
 
@@ -1201,7 +1203,8 @@ async def test_a_rename_that_waited_for_a_failed_commit_leaves_no_ghost(allowed_
     writes, uploads, ns = make()
     gate = threading.Event()
 
-    def failing_put(key: str, body: bytes, only_if_absent: bool = False, or_plain: bool = False) -> str:
+    def failing_put(key: str, body: bytes, only_if_absent: bool = False, or_plain: bool = False,
+                    if_version: str | None = None) -> str:
         gate.wait(10)
         raise TransientError("put refused")
 

@@ -25,6 +25,7 @@ from fsmount.data.store import (
     StoreError,
     TimedOut,
     TransientError,
+    changed_etag,
     quoted_etag,
     sent_etag,
     server_age_s,
@@ -225,6 +226,13 @@ class Uploads:
             kwargs.pop(header)
         try:
             return self._call(what, fn, advise=not or_plain, gone_is_replaced=header == "IfMatch", **kwargs)
+        except Replaced as exc:
+            # A 412 to If-Match on the ETag the key still holds is the server refusing its own ETag (a weak one, or
+            # SeaweedFS 3.97's for objects older versions stored, seaweedfs#7274: reads met it too, B66), not another
+            # writer's update: every such rewrite's close was EIO there.
+            if not or_plain or header != "IfMatch" or not self._holds(kwargs["Key"], kwargs["IfMatch"]):
+                raise
+            refused = exc
         except StoreError as exc:
             if not or_plain or header not in kwargs or type(exc) is not StoreError:
                 raise
@@ -243,6 +251,14 @@ class Uploads:
                         "what another writer stored meanwhile on this server", what, refused.message)
         self.if_none_match_refused = True
         return result
+
+    def _holds(self, key: str, etag: str) -> bool:
+        """Whether `key` holds the version `etag` now (a HEAD; False if it cannot be told)."""
+        try:
+            meta = self.head(key)
+        except StoreError:
+            return False
+        return meta is not None and changed_etag(etag, meta.etag, "") is None
 
     def put(self, key: str, body: bytes | bytearray, only_if_absent: bool = False, or_plain: bool = False,
             if_version: str | None = None) -> str:

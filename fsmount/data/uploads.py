@@ -67,6 +67,10 @@ class Replaced(StoreError):
     """A conditional DELETE, or a store sent with If-Match (`put`, `finish`), found another object under the key, or
     (a store) none: another writer stored it, or deleted it, meanwhile."""
 
+    # The server answered 412, the condition did not hold: not a 409 (S3: a conditional write to the key is in
+    # progress) nor a 404 (nothing there). Only such a 412 may be a server refusing its own ETag (`Uploads._or_plain`).
+    precondition_failed = False
+
 
 # Whether a try of the CreateMultipartUpload this thread sends may have begun an upload whose id never came back:
 # it got no answer, or a 5xx other than 503 (a proxy's 502/504, a 500 after the work). A 503 (SlowDown) or a 4xx
@@ -189,7 +193,9 @@ class Uploads:
                              "no --allow-overwrite, or a file created O_EXCL)") from None
             # 412 to a conditional DELETE (409: a conditional write to the key is in progress, S3).
             if "IfMatch" in kwargs and (isinstance(err, PreconditionFailed) or _client_error_code(exc)[1] == 409):
-                raise Replaced(f"{what}: another object is under the key now") from None
+                replaced = Replaced(f"{what}: another object is under the key now")
+                replaced.precondition_failed = isinstance(err, PreconditionFailed)
+                raise replaced from None
             if "IfMatch" in kwargs and gone_is_replaced and _client_error_code(exc)[0] == "NoSuchKey":
                 raise Replaced(f"{what}: the key holds nothing now") from None
             # Not the 412/409 of a key that exists, nor a refusal of the key or the body (KeyTooLongError).
@@ -229,10 +235,13 @@ class Uploads:
         except Replaced as exc:
             # A 412 to If-Match on the ETag the key still holds is the server refusing its own ETag (a weak one, or
             # SeaweedFS 3.97's for objects older versions stored, seaweedfs#7274: reads met it too, B66), not another
-            # writer's update: every such rewrite's close was EIO there.
-            if not or_plain or header != "IfMatch" or not self._holds(kwargs["Key"], kwargs["IfMatch"]):
+            # writer's update: every such rewrite's close was EIO there. (A 409 is another write to the key under way:
+            # the HEAD may still find the version opened.)
+            if not (or_plain and header == "IfMatch" and exc.precondition_failed
+                    and self._holds(kwargs["Key"], kwargs["IfMatch"])):
                 raise
-            refused = exc
+            refused = StoreError(f"412 to the ETag {kwargs['IfMatch']} that a HEAD finds the key holding: it refuses "
+                                 "its own ETag")
         except StoreError as exc:
             if not or_plain or header not in kwargs or type(exc) is not StoreError:
                 raise

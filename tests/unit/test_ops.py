@@ -345,6 +345,56 @@ def test_a_create_only_put_says_it_in_the_endpoints_own_words(clean_aws_env: Pat
     assert "if-none-match" not in plain and "x-oss-forbid-overwrite" not in plain
 
 
+@pytest.mark.parametrize(("status", "code", "held", "stored_plain"), [
+    (412, "PreconditionFailed", '"opened"', True),  # the key holds the version opened: the server refuses its ETag
+    (412, "PreconditionFailed", '"theirs"', False),  # another writer's object
+    (409, "ConditionalRequestConflict", '"opened"', False),  # another write to the key under way (S3)
+    (404, "NoSuchKey", None, False),  # deleted meanwhile (S3, moto)
+])
+def test_a_store_if_match_refused_is_stored_plain_only_where_the_key_holds_the_version_opened(
+        clean_aws_env: Path, monkeypatch: pytest.MonkeyPatch, allowed_logs: list[str], status: int, code: str,
+        held: str | None, stored_plain: bool) -> None:
+    """A rewrite that keeps the version it opened is stored If-Match on it (B308): 412, 409 or NoSuchKey is
+    `Replaced` (the close EIO), except a 412 while a HEAD finds the version opened, which is a server refusing its
+    own ETag: the store goes plain. A 409 (a conditional write of another writer under way) is never taken so, whatever
+    the HEAD finds."""
+    from botocore.awsrequest import AWSResponse
+
+    from fsmount.config import StoreConfig
+    from fsmount.data import Boto3Store
+    from fsmount.data.uploads import Replaced, Uploads
+
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "AKIDEXAMPLE")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", TEST_SECRET)
+    store = Boto3Store(StoreConfig("b", endpoint_url="https://s3.us-east-1.amazonaws.com", region="us-east-1",
+                                   get_client="boto3"))
+    sent: list[tuple[str, str | None]] = []
+
+    def answer(request, **_: object) -> AWSResponse:  # noqa: ANN001 - botocore's AWSPreparedRequest
+        headers = {k.lower(): v.decode() if isinstance(v, bytes) else v for k, v in request.headers.items()}
+        sent.append((request.method, headers.get("if-match")))
+        if request.method == "HEAD":
+            if held is None:
+                return AWSResponse(request.url, 404, {}, _Body(b""))
+            return AWSResponse(request.url, 200, {"ETag": held, "Content-Length": "0"}, _Body(b""))
+        if headers.get("if-match"):
+            return AWSResponse(request.url, status, {}, _Body(f"<Error><Code>{code}</Code></Error>".encode()))
+        return AWSResponse(request.url, 200, {"ETag": '"mine"'}, _Body(b""))
+
+    store._client.meta.events.register("before-send.s3", answer)
+    uploads = Uploads(store)
+    allowed_logs.append("refused a store with If-Match")
+    if stored_plain:
+        assert uploads.put("log", b"mine", False, True, '"opened"') == '"mine"'
+        assert uploads.if_match_refused
+        assert sent[-1] == ("PUT", None)
+    else:
+        with pytest.raises(Replaced):
+            uploads.put("log", b"mine", False, True, '"opened"')
+        assert not uploads.if_match_refused
+        assert [m for m, if_match in sent if m == "PUT" and if_match is None] == []
+
+
 def test_oss_claims_stay_with_botocore_when_bytes_go_presigned(clean_aws_env: Path,
                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     """Elsewhere a claim is a presigned PUT with If-None-Match (test_presigned.py); OSS's create-only header

@@ -444,6 +444,34 @@ def test_a_lost_answer_to_the_last_request_of_a_create_only_file_is_not_a_failur
     delete_bucket(moto_server, bucket)
 
 
+@pytest.mark.parametrize("op,size", [("put", MiB), ("complete", 13 * MiB)])
+def test_a_lost_answer_to_the_last_request_of_a_rewrite_that_keeps_its_version_is_not_a_failure(
+        moto_server: S3Server, proxy: FaultProxy, mountpoint: Path, op: str, size: int) -> None:
+    """A rewrite that keeps the version it opened (an append to an empty stored file) is stored If-Match on that
+    version (B308). The server stored it and its answer was lost: botocore sends it again, and the key holds this
+    rewrite's own object now, not the version opened, so the PUT's retry gets 412.
+    That is no other writer: the bucket holds exactly this file, and the close returns 0 (the review of B308)."""
+    bucket = new_bucket(moto_server)
+    put_objects(moto_server, bucket, {"a.log": b""})
+    data = random_bytes(size, 28)
+    with mounted_via(proxy, moto_server, bucket, mountpoint, *WRITE_ARGS, "--allow-overwrite") as m:
+        lost = proxy.inject(Fault.DROP, op=op, times=1)
+        fd = os.open(mountpoint / "a.log", os.O_WRONLY | os.O_APPEND)
+        try:
+            os.write(fd, data)
+        finally:
+            os.close(fd)
+        assert lost.hits == 1
+        log = m.log()
+        assert "refused a store with If-Match" not in log  # its own object is not a server refusing its ETag
+        if op == "put":  # moto completes an upload again (SeaweedFS: NoSuchUpload, asked the same way)
+            assert "the bucket holds this object whole: stored" in log, log[-2000:]
+        assert (mountpoint / "a.log").read_bytes() == data
+    assert moto_server.client().get_object(Bucket=bucket, Key="a.log")["Body"].read() == data
+    assert uploads_in(moto_server, bucket) == []
+    delete_bucket(moto_server, bucket)
+
+
 def test_an_upload_begun_twice_by_a_retry_leaves_no_parts_unnamed(moto_server: S3Server, proxy: FaultProxy,
                                                                    mountpoint: Path) -> None:
     """CreateMultipartUpload's answer lost, botocore begins the upload again: the first one, which the server did

@@ -168,6 +168,10 @@ class Uploads:
         # The same for If-Match on a store (`_or_plain`): a rewrite that keeps the version it opened is then stored
         # without it. Written from request threads, only ever to True.
         self.if_match_refused = False
+        # Set once a store's If-Match was answered 412 while a HEAD found the key holding that ETag, and stored
+        # without it (`_or_plain`; one warning). Not `if_match_refused`: the next store sends it again. Written from
+        # request threads, only ever to True (two at once may both log it).
+        self.own_etag_refusal_told = False
         # Set once a create-only store that cannot go without the condition (no --allow-overwrite) was refused for a
         # reason of the server's own, and the warning saying what to do was logged (`_call`). Written from request
         # threads, only ever to True (two refusals at once may both log it).
@@ -224,7 +228,8 @@ class Uploads:
         If-Match; 501, a 4xx of its own: not the 412 or 409 of another object there) gets the request again without
         it, and so do the next ones with that condition (one warning). The header counts as refused only where the
         request without it is taken: a refusal for another reason (a key the server refuses, a part it lost) made
-        every later O_EXCL file of the mount replace another writer's."""
+        every later O_EXCL file of the mount replace another writer's. A store's 412 to If-Match on the ETag a HEAD
+        then finds the key holding gets this request without it, not the next ones."""
         header = "IfMatch" if "IfMatch" in kwargs else "IfNoneMatch" if "IfNoneMatch" in kwargs else None
         refused_before = header is not None and (self.if_match_refused if header == "IfMatch"
                                                  else self.if_none_match_refused)
@@ -240,8 +245,17 @@ class Uploads:
             if not (or_plain and header == "IfMatch" and exc.precondition_failed
                     and self._holds(kwargs["Key"], kwargs["IfMatch"])):
                 raise
-            refused = StoreError(f"412 to the ETag {kwargs['IfMatch']} that a HEAD finds the key holding: it refuses "
-                                 "its own ETag")
+            # That object's store only goes without it: such a refusal may be of some objects alone (seaweedfs#7274:
+            # those older versions stored), and taken as the server's, every later rewrite of the mount replaced
+            # another writer's update unchecked (B372). The next one sends it again.
+            etag = kwargs.pop(header)
+            result = self._call(what, fn, **kwargs)
+            if not self.own_etag_refusal_told:
+                log.warning("%s: the server refused a store with If-Match on the ETag %s that a HEAD finds the key "
+                            "holding (412: it refuses its own ETag): such a store goes without it, replacing what "
+                            "another writer stored there since that HEAD", what, etag)
+            self.own_etag_refusal_told = True
+            return result
         except StoreError as exc:
             if not or_plain or header not in kwargs or type(exc) is not StoreError:
                 raise

@@ -386,13 +386,52 @@ def test_a_store_if_match_refused_is_stored_plain_only_where_the_key_holds_the_v
     allowed_logs.append("refused a store with If-Match")
     if stored_plain:
         assert uploads.put("log", b"mine", False, True, '"opened"') == '"mine"'
-        assert uploads.if_match_refused
+        assert not uploads.if_match_refused  # that store alone (B372)
         assert sent[-1] == ("PUT", None)
     else:
         with pytest.raises(Replaced):
             uploads.put("log", b"mine", False, True, '"opened"')
         assert not uploads.if_match_refused
         assert [m for m, if_match in sent if m == "PUT" and if_match is None] == []
+
+
+def test_a_store_if_match_on_an_etag_the_server_refuses_goes_plain_for_that_store_alone(
+        clean_aws_env: Path, monkeypatch: pytest.MonkeyPatch, allowed_logs: list[str]) -> None:
+    """A 412 to a rewrite's If-Match while a HEAD finds the key holding the version opened is the server refusing its
+    own ETag: that store goes plain (B308). It was taken as the server refusing If-Match, for the mount: every later
+    rewrite went plain, and one whose key another writer had stored since replaced it unchecked, though such a refusal
+    may be of some objects alone (seaweedfs#7274). The next store sends If-Match again (B372)."""
+    from botocore.awsrequest import AWSResponse
+
+    from fsmount.config import StoreConfig
+    from fsmount.data import Boto3Store
+    from fsmount.data.uploads import Replaced, Uploads
+
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "AKIDEXAMPLE")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", TEST_SECRET)
+    store = Boto3Store(StoreConfig("b", endpoint_url="https://s3.us-east-1.amazonaws.com", region="us-east-1",
+                                   get_client="boto3"))
+    held = {"old.log": '"opened"', "new.log": '"theirs"'}  # new.log: another writer stored it since its open
+    sent: list[tuple[str, str, str | None]] = []
+
+    def answer(request, **_: object) -> AWSResponse:  # noqa: ANN001 - botocore's AWSPreparedRequest
+        headers = {k.lower(): v.decode() if isinstance(v, bytes) else v for k, v in request.headers.items()}
+        key = request.url.split("?")[0].rsplit("/", 1)[-1]
+        sent.append((request.method, key, headers.get("if-match")))
+        if request.method == "HEAD":
+            return AWSResponse(request.url, 200, {"ETag": held[key], "Content-Length": "0"}, _Body(b""))
+        if headers.get("if-match"):  # old.log: refused though it holds that ETag; new.log: another version there
+            return AWSResponse(request.url, 412, {}, _Body(b"<Error><Code>PreconditionFailed</Code></Error>"))
+        return AWSResponse(request.url, 200, {"ETag": '"mine"'}, _Body(b""))
+
+    store._client.meta.events.register("before-send.s3", answer)
+    uploads = Uploads(store)
+    allowed_logs.append("refused a store with If-Match")
+    assert uploads.put("old.log", b"mine", False, True, '"opened"') == '"mine"'
+    assert sent[-1] == ("PUT", "old.log", None)
+    with pytest.raises(Replaced):
+        uploads.put("new.log", b"mine", False, True, '"opened"')
+    assert [s for s in sent if s[1] == "new.log"] == [("PUT", "new.log", '"opened"'), ("HEAD", "new.log", None)]
 
 
 def test_oss_claims_stay_with_botocore_when_bytes_go_presigned(clean_aws_env: Path,

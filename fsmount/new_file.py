@@ -134,8 +134,9 @@ class NewFile:
         self.excl_key: str | None = None
         # A rewrite that keeps the bytes of the stored version it opened (opened without O_TRUNC: an append to an
         # empty file, `r+`): (its key, that version's ETag). Its store there is If-Match on that version: another
-        # writer's object stored under the key since the open is not replaced (close EIO). Cleared by a rename
-        # (Writes.rename: the rename deletes that version, and the file is stored as a rename stores).
+        # writer's object stored under the key since the open is not replaced (close EIO). Cleared by a rename that
+        # deletes that version (Writes.rename, If-Match on it): the file is then stored as a rename stores. Kept where
+        # that delete found another writer's object there, for an upload begun under the key (B371).
         self.if_version: tuple[str, str] | None = None
         # Its store was refused because another writer stored the key since the create found it free (`Exists`): a
         # mknod says EEXIST then, as a local disk does (a close can only say EIO).

@@ -704,6 +704,7 @@ class Writes:
 
         async def move_pending() -> None:
             assert new is not None
+            theirs_left = None  # the old name, where another writer's object stays (B371)
             if new.replaces is not None:
                 # The rename deletes the object the rewrite replaces: unchecked, `rm` of the new name (which deletes
                 # nothing of the bucket) then removed any object with --allow-overwrite alone (the review).
@@ -711,12 +712,28 @@ class Writes:
                 # A rewrite (O_TRUNC) renamed before its close: its upload goes to the new name, and the old object
                 # would stay, its old bytes back under the old name after the TTL (the audit). It goes now, as its
                 # bytes went at the open for any other file system.
-                await self.call(self.uploads.delete, self.ns.key_of(new.replaces))
-                new.if_version = None  # the version it kept is deleted: stored as a rename stores
+                key = self.ns.key_of(new.replaces)
+                if new.if_version is not None and new.if_version[0] == key:
+                    # A rewrite that keeps the version it opened: only that version goes. Deleted plain, what another
+                    # writer stored under the old name since the open went with it, unseen (B371).
+                    if await self.call(self.uploads.delete_version, key, new.if_version[1]):
+                        new.if_version = None  # the version it kept is deleted: stored as a rename stores
+                    else:
+                        # Kept on: an upload begun under the old key is completed there only over that version (the
+                        # close EIO, the other writer's object left); stored under the new name, it has no effect.
+                        log.warning("rename of %s: another writer stored %s since this rewrite opened it: its object "
+                                    "is left under the old name", new.replaces, key)
+                        theirs_left = new.replaces
+                else:
+                    await self.call(self.uploads.delete, key)
                 if new.replaced is not node:  # a file it was renamed onto (a rewrite's own node moves below)
                     self.ns.removed(new.replaces, is_dir=False)
                 new.replaces = new.replaced = None
             self.ns.move_pending(node, path)
+            if theirs_left is not None:
+                self.ns.found_in_bucket(theirs_left)
+            if new.if_version is not None and new.if_version[0] == self.ns.key_of(path):
+                new.if_version = None  # renamed back to its name: it replaces what is there, as any rename does
             if target is not None:
                 # Renamed onto a stored file, which it now is in this mount: that object stays in the bucket until this
                 # one is stored under the name, and goes as a rewrite's does if this one is renamed away or unlinked

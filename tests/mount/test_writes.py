@@ -829,8 +829,9 @@ def test_a_rewrite_that_keeps_the_opened_version_renamed_while_written_leaves_an
     its close would not have replaced it (B308). Only the version opened goes now (If-Match): another writer's object
     stays under the old name, and the mount shows it (B371). An upload already begun under the old key (completed
     there before it is moved, B31) is completed only over the version opened: the close is EIO, theirs stays (moto
-    5.2.6 ignores If-Match on the completion, so that is checked on SeaweedFS)."""
-    bucket = bucket_with(s3, {"small.log": b"", "big.log": b""})
+    5.2.6 ignores If-Match on the completion, so that is checked on SeaweedFS). Renamed back to its name, it replaces
+    what is there, as any rename does."""
+    bucket = bucket_with(s3, {"small.log": b"", "big.log": b"", "back.log": b""})
     client = s3.client()
     big, theirs_big = random_bytes(12 * MiB, 4), random_bytes(6 * MiB, 5)
     with mounted(s3, bucket, mountpoint, *WRITABLE, "--allow-overwrite", "--allow-delete", "--write-part-size", "5M",
@@ -845,6 +846,15 @@ def test_a_rewrite_that_keeps_the_opened_version_renamed_while_written_leaves_an
             os.close(fd)
         assert (mountpoint / "small.log").read_bytes() == b"theirs\n"
         assert (mountpoint / "moved-small.log").read_bytes() == b"mine\n"
+        # Renamed away and back onto the other writer's object: the rename replaces it, as any rename does.
+        fd = os.open(mountpoint / "back.log", os.O_WRONLY | os.O_APPEND)
+        try:
+            os.write(fd, b"mine\n")
+            client.put_object(Bucket=bucket, Key="back.log", Body=b"theirs\n")
+            os.rename(mountpoint / "back.log", mountpoint / "away.log")
+            os.rename(mountpoint / "away.log", mountpoint / "back.log")
+        finally:
+            os.close(fd)
         if s3.name == "seaweedfs":
             fd = os.open(mountpoint / "big.log", os.O_WRONLY | os.O_APPEND)
             try:
@@ -855,7 +865,7 @@ def test_a_rewrite_that_keeps_the_opened_version_renamed_while_written_leaves_an
                 with pytest.raises(OSError) as info:
                     os.close(fd)
             assert info.value.errno == errno.EIO
-    expected = {"small.log": b"theirs\n", "moved-small.log": b"mine\n", "big.log": b""}
+    expected = {"small.log": b"theirs\n", "moved-small.log": b"mine\n", "big.log": b"", "back.log": b"mine\n"}
     if s3.name == "seaweedfs":
         expected["big.log"] = theirs_big
     assert {k: sha(client.get_object(Bucket=bucket, Key=k)["Body"].read()) for k in keys(s3, bucket)} == {

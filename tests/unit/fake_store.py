@@ -11,6 +11,8 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import trio
+
 from fsmount.data import ListingPage, ObjectMeta, PreconditionFailed, StoreError
 from fsmount.data.store import size_changed
 
@@ -88,3 +90,17 @@ class FakeStore:
             return data
         buffer[:] = data
         return buffer
+
+
+class LateAnswers:
+    """A `Namespace`'s runner for blocking store calls whose answers, once `late` is set, are what the bucket said when
+    asked but land a second later (trio time): answers that land out of the order they were asked in."""
+
+    def __init__(self) -> None:
+        self.late = False
+
+    async def __call__(self, fn: Callable[..., Any], *args: Any) -> Any:
+        answer = fn(*args)  # what the bucket says when asked
+        if self.late:
+            await trio.sleep(1)
+        return answer

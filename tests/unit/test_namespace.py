@@ -18,7 +18,7 @@ from fsmount.config import FOREVER_TTL
 from fsmount.data import AccessDenied, ListingPage, ObjectMeta, TimedOut, Unreachable
 from fsmount.namespace import ROOT_INODE, Namespace, PathError
 from tests.helpers import ORIGIN_UNAVAILABLE
-from tests.unit.fake_store import FakeStore
+from tests.unit.fake_store import FakeStore, LateAnswers
 
 MiB = 1 << 20
 
@@ -911,27 +911,21 @@ async def _a_lookup_answered_after_a_newer_head(ttl: float, meanwhile: Any = Non
     namespace and the held node."""
     store = FakeStore()
     store.put("f", b"12345")
-    late: list[bool] = []
+    answers = LateAnswers()  # answers that land a second after they were asked, once `late`
 
-    async def late_for_the_lookup(fn, *args):  # noqa: ANN001, ANN202
-        answer = fn(*args)  # what the bucket says when asked
-        if late:
-            await trio.sleep(1)
-        return answer
-
-    ns = Namespace(store, late_for_the_lookup, prefix="", ttl=ttl)
+    ns = Namespace(store, answers, prefix="", ttl=ttl)
     f = await ns.lookup(ROOT_INODE, b"f")
 
     async def looked_up() -> None:
         with pytest.raises(PathError):
             await ns.lookup(ROOT_INODE, b"f")
 
-    late.append(True)
+    answers.late = True
     del store.objects["f"]
     async with trio.open_nursery() as nursery:
         nursery.start_soon(looked_up)
         await trio.sleep(0.5)
-        late.clear()
+        answers.late = False
         store.put("f", b"12345")
         f.fresh_until = f.confirmed_at = 0.0
         assert await ns.refresh(f) is f and not f.superseded
@@ -978,23 +972,17 @@ async def test_a_head_of_the_held_inode_asked_before_a_newer_lookup_found_the_fi
     and superseded the current version, and every open of the inode was ESTALE for the TTL (B322; B306's rule)."""
     store = FakeStore()
     store.put("f", b"12345")
-    late: list[bool] = []
+    answers = LateAnswers()  # answers that land a second after they were asked, once `late`
 
-    async def late_for_the_open(fn, *args):  # noqa: ANN001, ANN202
-        answer = fn(*args)  # what the bucket says when asked
-        if late:
-            await trio.sleep(1)
-        return answer
-
-    ns = Namespace(store, late_for_the_open, prefix="", ttl=30.0)
+    ns = Namespace(store, answers, prefix="", ttl=30.0)
     f = await ns.lookup(ROOT_INODE, b"f")
     f.fresh_until = f.confirmed_at = 0.0  # its TTL is over: the next open asks
-    late.append(True)
+    answers.late = True
     del store.objects["f"]
     async with trio.open_nursery() as nursery:
         nursery.start_soon(ns.refresh, f)
         await trio.sleep(0.5)
-        late.clear()
+        answers.late = False
         store.put("f", b"12345")
         assert await ns.lookup(ROOT_INODE, b"f") is f  # found there, the open's answer still on its way
     assert not f.superseded
@@ -1015,26 +1003,20 @@ async def test_a_head_of_the_held_inode_finding_it_replaced_supersedes_it_after_
     open got v1, and its reads EIO, instead of ESTALE and the kernel's lookup of v2 (B350)."""
     store = FakeStore()
     store.put("f", b"v0")
-    late: list[bool] = []
+    answers = LateAnswers()  # answers that land a second after they were asked, once `late`
 
-    async def late_for_the_open(fn, *args):  # noqa: ANN001, ANN202
-        answer = fn(*args)  # what the bucket says when asked
-        if late:
-            await trio.sleep(1)
-        return answer
-
-    ns = Namespace(store, late_for_the_open, prefix="", ttl=30.0)
+    ns = Namespace(store, answers, prefix="", ttl=30.0)
     v0 = (await ns.lookup(ROOT_INODE, b"f")).version("")
     store.put("f", b"v1")
     f = await ns.lookup(ROOT_INODE, b"f")
     assert f.etag == store.etags["f"] != v0.etag
     f.fresh_until = f.confirmed_at = 0.0  # its TTL is over: the next open asks
-    late.append(True)
+    answers.late = True
     store.put("f", b"v2")
     async with trio.open_nursery() as nursery:
         nursery.start_soon(ns.refresh, f)
         await trio.sleep(0.5)
-        late.clear()
+        answers.late = False
         ns.gone(v0)  # a read of the descriptor on v0, refused
     assert f.superseded
     with pytest.raises(PathError) as exc:

@@ -19,7 +19,7 @@ from fsmount.data.store import version_tag
 from fsmount.namespace import ROOT_INODE, DirEntry, Namespace
 from fsmount.saved_names import SavedNames
 from tests.helpers import ORIGIN_UNAVAILABLE
-from tests.unit.fake_store import FakeStore
+from tests.unit.fake_store import FakeStore, LateAnswers
 from tests.unit.test_namespace import call, origin_down
 
 DIR = (True, None)
@@ -344,23 +344,17 @@ async def test_a_lookup_asked_before_a_newer_head_found_another_version_does_not
     allowed_logs.append(ORIGIN_UNAVAILABLE)
     store = FakeStore()
     store.put("m/w.bin", b"old")
-    late: list[bool] = []
-
-    async def late_for_the_lookup(fn, *args):  # noqa: ANN001, ANN202
-        answer = fn(*args)  # what the bucket says when asked
-        if late:
-            await trio.sleep(1)
-        return answer
+    answers = LateAnswers()  # answers that land a second after they were asked, once `late`
 
     saved = SavedNames(str(tmp_path), store.bucket, "")
-    ns = Namespace(store, late_for_the_lookup, prefix="", ttl=0, saved=saved)
+    ns = Namespace(store, answers, prefix="", ttl=0, saved=saved)
     m = await ns.lookup(ROOT_INODE, b"m")
     held = await ns.lookup(m.ino, b"w.bin")
-    late.append(True)
+    answers.late = True
     async with trio.open_nursery() as nursery:
         nursery.start_soon(ns.lookup, m.ino, b"w.bin")
         await trio.sleep(0.5)
-        late.clear()
+        answers.late = False
         store.put("m/w.bin", b"new bytes")
         held.confirmed_at = 0.0  # not the same system call as its lookup
         assert (await ns.refresh(held)).superseded
@@ -381,23 +375,17 @@ async def test_a_listing_begun_before_a_newer_head_found_another_version_does_no
     store = FakeStore()
     store.put("m/w.bin", b"old")
     store.put("m/other.bin", b"other")
-    late: list[bool] = []
-
-    async def late_for_the_listing(fn, *args):  # noqa: ANN001, ANN202
-        answer = fn(*args)  # what the bucket says when asked
-        if late:
-            await trio.sleep(1)
-        return answer
+    answers = LateAnswers()  # answers that land a second after they were asked, once `late`
 
     saved = SavedNames(str(tmp_path), store.bucket, "")
-    ns = Namespace(store, late_for_the_listing, prefix="", ttl=0, saved=saved)
+    ns = Namespace(store, answers, prefix="", ttl=0, saved=saved)
     m = await ns.lookup(ROOT_INODE, b"m")
     held = await ns.lookup(m.ino, b"w.bin")
-    late.append(True)
+    answers.late = True
     async with trio.open_nursery() as nursery:
         nursery.start_soon(ns.listing, m)
         await trio.sleep(0.5)
-        late.clear()
+        answers.late = False
         store.put("m/w.bin", b"new bytes")
         held.confirmed_at = 0.0  # not the same system call as its lookup
         assert (await ns.refresh(held)).superseded

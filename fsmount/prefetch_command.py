@@ -58,15 +58,23 @@ def mount_of(path: str, mountinfo: str = "/proc/self/mountinfo", resolve: bool =
     """(mount point, file system type) of the mount holding `path` (from /proc/self/mountinfo). With
     `resolve=False` the path is taken as it is (absolute, no symlinks): nothing is asked of any file system,
     not even the mount's own daemon, which may be stopped or hung."""
-    real = os.path.realpath(path) if resolve else os.path.abspath(path)
-    best, best_type = "", None
+    return _holding(os.path.realpath(path) if resolve else os.path.abspath(path), _mounts(mountinfo))
+
+
+def _mounts(mountinfo: str) -> list[tuple[str, str]]:
+    """(mount point, file system type) of every mount in `mountinfo`, in its order (a mount over another after it)."""
     with open(mountinfo, "rb") as f:
-        for line in f:
-            fields = line.split()
-            mnt = mountinfo_path(fields[4])
-            fstype = os.fsdecode(fields[fields.index(b"-") + 1])
-            if (real == mnt or real.startswith(mnt.rstrip("/") + "/")) and len(mnt) >= len(best):
-                best, best_type = mnt, fstype
+        return [(mountinfo_path(fields[4]), os.fsdecode(fields[fields.index(b"-") + 1]))
+                for fields in (line.split() for line in f)]
+
+
+def _holding(path: str, mounts: list[tuple[str, str]]) -> tuple[str, str | None]:
+    """(mount point, file system type) of the mount of `mounts` holding the absolute `path`: the deepest, the last of
+    those at one point (the one on top); ("", None) if none does."""
+    best, best_type = "", None
+    for mnt, fstype in mounts:
+        if (path == mnt or path.startswith(mnt.rstrip("/") + "/")) and len(mnt) >= len(best):
+            best, best_type = mnt, fstype
     return best, best_type
 
 
@@ -80,17 +88,11 @@ def resolve_unasked(path: str, mountinfo: str = "/proc/self/mountinfo") -> str:
     reads them (readlink). realpath's lstat of a mount's root went to its daemon, and one stopped or hung never
     answered: `modelfs unmount --stale` of a symlink to its mount (the unit's MOUNTPOINT) hung until TimeoutStartSec
     (B343). A symlink loop (more than MAX_SYMLINKS) leaves the rest of the path as it is, as realpath does."""
-    mounts: dict[str, str] = {}
-    with open(mountinfo, "rb") as f:
-        for line in f:
-            fields = line.split()
-            mounts[mountinfo_path(fields[4])] = os.fsdecode(fields[fields.index(b"-") + 1])
+    mounts = _mounts(mountinfo)
+    points = {mnt for mnt, _ in mounts}
 
     def unasked(candidate: str) -> bool:
-        if candidate in mounts:
-            return True
-        holder = max((mnt for mnt in mounts if candidate.startswith(mnt.rstrip("/") + "/")), key=len, default="")
-        return mounts.get(holder) == MODELFS_FSTYPE
+        return candidate in points or _holding(candidate, mounts)[1] == MODELFS_FSTYPE
 
     parts = os.path.join(os.getcwd(), path).split("/")[::-1]  # a stack: the next part last
     resolved, links = "/", 0

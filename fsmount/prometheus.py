@@ -110,6 +110,8 @@ class StatsCollector:
         yield GaugeMetricFamily("modelfs_memory_limit_bytes", "Chunk memory: --memory-limit less the runtime's share",
                                 value=s["memory_limit_bytes"])
         yield GaugeMetricFamily("modelfs_open_files", "Open file handles", value=s["open_files"])
+        yield GaugeMetricFamily("modelfs_inodes", "Inodes the kernel holds (root included): they go when it sends "
+                                "FORGET", value=s["inodes"])
         dc = s["disk_cache"]
         if dc is not None:
             for name in ("hits", "misses", "corrupt", "other_format", "read_errors", "write_errors", "lock_timeouts",
@@ -142,14 +144,24 @@ class StatsCollector:
                                ("claim_waits", "misses that waited for another node's fetch"),
                                ("fallbacks", "waits that ended without the chunk (then fetched from the origin)"),
                                ("writes", "chunk objects written to the shared tier"),
-                               ("write_errors", "chunk writes the shared tier refused"),
+                               ("write_errors", "writes the shared tier refused or that failed (chunks, claims, "
+                                                "waiting markers)"),
+                               ("chunk_write_errors", "of those, chunk objects not written"),
+                               ("writes_skipped", "chunks not written because the tier was failing or refusing writes "
+                                                  "then"),
                                ("trailed", "chunk writes held back until this node's origin reads were done"),
                                ("trail_dropped", "trailing chunk writes given up (the NVMe cache no longer held "
                                                  "the chunk)"),
                                ("waiters_seen", "listings of waiting markers that found another node waiting"),
                                ("corrupt", "chunk objects that failed the identity or checksum check"),
-                               ("errors", "shared-tier requests that failed")):
+                               ("other_format", "chunk objects of another version's format (replaced, as corrupt "
+                                                "ones are)"),
+                               ("errors", "shared-tier requests that failed"),
+                               ("egress_saved_bytes", "bytes loaded from the shared tier that the origin had not "
+                                                      "sent to this daemon (its share of modelfs_egress_saved_bytes)")):
                 yield CounterMetricFamily(f"modelfs_shared_cache_{name}", f"Shared tier: {what}", value=sc[name])
+            yield GaugeMetricFamily("modelfs_shared_cache_hit_ratio", "Shared tier: hits / lookups",
+                                    value=sc["hit_ratio"])
 
 
 def _le(bound: float) -> str:

@@ -473,8 +473,10 @@ def make_parser() -> _OneLineErrors:
     u.add_argument("--lazy", "-z", action="store_true", help="detach now even if files are open")
     u.add_argument("--stale", action="store_true",
                    help="only a dead mount (its daemon gone: 'transport endpoint is not connected'), detached at "
-                        "once; a mount whose daemon answers (or hangs, or may not be asked) is left mounted, exit 1, "
-                        "naming it; nothing mounted there is not an error and says nothing (what "
+                        "once; a mount whose daemon answers is left mounted, named, exit 0 (`modelfs mount` then "
+                        "refuses that mountpoint, exit 2); one whose daemon hangs or may not be asked is left "
+                        "mounted, exit 1; a directory inside a modelfs mount is named, exit 0; nothing mounted "
+                        "there is not an error and says nothing (what "
                         "systemd/modelfs@.service runs before a start)")
     p.commands = dict(sub.choices)
     return p
@@ -676,6 +678,9 @@ def cmd_unmount(args: argparse.Namespace) -> int:
         path = resolve_unasked(args.mountpoint)
         mounted_at, fstype = mount_of(path, resolve=False)
     if mounted_at != path:
+        if args.stale and fstype == MODELFS_FSTYPE:  # said: the unit's start goes on, mounting over that directory
+            return fail(f"{args.mountpoint} is not a mount point: it is a directory inside the modelfs mount at "
+                        f"{mounted_at}: nothing to clear there", 0)
         if args.stale:  # nothing mounted there: a clean start, nothing to say
             return 0
         if fstype == MODELFS_FSTYPE and not there_in_mount(path):  # "inside the mount" sent the user looking there
@@ -695,9 +700,9 @@ def cmd_unmount(args: argparse.Namespace) -> int:
         return fail(f"cannot unmount {args.mountpoint}: it is the mount of {user_name(owner)}, and only that user "
                     "or root may unmount it")
     if args.stale:
-        refused = live_mount(path, args.mountpoint)
+        refused, code = live_mount(path, args.mountpoint)
         if refused:
-            return fail(refused)
+            return fail(refused, code)
     tool = shutil.which("fusermount3") or shutil.which("fusermount")
     if tool is None:
         return fail("fusermount3 not found: install the fuse3 package")
@@ -736,12 +741,14 @@ def there_in_mount(path: str, timeout: float = STALE_CHECK_S) -> bool:
     return not out or out[0] not in (errno.ENOENT, errno.ENOTDIR)
 
 
-def live_mount(path: str, shown: str) -> str:
-    """Why `unmount --stale` leaves the modelfs mount at `path` alone: its daemon answers (named: bucket, pid, user),
-    or does not answer within STALE_CHECK_S (stopped or hung, not gone), or may not be asked (another user's mount
-    made without --allow-other, which the kernel closes to root too: dead or alive, EACCES); "" where the mount is dead
-    (ENOTCONN: its daemon is gone), which is what --stale clears. Asked through the stats attribute in a thread of its
-    own (`stats_table.read_stats`), so a hung daemon costs STALE_CHECK_S, never a hang."""
+def live_mount(path: str, shown: str) -> tuple[str, int]:
+    """Why `unmount --stale` leaves the modelfs mount at `path` alone, and its exit status: its daemon answers (named:
+    bucket, pid, user; status 0, so that the unit's start goes on to `modelfs mount`, which refuses that mountpoint
+    with status 2, which the unit does not restart on), or does not answer within STALE_CHECK_S (stopped or hung, not
+    gone; status 1), or may not be asked (another user's mount made without --allow-other, which the kernel closes to
+    root too: dead or alive, EACCES; status 1); "" where the mount is dead (ENOTCONN: its daemon is gone), which is
+    what --stale clears. Asked through the stats attribute in a thread of its own (`stats_table.read_stats`), so a
+    hung daemon costs STALE_CHECK_S, never a hang."""
     import errno
 
     from fsmount.prefetch_command import mount_owner
@@ -752,22 +759,22 @@ def live_mount(path: str, shown: str) -> str:
         snap = read_stats(path, STALE_CHECK_S)
     except DaemonSilent:
         return (f"{shown} is a modelfs mount whose daemon does not answer within {STALE_CHECK_S:g}s (stopped or "
-                f"hung, not gone): left mounted; stop that daemon, or `modelfs unmount --lazy {shown}`")
+                f"hung, not gone): left mounted; stop that daemon, or `modelfs unmount --lazy {shown}`", 1)
     except StatsUnavailable as exc:
         if exc.errno == errno.ENOTCONN:
-            return ""
+            return "", 0
         if exc.errno in (errno.EACCES, errno.EPERM):  # the kernel's answer, not the daemon's: alive or dead (B344)
             whose = f" of {user_name(owner)}" if owner is not None else ""
             return (f"{shown} is the modelfs mount{whose}, made without --allow-other: the kernel lets no other user, "
                     f"root included, ask its daemon whether it is alive: left mounted; unmount it (modelfs unmount "
-                    f"{shown}) if it is not in use")
+                    f"{shown}) if it is not in use", 1)
         snap = {}  # it answered: a daemon of another version
     named = ([f"bucket {snap['bucket']}"] if isinstance(snap.get("bucket"), str) else []) + \
         ([f"daemon pid {snap['pid']}"] if isinstance(snap.get("pid"), int) else []) + \
         ([f"mounted by {user_name(owner)}"] if owner is not None else [])
     holder = f" ({', '.join(named)})" if named else ""
     return (f"{shown} is a live modelfs mount{holder}: "
-            f"left mounted; unmount it (modelfs unmount {shown}) or stop its daemon first")
+            f"left mounted; unmount it (modelfs unmount {shown}) or stop its daemon first", 0)
 
 
 def busy_hint(users: MountUsers, inside: list[str]) -> str:

@@ -67,7 +67,7 @@ from fsmount.operations import FAILED, SESSION_CALLS_S, Operations, Owner
 from fsmount.pagecache import PageCachePusher, default_push_limit
 from fsmount.prometheus import MetricsAddressError, MetricsServer
 from fsmount.saved_names import SAVE_EVERY_S, SavedNames
-from fsmount.stats import MountStats
+from fsmount.stats import STATS_XATTR, MountStats
 from fsmount.streaming import ModelStreamer
 from fsmount.tree_changes import WritableNamespace
 from fsmount.write_staging import STAGING_BYTES
@@ -161,9 +161,10 @@ class MountError(Exception):
 
 
 class SettingError(MountError):
-    """A pre-flight failure that only other settings mend (a path inside the mountpoint, a file where the cache dir
-    should be): exit status 2, as a bad option's, which systemd's unit does not restart on (RestartPreventExitStatus);
-    with status 1 it started the mount again every RestartSec for good."""
+    """A pre-flight failure that starting again does not mend, only an operator: other settings (a path inside the
+    mountpoint, a file where the cache dir should be), or the mountpoint freed of the live modelfs mount there: exit
+    status 2, as a bad option's, which systemd's unit does not restart on (RestartPreventExitStatus); with status 1
+    it started the mount again every RestartSec for good."""
 
 
 class JournalFormatter(logging.Formatter):
@@ -561,7 +562,12 @@ def check_user_may_mount_on(path: str, real: str) -> None:
 
 def _check_free(path: str, real: str, allow_non_empty: bool) -> None:
     if os.path.ismount(real):
-        raise MountError(f"mountpoint {path} is already a mount point")
+        try:  # only a modelfs mount's root has it, and only its daemon's answer gives it: alive
+            os.getxattr(real, STATS_XATTR)
+        except OSError:
+            raise MountError(f"mountpoint {path} is already a mount point") from None
+        raise SettingError(f"mountpoint {path} already holds a live modelfs mount: left mounted; unmount it first "
+                           f"(modelfs unmount {path}), or mount elsewhere")
     try:
         entries = os.listdir(real)
     except OSError as exc:

@@ -1199,6 +1199,27 @@ def test_unmount_stale_leaves_a_hung_mount_and_another_file_system_alone(monkeyp
     assert waited == [STALE_CHECK_S] and not ran
 
 
+def test_unmount_stale_of_a_directory_inside_a_modelfs_mount_says_so(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+                                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    """The unit's MOUNTPOINT a directory of another modelfs mount (/models/llama under /models): `unmount --stale`
+    said nothing and exited 0, as where nothing is mounted, and the journal had no word of why the start then mounted
+    over a directory of that mount (or failed its mkdir). It names that mount and exits 0: nothing to clear, the start
+    goes on, as at another file system's mount; nor does it ask that mount's daemon whether the directory is there
+    (B392)."""
+    import fsmount.cli as cli_module
+    import fsmount.prefetch_command as pc
+    from fsmount.cli import main
+
+    ran: list = []
+    monkeypatch.setattr(subprocess, "run", lambda *a, **kw: ran.append(a) or subprocess.CompletedProcess(a, 0))
+    monkeypatch.setattr(pc, "mount_of", lambda path, resolve=True: (str(tmp_path), "fuse.modelfs"))
+    monkeypatch.setattr(cli_module, "there_in_mount", lambda *a: pytest.fail("asked the outer mount's daemon"))
+    assert main(["unmount", "--stale", str(tmp_path / "llama")]) == 0
+    assert capsys.readouterr().err == (f"modelfs: {tmp_path}/llama is not a mount point: it is a directory inside the "
+                                       f"modelfs mount at {tmp_path}: nothing to clear there\n")
+    assert not ran
+
+
 def test_unmount_stale_of_a_mount_closed_to_root_does_not_call_it_live(monkeypatch: pytest.MonkeyPatch,
                                                                         tmp_path: Path,
                                                                         capsys: pytest.CaptureFixture[str]) -> None:

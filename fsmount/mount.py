@@ -68,6 +68,7 @@ from fsmount.pagecache import PageCachePusher, default_push_limit
 from fsmount.prometheus import MetricsAddressError, MetricsServer
 from fsmount.saved_names import SAVE_EVERY_S, SavedNames
 from fsmount.stats import STATS_XATTR, MountStats
+from fsmount.stats_table import DaemonSilent, StatsUnavailable, read_stats
 from fsmount.streaming import ModelStreamer
 from fsmount.tree_changes import WritableNamespace
 from fsmount.write_staging import STAGING_BYTES
@@ -436,15 +437,27 @@ def check_fuse_available(allow_other: bool = False, fuse_conf: str = FUSE_CONF) 
         raise MountError(f"--allow-other as a user other than root needs 'user_allow_other' in {fuse_conf}")
 
 
-def daemon_gone(path: str) -> bool:
-    """True if `path` is a FUSE mount whose daemon is gone (killed, OOM): every access to it fails with
-    ENOTCONN until it is unmounted, and os.path.exists / ismount call it missing / not mounted. Asked with
-    statfs, which the kernel always sends to the daemon (a stat may be answered from cached attributes)."""
+# How long the pre-flight waits for the daemon of a mount already at the mountpoint (or around it) to answer before
+# it calls it stopped or hung, as `modelfs unmount --stale` does (one answers in milliseconds).
+MOUNTPOINT_ANSWER_S = 5.0
+
+
+def check_daemon_answers(path: str) -> None:
+    """Refuse a mountpoint on a FUSE mount whose daemon is gone (killed, OOM: every access fails with ENOTCONN until it
+    is unmounted, and os.path.exists / ismount call it missing / not mounted) or does not answer (stopped, hung: every
+    later stat of the mountpoint waited in the kernel for good, SIGINT or not). Asked through the stats attribute,
+    which the kernel always sends to the daemon (a stat may be answered from cached attributes), in a thread of its
+    own (`stats_table.read_stats`); a directory of another file system answers at once."""
     try:
-        os.statvfs(path)
-    except OSError as exc:
-        return exc.errno == errno.ENOTCONN
-    return False
+        read_stats(path, MOUNTPOINT_ANSWER_S)
+    except DaemonSilent:
+        raise MountError(f"mountpoint {path} is a mount whose daemon does not answer within {MOUNTPOINT_ANSWER_S:g}s "
+                         f"(stopped or hung, not gone): left mounted; stop that daemon, or `modelfs unmount --lazy "
+                         f"{path}`") from None
+    except StatsUnavailable as exc:
+        if exc.errno == errno.ENOTCONN:
+            raise MountError(f"mountpoint {path} is still mounted, but its daemon is gone (killed?): run "
+                             f"`modelfs unmount {path}` first") from None
 
 
 def check_mountpoint(path: str, allow_non_empty: bool) -> tuple[str, int]:
@@ -452,9 +465,7 @@ def check_mountpoint(path: str, allow_non_empty: bool) -> tuple[str, int]:
     directory holding an exclusive flock: two mounts started at once at one mountpoint both found it free and
     both mounted, one over the other (fstab and a systemd unit, an init container and a sidecar). The caller
     closes it once mounted (or failed); the second one started then finds a mount point there."""
-    if daemon_gone(path):
-        raise MountError(f"mountpoint {path} is still mounted, but its daemon is gone (killed?): run "
-                         f"`modelfs unmount {path}` first")
+    check_daemon_answers(path)
     if not os.path.lexists(path):
         raise MountError(f"mountpoint {path} does not exist")
     real = os.path.realpath(path)

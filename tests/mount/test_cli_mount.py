@@ -594,6 +594,32 @@ def test_a_mount_over_a_live_mount_exits_2_and_leaves_it_serving(moto_server: S3
         assert held.read() == b"w" * 1000 and (mp / "w.bin").read_bytes() == b"w" * 1000
 
 
+def test_a_mount_over_a_stopped_daemon_s_mount_says_so_and_does_not_hang(moto_server: S3Server,
+                                                                          tmp_path: Path) -> None:
+    """`modelfs mount` at a mountpoint whose modelfs daemon is stopped (SIGSTOP, a debugger) or hung: its pre-flight
+    asked that daemon (statfs, then a stat of the mountpoint and the stats attribute that tells a live mount, B391)
+    with no bound, and waited in the kernel for good, SIGINT or not. It says so within 5 s, exit 1, and leaves that
+    mount mounted (B460)."""
+    bucket = new_bucket(moto_server)
+    mp = tmp_path / "mnt"
+    # --metadata-ttl 0: the kernel keeps no attributes of the root, so every stat of it asks the daemon.
+    with mounted(moto_server, bucket, mp, "--metadata-ttl", "0", check_log=False) as m:
+        os.kill(m.proc.pid, signal.SIGSTOP)
+        try:
+            for foreground in (("--foreground",), ()):
+                started = time.monotonic()
+                res = run_modelfs("mount", bucket, str(mp), "--endpoint-url", moto_server.endpoint_url, *foreground,
+                                  env=daemon_env(moto_server), timeout=FAIL_FAST_LIMIT)
+                assert res.returncode == 1, (foreground, res.returncode, res.stderr)
+                assert f"modelfs: mountpoint {mp} is a mount whose daemon does not answer within 5s (stopped or " \
+                    f"hung, not gone): left mounted; stop that daemon, or `modelfs unmount --lazy {mp}`\n" \
+                    in res.stderr, res.stderr
+                assert time.monotonic() - started < 15
+        finally:
+            os.kill(m.proc.pid, signal.SIGCONT)
+        assert Path("/proc/self/mountinfo").read_text().count(f" {mp} ") == 1 and m.proc.poll() is None
+
+
 @pytest.mark.parametrize("lazy", [False, True], ids=["plain", "lazy"])
 def test_a_mount_whose_daemon_is_stopped_unmounts_without_asking_it(moto_server: S3Server, tmp_path: Path,
                                                                     lazy: bool) -> None:

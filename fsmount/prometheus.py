@@ -139,7 +139,8 @@ class StatsCollector:
             for name, what in (("hits", "chunks found in the shared tier"),
                                ("misses", "chunk lookups the shared tier did not answer"),
                                ("bytes", "bytes loaded from the shared tier (what it saved the origin is in "
-                                         "modelfs_egress_saved_bytes: not chunks this daemon had fetched before)"),
+                                         "modelfs_shared_cache_egress_saved_bytes: not chunks this daemon had "
+                                         "fetched before)"),
                                ("claims", "chunks this node claimed and fetched from the origin for the fleet"),
                                ("claim_waits", "misses that waited for another node's fetch"),
                                ("fallbacks", "waits that ended without the chunk (then fetched from the origin)"),

@@ -9,9 +9,9 @@ read cost 0.18-0.19 CPU-s/GB this way against 0.25-0.28 with `get_object().read(
 measurements; bench/clients.py), and reading into a recycled buffer takes no page faults.
 
 One call is one request; it retries nothing and checks what it got (status, Content-Range and its total
-against the size the version was pinned at, length, ETag). A GET's body is read by the read timeout after the request
-began, not per packet only (`_Deadline`). Retries, backoff and the choice of this path over
-boto3's belong to `Boto3Store`. Failures leave as `StoreError`s through the store's one mapping
+against the size the version was pinned at, length, ETag). A request ends by the read timeout after it began, its
+connect, its head and its body all counted, not per packet only (`_Deadline`). Retries, backoff and the choice of
+this path over boto3's belong to `Boto3Store`. Failures leave as `StoreError`s through the store's one mapping
 (`store.error_for_status`).
 
 Threading: `RangeGetter` is shared by every fetch thread. Its connection pool (a list under a lock)
@@ -23,7 +23,6 @@ dict under the same lock (an entry is replaced whole, never mutated).
 from __future__ import annotations
 
 import http.client
-import math
 import re
 import socket
 import ssl
@@ -206,7 +205,7 @@ class RangeGetter:
         self._read_timeout = read_timeout
         self._ssl_context = ssl_context if ssl_context is not None else ssl.create_default_context()
         self._lock = threading.Lock()
-        self._idle: list[tuple[tuple[str, str, int], http.client.HTTPConnection]] = []
+        self._idle: list[tuple[tuple[str, str, int], _Connection]] = []
         # key: (when signed, `_reusable`), `credentials_changes()` then, reused until (time.time(): the expiry of the
         # credentials signed with, less CREDENTIALS_ROOM_S), URL
         self._urls: dict[str, tuple[tuple[float, float], int, float, str]] = {}
@@ -237,18 +236,19 @@ class RangeGetter:
 
     # -- connections -----------------------------------------------------------------------------
 
-    def _connection(self, origin: tuple[str, str, int]) -> http.client.HTTPConnection:
+    def _connection(self, origin: tuple[str, str, int]) -> _Connection:
         with self._lock:
             for i in range(len(self._idle) - 1, -1, -1):
                 if self._idle[i][0] == origin:
                     return self._idle.pop(i)[1]
         scheme, host, port = origin
         if scheme == "https":
-            return http.client.HTTPSConnection(host, port, timeout=self._connect_timeout,
-                                               context=self._ssl_context)
-        return http.client.HTTPConnection(host, port, timeout=self._connect_timeout)
+            return _TLSConnection(host, port, timeout=self._connect_timeout, context=self._ssl_context)
+        return _Connection(host, port, timeout=self._connect_timeout)
 
-    def _give_back(self, origin: tuple[str, str, int], conn: http.client.HTTPConnection) -> None:
+    def _give_back(self, origin: tuple[str, str, int], conn: _Connection) -> None:
+        if conn.bounded is not None:
+            conn.bounded.restore(self._read_timeout)  # as the next request on it expects it
         with self._lock:
             if len(self._idle) < self._pool_size:
                 self._idle.append((origin, conn))
@@ -327,12 +327,11 @@ class RangeGetter:
         headers = {"Range": f"bytes={start}-{start + want - 1}", "Accept-Encoding": "identity"}
         if etag and if_match:
             headers["If-Match"] = etag
-        # The body is read by the read timeout after the request began (B365): one sent a few bytes at a time, each
-        # in time, held its fetch thread as long as the server went on, and with them all held, READs of chunks the
-        # origin served well failed. Cut, it is a timeout the store tries again, as a stalled body is.
-        deadline = time.monotonic() + self._read_timeout
+        # The request ends by the read timeout after it began (B365; its head and connect too): a body or a head sent a
+        # few bytes at a time, each in time, held its fetch thread as long as the server went on, and with them all
+        # held, READs of chunks the origin served well failed. Cut, it is a timeout the store tries again, as a
+        # stalled body is.
         origin, conn, resp = self._request(url, headers, what)
-        bounded = _bounded(resp, deadline)
         reusable = False
         try:
             reusable = self._read(resp, conn.sock, start, want, etag, buffer, what, url, etag_needed=not if_match,
@@ -342,8 +341,6 @@ class RangeGetter:
             raise _transport_error(what, exc) from None
         finally:
             if reusable:
-                if bounded is not None:
-                    bounded.restore(self._read_timeout)
                 self._give_back(origin, conn)
             else:
                 conn.close()
@@ -357,7 +354,6 @@ class RangeGetter:
         return self._signed_again(lambda fresh: self._url(key, fresh), lambda url: self._open(url, what))
 
     def _open(self, url: str, what: str) -> Body:
-        deadline = time.monotonic() + self._read_timeout
         origin, conn, resp = self._request(url, {"Accept-Encoding": "identity"}, what)
         try:
             if resp.status >= 300:
@@ -371,7 +367,7 @@ class RangeGetter:
         except BaseException:
             self._release(origin, conn, resp)  # an error document read whole leaves the connection fit
             raise
-        return Body(self, origin, conn, resp, int(length), what, deadline)
+        return Body(self, origin, conn, resp, int(length), what)
 
     def put(self, key: str, parts: Sequence[bytes | WritableBuffer], what: str, *,
             only_if_absent: bool = False) -> bool:
@@ -417,9 +413,12 @@ class RangeGetter:
 
     def _request(self, url_text: str, headers: dict[str, str], what: str, *, method: str = "GET",
                  body: Sequence[bytes | WritableBuffer] = ()
-                 ) -> tuple[tuple[str, str, int], http.client.HTTPConnection, http.client.HTTPResponse]:
+                 ) -> tuple[tuple[str, str, int], _Connection, http.client.HTTPResponse]:
         """Send one request to a presigned URL (with `body`'s parts) on a pooled connection; the connection
-        and the response, whose body the caller reads and then gives the connection back (or closes it)."""
+        and the response, whose body the caller reads and then gives the connection back (or closes it). The
+        request ends by the read timeout after now: its connect, its body's sending, the response's head and its body
+        (`_Connection`)."""
+        deadline = time.monotonic() + self._read_timeout
         url = urllib.parse.urlsplit(url_text)
         origin = (url.scheme, url.hostname or "", url.port or (443 if url.scheme == "https" else 80))
         target = url.path + ("?" + url.query if url.query else "")
@@ -427,13 +426,13 @@ class RangeGetter:
         kept_alive = conn.sock is not None
         try:
             try:
-                return origin, conn, self._send(conn, target, headers, origin, method, body)
+                return origin, conn, self._send(conn, target, headers, origin, deadline, method, body)
             except (http.client.RemoteDisconnected, ConnectionError) as exc:
                 if not kept_alive:
                     raise TransientError(f"{what}: {type(exc).__name__}: {exc}") from None
                 # The server closed the idle connection meanwhile (an idle timeout): a new one, at once.
                 conn.close()
-                return origin, conn, self._send(conn, target, headers, origin, method, body)
+                return origin, conn, self._send(conn, target, headers, origin, deadline, method, body)
         except (http.client.HTTPException, OSError) as exc:
             conn.close()
             # Reset, timeout, a response cut short or not HTTP at all: worth another try.
@@ -442,10 +441,12 @@ class RangeGetter:
             conn.close()
             raise
 
-    def _send(self, conn: http.client.HTTPConnection, target: str, headers: dict[str, str],
-              origin: tuple[str, str, int], method: str = "GET",
+    def _send(self, conn: _Connection, target: str, headers: dict[str, str], origin: tuple[str, str, int],
+              deadline: float, method: str = "GET",
               body: Sequence[bytes | WritableBuffer] = ()) -> http.client.HTTPResponse:
         if conn.sock is None:
+            # The connect, and TLS's handshake after it, each wait at most the connect timeout or the time left.
+            conn.timeout = min(self._connect_timeout, max(deadline - time.monotonic(), DEADLINE_SLACK_S))
             try:
                 conn.connect()
             except ssl.SSLCertVerificationError as exc:
@@ -458,12 +459,13 @@ class RangeGetter:
                 raise (local_failure(exc, f"cannot open a connection to {where}")
                        or Unreachable(f"cannot reach the endpoint {where}: {exc}")) from None
             conn.sock.settimeout(self._read_timeout)
+        conn.bounded = bounded = _Deadline(conn.sock, deadline)
         conn.putrequest(method, target, skip_accept_encoding="Accept-Encoding" in headers)
         for name, value in headers.items():
             conn.putheader(name, value)
         conn.endheaders()
         for part in body:  # straight from the caller's buffers: http.client would copy a body it is given
-            conn.sock.sendall(part)
+            bounded.sendall(part)
         return conn.getresponse()
 
     def _read(self, resp: http.client.HTTPResponse, sock: socket.socket | None, start: int, want: int, etag: str,
@@ -514,7 +516,7 @@ class RangeGetter:
         # Nothing may follow the body on a connection we keep (a server sending more is not trusted).
         return not resp.will_close and resp.read(1) == b""
 
-    def _release(self, origin: tuple[str, str, int], conn: http.client.HTTPConnection,
+    def _release(self, origin: tuple[str, str, int], conn: _Connection,
                  resp: http.client.HTTPResponse) -> None:
         """Back to the pool if the response was read whole and the server keeps the connection; else closed."""
         if resp.isclosed() and not resp.will_close:
@@ -554,11 +556,12 @@ DEADLINE_SLACK_S = 0.05
 
 
 class _Deadline:
-    """A response's socket as its body's reader sees it (the `socket.SocketIO` under http.client's buffered reader
-    reads through `_sock`): each receive waits at most the time left before `deadline` (time.monotonic()), within
-    DEADLINE_SLACK_S, and none begins past it: TimeoutError, as a socket timeout raises. A per-packet timeout bounded
-    each receive, not the body: one sent a few bytes at a time, each in time, held its reader as long as it took.
-    `changed`: the socket's timeout was set here (to be set back before the connection is reused)."""
+    """A request's socket as its sender and its response's reader see it (the `socket.SocketIO` under http.client's
+    buffered reader reads through `_sock`): each send or receive waits at most the time left before `deadline`
+    (time.monotonic()), within DEADLINE_SLACK_S, and none begins past it: TimeoutError, as a socket timeout raises. A
+    per-packet timeout bounded each receive, not the response: a head or a body sent a few bytes at a time, each in
+    time, held its reader as long as it took. `changed`: the socket's timeout was set here (to be set back before the
+    connection is reused)."""
 
     __slots__ = ("_sock", "_deadline", "_timeout", "changed")
 
@@ -567,14 +570,22 @@ class _Deadline:
         self._timeout = sock.gettimeout()
         self.changed = False
 
-    def recv_into(self, *args: Any) -> int:
+    def _time_left(self) -> None:
         left = self._deadline - time.monotonic()
         if left <= 0:
-            raise TimeoutError("timed out (the body was not in by its deadline)")
+            raise TimeoutError("timed out (the request was not done by its deadline)")
         if self._timeout is None or self._timeout > left + DEADLINE_SLACK_S:
             self._sock.settimeout(left)
             self._timeout, self.changed = left, True
+
+    def recv_into(self, *args: Any) -> int:
+        self._time_left()
         return self._sock.recv_into(*args)
+
+    def sendall(self, data: bytes | WritableBuffer) -> None:
+        """All of `data` (a sendall's timeout bounds the whole of it)."""
+        self._time_left()
+        self._sock.sendall(data)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._sock, name)
@@ -585,34 +596,49 @@ class _Deadline:
             self._sock.settimeout(timeout)
 
 
-def _bounded(resp: http.client.HTTPResponse, deadline: float) -> _Deadline | None:
-    """Bound the rest of `resp` (its body) by `deadline` (time.monotonic()): a `_Deadline` put between http.client's
-    buffered reader and the socket, which `socket.SocketIO` reads through its `_sock`. The socket is taken from
-    there, not from the connection: a response that ends its connection (`Connection: close`, HTTP/1.0) has taken the
-    socket over, and the connection's `sock` is None then. None where the reader is not that (no Python so far
-    differs, 3.11-3.14; a test's fake response): each receive is then bounded by the socket's timeout alone."""
+def _read_by(resp: http.client.HTTPResponse, bounded: _Deadline) -> None:
+    """Put `bounded` between http.client's buffered reader of `resp` and its socket, which `socket.SocketIO` reads
+    through its `_sock`: the response's head and body are received by its deadline. (A response that ends its
+    connection, `Connection: close` or HTTP/1.0, takes the socket over, the connection's `sock` None then: the reader
+    holds it still.) Left as it is where the reader is not that (no Python so far differs, 3.11-3.14): each receive is
+    then bounded by the socket's timeout alone."""
     raw = getattr(getattr(resp, "fp", None), "raw", None)
-    sock = getattr(raw, "_sock", None) if isinstance(raw, socket.SocketIO) else None
-    if sock is None or not isinstance(sock, socket.socket):
-        return None
-    bounded = _Deadline(sock, deadline)
-    raw._sock = bounded  # type: ignore[union-attr]
-    return bounded
+    if isinstance(raw, socket.SocketIO) and raw._sock is bounded._sock:  # type: ignore[attr-defined]
+        raw._sock = bounded  # type: ignore[attr-defined]
+
+
+class _Connection(http.client.HTTPConnection):
+    """A pooled connection whose responses are read under the deadline of the request they answer: `bounded`, set by
+    `RangeGetter._send` before each request, from the response's first byte (its status line and headers, then its
+    body)."""
+
+    bounded: _Deadline | None = None
+
+    def response_class(self, sock: socket.socket, *args: Any, **kwargs: Any  # type: ignore[override]
+                       ) -> http.client.HTTPResponse:
+        """http.client's response, `bounded` put under its reader before it reads its head (`getresponse` reads it
+        as soon as it makes the response)."""
+        resp = http.client.HTTPResponse(sock, *args, **kwargs)
+        if self.bounded is not None:
+            _read_by(resp, self.bounded)
+        return resp
+
+
+class _TLSConnection(_Connection, http.client.HTTPSConnection):
+    """`_Connection` over TLS."""
 
 
 class Body:
-    """The body of `RangeGetter.open`: `size` bytes, read front to back with `read` / `readinto`, by `deadline`
-    (time.monotonic(); each receive waits at most the time left: `_Deadline`). `close` gives the connection back only
-    when the body was read whole and the server keeps it open. Used by one thread at a time."""
+    """The body of `RangeGetter.open`: `size` bytes, read front to back with `read` / `readinto`, by the read timeout
+    after the request began (each receive waits at most the time left: `_Deadline`). `close` gives the connection back
+    only when the body was read whole and the server keeps it open. Used by one thread at a time."""
 
-    def __init__(self, getter: RangeGetter, origin: tuple[str, str, int], conn: http.client.HTTPConnection,
-                 resp: http.client.HTTPResponse, size: int, what: str, deadline: float = math.inf):
+    def __init__(self, getter: RangeGetter, origin: tuple[str, str, int], conn: _Connection,
+                 resp: http.client.HTTPResponse, size: int, what: str):
         self.size = size
         self.server_age_s = server_age_s(resp.getheader("Date"), resp.getheader("Last-Modified"))
         self._getter, self._origin, self._conn, self._resp, self._what = getter, origin, conn, resp, what
         self._got = 0
-        # The body's bytes are received through this (those that came with the head are read from the buffer).
-        self._deadline = _bounded(resp, deadline) if deadline < math.inf else None
 
     def __enter__(self) -> Body:
         return self
@@ -657,8 +683,6 @@ class Body:
         if conn is None:
             return
         if self._got == self.size:
-            if self._deadline is not None:
-                self._deadline.restore(self._getter._read_timeout)  # as a kept connection's requests expect it
             self._getter._release(self._origin, conn, self._resp)
         else:
             conn.close()

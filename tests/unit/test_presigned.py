@@ -727,6 +727,72 @@ def test_a_range_sent_slowly_ends_at_the_read_timeout(origin: Origin, connection
     assert origin.connections == 2
 
 
+def dribble_head(h: Handler, status: int, headers: dict[str, str], body: bytes, piece: int, every_s: float,
+                 for_s: float) -> None:
+    """An answer whose head (status line and headers) comes `piece` bytes every `every_s` seconds for `for_s` seconds,
+    then the rest of it and `body` at once: each packet in time for any read timeout longer than `every_s`."""
+    lines = [f"HTTP/1.1 {status} X", f"Content-Length: {len(body)}", f"ETag: {ETAG}"]
+    head = ("\r\n".join(lines + [f"{k}: {v}" for k, v in headers.items()]) + "\r\n\r\n").encode()
+    at, until = 0, time.monotonic() + for_s
+    with contextlib.suppress(OSError):  # the reader gave up and closed
+        while at < len(head) and time.monotonic() < until:
+            h.wfile.write(head[at:at + piece])
+            at += piece
+            time.sleep(every_s)
+        h.wfile.write(head[at:] + body)
+
+
+@pytest.mark.parametrize("how", ["get_into", "open", "put", "delete"])
+def test_a_head_sent_slowly_ends_at_the_read_timeout(origin: Origin, how: str) -> None:
+    """The status line and headers a few bytes at a time, each packet in time: the request ends by the read timeout
+    after it began (TimedOut, as for a body sent so), for a ranged GET (the origin's chunk fetches), a whole-object GET,
+    a PUT and a DELETE (the shared tier's). Without the deadline on the head it took as long as the server (3 s), and
+    held its fetch thread so; the connection is not reused."""
+    def slow(h: Handler, s: int, e: int) -> bool:
+        if h.command == "GET" and h.headers["Range"] is not None:
+            dribble_head(h, 206, {"Content-Range": f"bytes {s}-{e - 1}/{len(DATA)}"}, DATA[s:e], 1, 0.05, 3.0)
+        else:
+            dribble_head(h, 200 if h.command != "DELETE" else 204, {}, DATA if h.command == "GET" else b"", 1, 0.05,
+                         3.0)
+        return True
+
+    def request() -> None:
+        if how == "get_into":
+            assert get(g, 0, len(DATA)) == DATA
+        elif how == "open":
+            with g.open("k", "GET k") as body:
+                assert body.read(body.size) == DATA
+        elif how == "put":
+            assert g.put("k", [b"abc"], "PUT k")
+        else:
+            g.delete("k", "DELETE k")
+
+    origin.script = slow
+    g = getter(origin, read_timeout=1.0)
+    started = time.monotonic()
+    with pytest.raises(TimedOut):
+        request()
+    assert time.monotonic() - started < 1.0 + 0.5
+    origin.script = None
+    request()
+    request()
+    assert origin.connections == 2
+
+
+def test_a_connect_counts_in_the_request_s_read_timeout(origin: Origin, tmp_path: Path) -> None:
+    """A TLS endpoint that takes the connection and never shakes hands, with a connect timeout longer than the read
+    timeout: the request ends by the read timeout after it began (the connect is given the time left), not at the
+    connect timeout. Without it, the handshake alone waited the connect timeout (3 s)."""
+    listener = socket.create_server(("127.0.0.1", 0))  # the kernel accepts; nobody answers
+    with listener:
+        url = f"https://127.0.0.1:{listener.getsockname()[1]}"
+        g = RangeGetter(lambda key: f"{url}/b/{key}", bucket="b", pool_size=2, connect_timeout=3.0, read_timeout=1.0)
+        started = time.monotonic()
+        with pytest.raises(Unreachable):
+            get(g, 0, 10)
+        assert time.monotonic() - started < 1.0 + 0.5
+
+
 @pytest.mark.parametrize("how", ["open", "get_into"])
 def test_a_body_sent_slowly_over_tls_ends_at_the_read_timeout(tls_origin: tuple[Origin, Path], how: str) -> None:
     """B315, B365 over TLS: the deadline sits under the TLS socket's reader as under a plain one, with the same

@@ -1,6 +1,6 @@
 """A fault-injecting HTTP reverse proxy for tests: it sits on 127.0.0.1 between modelfs and an S3 server
-and, on command, delays, stalls, dribbles, resets or truncates responses (their bodies, or their heads between two
-header lines), answers with 5xx storms, or plays dead.
+and, on command, delays, stalls, dribbles, resets or truncates responses (their bodies, or their heads: dribbled, or cut
+between two header lines), answers with 5xx storms, or plays dead.
 
 It must never listen beyond 127.0.0.1, never alter a byte it forwards (a fault only delays, cuts or
 replaces a whole response), and never wait without a bound: every hold ends at `MAX_HOLD_S`, at
@@ -68,7 +68,7 @@ from fsmount.testing.synthetic_dir import SyntheticDirectory, list_response, obj
 HOST = "127.0.0.1"
 #: No hold (stall, latency, black hole) lasts longer than this, whatever a test asked for.
 MAX_HOLD_S = 120.0
-# The bytes of body a DRIBBLE sends at a time, unless told.
+# The bytes of body a DRIBBLE (of head, a DRIBBLE_HEAD) sends at a time, unless told.
 DRIBBLE_BYTES = 16
 #: The accept loop wakes this often to notice stop and down/up requests.
 ACCEPT_POLL_S = 0.05
@@ -99,6 +99,7 @@ class Fault(enum.StrEnum):
                                  # status line alone), never the blank line that ends it; hold `seconds`, then close
     DRIBBLE = "dribble"    # send the head, then the body `after_bytes` (16 by default) at a time, `seconds` apart:
                            # each packet in time for any read timeout longer than that, the whole body far from it
+    DRIBBLE_HEAD = "dribble_head"  # the same for the head (status line and headers), then the body at once
 
 
 class Down(enum.StrEnum):
@@ -229,7 +230,7 @@ class FaultProxy:
         fault = Fault(fault)
         if fault in (Fault.RESET, Fault.TRUNCATE, Fault.SHORT) and after_bytes is None:
             after_bytes = 0
-        if fault is Fault.DRIBBLE and not after_bytes:
+        if fault in (Fault.DRIBBLE, Fault.DRIBBLE_HEAD) and not after_bytes:
             after_bytes = DRIBBLE_BYTES
         rule = Rule(fault, seconds=min(seconds, MAX_HOLD_S), after_bytes=after_bytes, status=status,
                     code=code or S3_ERROR_CODES.get(status, "InternalError"), times=times, fraction=fraction,
@@ -464,8 +465,10 @@ class FaultProxy:
                 self._hold(rule.seconds, release)
             return False, upstream
         cut = rule.after_bytes or 0
-        if rule.fault is Fault.DRIBBLE:
-            return self._dribble(conn, resp, req, cut, rule.seconds, release), upstream
+        if rule.fault in (Fault.DRIBBLE, Fault.DRIBBLE_HEAD):
+            head, body = head_bytes(resp, req), b"" if req.method == "HEAD" else resp.body
+            parts = (head, body, b"") if rule.fault is Fault.DRIBBLE else (b"", head, body)
+            return self._dribble(conn, *parts, cut, rule.seconds, release), upstream
         if rule.fault is Fault.STALL:
             if not send(conn, resp, req, body_end=cut):
                 return False, upstream
@@ -480,21 +483,21 @@ class FaultProxy:
             reset(conn)
         return False, upstream
 
-    def _dribble(self, conn: socket.socket, resp: Response, req: Request, piece: int, seconds: float,
+    def _dribble(self, conn: socket.socket, at_once: bytes, slowly: bytes, then: bytes, piece: int, seconds: float,
                  release: threading.Event) -> bool:
-        """The head, then the body `piece` bytes at a time, `seconds` apart; the rest at once when the rule is cleared
-        (`release`) or after MAX_HOLD_S, nothing more once the proxy stops. False if the client has gone."""
-        if not send(conn, resp, req, body_end=0):
+        """`at_once`, then `slowly` `piece` bytes at a time, `seconds` apart, then `then`; the rest at once when the
+        rule is cleared (`release`) or after MAX_HOLD_S, nothing more once the proxy stops. False if the client has
+        gone."""
+        if not send_raw(conn, at_once):
             return False
-        body = b"" if req.method == "HEAD" else resp.body
         until = time.monotonic() + MAX_HOLD_S
-        for at in range(0, len(body), piece):
+        for at in range(0, len(slowly), piece):
             if release.is_set() or time.monotonic() > until:
-                return send_raw(conn, body[at:])
-            if self._stop.is_set() or not send_raw(conn, body[at:at + piece]):
+                return send_raw(conn, slowly[at:] + then)
+            if self._stop.is_set() or not send_raw(conn, slowly[at:at + piece]):
                 return False
             release.wait(seconds)
-        return True
+        return send_raw(conn, then)
 
     def _forward(self, req: Request, upstream: http.client.HTTPConnection | None
                  ) -> tuple[Response, http.client.HTTPConnection]:

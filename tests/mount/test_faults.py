@@ -439,21 +439,24 @@ def test_stall_gives_eio_within_read_timeout_then_recovers(moto_server: S3Server
         assert m.proc.poll() is None
 
 
+@pytest.mark.parametrize("fault", [Fault.DRIBBLE, Fault.DRIBBLE_HEAD])
 def test_a_chunk_sent_slowly_does_not_keep_the_fetch_threads_from_healthy_chunks(
-        moto_server: S3Server, proxy: FaultProxy, mountpoint: Path) -> None:
+        moto_server: S3Server, proxy: FaultProxy, mountpoint: Path, fault: Fault) -> None:
     """B365: a chunk's GET whose body came a few bytes at a time, each packet in time for the read timeout, kept its
     fetch thread for as long as the server went on; with --max-connections 2, two of them held both, and a READ of a
     chunk the origin served well got EIO at --read-timeout. A GET's body is now read by the read timeout after the
     request began: cut there, the GET is tried again (here the second try comes whole), and the threads are free
-    for the healthy chunk's READ within its own timeout. (--get-client boto3 is not bounded so: RELIABILITY.md's
-    "Not covered yet".)"""
+    for the healthy chunk's READ within its own timeout. B373: so is the response's head (`DRIBBLE_HEAD`: its status
+    line and headers a few bytes at a time). (--get-client boto3 is not bounded so: RELIABILITY.md's "Not covered
+    yet".)"""
     read_timeout = 4.0
     data = random_bytes(4 * MiB, 31)
     bucket = bucket_with(moto_server, {"slow.bin": data})
     args = (*fault_args("--read-timeout", f"{read_timeout:g}"), "--max-connections", "2", "--get-client", "presigned")
     with mounted_via(proxy, moto_server, bucket, mountpoint, *args, allowed=(FETCH_FAILED, READ_FAILED)) as m:
-        # The first GET of chunk 0 and of chunk 1: 16 bytes every 0.5 s (a MiB in 9 hours), then whole if cleared.
-        slow = [proxy.inject(Fault.DRIBBLE, seconds=0.5, times=1, range_from=i * MiB) for i in (0, 1)]
+        # The first GET of chunk 0 and of chunk 1: 16 bytes every 0.5 s (a MiB in 9 hours, a head of 300 bytes in 9 s),
+        # then whole if cleared.
+        slow = [proxy.inject(fault, seconds=0.5, times=1, range_from=i * MiB) for i in (0, 1)]
         with opened_random(mountpoint / "slow.bin") as fd:
             results: dict[int, tuple[bytes | int, float]] = {}
             readers = [threading.Thread(target=lambda i=i: results.__setitem__(i, timed_pread(fd, MiB, i * MiB)))

@@ -483,11 +483,14 @@ def test_a_dead_tier_does_not_fail_reads_with_a_short_read_timeout(fleet: Fleet)
     assert s["shared_cache"]["claim_waits"] == s["shared_cache"]["fallbacks"] >= 1, s["shared_cache"]
 
 
-def test_a_tier_sending_its_chunk_objects_slowly_does_not_hold_reads_past_its_share(fleet: Fleet) -> None:
+@pytest.mark.parametrize(("fault", "piece"), [(Fault.DRIBBLE, 16), (Fault.DRIBBLE_HEAD, 2)])
+def test_a_tier_sending_its_chunk_objects_slowly_does_not_hold_reads_past_its_share(fleet: Fleet, fault: Fault,
+                                                                                    piece: int) -> None:
     """B315: a tier that sends a chunk object's body a few bytes at a time, each packet well within its request timeout,
     held the lookup as long as the body took: with --read-timeout 4 the READ failed with EIO while the origin
     answered. A tier request now ends, body included, within its timeout (an eighth of --read-timeout here), so the
-    READ falls back to the origin within the tier's quarter, and reads exact bytes."""
+    READ falls back to the origin within the tier's quarter, and reads exact bytes. B374: so does one whose head (status
+    line and headers) comes so (`DRIBBLE_HEAD`)."""
     fleet = fleet_with(fleet, 4 * MiB, seed=43)
     with fleet.node("warm", "--chunk-size", "1M") as m:
         assert_exact(m, fleet.body)
@@ -495,7 +498,8 @@ def test_a_tier_sending_its_chunk_objects_slowly_does_not_hold_reads_past_its_sh
     with FaultProxy(fleet.server.endpoint_url) as proxy:
         with fleet.node("n", "--read-timeout", "4", "--chunk-size", "1M", tier_endpoint=proxy.endpoint_url,
                         allowed=(UNAVAILABLE,)) as m:
-            dribble = proxy.inject(Fault.DRIBBLE, seconds=0.1, kind="gets")  # the tier's object GETs
+            # The tier's object GETs: `piece` bytes every 0.1 s (a head of 300 bytes in 15 s at 2).
+            dribble = proxy.inject(fault, seconds=0.1, after_bytes=piece, kind="gets")
             with opened_random(m.path / KEY) as fd:
                 started = time.monotonic()
                 assert os.pread(fd, MiB, 0) == fleet.body[:MiB]

@@ -571,6 +571,7 @@ class _Deadline:
         self.changed = False
 
     def _time_left(self) -> None:
+        """The socket's timeout set to the time left, within DEADLINE_SLACK_S; TimeoutError where none is."""
         left = self._deadline - time.monotonic()
         if left <= 0:
             raise TimeoutError("timed out (the request was not done by its deadline)")
@@ -596,7 +597,7 @@ class _Deadline:
             self._sock.settimeout(timeout)
 
 
-def _read_by(resp: http.client.HTTPResponse, bounded: _Deadline) -> None:
+def _bounded(resp: http.client.HTTPResponse, bounded: _Deadline) -> None:
     """Put `bounded` between http.client's buffered reader of `resp` and its socket, which `socket.SocketIO` reads
     through its `_sock`: the response's head and body are received by its deadline. (A response that ends its
     connection, `Connection: close` or HTTP/1.0, takes the socket over, the connection's `sock` None then: the reader
@@ -620,7 +621,7 @@ class _Connection(http.client.HTTPConnection):
         as soon as it makes the response)."""
         resp = http.client.HTTPResponse(sock, *args, **kwargs)
         if self.bounded is not None:
-            _read_by(resp, self.bounded)
+            _bounded(resp, self.bounded)
         return resp
 
 

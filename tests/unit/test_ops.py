@@ -177,6 +177,9 @@ class _Socket:
     def settimeout(self, seconds: float) -> None:
         pass
 
+    def gettimeout(self) -> float | None:
+        return None
+
 
 class _WireResponse:
     status, will_close = 206, False
@@ -207,7 +210,7 @@ def oss_requests(argv: list[str], monkeypatch: pytest.MonkeyPatch) -> tuple:
     store = Boto3Store(cfg.store)
     sent = []
     _WireConnection.sent = []
-    monkeypatch.setattr(presigned.http.client, "HTTPSConnection", _WireConnection)
+    monkeypatch.setattr(presigned, "_TLSConnection", _WireConnection)
 
     def answer(request, **_: object) -> AWSResponse:  # noqa: ANN001 - botocore's AWSPreparedRequest
         sent.append(request)

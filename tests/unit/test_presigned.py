@@ -779,7 +779,7 @@ def test_a_head_sent_slowly_ends_at_the_read_timeout(origin: Origin, how: str) -
     assert origin.connections == 2
 
 
-def test_a_connect_counts_in_the_request_s_read_timeout(origin: Origin, tmp_path: Path) -> None:
+def test_a_connect_counts_in_the_request_s_read_timeout() -> None:
     """A TLS endpoint that takes the connection and never shakes hands, with a connect timeout longer than the read
     timeout: the request ends by the read timeout after it began (the connect is given the time left), not at the
     connect timeout. Without it, the handshake alone waited the connect timeout (3 s)."""

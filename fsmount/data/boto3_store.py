@@ -826,7 +826,11 @@ class Boto3Store:
                 return buffer
             except Exception as exc:  # noqa: BLE001
                 err = translate_error(exc, self.bucket, what)
-                retry = isinstance(err, TransientError) or (self._ranges is not None and isinstance(err, Unreachable))
+                # A try that timed out (a head or body that stalled, or came too slowly, for --read-timeout) is not
+                # tried again here: the level stack does, while a READ still waits for the chunk. Here a chunk that
+                # stalls on every try would hold its fetch thread for all of them (10 minutes at the default).
+                retry = (isinstance(err, TransientError) and not isinstance(err, TimedOut)
+                         or self._ranges is not None and isinstance(err, Unreachable))
                 if not retry or attempt == attempts:
                     raise err from None
                 with self._region_lock:  # fetch threads count here at once, rarely (a failure each time)

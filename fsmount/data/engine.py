@@ -134,7 +134,8 @@ class Fetch:
         return self.data
 
     def retry_until(self) -> float:
-        """Until when an unreachable origin is tried again: the deadline of a READ waiting for it."""
+        """Until when an unreachable origin, or a GET that timed out, is tried again: the deadline of a READ
+        waiting for it."""
         return self.deadline if self.demanded else -math.inf
 
 

@@ -41,7 +41,7 @@ import trio
 
 from fsmount.data.budget import MemoryBudget
 from fsmount.data.identity import Chunk, ChunkId, WritableBuffer, new_buffer
-from fsmount.data.store import NotFound, ObjectStore, PreconditionFailed, StoreError, Unreachable, sent_etag
+from fsmount.data.store import NotFound, ObjectStore, PreconditionFailed, StoreError, TimedOut, Unreachable, sent_etag
 from fsmount.data.trailing import TrailingWrites
 
 log = logging.getLogger(__name__)
@@ -100,10 +100,11 @@ ORIGIN_GET_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 1
 RunBlocking = Callable[..., Awaitable[Any]]
 
 
-async def wait_to_retry(exc: Unreachable, backoff: float, until: float, what: str) -> float:
-    """Before a request the origin refused (`exc`) is sent again: sleep `backoff`, or what is left until `until`
-    (trio time), and return the next backoff (doubled, up to UNREACHABLE_RETRY_MAX_S); raise `exc` if no time is
-    left. Start with UNREACHABLE_RETRY_S. Reads (`LevelStack`) and writes (`writes.Writes.call`) both wait so."""
+async def wait_to_retry(exc: StoreError, backoff: float, until: float, what: str) -> float:
+    """Before a request the origin refused or did not answer in time (`exc`) is sent again: sleep `backoff`, or what
+    is left until `until` (trio time), and return the next backoff (doubled, up to UNREACHABLE_RETRY_MAX_S); raise
+    `exc` if no time is left. Start with UNREACHABLE_RETRY_S. Reads (`LevelStack`) and writes (`writes.Writes.call`)
+    both wait so."""
     wait = min(backoff, until - trio.current_time())
     if wait <= 0:
         raise exc
@@ -293,8 +294,8 @@ class LevelStack:
                    retry_until: Callable[[], float], nursery: trio.Nursery | None = None,
                    size: int | None = None) -> tuple[Chunk, int | None]:
         """The chunk and the index of the level that had it (read into `buffer` if given, else a new
-        one), or from the origin with index None. While the origin refuses connections the GET is tried
-        again until `retry_until()` (a deadline on trio's clock, re-read at each try). With a `nursery`, a read
+        one), or from the origin with index None. While the origin refuses connections, or a try timed out, the GET
+        is tried again until `retry_until()` (a deadline on trio's clock, re-read at each try). With a `nursery`, a read
         from a local level is given up after `get_deadline` (the read goes on in a task there). `size`: the object
         size the version was pinned at, which the origin's answer must say (`store.SizeChanged`); the chunk id
         does not carry it, so the levels' interface (get/put by chunk id) does not see it."""
@@ -421,9 +422,13 @@ class LevelStack:
                     data = await self._run_blocking(self.store.get_range, cid.key, cid.etag, cid.offset,
                                                     cid.offset + length, buffer, size, limiter=self._s3_limiter)
                     break
-                except Unreachable as exc:
+                except (Unreachable, TimedOut) as exc:
                     # A restarting origin refuses connections for a moment: a reader that may still wait
-                    # (mmap readers die of a failed READ) waits for it, up to the fetch's deadline.
+                    # (mmap readers die of a failed READ) waits for it, up to the fetch's deadline. A try that timed
+                    # out took --read-timeout: tried again only while a READ waits for the chunk (one that asked
+                    # while it ran), not for read-ahead, nor for the READ whose deadline it outlasted. Tried in the
+                    # store's thread 5 times, as many chunks as --max-connections that stall on every try would
+                    # hold every fetch thread for 10 minutes, and READs of healthy chunks fail meanwhile.
                     self._origin_failures[cid] = (trio.current_time(), exc.message)
                     backoff = await wait_to_retry(exc, backoff, retry_until(), f"chunk {cid.index} of {cid.key!r}")
                 except (PreconditionFailed, NotFound) as exc:

@@ -341,5 +341,6 @@ class ObjectStore(Protocol):
                   size: int | None = None) -> bytes | WritableBuffer:
         """Bytes [start, end) of the object version `etag`; exactly end - start bytes or an error. With
         `buffer` (end - start bytes long) the bytes are read into it and it is returned. `size`: the object size the
-        version was pinned at, which the answer's must be (`SizeChanged` else); None: not checked."""
+        version was pinned at, which the answer's must be (`SizeChanged` else); None: not checked. A try that got
+        no answer in time is `TimedOut` at once, not tried again: the caller knows whether anyone still waits."""
         ...

@@ -20,6 +20,7 @@ from fsmount.data import (
     ObjectVersion,
     PreconditionFailed,
     StoreError,
+    TimedOut,
     TransientError,
     Unreachable,
 )
@@ -641,6 +642,79 @@ async def test_an_unreachable_origin_is_waited_for_until_the_deadline(autojump_c
         stats = engine.levels.stats
         assert (stats.origin_errors, stats.origin_requests) == (int(outcome == "error"), len(attempts))
         assert engine.levels.origin_latency.read()[1] == 1
+
+    await run_engine(engine, body)
+
+
+def timing_out_runner(stalls: dict[int, int], timeout: float):  # noqa: ANN201
+    """Blocking calls run as `virtual_latency_runner`'s, but a GET of chunk i, `stalls[i]` times, takes `timeout`
+    and ends in `TimedOut`, as the store's GET of a head or body that stalled for --read-timeout does."""
+    async def run(fn, *args, limiter):  # noqa: ANN001, ANN202
+        async with limiter:
+            if fn.__name__ == "get_range":
+                index = args[2] // CHUNK
+                if stalls.get(index, 0) > 0:
+                    stalls[index] -= 1
+                    await trio.sleep(timeout)
+                    raise TimedOut(f"GET of chunk {index}: timed out")
+                await trio.sleep(LATENCY)
+            return fn(*args)
+    return run
+
+
+async def test_chunks_that_time_out_on_every_try_hold_no_thread_past_their_reads(autojump_clock,  # noqa: ANN001
+                                                                                 allowed_logs) -> None:
+    """B420: with --max-connections 2, two chunks whose GET times out on every try: their READs fail at their
+    deadline, and their fetches end with the try that outlasted it, so the READ of a healthy chunk waiting for a
+    thread gets one then, and a READ after gets one at once. Tried again for nobody, they held both threads for 5
+    tries of --read-timeout."""
+    allowed_logs.append("fetching chunk .* failed")
+    store = FakeStore()
+    data = put_object(store, "m", 4 * MiB)
+    stalls = {0: 100, 1: 100}
+    engine = ChunkEngine(store, chunk_size=CHUNK, memory_limit=64 * MiB, max_connections=2, read_timeout=10.0,
+                         run_blocking=timing_out_runner(stalls, 10.0))
+    v = version(store, "m")
+
+    async def body() -> None:
+        async def stalled_read(index: int) -> None:
+            with pytest.raises(StoreError, match="timed out after 10s"):
+                await engine.read(v, index * MiB, index * MiB + 100)
+
+        async def healthy_read(index: int) -> None:
+            assert await engine.read(v, index * MiB, index * MiB + 100) == data[index * MiB:index * MiB + 100]
+            assert trio.current_time() == pytest.approx(10 + LATENCY)  # the first thread free
+
+        async with trio.open_nursery() as nursery:
+            for index in (0, 1):
+                nursery.start_soon(stalled_read, index)
+            await trio.sleep(5)
+            nursery.start_soon(healthy_read, 2)
+        start = trio.current_time()
+        assert await engine.read(v, 3 * MiB, 3 * MiB + 100) == data[3 * MiB:3 * MiB + 100]
+        assert trio.current_time() - start == pytest.approx(LATENCY)
+        assert stalls == {0: 99, 1: 99}  # one try each
+        assert engine.stats.fetches_inflight == 0
+
+    await run_engine(engine, body)
+
+
+async def test_a_try_that_timed_out_is_tried_again_while_a_read_waits(autojump_clock) -> None:  # noqa: ANN001
+    """B420: a chunk read ahead whose GET timed out, and that a READ asked for while it ran, is tried again for that
+    READ (until its deadline): the READ gets its bytes, not the timeout of a try begun before it asked."""
+    store = FakeStore()
+    data = put_object(store, "m", 2 * MiB)
+    stalls = {0: 1}
+    engine = ChunkEngine(store, chunk_size=CHUNK, memory_limit=64 * MiB, max_connections=2, read_timeout=10.0,
+                         run_blocking=timing_out_runner(stalls, 10.0))
+    v = version(store, "m")
+
+    async def body() -> None:
+        engine.fetch(v, 0, object())  # read ahead: its first try times out at 10 s
+        await trio.sleep(5)
+        assert await engine.read(v, 0, 100) == data[:100]  # asked at 5 s: its deadline is 15 s
+        assert trio.current_time() == pytest.approx(10 + 0.25 + LATENCY)  # after the backoff, one try more
+        assert stalls == {0: 0}
 
     await run_engine(engine, body)
 

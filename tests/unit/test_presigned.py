@@ -708,7 +708,7 @@ def test_a_whole_object_in_time_leaves_its_kept_connection_with_the_read_timeout
 @pytest.mark.parametrize("connection", ["keep-alive", "close"])
 def test_a_range_sent_slowly_ends_at_the_read_timeout(origin: Origin, connection: str) -> None:
     """B365: a ranged GET (the origin's chunk fetches) whose body comes a few bytes at a time, each packet in time: it
-    ends by the read timeout after the request began (TimedOut, which the store tries again), and its connection is
+    ends by the read timeout after the request began (TimedOut, tried again while a READ waits), and its connection is
     not reused. Without the deadline it took as long as the server (3 s), and held its fetch thread so."""
     def slow(h: Handler, s: int, e: int) -> bool:
         dribble(h, DATA[s:e], 16, 0.05, 3.0, 206, {"Content-Range": f"bytes {s}-{e - 1}/{len(DATA)}",
@@ -956,6 +956,25 @@ def test_the_store_retries_transient_answers_a_bounded_number_of_times(origin: O
     with pytest.raises(PreconditionFailed):
         store.get_range("some key", ETAG, 10, 110)
     assert len(origin.requests) == 1
+
+
+def test_a_range_that_timed_out_is_not_tried_again_by_the_store(origin: Origin,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """B420: a ranged GET that got no answer within the read timeout is `TimedOut` after that one request: whether to
+    try again is the level stack's (while a READ waits for the chunk). The store tried it 5 times in its thread, so a
+    chunk that stalls on every try held its fetch thread for 5 read timeouts."""
+    release = threading.Event()
+    origin.script = lambda h, s, e: release.wait(10) or True
+    store = store_on(origin, monkeypatch, read_timeout=0.5)
+    started = time.monotonic()
+    try:
+        with pytest.raises(TimedOut):
+            store.get_range("k", ETAG, 0, 100)
+    finally:
+        release.set()
+    assert time.monotonic() - started < 0.5 + 0.5
+    assert len(origin.requests) == 1
+    assert store.get_retries == 0
 
 
 def test_no_sign_request_sends_a_plain_url(origin: Origin, monkeypatch: pytest.MonkeyPatch) -> None:

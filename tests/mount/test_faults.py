@@ -445,10 +445,10 @@ def test_a_chunk_sent_slowly_does_not_keep_the_fetch_threads_from_healthy_chunks
     """B365: a chunk's GET whose body came a few bytes at a time, each packet in time for the read timeout, kept its
     fetch thread for as long as the server went on; with --max-connections 2, two of them held both, and a READ of a
     chunk the origin served well got EIO at --read-timeout. A GET's body is now read by the read timeout after the
-    request began: cut there, the GET is tried again (here the second try comes whole), and the threads are free
-    for the healthy chunk's READ within its own timeout. B373: so is the response's head (`DRIBBLE_HEAD`: its status
-    line and headers a few bytes at a time). (--get-client boto3 is not bounded so: RELIABILITY.md's "Not covered
-    yet".)"""
+    request began: cut there, it is not tried again for READs whose deadline it outlasted (B420), and the threads
+    are free for the healthy chunk's READ within its own timeout. B373: so is the response's head (`DRIBBLE_HEAD`:
+    its status line and headers a few bytes at a time). (--get-client boto3 is not bounded so: RELIABILITY.md's "Not
+    covered yet".)"""
     read_timeout = 4.0
     data = random_bytes(4 * MiB, 31)
     bucket = bucket_with(moto_server, {"slow.bin": data})
@@ -476,7 +476,40 @@ def test_a_chunk_sent_slowly_does_not_keep_the_fetch_threads_from_healthy_chunks
             time.sleep(RETRY_GRACE_S)  # a READ sooner after one that failed fails at once (the kernel's re-send)
             read_all_exact(fd, data)
         assert [rule.hits for rule in slow] == [1, 1]
-        assert mount_stats(m.path)["origin"]["retries"] == 2, mount_stats(m.path)["origin"]
+        assert mount_stats(m.path)["origin"]["retries"] == 0, mount_stats(m.path)["origin"]
+
+
+def test_chunks_that_stall_on_every_try_do_not_keep_the_fetch_threads_from_healthy_chunks(
+        moto_server: S3Server, proxy: FaultProxy, mountpoint: Path) -> None:
+    """B420: two chunks whose body comes a few bytes at a time on every try, with --max-connections 2: the store
+    tried each 5 times in its fetch thread, --read-timeout each, after their READs had failed, and a READ of a
+    healthy chunk asked meanwhile got EIO at its own timeout. A try that timed out is tried again only while a READ
+    waits for the chunk: the healthy chunk's READ gets its bytes."""
+    read_timeout = 4.0
+    data = random_bytes(4 * MiB, 32)
+    bucket = bucket_with(moto_server, {"slow.bin": data})
+    args = (*fault_args("--read-timeout", f"{read_timeout:g}"), "--max-connections", "2", "--get-client", "presigned")
+    with mounted_via(proxy, moto_server, bucket, mountpoint, *args, allowed=(FETCH_FAILED, READ_FAILED)) as m:
+        # Every GET of chunk 0 and of chunk 1: 16 bytes every 0.5 s, cut by the read timeout.
+        slow = [proxy.inject(Fault.DRIBBLE, seconds=0.5, range_from=i * MiB) for i in (0, 1)]
+        with opened_random(mountpoint / "slow.bin") as fd:
+            results: dict[int, tuple[bytes | int, float]] = {}
+            readers = [threading.Thread(target=lambda i=i: results.__setitem__(i, timed_pread(fd, MiB, i * MiB)))
+                       for i in (0, 1)]
+            for reader in readers:
+                reader.start()
+            for reader in readers:
+                reader.join()
+            for i, (result, took) in sorted(results.items()):
+                assert result == errno.EIO and took <= failing_read_bound(read_timeout), (i, result, took)
+            time.sleep(RETRY_GRACE_S)  # a READ sooner after one that failed fails at once (the kernel's re-send)
+            healthy, took = timed_pread(fd, MiB, 2 * MiB)
+            assert not isinstance(healthy, int), f"the healthy chunk's READ failed ({healthy}) after {took:.1f}s"
+            assert healthy == data[2 * MiB:3 * MiB], "wrong bytes"
+            assert [rule.hits for rule in slow] == [1, 1]  # one try each: no READ waited for another
+            proxy.clear()
+            read_all_exact(fd, data)
+        assert mount_stats(m.path)["origin"]["retries"] == 0, mount_stats(m.path)["origin"]
 
 
 def test_failing_read_waits_at_most_read_timeout(moto_server: S3Server, proxy: FaultProxy, mountpoint: Path) -> None:

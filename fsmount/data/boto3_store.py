@@ -846,7 +846,13 @@ class Boto3Store:
         kwargs: dict[str, Any] = dict(Bucket=self.bucket, Key=key, Range=f"bytes={start}-{end - 1}")
         if etag and if_match:
             kwargs["IfMatch"] = etag
-        resp = self._client.get_object(**kwargs)
+        # No botocore try of it begins past --read-timeout after the first (`within`): a head not in by then was sent
+        # again BOTO_MAX_ATTEMPTS times in this fetch thread, a read timeout each, where a presigned GET's try is one
+        # (B420: the level stack tries it again, while a READ waits for the chunk).
+        try:
+            resp = within(time.monotonic() + self._cfg.read_timeout, lambda: self._client.get_object(**kwargs))
+        except TimedOut:  # (`_no_try_past_the_deadline`'s; botocore's own timeouts are its exceptions)
+            raise TimedOut(f"{what}: no answer within the read timeout ({self._cfg.read_timeout:g}s)") from None
         content_range = resp.get("ContentRange")
         if content_range and not content_range.startswith(f"bytes {start}-{end - 1}/"):
             raise TransientError(f"{what}: server answered with {content_range!r}")

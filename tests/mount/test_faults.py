@@ -479,19 +479,24 @@ def test_a_chunk_sent_slowly_does_not_keep_the_fetch_threads_from_healthy_chunks
         assert mount_stats(m.path)["origin"]["retries"] == 0, mount_stats(m.path)["origin"]
 
 
+@pytest.mark.parametrize(("client", "fault", "seconds"),
+                         [("presigned", Fault.DRIBBLE, 0.5), ("boto3", Fault.STALL, 100)],
+                         ids=["presigned-body-dribbled", "boto3-head-stalled"])
 def test_chunks_that_stall_on_every_try_do_not_keep_the_fetch_threads_from_healthy_chunks(
-        moto_server: S3Server, proxy: FaultProxy, mountpoint: Path) -> None:
+        moto_server: S3Server, proxy: FaultProxy, mountpoint: Path, client: str, fault: Fault, seconds: float) -> None:
     """B420: two chunks whose body comes a few bytes at a time on every try, with --max-connections 2: the store
     tried each 5 times in its fetch thread, --read-timeout each, after their READs had failed, and a READ of a
     healthy chunk asked meanwhile got EIO at its own timeout. A try that timed out is tried again only while a READ
-    waits for the chunk: the healthy chunk's READ gets its bytes."""
+    waits for the chunk: the healthy chunk's READ gets its bytes. B430: with --get-client boto3 (whose body is bounded
+    per packet only, so its head stalls here), botocore sent a GET whose head did not come in time again in the fetch
+    thread, BOTO_MAX_ATTEMPTS times, as the store did before B420."""
     read_timeout = 4.0
     data = random_bytes(4 * MiB, 32)
     bucket = bucket_with(moto_server, {"slow.bin": data})
-    args = (*fault_args("--read-timeout", f"{read_timeout:g}"), "--max-connections", "2", "--get-client", "presigned")
+    args = (*fault_args("--read-timeout", f"{read_timeout:g}"), "--max-connections", "2", "--get-client", client)
     with mounted_via(proxy, moto_server, bucket, mountpoint, *args, allowed=(FETCH_FAILED, READ_FAILED)) as m:
-        # Every GET of chunk 0 and of chunk 1: 16 bytes every 0.5 s, cut by the read timeout.
-        slow = [proxy.inject(Fault.DRIBBLE, seconds=0.5, range_from=i * MiB) for i in (0, 1)]
+        # Every GET of chunk 0 and of chunk 1: 16 bytes every 0.5 s (or its head held), cut by the read timeout.
+        slow = [proxy.inject(fault, seconds=seconds, range_from=i * MiB) for i in (0, 1)]
         with opened_random(mountpoint / "slow.bin") as fd:
             results: dict[int, tuple[bytes | int, float]] = {}
             readers = [threading.Thread(target=lambda i=i: results.__setitem__(i, timed_pread(fd, MiB, i * MiB)))

@@ -638,9 +638,16 @@ class Namespace:
             parent, _, name = path.rpartition("/")
             if parent in self._lists_under_way:
                 self._asked(path, asked)
+            name_b = name.encode("utf-8", "surrogateescape")
             listing = self._listings.get(parent)
-            if listing is not None and listing.at < asked and name.encode("utf-8", "surrogateescape") in listing:
+            if listing is not None and listing.at < asked and name_b in listing:
                 self._listings.pop(parent, None)
+            kept = self._last_listings.get(parent)
+            if kept is not None and kept.at < asked:
+                # The listing kept for outages (the same dict as the one just dropped, or an expired one) answers `ls`
+                # and lookups only while the origin is away: less this name, as the names kept are (`_found`). Left
+                # in, a file deleted by another writer came back in `ls` and `stat` once the origin was away (B381).
+                kept.pop(name_b, None)
         raise PathError(errno.ENOENT)
 
     def _found(self, path: str, entry: tuple[bool, ObjectMeta | None] | None, asked: float | None = None) -> None:
@@ -667,6 +674,12 @@ class Namespace:
                 # the inode finding so makes it (`refresh`). Left current, it was kept once the kernel forgot it, and
                 # while the origin was away its name resolved as the version found gone (B304).
                 node.supersede()
+        latest = self._latest_file.get(path) if entry is None else None
+        if latest is not None and not (latest in self._nodes and self._nodes[latest].writing):
+            # No version is the path's latest now: `_node_for` takes an older answer (a listing begun before this one)
+            # as news against every version. Left, a listing under way brought back the version found deleted, the
+            # kernel having forgotten it: `stat` found it for the TTL (B380).
+            del self._latest_file[path]
 
     def _known_while_down(self, path: str, exc: BaseException, answered: dict[str, Any]) -> Node | None:
         """While the origin is unreachable, a name the mount already knows keeps resolving: as what the request of

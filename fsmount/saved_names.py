@@ -143,6 +143,11 @@ class SavedNames:
             name = name_b.decode("utf-8", "surrogateescape")
             if newer is not None and newer(name):
                 saved = old.entries.get(name) if old is not None else None
+                if saved is None and old is not None and old.complete:
+                    # Nothing kept of it in a whole listing: that newer answer found it gone (`found` drops the name
+                    # and leaves the listing whole; every other way a name goes unkept marks it not whole, `gone` too).
+                    # Counted as left out, a remount while the origin was away failed `ls` of the directory (B382).
+                    continue
             else:
                 saved = _saved((entry.is_dir, entry.meta))
             if saved is not None:
@@ -193,14 +198,17 @@ class SavedNames:
 
     def gone(self, path: str, etag: str) -> None:
         """A read found the version `etag` of `path` gone from the bucket (replaced or deleted; which is not known):
-        its entry goes, and the listing kept of its directory is no longer the whole of it."""
+        its entry goes, and the listing kept of its directory is no longer the whole of it. So too where nothing is
+        kept of the name: `listed` takes a name missing from a whole listing for one found gone, where this read says
+        only that some version is gone (a listing under way that names a newer one was kept whole without it)."""
         parent, _, name = path.rpartition("/")
         old = self._dirs.get(parent)
         kept = old.entries.get(name) if old is not None else None
-        if old is None or kept is None or kept[3] != etag:
+        if old is None or (kept is not None and kept[3] != etag) or (kept is None and not old.complete):
             return
-        del old.entries[name]
-        self._count -= 1
+        if kept is not None:
+            del old.entries[name]
+            self._count -= 1
         old.complete = False
         self.dirty = True
 

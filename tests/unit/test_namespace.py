@@ -1257,3 +1257,57 @@ async def test_entry_drops_stuck_in_the_kernel_hold_no_other_thread_of_the_mount
         assert not scope.cancelled_caught, "a worker thread waited for the entry drops given up on"
     finally:
         directory_lock.set()
+
+
+# -- a lookup's answer of nothing, the newest about its path ------------------------------------------
+
+async def test_a_listing_begun_before_a_lookup_found_a_file_the_kernel_forgot_deleted_does_not_bring_it_back(
+        autojump_clock: Any) -> None:
+    """A file read an hour ago (the kernel forgot its inode); a listing of its directory finds it, its answer on its
+    way; another writer deletes it, and a lookup, asked after, finds nothing there; then the listing lands. The path
+    still named the forgotten version as its latest (`_latest_file`), which no older answer is news against: the
+    listing made it current again, and `stat` found the deleted file for the TTL (its reads EIO)."""
+    store = FakeStore()
+    store.put("m/w.bin", b"old")
+    store.put("m/other.bin", b"other")
+    answers = LateAnswers()  # answers that land a second after they were asked, once `late`
+    ns = Namespace(store, answers, prefix="", ttl=60)
+    m = await ns.lookup(ROOT_INODE, b"m")
+    ns.forget((await ns.lookup(m.ino, b"w.bin")).ino, 1)  # read, closed, and forgotten by the kernel
+    ns._listings.clear()  # its TTL ran out: the next `ls` lists the bucket
+    answers.late = True
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(ns.listing, m)  # asked now, lands in 1 s
+        await trio.sleep(0.5)
+        answers.late = False
+        del store.objects["m/w.bin"]
+        with pytest.raises(PathError) as exc:
+            await ns.lookup(m.ino, b"w.bin")
+        assert exc.value.errno == errno.ENOENT
+    with pytest.raises(PathError) as exc:
+        await ns.lookup(m.ino, b"w.bin")
+    assert exc.value.errno == errno.ENOENT
+    assert (await ns.lookup(m.ino, b"other.bin")).size == len(b"other")
+
+
+async def test_while_the_origin_is_down_a_listed_file_a_newer_lookup_found_deleted_is_not_served(
+        allowed_logs: list[str]) -> None:
+    """`ls d` kept its listing; another writer deleted `d/f`, and `stat d/f` found nothing there. While the origin was
+    away, the listing kept for outages still named it: `ls d` showed it again, and its lookup resolved it as the
+    deleted version (its size, and its bytes from the NVMe cache)."""
+    allowed_logs.append(ORIGIN_UNAVAILABLE)
+    store = FakeStore()
+    store.put("d/f", b"12345")
+    store.put("d/g", b"123")
+    ns = Namespace(store, call, prefix="", ttl=0)
+    d = await ns.lookup(ROOT_INODE, b"d")
+    assert await names(ns, d.ino) == {b"f": False, b"g": False}
+    del store.objects["d/f"]
+    with pytest.raises(PathError) as exc:
+        await ns.lookup(d.ino, b"f")
+    assert exc.value.errno == errno.ENOENT
+    store.head = store.has_children = store.list_pages = origin_down  # type: ignore[method-assign]
+    assert await names(ns, d.ino) == {b"g": False}
+    with pytest.raises(Unreachable):
+        await ns.lookup(d.ino, b"f")
+    assert (await ns.lookup(d.ino, b"g")).size == 3

@@ -438,3 +438,48 @@ async def test_a_listing_begun_before_a_lookup_found_a_file_deleted_does_not_bri
     assert exc.value.errno == errno.ENOENT
     assert saved.entry("m/w.bin") is None
     assert saved.entry("m/other.bin") == (False, store.meta("m/other.bin"))  # the rest of the listing is kept
+
+
+async def test_a_listing_begun_before_a_lookup_found_a_file_deleted_is_kept_whole_without_it(
+        tmp_path: Path, autojump_clock: object, allowed_logs: list[str]) -> None:
+    """A directory whose listing is kept whole; the next listing of it finds a file, its answer on its way; another
+    writer deletes the file, and a lookup, asked after, finds nothing there; then the listing lands. Its name, newer
+    news than the listing (B351), left the listing kept marked not whole, so a remount while the origin was away
+    failed `ls` of the directory until the origin answered, where what is kept, less the name found gone, is it."""
+    allowed_logs.append(ORIGIN_UNAVAILABLE)
+    store = FakeStore()
+    store.put("m/w.bin", b"old")
+    store.put("m/other.bin", b"other")
+    answers = LateAnswers()  # answers that land a second after they were asked, once `late`
+    saved = SavedNames(str(tmp_path), store.bucket, "")
+    ns = Namespace(store, answers, prefix="", ttl=0, saved=saved)
+    m = await ns.lookup(ROOT_INODE, b"m")
+    await ns.listing(m)  # kept whole
+    answers.late = True
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(ns.listing, m)  # asked now, lands in 1 s
+        await trio.sleep(0.5)
+        answers.late = False
+        del store.objects["m/w.bin"]
+        with pytest.raises(namespace.PathError):
+            await ns.lookup(m.ino, b"w.bin")
+    assert saved.listing("m") == {"other.bin": (False, store.meta("m/other.bin"))}
+    reloaded(saved, tmp_path)
+    ns = started_while_down(store, tmp_path, ttl=60)
+    m = await ns.lookup(ROOT_INODE, b"m")
+    assert [e.name for e in await ns.listing(m)] == [b"other.bin"]
+
+
+def test_a_name_found_gone_then_read_at_an_older_version_is_not_left_out_of_a_later_listing(tmp_path: Path) -> None:
+    """A whole listing kept; a lookup found `f` deleted (left out, the listing still whole), another writer stored it
+    again, and a read of a version older than both was refused, newer news of the name than a listing under way that
+    names the new one. That listing landing, the name missing from the whole listing kept was taken for one found
+    gone: kept whole without `f`, a remount while the origin was away listed the directory without a file it held."""
+    saved = SavedNames(str(tmp_path), "b", "")
+    listed(saved, "d", {"a": file_entry("d/a"), "f": file_entry("d/f")})
+    saved.found("d/f", None)  # a lookup found it deleted
+    saved.gone("d/f", '"older"')  # a descriptor's read of an older version refused (412 or 404: which, unknown)
+    entries = {"a": file_entry("d/a"), "f": file_entry("d/f", etag='"new"')}
+    saved.listed("d", {name.encode(): DirEntry(name.encode(), *entry) for name, entry in entries.items()},
+                 lambda name: name == "f")  # begun before that read's refusal
+    assert saved.listing("d") is None and saved.entry("d/a") == file_entry("d/a")

@@ -111,13 +111,15 @@ class DirEntry:
 
 class Listing(dict[bytes, DirEntry]):
     """A directory's entries by name, as one listing of the bucket gave them; `at` is when that listing
-    began (monotonic): what it says of a file is trusted until `at` + the metadata TTL, not longer."""
+    began (monotonic): what it says of a file is trusted until `at` + the metadata TTL, not longer. `found_gone`: names
+    of it that a lookup, asked after it began, found gone while it was under way (`Namespace._keep`)."""
 
-    __slots__ = ("at",)
+    __slots__ = ("at", "found_gone")
 
     def __init__(self, at: float):
         super().__init__()
         self.at = at
+        self.found_gone: tuple[bytes, ...] = ()
 
 
 @dataclasses.dataclass(slots=True)
@@ -288,6 +290,10 @@ class Namespace:
         self._seq = 0
         # The `_seq` at which each listing under way began, by directory path (`_list`): which changes they need.
         self._lists_under_way: dict[str, list[int]] = {}
+        # Names a lookup found gone while a listing of their directory was under way, and when that lookup was asked
+        # (monotonic), by directory path: a listing begun before leaves them out of what it keeps for outages (`_keep`).
+        # Set by `_ask_bucket`, dropped with the last listing under way of the directory (`_list`).
+        self._gone_while_listed: dict[str, dict[bytes, float]] = {}
 
     # -- inode table ---------------------------------------------------------------------------
 
@@ -636,9 +642,10 @@ class Namespace:
             # only for a listing under way: every ENOENT dated (an `import`'s probes of sys.path) evicted the dates of
             # files that older answers need (`LATEST_ASKED_ENTRIES`).
             parent, _, name = path.rpartition("/")
+            name_b = name.encode("utf-8", "surrogateescape")
             if parent in self._lists_under_way:
                 self._asked(path, asked)
-            name_b = name.encode("utf-8", "surrogateescape")
+                self._gone_while_listed.setdefault(parent, {})[name_b] = asked
             listing = self._listings.get(parent)
             if listing is not None and listing.at < asked and name_b in listing:
                 self._listings.pop(parent, None)
@@ -783,6 +790,12 @@ class Namespace:
         if len(entries) <= LISTING_CACHE_ENTRIES:
             self._listings[path] = entries
             self._last_listings[path] = entries
+            if entries.found_gone:
+                # Kept for outages without the names found gone since it began (B381), as `_ask_bucket` drops them
+                # from one kept before; cached whole, as B351 leaves it (a copy: one listing's state, while the origin
+                # answers). The copy costs a listing's entries again, for a listing a deletion raced only.
+                kept = self._last_listings[path] = Listing(entries.at)
+                kept.update((name_b, entry) for name_b, entry in entries.items() if name_b not in entries.found_gone)
         if self.saved is not None:
             # A name some answer asked after this listing began told of keeps what that answer said (B325).
             self.saved.listed(path, entries,
@@ -832,6 +845,7 @@ class Namespace:
         under_way.append(started)
         try:
             entries = await self._list_pages(path)
+            gone = self._gone_while_listed.get(path)
         except BaseException:
             if under_way == [started]:
                 self._changes.pop(path, None)  # kept for this listing alone, which failed
@@ -840,7 +854,12 @@ class Namespace:
             under_way.remove(started)
             if not under_way:
                 del self._lists_under_way[path]
+                self._gone_while_listed.pop(path, None)
         self._patch(path, entries, started)
+        if gone:
+            # After `_patch`: a change through this mount since such a lookup is newer news (tree_changes `_change`).
+            entries.found_gone = tuple(name_b for name_b, asked in gone.items()
+                                       if asked > entries.at and name_b in entries)
         for name_b, entry in entries.items():
             if not entry.is_dir:
                 self._refresh_known(self._join(path, name_b.decode("utf-8")), entry.meta, entries.at)

@@ -185,6 +185,7 @@ class WritableNamespace(Namespace):
         self._found(self._join(parent, name), (entry.is_dir, entry.meta) if entry is not None else None)
         if parent in self._lists_under_way:
             self._changes.setdefault(parent, {})[name_b] = (self._seq, entry)
+            self._gone_while_listed.get(parent, {}).pop(name_b, None)  # this change is the newer news
         for cache in (self._listings, self._last_listings):
             listing = cache.get(parent)
             if listing is None:

@@ -1290,24 +1290,67 @@ async def test_a_listing_begun_before_a_lookup_found_a_file_the_kernel_forgot_de
     assert (await ns.lookup(m.ino, b"other.bin")).size == len(b"other")
 
 
+@pytest.mark.parametrize("listing", ["kept-before", "landing-after"])
 async def test_while_the_origin_is_down_a_listed_file_a_newer_lookup_found_deleted_is_not_served(
-        allowed_logs: list[str]) -> None:
-    """`ls d` kept its listing; another writer deleted `d/f`, and `stat d/f` found nothing there. While the origin was
-    away, the listing kept for outages still named it: `ls d` showed it again, and its lookup resolved it as the
-    deleted version (its size, and its bytes from the NVMe cache)."""
+        listing: str, autojump_clock: Any, allowed_logs: list[str]) -> None:
+    """`ls d` kept its listing (or one under way landed after), another writer deleted `d/f`, and `stat d/f` found
+    nothing there. While the origin was away, the listing kept for outages still named it: `ls d` showed it again, and
+    its lookup resolved it as the deleted version (its size, and its bytes from the NVMe cache)."""
     allowed_logs.append(ORIGIN_UNAVAILABLE)
     store = FakeStore()
     store.put("d/f", b"12345")
     store.put("d/g", b"123")
-    ns = Namespace(store, call, prefix="", ttl=0)
+    answers = LateAnswers()  # answers that land a second after they were asked, once `late`
+    ns = Namespace(store, answers, prefix="", ttl=0)
     d = await ns.lookup(ROOT_INODE, b"d")
-    assert await names(ns, d.ino) == {b"f": False, b"g": False}
-    del store.objects["d/f"]
-    with pytest.raises(PathError) as exc:
-        await ns.lookup(d.ino, b"f")
-    assert exc.value.errno == errno.ENOENT
+
+    async def found_deleted() -> None:
+        del store.objects["d/f"]
+        with pytest.raises(PathError) as exc:
+            await ns.lookup(d.ino, b"f")
+        assert exc.value.errno == errno.ENOENT
+
+    if listing == "kept-before":
+        assert await names(ns, d.ino) == {b"f": False, b"g": False}
+        await found_deleted()
+    else:
+        answers.late = True
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(ns.listing, d)  # asked now, lands in 1 s
+            await trio.sleep(0.5)
+            answers.late = False
+            await found_deleted()
     store.head = store.has_children = store.list_pages = origin_down  # type: ignore[method-assign]
     assert await names(ns, d.ino) == {b"g": False}
     with pytest.raises(Unreachable):
         await ns.lookup(d.ino, b"f")
     assert (await ns.lookup(d.ino, b"g")).size == 3
+
+
+async def test_while_the_origin_is_down_a_file_this_mount_stored_after_a_lookup_found_it_gone_is_listed(
+        autojump_clock: Any, allowed_logs: list[str]) -> None:
+    """B381's other side: a name found gone while a listing was under way, then stored through this mount before the
+    listing landed, is the newer news: the listing kept for outages names it."""
+    from fsmount.tree_changes import WritableNamespace
+
+    allowed_logs.append(ORIGIN_UNAVAILABLE)
+    store = FakeStore()
+    store.put("d/f", b"12345")
+    store.put("d/g", b"123")
+    answers = LateAnswers()  # answers that land a second after they were asked, once `late`
+    ns = WritableNamespace(store, answers, prefix="", ttl=0)
+    d = await ns.lookup(ROOT_INODE, b"d")
+    answers.late = True
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(ns.listing, d)  # asked now, lands in 1 s
+        await trio.sleep(0.5)
+        answers.late = False
+        del store.objects["d/f"]
+        with pytest.raises(PathError):
+            await ns.lookup(d.ino, b"f")
+        node = ns.begin_file("d/f")
+        store.put("d/f", b"new")
+        ns.end_file(node, store.meta("d/f"))
+    store.head = store.has_children = store.list_pages = origin_down  # type: ignore[method-assign]
+    assert await names(ns, d.ino) == {b"f": False, b"g": False}
+    assert (await ns.lookup(d.ino, b"f")).size == 3

@@ -638,23 +638,25 @@ class Namespace:
             self._negative[path] = True
             # A listing of the directory begun before this answer names a file it found gone: older news of the name.
             # Undated, one under way brought the file back when it landed, looked up and kept in the names kept as the
-            # version found deleted; one that landed first answered the name from the cache for the TTL (B351). Dated
-            # only for a listing under way: every ENOENT dated (an `import`'s probes of sys.path) evicted the dates of
-            # files that older answers need (`LATEST_ASKED_ENTRIES`).
+            # version found deleted; one that landed first answered the name from the cache for the TTL (B351). So is
+            # the last listing kept, if it names the file: a directory handle's snapshot of it handed the kernel the
+            # version found deleted as current, by readdirplus (B383). Dated only then: every ENOENT dated (an
+            # `import`'s probes of sys.path) evicted the dates of files that older answers need
+            # (`LATEST_ASKED_ENTRIES`).
             parent, _, name = path.rpartition("/")
             name_b = name.encode("utf-8", "surrogateescape")
-            if parent in self._lists_under_way:
-                self._asked(path, asked)
-                self._gone_while_listed.setdefault(parent, {})[name_b] = asked
             listing = self._listings.get(parent)
             if listing is not None and listing.at < asked and name_b in listing:
                 self._listings.pop(parent, None)
             kept = self._last_listings.get(parent)
-            if kept is not None and kept.at < asked:
-                # The listing kept for outages (the same dict as the one just dropped, or an expired one) answers `ls`
-                # and lookups only while the origin is away: less this name, as the names kept are (`_found`). Left
-                # in, a file deleted by another writer came back in `ls` and `stat` once the origin was away (B381).
-                kept.pop(name_b, None)
+            # The listing kept for outages (the same dict as the one just dropped, or an expired one) answers `ls` and
+            # lookups only while the origin is away: less this name, as the names kept are (`_found`). Left in, a file
+            # deleted by another writer came back in `ls` and `stat` once the origin was away (B381).
+            named = kept is not None and kept.at < asked and kept.pop(name_b, None) is not None
+            if named or parent in self._lists_under_way:
+                self._asked(path, asked)
+            if parent in self._lists_under_way:
+                self._gone_while_listed.setdefault(parent, {})[name_b] = asked
         raise PathError(errno.ENOENT)
 
     def _found(self, path: str, entry: tuple[bool, ObjectMeta | None] | None, asked: float | None = None) -> None:

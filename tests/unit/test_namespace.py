@@ -1354,3 +1354,30 @@ async def test_while_the_origin_is_down_a_file_this_mount_stored_after_a_lookup_
     store.head = store.has_children = store.list_pages = origin_down  # type: ignore[method-assign]
     assert await names(ns, d.ino) == {b"f": False, b"g": False}
     assert (await ns.lookup(d.ino, b"f")).size == 3
+
+
+async def test_a_directory_handle_opened_before_a_lookup_found_a_file_deleted_never_hands_it_out_as_current(
+        allowed_logs: list[str]) -> None:
+    """`ls -l` (or a walk) whose opendir came before another writer deleted `d/f`, its readdirplus after a lookup
+    found `f` gone: the lookup's answer of nothing was dated only while a listing was under way, so the handle's
+    snapshot made the deleted version current again (the path's latest); once the kernel forgot it, a lookup while the
+    origin was away resolved it from the node kept."""
+    allowed_logs.append(ORIGIN_UNAVAILABLE)
+    store = FakeStore()
+    store.put("d/f", b"12345")
+    store.put("d/g", b"123")
+    ns = Namespace(store, call, prefix="", ttl=60.0)
+    d = await ns.lookup(ROOT_INODE, b"d")
+    entries, listed_at = await ns.open_dir(d.ino)  # opendir: the snapshot names f
+    del store.objects["d/f"]
+    ns._listings.clear()  # its TTL ran out: the next lookup asks the bucket
+    with pytest.raises(PathError):
+        await ns.lookup(d.ino, b"f")
+    handed = ns.entry_node(ns.node(d.ino), next(e for e in entries if e.name == b"f"), listed_at)  # readdirplus
+    ns.entry_taken(handed)
+    assert handed.superseded, "the deleted version handed out as current"
+    ns.forget(handed.ino, 1)
+    ns._negative.clear()  # the lookup's TTL ran out too
+    store.head = store.has_children = store.list_pages = origin_down  # type: ignore[method-assign]
+    with pytest.raises(Unreachable):
+        await ns.lookup(d.ino, b"f")

@@ -112,7 +112,8 @@ class DirEntry:
 class Listing(dict[bytes, DirEntry]):
     """A directory's entries by name, as one listing of the bucket gave them; `at` is when that listing
     began (monotonic): what it says of a file is trusted until `at` + the metadata TTL, not longer. `found_gone`: names
-    of it that a lookup, asked after it began, found gone while it was under way (`Namespace._keep`)."""
+    of it that an answer asked after it began (a lookup's, a HEAD of an inode's) found gone while it was under way
+    (`Namespace._keep`)."""
 
     __slots__ = ("at", "found_gone")
 
@@ -273,7 +274,8 @@ class Namespace:
         self._skips_logged: cachetools.LRUCache[str, bool] = cachetools.LRUCache(SKIP_LOG_MEMORY)
         self._stale_logged = False
         self._denied_logged = False  # a HEAD of a known file refused (`refresh`) was logged as a warning
-        # The same listing dicts as `_listings`, kept past their TTL for outages (no extra copies).
+        # The same listing dicts as `_listings`, kept past their TTL for outages (no extra copies, but for a listing
+        # that an answer of nothing raced: `_keep`).
         self._last_listings: cachetools.LRUCache[str, Listing] = cachetools.LRUCache(
             maxsize=LISTING_CACHE_ENTRIES, getsizeof=lambda entries: max(1, len(entries)))
         # Changes made through this mount (see the module's rules).
@@ -290,9 +292,9 @@ class Namespace:
         self._seq = 0
         # The `_seq` at which each listing under way began, by directory path (`_list`): which changes they need.
         self._lists_under_way: dict[str, list[int]] = {}
-        # Names a lookup found gone while a listing of their directory was under way, and when that lookup was asked
+        # Names an answer found gone while a listing of their directory was under way, and when that answer was asked
         # (monotonic), by directory path: a listing begun before leaves them out of what it keeps for outages (`_keep`).
-        # Set by `_ask_bucket`, dropped with the last listing under way of the directory (`_list`).
+        # Set by `_gone_from_listings`, dropped with the last listing under way of the directory (`_list`).
         self._gone_while_listed: dict[str, dict[bytes, float]] = {}
 
     # -- inode table ---------------------------------------------------------------------------
@@ -455,6 +457,8 @@ class Namespace:
             self._supersede(node)
             # Kept as it was, a remount while the origin is away served the version this HEAD found gone.
             self._found(node.path, (False, meta) if meta is not None else None, asked)
+            if meta is None and asked >= self._latest_asked.get(node.path, 0.0):
+                self._gone_from_listings(node.path, asked)
             return node
         if node.held_again(asked):
             self._latest_file[node.path] = node.ino
@@ -636,28 +640,33 @@ class Namespace:
             # Not when a newer answer about the path is known (a HEAD of its inode, this mount's write of it): cached,
             # this older one made the path ENOENT for the TTL, a file the newest answer found there (B307).
             self._negative[path] = True
-            # A listing of the directory begun before this answer names a file it found gone: older news of the name.
-            # Undated, one under way brought the file back when it landed, looked up and kept in the names kept as the
-            # version found deleted; one that landed first answered the name from the cache for the TTL (B351). So is
-            # the last listing kept, if it names the file: a directory handle's snapshot of it handed the kernel the
-            # version found deleted as current, by readdirplus (B383). Dated only then: every ENOENT dated (an
-            # `import`'s probes of sys.path) evicted the dates of files that older answers need
-            # (`LATEST_ASKED_ENTRIES`).
-            parent, _, name = path.rpartition("/")
-            name_b = name.encode("utf-8", "surrogateescape")
-            listing = self._listings.get(parent)
-            if listing is not None and listing.at < asked and name_b in listing:
-                self._listings.pop(parent, None)
-            kept = self._last_listings.get(parent)
-            # The listing kept for outages (the same dict as the one just dropped, or an expired one) answers `ls` and
-            # lookups only while the origin is away: less this name, as the names kept are (`_found`). Left in, a file
-            # deleted by another writer came back in `ls` and `stat` once the origin was away (B381).
-            named = kept is not None and kept.at < asked and kept.pop(name_b, None) is not None
-            if named or parent in self._lists_under_way:
-                self._asked(path, asked)
-            if parent in self._lists_under_way:
-                self._gone_while_listed.setdefault(parent, {})[name_b] = asked
+            self._gone_from_listings(path, asked)
         raise PathError(errno.ENOENT)
+
+    def _gone_from_listings(self, path: str, asked: float) -> None:
+        """An answer asked at `asked` (monotonic), the newest about `path`, found nothing there (a lookup's, a HEAD of
+        its inode's): the listings of its directory begun before no longer say what the bucket holds of it."""
+        # A listing of the directory begun before this answer names a file it found gone: older news of the name.
+        # Undated, one under way brought the file back when it landed, looked up and kept in the names kept as the
+        # version found deleted; one that landed first answered the name from the cache for the TTL (B351). So is
+        # the last listing kept, if it names the file: a directory handle's snapshot of it handed the kernel the
+        # version found deleted as current, by readdirplus (B383). Dated only then: every ENOENT dated (an
+        # `import`'s probes of sys.path) evicted the dates of files that older answers need (`LATEST_ASKED_ENTRIES`).
+        parent, _, name = path.rpartition("/")
+        name_b = name.encode("utf-8", "surrogateescape")
+        listing = self._listings.get(parent)
+        if listing is not None and listing.at < asked and name_b in listing:
+            self._listings.pop(parent, None)
+        kept = self._last_listings.get(parent)
+        # The listing kept for outages (the same dict as the one just dropped, or an expired one) answers `ls` and
+        # lookups only while the origin is away: less this name, as the names kept are (`_found`). Left in, a file
+        # deleted by another writer came back in `ls` and `stat` once the origin was away (B381; found by a HEAD of
+        # its inode, B450).
+        named = kept is not None and kept.at < asked and kept.pop(name_b, None) is not None
+        if named or parent in self._lists_under_way:
+            self._asked(path, asked)
+        if parent in self._lists_under_way:
+            self._gone_while_listed.setdefault(parent, {})[name_b] = asked
 
     def _found(self, path: str, entry: tuple[bool, ObjectMeta | None] | None, asked: float | None = None) -> None:
         """What the bucket (or a change through this mount) says is at `path` now, for the names kept: a directory

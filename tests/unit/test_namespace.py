@@ -1381,3 +1381,39 @@ async def test_a_directory_handle_opened_before_a_lookup_found_a_file_deleted_ne
     store.head = store.has_children = store.list_pages = origin_down  # type: ignore[method-assign]
     with pytest.raises(Unreachable):
         await ns.lookup(d.ino, b"f")
+
+
+@pytest.mark.parametrize("listing", ["kept-before", "landing-after"])
+async def test_while_the_origin_is_down_a_listed_file_a_head_of_its_inode_found_deleted_is_not_listed(
+        listing: str, autojump_clock: Any, allowed_logs: list[str]) -> None:
+    """B381 by the other way a name is found gone: `d/f` held open (a descriptor's fstat, a GETATTR past the TTL: a
+    HEAD of its inode, `refresh`) after another writer deleted it. The listing kept for outages still named it: while
+    the origin was away, `ls d` listed the deleted file."""
+    allowed_logs.append(ORIGIN_UNAVAILABLE)
+    store = FakeStore()
+    store.put("d/f", b"12345")
+    store.put("d/g", b"123")
+    answers = LateAnswers()  # answers that land a second after they were asked, once `late`
+    ns = Namespace(store, answers, prefix="", ttl=0)
+    d = await ns.lookup(ROOT_INODE, b"d")
+    f = await ns.lookup(d.ino, b"f")  # held open
+    f.fresh_until = f.confirmed_at = 0.0  # its TTL is over: the next GETATTR asks
+
+    async def found_deleted() -> None:
+        del store.objects["d/f"]
+        assert (await ns.refresh(f)).superseded
+
+    if listing == "kept-before":
+        assert await names(ns, d.ino) == {b"f": False, b"g": False}
+        await found_deleted()
+    else:
+        answers.late = True
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(ns.listing, d)  # asked now, lands in 1 s
+            await trio.sleep(0.5)
+            answers.late = False
+            await found_deleted()
+    store.head = store.has_children = store.list_pages = origin_down  # type: ignore[method-assign]
+    assert await names(ns, d.ino) == {b"g": False}
+    with pytest.raises(Unreachable):
+        await ns.lookup(d.ino, b"f")

@@ -27,6 +27,10 @@ from fsmount.namespace import DirEntry, Namespace, Node, PathError, child_name, 
 
 # Files whose store time is kept (`_stored_at`), the most recent: a checkpoint run's, many times over.
 STORED_AT_ENTRIES = 20_000
+# The longest key a bucket takes, in UTF-8 bytes: S3's limit, and SeaweedFS's and MinIO's (OSS's is 1023). A longer
+# one was refused only when its bytes were sent (KeyTooLongError): EIO at a write or at the close, which
+# safetensors' `save_file` drops, returning as if the checkpoint were stored.
+MAX_KEY_BYTES = 1024
 
 
 class WritableNamespace(Namespace):
@@ -36,13 +40,18 @@ class WritableNamespace(Namespace):
         # nodes, as the kernel forgets inodes meanwhile (with --metadata-ttl 0 at once). Bounded, oldest first out.
         self._stored_at: cachetools.LRUCache[tuple[str, str], int] = cachetools.LRUCache(STORED_AT_ENTRIES)
 
-    def child_path(self, parent: Node, name_b: bytes) -> str:
+    def child_path(self, parent: Node, name_b: bytes, is_dir: bool = False) -> str:
         """The path of a new entry `name_b` of `parent`; refused (EINVAL) where the read side would skip
-        the name, so that nothing this mount writes is invisible to it."""
+        the name, so that nothing this mount writes is invisible to it, and (ENAMETOOLONG) where its key, or a
+        directory's marker key, is longer than a bucket takes, before anything is written."""
         name = child_name(parent, name_b, errno.EINVAL)
         if invalid_segment_reason(name) is not None or "/" in name:
             raise PathError(errno.EINVAL)
-        return self._join(parent.path, name)
+        path = self._join(parent.path, name)
+        key = self.dir_key(path) if is_dir else self.key_of(path)
+        if len(key.encode("utf-8", "surrogateescape")) > MAX_KEY_BYTES:
+            raise PathError(errno.ENAMETOOLONG)
+        return path
 
     def _node_for(self, path: str, is_dir: bool, meta: ObjectMeta | None, as_of: float | None = None) -> Node:
         """As `Namespace._node_for`, but the modification time of a file this mount stored never steps back: it

@@ -600,7 +600,7 @@ class Writes:
     # -- directories and names -------------------------------------------------------------------
 
     async def mkdir(self, parent: Node, name: bytes) -> Node:
-        path = self.ns.child_path(parent, name)
+        path = self.ns.child_path(parent, name, is_dir=True)
         is_file, is_dir = await self._in_bucket(path, file=True, directory=True)
         if is_file:
             self._refuse_beside(path, False, errno.EEXIST)
@@ -665,7 +665,7 @@ class Writes:
     async def rename(self, node: Node, new_parent: Node, new_name: bytes, target: Node | None, flags: int) -> None:
         if flags & RENAME_EXCHANGE:
             raise PathError(errno.EINVAL)
-        path = self.ns.child_path(new_parent, new_name)
+        path = self.ns.child_path(new_parent, new_name, is_dir=node.is_dir)
         if target is not None:
             if flags & RENAME_NOREPLACE:
                 raise PathError(errno.EEXIST)

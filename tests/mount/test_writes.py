@@ -1156,6 +1156,29 @@ def test_names_the_read_side_would_skip_are_refused(s3: S3Server, mountpoint: Pa
     delete_bucket(s3, bucket)
 
 
+def test_a_key_longer_than_a_bucket_takes_is_refused_before_anything_is_written(s3: S3Server,
+                                                                                mountpoint: Path) -> None:
+    """A checkpoint under a deep run directory whose key passes 1024 bytes: SeaweedFS (as S3) refused it only at the
+    upload (EIO at a write or the close, which `save_file` drops: it returned and nothing was stored), and moto stored
+    a key S3 would refuse. The create, mkdir or rename is ENAMETOOLONG; a key of exactly 1024 bytes is stored."""
+    bucket = new_bucket(s3)
+    deep = "a" * 250 + "/" + "b" * 250 + "/" + "c" * 250 + "/" + "d" * 250  # its marker key: 1004 bytes
+    with mounted(s3, bucket, mountpoint, *WRITABLE):
+        os.makedirs(mountpoint / deep)
+        (mountpoint / deep / ("f" * 20)).write_bytes(b"1024")  # a key of 1024 bytes
+        os.mkdir(mountpoint / deep / ("g" * 19))  # a marker key of 1024 bytes
+        for attempt in (lambda: open(mountpoint / deep / ("h" * 21), "wb"),
+                        lambda: os.mkdir(mountpoint / deep / ("i" * 20)),
+                        lambda: os.rename(mountpoint / deep / ("f" * 20), mountpoint / deep / ("j" * 21))):
+            with pytest.raises(OSError) as info:
+                attempt()
+            assert info.value.errno == errno.ENAMETOOLONG
+        assert sorted(os.listdir(mountpoint / deep)) == ["f" * 20, "g" * 19]
+    assert keys(s3, bucket) == {"a" * 250 + "/": 0, deep[:501] + "/": 0, deep[:752] + "/": 0, deep + "/": 0,
+                                deep + "/" + "f" * 20: 4, deep + "/" + "g" * 19 + "/": 0}
+    delete_bucket(s3, bucket)
+
+
 def test_a_file_being_written_shows_its_last_writes_time(s3: S3Server, mountpoint: Path) -> None:
     """`ls -l`/`stat` of a checkpoint being written: its size so far and, as on a local disk, the time it last grew.
     Its mtime stayed at its create, so a watcher saw a file that grew and never changed."""

@@ -608,14 +608,16 @@ def check_bucket(cfg: MountConfig) -> None:
     """The bucket can be listed, or the origin does not answer and the cache dir knows names of it (saved_names.py):
     a node restarted during an outage serves what its NVMe cache holds."""
     endpoint_url = cfg.store.endpoint_url
+    origin = origin_identity(endpoint_url, cfg.store.region or "")
     try:
         store = Boto3Store(cfg.store, preflight=True)
         endpoint_url = store.configured_endpoint_url  # also one the AWS configuration gives
+        origin = origin_identity(endpoint_url, store.region)
         warn_path_style(endpoint_url, cfg.store.addressing_style, "--addressing-style")
         store.check_bucket(cfg.store.prefix)
         empty = bool(cfg.store.prefix) and not cfg.writable and not store.has_children(cfg.store.prefix)
     except (Unreachable, TransientError) as exc:
-        known = load_saved_names(cfg)
+        known = load_saved_names(cfg, origin)
         if known is None:
             raise MountError(exc.message) from None
         if not len(known):
@@ -638,11 +640,12 @@ def check_bucket(cfg: MountConfig) -> None:
                     cfg.store.prefix)
 
 
-def load_saved_names(cfg: MountConfig) -> SavedNames | None:
-    """The names the cache dir keeps of this bucket and prefix; None without a cache dir."""
+def load_saved_names(cfg: MountConfig, origin: str) -> SavedNames | None:
+    """The names the cache dir keeps of this bucket and prefix at `origin` (shared_tier.origin_identity); None without
+    a cache dir."""
     if cfg.cache_dir is None:
         return None
-    saved = SavedNames(cfg.cache_dir, cfg.store.bucket, cfg.store.prefix)
+    saved = SavedNames(cfg.cache_dir, cfg.store.bucket, cfg.store.prefix, origin)
     saved.load()
     return saved
 
@@ -1030,7 +1033,8 @@ class Daemon:
                                   max_connections=cfg.store.max_connections, read_timeout=cfg.store.read_timeout,
                                   levels=levels)
         self.writes: Writes | None = None
-        self.saved_names = load_saved_names(cfg)
+        self.saved_names = load_saved_names(cfg, origin_identity(self.store.configured_endpoint_url,
+                                                                 self.store.region))
         if cfg.writable:
             namespace = WritableNamespace(self.store, self._store_call, prefix=cfg.store.prefix, ttl=cfg.metadata_ttl,
                                           saved=self.saved_names)

@@ -9,12 +9,12 @@ NVMe cache holds under its ETag, so nothing is served that the bucket did not ho
 where it would answer from an expired listing: while the origin does not answer (`Namespace._known_while_down`,
 `Namespace._listing`). Once it answers, what it says replaces them.
 
-One file per bucket and prefix, `<cache dir>/names/<digest>.json` (0600 in a 0700 directory: key names can say what
-a bucket holds), written whole (a temp file, then a rename) by `save` in a worker thread, at most every SAVE_EVERY_S
-while something changed, and once more at unmount. Bounded by SAVED_ENTRIES: the directories used least recently (a
-listing, a lookup, a change) go first; a directory of more than SAVED_DIR_ENTRIES is not kept (a dataset's, not a
-model's). A file that cannot be read is logged and left out: the mount then knows what the origin tells it, as
-without a cache dir.
+One file per origin, bucket and prefix, `<cache dir>/names/<digest>.json` (0600 in a 0700 directory: key names can say
+what a bucket holds), written whole (a temp file, then a rename) by `save` in a worker thread, at most every
+SAVE_EVERY_S while something changed, and once more at unmount. Bounded by SAVED_ENTRIES: the directories used least
+recently (a listing, a lookup, a change) go first; a directory of more than SAVED_DIR_ENTRIES is not kept (a
+dataset's, not a model's). A file that cannot be read is logged and left out: the mount then knows what the origin
+tells it, as without a cache dir.
 
 Rules between tasks: every method but `save` runs in the trio thread; `save`s, in worker threads, write one at a time
 (`_writing`), never an older snapshot over a newer one (`Snapshot.generation`, `_written` under `_writing`). A
@@ -66,9 +66,12 @@ class Listed(Protocol):
     meta: ObjectMeta | None
 
 
-def names_file(cache_dir: str, bucket: str, prefix: str) -> str:
-    """Its name is 32 hex digits and `.json` (cache_dir.sweep_saved_names, of `modelfs cache clear`, goes by it)."""
-    digest = hashlib.sha256(f"{bucket}\0{prefix}".encode("utf-8", "surrogateescape")).hexdigest()[:32]
+def names_file(cache_dir: str, bucket: str, prefix: str, origin: str = "") -> str:
+    """Its name is 32 hex digits and `.json` (cache_dir.sweep_saved_names, of `modelfs cache clear`, goes by it).
+    `origin` (shared_tier.origin_identity): a bucket of the same name on another server (a typo in the endpoint, a
+    staging server) is another bucket, whose names a mount started while it does not answer must not serve."""
+    named = f"{origin}\0{bucket}\0{prefix}" if origin else f"{bucket}\0{prefix}"
+    digest = hashlib.sha256(named.encode("utf-8", "surrogateescape")).hexdigest()[:32]
     return os.path.join(cache_dir, NAMES_DIR, digest + ".json")
 
 
@@ -94,12 +97,12 @@ class Snapshot:
 
 
 class SavedNames:
-    def __init__(self, cache_dir: str, bucket: str, prefix: str):
-        self.path = names_file(cache_dir, bucket, prefix)
+    def __init__(self, cache_dir: str, bucket: str, prefix: str, origin: str = ""):
+        self.path = names_file(cache_dir, bucket, prefix, origin)
         self._writing = threading.Lock()  # `save`'s, across worker threads
         self._taken = 0  # snapshots taken (trio thread): each one's generation
         self._written = 0  # the generation of the snapshot in the file (under `_writing`)
-        self.bucket, self.prefix = bucket, prefix
+        self.bucket, self.prefix, self.origin = bucket, prefix, origin
         self._dirs: dict[str, SavedDir] = {}  # least recently used first (`_used`)
         self._count = 0
         self.dirty = False
@@ -112,7 +115,8 @@ class SavedNames:
         try:
             with open(self.path, "rb") as f:
                 doc = json.load(f)
-            if doc.get("format") != FORMAT or doc.get("bucket") != self.bucket or doc.get("prefix") != self.prefix:
+            if doc.get("format") != FORMAT or doc.get("bucket") != self.bucket or doc.get("prefix") != self.prefix \
+                    or doc.get("origin", "") != self.origin:
                 raise ValueError("not this mount's")
             dirs = {str(path): SavedDir(bool(complete), {str(name): (bool(e[0]), str(e[1]), int(e[2]), str(e[3]),
                                                                      int(e[4])) for name, e in entries.items()})
@@ -256,7 +260,8 @@ class SavedNames:
     def save(self, snapshot: Snapshot) -> None:
         """Write a snapshot (a worker thread): a temp file, then a rename, so a crash leaves the old file or the
         new one; nothing if the file holds a newer one already. Raises OSError (a full disk, a removed cache dir)."""
-        doc = {"format": FORMAT, "bucket": self.bucket, "prefix": self.prefix, "dirs": snapshot.dirs}
+        doc = {"format": FORMAT, "bucket": self.bucket, "prefix": self.prefix, "origin": self.origin,
+               "dirs": snapshot.dirs}
         data = json.dumps(doc, separators=(",", ":")).encode()
         # One write of the temp file at a time: a save given up on (its thread abandoned: the loop's, cancelled as a
         # task of the mount failed) may still be writing when the end's save starts (B140). And never an older

@@ -46,6 +46,7 @@ from tests.helpers import (
     run_modelfs,
     sha,
     tmpfs,
+    unmount,
     wait_for,
     warning_lines,
 )
@@ -646,3 +647,24 @@ def test_copies_a_killed_writable_mount_left_are_shown_cleared_and_swept_by_the_
     with mounted(moto_server, bucket, mountpoint, *cache_args(cache)) as m:
         assert not left.exists()
     assert re.search(r"removed 1 copy of a file \(3\.00 MiB\) that a --writable mount left in writes/", m.log())
+
+
+def test_a_mount_of_another_origin_that_does_not_answer_is_not_served_this_origin_s_names(s3: S3Server,
+                                                                                          mountpoint: Path,
+                                                                                          tmp_path: Path) -> None:
+    """The names a cache dir keeps serve a remount while the origin does not answer, but they were kept by bucket and
+    prefix alone: a mount of a bucket of the same name on another server (a typo in --endpoint-url, a staging
+    server) that did not answer came up, one warning, showing this server's tree and serving its cached bytes as
+    that bucket's. Now it fails as without a cache dir (the same origin down: test_faults.py)."""
+    bucket = new_bucket(s3)
+    put_objects(s3, bucket, {"m/config.json": b'{"a": 1}'})
+    cache = tmp_path / "cache"
+    with mounted(s3, bucket, mountpoint, "--cache-dir", str(cache)):
+        assert (mountpoint / "m" / "config.json").read_bytes() == b'{"a": 1}'
+    try:
+        res = run_modelfs("mount", bucket, str(mountpoint), "--endpoint-url", "http://127.0.0.1:1", "--cache-dir",
+                          str(cache), env=daemon_env(s3))
+        assert res.returncode == 1 and not os.path.ismount(mountpoint), res.stderr
+        assert "keeps no name of this bucket and prefix" in res.stderr, res.stderr
+    finally:
+        unmount(mountpoint)

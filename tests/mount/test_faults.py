@@ -807,12 +807,13 @@ def test_a_task_of_the_mount_that_fails_saves_the_names_it_learnt(moto_server: S
     """A task of the mount that fails ends the session (B127, B128) but ran none of a clean end's drains: the names
     learnt since the last round (every SAVE_EVERY_S) were not saved to the cache dir, so a remount while the origin
     is away did not find them (B140). They are saved now, and the daemon still exits on the error."""
+    from fsmount.data import origin_identity
     from fsmount.saved_names import SAVE_EVERY_S, names_file
 
     wrap, fail_now = failing_task(tmp_path)
     bucket = bucket_with(moto_server, {"d/a.bin": b"a", "d/b.bin": b"b"})
     cache = tmp_path / "cache"
-    names = Path(names_file(str(cache), bucket, ""))
+    names = Path(names_file(str(cache), bucket, "", origin_identity(moto_server.endpoint_url, "")))
     start = time.monotonic()
     with mounted(moto_server, bucket, mountpoint, "--cache-dir", str(cache), check_log=False, wrap=wrap) as m:
         assert sorted(os.listdir(mountpoint / "d")) == ["a.bin", "b.bin"]

@@ -70,8 +70,7 @@ def names_file(cache_dir: str, bucket: str, prefix: str, origin: str = "") -> st
     """Its name is 32 hex digits and `.json` (cache_dir.sweep_saved_names, of `modelfs cache clear`, goes by it).
     `origin` (shared_tier.origin_identity): a bucket of the same name on another server (a typo in the endpoint, a
     staging server) is another bucket, whose names a mount started while it does not answer must not serve."""
-    named = f"{origin}\0{bucket}\0{prefix}" if origin else f"{bucket}\0{prefix}"
-    digest = hashlib.sha256(named.encode("utf-8", "surrogateescape")).hexdigest()[:32]
+    digest = hashlib.sha256(f"{origin}\0{bucket}\0{prefix}".encode("utf-8", "surrogateescape")).hexdigest()[:32]
     return os.path.join(cache_dir, NAMES_DIR, digest + ".json")
 
 

@@ -27,9 +27,9 @@ from fsmount.namespace import DirEntry, Namespace, Node, PathError, child_name, 
 
 # Files whose store time is kept (`_stored_at`), the most recent: a checkpoint run's, many times over.
 STORED_AT_ENTRIES = 20_000
-# The longest key a bucket takes, in UTF-8 bytes: S3's limit, and SeaweedFS's and MinIO's (OSS's is 1023). A longer
-# one was refused only when its bytes were sent (KeyTooLongError): EIO at a write or at the close, which
-# safetensors' `save_file` drops, returning as if the checkpoint were stored.
+# The longest key a bucket takes, in UTF-8 bytes: S3's limit, and SeaweedFS's and MinIO's (OSS's is 1023). The bucket
+# refuses a longer one only when its bytes are sent (KeyTooLongError): EIO at a write or at the close, which
+# safetensors' `save_file` drops, returning as if the checkpoint were stored; so it is refused at its create.
 MAX_KEY_BYTES = 1024
 
 

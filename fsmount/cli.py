@@ -365,6 +365,11 @@ def build_config(args: argparse.Namespace) -> MountConfig:
         raise ConfigError("-o ro and writable contradict each other: drop one")
     if args.cache_dir == "" or args.log_file == "":
         raise ConfigError(f"--{'cache-dir' if args.cache_dir == '' else 'log-file'} is empty: give a path")
+    if args.log_file == "-":
+        # Not stdout's name here: the daemon wrote its log to a file named "-" in its working directory (`/` under
+        # systemd), and the journal got nothing.
+        raise ConfigError("--log-file - is not stderr: leave --log-file out to log to stderr with --foreground (the "
+                          "journal under systemd), to syslog in the background; or give a file's path")
     if args.cache_size is not None and args.cache_dir is None:
         raise ConfigError("--cache-size needs --cache-dir: without a cache directory no chunk is kept on disk")
     if args.cache_size is not None and args.cache_size.fraction is None and args.cache_size.bytes < args.chunk_size:

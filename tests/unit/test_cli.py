@@ -258,6 +258,16 @@ def test_ro_and_writable_together_are_refused() -> None:
         build_config(both)
 
 
+def test_a_log_file_named_dash_is_refused_not_made() -> None:
+    """`--log-file -` (stderr's name to many tools) logged to a file named "-" in the daemon's working directory (`/`
+    under systemd), and nothing reached the journal."""
+    for argv in (["--log-file", "-"], ["-o", "log_file=-"]):
+        with pytest.raises(ConfigError, match="--log-file - is not stderr: leave --log-file out"):
+            build_config(make_parser().parse_args(expand_mount_options(["mount", "b", "/m", *argv])))
+    assert build_config(make_parser().parse_args(["mount", "b", "/m", "--log-file", "./-x"])).log_file \
+        == os.path.abspath("-x")
+
+
 def test_cache_options_that_would_do_nothing_are_refused() -> None:
     """--cache-size without --cache-dir, or too small for one chunk, used to be accepted and keep nothing."""
     def cfg(*flags: str):  # noqa: ANN202

@@ -622,7 +622,7 @@ def check_bucket(cfg: MountConfig) -> None:
             raise MountError(exc.message) from None
         if not len(known):
             raise MountError(f"{exc.message} (and cache dir {cfg.cache_dir} keeps no name of this bucket and prefix "
-                             "to mount with until it answers)") from None
+                             f"at {origin} to mount with until it answers)") from None
         log.warning("origin unavailable (%s): mounting with the names cache dir %s kept of %d directories; what its "
                     "NVMe cache holds of them is served until the origin answers", exc.message, cfg.cache_dir,
                     len(known))

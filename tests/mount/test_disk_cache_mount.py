@@ -665,6 +665,6 @@ def test_a_mount_of_another_origin_that_does_not_answer_is_not_served_this_origi
         res = run_modelfs("mount", bucket, str(mountpoint), "--endpoint-url", "http://127.0.0.1:1", "--cache-dir",
                           str(cache), env=daemon_env(s3))
         assert res.returncode == 1 and not os.path.ismount(mountpoint), res.stderr
-        assert "keeps no name of this bucket and prefix" in res.stderr, res.stderr
+        assert "keeps no name of this bucket and prefix at http://127.0.0.1:1 to mount" in res.stderr, res.stderr
     finally:
         unmount(mountpoint)

@@ -360,6 +360,13 @@ def _joined_negative_values(argv: list[str]) -> list[str]:
     return out
 
 
+def _local_path(path: str) -> str:
+    """A path flag's value, absolute (the daemon works from /: it must not keep a directory of the caller's busy),
+    with `~` expanded: the shell leaves it in `--cache-dir=~/cache` and in fstab's options, and the cache went to a
+    directory named `~` in the caller's working directory (`/~` at boot)."""
+    return os.path.abspath(os.path.expanduser(path))
+
+
 def build_config(args: argparse.Namespace) -> MountConfig:
     if args.mount_ro and args.writable:
         raise ConfigError("-o ro and writable contradict each other: drop one")
@@ -384,13 +391,12 @@ def build_config(args: argparse.Namespace) -> MountConfig:
         file_mode=_default(args.file_mode, 0o644 if args.writable else 0o444),
         dir_mode=_default(args.dir_mode, 0o755 if args.writable else 0o555), allow_other=args.allow_other,
         allow_non_empty=args.allow_non_empty, metadata_ttl=args.metadata_ttl, log_level=args.log_level,
-        # Absolute: the daemon works from / (it must not keep a directory of the caller's busy).
-        log_file=os.path.abspath(args.log_file) if args.log_file else None, chunk_size=args.chunk_size,
+        log_file=_local_path(args.log_file) if args.log_file else None, chunk_size=args.chunk_size,
         memory_limit=args.memory_limit if args.memory_limit is not None else
         max(default_memory_limit(), 4 * args.chunk_size),  # a tiny pod: the least the daemon works with
         max_readahead=args.max_readahead, kernel_readahead=args.kernel_readahead,
         fuse_max_background=args.fuse_max_background,
-        cache_dir=os.path.abspath(args.cache_dir) if args.cache_dir else None,
+        cache_dir=_local_path(args.cache_dir) if args.cache_dir else None,
         cache_size=_default(args.cache_size, parse_cache_size("80%")), model_streaming=not args.no_model_streaming,
         pagecache_push_limit=args.pagecache_push_limit, metrics_addr=args.metrics_addr,
         shared_cache=shared_cache_config(args), writable=args.writable, allow_overwrite=args.allow_overwrite,

@@ -268,6 +268,16 @@ def test_a_log_file_named_dash_is_refused_not_made() -> None:
         == os.path.abspath("-x")
 
 
+def test_a_path_flag_s_tilde_is_the_home_directory(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """`--cache-dir=~/cache` (the shell expands `~` only at a word's start) and fstab's `cache_dir=~/cache` made a
+    directory named `~` in the working directory of the caller (`/` at boot) and kept the cache there."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    for argv in (["--cache-dir=~/cache", "--log-file=~/modelfs.log"],
+                 ["-o", "cache_dir=~/cache,log_file=~/modelfs.log"]):
+        cfg = build_config(make_parser().parse_args(expand_mount_options(["mount", "b", "/m", *argv])))
+        assert (cfg.cache_dir, cfg.log_file) == (str(tmp_path / "cache"), str(tmp_path / "modelfs.log"))
+
+
 def test_cache_options_that_would_do_nothing_are_refused() -> None:
     """--cache-size without --cache-dir, or too small for one chunk, used to be accepted and keep nothing."""
     def cfg(*flags: str):  # noqa: ANN202

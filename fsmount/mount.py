@@ -575,8 +575,9 @@ def _check_free(path: str, real: str, allow_non_empty: bool) -> None:
     if os.path.ismount(real):
         try:  # only a modelfs mount's root has it, and only its daemon's answer gives it: alive
             os.getxattr(real, STATS_XATTR)
-        except OSError:
-            raise MountError(f"mountpoint {path} is already a mount point") from None
+        except OSError:  # another file system, which only an operator takes away: the unit must not retry for good
+            raise SettingError(f"mountpoint {path} already holds {mounted_type(real)}, not a modelfs one: left "
+                               "mounted; unmount it first, or mount elsewhere") from None
         raise SettingError(f"mountpoint {path} already holds a live modelfs mount: left mounted; unmount it first "
                            f"(modelfs unmount {path}), or mount elsewhere")
     try:
@@ -909,11 +910,26 @@ def lazy_unmount_advice(mountpoint: str) -> str:
     return f"`umount -l {mountpoint}`" if os.geteuid() == 0 else f"`fusermount3 -uz {mountpoint}`"
 
 
-def _mounts() -> list[tuple[bytes, bytes, bytes, bytes]]:
-    """/proc/self/mountinfo as (mount id, parent id, device, mount point), read as bytes: a path there that is not
-    UTF-8, this one's or any other mount's, raised a UnicodeDecodeError out of the stop (B121)."""
+def _mounts() -> list[tuple[bytes, bytes, bytes, bytes, bytes]]:
+    """/proc/self/mountinfo as (mount id, parent id, device, mount point, file system type), read as bytes: a path
+    there that is not UTF-8, this one's or any other mount's, raised a UnicodeDecodeError out of the stop (B121)."""
     with open("/proc/self/mountinfo", "rb") as f:
-        return [(fields[0], fields[1], fields[2], _unescaped(fields[4])) for fields in map(bytes.split, f)]
+        return [(fields[0], fields[1], fields[2], _unescaped(fields[4]), fields[fields.index(b"-") + 1])
+                for fields in map(bytes.split, f)]
+
+
+def mounted_type(real: str) -> str:
+    """The file system type of the topmost mount at the resolved path `real` ("another file system" where
+    /proc/self/mountinfo cannot say): what `_check_free` names."""
+    path = os.fsencode(real)
+    try:
+        types = [fstype for _, _, _, at, fstype in _mounts() if at == path]
+    except (OSError, ValueError):
+        types = []
+    if not types:
+        return "a mount of another file system"
+    name = os.fsdecode(types[-1])
+    return f"{'an' if name[:1] in 'aeiou' else 'a'} {name} mount"
 
 
 def mount_id(mountpoint: str, dev: int) -> bytes | None:
@@ -921,7 +937,7 @@ def mount_id(mountpoint: str, dev: int) -> bytes | None:
     `detach_aborted` is told, with the device, to know that mount from one made at the path since (B139)."""
     want, path = f"{os.major(dev)}:{os.minor(dev)}".encode(), os.fsencode(mountpoint)
     try:
-        ids = [mnt_id for mnt_id, _, device, at in _mounts() if device == want and at == path]
+        ids = [mnt_id for mnt_id, _, device, at, _ in _mounts() if device == want and at == path]
     except OSError:
         return None
     return ids[-1] if ids else None
@@ -939,9 +955,9 @@ def detach_aborted(mountpoint: str, dev: int, only: bytes | None = None) -> bool
     advice = lazy_unmount_advice(mountpoint)
     try:
         mounts = _mounts()
-        ours = {mnt_id for mnt_id, _, device, at in mounts
+        ours = {mnt_id for mnt_id, _, device, at, _ in mounts
                 if device == want and at == path and only in (None, mnt_id)}
-        if any(parent in ours and at == path for _, parent, _, at in mounts):
+        if any(parent in ours and at == path for _, parent, _, at, _ in mounts):
             log.warning("the aborted mount at %s is left in place: another mount was made over it", mountpoint)
             return False
         if not ours:

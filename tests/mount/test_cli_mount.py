@@ -31,6 +31,7 @@ from tests.helpers import (
     new_bucket,
     not_an_s3_server,
     run_modelfs,
+    tmpfs,
     unmount,
     wait_for,
 )
@@ -592,6 +593,25 @@ def test_a_mount_over_a_live_mount_exits_2_and_leaves_it_serving(moto_server: S3
             assert time.monotonic() - t < FAIL_FAST_LIMIT
         assert Path("/proc/self/mountinfo").read_text().count(f" {mp} ") == 1 and m.proc.poll() is None
         assert held.read() == b"w" * 1000 and (mp / "w.bin").read_bytes() == b"w" * 1000
+
+
+def test_a_mount_over_another_file_system_s_mount_exits_2_naming_its_type(moto_server: S3Server,
+                                                                          tmp_path: Path) -> None:
+    """The systemd unit at a MOUNTPOINT where another file system is mounted (a disk, a tmpfs): `unmount --stale`
+    leaves it and the start goes on, and `modelfs mount` said "is already a mount point" with exit 1, so the unit
+    was started again every RestartSec for good. Only an operator mends it: exit 2, naming the type (B490)."""
+    bucket = new_bucket(moto_server)
+    with tmpfs(tmp_path / "mnt", "size=1M") as mp:
+        assert run_modelfs("unmount", "--stale", str(mp)).returncode == 0
+        for foreground in (("--foreground",), ()):
+            t = time.monotonic()
+            res = run_modelfs("mount", bucket, str(mp), "--endpoint-url", moto_server.endpoint_url, *foreground,
+                              env=daemon_env(moto_server), timeout=FAIL_FAST_LIMIT)
+            assert res.returncode == 2, (foreground, res.returncode, res.stderr)
+            assert res.stderr == f"modelfs: mountpoint {mp} already holds a tmpfs mount, not a modelfs one: left " \
+                "mounted; unmount it first, or mount elsewhere\n", res.stderr
+            assert time.monotonic() - t < FAIL_FAST_LIMIT
+        assert Path("/proc/self/mountinfo").read_text().count(f" {mp} ") == 1
 
 
 def test_a_mount_over_a_stopped_daemon_s_mount_says_so_and_does_not_hang(moto_server: S3Server,

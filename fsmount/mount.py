@@ -617,6 +617,7 @@ def check_bucket(cfg: MountConfig) -> None:
         warn_path_style(endpoint_url, cfg.store.addressing_style, "--addressing-style")
         store.check_bucket(cfg.store.prefix)
         empty = bool(cfg.store.prefix) and not cfg.writable and not store.has_children(cfg.store.prefix)
+        prefix_is_a_file = empty and is_a_key(store, cfg.store.prefix.rstrip("/"))
     except (Unreachable, TransientError) as exc:
         known = load_saved_names(cfg, origin)
         if known is None:
@@ -637,8 +638,18 @@ def check_bucket(cfg: MountConfig) -> None:
         raise MountError(exc.message + (endpoint_path_hint(endpoint_url) if isinstance(exc, BucketMissing) else "")) \
             from None
     if empty:  # a typo would look like an empty model directory
-        log.warning("no key in bucket %s starts with %r: the mount is empty (is --prefix right?)", cfg.store.bucket,
-                    cfg.store.prefix)
+        log.warning("no key in bucket %s starts with %r: the mount is empty (%s)", cfg.store.bucket, cfg.store.prefix,
+                    f"{cfg.store.prefix.rstrip('/')!r} is a file: --prefix names a directory, such as the one it is "
+                    "in" if prefix_is_a_file else "is --prefix right?")
+
+
+def is_a_key(store: Boto3Store, key: str) -> bool:
+    """Whether `key` is an object (one HEAD; a failure to ask is no): the pre-flight's word on an empty --prefix that
+    names a file."""
+    try:
+        return store.head(key) is not None
+    except StoreError:
+        return False
 
 
 def load_saved_names(cfg: MountConfig, origin: str) -> SavedNames | None:

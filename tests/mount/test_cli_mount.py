@@ -484,15 +484,22 @@ def test_unmount_leaves_a_mount_that_is_not_modelfs_alone(tmp_path: Path) -> Non
 
 
 def test_a_prefix_that_matches_nothing_is_named_at_mount(s3: S3Server, tmp_path: Path) -> None:
-    """`--prefix lama/` for `llama/`: an empty tree, which looks like an empty model directory; the mount warns.
-    Read-only only: a writable mount's new prefix is empty by nature. So is virtual addressing that cannot be."""
+    """`--prefix lama/` for `llama/`: an empty tree, which looks like an empty model directory; the mount warns, and
+    says so where the prefix names a file. Read-only only: a writable mount's new prefix is empty by nature. So is
+    virtual addressing that cannot be."""
     bucket = new_bucket(s3)
     s3.client().put_object(Bucket=bucket, Key="llama/config.json", Body=b"{}")
     mp = tmp_path / "mnt"
     warning = "no key in bucket .* starts with 'lama/'"
     with mounted(s3, bucket, mp, "--prefix", "lama/", allowed=(warning,)) as m:
         assert os.listdir(mp) == []
-    assert "starts with 'lama/': the mount is empty" in m.log()
+    assert "starts with 'lama/': the mount is empty (is --prefix right?)" in m.log()
+    # A prefix naming a file (B491): the warning says the key is a file, not only that nothing starts with 'key/'.
+    warning = "no key in bucket .* starts with 'llama/config.json/'"
+    with mounted(s3, bucket, mp, "--prefix", "llama/config.json", allowed=(warning,)) as m:
+        assert os.listdir(mp) == []
+    assert "starts with 'llama/config.json/': the mount is empty ('llama/config.json' is a file: --prefix names a " \
+        "directory, such as the one it is in)" in m.log(), m.log()
     for flags in (("--prefix", "llama/"), ("--prefix", "new-run/", "--writable")):
         with mounted(s3, bucket, mp, *flags) as m:  # the log check fails the test on any warning
             os.listdir(mp)

@@ -93,6 +93,12 @@ def _latency_quantile(buckets: list[list[float]], count: int, q: float) -> str:
     return f"> {buckets[-1][0]:g}s" if buckets else "-"
 
 
+def _other_format(level: dict[str, Any]) -> str:
+    """A cache level's chunks of another version's format, where there are some: not damaged, but fetched again."""
+    n = level.get("other_format")
+    return f", {counted(n, 'chunk', 'chunks')} of another version's format (fetched again)" if n else ""
+
+
 def format_stats(s: dict[str, Any], mountpoint: str) -> str:
     """The human table of `modelfs stats`."""
     served, origin, dc = s["served_bytes"], s["origin"], s["disk_cache"]
@@ -132,7 +138,8 @@ def format_stats(s: dict[str, Any], mountpoint: str) -> str:
                               if dc.get("writes_skipped") else "")),
             ("NVMe cache lookups", f"{counted(dc['hits'], 'hit', 'hits')}, {counted(dc['misses'], 'miss', 'misses')} "
                                    f"({_percent(dc['hit_ratio'])} hit), "
-                                   f"{counted(dc['evictions'], 'eviction', 'evictions')}"),
+                                   f"{counted(dc['evictions'], 'eviction', 'evictions')}"
+                                   + _other_format(dc)),
         ]
         if s.get("cache_writes_given_up") or s.get("cache_writes_skipped"):
             rows.append(("cache writes", f"{s['cache_writes_given_up']} given up unfinished, "
@@ -145,7 +152,8 @@ def format_stats(s: dict[str, Any], mountpoint: str) -> str:
         rows += [
             ("shared tier", f"{sc['bucket']} ({mode}): {counted(sc['hits'], 'hit', 'hits')}, "
                             f"{counted(sc['misses'], 'miss', 'misses')} "
-                            f"({_percent(sc['hit_ratio'])} hit), {human_size(sc['bytes'])} loaded"),
+                            f"({_percent(sc['hit_ratio'])} hit), {human_size(sc['bytes'])} loaded"
+                            + _other_format(sc)),
             ("shared tier fleet", f"{counted(sc['claims'], 'chunk', 'chunks')} fetched for the fleet, "
                                   f"{counted(sc['claim_waits'], 'wait', 'waits')} for other nodes, "
                                   f"{counted(sc['fallbacks'], 'fallback', 'fallbacks')}, {sc['writes']} written, "
@@ -187,7 +195,8 @@ def format_stats(s: dict[str, Any], mountpoint: str) -> str:
         if dc.get("lock_timeouts"):
             errors.append(f"cache stalled {dc['lock_timeouts']}")
     if sc is not None:
-        errors += [f"shared tier {sc['errors']}", f"shared write {sc['write_errors']}",
+        errors += [f"shared tier {sc['errors']}", f"shared write {sc['write_errors']}"
+                   + (f" ({sc['chunk_write_errors']} of chunks)" if sc.get("chunk_write_errors") else ""),
                    f"shared corrupt {sc['corrupt']}"]
     if ws is not None:
         errors.append(f"files not stored {ws['files_failed']}")

@@ -132,3 +132,26 @@ def test_one_of_a_thing_is_not_said_in_the_plural() -> None:
                                          "written, 0 held back behind the load (0 of those given up)"), text
     assert text["writes"] == ("1 file stored (1.00 MiB in 1 part), 0 not stored, 1 rename, 1 delete, 1 delete refused "
                               "(they need --allow-delete)"), text
+
+
+def test_chunks_of_another_format_and_the_tier_s_chunk_write_errors_are_shown_where_there_are_some() -> None:
+    """The shared tier's `chunk_write_errors` and the cache levels' `other_format` reached Prometheus (B390) and the
+    JSON, not the table: chunk objects the tier refused and refused claims or markers both read "shared write 5"
+    (B494)."""
+    dc = {"hits": 1, "misses": 1, "hit_ratio": 0.5, "corrupt": 0, "other_format": 0, "read_errors": 0,
+          "write_errors": 0, "lock_timeouts": 0, "evictions": 0, "writes": 1, "bytes_used": 8 * MiB,
+          "max_bytes": 64 * MiB, "chunks": 1}
+    tier = {"bucket": "tier", "read_only": False, "claims_enabled": True, "hits": 1, "misses": 1, "hit_ratio": 0.5,
+            "bytes": 8 * MiB, "claims": 1, "claim_waits": 0, "fallbacks": 0, "writes": 1, "write_errors": 0,
+            "chunk_write_errors": 0, "corrupt": 0, "other_format": 0, "errors": 0, "trailed": 0, "trail_dropped": 0}
+    quiet = format_stats(snapshot(disk_cache=dc, shared_cache=tier), "/models")
+    assert "format" not in quiet and "of chunks" not in quiet, quiet
+    table = format_stats(snapshot(disk_cache={**dc, "other_format": 2},
+                                  shared_cache={**tier, "write_errors": 5, "chunk_write_errors": 3,
+                                                "other_format": 1}), "/models")
+    text = dict(re.split(r"\s{2,}", line, maxsplit=1) for line in table.splitlines())
+    assert text["NVMe cache lookups"] == ("1 hit, 1 miss (50.0% hit), 0 evictions, 2 chunks of another version's "
+                                          "format (fetched again)"), text
+    assert text["shared tier"] == ("tier (claims on): 1 hit, 1 miss (50.0% hit), 8.00 MiB loaded, 1 chunk of another "
+                                   "version's format (fetched again)"), text
+    assert "shared write 5 (3 of chunks), shared corrupt 0" in text["errors"], text

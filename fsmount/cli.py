@@ -139,9 +139,12 @@ def _metrics_addr(text: str) -> str:
     from fsmount.prometheus import MetricsAddressError, parse_metrics_addr
 
     try:
-        parse_metrics_addr(text)
+        _, port = parse_metrics_addr(text)
     except MetricsAddressError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
+    if port == 0:  # the OS's pick, another at each start: no scrape config could name it
+        raise argparse.ArgumentTypeError(f"invalid --metrics-addr {text!r}: port 0 would be a new port at each start, "
+                                         "which Prometheus cannot be told: give a fixed port, e.g. 127.0.0.1:9478")
     return text
 
 

@@ -73,6 +73,10 @@ def test_unknown_option_is_rejected() -> None:
     (("mount", "b"), "required: mountpoint"),
     (("stats",), "required: mountpoint"),
     (("cache", "info", "MP"), "invalid choice: 'info'"),
+    # B495: the OS's pick of a port was said in the daemon's log alone, and was another at each start.
+    (("mount", "b", "MP", "--metrics-addr", "127.0.0.1:0"), "argument --metrics-addr: invalid --metrics-addr "
+     "'127.0.0.1:0': port 0 would be a new port at each start, which Prometheus cannot be told: give a fixed port"),
+    (("b", "MP", "-o", "metrics_addr=:0"), "invalid --metrics-addr ':0': port 0"),
 ])
 def test_a_bad_argument_is_one_line_not_the_usage(tmp_path: Path, args: tuple[str, ...], message: str) -> None:
     """argparse printed the usage above the error: 36 lines for `modelfs mount`, in the journal for each bad

@@ -187,9 +187,10 @@ def files_under(paths: list[str]) -> Iterator[tuple[str, str, int]]:
 def warm(paths: list[str], *, keep_pagecache: bool = True, threads: int = THREADS,
          progress: bool = True) -> int:
     """Read every file under `paths`; returns bytes read. A file that cannot be opened or read does not stop the
-    others, nor does a path given that cannot be found (a stale shard named on the command line read nothing at all):
-    PartlyWarmed at the end names what failed (a stale shard left a fleet warm-up mostly cold). Only where no path
-    given can be found, or one is not on a modelfs mount or its daemon is gone, is it WarmError before any read."""
+    others, nor does a path given that cannot be found or is not on a modelfs mount (a stale shard named on the command
+    line, or a local copy's path beside the mount's, read nothing at all): PartlyWarmed at the end names what failed
+    (a stale shard left a fleet warm-up mostly cold), as `cp` and `rm` go on past a bad operand. Only where no path
+    given is on a modelfs mount and found, or the daemon of one is gone, is it WarmError before any read."""
     failures: list[str] = []
     found: list[str] = []
     for path in paths:
@@ -203,8 +204,9 @@ def warm(paths: list[str], *, keep_pagecache: bool = True, threads: int = THREAD
             why = closed_to_you(path) if exc.errno == errno.EACCES else ""
             failures.append(f"{path}: {exc.strerror.lower() if exc.strerror else exc}" + (f" ({why})" if why else ""))
             continue
-        if mount_fstype(path) != MODELFS_FSTYPE:
-            raise WarmError(f"{path} is not on a modelfs mount")
+        if mount_fstype(path) != MODELFS_FSTYPE:  # not read: warming a local disk's files is no prefetch
+            failures.append(f"{path} is not on a modelfs mount")
+            continue
         found.append(path)
     if not found:  # named as the failures at the end are: a stale list of 60 shards made a 60-path message
         raise WarmError(_named(failures))

@@ -931,12 +931,15 @@ def _mounts() -> list[tuple[bytes, bytes, bytes, bytes, bytes]]:
 
 def mounted_type(real: str) -> str:
     """The file system type of the topmost mount at the resolved path `real` ("another file system" where
-    /proc/self/mountinfo cannot say): what `_check_free` names."""
+    /proc/self/mountinfo cannot say): what `_check_free` names. The topmost is the one no other mount there sits on:
+    mountinfo lists mounts in the order they were made, so one moved over another (`mount --move`) comes before it."""
     path = os.fsencode(real)
     try:
-        types = [fstype for _, _, _, at, fstype in _mounts() if at == path]
+        here = [(mnt_id, parent, fstype) for mnt_id, parent, _, at, fstype in _mounts() if at == path]
     except (OSError, ValueError):
-        types = []
+        here = []
+    under = {parent for _, parent, _ in here}
+    types = [fstype for mnt_id, _, fstype in here if mnt_id not in under]
     if not types:
         return "a mount of another file system"
     name = os.fsdecode(types[-1])

@@ -610,19 +610,35 @@ def test_a_mount_over_another_file_system_s_mount_exits_2_naming_its_type(moto_s
                                                                           tmp_path: Path) -> None:
     """The systemd unit at a MOUNTPOINT where another file system is mounted (a disk, a tmpfs): `unmount --stale`
     leaves it and the start goes on, and `modelfs mount` said "is already a mount point" with exit 1, so the unit
-    was started again every RestartSec for good. Only an operator mends it: exit 2, naming the type (B490)."""
+    was started again every RestartSec for good. Only an operator mends it: exit 2, naming the type (B490), that of
+    the mount on top (B510)."""
     bucket = new_bucket(moto_server)
-    with tmpfs(tmp_path / "mnt", "size=1M") as mp:
-        assert run_modelfs("unmount", "--stale", str(mp)).returncode == 0
-        for foreground in (("--foreground",), ()):
-            t = time.monotonic()
-            res = run_modelfs("mount", bucket, str(mp), "--endpoint-url", moto_server.endpoint_url, *foreground,
-                              env=daemon_env(moto_server), timeout=FAIL_FAST_LIMIT)
-            assert res.returncode == 2, (foreground, res.returncode, res.stderr)
-            assert res.stderr == f"modelfs: mountpoint {mp} already holds a tmpfs mount, not a modelfs one: left " \
-                "mounted; unmount it first, or mount elsewhere\n", res.stderr
-            assert time.monotonic() - t < FAIL_FAST_LIMIT
-        assert Path("/proc/self/mountinfo").read_text().count(f" {mp} ") == 1
+    moved = tmp_path / "moved"
+    moved.mkdir()
+    subprocess.run(["mount", "-t", "ramfs", "ramfs", str(moved)], check=True)  # made first: listed before the tmpfs
+    try:
+        with tmpfs(tmp_path / "mnt", "size=1M") as mp:
+            assert run_modelfs("unmount", "--stale", str(mp)).returncode == 0
+            for foreground in (("--foreground",), ()):
+                t = time.monotonic()
+                res = run_modelfs("mount", bucket, str(mp), "--endpoint-url", moto_server.endpoint_url, *foreground,
+                                  env=daemon_env(moto_server), timeout=FAIL_FAST_LIMIT)
+                assert res.returncode == 2, (foreground, res.returncode, res.stderr)
+                assert res.stderr == f"modelfs: mountpoint {mp} already holds a tmpfs mount, not a modelfs one: " \
+                    "left mounted; unmount it first, or mount elsewhere\n", res.stderr
+                assert time.monotonic() - t < FAIL_FAST_LIMIT
+            assert Path("/proc/self/mountinfo").read_text().count(f" {mp} ") == 1
+            if subprocess.run(["mount", "--move", str(moved), str(mp)], check=False).returncode != 0:
+                pytest.skip("mount --move refused here (a shared parent mount)")
+            try:  # the ramfs now on top of the tmpfs, and still listed before it
+                res = run_modelfs("mount", bucket, str(mp), "--endpoint-url", moto_server.endpoint_url,
+                                  env=daemon_env(moto_server), timeout=FAIL_FAST_LIMIT)
+                assert res.returncode == 2 and "already holds a ramfs mount, not" in res.stderr, res.stderr
+            finally:
+                subprocess.run(["umount", str(mp)], check=True)
+    finally:
+        if os.path.ismount(moved):  # the move was refused
+            subprocess.run(["umount", str(moved)], check=True)
 
 
 def test_a_mount_over_a_stopped_daemon_s_mount_says_so_and_does_not_hang(moto_server: S3Server,

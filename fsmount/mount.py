@@ -932,7 +932,7 @@ def _mounts() -> list[tuple[bytes, bytes, bytes, bytes, bytes]]:
 def mounted_type(real: str) -> str:
     """The file system type of the topmost mount at the resolved path `real` ("another file system" where
     /proc/self/mountinfo cannot say): what `_check_free` names. The topmost is the one no other mount there sits on:
-    mountinfo lists mounts in the order they were made, so one moved over another (`mount --move`) comes before it."""
+    mountinfo lists mounts in the order they were made, so one moved over another (mount(8)'s move) comes before it."""
     path = os.fsencode(real)
     try:
         here = [(mnt_id, parent, fstype) for mnt_id, parent, _, at, fstype in _mounts() if at == path]

@@ -111,16 +111,39 @@ class DirEntry:
 
 class Listing(dict[bytes, DirEntry]):
     """A directory's entries by name, as one listing of the bucket gave them; `at` is when that listing
-    began (monotonic): what it says of a file is trusted until `at` + the metadata TTL, not longer. `found_gone`: names
-    of it that an answer asked after it began (a lookup's, a HEAD of an inode's) found gone while it was under way
-    (`Namespace._keep`)."""
+    began (monotonic): what it says of a file is trusted until `at` + the metadata TTL, not longer. `found_since`: what
+    answers asked after it began (a lookup's, a HEAD of an inode's) found of names of its directory, by name: (when
+    asked, the entry found; None: nothing there). A listing that landed after them is kept for outages with them applied
+    (`Namespace._keep`); the one kept has them applied as they land (`found`), and answers such a name as of when it
+    was asked (`Namespace._known_while_down`). None while there are none (most listings)."""
 
-    __slots__ = ("at", "found_gone")
+    __slots__ = ("at", "found_since")
 
     def __init__(self, at: float):
         super().__init__()
         self.at = at
-        self.found_gone: tuple[bytes, ...] = ()
+        self.found_since: dict[bytes, tuple[float, DirEntry | None]] | None = None
+
+    def found(self, name_b: bytes, entry: DirEntry | None, asked: float) -> None:
+        """An answer asked at `asked` (monotonic), after this listing began, found `entry` at `name_b` (None: nothing):
+        for a listing kept for outages, which answers as the newest answer said."""
+        if entry is None:
+            self.pop(name_b, None)
+            if self.found_since is not None:
+                self.found_since.pop(name_b, None)
+            return
+        self[name_b] = entry
+        if self.found_since is None:
+            self.found_since = {}
+        self.found_since[name_b] = (asked, entry)
+
+
+def same_version(listed: DirEntry | None, found: DirEntry | None) -> bool:
+    """Whether two entries of a name say the same: nothing, a directory, or the same version of a file."""
+    if listed is None or found is None:
+        return listed is found
+    return listed.is_dir == found.is_dir and (listed.meta.etag if listed.meta else "") == (
+        found.meta.etag if found.meta else "")
 
 
 @dataclasses.dataclass(slots=True)
@@ -292,10 +315,12 @@ class Namespace:
         self._seq = 0
         # The `_seq` at which each listing under way began, by directory path (`_list`): which changes they need.
         self._lists_under_way: dict[str, list[int]] = {}
-        # Names an answer found gone while a listing of their directory was under way, and when that answer was asked
-        # (monotonic), by directory path: a listing begun before leaves them out of what it keeps for outages (`_keep`).
-        # Set by `_gone_from_listings`, dropped with the last listing under way of the directory (`_list`).
-        self._gone_while_listed: dict[str, dict[bytes, float]] = {}
+        # What answers found of names while a listing of their directory was under way, by directory path, then name:
+        # (when that answer was asked, monotonic; the entry it found, None for nothing there). A listing begun before
+        # keeps them, not what it says of those names, in what it keeps for outages (`Listing.found_since`, `_keep`).
+        # Set by `_found_in_listings`, dropped with the last listing under way of the directory (`_list`), or a name's
+        # record by a newer change through this mount (tree_changes).
+        self._found_while_listed: dict[str, dict[bytes, tuple[float, DirEntry | None]]] = {}
 
     # -- inode table ---------------------------------------------------------------------------
 
@@ -456,9 +481,10 @@ class Namespace:
         if meta is None or meta.etag != node.etag:
             self._supersede(node)
             # Kept as it was, a remount while the origin is away served the version this HEAD found gone.
-            self._found(node.path, (False, meta) if meta is not None else None, asked)
-            if meta is None and asked >= self._latest_asked.get(node.path, 0.0):
-                self._gone_from_listings(node.path, asked)
+            found = (False, meta) if meta is not None else None
+            self._found(node.path, found, asked)
+            if asked >= self._latest_asked.get(node.path, 0.0):
+                self._found_in_listings(node.path, found, asked)
             return node
         if node.held_again(asked):
             self._latest_file[node.path] = node.ino
@@ -622,6 +648,8 @@ class Namespace:
                                  "dir": lambda: self._call(self._store.has_children, key + "/")})
         if results.get("dir"):  # a key that is both a file and a prefix: the directory wins (whatever the HEAD said)
             self._found(path, (True, None), asked)
+            if asked >= self._latest_asked.get(path, 0.0):
+                self._found_in_listings(path, (True, None), asked)
             return self._node_for(path, True, None, asked)
         for name in ("meta_error", "dir_error"):
             if name in results:
@@ -634,39 +662,47 @@ class Namespace:
             node = self._node_for(path, False, results["meta"], asked)
             if not node.superseded:
                 node.confirmed_at = time.monotonic()
+            if asked >= self._latest_asked.get(path, 0.0):  # (`_node_for` dated it, unless a newer answer is known)
+                self._found_in_listings(path, (False, results["meta"]), asked)
             return node
         self._found(path, None, asked)
         if asked >= self._latest_asked.get(path, 0.0):
             # Not when a newer answer about the path is known (a HEAD of its inode, this mount's write of it): cached,
             # this older one made the path ENOENT for the TTL, a file the newest answer found there (B307).
             self._negative[path] = True
-            self._gone_from_listings(path, asked)
+            self._found_in_listings(path, None, asked)
         raise PathError(errno.ENOENT)
 
-    def _gone_from_listings(self, path: str, asked: float) -> None:
-        """An answer asked at `asked` (monotonic), the newest about `path`, found nothing there (a lookup's, a HEAD of
-        its inode's): the listings of its directory begun before no longer say what the bucket holds of it."""
-        # A listing of the directory begun before this answer names a file it found gone: older news of the name.
-        # Undated, one under way brought the file back when it landed, looked up and kept in the names kept as the
-        # version found deleted; one that landed first answered the name from the cache for the TTL (B351). So is
+    def _found_in_listings(self, path: str, found: tuple[bool, ObjectMeta | None] | None, asked: float) -> None:
+        """An answer asked at `asked` (monotonic), the newest about `path` (a lookup's, a HEAD of its inode's), found
+        there a directory (True, None), a file's version (False, meta) or nothing (None): the listings of its directory
+        begun before no longer say what the bucket holds of it where they say otherwise."""
+        parent, _, name = path.rpartition("/")
+        name_b = name.encode("utf-8", "surrogateescape")
+        entry = DirEntry(name_b, *found) if found is not None else None
+        # A listing of the directory begun before this answer that says otherwise of the name is older news of it.
+        # Undated, one under way brought a file found gone back when it landed, looked up and kept in the names kept as
+        # the version found deleted; one that landed first answered the name from the cache for the TTL (B351). So is
         # the last listing kept, if it names the file: a directory handle's snapshot of it handed the kernel the
         # version found deleted as current, by readdirplus (B383). Dated only then: every ENOENT dated (an
         # `import`'s probes of sys.path) evicted the dates of files that older answers need (`LATEST_ASKED_ENTRIES`).
-        parent, _, name = path.rpartition("/")
-        name_b = name.encode("utf-8", "surrogateescape")
+        # (A version found is dated by `_node_for` or `_refresh`.)
         listing = self._listings.get(parent)
-        if listing is not None and listing.at < asked and name_b in listing:
+        if listing is not None and listing.at < asked and not same_version(listing.get(name_b), entry):
             self._listings.pop(parent, None)
         kept = self._last_listings.get(parent)
         # The listing kept for outages (the same dict as the one just dropped, or an expired one) answers `ls` and
-        # lookups only while the origin is away: less this name, as the names kept are (`_found`). Left in, a file
-        # deleted by another writer came back in `ls` and `stat` once the origin was away (B381; found by a HEAD of
-        # its inode, B450).
-        named = kept is not None and kept.at < asked and kept.pop(name_b, None) is not None
-        if named or parent in self._lists_under_way:
+        # lookups only while the origin is away: as this answer said, as the names kept do (`_found`). Left as it was,
+        # a file deleted by another writer came back in `ls` and `stat` once the origin was away (B381; found by a HEAD
+        # of its inode, B450); one replaced was EIO where the kernel had forgotten it (B500), one created was missing
+        # from `ls` (B501).
+        said_otherwise = kept is not None and kept.at < asked and not same_version(kept.get(name_b), entry)
+        if said_otherwise:
+            kept.found(name_b, entry, asked)  # type: ignore[union-attr]
+        if entry is None and (said_otherwise or parent in self._lists_under_way):
             self._asked(path, asked)
         if parent in self._lists_under_way:
-            self._gone_while_listed.setdefault(parent, {})[name_b] = asked
+            self._found_while_listed.setdefault(parent, {})[name_b] = (asked, entry)
 
     def _found(self, path: str, entry: tuple[bool, ObjectMeta | None] | None, asked: float | None = None) -> None:
         """What the bucket (or a change through this mount) says is at `path` now, for the names kept: a directory
@@ -733,11 +769,16 @@ class Namespace:
             # its dentry dropped since): `ls` showed it, and its chunks may all be in the NVMe cache.
             # Else one a predecessor of this daemon knew (saved_names.py: a remount while the origin is away).
             parent, _, name = path.rpartition("/")
+            name_b = name.encode("utf-8", "surrogateescape")
             listing = self._last_listings.get(parent)
-            entry = listing.get(name.encode("utf-8", "surrogateescape")) if listing is not None else None
+            entry = listing.get(name_b) if listing is not None else None
             kept = self.saved.entry(path) if entry is None and self.saved is not None else None
             if entry is not None:
-                is_dir, meta, as_of = entry.is_dir, entry.meta, listing.at  # type: ignore[union-attr]
+                # As of the answer that found it after the listing began, if one did (`Listing.found`): as of the
+                # listing, a version a HEAD found replacing the one listed was older news than that HEAD (B500).
+                news = listing.found_since.get(name_b) if listing.found_since else None  # type: ignore[union-attr]
+                is_dir, meta = entry.is_dir, entry.meta
+                as_of = news[0] if news is not None else listing.at  # type: ignore[union-attr]
             elif kept is not None:
                 (is_dir, meta), as_of = kept, 0.0  # older news than anything this process learns
             else:
@@ -801,12 +842,15 @@ class Namespace:
         if len(entries) <= LISTING_CACHE_ENTRIES:
             self._listings[path] = entries
             self._last_listings[path] = entries
-            if entries.found_gone:
-                # Kept for outages without the names found gone since it began (B381), as `_ask_bucket` drops them
-                # from one kept before; cached whole, as B351 leaves it (a copy: one listing's state, while the origin
-                # answers). The copy costs a listing's entries again, for a listing a deletion raced only.
+            if entries.found_since:
+                # Kept for outages as the answers asked since it began said (names found gone left out, B381; a newer
+                # version or a name found, B500, B501), as `_found_in_listings` patches one kept before; cached whole,
+                # as B351 leaves it (a copy: one listing's state, while the origin answers). The copy costs a
+                # listing's entries again, for a listing a change by another writer raced only.
                 kept = self._last_listings[path] = Listing(entries.at)
-                kept.update((name_b, entry) for name_b, entry in entries.items() if name_b not in entries.found_gone)
+                kept.update(entries)
+                for name_b, (asked, entry) in entries.found_since.items():
+                    kept.found(name_b, entry, asked)
         if self.saved is not None:
             # A name some answer asked after this listing began told of keeps what that answer said (B325).
             self.saved.listed(path, entries,
@@ -856,7 +900,7 @@ class Namespace:
         under_way.append(started)
         try:
             entries = await self._list_pages(path)
-            gone = self._gone_while_listed.get(path)
+            found = self._found_while_listed.get(path)
         except BaseException:
             if under_way == [started]:
                 self._changes.pop(path, None)  # kept for this listing alone, which failed
@@ -865,12 +909,12 @@ class Namespace:
             under_way.remove(started)
             if not under_way:
                 del self._lists_under_way[path]
-                self._gone_while_listed.pop(path, None)
+                self._found_while_listed.pop(path, None)
         self._patch(path, entries, started)
-        if gone:
-            # After `_patch`: a change through this mount since such a lookup is newer news (tree_changes `_change`).
-            entries.found_gone = tuple(name_b for name_b, asked in gone.items()
-                                       if asked > entries.at and name_b in entries)
+        if found:
+            # After `_patch`: a change through this mount since such an answer is newer news (tree_changes `_change`).
+            entries.found_since = {name_b: (asked, entry) for name_b, (asked, entry) in found.items()
+                                   if asked > entries.at and not same_version(entries.get(name_b), entry)} or None
         for name_b, entry in entries.items():
             if not entry.is_dir:
                 self._refresh_known(self._join(path, name_b.decode("utf-8")), entry.meta, entries.at)

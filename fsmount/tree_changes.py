@@ -194,11 +194,13 @@ class WritableNamespace(Namespace):
         self._found(self._join(parent, name), (entry.is_dir, entry.meta) if entry is not None else None)
         if parent in self._lists_under_way:
             self._changes.setdefault(parent, {})[name_b] = (self._seq, entry)
-            self._gone_while_listed.get(parent, {}).pop(name_b, None)  # this change is the newer news
+            self._found_while_listed.get(parent, {}).pop(name_b, None)  # this change is the newer news
         for cache in (self._listings, self._last_listings):
             listing = cache.get(parent)
             if listing is None:
                 continue
+            if listing.found_since:
+                listing.found_since.pop(name_b, None)  # what an answer found of it before this change is older news
             if entry is None:
                 listing.pop(name_b, None)
             else:

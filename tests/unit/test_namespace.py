@@ -1417,3 +1417,73 @@ async def test_while_the_origin_is_down_a_listed_file_a_head_of_its_inode_found_
     assert await names(ns, d.ino) == {b"g": False}
     with pytest.raises(Unreachable):
         await ns.lookup(d.ino, b"f")
+
+
+@pytest.mark.parametrize("listing", ["kept-before", "landing-after"])
+async def test_while_the_origin_is_down_a_listed_file_a_head_of_its_inode_found_replaced_resolves_as_the_new_version(
+        listing: str, autojump_clock: Any, allowed_logs: list[str]) -> None:
+    """`d/f` held open (a GETATTR past the TTL: a HEAD of its inode, `refresh`) after another writer replaced it, then
+    closed and forgotten by the kernel. The listing kept for outages (kept before, or one under way landing after)
+    still named the version the HEAD found replaced, which is older news than that HEAD: while the origin was away,
+    `stat d/f` was EIO, though the mount knew the new version (and the names kept in the cache dir held it)."""
+    allowed_logs.append(ORIGIN_UNAVAILABLE)
+    store = FakeStore()
+    store.put("d/f", b"12345")
+    store.put("d/g", b"123")
+    answers = LateAnswers()  # answers that land a second after they were asked, once `late`
+    ns = Namespace(store, answers, prefix="", ttl=0)
+    d = await ns.lookup(ROOT_INODE, b"d")
+    f = await ns.lookup(d.ino, b"f")  # held open
+    f.fresh_until = f.confirmed_at = 0.0  # its TTL is over: the next GETATTR asks
+
+    async def found_replaced() -> None:
+        store.put("d/f", b"1234567")
+        assert (await ns.refresh(f)).superseded
+
+    if listing == "kept-before":
+        assert await names(ns, d.ino) == {b"f": False, b"g": False}
+        await found_replaced()
+    else:
+        answers.late = True
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(ns.listing, d)  # asked now, lands in 1 s
+            await trio.sleep(0.5)
+            answers.late = False
+            await found_replaced()
+    ns.forget(f.ino, 1)  # closed, and the kernel forgot the inode
+    store.head = store.has_children = store.list_pages = origin_down  # type: ignore[method-assign]
+    assert await names(ns, d.ino) == {b"f": False, b"g": False}
+    node = await ns.lookup(d.ino, b"f")
+    assert node.size == 7 and (await ns.open_file(node.ino)).size == 7
+
+
+@pytest.mark.parametrize("listing", ["kept-before", "landing-after"])
+async def test_while_the_origin_is_down_a_file_a_newer_lookup_found_created_is_listed(
+        listing: str, autojump_clock: Any, allowed_logs: list[str]) -> None:
+    """`ls d` kept its listing (or one under way landed after), another writer created `d/new`, and `stat d/new` found
+    it. While the origin was away, `ls d` did not show it, though its lookup resolved it (the node kept once the
+    kernel forgot it) and a remount from the names kept in the cache dir listed it."""
+    allowed_logs.append(ORIGIN_UNAVAILABLE)
+    store = FakeStore()
+    store.put("d/g", b"123")
+    answers = LateAnswers()  # answers that land a second after they were asked, once `late`
+    ns = Namespace(store, answers, prefix="", ttl=0)
+    d = await ns.lookup(ROOT_INODE, b"d")
+
+    async def found_created() -> None:
+        store.put("d/new", b"1234")
+        ns.forget((await ns.lookup(d.ino, b"new")).ino, 1)  # `stat d/new`; the kernel forgot it since
+
+    if listing == "kept-before":
+        assert await names(ns, d.ino) == {b"g": False}
+        await found_created()
+    else:
+        answers.late = True
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(ns.listing, d)  # asked now, lands in 1 s
+            await trio.sleep(0.5)
+            answers.late = False
+            await found_created()
+    store.head = store.has_children = store.list_pages = origin_down  # type: ignore[method-assign]
+    assert await names(ns, d.ino) == {b"g": False, b"new": False}
+    assert (await ns.lookup(d.ino, b"new")).size == 4

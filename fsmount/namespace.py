@@ -307,7 +307,7 @@ class Namespace:
         # path: a task that wants one already in flight waits for it (`_shared`) instead of sending the same
         # requests again (8 `ls` of a 20,000-key directory at once sent each page 8 times; a stat storm sent
         # a name's HEAD for every process whose cached entry had expired). Set and removed by the task asking,
-        # around its awaits.
+        # around its awaits; a listing is kept (`_keep`) by that task alone, as it lands (`_list_and_keep`).
         self._listing_now: dict[str, _InFlight[Listing]] = {}
         self._resolving_now: dict[str, _InFlight[Node]] = {}
         self._refreshing_now: dict[str, _InFlight[Node]] = {}  # HEADs of known files (`refresh`), by inode number
@@ -820,7 +820,6 @@ class Namespace:
                     raise
                 self._log_stale(exc)
                 return self._with_pending(node.path, cached), cached.at
-            self._keep(node.path, cached)
         return self._with_pending(node.path, cached), cached.at
 
     def _saved_listing(self, path: str) -> Listing | None:
@@ -872,7 +871,6 @@ class Namespace:
         entries = self._listings.get(parent_path)
         if entries is None:
             entries = await self._list_shared(parent_path)
-            self._keep(parent_path, entries)
         out = []
         for name_b in sorted(entries):
             entry = entries[name_b]
@@ -891,8 +889,16 @@ class Namespace:
         return ino if known is not None and known.lookups > 0 else None
 
     async def _list_shared(self, path: str) -> Listing:
-        """`_list`, or the one of the same directory already in flight."""
-        return await _shared(self._listing_now, path, lambda: self._list(path))
+        """`_list`, kept (`_keep`), or the one of the same directory already in flight."""
+        return await _shared(self._listing_now, path, lambda: self._list_and_keep(path))
+
+    async def _list_and_keep(self, path: str) -> Listing:
+        """`_list`, kept by the task that ran it, as it lands. Kept again by each task that had waited for it, as it
+        woke, the listing came back over what an answer that landed in between had found: a name found gone was back in
+        `ls` while the origin was away (B502)."""
+        entries = await self._list(path)
+        self._keep(path, entries)
+        return entries
 
     async def _list(self, path: str) -> Listing:
         started = self._seq

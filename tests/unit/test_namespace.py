@@ -1487,3 +1487,38 @@ async def test_while_the_origin_is_down_a_file_a_newer_lookup_found_created_is_l
     store.head = store.has_children = store.list_pages = origin_down  # type: ignore[method-assign]
     assert await names(ns, d.ino) == {b"g": False, b"new": False}
     assert (await ns.lookup(d.ino, b"new")).size == 4
+
+
+async def test_while_the_origin_is_down_a_file_found_deleted_as_a_shared_listing_landed_is_not_listed(
+        autojump_clock: Any, allowed_logs: list[str]) -> None:
+    """Two `ls d` at once share one listing; a HEAD of `g`'s inode finds another writer's new version while it is under
+    way (so the listing is kept for outages as a copy, `Listing.found_since`), and a HEAD of `f`'s, its answer landing
+    as the listing does, finds `f` deleted. Where that answer came after the task that ran the listing had kept it and
+    before the one waiting for it woke, the waiter kept the listing again, and `f` was back in `ls` while the origin
+    was away. The two land in one scheduling batch, in either order (trio's choice): tried until both orders are met
+    many times over."""
+    allowed_logs.append(ORIGIN_UNAVAILABLE)
+    for _ in range(24):
+        store = FakeStore()
+        for key in ("d/f", "d/g", "d/h"):
+            store.put(key, b"12345")
+        answers = LateAnswers()  # answers that land a second after they were asked, once `late`
+        ns = Namespace(store, answers, prefix="", ttl=0)
+        d = await ns.lookup(ROOT_INODE, b"d")
+        f, g = (await ns.lookup(d.ino, b"f")), (await ns.lookup(d.ino, b"g"))  # held open
+        f.confirmed_at = g.confirmed_at = 0.0  # the next GETATTR asks
+        answers.late = True
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(ns.listing, d)  # asked now, lands in 1 s
+            nursery.start_soon(ns.listing, d)  # waits for that one
+            await trio.sleep(0.5)
+            answers.late = False
+            store.put("d/g", b"123")
+            assert (await ns.refresh(g)).superseded
+            del store.objects["d/f"]
+            await trio.sleep(0.5)  # as the listing lands
+            assert (await ns.refresh(f)).superseded
+        store.head = store.has_children = store.list_pages = origin_down  # type: ignore[method-assign]
+        assert await names(ns, d.ino) == {b"g": False, b"h": False}
+        with pytest.raises(Unreachable):
+            await ns.lookup(d.ino, b"f")

@@ -319,7 +319,7 @@ class Namespace:
         # (when that answer was asked, monotonic; the entry it found, None for nothing there). A listing begun before
         # keeps them, not what it says of those names, in what it keeps for outages (`Listing.found_since`, `_keep`).
         # Set by `_found_in_listings`, dropped with the last listing under way of the directory (`_list`), or a name's
-        # record by a newer change through this mount (tree_changes).
+        # record by a newer change through this mount or a create that found the name taken (tree_changes).
         self._found_while_listed: dict[str, dict[bytes, tuple[float, DirEntry | None]]] = {}
 
     # -- inode table ---------------------------------------------------------------------------

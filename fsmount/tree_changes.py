@@ -162,9 +162,12 @@ class WritableNamespace(Namespace):
 
     def found_in_bucket(self, path: str) -> None:
         """The bucket holds something at `path` that this mount's answers said was free (another writer made it
-        since): the path's next lookup, and its parent's next listing, ask the bucket."""
-        self._listings.pop(path.rpartition("/")[0], None)
+        since): the path's next lookup, and its parent's next listing, ask the bucket; a listing under way no longer
+        leaves it out of what it keeps for outages as a lookup found it gone before (B503)."""
+        parent, _, name = path.rpartition("/")
+        self._listings.pop(parent, None)
         self._negative.pop(path, None)
+        self._found_while_listed.get(parent, {}).pop(name.encode("utf-8", "surrogateescape"), None)
 
     def dir_moved(self, node: Node, path: str) -> None:
         """An empty directory now has the name `path` (its inode stays)."""

@@ -1522,3 +1522,32 @@ async def test_while_the_origin_is_down_a_file_found_deleted_as_a_shared_listing
         assert await names(ns, d.ino) == {b"g": False, b"h": False}
         with pytest.raises(Unreachable):
             await ns.lookup(d.ino, b"f")
+
+
+async def test_while_the_origin_is_down_a_file_a_create_found_taken_after_a_lookup_found_it_gone_is_listed(
+        autojump_clock: Any, allowed_logs: list[str]) -> None:
+    """A listing of `d` under way; another writer deletes `d/f`, a lookup finds it gone, the writer stores it again,
+    and this mount's `open(O_CREAT | O_EXCL)` of `d/f` finds it taken (EEXIST, `found_in_bucket`); then the listing
+    lands, naming `f`. The lookup's record of `f` found gone was left: the listing was kept for outages without it,
+    and while the origin was away `ls d` did not show the file the mount had just found there."""
+    from fsmount.tree_changes import WritableNamespace
+
+    allowed_logs.append(ORIGIN_UNAVAILABLE)
+    store = FakeStore()
+    store.put("d/f", b"12345")
+    store.put("d/g", b"123")
+    answers = LateAnswers()  # answers that land a second after they were asked, once `late`
+    ns = WritableNamespace(store, answers, prefix="", ttl=0)
+    d = await ns.lookup(ROOT_INODE, b"d")
+    answers.late = True
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(ns.listing, d)  # asked now, lands in 1 s
+        await trio.sleep(0.5)
+        answers.late = False
+        del store.objects["d/f"]
+        with pytest.raises(PathError):
+            await ns.lookup(d.ino, b"f")
+        store.put("d/f", b"12345")
+        ns.found_in_bucket("d/f")  # the create's HEAD found it there
+    store.head = store.has_children = store.list_pages = origin_down  # type: ignore[method-assign]
+    assert await names(ns, d.ino) == {b"f": False, b"g": False}

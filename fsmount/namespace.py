@@ -685,7 +685,8 @@ class Namespace:
         # the version found deleted; one that landed first answered the name from the cache for the TTL (B351). So is
         # the last listing kept, if it names the file: a directory handle's snapshot of it handed the kernel the
         # version found deleted as current, by readdirplus (B383). Dated only then: every ENOENT dated (an
-        # `import`'s probes of sys.path) evicted the dates of files that older answers need (`LATEST_ASKED_ENTRIES`).
+        # `import`'s probes of sys.path) evicted the dates of files that older answers need (`LATEST_ASKED_ENTRIES`);
+        # a path dated before is dated again (`in` leaves the LRU order as it is, and adds no date).
         # (A version found is dated by `_node_for` or `_refresh`.)
         listing = self._listings.get(parent)
         if listing is not None and listing.at < asked and not same_version(listing.get(name_b), entry):
@@ -699,7 +700,9 @@ class Namespace:
         said_otherwise = kept is not None and kept.at < asked and not same_version(kept.get(name_b), entry)
         if said_otherwise:
             kept.found(name_b, entry, asked)  # type: ignore[union-attr]
-        if entry is None and (said_otherwise or parent in self._lists_under_way):
+        if entry is None and (said_otherwise or parent in self._lists_under_way or path in self._latest_asked):
+            # Dated too where an answer about the path was: undated, an older HEAD of its inode landing after found a
+            # version there, which the listing kept (and the names kept) took over this newer nothing (B520).
             self._asked(path, asked)
         if parent in self._lists_under_way:
             self._found_while_listed.setdefault(parent, {})[name_b] = (asked, entry)

@@ -1551,3 +1551,39 @@ async def test_while_the_origin_is_down_a_file_a_create_found_taken_after_a_look
         ns.found_in_bucket("d/f")  # the create's HEAD found it there
     store.head = store.has_children = store.list_pages = origin_down  # type: ignore[method-assign]
     assert await names(ns, d.ino) == {b"f": False, b"g": False}
+
+
+async def test_while_the_origin_is_down_a_file_an_older_head_found_after_a_newer_lookup_found_it_gone_is_not_listed(
+        autojump_clock: Any, allowed_logs: list[str]) -> None:
+    """`d/f` held open and listed; another writer deletes it (a lookup finds it gone), stores it again, and a HEAD of
+    the held inode is asked (its answer slow); the writer deletes it again, and a second lookup finds it gone before
+    that HEAD's answer lands. The HEAD's answer, the older news, put its version in the listing kept for outages: while
+    the origin was away, `ls d` listed `f` and its lookup resolved it, though the newest answer had found nothing
+    there."""
+    allowed_logs.append(ORIGIN_UNAVAILABLE)
+    store = FakeStore()
+    store.put("d/f", b"12345")
+    store.put("d/g", b"123")
+    answers = LateAnswers()  # answers that land a second after they were asked, once `late`
+    ns = Namespace(store, answers, prefix="", ttl=0)
+    d = await ns.lookup(ROOT_INODE, b"d")
+    f = await ns.lookup(d.ino, b"f")  # held open
+    assert await names(ns, d.ino) == {b"f": False, b"g": False}
+    del store.objects["d/f"]
+    with pytest.raises(PathError):
+        await ns.lookup(d.ino, b"f")
+    store.put("d/f", b"1234567")
+    f.fresh_until = f.confirmed_at = 0.0  # the next GETATTR asks
+    answers.late = True
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(ns.refresh, f)  # asked now, lands in 1 s
+        await trio.sleep(0.5)
+        answers.late = False
+        del store.objects["d/f"]
+        with pytest.raises(PathError):
+            await ns.lookup(d.ino, b"f")
+    store.head = store.has_children = store.list_pages = origin_down  # type: ignore[method-assign]
+    assert await names(ns, d.ino) == {b"g": False}
+    with pytest.raises(Unreachable):
+        await ns.lookup(d.ino, b"f")
+

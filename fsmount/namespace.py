@@ -698,8 +698,15 @@ class Namespace:
         # of its inode, B450); one replaced was EIO where the kernel had forgotten it (B500), one created was missing
         # from `ls` (B501).
         said_otherwise = kept is not None and kept.at < asked and not same_version(kept.get(name_b), entry)
-        if said_otherwise:
-            kept.found(name_b, entry, asked)  # type: ignore[union-attr]
+        if kept is not None and said_otherwise:
+            kept.found(name_b, entry, asked)
+            if entry is not None:
+                # Stored again: cachetools counts a listing's size as it is stored. Uncounted, the names lookups added
+                # grew the listings kept past LISTING_CACHE_ENTRIES, their share of the memory limit (B521).
+                if len(kept) <= LISTING_CACHE_ENTRIES:
+                    self._last_listings[parent] = kept
+                else:
+                    del self._last_listings[parent]  # as `_keep` keeps none that big
         if entry is None and (said_otherwise or parent in self._lists_under_way or path in self._latest_asked):
             # Dated too where an answer about the path was: undated, an older HEAD of its inode landing after found a
             # version there, which the listing kept (and the names kept) took over this newer nothing (B520).

@@ -1587,3 +1587,23 @@ async def test_while_the_origin_is_down_a_file_an_older_head_found_after_a_newer
     with pytest.raises(Unreachable):
         await ns.lookup(d.ino, b"f")
 
+
+async def test_the_listing_kept_for_outages_counts_the_names_lookups_add_to_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`ls e` and `ls d` kept their listings; another writer then stores files in `d` and lookups find them, each added
+    to `d`'s listing kept for outages (B501). cachetools counts a listing's size when it is stored: the names added were
+    never counted, and the listings kept grew past LISTING_CACHE_ENTRIES (their share of --memory-limit) for as long
+    as such a directory was looked up and not listed again."""
+    monkeypatch.setattr(namespace, "LISTING_CACHE_ENTRIES", 6)
+    store = FakeStore()
+    for key in ("e/a", "e/b", "d/a"):
+        store.put(key, b"1")
+    ns = Namespace(store, call, prefix="", ttl=0)
+    ns._last_listings = cachetools.LRUCache(maxsize=6, getsizeof=lambda entries: max(1, len(entries)))
+    for name_b in (b"e", b"d"):
+        await names(ns, (await ns.lookup(ROOT_INODE, name_b)).ino)
+    d = await ns.lookup(ROOT_INODE, b"d")
+    for i in range(5):
+        store.put(f"d/{i}", b"1")
+        await ns.lookup(d.ino, str(i).encode())
+    assert len(ns._last_listings["d"]) == 6
+    assert sum(len(listing) for listing in ns._last_listings.values()) <= 6

@@ -298,7 +298,8 @@ class Namespace:
         self._stale_logged = False
         self._denied_logged = False  # a HEAD of a known file refused (`refresh`) was logged as a warning
         # The same listing dicts as `_listings`, kept past their TTL for outages (no extra copies, but for a listing
-        # that an answer of nothing raced: `_keep`).
+        # that an answer about one of its names raced: `_keep`).
+        # Sized as stored: one that a name is added to is stored anew (`_found_in_listings`).
         self._last_listings: cachetools.LRUCache[str, Listing] = cachetools.LRUCache(
             maxsize=LISTING_CACHE_ENTRIES, getsizeof=lambda entries: max(1, len(entries)))
         # Changes made through this mount (see the module's rules).

@@ -7,6 +7,7 @@ import gc
 import os
 import threading
 import tracemalloc
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import cachetools
@@ -16,7 +17,7 @@ import trio
 from fsmount import namespace
 from fsmount.config import FOREVER_TTL
 from fsmount.data import AccessDenied, ListingPage, ObjectMeta, TimedOut, Unreachable
-from fsmount.namespace import ROOT_INODE, Namespace, PathError
+from fsmount.namespace import ROOT_INODE, Namespace, Node, PathError
 from tests.helpers import ORIGIN_UNAVAILABLE
 from tests.unit.fake_store import FakeStore, LateAnswers
 
@@ -44,6 +45,28 @@ async def names(ns: Namespace, ino: int) -> dict[bytes, bool]:
 def origin_down(*args: object) -> None:
     """Stands in for a store call while the origin is down."""
     raise Unreachable("cannot reach the endpoint")
+
+
+def go_down(store: FakeStore) -> None:
+    """From now on the origin is away: every request the namespace sends `store` fails so."""
+    store.head = store.has_children = store.list_pages = origin_down  # type: ignore[method-assign]
+
+
+async def beside_a_listing(ns: Namespace, answers: LateAnswers, d: Node, listing: str, kept: dict[bytes, bool],
+                           answer: Callable[[], Awaitable[None]]) -> None:
+    """`answer()` (another writer's change and the answer that finds it) after `ls d` was kept, naming `kept`
+    ("kept-before"), or while a listing of `d` asked before it is under way and lands a second later, after it
+    ("landing-after"; `answers` holds it back)."""
+    if listing == "kept-before":
+        assert await names(ns, d.ino) == kept
+        await answer()
+        return
+    answers.late = True
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(ns.listing, d)  # asked now, lands in 1 s
+        await trio.sleep(0.5)
+        answers.late = False
+        await answer()
 
 
 async def test_keys_become_files_and_prefixes_directories() -> None:
@@ -804,7 +827,7 @@ async def test_while_the_origin_is_down_a_listed_name_the_kernel_forgot_still_re
     assert set(await names(ns, d.ino)) == {b"f"}
     f = await ns.lookup(d.ino, b"f")
     ns.forget(f.ino, 1)  # the kernel dropped the dentry and forgot the inode
-    store.head = store.has_children = store.list_pages = origin_down  # type: ignore[method-assign]
+    go_down(store)
     assert set(await names(ns, d.ino)) == {b"f"}
     node = await ns.lookup(d.ino, b"f")
     assert node.size == 5 and (await ns.open_file(node.ino)).size == 5
@@ -830,7 +853,7 @@ async def test_while_the_origin_is_down_a_name_found_by_its_head_the_kernel_forg
     for node in (f, g, sub):
         ns.forget(node.ino, 1)  # the kernel dropped the dentries and forgot the inodes
     ns.gone(gone)  # a GET found g replaced meanwhile
-    store.head = store.has_children = store.list_pages = origin_down  # type: ignore[method-assign]
+    go_down(store)
     node = await ns.lookup(d.ino, b"f")
     assert node.ino == f.ino and node.size == 5 and (await ns.open_file(node.ino)).size == 5
     assert (await ns.lookup(d.ino, b"sub")).ino == sub.ino
@@ -873,7 +896,7 @@ async def test_while_the_origin_is_down_a_forgotten_node_a_later_listing_contrad
     assert await names(ns, d.ino) == {b"replaced": False, b"now-dir": True}
     store.put("d/late", b"1234")  # found by its HEAD after that listing: newer news than it
     ns.forget((await ns.lookup(d.ino, b"late")).ino, 1)
-    store.head = store.has_children = store.list_pages = origin_down  # type: ignore[method-assign]
+    go_down(store)
     with pytest.raises(Unreachable):
         await ns.lookup(d.ino, b"deleted")
     replaced = await ns.lookup(d.ino, b"replaced")
@@ -899,7 +922,7 @@ async def test_while_the_origin_is_down_a_file_found_deleted_while_held_open_is_
         await ns.lookup(d.ino, b"f")  # found deleted (`ls d/f` beside the reader)
     assert ns.node(f.ino).size == 5  # the descriptor's fstat
     ns.forget(f.ino, 1)  # closed, and the kernel forgot the inode
-    store.head = store.has_children = store.list_pages = origin_down  # type: ignore[method-assign]
+    go_down(store)
     with pytest.raises(Unreachable):
         await ns.lookup(d.ino, b"f")
 
@@ -1310,17 +1333,8 @@ async def test_while_the_origin_is_down_a_listed_file_a_newer_lookup_found_delet
             await ns.lookup(d.ino, b"f")
         assert exc.value.errno == errno.ENOENT
 
-    if listing == "kept-before":
-        assert await names(ns, d.ino) == {b"f": False, b"g": False}
-        await found_deleted()
-    else:
-        answers.late = True
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(ns.listing, d)  # asked now, lands in 1 s
-            await trio.sleep(0.5)
-            answers.late = False
-            await found_deleted()
-    store.head = store.has_children = store.list_pages = origin_down  # type: ignore[method-assign]
+    await beside_a_listing(ns, answers, d, listing, {b"f": False, b"g": False}, found_deleted)
+    go_down(store)
     assert await names(ns, d.ino) == {b"g": False}
     with pytest.raises(Unreachable):
         await ns.lookup(d.ino, b"f")
@@ -1351,7 +1365,7 @@ async def test_while_the_origin_is_down_a_file_this_mount_stored_after_a_lookup_
         node = ns.begin_file("d/f")
         store.put("d/f", b"new")
         ns.end_file(node, store.meta("d/f"))
-    store.head = store.has_children = store.list_pages = origin_down  # type: ignore[method-assign]
+    go_down(store)
     assert await names(ns, d.ino) == {b"f": False, b"g": False}
     assert (await ns.lookup(d.ino, b"f")).size == 3
 
@@ -1378,7 +1392,7 @@ async def test_a_directory_handle_opened_before_a_lookup_found_a_file_deleted_ne
     assert handed.superseded, "the deleted version handed out as current"
     ns.forget(handed.ino, 1)
     ns._negative.clear()  # the lookup's TTL ran out too
-    store.head = store.has_children = store.list_pages = origin_down  # type: ignore[method-assign]
+    go_down(store)
     with pytest.raises(Unreachable):
         await ns.lookup(d.ino, b"f")
 
@@ -1403,17 +1417,8 @@ async def test_while_the_origin_is_down_a_listed_file_a_head_of_its_inode_found_
         del store.objects["d/f"]
         assert (await ns.refresh(f)).superseded
 
-    if listing == "kept-before":
-        assert await names(ns, d.ino) == {b"f": False, b"g": False}
-        await found_deleted()
-    else:
-        answers.late = True
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(ns.listing, d)  # asked now, lands in 1 s
-            await trio.sleep(0.5)
-            answers.late = False
-            await found_deleted()
-    store.head = store.has_children = store.list_pages = origin_down  # type: ignore[method-assign]
+    await beside_a_listing(ns, answers, d, listing, {b"f": False, b"g": False}, found_deleted)
+    go_down(store)
     assert await names(ns, d.ino) == {b"g": False}
     with pytest.raises(Unreachable):
         await ns.lookup(d.ino, b"f")
@@ -1440,18 +1445,9 @@ async def test_while_the_origin_is_down_a_listed_file_a_head_of_its_inode_found_
         store.put("d/f", b"1234567")
         assert (await ns.refresh(f)).superseded
 
-    if listing == "kept-before":
-        assert await names(ns, d.ino) == {b"f": False, b"g": False}
-        await found_replaced()
-    else:
-        answers.late = True
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(ns.listing, d)  # asked now, lands in 1 s
-            await trio.sleep(0.5)
-            answers.late = False
-            await found_replaced()
+    await beside_a_listing(ns, answers, d, listing, {b"f": False, b"g": False}, found_replaced)
     ns.forget(f.ino, 1)  # closed, and the kernel forgot the inode
-    store.head = store.has_children = store.list_pages = origin_down  # type: ignore[method-assign]
+    go_down(store)
     assert await names(ns, d.ino) == {b"f": False, b"g": False}
     node = await ns.lookup(d.ino, b"f")
     assert node.size == 7 and (await ns.open_file(node.ino)).size == 7
@@ -1474,17 +1470,8 @@ async def test_while_the_origin_is_down_a_file_a_newer_lookup_found_created_is_l
         store.put("d/new", b"1234")
         ns.forget((await ns.lookup(d.ino, b"new")).ino, 1)  # `stat d/new`; the kernel forgot it since
 
-    if listing == "kept-before":
-        assert await names(ns, d.ino) == {b"g": False}
-        await found_created()
-    else:
-        answers.late = True
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(ns.listing, d)  # asked now, lands in 1 s
-            await trio.sleep(0.5)
-            answers.late = False
-            await found_created()
-    store.head = store.has_children = store.list_pages = origin_down  # type: ignore[method-assign]
+    await beside_a_listing(ns, answers, d, listing, {b"g": False}, found_created)
+    go_down(store)
     assert await names(ns, d.ino) == {b"g": False, b"new": False}
     assert (await ns.lookup(d.ino, b"new")).size == 4
 
@@ -1518,7 +1505,7 @@ async def test_while_the_origin_is_down_a_file_found_deleted_as_a_shared_listing
             del store.objects["d/f"]
             await trio.sleep(0.5)  # as the listing lands
             assert (await ns.refresh(f)).superseded
-        store.head = store.has_children = store.list_pages = origin_down  # type: ignore[method-assign]
+        go_down(store)
         assert await names(ns, d.ino) == {b"g": False, b"h": False}
         with pytest.raises(Unreachable):
             await ns.lookup(d.ino, b"f")
@@ -1549,7 +1536,7 @@ async def test_while_the_origin_is_down_a_file_a_create_found_taken_after_a_look
             await ns.lookup(d.ino, b"f")
         store.put("d/f", b"12345")
         ns.found_in_bucket("d/f")  # the create's HEAD found it there
-    store.head = store.has_children = store.list_pages = origin_down  # type: ignore[method-assign]
+    go_down(store)
     assert await names(ns, d.ino) == {b"f": False, b"g": False}
 
 
@@ -1582,7 +1569,7 @@ async def test_while_the_origin_is_down_a_file_an_older_head_found_after_a_newer
         del store.objects["d/f"]
         with pytest.raises(PathError):
             await ns.lookup(d.ino, b"f")
-    store.head = store.has_children = store.list_pages = origin_down  # type: ignore[method-assign]
+    go_down(store)
     assert await names(ns, d.ino) == {b"g": False}
     with pytest.raises(Unreachable):
         await ns.lookup(d.ino, b"f")

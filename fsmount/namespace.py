@@ -299,7 +299,7 @@ class Namespace:
         self._denied_logged = False  # a HEAD of a known file refused (`refresh`) was logged as a warning
         # The same listing dicts as `_listings`, kept past their TTL for outages (no extra copies, but for a listing
         # that an answer about one of its names raced: `_keep`).
-        # Sized as stored: one that a name is added to is stored anew (`_found_in_listings`).
+        # Sized as stored: one that a name is added to or dropped from is stored anew (`_recount_kept`).
         self._last_listings: cachetools.LRUCache[str, Listing] = cachetools.LRUCache(
             maxsize=LISTING_CACHE_ENTRIES, getsizeof=lambda entries: max(1, len(entries)))
         # Changes made through this mount (see the module's rules).
@@ -701,19 +701,26 @@ class Namespace:
         said_otherwise = kept is not None and kept.at < asked and not same_version(kept.get(name_b), entry)
         if kept is not None and said_otherwise:
             kept.found(name_b, entry, asked)
-            if entry is not None:
-                # Stored again: cachetools counts a listing's size as it is stored. Uncounted, the names lookups added
-                # grew the listings kept past LISTING_CACHE_ENTRIES, their share of the memory limit (B521).
-                if len(kept) <= LISTING_CACHE_ENTRIES:
-                    self._last_listings[parent] = kept
-                else:
-                    del self._last_listings[parent]  # as `_keep` keeps none that big
+            # Uncounted, the names lookups added grew the listings kept past LISTING_CACHE_ENTRIES, their share of the
+            # memory limit (B521).
+            self._recount_kept(parent, kept)
         if entry is None and (said_otherwise or parent in self._lists_under_way or path in self._latest_asked):
             # Dated too where an answer about the path was: undated, an older HEAD of its inode landing after found a
             # version there, which the listing kept (and the names kept) took over this newer nothing (B520).
             self._asked(path, asked)
         if parent in self._lists_under_way:
             self._found_while_listed.setdefault(parent, {})[name_b] = (asked, entry)
+
+    def _recount_kept(self, parent: str, kept: Listing) -> None:
+        """The listing kept for outages of `parent`, `kept`, had names added or dropped: stored again, as cachetools
+        counts a listing's size when it is stored (or dropped if now too big, as `_keep` keeps none such). Only that
+        cache: it has no TTL to restart, where storing the cached listing again (`_listings`) would restart its TTL."""
+        if self._last_listings.get(parent) is not kept:
+            return
+        if len(kept) <= LISTING_CACHE_ENTRIES:
+            self._last_listings[parent] = kept
+        else:
+            del self._last_listings[parent]
 
     def _found(self, path: str, entry: tuple[bool, ObjectMeta | None] | None, asked: float | None = None) -> None:
         """What the bucket (or a change through this mount) says is at `path` now, for the names kept: a directory

@@ -208,6 +208,12 @@ class WritableNamespace(Namespace):
                 listing.pop(name_b, None)
             else:
                 listing[name_b] = entry
+        kept = self._last_listings.get(parent)
+        if kept is not None:
+            # Counted again (the cached listing, often the same dict, is not stored again: its TTL would restart).
+            # Uncounted, a directory this mount wrote file by file and never listed again grew the listings kept past
+            # LISTING_CACHE_ENTRIES, their share of the memory limit (B650).
+            self._recount_kept(parent, kept)
 
     async def dir_is_empty(self, node: Node) -> bool:
         """Whether a directory has nothing in it but its own marker: asked of the bucket, not the cache."""

@@ -1594,3 +1594,34 @@ async def test_the_listing_kept_for_outages_counts_the_names_lookups_add_to_it(m
         await ns.lookup(d.ino, str(i).encode())
     assert len(ns._last_listings["d"]) == 6
     assert sum(len(listing) for listing in ns._last_listings.values()) <= 6
+
+
+async def test_the_listing_kept_for_outages_counts_the_files_this_mount_stores_without_restarting_the_cached_ones_ttl(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """`ls e` and `ls d` kept their listings; a job then writes files into `d` through this mount, each added to `d`'s
+    listing kept for outages (`WritableNamespace._change`). cachetools counts a listing's size when it is stored: the
+    names added were never counted, and the listings kept grew past LISTING_CACHE_ENTRIES (their share of
+    --memory-limit). The cached listing (the same dict) is not stored again: its TTL would restart."""
+    from fsmount.tree_changes import WritableNamespace
+
+    monkeypatch.setattr(namespace, "LISTING_CACHE_ENTRIES", 6)
+    store = FakeStore()
+    for key in ("e/a", "e/b", "d/a"):
+        store.put(key, b"1")
+    now = [0.0]
+    ns = WritableNamespace(store, call, prefix="", ttl=60.0)
+    ns._listings = cachetools.TTLCache(maxsize=6, ttl=60.0, timer=lambda: now[0],
+                                       getsizeof=lambda entries: max(1, len(entries)))
+    ns._last_listings = cachetools.LRUCache(maxsize=6, getsizeof=lambda entries: max(1, len(entries)))
+    for name_b in (b"e", b"d"):
+        await names(ns, (await ns.lookup(ROOT_INODE, name_b)).ino)
+    d = await ns.lookup(ROOT_INODE, b"d")
+    now[0] = 30.0
+    for i in range(5):
+        node = ns.begin_file(f"d/{i}")
+        ns.end_file(node, ObjectMeta(f"d/{i}", 1, f"etag{i}", 0))
+    assert len(ns._last_listings["d"]) == 6
+    assert sum(len(listing) for listing in ns._last_listings.values()) <= 6
+    assert await names(ns, d.ino) == {b"a": False, **{str(i).encode(): False for i in range(5)}}
+    now[0] = 61.0
+    assert "d" not in ns._listings  # the TTL of `ls d`'s listing ran from that listing, not from the last store

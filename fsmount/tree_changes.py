@@ -160,14 +160,32 @@ class WritableNamespace(Namespace):
             self._ino_by_path.pop((path, None), None)
         self._negative[path] = True
 
-    def found_in_bucket(self, path: str) -> None:
+    def found_in_bucket(self, path: str, found: tuple[bool, ObjectMeta | None] | None = None,
+                        asked: float | None = None) -> None:
         """The bucket holds something at `path` that this mount's answers said was free (another writer made it
         since): the path's next lookup, and its parent's next listing, ask the bucket; a listing under way no longer
-        leaves it out of what it keeps for outages as a lookup found it gone before (B503)."""
+        leaves it out of what it keeps for outages as a lookup found it gone before (B503). `found`, where the request
+        that found it says what (a directory (True, None), a file's version (False, meta)), asked at `asked`
+        (monotonic): taken as a lookup's answer would be, the newest about the path. Only dropped, the lookup's answer
+        of nothing before it stayed the newest: while the origin was away `ls` showed the name (B503) and `stat` of it
+        was EIO, the listing's version older news than that nothing (B651)."""
         parent, _, name = path.rpartition("/")
         self._listings.pop(parent, None)
         self._negative.pop(path, None)
-        self._found_while_listed.get(parent, {}).pop(name.encode("utf-8", "surrogateescape"), None)
+        if found is None or asked is None:
+            self._found_while_listed.get(parent, {}).pop(name.encode("utf-8", "surrogateescape"), None)
+            return
+        # As `_ask_bucket` takes a lookup's answer (the node, not counted as a lookup, is kept as one the kernel forgot:
+        # it answers while the origin is away, as the path's latest version where a listing names that version too).
+        self._found(path, found, asked)
+        ino = self._ino_by_path.get((path, None if found[0] else found[1].etag))  # type: ignore[union-attr]
+        if ino is not None and ino not in self._nodes and ino in self._forgotten:
+            self._nodes[ino] = self._forgotten.pop(ino)  # the version's node kept (B246): dated, and kept again
+        node = self._node_for(path, found[0], found[1], asked)
+        if asked >= self._latest_asked.get(path, 0.0):
+            self._found_in_listings(path, found, asked)  # (a listing under way keeps this, not the lookup's nothing)
+        if node.lookups == 0:
+            self.forget(node.ino, 0)
 
     def dir_moved(self, node: Node, path: str) -> None:
         """An empty directory now has the name `path` (its inode stays)."""

@@ -411,18 +411,25 @@ class Writes:
         if directory:
             # Its listing answered cut short is asked once more, within the one deadline of `call` (B221).
             calls["directory"] = lambda: self.call(self.uploads.has_children, self.ns.dir_key(path))
+        asked = time.monotonic()
         found = await at_once(calls)
         for failed in ("file_error", "directory_error"):
             if failed in found:
                 raise found[failed]
-        return found.get("file") is not None, bool(found.get("directory"))
+        is_file, is_dir = found.get("file") is not None, bool(found.get("directory"))
+        if is_dir or (is_file and directory):
+            # Another writer made it since this mount found the name free: this mount then shows what is there (the
+            # directory, where both are, as a lookup does), as of this answer (B651).
+            self.ns.found_in_bucket(path, (True, None) if is_dir else (False, found["file"]), asked)
+        elif is_file:
+            self.ns.found_in_bucket(path)  # a directory of its name, not asked for, would win: looked up again
+        return is_file, is_dir
 
     def _refuse_beside(self, path: str, is_dir: bool, err: int) -> NoReturn:
         """`err` for a file where the bucket holds a directory of its name (it would be stored and never seen), or
-        a directory where it holds a file (it would hide the file); this mount then shows what is there."""
+        a directory where it holds a file (it would hide the file); this mount shows what is there (`_in_bucket`)."""
         log.warning("%s: a %s of that name is in the bucket (made since this mount listed its directory)", path,
                     "directory" if is_dir else "file")
-        self.ns.found_in_bucket(path)
         raise PathError(err)
 
     async def create(self, parent: Node, name: bytes,
@@ -442,8 +449,7 @@ class Writes:
         is_file, is_dir = await self._in_bucket(path, file=head, directory=True)
         if is_dir:  # as a local disk answers: O_EXCL (and mknod) EEXIST, the name being there; else EISDIR
             self._refuse_beside(path, True, errno.EEXIST if flags & os.O_EXCL else errno.EISDIR)
-        if is_file:
-            self.ns.found_in_bucket(path)  # looked up again, it is found (and a rename onto it refused as such)
+        if is_file:  # (looked up again, it is found, `_in_bucket`: a rename onto it refused as such)
             if flags & os.O_EXCL:
                 raise PathError(errno.EEXIST)
             return None
@@ -607,7 +613,6 @@ class Writes:
         if is_dir:
             # Made by another writer since this mount found the name free: EEXIST, as a local mkdir of an existing
             # directory (a `mkdir` taken as a lock by two nodes: both got it, the second putting the marker again).
-            self.ns.found_in_bucket(path)
             raise PathError(errno.EEXIST)
         # Its answer cut short or lost, the marker may be stored all the same: the bucket is asked (B167), as a
         # directory's rename does (B164). Failed for that, the directory was made and the retry got EEXIST.
@@ -690,11 +695,9 @@ class Writes:
             is_file, is_dir = await self._in_bucket(path, file=node.is_dir or noreplace or not self.allow_overwrite,
                                                     directory=not node.is_dir or noreplace)
             if noreplace and (is_file or is_dir):
-                self.ns.found_in_bucket(path)
                 raise PathError(errno.EEXIST)
             if is_file and not node.is_dir:
                 log.warning("rename onto %s: replacing it needs --allow-overwrite", path)
-                self.ns.found_in_bucket(path)
                 raise PathError(errno.EPERM)
             if is_file or is_dir:
                 self._refuse_beside(path, is_dir, errno.EISDIR if is_dir else errno.ENOTDIR)

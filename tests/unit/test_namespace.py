@@ -6,6 +6,7 @@ import errno
 import gc
 import os
 import threading
+import time
 import tracemalloc
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -1625,3 +1626,38 @@ async def test_the_listing_kept_for_outages_counts_the_files_this_mount_stores_w
     assert await names(ns, d.ino) == {b"a": False, **{str(i).encode(): False for i in range(5)}}
     now[0] = 61.0
     assert "d" not in ns._listings  # the TTL of `ls d`'s listing ran from that listing, not from the last store
+
+
+@pytest.mark.parametrize("listing", ["kept-before", "landing-after"])
+@pytest.mark.parametrize("stored_again", [b"12345", b"1234567"])
+async def test_while_the_origin_is_down_a_file_a_create_found_taken_after_a_lookup_found_it_gone_resolves(
+        listing: str, stored_again: bytes, autojump_clock: Any, allowed_logs: list[str]) -> None:
+    """`ls d` kept its listing (or one under way lands after); another writer deletes `d/f`, a lookup finds it gone,
+    the writer stores it again (the same bytes, or others), and this mount's `open(O_CREAT | O_EXCL)` of `d/f` finds it
+    taken (EEXIST: its HEAD's answer, `found_in_bucket`). While the origin was away `ls d` showed `f` (B503) and
+    `stat d/f` was EIO: the lookup's answer of nothing stayed the newest about the path, and the listing's version older
+    news than it (kept before, `ls` did not show it either)."""
+    from fsmount.tree_changes import WritableNamespace
+
+    allowed_logs.append(ORIGIN_UNAVAILABLE)
+    store = FakeStore()
+    store.put("d/f", b"12345")
+    store.put("d/g", b"123")
+    answers = LateAnswers()  # answers that land a second after they were asked, once `late`
+    ns = WritableNamespace(store, answers, prefix="", ttl=0)
+    d = await ns.lookup(ROOT_INODE, b"d")
+
+    async def found_taken() -> None:
+        del store.objects["d/f"]
+        with pytest.raises(PathError):
+            await ns.lookup(d.ino, b"f")
+        store.put("d/f", stored_again)
+        asked = time.monotonic()
+        ns.found_in_bucket("d/f", (False, store.head("d/f")), asked)  # the create's HEAD found it there
+
+    await beside_a_listing(ns, answers, d, listing, {b"f": False, b"g": False}, found_taken)
+    go_down(store)
+    listed = {e.name: e for e in await ns.listing(d)}
+    assert set(listed) == {b"f", b"g"} and listed[b"f"].meta.size == len(stored_again)
+    node = await ns.lookup(d.ino, b"f")
+    assert node.size == len(stored_again) and node.etag == store.etags["d/f"]

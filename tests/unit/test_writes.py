@@ -79,8 +79,8 @@ class FakeUploads:
         self._next = 0
 
     def head(self, key: str) -> ObjectMeta | None:
-        data = self.objects.get(key)
-        return None if data is None else ObjectMeta(key, len(data), f'"{hash(data)}"', 0)
+        """As the namespace's store answers (one bucket): the version a create finds is the one a lookup finds."""
+        return self.store.meta(key) if key in self.objects else None
 
     def has_children(self, prefix: str) -> bool:
         return self.store.has_children(prefix)
@@ -1542,3 +1542,34 @@ async def test_a_rename_onto_a_name_resolved_from_a_kept_node_replaces_it_for_go
 
 def _unreachable() -> None:
     raise Unreachable("cannot reach the endpoint")
+
+
+async def test_while_the_origin_is_away_a_name_a_create_or_mkdir_found_taken_is_listed_and_resolves(
+        allowed_logs: list[str]) -> None:
+    """`ls d` kept its listing; another writer deleted `d/f` (a lookup found it gone) and stored it again, and made
+    `d/sub/`; this mount's `open(O_CREAT | O_EXCL)` of `d/f` and `mkdir d/sub` found them taken (EEXIST). While the
+    origin was away `ls d` did not show them and `stat` of them was EIO, though this mount had just found them there."""
+    allowed_logs.append(ORIGIN_UNAVAILABLE)
+    writes, uploads, ns = make()
+    store = uploads.store
+    store.put("d/f", b"12345")
+    store.put("d/g", b"123")
+    async with serving(writes):
+        d = await ns.lookup(ROOT_INODE, b"d")
+        assert {e.name for e in await ns.listing(d)} == {b"f", b"g"}
+        del store.objects["d/f"]
+        ns._listings.clear()  # its TTL ran out: the next lookup asks the bucket
+        with pytest.raises(PathError):
+            await ns.lookup(d.ino, b"f")
+        store.put("d/f", b"1234567")
+        store.put("d/sub/x", b"x")
+        for attempt in (lambda: writes.create(d, b"f", os.O_WRONLY | os.O_CREAT | os.O_EXCL),
+                        lambda: writes.mkdir(d, b"sub")):
+            with pytest.raises(PathError) as info:
+                await attempt()
+            assert info.value.errno == errno.EEXIST
+        store.head = store.has_children = store.list_pages = lambda *args: _unreachable()  # type: ignore[method-assign]
+        listed = {e.name: e for e in await ns.listing(d)}
+        assert set(listed) == {b"f", b"g", b"sub"} and listed[b"f"].meta.size == 7 and listed[b"sub"].is_dir
+        assert (await ns.lookup(d.ino, b"f")).size == 7
+        assert (await ns.lookup(d.ino, b"sub")).is_dir

@@ -287,6 +287,11 @@ class Namespace:
         # (a listing begun earlier, a directory handle's snapshot) is older news of that path (`_node_for`). Apart
         # from the nodes, as the kernel forgets inodes meanwhile.
         self._latest_asked: cachetools.LRUCache[str, float] = cachetools.LRUCache(LATEST_ASKED_ENTRIES)
+        # A read's refusal of a version (`gone`), by path: (its ETag, when it landed, the path's newest date but that
+        # one). Dated as it lands in `_latest_asked` (when its GET was sent is not known here), it is news of that
+        # version alone: an answer that found another one, or nothing, is older news only against the dates before
+        # (B652).
+        self._refusals: cachetools.LRUCache[str, tuple[str, float, float]] = cachetools.LRUCache(LATEST_ASKED_ENTRIES)
         self._nodes: dict[int, Node] = {ROOT_INODE: Node(ROOT_INODE, "", True, lookups=1)}
         # Nodes of current versions (and directories) the kernel forgot, by inode number: what `_known_while_down`
         # answers a lookup of them from while the origin is away. Never served while it answers.
@@ -380,7 +385,7 @@ class Namespace:
             # listing's milliseconds that a daemon before B270 kept), and the bucket's answer came after it (B295).
             node.size, node.etag, node.mtime_ns = meta.size, meta.etag, max(node.mtime_ns, meta.mtime_ns)
             at = time.monotonic() if as_of is None else as_of
-            if self._latest_file.get(path) != ino and at < self._latest_asked.get(path, 0.0):
+            if self._latest_file.get(path) != ino and at < self._news_since(path, meta.etag):  # type: ignore[union-attr]
                 # An answer older than the newest one about the path (a listing begun before that HEAD, or a directory
                 # handle's snapshot): this version was replaced since. Taken as current, the path went back to the old
                 # size and bytes, and to the old inode number (the audit).
@@ -396,8 +401,24 @@ class Namespace:
 
     def _asked(self, path: str, at: float) -> None:
         """Something was learnt of `path`'s current version as of `at` (monotonic)."""
-        if at > self._latest_asked.get(path, 0.0):
+        latest = self._latest_asked.get(path, 0.0)
+        if at > latest:
             self._latest_asked[path] = at
+            return
+        refusal = self._refusals.get(path)
+        if refusal is not None and refusal[1] == latest and at > refusal[2]:
+            self._refusals[path] = (refusal[0], refusal[1], at)  # the newest date but the refusal's (`_news_since`)
+
+    def _news_since(self, path: str, etag: str | None) -> float:
+        """When the newest answer about `path` was asked, for an answer that found the version `etag` (None: nothing, or
+        a directory): one asked before it is older news. A read's refusal that landed last (`gone`) counts only against
+        the version refused: a lookup asked after that GET was sent, and landing after its 412, that found the new
+        version was taken for older news (B652)."""
+        latest = self._latest_asked.get(path, 0.0)
+        refusal = self._refusals.get(path)
+        if refusal is not None and refusal[1] == latest and refusal[0] != etag:
+            return refusal[2]
+        return latest
 
     def forget(self, ino: int, count: int) -> None:
         node = self._nodes.get(ino)
@@ -484,7 +505,7 @@ class Namespace:
             # Kept as it was, a remount while the origin is away served the version this HEAD found gone.
             found = (False, meta) if meta is not None else None
             self._found(node.path, found, asked)
-            if asked >= self._latest_asked.get(node.path, 0.0):
+            if asked >= self._news_since(node.path, meta.etag if meta is not None else None):
                 self._found_in_listings(node.path, found, asked)
             return node
         if node.held_again(asked):
@@ -508,7 +529,12 @@ class Namespace:
         if not version.key.startswith(self.prefix):
             return None
         path = version.key[len(self.prefix):]
-        self._asked(path, time.monotonic())
+        # Dated as it lands, against this version (`_news_since`): an answer asked before that finds it is older news.
+        # (Where the newest date is a refusal of another version, that one's date stays the one to be newer than.)
+        landed, latest, refusal = time.monotonic(), self._latest_asked.get(path, 0.0), self._refusals.get(path)
+        before = refusal[2] if refusal is not None and refusal[1] == latest and refusal[0] == version.etag else latest
+        self._asked(path, landed)
+        self._refusals[path] = (version.etag, landed, before)
         ino = self._ino_by_path.get((path, version.etag))
         node = self._nodes.get(ino) if ino is not None else None
         if node is not None and not node.writing:
@@ -649,7 +675,7 @@ class Namespace:
                                  "dir": lambda: self._call(self._store.has_children, key + "/")})
         if results.get("dir"):  # a key that is both a file and a prefix: the directory wins (whatever the HEAD said)
             self._found(path, (True, None), asked)
-            if asked >= self._latest_asked.get(path, 0.0):
+            if asked >= self._news_since(path, None):
                 self._found_in_listings(path, (True, None), asked)
             return self._node_for(path, True, None, asked)
         for name in ("meta_error", "dir_error"):
@@ -663,11 +689,11 @@ class Namespace:
             node = self._node_for(path, False, results["meta"], asked)
             if not node.superseded:
                 node.confirmed_at = time.monotonic()
-            if asked >= self._latest_asked.get(path, 0.0):  # (`_node_for` dated it, unless a newer answer is known)
+            if asked >= self._news_since(path, results["meta"].etag):  # (`_node_for` dated it, unless newer news)
                 self._found_in_listings(path, (False, results["meta"]), asked)
             return node
         self._found(path, None, asked)
-        if asked >= self._latest_asked.get(path, 0.0):
+        if asked >= self._news_since(path, None):
             # Not when a newer answer about the path is known (a HEAD of its inode, this mount's write of it): cached,
             # this older one made the path ENOENT for the TTL, a file the newest answer found there (B307).
             self._negative[path] = True
@@ -725,7 +751,8 @@ class Namespace:
     def _found(self, path: str, entry: tuple[bool, ObjectMeta | None] | None, asked: float | None = None) -> None:
         """What the bucket (or a change through this mount) says is at `path` now, for the names kept: a directory
         (True, None), a file's version (False, meta), or nothing; as asked at `asked` (monotonic; now if None)."""
-        if asked is not None and asked < self._latest_asked.get(path, 0.0):
+        if asked is not None and asked < self._news_since(path, entry[1].etag if entry is not None and entry[1] else
+                                                          None):
             # Asked before the newest answer about the path (a HEAD of the held inode, this mount's own write): older
             # news, which changes nothing that answer would contradict. It supersedes no node the kernel holds (B306),
             # drops no node kept of one it forgot (B323: while the origin was away, the name the newest answer found

@@ -182,7 +182,7 @@ class WritableNamespace(Namespace):
         if ino is not None and ino not in self._nodes and ino in self._forgotten:
             self._nodes[ino] = self._forgotten.pop(ino)  # the version's node kept (B246): dated, and kept again
         node = self._node_for(path, found[0], found[1], asked)
-        if asked >= self._latest_asked.get(path, 0.0):
+        if asked >= self._news_since(path, None if found[0] else found[1].etag):  # type: ignore[union-attr]
             self._found_in_listings(path, found, asked)  # (a listing under way keeps this, not the lookup's nothing)
         if node.lookups == 0:
             self.forget(node.ino, 0)

@@ -1661,3 +1661,39 @@ async def test_while_the_origin_is_down_a_file_a_create_found_taken_after_a_look
     assert set(listed) == {b"f", b"g"} and listed[b"f"].meta.size == len(stored_again)
     node = await ns.lookup(d.ino, b"f")
     assert node.size == len(stored_again) and node.etag == store.etags["d/f"]
+
+
+async def test_while_the_origin_is_down_a_file_a_lookup_found_replaced_as_a_read_of_the_old_version_failed_resolves(
+        autojump_clock: Any, allowed_logs: list[str]) -> None:
+    """`ls d` kept its listing; a reader holds `d/f` open; another writer replaces it, and a lookup of `d/f` is asked
+    (its answer slow) while the reader's GET, sent before, is refused (412: `gone`, dated when it lands). The lookup,
+    asked before that refusal landed, was taken for older news: the new version it found superseded, the listing kept
+    for outages left naming the old one. While the origin was away `ls d` showed the old size and, the kernel having
+    forgotten the new inode, `stat d/f` was EIO."""
+    allowed_logs.append(ORIGIN_UNAVAILABLE)
+    store = FakeStore()
+    store.put("d/f", b"12345")
+    store.put("d/g", b"123")
+    answers = LateAnswers()  # answers that land a second after they were asked, once `late`
+    ns = Namespace(store, answers, prefix="", ttl=0)
+    d = await ns.lookup(ROOT_INODE, b"d")
+    old = (await ns.lookup(d.ino, b"f")).version("")  # held open by the reader
+    assert await names(ns, d.ino) == {b"f": False, b"g": False}
+    store.put("d/f", b"1234567")
+    found: list[Node] = []
+
+    async def look_up() -> None:
+        found.append(await ns.lookup(d.ino, b"f"))
+
+    answers.late = True
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(look_up)  # asked now, lands in 1 s
+        await trio.sleep(0.5)
+        ns.gone(old)  # the reader's GET, sent before the lookup, refused as the lookup is under way
+    answers.late = False
+    assert not found[0].superseded and found[0].size == 7
+    ns.forget(found[0].ino, 1)  # the kernel forgot it
+    go_down(store)
+    listed = {e.name: e for e in await ns.listing(d)}
+    assert set(listed) == {b"f", b"g"} and listed[b"f"].meta.size == 7
+    assert (await ns.lookup(d.ino, b"f")).size == 7

@@ -26,11 +26,13 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import hashlib
 import json
 import logging
 import os
 import threading
+import urllib.parse
 from collections.abc import Callable, Mapping
 from typing import Protocol
 
@@ -69,9 +71,53 @@ class Listed(Protocol):
 def names_file(cache_dir: str, bucket: str, prefix: str, origin: str = "") -> str:
     """Its name is 32 hex digits and `.json` (cache_dir.sweep_saved_names, of `modelfs cache clear`, goes by it).
     `origin` (shared_tier.origin_identity): a bucket of the same name on another server (a typo in the endpoint, a
-    staging server) is another bucket, whose names a mount started while it does not answer must not serve."""
+    staging server) is another bucket, whose names a mount started while it does not answer must not serve. AWS S3's
+    is filed as its partition (`names_origin`)."""
+    return _names_file(cache_dir, bucket, prefix, names_origin(origin))
+
+
+def _names_file(cache_dir: str, bucket: str, prefix: str, origin: str) -> str:
     digest = hashlib.sha256(f"{origin}\0{bucket}\0{prefix}".encode("utf-8", "surrogateescape")).hexdigest()[:32]
     return os.path.join(cache_dir, NAMES_DIR, digest + ".json")
+
+
+@functools.lru_cache(maxsize=16)
+def _aws_partition(region: str) -> str | None:
+    """The AWS partition of `region` (aws, aws-cn, aws-us-gov, ...), as botocore's endpoint data has it; None for a name
+    no partition has."""
+    import botocore.session  # (botocore is boto3's; imported here, as only a mount with a cache dir asks)
+
+    try:
+        return str(botocore.session.get_session().get_partition_for_region(region))
+    except Exception:  # noqa: BLE001 - an unknown region: filed by its name, as before
+        return None
+
+
+def names_origin(origin: str) -> str:
+    """The origin the names kept are filed under: AWS S3's, with or without --endpoint-url, by its partition
+    (`s3:aws`), where a bucket's name is one bucket in every region. Filed by region (`s3:us-east-1`), a --region
+    changed, or one the environment gave another node, found none of them until a mount reached the bucket; an AWS
+    endpoint given (`https://s3.us-west-2.amazonaws.com`) was filed apart from none (B653). Another server's (an
+    S3-compatible one) as it is: a bucket of the same name there is another bucket."""
+    if origin.startswith("s3:"):
+        partition = _aws_partition(origin[3:])
+        return f"s3:{partition}" if partition is not None else origin
+    url = urllib.parse.urlsplit(origin)
+    host = url.hostname or ""
+    if url.scheme not in ("http", "https") or url.port is not None or url.path or not (
+            host.endswith(".amazonaws.com") or host.endswith(".amazonaws.com.cn")):
+        return origin
+    labels = host.split(".")
+    if not any(label == "s3" or label.startswith("s3-") for label in labels):
+        return origin  # not an S3 endpoint of AWS's
+    # Its region is a label (`s3.REGION.`, `s3-fips.REGION.`, `s3.dualstack.REGION.`), or part of one (`s3-REGION.`);
+    # none (`s3.amazonaws.com`, `s3-external-1`) is us-east-1's, or for `.cn` the China partition.
+    for label in labels:
+        for region in (label, label[3:] if label.startswith("s3-") else ""):
+            partition = _aws_partition(region) if region and region[-1:].isdigit() else None
+            if partition is not None:
+                return f"s3:{partition}"
+    return "s3:aws-cn" if host.endswith(".cn") else "s3:aws"
 
 
 def _saved(entry: Entry) -> Saved | None:
@@ -98,10 +144,14 @@ class Snapshot:
 class SavedNames:
     def __init__(self, cache_dir: str, bucket: str, prefix: str, origin: str = ""):
         self.path = names_file(cache_dir, bucket, prefix, origin)
+        # Where a daemon before B653 filed them (by region, or by the AWS endpoint given): read once if there is none
+        # here, so that a daemon upgraded while the origin is away still starts.
+        self._before = None if names_origin(origin) == origin else (_names_file(cache_dir, bucket, prefix, origin),
+                                                                     origin)
         self._writing = threading.Lock()  # `save`'s, across worker threads
         self._taken = 0  # snapshots taken (trio thread): each one's generation
         self._written = 0  # the generation of the snapshot in the file (under `_writing`)
-        self.bucket, self.prefix, self.origin = bucket, prefix, origin
+        self.bucket, self.prefix, self.origin = bucket, prefix, names_origin(origin)
         self._dirs: dict[str, SavedDir] = {}  # least recently used first (`_used`)
         self._count = 0
         self.dirty = False
@@ -111,11 +161,14 @@ class SavedNames:
 
     def load(self) -> None:
         """What the file holds (at startup, before anything is learnt); nothing if it is missing or unreadable."""
+        path, origin = self.path, self.origin
+        if self._before is not None and not os.path.exists(path):
+            path, origin = self._before
         try:
-            with open(self.path, "rb") as f:
+            with open(path, "rb") as f:
                 doc = json.load(f)
             if doc.get("format") != FORMAT or doc.get("bucket") != self.bucket or doc.get("prefix") != self.prefix \
-                    or doc.get("origin", "") != self.origin:
+                    or doc.get("origin", "") != origin:
                 raise ValueError("not this mount's")
             dirs = {str(path): SavedDir(bool(complete), {str(name): (bool(e[0]), str(e[1]), int(e[2]), str(e[3]),
                                                                      int(e[4])) for name, e in entries.items()})
@@ -123,7 +176,7 @@ class SavedNames:
         except FileNotFoundError:
             return
         except Exception as exc:  # noqa: BLE001 - a damaged file costs its names, never the mount (every mount loads it)
-            log.warning("the names kept in %s cannot be read (%s): left out", self.path, exc)
+            log.warning("the names kept in %s cannot be read (%s): left out", path, exc)
             return
         self._dirs = dirs
         self._count = sum(len(d.entries) for d in dirs.values())

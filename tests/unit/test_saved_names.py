@@ -483,3 +483,39 @@ def test_a_name_found_gone_then_read_at_an_older_version_is_not_left_out_of_a_la
     saved.listed("d", {name.encode(): DirEntry(name.encode(), *entry) for name, entry in entries.items()},
                  lambda name: name == "f")  # begun before that read's refusal
     assert saved.listing("d") is None and saved.entry("d/a") == file_entry("d/a")
+
+
+def test_aws_s_names_are_found_after_a_region_change_and_with_or_without_its_endpoint(tmp_path: Path) -> None:
+    """AWS S3 without --endpoint-url was filed by region: after a --region change (or a node whose environment gives
+    another), a mount started while the origin was away found none of the names its predecessor kept, and an AWS
+    endpoint given was filed apart from none. A bucket's name there is one bucket in every region of a partition;
+    another partition's, or another server's, is another bucket."""
+    saved = SavedNames(str(tmp_path), "b", "", "s3:us-east-1")
+    saved.found("w.bin", file_entry("w.bin"))
+    saved.save(saved.snapshot())
+    for origin, same in (("s3:eu-west-1", True), ("https://s3.us-west-2.amazonaws.com", True),
+                         ("https://s3.amazonaws.com", True), ("s3:cn-north-1", False), ("s3:us-gov-west-1", False),
+                         ("https://s3.cn-north-1.amazonaws.com.cn", False), ("http://127.0.0.1:9000", False),
+                         ("https://s3.us-west-2.amazonaws.com:8443", False)):
+        again = SavedNames(str(tmp_path), "b", "", origin)
+        again.load()
+        assert (again.entry("w.bin") is not None) is same, origin
+
+
+def test_the_names_a_daemon_filed_by_region_are_read_once_where_none_are_filed_by_partition(tmp_path: Path) -> None:
+    """A daemon upgraded while the origin is away still starts from what its predecessor kept under the region's
+    identity (saved_names._names_file of the origin as given), and saves under the partition's."""
+    before = saved_names._names_file(str(tmp_path), "b", "", "s3:us-west-2")
+    os.makedirs(os.path.dirname(before), mode=0o700)
+    entry = [False, "w.bin", 3, '"e"', 7]
+    with open(before, "w") as f:
+        json.dump({"format": saved_names.FORMAT, "bucket": "b", "prefix": "", "origin": "s3:us-west-2",
+                   "dirs": {"": [False, {"w.bin": entry}]}}, f)
+    saved = SavedNames(str(tmp_path), "b", "", "s3:us-west-2")
+    assert saved.path != before
+    saved.load()
+    assert saved.entry("w.bin") is not None
+    saved.save(saved.snapshot())
+    again = SavedNames(str(tmp_path), "b", "", "s3:eu-west-1")
+    again.load()
+    assert again.entry("w.bin") is not None

@@ -104,20 +104,26 @@ def names_origin(origin: str) -> str:
         return f"s3:{partition}" if partition is not None else origin
     url = urllib.parse.urlsplit(origin)
     host = url.hostname or ""
-    if url.scheme not in ("http", "https") or url.port is not None or url.path or not (
-            host.endswith(".amazonaws.com") or host.endswith(".amazonaws.com.cn")):
+    suffix = ".amazonaws.com.cn" if host.endswith(".amazonaws.com.cn") else ".amazonaws.com"
+    if url.scheme not in ("http", "https") or url.port is not None or url.path or not host.endswith(suffix):
         return origin
-    labels = host.split(".")
-    if not any(label == "s3" or label.startswith("s3-") for label in labels):
-        return origin  # not an S3 endpoint of AWS's
-    # Its region is a label (`s3.REGION.`, `s3-fips.REGION.`, `s3.dualstack.REGION.`), or part of one (`s3-REGION.`);
-    # none (`s3.amazonaws.com`, `s3-external-1`) is us-east-1's, or for `.cn` the China partition.
-    for label in labels:
-        for region in (label, label[3:] if label.startswith("s3-") else ""):
-            partition = _aws_partition(region) if region and region[-1:].isdigit() else None
-            if partition is not None:
-                return f"s3:{partition}"
-    return "s3:aws-cn" if host.endswith(".cn") else "s3:aws"
+    # S3's own endpoints only (`s3.`, `s3-external-1.`, `s3-REGION.`, `s3.REGION.`, `s3-fips.REGION.`,
+    # `s3.dualstack.REGION.`): other names under amazonaws.com are other servers' too (a load balancer named `s3` is
+    # `s3-1234.us-east-1.elb.amazonaws.com`, a cache `s3-cache.abc.0001.use1.cache.amazonaws.com`), whose buckets AWS's
+    # names must never stand for (B670). None (`s3.amazonaws.com`) is us-east-1's, or for `.cn` the China partition.
+    labels = host[:-len(suffix)].split(".")
+    if labels in (["s3"], ["s3-external-1"]):
+        return "s3:aws-cn" if suffix.endswith(".cn") else "s3:aws"
+    if len(labels) == 1 and labels[0].startswith("s3-"):
+        region = labels[0][3:]
+    elif len(labels) in (2, 3) and labels[0] in ("s3", "s3-fips") and labels[1:-1] in ([], ["dualstack"]):
+        region = labels[-1]
+    else:
+        return origin
+    partition = _aws_partition(region) if region[-1:].isdigit() else None
+    if partition is None or (partition == "aws-cn") != suffix.endswith(".cn"):
+        return origin
+    return f"s3:{partition}"
 
 
 def _saved(entry: Entry) -> Saved | None:

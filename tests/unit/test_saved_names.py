@@ -519,3 +519,22 @@ def test_the_names_a_daemon_filed_by_region_are_read_once_where_none_are_filed_b
     again = SavedNames(str(tmp_path), "b", "", "s3:eu-west-1")
     again.load()
     assert again.entry("w.bin") is not None
+
+
+def test_another_server_under_amazonaws_com_never_shares_aws_s_names(tmp_path: Path) -> None:
+    """Any host under amazonaws.com with a label beginning `s3-` was taken for AWS S3: an S3-compatible server behind a
+    load balancer named `s3` (`s3-1234.us-east-1.elb.amazonaws.com`), started while it did not answer, served the names
+    AWS's bucket of that name had (B670). Only S3's own endpoints share them."""
+    saved = SavedNames(str(tmp_path), "b", "", "s3:us-east-1")
+    saved.found("w.bin", file_entry("w.bin"))
+    saved.save(saved.snapshot())
+    for origin, same in (("https://s3-1234567890.us-east-1.elb.amazonaws.com", False),
+                         ("https://s3-cache.abc123.0001.use1.cache.amazonaws.com", False),
+                         ("https://s3-proxy.internal.amazonaws.com", False),
+                         ("https://s3.us-east-1.amazonaws.com.cn", False),
+                         ("https://s3-us-west-2.amazonaws.com", True), ("https://s3-external-1.amazonaws.com", True),
+                         ("https://s3.dualstack.eu-west-1.amazonaws.com", True),
+                         ("https://s3-fips.us-east-2.amazonaws.com", True)):
+        again = SavedNames(str(tmp_path), "b", "", origin)
+        again.load()
+        assert (again.entry("w.bin") is not None) is same, origin

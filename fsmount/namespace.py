@@ -898,7 +898,7 @@ class Namespace:
         if self.saved is not None:
             # A name some answer asked after this listing began told of keeps what that answer said (B325).
             self.saved.listed(path, entries,
-                              lambda name: self._latest_asked.get(self._join(path, name), 0.0) > entries.at)
+                              lambda name, etag: self._news_since(self._join(path, name), etag) > entries.at)
 
     def _with_pending(self, path: str, entries: dict[bytes, DirEntry]) -> list[DirEntry]:
         """A directory's entries and the files being written in it (which no listing has yet)."""

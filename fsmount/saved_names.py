@@ -190,7 +190,8 @@ class SavedNames:
 
     # -- what the namespace learnt ------------------------------------------------------------------
 
-    def listed(self, path: str, entries: Mapping[bytes, Listed], newer: Callable[[str], bool] | None = None) -> None:
+    def listed(self, path: str, entries: Mapping[bytes, Listed],
+               newer: Callable[[str, str | None], bool] | None = None) -> None:
         """A whole listing of the directory `path` landed (entries by name). One too big to keep costs no pass over
         it (a 200,000-name listing cost 0.4 s of the trio thread). `newer(name)`: whether an answer about that name
         asked after this listing began is known; its kept entry (or its absence) is that newer news, and stays as it
@@ -203,7 +204,7 @@ class SavedNames:
         left_out = 0
         for name_b, entry in entries.items():
             name = name_b.decode("utf-8", "surrogateescape")
-            if newer is not None and newer(name):
+            if newer is not None and newer(name, None if entry.is_dir or entry.meta is None else entry.meta.etag):
                 saved = old.entries.get(name) if old is not None else None
                 if saved is None and old is not None and old.complete:
                     # Nothing kept of it in a whole listing: that newer answer found it gone (`found` drops the name
@@ -218,7 +219,7 @@ class SavedNames:
                 left_out += 1
         if old is not None and newer is not None:
             for name, was in old.entries.items():
-                if name not in kept and name.encode("utf-8", "surrogateescape") not in entries and newer(name):
+                if name not in kept and name.encode("utf-8", "surrogateescape") not in entries and newer(name, None):
                     kept[name] = was  # found after this listing began
         complete = not left_out  # a name left out (no ETag, or gone by newer news): never served as the whole listing
         if old is not None and old.complete == complete and old.entries == kept:

@@ -481,7 +481,7 @@ def test_a_name_found_gone_then_read_at_an_older_version_is_not_left_out_of_a_la
     saved.gone("d/f", '"older"')  # a descriptor's read of an older version refused (412 or 404: which, unknown)
     entries = {"a": file_entry("d/a"), "f": file_entry("d/f", etag='"new"')}
     saved.listed("d", {name.encode(): DirEntry(name.encode(), *entry) for name, entry in entries.items()},
-                 lambda name: name == "f")  # begun before that read's refusal
+                 lambda name, etag: name == "f")  # begun before that read's refusal
     assert saved.listing("d") is None and saved.entry("d/a") == file_entry("d/a")
 
 
@@ -538,3 +538,35 @@ def test_another_server_under_amazonaws_com_never_shares_aws_s_names(tmp_path: P
         again = SavedNames(str(tmp_path), "b", "", origin)
         again.load()
         assert (again.entry("w.bin") is not None) is same, origin
+
+
+async def test_a_listing_begun_before_a_read_of_the_old_version_failed_keeps_the_new_version(
+        tmp_path: Path, autojump_clock: object, allowed_logs: list[str]) -> None:
+    """`ls d` kept `d/f`; another writer replaced it, and a listing of `d` was under way (naming the new version) as a
+    reader's GET of the old one was refused (412: `gone`, dated when it lands). That refusal was taken as newer news
+    of every version, so the names kept left `f` out and `d` no longer whole: a remount while the origin was away
+    failed `ls d` and `stat d/f`, where the listing had found the new version (B671)."""
+    allowed_logs.append(ORIGIN_UNAVAILABLE)
+    store = FakeStore()
+    store.put("d/f", b"12345")
+    store.put("d/g", b"123")
+    answers = LateAnswers()
+    saved = SavedNames(str(tmp_path), store.bucket, "")
+    ns = Namespace(store, answers, prefix="", ttl=0, saved=saved)
+    d = await ns.lookup(ROOT_INODE, b"d")
+    old = (await ns.lookup(d.ino, b"f")).version("")
+    await ns.listing(d)
+    store.put("d/f", b"1234567")
+    answers.late = True
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(ns.listing, d)  # asked now, lands in 1 s
+        await trio.sleep(0.5)
+        ns.gone(old)  # the reader's GET refused as the listing is under way
+    answers.late = False
+    assert saved.entry("d/f") == (False, store.meta("d/f"))
+    saved.save(saved.snapshot())
+    down = started_while_down(store, tmp_path, ttl=0)
+    d = await down.lookup(ROOT_INODE, b"d")
+    listed = {e.name: e for e in await down.listing(d)}
+    assert set(listed) == {b"f", b"g"} and listed[b"f"].meta.size == 7
+    assert (await down.lookup(d.ino, b"f")).size == 7

@@ -300,6 +300,7 @@ class Namespace:
             maxsize=LISTING_CACHE_ENTRIES, ttl=ttl, getsizeof=lambda entries: max(1, len(entries)))
         self._negative: cachetools.TTLCache[str, bool] = cachetools.TTLCache(NEGATIVE_CACHE_ENTRIES, ttl)
         self._skips_logged: cachetools.LRUCache[str, bool] = cachetools.LRUCache(SKIP_LOG_MEMORY)
+        self._hidden_logged: cachetools.LRUCache[str, bool] = cachetools.LRUCache(SKIP_LOG_MEMORY)
         self._stale_logged = False
         self._denied_logged = False  # a HEAD of a known file refused (`refresh`) was logged as a warning
         # The same listing dicts as `_listings`, kept past their TTL for outages (no extra copies, but for a listing
@@ -601,6 +602,16 @@ class Namespace:
         log.warning("skipping %d more keys under %r that the kernel cannot represent (not named one by one)",
                     unnamed, prefix)
 
+    def _hidden(self, key: str) -> None:
+        """Log once that the file `key` is not shown because keys under `key/` make its name a directory, which wins.
+        Without it, a file that was in the bucket was missing from `ls`, `cp -r` and `modelfs prefetch` with no word
+        anywhere of why (B570)."""
+        if key in self._hidden_logged:
+            return
+        self._hidden_logged[key] = True
+        log.info("key %r is not shown: keys under %r make its name a directory, which wins over the file (rename "
+                 "one of them in the bucket to see both)", key, key + "/")
+
     @staticmethod
     def _join(parent: str, name: str) -> str:
         return f"{parent}/{name}" if parent else name
@@ -674,6 +685,8 @@ class Namespace:
         results = await at_once({"meta": lambda: self._call(self._store.head, key),
                                  "dir": lambda: self._call(self._store.has_children, key + "/")})
         if results.get("dir"):  # a key that is both a file and a prefix: the directory wins (whatever the HEAD said)
+            if results.get("meta") is not None:
+                self._hidden(key)
             self._found(path, (True, None), asked)
             if asked >= self._news_since(path, None):
                 self._found_in_listings(path, (True, None), asked)
@@ -1008,6 +1021,9 @@ class Namespace:
                     self._skip(sub, reason, skipped, prefix=True)
                     continue
                 name_b = name.encode("utf-8", "surrogateescape")
+                hidden = entries.get(name_b)
+                if hidden is not None and hidden.meta is not None:
+                    self._hidden(hidden.meta.key)
                 entries[name_b] = DirEntry(name_b, True, None)
         self._skips_counted(prefix, skipped[0])
         return entries

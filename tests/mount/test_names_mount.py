@@ -99,3 +99,27 @@ def test_listing_pages_continue_past_encoded_names(s3: S3Server, monkeypatch: py
     assert len(listed) == len(set(listed))
     assert sorted(prefixes) == sorted(f"p/{n}/" for n in NAMES[:4])
     assert not any(page.undecodable for page in pages)
+
+
+def test_a_file_hidden_by_a_directory_of_its_name_is_named_in_the_log(s3: S3Server, tmp_path: Path) -> None:
+    """B570: a key that is both a file and a prefix (`a` and `a/b`) shows as the directory, as README says; the file
+    was gone from `ls`, `cp -r` and `modelfs prefetch` with no word in the log. Now one line per hidden key, found by a
+    listing (on whichever page the file and the prefix fall: the file first, 1,000 keys apart) or by a lookup."""
+    bucket = new_bucket(s3)
+    fillers = {f"listed/a.{i:04d}": b"f" for i in range(1001)}  # between "a" and "a/" in key order: another page
+    put_objects(s3, bucket, {"looked up": b"file", "looked up/inner": b"x", "listed/a": b"file",
+                             "listed/a/b": b"x", "plain": b"p", **fillers})
+    with mounted(s3, bucket, tmp_path / "mnt", "--metadata-ttl", "0") as m:
+        assert (m.path / "looked up").is_dir()  # a lookup, its directory not listed
+        assert "key 'looked up' is not shown" in m.log()
+        names = os.listdir(m.path / "listed")
+        assert len(names) == 1002 and "a" in names
+        assert "key 'listed/a' is not shown" in m.log()
+        assert (m.path / "listed" / "a").is_dir()
+        os.listdir(m.path / "listed")  # listed again (TTL 0): not logged again
+        assert sorted(os.listdir(m.path)) == ["listed", "looked up", "plain"]
+        log = m.log()
+    hidden = [line for line in log.splitlines() if "is not shown: keys under" in line]
+    assert len([line for line in hidden if "'looked up'" in line]) == 1, hidden
+    assert len([line for line in hidden if "'listed/a'" in line]) == 1, hidden
+    assert len(hidden) == 2, hidden

@@ -42,8 +42,10 @@ from fsmount.config import (
     default_memory_limit,
     parse_cache_size,
     parse_mode,
+    parse_seconds,
     parse_size,
     parse_ttl,
+    seconds_hint,
 )
 
 if TYPE_CHECKING:
@@ -118,6 +120,7 @@ def _argument(parse: Callable[[str], T]) -> Callable[[str], T]:
 
 _size = _argument(parse_size)
 _ttl = _argument(parse_ttl)
+_seconds = _argument(parse_seconds)
 _mode = _argument(parse_mode)
 
 
@@ -125,7 +128,7 @@ def _age_seconds(text: str) -> float:
     try:
         value = float(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"invalid age {text!r}: give seconds (86400 is a day)") from None
+        raise argparse.ArgumentTypeError(f"invalid age {text!r}: {seconds_hint(text)}") from None
     if not value >= 0:
         raise argparse.ArgumentTypeError(f"invalid age {text!r}: must be >= 0")
     return value
@@ -190,7 +193,7 @@ def add_mount_arguments(p: argparse.ArgumentParser) -> None:
     s.add_argument("--no-sign-request", action="store_true", help="anonymous access to a public bucket")
     s.add_argument("--max-connections", type=int, default=DEFAULT_MAX_CONNECTIONS,
                    help="parallel ranged GETs (default %(default)s)")
-    s.add_argument("--read-timeout", type=float, default=DEFAULT_READ_TIMEOUT,
+    s.add_argument("--read-timeout", type=_seconds, default=DEFAULT_READ_TIMEOUT,
                    help="seconds after which a READ fails with EIO instead of waiting (default %(default)s)")
     s.add_argument("--get-client", choices=GET_CLIENTS, default="presigned",
                    help="what carries the bytes of ranged GETs: presigned URLs read by http.client into "
@@ -253,11 +256,11 @@ def add_mount_arguments(p: argparse.ArgumentParser) -> None:
     t.add_argument("--shared-cache-prefix", default=DEFAULT_SHARED_CACHE_PREFIX,
                    help="key prefix of chunk objects in the tier (default %(default)s)")
     t.add_argument("--shared-cache-read-only", action="store_true", help="use the tier, never write to it")
-    t.add_argument("--shared-cache-wait", type=float, default=DEFAULT_SHARED_CACHE_WAIT,
+    t.add_argument("--shared-cache-wait", type=_seconds, default=DEFAULT_SHARED_CACHE_WAIT,
                    help="seconds a node waits for a chunk another node is fetching, then fetches it itself "
                         "(default %(default)s; a tier lookup, this wait included, takes at most a quarter of "
                         "--read-timeout)")
-    t.add_argument("--shared-cache-timeout", type=float, default=DEFAULT_SHARED_CACHE_TIMEOUT,
+    t.add_argument("--shared-cache-timeout", type=_seconds, default=DEFAULT_SHARED_CACHE_TIMEOUT,
                    help="seconds one tier request may take before the origin is asked (default %(default)s; at "
                         "most an eighth of --read-timeout: a tier lookup takes at most a quarter of it)")
     o = p.add_argument_group("logging and metrics")
@@ -456,7 +459,7 @@ def make_parser() -> _OneLineErrors:
     w.add_argument("--no-pagecache", action="store_true", help="warm only the daemon's caches, not the page cache")
     w.add_argument("--threads", type=int, default=8, help="parallel readers (default %(default)s)")
     w.add_argument("--quiet", "-q", action="store_true", help="no progress bar")
-    w.add_argument("--write-wait", type=float, default=DEFAULT_PREFETCH_WRITE_WAIT, metavar="SECONDS",
+    w.add_argument("--write-wait", type=_seconds, default=DEFAULT_PREFETCH_WRITE_WAIT, metavar="SECONDS",
                    help="then wait up to this long for the daemon to write what it fetched to its NVMe cache and "
                         "shared tier (0: do not wait; default %(default)g)")
     st = sub.add_parser("stats", help="hit ratio, bytes by source, egress saved and errors of a running mount")

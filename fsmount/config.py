@@ -76,6 +76,29 @@ def parse_size(text: str) -> int:
     return int(value)
 
 
+# A duration written with a unit ("2m", "1.5h"), which the duration options refuse: they take seconds, and the
+# refusal gives the number.
+_UNIT_SECONDS = {"s": 1, "sec": 1, "m": 60, "min": 60, "h": 3600, "d": 86400}
+_DURATION_RE = re.compile(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*(s|sec|m|min|h|d)\s*", re.IGNORECASE)
+
+
+def seconds_hint(text: str) -> str:
+    """What to give a duration option instead of `text`: seconds, and for "2m" the number (120)."""
+    m = _DURATION_RE.fullmatch(str(text))
+    if m:
+        return f"give seconds ({float(m.group(1)) * _UNIT_SECONDS[m.group(2).lower()]:g} for {text!r})"
+    return "give seconds (120 is two minutes)"
+
+
+def parse_seconds(text: str) -> float:
+    """A duration option's value: seconds as a number. `--read-timeout 2m` was argparse's "invalid float value: '2m'"
+    where `--metadata-ttl 5m` was told to give seconds (B630)."""
+    try:
+        return float(text)
+    except ValueError:
+        raise ConfigError(f"invalid duration {text!r}: {seconds_hint(text)}") from None
+
+
 def parse_ttl(text: str) -> float:
     """Seconds as a number, or 'forever'. 'never' is refused: it reads as "never cached" as well as "never
     expires" (it was taken for 'forever', silently)."""
@@ -87,7 +110,7 @@ def parse_ttl(text: str) -> float:
     try:
         value = float(text)
     except ValueError:
-        raise ConfigError(f"invalid TTL {text!r}: give seconds or 'forever'") from None
+        raise ConfigError(f"invalid TTL {text!r}: {seconds_hint(text)} or 'forever'") from None
     if value < 0 or math.isnan(value):
         raise ConfigError(f"invalid TTL {text!r}: must be >= 0")
     return min(value, FOREVER_TTL)

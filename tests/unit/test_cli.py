@@ -44,6 +44,29 @@ def test_sizes_and_ttls() -> None:
         parse_ttl("-1")
 
 
+def test_every_duration_option_refuses_a_unit_with_the_seconds_to_give(capsys: pytest.CaptureFixture[str]) -> None:
+    """B630: `--read-timeout 2m` was argparse's "invalid float value: '2m'" where `--metadata-ttl 5m` was told to give
+    seconds; each duration option, and its fstab `-o` form, now says which number of seconds to give."""
+    for argv, said in ((["mount", "b", "/m", "--read-timeout", "2m"], "--read-timeout: invalid duration '2m': give "
+                        "seconds (120 for '2m')"),
+                       (["mount", "b", "/m", "-o", "read_timeout=2m"], "--read-timeout: invalid duration '2m'"),
+                       (["mount", "b", "/m", "--shared-cache-wait", "1.5 min"], "(90 for '1.5 min')"),
+                       (["mount", "b", "/m", "-o", "shared_cache_timeout=soon"], "--shared-cache-timeout: invalid "
+                        "duration 'soon': give seconds (120 is two minutes)"),
+                       (["prefetch", "/m", "--write-wait", "1h"], "--write-wait: invalid duration '1h': give seconds "
+                        "(3600 for '1h')"),
+                       (["mount", "b", "/m", "--metadata-ttl", "5m"], "invalid TTL '5m': give seconds (300 for '5m') "
+                        "or 'forever'"),
+                       (["mount", "b", "/m", "-o", "metadata_ttl=5m"], "invalid TTL '5m': give seconds (300 for"),
+                       (["cleanup", "b", "--older-than", "2d"], "invalid age '2d': give seconds (172800 for '2d')")):
+        with pytest.raises(SystemExit):
+            make_parser().parse_args(expand_mount_options(argv))
+        err = capsys.readouterr().err
+        assert said in err and "float" not in err, err
+    args = make_parser().parse_args(["mount", "b", "/m", "--read-timeout", "30", "--shared-cache-wait", "0.5"])
+    assert (args.read_timeout, args.shared_cache_wait) == (30.0, 0.5)
+
+
 def test_fstab_options_expand_and_generic_ones_are_ignored() -> None:
     argv = expand_mount_options(["mount", "b", "/m", "-o",
                                  "ro,rw,defaults,_netdev,nofail,noauto,user,nodev,nosuid,noexec,allow_other,"

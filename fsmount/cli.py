@@ -856,7 +856,15 @@ def cmd_stats(args: argparse.Namespace) -> int:
 
 
 def cmd_prefetch(args: argparse.Namespace) -> int:
-    from fsmount.prefetch_command import PartlyWarmed, WarmError, answering, unwritten, wait_for_writes, warm
+    from fsmount.prefetch_command import (
+        PartlyWarmed,
+        WarmError,
+        answering,
+        fetched_chunks,
+        unwritten,
+        wait_for_writes,
+        warm,
+    )
     from fsmount.stats_table import human_size
 
     if not args.write_wait >= 0:
@@ -885,11 +893,12 @@ def cmd_prefetch(args: argparse.Namespace) -> int:
     if partly is not None:
         return fail(f"prefetch failed: {partly}")
     if pending:
-        return fail(f"prefetch: {pending} fetched chunks were still not written to the cache levels after "
-                    f"{args.write_wait:g}s (the reads succeeded; the daemon keeps writing them)")
+        return fail(f"prefetch: {fetched_chunks(pending)} {'was' if pending == 1 else 'were'} still not written to the "
+                    f"cache levels after {args.write_wait:g}s (the reads succeeded; the daemon keeps writing them)")
     if failed > 0:
-        return fail(f"prefetch: {failed} fetched chunks were not written to a cache level (the NVMe cache or the "
-                    "shared tier failed or refused them: see the daemon's log); the reads succeeded")
+        return fail(f"prefetch: {fetched_chunks(failed)} {'was' if failed == 1 else 'were'} not written to a cache "
+                    "level (the NVMe cache or the shared tier failed or refused them: see the daemon's log); the reads "
+                    "succeeded")
     return 0
 
 

@@ -367,6 +367,11 @@ def unwritten(paths: list[str]) -> int:
     return total
 
 
+def fetched_chunks(n: int) -> str:
+    """'1 fetched chunk', '3 fetched chunks': a prefetch that left one chunk said "waiting for 1 fetched chunks"."""
+    return f"{n} fetched chunk{'' if n == 1 else 's'}"
+
+
 def wait_for_writes(paths: list[str], timeout: float, *, say: Callable[[str], None] = lambda line: None,
                     clock: Callable[[], float] = time.monotonic) -> int:
     """Wait until the daemons of the mounts holding `paths` have no cache write pending, up to `timeout`
@@ -379,6 +384,6 @@ def wait_for_writes(paths: list[str], timeout: float, *, say: Callable[[str], No
         if not pending or clock() >= deadline:
             return pending
         if not said:
-            say(f"waiting for {pending} fetched chunks to be written to the cache levels")
+            say(f"waiting for {fetched_chunks(pending)} to be written to the cache levels")
             said = True
         time.sleep(WRITES_POLL_S)

@@ -366,6 +366,10 @@ def test_prefetch_waits_for_the_daemons_pending_cache_writes(monkeypatch: pytest
     said: list[str] = []
     assert pc.wait_for_writes(["/models/m"], 60.0, say=said.append) == 0
     assert said == ["waiting for 3 fetched chunks to be written to the cache levels"]
+    pending = iter([1, 0])  # one chunk: it was "waiting for 1 fetched chunks"
+    said.clear()
+    assert pc.wait_for_writes(["/models/m"], 60.0, say=said.append) == 0
+    assert said == ["waiting for 1 fetched chunk to be written to the cache levels"]
     now = [0.0]
 
     def clock() -> float:

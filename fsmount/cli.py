@@ -824,23 +824,30 @@ def busy_hint(users: MountUsers, inside: list[str]) -> str:
 def cmd_stats(args: argparse.Namespace) -> int:
     import json
 
+    from fsmount.prefetch_command import resolve_unasked
     from fsmount.stats_table import StatsUnavailable, format_stats, read_stats
 
     try:
-        snapshot = read_stats(args.mountpoint)  # a hung daemon is waited for up to 10 s: Ctrl-C comes then
+        # The mount's own path, asking no daemon (`modelfs stats .` showed the mount as "."); one in a directory
+        # gone from under the shell (getcwd fails) as given.
+        mountpoint = resolve_unasked(args.mountpoint)
+    except OSError:
+        mountpoint = args.mountpoint
+    try:
+        snapshot = read_stats(mountpoint)  # a hung daemon is waited for up to 10 s: Ctrl-C comes then
     except StatsUnavailable as exc:
         if exc.errno in (errno.ENODATA, errno.ENOTSUP):  # a directory of a mount, given for the mount (B266)
             from fsmount.prefetch_command import MODELFS_FSTYPE, mount_of
 
-            at, fstype = mount_of(args.mountpoint)
-            if fstype == MODELFS_FSTYPE and at != os.path.realpath(args.mountpoint):
+            at, fstype = mount_of(mountpoint)
+            if fstype == MODELFS_FSTYPE and at != mountpoint:
                 return fail(f"{exc}: it is inside the modelfs mount at {at} (modelfs stats {at})")
         if exc.errno == errno.EACCES:  # another user's mount made without --allow-other: say so, not only EACCES
             from fsmount.prefetch_command import closed_to_you
 
-            why = closed_to_you(args.mountpoint)
+            why = closed_to_you(mountpoint)
             if why:
-                return fail(f"cannot read stats of {args.mountpoint}: {why}")
+                return fail(f"cannot read stats of {mountpoint}: {why}")
         return fail(str(exc))
     except KeyboardInterrupt:
         return fail("stats interrupted", 130)
@@ -848,9 +855,9 @@ def cmd_stats(args: argparse.Namespace) -> int:
         print(json.dumps(snapshot, indent=2))
         return 0
     try:
-        print(format_stats(snapshot, args.mountpoint))
+        print(format_stats(snapshot, mountpoint))
     except KeyError as exc:  # a daemon of an older version: its counters have other names
-        return fail(f"{args.mountpoint}: its daemon runs another version of modelfs, whose stats this one cannot "
+        return fail(f"{mountpoint}: its daemon runs another version of modelfs, whose stats this one cannot "
                     f"show (no {exc}): restart the mount to run this version, or read them with --json")
     return 0
 

@@ -32,6 +32,7 @@ from tests.helpers import (
     daemon_env,
     free_port,
     modelfs_cmd,
+    modelfs_env,
     mount_stats,
     mounted,
     new_bucket,
@@ -300,6 +301,22 @@ def test_stats_cold_then_warm_from_the_nvme_cache(moto_server: S3Server, tmp_pat
     assert rows["errors"] == "origin 0, cache corrupt 0, cache read 0, cache write 0", res.stdout
     assert {"read from memory", "read from NVMe cache", "read from origin", "origin GET latency",
             "NVMe cache lookups", "chunk memory", "model streaming", "now", "mount"} <= set(rows), res.stdout
+
+
+def test_stats_of_dot_or_a_symlink_names_the_mount_s_own_path(moto_server: S3Server, tmp_path: Path) -> None:
+    """`modelfs stats .` run inside the mount showed the mount as "." (and through a symlink, as the link): the
+    table's mount row is the mount's path, as /proc/mounts has it."""
+    bucket = new_bucket(moto_server)
+    put_objects(moto_server, bucket, {"a": b"x"})
+    mp = tmp_path / "mnt"
+    (tmp_path / "link").symlink_to(mp)
+    with mounted(moto_server, bucket, mp):
+        here = subprocess.run(modelfs_cmd("stats", "."), cwd=mp, capture_output=True, text=True, timeout=60,
+                              env=modelfs_env())
+        linked = stats_cmd(tmp_path / "link")
+    for res in (here, linked):
+        assert res.returncode == 0, res.stderr
+        assert table(res.stdout)["mount"].startswith(f"{mp} (bucket {bucket}, up "), res.stdout
 
 
 def test_stats_of_a_path_that_is_not_a_mount(tmp_path: Path) -> None:

@@ -602,15 +602,30 @@ class Namespace:
         log.warning("skipping %d more keys under %r that the kernel cannot represent (not named one by one)",
                     unnamed, prefix)
 
-    def _hidden(self, key: str) -> None:
+    def _hidden(self, key: str, hidden: list[int] | None = None) -> None:
         """Log once that the file `key` is not shown because keys under `key/` make its name a directory, which wins.
         Without it, a file that was in the bucket was missing from `ls`, `cp -r` and `modelfs prefetch` with no word
-        anywhere of why (B570)."""
+        anywhere of why (B570). A listing's (`hidden[0]` counts them) are named as its skipped keys are: the first
+        SKIPS_NAMED_PER_LISTING, the rest in `_hiddens_counted` (a directory of more than SKIP_LOG_MEMORY of them
+        logged each one at every listing, B632)."""
+        if hidden is not None:
+            hidden[0] += 1
+            if hidden[0] > SKIPS_NAMED_PER_LISTING:
+                return
         if key in self._hidden_logged:
             return
         self._hidden_logged[key] = True
         log.info("key %r is not shown: keys under %r make its name a directory, which wins over the file (rename "
                  "one of them in the bucket to see both)", key, key + "/")
+
+    def _hiddens_counted(self, prefix: str, hidden: int) -> None:
+        """One line for the files of a listing hidden by directories beyond those named, when their number changes."""
+        unnamed = hidden - SKIPS_NAMED_PER_LISTING
+        if unnamed <= 0 or self._hidden_logged.get(prefix) == unnamed:
+            return
+        self._hidden_logged[prefix] = unnamed
+        log.info("%d more keys under %r are not shown (not named one by one): keys under each one's name make it a "
+                 "directory, which wins over the file", unnamed, prefix)
 
     @staticmethod
     def _join(parent: str, name: str) -> str:
@@ -987,7 +1002,7 @@ class Namespace:
     async def _list_pages(self, path: str) -> Listing:
         """Every page of one delimited listing of `path`, as the bucket gives it."""
         prefix = self._dir_prefix(path)
-        skipped = [0]
+        skipped, hidden = [0], [0]
         # One call per page, so each page gets the store call's timeout; a failure on any page fails the
         # whole listing (nothing partial is cached or served).
         pages = self._store.list_pages(prefix)
@@ -1021,11 +1036,12 @@ class Namespace:
                     self._skip(sub, reason, skipped, prefix=True)
                     continue
                 name_b = name.encode("utf-8", "surrogateescape")
-                hidden = entries.get(name_b)
-                if hidden is not None and hidden.meta is not None:
-                    self._hidden(hidden.meta.key)
+                file = entries.get(name_b)
+                if file is not None and file.meta is not None:
+                    self._hidden(file.meta.key, hidden)
                 entries[name_b] = DirEntry(name_b, True, None)
         self._skips_counted(prefix, skipped[0])
+        self._hiddens_counted(prefix, hidden[0])
         return entries
 
     def _refresh_known(self, path: str, meta: ObjectMeta | None, as_of: float) -> None:

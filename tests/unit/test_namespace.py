@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import gc
+import logging
 import os
 import threading
 import time
@@ -636,6 +637,35 @@ async def test_a_directory_of_many_unrepresentable_keys_logs_a_count_not_each_ke
     await names(ns, d.ino)
     assert lines() == (0, ["skipping 31 more keys under 'd/' that the kernel cannot represent (not named one by "
                            "one)"])
+
+
+async def test_a_directory_of_many_hidden_files_logs_a_count_not_each_key(caplog) -> None:  # noqa: ANN001
+    """B632: the files hidden by a directory of their name (B570) were each logged, once while the memory of keys
+    logged (SKIP_LOG_MEMORY) held them: a directory of more of them logged every one at every listing. They are
+    named as skipped keys are: the first of a listing, the rest counted in one line, said again when it changes."""
+    store = FakeStore()
+    for i in range(namespace.SKIPS_NAMED_PER_LISTING + 30):
+        store.put(f"d/{i:03d}", b"file")
+        store.put(f"d/{i:03d}/x", b"x")
+    ns = make_ns(store, ttl=0)
+    d = await ns.lookup(ROOT_INODE, b"d")
+
+    def lines() -> tuple[int, list[str]]:
+        messages = [r.getMessage() for r in caplog.records]
+        caplog.clear()
+        return (sum("is not shown: keys under" in m for m in messages),
+                [m for m in messages if "more keys under" in m])
+
+    with caplog.at_level(logging.INFO, logger="fsmount.namespace"):
+        assert len(await names(ns, d.ino)) == namespace.SKIPS_NAMED_PER_LISTING + 30
+        counted = "30 more keys under 'd/' are not shown (not named one by one): keys under each one's name make it a "
+        assert lines() == (namespace.SKIPS_NAMED_PER_LISTING, [counted + "directory, which wins over the file"])
+        await names(ns, d.ino)
+        assert lines() == (0, [])  # listed again: nothing new to say
+        store.put("d/999", b"file")
+        store.put("d/999/x", b"x")
+        await names(ns, d.ino)
+        assert lines() == (0, [counted.replace("30", "31") + "directory, which wins over the file"])
 
 
 async def test_lookups_of_one_name_at_once_ask_the_bucket_once(autojump_clock) -> None:  # noqa: ANN001

@@ -31,7 +31,7 @@ from typing import TextIO
 import pyfuse3
 import trio
 
-from fsmount import residency
+from fsmount import mountinfo, residency
 from fsmount.capabilities import CAP_SYS_ADMIN, has_capability
 from fsmount.config import METADATA_THREADS, MiB, MountConfig, StoreConfig, tier_inside_mount, virtual_style_ignored
 from fsmount.data import (
@@ -905,12 +905,6 @@ def abort_connection(dev: int) -> str | None:
     return None
 
 
-def _unescaped(field: bytes) -> bytes:
-    """A path as /proc/self/mountinfo writes it (space, tab, newline and backslash as octal escapes, every other byte
-    as it is), unescaped."""
-    return re.sub(rb"\\([0-7]{3})", lambda m: bytes([int(m[1], 8)]), field)
-
-
 # How long the daemon waits for `fusermount3 -uz` to detach its own aborted mount (a user other than root).
 FUSERMOUNT_S = 10.0
 
@@ -921,40 +915,28 @@ def lazy_unmount_advice(mountpoint: str) -> str:
     return f"`umount -l {mountpoint}`" if os.geteuid() == 0 else f"`fusermount3 -uz {mountpoint}`"
 
 
-def _mounts() -> list[tuple[bytes, bytes, bytes, bytes, bytes]]:
-    """/proc/self/mountinfo as (mount id, parent id, device, mount point, file system type), read as bytes: a path
-    there that is not UTF-8, this one's or any other mount's, raised a UnicodeDecodeError out of the stop (B121)."""
-    with open("/proc/self/mountinfo", "rb") as f:
-        return [(fields[0], fields[1], fields[2], _unescaped(fields[4]), fields[fields.index(b"-") + 1])
-                for fields in map(bytes.split, f)]
-
-
 def mounted_type(real: str) -> str:
-    """The file system type of the topmost mount at the resolved path `real` ("another file system" where
-    /proc/self/mountinfo cannot say): what `_check_free` names. The topmost is the one no other mount there sits on:
-    mountinfo lists mounts in the order they were made, so one moved over another (mount(8)'s move) comes before it."""
-    path = os.fsencode(real)
+    """The file system type of the mount on top at the resolved path `real` ("another file system" where
+    /proc/self/mountinfo cannot say): what `_check_free` names (`mountinfo.top_at`)."""
     try:
-        here = [(mnt_id, parent, fstype) for mnt_id, parent, _, at, fstype in _mounts() if at == path]
+        top = mountinfo.top_at(os.fsencode(real), mountinfo.mounts())
     except (OSError, ValueError):
-        here = []
-    under = {parent for _, parent, _ in here}
-    types = [fstype for mnt_id, _, fstype in here if mnt_id not in under]
-    if not types:
+        top = None
+    if top is None:
         return "a mount of another file system"
-    name = os.fsdecode(types[-1])
+    name = os.fsdecode(top.fstype)
     return f"{'an' if name[:1] in 'aeiou' else 'a'} {name} mount"
 
 
 def mount_id(mountpoint: str, dev: int) -> bytes | None:
-    """The mount id of the mount of device `dev` at `mountpoint` (the topmost one, if several), or None: what
-    `detach_aborted` is told, with the device, to know that mount from one made at the path since (B139)."""
-    want, path = f"{os.major(dev)}:{os.minor(dev)}".encode(), os.fsencode(mountpoint)
+    """The mount id of the mount of device `dev` at `mountpoint` (the highest, if several: `mountinfo.stacked`), or
+    None: what `detach_aborted` is told, with the device, to know that mount from one made at the path since (B139)."""
+    want = f"{os.major(dev)}:{os.minor(dev)}".encode()
     try:
-        ids = [mnt_id for mnt_id, _, device, at, _ in _mounts() if device == want and at == path]
-    except OSError:
+        ours = [m for m in mountinfo.stacked(os.fsencode(mountpoint), mountinfo.mounts()) if m.device == want]
+    except (OSError, ValueError):
         return None
-    return ids[-1] if ids else None
+    return ours[-1].mount_id if ours else None
 
 
 def detach_aborted(mountpoint: str, dev: int, only: bytes | None = None) -> bool:
@@ -968,10 +950,9 @@ def detach_aborted(mountpoint: str, dev: int, only: bytes | None = None) -> bool
     path = os.fsencode(mountpoint)
     advice = lazy_unmount_advice(mountpoint)
     try:
-        mounts = _mounts()
-        ours = {mnt_id for mnt_id, _, device, at, _ in mounts
-                if device == want and at == path and only in (None, mnt_id)}
-        if any(parent in ours and at == path for _, parent, _, at, _ in mounts):
+        mounts = mountinfo.mounts()
+        ours = {m.mount_id for m in mounts if m.device == want and m.point == path and only in (None, m.mount_id)}
+        if any(m.parent in ours and m.point == path for m in mounts):
             log.warning("the aborted mount at %s is left in place: another mount was made over it", mountpoint)
             return False
         if not ours:

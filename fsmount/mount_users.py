@@ -13,7 +13,7 @@ import threading
 import time
 from typing import NamedTuple
 
-from fsmount.prefetch_command import mountinfo_path
+from fsmount.mountinfo import MOUNTINFO, mounts, top_at
 
 # The most `mount_users` takes: past it, what it found so far, said as not the whole of it. Reading every process's
 # descriptors and maps takes ~0.1 ms a process on the test machine, so this leaves room for a busy host's thousands.
@@ -62,39 +62,30 @@ def mapped_paths(maps: str, dev: tuple[int, int]) -> set[str]:
 MOUNT_USERS_NAMED = 5
 
 
-def mount_at(mountpoint: str, mountinfo: str = "/proc/self/mountinfo") -> tuple[int, tuple[int, int]] | None:
+def mount_at(mountpoint: str, mountinfo: str = MOUNTINFO) -> tuple[int, tuple[int, int]] | None:
     """(mount id, device (major, minor)) of the mount at `mountpoint`: the one on top where mounts are stacked
-    there, as `umount` takes it; None if nothing is mounted there."""
-    found = None
+    there (`mountinfo.top_at`), as `umount` takes it; None if nothing is mounted there."""
     try:
-        with open(mountinfo, "rb") as f:
-            for line in f:
-                fields = line.split()
-                if mountinfo_path(fields[4]) == mountpoint:
-                    major, minor = fields[2].split(b":")
-                    found = (int(fields[0]), (int(major), int(minor)))
+        top = top_at(os.fsencode(mountpoint), mounts(mountinfo))
+        if top is None:
+            return None
+        major, minor = top.device.split(b":")
+        return int(top.mount_id), (int(major), int(minor))
     except (OSError, ValueError):
         return None
-    return found
 
 
-def mounts_inside(mountpoint: str, mountinfo: str = "/proc/self/mountinfo") -> list[str]:
+def mounts_inside(mountpoint: str, mountinfo: str = MOUNTINFO) -> list[str]:
     """The mounts made on a directory of the mount at `mountpoint`, as 'PATH (TYPE)': each keeps it busy, whoever
     uses it. Only those mounted on it directly (the ones below them are theirs to unmount)."""
     mount = mount_at(mountpoint, mountinfo)
     if mount is None:
         return []
-    found = []
     try:
-        with open(mountinfo, "rb") as f:
-            for line in f:
-                fields = line.split()
-                if int(fields[1]) == mount[0]:
-                    path = mountinfo_path(fields[4])
-                    found.append(f"{path} ({os.fsdecode(fields[fields.index(b'-') + 1])})")
+        return [f"{os.fsdecode(m.point)} ({os.fsdecode(m.fstype)})" for m in mounts(mountinfo)
+                if int(m.parent) == mount[0]]
     except (OSError, ValueError):
         return []
-    return found
 
 
 def fd_mount_id(fdinfo: str) -> int | None:

@@ -11,12 +11,13 @@ import collections
 import concurrent.futures
 import errno
 import os
-import re
 import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
+
+from fsmount.mountinfo import Mount, mounts, on_top, top_at
 
 # Large reads keep many chunks in flight in the daemon; several threads per file spread them.
 BLOCK = 8 << 20
@@ -24,13 +25,6 @@ THREADS = 8
 MODELFS_FSTYPE = "fuse.modelfs"
 # How often the daemon's pending cache writes are looked at while waiting for them.
 WRITES_POLL_S = 0.2
-# mountinfo writes a space, tab, newline and backslash of a path as \ooo (octal); every other byte as it is.
-MOUNTINFO_ESCAPE = re.compile(rb"\\([0-7]{3})")
-
-
-def mountinfo_path(field: bytes) -> str:
-    """A path as /proc/self/mountinfo writes it (its fifth field, the mount point), unescaped."""
-    return os.fsdecode(MOUNTINFO_ESCAPE.sub(lambda m: bytes([int(m[1], 8)]), field))
 
 
 class WarmError(Exception):
@@ -62,15 +56,14 @@ def mount_of(path: str, mountinfo: str = "/proc/self/mountinfo", resolve: bool =
 
 
 def _mounts(mountinfo: str) -> list[tuple[str, str]]:
-    """(mount point, file system type) of every mount in `mountinfo`, in its order (a mount over another after it)."""
-    with open(mountinfo, "rb") as f:
-        return [(mountinfo_path(fields[4]), os.fsdecode(fields[fields.index(b"-") + 1]))
-                for fields in (line.split() for line in f)]
+    """(mount point, file system type) of every mount in `mountinfo` that a path can reach: of several at one point
+    only the one on top (`mountinfo.on_top`)."""
+    return [(os.fsdecode(m.point), os.fsdecode(m.fstype)) for m in on_top(mounts(mountinfo))]
 
 
 def _holding(path: str, mounts: list[tuple[str, str]]) -> tuple[str, str | None]:
-    """(mount point, file system type) of the mount of `mounts` holding the absolute `path`: the deepest, the last of
-    those at one point (the one on top); ("", None) if none does."""
+    """(mount point, file system type) of the mount of `mounts` (`_mounts`: one at a point) holding the absolute
+    `path`: the deepest; ("", None) if none does."""
     best, best_type = "", None
     for mnt, fstype in mounts:
         if (path == mnt or path.startswith(mnt.rstrip("/") + "/")) and len(mnt) >= len(best):
@@ -124,17 +117,11 @@ def closed_to_you(path: str, mountinfo: str = "/proc/self/mountinfo") -> str:
     --allow-other, which the kernel keeps to that user alone, whatever the modes say; "" where that is not so."""
     real = os.path.realpath(path)
     best, owner, open_to_all = "", None, False
-    with open(mountinfo, "rb") as f:
-        for line in f:
-            fields = line.split()
-            mnt = mountinfo_path(fields[4])
-            if (real == mnt or real.startswith(mnt.rstrip("/") + "/")) and len(mnt) >= len(best):
-                options = fields[-1].split(b",")
-                ids = [o[len(b"user_id="):] for o in options if o.startswith(b"user_id=")]
-                is_modelfs = os.fsdecode(fields[fields.index(b"-") + 1]) == MODELFS_FSTYPE
-                best = mnt
-                owner = int(ids[0]) if is_modelfs and ids and ids[0].isdigit() else None
-                open_to_all = b"allow_other" in options
+    for m in on_top(mounts(mountinfo)):
+        mnt = os.fsdecode(m.point)
+        if (real == mnt or real.startswith(mnt.rstrip("/") + "/")) and len(mnt) >= len(best):
+            best, owner, open_to_all = mnt, _user_id(m) if m.fstype == MODELFS_FSTYPE.encode() else None, \
+                b"allow_other" in m.options.split(b",")
     if owner is None or owner == os.getuid() or open_to_all:
         return ""
     import pwd
@@ -151,17 +138,16 @@ def mount_owner(path: str, mountinfo: str = "/proc/self/mountinfo") -> int | Non
     """The uid of the user who made the FUSE mount at exactly `path` (its `user_id=` in the mount's options; the
     topmost mount there), or None where there is none or it says no user. fusermount3 lets a user other than root
     unmount only their own mounts, and says of any other "entry ... not found in /etc/mtab"."""
-    owner = None
-    with open(mountinfo, "rb") as f:
-        for line in f:
-            fields = line.split()
-            if mountinfo_path(fields[4]) != path:
-                continue
-            owner = None
-            for option in fields[-1].split(b","):
-                if option.startswith(b"user_id=") and option[len(b"user_id="):].isdigit():
-                    owner = int(option[len(b"user_id="):])
-    return owner
+    top = top_at(os.fsencode(path), mounts(mountinfo))
+    return _user_id(top) if top is not None else None
+
+
+def _user_id(mount: Mount) -> int | None:
+    """The `user_id=` of a FUSE mount's options, or None where it has none."""
+    for option in mount.options.split(b","):
+        if option.startswith(b"user_id=") and option[len(b"user_id="):].isdigit():
+            return int(option[len(b"user_id="):])
+    return None
 
 
 def _raise(exc: OSError) -> None:

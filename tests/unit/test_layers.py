@@ -12,7 +12,7 @@ PACKAGE = Path(fsmount.__file__).parent
 # Lower numbers are lower layers; a module may import only modules of a strictly lower layer.
 LAYERS = {
     "fsmount.capabilities": -2,
-    "fsmount.sysmem": -1, "fsmount.holders": -1, "fsmount.residency": -1,
+    "fsmount.sysmem": -1, "fsmount.holders": -1, "fsmount.residency": -1, "fsmount.mountinfo": -1,
     "fsmount": 0, "fsmount.config": 0, "fsmount.safetensors": 0,
     "fsmount.data.identity": 1, "fsmount.data.store": 2,
     "fsmount.data.presigned": 3, "fsmount.data.chunk_file": 3, "fsmount.data.cache_dir": 3,

@@ -1,0 +1,47 @@
+"""Which of several mounts at one path is on top: the same answer from every reader of /proc/self/mountinfo."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from fsmount import mount, mount_users, mountinfo, prefetch_command
+
+# A ramfs made first, then moved (mount(8)'s move) over the modelfs mount at /models: listed before it, its parent
+# the modelfs mount's id. At /data, a bind mount of the bottom mount moved over the one on it.
+MOVED = """\
+20 1 8:1 / / rw - ext4 /dev/sda1 rw
+24 25 0:30 / /models rw - ramfs ramfs rw
+25 20 0:25 / /models rw - fuse.modelfs modelfs rw,user_id=1000,group_id=1000
+23 27 0:40 /sub /data rw - fuse.modelfs modelfs rw,user_id=1001,group_id=1001
+26 20 0:40 / /data rw - fuse.modelfs modelfs rw,user_id=1001,group_id=1001
+27 26 0:41 / /data rw - fuse.modelfs modelfs rw,user_id=1002,group_id=1002
+"""
+
+
+@pytest.fixture
+def moved(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> str:
+    path = tmp_path / "mountinfo"
+    path.write_text(MOVED)
+    listed = mountinfo.mounts(str(path))
+    monkeypatch.setattr(mountinfo, "mounts", lambda info=str(path): listed)
+    monkeypatch.setattr(prefetch_command, "mounts", lambda info=str(path): listed)
+    monkeypatch.setattr(mount_users, "mounts", lambda info=str(path): listed)
+    return str(path)
+
+
+def test_the_mount_on_top_is_the_one_no_other_there_sits_on_not_the_last_listed(moved: str) -> None:
+    """`mount.mounted_type` took the mount on top by parent ids (B510); `mount.mount_id`,
+    `prefetch_command.mount_of`, `mount_owner` and `mount_users.mount_at` took the last listed, the one underneath
+    where a mount was moved over another (B550)."""
+    assert mount.mounted_type("/models") == "a ramfs mount"
+    assert prefetch_command.mount_of("/models/x", moved, resolve=False) == ("/models", "ramfs")
+    assert prefetch_command.mount_owner("/models", moved) is None
+    assert mount_users.mount_at("/models", moved) == (24, (0, 30))
+    assert prefetch_command.mount_of("/data/x", moved, resolve=False) == ("/data", "fuse.modelfs")
+    assert prefetch_command.mount_owner("/data", moved) == 1001
+    assert mount.mount_id("/data", os.makedev(0, 40)) == b"23"
+    assert mount.mount_id("/data", os.makedev(0, 41)) == b"27"
+    assert mount.mount_id("/models", os.makedev(0, 25)) == b"25"

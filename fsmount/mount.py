@@ -1048,7 +1048,7 @@ class Daemon:
                                                                  self.store.region))
         if cfg.writable:
             namespace = WritableNamespace(self.store, self._store_call, prefix=cfg.store.prefix, ttl=cfg.metadata_ttl,
-                                          saved=self.saved_names)
+                                          saved=self.saved_names, max_key_bytes=self.store.max_key_bytes)
             # With --cache-dir, stored files go into the NVMe cache (write_staging).
             cache = None if self.disk_cache is None or cfg.cache_dir is None else \
                 (self.disk_cache, cfg.cache_dir, self.engine.chunk_id, cfg.chunk_size)

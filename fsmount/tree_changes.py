@@ -22,20 +22,21 @@ from typing import Any
 
 import cachetools
 
-from fsmount.data import ObjectMeta
+from fsmount.data import MAX_KEY_BYTES, ObjectMeta
 from fsmount.namespace import DirEntry, Namespace, Node, PathError, child_name, invalid_segment_reason
 
 # Files whose store time is kept (`_stored_at`), the most recent: a checkpoint run's, many times over.
 STORED_AT_ENTRIES = 20_000
-# The longest key a bucket takes, in UTF-8 bytes: S3's limit, and SeaweedFS's and MinIO's (OSS's is 1023). The bucket
-# refuses a longer one only when its bytes are sent (KeyTooLongError): EIO at a write or at the close, which
-# safetensors' `save_file` drops, returning as if the checkpoint were stored; so it is refused at its create.
-MAX_KEY_BYTES = 1024
-
 
 class WritableNamespace(Namespace):
-    def __init__(self, *args: Any, **kwargs: Any):
+    """`max_key_bytes`: the longest key the bucket takes, in UTF-8 bytes (`Boto3Store.max_key_bytes`: S3's 1024,
+    OSS's 1023). The bucket refuses a longer one only when its bytes are sent (KeyTooLongError): EIO at a write or at
+    the close, which safetensors' `save_file` drops, returning as if the checkpoint were stored; so it is refused at
+    its create (`child_path`)."""
+
+    def __init__(self, *args: Any, max_key_bytes: int = MAX_KEY_BYTES, **kwargs: Any):
         super().__init__(*args, **kwargs)
+        self._max_key_bytes = max_key_bytes
         # The time each file this mount stored was closed (or renamed to its name), by (path, ETag): apart from the
         # nodes, as the kernel forgets inodes meanwhile (with --metadata-ttl 0 at once). Bounded, oldest first out.
         self._stored_at: cachetools.LRUCache[tuple[str, str], int] = cachetools.LRUCache(STORED_AT_ENTRIES)
@@ -49,7 +50,7 @@ class WritableNamespace(Namespace):
             raise PathError(errno.EINVAL)
         path = self._join(parent.path, name)
         key = self.dir_key(path) if is_dir else self.key_of(path)
-        if len(key.encode("utf-8", "surrogateescape")) > MAX_KEY_BYTES:
+        if len(key.encode("utf-8", "surrogateescape")) > self._max_key_bytes:
             raise PathError(errno.ENAMETOOLONG)
         return path
 

@@ -17,7 +17,7 @@ here, never from the modules inside, which are private to the package:
 - uploads: the write requests of `--writable` (PUT, multipart, copy, delete, incomplete uploads).
 """
 
-from fsmount.data.boto3_store import Boto3Store, endpoint_path_hint, within
+from fsmount.data.boto3_store import MAX_KEY_BYTES, Boto3Store, endpoint_path_hint, within
 from fsmount.data.budget import MemoryBudget
 from fsmount.data.cache_admin import cache_clear, cache_stats, cache_verify
 from fsmount.data.cache_dir import (
@@ -79,7 +79,7 @@ from fsmount.data.uploads import (
 
 __all__ = [
     "AHEAD", "ALIGN", "BACKGROUND", "CHUNKS_DIR", "DEMAND", "AccessDenied", "Boto3Store", "BucketMissing",
-    "CutShort", "NoCredentials",
+    "CutShort", "MAX_KEY_BYTES", "NoCredentials",
     "CacheDirBusy", "Chunk", "ChunkCache", "ChunkEngine", "ChunkId", "DiskCache", "Fetch", "LatencyHistogram",
     "LevelStack", "ListingPage", "MemoryBudget", "NotFound", "ObjectMeta", "ObjectStore", "ObjectVersion",
     "PreconditionFailed", "ReadTimeout", "SharedTier", "StoreError", "TimedOut", "TransientError", "Unreachable",

@@ -353,6 +353,11 @@ def endpoint_path_hint(endpoint_url: str | None, bucket: str = "the first argume
             if path else "")
 
 
+# The longest key a bucket takes, in UTF-8 bytes: S3's limit, and SeaweedFS's and MinIO's; OSS's is one less.
+MAX_KEY_BYTES = 1024
+OSS_MAX_KEY_BYTES = 1023
+
+
 def is_oss(endpoint_url: str) -> bool:
     """Whether the endpoint is Alibaba OSS (its public, internal and accelerate endpoints)."""
     host = urllib.parse.urlsplit(endpoint_url).hostname or ""
@@ -518,6 +523,12 @@ class Boto3Store:
         """The endpoint requests go to: --endpoint-url, or what the AWS configuration says (AWS_ENDPOINT_URL_S3,
         AWS_ENDPOINT_URL, a profile's endpoint_url), or AWS's own for the region."""
         return str(self._client.meta.endpoint_url)
+
+    @property
+    def max_key_bytes(self) -> int:
+        """The longest key this bucket takes, in UTF-8 bytes: OSS's limit is 1023, S3's (and SeaweedFS's, MinIO's)
+        1024. The bucket says so only when a longer key's bytes are sent: `WritableNamespace.child_path` asks first."""
+        return OSS_MAX_KEY_BYTES if self._oss else MAX_KEY_BYTES
 
     @property
     def configured_endpoint_url(self) -> str | None:

@@ -503,3 +503,33 @@ def test_the_units_stop_timeout_covers_every_bound_of_a_stop() -> None:
              + mount.PUSH_ABORT_S + mount.MARK_DRAINING_S + writes.ABORT_ALL_S + writes.CACHE_FILL_S
              + mount.WRITE_DRAIN_S + mount.CLAIM_DROP_S + mount.NAMES_SAVE_S)
     assert float(timeout[:-1]) >= worst + 5, (timeout, worst)
+
+
+@pytest.mark.parametrize("endpoint, longest", [("https://oss-cn-hangzhou-internal.aliyuncs.com", 1023),
+                                               ("https://s3.us-east-1.amazonaws.com", 1024)])
+def test_a_writable_mount_refuses_at_its_create_a_key_longer_than_its_store_takes(
+        clean_aws_env: Path, monkeypatch: pytest.MonkeyPatch, endpoint: str, longest: int) -> None:
+    """OSS's longest key is 1023 bytes, S3's 1024: a key of exactly 1024 bytes passed the create's check on OSS and
+    failed at its store, EIO at a write or the close, which safetensors' `save_file` drops (B551)."""
+    import errno
+
+    from fsmount.config import StoreConfig
+    from fsmount.data import Boto3Store
+    from fsmount.namespace import ROOT_INODE, PathError
+    from fsmount.tree_changes import WritableNamespace
+
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "LTAI5tEnvKey")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", TEST_SECRET)
+    store = Boto3Store(StoreConfig("b", endpoint_url=endpoint, region="cn-hangzhou", addressing_style="virtual"))
+    assert store.max_key_bytes == longest
+
+    async def call(fn, *args):  # noqa: ANN001, ANN202 - asks nothing of the bucket here
+        raise AssertionError(fn)
+
+    prefix = "r" * (longest - 10) + "/"  # a deep run directory: a name of 9 bytes makes the longest key
+    ns = WritableNamespace(store, call, prefix=prefix, ttl=60.0, max_key_bytes=store.max_key_bytes)
+    root = ns.node(ROOT_INODE)
+    assert ns.child_path(root, b"f" * 9) == "f" * 9
+    with pytest.raises(PathError) as info:
+        ns.child_path(root, b"f" * 10)
+    assert info.value.errno == errno.ENAMETOOLONG

@@ -695,7 +695,7 @@ def cmd_unmount(args: argparse.Namespace) -> int:
         path = resolve_unasked(args.mountpoint)
         mounted_at, fstype = mount_of(path, resolve=False)
     if mounted_at != path:
-        if args.stale and fstype == MODELFS_FSTYPE:  # said: the unit's start goes on, mounting over that directory
+        if args.stale and fstype == MODELFS_FSTYPE:  # said: the unit's start goes on, and `modelfs mount` refuses it
             return fail(f"{args.mountpoint} is not a mount point: it is a directory inside the modelfs mount at "
                         f"{mounted_at}: nothing to clear there", 0)
         if args.stale:  # nothing mounted there: a clean start, nothing to say

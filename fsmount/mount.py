@@ -460,6 +460,25 @@ def check_daemon_answers(path: str) -> None:
                              f"`modelfs unmount {path}` first") from None
 
 
+# The type /proc/self/mountinfo gives a modelfs mount (FUSE's type, the subtype it is mounted with).
+MODELFS_FSTYPE = b"fuse.modelfs"
+
+
+def check_not_inside_modelfs(path: str, real: str) -> None:
+    """Refuse a mountpoint inside another modelfs mount (/models/sub of the mount at /models): the mount over it kept
+    the outer one busy, so `modelfs unmount /models` failed, and its unit's restart with it; only an operator mends it
+    (exit 2). The outer mount is found in /proc/self/mountinfo, its daemon not asked. A modelfs mount at the
+    mountpoint itself is `_check_free`'s to name."""
+    try:
+        outer = mountinfo.holding(os.fsencode(real), mountinfo.mounts())
+    except (OSError, ValueError):
+        return
+    if outer is not None and outer.fstype == MODELFS_FSTYPE and outer.point != os.fsencode(real):
+        at = os.fsdecode(outer.point)
+        raise SettingError(f"mountpoint {path} is inside the modelfs mount at {at}: a mount there would keep that one "
+                           f"busy (`modelfs unmount {at}` and its restart would fail); mount elsewhere")
+
+
 def check_mountpoint(path: str, allow_non_empty: bool) -> tuple[str, int]:
     """Validate and resolve the mountpoint; must run before pyfuse3.init. Also returns a descriptor of the
     directory holding an exclusive flock: two mounts started at once at one mountpoint both found it free and
@@ -471,6 +490,7 @@ def check_mountpoint(path: str, allow_non_empty: bool) -> tuple[str, int]:
     real = os.path.realpath(path)
     if not os.path.isdir(real):
         raise MountError(f"mountpoint {path} is not a directory")
+    check_not_inside_modelfs(path, real)
     check_user_may_mount_on(path, real)
     try:
         lock = os.open(real, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
@@ -1184,7 +1204,7 @@ class Daemon:
 
     def fuse_options(self) -> set[str]:
         opts = set(pyfuse3.default_options)
-        opts |= {f"fsname={self.cfg.store.bucket}", "subtype=modelfs"}
+        opts |= {f"fsname={self.cfg.store.bucket}", f"subtype={MODELFS_FSTYPE.removeprefix(b'fuse.').decode()}"}
         if not self.cfg.writable:
             opts.add("ro")
         if self.cfg.allow_other:

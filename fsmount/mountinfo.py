@@ -62,3 +62,13 @@ def top_at(point: bytes, listed: list[Mount]) -> Mount | None:
     """The mount on top at exactly `point`, or None where nothing is mounted there."""
     stack = stacked(point, listed)
     return stack[-1] if stack else None
+
+
+def holding(path: bytes, listed: list[Mount]) -> Mount | None:
+    """The mount a resolved absolute `path` lies on: the deepest mount point at or above it, the one on top there."""
+    best = None
+    for m in on_top(listed):
+        if (path == m.point or path.startswith(m.point.rstrip(b"/") + b"/")) and \
+                (best is None or len(m.point) >= len(best.point)):
+            best = m
+    return best

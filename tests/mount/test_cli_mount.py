@@ -667,6 +667,32 @@ def test_a_mount_over_a_stopped_daemon_s_mount_says_so_and_does_not_hang(moto_se
         assert Path("/proc/self/mountinfo").read_text().count(f" {mp} ") == 1 and m.proc.poll() is None
 
 
+def test_a_mount_inside_another_modelfs_mount_is_refused_naming_it(moto_server: S3Server, tmp_path: Path) -> None:
+    """`modelfs mount` at a directory of another modelfs mount (/models/sub of /models) mounted there: that mount kept
+    the outer one busy, so `modelfs unmount /models` failed and its unit's restart with it. Refused, exit 2, naming
+    the outer mount; `unmount --stale` there (the unit's start) says there is nothing to clear and lets it go on
+    (B552)."""
+    bucket = new_bucket(moto_server)
+    moto_server.client().put_object(Bucket=bucket, Key="sub/w.bin", Body=b"w")
+    mp = tmp_path / "mnt"
+    with mounted(moto_server, bucket, mp):
+        inner = mp / "sub"
+        res = run_modelfs("unmount", "--stale", str(inner))
+        assert res.returncode == 0 and f"inside the modelfs mount at {mp}: nothing to clear" in res.stderr, res.stderr
+        for foreground in (("--foreground",), ()):
+            try:  # the old code mounted there: in the foreground until the timeout, which kills it
+                res = run_modelfs("mount", bucket, str(inner), "--endpoint-url", moto_server.endpoint_url, *foreground,
+                                  "--allow-non-empty", env=daemon_env(moto_server), timeout=FAIL_FAST_LIMIT)
+                assert res.returncode == 2, (foreground, res.returncode, res.stderr)
+                assert f"modelfs: mountpoint {inner} is inside the modelfs mount at {mp}: a mount there would keep " \
+                    f"that one busy (`modelfs unmount {mp}` and its restart would fail); mount elsewhere\n" \
+                    in res.stderr, res.stderr
+            finally:
+                if f" {inner} " in Path("/proc/self/mountinfo").read_text():
+                    subprocess.run(["umount", "-l", str(inner)], check=False)
+        assert Path("/proc/self/mountinfo").read_text().count(f" {mp}") == 1
+
+
 @pytest.mark.parametrize("lazy", [False, True], ids=["plain", "lazy"])
 def test_a_mount_whose_daemon_is_stopped_unmounts_without_asking_it(moto_server: S3Server, tmp_path: Path,
                                                                     lazy: bool) -> None:

@@ -595,7 +595,12 @@ def _check_free(path: str, real: str, allow_non_empty: bool) -> None:
     if os.path.ismount(real):
         try:  # only a modelfs mount's root has it, and only its daemon's answer gives it: alive
             os.getxattr(real, STATS_XATTR)
-        except OSError:  # another file system, which only an operator takes away: the unit must not retry for good
+        except OSError as exc:  # only an operator takes it away: the unit must not retry for good
+            # A modelfs mount whose daemon answers that it has no such attribute: an older modelfs (B553).
+            if exc.errno in (errno.ENODATA, errno.ENOTSUP) and top_type(real) == MODELFS_FSTYPE:
+                raise SettingError(f"mountpoint {path} already holds a live modelfs mount whose daemon is of an older "
+                                   f"modelfs (it has no stats attribute): left mounted; unmount it first (modelfs "
+                                   f"unmount {path}), or mount elsewhere") from None
             raise SettingError(f"mountpoint {path} already holds {mounted_type(real)}, not a modelfs one: left "
                                "mounted; unmount it first, or mount elsewhere") from None
         raise SettingError(f"mountpoint {path} already holds a live modelfs mount: left mounted; unmount it first "
@@ -935,16 +940,23 @@ def lazy_unmount_advice(mountpoint: str) -> str:
     return f"`umount -l {mountpoint}`" if os.geteuid() == 0 else f"`fusermount3 -uz {mountpoint}`"
 
 
-def mounted_type(real: str) -> str:
-    """The file system type of the mount on top at the resolved path `real` ("another file system" where
-    /proc/self/mountinfo cannot say): what `_check_free` names (`mountinfo.top_at`)."""
+def top_type(real: str) -> bytes | None:
+    """The file system type of the mount on top at the resolved path `real` (`mountinfo.top_at`), or None where
+    /proc/self/mountinfo cannot say."""
     try:
         top = mountinfo.top_at(os.fsencode(real), mountinfo.mounts())
     except (OSError, ValueError):
-        top = None
-    if top is None:
+        return None
+    return None if top is None else top.fstype
+
+
+def mounted_type(real: str) -> str:
+    """The mount on top at the resolved path `real`, said with its type ("another file system" where
+    /proc/self/mountinfo cannot say): what `_check_free` names."""
+    fstype = top_type(real)
+    if fstype is None:
         return "a mount of another file system"
-    name = os.fsdecode(top.fstype)
+    name = os.fsdecode(fstype)
     return f"{'an' if name[:1] in 'aeiou' else 'a'} {name} mount"
 
 

@@ -667,6 +667,33 @@ def test_a_mount_over_a_stopped_daemon_s_mount_says_so_and_does_not_hang(moto_se
         assert Path("/proc/self/mountinfo").read_text().count(f" {mp} ") == 1 and m.proc.poll() is None
 
 
+# A daemon of an older modelfs: one with no stats attribute (this checkout's, its attribute renamed before the
+# daemon's modules take its name). Run before `python -m fsmount ...`: the argv after the first three is the command's.
+OLDER_DAEMON = ("import runpy, sys; import fsmount.stats; fsmount.stats.STATS_XATTR = b'user.modelfs.older'; "
+                "sys.argv = ['fsmount', *sys.argv[4:]]; runpy.run_module('fsmount', run_name='__main__')")
+
+
+def test_a_mount_over_an_older_modelfs_daemon_s_live_mount_exits_2_naming_it(moto_server: S3Server,
+                                                                            tmp_path: Path) -> None:
+    """A live mount of an older modelfs, whose daemon has no stats attribute (what tells a live modelfs mount, B391),
+    at the mountpoint: `unmount --stale` leaves it (it answers), and `modelfs mount` said it held "a fuse.modelfs
+    mount, not a modelfs one". It says what it is: a live mount of an older modelfs, exit 2, left mounted (B553)."""
+    bucket = new_bucket(moto_server)
+    mp = tmp_path / "mnt"
+    with mounted(moto_server, bucket, mp, wrap=(sys.executable, "-c", OLDER_DAEMON)) as m:
+        with pytest.raises(OSError):
+            os.getxattr(mp, "user.modelfs.stats")
+        res = run_modelfs("unmount", "--stale", str(mp))
+        assert res.returncode == 0 and "is a live modelfs mount" in res.stderr, res.stderr
+        res = run_modelfs("mount", bucket, str(mp), "--endpoint-url", moto_server.endpoint_url, "--foreground",
+                          env=daemon_env(moto_server), timeout=FAIL_FAST_LIMIT)
+        assert res.returncode == 2, (res.returncode, res.stderr)
+        assert res.stderr == f"modelfs: mountpoint {mp} already holds a live modelfs mount whose daemon is of an " \
+            f"older modelfs (it has no stats attribute): left mounted; unmount it first (modelfs unmount {mp}), or " \
+            "mount elsewhere\n", res.stderr
+        assert Path("/proc/self/mountinfo").read_text().count(f" {mp} ") == 1 and m.proc.poll() is None
+
+
 def test_a_mount_inside_another_modelfs_mount_is_refused_naming_it(moto_server: S3Server, tmp_path: Path) -> None:
     """`modelfs mount` at a directory of another modelfs mount (/models/sub of /models) mounted there: that mount kept
     the outer one busy, so `modelfs unmount /models` failed and its unit's restart with it. Refused, exit 2, naming

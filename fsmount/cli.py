@@ -775,8 +775,9 @@ def live_mount(path: str, shown: str) -> tuple[str, int]:
     try:
         snap = read_stats(path, STALE_CHECK_S)
     except DaemonSilent:
-        return (f"{shown} is a modelfs mount whose daemon does not answer within {STALE_CHECK_S:g}s (stopped or "
-                f"hung, not gone): left mounted; stop that daemon, or `modelfs unmount --lazy {shown}`", 1)
+        from fsmount.mount import silent_mount
+
+        return silent_mount(shown, STALE_CHECK_S), 1
     except StatsUnavailable as exc:
         if exc.errno == errno.ENOTCONN:
             return "", 0

@@ -442,26 +442,52 @@ def check_fuse_available(allow_other: bool = False, fuse_conf: str = FUSE_CONF) 
 MOUNTPOINT_ANSWER_S = 5.0
 
 
+# The type /proc/self/mountinfo gives a modelfs mount (FUSE's type, the subtype it is mounted with).
+MODELFS_FSTYPE = b"fuse.modelfs"
+
+
+# Network file systems: a mount of one that does not answer waits on its server, not on a daemon of this host.
+NETWORK_FSTYPES = frozenset({b"nfs", b"nfs4", b"cifs", b"smb3", b"smbfs", b"ceph", b"9p", b"afs", b"lustre"})
+
+
+def silent_mount(path: str, within: float) -> str:
+    """What `path` is, said where asking it got no answer within `within` seconds, and what to do: the words fit the
+    mount it is on, from /proc/self/mountinfo (asking nothing of it): a FUSE daemon stopped or hung (modelfs's, which
+    `modelfs unmount --lazy` takes away, or another's), or a network file system's server that does not answer
+    (NFS, CIFS: only its server, or its operator, mends it). Where it says no type (a symlink to the mount), a modelfs
+    mount's words. For `check_daemon_answers` and `cli.live_mount`."""
+    try:
+        on = mountinfo.holding(os.fsencode(os.path.abspath(path)), mountinfo.mounts())
+    except (OSError, ValueError):
+        on = None
+    fstype = b"" if on is None else on.fstype
+    if fstype.startswith(b"fuse") and fstype != MODELFS_FSTYPE:
+        at, kind = os.fsdecode(on.point), os.fsdecode(fstype)
+        return (f"{path} is on the {kind} mount at {at} whose daemon does not answer within {within:g}s (stopped or "
+                f"hung, not gone): left mounted; stop that daemon, or unmount it (`umount -l {at}`)")
+    if fstype in NETWORK_FSTYPES or fstype.startswith((b"nfs", b"smb")):
+        at, kind = os.fsdecode(on.point), os.fsdecode(fstype)
+        return (f"{path} is on the {kind} mount at {at} whose server does not answer within {within:g}s: left "
+                "mounted; mount elsewhere, or here once that server answers")
+    return (f"{path} is a modelfs mount whose daemon does not answer within {within:g}s (stopped or hung, not gone): "
+            f"left mounted; stop that daemon, or `modelfs unmount --lazy {path}`")
+
+
 def check_daemon_answers(path: str) -> None:
     """Refuse a mountpoint on a FUSE mount whose daemon is gone (killed, OOM: every access fails with ENOTCONN until it
     is unmounted, and os.path.exists / ismount call it missing / not mounted) or does not answer (stopped, hung: every
-    later stat of the mountpoint waited in the kernel for good, SIGINT or not). Asked through the stats attribute,
-    which the kernel always sends to the daemon (a stat may be answered from cached attributes), in a thread of its
-    own (`stats_table.read_stats`); a directory of another file system answers at once."""
+    later stat of the mountpoint waited in the kernel for good, SIGINT or not; or a network file system whose server
+    is down: `silent_mount`). Asked through the stats attribute, which the kernel always sends to the daemon (a stat
+    may be answered from cached attributes), in a thread of its own (`stats_table.read_stats`); a directory of
+    another file system answers at once."""
     try:
         read_stats(path, MOUNTPOINT_ANSWER_S)
     except DaemonSilent:
-        raise MountError(f"mountpoint {path} is a mount whose daemon does not answer within {MOUNTPOINT_ANSWER_S:g}s "
-                         f"(stopped or hung, not gone): left mounted; stop that daemon, or `modelfs unmount --lazy "
-                         f"{path}`") from None
+        raise MountError(f"mountpoint {silent_mount(path, MOUNTPOINT_ANSWER_S)}") from None
     except StatsUnavailable as exc:
         if exc.errno == errno.ENOTCONN:
             raise MountError(f"mountpoint {path} is still mounted, but its daemon is gone (killed?): run "
                              f"`modelfs unmount {path}` first") from None
-
-
-# The type /proc/self/mountinfo gives a modelfs mount (FUSE's type, the subtype it is mounted with).
-MODELFS_FSTYPE = b"fuse.modelfs"
 
 
 def check_not_inside_modelfs(path: str, real: str) -> None:

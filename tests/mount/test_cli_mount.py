@@ -658,8 +658,8 @@ def test_a_mount_over_a_stopped_daemon_s_mount_says_so_and_does_not_hang(moto_se
                 res = run_modelfs("mount", bucket, str(mp), "--endpoint-url", moto_server.endpoint_url, *foreground,
                                   env=daemon_env(moto_server), timeout=FAIL_FAST_LIMIT)
                 assert res.returncode == 1, (foreground, res.returncode, res.stderr)
-                assert f"modelfs: mountpoint {mp} is a mount whose daemon does not answer within 5s (stopped or " \
-                    f"hung, not gone): left mounted; stop that daemon, or `modelfs unmount --lazy {mp}`\n" \
+                assert f"modelfs: mountpoint {mp} is a modelfs mount whose daemon does not answer within 5s " \
+                    f"(stopped or hung, not gone): left mounted; stop that daemon, or `modelfs unmount --lazy {mp}`\n" \
                     in res.stderr, res.stderr
                 assert time.monotonic() - started < 15
         finally:

@@ -45,3 +45,37 @@ def test_the_mount_on_top_is_the_one_no_other_there_sits_on_not_the_last_listed(
     assert mount.mount_id("/data", os.makedev(0, 40)) == b"23"
     assert mount.mount_id("/data", os.makedev(0, 41)) == b"27"
     assert mount.mount_id("/models", os.makedev(0, 25)) == b"25"
+
+
+ON_THE_NETWORK = """\
+20 1 8:1 / / rw - ext4 /dev/sda1 rw
+30 20 0:50 / /shared rw - nfs4 server:/export rw,vers=4.2
+31 20 0:51 / /remote rw - fuse.sshfs user@host:/ rw,user_id=0,group_id=0
+32 20 0:52 / /models rw - fuse.modelfs models rw,user_id=0,group_id=0
+"""
+
+
+@pytest.mark.parametrize("path, words", [
+    ("/shared/models", "mountpoint /shared/models is on the nfs4 mount at /shared whose server does not answer within "
+                       "5s: left mounted; mount elsewhere, or here once that server answers"),
+    ("/remote", "mountpoint /remote is on the fuse.sshfs mount at /remote whose daemon does not answer within 5s "
+                "(stopped or hung, not gone): left mounted; stop that daemon, or unmount it (`umount -l /remote`)"),
+    ("/models", "mountpoint /models is a modelfs mount whose daemon does not answer within 5s (stopped or hung, not "
+                "gone): left mounted; stop that daemon, or `modelfs unmount --lazy /models`"),
+])
+def test_a_mountpoint_that_does_not_answer_is_said_in_the_words_of_its_mount_s_type(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, path: str, words: str) -> None:
+    """A mountpoint on an NFS or CIFS mount whose server is down was said to be "a mount whose daemon does not
+    answer", with `modelfs unmount --lazy` for advice, which refuses a mount that is not modelfs's (B554)."""
+    info = tmp_path / "mountinfo"
+    info.write_text(ON_THE_NETWORK)
+    listed = mountinfo.mounts(str(info))
+    monkeypatch.setattr(mountinfo, "mounts", lambda: listed)
+
+    def silent(mountpoint: str, timeout: float) -> dict:
+        raise mount.DaemonSilent("no answer")
+
+    monkeypatch.setattr(mount, "read_stats", silent)
+    with pytest.raises(mount.MountError) as refused:
+        mount.check_daemon_answers(path)
+    assert str(refused.value) == words

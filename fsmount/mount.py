@@ -656,6 +656,13 @@ def warn_path_style(endpoint_url: str | None, addressing_style: str, flag: str) 
                     "use path style (a server that takes only virtual-hosted requests needs its DNS name)", flag, host)
 
 
+def store_origin(store: Boto3Store) -> str:
+    """The origin `store` asks, as the cache dir's saved names and the shared tier's keys name it
+    (`shared_tier.origin_identity`): its endpoint as configured (None for AWS's own) and the region its client
+    resolved. One function, so that the names the pre-flight loads, those the daemon keeps and the tier's keys agree."""
+    return origin_identity(store.configured_endpoint_url, store.region)
+
+
 def check_bucket(cfg: MountConfig) -> None:
     """The bucket can be listed, or the origin does not answer and the cache dir knows names of it (saved_names.py):
     a node restarted during an outage serves what its NVMe cache holds."""
@@ -664,7 +671,7 @@ def check_bucket(cfg: MountConfig) -> None:
     try:
         store = Boto3Store(cfg.store, preflight=True)
         endpoint_url = store.configured_endpoint_url  # also one the AWS configuration gives
-        origin = origin_identity(endpoint_url, store.region)
+        origin = store_origin(store)
         warn_path_style(endpoint_url, cfg.store.addressing_style, "--addressing-style")
         store.check_bucket(cfg.store.prefix)
         empty = bool(cfg.store.prefix) and not cfg.writable and not store.has_children(cfg.store.prefix)
@@ -854,7 +861,7 @@ def open_shared_tier(cfg: MountConfig, origin: Boto3Store) -> SharedTier:
         log.warning("shared cache %s does not answer (%s); reading from the origin until it does",
                     shared.bucket, exc.message)
         answered = False
-    tier = SharedTier(client, origin=origin_identity(origin.configured_endpoint_url, origin.region),
+    tier = SharedTier(client, origin=store_origin(origin),
                       prefix=shared.prefix, wait=wait, read_only=shared.read_only,
                       threads=cfg.store.max_connections, begin_within=begin_within)
     if answered:  # (a tier that did not answer the check would make the probe wait its timeout again)
@@ -1102,8 +1109,7 @@ class Daemon:
                                   max_connections=cfg.store.max_connections, read_timeout=cfg.store.read_timeout,
                                   levels=levels)
         self.writes: Writes | None = None
-        self.saved_names = load_saved_names(cfg, origin_identity(self.store.configured_endpoint_url,
-                                                                 self.store.region))
+        self.saved_names = load_saved_names(cfg, store_origin(self.store))
         if cfg.writable:
             namespace = WritableNamespace(self.store, self._store_call, prefix=cfg.store.prefix, ttl=cfg.metadata_ttl,
                                           saved=self.saved_names, max_key_bytes=self.store.max_key_bytes)

@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 
-from fsmount.mountinfo import Mount, mounts, on_top, top_at
+from fsmount.mountinfo import Mount, holding, mounts, top_at
 
 # Large reads keep many chunks in flight in the daemon; several threads per file spread them.
 BLOCK = 8 << 20
@@ -52,23 +52,14 @@ def mount_of(path: str, mountinfo: str = "/proc/self/mountinfo", resolve: bool =
     """(mount point, file system type) of the mount holding `path` (from /proc/self/mountinfo). With
     `resolve=False` the path is taken as it is (absolute, no symlinks): nothing is asked of any file system,
     not even the mount's own daemon, which may be stopped or hung."""
-    return _holding(os.path.realpath(path) if resolve else os.path.abspath(path), _mounts(mountinfo))
+    return _holding(os.path.realpath(path) if resolve else os.path.abspath(path), mounts(mountinfo))
 
 
-def _mounts(mountinfo: str) -> list[tuple[str, str]]:
-    """(mount point, file system type) of every mount in `mountinfo` that a path can reach: of several at one point
-    only the one on top (`mountinfo.on_top`)."""
-    return [(os.fsdecode(m.point), os.fsdecode(m.fstype)) for m in on_top(mounts(mountinfo))]
-
-
-def _holding(path: str, mounts: list[tuple[str, str]]) -> tuple[str, str | None]:
-    """(mount point, file system type) of the mount of `mounts` (`_mounts`: one at a point) holding the absolute
-    `path`: the deepest; ("", None) if none does."""
-    best, best_type = "", None
-    for mnt, fstype in mounts:
-        if (path == mnt or path.startswith(mnt.rstrip("/") + "/")) and len(mnt) >= len(best):
-            best, best_type = mnt, fstype
-    return best, best_type
+def _holding(path: str, listed: list[Mount]) -> tuple[str, str | None]:
+    """(mount point, file system type) of the mount of `listed` holding the absolute `path` (`mountinfo.holding`: the
+    deepest, the one on top there); ("", None) if none does."""
+    on = holding(os.fsencode(path), listed)
+    return ("", None) if on is None else (os.fsdecode(on.point), os.fsdecode(on.fstype))
 
 
 # Symlinks followed in one path before `resolve_unasked` gives up on it (the kernel's limit, ELOOP).
@@ -81,11 +72,11 @@ def resolve_unasked(path: str, mountinfo: str = "/proc/self/mountinfo") -> str:
     reads them (readlink). realpath's lstat of a mount's root went to its daemon, and one stopped or hung never
     answered: `modelfs unmount --stale` of a symlink to its mount (the unit's MOUNTPOINT) hung until TimeoutStartSec
     (B343). A symlink loop (more than MAX_SYMLINKS) leaves the rest of the path as it is, as realpath does."""
-    mounts = _mounts(mountinfo)
-    points = {mnt for mnt, _ in mounts}
+    listed = mounts(mountinfo)
+    points = {os.fsdecode(m.point) for m in listed}
 
     def unasked(candidate: str) -> bool:
-        return candidate in points or _holding(candidate, mounts)[1] == MODELFS_FSTYPE
+        return candidate in points or _holding(candidate, listed)[1] == MODELFS_FSTYPE
 
     parts = os.path.join(os.getcwd(), path).split("/")[::-1]  # a stack: the next part last
     resolved, links = "/", 0
@@ -116,14 +107,11 @@ def closed_to_you(path: str, mountinfo: str = "/proc/self/mountinfo") -> str:
     """Why `path` may be refused (EACCES) to this user: it is on another user's modelfs mount made without
     --allow-other, which the kernel keeps to that user alone, whatever the modes say; "" where that is not so."""
     real = os.path.realpath(path)
-    best, owner, open_to_all = "", None, False
-    for m in on_top(mounts(mountinfo)):
-        mnt = os.fsdecode(m.point)
-        if (real == mnt or real.startswith(mnt.rstrip("/") + "/")) and len(mnt) >= len(best):
-            best, owner, open_to_all = mnt, _user_id(m) if m.fstype == MODELFS_FSTYPE.encode() else None, \
-                b"allow_other" in m.options.split(b",")
-    if owner is None or owner == os.getuid() or open_to_all:
+    on = holding(os.fsencode(real), mounts(mountinfo))
+    owner = _user_id(on) if on is not None and on.fstype == MODELFS_FSTYPE.encode() else None
+    if on is None or owner is None or owner == os.getuid() or b"allow_other" in on.options.split(b","):
         return ""
+    best = os.fsdecode(on.point)
     import pwd
 
     try:

@@ -469,6 +469,10 @@ def silent_mount(path: str, within: float) -> str:
         at, kind = os.fsdecode(on.point), os.fsdecode(fstype)
         return (f"{path} is on the {kind} mount at {at} whose server does not answer within {within:g}s: left "
                 "mounted; mount elsewhere, or here once that server answers")
+    if fstype == MODELFS_FSTYPE and on.point != os.fsencode(os.path.abspath(path)):  # a directory of the mount
+        at = os.fsdecode(on.point)
+        return (f"{path} is inside the modelfs mount at {at}, whose daemon does not answer within {within:g}s (stopped "
+                f"or hung, not gone): left mounted; stop that daemon, or `modelfs unmount --lazy {at}`")
     return (f"{path} is a modelfs mount whose daemon does not answer within {within:g}s (stopped or hung, not gone): "
             f"left mounted; stop that daemon, or `modelfs unmount --lazy {path}`")
 

@@ -62,6 +62,9 @@ ON_THE_NETWORK = """\
                 "(stopped or hung, not gone): left mounted; stop that daemon, or unmount it (`umount -l /remote`)"),
     ("/models", "mountpoint /models is a modelfs mount whose daemon does not answer within 5s (stopped or hung, not "
                 "gone): left mounted; stop that daemon, or `modelfs unmount --lazy /models`"),
+    ("/models/sub", "mountpoint /models/sub is inside the modelfs mount at /models, whose daemon does not answer "
+                    "within 5s (stopped or hung, not gone): left mounted; stop that daemon, or `modelfs unmount "
+                    "--lazy /models`"),
 ])
 def test_a_mountpoint_that_does_not_answer_is_said_in_the_words_of_its_mount_s_type(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, path: str, words: str) -> None:

@@ -456,10 +456,7 @@ def silent_mount(path: str, within: float) -> str:
     `modelfs unmount --lazy` takes away, or another's), or a network file system's server that does not answer
     (NFS, CIFS: only its server, or its operator, mends it). Where it says no type (a symlink to the mount), a modelfs
     mount's words. For `check_daemon_answers` and `cli.live_mount`."""
-    try:
-        on = mountinfo.holding(os.fsencode(os.path.abspath(path)), mountinfo.mounts())
-    except (OSError, ValueError):
-        on = None
+    on = _mount_on(path)
     fstype = b"" if on is None else on.fstype
     if fstype.startswith(b"fuse") and fstype != MODELFS_FSTYPE:
         at, kind = os.fsdecode(on.point), os.fsdecode(fstype)
@@ -477,6 +474,30 @@ def silent_mount(path: str, within: float) -> str:
             f"left mounted; stop that daemon, or `modelfs unmount --lazy {path}`")
 
 
+def _mount_on(path: str) -> mountinfo.Mount | None:
+    """The mount `path` (as given, made absolute: resolving it would ask the mount) is on, or None."""
+    try:
+        return mountinfo.holding(os.fsencode(os.path.abspath(path)), mountinfo.mounts())
+    except (OSError, ValueError):
+        return None
+
+
+def gone_mount(path: str) -> str:
+    """What `path` is, said where the FUSE mount it is on has lost its daemon (ENOTCONN), and what clears it: `modelfs
+    unmount` of a modelfs mount (of the mount, for a directory inside it), `umount` of another FUSE file system's,
+    which `modelfs unmount` leaves alone."""
+    on = _mount_on(path)
+    if on is not None and on.fstype != MODELFS_FSTYPE and on.fstype.startswith(b"fuse"):
+        at = os.fsdecode(on.point)
+        return (f"{path} is on the {os.fsdecode(on.fstype)} mount at {at}, whose daemon is gone (killed?): unmount it "
+                f"first (`umount {at}`)")
+    if on is not None and on.fstype == MODELFS_FSTYPE and on.point != os.fsencode(os.path.abspath(path)):
+        at = os.fsdecode(on.point)
+        return (f"{path} is inside the modelfs mount at {at}, whose daemon is gone (killed?): run `modelfs unmount "
+                f"{at}` first")
+    return f"{path} is still mounted, but its daemon is gone (killed?): run `modelfs unmount {path}` first"
+
+
 def check_daemon_answers(path: str) -> None:
     """Refuse a mountpoint on a FUSE mount whose daemon is gone (killed, OOM: every access fails with ENOTCONN until it
     is unmounted, and os.path.exists / ismount call it missing / not mounted) or does not answer (stopped, hung: every
@@ -490,8 +511,7 @@ def check_daemon_answers(path: str) -> None:
         raise MountError(f"mountpoint {silent_mount(path, MOUNTPOINT_ANSWER_S)}") from None
     except StatsUnavailable as exc:
         if exc.errno == errno.ENOTCONN:
-            raise MountError(f"mountpoint {path} is still mounted, but its daemon is gone (killed?): run "
-                             f"`modelfs unmount {path}` first") from None
+            raise MountError(f"mountpoint {gone_mount(path)}") from None
 
 
 def check_not_inside_modelfs(path: str, real: str) -> None:

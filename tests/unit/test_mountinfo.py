@@ -82,3 +82,32 @@ def test_a_mountpoint_that_does_not_answer_is_said_in_the_words_of_its_mount_s_t
     with pytest.raises(mount.MountError) as refused:
         mount.check_daemon_answers(path)
     assert str(refused.value) == words
+
+
+@pytest.mark.parametrize("path, words", [
+    ("/remote/d", "mountpoint /remote/d is on the fuse.sshfs mount at /remote, whose daemon is gone (killed?): unmount "
+                  "it first (`umount /remote`)"),
+    ("/models/sub", "mountpoint /models/sub is inside the modelfs mount at /models, whose daemon is gone (killed?): "
+                    "run `modelfs unmount /models` first"),
+    ("/models", "mountpoint /models is still mounted, but its daemon is gone (killed?): run `modelfs unmount /models` "
+                "first"),
+])
+def test_a_mountpoint_whose_daemon_is_gone_names_what_clears_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                  path: str, words: str) -> None:
+    """A mountpoint on a FUSE mount whose daemon is gone (ENOTCONN) was told to run `modelfs unmount` of itself: of
+    another FUSE file system's mount, which `modelfs unmount` leaves alone, or of a directory inside a modelfs mount,
+    which is no mount point (B555)."""
+    import errno
+
+    info = tmp_path / "mountinfo"
+    info.write_text(ON_THE_NETWORK)
+    listed = mountinfo.mounts(str(info))
+    monkeypatch.setattr(mountinfo, "mounts", lambda: listed)
+
+    def gone(mountpoint: str, timeout: float) -> dict:
+        raise mount.StatsUnavailable("gone", errno.ENOTCONN)
+
+    monkeypatch.setattr(mount, "read_stats", gone)
+    with pytest.raises(mount.MountError) as refused:
+        mount.check_daemon_answers(path)
+    assert str(refused.value) == words

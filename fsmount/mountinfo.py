@@ -36,15 +36,6 @@ def mounts(mountinfo: str = MOUNTINFO) -> list[Mount]:
                       fields[-1]) for fields in map(bytes.split, f)]
 
 
-def on_top(listed: list[Mount]) -> list[Mount]:
-    """The mounts of `listed` that no other mount at their mount point sits on: of several at one path, the one on
-    top, the one a path there reaches. Not the last listed there: mountinfo lists mounts in the order they were made,
-    so one made earlier and moved over another (mount(8)'s move) comes before it (B510); a mount over another has the
-    other's mount id for its parent."""
-    under = {(m.point, m.parent) for m in listed}
-    return [m for m in listed if (m.point, m.mount_id) not in under]
-
-
 def stacked(point: bytes, listed: list[Mount]) -> list[Mount]:
     """The mounts of `listed` at exactly `point`, from the bottom one up (each one's parent the one below it)."""
     here = [m for m in listed if m.point == point]
@@ -59,16 +50,30 @@ def stacked(point: bytes, listed: list[Mount]) -> list[Mount]:
 
 
 def top_at(point: bytes, listed: list[Mount]) -> Mount | None:
-    """The mount on top at exactly `point`, or None where nothing is mounted there."""
-    stack = stacked(point, listed)
-    return stack[-1] if stack else None
+    """The mount on top at exactly `point`, the one a path there reaches (`holding`), or None where nothing reachable
+    is mounted there (nothing, or only mounts hidden under a mount over a directory above them)."""
+    on = holding(point, listed)
+    return on if on is not None and on.point == point else None
 
 
 def holding(path: bytes, listed: list[Mount]) -> Mount | None:
-    """The mount a resolved absolute `path` lies on: the deepest mount point at or above it, the one on top there."""
-    best = None
-    for m in on_top(listed):
-        if (path == m.point or path.startswith(m.point.rstrip(b"/") + b"/")) and \
-                (best is None or len(m.point) >= len(best.point)):
-            best = m
-    return best
+    """The mount a resolved absolute `path` lies on, found as the kernel walks it: from the root mount (one whose
+    parent is not listed), into the mount on the first directory of the path that has one, and so on; a mount over
+    another at one path has the other's id for its parent, and is crossed into first. Not the deepest mount point at
+    or above the path: a mount made on a directory of a mount that another mount was later made over (/models/sub of
+    a mount at /models covered since) is hidden, and the path reaches the mount over it (B620). Of mounts on one
+    directory of one mount, the last listed."""
+    ids = {m.mount_id for m in listed}
+    children: dict[bytes | None, list[Mount]] = {}
+    for m in listed:
+        children.setdefault(m.parent if m.parent in ids and m.parent != m.mount_id else None, []).append(m)
+    at: Mount | None = None
+    seen: set[bytes] = set()
+    while True:
+        here = [m for m in children.get(None if at is None else at.mount_id, ())
+                if m.mount_id not in seen and (path == m.point or path.startswith(m.point.rstrip(b"/") + b"/"))]
+        if not here:
+            return at
+        first = min(len(m.point) for m in here)  # the directory the walk reaches first
+        at = [m for m in here if len(m.point) == first][-1]
+        seen.add(at.mount_id)

@@ -111,3 +111,49 @@ def test_a_mountpoint_whose_daemon_is_gone_names_what_clears_it(tmp_path: Path, 
     with pytest.raises(mount.MountError) as refused:
         mount.check_daemon_answers(path)
     assert str(refused.value) == words
+
+
+# At /models, a modelfs mount with a tmpfs on its directory sub, then an ext4 mounted over /models: the tmpfs is
+# hidden, /models/sub is ext4's directory. At /data, the other way round: a tmpfs with a modelfs mount on its sub,
+# hidden by an ext4 over /data. At /srv, a modelfs mount (stopped, say) over a tmpfs with an ext4 on its sub.
+COVERED = """\
+20 1 8:1 / / rw - ext4 /dev/sda1 rw
+30 20 0:30 / /models rw - fuse.modelfs models rw,user_id=0,group_id=0
+31 30 0:31 / /models/sub rw - tmpfs tmpfs rw
+32 30 8:2 / /models rw - ext4 /dev/sda2 rw
+33 20 0:33 / /data rw - tmpfs tmpfs rw
+34 33 0:34 / /data/sub rw - fuse.modelfs data rw,user_id=1001,group_id=1001
+35 33 8:3 / /data rw - ext4 /dev/sda3 rw
+36 20 0:36 / /srv rw - tmpfs tmpfs rw
+37 36 8:4 / /srv/sub rw - ext4 /dev/sda4 rw
+38 36 0:38 / /srv rw - fuse.modelfs srv rw,user_id=0,group_id=0
+"""
+
+
+def test_a_mount_under_a_covered_mount_is_hidden_and_the_path_is_on_the_mount_over_it(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A mount made on a directory of a mount that another was mounted over since is hidden: the path reaches the
+    mount over it. `mountinfo.holding` took the deepest mount point, the hidden one: a mountpoint there was refused as
+    inside a modelfs mount it is not in, and `resolve_unasked` asked (readlink) a path of a modelfs mount whose daemon
+    may not answer, taking it for the hidden ext4's (B620)."""
+    info = tmp_path / "mountinfo"
+    info.write_text(COVERED)
+    listed = mountinfo.mounts(str(info))
+    monkeypatch.setattr(mountinfo, "mounts", lambda info=str(info): listed)
+    assert prefetch_command.mount_of("/models/sub/x", str(info), resolve=False) == ("/models", "ext4")
+    assert prefetch_command.mount_of("/data/sub/x", str(info), resolve=False) == ("/data", "ext4")
+    assert prefetch_command.mount_owner("/data/sub", str(info)) is None
+    assert mount_users.mount_at("/data/sub", str(info)) is None
+    assert mount.top_type("/data/sub") is None
+    mount.check_not_inside_modelfs("/data/sub", "/data/sub")  # on the ext4 over /data, not in the modelfs mount
+    with pytest.raises(mount.SettingError):
+        mount.check_not_inside_modelfs("/srv/sub", "/srv/sub")
+    asked = []
+
+    def readlink(path: str) -> str:
+        asked.append(path)
+        raise OSError(22, "not a symlink")
+
+    monkeypatch.setattr(prefetch_command.os, "readlink", readlink)
+    assert prefetch_command.resolve_unasked("/srv/sub/link", str(info)) == "/srv/sub/link"
+    assert asked == []

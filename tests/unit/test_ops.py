@@ -533,3 +533,18 @@ def test_a_writable_mount_refuses_at_its_create_a_key_longer_than_its_store_take
     with pytest.raises(PathError) as info:
         ns.child_path(root, b"f" * 10)
     assert info.value.errno == errno.ENAMETOOLONG
+
+
+def test_a_writable_daemon_s_namespace_takes_its_store_s_longest_key(clean_aws_env: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """The daemon gives its `WritableNamespace` the store's limit (`Boto3Store.max_key_bytes`), not S3's: on OSS a
+    key of 1024 bytes is refused at its create (B551; the wiring, which the test above does by hand)."""
+    from fsmount import mount
+    from fsmount.config import MountConfig, StoreConfig
+
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "LTAI5tEnvKey")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", TEST_SECRET)
+    cfg = MountConfig(store=StoreConfig("b", endpoint_url="https://oss-cn-hangzhou.aliyuncs.com", region="cn-hangzhou",
+                                        addressing_style="virtual"), mountpoint="/m", writable=True)
+    daemon = mount.Daemon(cfg, "/m", on_ready=lambda: None)
+    assert daemon.namespace._max_key_bytes == 1023  # type: ignore[attr-defined]

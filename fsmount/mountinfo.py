@@ -1,5 +1,6 @@
 """/proc/self/mountinfo, read: every mount's ids, device, mount point (unescaped), type and options, as bytes, and
-which of several mounts at one mount point is the one on top. Used by `mount`, `prefetch_command`, `mount_users`."""
+which mount a path reaches: of several at one mount point the one on top, never one hidden under a mount made over a
+directory above it. Used by `mount`, `prefetch_command`, `mount_users`."""
 
 from __future__ import annotations
 

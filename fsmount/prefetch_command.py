@@ -57,7 +57,7 @@ def mount_of(path: str, mountinfo: str = "/proc/self/mountinfo", resolve: bool =
 
 def _holding(path: str, listed: list[Mount]) -> tuple[str, str | None]:
     """(mount point, file system type) of the mount of `listed` holding the absolute `path` (`mountinfo.holding`: the
-    deepest, the one on top there); ("", None) if none does."""
+    one the path reaches); ("", None) if none does."""
     on = holding(os.fsencode(path), listed)
     return ("", None) if on is None else (os.fsdecode(on.point), os.fsdecode(on.fstype))
 

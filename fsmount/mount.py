@@ -461,7 +461,7 @@ def silent_mount(path: str, within: float) -> str:
     if fstype.startswith(b"fuse") and fstype != MODELFS_FSTYPE:
         at, kind = os.fsdecode(on.point), os.fsdecode(fstype)
         return (f"{path} is on the {kind} mount at {at} whose daemon does not answer within {within:g}s (stopped or "
-                f"hung, not gone): left mounted; stop that daemon, or unmount it (`umount -l {at}`)")
+                f"hung, not gone): left mounted; stop that daemon, or unmount it ({lazy_unmount_advice(at)})")
     if fstype in NETWORK_FSTYPES or fstype.startswith((b"nfs", b"smb")):
         at, kind = os.fsdecode(on.point), os.fsdecode(fstype)
         return (f"{path} is on the {kind} mount at {at} whose server does not answer within {within:g}s: left "
@@ -484,13 +484,13 @@ def _mount_on(path: str) -> mountinfo.Mount | None:
 
 def gone_mount(path: str) -> str:
     """What `path` is, said where the FUSE mount it is on has lost its daemon (ENOTCONN), and what clears it: `modelfs
-    unmount` of a modelfs mount (of the mount, for a directory inside it), `umount` of another FUSE file system's,
-    which `modelfs unmount` leaves alone."""
+    unmount` of a modelfs mount (of the mount, for a directory inside it), `umount` of another FUSE file system's
+    (`fusermount3 -u` for a user other than root), which `modelfs unmount` leaves alone."""
     on = _mount_on(path)
     if on is not None and on.fstype != MODELFS_FSTYPE and on.fstype.startswith(b"fuse"):
         at = os.fsdecode(on.point)
         return (f"{path} is on the {os.fsdecode(on.fstype)} mount at {at}, whose daemon is gone (killed?): unmount it "
-                f"first (`umount {at}`)")
+                f"first ({'`umount' if os.geteuid() == 0 else '`fusermount3 -u'} {at}`)")
     if on is not None and on.fstype == MODELFS_FSTYPE and on.point != os.fsencode(os.path.abspath(path)):
         at = os.fsdecode(on.point)
         return (f"{path} is inside the modelfs mount at {at}, whose daemon is gone (killed?): run `modelfs unmount "

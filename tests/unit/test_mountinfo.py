@@ -74,6 +74,7 @@ def test_a_mountpoint_that_does_not_answer_is_said_in_the_words_of_its_mount_s_t
     info.write_text(ON_THE_NETWORK)
     listed = mountinfo.mounts(str(info))
     monkeypatch.setattr(mountinfo, "mounts", lambda: listed)
+    monkeypatch.setattr(mount.os, "geteuid", lambda: 0)  # root's words (`umount`), whoever runs the tests
 
     def silent(mountpoint: str, timeout: float) -> dict:
         raise mount.DaemonSilent("no answer")
@@ -103,6 +104,7 @@ def test_a_mountpoint_whose_daemon_is_gone_names_what_clears_it(tmp_path: Path, 
     info.write_text(ON_THE_NETWORK)
     listed = mountinfo.mounts(str(info))
     monkeypatch.setattr(mountinfo, "mounts", lambda: listed)
+    monkeypatch.setattr(mount.os, "geteuid", lambda: 0)
 
     def gone(mountpoint: str, timeout: float) -> dict:
         raise mount.StatsUnavailable("gone", errno.ENOTCONN)
@@ -157,3 +159,25 @@ def test_a_mount_under_a_covered_mount_is_hidden_and_the_path_is_on_the_mount_ov
     monkeypatch.setattr(prefetch_command.os, "readlink", readlink)
     assert prefetch_command.resolve_unasked("/srv/sub/link", str(info)) == "/srv/sub/link"
     assert asked == []
+
+
+def test_another_fuse_file_system_s_mount_is_unmounted_with_fusermount3_by_a_user_other_than_root(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A user other than root cannot `umount` a FUSE mount, only `fusermount3 -u` their own: the words of B554 and
+    B555 for another FUSE file system's mount (sshfs) named `umount` to anyone (a wording fix of the review)."""
+    import errno
+
+    info = tmp_path / "mountinfo"
+    info.write_text(ON_THE_NETWORK)
+    listed = mountinfo.mounts(str(info))
+    monkeypatch.setattr(mountinfo, "mounts", lambda: listed)
+    monkeypatch.setattr(mount.os, "geteuid", lambda: 1000)
+    assert mount.silent_mount("/remote", 5).endswith("stop that daemon, or unmount it (`fusermount3 -uz /remote`)")
+
+    def gone(mountpoint: str, timeout: float) -> dict:
+        raise mount.StatsUnavailable("gone", errno.ENOTCONN)
+
+    monkeypatch.setattr(mount, "read_stats", gone)
+    with pytest.raises(mount.MountError) as refused:
+        mount.check_daemon_answers("/remote/d")
+    assert str(refused.value).endswith("unmount it first (`fusermount3 -u /remote`)")

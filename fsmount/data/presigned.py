@@ -8,24 +8,30 @@ this module saves is botocore's per-request machinery and the fresh bytes object
 read cost 0.18-0.19 CPU-s/GB this way against 0.25-0.28 with `get_object().read()` (issue #10's
 measurements; bench/clients.py), and reading into a recycled buffer takes no page faults.
 
-One call is one request; it retries nothing and checks what it got (status, Content-Range and its total
-against the size the version was pinned at, length, ETag). A request ends by the read timeout after it began, its
-connect, its head and its body all counted, not per packet only (`_Deadline`). Retries, backoff and the choice of
-this path over boto3's belong to `Boto3Store`. Failures leave as `StoreError`s through the store's one mapping
-(`store.error_for_status`).
+One call is one request; it retries nothing and checks what it got (status, Content-Range and its total against the
+size the version was pinned at, length, ETag). A request ends by the read timeout after it began, its connect, its
+head and its body all counted, not per packet only (`_Deadline`). A new connection is opened by the connect timeout
+or the time left, whichever is less, as a whole: its name's lookup (DNS, in a thread of its own that is waited for
+no longer: `_Resolver`), every address tried and TLS's handshake (`_Connection.open`); Unreachable where the connect
+timeout ran out, TimedOut where the request's time did. A kept-alive connection costs none of it. Retries, backoff
+and the choice of this path over boto3's belong to `Boto3Store`. Failures leave as `StoreError`s through the store's
+one mapping (`store.error_for_status`).
 
 Threading: `RangeGetter` is shared by every fetch thread. Its connection pool (a list under a lock)
 holds idle connections only; a connection is used by one thread at a time and goes back only after
 its response was read whole, so a broken or half-read one is closed, never reused. The URL cache is a
-dict under the same lock (an entry is replaced whole, never mutated).
+dict under the same lock (an entry is replaced whole, never mutated). A name's lookup runs in a daemon thread, one
+at a time per name and port (`_Resolver`, under a lock of its own): one stuck in the system's resolver is left to end.
 """
 
 from __future__ import annotations
 
+import errno
 import http.client
 import re
 import socket
 import ssl
+import sys
 import threading
 import time
 import urllib.parse
@@ -204,6 +210,7 @@ class RangeGetter:
         self._connect_timeout = connect_timeout
         self._read_timeout = read_timeout
         self._ssl_context = ssl_context if ssl_context is not None else ssl.create_default_context()
+        self._resolve = _Resolver()
         self._lock = threading.Lock()
         self._idle: list[tuple[tuple[str, str, int], _Connection]] = []
         # key: (when signed, `_reusable`), `credentials_changes()` then, reused until (time.time(): the expiry of the
@@ -426,13 +433,13 @@ class RangeGetter:
         kept_alive = conn.sock is not None
         try:
             try:
-                return origin, conn, self._send(conn, target, headers, origin, deadline, method, body)
+                return origin, conn, self._send(conn, target, headers, origin, deadline, what, method, body)
             except (http.client.RemoteDisconnected, ConnectionError) as exc:
                 if not kept_alive:
                     raise TransientError(f"{what}: {type(exc).__name__}: {exc}") from None
                 # The server closed the idle connection meanwhile (an idle timeout): a new one, at once.
                 conn.close()
-                return origin, conn, self._send(conn, target, headers, origin, deadline, method, body)
+                return origin, conn, self._send(conn, target, headers, origin, deadline, what, method, body)
         except (http.client.HTTPException, OSError) as exc:
             conn.close()
             # Reset, timeout, a response cut short or not HTTP at all: worth another try.
@@ -441,24 +448,41 @@ class RangeGetter:
             conn.close()
             raise
 
+    def _connect_by(self, conn: _Connection, origin: tuple[str, str, int], deadline: float, what: str) -> None:
+        """Connect `conn`: its name resolved, its addresses tried and TLS's handshake, all together within the connect
+        timeout or the time left before `deadline`, whichever is less (`_Connection.open`). Unreachable where the
+        connect timeout ran out (the endpoint is not there, or DNS does not answer: retried as a refused connection
+        is); TimedOut where the request's own time did (as a head or a body not in by then)."""
+        left = deadline - time.monotonic()
+        limit = min(self._connect_timeout, max(left, DEADLINE_SLACK_S))
+        where = f"{origin[1]}:{origin[2]}"
+        try:
+            conn.open(time.monotonic() + limit, self._resolve)
+        except ssl.SSLCertVerificationError as exc:
+            # Not the endpoint being away: tried again, it failed each READ at --read-timeout as "timed out".
+            raise StoreError(f"TLS: the certificate of {where} was refused: "
+                             f"{exc.verify_message or exc} (the CA bundle: AWS_CA_BUNDLE, the profile's "
+                             "ca_bundle, or REQUESTS_CA_BUNDLE)") from None
+        except _NotInTime as exc:
+            if left < self._connect_timeout:  # the request's time ran out (a kept connection found closed late)
+                raise TimedOut(f"{what}: timed out: {exc.doing} {where} was not done within the request's time (the "
+                               f"read timeout, {self._read_timeout:g}s)") from None
+            raise Unreachable(f"cannot reach the endpoint {where}: {exc.doing} it took longer than the connect "
+                              f"timeout ({self._connect_timeout:g}s)") from None
+        except socket.gaierror as exc:
+            raise Unreachable(f"cannot reach the endpoint {where}: DNS: its name does not resolve "
+                              f"({exc.strerror or exc})") from None
+        except OSError as exc:
+            raise (local_failure(exc, f"cannot open a connection to {where}")
+                   or Unreachable(f"cannot reach the endpoint {where}: {exc}")) from None
+        assert conn.sock is not None
+        conn.sock.settimeout(self._read_timeout)
+
     def _send(self, conn: _Connection, target: str, headers: dict[str, str], origin: tuple[str, str, int],
-              deadline: float, method: str = "GET",
+              deadline: float, what: str, method: str = "GET",
               body: Sequence[bytes | WritableBuffer] = ()) -> http.client.HTTPResponse:
         if conn.sock is None:
-            # The connect, and TLS's handshake after it, each wait at most the connect timeout or the time left.
-            conn.timeout = min(self._connect_timeout, max(deadline - time.monotonic(), DEADLINE_SLACK_S))
-            try:
-                conn.connect()
-            except ssl.SSLCertVerificationError as exc:
-                # Not the endpoint being away: tried again, it failed each READ at --read-timeout as "timed out".
-                raise StoreError(f"TLS: the certificate of {origin[1]}:{origin[2]} was refused: "
-                                 f"{exc.verify_message or exc} (the CA bundle: AWS_CA_BUNDLE, the profile's "
-                                 "ca_bundle, or REQUESTS_CA_BUNDLE)") from None
-            except OSError as exc:
-                where = f"{origin[1]}:{origin[2]}"
-                raise (local_failure(exc, f"cannot open a connection to {where}")
-                       or Unreachable(f"cannot reach the endpoint {where}: {exc}")) from None
-            conn.sock.settimeout(self._read_timeout)
+            self._connect_by(conn, origin, deadline, what)
         conn.bounded = bounded = _Deadline(conn.sock, deadline)
         conn.putrequest(method, target, skip_accept_encoding="Accept-Encoding" in headers)
         for name, value in headers.items():
@@ -608,12 +632,117 @@ def _bounded(resp: http.client.HTTPResponse, bounded: _Deadline) -> None:
         raw._sock = bounded  # type: ignore[attr-defined]
 
 
+class _NotInTime(TimeoutError):
+    """A connection not open by its time (`_Connection.open`); `doing`: at what, in words ("connecting to", "the TLS
+    handshake with")."""
+
+    def __init__(self, doing: str):
+        super().__init__(f"timed out: {doing} the endpoint took too long")
+        self.doing = doing
+
+
+Addresses = list[tuple[Any, Any, int, str, Any]]  # socket.getaddrinfo's
+
+
+class _Lookup:
+    """One resolution of a name in its own thread: `done` set when `addresses` or `error` is there."""
+
+    __slots__ = ("done", "addresses", "error")
+
+    def __init__(self) -> None:
+        self.done = threading.Event()
+        self.addresses: Addresses = []
+        self.error: tuple[int, str] | None = None
+
+
+class _Resolver:
+    """Host names resolved by a deadline. `socket.getaddrinfo` waits as long as the system's resolver does (timeout x
+    attempts x nameservers of resolv.conf; for ever behind a local resolver that takes the query and never answers),
+    and cannot be interrupted: a fetch thread opening a connection waited so, whatever its deadline. A name is looked
+    up in a thread of its own, waited for until the deadline: a lookup still stuck then is left to end by itself, and a
+    request for the same name and port meanwhile waits for that one, not a new one, so a dead resolver holds one
+    thread per name, not one per try. An address (no lookup) is taken as it is, in the caller's thread. Thread-safe."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._pending: dict[tuple[str, int], _Lookup] = {}
+
+    def __call__(self, host: str, port: int, until: float) -> Addresses:
+        """`host`'s addresses (TCP, port `port`), by `until` (time.monotonic()): else _NotInTime; gaierror where the
+        name does not resolve."""
+        try:
+            return socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_NUMERICHOST)
+        except (socket.gaierror, UnicodeError):
+            pass  # a name
+        with self._lock:
+            lookup = self._pending.get((host, port))
+            if lookup is None:
+                lookup = self._pending[host, port] = _Lookup()
+                threading.Thread(target=self._look_up, args=(host, port, lookup), name=f"resolve {host}",
+                                 daemon=True).start()
+        if not lookup.done.wait(max(until - time.monotonic(), 0)):
+            raise _NotInTime("resolving the name (DNS) of")
+        if lookup.error is not None:
+            raise socket.gaierror(*lookup.error)
+        return lookup.addresses
+
+    def _look_up(self, host: str, port: int, lookup: _Lookup) -> None:
+        try:
+            lookup.addresses = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+        except OSError as exc:
+            lookup.error = (exc.errno or socket.EAI_FAIL, exc.strerror or str(exc))
+        except Exception as exc:  # noqa: BLE001 - a name http.client or idna cannot take: said as unresolved
+            lookup.error = (socket.EAI_NONAME, f"{type(exc).__name__}: {exc}")
+        finally:
+            with self._lock:
+                if self._pending.get((host, port)) is lookup:
+                    del self._pending[host, port]
+            lookup.done.set()
+
+
+def _connect(addresses: Addresses, until: float) -> socket.socket:
+    """A TCP connection to one of `addresses`, tried in turn, by `until` (time.monotonic()): each is given an equal
+    share of the time left, the last all of it, so the first one black-holed (an IPv6 route that drops) leaves the
+    others time, and all together take no longer than the one connect timeout (`socket.create_connection` gave each
+    the whole of it in turn). _NotInTime where the time ran out; else the last address's error."""
+    error: OSError | None = None
+    for i, (family, kind, proto, _, address) in enumerate(addresses):
+        left = until - time.monotonic()
+        if left <= 0:
+            break
+        sock = socket.socket(family, kind, proto)
+        try:
+            sock.settimeout(left / (len(addresses) - i))
+            sock.connect(address)
+        except OSError as exc:
+            sock.close()
+            error = exc
+            continue
+        return sock
+    if not addresses:
+        raise OSError("its name resolved to no address")
+    if error is None or isinstance(error, TimeoutError) or until - time.monotonic() <= 0:
+        raise _NotInTime("connecting to")
+    raise error
+
+
 class _Connection(http.client.HTTPConnection):
     """A pooled connection whose responses are read under the deadline of the request they answer: `bounded`, set by
     `RangeGetter._send` before each request, from the response's first byte (its status line and headers, then its
-    body)."""
+    body). Opened by `open`, bounded as a whole."""
 
     bounded: _Deadline | None = None
+
+    def open(self, until: float, resolve: Callable[[str, int, float], Addresses]) -> None:
+        """Connect by `until` (time.monotonic()), the name's resolution (`resolve`) and every address tried counted
+        (http.client's `connect` gave each address the whole timeout, and DNS had none); _NotInTime where it ran out."""
+        sys.audit("http.client.connect", self, self.host, self.port)
+        self.sock = _connect(resolve(self.host, self.port, until), until)
+        try:
+            self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        except OSError as exc:
+            if exc.errno != errno.ENOPROTOOPT:
+                raise
 
     def response_class(self, sock: socket.socket, *args: Any, **kwargs: Any  # type: ignore[override]
                        ) -> http.client.HTTPResponse:
@@ -627,6 +756,21 @@ class _Connection(http.client.HTTPConnection):
 
 class _TLSConnection(_Connection, http.client.HTTPSConnection):
     """`_Connection` over TLS."""
+
+    def open(self, until: float, resolve: Callable[[str, int, float], Addresses]) -> None:
+        """As `_Connection.open`, TLS's handshake by the same `until` (http.client's gave it the whole timeout again
+        after the TCP connect)."""
+        super().open(until, resolve)
+        assert self.sock is not None
+        left = until - time.monotonic()
+        try:
+            if left <= 0:
+                raise _NotInTime("the TLS handshake with")
+            self.sock.settimeout(left)
+            self.sock = self._context.wrap_socket(self.sock, server_hostname=self.host)  # type: ignore[attr-defined]
+        except TimeoutError:
+            self.close()
+            raise _NotInTime("the TLS handshake with") from None
 
 
 class Body:

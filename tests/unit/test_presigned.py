@@ -782,15 +782,147 @@ def test_a_head_sent_slowly_ends_at_the_read_timeout(origin: Origin, how: str) -
 def test_a_connect_counts_in_the_request_s_read_timeout() -> None:
     """A TLS endpoint that takes the connection and never shakes hands, with a connect timeout longer than the read
     timeout: the request ends by the read timeout after it began (the connect is given the time left), not at the
-    connect timeout. Without it, the handshake alone waited the connect timeout (3 s)."""
+    connect timeout. Without it, the handshake alone waited the connect timeout (3 s). The request's time ran out, not
+    the connect's: TimedOut, saying where (B533; it was Unreachable)."""
     listener = socket.create_server(("127.0.0.1", 0))  # the kernel accepts; nobody answers
     with listener:
         url = f"https://127.0.0.1:{listener.getsockname()[1]}"
         g = RangeGetter(lambda key: f"{url}/b/{key}", bucket="b", pool_size=2, connect_timeout=3.0, read_timeout=1.0)
         started = time.monotonic()
-        with pytest.raises(Unreachable):
+        with pytest.raises(TimedOut, match="timed out: the TLS handshake with 127.0.0.1:.* read timeout, 1s"):
             get(g, 0, 10)
         assert time.monotonic() - started < 1.0 + 0.5
+
+
+@contextlib.contextmanager
+def blackholed() -> Iterator[tuple[str, int]]:
+    """An address whose connects hang, as a firewall that drops SYNs makes them: a listener whose backlog (of one) is
+    full, so the kernel drops the next SYNs."""
+    with socket.create_server(("127.0.0.1", 0), backlog=0) as listener, socket.socket() as first:
+        first.connect(listener.getsockname())  # waits in the backlog, never accepted
+        yield listener.getsockname()
+
+
+class Names:
+    """A resolver in place of the system's (`socket.getaddrinfo`, monkeypatched): the names in `answers` resolve to
+    what `answers[name]()` returns, (host, port) pairs, after it returns; any other name or an address as the system's
+    does. `calls` counts the lookups of each name."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.answers: dict[str, Callable[[], list[tuple[str, int]]]] = {}
+        self.calls: dict[str, int] = {}
+        real = socket.getaddrinfo
+
+        def getaddrinfo(host: str, port: object, *args: object, **kwargs: object) -> list:
+            if host not in self.answers or int(kwargs.get("flags", 0)) & socket.AI_NUMERICHOST:  # type: ignore[arg-type]
+                return real(host, port, *args, **kwargs)  # type: ignore[arg-type]
+            self.calls[host] = self.calls.get(host, 0) + 1
+            return [(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP, "", address)
+                    for address in self.answers[host]()]
+
+        monkeypatch.setattr(socket, "getaddrinfo", getaddrinfo)
+
+
+def test_a_name_with_several_addresses_is_connected_to_within_the_one_connect_timeout(
+        monkeypatch: pytest.MonkeyPatch, origin: Origin) -> None:
+    """B531: `socket.create_connection` gave each address of a name the whole connect timeout in turn: a name of two
+    black-holed addresses took twice the connect timeout (2.0 s here) to be found unreachable. They share it now, and
+    one that answers after a black-holed one is still reached within it."""
+    names = Names(monkeypatch)
+    with blackholed() as one, blackholed() as two:
+        names.answers["away.test"] = lambda: [one, two]
+        names.answers["half.test"] = lambda: [one, ("127.0.0.1", origin.server_address[1])]
+        g = RangeGetter(lambda key: f"http://{key}:{one[1]}/b/k", bucket="b", pool_size=2, connect_timeout=1.0,
+                        read_timeout=5.0)
+        started = time.monotonic()
+        with pytest.raises(Unreachable, match=r"connecting to it took longer than the connect timeout \(1s\)"):
+            get(g, 0, 10, key="away.test")
+        assert time.monotonic() - started < 1.0 + 0.3
+        started = time.monotonic()
+        assert get(g, 0, 10, key="half.test") == DATA[:10]
+        assert time.monotonic() - started < 1.0 + 0.3
+
+
+def test_a_tls_handshake_has_what_the_connect_left_of_the_connect_timeout(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """B530: http.client's HTTPS connect gave the TCP connect the timeout, then TLS's handshake the whole of it again:
+    a name that took 0.7 s to resolve, then an endpoint that takes the connection and never shakes hands, took 1.7 s
+    to be found unreachable with a connect timeout of 1 s. The connect is bounded once, its name, addresses and
+    handshake together."""
+    names = Names(monkeypatch)
+    with socket.create_server(("127.0.0.1", 0)) as listener:  # the kernel accepts; nobody answers
+        names.answers["slow.test"] = lambda: time.sleep(0.7) or [listener.getsockname()]
+        url = f"https://slow.test:{listener.getsockname()[1]}"
+        g = RangeGetter(lambda key: f"{url}/b/{key}", bucket="b", pool_size=2, connect_timeout=1.0, read_timeout=5.0)
+        started = time.monotonic()
+        with pytest.raises(Unreachable, match="the TLS handshake with it took longer than the connect timeout"):
+            get(g, 0, 10)
+        assert time.monotonic() - started < 1.0 + 0.3
+
+
+def test_a_resolver_that_does_not_answer_fails_the_request_by_its_time_saying_dns(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """B532: a name's resolution was not bounded at all: a local resolver that takes queries and never answers held
+    the fetch thread as long as it did (3 s here, then the name resolved; for ever in the field). It fails by the
+    connect timeout now, Unreachable saying DNS, or by the request's time where that is less (TimedOut); the stuck
+    lookup is left to end, and the requests meanwhile wait for it, not for lookups of their own."""
+    names = Names(monkeypatch)
+    answer = threading.Event()
+
+    def stuck() -> list[tuple[str, int]]:
+        answer.wait(3.0)
+        return [("127.0.0.1", 9)]
+
+    names.answers["stuck.test"] = stuck
+    timer = threading.Timer(3.0, answer.set)
+    timer.start()
+    try:
+        g = RangeGetter(lambda key: f"http://stuck.test/b/{key}", bucket="b", pool_size=2, connect_timeout=0.5,
+                        read_timeout=5.0)
+        started = time.monotonic()
+        with pytest.raises(Unreachable, match=r"stuck.test:80: resolving the name \(DNS\) of it took longer than "
+                                              r"the connect timeout \(0.5s\)"):
+            get(g, 0, 10)
+        assert time.monotonic() - started < 0.5 + 0.3
+        short = RangeGetter(lambda key: f"http://stuck.test/b/{key}", bucket="b", pool_size=2, connect_timeout=5.0,
+                            read_timeout=0.5)
+        started = time.monotonic()
+        with pytest.raises(TimedOut, match=r"resolving the name \(DNS\) of stuck.test:80 was not done"):
+            get(short, 0, 10)
+        assert time.monotonic() - started < 0.5 + 0.3
+        with pytest.raises(Unreachable, match="DNS"):
+            get(g, 0, 10)
+        assert names.calls["stuck.test"] == 2  # one lookup per getter at a time, however many tries
+    finally:
+        answer.set()
+        timer.cancel()
+
+
+def test_a_kept_connection_found_closed_late_is_timed_out_when_its_reconnect_runs_out_of_time(
+        monkeypatch: pytest.MonkeyPatch, origin: Origin) -> None:
+    """B533: a kept-alive connection the server closed only after holding the request 0.8 s of the 1 s read timeout
+    was opened again with the 0.2 s left; a connect that did not make it in them was "cannot reach the endpoint ...:
+    timed out" (Unreachable, retried as an endpoint away) though the request's own time had run out: TimedOut now,
+    saying so."""
+    names = Names(monkeypatch)
+    with blackholed() as away:
+        at = [("127.0.0.1", origin.server_address[1])]
+        names.answers["moving.test"] = lambda: at
+        g = RangeGetter(lambda key: f"http://moving.test:{at[0][1]}/b/{key}", bucket="b", pool_size=2,
+                        connect_timeout=2.0, read_timeout=1.0)
+        assert get(g, 0, 10) == DATA[:10]
+
+        def held_then_closed(h: Handler, s: int, e: int) -> bool:
+            time.sleep(0.8)
+            h.close_connection = True
+            return True
+
+        origin.script = held_then_closed
+        at[:] = [away]
+        started = time.monotonic()
+        with pytest.raises(TimedOut, match="connecting to moving.test:.* was not done within the request's time"):
+            get(g, 10, 10)
+        assert time.monotonic() - started < 1.0 + 0.3
 
 
 @pytest.mark.parametrize("how", ["open", "get_into"])
@@ -1104,7 +1236,7 @@ def test_a_machine_out_of_descriptors_is_said_and_not_retried_as_an_endpoint_awa
     def out_of_files(*args: object, **kwargs: object) -> socket.socket:
         raise OSError(errno.EMFILE, os.strerror(errno.EMFILE))
 
-    monkeypatch.setattr(socket, "create_connection", out_of_files)
+    monkeypatch.setattr(socket, "socket", out_of_files)  # socket(2) is where EMFILE comes from
     g = RangeGetter(lambda key: f"http://127.0.0.1:9/b/{key}", bucket="b", pool_size=2, connect_timeout=2.0,
                     read_timeout=2.0)
     with pytest.raises(OutOfResources, match=r"Too many open files on this machine \(raise the daemon's open-file "

@@ -153,7 +153,7 @@ class _WireConnection:
     def __init__(self, host: str, port: int, **_: object):
         self.host, self.port, self.sock = host, port, None
 
-    def connect(self) -> None:
+    def open(self, until: float, resolve: object) -> None:  # presigned._Connection.open: no name looked up here
         self.sock = _Socket()
 
     def putrequest(self, method: str, target: str, **_: object) -> None:

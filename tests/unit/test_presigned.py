@@ -837,10 +837,10 @@ def test_a_name_with_several_addresses_is_connected_to_within_the_one_connect_ti
         started = time.monotonic()
         with pytest.raises(Unreachable, match=r"connecting to it took longer than the connect timeout \(1s\)"):
             get(g, 0, 10, key="away.test")
-        assert time.monotonic() - started < 1.0 + 0.3
+        assert time.monotonic() - started < 1.0 + 0.5
         started = time.monotonic()
         assert get(g, 0, 10, key="half.test") == DATA[:10]
-        assert time.monotonic() - started < 1.0 + 0.3
+        assert time.monotonic() - started < 1.0 + 0.5
 
 
 def test_a_tls_handshake_has_what_the_connect_left_of_the_connect_timeout(
@@ -857,7 +857,7 @@ def test_a_tls_handshake_has_what_the_connect_left_of_the_connect_timeout(
         started = time.monotonic()
         with pytest.raises(Unreachable, match="the TLS handshake with it took longer than the connect timeout"):
             get(g, 0, 10)
-        assert time.monotonic() - started < 1.0 + 0.3
+        assert time.monotonic() - started < 1.0 + 0.5
 
 
 def test_a_resolver_that_does_not_answer_fails_the_request_by_its_time_saying_dns(
@@ -883,13 +883,13 @@ def test_a_resolver_that_does_not_answer_fails_the_request_by_its_time_saying_dn
         with pytest.raises(Unreachable, match=r"stuck.test:80: resolving the name \(DNS\) of it took longer than "
                                               r"the connect timeout \(0.5s\)"):
             get(g, 0, 10)
-        assert time.monotonic() - started < 0.5 + 0.3
+        assert time.monotonic() - started < 0.5 + 0.5
         short = RangeGetter(lambda key: f"http://stuck.test/b/{key}", bucket="b", pool_size=2, connect_timeout=5.0,
                             read_timeout=0.5)
         started = time.monotonic()
         with pytest.raises(TimedOut, match=r"resolving the name \(DNS\) of stuck.test:80 was not done"):
             get(short, 0, 10)
-        assert time.monotonic() - started < 0.5 + 0.3
+        assert time.monotonic() - started < 0.5 + 0.5
         with pytest.raises(Unreachable, match="DNS"):
             get(g, 0, 10)
         assert names.calls["stuck.test"] == 2  # one lookup per getter at a time, however many tries
@@ -922,7 +922,7 @@ def test_a_kept_connection_found_closed_late_is_timed_out_when_its_reconnect_run
         started = time.monotonic()
         with pytest.raises(TimedOut, match="connecting to moving.test:.* was not done within the request's time"):
             get(g, 10, 10)
-        assert time.monotonic() - started < 1.0 + 0.3
+        assert time.monotonic() - started < 1.0 + 0.5
 
 
 @pytest.mark.parametrize("how", ["open", "get_into"])

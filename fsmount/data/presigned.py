@@ -12,8 +12,9 @@ One call is one request; it retries nothing and checks what it got (status, Cont
 size the version was pinned at, length, ETag). A request ends by the read timeout after it began, its connect, its
 head and its body all counted, not per packet only (`_Deadline`). A new connection is opened by the connect timeout
 or the time left, whichever is less, as a whole: its name's lookup (DNS, in a thread of its own that is waited for
-no longer: `_Resolver`), every address tried and TLS's handshake (`_Connection.open`); Unreachable where the connect
-timeout ran out, TimedOut where the request's time did. A kept-alive connection costs none of it. Retries, backoff
+no longer: `_Resolver`), every address tried and TLS's handshake (`_Connection.open`); Unreachable where it was not
+done in that time, TimedOut only where it was opened again (a kept connection found closed) and the request's time ran
+out first. A kept-alive connection costs none of it. Retries, backoff
 and the choice of this path over boto3's belong to `Boto3Store`. Failures leave as `StoreError`s through the store's
 one mapping (`store.error_for_status`).
 
@@ -439,7 +440,8 @@ class RangeGetter:
                     raise TransientError(f"{what}: {type(exc).__name__}: {exc}") from None
                 # The server closed the idle connection meanwhile (an idle timeout): a new one, at once.
                 conn.close()
-                return origin, conn, self._send(conn, target, headers, origin, deadline, what, method, body)
+                return origin, conn, self._send(conn, target, headers, origin, deadline, what, method, body,
+                                                again=True)
         except (http.client.HTTPException, OSError) as exc:
             conn.close()
             # Reset, timeout, a response cut short or not HTTP at all: worth another try.
@@ -448,11 +450,14 @@ class RangeGetter:
             conn.close()
             raise
 
-    def _connect_by(self, conn: _Connection, origin: tuple[str, str, int], deadline: float, what: str) -> None:
+    def _connect_by(self, conn: _Connection, origin: tuple[str, str, int], deadline: float, what: str,
+                    again: bool) -> None:
         """Connect `conn`: its name resolved, its addresses tried and TLS's handshake, all together within the connect
         timeout or the time left before `deadline`, whichever is less (`_Connection.open`). Unreachable where the
-        connect timeout ran out (the endpoint is not there, or DNS does not answer: retried as a refused connection
-        is); TimedOut where the request's own time did (as a head or a body not in by then)."""
+        connection was the request's first step (the endpoint is not there, or DNS does not answer: retried as a
+        refused connection is; nothing was sent, so a write's request never reached the bucket), whichever of the two
+        timeouts bounded it; TimedOut where it opened `again` (a kept connection found closed) with less than the
+        connect timeout left of the request's own time, as a head or a body not in by then."""
         left = deadline - time.monotonic()
         limit = min(self._connect_timeout, max(left, DEADLINE_SLACK_S))
         where = f"{origin[1]}:{origin[2]}"
@@ -464,11 +469,12 @@ class RangeGetter:
                              f"{exc.verify_message or exc} (the CA bundle: AWS_CA_BUNDLE, the profile's "
                              "ca_bundle, or REQUESTS_CA_BUNDLE)") from None
         except _NotInTime as exc:
-            if left < self._connect_timeout:  # the request's time ran out (a kept connection found closed late)
+            if again and left < self._connect_timeout:  # the request's time ran out (a kept one found closed late)
                 raise TimedOut(f"{what}: timed out: {exc.doing} {where} was not done within the request's time (the "
                                f"read timeout, {self._read_timeout:g}s)") from None
-            raise Unreachable(f"cannot reach the endpoint {where}: {exc.doing} it took longer than the connect "
-                              f"timeout ({self._connect_timeout:g}s)") from None
+            bound = (f"the connect timeout ({self._connect_timeout:g}s)" if self._connect_timeout <= self._read_timeout
+                     else f"the read timeout ({self._read_timeout:g}s)")
+            raise Unreachable(f"cannot reach the endpoint {where}: {exc.doing} it took longer than {bound}") from None
         except socket.gaierror as exc:
             raise Unreachable(f"cannot reach the endpoint {where}: DNS: its name does not resolve "
                               f"({exc.strerror or exc})") from None
@@ -480,9 +486,9 @@ class RangeGetter:
 
     def _send(self, conn: _Connection, target: str, headers: dict[str, str], origin: tuple[str, str, int],
               deadline: float, what: str, method: str = "GET",
-              body: Sequence[bytes | WritableBuffer] = ()) -> http.client.HTTPResponse:
+              body: Sequence[bytes | WritableBuffer] = (), *, again: bool = False) -> http.client.HTTPResponse:
         if conn.sock is None:
-            self._connect_by(conn, origin, deadline, what)
+            self._connect_by(conn, origin, deadline, what, again)
         conn.bounded = bounded = _Deadline(conn.sock, deadline)
         conn.putrequest(method, target, skip_accept_encoding="Accept-Encoding" in headers)
         for name, value in headers.items():
@@ -701,10 +707,13 @@ class _Resolver:
 
 
 def _connect(addresses: Addresses, until: float) -> socket.socket:
-    """A TCP connection to one of `addresses`, tried in turn, by `until` (time.monotonic()): each is given an equal
-    share of the time left, the last all of it, so the first one black-holed (an IPv6 route that drops) leaves the
-    others time, and all together take no longer than the one connect timeout (`socket.create_connection` gave each
-    the whole of it in turn). _NotInTime where the time ran out; else the last address's error."""
+    """A TCP connection to one of `addresses`, tried in turn, by `until` (time.monotonic()): each is given half of
+    the time left, the last all of it, so the first one black-holed (an IPv6 route that drops) leaves the others time,
+    and all together take no longer than the one connect timeout (`socket.create_connection` gave each the whole of it
+    in turn). Half, not an equal share: the first address, the one the system prefers, keeps time for a SYN sent again
+    (1 s after a lost one) however many addresses the name has (an equal share of a 3 s connect timeout among 6 was
+    0.5 s). An address that refuses or has no route fails at once and takes nothing from the next. _NotInTime where
+    the time ran out; else the last address's error."""
     error: OSError | None = None
     for i, (family, kind, proto, _, address) in enumerate(addresses):
         left = until - time.monotonic()
@@ -712,7 +721,7 @@ def _connect(addresses: Addresses, until: float) -> socket.socket:
             break
         sock = socket.socket(family, kind, proto)
         try:
-            sock.settimeout(left / (len(addresses) - i))
+            sock.settimeout(left if i == len(addresses) - 1 else left / 2)
             sock.connect(address)
         except OSError as exc:
             sock.close()

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from fsmount.data import AccessDenied, NotFound, PreconditionFailed, StoreError, TransientError, Unreachable
+from fsmount.data import AccessDenied, NotFound, PreconditionFailed, StoreError, TransientError, Unreachable, presigned
 from fsmount.data.presigned import RECEIVE_LOWAT, RangeGetter, since_boot
 from fsmount.data.store import SizeChanged, TimedOut
 
@@ -782,14 +782,15 @@ def test_a_head_sent_slowly_ends_at_the_read_timeout(origin: Origin, how: str) -
 def test_a_connect_counts_in_the_request_s_read_timeout() -> None:
     """A TLS endpoint that takes the connection and never shakes hands, with a connect timeout longer than the read
     timeout: the request ends by the read timeout after it began (the connect is given the time left), not at the
-    connect timeout. Without it, the handshake alone waited the connect timeout (3 s). The request's time ran out, not
-    the connect's: TimedOut, saying where (B533; it was Unreachable)."""
+    connect timeout. Without it, the handshake alone waited the connect timeout (3 s). Nothing was sent: Unreachable,
+    naming the read timeout that bounded it (B610: B533's rule had made it TimedOut)."""
     listener = socket.create_server(("127.0.0.1", 0))  # the kernel accepts; nobody answers
     with listener:
         url = f"https://127.0.0.1:{listener.getsockname()[1]}"
         g = RangeGetter(lambda key: f"{url}/b/{key}", bucket="b", pool_size=2, connect_timeout=3.0, read_timeout=1.0)
         started = time.monotonic()
-        with pytest.raises(TimedOut, match="timed out: the TLS handshake with 127.0.0.1:.* read timeout, 1s"):
+        with pytest.raises(Unreachable, match=r"127.0.0.1:.*: the TLS handshake with it took longer than the read "
+                                              r"timeout \(1s\)"):
             get(g, 0, 10)
         assert time.monotonic() - started < 1.0 + 0.5
 
@@ -864,8 +865,8 @@ def test_a_resolver_that_does_not_answer_fails_the_request_by_its_time_saying_dn
         monkeypatch: pytest.MonkeyPatch) -> None:
     """B532: a name's resolution was not bounded at all: a local resolver that takes queries and never answers held
     the fetch thread as long as it did (3 s here, then the name resolved; for ever in the field). It fails by the
-    connect timeout now, Unreachable saying DNS, or by the request's time where that is less (TimedOut); the stuck
-    lookup is left to end, and the requests meanwhile wait for it, not for lookups of their own."""
+    connect timeout now, Unreachable saying DNS, or by the request's time where that is less (said so, B610); the
+    stuck lookup is left to end, and the requests meanwhile wait for it, not for lookups of their own."""
     names = Names(monkeypatch)
     answer = threading.Event()
 
@@ -887,7 +888,8 @@ def test_a_resolver_that_does_not_answer_fails_the_request_by_its_time_saying_dn
         short = RangeGetter(lambda key: f"http://stuck.test/b/{key}", bucket="b", pool_size=2, connect_timeout=5.0,
                             read_timeout=0.5)
         started = time.monotonic()
-        with pytest.raises(TimedOut, match=r"resolving the name \(DNS\) of stuck.test:80 was not done"):
+        with pytest.raises(Unreachable, match=r"stuck.test:80: resolving the name \(DNS\) of it took longer than "
+                                              r"the read timeout \(0.5s\)"):
             get(short, 0, 10)
         assert time.monotonic() - started < 0.5 + 0.5
         with pytest.raises(Unreachable, match="DNS"):
@@ -896,6 +898,73 @@ def test_a_resolver_that_does_not_answer_fails_the_request_by_its_time_saying_dn
     finally:
         answer.set()
         timer.cancel()
+
+
+def test_a_connect_not_done_is_unreachable_when_both_timeouts_are_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    """B610: the shared tier's getter has one timeout for the connect and the request. A first connect, to a
+    black-holed address or behind a resolver that does not answer, began a few microseconds into the request, so the
+    time left was less than the connect timeout: B533's rule made it TimedOut ("was not done within the request's time
+    (the read timeout, ...)"), which the tier's log then named, and which tells a write's caller that the bucket may
+    hold what it sent. Nothing was sent: Unreachable, as before B533."""
+    names = Names(monkeypatch)
+    answer = threading.Event()
+    names.answers["stuck.test"] = lambda: answer.wait(2.0) and [("127.0.0.1", 9)] or []
+    try:
+        with blackholed() as away:
+            g = RangeGetter(lambda key: f"http://{key}:{away[1]}/b/k", bucket="b", pool_size=2, connect_timeout=0.5,
+                            read_timeout=0.5)
+            with pytest.raises(Unreachable, match=r"127.0.0.1:\d+: connecting to it took longer than the connect "
+                                                  r"timeout \(0.5s\)"):
+                get(g, 0, 10, key="127.0.0.1")
+            with pytest.raises(Unreachable, match=r"resolving the name \(DNS\) of it took longer than the connect "
+                                                  r"timeout \(0.5s\)"):
+                get(g, 0, 10, key="stuck.test")
+    finally:
+        answer.set()
+
+
+def test_a_name_that_does_not_exist_is_said_at_once_not_timed_out(monkeypatch: pytest.MonkeyPatch) -> None:
+    """B532's resolver thread hands the resolver's own error on: a name that does not exist fails as soon as the
+    resolver says so, saying DNS, not at the connect timeout as a lookup that took too long (a rule of B532's, guarded:
+    the old code said it too, as "[Errno -2] Name or service not known")."""
+    names = Names(monkeypatch)
+
+    def no_such_name() -> list[tuple[str, int]]:
+        raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
+
+    names.answers["nowhere.test"] = no_such_name
+    g = RangeGetter(lambda key: f"http://nowhere.test/b/{key}", bucket="b", pool_size=2, connect_timeout=5.0,
+                    read_timeout=5.0)
+    started = time.monotonic()
+    with pytest.raises(Unreachable, match=r"nowhere.test:80: DNS: its name does not resolve \(Name or service not "
+                                          r"known\)"):
+        get(g, 0, 10)
+    assert time.monotonic() - started < 0.5
+
+
+def test_the_first_of_many_addresses_has_time_for_a_syn_sent_again(origin: Origin) -> None:
+    """B611: a name's addresses shared the connect timeout equally: the first, the one the system prefers, had 0.5 s of
+    a 3 s connect timeout among 6, less than the 1 s after which the kernel sends a lost SYN again, so one lost SYN to a
+    working endpoint cost its whole share and the request, the other addresses being away. Each now has half the time
+    left (the last all of it). The lost SYN here: the listener's backlog is full until 0.2 s in, so the kernel drops the
+    first SYN and takes the one sent again."""
+    with contextlib.ExitStack() as stack:
+        slow = stack.enter_context(socket.create_server(("127.0.0.1", 0), backlog=0))
+        queued = stack.enter_context(socket.socket())
+        queued.connect(slow.getsockname())  # fills the backlog: the next SYN is dropped
+        away = [stack.enter_context(blackholed()) for _ in range(5)]
+        accepted: list[socket.socket] = []
+        freed = threading.Timer(0.2, lambda: accepted.append(slow.accept()[0]))
+        freed.start()
+        stack.callback(lambda: [s.close() for s in accepted])
+        stack.callback(freed.join)
+        addresses = [(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP, "", a)
+                     for a in [slow.getsockname(), *away]]
+        started = time.monotonic()
+        sock = presigned._connect(addresses, started + 3.0)
+        with sock:
+            assert sock.getpeername() == slow.getsockname()
+        assert 0.8 < time.monotonic() - started < 3.0
 
 
 def test_a_kept_connection_found_closed_late_is_timed_out_when_its_reconnect_runs_out_of_time(

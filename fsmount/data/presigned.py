@@ -42,6 +42,7 @@ from typing import Any, TypeVar
 
 from fsmount.data.identity import WritableBuffer
 from fsmount.data.store import (
+    LOCAL_ERRNOS,
     AccessDenied,
     StoreError,
     TimedOut,
@@ -712,14 +713,20 @@ def _connect(addresses: Addresses, until: float) -> socket.socket:
     and all together take no longer than the one connect timeout (`socket.create_connection` gave each the whole of it
     in turn). Half, not an equal share: the first address, the one the system prefers, keeps time for a SYN sent again
     (1 s after a lost one) however many addresses the name has (an equal share of a 3 s connect timeout among 6 was
-    0.5 s). An address that refuses or has no route fails at once and takes nothing from the next. _NotInTime where
-    the time ran out; else the last address's error."""
+    0.5 s). An address that refuses or has no route fails at once and takes nothing from the next, as does one of a
+    family this machine has not (IPv6 turned off). _NotInTime where the time ran out; else the last address's error."""
     error: OSError | None = None
     for i, (family, kind, proto, _, address) in enumerate(addresses):
         left = until - time.monotonic()
         if left <= 0:
             break
-        sock = socket.socket(family, kind, proto)
+        try:
+            sock = socket.socket(family, kind, proto)
+        except OSError as exc:
+            if exc.errno in LOCAL_ERRNOS:
+                raise  # no descriptor or memory left: this machine's, at once (`store.local_failure`)
+            error = exc  # a family this machine has not (IPv6 turned off): the next address
+            continue
         try:
             sock.settimeout(left if i == len(addresses) - 1 else left / 2)
             sock.connect(address)

@@ -967,6 +967,35 @@ def test_the_first_of_many_addresses_has_time_for_a_syn_sent_again(origin: Origi
         assert 0.8 < time.monotonic() - started < 3.0
 
 
+def test_an_address_of_a_family_this_machine_has_not_is_passed_over(monkeypatch: pytest.MonkeyPatch,
+                                                                   origin: Origin) -> None:
+    """B612: a name with an IPv6 address first, on a machine with IPv6 turned off (socket(2) refuses the family:
+    EAFNOSUPPORT), failed the connect at that address, where `socket.create_connection` went on to the next: the
+    socket's making is tried as its connect is. Out of descriptors still fails at once (OutOfResources)."""
+    real = socket.socket
+
+    def no_ipv6(family: int = socket.AF_INET, *args: object, **kwargs: object) -> socket.socket:
+        if family == socket.AF_INET6:
+            raise OSError(errno.EAFNOSUPPORT, os.strerror(errno.EAFNOSUPPORT))
+        return real(family, *args, **kwargs)  # type: ignore[arg-type]
+
+    names = Names(monkeypatch)
+    names.answers["dual.test"] = lambda: [("127.0.0.1", origin.server_address[1])]
+    real_answer = socket.getaddrinfo
+
+    def ipv6_first(host: str, port: object, *args: object, **kwargs: object) -> list:
+        found = real_answer(host, port, *args, **kwargs)  # type: ignore[arg-type]
+        if host != "dual.test":
+            return found
+        return [(socket.AF_INET6, socket.SOCK_STREAM, socket.IPPROTO_TCP, "", ("::1", port, 0, 0)), *found]
+
+    monkeypatch.setattr(socket, "getaddrinfo", ipv6_first)
+    g = RangeGetter(lambda key: f"http://dual.test:{origin.server_address[1]}/b/{key}", bucket="b", pool_size=2,
+                    connect_timeout=2.0, read_timeout=2.0)
+    monkeypatch.setattr(socket, "socket", no_ipv6)
+    assert get(g, 0, 10) == DATA[:10]
+
+
 def test_a_kept_connection_found_closed_late_is_timed_out_when_its_reconnect_runs_out_of_time(
         monkeypatch: pytest.MonkeyPatch, origin: Origin) -> None:
     """B533: a kept-alive connection the server closed only after holding the request 0.8 s of the 1 s read timeout

@@ -8,7 +8,8 @@ cut into chunks and handed to the cache level with `put`, as the read path's wri
 copy is removed when that is done, or when the file fails. A stored file renamed has its cached chunks put under
 its new name's chunk ids (`copy_cached`: ids name the key). Its copies are removed when a mount opens it
 (the cache directory's lock says no other process uses it), so a killed daemon's copies do not pile up.
-It does not count against `--cache-size`: it lasts as long as a file is open.
+It does not count against `--cache-size`: it lasts as long as a file is open. It does leave the NVMe cache's
+floor of free space (`min_free_bytes`) to the rest of the node: a copy that would take the disk below it ends.
 
 Every method blocks (disk I/O); `writes.Writes` runs them in threads. A failure of the copy (a full
 disk) loses the cache fill only, never the upload: it is logged once and the file goes on without it. A
@@ -59,8 +60,12 @@ STAGING_BYTES = DIRECT_COPIES * BLOCKS_PER_COPY * BLOCK
 class Staging:
     """The `writes/` folder of a cache directory."""
 
-    def __init__(self, cache_dir: str):
+    def __init__(self, cache_dir: str, min_free_bytes: int = 0):
+        """`min_free_bytes`: what the copies leave free on the cache dir's filesystem (the NVMe cache's own floor,
+        disk_cache.default_min_free), so that a checkpoint larger than the disk does not fill it for the node's
+        other writers (its logs, the trainer's local files, the chunk cache) while it is written."""
         self.cache_dir = cache_dir
+        self.min_free_bytes = min_free_bytes
         self.root = os.path.join(cache_dir, WRITES_DIR)
         files, size = sweep_staged_writes(cache_dir)
         if files:
@@ -143,10 +148,17 @@ class Staging:
             self.failed(exc)
             return False
         with self._blocks_lock:
-            if st.f_bavail * st.f_frsize - self._promised < size:
+            if st.f_bavail * st.f_frsize - self.min_free_bytes - self._promised < size:
                 return False
             self._promised += size
             return True
+
+    def room_for(self, size: int) -> bool:
+        """Whether the folder's filesystem has room for `size` more bytes of a copy beyond its promise, beside what
+        was promised to deferred copies and the floor left free (the copy ends otherwise: B590)."""
+        st = os.statvfs(self.root)
+        with self._blocks_lock:
+            return st.f_bavail * st.f_frsize - self.min_free_bytes - self._promised >= size
 
     def unpromise(self, size: int) -> None:
         with self._blocks_lock:
@@ -203,6 +215,7 @@ class StagedFile:
         self._block_at = 0
         self._gathered = 0  # bytes in _block, not yet in the file
         self._promised = 0  # what `promise` reserved for this copy on the disk
+        self._end = 0  # where the bytes written so far end (what the copy takes on the disk, holes aside)
         self.error: OSError | None = None  # what ended it, if a write or an extend failed
 
     @property
@@ -242,12 +255,23 @@ class StagedFile:
                 return
             try:
                 with memoryview(data) as view:
+                    end = offset + view.nbytes
+                    self._make_room(end)
                     self._write(offset, view.cast("B") if view.format != "B" else view)
+                    self._end = max(self._end, end)
                 return
             except OSError as exc:
                 self.error = exc
                 self._staging.failed(exc)
         self.discard()
+
+    def _make_room(self, end: int) -> None:
+        """ENOSPC where growing the copy to `end` would take its disk below the floor left free; a deferred copy's
+        promised bytes were counted when it was promised."""
+        grow = end - max(self._end, self._promised)
+        if grow > 0 and not self._staging.room_for(grow):
+            raise OSError(errno.ENOSPC, f"less than {human_size(self._staging.min_free_bytes)} would be left free on "
+                          "its filesystem, which the cache leaves to the rest of the node")
 
     def _write(self, offset: int, view: memoryview) -> None:
         if self._block is None:

@@ -115,10 +115,12 @@ class WriteStats:
 class Writes:
     def __init__(self, namespace: WritableNamespace, uploads: Uploads, memory: MemoryBudget, *, part_size: int,
                  max_connections: int, timeout: float, allow_overwrite: bool, allow_delete: bool, origin: StoreConfig,
-                 cache: tuple[ChunkCache, str, Callable[[ObjectVersion, int], ChunkId], int] | None = None):
+                 cache: tuple[ChunkCache, str, Callable[[ObjectVersion, int], ChunkId], int] | None = None,
+                 cache_min_free: int = 0):
         """`origin`: how the mount reaches its bucket (what the `modelfs cleanup` its warnings advise needs).
         `cache`: with --cache-dir, (the NVMe level, the cache dir, the engine's chunk_id, chunk size): stored files
-        go into it (write_staging)."""
+        go into it (write_staging), whose copies of files being written leave `cache_min_free` bytes free on its
+        disk."""
         self.ns = namespace
         self.uploads = uploads
         self._origin = origin
@@ -140,7 +142,7 @@ class Writes:
         self._files: dict[int, NewFile] = {}  # inode -> the file being written
         self._open: set[NewFile] = set()
         self._written: set[int] = set()
-        self._staging = Staging(cache[1]) if cache is not None else None
+        self._staging = Staging(cache[1], cache_min_free) if cache is not None else None
         self._cache = cache
         self._staging_limiter = trio.CapacityLimiter(STAGING_THREADS)
         self._fills = 0  # cache fills running (of stored files, and of renamed ones: `recache`)

@@ -36,6 +36,7 @@ from tests.helpers import (
     put_objects,
     random_bytes,
     sha,
+    tmpfs,
     wait_for,
     warning_lines,
 )
@@ -175,6 +176,39 @@ def test_a_cache_dir_that_fills_up_costs_the_local_copy_not_the_file(s3: S3Serve
         assert sha(s3.client().get_object(Bucket=bucket, Key="ckpt.bin")["Body"].read()) == sha(data)
     finally:
         subprocess.run(["umount", "-l", str(small)], check=False)
+    delete_bucket(s3, bucket)
+
+
+@pytest.mark.parametrize("writer", ["write", "save_file"])
+def test_the_local_copy_leaves_the_cache_disk_its_floor_of_free_space(s3: S3Server, mountpoint: Path, tmp_path: Path,
+                                                                      writer: str) -> None:
+    """B590: a checkpoint nearly as large as the cache's disk. The NVMe cache leaves 5% of a small filesystem free
+    to the rest of the node; the local copy of a file being written took the disk to a few MiB (the save_file
+    pattern's copy, promised its whole size, held it there until the close; a streamed one went on to ENOSPC), so
+    the node's other writers on that disk failed while a checkpoint was written. Now the copy ends at the floor,
+    and the file is stored all the same."""
+    bucket = new_bucket(s3)
+    data = random_bytes(100 * MiB, 59)
+    floor = int(0.05 * 104 * MiB)  # disk_cache.MIN_FREE_SHARE of the filesystem
+    with tmpfs(tmp_path / "small", "size=104M") as small:
+
+        def free() -> int:
+            st = os.statvfs(small)
+            return st.f_bavail * st.f_frsize
+
+        with mounted(s3, bucket, mountpoint, *WRITABLE, "--cache-dir", str(small / "cache"), "--cache-size", "32M",
+                     "--write-part-size", "5M", allowed=("cannot keep written files",)):
+            with open(mountpoint / "ckpt.bin", "wb") as f:
+                if writer == "save_file":  # create, ftruncate to the full size, write, close
+                    f.truncate(len(data))
+                for at in range(0, len(data), MiB):
+                    f.write(data[at:at + MiB])
+                f.flush()
+                os.fsync(f.fileno())  # the parts written so far are sent (and copied)
+                # Before the close: the copy that filled the disk was still there (save_file's until the close).
+                wait_for("the floor left free", free, lambda n: n >= floor, timeout=5)
+            assert os.listdir(small / "cache" / "writes") == []
+    assert sha(s3.client().get_object(Bucket=bucket, Key="ckpt.bin")["Body"].read()) == sha(data)
     delete_bucket(s3, bucket)
 
 

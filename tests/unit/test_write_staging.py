@@ -350,6 +350,40 @@ def test_a_deferred_copy_is_promised_room_on_the_disk_beside_the_others(tmp_path
     assert staging.promise(10 * MiB)
 
 
+def test_the_copies_leave_the_floor_of_free_space_to_the_node(tmp_path: Path, monkeypatch, caplog,
+                                                               allowed_logs) -> None:
+    """B590: a copy ends (removed, one warning) where growing it would leave less than `min_free_bytes` free on its
+    disk, and a deferred copy is promised only room beyond that floor; before, a copy went on until ENOSPC."""
+    allowed_logs.append("cannot keep written files")
+    real_statvfs = os.statvfs
+    written: list[int] = []  # what the test wrote, which the disk below loses from its 10 MiB
+
+    class Room:
+        def __init__(self, st: os.statvfs_result):
+            self.f_frsize, self.f_bavail = 4096, (10 * MiB - sum(written)) // 4096
+
+    monkeypatch.setattr(os, "statvfs", lambda path: Room(real_statvfs(path)))
+    caplog.set_level(logging.INFO, logger="fsmount.write_staging")
+    staging = Staging(str(tmp_path), min_free_bytes=4 * MiB)
+    deferred = staging.open()
+    assert deferred is not None
+    assert not deferred.promise(7 * MiB)  # 3 MiB would be left
+    assert deferred.promise(6 * MiB)
+    deferred.discard()
+    staged = staging.open()
+    assert staged is not None
+    for at in range(0, 8 * MiB, MiB):
+        staged.write(at, b"x" * MiB)
+        if not staged.ok:
+            break
+        written.append(MiB)
+    assert sum(written) == 6 * MiB and not staged.ok
+    assert staged.error is not None and staged.error.errno == errno.ENOSPC
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "less than 4.00 MiB would be left free" in warnings[0], warnings
+    assert os.listdir(staging.root) == []
+
+
 @pytest.mark.parametrize(("left", "said"), [(1, "removed 1 copy of a file (1 B)"),
                                              (2, "removed 2 copies of files (2 B)")])
 def test_the_copies_a_killed_mount_left_are_counted_in_words_that_fit(tmp_path: Path, caplog: pytest.LogCaptureFixture,

@@ -35,6 +35,7 @@ from fsmount.data import (
     ChunkId,
     WritableBuffer,
     counted,
+    free_bytes,
     human_size,
     new_buffer,
     pwrite_all,
@@ -155,10 +156,11 @@ class Staging:
 
     def room_for(self, size: int) -> bool:
         """Whether the folder's filesystem has room for `size` more bytes of a copy beyond its promise, beside what
-        was promised to deferred copies and the floor left free (the copy ends otherwise: B590)."""
-        st = os.statvfs(self.root)
+        was promised to deferred copies and the floor left free (the copy ends otherwise: B590). A filesystem that
+        reports a size of 0 (free_bytes) has room: there only ENOSPC ends a copy, as before."""
+        free = free_bytes(self.root)
         with self._blocks_lock:
-            return st.f_bavail * st.f_frsize - self.min_free_bytes - self._promised >= size
+            return free - self.min_free_bytes - self._promised >= size
 
     def unpromise(self, size: int) -> None:
         with self._blocks_lock:

@@ -360,8 +360,19 @@ def test_the_copies_leave_the_floor_of_free_space_to_the_node(tmp_path: Path, mo
 
     class Room:
         def __init__(self, st: os.statvfs_result):
-            self.f_frsize, self.f_bavail = 4096, (10 * MiB - sum(written)) // 4096
+            self.f_frsize, self.f_bavail, self.f_blocks = 4096, (10 * MiB - sum(written)) // 4096, 25600
 
+    class NoSize:  # a FUSE or virtual filesystem that reports no size: only ENOSPC ends a copy there
+        def __init__(self, st: os.statvfs_result):
+            self.f_frsize, self.f_bavail, self.f_blocks = 4096, 0, 0
+
+    monkeypatch.setattr(os, "statvfs", lambda path: NoSize(real_statvfs(path)))
+    staged = Staging(str(tmp_path), min_free_bytes=0).open()
+    assert staged is not None
+    for at in range(0, 4 * MiB, MiB):
+        staged.write(at, b"x" * MiB)
+    assert staged.ok
+    staged.discard()
     monkeypatch.setattr(os, "statvfs", lambda path: Room(real_statvfs(path)))
     caplog.set_level(logging.INFO, logger="fsmount.write_staging")
     staging = Staging(str(tmp_path), min_free_bytes=4 * MiB)

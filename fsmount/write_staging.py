@@ -9,7 +9,8 @@ copy is removed when that is done, or when the file fails. A stored file renamed
 its new name's chunk ids (`copy_cached`: ids name the key). Its copies are removed when a mount opens it
 (the cache directory's lock says no other process uses it), so a killed daemon's copies do not pile up.
 It does not count against `--cache-size`: it lasts as long as a file is open. It does leave the NVMe cache's
-floor of free space (`min_free_bytes`) to the rest of the node: a copy that would take the disk below it ends.
+floor of free space (`min_free_bytes`) to the rest of the node: a streamed copy that would take the disk below it
+ends, and a deferred one is made only where its whole size fits beyond it.
 
 Every method blocks (disk I/O); `writes.Writes` runs them in threads. A failure of the copy (a full
 disk) loses the cache fill only, never the upload: it is logged once and the file goes on without it. A
@@ -155,7 +156,7 @@ class Staging:
             return True
 
     def room_for(self, size: int) -> bool:
-        """Whether the folder's filesystem has room for `size` more bytes of a copy beyond its promise, beside what
+        """Whether the folder's filesystem has room for `size` more bytes of a streamed copy, beside what
         was promised to deferred copies and the floor left free (the copy ends otherwise: B590). A filesystem that
         reports a size of 0 (free_bytes) has room: there only ENOSPC ends a copy, as before."""
         free = free_bytes(self.root)
@@ -268,9 +269,14 @@ class StagedFile:
         self.discard()
 
     def _make_room(self, end: int) -> None:
-        """ENOSPC where growing the copy to `end` would take its disk below the floor left free; a deferred copy's
-        promised bytes were counted when it was promised."""
-        grow = end - max(self._end, self._promised)
+        """ENOSPC where growing a streamed copy to `end` would take its disk below the floor left free (one statvfs
+        per part: a streamed file's copy is written a part at a time). Not a deferred copy's: its room was promised
+        beyond the floor, and its bytes are nowhere else until close, so ending it there failed the file with ENOSPC
+        on a disk that had room, when it was written past the size it was promised; only ENOSPC ends it, as
+        before B590."""
+        if self._promised:
+            return
+        grow = end - self._end
         if grow > 0 and not self._staging.room_for(grow):
             raise OSError(errno.ENOSPC, f"less than {human_size(self._staging.min_free_bytes)} would be left free on "
                           "its filesystem, which the cache leaves to the rest of the node")

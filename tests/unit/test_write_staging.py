@@ -395,6 +395,32 @@ def test_the_copies_leave_the_floor_of_free_space_to_the_node(tmp_path: Path, mo
     assert os.listdir(staging.root) == []
 
 
+def test_a_deferred_copy_written_past_its_promise_is_not_ended_at_the_floor(tmp_path: Path, monkeypatch) -> None:
+    """B640: a deferred file's bytes are only in its copy until close, so a copy ended at the floor of free space
+    failed the file (ENOSPC to its writer) on a disk that still had room, where it was written past the size its
+    `ftruncate` promised. Only ENOSPC ends it, as before B590; and its WRITEs ask the disk nothing."""
+    real_statvfs = os.statvfs
+    written: list[int] = []
+    asked: list[str] = []
+
+    class Room:
+        def __init__(self, st: os.statvfs_result):
+            asked.append("statvfs")
+            self.f_frsize, self.f_bavail, self.f_blocks = 4096, (10 * MiB - sum(written)) // 4096, 25600
+
+    monkeypatch.setattr(os, "statvfs", lambda path: Room(real_statvfs(path)))
+    staging = Staging(str(tmp_path), min_free_bytes=4 * MiB)
+    staged = staging.open()
+    assert staged is not None and staged.promise(4 * MiB)
+    asked.clear()
+    for at in range(0, 5 * MiB, MiB):  # one MiB past the promise, with 6 MiB free: below the floor, but room
+        staged.write(at, b"x" * MiB)
+        written.append(MiB)
+    assert staged.ok, staged.error
+    assert asked == []
+    staged.discard()
+
+
 @pytest.mark.parametrize(("left", "said"), [(1, "removed 1 copy of a file (1 B)"),
                                              (2, "removed 2 copies of files (2 B)")])
 def test_the_copies_a_killed_mount_left_are_counted_in_words_that_fit(tmp_path: Path, caplog: pytest.LogCaptureFixture,

@@ -838,6 +838,10 @@ def open_disk_cache(cfg: MountConfig) -> DiskCache:
         log.warning("cache dir %s has room for %d MiB of chunks only (--cache-size %d MiB; %d MiB free on its "
                     "filesystem, %d MiB of which stay free): it will hold next to nothing", cache.root,
                     max(0, room) // MiB, cache.max_bytes // MiB, free // MiB, cache.min_free_bytes // MiB)
+    elif room < cache.max_bytes:  # `--cache-size 500G` on a small disk started with no word of what it would hold
+        log.info("cache dir %s: --cache-size %s is more than its filesystem can give it: the cache holds what is "
+                 "free there beyond the %s it leaves free (%s now)", cache.root, human_size(cache.max_bytes),
+                 human_size(cache.min_free_bytes), human_size(room))
     return cache
 
 

@@ -949,6 +949,35 @@ def test_cache_clear_and_every_mount_remove_only_the_copies_modelfs_staged_in_wr
         assert any("left 5 entries in writes/" in r.getMessage() for r in caplog.records), sweep
 
 
+def test_a_cache_size_the_disk_cannot_hold_is_said_once_at_mount(tmp_path: Path, monkeypatch, caplog) -> None:  # noqa: ANN001
+    """`--cache-size 500G` on a 40 MiB disk started with no word: the cache holds what the disk has free beyond the
+    floor it leaves (it evicts to keep that floor), and the mount now says so in one line. A size that fits says
+    nothing."""
+    from fsmount.config import CacheSize, MountConfig, StoreConfig
+    from fsmount.mount import open_disk_cache
+
+    real_statvfs = os.statvfs
+
+    def small_disk(path):  # noqa: ANN001, ANN202 - 40 MiB, 38 MiB of it free
+        st = real_statvfs(path)
+        return os.statvfs_result((4096, 4096, 10240, 9728, 9728, st.f_files, st.f_ffree, st.f_favail, st.f_flag,
+                                  st.f_namemax))
+
+    monkeypatch.setattr(os, "statvfs", small_disk)
+    said = []
+    for n, size in enumerate((500 << 30, 34 << 20)):
+        cfg = MountConfig(store=StoreConfig(bucket="b"), mountpoint="/nonexistent", cache_dir=str(tmp_path / f"c{n}"),
+                          cache_size=CacheSize(bytes=size), memory_limit=256 << 20)
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="fsmount"):
+            open_disk_cache(cfg).close()
+        said.append([r.getMessage() for r in caplog.records if "--cache-size" in r.getMessage()])
+    big, fits = said
+    assert len(big) == 1 and "--cache-size 500.00 GiB is more than its filesystem can give it" in big[0], big
+    assert "beyond the 2.00 MiB it leaves free (36.00 MiB now)" in big[0], big
+    assert fits == []
+
+
 def test_a_writes_entry_that_is_not_a_directory_is_left_alone_and_a_writable_mount_refuses_it(tmp_path: Path) -> None:
     from fsmount.config import CacheSize, MountConfig, StoreConfig
     from fsmount.mount import MountError, open_disk_cache

@@ -1148,7 +1148,8 @@ class Daemon:
                                  max_connections=cfg.store.max_connections, timeout=cfg.store.read_timeout,
                                  allow_overwrite=cfg.allow_overwrite, allow_delete=cfg.allow_delete, origin=cfg.store,
                                  cache=cache,
-                                 cache_min_free=self.disk_cache.min_free_bytes if self.disk_cache is not None else 0)
+                                 cache_min_free=self.disk_cache.min_free_bytes if self.disk_cache is not None else 0,
+                                 cache_room=self.disk_cache.keep_free if self.disk_cache is not None else None)
             self.namespace: Namespace = namespace
         else:
             self.namespace = Namespace(self.store, self._store_call, prefix=cfg.store.prefix, ttl=cfg.metadata_ttl,

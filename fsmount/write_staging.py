@@ -10,7 +10,9 @@ its new name's chunk ids (`copy_cached`: ids name the key). Its copies are remov
 (the cache directory's lock says no other process uses it), so a killed daemon's copies do not pile up.
 It does not count against `--cache-size`: it lasts as long as a file is open. It does leave the NVMe cache's
 floor of free space (`min_free_bytes`) to the rest of the node: a streamed copy that would take the disk below it
-ends, and a deferred one is made only where its whole size fits beyond it.
+first has the cache evict its least recently used chunks for the room it lacks (`make_room`: on a disk the cache
+fills up to that floor, the newest checkpoint replaces old chunks, B680), and ends only where that does not make
+the room; a deferred one is made only where its whole size fits beyond it.
 
 Every method blocks (disk I/O); `writes.Writes` runs them in threads. A failure of the copy (a full
 disk) loses the cache fill only, never the upload: it is logged once and the file goes on without it. A
@@ -62,12 +64,16 @@ STAGING_BYTES = DIRECT_COPIES * BLOCKS_PER_COPY * BLOCK
 class Staging:
     """The `writes/` folder of a cache directory."""
 
-    def __init__(self, cache_dir: str, min_free_bytes: int = 0):
+    def __init__(self, cache_dir: str, min_free_bytes: int = 0, make_room: Callable[[int], int] | None = None):
         """`min_free_bytes`: what the copies leave free on the cache dir's filesystem (the NVMe cache's own floor,
         disk_cache.default_min_free), so that a checkpoint larger than the disk does not fill it for the node's
-        other writers (its logs, the trainer's local files, the chunk cache) while it is written."""
+        other writers (its logs, the trainer's local files, the chunk cache) while it is written. `make_room`: the
+        NVMe cache's `DiskCache.keep_free`, which evicts its least recently used chunks until the disk has that
+        many bytes free beyond the floor (thread-safe: under the cache's own lock), asked only where a streamed
+        copy has no room (`room_for`)."""
         self.cache_dir = cache_dir
         self.min_free_bytes = min_free_bytes
+        self._make_room = make_room
         self.root = os.path.join(cache_dir, WRITES_DIR)
         files, size = sweep_staged_writes(cache_dir)
         if files:
@@ -157,8 +163,21 @@ class Staging:
 
     def room_for(self, size: int) -> bool:
         """Whether the folder's filesystem has room for `size` more bytes of a streamed copy, beside what
-        was promised to deferred copies and the floor left free (the copy ends otherwise: B590). A filesystem that
-        reports a size of 0 (free_bytes) has room: there only ENOSPC ends a copy, as before."""
+        was promised to deferred copies and the floor left free (the copy ends otherwise: B590). Where it has not,
+        the NVMe cache evicts its least recently used chunks for what is short (`make_room`; B680: on a disk the
+        cache filled up to the floor, no copy was kept, and no new checkpoint reached the cache), and it is asked
+        again. A filesystem that reports a size of 0 (free_bytes) has room: there only ENOSPC ends a copy, as
+        before."""
+        free = free_bytes(self.root)
+        with self._blocks_lock:
+            promised = self._promised
+        if free - self.min_free_bytes - promised >= size:
+            return True
+        if self._make_room is None:
+            return False
+        # Not under _blocks_lock: the eviction unlinks files, and open() and promise() take that lock in the trio
+        # thread. The cache evicts what is short of `size` beside the promises (and its own puts in flight).
+        self._make_room(promised + size)
         free = free_bytes(self.root)
         with self._blocks_lock:
             return free - self.min_free_bytes - self._promised >= size
@@ -269,11 +288,12 @@ class StagedFile:
         self.discard()
 
     def _make_room(self, end: int) -> None:
-        """ENOSPC where growing a streamed copy to `end` would take its disk below the floor left free (one statvfs
-        per part: a streamed file's copy is written a part at a time). Not a deferred copy's: its room was promised
-        beyond the floor, and its bytes are nowhere else until close, so ending it there failed the file with ENOSPC
-        on a disk that had room, when it was written past the size it was promised; only ENOSPC ends it, as
-        before B590."""
+        """ENOSPC where growing a streamed copy to `end` would take its disk below the floor left free, even once the
+        NVMe cache evicted its oldest chunks for it (`Staging.room_for`; one statvfs per part where there is room: a
+        streamed file's copy is written a part at a time, and the cache is asked only where the room is short). Not a
+        deferred copy's: its room was promised beyond the floor, and its bytes are nowhere else until close, so ending
+        it there failed the file with ENOSPC on a disk that had room, when it was written past the size it was promised;
+        only ENOSPC ends it, as before B590."""
         if self._promised:
             return
         grow = end - self._end

@@ -116,11 +116,11 @@ class Writes:
     def __init__(self, namespace: WritableNamespace, uploads: Uploads, memory: MemoryBudget, *, part_size: int,
                  max_connections: int, timeout: float, allow_overwrite: bool, allow_delete: bool, origin: StoreConfig,
                  cache: tuple[ChunkCache, str, Callable[[ObjectVersion, int], ChunkId], int] | None = None,
-                 cache_min_free: int = 0):
+                 cache_min_free: int = 0, cache_room: Callable[[int], int] | None = None):
         """`origin`: how the mount reaches its bucket (what the `modelfs cleanup` its warnings advise needs).
         `cache`: with --cache-dir, (the NVMe level, the cache dir, the engine's chunk_id, chunk size): stored files
         go into it (write_staging), whose copies of files being written leave `cache_min_free` bytes free on its
-        disk."""
+        disk, and have the level evict its oldest chunks for their room with `cache_room` (`DiskCache.keep_free`)."""
         self.ns = namespace
         self.uploads = uploads
         self._origin = origin
@@ -142,7 +142,7 @@ class Writes:
         self._files: dict[int, NewFile] = {}  # inode -> the file being written
         self._open: set[NewFile] = set()
         self._written: set[int] = set()
-        self._staging = Staging(cache[1], cache_min_free) if cache is not None else None
+        self._staging = Staging(cache[1], cache_min_free, cache_room) if cache is not None else None
         self._cache = cache
         self._staging_limiter = trio.CapacityLimiter(STAGING_THREADS)
         self._fills = 0  # cache fills running (of stored files, and of renamed ones: `recache`)

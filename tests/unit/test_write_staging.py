@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from fsmount.data import ChunkId
+from fsmount.data.disk_cache import DiskCache
 from fsmount.write_staging import BLOCK, DIRECT_COPIES, StagedFile, Staging
 
 MiB = 1 << 20
@@ -419,6 +420,50 @@ def test_a_deferred_copy_written_past_its_promise_is_not_ended_at_the_floor(tmp_
     assert staged.ok, staged.error
     assert asked == []
     staged.discard()
+
+
+def test_a_copy_at_the_floor_has_the_cache_evict_its_oldest_chunks_for_it(tmp_path: Path, monkeypatch) -> None:
+    """B680: on a disk the NVMe cache fills up to its floor of free space, a streamed copy had no room beyond it
+    (B590) and ended at its first part, so no checkpoint written on the node reached its cache. The cache evicts its
+    least recently used chunks for the room the copy lacks, no more, and the copy is kept whole."""
+    real_statvfs = os.statvfs
+    disk = 40 * MiB  # a disk whose only files are the cache dir's: what is under tmp_path takes its room
+
+    def used() -> int:
+        return sum(os.lstat(os.path.join(top, name)).st_blocks * 512
+                   for top, _, names in os.walk(tmp_path) for name in names)
+
+    class Disk:
+        def __init__(self, st: os.statvfs_result):
+            self.f_frsize, self.f_blocks, self.f_flag = 4096, disk // 4096, 0
+            self.f_bavail = max(0, disk - used()) // 4096
+
+    monkeypatch.setattr(os, "statvfs", lambda path: Disk(real_statvfs(path)))
+    chunk = MiB
+    with DiskCache(tmp_path, 1 << 30, min_free_bytes=8 * MiB) as cache:
+        old = [ChunkId("b", "old", "etag", chunk, i) for i in range(40)]
+        for chunk_id in old:  # 40 MiB of chunks on a 40 MiB disk: the cache stops at its floor
+            cache.put(chunk_id, bytes([chunk_id.index]) * chunk)
+        held = cache.stats.chunks
+        assert 0 < held < 32 and disk - used() < 8 * MiB + 2 * chunk, (held, used())
+        staging = Staging(str(tmp_path), min_free_bytes=cache.min_free_bytes, make_room=cache.keep_free)
+        staged = staging.open()
+        assert staged is not None
+        size = 6 * MiB + 12345
+        data = random.Random(680).randbytes(size)
+        for at in range(0, size, 2 * MiB):  # a streamed file's parts
+            staged.write(at, data[at:at + 2 * MiB])
+        assert staged.ok, staged.error
+        # What the copy needed, a chunk file's header and a part's rounding past it at most: not the whole cache.
+        evicted = held - cache.stats.chunks
+        assert 6 <= evicted <= 9, evicted
+        assert disk - used() >= 8 * MiB - 2 * MiB  # the copy's last block may still be on its way to the disk
+        new = lambda i: ChunkId("b", "new", "etag", chunk, i)  # noqa: E731
+        assert staged.to_cache(cache, new, size, chunk) == 7
+        for i in range(7):
+            assert cache.get(new(i)) == data[i * chunk:(i + 1) * chunk], i
+        assert not cache.contains(old[0]) and cache.contains(old[-1])  # the oldest went first
+        assert os.listdir(staging.root) == []
 
 
 @pytest.mark.parametrize(("left", "said"), [(1, "removed 1 copy of a file (1 B)"),

@@ -214,6 +214,38 @@ def test_the_local_copy_leaves_the_cache_disk_its_floor_of_free_space(s3: S3Serv
     delete_bucket(s3, bucket)
 
 
+def test_a_checkpoint_written_on_a_full_cache_disk_replaces_old_chunks(s3: S3Server, mountpoint: Path,
+                                                                       tmp_path: Path) -> None:
+    """B680: a node whose NVMe cache fills its disk up to the floor of free space (here `--cache-size` larger than
+    the disk gives). B590's floor ended every checkpoint's copy at its first part, so no checkpoint written on the
+    node was cached; the copy has the cache evict its oldest chunks for its room, and the floor is still kept."""
+    old = random_bytes(100 * MiB, 680)
+    bucket = bucket_with(s3, {"old.bin": old})
+    data = random_bytes(24 * MiB, 681)
+    floor = int(0.05 * 104 * MiB)  # disk_cache.MIN_FREE_SHARE of the filesystem
+    with tmpfs(tmp_path / "small", "size=104M") as small:
+
+        def free() -> int:
+            st = os.statvfs(small)
+            return st.f_bavail * st.f_frsize
+
+        with mounted(s3, bucket, mountpoint, *WRITABLE, "--cache-dir", str(small / "cache"), "--cache-size", "500M",
+                     "--write-part-size", "5M"):
+            assert sha((mountpoint / "old.bin").read_bytes()) == sha(old)
+            # The reads' chunks fill the cache up to its floor (it evicts the first of them to keep it).
+            wait_for("the cache at its floor", lambda: mount_stats(mountpoint)["disk_cache"]["evictions"],
+                     lambda n: n > 0)
+            wait_for("the reads' puts landed", free, lambda n: n - floor < len(data) - 2 * MiB)  # no room for the copy
+            with open(mountpoint / "ckpt.bin", "wb") as f:
+                for at in range(0, len(data), MiB):
+                    f.write(data[at:at + MiB])
+            wait_for("chunks cached", lambda: mount_stats(mountpoint)["writes"]["chunks_cached"], lambda n: n == 3)
+            assert os.listdir(small / "cache" / "writes") == []
+            wait_for("the floor left free", free, lambda n: n >= floor, timeout=15)  # see the test above
+    assert sha(s3.client().get_object(Bucket=bucket, Key="ckpt.bin")["Body"].read()) == sha(data)
+    delete_bucket(s3, bucket)
+
+
 def test_out_of_order_write_fails_and_stores_nothing(s3: S3Server, mountpoint: Path) -> None:
     bucket = new_bucket(s3)
     with mounted(s3, bucket, mountpoint, *WRITABLE, "--write-part-size", "5M",

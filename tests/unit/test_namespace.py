@@ -9,7 +9,8 @@ import os
 import threading
 import time
 import tracemalloc
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
 from typing import Any
 
 import cachetools
@@ -54,6 +55,36 @@ def go_down(store: FakeStore) -> None:
     store.head = store.has_children = store.list_pages = origin_down  # type: ignore[method-assign]
 
 
+# What most of the tests of answers landing late hold: `d/f` (5 bytes) and `d/g` (3).
+F_AND_G = {"d/f": b"12345", "d/g": b"123"}
+
+
+def a_namespace_answering_late(objects: dict[str, bytes], kind: type[Namespace] = Namespace, ttl: float = 0,
+                               ) -> tuple[FakeStore, LateAnswers, Namespace]:
+    """The setup of the tests of answers landing out of the order they were asked in: a store holding `objects` (key:
+    bytes), and a namespace of it (`kind`, with `ttl`) whose answers land a second after they were asked once
+    `answers.late` is set. The store, the answers and the namespace."""
+    store = FakeStore()
+    for key, data in objects.items():
+        store.put(key, data)
+    answers = LateAnswers()
+    return store, answers, kind(store, answers, prefix="", ttl=ttl)
+
+
+@asynccontextmanager
+async def landing_after(answers: LateAnswers, request: Callable[..., Awaitable[object]], *args: object,
+                        ) -> AsyncIterator[None]:
+    """`request(*args)` (a listing, a lookup, a HEAD of an inode) asked now, half a second before the block; its
+    answers, what the bucket said when asked, land a second after they were asked, after what the block does
+    (`answers` holds them back). What the block asks is answered at once."""
+    answers.late = True
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(request, *args)  # asked now, lands in 1 s
+        await trio.sleep(0.5)
+        answers.late = False
+        yield
+
+
 async def beside_a_listing(ns: Namespace, answers: LateAnswers, d: Node, listing: str, kept: dict[bytes, bool],
                            answer: Callable[[], Awaitable[None]]) -> None:
     """`answer()` (another writer's change and the answer that finds it) after `ls d` was kept, naming `kept`
@@ -63,11 +94,7 @@ async def beside_a_listing(ns: Namespace, answers: LateAnswers, d: Node, listing
         assert await names(ns, d.ino) == kept
         await answer()
         return
-    answers.late = True
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(ns.listing, d)  # asked now, lands in 1 s
-        await trio.sleep(0.5)
-        answers.late = False
+    async with landing_after(answers, ns.listing, d):
         await answer()
 
 
@@ -963,23 +990,15 @@ async def _a_lookup_answered_after_a_newer_head(ttl: float, meanwhile: Any = Non
     its answer on its way; the writer stores the same bytes again (the same ETag), and a HEAD of the held inode, asked
     after, finds them there; then (after `meanwhile(ns, node)`, if given) the lookup's answer (ENOENT) lands. The
     namespace and the held node."""
-    store = FakeStore()
-    store.put("f", b"12345")
-    answers = LateAnswers()  # answers that land a second after they were asked, once `late`
-
-    ns = Namespace(store, answers, prefix="", ttl=ttl)
+    store, answers, ns = a_namespace_answering_late({"f": b"12345"}, ttl=ttl)
     f = await ns.lookup(ROOT_INODE, b"f")
 
     async def looked_up() -> None:
         with pytest.raises(PathError):
             await ns.lookup(ROOT_INODE, b"f")
 
-    answers.late = True
     del store.objects["f"]
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(looked_up)
-        await trio.sleep(0.5)
-        answers.late = False
+    async with landing_after(answers, looked_up):
         store.put("f", b"12345")
         f.fresh_until = f.confirmed_at = 0.0
         assert await ns.refresh(f) is f and not f.superseded
@@ -1024,19 +1043,11 @@ async def test_a_head_of_the_held_inode_asked_before_a_newer_lookup_found_the_fi
     """A file held open; another writer deletes it and stores the same bytes again. An open's HEAD of the inode, asked
     while it was gone, lands after a lookup's HEAD, asked after, found it there: `refresh` took it as the bucket's word
     and superseded the current version, and every open of the inode was ESTALE for the TTL (B322; B306's rule)."""
-    store = FakeStore()
-    store.put("f", b"12345")
-    answers = LateAnswers()  # answers that land a second after they were asked, once `late`
-
-    ns = Namespace(store, answers, prefix="", ttl=30.0)
+    store, answers, ns = a_namespace_answering_late({"f": b"12345"}, ttl=30.0)
     f = await ns.lookup(ROOT_INODE, b"f")
     f.fresh_until = f.confirmed_at = 0.0  # its TTL is over: the next open asks
-    answers.late = True
     del store.objects["f"]
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(ns.refresh, f)
-        await trio.sleep(0.5)
-        answers.late = False
+    async with landing_after(answers, ns.refresh, f):
         store.put("f", b"12345")
         assert await ns.lookup(ROOT_INODE, b"f") is f  # found there, the open's answer still on its way
     assert not f.superseded
@@ -1055,22 +1066,14 @@ async def test_a_head_of_the_held_inode_finding_it_replaced_supersedes_it_after_
     HEAD of v1 finds v2, its answer on its way; meanwhile a read of v0 is refused (412: `gone`, dated when it lands).
     B322 took that refusal for a newer answer that found v1 current, and the HEAD's answer superseded nothing: the
     open got v1, and its reads EIO, instead of ESTALE and the kernel's lookup of v2 (B350)."""
-    store = FakeStore()
-    store.put("f", b"v0")
-    answers = LateAnswers()  # answers that land a second after they were asked, once `late`
-
-    ns = Namespace(store, answers, prefix="", ttl=30.0)
+    store, answers, ns = a_namespace_answering_late({"f": b"v0"}, ttl=30.0)
     v0 = (await ns.lookup(ROOT_INODE, b"f")).version("")
     store.put("f", b"v1")
     f = await ns.lookup(ROOT_INODE, b"f")
     assert f.etag == store.etags["f"] != v0.etag
     f.fresh_until = f.confirmed_at = 0.0  # its TTL is over: the next open asks
-    answers.late = True
     store.put("f", b"v2")
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(ns.refresh, f)
-        await trio.sleep(0.5)
-        answers.late = False
+    async with landing_after(answers, ns.refresh, f):
         ns.gone(v0)  # a read of the descriptor on v0, refused
     assert f.superseded
     with pytest.raises(PathError) as exc:
@@ -1321,19 +1324,11 @@ async def test_a_listing_begun_before_a_lookup_found_a_file_the_kernel_forgot_de
     way; another writer deletes it, and a lookup, asked after, finds nothing there; then the listing lands. The path
     still named the forgotten version as its latest (`_latest_file`), which no older answer is news against: the
     listing made it current again, and `stat` found the deleted file for the TTL (its reads EIO)."""
-    store = FakeStore()
-    store.put("m/w.bin", b"old")
-    store.put("m/other.bin", b"other")
-    answers = LateAnswers()  # answers that land a second after they were asked, once `late`
-    ns = Namespace(store, answers, prefix="", ttl=60)
+    store, answers, ns = a_namespace_answering_late({"m/w.bin": b"old", "m/other.bin": b"other"}, ttl=60)
     m = await ns.lookup(ROOT_INODE, b"m")
     ns.forget((await ns.lookup(m.ino, b"w.bin")).ino, 1)  # read, closed, and forgotten by the kernel
     ns._listings.clear()  # its TTL ran out: the next `ls` lists the bucket
-    answers.late = True
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(ns.listing, m)  # asked now, lands in 1 s
-        await trio.sleep(0.5)
-        answers.late = False
+    async with landing_after(answers, ns.listing, m):
         del store.objects["m/w.bin"]
         with pytest.raises(PathError) as exc:
             await ns.lookup(m.ino, b"w.bin")
@@ -1351,11 +1346,7 @@ async def test_while_the_origin_is_down_a_listed_file_a_newer_lookup_found_delet
     nothing there. While the origin was away, the listing kept for outages still named it: `ls d` showed it again, and
     its lookup resolved it as the deleted version (its size, and its bytes from the NVMe cache)."""
     allowed_logs.append(ORIGIN_UNAVAILABLE)
-    store = FakeStore()
-    store.put("d/f", b"12345")
-    store.put("d/g", b"123")
-    answers = LateAnswers()  # answers that land a second after they were asked, once `late`
-    ns = Namespace(store, answers, prefix="", ttl=0)
+    store, answers, ns = a_namespace_answering_late(F_AND_G)
     d = await ns.lookup(ROOT_INODE, b"d")
 
     async def found_deleted() -> None:
@@ -1379,17 +1370,9 @@ async def test_while_the_origin_is_down_a_file_this_mount_stored_after_a_lookup_
     from fsmount.tree_changes import WritableNamespace
 
     allowed_logs.append(ORIGIN_UNAVAILABLE)
-    store = FakeStore()
-    store.put("d/f", b"12345")
-    store.put("d/g", b"123")
-    answers = LateAnswers()  # answers that land a second after they were asked, once `late`
-    ns = WritableNamespace(store, answers, prefix="", ttl=0)
+    store, answers, ns = a_namespace_answering_late(F_AND_G, kind=WritableNamespace)
     d = await ns.lookup(ROOT_INODE, b"d")
-    answers.late = True
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(ns.listing, d)  # asked now, lands in 1 s
-        await trio.sleep(0.5)
-        answers.late = False
+    async with landing_after(answers, ns.listing, d):
         del store.objects["d/f"]
         with pytest.raises(PathError):
             await ns.lookup(d.ino, b"f")
@@ -1435,11 +1418,7 @@ async def test_while_the_origin_is_down_a_listed_file_a_head_of_its_inode_found_
     HEAD of its inode, `refresh`) after another writer deleted it. The listing kept for outages still named it: while
     the origin was away, `ls d` listed the deleted file."""
     allowed_logs.append(ORIGIN_UNAVAILABLE)
-    store = FakeStore()
-    store.put("d/f", b"12345")
-    store.put("d/g", b"123")
-    answers = LateAnswers()  # answers that land a second after they were asked, once `late`
-    ns = Namespace(store, answers, prefix="", ttl=0)
+    store, answers, ns = a_namespace_answering_late(F_AND_G)
     d = await ns.lookup(ROOT_INODE, b"d")
     f = await ns.lookup(d.ino, b"f")  # held open
     f.fresh_until = f.confirmed_at = 0.0  # its TTL is over: the next GETATTR asks
@@ -1463,11 +1442,7 @@ async def test_while_the_origin_is_down_a_listed_file_a_head_of_its_inode_found_
     still named the version the HEAD found replaced, which is older news than that HEAD: while the origin was away,
     `stat d/f` was EIO, though the mount knew the new version (and the names kept in the cache dir held it)."""
     allowed_logs.append(ORIGIN_UNAVAILABLE)
-    store = FakeStore()
-    store.put("d/f", b"12345")
-    store.put("d/g", b"123")
-    answers = LateAnswers()  # answers that land a second after they were asked, once `late`
-    ns = Namespace(store, answers, prefix="", ttl=0)
+    store, answers, ns = a_namespace_answering_late(F_AND_G)
     d = await ns.lookup(ROOT_INODE, b"d")
     f = await ns.lookup(d.ino, b"f")  # held open
     f.fresh_until = f.confirmed_at = 0.0  # its TTL is over: the next GETATTR asks
@@ -1491,10 +1466,7 @@ async def test_while_the_origin_is_down_a_file_a_newer_lookup_found_created_is_l
     it. While the origin was away, `ls d` did not show it, though its lookup resolved it (the node kept once the
     kernel forgot it) and a remount from the names kept in the cache dir listed it."""
     allowed_logs.append(ORIGIN_UNAVAILABLE)
-    store = FakeStore()
-    store.put("d/g", b"123")
-    answers = LateAnswers()  # answers that land a second after they were asked, once `late`
-    ns = Namespace(store, answers, prefix="", ttl=0)
+    store, answers, ns = a_namespace_answering_late({"d/g": b"123"})
     d = await ns.lookup(ROOT_INODE, b"d")
 
     async def found_created() -> None:
@@ -1517,11 +1489,7 @@ async def test_while_the_origin_is_down_a_file_found_deleted_as_a_shared_listing
     many times over."""
     allowed_logs.append(ORIGIN_UNAVAILABLE)
     for _ in range(24):
-        store = FakeStore()
-        for key in ("d/f", "d/g", "d/h"):
-            store.put(key, b"12345")
-        answers = LateAnswers()  # answers that land a second after they were asked, once `late`
-        ns = Namespace(store, answers, prefix="", ttl=0)
+        store, answers, ns = a_namespace_answering_late(dict.fromkeys(("d/f", "d/g", "d/h"), b"12345"))
         d = await ns.lookup(ROOT_INODE, b"d")
         f, g = (await ns.lookup(d.ino, b"f")), (await ns.lookup(d.ino, b"g"))  # held open
         f.confirmed_at = g.confirmed_at = 0.0  # the next GETATTR asks
@@ -1551,17 +1519,9 @@ async def test_while_the_origin_is_down_a_file_a_create_found_taken_after_a_look
     from fsmount.tree_changes import WritableNamespace
 
     allowed_logs.append(ORIGIN_UNAVAILABLE)
-    store = FakeStore()
-    store.put("d/f", b"12345")
-    store.put("d/g", b"123")
-    answers = LateAnswers()  # answers that land a second after they were asked, once `late`
-    ns = WritableNamespace(store, answers, prefix="", ttl=0)
+    store, answers, ns = a_namespace_answering_late(F_AND_G, kind=WritableNamespace)
     d = await ns.lookup(ROOT_INODE, b"d")
-    answers.late = True
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(ns.listing, d)  # asked now, lands in 1 s
-        await trio.sleep(0.5)
-        answers.late = False
+    async with landing_after(answers, ns.listing, d):
         del store.objects["d/f"]
         with pytest.raises(PathError):
             await ns.lookup(d.ino, b"f")
@@ -1579,11 +1539,7 @@ async def test_while_the_origin_is_down_a_file_an_older_head_found_after_a_newer
     the origin was away, `ls d` listed `f` and its lookup resolved it, though the newest answer had found nothing
     there."""
     allowed_logs.append(ORIGIN_UNAVAILABLE)
-    store = FakeStore()
-    store.put("d/f", b"12345")
-    store.put("d/g", b"123")
-    answers = LateAnswers()  # answers that land a second after they were asked, once `late`
-    ns = Namespace(store, answers, prefix="", ttl=0)
+    store, answers, ns = a_namespace_answering_late(F_AND_G)
     d = await ns.lookup(ROOT_INODE, b"d")
     f = await ns.lookup(d.ino, b"f")  # held open
     assert await names(ns, d.ino) == {b"f": False, b"g": False}
@@ -1592,11 +1548,7 @@ async def test_while_the_origin_is_down_a_file_an_older_head_found_after_a_newer
         await ns.lookup(d.ino, b"f")
     store.put("d/f", b"1234567")
     f.fresh_until = f.confirmed_at = 0.0  # the next GETATTR asks
-    answers.late = True
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(ns.refresh, f)  # asked now, lands in 1 s
-        await trio.sleep(0.5)
-        answers.late = False
+    async with landing_after(answers, ns.refresh, f):
         del store.objects["d/f"]
         with pytest.raises(PathError):
             await ns.lookup(d.ino, b"f")
@@ -1670,11 +1622,7 @@ async def test_while_the_origin_is_down_a_file_a_create_found_taken_after_a_look
     from fsmount.tree_changes import WritableNamespace
 
     allowed_logs.append(ORIGIN_UNAVAILABLE)
-    store = FakeStore()
-    store.put("d/f", b"12345")
-    store.put("d/g", b"123")
-    answers = LateAnswers()  # answers that land a second after they were asked, once `late`
-    ns = WritableNamespace(store, answers, prefix="", ttl=0)
+    store, answers, ns = a_namespace_answering_late(F_AND_G, kind=WritableNamespace)
     d = await ns.lookup(ROOT_INODE, b"d")
 
     async def found_taken() -> None:
@@ -1701,11 +1649,7 @@ async def test_while_the_origin_is_down_a_file_a_lookup_found_replaced_as_a_read
     for outages left naming the old one. While the origin was away `ls d` showed the old size and, the kernel having
     forgotten the new inode, `stat d/f` was EIO."""
     allowed_logs.append(ORIGIN_UNAVAILABLE)
-    store = FakeStore()
-    store.put("d/f", b"12345")
-    store.put("d/g", b"123")
-    answers = LateAnswers()  # answers that land a second after they were asked, once `late`
-    ns = Namespace(store, answers, prefix="", ttl=0)
+    store, answers, ns = a_namespace_answering_late(F_AND_G)
     d = await ns.lookup(ROOT_INODE, b"d")
     old = (await ns.lookup(d.ino, b"f")).version("")  # held open by the reader
     assert await names(ns, d.ino) == {b"f": False, b"g": False}

@@ -20,7 +20,7 @@ from fsmount.namespace import ROOT_INODE, DirEntry, Namespace
 from fsmount.saved_names import SavedNames
 from tests.helpers import ORIGIN_UNAVAILABLE
 from tests.unit.fake_store import FakeStore, LateAnswers
-from tests.unit.test_namespace import call, origin_down
+from tests.unit.test_namespace import F_AND_G, call, landing_after, origin_down
 
 DIR = (True, None)
 
@@ -44,6 +44,19 @@ def reloaded(saved: SavedNames, tmp_path: Path) -> SavedNames:
     again = SavedNames(str(tmp_path), saved.bucket, saved.prefix)
     again.load()
     return again
+
+
+def keeping_names_answering_late(objects: dict[str, bytes], tmp_path: Path,
+                                 ) -> tuple[FakeStore, LateAnswers, SavedNames, Namespace]:
+    """A store holding `objects` (key: bytes), and a namespace of it (a TTL of 0) keeping its names in `tmp_path`
+    (`saved`), whose answers land a second after they were asked once `answers.late` is set. The store, the answers,
+    the names kept and the namespace."""
+    store = FakeStore()
+    for key, data in objects.items():
+        store.put(key, data)
+    answers = LateAnswers()
+    saved = SavedNames(str(tmp_path), store.bucket, "")
+    return store, answers, saved, Namespace(store, answers, prefix="", ttl=0, saved=saved)
 
 
 def started_while_down(store: FakeStore, tmp_path: Path, ttl: float) -> Namespace:
@@ -342,19 +355,10 @@ async def test_a_lookup_asked_before_a_newer_head_found_another_version_does_not
     lookup's answer lands. Kept as the bucket's word, the older version went back into the names kept, and a remount
     while the origin was away served it, the version the mount had seen replaced (B324)."""
     allowed_logs.append(ORIGIN_UNAVAILABLE)
-    store = FakeStore()
-    store.put("m/w.bin", b"old")
-    answers = LateAnswers()  # answers that land a second after they were asked, once `late`
-
-    saved = SavedNames(str(tmp_path), store.bucket, "")
-    ns = Namespace(store, answers, prefix="", ttl=0, saved=saved)
+    store, answers, saved, ns = keeping_names_answering_late({"m/w.bin": b"old"}, tmp_path)
     m = await ns.lookup(ROOT_INODE, b"m")
     held = await ns.lookup(m.ino, b"w.bin")
-    answers.late = True
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(ns.lookup, m.ino, b"w.bin")
-        await trio.sleep(0.5)
-        answers.late = False
+    async with landing_after(answers, ns.lookup, m.ino, b"w.bin"):
         store.put("m/w.bin", b"new bytes")
         held.confirmed_at = 0.0  # not the same system call as its lookup
         assert (await ns.refresh(held)).superseded
@@ -372,20 +376,10 @@ async def test_a_listing_begun_before_a_newer_head_found_another_version_does_no
     the listing lands. Kept whole as the directory's names, it put the older version back over the new one (and left
     out the file found since), and a remount while the origin was away served it (B325)."""
     allowed_logs.append(ORIGIN_UNAVAILABLE)
-    store = FakeStore()
-    store.put("m/w.bin", b"old")
-    store.put("m/other.bin", b"other")
-    answers = LateAnswers()  # answers that land a second after they were asked, once `late`
-
-    saved = SavedNames(str(tmp_path), store.bucket, "")
-    ns = Namespace(store, answers, prefix="", ttl=0, saved=saved)
+    store, answers, saved, ns = keeping_names_answering_late({"m/w.bin": b"old", "m/other.bin": b"other"}, tmp_path)
     m = await ns.lookup(ROOT_INODE, b"m")
     held = await ns.lookup(m.ino, b"w.bin")
-    answers.late = True
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(ns.listing, m)
-        await trio.sleep(0.5)
-        answers.late = False
+    async with landing_after(answers, ns.listing, m):
         store.put("m/w.bin", b"new bytes")
         held.confirmed_at = 0.0  # not the same system call as its lookup
         assert (await ns.refresh(held)).superseded
@@ -447,19 +441,10 @@ async def test_a_listing_begun_before_a_lookup_found_a_file_deleted_is_kept_whol
     news than the listing (B351), left the listing kept marked not whole, so a remount while the origin was away
     failed `ls` of the directory until the origin answered, where what is kept, less the name found gone, is it."""
     allowed_logs.append(ORIGIN_UNAVAILABLE)
-    store = FakeStore()
-    store.put("m/w.bin", b"old")
-    store.put("m/other.bin", b"other")
-    answers = LateAnswers()  # answers that land a second after they were asked, once `late`
-    saved = SavedNames(str(tmp_path), store.bucket, "")
-    ns = Namespace(store, answers, prefix="", ttl=0, saved=saved)
+    store, answers, saved, ns = keeping_names_answering_late({"m/w.bin": b"old", "m/other.bin": b"other"}, tmp_path)
     m = await ns.lookup(ROOT_INODE, b"m")
     await ns.listing(m)  # kept whole
-    answers.late = True
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(ns.listing, m)  # asked now, lands in 1 s
-        await trio.sleep(0.5)
-        answers.late = False
+    async with landing_after(answers, ns.listing, m):
         del store.objects["m/w.bin"]
         with pytest.raises(namespace.PathError):
             await ns.lookup(m.ino, b"w.bin")
@@ -547,12 +532,7 @@ async def test_a_listing_begun_before_a_read_of_the_old_version_failed_keeps_the
     of every version, so the names kept left `f` out and `d` no longer whole: a remount while the origin was away
     failed `ls d` and `stat d/f`, where the listing had found the new version (B671)."""
     allowed_logs.append(ORIGIN_UNAVAILABLE)
-    store = FakeStore()
-    store.put("d/f", b"12345")
-    store.put("d/g", b"123")
-    answers = LateAnswers()
-    saved = SavedNames(str(tmp_path), store.bucket, "")
-    ns = Namespace(store, answers, prefix="", ttl=0, saved=saved)
+    store, answers, saved, ns = keeping_names_answering_late(F_AND_G, tmp_path)
     d = await ns.lookup(ROOT_INODE, b"d")
     old = (await ns.lookup(d.ino, b"f")).version("")
     await ns.listing(d)

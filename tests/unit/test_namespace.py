@@ -55,6 +55,14 @@ def go_down(store: FakeStore) -> None:
     store.head = store.has_children = store.list_pages = origin_down  # type: ignore[method-assign]
 
 
+def skips_logged(caplog: pytest.LogCaptureFixture, named: str) -> tuple[int, list[str]]:
+    """What was logged of skipped keys since the last call (then forgotten): how many lines name one key (those
+    holding `named`), and the lines that count the rest."""
+    messages = [r.getMessage() for r in caplog.records]
+    caplog.clear()
+    return (sum(named in m for m in messages), [m for m in messages if "more keys under" in m])
+
+
 # What most of the tests of answers landing late hold: `d/f` (5 bytes) and `d/g` (3).
 F_AND_G = {"d/f": b"12345", "d/g": b"123"}
 
@@ -650,10 +658,7 @@ async def test_a_directory_of_many_unrepresentable_keys_logs_a_count_not_each_ke
     d = await ns.lookup(ROOT_INODE, b"d")
 
     def lines() -> tuple[int, list[str]]:
-        messages = [r.getMessage() for r in caplog.records]
-        caplog.clear()
-        return (sum("skipping key " in m for m in messages),
-                [m for m in messages if "more keys under" in m])
+        return skips_logged(caplog, "skipping key ")
 
     assert await names(ns, d.ino) == {b"ok": False}
     assert lines() == (namespace.SKIPS_NAMED_PER_LISTING,
@@ -678,10 +683,7 @@ async def test_a_directory_of_many_hidden_files_logs_a_count_not_each_key(caplog
     d = await ns.lookup(ROOT_INODE, b"d")
 
     def lines() -> tuple[int, list[str]]:
-        messages = [r.getMessage() for r in caplog.records]
-        caplog.clear()
-        return (sum("is not shown: keys under" in m for m in messages),
-                [m for m in messages if "more keys under" in m])
+        return skips_logged(caplog, "is not shown: keys under")
 
     with caplog.at_level(logging.INFO, logger="fsmount.namespace"):
         assert len(await names(ns, d.ino)) == namespace.SKIPS_NAMED_PER_LISTING + 30

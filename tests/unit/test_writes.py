@@ -1437,6 +1437,20 @@ async def test_two_appenders_of_an_empty_file_at_once_start_one_rewrite() -> Non
         assert uploads.objects == {"log": b"line\n"}
 
 
+def handlers_of_names(ns: Namespace, writes: Writes) -> tuple[Any, Any]:
+    """The FUSE handlers (`Operations`) over `ns` and `writes` for the requests that work on names: no read path (an
+    engine and a streamer that do nothing), no page-cache pusher. Them, and the context of a request of root's."""
+    import types
+
+    from fsmount.operations import Operations, Owner
+
+    engine = types.SimpleNamespace(chunk_size=MiB, current_again=lambda version: None)
+    streamer = types.SimpleNamespace(opened=lambda ino, version: None, closed=lambda ino: None)
+    ops = Operations(ns, engine, streamer, None, max_readahead=0, owner=Owner(0, 0, 0o644, 0o755),  # type: ignore[arg-type]
+                     writes=writes)
+    return ops, types.SimpleNamespace(pid=os.getpid(), uid=0, gid=0, umask=0o022)
+
+
 async def test_a_create_s_open_of_a_file_the_kernel_forgot_succeeds_while_the_origin_is_away(
         allowed_logs: list[str]) -> None:
     """The kernel sends CREATE for a name its LOOKUP just found free; the bucket holding a file there (another writer
@@ -1444,11 +1458,7 @@ async def test_a_create_s_open_of_a_file_the_kernel_forgot_succeeds_while_the_or
     of a request that got no answer), that file's name resolved from the node kept when the kernel forgot its inode
     (B246), which is not in the inode table: the open of it was ENOENT (`touch` of a file that is there: "No such
     file or directory"), where the same create of a name whose inode the kernel still holds opened it (B303)."""
-    import types
-
     import pyfuse3
-
-    from fsmount.operations import Operations, Owner
 
     allowed_logs.append(ORIGIN_UNAVAILABLE)
     writes, uploads, ns = make()
@@ -1456,11 +1466,7 @@ async def test_a_create_s_open_of_a_file_the_kernel_forgot_succeeds_while_the_or
     for name in ("held", "kept"):
         store.put(name, b"")  # empty: `touch` opens it as a reader (writes.open_existing)
     store.put("full", b"xyz")  # not empty: its open for writing is EPERM (no --allow-overwrite)
-    engine = types.SimpleNamespace(chunk_size=MiB, current_again=lambda version: None)
-    streamer = types.SimpleNamespace(opened=lambda ino, version: None, closed=lambda ino: None)
-    ops = Operations(ns, engine, streamer, None, max_readahead=0, owner=Owner(0, 0, 0o644, 0o755),  # type: ignore[arg-type]
-                     writes=writes)
-    ctx = types.SimpleNamespace(pid=os.getpid(), uid=0, gid=0, umask=0o022)
+    ops, ctx = handlers_of_names(ns, writes)
     async with serving(writes):
         held = await ns.lookup(ROOT_INODE, b"held")
         kept = await ns.lookup(ROOT_INODE, b"kept")
@@ -1493,22 +1499,14 @@ async def test_a_rename_onto_a_name_resolved_from_a_kept_node_replaces_it_for_go
     the target before its RENAME (which puts it back in the table, as create's does). The renamed file is then the
     name's version in this mount, looked up and, once the kernel forgets it too, from its own kept node while the
     origin is still away: the replaced version's kept node never answers again."""
-    import types
-
     import pyfuse3
-
-    from fsmount.operations import Operations, Owner
 
     allowed_logs.append(ORIGIN_UNAVAILABLE)
     writes, uploads, ns = make(allow_overwrite=True)
     store = uploads.store
     store.put("model.pt", b"old bytes")
     store.put("other.pt", b"other")
-    engine = types.SimpleNamespace(chunk_size=MiB, current_again=lambda version: None)
-    streamer = types.SimpleNamespace(opened=lambda ino, version: None, closed=lambda ino: None)
-    ops = Operations(ns, engine, streamer, None, max_readahead=0, owner=Owner(0, 0, 0o644, 0o755),  # type: ignore[arg-type]
-                     writes=writes)
-    ctx = types.SimpleNamespace(pid=os.getpid(), uid=0, gid=0, umask=0o022)
+    ops, ctx = handlers_of_names(ns, writes)
     async with serving(writes):
         kept = await ns.lookup(ROOT_INODE, b"model.pt")
         ns.forget(kept.ino, 1)  # the kernel dropped the dentry and forgot the inode

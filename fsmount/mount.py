@@ -54,6 +54,7 @@ from fsmount.data import (
     Uploads,
     cache_bytes,
     counted,
+    credentials,
     default_min_free,
     endpoint_path_hint,
     free_bytes,
@@ -685,6 +686,26 @@ def store_origin(store: Boto3Store) -> str:
     (`shared_tier.origin_identity`): its endpoint as configured (None for AWS's own) and the region its client
     resolved. One function, so that the names the pre-flight loads, those the daemon keeps and the tier's keys agree."""
     return origin_identity(store.configured_endpoint_url, store.region)
+
+
+def check_profiles(cfg: MountConfig) -> None:
+    """Each profile named (--profile, --shared-cache-profile) is in the AWS configuration. One missing from config
+    files that exist is a setting only an edit mends: exit 2, naming the profile and the files looked in (exit 1 had
+    the unit start the mount again every RestartSec for good). Where none of those files exists yet, a configuration
+    tool or an agent may write them after boot: exit 1, started again every RestartSec until they are there."""
+    for flag, profile in (("--profile", cfg.store.profile),
+                          ("--shared-cache-profile", cfg.shared_cache.profile if cfg.shared_cache else None)):
+        if not profile:
+            continue
+        missing = credentials.missing_profile(profile)
+        if missing is None:
+            continue
+        present, absent = missing
+        if present:
+            raise SettingError(f"{flag} {profile}: no such profile in {' or '.join(present)} (add it there, or "
+                               f"name a profile they hold)")
+        raise MountError(f"{flag} {profile}: the AWS configuration files are not there yet ({', '.join(absent)}); "
+                         "the profile must be in one of them")
 
 
 def check_bucket(cfg: MountConfig) -> None:
@@ -1628,6 +1649,7 @@ def run(cfg: MountConfig, ready: Callable[[str | None], None]) -> int:
         check_cache_dir_outside(cfg.cache_dir, mountpoint)
         os.chdir("/")  # a daemon keeps no directory of its caller busy (the paths in cfg are absolute)
         metrics = bind_metrics(cfg.metrics_addr)
+        check_profiles(cfg)
         check_bucket(cfg)
         told: list[None] = []  # ready(None) was called: the mount answers
 

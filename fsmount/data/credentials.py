@@ -48,6 +48,7 @@ only how the credentials were found (botocore's method name).
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -455,3 +456,17 @@ def install(core: Any, profile: str | None, *, timeout_s: float = FETCH_TIMEOUT_
     chain = botocore.credentials.CredentialResolver(list(resolver.providers))
     resolver.providers[:] = [_Provider(chain, resolve, deadline)]
 
+
+
+def missing_profile(profile: str) -> tuple[list[str], list[str]] | None:
+    """None where `profile` is in the AWS configuration (the config file's `[profile NAME]`, the shared credentials
+    file's `[NAME]`, as botocore reads them: AWS_CONFIG_FILE, AWS_SHARED_CREDENTIALS_FILE, else ~/.aws/); else the
+    files looked in (expanded) that exist, and those that do not. A file that exists without the profile is a
+    setting only an edit mends; no file at all may be one a configuration tool writes after boot."""
+    import botocore.session
+
+    session = botocore.session.Session()
+    if profile in session.available_profiles:
+        return None
+    files = [os.path.expanduser(str(session.get_config_variable(name))) for name in ("config_file", "credentials_file")]
+    return [f for f in files if os.path.exists(f)], [f for f in files if not os.path.exists(f)]

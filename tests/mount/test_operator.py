@@ -118,12 +118,34 @@ def test_a_missing_profile_is_retried_by_the_unit_and_mounts_once_it_appears(mot
     args = ("mount", bucket, str(mountpoint), "--endpoint-url", moto_server.endpoint_url, "--profile", "models")
     try:
         res = run_modelfs(*args, env=env)
-        assert res.returncode == 1 and "The config profile (models) could not be found" in res.stderr, res.stderr
+        assert res.returncode == 1 and "--profile models: the AWS configuration files are not there yet" in res.stderr
+        assert str(creds) in res.stderr, res.stderr
         creds.write_text(f"[models]\naws_access_key_id = {moto_server.env['AWS_ACCESS_KEY_ID']}\n"
                          f"aws_secret_access_key = {moto_server.env['AWS_SECRET_ACCESS_KEY']}\n")
         res = run_modelfs(*args, env=env)
         assert res.returncode == 0, res.stderr
         assert (mountpoint / "a.bin").read_bytes() == b"a" * 100
+    finally:
+        unmount(mountpoint)
+
+
+def test_a_profile_missing_from_config_files_that_exist_is_refused_for_good(moto_server: S3Server, mountpoint: Path,
+                                                                          tmp_path: Path) -> None:
+    """B690: `--profile nosuch` with a credentials file that holds other profiles exited 1 ("The config profile
+    (nosuch) could not be found"), which the unit started again every 5 s for good: only an edit mends it. Now exit 2
+    (RestartPreventExitStatus), naming the profile and the files looked in; nothing is mounted."""
+    bucket = bucket_with(moto_server, {"a.bin": b"a" * 100})
+    creds = tmp_path / "credentials"
+    creds.write_text(f"[default]\naws_access_key_id = {moto_server.env['AWS_ACCESS_KEY_ID']}\n"
+                     f"aws_secret_access_key = {moto_server.env['AWS_SECRET_ACCESS_KEY']}\n")
+    env = {k: v for k, v in daemon_env(moto_server).items() if k not in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")}
+    env.update(AWS_SHARED_CREDENTIALS_FILE=str(creds), AWS_CONFIG_FILE=str(tmp_path / "config"))
+    try:
+        res = run_modelfs("mount", bucket, str(mountpoint), "--endpoint-url", moto_server.endpoint_url,
+                          "--profile", "nosuch", env=env)
+        assert res.returncode == 2, res.stderr
+        assert f"--profile nosuch: no such profile in {creds}" in res.stderr, res.stderr
+        assert not mounted_at(mountpoint)
     finally:
         unmount(mountpoint)
 

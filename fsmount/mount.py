@@ -537,6 +537,9 @@ def check_mountpoint(path: str, allow_non_empty: bool) -> tuple[str, int]:
     closes it once mounted (or failed); the second one started then finds a mount point there."""
     check_daemon_answers(path)
     if not os.path.lexists(path):
+        # One that cannot be made inside a read-only modelfs mount (the unit's mkdir: EROFS) is refused as it would
+        # be if it were there (exit 2), not "does not exist" (exit 1), which the unit started again every 5 s.
+        check_not_inside_modelfs(path, os.path.realpath(path))
         raise MountError(f"mountpoint {path} does not exist")
     real = os.path.realpath(path)
     if not os.path.isdir(real):

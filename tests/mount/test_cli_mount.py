@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
+import shlex
 import shutil
 import signal
 import socket
@@ -1068,3 +1070,41 @@ def test_a_daemon_short_of_descriptors_says_so_in_one_line_and_fails_reads_at_on
             if os.path.ismount(mountpoint):
                 unmount(mountpoint)
     assert refused and served, (refused, served)  # the scan crossed the limit a mount needs
+
+
+def unit_start(server: S3Server, bucket: str, mountpoint: Path) -> tuple[str, int, str]:
+    """The systemd unit's start, its lines run as systemd runs them (ExecStartPre in order, a "-" line's failure
+    ignored, then ExecStart), with this checkout's modelfs: (the line that ended it, its exit status, its stderr)."""
+    env = daemon_env(server)
+    env.update(BUCKET=bucket, MOUNTPOINT=str(mountpoint), MODELFS_OPTS=f"--endpoint-url {server.endpoint_url}")
+    lines = [line.partition("=")[::2] for line in (REPO / "systemd" / "modelfs@.service").read_text().splitlines()
+             if line.startswith(("ExecStartPre=", "ExecStart="))]
+    for key, value in lines:
+        ignore = value.startswith("-")
+        value = value.removeprefix("-").replace("$$", "\0").replace("/usr/local/bin/modelfs", shlex.join(modelfs_cmd()))
+        value = re.sub(r"\$\{(\w+)\}", lambda m: shlex.quote(env[m.group(1)]), value)
+        value = value.replace("$MODELFS_OPTS", env["MODELFS_OPTS"]).replace("\0", "$")
+        res = subprocess.run(shlex.split(value), capture_output=True, text=True, env=env, timeout=FAIL_FAST_LIMIT)
+        if key == "ExecStart" or (res.returncode != 0 and not ignore):
+            return key, res.returncode, res.stderr
+    raise AssertionError("the unit has no ExecStart")
+
+
+def test_a_unit_whose_mountpoint_is_inside_a_read_only_modelfs_mount_stops_with_exit_2(moto_server: S3Server,
+                                                                                        tmp_path: Path) -> None:
+    """B691: a unit whose MOUNTPOINT lies inside a read-only modelfs mount: its ExecStartPre `mkdir -p` failed with
+    EROFS (exit 1) before `modelfs mount` could refuse the nested mount (B552), so the unit was started again every
+    5 s for good with only mkdir's error. The mkdir's failure no longer fails the start, and `modelfs mount` refuses a
+    mountpoint that is not there but would lie inside a modelfs mount as it refuses one that is: exit 2, which the
+    unit does not restart on."""
+    bucket = bucket_with(moto_server, {"a.bin": b"a" * 100})
+    outer = tmp_path / "models"
+    inner = outer / "sub" / "inner"
+    with mounted(moto_server, bucket, outer, check_log=False):
+        try:
+            key, status, said = unit_start(moto_server, bucket, inner)
+            assert (key, status) == ("ExecStart", 2), said
+            assert f"mountpoint {inner} is inside the modelfs mount at {outer}" in said, said
+        finally:
+            unmount(inner)
+        assert (outer / "a.bin").read_bytes() == b"a" * 100

@@ -626,7 +626,9 @@ def run_background(cfg: MountConfig, mount_argv: list[str]) -> int:
         # detached daemon (its own session, so it got no signal) would go on and mount once the endpoint answers,
         # behind the back of a caller who gave up. Stop it.
         signum = exc.signum if isinstance(exc, _StopWhileWaiting) else signal.SIGINT
-        for stop in stops:  # a second signal does not cut the stop short
+        # A second signal does not cut this stop of the starting daemon short. (The daemon's own stop, once mounted,
+        # is cut short by a second one: mount.Daemon._stop_now.)
+        for stop in stops:
             signal.signal(stop, signal.SIG_IGN)
         proc.terminate()
         try:

@@ -73,7 +73,7 @@ from fsmount.stats_table import DaemonSilent, StatsUnavailable, read_stats
 from fsmount.streaming import ModelStreamer
 from fsmount.tree_changes import WritableNamespace
 from fsmount.write_staging import STAGING_BYTES
-from fsmount.writes import Writes
+from fsmount.writes import ABORT_ALL_S, Writes
 
 log = logging.getLogger(__name__)
 
@@ -1140,11 +1140,18 @@ class Daemon:
         self.metadata_requests = 0  # counters (trio thread): every metadata request, and those that failed
         self.metadata_errors = 0
         self._meta_threads: trio.CapacityLimiter | None = None  # their threads, given-up ones included
-        # pyfuse3's main loop and the handlers it runs: cancelled by _watch_signals once a stop's grace is over,
-        # unless main() returned first (_served: from then on a stop ends the daemon at once).
+        # pyfuse3's main loop and the handlers it runs: cancelled by _stop once a stop's grace is over, or at once by
+        # a second stop (_stop_now), unless main() returned first (_served).
         self._requests = trio.CancelScope()
         self._served = trio.Event()
-        self._until_served = trio.CancelScope()  # around the signal watcher (_announce_ready checks _served)
+        # A stop's state, all of it in the trio thread: `_stopping` once a SIGTERM/SIGINT began the stop (_stop);
+        # `cut_short` once a second one (or one during the drains after `modelfs unmount`) cut it short
+        # (_stop_now), which cancels `_grace` (the wait for requests in flight, once _stop is in it) and `_drains`
+        # (the drains of the cache levels after the uploads' abort). The daemon then exits with status 1.
+        self._stopping = False
+        self.cut_short = False
+        self._grace: trio.CancelScope | None = None
+        self._drains = trio.CancelScope()
         self._session_open = True  # pyfuse3's session: mounted, until end_session
         self._aborted: int | None = None  # the device of the mount whose connection the stop aborted (B116)
         self._mount_id: bytes | None = None  # this mount's id, once it answers (_announce_ready; B139)
@@ -1327,7 +1334,7 @@ class Daemon:
                 with self._requests:
                     await pyfuse3.main()
             except BaseException as exc:
-                if not _loop_failed(exc):  # a KeyboardInterrupt: a second Ctrl-C, which ends the daemon at once
+                if not _loop_failed(exc):  # a KeyboardInterrupt (not a stop: those _watch_signals takes)
                     raise
                 # A task of the mount failed (its nursery is cancelled, and with it the loop) or the loop itself did.
                 # pyfuse3.main runs its handlers in a nursery of its own: its Cancelled comes out in an exception
@@ -1340,8 +1347,8 @@ class Daemon:
                     await self._drains_after_failure()
                 raise
             # The mount goes before the drains below (up to about a minute): nobody reads its requests any more, so
-            # a stat of the mount point hung until they ended, and a second stop meanwhile (the default action by
-            # then) left the mount in place, ENOTCONN until someone unmounted it.
+            # a stat of the mount point hung until they ended, and a second stop meanwhile (then the default action)
+            # left the mount in place, ENOTCONN until someone unmounted it.
             await self._end_served()
             # A mount started now in this one's place waits for the drains below (its cache dir's lock), and needs
             # the metrics port this one holds: a restart script's `modelfs unmount && modelfs mount` failed "in use".
@@ -1352,11 +1359,19 @@ class Daemon:
                 with trio.move_on_after(MARK_DRAINING_S):
                     await trio.to_thread.run_sync(self.disk_cache.mark_draining, abandon_on_cancel=True)
             if self.writes is not None:
+                # Not cut short by a second stop: bounded (ABORT_ALL_S), and it says each upload it could not
+                # abort, with the `modelfs cleanup` command that removes it.
                 await self.writes.abort_all()
-                await self.writes.drain_cache_fills()
-            await self._drain_cache_writes()
-            await self._drop_claims()
-            await self._save_names_at_end()
+            with self._drains:  # the cache levels' drains: a second stop skips them (_stop_now), saying so
+                if self.writes is not None:
+                    await self.writes.drain_cache_fills()
+                await self._drain_cache_writes()
+                await self._drop_claims()
+                await self._save_names_at_end()
+            if self._drains.cancelled_caught:
+                log.warning("the stop was cut short: written files and fetched chunks not yet in the NVMe cache are "
+                            "not put there, claims on the shared cache are left to expire, and the names learnt "
+                            "since the last save are not saved (the bucket holds all it held)")
             nursery.cancel_scope.cancel()
 
     async def _end_served(self) -> None:
@@ -1365,7 +1380,6 @@ class Daemon:
         close, so nothing may call into it any more (pyfuse3.terminate() of a closed one is a SIGSEGV: a stop during
         the drains after `modelfs unmount`), nor announce a mount that is gone."""
         self._served.set()
-        self._until_served.cancel()
         with trio.CancelScope(shield=True):
             await self._end_session_after_pushes()
 
@@ -1514,15 +1528,19 @@ class Daemon:
             log.warning("%d fetched chunks were not written to the cache within %g s", left, WRITE_DRAIN_S)
 
     async def _watch_signals(self) -> None:
+        """SIGTERM / SIGINT, SIGHUP / SIGUSR1 and the stray signals, taken until the end of the stop's drains: a
+        first stop begins the stop (_stop, in a task of its own, so that a second one is still taken), a second one
+        cuts it short (_stop_now). Its default action ended the daemon at once (143) during the drains, the uploads
+        of files still open left in the bucket without a word."""
         try:
-            with self._until_served:
-                await self._take_signals()
+            async with trio.open_nursery() as stops:
+                await self._take_signals(stops)
         finally:
-            # The stop's drain: a stop now ends the daemon at once, as the default actions do.
+            # After the drains (run's close): a stop now ends the daemon at once, as the default actions do.
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
             signal.signal(signal.SIGINT, signal.default_int_handler)
 
-    async def _take_signals(self) -> None:
+    async def _take_signals(self, stops: trio.Nursery) -> None:
         with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1,
                                        *STRAY_SIGNALS) as signals:
             async for signum in _chain(self.early_stops, signals):
@@ -1537,31 +1555,67 @@ class Daemon:
                     # as they were: an operator who edited the config and reloaded would otherwise think it applied.
                     # SIGUSR1 is nginx's reopen, which a postrotate copied from it sends: its default action
                     # killed the daemon, taking the mount down under every reader.
-                    log.info("received %s: still mounted%s; the options are not read again (a restart of the mount "
+                    log.info("received %s: %s%s; the options are not read again (a restart of the mount "
                              "applies a changed configuration)", signal.Signals(signum).name,
+                             "unmounted, still stopping" if self._served.is_set() else "still mounted",
                              reopen_log_file())
                     continue
                 name = signal.Signals(signum).name
-                busy = self.ops.open_files
-                # An operator reading the log after a stop sees whether anything was still using the mount.
-                log.info("received %s, unmounting%s", name, f" with {busy} file{'s' if busy > 1 else ''} open (their "
-                         "next reads and writes fail with ENOTCONN)" if busy else " (no file open)")
-                sd_notify("STOPPING=1")
-                # Pushes first, while READs are still answered: a push waits for pages a queued READ holds.
-                if not await self.pusher.stop(PUSH_STOP_S):
-                    log.warning("page-cache pushes still running %g s after %s", PUSH_STOP_S, name)
-                self.streamer.stop()
-                if not self._session_open:  # a signal taken just as the loop ended: the session is gone already
-                    return
-                pyfuse3.terminate()
-                grace = STOP_GRACE_WRITING_S if self.ops.writers else STOP_GRACE_S
-                with trio.move_on_after(grace):
-                    await self._served.wait()
-                if not self._served.is_set():
-                    log.warning("requests still in flight %g s after %s were cut short (their callers get "
-                                "ENOTCONN)", grace, name)
-                    self._requests.cancel()
-                return
+                if self._stopping or self._served.is_set():
+                    self._stop_now(name)
+                else:
+                    self._stopping = True
+                    stops.start_soon(self._stop, name)
+
+    async def _stop(self, name: str) -> None:
+        """The stop a SIGTERM or SIGINT begins: pushes, then the loop's end, waiting for the requests in flight
+        within their grace (STOP_GRACE_S, or STOP_GRACE_WRITING_S while a file is open for writing)."""
+        busy = self.ops.open_files
+        # An operator reading the log after a stop sees whether anything was still using the mount.
+        log.info("received %s, unmounting%s", name, f" with {busy} file{'s' if busy > 1 else ''} open (their "
+                 "next reads and writes fail with ENOTCONN)" if busy else " (no file open)")
+        sd_notify("STOPPING=1")
+        # Pushes first, while READs are still answered: a push waits for pages a queued READ holds.
+        if not await self.pusher.stop(PUSH_STOP_S):
+            log.warning("page-cache pushes still running %g s after %s", PUSH_STOP_S, name)
+        self.streamer.stop()
+        if not self._session_open or self._served.is_set():  # the loop ended meanwhile: the session is gone
+            return
+        pyfuse3.terminate()
+        grace = STOP_GRACE_WRITING_S if self.ops.writers else STOP_GRACE_S
+        with trio.move_on_after(grace) as self._grace:
+            if self.cut_short:
+                self._grace.cancel()
+            await self._served.wait()
+        if not self._served.is_set():
+            if not self.cut_short:
+                log.warning("requests still in flight %g s after %s were cut short (their callers get "
+                            "ENOTCONN)", grace, name)
+            self._requests.cancel()
+
+    def _stop_now(self, name: str) -> None:
+        """A second SIGTERM / SIGINT (a person's second Ctrl-C), or one during the drains after `modelfs unmount`:
+        the requests still in flight are cut short now, not at their grace's end, and the cache levels' drains are
+        skipped; what that drops is said (here, and by the drains' end). The session's end and the uploads' abort,
+        each bounded, still run: the daemon leaves no mount behind, and no upload it does not name. Exit status 1."""
+        if self.cut_short:
+            log.info("received %s again: the stop is already cut short (it ends within %g s)", name, ABORT_ALL_S)
+            return
+        self.cut_short = True
+        writers = self.ops.writers
+        if self._served.is_set():
+            what = "the drains are skipped"
+        else:
+            what = "requests still in flight are cut short now (their callers get ENOTCONN)"
+            if writers:
+                what += (f"; {writers} file{'s' if writers > 1 else ''} open for writing may not be stored (a line "
+                         "follows for each)")
+        log.warning("received %s while stopping: the stop is cut short, %s; the uploads of files still open are "
+                    "aborted (up to %g s; any it cannot abort is named, for `modelfs cleanup`); exit status 1",
+                    name, what, ABORT_ALL_S)
+        if self._grace is not None:
+            self._grace.cancel()
+        self._drains.cancel()
 
     async def _announce_ready(self) -> None:
         # stat() of the mountpoint goes through our own loop: when it returns, the mount answers.
@@ -1622,7 +1676,7 @@ def run(cfg: MountConfig, ready: Callable[[str | None], None]) -> int:
     Returns the exit status."""
     metrics = None
     # SIGHUP only ever reopens the log (a logrotate postrotate, a systemd reload), and so does SIGUSR1 (nginx's
-    # reopen): ignored until the daemon's own receiver takes them, and again once that is gone (the stop's drain).
+    # reopen): ignored until the daemon's own receiver takes them, and again once that is gone (after the drains).
     # By default they killed the daemon silently during a slow pre-flight.
     signal.signal(signal.SIGHUP, signal.SIG_IGN)
     signal.signal(signal.SIGUSR1, signal.SIG_IGN)
@@ -1719,5 +1773,5 @@ def run(cfg: MountConfig, ready: Callable[[str | None], None]) -> int:
         daemon.namespace.forget_all()
         daemon.end_session()
         daemon.close()
-        log.info("unmounted %s", mountpoint)
-    return 0 if clean else 1
+        log.info("unmounted %s%s", mountpoint, " (the stop was cut short: exit status 1)" if daemon.cut_short else "")
+    return 0 if clean and not daemon.cut_short else 1

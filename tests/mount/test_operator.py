@@ -5,11 +5,19 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import shutil
 import signal
+import subprocess
+import threading
+import time
 import urllib.request
 from pathlib import Path
 
+import pytest
+
+from fsmount.testing.fault_proxy import Fault, FaultProxy
+from fsmount.writes import ABORT_TIMEOUT_S
 from tests.helpers import (
     MiB,
     S3Server,
@@ -23,6 +31,7 @@ from tests.helpers import (
     run_modelfs,
     tmpfs,
     unmount,
+    via,
     wait_for,
 )
 from tests.mount.test_cli_mount import daemon_pid
@@ -202,3 +211,112 @@ def test_prefetch_onto_a_full_cache_disk_does_not_say_it_warmed_it(moto_server: 
             assert metric(port, "modelfs_disk_cache_writes_skipped_total") == 2
             assert "2 not written (writes paused after a failure, or no room)" in \
                 run_modelfs("stats", str(mountpoint)).stdout
+
+
+# From a second stop signal to the daemon's exit: the session's end (bounded by a few seconds) and, with files open for
+# writing, the uploads' abort (ABORT_TIMEOUT_S each, all at once); well under the grace a first stop gives.
+CUT_EXIT_S = 3.0
+
+
+def in_thread(fn, *args) -> tuple[threading.Thread, list[object]]:  # noqa: ANN001
+    """`fn(*args)` in a daemon thread; the list gets its result or its OSError's errno."""
+    out: list[object] = []
+
+    def run() -> None:
+        try:
+            out.append(fn(*args))
+        except OSError as exc:
+            out.append(exc.errno)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread, out
+
+
+def test_a_second_sigterm_cuts_a_stop_short_saying_so(moto_server: S3Server, proxy: FaultProxy,
+                                                      mountpoint: Path) -> None:
+    """B692: a second SIGTERM while the daemon waited for a READ stalled on the origin (its stop's 5 s grace) was
+    taken by nobody: the stop went on to its grace's end and exited 0; one during the drains after it ended the daemon
+    at once (143) without a word. Now a second stop cuts the stop short: the READ ends now, the log says what was
+    cut, the mount is gone, and the exit status is 1."""
+    bucket = bucket_with(moto_server, {"stall.bin": random_bytes(2 * MiB, 3)})
+    with mounted(via(proxy, moto_server), bucket, mountpoint, "--read-timeout", "90", "--chunk-size", "1M",
+                 "--max-readahead", "0", "--no-model-prefetch", check_log=False) as m:
+        fd = os.open(mountpoint / "stall.bin", os.O_RDONLY)
+        try:
+            proxy.inject(Fault.STALL, seconds=100)
+            reader, got = in_thread(os.pread, fd, MiB, 0)
+            reader.join(1.0)
+            assert reader.is_alive()  # its READ waits on the stalled GET
+            m.proc.send_signal(signal.SIGTERM)
+            wait_for("the first stop", lambda: "received SIGTERM, unmounting with 1 file open" in m.log(), timeout=5)
+            time.sleep(0.5)
+            m.proc.send_signal(signal.SIGTERM)
+            t = time.monotonic()
+            try:
+                m.proc.wait(CUT_EXIT_S)
+            except subprocess.TimeoutExpired:
+                pytest.fail(f"the daemon was still running {CUT_EXIT_S:g} s after a second SIGTERM")
+            assert m.proc.returncode == 1, (m.proc.returncode, m.log()[-3000:])
+            assert time.monotonic() - t < CUT_EXIT_S
+            reader.join(5)
+            assert not reader.is_alive() and isinstance(got[0], int), got
+        finally:
+            proxy.clear()
+            with contextlib.suppress(OSError):
+                os.close(fd)
+    assert not mounted_at(mountpoint)
+    log = m.log()
+    assert "received SIGTERM while stopping: the stop is cut short, requests still in flight are cut short now" in log
+    assert "(the stop was cut short: exit status 1)" in log
+
+
+@pytest.mark.parametrize("closing", [True, False], ids=["close-in-flight", "file-held-open"])
+def test_a_second_stop_during_a_writable_mount_s_stop_says_what_it_dropped(moto_server: S3Server, proxy: FaultProxy,
+                                                                          mountpoint: Path, closing: bool) -> None:
+    """B692: a person's second Ctrl-C while a writable mount's stop waited for a close storing a checkpoint (the
+    origin stalled): swallowed, the stop waited out its 20 s grace. And a second stop during the uploads' abort (a
+    file still held open, the loop over) ended the daemon at once (143), its upload left in the bucket without a
+    word. Now it cuts the stop short: a close under way fails, the log names the file that may not be stored, the
+    upload's abort is still tried (bounded) and one it could not abort is named for `modelfs cleanup`, the mount is
+    gone, exit status 1."""
+    bucket = bucket_with(moto_server, {"a.bin": b"a"})
+    with mounted(via(proxy, moto_server), bucket, mountpoint, "--writable", "--write-part-size", "5M",
+                 check_log=False) as m:
+        fd = os.open(mountpoint / "ckpt.bin", os.O_WRONLY | os.O_CREAT, 0o644)
+        try:
+            os.write(fd, random_bytes(6 * MiB, 4))  # one part sent: an upload in flight
+            proxy.inject(Fault.STALL, seconds=100, data_only=False)
+            if closing:
+                closer, got = in_thread(os.close, fd)
+                closer.join(1.0)
+                assert closer.is_alive()  # its FLUSH waits on the stalled upload
+            m.proc.send_signal(signal.SIGTERM)
+            wait_for("the first stop", lambda: "received SIGTERM, unmounting with 1 file open" in m.log(), timeout=5)
+            if not closing:  # the loop is over: the stop is in the uploads' abort, which the stalled origin holds
+                wait_for("the loop's end", lambda: "when the mount stopped" in m.log(), timeout=5)
+            time.sleep(0.5)
+            m.proc.send_signal(signal.SIGINT)
+            bound = CUT_EXIT_S + ABORT_TIMEOUT_S
+            try:
+                m.proc.wait(bound)
+            except subprocess.TimeoutExpired:
+                pytest.fail(f"the daemon was still running {bound:g} s after a second stop")
+            assert m.proc.returncode == 1, (m.proc.returncode, m.log()[-3000:])
+            if closing:
+                closer.join(5)
+                assert not closer.is_alive() and got and got[0] is not None, got  # the close failed
+        finally:
+            proxy.clear()
+            if not closing:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+    assert not mounted_at(mountpoint)
+    log = m.log()
+    assert "received SIGINT while stopping: the stop is cut short" in log, log[-3000:]
+    if closing:
+        assert "1 file open for writing may not be stored" in log, log[-3000:]
+    # Its last part was under way (not stored), or its complete (the bucket may or may not hold it): said either way.
+    assert re.search(r"ckpt\.bin was (being stored|still being written) when the mount stopped", log), log[-3000:]
+    assert "the upload of ckpt.bin could not be aborted" in log and "modelfs cleanup" in log, log[-3000:]
+    assert "(the stop was cut short: exit status 1)" in log

@@ -335,7 +335,8 @@ def serving_daemon(pusher: PageCachePusher, dev: int, engine: Callable[..., Awai
     daemon._watch_signals = daemon._announce_ready = trio.sleep_forever
     daemon.writes = daemon.disk_cache = daemon.saved_names = daemon.metrics = None
     daemon._names_saving, daemon._names_failure_logged = trio.Lock(), False
-    daemon._requests, daemon._served, daemon._until_served = trio.CancelScope(), trio.Event(), trio.CancelScope()
+    daemon._requests, daemon._served, daemon._drains = trio.CancelScope(), trio.Event(), trio.CancelScope()
+    daemon._stopping, daemon.cut_short, daemon._grace = False, False, None
     return daemon
 
 

@@ -54,11 +54,11 @@ from fsmount.data import (
     Uploads,
     cache_bytes,
     counted,
-    credentials,
     default_min_free,
     endpoint_path_hint,
     free_bytes,
     human_size,
+    missing_profile,
     origin_identity,
     sweep_staged_writes,
     within,
@@ -700,7 +700,7 @@ def check_profiles(cfg: MountConfig) -> None:
                           ("--shared-cache-profile", cfg.shared_cache.profile if cfg.shared_cache else None)):
         if not profile:
             continue
-        missing = credentials.missing_profile(profile)
+        missing = missing_profile(profile)
         if missing is None:
             continue
         present, absent = missing

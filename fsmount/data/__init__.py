@@ -34,6 +34,7 @@ from fsmount.data.cache_dir import (
     sweep_staged_writes,
 )
 from fsmount.data.chunk_file import ALIGN, pwrite_all, round_up
+from fsmount.data.credentials import missing_profile
 from fsmount.data.disk_cache import DiskCache, default_min_free
 from fsmount.data.engine import AHEAD, BACKGROUND, DEMAND, ChunkEngine, Fetch, ReadTimeout
 from fsmount.data.identity import Chunk, ChunkId, ObjectVersion, WritableBuffer, new_buffer
@@ -86,7 +87,7 @@ __all__ = [
     "origin_identity",
     "WritableBuffer",
     "cache_bytes", "free_bytes",
-    "default_min_free", "cache_clear", "cache_stats", "cache_verify", "MAX_PART_SIZE", "MAX_PARTS",
+    "default_min_free", "cache_clear", "cache_stats", "cache_verify", "missing_profile", "MAX_PART_SIZE", "MAX_PARTS",
     "MIN_PART_SIZE",
     "PendingUpload", "COPY_OBJECT_MAX", "Exists", "Replaced", "Uploads", "new_buffer", "pwrite_all", "round_up",
     "UNREACHABLE_RETRY_S", "wait_to_retry", "WRITES_DIR", "NAMES_DIR", "sweep_staged_writes", "counted", "DISK_THREADS",

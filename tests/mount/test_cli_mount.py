@@ -174,18 +174,20 @@ def test_access_denied(seaweed_server: S3Server, tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("foreground", [False, True], ids=["background", "foreground"])
 def test_a_missing_profile_is_named(moto_server: S3Server, tmp_path: Path, foreground: bool) -> None:
-    """A failure nobody foresaw in pre-flight (botocore's ProfileNotFound) still reaches the user in one
-    line, in the background too (it said only "the daemon exited with status 1")."""
+    """A profile not in the AWS configuration (botocore's ProfileNotFound, once a failure nobody foresaw in
+    pre-flight) reaches the user in one line, in the background too (it said only "the daemon exited with status
+    1"); with none of the files there yet, exit 1 (B690)."""
     env = {**daemon_env(moto_server), "AWS_CONFIG_FILE": str(tmp_path / "none"),
            "AWS_SHARED_CREDENTIALS_FILE": str(tmp_path / "none")}
     mp = tmp_path / "mnt"
     mp.mkdir()
     mount_fails_fast(new_bucket(moto_server), mp, moto_server.endpoint_url, env,
-                     "cannot mount: The config profile (nope) could not be found", "--profile", "nope",
+                     "--profile nope: the AWS configuration files are not there yet", "--profile", "nope",
                      *(["--foreground"] if foreground else []))
     mount_fails_fast(new_bucket(moto_server), mp, moto_server.endpoint_url, env,
-                     "--shared-cache-*: The config profile (nope) could not be found", "--shared-cache-bucket",
-                     "tier", "--shared-cache-profile", "nope", *(["--foreground"] if foreground else []))
+                     "--shared-cache-profile nope: the AWS configuration files are not there yet",
+                     "--shared-cache-bucket", "tier", "--shared-cache-profile", "nope",
+                     *(["--foreground"] if foreground else []))
 
 
 def test_endpoint_unreachable(tmp_path: Path) -> None:

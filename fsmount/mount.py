@@ -1144,8 +1144,8 @@ class Daemon:
         # a second stop (_stop_now), unless main() returned first (_served).
         self._requests = trio.CancelScope()
         self._served = trio.Event()
-        # A stop's state, all of it in the trio thread: `_stopping` once a SIGTERM/SIGINT began the stop (_stop);
-        # `cut_short` once a second one (or one during the drains after `modelfs unmount`) cut it short
+        # A stop's state, all of it in the trio thread: `_stopping` once a first SIGTERM/SIGINT began the stop (_stop)
+        # or, the mount gone already, let the drains go on; `cut_short` once a second one cut it short
         # (_stop_now), which cancels `_grace` (the wait for requests in flight, once _stop is in it) and `_drains`
         # (the drains of the cache levels after the uploads' abort). The daemon then exits with status 1.
         self._stopping = False
@@ -1561,8 +1561,15 @@ class Daemon:
                              reopen_log_file())
                     continue
                 name = signal.Signals(signum).name
-                if self._stopping or self._served.is_set():
+                if self._stopping:
                     self._stop_now(name)
+                elif self._served.is_set():
+                    # The mount is gone already (`modelfs unmount`, then `systemctl stop` or a restart during the
+                    # drains): this is the first stop, and it lets them end (bounded); only a second one cuts them
+                    # short. It cut them short at once, exit status 1: a unit marked failed, the caches' drains lost.
+                    self._stopping = True
+                    log.info("received %s: already unmounted, the stop's drains go on (a second SIGTERM or SIGINT "
+                             "cuts them short)", name)
                 else:
                     self._stopping = True
                     stops.start_soon(self._stop, name)
@@ -1594,7 +1601,7 @@ class Daemon:
             self._requests.cancel()
 
     def _stop_now(self, name: str) -> None:
-        """A second SIGTERM / SIGINT (a person's second Ctrl-C), or one during the drains after `modelfs unmount`:
+        """A second SIGTERM / SIGINT (a person's second Ctrl-C; after `modelfs unmount`, the second during the drains):
         the requests still in flight are cut short now, not at their grace's end, and the cache levels' drains are
         skipped; what that drops is said (here, and by the drains' end). The session's end and the uploads' abort,
         each bounded, still run: the daemon leaves no mount behind, and no upload it does not name. Exit status 1."""

@@ -708,8 +708,8 @@ async def test_the_stop_aborts_the_connection_once_for_a_call_and_a_push_that_bo
 def test_what_comes_out_of_the_fuse_loop_ends_the_session_there_only_for_a_failure() -> None:
     """`serve` ends the session itself, shielded, when the loop ends on a failure (B127): an exception, or the
     cancellation of a task of the mount that failed, which pyfuse3.main's own nursery hands on in an exception group
-    (B128). A KeyboardInterrupt (a second Ctrl-C, once the stop's drain has given SIGINT its default action) ends the
-    daemon at once, as before: not the shielded end, up to PUSH_STOP_S + PUSH_ABORT_S."""
+    (B128). A KeyboardInterrupt (a Ctrl-C that no receiver takes: after the drains, SIGINT has its default action)
+    ends the daemon at once, as before: not the shielded end, up to PUSH_STOP_S + PUSH_ABORT_S."""
     from fsmount.mount import _loop_failed
 
     def cancelled() -> trio.Cancelled:

@@ -10,9 +10,11 @@ its new name's chunk ids (`copy_cached`: ids name the key). Its copies are remov
 (the cache directory's lock says no other process uses it), so a killed daemon's copies do not pile up.
 It does not count against `--cache-size`: it lasts as long as a file is open. It does leave the NVMe cache's
 floor of free space (`min_free_bytes`) to the rest of the node: a streamed copy that would take the disk below it
-first has the cache evict its least recently used chunks for the room it lacks (`make_room`: on a disk the cache
-fills up to that floor, the newest checkpoint replaces old chunks, B680), and ends only where that does not make
-the room; a deferred one is made only where its whole size fits beyond it.
+first has the cache evict its least recently used chunks for the room it lacks (`DiskCache.hold`: on a disk the
+cache fills up to that floor, the newest checkpoint replaces old chunks, B680), and ends only where that does not
+make the room; a deferred one is made only where its whole size fits beyond it, counting the chunks the cache can
+evict for it (B730: at its first write). What a copy is about to write is held with the cache (`DiskCache.hold`), so
+the cache's puts never take the same free bytes (B731); it is given back once the file shows it.
 
 Every method blocks (disk I/O); `writes.Writes` runs them in threads. A failure of the copy (a full
 disk) loses the cache fill only, never the upload: it is logged once and the file goes on without it. A
@@ -30,6 +32,7 @@ import logging
 import os
 import threading
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from fsmount.data import (
     ALIGN,
@@ -46,6 +49,9 @@ from fsmount.data import (
     still_on,
     sweep_staged_writes,
 )
+
+if TYPE_CHECKING:
+    from fsmount.data.disk_cache import DiskCache
 
 log = logging.getLogger(__name__)
 
@@ -64,16 +70,15 @@ STAGING_BYTES = DIRECT_COPIES * BLOCKS_PER_COPY * BLOCK
 class Staging:
     """The `writes/` folder of a cache directory."""
 
-    def __init__(self, cache_dir: str, min_free_bytes: int = 0, make_room: Callable[[int], int] | None = None):
+    def __init__(self, cache_dir: str, min_free_bytes: int = 0, cache: DiskCache | None = None):
         """`min_free_bytes`: what the copies leave free on the cache dir's filesystem (the NVMe cache's own floor,
         disk_cache.default_min_free), so that a checkpoint larger than the disk does not fill it for the node's
-        other writers (its logs, the trainer's local files, the chunk cache) while it is written. `make_room`: the
-        NVMe cache's `DiskCache.keep_free`, which evicts its least recently used chunks until the disk has that
-        many bytes free beyond the floor (thread-safe: under the cache's own lock), asked only where a streamed
-        copy has no room (`room_for`)."""
+        other writers (its logs, the trainer's local files, the chunk cache) while it is written. `cache`: the NVMe
+        cache on that disk, with which the copies hold what they are about to write (`DiskCache.hold`, thread-safe:
+        under the cache's own lock, which it evicts its least recently used chunks under where the room is short)."""
         self.cache_dir = cache_dir
         self.min_free_bytes = min_free_bytes
-        self._make_room = make_room
+        self.cache = cache
         self.root = os.path.join(cache_dir, WRITES_DIR)
         files, size = sweep_staged_writes(cache_dir)
         if files:
@@ -149,35 +154,32 @@ class Staging:
     def promise(self, size: int) -> bool:
         """Whether the folder's filesystem has room for `size` more bytes beside what was promised to other
         copies (counted against the room left now, so a copy's own bytes written since count twice: on the
-        safe side); if so, they are promised until `unpromise`."""
+        safe side); if so, they are promised until `unpromise`. The chunks the NVMe cache holds count as room (B730:
+        on a disk the cache fills up to its floor, no pre-sized file was deferred, and `save_file`'s rename cost a
+        server-side copy): they are evicted for what is short at the copy's first write (`StagedFile._make_room`, in
+        a staging thread: this runs in the trio thread, which never waits for the cache's lock)."""
         try:
             st = os.statvfs(self.root)
         except OSError as exc:
             self.failed(exc)
             return False
+        evictable = self.cache.evictable_bytes if self.cache is not None else 0
         with self._blocks_lock:
-            if st.f_bavail * st.f_frsize - self.min_free_bytes - self._promised < size:
+            if st.f_bavail * st.f_frsize - self.min_free_bytes - self._promised + evictable < size:
                 return False
             self._promised += size
             return True
 
     def room_for(self, size: int) -> bool:
-        """Whether the folder's filesystem has room for `size` more bytes of a streamed copy, beside what
-        was promised to deferred copies and the floor left free (the copy ends otherwise: B590). Where it has not,
-        the NVMe cache evicts its least recently used chunks for what is short (`make_room`; B680: on a disk the
-        cache filled up to the floor, no copy was kept, and no new checkpoint reached the cache), and it is asked
-        again. A filesystem that reports a size of 0 (free_bytes) has room: there only ENOSPC ends a copy, as
-        before."""
-        free = free_bytes(self.root)
-        with self._blocks_lock:
-            promised = self._promised
-        if free - self.min_free_bytes - promised >= size:
-            return True
-        if self._make_room is None:
-            return False
-        # Not under _blocks_lock: the eviction unlinks files, and open() and promise() take that lock in the trio
-        # thread. The cache evicts what is short of `size` beside the promises (and its own puts in flight).
-        self._make_room(promised + size)
+        """Whether the folder's filesystem has room for `size` more bytes of a streamed copy, beside the floor left
+        free (the copy ends otherwise: B590). With the NVMe cache, the room is held with it (`DiskCache.hold`,
+        beside its puts in flight and what other copies hold, deferred ones' promises included once they write) until
+        the copy gives it back, and where the disk is short of it the cache evicts its least recently used chunks for
+        what is short (B680: on a disk the cache filled up to the floor, no copy was kept, and no new checkpoint
+        reached the cache). Without it, beside what was promised to deferred copies. A filesystem that reports a
+        size of 0 (free_bytes) has room: there only ENOSPC ends a copy, as before."""
+        if self.cache is not None:
+            return self.cache.hold(size)
         free = free_bytes(self.root)
         with self._blocks_lock:
             return free - self.min_free_bytes - self._promised >= size
@@ -237,6 +239,8 @@ class StagedFile:
         self._block_at = 0
         self._gathered = 0  # bytes in _block, not yet in the file
         self._promised = 0  # what `promise` reserved for this copy on the disk
+        self._held = 0  # what this copy holds with the NVMe cache (`DiskCache.hold`): bytes not yet in the file
+        self._promise_held = False  # a deferred copy's promise is held with the cache (from its first write)
         self._end = 0  # where the bytes written so far end (what the copy takes on the disk, holes aside)
         self.error: OSError | None = None  # what ended it, if a write or an extend failed
 
@@ -265,6 +269,7 @@ class StagedFile:
             try:
                 self._settle()
                 os.ftruncate(self._fd, size)
+                self._rehold()
                 return
             except OSError as exc:
                 self.error = exc
@@ -281,6 +286,7 @@ class StagedFile:
                     self._make_room(end)
                     self._write(offset, view.cast("B") if view.format != "B" else view)
                     self._end = max(self._end, end)
+                    self._rehold()
                 return
             except OSError as exc:
                 self.error = exc
@@ -293,13 +299,39 @@ class StagedFile:
         streamed file's copy is written a part at a time, and the cache is asked only where the room is short). Not a
         deferred copy's: its room was promised beyond the floor, and its bytes are nowhere else until close, so ending
         it there failed the file with ENOSPC on a disk that had room, when it was written past the size it was promised;
-        only ENOSPC ends it, as before B590."""
+        only ENOSPC ends it, as before B590. Its first write holds what it was promised with the NVMe cache, which
+        evicts for what is short (B730: the promise counted the cache's chunks as room), whether or not that makes the
+        room: the cache's puts then leave it what they find (B731)."""
+        cache = self._staging.cache
         if self._promised:
+            if cache is not None and not self._promise_held:
+                self._promise_held = True
+                outstanding = max(0, self._promised - self._end)
+                cache.hold(outstanding, must=True)
+                self._held += outstanding
             return
         grow = end - self._end
-        if grow > 0 and not self._staging.room_for(grow):
-            raise OSError(errno.ENOSPC, f"less than {human_size(self._staging.min_free_bytes)} would be left free on "
-                          "its filesystem, which the cache leaves to the rest of the node")
+        if grow > 0:
+            if not self._staging.room_for(grow):
+                raise OSError(errno.ENOSPC, f"less than {human_size(self._staging.min_free_bytes)} would be left free "
+                              "on its filesystem, which the cache leaves to the rest of the node")
+            if cache is not None:
+                self._held += grow
+
+    def _rehold(self) -> None:
+        """Give back to the NVMe cache what this copy holds beyond the bytes not yet in its file: those gathered
+        and the block a staging thread may still be writing, and a deferred copy's promise not yet written. A
+        deferred copy gives back a block at a time at least (one cache lock per WRITE otherwise), on the safe side."""
+        if not self._held:
+            return
+        target = self._gathered + (BLOCK if self._pending is not None else 0)
+        if self._promised:
+            target += max(0, self._promised - self._end)
+        give = self._held - target
+        if give > 0 and (give >= BLOCK or not self._promised or not target):
+            assert self._staging.cache is not None
+            self._staging.cache.unhold(give)
+            self._held -= give
 
     def _write(self, offset: int, view: memoryview) -> None:
         if self._block is None:
@@ -416,6 +448,7 @@ class StagedFile:
             try:
                 with memoryview(buf) as view:
                     self._pread(offset, view)
+                self._rehold()
                 return True
             except OSError as exc:
                 self._staging.failed(exc)
@@ -440,6 +473,7 @@ class StagedFile:
                         return count
                     with memoryview(buf) as view:
                         self._pread(start, view, view_aligned=True)  # new_buffer: an anonymous map
+                    self._rehold()
                 cache.put(chunk_id(index), buf)
                 count += 1
             return count
@@ -461,6 +495,10 @@ class StagedFile:
             self._end_direct()
             self._staging.unpromise(self._promised)
             self._promised = 0
+            if self._held:
+                assert self._staging.cache is not None
+                self._staging.cache.unhold(self._held)
+                self._held = 0
         try:
             os.unlink(self._path)
         except OSError:

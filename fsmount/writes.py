@@ -72,6 +72,7 @@ from fsmount.data import (
     wait_to_retry,
     within,
 )
+from fsmount.data.disk_cache import DiskCache
 from fsmount.namespace import Node, PathError, at_once
 from fsmount.new_file import NewFile
 from fsmount.tree_changes import WritableNamespace
@@ -120,7 +121,8 @@ class Writes:
         """`origin`: how the mount reaches its bucket (what the `modelfs cleanup` its warnings advise needs).
         `cache`: with --cache-dir, (the NVMe level, the cache dir, the engine's chunk_id, chunk size): stored files
         go into it (write_staging), whose copies of files being written leave `cache_min_free` bytes free on its
-        disk, and have the level evict its oldest chunks for their room with `cache_room` (`DiskCache.keep_free`)."""
+        disk, and hold what they are about to write with the level where it is a `DiskCache` (`DiskCache.hold`, which
+        evicts its oldest chunks for their room); `cache_room`, the level's `DiskCache.keep_free`, says there is one."""
         self.ns = namespace
         self.uploads = uploads
         self._origin = origin
@@ -142,7 +144,8 @@ class Writes:
         self._files: dict[int, NewFile] = {}  # inode -> the file being written
         self._open: set[NewFile] = set()
         self._written: set[int] = set()
-        self._staging = Staging(cache[1], cache_min_free, cache_room) if cache is not None else None
+        level = cache[0] if cache is not None and cache_room is not None and isinstance(cache[0], DiskCache) else None
+        self._staging = Staging(cache[1], cache_min_free, level) if cache is not None else None
         self._cache = cache
         self._staging_limiter = trio.CapacityLimiter(STAGING_THREADS)
         self._fills = 0  # cache fills running (of stored files, and of renamed ones: `recache`)

@@ -14,6 +14,10 @@ Concurrency rules (callers are worker threads of the chunk engine):
   file is written (`_unwritten`); from then on statvfs shows those bytes. statvfs is read under the
   lock, so it and `_unwritten` describe the same moment and no put is counted twice (only the part
   of a temp file being written right now is, which errs on the side of free space).
+- The local copies of files being written (write_staging) share the disk: what one is about to write (a streamed
+  copy's part, a deferred copy's promise not yet written) is held against free space too (`hold`, `_held`), taken
+  and given back under that lock, so a put and a copy never both count the same free bytes (B731: a put racing a
+  copy's last part took the disk below the floor until the next floor check). A copy's I/O is never under the lock.
 - A put that finds no room only because of puts in flight (they become evictable once indexed) is
   skipped quietly, like one over max_bytes; ENOSPC is raised only when the disk lacks the room even
   if every put in flight landed and everything were evicted.
@@ -196,6 +200,7 @@ class DiskCache:
         self._writing: set[str] = set()  # digests with a put in flight, so a chunk is written once
         self._reserved = 0  # file bytes of puts in flight until indexed: counted against max_bytes
         self._unwritten = 0  # file bytes of puts in flight until their temp file is written: free space
+        self._held = 0  # bytes the local copies of written files hold against free space (`hold`)
         # monotonic time of the last failed write, None once the episode ends; one warning per episode
         self._write_failed_at: float | None = None
         self._write_episode = 0  # counts episodes, so a put knows whether it started inside this one
@@ -304,7 +309,7 @@ class DiskCache:
                 if os.statvfs(self.root).f_flag & os.ST_RDONLY:
                     return 0
                 self._held_or_lock_again()
-                short_of_free = self.min_free_bytes + self._unwritten + extra - free_bytes(self.root)
+                short_of_free = self.min_free_bytes + self._unwritten + self._held + extra - free_bytes(self.root)
             except OSError as err:  # the dir removed under the mount: puts say so
                 log.debug("disk cache %s: free space unknown: %s", self.root, err)
                 return 0
@@ -320,6 +325,51 @@ class DiskCache:
             log.info("disk cache %s: %d bytes evicted to keep %d bytes free (something else fills its filesystem)",
                      self.root, evicted, self.min_free_bytes)
         return evicted
+
+    def hold(self, size: int, must: bool = False) -> bool:
+        """Hold `size` bytes of free space beyond the floor for a local copy of a file being written (write_staging),
+        until `unhold`: puts count them as their own bytes in flight (`_unwritten`), so a put and the copy never
+        both take the same free bytes (B731). Where the disk is short of them, the least recently used chunks are
+        evicted for what is short, no more (B680). False, nothing held, where that does not make the room, unless
+        `must` (a deferred copy's promise: its bytes are nowhere else, so puts leave it the room they find); True
+        on a closed cache or a filesystem that reports no size (free_bytes), where nothing is counted."""
+        evicted = 0
+        with self._lock:
+            if self._closed:
+                self._held += size
+                return True
+            try:
+                short = self.min_free_bytes + self._unwritten + self._held + size - free_bytes(self.root)
+                if short > 0 and self._index and not os.statvfs(self.root).f_flag & os.ST_RDONLY:
+                    self._held_or_lock_again()
+                    before = self.stats.bytes_used
+                    self._evict_locked(short)
+                    evicted = before - self.stats.bytes_used
+                    # Not statvfs again: a block this copy held and wrote meanwhile would count twice (as a put does).
+                    short -= evicted
+            except OSError as err:  # the dir removed under the mount: puts say so
+                log.debug("disk cache %s: free space unknown: %s", self.root, err)
+                short = 0 if must else 1
+            if short > 0 and not must:
+                held = False
+            else:
+                self._held += size
+                held = True
+        if evicted:
+            log.debug("disk cache %s: %d bytes evicted for %d bytes of a written file's copy beyond the %d kept free",
+                      self.root, evicted, size, self.min_free_bytes)
+        return held
+
+    def unhold(self, size: int) -> None:
+        """Give back `size` bytes `hold` took (written, so free space shows them now; or not to be written)."""
+        with self._lock:
+            self._held -= size
+
+    @property
+    def evictable_bytes(self) -> int:
+        """What the cache holds, read without its lock (a count that may be a put or an eviction behind): the room a
+        deferred copy's promise may count on having evicted for it (write_staging), asked in the trio thread."""
+        return self.stats.bytes_used
 
     def forget_removed(self) -> int:
         """Forget the least recently used chunks whose files someone else removed (an operator's `rm -rf CACHE/chunks`
@@ -589,13 +639,14 @@ class DiskCache:
             # for good where nothing else made it again.
             self._remake_shard(None)
             free = free_bytes(self.root)
-        short_of_free = self.min_free_bytes + self._unwritten + file_size - free
+        short_of_free = self.min_free_bytes + self._unwritten + self._held + file_size - free
         if max(over_limit, short_of_free) <= self.stats.bytes_used:
             self._evict_locked(max(over_limit, short_of_free))
             return True
         # Room there would be if every put in flight landed and everything were evicted. _unwritten
-        # drops out: a temp file being written may already be partly in statvfs, so this is an upper bound.
-        if short_of_free - self._unwritten > self.stats.bytes_used + self._reserved:
+        # drops out: a temp file being written may already be partly in statvfs, so this is an upper bound. So does
+        # what the copies of written files hold: that room is theirs for now, not a disk filled by something else.
+        if short_of_free - self._unwritten - self._held > self.stats.bytes_used + self._reserved:
             raise OSError(
                 errno.ENOSPC,
                 f"{free} bytes free, {self.min_free_bytes} must stay free, cache holds only "

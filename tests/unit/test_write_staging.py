@@ -9,10 +9,12 @@ import os
 import random
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
+from fsmount import write_staging
 from fsmount.data import ChunkId
 from fsmount.data.disk_cache import DiskCache
 from fsmount.write_staging import BLOCK, DIRECT_COPIES, StagedFile, Staging
@@ -446,7 +448,7 @@ def test_a_copy_at_the_floor_has_the_cache_evict_its_oldest_chunks_for_it(tmp_pa
             cache.put(chunk_id, bytes([chunk_id.index]) * chunk)
         held = cache.stats.chunks
         assert 0 < held < 32 and disk - used() < 8 * MiB + 2 * chunk, (held, used())
-        staging = Staging(str(tmp_path), min_free_bytes=cache.min_free_bytes, make_room=cache.keep_free)
+        staging = Staging(str(tmp_path), min_free_bytes=cache.min_free_bytes, cache=cache)
         staged = staging.open()
         assert staged is not None
         size = 6 * MiB + 12345
@@ -464,6 +466,106 @@ def test_a_copy_at_the_floor_has_the_cache_evict_its_oldest_chunks_for_it(tmp_pa
             assert cache.get(new(i)) == data[i * chunk:(i + 1) * chunk], i
         assert not cache.contains(old[0]) and cache.contains(old[-1])  # the oldest went first
         assert os.listdir(staging.root) == []
+
+
+def small_disk(tmp_path: Path, monkeypatch, disk: int) -> Callable[[], int]:
+    """statvfs of a `disk`-byte filesystem whose only files are those under tmp_path; what they take, returned."""
+    real_statvfs = os.statvfs
+
+    def used() -> int:
+        total = 0
+        for top, _, names in os.walk(tmp_path):
+            for name in names:
+                try:
+                    total += os.lstat(os.path.join(top, name)).st_blocks * 512
+                except FileNotFoundError:  # a put's temp file renamed, or a chunk evicted, meanwhile
+                    pass
+        return total
+
+    class Disk:
+        def __init__(self, st: os.statvfs_result):
+            self.f_frsize, self.f_blocks, self.f_flag = 4096, disk // 4096, 0
+            self.f_bavail = max(0, disk - used()) // 4096
+
+    monkeypatch.setattr(os, "statvfs", lambda path: Disk(real_statvfs(path)))
+    return used
+
+
+def filled_to_its_floor(cache: DiskCache, chunk: int) -> list[ChunkId]:
+    old = [ChunkId("b", "old", "etag", chunk, i) for i in range(40)]
+    for chunk_id in old:  # 40 MiB of chunks on a 40 MiB disk: the cache stops at its floor
+        cache.put(chunk_id, bytes([chunk_id.index]) * chunk)
+    return old
+
+
+def test_a_pre_sized_copy_on_a_full_cache_disk_is_promised_the_room_the_cache_evicts_for_it(
+        tmp_path: Path, monkeypatch) -> None:
+    """B730: on a disk the NVMe cache fills up to its floor, a pre-sized file's copy was promised only room beyond
+    the floor, so it was never deferred (save_file streamed, and its rename cost a server-side copy). The cache's
+    chunks count as room; its first write (in a staging thread) has the cache evict for what is short, no more."""
+    disk, chunk = 40 * MiB, MiB
+    used = small_disk(tmp_path, monkeypatch, disk)
+    with DiskCache(tmp_path, 1 << 30, min_free_bytes=8 * MiB) as cache:
+        old = filled_to_its_floor(cache, chunk)
+        held = cache.stats.chunks
+        room = disk - used() - 8 * MiB
+        assert 0 < held < 32 and room < 2 * chunk, (held, room)
+        staging = Staging(str(tmp_path), min_free_bytes=cache.min_free_bytes, cache=cache)
+        staged = staging.open()
+        assert staged is not None
+        size = 6 * MiB + 12345
+        assert staged.promise(size)
+        assert cache.stats.chunks == held  # nothing evicted in the trio thread
+        assert not staging.promise(disk)  # never more than the cache holds
+        data = random.Random(730).randbytes(size)
+        for at in range(0, size, MiB):  # a deferred file's WRITEs
+            staged.write(at, data[at:at + MiB])
+        assert staged.ok, staged.error
+        evicted = held - cache.stats.chunks
+        short = -(-(size - room) // chunk)
+        assert short <= evicted <= short + 1, (evicted, short)  # a chunk file's header past it at most
+        new = lambda i: ChunkId("b", "new", "etag", chunk, i)  # noqa: E731
+        assert staged.to_cache(cache, new, size, chunk) == 7
+        for i in range(7):
+            assert cache.get(new(i)) == data[i * chunk:(i + 1) * chunk], i
+        assert not cache.contains(old[0]) and cache.contains(old[-1])
+        assert disk - used() >= 8 * MiB - 2 * chunk  # its put evicted for it: the floor, a put's rounding aside
+        assert cache._held == 0
+
+
+def test_a_put_racing_a_copy_s_part_leaves_the_floor_free(tmp_path: Path, monkeypatch) -> None:
+    """B731: a streamed copy checked its room, then wrote its part outside any lock; a chunk put between the two
+    found the same free bytes and took them too, and the disk was below the floor until the cache's next floor
+    check (every 5 s). The copy's part is held with the cache until it is in the file: the put evicts for it."""
+    disk, chunk = 40 * MiB, MiB
+    used = small_disk(tmp_path, monkeypatch, disk)
+    with DiskCache(tmp_path, 1 << 30, min_free_bytes=8 * MiB) as cache:
+        old = filled_to_its_floor(cache, chunk)
+        staging = Staging(str(tmp_path), min_free_bytes=cache.min_free_bytes, cache=cache)
+        staging._direct = False  # the part goes to the file in the write itself, which the gate holds
+        staged = staging.open()
+        assert staged is not None
+        gate, at_gate = threading.Event(), threading.Event()
+        real_pwrite_all = write_staging.pwrite_all
+
+        def gated(fd: int, view: memoryview, offset: int) -> None:
+            at_gate.set()
+            assert gate.wait(10)
+            real_pwrite_all(fd, view, offset)
+
+        monkeypatch.setattr(write_staging, "pwrite_all", gated)
+        part = random.Random(731).randbytes(2 * MiB)
+        writer = blocked(staged.write, 0, part)  # past its room check, its bytes not yet on the disk
+        assert at_gate.wait(10)
+        new = ChunkId("b", "new", "etag", chunk, 0)
+        cache.put(new, b"n" * chunk)
+        gate.set()
+        writer.join(10)
+        assert staged.ok, staged.error
+        assert disk - used() >= 8 * MiB, disk - used()  # no floor check ran: the put left the floor itself
+        assert cache.contains(new) and not cache.contains(old[0])
+        staged.discard()
+        assert cache._held == 0
 
 
 @pytest.mark.parametrize(("left", "said"), [(1, "removed 1 copy of a file (1 B)"),

@@ -457,17 +457,21 @@ class StagedFile:
 
     def to_cache(self, cache: ChunkCache, chunk_id: Callable[[int], ChunkId], size: int, chunk_size: int) -> int:
         """Hand every chunk of the stored file (`size` bytes) to `cache`; then the copy is gone. The number of
-        chunks handed over."""
+        chunks handed over. Last chunk first, the copy cut short (ftruncate) after each one: a chunk's bytes are in
+        the cache before they leave the copy, and the disk has them back for the next put (B732: the whole copy
+        stayed until the end, so on a disk the cache fills to its floor, the puts of a file larger than about half
+        the cache's older chunks evicted the file's own first chunks, and the cache kept only its tail). So the first
+        chunk is the most recently used: where the cache still holds too little, it keeps the file's head."""
         count = 0
         # One buffer for every full chunk: page-aligned whole blocks, so the cache writes it with O_DIRECT from
         # where it is (a fresh bytes per chunk cost page faults and a copy into the cache's aligned stage).
-        buf = new_buffer(min(chunk_size, size)) if size else None
+        full = new_buffer(min(chunk_size, size)) if size else None
         try:
-            for index in range(-(-size // chunk_size)):
+            for index in reversed(range(-(-size // chunk_size))):
                 start = index * chunk_size
                 length = min(chunk_size, size - start)
-                if buf is None or len(buf) != length:
-                    buf = new_buffer(length)  # the short last chunk
+                assert full is not None
+                buf = full if len(full) == length else new_buffer(length)  # the short last chunk
                 with self._lock:
                     if self._fd is None:
                         return count
@@ -476,6 +480,10 @@ class StagedFile:
                     self._rehold()
                 cache.put(chunk_id(index), buf)
                 count += 1
+                with self._lock:
+                    if self._fd is None:
+                        return count
+                    os.ftruncate(self._fd, start)
             return count
         except OSError as exc:
             self._staging.failed(exc)

@@ -246,6 +246,46 @@ def test_a_checkpoint_written_on_a_full_cache_disk_replaces_old_chunks(s3: S3Ser
     delete_bucket(s3, bucket)
 
 
+def test_a_pre_sized_checkpoint_on_a_full_cache_disk_is_deferred(s3: S3Server, mountpoint: Path,
+                                                                   tmp_path: Path) -> None:
+    """B730: on a node whose NVMe cache fills its disk up to the floor of free space, a pre-sized file's copy was
+    promised only room beyond the floor, so save_file (a temp file, ftruncate, writes, rename, close) streamed, and
+    its rename cost a server-side copy of the whole file. The cache's chunks count as room (evicted at the copy's
+    first write): the file is uploaded once from its copy under its final name, cached, and the floor is kept."""
+    old = random_bytes(100 * MiB, 730)
+    bucket = bucket_with(s3, {"old.bin": old})
+    data = random_bytes(24 * MiB, 731)
+    floor = int(0.05 * 104 * MiB)  # disk_cache.MIN_FREE_SHARE of the filesystem
+    with tmpfs(tmp_path / "small", "size=104M") as small:
+
+        def free() -> int:
+            st = os.statvfs(small)
+            return st.f_bavail * st.f_frsize
+
+        with mounted(s3, bucket, mountpoint, *WRITABLE, "--cache-dir", str(small / "cache"), "--cache-size", "500M",
+                     "--write-part-size", "5M") as m:
+            assert sha((mountpoint / "old.bin").read_bytes()) == sha(old)
+            wait_for("the cache at its floor", lambda: mount_stats(mountpoint)["disk_cache"]["evictions"],
+                     lambda n: n > 0)
+            wait_for("the reads' puts landed", free, lambda n: n - floor < len(data) - 2 * MiB)  # no room beyond it
+            with open(mountpoint / "ckpt.bin.tmp", "wb") as f:  # save_file's order
+                f.truncate(len(data))
+                for at in range(0, len(data), MiB):
+                    f.write(data[at:at + MiB])
+                f.flush()
+                assert free() >= floor
+                os.rename(mountpoint / "ckpt.bin.tmp", mountpoint / "ckpt.bin")
+            wait_for("chunks cached", lambda: mount_stats(mountpoint)["writes"]["chunks_cached"], lambda n: n == 3)
+            log = m.log()
+            assert f"ckpt.bin: uploading {len(data)} bytes from its local copy" in log
+            assert "no room for a local copy" not in log
+            assert os.listdir(small / "cache" / "writes") == []
+            assert free() >= floor
+    assert keys(s3, bucket) == {"old.bin": len(old), "ckpt.bin": len(data)}
+    assert sha(s3.client().get_object(Bucket=bucket, Key="ckpt.bin")["Body"].read()) == sha(data)
+    delete_bucket(s3, bucket)
+
+
 def test_out_of_order_write_fails_and_stores_nothing(s3: S3Server, mountpoint: Path) -> None:
     bucket = new_bucket(s3)
     with mounted(s3, bucket, mountpoint, *WRITABLE, "--write-part-size", "5M",

@@ -568,6 +568,29 @@ def test_a_put_racing_a_copy_s_part_leaves_the_floor_free(tmp_path: Path, monkey
         assert cache._held == 0
 
 
+def test_a_file_larger_than_half_the_cache_s_older_chunks_is_cached_whole(tmp_path: Path, monkeypatch) -> None:
+    """B732: a stored file's chunks went into the cache while its whole copy still took its size on the disk, so on a
+    disk the cache fills to its floor the puts of a file larger than about half the older chunks evicted the file's
+    own first chunks, and the cache kept only its tail. The copy gives each chunk's bytes back once it is put."""
+    disk, chunk = 40 * MiB, MiB
+    used = small_disk(tmp_path, monkeypatch, disk)
+    with DiskCache(tmp_path, 1 << 30, min_free_bytes=8 * MiB) as cache:
+        old = filled_to_its_floor(cache, chunk)
+        staged = Staging(str(tmp_path), min_free_bytes=cache.min_free_bytes, cache=cache).open()
+        assert staged is not None
+        size = 20 * MiB - 4321  # more than half of the ~31 chunks the cache held
+        data = random.Random(732).randbytes(size)
+        for at in range(0, size, 2 * MiB):
+            staged.write(at, data[at:at + 2 * MiB])
+        assert staged.ok, staged.error
+        new = lambda i: ChunkId("b", "new", "etag", chunk, i)  # noqa: E731
+        assert staged.to_cache(cache, new, size, chunk) == 20
+        kept = [i for i in range(20) if cache.get(new(i)) == data[i * chunk:(i + 1) * chunk]]
+        assert kept == list(range(20))
+        assert cache.contains(old[-1])  # older chunks went for it, not the file's own
+        assert disk - used() >= 8 * MiB
+
+
 @pytest.mark.parametrize(("left", "said"), [(1, "removed 1 copy of a file (1 B)"),
                                              (2, "removed 2 copies of files (2 B)")])
 def test_the_copies_a_killed_mount_left_are_counted_in_words_that_fit(tmp_path: Path, caplog: pytest.LogCaptureFixture,

@@ -291,15 +291,10 @@ class DiskCache:
         with self._lock_fd_guard:
             release_dir_lock(self._lock_fd)
 
-    def keep_free(self, extra: int = 0) -> int:
+    def keep_free(self) -> int:
         """Evict the least recently used chunks while the filesystem has less than min_free_bytes free, as a put
-        would: another process (logs, container images) filled it while no put came. The bytes evicted.
-
-        `extra`: bytes wanted free beyond that floor, by a local copy of a file being written (write_staging, B680):
-        on a disk the cache fills up to its floor, a checkpoint's copy evicts the oldest chunks for its own room, as
-        it did before B590 through this check, rather than end, so the newest checkpoint still reaches the cache. It
-        evicts only what is short of `extra` (the last chunk's size past it at most), and says so at debug level
-        only (one check per part of the copy)."""
+        would: another process (logs, container images) filled it while no put came. What the local copies of
+        written files hold (`hold`) counts as taken. The bytes evicted."""
         with self._lock:
             if self._closed or not self._index:
                 return 0
@@ -309,7 +304,7 @@ class DiskCache:
                 if os.statvfs(self.root).f_flag & os.ST_RDONLY:
                     return 0
                 self._held_or_lock_again()
-                short_of_free = self.min_free_bytes + self._unwritten + self._held + extra - free_bytes(self.root)
+                short_of_free = self.min_free_bytes + self._unwritten + self._held - free_bytes(self.root)
             except OSError as err:  # the dir removed under the mount: puts say so
                 log.debug("disk cache %s: free space unknown: %s", self.root, err)
                 return 0
@@ -318,10 +313,7 @@ class DiskCache:
             before = self.stats.bytes_used
             self._evict_locked(short_of_free)
             evicted = before - self.stats.bytes_used
-        if evicted and extra:
-            log.debug("disk cache %s: %d bytes evicted for %d bytes of a written file's copy beyond the %d kept free",
-                      self.root, evicted, extra, self.min_free_bytes)
-        elif evicted:  # chunk files it cannot remove (another owner's) evict nothing: said every 5 s, for good
+        if evicted:  # chunk files it cannot remove (another owner's) evict nothing: said every 5 s, for good
             log.info("disk cache %s: %d bytes evicted to keep %d bytes free (something else fills its filesystem)",
                      self.root, evicted, self.min_free_bytes)
         return evicted

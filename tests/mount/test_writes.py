@@ -206,9 +206,10 @@ def test_the_local_copy_leaves_the_cache_disk_its_floor_of_free_space(s3: S3Serv
                 f.flush()
                 os.fsync(f.fileno())  # the parts written so far are sent (and copied)
                 # Before the close: the copy that filled the disk was still there (save_file's until the close).
-                # 15 s: a chunk-cache put racing the copy's last part may cross the floor until the cache's own
-                # check (every 5 s) evicts; the old code's copy stayed until the close, however long this waits.
-                wait_for("the floor left free", free, lambda n: n >= floor, timeout=15)
+                # 2 s, less than the cache's own floor check (every 5 s): a chunk-cache put racing the copy's last
+                # part no longer crosses the floor (B731); the old code's copy stayed until the close, however long
+                # this waits.
+                wait_for("the floor left free", free, lambda n: n >= floor, timeout=2)
             assert os.listdir(small / "cache" / "writes") == []
     assert sha(s3.client().get_object(Bucket=bucket, Key="ckpt.bin")["Body"].read()) == sha(data)
     delete_bucket(s3, bucket)
@@ -241,7 +242,7 @@ def test_a_checkpoint_written_on_a_full_cache_disk_replaces_old_chunks(s3: S3Ser
                     f.write(data[at:at + MiB])
             wait_for("chunks cached", lambda: mount_stats(mountpoint)["writes"]["chunks_cached"], lambda n: n == 3)
             assert os.listdir(small / "cache" / "writes") == []
-            wait_for("the floor left free", free, lambda n: n >= floor, timeout=15)  # see the test above
+            wait_for("the floor left free", free, lambda n: n >= floor, timeout=2)  # see the test above
     assert sha(s3.client().get_object(Bucket=bucket, Key="ckpt.bin")["Body"].read()) == sha(data)
     delete_bucket(s3, bucket)
 

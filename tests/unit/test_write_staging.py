@@ -568,6 +568,35 @@ def test_a_put_racing_a_copy_s_part_leaves_the_floor_free(tmp_path: Path, monkey
         assert cache._held == 0
 
 
+def test_the_cache_s_puts_leave_a_deferred_copy_the_room_it_was_promised(tmp_path: Path, monkeypatch) -> None:
+    """B731: the cache's puts did not see a deferred copy's promise, so chunks read while a pre-sized checkpoint was
+    written took the room promised to it, and the copy (ended only at ENOSPC, B640) took the disk below the floor, or
+    failed the file. From its first WRITE the promise is held with the cache: the puts evict older chunks instead."""
+    disk, chunk = 40 * MiB, MiB
+    used = small_disk(tmp_path, monkeypatch, disk)
+    with DiskCache(tmp_path, 1 << 30, min_free_bytes=8 * MiB) as cache:
+        old = [ChunkId("b", "old", "etag", chunk, i) for i in range(20)]
+        for chunk_id in old:
+            cache.put(chunk_id, bytes([chunk_id.index]) * chunk)
+        assert cache.stats.chunks == 20 and disk - used() > 18 * MiB  # room beyond the floor for the promise
+        staged = Staging(str(tmp_path), min_free_bytes=cache.min_free_bytes, cache=cache).open()
+        assert staged is not None
+        size = 10 * MiB
+        assert staged.promise(size)
+        data = random.Random(7311).randbytes(size)
+        staged.write(0, data[:MiB])
+        read = [ChunkId("b", "read", "etag", chunk, i) for i in range(10)]
+        for chunk_id in read:  # a model read meanwhile fills the cache
+            cache.put(chunk_id, bytes([chunk_id.index]) * chunk)
+        for at in range(MiB, size, MiB):
+            staged.write(at, data[at:at + MiB])
+        assert staged.ok, staged.error
+        assert disk - used() >= 8 * MiB, disk - used()
+        assert all(cache.contains(chunk_id) for chunk_id in read) and not cache.contains(old[0])
+        staged.discard()
+        assert cache._held == 0
+
+
 def test_a_file_larger_than_half_the_cache_s_older_chunks_is_cached_whole(tmp_path: Path, monkeypatch) -> None:
     """B732: a stored file's chunks went into the cache while its whole copy still took its size on the disk, so on a
     disk the cache fills to its floor the puts of a file larger than about half the older chunks evicted the file's

@@ -32,13 +32,13 @@ import logging
 import os
 import threading
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 from fsmount.data import (
     ALIGN,
     WRITES_DIR,
     ChunkCache,
     ChunkId,
+    DiskCache,
     WritableBuffer,
     counted,
     free_bytes,
@@ -49,9 +49,6 @@ from fsmount.data import (
     still_on,
     sweep_staged_writes,
 )
-
-if TYPE_CHECKING:
-    from fsmount.data.disk_cache import DiskCache
 
 log = logging.getLogger(__name__)
 

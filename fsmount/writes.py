@@ -59,6 +59,7 @@ from fsmount.data import (
     UNREACHABLE_RETRY_S,
     ChunkCache,
     ChunkId,
+    DiskCache,
     MemoryBudget,
     ObjectMeta,
     ObjectVersion,
@@ -72,7 +73,6 @@ from fsmount.data import (
     wait_to_retry,
     within,
 )
-from fsmount.data.disk_cache import DiskCache
 from fsmount.namespace import Node, PathError, at_once
 from fsmount.new_file import NewFile
 from fsmount.tree_changes import WritableNamespace

@@ -17,7 +17,8 @@ Concurrency rules (callers are worker threads of the chunk engine):
 - The local copies of files being written (write_staging) share the disk: what one is about to write (a streamed
   copy's part, a deferred copy's promise not yet written) is held against free space too (`hold`, `_held`), taken
   and given back under that lock, so a put and a copy never both count the same free bytes (B731: a put racing a
-  copy's last part took the disk below the floor until the next floor check). A copy's I/O is never under the lock.
+  copy's last part took the disk below the floor until the next floor check). A copy's I/O is never under the lock,
+  and what a hold evicts for is a slice (HOLD_SLICE) per lock section (B800).
 - A put that finds no room only because of puts in flight (they become evictable once indexed) is
   skipped quietly, like one over max_bytes; ENOSPC is raised only when the disk lacks the room even
   if every put in flight landed and everything were evicted.
@@ -115,6 +116,10 @@ TOUCH_BACKLOG = 1024
 # cache nobody touched costs one lstat; an `rm -rf CACHE/chunks` of a million chunks is counted out in ~16 rounds.
 FORGET_CHECK_MAX = 65536
 FORGET_BATCH = 1024
+# `hold`: what it holds (and evicts for) per lock section. A deferred checkpoint's promise is its whole size, and
+# evicting for it at once unlinked gigabytes of chunk files under the lock, which every read's get (a miss after
+# LOCK_WAIT_S) and put waited for (B800). 64 MiB is 8 default chunks, about what a put's own eviction costs.
+HOLD_SLICE = 64 << 20
 
 
 class _Toucher:
@@ -324,29 +329,40 @@ class DiskCache:
         both take the same free bytes (B731). Where the disk is short of them, the least recently used chunks are
         evicted for what is short, no more (B680). False, nothing held, where that does not make the room, unless
         `must` (a deferred copy's promise: its bytes are nowhere else, so puts leave it the room they find); True
-        on a closed cache or a filesystem that reports no size (free_bytes), where nothing is counted."""
+        on a closed cache or a filesystem that reports no size (free_bytes), where nothing is counted. Held and evicted
+        for a slice (HOLD_SLICE) per lock section, the lock let go between them (B800)."""
         evicted = 0
-        with self._lock:
-            if self._closed:
-                self._held += size
-                return True
-            try:
-                short = self.min_free_bytes + self._unwritten + self._held + size - free_bytes(self.root)
-                if short > 0 and self._index and not os.statvfs(self.root).f_flag & os.ST_RDONLY:
-                    self._held_or_lock_again()
-                    before = self.stats.bytes_used
-                    self._evict_locked(short)
-                    evicted = before - self.stats.bytes_used
-                    # Not statvfs again: a block this copy held and wrote meanwhile would count twice (as a put does).
-                    short -= evicted
-            except OSError as err:  # the dir removed under the mount: puts say so
-                log.debug("disk cache %s: free space unknown: %s", self.root, err)
-                short = 0 if must else 1
-            if short > 0 and not must:
-                held = False
-            else:
-                self._held += size
-                held = True
+        taken = 0  # held so far: a slice (HOLD_SLICE) per lock section, so reads' gets and puts come in between
+        while True:
+            with self._lock:
+                if self._closed:
+                    self._held += size - taken
+                    return True
+                step = min(size - taken, HOLD_SLICE)
+                try:
+                    short = self.min_free_bytes + self._unwritten + self._held + step - free_bytes(self.root)
+                    if short > 0 and self._index and not os.statvfs(self.root).f_flag & os.ST_RDONLY:
+                        self._held_or_lock_again()
+                        before = self.stats.bytes_used
+                        self._evict_locked(short)
+                        freed = before - self.stats.bytes_used
+                        evicted += freed
+                        # Not statvfs again: a block this copy held and wrote meanwhile would count twice (as a put
+                        # does).
+                        short -= freed
+                except OSError as err:  # the dir removed under the mount: puts say so
+                    log.debug("disk cache %s: free space unknown: %s", self.root, err)
+                    short = 0 if must else 1
+                if short > 0 and not must:
+                    self._held -= taken
+                    held = False
+                    break
+                self._held += step
+                taken += step
+                if taken >= size:
+                    held = True
+                    break
+            time.sleep(0)  # the GIL to a thread waiting for the lock, which the release woke
         if evicted:
             log.debug("disk cache %s: %d bytes evicted for %d bytes of a written file's copy beyond the %d kept free",
                       self.root, evicted, size, self.min_free_bytes)

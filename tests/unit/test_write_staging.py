@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from fsmount import write_staging
-from fsmount.data import ChunkId
+from fsmount.data import ChunkId, disk_cache
 from fsmount.data.disk_cache import DiskCache
 from fsmount.write_staging import BLOCK, DIRECT_COPIES, StagedFile, Staging
 
@@ -530,6 +530,83 @@ def test_a_pre_sized_copy_on_a_full_cache_disk_is_promised_the_room_the_cache_ev
             assert cache.get(new(i)) == data[i * chunk:(i + 1) * chunk], i
         assert not cache.contains(old[0]) and cache.contains(old[-1])
         assert disk - used() >= 8 * MiB - 2 * chunk  # its put evicted for it: the floor, a put's rounding aside
+        assert cache._held == 0
+
+
+def test_a_large_promise_evicts_a_slice_per_lock_section(tmp_path: Path, monkeypatch) -> None:
+    """B800: a deferred copy's first WRITE held its whole promise with the cache at once, and on a disk the cache fills
+    to its floor evicted for all of it under the cache's lock: a checkpoint's gigabytes of chunk unlinks, which every
+    read's get (a miss after LOCK_WAIT_S) and put waited for. It holds and evicts a slice per lock section."""
+    disk, chunk = 40 * MiB, MiB
+    used = small_disk(tmp_path, monkeypatch, disk)
+    monkeypatch.setattr(disk_cache, "HOLD_SLICE", 4 * MiB, raising=False)
+    with DiskCache(tmp_path, 1 << 30, min_free_bytes=8 * MiB) as cache:
+        filled_to_its_floor(cache, chunk)
+        held = cache.stats.chunks
+        room = disk - used() - 8 * MiB
+        staged = Staging(str(tmp_path), min_free_bytes=cache.min_free_bytes, cache=cache).open()
+        assert staged is not None
+        size = 20 * MiB
+        assert staged.promise(size)
+        real_evict = cache._evict_locked
+        freed: list[int] = []
+
+        def evict(need: int) -> None:  # called under the lock: what one lock section evicts
+            before = cache.stats.bytes_used
+            real_evict(need)
+            freed.append(before - cache.stats.bytes_used)
+
+        monkeypatch.setattr(cache, "_evict_locked", evict)
+        staged.write(0, random.Random(800).randbytes(MiB))
+        assert staged.ok, staged.error
+        assert held - cache.stats.chunks >= (size - room) // chunk  # evicted for what was short, all the same
+        assert len(freed) > 1 and max(freed) <= 4 * MiB + 2 * chunk, freed
+        staged.discard()
+        assert cache._held == 0
+
+
+@pytest.mark.parametrize("how", ["write fails", "extend fails", "no room", "deferred write fails", "deferred discarded",
+                                 "read fails", "stored"])
+def test_what_a_copy_holds_with_the_cache_is_given_back_however_it_ends(tmp_path: Path, monkeypatch, allowed_logs,
+                                                                        how: str) -> None:
+    """B731's holds guard a rule of their own: every byte a copy holds with the cache (`DiskCache.hold`) is given back
+    however the copy ends (a failed write or extend, ENOSPC at the floor, a discard, a failed read, the file stored),
+    else the cache would count it as taken for good and stop caching."""
+    allowed_logs.append("cannot keep written files")
+    disk, chunk = 40 * MiB, MiB
+    small_disk(tmp_path, monkeypatch, disk)
+    with DiskCache(tmp_path, 1 << 30, min_free_bytes=8 * MiB) as cache:
+        filled_to_its_floor(cache, chunk)
+        staging = Staging(str(tmp_path), min_free_bytes=cache.min_free_bytes, cache=cache)
+        staged = staging.open()
+        assert staged is not None
+        data = random.Random(801).randbytes(3 * MiB + 777)
+        if how.startswith("deferred"):
+            assert staged.promise(8 * MiB)
+        staged.write(0, data[:MiB + 5])  # a block out, a partial one gathered
+        assert staged.ok and cache._held > 0, (staged.error, cache._held)
+
+        def fail(*args: object) -> None:
+            raise OSError(errno.EIO, "injected")
+
+        if how in ("write fails", "deferred write fails"):
+            monkeypatch.setattr(write_staging, "pwrite_all", fail)
+            staged.write(MiB + 5, data[MiB + 5:])
+            staged.write(4 * MiB, data)  # not a continuation: the gathered bytes go out, and fail
+        elif how == "extend fails":
+            monkeypatch.setattr(os, "ftruncate", fail)
+            staged.extend(len(data))
+        elif how == "no room":
+            staged.write(MiB + 5, bytes(disk))  # past the floor, even with every chunk evicted: ENOSPC
+        elif how == "deferred discarded":
+            staged.discard()
+        elif how == "read fails":
+            monkeypatch.setattr(os, "preadv", fail)
+            assert not staged.read_into(0, bytearray(MiB))
+        else:
+            staged.write(MiB + 5, data[MiB + 5:])
+            assert staged.to_cache(cache, lambda i: ChunkId("b", "new", "etag", chunk, i), len(data), chunk) == 4
+        assert not staged.ok
         assert cache._held == 0
 
 

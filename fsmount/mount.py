@@ -858,6 +858,7 @@ def open_disk_cache(cfg: MountConfig) -> DiskCache:
             log.info("cache dir %s: removed %s (%s) that a --writable mount left in writes/ when it was killed",
                      cache.root, counted(files, "copy of a file", "copies of files"), human_size(staged))
     room = min(cache.max_bytes, cache.stats.bytes_used + free - cache.min_free_bytes)
+    cache.room_bytes = max(0, room)  # what `modelfs stats` says until the cache's own check measures it again
     if room < CACHE_ROOM_CHUNKS * cfg.chunk_size:
         log.warning("cache dir %s has room for %d MiB of chunks only (--cache-size %d MiB; %d MiB free on its "
                     "filesystem, %d MiB of which stay free): it will hold next to nothing", cache.root,

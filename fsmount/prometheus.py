@@ -123,6 +123,10 @@ class StatsCollector:
             yield GaugeMetricFamily("modelfs_disk_cache_used_bytes", "Bytes of chunk files in the NVMe cache",
                                     value=dc["bytes_used"])
             yield GaugeMetricFamily("modelfs_disk_cache_size_bytes", "--cache-size in bytes", value=dc["max_bytes"])
+            if dc.get("room_bytes") is not None:
+                yield GaugeMetricFamily("modelfs_disk_cache_room_bytes", "Bytes the NVMe cache can hold as its disk "
+                                        "stands (its chunks and the free space beyond its floor), at most --cache-size",
+                                        value=dc["room_bytes"])
             yield GaugeMetricFamily("modelfs_disk_cache_chunks", "Chunk files in the NVMe cache", value=dc["chunks"])
         wr = s.get("writes")
         if wr is not None:

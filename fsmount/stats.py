@@ -147,6 +147,9 @@ class MountStats:
                 # Chunks not written: while writes pause after a failed one (a full disk), or without room.
                 "writes_skipped": ds.writes_skipped,
                 "bytes_used": ds.bytes_used, "max_bytes": self.disk_cache.max_bytes, "chunks": ds.chunks,
+                # What it can hold as its disk stands (its chunks and the free space beyond its floor), at most
+                # max_bytes: less where --cache-size is more than the disk gives. None until measured.
+                "room_bytes": self.disk_cache.room_bytes,
             }
         if self.shared_tier is not None:
             ts = self.shared_tier.stats

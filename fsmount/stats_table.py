@@ -130,9 +130,15 @@ def format_stats(s: dict[str, Any], mountpoint: str) -> str:
     if dc is None:
         rows.append(("NVMe cache", "off (no --cache-dir)"))
     else:
-        used = ratio(dc["bytes_used"], dc["max_bytes"])
+        # The room its disk gives, where that is less than --cache-size: "of 200 GiB" on a disk with 37 GiB free read
+        # as room the cache did not have.
+        room = dc.get("room_bytes")
+        limit = room if room is not None and room < dc["max_bytes"] else dc["max_bytes"]
+        of = human_size(limit) + (f" (the room its disk gives; --cache-size {human_size(dc['max_bytes'])})"
+                                  if limit < dc["max_bytes"] else "")
+        used = ratio(dc["bytes_used"], limit)
         rows += [
-            ("NVMe cache", f"{human_size(dc['bytes_used'])} of {human_size(dc['max_bytes'])} ({_percent(used)}), "
+            ("NVMe cache", f"{human_size(dc['bytes_used'])} of {of} ({_percent(used)}), "
                            f"{counted(dc['chunks'], 'chunk', 'chunks')}"
                            + (f", {dc['writes_skipped']} not written (writes paused after a failure, or no room)"
                               if dc.get("writes_skipped") else "")),

@@ -206,6 +206,11 @@ class DiskCache:
         self._reserved = 0  # file bytes of puts in flight until indexed: counted against max_bytes
         self._unwritten = 0  # file bytes of puts in flight until their temp file is written: free space
         self._held = 0  # bytes the local copies of written files hold against free space (`hold`)
+        # What the cache can hold as its disk stands, as `keep_free` last measured it (every FREE_CHECK_S of the
+        # mount): its chunks, plus the free space beyond the floor that puts in flight and copies do not take, at most
+        # max_bytes. None until measured, or where the filesystem is read-only or reports no size. Read without the
+        # lock (stats): one int.
+        self.room_bytes: int | None = None
         # monotonic time of the last failed write, None once the episode ends; one warning per episode
         self._write_failed_at: float | None = None
         self._write_episode = 0  # counts episodes, so a put knows whether it started inside this one
@@ -301,16 +306,24 @@ class DiskCache:
         would: another process (logs, container images) filled it while no put came. What the local copies of
         written files hold (`hold`) counts as taken. The bytes evicted."""
         with self._lock:
-            if self._closed or not self._index:
+            if self._closed:
                 return 0
             try:
                 # A read-only filesystem (a warm cache on a disk mounted read-only) is filled by nobody, and may say
                 # it has no room (squashfs): its chunks stay.
                 if os.statvfs(self.root).f_flag & os.ST_RDONLY:
                     return 0
-                self._held_or_lock_again()
-                short_of_free = self.min_free_bytes + self._unwritten + self._held - free_bytes(self.root)
+                free = free_bytes(self.root)
             except OSError as err:  # the dir removed under the mount: puts say so
+                log.debug("disk cache %s: free space unknown: %s", self.root, err)
+                return 0
+            short_of_free = self.min_free_bytes + self._unwritten + self._held - free
+            self.room_bytes = max(0, min(self.max_bytes, self.stats.bytes_used - short_of_free))
+            if not self._index:
+                return 0
+            try:
+                self._held_or_lock_again()
+            except OSError as err:
                 log.debug("disk cache %s: free space unknown: %s", self.root, err)
                 return 0
             if short_of_free <= 0:

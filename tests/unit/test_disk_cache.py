@@ -978,6 +978,49 @@ def test_a_cache_size_the_disk_cannot_hold_is_said_once_at_mount(tmp_path: Path,
     assert fits == []
 
 
+def test_the_room_a_disk_gives_the_cache_is_measured_for_stats(tmp_path: Path, monkeypatch) -> None:  # noqa: ANN001
+    """`modelfs stats` said "of 200 GiB" of a cache whose disk had room for 37 GiB (a new user's trial): the cache
+    measures what it can hold as its disk stands, at mount and at each floor check (`keep_free`): its chunks plus
+    the free space beyond its floor, less what puts in flight and copies hold, at most --cache-size."""
+    from fsmount.config import CacheSize, MountConfig, StoreConfig
+    from fsmount.mount import open_disk_cache
+
+    real_statvfs = os.statvfs
+    free_blocks = [9728]  # of 10240 blocks of 4 KiB: 38 MiB of a 40 MiB disk
+
+    def small_disk(path):  # noqa: ANN001, ANN202
+        st = real_statvfs(path)
+        return os.statvfs_result((4096, 4096, 10240, free_blocks[0], free_blocks[0], st.f_files, st.f_ffree,
+                                  st.f_favail, st.f_flag, st.f_namemax))
+
+    monkeypatch.setattr(os, "statvfs", small_disk)
+    cfg = MountConfig(store=StoreConfig(bucket="b"), mountpoint="/nonexistent", cache_dir=str(tmp_path / "c"),
+                      cache_size=CacheSize(bytes=500 << 30), memory_limit=256 << 20)
+    cache = open_disk_cache(cfg)
+    try:
+        assert cache.min_free_bytes == 2 * MiB
+        assert cache.room_bytes == 36 * MiB  # at mount
+        free_blocks[0] = 4608  # something else took 20 MiB: 18 MiB free
+        assert cache.keep_free() == 0
+        assert cache.room_bytes == 16 * MiB
+        assert cache.hold(4 * MiB)  # a copy of a file being written takes 4 MiB of it
+        cache.keep_free()
+        assert cache.room_bytes == 12 * MiB
+        cache.unhold(4 * MiB)
+        free_blocks[0] = 256  # 1 MiB free, under the floor, and the cache holds nothing to evict
+        cache.keep_free()
+        assert cache.room_bytes == 0
+    finally:
+        cache.close()
+    small = DiskCache(tmp_path / "fits", max_bytes=4 * MiB, min_free_bytes=2 * MiB)
+    try:
+        free_blocks[0] = 9728
+        small.keep_free()
+        assert small.room_bytes == 4 * MiB  # --cache-size, where the disk gives more
+    finally:
+        small.close()
+
+
 def test_a_writes_entry_that_is_not_a_directory_is_left_alone_and_a_writable_mount_refuses_it(tmp_path: Path) -> None:
     from fsmount.config import CacheSize, MountConfig, StoreConfig
     from fsmount.mount import MountError, open_disk_cache

@@ -151,7 +151,7 @@ def test_the_readme_metrics_table_and_the_exporter_name_the_same_metrics() -> No
 
     dc = {"hits": 1, "misses": 1, "corrupt": 0, "other_format": 0, "read_errors": 0, "write_errors": 0,
           "lock_timeouts": 0, "evictions": 0, "writes": 1, "writes_skipped": 0, "hit_ratio": 0.5, "bytes_used": 1,
-          "max_bytes": 2, "chunks": 1}
+          "max_bytes": 2, "room_bytes": 2, "chunks": 1}
     tier = {name: 0 for name in ("hits", "misses", "bytes", "claims", "claim_waits", "fallbacks", "writes",
                                  "write_errors", "chunk_write_errors", "writes_skipped", "trailed", "trail_dropped",
                                  "waiters_seen", "corrupt", "other_format", "errors", "egress_saved_bytes",

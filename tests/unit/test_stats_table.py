@@ -155,3 +155,20 @@ def test_chunks_of_another_format_and_the_tier_s_chunk_write_errors_are_shown_wh
     assert text["shared tier"] == ("tier (claims on): 1 hit, 1 miss (50.0% hit), 8.00 MiB loaded, 1 chunk of another "
                                    "version's format (fetched again)"), text
     assert "shared write 5 (3 of chunks), shared corrupt 0" in text["errors"], text
+
+
+def test_a_cache_whose_disk_gives_less_than_cache_size_is_shown_against_that_room() -> None:
+    """A new user's `modelfs stats` read "NVMe cache 1.00 GiB of 200.00 GiB" where the mount's log said its disk left
+    room for 37 GiB: the cache never holds more than that, so the row says the room and where --cache-size stands.
+    Room unknown, or at least --cache-size, reads as before."""
+    dc = {"hits": 1, "misses": 1, "hit_ratio": 0.5, "corrupt": 0, "other_format": 0, "read_errors": 0,
+          "write_errors": 0, "lock_timeouts": 0, "evictions": 0, "writes": 1, "writes_skipped": 0,
+          "bytes_used": 8 << 30, "max_bytes": 200 << 30, "chunks": 1024}
+
+    def row(**disk: Any) -> str:
+        table = format_stats(snapshot(disk_cache={**dc, **disk}), "/models")
+        return dict(re.split(r"\s{2,}", line, maxsplit=1) for line in table.splitlines())["NVMe cache"]
+
+    assert row(room_bytes=32 << 30) == ("8.00 GiB of 32.00 GiB (the room its disk gives; --cache-size 200.00 GiB) "
+                                        "(25.0%), 1024 chunks")
+    assert row(room_bytes=200 << 30) == row(room_bytes=None) == row() == "8.00 GiB of 200.00 GiB (4.0%), 1024 chunks"

@@ -2,7 +2,8 @@
 progress bar. The daemon does the fetching; reading fills its NVMe cache and (unless told not to) the
 kernel page cache. Then it waits until the daemon has written what it fetched to its cache levels (the
 NVMe cache, and the shared tier, whose writes trail the load): once it returns, the tier is warm for the
-fleet. It runs in the user's process, never inside the daemon.
+fleet. It runs in the user's process, never inside the daemon. A file replaced in the bucket since the mount
+listed it, whose read the daemon fails with EIO, is opened again once and read as the bucket holds it now.
 """
 
 from __future__ import annotations
@@ -219,12 +220,31 @@ def warm(paths: list[str], *, keep_pagecache: bool = True, threads: int = THREAD
     # Files whose blocks are submitted and not yet waited for, oldest first: up to `threads` of them, so that
     # small files are read side by side too (one at a time, 3000 files of 4 KB took 14 s).
     open_files: collections.deque[tuple[str, int, list[Future[None]]]] = collections.deque()
+    # Files read again as the version the bucket holds now (`_replaced`): each at most once.
+    read_again: set[str] = set()
+
+    def submit(path: str, fd: int, size: int) -> None:
+        open_files.append((path, fd, [pool.submit(read_block, fd, off, min(BLOCK, size - off))
+                                      for off in range(0, size, BLOCK)]))
 
     def finish() -> None:
         path, fd, futures = open_files.popleft()
         try:
             concurrent.futures.wait(futures)  # every block, failed or not, before its descriptor closes
             errors = [fut.exception() for fut in futures if fut.exception() is not None]
+            if errors and path not in read_again:
+                again = _replaced(path, fd, errors[0])
+                if isinstance(again, int):
+                    read_again.add(path)
+                    size = os.fstat(again).st_size
+                    if bar is not None:
+                        bar.total += size
+                        bar.refresh()
+                    submit(path, again, size)
+                    return
+                if again:
+                    failures.append(f"{path}: {again}")
+                    return
             if errors:
                 failures.append(f"{path}: {_reason(errors[0])}")
         finally:
@@ -249,8 +269,7 @@ def warm(paths: list[str], *, keep_pagecache: bool = True, threads: int = THREAD
                 except OSError as exc:
                     failures.append(f"{path}: {_reason(exc)}")
                     continue
-                open_files.append((path, fd, [pool.submit(read_block, fd, off, min(BLOCK, size - off))
-                                              for off in range(0, size, BLOCK)]))
+                submit(path, fd, size)
                 while len(open_files) > threads:
                     finish()
             while open_files:
@@ -274,6 +293,26 @@ def _named(failures: list[str]) -> str:
     """The first FAILURES_NAMED of `failures`, and how many more."""
     more = f"; and {len(failures) - FAILURES_NAMED} more" if len(failures) > FAILURES_NAMED else ""
     return "; ".join(failures[:FAILURES_NAMED]) + more
+
+
+def _replaced(path: str, fd: int, error: BaseException) -> int | str | None:
+    """After a read of `path` (open as `fd`) failed with `error`: a descriptor of the version the bucket holds now
+    where the one read was replaced in the bucket since the mount listed it (the daemon answers EIO for the old
+    version and gives the new one a new inode at once, whatever its --metadata-ttl: a prefetch run right after a
+    new revision was pushed read the new one in a second run only); what to say where the file was deleted
+    meanwhile; None where it was not replaced (the EIO is the daemon's: origin down, read timeout)."""
+    if not isinstance(error, OSError) or error.errno != errno.EIO:
+        return None
+    try:
+        again = os.open(path, os.O_RDONLY)  # a superseded inode's open is ESTALE: the kernel looks the path up again
+    except FileNotFoundError:
+        return "deleted from the bucket since the mount listed it"
+    except OSError:
+        return None
+    if os.fstat(again).st_ino != os.fstat(fd).st_ino:
+        return again
+    os.close(again)
+    return None
 
 
 def _reason(exc: BaseException) -> str:

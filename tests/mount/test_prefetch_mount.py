@@ -23,6 +23,8 @@ from fsmount.data import ChunkId
 from fsmount.data.cache_dir import SHARD_HEX_CHARS
 from fsmount.testing.fault_proxy import Fault, FaultProxy
 from tests.helpers import (
+    FETCH_FAILED,
+    READ_FAILED,
     MiB,
     S3Server,
     bucket_with,
@@ -445,3 +447,22 @@ def test_modelfs_prefetch_while_a_server_loads(moto_server: S3Server, mountpoint
         assert warm.returncode == 0, err
         src = load_file(tmp_path / "m4.safetensors")
         assert got.keys() == src.keys() and all(np.array_equal(got[k], src[k]) for k in src)
+
+
+def test_modelfs_prefetch_right_after_a_new_revision_reads_the_new_one(s3: S3Server, mountpoint: Path) -> None:
+    """A revision pushed while the mount is up (B750): the files the mount listed before are read as the bucket holds
+    them now, not failed with EIO until --metadata-ttl has passed; one deleted since is named as such."""
+    bucket = new_bucket(s3)
+    put_objects(s3, bucket, {f"m/f{i}.bin": random_bytes(3 * MiB, i) for i in range(3)})
+    with mounted(s3, bucket, mountpoint, "--metadata-ttl", "600", allowed=(FETCH_FAILED, READ_FAILED)) as m:
+        assert sorted(os.listdir(mountpoint / "m")) == ["f0.bin", "f1.bin", "f2.bin"]  # listed: the old versions
+        new = random_bytes(5 * MiB, 7)
+        put_objects(s3, bucket, {"m/f2.bin": new})
+        s3.client().delete_object(Bucket=bucket, Key="m/f1.bin")
+        res = run_modelfs("prefetch", str(mountpoint / "m"), timeout=120)
+        assert res.returncode == 1, res.stderr
+        assert f"1 of 3 files could not be read ({mountpoint / 'm' / 'f1.bin'}: deleted from the bucket since the " \
+            "mount listed it); the other 2 were read" in res.stderr, res.stderr
+        assert f"prefetched {3 * MiB + len(new)} bytes" in res.stdout, res.stdout
+        assert (mountpoint / "m" / "f2.bin").read_bytes() == new
+    assert "object changed in the bucket since it was opened" in m.log()

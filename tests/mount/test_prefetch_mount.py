@@ -466,3 +466,20 @@ def test_modelfs_prefetch_right_after_a_new_revision_reads_the_new_one(s3: S3Ser
         assert f"prefetched {3 * MiB + len(new)} bytes" in res.stdout, res.stdout
         assert (mountpoint / "m" / "f2.bin").read_bytes() == new
     assert "object changed in the bucket since it was opened" in m.log()
+
+
+def test_modelfs_prefetch_of_a_file_the_origin_fails_names_it_after_one_try(proxy: FaultProxy, moto_server: S3Server,
+                                                                            mountpoint: Path) -> None:
+    """The other side of B750: a file whose read fails with the daemon's own EIO (here its read timeout), the version
+    unchanged, is named as an I/O error as before (not as deleted, nor read as a new version), within its timeout."""
+    bucket = bucket_with(moto_server, {"m/f.bin": random_bytes(3 * MiB, 1)})
+    with mounted_via(proxy, moto_server, bucket, mountpoint, "--read-timeout", "2",
+                     allowed=(FETCH_FAILED, READ_FAILED, "timed out", "timeout")):
+        assert os.listdir(mountpoint / "m") == ["f.bin"]
+        proxy.inject(Fault.STALL, seconds=60)
+        started = time.monotonic()
+        res = run_modelfs("prefetch", "--write-wait", "0", str(mountpoint / "m"), timeout=120)
+        took = time.monotonic() - started
+        assert res.returncode == 1 and f"1 of 1 files could not be read ({mountpoint / 'm' / 'f.bin'}: Input/output " \
+            "error)" in res.stderr, res.stderr
+        assert took < 2 * 2, took  # bounded by the read timeout

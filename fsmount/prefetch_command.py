@@ -263,12 +263,19 @@ def warm(paths: list[str], *, keep_pagecache: bool = True, threads: int = THREAD
 
     try:
         with ThreadPoolExecutor(threads) as pool:
-            for path, size in files:
+            for path, listed in files:
                 try:
                     fd = open_waiting(path)
                 except OSError as exc:
                     failures.append(f"{path}: {_reason(exc)}")
                     continue
+                # The size of the version opened, not the one listed: past --metadata-ttl the open may find another
+                # version (a revision pushed while a long prefetch ran), which the listed size read short, said to be
+                # warm, or failed as "unexpected end of file" where the new one is smaller.
+                size = os.fstat(fd).st_size
+                if size != listed and bar is not None:
+                    bar.total += size - listed
+                    bar.refresh()
                 submit(path, fd, size)
                 while len(open_files) > threads:
                     finish()

@@ -483,3 +483,22 @@ def test_modelfs_prefetch_of_a_file_the_origin_fails_names_it_after_one_try(prox
         assert res.returncode == 1 and f"1 of 1 files could not be read ({mountpoint / 'm' / 'f.bin'}: Input/output " \
             "error)" in res.stderr, res.stderr
         assert took < 2 * 2, took  # bounded by the read timeout
+
+
+@pytest.mark.parametrize("new_size", [1 * MiB, 9 * MiB], ids=["smaller", "larger"])
+def test_modelfs_prefetch_reads_the_version_it_opened_whole(s3: S3Server, mountpoint: Path, new_size: int) -> None:
+    """A file replaced after the prefetch listed it and before it opened it, past --metadata-ttl (a revision pushed
+    during a long prefetch): the open gets the new version, read to its own end (B751)."""
+    bucket = bucket_with(s3, {f"m/f{i}.bin": random_bytes(4 * MiB, i) for i in range(3)})
+    new = random_bytes(new_size, 9)
+    with FaultProxy(s3.endpoint_url) as proxy, mounted_via(proxy, s3, bucket, mountpoint, "--metadata-ttl", "1"):
+        # One thread: f2 is opened once f0 is read, whose first GET is held 3 s: the listing's sizes are then old.
+        proxy.inject(Fault.LATENCY, seconds=3, times=1)
+        with subprocess.Popen(modelfs_cmd("prefetch", "--threads", "1", str(mountpoint / "m")), env=modelfs_env(),
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as prefetch:
+            wait_for("the prefetch's first GET", lambda: proxy.counts().get("data_gets", 0), timeout=60)
+            put_objects(s3, bucket, {"m/f2.bin": new})
+            out, err = prefetch.communicate(timeout=120)
+        assert prefetch.returncode == 0, err
+        assert f"prefetched {2 * 4 * MiB + new_size} bytes" in out, out
+        assert (mountpoint / "m" / "f2.bin").read_bytes() == new

@@ -121,8 +121,15 @@ def local_failure(exc: BaseException | None, what: str) -> OutOfResources | None
     return None
 
 
+# What a GET of a version the bucket no longer holds says. Since the mount looked it up, not since the open: a file
+# opened after a new revision was pushed, within --metadata-ttl of the listing that named the old one, is opened as
+# the old version ("since it was opened" told the user who had pushed first that it changed after).
+CHANGED = ("object changed in the bucket since the mount looked it up (a listing or HEAD, at most --metadata-ttl "
+           "before the open)")
+
+
 class PreconditionFailed(StoreError):
-    """The object changed since it was opened (If-Match failed)."""
+    """The object changed since the mount looked up the version read (If-Match failed): `CHANGED`."""
 
     errno = errno.EIO
 
@@ -159,8 +166,7 @@ def changed_etag(pinned: str, got: str | None, what: str, *, needed: bool = Fals
         return None
     if _etag_value(pinned) == _etag_value(got):
         return None
-    return PreconditionFailed(f"{what}: object changed in the bucket since it was opened (ETag {got}, opened as "
-                              f"{pinned})")
+    return PreconditionFailed(f"{what}: {CHANGED} (ETag {got}, opened as {pinned})")
 
 
 def quoted_etag(etag: str) -> str:
@@ -304,7 +310,7 @@ def error_for_status(code: str, status: int, bucket: str, what: str, message: st
         denied.code = code
         return denied
     if code == "PreconditionFailed" or status == 412:
-        return PreconditionFailed(f"{what}: object changed in the bucket since it was opened")
+        return PreconditionFailed(f"{what}: {CHANGED}")
     if status == 400 and code in ("", "400") and method == "HEAD":
         # A HEAD's only: the answer to any other request has a body to say ExpiredToken in, so a bare 400 of a PUT, a
         # GET or a multipart call is something else (a gateway, a header refused) and keeps its server's words.

@@ -271,6 +271,24 @@ def test_replaced_object_is_seen_after_ttl_and_old_handle_never_mixes(moto_serve
         assert (mountpoint / "w.bin").read_bytes() == new
 
 
+def test_a_file_opened_after_a_push_within_the_ttl_says_the_mount_looked_it_up_before(s3: S3Server,
+                                                                                      mountpoint: Path) -> None:
+    """A revision pushed, then the file opened within --metadata-ttl of the listing that named the old one: the read's
+    EIO is logged as a change since the mount looked the file up, not "since it was opened", which told the user who
+    had pushed before opening that it changed after (B752)."""
+    bucket = bucket_with(s3, {"m/config.json": random_bytes(3 * MiB, 1)})
+    with mounted(s3, bucket, mountpoint, "--metadata-ttl", "600", allowed=("object changed", "fetching chunk")) as m:
+        assert os.listdir(mountpoint / "m") == ["config.json"]
+        put_objects(s3, bucket, {"m/config.json": random_bytes(3 * MiB, 2)})
+        with pytest.raises(OSError) as exc:
+            (mountpoint / "m" / "config.json").read_bytes()  # opened after the push
+        assert exc.value.errno == errno.EIO
+    said = [line for line in m.log().splitlines() if "read failed: " in line]
+    assert said and all("object changed in the bucket since the mount looked it up (a listing or HEAD, at most "
+                        "--metadata-ttl before the open); new opens get what the bucket holds now" in line
+                        for line in said), said
+
+
 @pytest.mark.parametrize("change", ["replaced", "deleted"])
 def test_with_ttl_forever_a_version_the_bucket_no_longer_holds_costs_one_read_not_every_open(
         s3: S3Server, mountpoint: Path, change: str) -> None:

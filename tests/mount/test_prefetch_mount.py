@@ -465,7 +465,7 @@ def test_modelfs_prefetch_right_after_a_new_revision_reads_the_new_one(s3: S3Ser
             "mount listed it); the other 2 were read" in res.stderr, res.stderr
         assert f"prefetched {3 * MiB + len(new)} bytes" in res.stdout, res.stdout
         assert (mountpoint / "m" / "f2.bin").read_bytes() == new
-    assert "object changed in the bucket since it was opened" in m.log()
+    assert "object changed in the bucket since the mount looked it up" in m.log()
 
 
 def test_modelfs_prefetch_of_a_file_the_origin_fails_names_it_after_one_try(proxy: FaultProxy, moto_server: S3Server,

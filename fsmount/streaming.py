@@ -15,7 +15,8 @@ included (opening it joins that stream, or replaces it when the kernel did not k
 nothing of it could be pushed); it is changed only in the trio thread, by `opened` / `closed`,
 which run in FUSE handlers without awaiting, and by `_warm_siblings` before and after each shard.
 `_warmed_models` maps a model to the versions (key, etag) of its files when it was warmed: opening a file of
-a version not among them (the model was replaced in the bucket) warms it again; it only grows. `_in_room`
+a version not among them (the model was replaced in the bucket) warms it again; the models opened last are kept
+(WARMED_MODELS_KEPT), and one opened again after it was forgotten is warmed again. `_in_room`
 counts the chunks of every stream from the fetch it queues to the end of its push, up to `room()`
 (STREAM_MEMORY_SHARE); a stream takes one (`_take_room`) right before it queues a fetch, with no checkpoint
 between, and `_one_chunk` gives it back whatever happens (`_leave`). A chunk the page cache holds
@@ -58,6 +59,10 @@ MAX_INDEX_BYTES = 16 * 1024 * 1024
 NOT_STREAMED_KEPT = 1024
 # Versions rewritten through the mount remembered (ModelStreamer._rewritten).
 REWRITTEN_KEPT = 1024
+# Models whose warmed versions are remembered (`ModelStreamer._warmed_models`), the ones opened last. A mount that
+# lives through many checkpoints, each a model of its own directory (step-100/, step-200/...), kept an entry for each
+# of them for its whole life, each with its files' keys and ETags (~150 B a file).
+WARMED_MODELS_KEPT = 1024
 # Where the data of the versions streamed last ends (their headers parsed), the newest this many: a file opened
 # again needs no header, whose chunk memory has often let go since (chunks pushed to the page cache are the
 # first evicted). Each open fetched that chunk again: 50 processes opening shards in a loop had the origin
@@ -151,7 +156,7 @@ class ModelStreamer:
         self.readers = readers  # handles open for reading (Operations.readers), each with its kernel windows
         self.siblings = siblings
         self.look_up = look_up  # has the kernel look a file up, so its pushes can land: its inode, or None
-        self._warmed_models: dict[str, set[tuple[str, str]]] = {}
+        self._warmed_models: cachetools.LRUCache[str, set[tuple[str, str]]] = cachetools.LRUCache(WARMED_MODELS_KEPT)
         # Versions whose inode a rewrite through the mount took (`rewritten`): never streamed or warmed again, as their
         # pushes would land in the new file's pages (a warming listed its shards before the rewrite).
         self._rewritten: cachetools.LRUCache[tuple[str, str], bool] = cachetools.LRUCache(REWRITTEN_KEPT)

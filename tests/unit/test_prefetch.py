@@ -19,6 +19,7 @@ import pytest
 import trio
 import trio.testing
 
+import fsmount.streaming
 from fsmount.data import ChunkEngine
 from fsmount.pagecache import PageCachePusher
 from fsmount.safetensors import parse_header
@@ -1524,3 +1525,29 @@ async def test_a_rewrite_s_page_drop_waiting_on_a_page_lock_does_not_hold_a_canc
     finally:
         unlocked.set()
     assert calls.end(2)
+
+
+async def test_the_models_warmed_are_remembered_for_the_last_ones_opened(autojump_clock, tmp_path,  # noqa: ANN001
+                                                                          monkeypatch) -> None:
+    """A mount that lives through many checkpoints (a model in each step's directory) kept every model it had warmed
+    for its whole life: `_warmed_models` grew by one entry each, with its files' versions."""
+    monkeypatch.setattr(fsmount.streaming, "WARMED_MODELS_KEPT", 3)
+    store = FakeStore()
+    for step in range(10):
+        store.put(f"step-{step}/model.safetensors.index.json", b'{"weight_map": {}}')
+    engine = make_engine(store, conns=2, memory=64 * MiB)
+
+    async def siblings(ino: int) -> list:  # noqa: ARG001
+        return []
+
+    streamer = ModelStreamer(engine, PageCachePusher(1 << 40), max_connections=2, siblings=siblings)
+
+    async def body() -> None:
+        for step in range(10):
+            index = version(store, f"step-{step}/model.safetensors.index.json")
+            streamer.opened(2 + step, index)
+            await trio.sleep(0.1)
+            streamer.closed(index)
+        assert list(streamer._warmed_models) == ["step-7/model", "step-8/model", "step-9/model"]
+
+    await run_prefetcher(engine, streamer, body)

@@ -1198,7 +1198,7 @@ class Daemon:
                                 shared_tier=self.shared_tier, writes=self.writes,
                                 open_files=lambda: self.ops.open_files, inodes=lambda: self.namespace.inode_count,
                                 metadata=lambda: (self.metadata_requests, self.metadata_errors),
-                                failed=lambda: dict(FAILED))
+                                failed=lambda: dict(FAILED), versions_gone=lambda: self.ops.versions_gone)
         self.ops = Operations(self.namespace, self.engine, self.streamer, self.pusher, max_readahead=cfg.max_readahead,
                               owner=Owner(cfg.uid, cfg.gid, cfg.file_mode, cfg.dir_mode), stats=self.stats.json_bytes,
                               writes=self.writes, kernel_window=cfg.kernel_window)

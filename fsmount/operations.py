@@ -275,6 +275,9 @@ class Operations(pyfuse3.Operations):
         self._next_fh = 1
         self._drop_threads = trio.CapacityLimiter(DROP_THREADS)
         self.session_calls = SessionCalls()  # ended by the stop before it closes the session
+        # READs refused because the bucket no longer holds the version open (`Namespace.gone`): counted in the trio
+        # thread, read by the stats snapshot's threads (an int, read whole).
+        self.versions_gone = 0
         # This mount's device number (st_dev), set once it answers: which of a process's descriptors are on it
         # (holders.py). Inode numbers alone repeat across mounts.
         self.device: int | None = None
@@ -572,10 +575,15 @@ class Operations(pyfuse3.Operations):
         except (PreconditionFailed, NotFound) as exc:
             # The bucket no longer holds this version (replaced or deleted): this handle gets EIO (it never
             # mixes versions), and the next open of the path gets the bucket's current one, TTL or not.
+            self.versions_gone += 1
             entry = self.ns.gone(handle.version)
             if entry is not None:  # so that a stat, too, looks the name up again (the TTL may be forever)
                 await _drop_entry(entry, self._drop_threads, self.session_calls)
-            raise StoreError(f"{exc.message}; new opens get what the bucket holds now") from None
+            # The rule that explains a file opened after a push, as the old version (B752), said as a rule: the
+            # version read may be the kernel's from long ago (`forever`), one kept while the origin was away, or
+            # this mount's own write.
+            raise StoreError(f"{exc.message}; new opens get what the bucket holds now (an open within --metadata-ttl "
+                             "of the listing or HEAD that found a version may open that version)") from None
 
     @_fuse_errors
     async def release(self, fh: int) -> None:

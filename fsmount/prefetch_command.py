@@ -3,7 +3,9 @@ progress bar. The daemon does the fetching; reading fills its NVMe cache and (un
 kernel page cache. Then it waits until the daemon has written what it fetched to its cache levels (the
 NVMe cache, and the shared tier, whose writes trail the load): once it returns, the tier is warm for the
 fleet. It runs in the user's process, never inside the daemon. A file replaced in the bucket since the mount
-listed it, whose read the daemon fails with EIO, is opened again once and read as the bucket holds it now.
+listed it, whose read the daemon fails with EIO, is opened again once and read as the bucket holds it now: only
+where the daemon says it refused a read for its version since the prefetch began (`versions_gone`), as that open
+asks the origin, and on one that answers nothing took a second read timeout.
 """
 
 from __future__ import annotations
@@ -188,9 +190,22 @@ def warm(paths: list[str], *, keep_pagecache: bool = True, threads: int = THREAD
     try:
         # Each file once, however many of the paths name it (a directory and a file in it, a path twice, a symlink to
         # the mount beside the mount's own path).
-        files = list({where: (path, size) for path, where, size in files_under(found)}.values())
+        listed = {where: (path, size) for path, where, size in files_under(found)}
     except OSError as exc:
         raise WarmError(f"{exc.filename or found[0]}: {exc.strerror or exc}") from None
+    files = list(listed.values())
+    where_of = {path: where for where, (path, _) in listed.items()}
+    # Reads each mount's daemon had refused for their version before the first open (None: it does not say).
+    gone_before = {mount: versions_gone(mount) for mount in mounts_of(found)}
+
+    def found_gone(path: str) -> bool:
+        """Whether the daemon of `path`'s mount refused a read for its version since the prefetch began: an EIO
+        may then be of a file replaced since the mount listed it (`_replaced`). Asked of the daemon alone."""
+        mount = mount_of(where_of[path], resolve=False)[0]
+        before = gone_before.get(mount)
+        now = versions_gone(mount) if before is not None else None
+        return now is not None and before is not None and now > before
+
     total = sum(size for _, size in files)
     bar = None
     if progress:
@@ -232,7 +247,7 @@ def warm(paths: list[str], *, keep_pagecache: bool = True, threads: int = THREAD
         try:
             concurrent.futures.wait(futures)  # every block, failed or not, before its descriptor closes
             errors = [fut.exception() for fut in futures if fut.exception() is not None]
-            if errors and path not in read_again:
+            if errors and path not in read_again and found_gone(path):
                 again = _replaced(path, fd, errors[0])
                 if isinstance(again, int):
                     read_again.add(path)
@@ -307,7 +322,9 @@ def _replaced(path: str, fd: int, error: BaseException) -> int | str | None:
     where the one read was replaced in the bucket since the mount listed it (the daemon answers EIO for the old
     version and gives the new one a new inode at once, whatever its --metadata-ttl: a prefetch run right after a
     new revision was pushed read the new one in a second run only); what to say where the file was deleted
-    meanwhile; None where it was not replaced (the EIO is the daemon's: origin down, read timeout)."""
+    meanwhile; None where it was not replaced (the EIO is the daemon's: origin down, read timeout). Called only
+    where the daemon refused some read for its version since the prefetch began (`versions_gone`): the open asks the
+    origin, and one that answers nothing held it a second read timeout."""
     if not isinstance(error, OSError) or error.errno != errno.EIO:
         return None
     try:
@@ -320,6 +337,18 @@ def _replaced(path: str, fd: int, error: BaseException) -> int | str | None:
         return again
     os.close(again)
     return None
+
+
+def versions_gone(mountpoint: str) -> int | None:
+    """READs the daemon of `mountpoint` refused because the bucket no longer held their version, so far; None where
+    it does not say (a daemon of an older version, no modelfs mount there)."""
+    from fsmount.stats_table import StatsUnavailable, read_stats
+
+    try:
+        count = read_stats(mountpoint).get("versions_gone")
+    except StatsUnavailable:
+        return None
+    return count if isinstance(count, int) else None
 
 
 def _reason(exc: BaseException) -> str:

@@ -70,6 +70,8 @@ class StatsCollector:
         for op, n in sorted(s["failed_requests"].items()):
             failed.add_metric([op], n)
         yield failed
+        yield CounterMetricFamily("modelfs_versions_gone", "READs refused because the bucket no longer holds the "
+                                  "version open (replaced or deleted since the mount saw it)", value=s["versions_gone"])
         yield CounterMetricFamily("modelfs_origin_metadata_requests", "HEADs and listing pages sent to the origin",
                                   value=origin["metadata_requests"])
         yield CounterMetricFamily("modelfs_origin_metadata_errors", "Metadata requests that failed or timed out",

@@ -50,6 +50,7 @@ class MountStats:
     inodes: Callable[[], int] = lambda: 0
     metadata: Callable[[], tuple[int, int]] = lambda: (0, 0)  # metadata requests sent, and those that failed
     failed: Callable[[], dict[str, int]] = dict  # FUSE requests answered with an error, by operation
+    versions_gone: Callable[[], int] = lambda: 0  # READs refused because the bucket no longer holds their version
     started: float = dataclasses.field(default_factory=time.monotonic)
     # The most READ bytes served beyond everything loaded that a snapshot reported (egress saved is a counter: a
     # later snapshot never says less), and the lock of that one value (snapshots run in two threads).
@@ -102,6 +103,9 @@ class MountStats:
             # FUSE requests answered with an error (EIO, EACCES, ...) because of the origin or a cache, by
             # operation ("read", "lookup", ...): what readers saw fail.
             "failed_requests": self.failed(),
+            # Of those, READs refused because the bucket no longer holds the version open (replaced or deleted since
+            # the mount saw it): `modelfs prefetch` opens such a file again, and only where this grew.
+            "versions_gone": self.versions_gone(),
             # Bytes fetched by model streaming (safetensors files streamed in offset order at open).
             "streamed_bytes": self.streamer.streamed_bytes,
             # Read-ahead fetches dropped before they started (their reader moved on or closed).

@@ -121,15 +121,16 @@ def local_failure(exc: BaseException | None, what: str) -> OutOfResources | None
     return None
 
 
-# What a GET of a version the bucket no longer holds says. Since the mount looked it up, not since the open: a file
-# opened after a new revision was pushed, within --metadata-ttl of the listing that named the old one, is opened as
-# the old version ("since it was opened" told the user who had pushed first that it changed after).
-CHANGED = ("object changed in the bucket since the mount looked it up (a listing or HEAD, at most --metadata-ttl "
-           "before the open)")
+# What a request pinned to a version the bucket no longer holds (If-Match, x-amz-copy-source-if-match: 412) says. Since
+# the mount saw that version, not since the open: a file opened after a new revision was pushed, within
+# --metadata-ttl of the listing that named the old one, is opened as the old version ("since it was opened" told the
+# user who had pushed first that it changed after). Nothing of where the mount saw it: a listing, a HEAD, its own
+# write, a predecessor's saved names while the origin was away; a rename's copy has no open at all.
+CHANGED = "object changed in the bucket since the mount saw the version asked for"
 
 
 class PreconditionFailed(StoreError):
-    """The object changed since the mount looked up the version read (If-Match failed): `CHANGED`."""
+    """The object changed since the mount saw the version asked for (If-Match failed): `CHANGED`."""
 
     errno = errno.EIO
 

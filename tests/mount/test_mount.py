@@ -284,9 +284,9 @@ def test_a_file_opened_after_a_push_within_the_ttl_says_the_mount_looked_it_up_b
             (mountpoint / "m" / "config.json").read_bytes()  # opened after the push
         assert exc.value.errno == errno.EIO
     said = [line for line in m.log().splitlines() if "read failed: " in line]
-    assert said and all("object changed in the bucket since the mount looked it up (a listing or HEAD, at most "
-                        "--metadata-ttl before the open); new opens get what the bucket holds now" in line
-                        for line in said), said
+    assert said and all("object changed in the bucket since the mount saw the version asked for; new opens get "
+                        "what the bucket holds now (an open within --metadata-ttl of the listing or HEAD that found a "
+                        "version may open that version)" in line for line in said), said
 
 
 @pytest.mark.parametrize("change", ["replaced", "deleted"])

@@ -465,7 +465,7 @@ def test_modelfs_prefetch_right_after_a_new_revision_reads_the_new_one(s3: S3Ser
             "mount listed it); the other 2 were read" in res.stderr, res.stderr
         assert f"prefetched {3 * MiB + len(new)} bytes" in res.stdout, res.stdout
         assert (mountpoint / "m" / "f2.bin").read_bytes() == new
-    assert "object changed in the bucket since the mount looked it up" in m.log()
+    assert "object changed in the bucket since the mount saw the version asked for" in m.log()
 
 
 def test_modelfs_prefetch_of_a_file_the_origin_fails_names_it_after_one_try(proxy: FaultProxy, moto_server: S3Server,
@@ -502,3 +502,22 @@ def test_modelfs_prefetch_reads_the_version_it_opened_whole(s3: S3Server, mountp
         assert prefetch.returncode == 0, err
         assert f"prefetched {2 * 4 * MiB + new_size} bytes" in out, out
         assert (mountpoint / "m" / "f2.bin").read_bytes() == new
+
+
+
+def test_modelfs_prefetch_on_a_dead_origin_fails_within_one_read_timeout(proxy: FaultProxy, moto_server: S3Server,
+                                                                         mountpoint: Path) -> None:
+    """B750's open again of a file whose read failed, on an origin that answers nothing (HEADs too), opened within
+    --metadata-ttl and read past it (a TTL below the read timeout, as the defaults are): that open asked the dead
+    origin once more, and the file took two read timeouts to fail."""
+    bucket = bucket_with(moto_server, {"m/f.bin": random_bytes(3 * MiB, 1)})
+    with mounted_via(proxy, moto_server, bucket, mountpoint, "--read-timeout", "4", "--metadata-ttl", "3",
+                     allowed=(FETCH_FAILED, READ_FAILED, "timed out", "timeout", "did not answer", "origin")):
+        assert os.listdir(mountpoint / "m") == ["f.bin"]
+        proxy.inject(Fault.STALL, seconds=60, data_only=False)
+        started = time.monotonic()
+        res = run_modelfs("prefetch", "--write-wait", "0", str(mountpoint / "m" / "f.bin"), timeout=120)
+        took = time.monotonic() - started
+        assert res.returncode == 1 and f"1 of 1 files could not be read ({mountpoint / 'm' / 'f.bin'}: Input/output " \
+            "error)" in res.stderr, res.stderr
+        assert took < 4 * 1.5, took  # one read timeout, not two

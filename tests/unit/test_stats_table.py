@@ -21,6 +21,7 @@ def snapshot(**extra: Any) -> dict[str, Any]:
         "cache_loaded_bytes": 16 * MiB, "cache_chunk_hits": 2, "egress_saved_bytes": 16 * MiB,
         "streamed_bytes": 0, "readahead_dropped": 0, "pagecache_pushed_bytes": 0, "pagecache_stored_bytes": 0,
         "pagecache_drops": 0,
+        "versions_gone": 0,
         "fetches_inflight": 0,
         "cache_writes_pending": 0, "cache_writes_given_up": 0, "cache_writes_skipped": 0,
         "cache_reads_given_up": 0,

@@ -371,3 +371,25 @@ def test_an_endpoint_host_that_does_not_resolve_is_said_so(aws_config, monkeypat
     with pytest.raises(Unreachable, match="cannot reach the endpoint: Could not connect to the endpoint URL"):
         Boto3Store(StoreConfig(bucket="models", endpoint_url=f"http://127.0.0.1:{port}"), preflight=True) \
             .check_bucket("")
+
+
+def test_a_copy_refused_for_its_source_version_says_nothing_of_an_open() -> None:
+    """A rename's copy pinned to the source's version (x-amz-copy-source-if-match) and refused with 412 has no open:
+    B752's "(a listing or HEAD, at most --metadata-ttl before the open)" was said of it too."""
+    from types import SimpleNamespace
+
+    from fsmount.data.uploads import Uploads
+
+    def copy_object(**kwargs: object) -> None:
+        assert kwargs["CopySourceIfMatch"] == '"abc"'
+        raise ClientError({"Error": {"Code": "PreconditionFailed", "Message": "At least one of the pre-conditions "
+                                     "you specified did not hold"}, "ResponseMetadata": {"HTTPStatusCode": 412}},
+                          "CopyObject")
+
+    client = SimpleNamespace(copy_object=copy_object, meta=SimpleNamespace(events=SimpleNamespace(
+        register=lambda *args: None)))
+    uploads = Uploads(SimpleNamespace(bucket="b", client=client, head=None, has_children=None))  # type: ignore[arg-type]
+    with pytest.raises(PreconditionFailed) as exc:
+        uploads.copy("m/a.bin", '"abc"', "m/b.bin")
+    assert exc.value.message == ("copying 'm/a.bin' to 'm/b.bin': object changed in the bucket since the mount saw "
+                                 "the version asked for"), exc.value.message

@@ -860,8 +860,9 @@ class Boto3Store:
         # No botocore try of it begins past --read-timeout after the first (`within`): a head not in by then was sent
         # again BOTO_MAX_ATTEMPTS times in this fetch thread, a read timeout each, where a presigned GET's try is one
         # (B420: the level stack tries it again, while a READ waits for the chunk).
+        deadline = time.monotonic() + self._cfg.read_timeout
         try:
-            resp = within(time.monotonic() + self._cfg.read_timeout, lambda: self._client.get_object(**kwargs))
+            resp = within(deadline, lambda: self._client.get_object(**kwargs))
         except TimedOut:  # (`_no_try_past_the_deadline`'s; botocore's own timeouts are its exceptions)
             raise TimedOut(f"{what}: no answer within the read timeout ({self._cfg.read_timeout:g}s)") from None
         content_range = resp.get("ContentRange")
@@ -887,7 +888,9 @@ class Boto3Store:
         if changed is not None:
             raise changed
         # A body longer than the range is as wrong as a short one: ask for one byte more than the range.
-        with ObjectReader(resp["Body"], want, self.bucket, what) as reader:
+        # Its body by the same deadline (B770), as a presigned GET's: read by --read-timeout after the request began.
+        with ObjectReader(resp["Body"], want, self.bucket, what, deadline=deadline,
+                          read_timeout=self._cfg.read_timeout) as reader:
             if buffer is None:
                 data: bytes | WritableBuffer = reader.read(want + 1)
                 got = len(data)
@@ -980,13 +983,36 @@ READ_SLICE = 1024 * 1024
 
 class ObjectReader:
     """The body of one GET: `read(n)` and `readinto(buffer)` until `size` bytes are in, with botocore's
-    failures turned into StoreErrors. Close it (or use it as a context manager) when done."""
+    failures turned into StoreErrors. Close it (or use it as a context manager) when done.
 
-    def __init__(self, body: Any, size: int, bucket: str, what: str):
+    With a `deadline` (time.monotonic()) the body is read by then, not per packet only (B770): botocore's read
+    timeout is one recv's, so a body sent a few bytes at a time, each in time, held its fetch thread for as long as
+    the server went on. A timer shuts the socket's reading side down at the deadline (urllib3's
+    `HTTPResponse.shutdown`, meant for a read blocked in another thread); the read under way then ends, and every
+    failure of this body from then on is `TimedOut`. Bytes read before it are whole (a shutdown only ends the
+    stream). The timer and `close` meet under `_lock`: a shutdown after the body was read whole is not made (urllib3
+    refuses one whose connection went back to its pool, `_stop_timer`'s race aside: see there)."""
+
+    def __init__(self, body: Any, size: int, bucket: str, what: str, *, deadline: float | None = None,
+                 read_timeout: float = 0.0):
         self._body = body
         self.size = size
         self.server_age_s: float | None = None  # the object's age on the server's clock (store.server_age_s)
         self._bucket, self._what = bucket, what
+        self._read_timeout = read_timeout
+        # `_timer`, `_timed_out` and `_closed` are written under `_lock` (this thread and the timer's); `_timed_out`,
+        # once set never cleared, is read without it.
+        self._lock = threading.Lock()
+        self._timer: threading.Timer | None = None
+        self._timed_out = self._closed = False
+        if deadline is not None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                self._timed_out = True
+            else:
+                self._timer = threading.Timer(left, self._time_out)
+                self._timer.daemon = True
+                self._timer.start()
 
     def __enter__(self) -> ObjectReader:
         return self
@@ -995,7 +1021,33 @@ class ObjectReader:
         self.close()
 
     def close(self) -> None:
+        self._stop_timer()
         self._body.close()
+
+    def _stop_timer(self) -> None:
+        """No shutdown from here on. (A timer that fired as the last bytes came, urllib3 having just given the
+        connection back to its pool, can still shut down the next request on it, which fails and is tried again:
+        never wrong bytes.)"""
+        with self._lock:
+            self._closed = True
+            timer, self._timer = self._timer, None
+        if timer is not None:
+            timer.cancel()
+
+    def _time_out(self) -> None:
+        """In the timer's thread, at the deadline: end the read under way."""
+        with self._lock:
+            if self._closed:
+                return
+            self._timed_out = True
+        raw = getattr(self._body, "_raw_stream", None)  # botocore's StreamingBody over urllib3's HTTPResponse
+        try:
+            raw.shutdown()
+        except Exception as exc:  # noqa: BLE001 -- already released, closed, or not urllib3's: nothing to end
+            log.debug("%s: the read timeout could not end the body's read: %s", self._what, exc)
+
+    def _timed_out_error(self) -> TimedOut:
+        return TimedOut(f"{self._what}: the body was not in within the read timeout ({self._read_timeout:g}s)")
 
     def read(self, n: int) -> bytes:
         """Exactly n bytes, or fewer only at the end of the object."""
@@ -1019,7 +1071,14 @@ class ObjectReader:
         return got
 
     def _call(self, fn: Any, arg: Any) -> Any:
+        if self._timed_out:
+            raise self._timed_out_error()
         try:
-            return fn(arg)
+            got = fn(arg)
         except Exception as exc:  # noqa: BLE001
+            if self._timed_out:
+                raise self._timed_out_error() from None
             raise translate_error(exc, self._bucket, self._what) from None
+        if self._timed_out:  # ended by the shutdown: the stream's end is not the body's
+            raise self._timed_out_error()
+        return got

@@ -365,6 +365,32 @@ def test_signed_requests_through_the_proxy_on_seaweedfs(seaweed_server: S3Server
             read_all_exact(fd, data)
 
 
+@pytest.mark.seaweedfs
+def test_a_body_sent_slowly_to_the_boto3_client_ends_at_the_read_timeout_on_seaweedfs(seaweed_server: S3Server,
+                                                                                      mountpoint: Path) -> None:
+    """B770 on SeaweedFS (signed requests through the proxy): with --get-client boto3, a chunk whose body comes 16
+    bytes every 0.5 s fails its READ within the read timeout and holds its fetch thread no longer: with
+    --max-connections 1 the next chunk's READ, once the first failed, gets its bytes (before, the first chunk's GET
+    was read for as long as the server went on, and the next READ got EIO at its own timeout). One GET of the slow
+    chunk, not tried again in the fetch thread."""
+    read_timeout = 3.0
+    data = random_bytes(3 * MiB, 33)
+    bucket = bucket_with(seaweed_server, {"sw.bin": data})
+    args = (*fault_args("--read-timeout", f"{read_timeout:g}"), "--max-connections", "1", "--get-client", "boto3")
+    with FaultProxy(seaweed_server.endpoint_url) as proxy, \
+            mounted_via(proxy, seaweed_server, bucket, mountpoint, *args, allowed=(FETCH_FAILED, READ_FAILED)):
+        slow = proxy.inject(Fault.DRIBBLE, seconds=0.5, times=1, range_from=0)
+        with opened_random(mountpoint / "sw.bin") as fd:
+            result, took = timed_pread(fd, MiB, 0)
+            assert result == errno.EIO and took <= failing_read_bound(read_timeout), (result, took)
+            time.sleep(RETRY_GRACE_S)  # a READ sooner after one that failed fails at once (the kernel's re-send)
+            healthy, took = timed_pread(fd, MiB, MiB)
+            assert not isinstance(healthy, int), f"the healthy chunk's READ failed ({healthy}) after {took:.1f}s"
+            assert healthy == data[MiB:2 * MiB], "wrong bytes"
+            read_all_exact(fd, data)
+        assert slow.hits == 1
+
+
 def test_a_bucket_in_another_region_than_configured_lists_and_reads(moto_server: S3Server, proxy: FaultProxy,
                                                                      mountpoint: Path) -> None:
     """S3 answers a request signed for another region than the bucket's with 301 PermanentRedirect and the
@@ -439,20 +465,23 @@ def test_stall_gives_eio_within_read_timeout_then_recovers(moto_server: S3Server
         assert m.proc.poll() is None
 
 
-@pytest.mark.parametrize("fault", [Fault.DRIBBLE, Fault.DRIBBLE_HEAD])
+@pytest.mark.parametrize(("client", "fault"), [("presigned", Fault.DRIBBLE), ("presigned", Fault.DRIBBLE_HEAD),
+                                               ("boto3", Fault.DRIBBLE)],
+                         ids=["dribble", "dribble_head", "boto3-dribble"])
 def test_a_chunk_sent_slowly_does_not_keep_the_fetch_threads_from_healthy_chunks(
-        moto_server: S3Server, proxy: FaultProxy, mountpoint: Path, fault: Fault) -> None:
+        moto_server: S3Server, proxy: FaultProxy, mountpoint: Path, client: str, fault: Fault) -> None:
     """B365: a chunk's GET whose body came a few bytes at a time, each packet in time for the read timeout, kept its
     fetch thread for as long as the server went on; with --max-connections 2, two of them held both, and a READ of a
     chunk the origin served well got EIO at --read-timeout. A GET's body is now read by the read timeout after the
     request began: cut there, it is not tried again for READs whose deadline it outlasted (B420), and the threads
     are free for the healthy chunk's READ within its own timeout. B373: so is the response's head (`DRIBBLE_HEAD`:
-    its status line and headers a few bytes at a time). (--get-client boto3 is not bounded so: RELIABILITY.md's "Not
-    covered yet".)"""
+    its status line and headers a few bytes at a time). B770: with --get-client boto3 the body is read by the same
+    deadline (`boto3_store.ObjectReader`); its head is bounded per packet only (RELIABILITY.md's "Not covered
+    yet")."""
     read_timeout = 4.0
     data = random_bytes(4 * MiB, 31)
     bucket = bucket_with(moto_server, {"slow.bin": data})
-    args = (*fault_args("--read-timeout", f"{read_timeout:g}"), "--max-connections", "2", "--get-client", "presigned")
+    args = (*fault_args("--read-timeout", f"{read_timeout:g}"), "--max-connections", "2", "--get-client", client)
     with mounted_via(proxy, moto_server, bucket, mountpoint, *args, allowed=(FETCH_FAILED, READ_FAILED)) as m:
         # The first GET of chunk 0 and of chunk 1: 16 bytes every 0.5 s (a MiB in 9 hours, a head of 300 bytes in 9 s),
         # then whole if cleared.

@@ -923,14 +923,20 @@ class Boto3Store:
                 return self._ranges.open(key, what)
             except NotFound:
                 return None
+        # Its body read by --read-timeout (the tier's request timeout) after the request began, as the presigned
+        # path's (B771); botocore begins no try past it (`within`).
+        deadline = time.monotonic() + self._cfg.read_timeout
         try:
-            resp = self._client.get_object(Bucket=self.bucket, Key=key)
+            resp = within(deadline, lambda: self._client.get_object(Bucket=self.bucket, Key=key))
+        except TimedOut:
+            raise TimedOut(f"{what}: no answer within the read timeout ({self._cfg.read_timeout:g}s)") from None
         except Exception as exc:  # noqa: BLE001
             err = translate_error(exc, self.bucket, what)
             if isinstance(err, NotFound):
                 return None
             raise err from None
-        reader = ObjectReader(resp["Body"], int(resp["ContentLength"]), self.bucket, what)
+        reader = ObjectReader(resp["Body"], int(resp["ContentLength"]), self.bucket, what, deadline=deadline,
+                              read_timeout=self._cfg.read_timeout)
         reader.server_age_s = server_age_s(resp.get("ResponseMetadata", {}).get("HTTPHeaders", {}).get("date"),
                                            resp.get("LastModified"))
         return reader

@@ -1623,3 +1623,22 @@ def test_the_stores_range_sent_slowly_ends_at_the_read_timeout_in_both_clients(o
     buffer = mmap.mmap(-1, 100)
     assert store.get_range("k", ETAG, 10, 110, buffer, len(DATA)) is buffer
     assert bytes(buffer) == DATA[10:110]
+
+
+@pytest.mark.parametrize("client", ["presigned", "boto3"])
+def test_the_stores_whole_object_sent_slowly_ends_at_the_read_timeout_in_both_clients(
+        origin: Origin, monkeypatch: pytest.MonkeyPatch, client: str) -> None:
+    """B771: the shared tier's whole-object GET (`open_object`) on the boto3 path (an HTTP(S) proxy from the
+    environment) read a body sent 16 bytes every 50 ms for as long as the server went on (3 s at a read timeout, the
+    tier's request timeout, of 1 s). It ends by the read timeout after the request began, as the presigned path's
+    (B315): TimedOut; then exact."""
+    store = store_on(origin, monkeypatch, get_client=client, read_timeout=1.0)
+    origin.script = lambda h, s, e: dribble(h, DATA, 16, 0.05, 3.0) or True
+    started = time.monotonic()
+    with pytest.raises(TimedOut), store.open_object("k") as body:
+        body.read(body.size)
+    assert time.monotonic() - started < 1.0 + 0.5
+    origin.script = None
+    with store.open_object("k") as body:
+        assert body.read(body.size) == DATA
+    assert store.get_object("k") == DATA

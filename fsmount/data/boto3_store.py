@@ -996,8 +996,11 @@ class ObjectReader:
     the server went on. A timer shuts the socket's reading side down at the deadline (urllib3's
     `HTTPResponse.shutdown`, meant for a read blocked in another thread); the read under way then ends, and every
     failure of this body from then on is `TimedOut`. Bytes read before it are whole (a shutdown only ends the
-    stream). The timer and `close` meet under `_lock`: a shutdown after the body was read whole is not made (urllib3
-    refuses one whose connection went back to its pool, `_stop_timer`'s race aside: see there)."""
+    stream). The timer, `close` and urllib3's giving the connection back to its pool (`release_conn`, which it calls
+    inside the read that takes the body's last bytes) meet under `_lock` (B860): a shutdown is made only while the
+    connection is still this body's, and a connection whose reading side was shut down is closed, not pooled, so a
+    deadline never cuts a later request on it. With a urllib3 older than 2.3 (no `HTTPResponse.shutdown`) the socket
+    under the response is shut down itself."""
 
     def __init__(self, body: Any, size: int, bucket: str, what: str, *, deadline: float | None = None,
                  read_timeout: float = 0.0):
@@ -1006,16 +1009,20 @@ class ObjectReader:
         self.server_age_s: float | None = None  # the object's age on the server's clock (store.server_age_s)
         self._bucket, self._what = bucket, what
         self._read_timeout = read_timeout
-        # `_timer`, `_timed_out` and `_closed` are written under `_lock` (this thread and the timer's); `_timed_out`,
-        # once set never cleared, is read without it.
+        # `_timer`, `_timed_out`, `_closed` and `_released` are written under `_lock` (this thread and the timer's);
+        # `_timed_out`, once set never cleared, is read without it. The shutdown is made under it too.
         self._lock = threading.Lock()
         self._timer: threading.Timer | None = None
-        self._timed_out = self._closed = False
+        self._timed_out = self._closed = self._released = False
+        self._raw = getattr(body, "_raw_stream", None)  # botocore's StreamingBody over urllib3's HTTPResponse
         if deadline is not None:
             left = deadline - time.monotonic()
             if left <= 0:
                 self._timed_out = True
             else:
+                release = getattr(self._raw, "release_conn", None)
+                if release is not None:  # urllib3 calls it by `self.release_conn()`: the instance's is this one
+                    self._raw.release_conn = lambda: self._release_conn(release)
                 self._timer = threading.Timer(left, self._time_out)
                 self._timer.daemon = True
                 self._timer.start()
@@ -1031,26 +1038,37 @@ class ObjectReader:
         self._body.close()
 
     def _stop_timer(self) -> None:
-        """No shutdown from here on. (A timer that fired as the last bytes came, urllib3 having just given the
-        connection back to its pool, can still shut down the next request on it, which fails and is tried again:
-        never wrong bytes.)"""
+        """No shutdown from here on."""
         with self._lock:
             self._closed = True
             timer, self._timer = self._timer, None
         if timer is not None:
             timer.cancel()
+            getattr(self._raw, "__dict__", {}).pop("release_conn", None)  # (its cycle: freed now, not by the GC)
+
+    def _release_conn(self, release: Callable[[], None]) -> None:
+        """urllib3 gives the connection back to its pool (the body read whole, in this thread): no shutdown from
+        here on, as the connection may serve another request at once (B860); one shut down already is closed."""
+        with self._lock:
+            self._released = True
+            conn = getattr(self._raw, "_connection", None)
+            if self._timed_out and conn is not None:
+                conn.close()  # (pooled closed: the pool connects it again)
+            release()
 
     def _time_out(self) -> None:
-        """In the timer's thread, at the deadline: end the read under way."""
+        """In the timer's thread, at the deadline: end the read under way, while the connection is still ours."""
         with self._lock:
-            if self._closed:
+            if self._closed or self._released:
                 return
             self._timed_out = True
-        raw = getattr(self._body, "_raw_stream", None)  # botocore's StreamingBody over urllib3's HTTPResponse
-        try:
-            raw.shutdown()
-        except Exception as exc:  # noqa: BLE001 -- already released, closed, or not urllib3's: nothing to end
-            log.debug("%s: the read timeout could not end the body's read: %s", self._what, exc)
+            try:
+                try:
+                    self._raw.shutdown()
+                except (AttributeError, NotImplementedError):  # urllib3 before 2.3: the socket, ours until released
+                    self._raw._connection.sock.shutdown(socket.SHUT_RD)
+            except Exception as exc:  # noqa: BLE001 -- already closed, or not urllib3's: nothing to end
+                log.debug("%s: the read timeout could not end the body's read: %r", self._what, exc)
 
     def _timed_out_error(self) -> TimedOut:
         return TimedOut(f"{self._what}: the body was not in within the read timeout ({self._read_timeout:g}s)")

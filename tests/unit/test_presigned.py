@@ -1642,3 +1642,62 @@ def test_the_stores_whole_object_sent_slowly_ends_at_the_read_timeout_in_both_cl
     with store.open_object("k") as body:
         assert body.read(body.size) == DATA
     assert store.get_object("k") == DATA
+
+
+def test_a_deadline_met_as_urllib3_pools_the_connection_does_not_shut_the_pooled_connection(
+        origin: Origin, monkeypatch: pytest.MonkeyPatch) -> None:
+    """B860: B770's timer, firing as urllib3 gave the connection back to its pool (inside the read that took the
+    body's last bytes), shut down the reading side of a connection that was no longer the body's: the body read whole
+    was TimedOut, and the pooled connection (or a request already sent on it) was cut. The timer's shutdown and
+    urllib3's release now meet under one lock: the body read whole is taken, and its connection serves the next
+    GET. (The timer is made to fire in that window: in its own thread, while `_put_conn` runs.)"""
+    import urllib3.connectionpool
+
+    from fsmount.data import boto3_store
+
+    store = store_on(origin, monkeypatch, get_client="boto3", read_timeout=5.0)
+    assert bytes(store.get_range("k", ETAG, 0, 100, None, len(DATA))) == DATA[:100]
+    readers: list[boto3_store.ObjectReader] = []
+    init = boto3_store.ObjectReader.__init__
+
+    def recording_init(self: boto3_store.ObjectReader, *args: object, **kwargs: object) -> None:
+        init(self, *args, **kwargs)
+        readers.append(self)
+
+    put_conn = urllib3.connectionpool.HTTPConnectionPool._put_conn
+    fired: list[threading.Thread] = []
+
+    def put_conn_as_the_timer_fires(pool: object, conn: object) -> None:
+        put_conn(pool, conn)
+        if readers and not fired:
+            fired.append(threading.Thread(target=readers[-1]._time_out, daemon=True))
+            fired[0].start()
+            fired[0].join(0.5)  # (it waits for the release, with the fix)
+
+    monkeypatch.setattr(boto3_store.ObjectReader, "__init__", recording_init)
+    monkeypatch.setattr(urllib3.connectionpool.HTTPConnectionPool, "_put_conn", put_conn_as_the_timer_fires)
+    assert bytes(store.get_range("k", ETAG, 100, 300, None, len(DATA))) == DATA[100:300]
+    assert fired, "the connection was not given back inside the read"
+    fired[0].join(5)
+    assert bytes(store.get_range("k", ETAG, 300, 400, None, len(DATA))) == DATA[300:400]
+    assert origin.connections == 1, "the pooled connection was shut down"
+
+
+def test_a_body_sent_slowly_ends_at_the_read_timeout_with_a_urllib3_without_shutdown(
+        origin: Origin, monkeypatch: pytest.MonkeyPatch) -> None:
+    """B861: the project allows a urllib3 older than 2.3, whose HTTPResponse has no `shutdown`: B770's timer then
+    ended nothing (logged at debug level) and a range sent 16 bytes every 50 ms was read for 3 s at a read timeout of
+    1 s. The socket under the response is shut down itself then."""
+    import urllib3.response
+
+    monkeypatch.delattr(urllib3.response.HTTPResponse, "shutdown")
+    monkeypatch.delattr(urllib3.response.BaseHTTPResponse, "shutdown")
+    store = store_on(origin, monkeypatch, get_client="boto3", read_timeout=1.0)
+    origin.script = lambda h, s, e: dribble(h, DATA[s:e], 16, 0.05, 3.0, 206,
+                                            {"Content-Range": f"bytes {s}-{e - 1}/{len(DATA)}"}) or True
+    started = time.monotonic()
+    with pytest.raises(TimedOut):
+        store.get_range("k", ETAG, 0, len(DATA), None, len(DATA))
+    assert time.monotonic() - started < 1.0 + 0.5
+    origin.script = None
+    assert bytes(store.get_range("k", ETAG, 0, len(DATA), None, len(DATA))) == DATA

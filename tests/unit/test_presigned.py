@@ -1701,3 +1701,33 @@ def test_a_body_sent_slowly_ends_at_the_read_timeout_with_a_urllib3_without_shut
     assert time.monotonic() - started < 1.0 + 0.5
     origin.script = None
     assert bytes(store.get_range("k", ETAG, 0, len(DATA), None, len(DATA))) == DATA
+
+
+def test_the_boto3_bodys_read_timeouts_share_one_thread() -> None:
+    """B862: B770 started a thread (threading.Timer) for each GET's read timeout, 0.1-0.2 ms of CPU a GET; the
+    timeouts now share one thread (`boto3_store.ALARMS`): 50 bodies open at once add at most that one thread, and
+    each closed body's alarm is gone (none left to fire). An alarm set sooner than the one the thread waits for
+    fires at its own time; a cancelled one never does."""
+    import io
+
+    from fsmount.data import boto3_store
+
+    before = threading.active_count()
+    readers = [boto3_store.ObjectReader(io.BytesIO(b"x"), 1, "bucket", "GET", deadline=time.monotonic() + 60,
+                                        read_timeout=60) for _ in range(50)]
+    assert threading.active_count() <= before + 1
+    for reader in readers:
+        reader.close()
+    assert boto3_store.ALARMS.pending() == 0
+    fired: list[str] = []
+    late = boto3_store.ALARMS.at(time.monotonic() + 30, lambda: fired.append("late"))
+    cancelled = boto3_store.ALARMS.at(time.monotonic() + 0.1, lambda: fired.append("cancelled"))
+    boto3_store.ALARMS.cancel(cancelled)
+    started = time.monotonic()
+    boto3_store.ALARMS.at(started + 0.2, lambda: fired.append("soon"))
+    while not fired and time.monotonic() < started + 10:
+        time.sleep(0.01)
+    assert fired == ["soon"] and time.monotonic() - started < 10
+    boto3_store.ALARMS.cancel(late)
+    time.sleep(0.2)
+    assert fired == ["soon"]

@@ -1323,6 +1323,7 @@ class Daemon:
         async with trio.open_nursery() as nursery:
             await nursery.start(self.engine.run)
             await nursery.start(self.streamer.run)
+            await nursery.start(self.namespace.run)
             if self.writes is not None:
                 await nursery.start(self.writes.run)
             nursery.start_soon(self._watch_signals)

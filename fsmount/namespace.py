@@ -18,6 +18,9 @@ Concurrency (all methods run in the trio thread; store calls are awaited through
   reaches zero (a current version's, or a directory's, kept in `_forgotten`, which answers only while the origin
   is away). Between two awaits a node's metadata may be refreshed by another task; readers
   take a snapshot (`Node.version()`) instead of reading fields across awaits.
+- A HEAD of a known file runs in the task that asked it, or, for a GETATTR of a file held open, in `run`'s nursery
+  behind the answer (`refresh_held`); either way one at a time per inode (`_refreshing_now`), and it changes only
+  when the version is trusted until and whether it is superseded, never its size or time.
 
 Changes made through this mount (`--writable`) are tree_changes.WritableNamespace's, a subclass: files
 being written (`_pending`) are listed and looked up here, and listings that land are patched with the
@@ -318,6 +321,9 @@ class Namespace:
         self._listing_now: dict[str, _InFlight[Listing]] = {}
         self._resolving_now: dict[str, _InFlight[Node]] = {}
         self._refreshing_now: dict[str, _InFlight[Node]] = {}  # HEADs of known files (`refresh`), by inode number
+        # Where the HEADs of files held open that a GETATTR does not wait for run (`refresh_held`): set by `run` alone,
+        # for the mount's life; None before and after (then a GETATTR waits for its HEAD, as every other call does).
+        self._behind: trio.Nursery | None = None
         self._changes: dict[str, dict[bytes, tuple[int, DirEntry | None]]] = {}
         self._seq = 0
         # The `_seq` at which each listing under way began, by directory path (`_list`): which changes they need.
@@ -447,6 +453,42 @@ class Namespace:
 
     # -- versions ------------------------------------------------------------------------------
 
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Runs the HEADs that `refresh_held` does not wait for, until cancelled (the mount's end)."""
+        async with trio.open_nursery() as nursery:
+            self._behind = nursery
+            task_status.started()
+            try:
+                await trio.sleep_forever()
+            finally:
+                self._behind = None
+
+    def _asks_head(self, node: Node, force: bool = False) -> bool:
+        """Whether `refresh` of this node asks the bucket a HEAD (its version is past the TTL)."""
+        now = time.monotonic()
+        fresh = now < node.fresh_until and not force
+        return not (node.is_dir or node.writing or fresh or now < node.confirmed_at + ONE_CALL_S)
+
+    async def refresh_held(self, node: Node) -> Node:
+        """The attributes of a file that a descriptor holds open (a GETATTR), at once: its HEAD past the TTL runs
+        behind the answer, shared with the opens and GETATTRs of the inode that wait for one (`refresh`), and the
+        answer's attributes time out at once until it lands (operations `_attributes`). An answer is never changed by
+        that HEAD: a version replaced or deleted keeps its attributes for the descriptors open on it (`refresh`), and
+        a version's size and time are its ETag's. Waited for, the kernel's GETATTR before a READ of a file whose
+        attributes were past the TTL (it asks one then) held the read for the HEAD's `--read-timeout` before the
+        READ's own fetch had its own: two timeouts for one pread from a slow origin."""
+        if self._behind is None or not self._asks_head(node):
+            return await self.refresh(node)
+        if str(node.ino) not in self._refreshing_now:
+            self._behind.start_soon(self._refresh_behind, node)
+        return node
+
+    async def _refresh_behind(self, node: Node) -> None:
+        try:
+            await self.refresh(node)
+        except Exception as exc:  # noqa: BLE001 - a failure here must not end the mount; the next GETATTR asks again
+            log.debug("%s: the HEAD behind a GETATTR of a file held open failed: %s", node.path, exc)
+
     async def refresh(self, node: Node, *, opening: bool = False, force: bool = False) -> Node:
         """Make a file node's size/etag at most `ttl` old (HEAD). A key replaced or deleted in the bucket leaves
         the node as it was, superseded: descriptors open on it keep their attributes (an fstat, and the GETATTR
@@ -458,9 +500,7 @@ class Namespace:
         outlives a chmod: fstat() and read() of pages the kernel held failed with EACCES. Not for an open
         (`opening`), which is refused. `force`: asked within the TTL too (a rewrite that counts on the file being
         empty, `Writes.open_existing`)."""
-        now = time.monotonic()
-        fresh = now < node.fresh_until and not force
-        if node.is_dir or node.writing or fresh or now < node.confirmed_at + ONE_CALL_S:
+        if not self._asks_head(node, force):
             return node
         try:
             # Opens of one file at once (8 ranks and a shard) share one HEAD, as lookups of one name do.

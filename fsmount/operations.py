@@ -268,6 +268,9 @@ class Operations(pyfuse3.Operations):
         self.owner = owner
         self._mount_time_ns = time.time_ns()
         self._files: dict[int, OpenFile] = {}
+        # Handles of `_files` by inode (a GETATTR of an inode held open does not wait for its HEAD: `getattr`); counted
+        # at open and release, the only places a handle is added or removed (a rewrite's swap keeps its inode).
+        self._held: collections.Counter[int] = collections.Counter()
         # fh -> (inode, snapshot at opendir, when its listing began)
         self._dirs: dict[int, tuple[int, list[DirEntry], float]] = {}
         self._dirs_read: set[int] = set()  # directory handles that had a readdir (a later one at 0 is a rewind)
@@ -358,7 +361,12 @@ class Operations(pyfuse3.Operations):
     @_fuse_errors
     async def getattr(self, inode: int, ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
         await self._settle(inode)  # an empty file closed: stored at its RELEASE, just sent
-        return self._attributes(await self.ns.refresh(self.ns.node(inode)))
+        node = self.ns.node(inode)
+        if self._held[inode]:
+            # Held open, its descriptors read the version they opened whatever the bucket holds now: the kernel's
+            # GETATTR before their READs (attributes past the TTL) is answered at once (Namespace.refresh_held).
+            return self._attributes(await self.ns.refresh_held(node))
+        return self._attributes(await self.ns.refresh(node))
 
     @_fuse_errors
     async def statfs(self, ctx: pyfuse3.RequestContext) -> pyfuse3.StatvfsData:
@@ -464,6 +472,7 @@ class Operations(pyfuse3.Operations):
         self._files[fh] = OpenFile(fh, inode, version, self.engine, self.max_readahead,
                                    direct=bool(flags & os.O_DIRECT), kernel_window=self.kernel_window,
                                    streamed=not probe)
+        self._held[inode] += 1
         if not probe:
             self.streamer.opened(inode, version)
         # An inode is one object version (namespace.py), so its cached pages are always valid; except after a
@@ -589,6 +598,9 @@ class Operations(pyfuse3.Operations):
     async def release(self, fh: int) -> None:
         handle = self._files.pop(fh, None)
         if handle is not None:
+            self._held[handle.ino] -= 1
+            if not self._held[handle.ino]:
+                del self._held[handle.ino]
             handle.close()
             if handle.streamed:
                 self.streamer.closed(handle.version)

@@ -26,9 +26,12 @@ from fsmount.namespace import DOWN_FAST_FAIL_S
 from fsmount.testing.fault_proxy import Fault, FaultProxy, synthetic_body
 from tests.helpers import (
     FAILING_READ_BOUND_S,
+    FETCH_FAILED,
     ORIGIN_UNAVAILABLE,
+    READ_FAILED,
     READ_TIMEOUT_S,
     S3Server,
+    failing_read_bound,
     mounted_via,
     new_bucket,
     put_objects,
@@ -233,3 +236,44 @@ def test_slow_metadata_requests_at_once_keep_their_connections(proxy: FaultProxy
 
         with ThreadPoolExecutor(len(dirs)) as pool:
             assert list(pool.map(listing, dirs)) == [(["a", "b"], False)] * len(dirs)
+
+
+
+HELD_READ_TIMEOUT_S = 8.0
+
+
+@pytest.mark.parametrize("data_gets", ["slow", "stalled"])
+def test_a_read_of_a_file_held_open_past_the_ttl_waits_no_head(s3: S3Server, mountpoint: Path, data_gets: str) -> None:
+    """The kernel asks GETATTR before a READ once a file's attributes are past --metadata-ttl. A file held open
+    reads the version it opened: its GETATTR is answered at once, its HEAD runs behind it, and a pread from a slow
+    origin takes its own fetch's time (or fails at its own --read-timeout), never the HEAD's on top (B790)."""
+    data = os.urandom(4 << 20)
+    bucket = new_bucket(s3)
+    put_objects(s3, bucket, {"held.bin": data})
+    args = ("--read-timeout", f"{HELD_READ_TIMEOUT_S:g}", "--metadata-ttl", "1", "--chunk-size", "1M",
+            "--max-readahead", "0", "--no-model-prefetch")
+    with FaultProxy(s3.endpoint_url) as proxy, \
+            mounted_via(proxy, s3, bucket, mountpoint, *args,
+                        allowed=(META_FAILED, ORIGIN_UNAVAILABLE, FETCH_FAILED, READ_FAILED)):
+        fd = os.open(mountpoint / "held.bin", os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
+            assert os.pread(fd, 1 << 20, 0) == data[:1 << 20]
+            heads = proxy.inject(Fault.STALL, seconds=100.0, kind="heads")  # HEADs get no answer
+            if data_gets == "slow":
+                proxy.inject(Fault.LATENCY, seconds=2.0)  # every data GET comes after 2 s
+            else:
+                proxy.inject(Fault.STALL, seconds=100.0)
+            time.sleep(1.5)  # past the TTL
+            got, took = timed(os.pread, fd, 1 << 20, 2 << 20)
+            assert heads.hits >= 1  # the GETATTR before the READ asked one (behind the answer now)
+            if data_gets == "slow":
+                assert got == data[2 << 20:3 << 20]
+                assert took < HELD_READ_TIMEOUT_S - 1, took  # its fetch's 2 s and slack; the HEAD first: 10 s
+            else:
+                assert got == errno.EIO
+                assert took <= failing_read_bound(HELD_READ_TIMEOUT_S), took  # the HEAD first: 16 s
+            got, took = timed(os.fstat, fd)
+            assert not isinstance(got, int) and got.st_size == len(data) and took < 1, took  # from what is known
+        finally:
+            os.close(fd)

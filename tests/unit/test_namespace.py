@@ -19,7 +19,7 @@ import trio
 
 from fsmount import namespace
 from fsmount.config import FOREVER_TTL
-from fsmount.data import AccessDenied, ListingPage, ObjectMeta, TimedOut, Unreachable
+from fsmount.data import AccessDenied, ListingPage, ObjectMeta, StoreError, TimedOut, Unreachable
 from fsmount.namespace import ROOT_INODE, Namespace, Node, PathError
 from tests.helpers import ORIGIN_UNAVAILABLE
 from tests.unit.fake_store import FakeStore, LateAnswers
@@ -1673,3 +1673,34 @@ async def test_while_the_origin_is_down_a_file_a_lookup_found_replaced_as_a_read
     listed = {e.name: e for e in await ns.listing(d)}
     assert set(listed) == {b"f", b"g"} and listed[b"f"].meta.size == 7
     assert (await ns.lookup(d.ino, b"f")).size == 7
+
+
+@pytest.mark.usefixtures("each_request_asks")
+async def test_a_getattr_of_a_file_held_open_answers_at_once_and_its_head_runs_behind(autojump_clock) -> None:  # noqa: ANN001
+    """`refresh_held` (a GETATTR of a file a descriptor holds open) answers what is known without waiting for the HEAD
+    (each answered a second after it is asked here); the HEAD runs in `run`'s nursery, one at a time, and an open
+    waiting for it gets its news. A GETATTR before a READ past the TTL held the read a whole HEAD (B790)."""
+    store = FakeStore()
+    store.put("f", b"old")
+    ns = Namespace(store, answered_in_a_second, prefix="", ttl=60.0)
+    node = await ns.lookup(ROOT_INODE, b"f")
+    assert await ns.refresh_held(node) is node  # no nursery to run it behind (not mounted): waited for, as before
+    async with trio.open_nursery() as nursery:
+        await nursery.start(ns.run)
+        store.put("f", b"newer!")
+        node.fresh_until = 0.0  # past the TTL
+        heads, began = store.heads, trio.current_time()
+        for _ in range(3):  # the GETATTRs of three READs
+            got = await ns.refresh_held(node)
+            assert got is node and not node.superseded and node.size == 3
+        assert trio.current_time() == began  # at once
+        with pytest.raises(PathError) as exc:  # an open waits for the HEAD under way, and gets its news
+            await ns.open_file(node.ino)
+        assert exc.value.errno == errno.ESTALE and store.heads == heads + 1
+        assert trio.current_time() == began + 1
+        # A HEAD behind that fails ends nothing: the mount's nursery runs on, and the GETATTR got its answer.
+        store.head = lambda key: (_ for _ in ()).throw(StoreError("refused"))  # type: ignore[method-assign]
+        node.fresh_until = 0.0
+        assert await ns.refresh_held(node) is node and node.size == 3
+        await trio.sleep(2)
+        nursery.cancel_scope.cancel()

@@ -333,6 +333,7 @@ def serving_daemon(pusher: PageCachePusher, dev: int, engine: Callable[..., Awai
     daemon = stopping_daemon(pusher, dev)
     daemon.engine = types.SimpleNamespace(run=engine, levels=types.SimpleNamespace(writes_pending=0))
     daemon.streamer = types.SimpleNamespace(run=streams)
+    daemon.namespace = types.SimpleNamespace(run=started_forever)  # its HEADs behind GETATTRs (none here)
     daemon._watch_signals = daemon._announce_ready = trio.sleep_forever
     daemon.writes = daemon.disk_cache = daemon.saved_names = daemon.metrics = None
     daemon._names_saving, daemon._names_failure_logged = trio.Lock(), False

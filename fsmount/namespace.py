@@ -19,8 +19,9 @@ Concurrency (all methods run in the trio thread; store calls are awaited through
   is away). Between two awaits a node's metadata may be refreshed by another task; readers
   take a snapshot (`Node.version()`) instead of reading fields across awaits.
 - A HEAD of a known file runs in the task that asked it, or, for a GETATTR of a file held open, in `run`'s nursery
-  behind the answer (`refresh_held`); either way one at a time per inode (`_refreshing_now`), and it changes only
-  when the version is trusted until and whether it is superseded, never its size or time.
+  behind the answer (`refresh_held`, HEADS_BEHIND at once: `_behind_now`); either way one at a time per inode
+  (`_refreshing_now`), and it changes only when the version is trusted until and whether it is superseded, never its
+  size or time.
 
 Changes made through this mount (`--writable`) are tree_changes.WritableNamespace's, a subclass: files
 being written (`_pending`) are listed and looked up here, and listings that land are patched with the
@@ -89,6 +90,10 @@ STALE_RETRY = 5.0
 # minutes at 120 s. An origin that answers, even with an error (5xx, a cut response), fails each request
 # quickly by itself and arms nothing. The cost: new names stay EIO for up to this long after the origin is back.
 DOWN_FAST_FAIL_S = 5.0
+# HEADs run behind GETATTRs of files held open (`refresh_held`) at once, at most: the rest of the mount's metadata slots
+# (config.METADATA_THREADS, 8) stay for the lookups and opens that wait. One per inode held open, 1000 files read at
+# once queued 1000 HEADs ahead of them, and a slot's wait counts in a request's --read-timeout.
+HEADS_BEHIND = 2
 # Keys whose skip was already logged; bounded so a hostile bucket cannot grow it without limit.
 SKIP_LOG_MEMORY = 10_000
 # Skipped keys of one listing that are logged by name; the rest are one line of their count.
@@ -324,6 +329,9 @@ class Namespace:
         # Where the HEADs of files held open that a GETATTR does not wait for run (`refresh_held`): set by `run` alone,
         # for the mount's life; None before and after (then a GETATTR waits for its HEAD, as every other call does).
         self._behind: trio.Nursery | None = None
+        # Inodes whose HEAD runs in `_behind` (at most HEADS_BEHIND): added by `refresh_held` as it starts one, removed
+        # by that task as it ends.
+        self._behind_now: set[int] = set()
         self._changes: dict[str, dict[bytes, tuple[int, DirEntry | None]]] = {}
         self._seq = 0
         # The `_seq` at which each listing under way began, by directory path (`_list`): which changes they need.
@@ -479,7 +487,11 @@ class Namespace:
         READ's own fetch had its own: two timeouts for one pread from a slow origin."""
         if self._behind is None or not self._asks_head(node):
             return await self.refresh(node)
-        if str(node.ino) not in self._refreshing_now:
+        # One at a time per inode, HEADS_BEHIND in all: one not started now is asked at a later GETATTR (the kernel
+        # asks one before each read while the answer's attributes have timed out), or by an open, which waits for it.
+        if (node.ino not in self._behind_now and str(node.ino) not in self._refreshing_now
+                and len(self._behind_now) < HEADS_BEHIND):
+            self._behind_now.add(node.ino)
             self._behind.start_soon(self._refresh_behind, node)
         return node
 
@@ -488,6 +500,8 @@ class Namespace:
             await self.refresh(node)
         except Exception as exc:  # noqa: BLE001 - a failure here must not end the mount; the next GETATTR asks again
             log.debug("%s: the HEAD behind a GETATTR of a file held open failed: %s", node.path, exc)
+        finally:
+            self._behind_now.discard(node.ino)
 
     async def refresh(self, node: Node, *, opening: bool = False, force: bool = False) -> Node:
         """Make a file node's size/etag at most `ttl` old (HEAD). A key replaced or deleted in the bucket leaves

@@ -1704,3 +1704,30 @@ async def test_a_getattr_of_a_file_held_open_answers_at_once_and_its_head_runs_b
         assert await ns.refresh_held(node) is node and node.size == 3
         await trio.sleep(2)
         nursery.cancel_scope.cancel()
+
+
+@pytest.mark.usefixtures("each_request_asks")
+async def test_the_heads_behind_getattrs_of_many_files_held_open_run_a_few_at_once(autojump_clock) -> None:  # noqa: ANN001
+    """`refresh_held` starts HEADS_BEHIND HEADs at once at most, whatever the number of files held open past the TTL:
+    the rest are asked at later GETATTRs, and the mount's metadata slots stay for the lookups and opens that wait. One
+    per inode, 1000 files read at once queued 1000 HEADs ahead of them (B940)."""
+    store = FakeStore()
+    names = [f"f{i}".encode() for i in range(10)]
+    for name in names:
+        store.put(name.decode(), b"x")
+    ns = Namespace(store, answered_in_a_second, prefix="", ttl=60.0)
+    nodes = [await ns.lookup(ROOT_INODE, name) for name in names]
+    async with trio.open_nursery() as nursery:
+        await nursery.start(ns.run)
+        for node in nodes:
+            node.fresh_until = 0.0  # past the TTL
+        rounds = 0
+        while any(node.fresh_until == 0.0 for node in nodes):
+            for node in nodes:  # the GETATTRs of READs of every file, at once
+                assert await ns.refresh_held(node) is node
+            await trio.sleep(0.5)
+            assert len(ns._refreshing_now) <= namespace.HEADS_BEHIND, len(ns._refreshing_now)
+            await trio.sleep(1)
+            rounds += 1
+        assert rounds == -(-len(nodes) // namespace.HEADS_BEHIND)  # each round's GETATTRs asked the next ones
+        nursery.cancel_scope.cancel()

@@ -334,6 +334,58 @@ def reopen_log_file() -> str:
     return said
 
 
+class PipeStderr(logging.Handler):
+    """stderr where it is a pipe (a container runtime's log FIFO, `modelfs mount --foreground 2>&1 | ...`): written
+    through a descriptor of its own, opened anew on the pipe with O_NONBLOCK, so that a line the pipe has no room
+    for (its reader slow or stopped: a container's log collector behind, a `| less` paused) is dropped, not waited
+    for. A plain StreamHandler's write blocked the log call, and with it the trio loop that answers every FUSE
+    request and `modelfs stats` (B900): one warning into a full pipe hung every reader of the mount until the pipe
+    was read. The lines dropped are counted and said, with how many, before the next line that fits. Its own open
+    file description: O_NONBLOCK set on descriptor 2 itself would reach every process sharing it (the shell's, a
+    sibling's). Only a FIFO gets this (`open_for_stderr`): a terminal, a file or a socket (the journal) keep the
+    StreamHandler, as does a pipe this process may not open again through /proc (another user's)."""
+
+    def __init__(self, fd: int) -> None:
+        super().__init__()
+        self.fd = fd
+        self.dropped = 0  # lines lost since the last one written; only under the handler's lock
+        self.cut = False  # the last write ended mid-line: the next one starts a line of its own
+
+    @classmethod
+    def open_for_stderr(cls) -> PipeStderr | None:
+        """The handler for descriptor 2 where it is a FIFO that can be opened again, else None."""
+        try:
+            if not stat.S_ISFIFO(os.fstat(2).st_mode):
+                return None
+            return cls(os.open("/proc/self/fd/2", os.O_WRONLY | os.O_NONBLOCK | os.O_CLOEXEC))
+        except OSError:  # descriptor 2 closed, no /proc, a pipe of another user's
+            return None
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            line = self.format(record) + "\n"
+        except Exception:  # a log call's own mistake (its arguments): as logging reports it
+            self.handleError(record)
+            return
+        if self.dropped:
+            line = f"modelfs: {self.dropped} log line(s) dropped: stderr (a pipe) was full\n{line}"
+        if self.cut:
+            line = "\n" + line
+        data = line.encode(errors="replace")
+        try:
+            written = os.write(self.fd, data)
+        except OSError:  # EAGAIN: the pipe is full; EPIPE: its reader is gone
+            self.dropped += 1
+            return
+        self.dropped = 0
+        self.cut = written < len(data)  # a line longer than what the pipe had room for: its end is lost
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            os.close(self.fd)
+        super().close()
+
+
 SYSLOG_SOCKET = "/dev/log"
 
 
@@ -353,11 +405,14 @@ def setup_logging(level: str, log_file: str | None = None, use_syslog: bool = Fa
         handler = SysLogHandler(address=SYSLOG_SOCKET)
         formatter = logging.Formatter("modelfs[%(process)d]: %(levelname)s %(name)s: %(message)s")
     else:
-        handler = logging.StreamHandler()
+        handler = PipeStderr.open_for_stderr() or logging.StreamHandler()
         if stderr_is_journal():
             formatter = JournalFormatter()
     handler.setFormatter(formatter)
     root = logging.getLogger()
+    for old in root.handlers:
+        if isinstance(old, PipeStderr):  # its own descriptor of the pipe
+            old.close()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())
     # These libraries log request headers and credential lookups at debug level: never let them.

@@ -295,6 +295,54 @@ def test_a_foreground_daemon_started_with_stderr_closed_mounts_and_serves(moto_s
             subprocess.run(["fusermount3", "-uz", str(mnt)], check=False)
 
 
+def test_a_foreground_daemon_whose_stderr_pipe_is_full_still_serves(moto_server: S3Server, tmp_path: Path) -> None:
+    """`modelfs mount --foreground` as a pod's main process, its stderr the container runtime's log pipe, which the
+    log collector reads when it gets to it. With the pipe full, the daemon's next log line (here a stray SIGUSR2's
+    warning) blocked the trio loop in write(2): `stat` and `cat` in the mount hung, `/metrics` and `modelfs stats`
+    did not answer, until someone read the pipe (B900). The line is dropped now, and said once the pipe has room."""
+    bucket = bucket_with(moto_server, {"a.bin": b"served"})
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    proc = subprocess.Popen(modelfs_cmd("mount", bucket, str(mnt), "--foreground", "--endpoint-url",
+                                        moto_server.endpoint_url, "--log-level", "info"),
+                            env=daemon_env(moto_server), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    err = b""
+
+    def drain() -> None:
+        nonlocal err
+        os.set_blocking(proc.stderr.fileno(), False)
+        with contextlib.suppress(BlockingIOError):
+            while chunk := os.read(proc.stderr.fileno(), 1 << 16):
+                err += chunk
+
+    try:
+        wait_for("the mount", lambda: mounted_at(mnt) or proc.poll() is not None, timeout=60)
+        assert proc.poll() is None
+        drain()
+        filler = os.open(f"/proc/{proc.pid}/fd/2", os.O_WRONLY | os.O_NONBLOCK)  # what an unread log fills
+        with contextlib.suppress(BlockingIOError):
+            while True:
+                os.write(filler, b"#" * 4096)
+        os.close(filler)
+        proc.send_signal(signal.SIGUSR2)  # one warning line, logged from the loop
+        time.sleep(1)
+        res = subprocess.run(["timeout", "10", "cat", str(mnt / "a.bin")], capture_output=True, check=False)
+        drain()  # the old daemon, blocked: this lets it go on, so that it stops
+        assert (res.returncode, res.stdout) == (0, b"served"), "a full stderr pipe hung the mount"
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(60)
+        drain()
+        assert proc.returncode == 0, err[-2000:]
+        assert re.search(rb"modelfs: [1-9][0-9]* log line\(s\) dropped: stderr \(a pipe\) was full\n", err), err[-2000:]
+    finally:
+        if proc.poll() is None:
+            drain()
+            proc.kill()
+            proc.wait()
+        if mounted_at(mnt):
+            subprocess.run(["fusermount3", "-uz", str(mnt)], check=False)
+
+
 def test_mountpoint_problems(moto_server: S3Server, tmp_path: Path) -> None:
     bucket = new_bucket(moto_server)
     afile = tmp_path / "file"

@@ -195,3 +195,78 @@ def test_each_signal_whose_reopen_fails_says_so_on_stderr(monkeypatch: pytest.Mo
         assert capsys.readouterr().err == ""
     finally:
         handler.close()
+
+
+STDERR_PIPE_CHILD = """
+import logging, sys
+from fsmount.mount import setup_logging
+setup_logging("info")
+for i in range(300):
+    logging.getLogger("t").info("%04d %s", i, "x" * 1000)
+print("logged", flush=True)
+sys.stdin.readline()
+logging.getLogger("t").warning("after")
+print("done", flush=True)
+"""
+
+
+def test_a_stderr_pipe_nobody_reads_drops_lines_and_never_blocks_the_daemon() -> None:
+    """`modelfs mount --foreground` as a container's main process: its stderr is the runtime's log pipe, read when the
+    collector gets to it. The daemon's log call wrote it blocking: once 64 kB waited in the pipe, the next line held
+    the trio loop, and every FUSE request and `modelfs stats` with it, until the pipe was read (B900). Now a line the
+    pipe has no room for is dropped, and the next line that fits says how many were."""
+    import os
+    import re
+    import select
+    import subprocess
+    import sys
+
+    child = subprocess.Popen([sys.executable, "-c", STDERR_PIPE_CHILD], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])})
+    err = b""
+
+    def drain() -> None:
+        nonlocal err
+        os.set_blocking(child.stderr.fileno(), False)
+        with contextlib.suppress(BlockingIOError):
+            while chunk := os.read(child.stderr.fileno(), 1 << 16):
+                err += chunk
+
+    try:
+        logged = bool(select.select([child.stdout], [], [], 20)[0]) and child.stdout.readline() == b"logged\n"
+        drain()  # the old handler, blocked: this lets it go on
+        assert logged, "a log line into a full stderr pipe blocked the log call"
+        child.stdin.write(b"\n")
+        child.stdin.flush()
+        assert child.stdout.readline() == b"done\n"
+        assert child.wait(20) == 0
+        drain()
+    finally:
+        if child.poll() is None:
+            child.kill()
+            drain()
+            child.wait()
+    written = re.findall(rb" t: (\d{4}) x+\n", err)
+    assert written == [b"%04d" % i for i in range(len(written))]  # whole lines, in order, from the first
+    said = re.search(rb"modelfs: (\d+) log line\(s\) dropped: stderr \(a pipe\) was full\n[^\n]* WARNING t: after\n$",
+                     err)
+    assert said, err[-300:]
+    assert len(written) + int(said.group(1)) == 300
+
+
+def test_stderr_that_is_a_file_or_closed_keeps_the_stream_handler(tmp_path: Path) -> None:
+    """Only a pipe gets a descriptor of its own: a file opened again through /proc would be written from its start."""
+    import os
+    import subprocess
+    import sys
+
+    out = tmp_path / "stderr.txt"
+    out.write_text("before\n")
+    code = ("import logging; from fsmount.mount import setup_logging, PipeStderr; setup_logging('info'); "
+            "h = logging.getLogger().handlers[0]; assert not isinstance(h, PipeStderr), h; "
+            "logging.getLogger('t').info('line')")
+    with open(out, "a") as f:
+        subprocess.run([sys.executable, "-c", code], stderr=f, check=True,
+                       env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])})
+    assert out.read_text().startswith("before\n") and out.read_text().endswith(" INFO t: line\n")

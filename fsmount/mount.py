@@ -31,7 +31,7 @@ from typing import TextIO
 import pyfuse3
 import trio
 
-from fsmount import mountinfo, residency
+from fsmount import mountinfo, residency, sysmem
 from fsmount.capabilities import CAP_SYS_ADMIN, has_capability
 from fsmount.config import METADATA_THREADS, MiB, MountConfig, StoreConfig, tier_inside_mount, virtual_style_ignored
 from fsmount.data import (
@@ -886,6 +886,53 @@ def check_cache_dir_place(cache_dir: str) -> None:
         raise MountError(f"cannot use cache dir {cache_dir}: {parent}, the directory it goes in, is not a directory")
 
 
+# File systems whose files are memory: a Kubernetes emptyDir with `medium: Memory`, /dev/shm, a tmpfs /tmp.
+MEMORY_FILE_SYSTEMS = frozenset({b"tmpfs", b"ramfs"})
+# Of what the daemon's cgroup has left beyond --memory-limit, the share a cache dir in memory may hold: the rest stays
+# for the page cache of the files read (the model's, pushed and read ahead) and the processes beside the daemon.
+MEMORY_CACHE_SHARE = 0.5
+
+
+def memory_file_system(path: str) -> bytes | None:
+    """The type of the file system holding `path` where its files are memory (tmpfs, ramfs), else None."""
+    try:
+        on = mountinfo.holding(os.fsencode(os.path.realpath(path)), mountinfo.mounts())
+    except (OSError, ValueError, IndexError):  # no /proc/self/mountinfo, a line it cannot parse
+        return None
+    return on.fstype if on is not None and on.fstype in MEMORY_FILE_SYSTEMS else None
+
+
+def bound_by_memory(cache: DiskCache, cfg: MountConfig) -> None:
+    """A cache dir on tmpfs (a pod's emptyDir with `medium: Memory`) holds its chunks in memory that is charged to the
+    daemon's cgroup, which cannot reclaim it: with --cache-size a share of the tmpfs (80% by default), and a tmpfs
+    sized by the node's RAM or the pod's limit, the cache outgrew the cgroup's limit beside --memory-limit, and the
+    cgroup killed the daemon in the middle of a load, leaving a dead mount (B901). Where a cgroup limits the daemon,
+    the cache holds at most MEMORY_CACHE_SHARE of what the cgroup has left beyond --memory-limit (the chunks the
+    cache holds already counted as left: they are its own), said in one warning; without one, one line says the
+    chunks are in RAM."""
+    fstype = memory_file_system(cache.root)
+    if fstype is None:
+        return
+    cgroup = sysmem.cgroup_memory()
+    if cgroup is None:
+        log.info("cache dir %s is on %s: its chunks are held in RAM (up to %s)", cache.root, fstype.decode(),
+                 human_size(cache.max_bytes))
+        return
+    left = cgroup.available + cache.stats.bytes_used - cfg.memory_limit
+    bound = max(cfg.chunk_size, int(max(0, left) * MEMORY_CACHE_SHARE))
+    if bound >= cache.max_bytes:
+        log.info("cache dir %s is on %s: its chunks (up to %s) are memory charged to this daemon's cgroup (limit %s)",
+                 cache.root, fstype.decode(), human_size(cache.max_bytes), human_size(cgroup.limit))
+        return
+    log.warning("cache dir %s is on %s, memory charged to this daemon's cgroup (limit %s, %s left beyond "
+                "--memory-limit %s): the cache holds at most %s, not the %s of --cache-size %s, so that the cgroup "
+                "does not kill the daemon; give the cache dir a disk (an emptyDir without `medium: Memory`, a "
+                "hostPath) to cache more", cache.root, fstype.decode(), human_size(cgroup.limit),
+                human_size(max(0, left)), human_size(cfg.memory_limit), human_size(bound), human_size(cache.max_bytes),
+                cfg.cache_size)
+    cache.max_bytes = bound  # chunks beyond it (a cache dir kept from before) are evicted at the next put
+
+
 def open_disk_cache(cfg: MountConfig) -> DiskCache:
     assert cfg.cache_dir is not None
     check_cache_dir_place(cfg.cache_dir)
@@ -912,6 +959,7 @@ def open_disk_cache(cfg: MountConfig) -> DiskCache:
         if files:
             log.info("cache dir %s: removed %s (%s) that a --writable mount left in writes/ when it was killed",
                      cache.root, counted(files, "copy of a file", "copies of files"), human_size(staged))
+    bound_by_memory(cache, cfg)
     room = min(cache.max_bytes, cache.stats.bytes_used + free - cache.min_free_bytes)
     cache.room_bytes = max(0, room)  # what `modelfs stats` says until the cache's own check measures it again
     if room < CACHE_ROOM_CHUNKS * cfg.chunk_size:

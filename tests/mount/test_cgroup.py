@@ -8,7 +8,9 @@ evicted pushed pages before the loader reached them and the model was fetched se
 
 from __future__ import annotations
 
+import contextlib
 import os
+import re
 import subprocess
 import sys
 import time
@@ -19,7 +21,18 @@ import pytest
 
 from fsmount import sysmem
 from fsmount.testing.models import write_model
-from tests.helpers import MiB, S3Server, drop_kernel_caches, mount_stats, mounted, new_bucket, upload
+from tests.helpers import (
+    MiB,
+    S3Server,
+    drop_kernel_caches,
+    mount_stats,
+    mounted,
+    new_bucket,
+    random_bytes,
+    sha,
+    tmpfs,
+    upload,
+)
 
 CGROUP_LIMIT = 600 * MiB
 MODEL_SIZE = 512 * MiB  # more than the page cache of the cgroup can hold beside the daemon and the loader
@@ -40,6 +53,13 @@ print(h.hexdigest())
 @pytest.fixture
 def cgroup() -> Iterator[Path]:
     """A child of this process's memory cgroup, limited to CGROUP_LIMIT; removed afterwards."""
+    with limited_cgroup(CGROUP_LIMIT) as child:
+        yield child
+
+
+@contextlib.contextmanager
+def limited_cgroup(limit: int) -> Iterator[Path]:
+    """A child of this process's memory cgroup, limited to `limit` bytes; removed afterwards."""
     dirs = sysmem.memory_cgroup_dirs(Path("/proc/self"))
     if not dirs or os.geteuid() != 0:
         pytest.skip("no memory cgroup to make a child in (needs root and a mounted memory controller)")
@@ -48,7 +68,7 @@ def cgroup() -> Iterator[Path]:
     try:
         limit_file = child / ("memory.max" if (child / "memory.max").exists() else "memory.limit_in_bytes")
         try:
-            limit_file.write_text(str(CGROUP_LIMIT))
+            limit_file.write_text(str(limit))
         except OSError as exc:
             pytest.skip(f"cannot limit a child cgroup's memory here: {exc}")
         yield child
@@ -98,3 +118,33 @@ def test_a_daemon_in_a_small_cgroup_loads_a_larger_model_without_dying_or_fetchi
     # pages it read around a fault before the loader gets to them, and they are fetched again (2.05-2.1 times
     # with no pushes at all, 1.9-2.2 with them). Before: 3.6-4.1 times.
     assert fetched <= 2.8 * size, f"fetched {fetched / size:.2f} times the model"
+
+
+TMPFS_CACHE_WARNING = r"cache dir .* is on tmpfs, memory charged to this daemon's cgroup"
+
+
+def test_a_cache_dir_on_tmpfs_stays_within_the_daemon_s_cgroup(seaweed_server: S3Server, mountpoint: Path,
+                                                                  tmp_path: Path) -> None:
+    """A sidecar whose --cache-dir is a pod's emptyDir with `medium: Memory` (a tmpfs sized by the node, or by the
+    pod's limit): the cache's chunks are memory charged to the daemon's cgroup, which cannot reclaim them, and the
+    cache's default size (80% of the tmpfs) paid no heed to the cgroup's limit. A 300 MiB cgroup with a 2 GiB tmpfs
+    had the daemon OOM-killed once the cache held about 170 MiB: the reads got ENOTCONN, the mount was left dead
+    (B901). Now the cache holds at most half of what the cgroup has left beyond --memory-limit, said in a warning."""
+    files = {f"m/p{i}.bin": random_bytes(80 * MiB, seed=900 + i) for i in range(4)}
+    bucket = new_bucket(seaweed_server)
+    upload(seaweed_server, bucket, files)
+    with limited_cgroup(300 * MiB) as group, tmpfs(tmp_path / "emptydir", "size=2g") as emptydir, \
+            mounted(seaweed_server, bucket, mountpoint, "--cache-dir", str(emptydir / "cache"),
+                    wrap=in_cgroup(group), allowed=(TMPFS_CACHE_WARNING,)) as m:
+        for key, data in files.items():
+            got = subprocess.run(["sha256sum", str(mountpoint / key)], capture_output=True, text=True, check=False)
+            assert got.stdout.split()[:1] == [sha(data)], \
+                f"{key}: {got.stderr.strip()}; the daemon's status: {m.proc.poll()} (-9: killed)"
+        assert m.proc.poll() is None
+        said = [line for line in m.log().splitlines() if re.search(TMPFS_CACHE_WARNING, line)]
+        assert len(said) == 1, m.log()[-3000:]
+        bound = re.search(r"the cache holds at most ([0-9.]+) MiB", said[0])
+        assert bound, said
+        cached = mount_stats(mountpoint)["disk_cache"]
+        assert cached["max_bytes"] <= (float(bound.group(1)) + 0.01) * MiB, cached  # as said, to its rounding
+        assert 0 < cached["bytes_used"] <= cached["max_bytes"], cached

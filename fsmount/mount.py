@@ -902,34 +902,44 @@ def memory_file_system(path: str) -> bytes | None:
     return on.fstype if on is not None and on.fstype in MEMORY_FILE_SYSTEMS else None
 
 
-def bound_by_memory(cache: DiskCache, cfg: MountConfig) -> None:
+def bound_by_memory(cache: DiskCache, cfg: MountConfig, free: int) -> None:
     """A cache dir on tmpfs (a pod's emptyDir with `medium: Memory`) holds its chunks in memory that is charged to the
     daemon's cgroup, which cannot reclaim it: with --cache-size a share of the tmpfs (80% by default), and a tmpfs
     sized by the node's RAM or the pod's limit, the cache outgrew the cgroup's limit beside --memory-limit, and the
     cgroup killed the daemon in the middle of a load, leaving a dead mount (B901). Where a cgroup limits the daemon,
     the cache holds at most MEMORY_CACHE_SHARE of what the cgroup has left beyond --memory-limit (the chunks the
     cache holds already counted as left: they are its own), said in one warning; without one, one line says the
-    chunks are in RAM."""
+    chunks are in RAM. What the cache can come to hold is compared, not --cache-size alone: a tmpfs smaller than the
+    bound (`free`: what its file system has free now) holds no more than it has room for, whatever --cache-size says.
+    A --cache-size in bytes the bound cannot give is refused (SettingError, exit status 2, B960): the operator's own
+    number, replaced by a smaller one, was a surprise, and kept it had the cgroup kill the daemon; a share (80%, the
+    default) is of a tmpfs the operator may not have sized, and is bounded with the warning."""
     fstype = memory_file_system(cache.root)
     if fstype is None:
         return
+    holds = min(cache.max_bytes, cache.stats.bytes_used + max(0, free - cache.min_free_bytes))
     cgroup = sysmem.cgroup_memory()
     if cgroup is None:
         log.info("cache dir %s is on %s: its chunks are held in RAM (up to %s)", cache.root, fstype.decode(),
-                 human_size(cache.max_bytes))
+                 human_size(holds))
         return
     left = cgroup.available + cache.stats.bytes_used - cfg.memory_limit
     bound = max(cfg.chunk_size, int(max(0, left) * MEMORY_CACHE_SHARE))
-    if bound >= cache.max_bytes:
+    if bound >= holds:
         log.info("cache dir %s is on %s: its chunks (up to %s) are memory charged to this daemon's cgroup (limit %s)",
-                 cache.root, fstype.decode(), human_size(cache.max_bytes), human_size(cgroup.limit))
+                 cache.root, fstype.decode(), human_size(holds), human_size(cgroup.limit))
         return
-    log.warning("cache dir %s is on %s, memory charged to this daemon's cgroup (limit %s, %s left beyond "
-                "--memory-limit %s): the cache holds at most %s, not the %s of --cache-size %s, so that the cgroup "
-                "does not kill the daemon; give the cache dir a disk (an emptyDir without `medium: Memory`, a "
-                "hostPath) to cache more", cache.root, fstype.decode(), human_size(cgroup.limit),
-                human_size(max(0, left)), human_size(cfg.memory_limit), human_size(bound), human_size(cache.max_bytes),
-                cfg.cache_size)
+    said = (f"cache dir {cache.root} is on {fstype.decode()}, memory charged to this daemon's cgroup (limit "
+            f"{human_size(cgroup.limit)}, {human_size(max(0, left))} left beyond --memory-limit "
+            f"{human_size(cfg.memory_limit)} at start)")
+    if cfg.cache_size.fraction is None:
+        cache.close()
+        raise SettingError(f"--cache-size {cfg.cache_size}: the {said} would kill the daemon before the cache held "
+                           f"that: give --cache-size {bound // MiB}M at most (half of what is left), or a cache dir "
+                           f"on a disk (an emptyDir without `medium: Memory`, a hostPath)")
+    log.warning("%s: the cache holds at most %s, not the %s of --cache-size %s, so that the cgroup does not kill the "
+                "daemon; give the cache dir a disk (an emptyDir without `medium: Memory`, a hostPath) to cache more",
+                said, human_size(bound), human_size(cache.max_bytes), cfg.cache_size)
     cache.max_bytes = bound  # chunks beyond it (a cache dir kept from before) are evicted at the next put
 
 
@@ -959,7 +969,7 @@ def open_disk_cache(cfg: MountConfig) -> DiskCache:
         if files:
             log.info("cache dir %s: removed %s (%s) that a --writable mount left in writes/ when it was killed",
                      cache.root, counted(files, "copy of a file", "copies of files"), human_size(staged))
-    bound_by_memory(cache, cfg)
+    bound_by_memory(cache, cfg, free)
     room = min(cache.max_bytes, cache.stats.bytes_used + free - cache.min_free_bytes)
     cache.room_bytes = max(0, room)  # what `modelfs stats` says until the cache's own check measures it again
     if room < CACHE_ROOM_CHUNKS * cfg.chunk_size:

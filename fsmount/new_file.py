@@ -149,6 +149,7 @@ class NewFile:
         # A descriptor of it was closed while it was still empty and nothing was written since: it is stored
         # at RELEASE, which the kernel sends only after close(2) returned (see Writes.settle).
         self.closed_empty = False
+        self.busy_said = False  # an EBUSY for it was logged at info level (Writes.busy): the others go at debug level
         self.settled = trio.Event()  # set once it is stored or dropped: no longer a file being written
         self._lock = trio.Lock()
         self._buf: bytearray | None = None

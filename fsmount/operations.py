@@ -459,8 +459,9 @@ class Operations(pyfuse3.Operations):
                              SETTLE_WAIT_S)
                 return await self._writer_handle(new, ctx)
             # A touch of an empty file (writes.py): a reader's handle, whose WRITEs get EPERM.
-        elif self.ns.node(inode).writing:
-            raise pyfuse3.FUSEError(errno.EBUSY)  # readable once it is closed and stored
+        elif (node := self.ns.node(inode)).writing:
+            assert self.writes is not None  # readable once it is closed and stored
+            self.writes.busy(node.path, self.writes.writing(node), "an open to read it")
         version = await self.ns.open_file(inode)
         # A GET that found this version gone (404, 412) superseded its inode (Namespace.gone), and only an answer of
         # the bucket's since makes one current: the version was uploaded again (the same bytes, the same ETag). The
@@ -730,7 +731,7 @@ class Operations(pyfuse3.Operations):
             if new is not None:
                 new.truncate(attr.st_size)
             elif attr.st_size != node.size or node.is_dir:
-                raise pyfuse3.FUSEError(errno.EOPNOTSUPP)
+                self.writes.refuse_truncate(node, attr.st_size)
         # Modes, owners and times are not stored in the bucket: accepted and left as they are.
         return self._attributes(node)
 

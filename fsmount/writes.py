@@ -389,6 +389,20 @@ class Writes:
     def writing(self, node: Node) -> NewFile | None:
         return self._files.get(node.ino)
 
+    def busy(self, path: str, new: NewFile | None, what: str) -> NoReturn:
+        """EBUSY for `what` (an open to read it, to write it, a rename onto it) of the file `new` this mount is
+        writing at `path`, said in the log: a resume that opened a shard before its writer's last close got EBUSY
+        with nothing in the log, even at debug level (B880). At info level, not a warning: it is what README says
+        and writers meet it routinely (a `cp` beside a saver, a child that inherited the descriptor); once per file,
+        the others at debug level (a reader that polls until the file is stored)."""
+        said = new is not None and new.busy_said
+        log.log(logging.DEBUG if said else logging.INFO,
+                "%s: %s fails with EBUSY: this mount is writing it, and it is stored (and can be opened) at its last "
+                "close%s", path or "/", what, "" if said else " (further refusals of it are logged at debug level)")
+        if new is not None:
+            new.busy_said = True
+        raise PathError(errno.EBUSY)
+
     async def settle(self, node: Node) -> None:
         """Before an open or a stat of a file being written: if its last descriptor looks closed (closed while empty,
         nothing written since), wait up to RELEASE_WAIT_S, once, for the RELEASE that stores it. An empty file is
@@ -445,8 +459,11 @@ class Writes:
         O_EXCL does on a local disk. Before, such a create was EPERM, or with --allow-overwrite replaced the object
         with only what was written (an appender's `open(p, "a")` lost the file's bytes)."""
         path = self.ns.child_path(parent, name)
-        if self.ns.pending(path) is not None:
-            raise PathError(errno.EEXIST if flags & os.O_EXCL else errno.EBUSY)
+        pending = self.ns.pending(path)
+        if pending is not None:
+            if flags & os.O_EXCL:
+                raise PathError(errno.EEXIST)
+            self.busy(path, self._files.get(pending.ino), "an open to write it")
         self._not_an_upload_of_another(path)
         # The HEAD goes with the directory's listing: without --allow-overwrite nothing may replace a key, and with it
         # only a create that truncates may, without asking (an O_EXCL create must fail on a file that is there).
@@ -487,7 +504,7 @@ class Writes:
             if node.superseded:
                 raise PathError(errno.ESTALE)
         if node.writing:
-            raise PathError(errno.EBUSY)
+            self.busy(node.path, self._files.get(node.ino), "an open to write it")
         self._not_an_upload_of_another(node.path)
         if not self.allow_overwrite and node.size == 0 and not flags & os.O_APPEND:
             return None  # (an appender is a writer: a logger opened so lost every record, each write a warning)
@@ -520,6 +537,16 @@ class Writes:
             # version: bytes another writer stored under the key since this open were replaced at its close (B308).
             new.if_version = (self.ns.key_of(path), etag)
         return new
+
+    def refuse_truncate(self, node: Node, size: int) -> NoReturn:
+        """A truncate of a stored file (`truncate -s`, an `ftruncate` through a descriptor that does not write it):
+        EOPNOTSUPP, and a warning that says what works instead (it was said nowhere, even at debug level: B881)."""
+        if node.is_dir:
+            raise PathError(errno.EOPNOTSUPP)
+        log.warning("%s: a truncate of a stored file (to %d bytes from %d) is not supported: S3 objects cannot be "
+                    "changed in place; rewrite it whole (an open with O_TRUNC%s)", node.path, size, node.size,
+                    "" if self.allow_overwrite else ", which needs --allow-overwrite")
+        raise PathError(errno.EOPNOTSUPP)
 
     def refuse_write(self, node: Node) -> None:
         """A write through a touch of an empty stored file (`open_existing`): EPERM, as its open was before."""
@@ -682,7 +709,7 @@ class Writes:
             if target.is_dir != node.is_dir:
                 raise PathError(errno.EISDIR if target.is_dir else errno.ENOTDIR)
             if target.writing:
-                raise PathError(errno.EBUSY)
+                self.busy(path, self._files.get(target.ino), f"a rename of {node.path or '/'} onto it")
             if not self.allow_overwrite:
                 log.warning("rename onto %s: replacing it needs --allow-overwrite", path)
                 raise PathError(errno.EPERM)

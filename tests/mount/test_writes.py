@@ -1320,6 +1320,54 @@ def test_a_file_being_written_is_busy_for_other_handles(s3: S3Server, mountpoint
     delete_bucket(s3, bucket)
 
 
+def test_an_open_of_a_shard_still_being_written_says_why_it_is_busy_in_the_log(s3: S3Server, mountpoint: Path) -> None:
+    """A resume that opens a rank's shard before that rank's last close gets EBUSY (README): the log said nothing of
+    it, even at debug level, so "Device or resource busy" on a checkpoint had no explanation (B880). Each refusal of
+    the file (to read it, to write it, a rename onto it) is said at info level, once per file, the rest at debug."""
+    bucket = new_bucket(s3)
+    with mounted(s3, bucket, mountpoint, *WRITABLE, "--allow-overwrite") as m:
+        (mountpoint / "step-100").mkdir()
+        shard = mountpoint / "step-100" / "shard-1.bin"
+        (mountpoint / "other").write_bytes(b"other")
+        with open(shard, "wb") as f:
+            f.write(b"rank 1")
+            f.flush()
+            for attempt in (lambda: open(shard, "rb"), lambda: open(shard, "wb"),  # noqa: SIM115
+                            lambda: os.rename(mountpoint / "other", shard)):
+                with pytest.raises(OSError) as info:
+                    attempt()
+                assert info.value.errno == errno.EBUSY
+        assert shard.read_bytes() == b"rank 1"
+        said = [line for line in m.log().splitlines() if "step-100/shard-1.bin: " in line and "EBUSY" in line]
+        assert len(said) == 3, said
+        assert " INFO fsmount.writes: step-100/shard-1.bin: an open to read it fails with EBUSY: this mount is " \
+               "writing it, and it is stored (and can be opened) at its last close" in said[0]
+        assert [" DEBUG " in line for line in said] == [False, True, True]
+        assert "a rename of other onto it" in said[2]
+    delete_bucket(s3, bucket)
+
+
+def test_a_truncate_of_a_stored_file_says_why_it_is_refused(s3: S3Server, mountpoint: Path) -> None:
+    """`truncate -s 0 latest` (or `os.truncate`) of a stored file is EOPNOTSUPP, and the log said nothing of it,
+    even at debug level (B881): the warning names the file and says what works instead; the file stays as stored."""
+    bucket = bucket_with(s3, {"ckpt/latest": b"300"})
+    for extra, flag_said in (((), True), (("--allow-overwrite",), False)):
+        with mounted(s3, bucket, mountpoint, *WRITABLE, *extra, allowed=(r"a truncate of a stored file",)) as m:
+            for size in (0, 10):
+                with pytest.raises(OSError) as info:
+                    os.truncate(mountpoint / "ckpt" / "latest", size)
+                assert info.value.errno == errno.EOPNOTSUPP
+            os.truncate(mountpoint / "ckpt" / "latest", 3)  # its own size: nothing to change
+            said = warning_lines(m.log())
+            assert len(said) == 2, said
+            assert "ckpt/latest: a truncate of a stored file (to 0 bytes from 3) is not supported: S3 objects cannot " \
+                   "be changed in place; rewrite it whole (an open with O_TRUNC" in said[0]
+            assert ("which needs --allow-overwrite" in said[0]) == flag_said
+            assert (mountpoint / "ckpt" / "latest").read_bytes() == b"300"
+    assert s3.client().get_object(Bucket=bucket, Key="ckpt/latest")["Body"].read() == b"300"
+    delete_bucket(s3, bucket)
+
+
 @pytest.mark.parametrize("how", ["rewrite", "renamed-onto"])
 def test_a_listing_while_a_stored_file_is_replaced_shows_the_file_being_written(s3: S3Server, mountpoint: Path,
                                                                                 how: str) -> None:

@@ -41,6 +41,13 @@ CONDITION_REFUSAL_CODES = frozenset({"NotImplemented", "InvalidArgument", "Inval
                                      "UnsupportedHeader", "NotSupported"})
 
 
+# What a part, a copied part or a completion is told when the bucket no longer has its multipart upload (NoSuchUpload):
+# something outside this mount aborted it while the file was written.
+UPLOAD_GONE = ("the bucket no longer has this file's multipart upload (NoSuchUpload): it was aborted from outside this "
+               "mount, as `modelfs cleanup --older-than` below the upload's age or a lifecycle rule that aborts "
+               "incomplete uploads do")
+
+
 def refuses_the_condition(exc: Exception) -> bool:
     """Whether a create-only store's refusal (not the 412/409 of a key that exists) may be of If-None-Match itself:
     a 501, a code of CONDITION_REFUSAL_CODES, an answer with no code (botocore names it by its status), or a message
@@ -202,6 +209,9 @@ class Uploads:
                 raise replaced from None
             if "IfMatch" in kwargs and gone_is_replaced and _client_error_code(exc)[0] == "NoSuchKey":
                 raise Replaced(f"{what}: the key holds nothing now") from None
+            if isinstance(err, NotFound) and _client_error_code(exc)[0] == "NoSuchUpload":
+                # Said as "not found", the writer's warning read as if its key were missing (B882).
+                raise NotFound(f"{what}: {UPLOAD_GONE}") from None
             # Not the 412/409 of a key that exists, nor a refusal of the key or the body (KeyTooLongError).
             if advise and "IfNoneMatch" in kwargs and type(err) is StoreError and refuses_the_condition(exc):
                 self._tell_create_only_refused(what, exc)

@@ -218,13 +218,17 @@ def _fuse_errors(fn: Callable[..., Coroutine[Any, Any, T]]) -> Callable[..., Cor
     return wrapper
 
 
-def _unsupported(name: str) -> Callable[..., Coroutine[Any, Any, Any]]:
-    """What no mount does (S3 has no such thing): EROFS on a read-only mount, EPERM on a writable one."""
+def _unsupported(name: str, what: str, new_at: int) -> Callable[..., Coroutine[Any, Any, Any]]:
+    """What no mount does (S3 has no such thing): EROFS on a read-only mount, EPERM on a writable one, said in the
+    log (`Writes.refuse_kind`). The handler's arguments `new_at` and the next are the new name's directory and name."""
     async def handler(self: Operations, *args: Any) -> Any:
-        raise pyfuse3.FUSEError(errno.EROFS if self.writes is None else errno.EPERM)
+        if self.writes is None:
+            raise pyfuse3.FUSEError(errno.EROFS)
+        self.writes.refuse_kind(what, args[new_at], args[new_at + 1])
+        raise pyfuse3.FUSEError(errno.EPERM)
 
     handler.__name__ = name
-    return handler
+    return _fuse_errors(handler)
 
 
 def _writable(fn: Callable[..., Coroutine[Any, Any, T]]) -> Callable[..., Coroutine[Any, Any, T]]:
@@ -783,6 +787,7 @@ class Operations(pyfuse3.Operations):
         create-only), as where one had before. FIFOs, sockets and devices: EPERM (S3 has none)."""
         assert self.writes is not None
         if not stat.S_ISREG(mode):
+            self.writes.refuse_kind("FIFOs, sockets and device files", parent_inode, name)
             raise pyfuse3.FUSEError(errno.EPERM)
         new = await self.writes.create(self.ns.node(parent_inode), name, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
         assert new is not None  # O_EXCL: a file stored there is EEXIST
@@ -797,8 +802,8 @@ class Operations(pyfuse3.Operations):
 
     # -- what no mount does (S3 has no such things) --------------------------------------------
 
-    symlink = _unsupported("symlink")
-    link = _unsupported("link")
+    symlink = _unsupported("symlink", "symlinks", 0)  # (parent_inode, name, target, ctx)
+    link = _unsupported("link", "hard links", 1)  # (inode, new_parent_inode, new_name, ctx)
 
     @_writable
     async def setxattr(self, inode: int, name: bytes, value: bytes, ctx: pyfuse3.RequestContext) -> None:

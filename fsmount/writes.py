@@ -34,7 +34,8 @@ The rules (README "Writing checkpoints"):
   new files and renames onto it until that file is stored: its upload is completed under that key, then moved.
 
 Rules between tasks (all in the trio thread): `_open` holds the files with an upload under way (for
-aborting at unmount); `_written` the inodes of files this mount stored and of directories it made. Store calls
+aborting at unmount); `_written` the inodes of files this mount stored and of directories it made; `_kinds_refused`
+the kinds of file already refused with a warning (`refuse_kind`). Store calls
 run in threads under `_limiter` (`--max-connections`), given up after `--read-timeout`.
 """
 
@@ -136,6 +137,7 @@ class Writes:
         self.create_only = not allow_overwrite
         self.allow_delete = allow_delete
         self._delete_refusal_logged = False
+        self._kinds_refused: set[str] = set()
         self.stats = WriteStats()
         self._timeout = timeout
         self._max_connections = max_connections
@@ -547,6 +549,20 @@ class Writes:
                     "changed in place; rewrite it whole (an open with O_TRUNC%s)", node.path, size, node.size,
                     "" if self.allow_overwrite else ", which needs --allow-overwrite")
         raise PathError(errno.EOPNOTSUPP)
+
+    def refuse_kind(self, what: str, parent_inode: int, name: bytes) -> None:
+        """Say why a symlink, a hard link, a FIFO (`what`) made at `name` in `parent_inode` is refused (the caller's
+        EPERM): S3 has none. It was said nowhere, even at debug level (B883: `ln -s step-100 latest`). A warning for
+        the first of each kind, the others at debug level."""
+        try:
+            path = self.ns.child_path(self.ns.node(parent_inode), name)
+        except PathError:
+            path = name.decode(errors="replace")
+        said = what in self._kinds_refused
+        self._kinds_refused.add(what)
+        log.log(logging.DEBUG if said else logging.WARNING,
+                "%s: %s are not supported (S3 has none): EPERM%s", path, what,
+                "" if said else " (further ones are logged at debug level)")
 
     def refuse_write(self, node: Node) -> None:
         """A write through a touch of an empty stored file (`open_existing`): EPERM, as its open was before."""

@@ -1349,6 +1349,33 @@ def test_an_open_of_a_shard_still_being_written_says_why_it_is_busy_in_the_log(s
     delete_bucket(s3, bucket)
 
 
+def test_links_and_fifos_are_refused_with_a_warning_that_says_why(s3: S3Server, mountpoint: Path) -> None:
+    """`ln -s step-100 latest` (a trainer's pointer to its last checkpoint), a hard link, a FIFO: EPERM (README),
+    and the log said nothing of it, even at debug level (B883). The first refusal of each kind is a warning naming
+    the path and saying S3 has none; the others go at debug level."""
+    bucket = bucket_with(s3, {"ckpt/step-100/model.pt": b"weights"})
+    with mounted(s3, bucket, mountpoint, *WRITABLE, allowed=(r"are not supported \(S3 has none\)",)) as m:
+        ckpt = mountpoint / "ckpt"
+        for attempt in (lambda: os.symlink("step-100", ckpt / "latest"),
+                        lambda: os.symlink("step-100", ckpt / "last"),
+                        lambda: os.link(ckpt / "step-100" / "model.pt", ckpt / "last.pt"),
+                        lambda: os.mkfifo(ckpt / "fifo")):
+            with pytest.raises(OSError) as info:
+                attempt()
+            assert info.value.errno == errno.EPERM
+        said = [line.split(" fsmount.writes: ", 1)[-1] for line in warning_lines(m.log())]
+        assert said == ["ckpt/latest: symlinks are not supported (S3 has none): EPERM (further ones are logged at "
+                        "debug level)",
+                        "ckpt/last.pt: hard links are not supported (S3 has none): EPERM (further ones are logged at "
+                        "debug level)",
+                        "ckpt/fifo: FIFOs, sockets and device files are not supported (S3 has none): EPERM (further "
+                        "ones are logged at debug level)"], said
+        assert "ckpt/last: symlinks are not supported" in m.log()  # at debug level
+        assert sorted(os.listdir(ckpt)) == ["step-100"]
+    assert keys(s3, bucket) == {"ckpt/step-100/model.pt": 7}
+    delete_bucket(s3, bucket)
+
+
 def test_a_truncate_of_a_stored_file_says_why_it_is_refused(s3: S3Server, mountpoint: Path) -> None:
     """`truncate -s 0 latest` (or `os.truncate`) of a stored file is EOPNOTSUPP, and the log said nothing of it,
     even at debug level (B881): the warning names the file and says what works instead; the file stays as stored."""

@@ -552,15 +552,18 @@ class Writes:
 
     def refuse_kind(self, what: str, parent_inode: int, name: bytes) -> None:
         """Say why a symlink, a hard link, a FIFO (`what`) made at `name` in `parent_inode` is refused (the caller's
-        EPERM): S3 has none. It was said nowhere, even at debug level (B883: `ln -s step-100 latest`). A warning for
-        the first of each kind, the others at debug level."""
+        EPERM): S3 has none. It was said nowhere, even at debug level (B883: `ln -s step-100 latest`). At info level
+        for the first of each kind, the others at debug level: not a warning, since healthy tools probe for links and
+        carry on without them (git links each new object file and renames it where link fails, huggingface_hub tries a
+        symlink to choose its cache layout, conda hard-links and copies instead), and their jobs' logs got a warning
+        for what they handle (B980). The set holds at most the three kinds."""
         try:
             path = self.ns.child_path(self.ns.node(parent_inode), name)
         except PathError:
             path = name.decode(errors="replace")
         said = what in self._kinds_refused
         self._kinds_refused.add(what)
-        log.log(logging.DEBUG if said else logging.WARNING,
+        log.log(logging.DEBUG if said else logging.INFO,
                 "%s: %s are not supported (S3 has none): EPERM%s", path, what,
                 "" if said else " (further ones are logged at debug level)")
 

@@ -48,7 +48,7 @@ RENAME_NOREPLACE = 1
 FLAGS = ("--writable", "--allow-overwrite", "--allow-delete", "--metadata-ttl", f"{TTL_S:g}")
 # The warnings the documented refusals log.
 REFUSALS = (r"only sequential writes are supported", r"only whole rewrites", r"is not renamed \(EXDEV\)",
-            r"a truncate of a stored file", r"are not supported \(S3 has none\)",
+            r"a truncate of a stored file",
             r"not stored",
             r"fetching chunk \d+ of 'd/big2?' failed", r"read failed: GET 'd/big2?'")
 

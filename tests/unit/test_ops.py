@@ -298,6 +298,46 @@ def test_oss_virtual_host_sigv4_with_a_profile(clean_aws_env: Path, monkeypatch:
     check_oss_signature(listing, url, headers, "LTAI5tProfileKey", TEST_SECRET)
 
 
+@pytest.mark.parametrize("endpoint", ["https://oss-cn-hangzhou-internal.aliyuncs.com",
+                                      "https://s3.us-east-1.amazonaws.com"])
+def test_only_a_no_such_upload_answer_says_the_upload_was_aborted(clean_aws_env: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                  endpoint: str) -> None:
+    """B882's message is for NoSuchUpload (S3's and OSS's code for an upload aborted) on a part, a copied part, a
+    completion; a NoSuchKey (a copied part's source gone) or a NoSuchBucket is not told as an aborted upload. An abort
+    of an upload already gone is done, as before."""
+    from botocore.awsrequest import AWSResponse
+
+    from fsmount.config import StoreConfig
+    from fsmount.data import Boto3Store, NotFound, StoreError
+    from fsmount.data.uploads import UPLOAD_GONE, Uploads
+
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "LTAI5tEnvKey")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", TEST_SECRET)
+    store = Boto3Store(StoreConfig("tier", endpoint_url=endpoint, region="cn-hangzhou", addressing_style="virtual",
+                                   get_client="boto3"))
+    code = "NoSuchUpload"
+
+    def answer(request, **_: object) -> AWSResponse:  # noqa: ANN001 - botocore's AWSPreparedRequest
+        body = f"<Error><Code>{code}</Code><Message>gone</Message></Error>".encode()
+        return AWSResponse(request.url, 404, {"Content-Type": "application/xml"}, _Body(body))
+
+    store._client.meta.events.register("before-send.s3", answer)
+    uploads = Uploads(store)
+    calls = (lambda: uploads.put_part("ckpt.bin", "u1", 2, b"x"),
+             lambda: uploads.copy_part("ckpt.bin", "u1", 2, "old.bin", '"e1"', 0, 1),
+             lambda: uploads.finish("ckpt.bin", "u1", ['"p1"']))
+    for call in calls:
+        with pytest.raises(NotFound) as info:
+            call()
+        assert UPLOAD_GONE in info.value.message
+    uploads.abort("ckpt.bin", "u1")
+    for code in ("NoSuchKey", "NoSuchBucket"):
+        for call in calls:
+            with pytest.raises(StoreError) as other:
+                call()
+            assert "NoSuchUpload" not in other.value.message and "aborted" not in other.value.message, code
+
+
 @pytest.mark.parametrize("endpoint, oss", [("https://oss-cn-hangzhou-internal.aliyuncs.com", True),
                                            ("https://s3.us-east-1.amazonaws.com", False)])
 def test_a_create_only_put_says_it_in_the_endpoints_own_words(clean_aws_env: Path, monkeypatch: pytest.MonkeyPatch,

@@ -16,7 +16,9 @@ import sys
 import textwrap
 import threading
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -217,14 +219,13 @@ def test_the_local_copy_leaves_the_cache_disk_its_floor_of_free_space(s3: S3Serv
     delete_bucket(s3, bucket)
 
 
-def test_a_checkpoint_written_on_a_full_cache_disk_replaces_old_chunks(s3: S3Server, mountpoint: Path,
-                                                                       tmp_path: Path) -> None:
-    """B680: a node whose NVMe cache fills its disk up to the floor of free space (here `--cache-size` larger than
-    the disk gives). B590's floor ended every checkpoint's copy at its first part, so no checkpoint written on the
-    node was cached; the copy has the cache evict its oldest chunks for its room, and the floor is still kept."""
-    old = random_bytes(100 * MiB, 680)
-    bucket = bucket_with(s3, {"old.bin": old})
-    data = random_bytes(24 * MiB, 681)
+@contextlib.contextmanager
+def a_full_cache_disk(s3: S3Server, bucket: str, old: bytes, mountpoint: Path, tmp_path: Path, room: int,
+                      ) -> Iterator[tuple[Path, Callable[[], int], int, Any]]:
+    """A writable mount whose NVMe cache fills its disk up to the floor of free space (`--cache-size` larger than the
+    104 MiB tmpfs gives): `old.bin` in `bucket` (`old`, 100 MiB) read whole and exact, its chunks put until the cache
+    evicts to keep its floor, and less than `room` bytes left free beyond it. The tmpfs, its free bytes, the floor,
+    the mount."""
     floor = int(0.05 * 104 * MiB)  # disk_cache.MIN_FREE_SHARE of the filesystem
     with tmpfs(tmp_path / "small", "size=104M") as small:
 
@@ -233,18 +234,29 @@ def test_a_checkpoint_written_on_a_full_cache_disk_replaces_old_chunks(s3: S3Ser
             return st.f_bavail * st.f_frsize
 
         with mounted(s3, bucket, mountpoint, *WRITABLE, "--cache-dir", str(small / "cache"), "--cache-size", "500M",
-                     "--write-part-size", "5M"):
+                     "--write-part-size", "5M") as m:
             assert sha((mountpoint / "old.bin").read_bytes()) == sha(old)
-            # The reads' chunks fill the cache up to its floor (it evicts the first of them to keep it).
             wait_for("the cache at its floor", lambda: mount_stats(mountpoint)["disk_cache"]["evictions"],
                      lambda n: n > 0)
-            wait_for("the reads' puts landed", free, lambda n: n - floor < len(data) - 2 * MiB)  # no room for the copy
-            with open(mountpoint / "ckpt.bin", "wb") as f:
-                for at in range(0, len(data), MiB):
-                    f.write(data[at:at + MiB])
-            wait_for("chunks cached", lambda: mount_stats(mountpoint)["writes"]["chunks_cached"], lambda n: n == 3)
-            assert os.listdir(small / "cache" / "writes") == []
-            wait_for("the floor left free", free, lambda n: n >= floor, timeout=2)  # see the test above
+            wait_for("the reads' puts landed", free, lambda n: n - floor < room)
+            yield small, free, floor, m
+
+
+def test_a_checkpoint_written_on_a_full_cache_disk_replaces_old_chunks(s3: S3Server, mountpoint: Path,
+                                                                       tmp_path: Path) -> None:
+    """B680: a node whose NVMe cache fills its disk up to the floor of free space (here `--cache-size` larger than
+    the disk gives). B590's floor ended every checkpoint's copy at its first part, so no checkpoint written on the
+    node was cached; the copy has the cache evict its oldest chunks for its room, and the floor is still kept."""
+    old = random_bytes(100 * MiB, 680)
+    bucket = bucket_with(s3, {"old.bin": old})
+    data = random_bytes(24 * MiB, 681)
+    with a_full_cache_disk(s3, bucket, old, mountpoint, tmp_path, len(data) - 2 * MiB) as (small, free, floor, _):
+        with open(mountpoint / "ckpt.bin", "wb") as f:
+            for at in range(0, len(data), MiB):
+                f.write(data[at:at + MiB])
+        wait_for("chunks cached", lambda: mount_stats(mountpoint)["writes"]["chunks_cached"], lambda n: n == 3)
+        assert os.listdir(small / "cache" / "writes") == []
+        wait_for("the floor left free", free, lambda n: n >= floor, timeout=2)  # see the test above
     assert sha(s3.client().get_object(Bucket=bucket, Key="ckpt.bin")["Body"].read()) == sha(data)
     delete_bucket(s3, bucket)
 
@@ -258,32 +270,20 @@ def test_a_pre_sized_checkpoint_on_a_full_cache_disk_is_deferred(s3: S3Server, m
     old = random_bytes(100 * MiB, 730)
     bucket = bucket_with(s3, {"old.bin": old})
     data = random_bytes(24 * MiB, 731)
-    floor = int(0.05 * 104 * MiB)  # disk_cache.MIN_FREE_SHARE of the filesystem
-    with tmpfs(tmp_path / "small", "size=104M") as small:
-
-        def free() -> int:
-            st = os.statvfs(small)
-            return st.f_bavail * st.f_frsize
-
-        with mounted(s3, bucket, mountpoint, *WRITABLE, "--cache-dir", str(small / "cache"), "--cache-size", "500M",
-                     "--write-part-size", "5M") as m:
-            assert sha((mountpoint / "old.bin").read_bytes()) == sha(old)
-            wait_for("the cache at its floor", lambda: mount_stats(mountpoint)["disk_cache"]["evictions"],
-                     lambda n: n > 0)
-            wait_for("the reads' puts landed", free, lambda n: n - floor < len(data) - 2 * MiB)  # no room beyond it
-            with open(mountpoint / "ckpt.bin.tmp", "wb") as f:  # save_file's order
-                f.truncate(len(data))
-                for at in range(0, len(data), MiB):
-                    f.write(data[at:at + MiB])
-                f.flush()
-                assert free() >= floor
-                os.rename(mountpoint / "ckpt.bin.tmp", mountpoint / "ckpt.bin")
-            wait_for("chunks cached", lambda: mount_stats(mountpoint)["writes"]["chunks_cached"], lambda n: n == 3)
-            log = m.log()
-            assert f"ckpt.bin: uploading {len(data)} bytes from its local copy" in log
-            assert "no room for a local copy" not in log
-            assert os.listdir(small / "cache" / "writes") == []
+    with a_full_cache_disk(s3, bucket, old, mountpoint, tmp_path, len(data) - 2 * MiB) as (small, free, floor, m):
+        with open(mountpoint / "ckpt.bin.tmp", "wb") as f:  # save_file's order
+            f.truncate(len(data))
+            for at in range(0, len(data), MiB):
+                f.write(data[at:at + MiB])
+            f.flush()
             assert free() >= floor
+            os.rename(mountpoint / "ckpt.bin.tmp", mountpoint / "ckpt.bin")
+        wait_for("chunks cached", lambda: mount_stats(mountpoint)["writes"]["chunks_cached"], lambda n: n == 3)
+        log = m.log()
+        assert f"ckpt.bin: uploading {len(data)} bytes from its local copy" in log
+        assert "no room for a local copy" not in log
+        assert os.listdir(small / "cache" / "writes") == []
+        assert free() >= floor
     assert keys(s3, bucket) == {"old.bin": len(old), "ckpt.bin": len(data)}
     assert sha(s3.client().get_object(Bucket=bucket, Key="ckpt.bin")["Body"].read()) == sha(data)
     delete_bucket(s3, bucket)

@@ -62,7 +62,7 @@ SEEDED = {"a": random_bytes(3000, 90), "d/": b"", "d/x": random_bytes(7000, 91)}
 # What the daemon says when it refuses what the fuzzer asks for, as documented.
 ALLOWED = (r"only sequential writes are supported", r"will not be stored", r"needs --allow-overwrite",
            r"needs --allow-delete", r"only whole rewrites", r"is not supported \(only sequential writes\)",
-           r"is not renamed \(EXDEV\)", r"still uploads under this name",
+           r"is not renamed \(EXDEV\)", r"still uploads under this name", r"a truncate of a stored file",
            # The held reader of a file deleted or replaced meanwhile: EIO, never other bytes.
            FETCH_FAILED, READ_FAILED)
 

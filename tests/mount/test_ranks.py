@@ -7,9 +7,15 @@ model is still mapped by all 8, the second is loaded the same way, and half the 
 the others read their slices of it once more at the end. The daemon runs with a small `--memory-limit` and a
 `--cache-dir` on a tmpfs smaller than one model.
 
+Each rank drops the pages of every slice it read from its map and from the page cache (`MADV_DONTNEED`,
+`POSIX_FADV_DONTNEED`), as a memory-tight node's kernel reclaims them: the ranks' later faults reach the daemon again,
+and no page cache filled by one rank serves the others. One rank also reads the second model through `safe_open`.
+
 What must hold: no rank dies (a SIGBUS with a healthy origin is a failed READ), every slice is exact, no slice
-waits past `--read-timeout` plus a margin, the daemon's peak RSS stays within the limit plus 64 MiB, the cache disk
-keeps its free-space floor, the daemon logs no warning but the small disk's, and it exits at once when unmounted.
+waits past `--read-timeout` (plus a margin for a loaded 2-core machine), the daemon's peak RSS stays within the limit
+plus 64 MiB, the cache disk keeps its free-space floor and keeps taking chunks, and the daemon logs no warning but the
+small disk's. And when the job is stopped (its mount unmounted) while the ranks still map every shard, the daemon
+serves them to the end and exits once they are done.
 """
 
 from __future__ import annotations

@@ -207,8 +207,8 @@ class ModelStreamer:
         model = model_of(version.key) if self.siblings is not None else None
         if model is not None and (version.key, version.etag) not in self._warmed_models.get(model[0], ()):
             # The model's first open, or a file of it replaced since it was warmed.
-            self._warmed_models[model[0]] = {(version.key, version.etag)}
-            self._nursery.start_soon(self._warm_siblings, ino, version, model)
+            warmed = self._warmed_models[model[0]] = {(version.key, version.etag)}
+            self._nursery.start_soon(self._warm_siblings, ino, version, model, warmed)
         if not version.key.endswith(SAFETENSORS_SUFFIX):
             return
         key = (version.key, version.etag)
@@ -278,7 +278,11 @@ class ModelStreamer:
                                                 again=True)
         self._nursery.start_soon(self._run_job, again)
 
-    async def _warm_siblings(self, ino: int, opened: ObjectVersion, model: tuple[str, str | None]) -> None:
+    async def _warm_siblings(self, ino: int, opened: ObjectVersion, model: tuple[str, str | None],
+                             remembered: set[tuple[str, str]]) -> None:
+        """Warm the shards of `model` beside `opened`, adding their versions to `remembered`: the set `opened`
+        put in `_warmed_models`, updated in place, so that a warming that ends after later models were opened
+        neither moves its model ahead of them in the LRU order nor brings back one forgotten meanwhile."""
         assert self.siblings is not None
         try:
             files = await self.siblings(ino)
@@ -291,7 +295,7 @@ class ModelStreamer:
         # Its files as they are now, its index included: opening any of them later warms nothing again.
         warmed = {(v.key, v.etag) for _, v in shards}
         warmed.update((v.key, v.etag) for _, v in files if model_of(v.key) == (model[0], None))
-        self._warmed_models.setdefault(model[0], set()).update(warmed)
+        remembered.update(warmed)
         for sib_ino, version in shards:
             key = (version.key, version.etag)
             if key in self._active or key in self._rewritten:

@@ -222,3 +222,40 @@ def test_every_option_a_command_s_help_lists_says_what_it_does_and_the_readme_na
                     unnamed.append(f"modelfs {name} {option.option_strings[0]}")
     assert not silent, f"options whose --help says nothing: {sorted(set(silent))}"
     assert not unnamed, f"options README never names: {sorted(set(unnamed))}"
+
+
+def test_the_waits_the_readme_spells_out_are_the_code_s() -> None:
+    """README's Usage and its systemd and pod sections give waits in prose, not as constants' names: `modelfs stats`
+    answers "within 10 s" or exits 1 (a probe's `timeoutSeconds` is sized by it), a pod's grace period is the unit's
+    `TimeoutStopSec`, which covers every bound of a stop. A changed constant left the prose saying the old one."""
+    from fsmount import cli, mount, operations, writes
+    from fsmount.data import cache_dir
+    from fsmount.stats_table import STATS_TIMEOUT_S
+
+    text = re.sub(r"\s*\n\s*(?:# )?", " ", (ROOT / "README.md").read_text())  # one line, Usage's comments joined
+    unit = (ROOT / "systemd" / "modelfs@.service").read_text()
+    timeout_stop = float(re.search(r"^TimeoutStopSec=(\d+)s$", unit, re.M).group(1))
+    worst = (mount.PUSH_STOP_S + max(mount.STOP_GRACE_S, mount.STOP_GRACE_WRITING_S) + 2 * operations.SESSION_CALLS_S
+             + mount.PUSH_STOP_S + mount.PUSH_ABORT_S + mount.MARK_DRAINING_S + writes.ABORT_ALL_S
+             + writes.CACHE_FILL_S + mount.WRITE_DRAIN_S + mount.CLAIM_DROP_S + mount.NAMES_SAVE_S)
+    said = {
+        r"started meanwhile waits for them \(up to (\d+) s\)": cache_dir.DRAINING_WAIT_S,
+        r"exit 1 for a daemon silent for (\d+) s": cli.STALE_CHECK_S,
+        r"exit 1 where no daemon answers there within (\d+) s": STATS_TIMEOUT_S,
+        r"its daemon does not answer within (\d+) s \(stopped, hung\)": STATS_TIMEOUT_S,
+        r"Requests still in flight get (\d+) s to finish": mount.STOP_GRACE_S,
+        r"to finish \((\d+) s while a file is open for writing": mount.STOP_GRACE_WRITING_S,
+        r"its steps take up to (\d+) s at worst": worst,
+        r"`TimeoutStopSec=(\d+)s`": timeout_stop,
+        r"`terminationGracePeriodSeconds` of (\d+)": timeout_stop,
+    }
+    wrong = []
+    for pattern, value in said.items():
+        m = re.search(pattern, text)
+        assert m, f"README no longer says {pattern!r}: reword this check with it"
+        if float(m.group(1)) != value:
+            wrong.append(f"README: {m.group(0)!r}, code: {value:g}")
+    m = re.search(r"(\d+) s at worst", unit)
+    if m is None or float(m.group(1)) != worst:
+        wrong.append(f"systemd/modelfs@.service: {m and m.group(0)!r}, the bounds of a stop: {worst:g} s")
+    assert not wrong, wrong

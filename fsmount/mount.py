@@ -597,8 +597,8 @@ def check_mountpoint(path: str, allow_non_empty: bool) -> tuple[str, int]:
         check_not_inside_modelfs(path, os.path.realpath(path))
         raise MountError(f"mountpoint {path} does not exist")
     real = os.path.realpath(path)
-    if not os.path.isdir(real):
-        raise MountError(f"mountpoint {path} is not a directory")
+    if not os.path.isdir(real):  # a file there goes only when an operator removes it: 2, not started again
+        raise SettingError(f"mountpoint {path} is not a directory")
     check_not_inside_modelfs(path, real)
     check_user_may_mount_on(path, real)
     try:
@@ -718,8 +718,8 @@ def _check_free(path: str, real: str, allow_non_empty: bool) -> None:
         entries = os.listdir(real)
     except OSError as exc:
         raise MountError(f"mountpoint {path} cannot be read: {exc.strerror}") from None
-    if entries and not allow_non_empty:
-        raise MountError(f"mountpoint {path} is not empty (use --allow-non-empty / -o nonempty to mount over it)")
+    if entries and not allow_non_empty:  # as a file there: only an operator empties it (B1060)
+        raise SettingError(f"mountpoint {path} is not empty (use --allow-non-empty / -o nonempty to mount over it)")
 
 
 def bind_metrics(addr: str | None) -> MetricsServer | None:

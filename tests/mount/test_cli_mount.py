@@ -111,19 +111,19 @@ def test_values_the_daemon_cannot_use_are_refused_up_front(tmp_path: Path, args:
 
 # -- fail fast before mounting --------------------------------------------------------------------
 
-def assert_fails(res: subprocess.CompletedProcess, message: str, started: float) -> None:
-    assert res.returncode == 1, res
+def assert_fails(res: subprocess.CompletedProcess, message: str, started: float, code: int = 1) -> None:
+    assert res.returncode == code, res
     assert message in res.stderr, res.stderr
     assert len(res.stderr.strip().splitlines()) == 1, res.stderr  # one clear line
     assert time.monotonic() - started < FAIL_FAST_LIMIT
 
 
 def mount_fails_fast(bucket: str, path: Path, endpoint_url: str, env: dict[str, str],
-                     message: str, *extra: str) -> subprocess.CompletedProcess:
+                     message: str, *extra: str, code: int = 1) -> subprocess.CompletedProcess:
     """`modelfs mount` that must fail before mounting (assert_fails), timed from just before it starts."""
     t = time.monotonic()
     res = run_modelfs("mount", bucket, str(path), "--endpoint-url", endpoint_url, *extra, env=env)
-    assert_fails(res, message, t)
+    assert_fails(res, message, t, code)
     return res
 
 
@@ -344,16 +344,26 @@ def test_a_foreground_daemon_whose_stderr_pipe_is_full_still_serves(moto_server:
 
 
 def test_mountpoint_problems(moto_server: S3Server, tmp_path: Path) -> None:
+    """README: `modelfs mount` exits 2 where only an operator mends it, 1 where starting again may. A MOUNTPOINT that
+    files were written into while nothing was mounted there, or a file at that path, exited 1: the systemd unit
+    started the mount again every RestartSec for good, one error line each time (B1060). One not there yet (a disk
+    that mounts later, another unit that makes it) may come: 1."""
     bucket = new_bucket(moto_server)
     afile = tmp_path / "file"
     afile.write_text("x")
     full = tmp_path / "full"
     full.mkdir()
     (full / "something").write_text("x")
-    cases = [(tmp_path / "missing", "does not exist"), (afile, "is not a directory"), (full, "is not empty")]
-    for path, message in cases:
-        mount_fails_fast(bucket, path, moto_server.endpoint_url, daemon_env(moto_server), message)
-    assert (full / "something").read_text() == "x"  # nothing lost
+    cases = [(tmp_path / "missing", "does not exist", 1), (afile, "is not a directory", 2),
+             (full, "is not empty (use --allow-non-empty", 2)]
+    try:
+        for path, message, code in cases:
+            for foreground in ((), ("--foreground",)):
+                mount_fails_fast(bucket, path, moto_server.endpoint_url, daemon_env(moto_server), message,
+                                 *foreground, code=code)
+    finally:
+        unmount(full)
+    assert (full / "something").read_text() == "x" and afile.read_text() == "x"  # nothing lost
 
 
 def test_no_fusermount3(moto_server: S3Server, tmp_path: Path) -> None:

@@ -1014,7 +1014,7 @@ def open_shared_tier(cfg: MountConfig, origin: Boto3Store) -> SharedTier:
     inside = tier_inside_mount(shared, cfg.store, origin_identity(origin.endpoint_url, "") ==
                                origin_identity(client.endpoint_url, ""))
     if inside:  # the endpoints as the clients resolved them: one may come from the AWS configuration
-        raise MountError(inside)
+        raise SettingError(inside)  # exit 2, as the same refusal of the options themselves (B1061)
     answered = True
     try:
         client.check_bucket(shared.prefix)

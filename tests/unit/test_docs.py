@@ -229,7 +229,7 @@ def test_the_waits_the_readme_spells_out_are_the_code_s() -> None:
     answers "within 10 s" or exits 1 (a probe's `timeoutSeconds` is sized by it), a pod's grace period is the unit's
     `TimeoutStopSec`, which covers every bound of a stop. A changed constant left the prose saying the old one."""
     from fsmount import cli, mount, operations, writes
-    from fsmount.data import cache_dir
+    from fsmount.data import cache_dir, disk_cache, levels
     from fsmount.stats_table import STATS_TIMEOUT_S
 
     text = re.sub(r"\s*\n\s*(?:# )?", " ", (ROOT / "README.md").read_text())  # one line, Usage's comments joined
@@ -248,6 +248,8 @@ def test_the_waits_the_readme_spells_out_are_the_code_s() -> None:
         r"its steps take up to (\d+) s at worst": worst,
         r"`TimeoutStopSec=(\d+)s`": timeout_stop,
         r"`terminationGracePeriodSeconds` of (\d+)": timeout_stop,
+        r"the cache also leaves (\d+) GiB of that filesystem free": disk_cache.DEFAULT_MIN_FREE / (1 << 30),
+        r"GiB of that filesystem free, or (\d+)% of a smaller one": disk_cache.MIN_FREE_SHARE * 100,
     }
     wrong = []
     for pattern, value in said.items():
@@ -255,6 +257,14 @@ def test_the_waits_the_readme_spells_out_are_the_code_s() -> None:
         assert m, f"README no longer says {pattern!r}: reword this check with it"
         if float(m.group(1)) != value:
             wrong.append(f"README: {m.group(0)!r}, code: {value:g}")
+    # The descriptors a mount holds at once with --cache-dir and the defaults, "about" as README says.
+    m = re.search(r"the cache's files: about (\d+) with `--cache-dir` and the defaults", text)
+    connections = make_parser()._subparsers._group_actions[0].choices["mount"]._option_string_actions[
+        "--max-connections"].default
+    held = mount.OPEN_FILES_BASE + 2 * connections + levels.DISK_THREADS + levels.PUT_THREADS  # mount's `need`
+    assert m, "README no longer says how many descriptors a mount holds: reword this check with it"
+    if abs(int(m.group(1)) - held) > 2:
+        wrong.append(f"README: {m.group(0)!r}, code: {held}")
     m = re.search(r"(\d+) s at worst", unit)
     if m is None or float(m.group(1)) != worst:
         wrong.append(f"systemd/modelfs@.service: {m and m.group(0)!r}, the bounds of a stop: {worst:g} s")

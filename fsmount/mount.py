@@ -591,12 +591,13 @@ def check_mountpoint(path: str, allow_non_empty: bool) -> tuple[str, int]:
     both mounted, one over the other (fstab and a systemd unit, an init container and a sidecar). The caller
     closes it once mounted (or failed); the second one started then finds a mount point there."""
     check_daemon_answers(path)
-    if not os.path.lexists(path):
+    real = os.path.realpath(path)
+    if not os.path.exists(path):  # not there yet, or a symlink to a directory on a disk mounted later: exit 1 (B1160)
         # One that cannot be made inside a read-only modelfs mount (the unit's mkdir: EROFS) is refused as it would
         # be if it were there (exit 2), not "does not exist" (exit 1), which the unit started again every 5 s.
-        check_not_inside_modelfs(path, os.path.realpath(path))
-        raise MountError(f"mountpoint {path} does not exist")
-    real = os.path.realpath(path)
+        check_not_inside_modelfs(path, real)
+        link = f" (a symlink to {real})" if os.path.lexists(path) else ""
+        raise MountError(f"mountpoint {path} does not exist{link}")
     if not os.path.isdir(real):  # a file there goes only when an operator removes it: 2, not started again
         raise SettingError(f"mountpoint {path} is not a directory")
     check_not_inside_modelfs(path, real)

@@ -347,15 +347,19 @@ def test_mountpoint_problems(moto_server: S3Server, tmp_path: Path) -> None:
     """README: `modelfs mount` exits 2 where only an operator mends it, 1 where starting again may. A MOUNTPOINT that
     files were written into while nothing was mounted there, or a file at that path, exited 1: the systemd unit
     started the mount again every RestartSec for good, one error line each time (B1060). One not there yet (a disk
-    that mounts later, another unit that makes it) may come: 1."""
+    that mounts later, another unit that makes it) may come: 1; so may the directory a symlink there points to, which
+    B1060 made "is not a directory", 2, for good (B1160)."""
     bucket = new_bucket(moto_server)
     afile = tmp_path / "file"
     afile.write_text("x")
     full = tmp_path / "full"
     full.mkdir()
     (full / "something").write_text("x")
+    link = tmp_path / "link"
+    link.symlink_to(tmp_path / "disk" / "models")
     cases = [(tmp_path / "missing", "does not exist", 1), (afile, "is not a directory", 2),
-             (full, "is not empty (use --allow-non-empty", 2)]
+             (full, "is not empty (use --allow-non-empty", 2),
+             (link, f"does not exist (a symlink to {tmp_path / 'disk' / 'models'})", 1)]
     try:
         for path, message, code in cases:
             for foreground in ((), ("--foreground",)):

@@ -1049,6 +1049,12 @@ def tune_malloc() -> None:
         log.debug("mallopt not available; memory may be returned to the OS later")
 
 
+def open_files_needed(max_connections: int, cache_dir: bool) -> int:
+    """The descriptors a daemon may hold at once (two per connection, the cache's files where it has a cache dir,
+    OPEN_FILES_BASE besides): what raise_open_file_limit warns below, and what README quotes for the defaults."""
+    return OPEN_FILES_BASE + 2 * max_connections + (DISK_THREADS + PUT_THREADS if cache_dir else 0)
+
+
 def raise_open_file_limit(cfg: MountConfig) -> None:
     """The soft limit on open descriptors up to the hard one (as Go's runtime does for its programs): the daemon
     holds a socket per connection, the cache files it reads and writes, and its log and /dev/fuse. A warning if
@@ -1061,7 +1067,7 @@ def raise_open_file_limit(cfg: MountConfig) -> None:
         except (ValueError, OSError) as exc:
             log.debug("cannot raise the open-file limit from %d: %s", soft, exc)
         soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
-    need = OPEN_FILES_BASE + 2 * cfg.store.max_connections + (DISK_THREADS + PUT_THREADS if cfg.cache_dir else 0)
+    need = open_files_needed(cfg.store.max_connections, bool(cfg.cache_dir))
     if soft != resource.RLIM_INFINITY and soft < need:
         log.warning("the open-file limit is %d (ulimit -n, or LimitNOFILE= in the systemd unit), below the ~%d "
                     "descriptors this mount may hold at once: reads may fail with 'too many open files'", soft, need)

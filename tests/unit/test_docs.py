@@ -228,16 +228,15 @@ def test_the_waits_the_readme_spells_out_are_the_code_s() -> None:
     """README's Usage and its systemd and pod sections give waits in prose, not as constants' names: `modelfs stats`
     answers "within 10 s" or exits 1 (a probe's `timeoutSeconds` is sized by it), a pod's grace period is the unit's
     `TimeoutStopSec`, which covers every bound of a stop. A changed constant left the prose saying the old one."""
-    from fsmount import cli, mount, operations, writes
-    from fsmount.data import cache_dir, disk_cache, levels
+    from fsmount import cli, mount
+    from fsmount.data import cache_dir, disk_cache
     from fsmount.stats_table import STATS_TIMEOUT_S
+    from tests.unit.test_ops import stop_worst_s
 
     text = re.sub(r"\s*\n\s*(?:# )?", " ", (ROOT / "README.md").read_text())  # one line, Usage's comments joined
     unit = (ROOT / "systemd" / "modelfs@.service").read_text()
     timeout_stop = float(re.search(r"^TimeoutStopSec=(\d+)s$", unit, re.M).group(1))
-    worst = (mount.PUSH_STOP_S + max(mount.STOP_GRACE_S, mount.STOP_GRACE_WRITING_S) + 2 * operations.SESSION_CALLS_S
-             + mount.PUSH_STOP_S + mount.PUSH_ABORT_S + mount.MARK_DRAINING_S + writes.ABORT_ALL_S
-             + writes.CACHE_FILL_S + mount.WRITE_DRAIN_S + mount.CLAIM_DROP_S + mount.NAMES_SAVE_S)
+    worst = stop_worst_s()
     said = {
         r"started meanwhile waits for them \(up to (\d+) s\)": cache_dir.DRAINING_WAIT_S,
         r"exit 1 for a daemon silent for (\d+) s": cli.STALE_CHECK_S,
@@ -261,7 +260,7 @@ def test_the_waits_the_readme_spells_out_are_the_code_s() -> None:
     m = re.search(r"the cache's files: about (\d+) with `--cache-dir` and the defaults", text)
     connections = make_parser()._subparsers._group_actions[0].choices["mount"]._option_string_actions[
         "--max-connections"].default
-    held = mount.OPEN_FILES_BASE + 2 * connections + levels.DISK_THREADS + levels.PUT_THREADS  # mount's `need`
+    held = mount.open_files_needed(connections, cache_dir=True)
     assert m, "README no longer says how many descriptors a mount holds: reword this check with it"
     if abs(int(m.group(1)) - held) > 2:
         wrong.append(f"README: {m.group(0)!r}, code: {held}")

@@ -524,6 +524,18 @@ def test_only_a_reply_to_a_dropped_request_is_downgraded_from_error() -> None:
         assert DroppedRequestReply().filter(other) and other.levelno == logging.ERROR, message
 
 
+def stop_worst_s() -> float:
+    """Every bound of a stop, in the order a SIGTERM runs them: pushes while the loop answers (_watch_signals),
+    requests in flight, calls into the session still under way, before and after an abort for them, pushes still
+    copying once it stopped and once the connection was aborted for them (serve), then the drains."""
+    from fsmount import mount, operations, writes
+
+    return (mount.PUSH_STOP_S + max(mount.STOP_GRACE_S, mount.STOP_GRACE_WRITING_S) + 2 * operations.SESSION_CALLS_S
+            + mount.PUSH_STOP_S
+            + mount.PUSH_ABORT_S + mount.MARK_DRAINING_S + writes.ABORT_ALL_S + writes.CACHE_FILL_S
+            + mount.WRITE_DRAIN_S + mount.CLAIM_DROP_S + mount.NAMES_SAVE_S)
+
+
 def test_the_units_stop_timeout_covers_every_bound_of_a_stop() -> None:
     """systemd SIGKILLs a daemon still stopping at TimeoutStopSec, which leaves a dead mount. Every step of a stop
     is bounded; together they came to 110 s with --writable, --cache-dir and a shared tier, against 60 s. And this
@@ -531,17 +543,9 @@ def test_the_units_stop_timeout_covers_every_bound_of_a_stop() -> None:
     draining, and the names written to it: 121 s, against 120 s. A push still waiting then gets the connection
     aborted and PUSH_ABORT_S more (B116); calls into the session from worker threads, SESSION_CALLS_S before and after
     an abort for them (B124)."""
-    from fsmount import mount, operations, writes
-
     timeout = next(value for section, key, value in unit_entries(UNIT) if key == "TimeoutStopSec")
     assert timeout.endswith("s")
-    # In the order a SIGTERM runs them: pushes while the loop answers (_watch_signals), requests in flight, calls into
-    # the session still under way, before and after an abort for them, pushes still copying once it stopped and once
-    # the connection was aborted for them (serve), then the drains.
-    worst = (mount.PUSH_STOP_S + max(mount.STOP_GRACE_S, mount.STOP_GRACE_WRITING_S) + 2 * operations.SESSION_CALLS_S
-             + mount.PUSH_STOP_S
-             + mount.PUSH_ABORT_S + mount.MARK_DRAINING_S + writes.ABORT_ALL_S + writes.CACHE_FILL_S
-             + mount.WRITE_DRAIN_S + mount.CLAIM_DROP_S + mount.NAMES_SAVE_S)
+    worst = stop_worst_s()
     assert float(timeout[:-1]) >= worst + 5, (timeout, worst)
 
 

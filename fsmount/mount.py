@@ -426,7 +426,8 @@ def setup_logging(level: str, log_file: str | None = None, use_syslog: bool = Fa
         pyfuse3_log.addFilter(DroppedRequestReply())
 
 
-# The errors of opening --log-file that only another setting (or a person's chmod, chattr, policy) mends: exit status 2,
+# The errors of opening --log-file, or of making and locking --cache-dir (open_disk_cache), that only another setting
+# (or a person's chmod, chattr, policy) mends: exit status 2,
 # which the systemd unit does not restart on (RestartPreventExitStatus=2); with 1 it failed the same way every
 # RestartSec for good. EISDIR: the path is a directory. ENOTDIR, ELOOP, ENAMETOOLONG: the path itself is wrong (a file
 # where a directory of it should be, a symlink loop, a name too long). EACCES and EPERM: the daemon may not write
@@ -957,6 +958,8 @@ def open_disk_cache(cfg: MountConfig) -> DiskCache:
         # makedirs says "File exists" of a file (or a symlink loop) where the directory should be.
         if exc.errno == errno.EEXIST and not os.path.isdir(cfg.cache_dir):
             raise SettingError(f"cannot use cache dir {cfg.cache_dir}: it exists and is not a directory") from None
+        if exc.errno in LOG_FILE_SETTING_ERRNOS:  # as a --log-file's: only an operator mends it (B1040)
+            raise SettingError(f"cannot use cache dir {cfg.cache_dir}: {exc.strerror or exc}") from None
         raise MountError(f"cannot use cache dir {cfg.cache_dir}: {exc.strerror or exc}") from None
     except ValueError as exc:  # a filesystem that reports no size (--cache-size as a share of it)
         raise MountError(f"cannot use cache dir {cfg.cache_dir}: {exc}") from None

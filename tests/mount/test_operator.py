@@ -320,3 +320,30 @@ def test_a_second_stop_during_a_writable_mount_s_stop_says_what_it_dropped(moto_
     assert re.search(r"ckpt\.bin was (being stored|still being written) when the mount stopped", log), log[-3000:]
     assert "the upload of ckpt.bin could not be aborted" in log and "modelfs cleanup" in log, log[-3000:]
     assert "(the stop was cut short: exit status 1)" in log
+
+
+def test_a_cache_dir_the_daemon_may_not_write_is_refused_for_good(moto_server: S3Server, mountpoint: Path,
+                                                                tmp_path: Path) -> None:
+    """A cache dir refused for its permissions (here `chattr +i`, which root's CAP_DAC_OVERRIDE does not pass, as an
+    NFS root_squash or another user's directory) exited 1, which the unit started again every 5 s for good: only an
+    operator mends it (a chattr, a chmod, another path). Now exit 2, as a --log-file refused so, naming the cache dir;
+    nothing is mounted, and it mounts once mended."""
+    bucket = bucket_with(moto_server, {"a.bin": b"a" * 100})
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    args = ("mount", bucket, str(mountpoint), "--endpoint-url", moto_server.endpoint_url, "--cache-dir",
+            str(disk / "modelfs"))
+    if subprocess.run(["chattr", "+i", str(disk)], capture_output=True).returncode != 0:
+        pytest.skip("chattr +i is not supported here")
+    try:
+        res = run_modelfs(*args, env=daemon_env(moto_server))
+        assert res.returncode == 2, res.stderr
+        assert f"cannot use cache dir {disk / 'modelfs'}: Operation not permitted" in res.stderr, res.stderr
+        assert not mounted_at(mountpoint) and not (disk / "modelfs").exists()
+        subprocess.run(["chattr", "-i", str(disk)], check=True)
+        res = run_modelfs(*args, env=daemon_env(moto_server))
+        assert res.returncode == 0, res.stderr
+        assert (mountpoint / "a.bin").read_bytes() == b"a" * 100
+    finally:
+        subprocess.run(["chattr", "-i", str(disk)], capture_output=True)
+        unmount(mountpoint)

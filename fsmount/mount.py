@@ -25,6 +25,7 @@ import subprocess
 import sys
 import threading
 import time
+import warnings
 from collections.abc import AsyncIterator, Callable, Iterator
 from typing import TextIO
 
@@ -292,12 +293,10 @@ class LogFile(logging.handlers.WatchedFileHandler):
         elif not self._failing:
             self._failing = True
             err = self._failed
-            try:  # a warning to the journal (its priority prefix), where systemd connected stderr to it
-                print(f"{'<4>' if stderr_is_journal() else ''}modelfs: cannot write the log file {self.baseFilename} "
-                      f"({getattr(err, 'strerror', None) or err}); its lines are dropped until it can be",
-                      file=sys.stderr, flush=True)
-            except (OSError, ValueError):
-                pass
+            # A warning to the journal (its priority prefix), where systemd connected stderr to it.
+            say_on_stderr(f"{'<4>' if stderr_is_journal() else ''}modelfs: cannot write the log file "
+                          f"{self.baseFilename} ({getattr(err, 'strerror', None) or err}); its lines are dropped "
+                          f"until it can be\n")
 
     def _open(self) -> TextIO:
         """The file at its path, opened for appending with O_NONBLOCK (B190). A FIFO (a log shipper's) that no process
@@ -354,10 +353,16 @@ class PipeStderr(logging.Handler):
     @classmethod
     def open_for_stderr(cls) -> PipeStderr | None:
         """The handler for descriptor 2 where it is a FIFO that can be opened again, else None."""
+        fd = cls.own_descriptor()
+        return None if fd is None else cls(fd)
+
+    @staticmethod
+    def own_descriptor() -> int | None:
+        """Descriptor 2 opened anew with O_NONBLOCK where it is a FIFO that can be opened again, else None."""
         try:
             if not stat.S_ISFIFO(os.fstat(2).st_mode):
                 return None
-            return cls(os.open("/proc/self/fd/2", os.O_WRONLY | os.O_NONBLOCK | os.O_CLOEXEC))
+            return os.open("/proc/self/fd/2", os.O_WRONLY | os.O_NONBLOCK | os.O_CLOEXEC)
         except OSError:  # descriptor 2 closed, no /proc, a pipe of another user's
             return None
 
@@ -384,6 +389,31 @@ class PipeStderr(logging.Handler):
         with contextlib.suppress(OSError):
             os.close(self.fd)
         super().close()
+
+
+def say_on_stderr(text: str) -> None:
+    """`text` on stderr beside the log's lines, never waited for: where stderr is a pipe (a container runtime's log
+    FIFO), written as PipeStderr writes, and dropped where the pipe has no room (its reader behind); elsewhere (a
+    terminal, a file, the journal's socket) as print writes it. A Python warning (`show_warning`) and LogFile's
+    failure were written to sys.stderr blocking: a full pipe held the log call, and the trio loop with it (B1041)."""
+    fd = PipeStderr.own_descriptor()
+    if fd is None:
+        if sys.stderr is not None:  # (None where `2>&-`)
+            with contextlib.suppress(OSError, ValueError):
+                print(text, end="", file=sys.stderr, flush=True)
+        return
+    try:
+        os.write(fd, text.encode(errors="replace"))
+    except OSError:  # EAGAIN: the pipe is full; EPIPE: its reader is gone
+        pass
+    finally:
+        os.close(fd)
+
+
+def show_warning(message: Warning | str, category: type[Warning], filename: str, lineno: int,
+                 file: TextIO | None = None, line: str | None = None) -> None:
+    """warnings.showwarning's, in the daemon: the warning's usual text, through say_on_stderr (B1041)."""
+    say_on_stderr(warnings.formatwarning(message, category, filename, lineno, line))
 
 
 SYSLOG_SOCKET = "/dev/log"
@@ -415,6 +445,7 @@ def setup_logging(level: str, log_file: str | None = None, use_syslog: bool = Fa
             old.close()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())
+    warnings.showwarning = show_warning
     # These libraries log request headers and credential lookups at debug level: never let them.
     for name in QUIET_LOGGERS:
         logging.getLogger(name).setLevel(max(logging.WARNING, root.level))

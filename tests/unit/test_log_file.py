@@ -270,3 +270,55 @@ def test_stderr_that_is_a_file_or_closed_keeps_the_stream_handler(tmp_path: Path
         subprocess.run([sys.executable, "-c", code], stderr=f, check=True,
                        env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])})
     assert out.read_text().startswith("before\n") and out.read_text().endswith(" INFO t: line\n")
+
+
+FULL_STDERR_CHILD = """
+import errno, logging, os, sys, warnings
+from fsmount.mount import setup_logging
+setup_logging("info", {log_file!r})
+fd = os.open("/proc/self/fd/2", os.O_WRONLY | os.O_NONBLOCK)  # fill the pipe: its reader is behind
+try:
+    while True:
+        os.write(fd, b"x" * 4096)
+except BlockingIOError:
+    pass
+{action}
+print("said", flush=True)
+"""
+
+
+@pytest.mark.parametrize("action", ["warning", "log file failing"])
+def test_what_the_daemon_says_on_stderr_beside_its_log_never_waits_for_a_full_pipe(tmp_path: Path,
+                                                                                  action: str) -> None:
+    """B900 made the daemon's log lines drop what a full stderr pipe has no room for; two other things it writes on
+    stderr still blocked there, and with them the trio loop (every FUSE request, `modelfs stats`) until the pipe was
+    read: a Python warning (warnings.showwarning writes sys.stderr), and the line saying that --log-file cannot be
+    written (`LogFile._say_failure`: its directory removed, its disk full). Now each is written as PipeStderr writes,
+    dropped where the pipe has no room."""
+    import os
+    import select
+    import subprocess
+    import sys
+
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    code = ('warnings.warn("a stray warning", UserWarning)' if action == "warning" else
+            f'import shutil; shutil.rmtree({str(logs)!r}); logging.getLogger("t").warning("dropped")')
+    log_file = None if action == "warning" else str(logs / "modelfs.log")  # (a warning: PipeStderr's lines beside)
+    child = subprocess.Popen([sys.executable, "-c", FULL_STDERR_CHILD.format(log_file=log_file, action=code)],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])})
+    try:
+        said = bool(select.select([child.stdout], [], [], 20)[0]) and child.stdout.readline() == b"said\n"
+        os.set_blocking(child.stderr.fileno(), False)
+        with contextlib.suppress(BlockingIOError):
+            while os.read(child.stderr.fileno(), 1 << 16):  # the old code, blocked: this lets it go on
+                pass
+        assert said, f"a {action} into a full stderr pipe blocked the daemon"
+        assert child.wait(20) == 0
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+        child.stdout.close()
+        child.stderr.close()

@@ -919,6 +919,8 @@ def check_cache_dir_place(cache_dir: str) -> None:
         raise MountError(f"cannot use cache dir {cache_dir}: {parent}, the directory it goes in, is not a directory")
 
 
+# How long a mount refused a cache dir that another holds waits for each modelfs mount's stats, to name the holder.
+HOLDER_STATS_TIMEOUT_S = 2.0
 # File systems whose files are memory: a Kubernetes emptyDir with `medium: Memory`, /dev/shm, a tmpfs /tmp.
 MEMORY_FILE_SYSTEMS = frozenset({b"tmpfs", b"ramfs"})
 # Of what the daemon's cgroup has left beyond --memory-limit, the share a cache dir in memory may hold: the rest stays
@@ -976,6 +978,24 @@ def bound_by_memory(cache: DiskCache, cfg: MountConfig, free: int) -> None:
     cache.max_bytes = bound  # chunks beyond it (a cache dir kept from before) are evicted at the next put
 
 
+def mount_of_daemon(pid: int) -> str | None:
+    """The mountpoint of the live modelfs mount whose daemon is `pid` (its stats say so), else None: a cache command,
+    a daemon whose mount is detached (`unmount --lazy`: it lets go of its cache dir once its files are closed), a mount
+    that does not answer within HOLDER_STATS_TIMEOUT_S."""
+    try:
+        listed = mountinfo.mounts()
+    except (OSError, ValueError, IndexError):
+        return None
+    for on in listed:
+        if on.fstype != MODELFS_FSTYPE:
+            continue
+        point = os.fsdecode(on.point)
+        with contextlib.suppress(StatsUnavailable, DaemonSilent, OSError):
+            if read_stats(point, HOLDER_STATS_TIMEOUT_S).get("pid") == pid:
+                return point
+    return None
+
+
 def open_disk_cache(cfg: MountConfig) -> DiskCache:
     assert cfg.cache_dir is not None
     check_cache_dir_place(cfg.cache_dir)
@@ -984,6 +1004,11 @@ def open_disk_cache(cfg: MountConfig) -> DiskCache:
                           min_free_bytes=default_min_free(cfg.cache_dir))
         free = free_bytes(cache.root)
     except CacheDirBusy as exc:
+        point = mount_of_daemon(exc.pid) if exc.pid is not None else None
+        if point is not None:  # a mount that stays until an operator unmounts it: starting again does not mend it
+            raise SettingError(f"cache dir {os.path.abspath(cfg.cache_dir)} is in use by the modelfs mount at {point} "
+                               f"(pid {exc.pid}); a cache dir serves one mount at a time: give this mount a "
+                               f"--cache-dir of its own, or unmount {point} first") from None
         raise MountError(str(exc)) from None
     except OSError as exc:
         # makedirs says "File exists" of a file (or a symlink loop) where the directory should be.

@@ -57,7 +57,12 @@ _HEX = frozenset("0123456789abcdef")
 
 
 class CacheDirBusy(Exception):
-    """Another process (another modelfs mount, or a cache maintenance command) holds the cache dir."""
+    """Another process (another modelfs mount, or a cache maintenance command) holds the cache dir: `pid`, where it
+    is known."""
+
+    def __init__(self, message: str, pid: int | None = None) -> None:
+        super().__init__(message)
+        self.pid = pid
 
 
 def chunk_path(chunks_dir: str, digest: str) -> str:
@@ -260,7 +265,8 @@ def _flock_or_wait_for_draining(fd: int, root: str, path: str, wait: bool = True
                     f"cache dir {root} is in use by another modelfs mount or cache command (pid {holder[0]}); a "
                     f"cache dir serves one mount or command at a time: unmount it (or let the command finish) first, "
                     f"or use another cache dir (a mount detached with `unmount --lazy` keeps its daemon, and the cache "
-                    f"dir, until the files open on it are closed)") from None
+                    f"dir, until the files open on it are closed)",
+                    int(holder[0]) if holder[0].isdigit() else None) from None
             if deadline is None:
                 deadline = time.monotonic() + DRAINING_WAIT_S
                 log.info("cache dir %s: waiting for the daemon of the mount before (pid %s), unmounted, to finish "

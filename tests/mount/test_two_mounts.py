@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import subprocess
 import threading
 from pathlib import Path
 
@@ -53,15 +54,15 @@ def test_two_mounts_keep_their_own_caches_numbers_and_lifetimes(moto_server: S3S
             finally:
                 unmount(c_mp)
             assert mount_stats(a_mp)["disk_cache"]["chunks"] == 3
-            read: list[bytes] = []
+            stopped: list[subprocess.CompletedProcess] = []
             with open(b_mp / "m/b.bin", "rb") as f:
                 head = f.read(MiB)
-                stopper = threading.Thread(target=lambda: read.append(
-                    run_modelfs("unmount", str(a_mp)).stderr.encode()))
+                stopper = threading.Thread(target=lambda: stopped.append(run_modelfs("unmount", str(a_mp))))
                 stopper.start()
                 rest = f.read()
                 stopper.join(60)
             assert head + rest == b_data
+            assert stopped and stopped[0].returncode == 0, stopped
             assert not mounted_at(a_mp) and mounted_at(b_mp)
             assert (b_mp / "m/b.bin").read_bytes() == b_data
             assert b.proc.poll() is None

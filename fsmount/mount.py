@@ -1014,7 +1014,9 @@ def open_disk_cache(cfg: MountConfig) -> DiskCache:
         # makedirs says "File exists" of a file (or a symlink loop) where the directory should be.
         if exc.errno == errno.EEXIST and not os.path.isdir(cfg.cache_dir):
             raise SettingError(f"cannot use cache dir {cfg.cache_dir}: it exists and is not a directory") from None
-        if exc.errno in LOG_FILE_SETTING_ERRNOS:  # as a --log-file's: only an operator mends it (B1040)
+        # As a --log-file's, only an operator mends these (B1040); EINVAL: a `lock` file modelfs did not write, or
+        # that is not a regular file (cache_dir.acquire_dir_lock), which it never writes over (B1043).
+        if exc.errno in LOG_FILE_SETTING_ERRNOS or exc.errno == errno.EINVAL:
             raise SettingError(f"cannot use cache dir {cfg.cache_dir}: {exc.strerror or exc}") from None
         raise MountError(f"cannot use cache dir {cfg.cache_dir}: {exc.strerror or exc}") from None
     except ValueError as exc:  # a filesystem that reports no size (--cache-size as a share of it)

@@ -347,3 +347,32 @@ def test_a_cache_dir_the_daemon_may_not_write_is_refused_for_good(moto_server: S
     finally:
         subprocess.run(["chattr", "-i", str(disk)], capture_output=True)
         unmount(mountpoint)
+
+
+def test_a_cache_dir_with_a_lock_file_modelfs_did_not_write_is_refused_for_good(
+        moto_server: S3Server, mountpoint: Path, tmp_path: Path) -> None:
+    """`--cache-dir` given an existing folder with a `lock` of its own (an operator's file, a FIFO): the mount refused
+    it ("is not a modelfs lock file ... move it away") with exit status 1, which the unit started again every 5 s for
+    good: only an operator mends it. Now exit 2 (B1043); the file is left as it was, and the mount comes up once it
+    is moved away."""
+    bucket = bucket_with(moto_server, {"a.bin": b"a" * 100})
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    args = ("mount", bucket, str(mountpoint), "--endpoint-url", moto_server.endpoint_url, "--cache-dir", str(cache))
+    try:
+        for make in (lambda p: p.write_text("the operator's notes\n"), lambda p: os.mkfifo(p)):
+            make(cache / "lock")
+            res = run_modelfs(*args, env=daemon_env(moto_server))
+            assert res.returncode == 2, res.stderr
+            assert f"cannot use cache dir {cache}: {cache / 'lock'} is not a" in res.stderr, res.stderr
+            assert not mounted_at(mountpoint)
+            if (cache / "lock").is_fifo():
+                os.unlink(cache / "lock")
+            else:
+                assert (cache / "lock").read_text() == "the operator's notes\n"
+                (cache / "lock").rename(tmp_path / "notes")
+        res = run_modelfs(*args, env=daemon_env(moto_server))
+        assert res.returncode == 0, res.stderr
+        assert (mountpoint / "a.bin").read_bytes() == b"a" * 100
+    finally:
+        unmount(mountpoint)

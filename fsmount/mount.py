@@ -15,6 +15,7 @@ import fcntl
 import logging
 import logging.handlers
 import os
+import queue
 import re
 import resource
 import shutil
@@ -882,7 +883,8 @@ def check_cache_dir_outside(cache_dir: str | None, mountpoint: str) -> None:
 
 def check_cache_dir_place(cache_dir: str) -> None:
     """A MountError (status 1: the unit starts the mount again every RestartSec, and once the disk is there it mounts)
-    where the cache dir would go on a disk not mounted yet, or cannot be made for what is above it.
+    where the cache dir would go on a disk not mounted yet; a SettingError (status 2, B1141) where what is above it is
+    a file or closed to the daemon (`LOG_FILE_SETTING_ERRNOS`), which only an operator mends.
 
     The cache dir is made, the directories above it are not (as a --log-file's, B53): `--cache-dir /nvme/modelfs`
     started before the NVMe disk was mounted (a boot script's RAID, a slow instance store) made /nvme/modelfs on the
@@ -913,13 +915,16 @@ def check_cache_dir_place(cache_dir: str) -> None:
             raise MountError(f"cannot use cache dir {cache_dir}: {parent}, the directory it goes in, does not exist (a "
                              "disk not mounted yet?); modelfs makes the cache dir itself, not the directories above "
                              "it") from None
-        raise MountError(f"cannot use cache dir {cache_dir}: {parent}, the directory it goes in: "
-                         f"{exc.strerror or exc}") from None
+        # Closed to the daemon (EACCES: another user's directory), a file on its way: the operator's to mend (B1141).
+        error = SettingError if exc.errno in LOG_FILE_SETTING_ERRNOS else MountError
+        raise error(f"cannot use cache dir {cache_dir}: {parent}, the directory it goes in: "
+                    f"{exc.strerror or exc}") from None
     if not parent_is_dir:
-        raise MountError(f"cannot use cache dir {cache_dir}: {parent}, the directory it goes in, is not a directory")
+        raise SettingError(f"cannot use cache dir {cache_dir}: {parent}, the directory it goes in, is not a directory")
 
 
-# How long a mount refused a cache dir that another holds waits for each modelfs mount's stats, to name the holder.
+# How long a mount refused a cache dir that another holds waits for the stats of the modelfs mounts (all asked at
+# once), to name the holder.
 HOLDER_STATS_TIMEOUT_S = 2.0
 # File systems whose files are memory: a Kubernetes emptyDir with `medium: Memory`, /dev/shm, a tmpfs /tmp.
 MEMORY_FILE_SYSTEMS = frozenset({b"tmpfs", b"ramfs"})
@@ -981,18 +986,30 @@ def bound_by_memory(cache: DiskCache, cfg: MountConfig, free: int) -> None:
 def mount_of_daemon(pid: int) -> str | None:
     """The mountpoint of the live modelfs mount whose daemon is `pid` (its stats say so), else None: a cache command,
     a daemon whose mount is detached (`unmount --lazy`: it lets go of its cache dir once its files are closed), a mount
-    that does not answer within HOLDER_STATS_TIMEOUT_S."""
+    that does not answer within HOLDER_STATS_TIMEOUT_S. Every modelfs mount is asked at once, each in a thread of its
+    own, within that one time: asked in turn, each stopped or hung one cost the refusal 2 s more (B1140)."""
     try:
-        listed = mountinfo.mounts()
+        points = [os.fsdecode(on.point) for on in mountinfo.mounts() if on.fstype == MODELFS_FSTYPE]
     except (OSError, ValueError, IndexError):
         return None
-    for on in listed:
-        if on.fstype != MODELFS_FSTYPE:
-            continue
-        point = os.fsdecode(on.point)
-        with contextlib.suppress(StatsUnavailable, DaemonSilent, OSError):
-            if read_stats(point, HOLDER_STATS_TIMEOUT_S).get("pid") == pid:
-                return point
+    answers: queue.SimpleQueue[str | None] = queue.SimpleQueue()
+
+    def ask(point: str) -> None:
+        try:
+            answers.put(point if read_stats(point, HOLDER_STATS_TIMEOUT_S).get("pid") == pid else None)
+        except (StatsUnavailable, OSError):
+            answers.put(None)
+
+    for point in points:  # (each left behind, as read_stats's own reader is, where its mount never answers)
+        threading.Thread(target=ask, args=(point,), name="holder-stats", daemon=True).start()
+    deadline = time.monotonic() + HOLDER_STATS_TIMEOUT_S
+    for _ in points:
+        try:
+            point = answers.get(timeout=max(0.0, deadline - time.monotonic()))
+        except queue.Empty:
+            return None
+        if point is not None:
+            return point
     return None
 
 

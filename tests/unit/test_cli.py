@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import re
 import shlex
+import shutil
 import subprocess
 import sys
 import time
@@ -1314,3 +1315,77 @@ def test_stats_of_a_directory_inside_a_mount_names_the_mount(monkeypatch: pytest
     monkeypatch.setattr(pc, "mount_of", lambda path, resolve=True: ("/", "ext4"))
     assert main(["stats", str(tmp_path / "llama")]) == 1
     assert capsys.readouterr().err == f"modelfs: {tmp_path}/llama is not the root of a modelfs mount\n"
+
+
+def test_the_mount_holding_a_cache_dir_is_found_at_once_among_hung_ones(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A mount refused a cache dir names the modelfs mount whose daemon holds it (B1042), asking each modelfs mount's
+    stats for up to HOLDER_STATS_TIMEOUT_S. Asked in turn, each stopped or hung mount (SIGSTOP, a daemon stuck) added
+    those 2 s to the refusal: four made it 8 s, more on a node of many mounts. Now all are asked at once: the holder
+    is named as soon as it answers, and none is found within the one timeout."""
+    import errno
+
+    import fsmount.mount as mount
+    from fsmount.mountinfo import Mount
+    from fsmount.stats_table import DaemonSilent, StatsUnavailable
+
+    def on(point: str, fstype: bytes = b"fuse.modelfs") -> Mount:
+        return Mount(b"1", b"0", b"0:1", point.encode(), fstype, b"rw")
+
+    listed = [on(f"/hung{i}") for i in range(4)] + [on("/dead"), on("/tmp", b"tmpfs"), on("/models")]
+
+    def stats(point: str, timeout: float) -> dict:
+        assert point != "/tmp"
+        if point.startswith("/hung"):
+            time.sleep(timeout)
+            raise DaemonSilent(f"the daemon of {point} does not answer within {timeout:g}s")
+        if point == "/dead":
+            raise StatsUnavailable(f"the daemon of {point} is gone", errno.ENOTCONN)
+        return {"pid": 4242}
+
+    monkeypatch.setattr(mount.mountinfo, "mounts", lambda: listed)
+    monkeypatch.setattr(mount, "read_stats", stats)
+    started = time.monotonic()
+    assert mount.mount_of_daemon(4242) == "/models"
+    assert time.monotonic() - started < mount.HOLDER_STATS_TIMEOUT_S
+    started = time.monotonic()
+    assert mount.mount_of_daemon(4243) is None
+    assert time.monotonic() - started < 2.5 * mount.HOLDER_STATS_TIMEOUT_S
+
+
+CACHE_DIR_PLACE = """
+import sys
+from fsmount.mount import MountError, SettingError, check_cache_dir_place
+try:
+    check_cache_dir_place(sys.argv[1])
+except SettingError as exc:
+    print(2, exc)
+except MountError as exc:
+    print(1, exc)
+"""
+
+
+@pytest.mark.skipif(shutil.which("setpriv") is None or os.geteuid() != 0, reason="needs root and setpriv")
+def test_a_cache_dir_below_a_file_or_a_closed_directory_is_refused_for_good(tmp_path: Path) -> None:
+    """B1040 made a cache dir the daemon may not make or write exit 2 (the unit does not start it again: only an
+    operator mends it), but one whose parent is another user's 0700 directory, or a file, was refused before, by
+    check_cache_dir_place, with status 1: started again every 5 s for good (B1141). A parent not there stays 1."""
+    from fsmount.mount import MountError, SettingError, check_cache_dir_place
+
+    locked = tmp_path / "locked"
+    (locked / "models").mkdir(parents=True)
+    os.chown(locked, 65534, 65534)
+    locked.chmod(0o700)
+    # root without CAP_DAC_OVERRIDE and CAP_DAC_READ_SEARCH: another user's 0700 directory is closed to it.
+    res = subprocess.run([shutil.which("setpriv"), "--bounding-set", "-dac_override,-dac_read_search", "--",
+                          sys.executable, "-c", CACHE_DIR_PLACE, str(locked / "models" / "cache")],
+                         capture_output=True, text=True, timeout=60,
+                         env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])})
+    assert res.stdout.startswith(f"2 cannot use cache dir {locked / 'models' / 'cache'}: "), res.stdout + res.stderr
+    assert res.stdout.endswith(": Permission denied\n"), res.stdout
+    (tmp_path / "afile").write_bytes(b"x")
+    for below_a_file in (tmp_path / "afile" / "c", tmp_path / "afile" / "d" / "c"):
+        with pytest.raises(SettingError, match="the directory it goes in"):
+            check_cache_dir_place(str(below_a_file))
+    with pytest.raises(MountError, match="does not exist") as refused:
+        check_cache_dir_place(str(tmp_path / "nvme" / "c"))
+    assert not isinstance(refused.value, SettingError)

@@ -510,20 +510,25 @@ def user_allow_other(fuse_conf: str = FUSE_CONF) -> bool:
 
 def check_fuse_available(allow_other: bool = False, fuse_conf: str = FUSE_CONF) -> None:
     """What a mount needs of the machine, each missing piece named: libfuse's own failure says only
-    "fuse_session_mount failed", and a background mount loses libfuse's line that says why."""
+    "fuse_session_mount failed", and a background mount loses libfuse's line that says why. Only an operator mends a
+    /dev/fuse missing or wrong, fusermount3 not installed, or `user_allow_other` not in the conf: a SettingError
+    (exit 2), which the unit does not start again every RestartSec for good. The unit starts after the fuse module
+    is loaded (modprobe@fuse.service, and the static /dev/fuse node made at boot, both before it): no /dev/fuse
+    then is a kernel without the module, or a container not given the device. A /dev/fuse this user may not open
+    stays a MountError (exit 1): udev may give the node its mode only after a mount at boot started."""
     try:
         st = os.stat(FUSE_DEVICE)
     except OSError:
-        raise MountError(f"{FUSE_DEVICE} is missing: load the fuse kernel module (modprobe fuse)") from None
+        raise SettingError(f"{FUSE_DEVICE} is missing: load the fuse kernel module (modprobe fuse)") from None
     if not stat.S_ISCHR(st.st_mode) or (os.major(st.st_rdev), os.minor(st.st_rdev)) != FUSE_DEVICE_NUMBER:
-        raise MountError(f"{FUSE_DEVICE} is not the FUSE device: load the fuse kernel module")
+        raise SettingError(f"{FUSE_DEVICE} is not the FUSE device: load the fuse kernel module")
     if shutil.which("fusermount3") is None:
-        raise MountError("fusermount3 not found: install the fuse3 package (apt-get install fuse3)")
+        raise SettingError("fusermount3 not found: install the fuse3 package (apt-get install fuse3)")
     if not os.access(FUSE_DEVICE, os.R_OK | os.W_OK):
         raise MountError(f"cannot open {FUSE_DEVICE}: permission denied (run as root, or give this user "
                          f"read-write access to it)")
     if allow_other and os.geteuid() != 0 and not user_allow_other(fuse_conf):
-        raise MountError(f"--allow-other as a user other than root needs 'user_allow_other' in {fuse_conf}")
+        raise SettingError(f"--allow-other as a user other than root needs 'user_allow_other' in {fuse_conf}")
 
 
 # How long the pre-flight waits for the daemon of a mount already at the mountpoint (or around it) to answer before
@@ -721,17 +726,18 @@ def check_user_may_mount_on(path: str, real: str) -> None:
     asked the same way (access(2) as the real uid), are checked here first so that the refusal names its cause.
     Whoever mounts by itself (`mounts_by_itself`: root, or a user with CAP_SYS_ADMIN) is not held to them: a user
     with CAP_SYS_ADMIN was refused root's /models, which it had mounted before (B205). Where its mount(2) is refused
-    after all and fusermount3 is asked, fusermount3's own line ends the error (B181)."""
+    after all and fusermount3 is asked, fusermount3's own line ends the error (B181). Only a chmod or chown of the
+    mountpoint, or another MOUNTPOINT, mends either: a SettingError (exit 2)."""
     if mounts_by_itself():
         return
     st = os.stat(real)
     if st.st_mode & stat.S_ISVTX and st.st_uid != os.getuid():
-        raise MountError(f"mountpoint {path} is a sticky directory you do not own: fusermount3, which mounts for "
-                         "users other than root, refuses it; mount on a directory of your own (mkdir ~/models)")
+        raise SettingError(f"mountpoint {path} is a sticky directory you do not own: fusermount3, which mounts for "
+                           "users other than root, refuses it; mount on a directory of your own (mkdir ~/models)")
     if not os.access(real, os.W_OK):
-        raise MountError(f"mountpoint {path} is not writable by you (uid {os.getuid()}): fusermount3, which mounts "
-                         "for users other than root, needs write access to it; mount on a directory of your own "
-                         "(mkdir ~/models), or have its owner give it to you (chown)")
+        raise SettingError(f"mountpoint {path} is not writable by you (uid {os.getuid()}): fusermount3, which mounts "
+                           "for users other than root, needs write access to it; mount on a directory of your own "
+                           "(mkdir ~/models), or have its owner give it to you (chown)")
 
 
 def _check_free(path: str, real: str, allow_non_empty: bool) -> None:
@@ -1041,8 +1047,9 @@ def open_disk_cache(cfg: MountConfig) -> DiskCache:
     writes = os.path.join(cache.root, WRITES_DIR)
     if cfg.writable and os.path.lexists(writes) and (os.path.islink(writes) or not os.path.isdir(writes)):
         cache.close()
-        raise MountError(f"cannot use cache dir {cfg.cache_dir}: {writes} is not a directory of its own (a --writable "
-                         f"mount keeps copies of the files it writes there): move it away, or use another cache dir")
+        raise SettingError(f"cannot use cache dir {cfg.cache_dir}: {writes} is not a directory of its own (a "
+                           f"--writable mount keeps copies of the files it writes there): move it away, or use another "
+                           f"cache dir")
     if not cfg.writable:  # (a --writable mount's staging empties it itself)
         files, staged = sweep_staged_writes(cache.root)
         if files:

@@ -371,12 +371,14 @@ def test_mountpoint_problems(moto_server: S3Server, tmp_path: Path) -> None:
 
 
 def test_no_fusermount3(moto_server: S3Server, tmp_path: Path) -> None:
+    """Only installing fuse3 mends it: exit status 2, not 1, which a unit started again every RestartSec (B1082)."""
     env = daemon_env(moto_server)
     env["PATH"] = "/nonexistent"
-    mount_fails_fast(new_bucket(moto_server), tmp_path, moto_server.endpoint_url, env, "fusermount3 not found")
+    mount_fails_fast(new_bucket(moto_server), tmp_path, moto_server.endpoint_url, env, "fusermount3 not found", code=2)
 
 
 def test_no_dev_fuse(moto_server: S3Server, tmp_path: Path) -> None:
+    """A /dev/fuse that is not the FUSE device (or none, once the unit has loaded the fuse module) exits 2 (B1082)."""
     if shutil.which("unshare") is None:
         pytest.fail("unshare (util-linux) is needed to hide /dev/fuse")
     bucket = new_bucket(moto_server)
@@ -386,7 +388,21 @@ def test_no_dev_fuse(moto_server: S3Server, tmp_path: Path) -> None:
     t = time.monotonic()
     res = subprocess.run(["unshare", "--mount", "--propagation", "private", "sh", "-c", inner],
                          capture_output=True, text=True, timeout=60, env=daemon_env(moto_server))
-    assert_fails(res, "/dev/fuse is not the FUSE device", t)
+    assert_fails(res, "/dev/fuse is not the FUSE device", t, 2)
+
+
+def test_a_writable_mount_whose_cache_dir_holds_a_writes_file_exits_2(moto_server: S3Server, tmp_path: Path) -> None:
+    """A --writable mount refuses a cache dir whose writes/ is a file: it exited 1, and a unit started it again every
+    RestartSec for good, though only moving that file (or another cache dir) mends it. It exits 2 (B1083)."""
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    (cache / "writes").write_text("not a directory")
+    mp = tmp_path / "mnt"
+    mp.mkdir()
+    mount_fails_fast(new_bucket(moto_server), mp, moto_server.endpoint_url, daemon_env(moto_server),
+                     f"{cache / 'writes'} is not a directory of its own", "--writable", "--cache-dir", str(cache),
+                     code=2)
+    assert (cache / "writes").read_text() == "not a directory" and not mounted_at(mp)
 
 
 def test_background_mount_returns_when_ready_and_unmount(moto_server: S3Server, tmp_path: Path) -> None:

@@ -6,8 +6,10 @@ with useradd if it is not there and removed again by the test that made it, or b
 killed: fusermount3 refuses a uid without a passwd entry), as a researcher on a shared node would run
 `modelfs mount BUCKET ~/models`:
 
-- a mountpoint the user may not write (root's) is refused naming why, where fusermount3's own line used to be lost
-  in a background mount (B180); but a user with CAP_SYS_ADMIN, who mounts with mount(2) itself, mounts there (B205);
+- a mountpoint the user may not write (root's), or a sticky one of root's, is refused naming why, exit status 2
+  (B1080), where fusermount3's own line used to be lost in a background mount (B180); so is `--allow-other` without
+  `user_allow_other` in /etc/fuse.conf (B1081); but a user with CAP_SYS_ADMIN, who mounts with mount(2) itself,
+  mounts there (B205);
 - a mountpoint fusermount3 refuses for a reason modelfs does not check itself (a ramfs: not a filesystem type it
   mounts over for users) ends the error line on fusermount3's own reason, background and foreground (B181);
 - `modelfs unmount` of root's mount by the user says whose mount it is, not fusermount3's "not found in /etc/mtab"
@@ -311,18 +313,34 @@ def assert_clean_log(log: Path) -> None:
 def test_a_mountpoint_the_user_may_not_write_is_refused_naming_why(user: User, moto_server: S3Server,
                                                                      bucket: str) -> None:
     """fusermount3's "user has no write access to mountpoint" went to a background mount's nowhere: the user read
-    only "fuse_session_mount failed" (B180)."""
+    only "fuse_session_mount failed" (B180). Only a chmod or chown mends it, and a sticky directory of root's the
+    same: exit status 2, which a unit does not start again every RestartSec for good as it did on 1 (B1080)."""
     roots = Path(tempfile.mkdtemp(prefix="modelfs-unpriv-root-", dir="/tmp"))
     try:
-        roots.chmod(0o755)
-        res = user.modelfs(moto_server, "mount", bucket, str(roots), "--endpoint-url", moto_server.endpoint_url)
-        assert res.returncode == 1 and not mounted_at(roots), res.stderr
-        assert "is not writable by you" in res.stderr and "fuse_session_mount failed" not in res.stderr, res.stderr
+        for mode, message in ((0o755, "is not writable by you"), (0o1777, "is a sticky directory you do not own")):
+            roots.chmod(mode)
+            for foreground in ((), ("--foreground",)):
+                res = user.modelfs(moto_server, "mount", bucket, str(roots), "--endpoint-url",
+                                   moto_server.endpoint_url, *foreground)
+                assert res.returncode == 2 and not mounted_at(roots), res.stderr
+                assert message in res.stderr and "fuse_session_mount failed" not in res.stderr, res.stderr
     finally:
         if mounted_at(roots):
             subprocess.run(["fusermount3", "-uz", str(roots)], capture_output=True)
         shutil.rmtree(roots, ignore_errors=True)
 
+
+
+def test_allow_other_without_user_allow_other_exits_2(user: User, moto_server: S3Server, bucket: str,
+                                                      mountpoint: Path) -> None:
+    """`--allow-other` as a user without `user_allow_other` in /etc/fuse.conf exited 1: a unit started it again every
+    RestartSec for good, though only an edit of that file mends it. It exits 2 (B1081)."""
+    if fsmount_mount.user_allow_other():
+        pytest.skip(f"{fsmount_mount.FUSE_CONF} has user_allow_other here")
+    res = user.modelfs(moto_server, "mount", bucket, str(mountpoint), "--endpoint-url", moto_server.endpoint_url,
+                       "--allow-other", "--foreground")
+    assert res.returncode == 2 and not mounted_at(mountpoint), res.stderr
+    assert "--allow-other as a user other than root needs 'user_allow_other' in" in res.stderr, res.stderr
 
 
 def test_a_user_with_cap_sys_admin_mounts_on_root_s_directory_as_before(user: User, moto_server: S3Server,

@@ -629,9 +629,11 @@ def test_prefetch_with_more_threads_than_descriptors_waits_for_one(tmp_path) -> 
 def test_a_user_without_dev_fuse_or_user_allow_other_is_told_which(monkeypatch: pytest.MonkeyPatch,
                                                                      tmp_path) -> None:  # noqa: ANN001
     """As a user other than root, libfuse fails with "fuse_session_mount failed" alone (and a background mount
-    loses its line saying why): the pre-flight names the missing piece."""
+    loses its line saying why): the pre-flight names the missing piece. What only an operator mends (/dev/fuse
+    missing, fusermount3 not installed, no user_allow_other) is a SettingError, exit 2 (B1081, B1082); a /dev/fuse
+    this user may not open, which udev may yet give its mode, a MountError, exit 1."""
     from fsmount import mount
-    from fsmount.mount import MountError, check_fuse_available
+    from fsmount.mount import MountError, SettingError, check_fuse_available
 
     if not os.path.exists(mount.FUSE_DEVICE):
         pytest.skip("no /dev/fuse here")
@@ -641,26 +643,34 @@ def test_a_user_without_dev_fuse_or_user_allow_other_is_told_which(monkeypatch: 
     monkeypatch.setattr(os, "geteuid", lambda: 1000)
     real_access = os.access
     monkeypatch.setattr(os, "access", lambda path, mode: path != mount.FUSE_DEVICE and real_access(path, mode))
-    with pytest.raises(MountError, match="cannot open /dev/fuse: permission denied"):
+    with pytest.raises(MountError, match="cannot open /dev/fuse: permission denied") as denied:
         check_fuse_available(False, str(conf))
+    assert not isinstance(denied.value, SettingError)
     monkeypatch.setattr(os, "access", lambda path, mode: True)
     check_fuse_available(False, str(conf))
-    with pytest.raises(MountError, match="needs 'user_allow_other' in"):
+    with pytest.raises(SettingError, match="needs 'user_allow_other' in"):
         check_fuse_available(True, str(conf))
-    with pytest.raises(MountError, match="needs 'user_allow_other' in"):
+    with pytest.raises(SettingError, match="needs 'user_allow_other' in"):
         check_fuse_available(True, str(tmp_path / "missing.conf"))
     conf.write_text("mount_max = 1000\n  user_allow_other  # for --allow-other\n")
     check_fuse_available(True, str(conf))
     monkeypatch.setattr(os, "geteuid", lambda: 0)
     check_fuse_available(True, str(tmp_path / "missing.conf"))  # root needs no user_allow_other
+    monkeypatch.setattr(mount.shutil, "which", lambda name: None)
+    with pytest.raises(SettingError, match="fusermount3 not found"):
+        check_fuse_available(False, str(conf))
+    monkeypatch.setattr(mount, "FUSE_DEVICE", str(tmp_path / "fuse"))
+    with pytest.raises(SettingError, match="fuse is missing: load the fuse kernel module"):
+        check_fuse_available(False, str(conf))
 
 
 def test_a_user_is_told_fusermount3_refuses_a_mountpoint_they_may_not_write_or_a_sticky_one_of_another(
         monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:  # noqa: ANN001
     """fusermount3 refuses a user other than root a mountpoint they cannot write, or a sticky directory they do not
-    own; a background mount lost its line saying so, and the user read "fuse_session_mount failed" (B180)."""
+    own; a background mount lost its line saying so, and the user read "fuse_session_mount failed" (B180). Only a
+    chmod or chown mends either: a SettingError, exit 2 (B1080)."""
     from fsmount import mount
-    from fsmount.mount import MountError, check_mountpoint
+    from fsmount.mount import SettingError, check_mountpoint
 
     mp = tmp_path / "mnt"
     mp.mkdir()
@@ -674,11 +684,11 @@ def test_a_user_is_told_fusermount3_refuses_a_mountpoint_they_may_not_write_or_a
     writable = {"yes": False}
     monkeypatch.setattr(os, "access", lambda path, mode: (writable["yes"] or not mode & os.W_OK)
                         and real_access(path, mode))
-    with pytest.raises(MountError, match=r"is not writable by you \(uid 1000\): fusermount3"):
+    with pytest.raises(SettingError, match=r"is not writable by you \(uid 1000\): fusermount3"):
         check_mountpoint(str(mp), False)
     writable["yes"] = True
     mp.chmod(0o1777)  # owned by the test's uid, not 1000
-    with pytest.raises(MountError, match="is a sticky directory you do not own"):
+    with pytest.raises(SettingError, match="is a sticky directory you do not own"):
         check_mountpoint(str(mp), False)
     monkeypatch.setattr(os, "getuid", lambda: mp.stat().st_uid)
     os.close(check_mountpoint(str(mp), False)[1])
@@ -693,7 +703,7 @@ def test_a_user_is_told_fusermount3_refuses_a_mountpoint_they_may_not_write_or_a
     # Nor a user with CAP_SYS_ADMIN (systemd's AmbientCapabilities=): libfuse mounts with mount(2), fusermount3 is not
     # asked, and root's directory was refused though it mounted (B205).
     monkeypatch.setattr(os, "geteuid", lambda: 1000)
-    with pytest.raises(MountError, match="is a sticky directory you do not own"):
+    with pytest.raises(SettingError, match="is a sticky directory you do not own"):
         check_mountpoint(str(mp), False)
     status.write_text("Name:\tx\nCapEff:\t0000000000200000\n")  # CAP_SYS_ADMIN alone
     os.close(check_mountpoint(str(mp), False)[1])

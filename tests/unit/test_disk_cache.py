@@ -1022,8 +1022,9 @@ def test_the_room_a_disk_gives_the_cache_is_measured_for_stats(tmp_path: Path, m
 
 
 def test_a_writes_entry_that_is_not_a_directory_is_left_alone_and_a_writable_mount_refuses_it(tmp_path: Path) -> None:
+    """Refused as a setting (exit 2): only moving it, or another cache dir, mends it (B1083)."""
     from fsmount.config import CacheSize, MountConfig, StoreConfig
-    from fsmount.mount import MountError, open_disk_cache
+    from fsmount.mount import SettingError, open_disk_cache
 
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
@@ -1036,7 +1037,7 @@ def test_a_writes_entry_that_is_not_a_directory_is_left_alone_and_a_writable_mou
         cfg = MountConfig(store=StoreConfig(bucket="b"), mountpoint="/nonexistent", cache_dir=str(root),
                           cache_size=CacheSize(bytes=1 << 30), memory_limit=256 << 20)
         open_disk_cache(cfg).close()
-        with pytest.raises(MountError) as refused:
+        with pytest.raises(SettingError) as refused:
             open_disk_cache(dataclasses.replace(cfg, writable=True))
         assert f"{root / 'writes'} is not a directory of its own" in str(refused.value)
         assert "\n" not in str(refused.value)

@@ -1035,6 +1035,10 @@ def _main(argv: list[str] | None) -> int:
         if typo and not with_options:
             return fail(f"unknown command {argv[0]!r} (did you mean {typo[0]}?); to mount a bucket of that "
                         f"name: modelfs mount {argv[0]} MOUNTPOINT", 2)
+        # A word with no MOUNTPOINT after it is no fstab form (`modelfs bogus` said "required: mountpoint").
+        if not with_options and all(a.startswith("-") for a in argv[1:]):
+            return fail(f"unknown command {argv[0]!r}: the commands are {', '.join(SUBCOMMANDS)} (modelfs --help); "
+                        f"to mount a bucket of that name: modelfs mount {argv[0]} MOUNTPOINT", 2)
         argv = ["mount", *argv]
     if argv and argv[0] == "mount":
         try:

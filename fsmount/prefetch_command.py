@@ -302,12 +302,23 @@ def warm(paths: list[str], *, keep_pagecache: bool = True, threads: int = THREAD
         if bar is not None:
             bar.close()
     if failures:
-        # A path not found counts as one file that could not be read.
-        given = len(files) + len(paths) - len(found)
-        # "the other 0 were" where none was read, "the other 1 were" for one: words that read as cut short (B234).
-        read = given - len(failures)
-        rest = "" if not read else "; the other one was read" if read == 1 else f"; the other {read} were read"
-        raise PartlyWarmed(f"{len(failures)} of {given} files could not be read ({_named(failures)}){rest}", done)
+        # A path given not found or not on a modelfs mount is a path not read (a directory, a local copy's), not a
+        # file (B1085); "the other 0 were" where none was read, "the other 1 were" for one: words that read as cut
+        # short (B234).
+        unread = len(paths) - len(found)
+        failed = len(failures) - unread
+        read = len(files) - failed
+        said = [f"{unread} of {len(paths)} paths given {'was' if unread == 1 else 'were'} not read"] if unread else []
+        if failed:
+            said.append(f"{failed} of {len(files)} files could not be read")
+        if not read:
+            rest = ""
+        elif not unread:
+            rest = "; the other one was read" if read == 1 else f"; the other {read} were read"
+        else:
+            rest = (f"; the other {'file was' if read == 1 else f'{read} files were'} read" if failed else
+                    f"; {'one file was' if read == 1 else f'{read} files were'} read")
+        raise PartlyWarmed(f"{' and '.join(said)} ({_named(failures)}){rest}", done)
     return done
 
 

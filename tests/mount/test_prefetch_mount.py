@@ -340,16 +340,17 @@ def test_modelfs_prefetch_command_warms_the_cache(moto_server: S3Server, mountpo
         assert res.returncode == 1 and "no such file" in res.stderr
         # A path not found among others does not stop them (B143).
         res = run_modelfs("prefetch", str(mountpoint / "model" / "shard-2.bin"), str(mountpoint / "nope"), timeout=None)
-        assert res.returncode == 1 and "1 of 2 files could not be read" in res.stderr, res.stderr
+        assert res.returncode == 1 and "1 of 2 paths given was not read" in res.stderr, res.stderr
         assert f"prefetched {len(payload['model/shard-2.bin'])} bytes" in res.stdout, res.stdout
         # Not on the mount either: named as not found, not its file system said to be no modelfs mount.
         res = run_modelfs("prefetch", str(mountpoint / "model" / "shard-2.bin"), str(tmp_path / "nope"), timeout=None)
-        assert res.returncode == 1 and f"1 of 2 files could not be read ({tmp_path / 'nope'}: no such file" \
+        assert res.returncode == 1 and f"1 of 2 paths given was not read ({tmp_path / 'nope'}: no such file" \
             in res.stderr, res.stderr
-        # Nor a path on another file system: it is named, not read, and the others are (B496).
+        # Nor a path on another file system: it is named, not read, and the others are (B496); a directory, counted as
+        # a path given, not as a file (B1085).
         res = run_modelfs("prefetch", str(tmp_path), str(mountpoint / "model" / "shard-2.bin"), timeout=None)
-        assert res.returncode == 1 and f"1 of 2 files could not be read ({tmp_path} is not on a modelfs mount); the " \
-            "other one was read" in res.stderr, res.stderr
+        assert res.returncode == 1 and f"1 of 2 paths given was not read ({tmp_path} is not on a modelfs mount); one " \
+            "file was read" in res.stderr, res.stderr
         assert f"prefetched {len(payload['model/shard-2.bin'])} bytes" in res.stdout, res.stdout
     stored = sum(f.stat().st_size for f in (cache / "chunks").rglob("*") if f.is_file())
     assert stored >= sum(map(len, payload.values()))

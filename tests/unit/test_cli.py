@@ -164,6 +164,26 @@ def test_a_mistyped_command_is_named_not_mounted_as_a_bucket(capsys: pytest.Capt
         assert f"unknown command {argv[0]!r} ({hint})" in err and f"modelfs mount {argv[0]} MOUNTPOINT" in err, err
 
 
+def test_an_unknown_word_alone_is_an_unknown_command_listing_the_commands(capsys: pytest.CaptureFixture[str],
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """`modelfs bogus` said "modelfs mount: error: the following arguments are required: mountpoint": a word with no
+    MOUNTPOINT after it was taken for the fstab form's bucket (B1084). It is an unknown command, the commands listed;
+    a bucket and a MOUNTPOINT, with -o or without, still mount."""
+    from fsmount.cli import main
+
+    for argv in (["bogus"], ["bogus", "--json"]):
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert err == ("modelfs: unknown command 'bogus': the commands are mount, unmount, umount, cache, prefetch, "
+                       "stats, cleanup (modelfs --help); to mount a bucket of that name: modelfs mount bogus "
+                       "MOUNTPOINT\n"), err
+    mounted: list[tuple[str, str]] = []
+    monkeypatch.setattr(cli, "cmd_mount", lambda args, argv: mounted.append((args.bucket, args.mountpoint)) or 0)
+    assert main(["bogus", "/models"]) == 0 and main(["bogus", "/models", "-o", "ro"]) == 0
+    assert main(["bogus", "-o", "ro", "/models"]) == 0
+    assert mounted == [("bogus", "/models")] * 3
+
+
 def test_an_unknown_argument_is_said_by_the_command_whose_help_lists_its_options(
         capsys: pytest.CaptureFixture[str]) -> None:
     """B231: `modelfs stats --jsn /models` said "modelfs: error: unrecognized arguments: --jsn (see modelfs --help)",
@@ -537,6 +557,12 @@ def test_prefetch_reads_small_files_side_by_side(monkeypatch: pytest.MonkeyPatch
                                              r"other 15 were read$") as partly:
         pc.warm([str(tmp_path)], threads=4, progress=False)
     assert partly.value.done == 15 * 4096
+    # With a path given that is not found: it is counted as a path, not as one of the files (B1085).
+    gone = str(tmp_path / "renamed")
+    with pytest.raises(pc.PartlyWarmed, match=rf"^1 of 2 paths given was not read and 1 of 16 files could not be "
+                                             rf"read \({re.escape(gone)}: no such file or directory; .*f03: "
+                                             r"Permission denied\); the other 15 files were read$"):
+        pc.warm([gone, str(tmp_path)], threads=4, progress=False)
 
 
 def test_cache_help_says_what_clear_removes_beside_the_chunks(capsys: pytest.CaptureFixture[str]) -> None:
@@ -558,7 +584,8 @@ def test_prefetch_of_several_paths_warms_the_others_when_one_is_not_found(monkey
     """`modelfs prefetch A B C` with B not in the bucket (a shard renamed since the warm-up script was written) read
     nothing at all, A and C included: a path not found stopped the command before any read, where the README says a
     file it cannot read does not stop the others. Now B is named at the end (exit 1) and A and C are warmed; a prefetch
-    of nothing that can be found still fails at once."""
+    of nothing that can be found still fails at once. B is counted as a path given, not as a file: a directory
+    (or a local copy's path, not on a mount) was called one of the "files" that could not be read (B1085)."""
     import fsmount.prefetch_command as pc
 
     monkeypatch.setattr(pc, "mount_fstype", lambda path: pc.MODELFS_FSTYPE)
@@ -567,11 +594,11 @@ def test_prefetch_of_several_paths_warms_the_others_when_one_is_not_found(monkey
         (tmp_path / "model" / f"shard-{i}").write_bytes(bytes([i]) * (4096 + i))
     (tmp_path / "config.json").write_bytes(b"{}")
     gone = str(tmp_path / "renamed-shard")
-    with pytest.raises(pc.PartlyWarmed, match=rf"1 of 5 files could not be read \({re.escape(gone)}: no such file "
-                                             r"or directory\); the other 4 were read$") as partly:
+    with pytest.raises(pc.PartlyWarmed, match=rf"^1 of 3 paths given was not read \({re.escape(gone)}: no such file "
+                                             r"or directory\); 4 files were read$") as partly:
         pc.warm([str(tmp_path / "model"), gone, str(tmp_path / "config.json")], threads=2, progress=False)
     assert partly.value.done == 3 * 4096 + 3 + 2
-    with pytest.raises(pc.PartlyWarmed, match=r"1 of 2 files could not be read \(.*\); the other one was read$"):
+    with pytest.raises(pc.PartlyWarmed, match=r"^1 of 2 paths given was not read \(.*\); one file was read$"):
         pc.warm([gone, str(tmp_path / "config.json")], threads=2, progress=False)  # not "the other 1 were" (B234)
     with pytest.raises(pc.WarmError, match=rf"^{re.escape(gone)}: no such file or directory$") as alone:
         pc.warm([gone], threads=2, progress=False)

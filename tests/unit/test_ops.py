@@ -79,6 +79,9 @@ def test_unit_settings() -> None:
     assert values["Service", "EnvironmentFile"] == "/etc/modelfs/%i.conf"
     assert "network-online.target" in values["Unit", "After"]
     assert "network-online.target" in values["Unit", "Wants"]
+    # A /dev/fuse still missing once the module was loaded is for good: exit 2, not restarted (B1082).
+    assert "modprobe@fuse.service" in values["Unit", "After"].split()
+    assert "modprobe@fuse.service" in values["Unit", "Wants"].split()
     exec_start = values["Service", "ExecStart"]
     assert "--foreground" in exec_start and "$MODELFS_OPTS" in exec_start
     assert values["Service", "KillMode"] == "mixed"  # SIGTERM to the daemon, which unmounts

@@ -35,7 +35,7 @@ class WarmError(Exception):
 
 
 class PartlyWarmed(WarmError):
-    """Some files could not be read; the others were (`done` bytes read in all)."""
+    """Some paths given or files under them could not be read; the others were (`done` bytes read in all)."""
 
     def __init__(self, message: str, done: int):
         super().__init__(message)

@@ -94,6 +94,10 @@ DOWN_FAST_FAIL_S = 5.0
 # (config.METADATA_THREADS, 8) stay for the lookups and opens that wait. One per inode held open, 1000 files read at
 # once queued 1000 HEADs ahead of them, and a slot's wait counts in a request's --read-timeout.
 HEADS_BEHIND = 2
+# Directories in which the mount learnt that a version was replaced or deleted (`_changed_beside`), by when: bounded,
+# as directories come and go; past it the oldest are forgotten first (an answer asked before such a change is then
+# trusted for its TTL, as before).
+DIRS_CHANGED_ENTRIES = 20_000
 # Keys whose skip was already logged; bounded so a hostile bucket cannot grow it without limit.
 SKIP_LOG_MEMORY = 10_000
 # Skipped keys of one listing that are logged by name; the rest are one line of their count.
@@ -307,6 +311,9 @@ class Namespace:
         self._listings: cachetools.TTLCache[str, Listing] = cachetools.TTLCache(
             maxsize=LISTING_CACHE_ENTRIES, ttl=ttl, getsizeof=lambda entries: max(1, len(entries)))
         self._negative: cachetools.TTLCache[str, bool] = cachetools.TTLCache(NEGATIVE_CACHE_ENTRIES, ttl)
+        # When the mount last learnt that a version in a directory was replaced or deleted, by directory path
+        # (`_changed_beside`): an answer about a file of it asked before is not trusted past that (`_trusted_from`).
+        self._dirs_changed: cachetools.LRUCache[str, float] = cachetools.LRUCache(DIRS_CHANGED_ENTRIES)
         self._skips_logged: cachetools.LRUCache[str, bool] = cachetools.LRUCache(SKIP_LOG_MEMORY)
         self._hidden_logged: cachetools.LRUCache[str, bool] = cachetools.LRUCache(SKIP_LOG_MEMORY)
         self._stale_logged = False
@@ -407,7 +414,8 @@ class Namespace:
                 if not node.superseded:
                     node.supersede()
                 return node
-            node.fresh_until = max(node.fresh_until, at + self.ttl)
+            if at >= self._trusted_from(path):
+                node.fresh_until = max(node.fresh_until, at + self.ttl)
             node.current_as_of = max(node.current_as_of, at)
             self._asked(path, at)
             self._latest_file[path] = ino
@@ -553,10 +561,11 @@ class Namespace:
             # were ESTALE for the TTL (B322; B306's rule). Only an answer that found this version: a read of an older
             # one refused since (`gone`) is no such answer, and this one's news of a newer version was lost (B350).
             return node
-        node.fresh_until = time.monotonic() + self.ttl
+        node.fresh_until = time.monotonic() + self.ttl if asked >= self._trusted_from(node.path) else 0.0
         self._asked(node.path, asked)
         if meta is None or meta.etag != node.etag:
             self._supersede(node)
+            self._changed_beside(node.path)
             # Kept as it was, a remount while the origin is away served the version this HEAD found gone.
             found = (False, meta) if meta is not None else None
             self._found(node.path, found, asked)
@@ -597,10 +606,48 @@ class Namespace:
         if ino is not None:
             self._forgotten.pop(ino, None)
         self._listings.pop(path.rpartition("/")[0], None)  # also when the kernel has forgotten the inode
+        self._changed_beside(path)
         if self.saved is not None:
             self.saved.gone(path, version.etag)
         self._negative.pop(path, None)
         return self.kernel_entry(path)
+
+    def _changed_beside(self, path: str) -> None:
+        """The mount learnt that the version it knew of `path` is no longer the bucket's (a read's 412 or 404, a HEAD):
+        the other files of its directory are asked again at their next open (a HEAD each), whatever the TTL, and the
+        names found missing there looked up again. A model's shards are pushed together: kept for the TTL (for good
+        with `forever`), the shards whose chunks were cached kept opening as the old revision while the others opened
+        as the new one, and a reload after the read that found the push loaded a model of two revisions. Descriptors
+        open keep their version; the kernel's entries of those files go (`kernel_entries_beside`)."""
+        parent = path.rpartition("/")[0]
+        now = time.monotonic()
+        self._dirs_changed[parent] = now
+        for node in self._nodes.values():
+            if not (node.is_dir or node.writing or node.superseded) and node.path.rpartition("/")[0] == parent:
+                node.fresh_until = min(node.fresh_until, now)
+                node.confirmed_at = 0.0
+        for missing in [p for p in self._negative if p.rpartition("/")[0] == parent]:
+            self._negative.pop(missing, None)
+
+    def _trusted_from(self, path: str) -> float:
+        """An answer about the file `path` asked before this (monotonic) is not trusted past now: the mount learnt of a
+        change in its directory since (`_changed_beside`)."""
+        return self._dirs_changed.get(path.rpartition("/")[0], 0.0)
+
+    def kernel_entries_beside(self, version: ObjectVersion) -> list[tuple[int, bytes]]:
+        """The kernel's entries, (parent inode, name), of the other files of `version`'s directory it holds, for it to
+        drop after `gone`: their attributes were given for the TTL (for good with `forever`), and a `stat` showed the
+        old revision's size after an open had found the new one."""
+        if not version.key.startswith(self.prefix):
+            return []
+        path = version.key[len(self.prefix):]
+        parent = path.rpartition("/")[0]
+        parent_ino = self._ino_by_path.get((parent, None))
+        if parent_ino is None or parent_ino not in self._nodes:
+            return []
+        names = {node.path.rpartition("/")[2] for node in self._nodes.values()
+                 if not node.is_dir and node.path != path and node.path.rpartition("/")[0] == parent}
+        return [(parent_ino, name.encode("utf-8", "surrogateescape")) for name in sorted(names)]
 
     def kernel_entry(self, path: str) -> tuple[int, bytes] | None:
         """The kernel's entry of `path`, (parent inode, name), for it to drop; None if the kernel does not know the

@@ -593,6 +593,8 @@ class Operations(pyfuse3.Operations):
             entry = self.ns.gone(handle.version)
             if entry is not None:  # so that a stat, too, looks the name up again (the TTL may be forever)
                 await _drop_entry(entry, self._drop_threads, self.session_calls)
+            for beside in self.ns.kernel_entries_beside(handle.version):  # asked again too (Namespace.gone)
+                self.session_calls.queue(_invalidate_entry, *beside)
             # The rule that explains a file opened after a push, as the old version (B752), said as a rule: the
             # version read may be the kernel's from long ago (`forever`), one kept while the origin was away, or
             # this mount's own write.

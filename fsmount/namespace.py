@@ -90,6 +90,12 @@ STALE_RETRY = 5.0
 # minutes at 120 s. An origin that answers, even with an error (5xx, a cut response), fails each request
 # quickly by itself and arms nothing. The cost: new names stay EIO for up to this long after the origin is back.
 DOWN_FAST_FAIL_S = 5.0
+# A lookup of a name the mount knows (the kernel forgot it, or its TTL has passed) waits this long at most for the
+# bucket's answer, which goes on behind, and not at all while a metadata request sent earlier has waited this long for
+# an answer with none come since (`_silent`); then what the mount knows is answered (`_known_first`). A frozen origin
+# (it takes connections and answers nothing) held each `stat` of an `ls -l` for the whole --read-timeout (one name
+# every DOWN_FAST_FAIL_S): a 20-file model took minutes. An open of it still asks (`Node.unchecked`).
+KNOWN_NAME_WAIT_S = 1.0
 # HEADs run behind GETATTRs of files held open (`refresh_held`) at once, at most: the rest of the mount's metadata slots
 # (config.METADATA_THREADS, 8) stay for the lookups and opens that wait. One per inode held open, 1000 files read at
 # once queued 1000 HEADs ahead of them, and a slot's wait counts in a request's --read-timeout.
@@ -174,6 +180,9 @@ class Node:
     # read's refusal of another version also dates (`gone`, as it lands: B350).
     current_as_of: float = 0.0
     superseded: bool = False  # the bucket now holds another version of this path
+    # Answered from what the mount knew, the bucket's answer not come within KNOWN_NAME_WAIT_S (`_known_first`): an
+    # open asks the bucket (a HEAD) whatever the TTL. Cleared by a HEAD's answer.
+    unchecked: bool = False
     superseded_at: float = 0.0  # monotonic time it was found superseded
     writing: bool = False  # this mount is writing the file: not in the bucket until it is closed
     # Rewritten through this mount (tree_changes.begin_file), which keeps the inode: the kernel may hold pages of
@@ -289,6 +298,11 @@ class Namespace:
         self._down_until = self._down_since = 0.0
         self._down_error: type[StoreError] = TransientError
         self._down_reason = ""
+        # Metadata requests under way, by a number of `_call`'s own: when each was sent (monotonic); and when the last
+        # answer of any came (`_silent`).
+        self._unanswered: dict[int, float] = {}
+        self._calls = 0
+        self._answered_at = 0.0
         self.prefix = prefix
         self.ttl = ttl
         self._next_ino = ROOT_INODE + 1
@@ -359,6 +373,9 @@ class Namespace:
         if now < self._down_until:
             raise self._down_error(f"not asked: the origin did not answer {now - self._down_since:.1f}s ago "
                                    f"({self._down_reason}); it is asked again in {self._down_until - now:.1f}s")
+        self._calls += 1
+        call = self._calls
+        self._unanswered[call] = now
         try:
             result = await self._ask(fn, *args)
         except (Unreachable, TimedOut) as exc:
@@ -366,11 +383,23 @@ class Namespace:
             self._down_until = self._down_since + DOWN_FAST_FAIL_S
             self._down_error, self._down_reason = type(exc), exc.message
             raise
+        except StoreError:
+            self._answered_at = time.monotonic()
+            raise
+        finally:
+            del self._unanswered[call]
+        self._answered_at = time.monotonic()
         self._down_until = 0.0
         if self._stale_logged:  # the outage that `_log_stale` told of is over
             log.info("origin answers again: metadata is asked of it as before")
             self._stale_logged = False
         return result
+
+    def _silent(self) -> bool:
+        """A metadata request has waited KNOWN_NAME_WAIT_S for its answer, and no request has been answered since it
+        was sent: the origin takes requests and answers none (frozen), or is slower than that."""
+        now = time.monotonic()
+        return any(now - sent >= KNOWN_NAME_WAIT_S and sent > self._answered_at for sent in self._unanswered.values())
 
     @property
     def inode_count(self) -> int:
@@ -522,7 +551,7 @@ class Namespace:
         outlives a chmod: fstat() and read() of pages the kernel held failed with EACCES. Not for an open
         (`opening`), which is refused. `force`: asked within the TTL too (a rewrite that counts on the file being
         empty, `Writes.open_existing`)."""
-        if not self._asks_head(node, force):
+        if not self._asks_head(node, force or (opening and node.unchecked)):
             return node
         try:
             # Opens of one file at once (8 ranks and a shard) share one HEAD, as lookups of one name do.
@@ -577,6 +606,7 @@ class Namespace:
         if not node.superseded:
             node.current_as_of = max(node.current_as_of, asked)
         node.confirmed_at = time.monotonic()
+        node.unchecked = False
         return node
 
     def _supersede(self, node: Node) -> None:
@@ -792,7 +822,49 @@ class Namespace:
             self.forget(node.ino, 0)  # made for this answer only, if the kernel does not hold it
         if path in self._negative:
             raise PathError(errno.ENOENT)
-        return await _shared(self._resolving_now, path, lambda: self._ask_bucket(path))
+        return await self._known_first(path)
+
+    def _knows(self, path: str) -> bool:
+        """Whether the mount may answer `path` from what it knows while the origin does not answer (a node, a name of
+        the last listing of its directory, one a predecessor kept): `_known_while_down` decides which, if any."""
+        parent, _, name = path.rpartition("/")
+        listing = self._last_listings.get(parent)
+        return ((path, None) in self._ino_by_path or path in self._latest_file
+                or (listing is not None and name.encode("utf-8", "surrogateescape") in listing)
+                or (self.saved is not None and self.saved.entry(path) is not None))
+
+    async def _known_first(self, path: str) -> Node:
+        """`_ask_bucket`, shared; for a name the mount knows, waited for KNOWN_NAME_WAIT_S at most (not at all while
+        the origin is `_silent`) while it goes on behind, then answered from what the mount knows, unchecked (its
+        open asks the bucket) and trusted as `_known_while_down` trusts it. The answer behind, when it lands, changes
+        the node as every answer does (a version found replaced is superseded: its open is ESTALE)."""
+        if self._behind is None or not self._knows(path):
+            return await _shared(self._resolving_now, path, lambda: self._ask_bucket(path))
+        silent = self._silent()
+        if path not in self._resolving_now and not silent:
+            await self._behind.start(self._ask_behind, path)
+        with trio.move_on_after(0.0 if silent else KNOWN_NAME_WAIT_S):
+            if path in self._resolving_now:
+                return await _shared(self._resolving_now, path, lambda: self._ask_bucket(path))
+        known = self._known_while_down(path, TimedOut(f"no answer within {KNOWN_NAME_WAIT_S:g}s"), {}, waiting=True)
+        if known is None:
+            return await _shared(self._resolving_now, path, lambda: self._ask_bucket(path))
+        return known
+
+    async def _ask_behind(self, path: str, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """`_ask_bucket` in `run`'s nursery, shared (`_resolving_now`) from before it starts, so that the lookup that
+        started it can stop waiting for it (`_known_first`)."""
+        flight: _InFlight[Node] = _InFlight()
+        self._resolving_now[path] = flight
+        task_status.started()
+        try:
+            flight.result = await self._ask_bucket(path)
+        except Exception as exc:  # noqa: BLE001 - kept for the lookups waiting for it; it must not end the mount
+            flight.error = exc
+            log.debug("%s: a lookup's answer that came behind it failed: %s", path, exc)
+        finally:
+            del self._resolving_now[path]
+            flight.done.set()
 
     async def _ask_bucket(self, path: str) -> Node:
         """What the bucket holds at `path` (HEAD and a one-key listing at once): a file, a directory, or ENOENT."""
@@ -909,10 +981,12 @@ class Namespace:
             # kernel having forgotten it: `stat` found it for the TTL (B380).
             del self._latest_file[path]
 
-    def _known_while_down(self, path: str, exc: BaseException, answered: dict[str, Any]) -> Node | None:
+    def _known_while_down(self, path: str, exc: BaseException, answered: dict[str, Any], *,
+                          waiting: bool = False) -> Node | None:
         """While the origin is unreachable, a name the mount already knows keeps resolving: as what the request of
         `_ask_bucket` that did answer says, if one did (`answered`). Unchecked, a throttled listing beside a HEAD that
-        found the file deleted answered it from the names a predecessor kept, origin up."""
+        found the file deleted answered it from the names a predecessor kept, origin up. `waiting`: the bucket's answer
+        is still to come (`_known_first`): nothing logged, and the node unchecked."""
         if not isinstance(exc, (Unreachable, TransientError)):
             return None
 
@@ -963,7 +1037,10 @@ class Namespace:
             if node.superseded:
                 self.forget(node.ino, 0)
                 return None
-        self._log_stale(exc)
+        if waiting:
+            node.unchecked = not node.is_dir
+        else:
+            self._log_stale(exc)
         node.fresh_until = time.monotonic() + min(self.ttl, STALE_RETRY)
         return node
 

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from fsmount.namespace import DOWN_FAST_FAIL_S
+from fsmount.namespace import DOWN_FAST_FAIL_S, KNOWN_NAME_WAIT_S
 from fsmount.testing.fault_proxy import Fault, FaultProxy, synthetic_body
 from tests.helpers import (
     FAILING_READ_BOUND_S,
@@ -31,6 +31,7 @@ from tests.helpers import (
     READ_FAILED,
     READ_TIMEOUT_S,
     S3Server,
+    drop_kernel_caches,
     failing_read_bound,
     mounted_via,
     new_bucket,
@@ -277,3 +278,31 @@ def test_a_read_of_a_file_held_open_past_the_ttl_waits_no_head(s3: S3Server, mou
             assert not isinstance(got, int) and got.st_size == len(data) and took < 1, took  # from what is known
         finally:
             os.close(fd)
+
+
+def test_ls_l_of_known_names_on_a_frozen_origin_waits_no_timeout_per_name(moto_server: S3Server, proxy: FaultProxy,
+                                                                         mountpoint: Path) -> None:
+    """The origin frozen (it takes connections and answers nothing), the kernel's entries dropped (`drop_caches`), the
+    TTL past: a `stat` of each name of a directory the mount had listed waited the whole --read-timeout before the
+    known answer was served, and once DOWN_FAST_FAIL_S had passed the next one waited it again: an `ls -l` of a
+    model's 20 files took minutes at the default 120 s. A known name's lookup now waits KNOWN_NAME_WAIT_S at most for
+    the bucket's answer, and none while an earlier request has gone unanswered that long."""
+    read_timeout = 20.0
+    bucket = new_bucket(moto_server)
+    files = {f"m/f{i:02d}.bin": os.urandom(1000 + i) for i in range(20)}
+    put_objects(moto_server, bucket, files)
+    args = ("--read-timeout", f"{read_timeout:g}", "--metadata-ttl", "1", "--no-model-prefetch")
+    with mounted_via(proxy, moto_server, bucket, mountpoint, *args, allowed=(META_FAILED, ORIGIN_UNAVAILABLE)):
+        assert sorted(os.listdir(mountpoint / "m")) == sorted(key[2:] for key in files)
+        for key in files:
+            assert (mountpoint / key).stat().st_size == len(files[key])
+        time.sleep(1.5)  # past the TTL
+        proxy.inject(Fault.STALL, seconds=100.0, data_only=False)  # frozen: every request held, none answered
+        drop_kernel_caches(3)
+        start = time.monotonic()
+        for key in files:
+            got, took = timed(os.stat, mountpoint / key)
+            assert not isinstance(got, int) and got.st_size == len(files[key]), (key, got)
+            assert took <= KNOWN_NAME_WAIT_S + 1.0, (key, took)
+        assert time.monotonic() - start < read_timeout / 2
+        proxy.clear()

@@ -1731,3 +1731,66 @@ async def test_the_heads_behind_getattrs_of_many_files_held_open_run_a_few_at_on
             rounds += 1
         assert rounds == -(-len(nodes) // namespace.HEADS_BEHIND)  # each round's GETATTRs asked the next ones
         nursery.cancel_scope.cancel()
+
+
+async def test_a_version_found_gone_makes_the_files_beside_it_be_asked_again_at_their_next_open() -> None:
+    """With --metadata-ttl forever, a read's 412 on one shard of a pushed model left the other shards the mount knew
+    opening as the old revision for good: a reload loaded two revisions. The refusal makes the files of its directory
+    be asked again (a HEAD) at their next open; names found missing there are looked up again; files elsewhere are
+    not asked; and the kernel's entries of the files beside it are the ones to drop."""
+    store = FakeStore()
+    for key in ("d/a", "d/b", "e/c"):
+        store.put(key, b"old")
+    ns = make_ns(store, ttl=float("inf"))
+    d, e = await ns.lookup(ROOT_INODE, b"d"), await ns.lookup(ROOT_INODE, b"e")
+    a, b, c = await ns.lookup(d.ino, b"a"), await ns.lookup(d.ino, b"b"), await ns.lookup(e.ino, b"c")
+    with pytest.raises(PathError):
+        await ns.lookup(d.ino, b"n")  # cached missing, for good
+    for key in ("d/a", "d/b", "d/n", "e/c"):
+        store.put(key, b"newer!")  # the push
+    assert await ns.open_file(b.ino) == b.version("")  # nothing says so yet: the TTL is forever
+    ns.gone(a.version(""))  # a read of a, refused
+    heads = store.heads
+    with pytest.raises(PathError) as exc:
+        await ns.open_file(b.ino)
+    assert exc.value.errno == errno.ESTALE and store.heads == heads + 1
+    assert ns.kernel_entries_beside(a.version("")) == [(d.ino, b"b")]
+    assert (await ns.lookup(d.ino, b"b")).size == 6 and (await ns.lookup(d.ino, b"n")).size == 6
+    assert await ns.open_file(c.ino) == c.version("")  # another directory: as the TTL says
+    new_b = await ns.lookup(d.ino, b"b")
+    heads = store.heads
+    assert await ns.open_file(new_b.ino) == new_b.version("") and store.heads == heads  # trusted again
+
+
+@pytest.mark.usefixtures("each_request_asks")
+async def test_a_lookup_of_a_known_name_waits_for_a_slow_origin_a_bounded_time_and_its_open_asks(
+        autojump_clock, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: ANN001
+    """A known name's lookup past the TTL waits KNOWN_NAME_WAIT_S at most for the bucket (each answer takes 3 s here),
+    then answers what the mount knows; later lookups while that request is unanswered wait none. An open of the node
+    so answered still asks the bucket, and gets its news (ESTALE: replaced)."""
+    async def answered_in_3s(fn, *args):  # noqa: ANN001, ANN202
+        await trio.sleep(3)
+        return fn(*args)
+
+    monkeypatch.setattr(namespace.time, "monotonic", trio.current_time)  # the namespace's clock is trio's here
+    store = FakeStore()
+    store.put("f", b"old")
+    store.put("g", b"old")
+    ns = Namespace(store, call, prefix="", ttl=10.0)
+    f, g = await ns.lookup(ROOT_INODE, b"f"), await ns.lookup(ROOT_INODE, b"g")
+    ns._ask = answered_in_3s
+    async with trio.open_nursery() as nursery:
+        await nursery.start(ns.run)
+        await trio.sleep(11)  # past the TTL
+        store.put("f", b"newer!")
+        began = trio.current_time()
+        assert await ns.lookup(ROOT_INODE, b"f") is f
+        assert trio.current_time() == began + namespace.KNOWN_NAME_WAIT_S and f.unchecked
+        assert await ns.lookup(ROOT_INODE, b"g") is g  # the origin is silent: at once
+        assert trio.current_time() == began + namespace.KNOWN_NAME_WAIT_S
+        with pytest.raises(PathError) as exc:
+            await ns.open_file(f.ino)
+        assert exc.value.errno == errno.ESTALE
+        new = await ns.lookup(ROOT_INODE, b"f")
+        assert new.ino != f.ino and new.size == 6
+        nursery.cancel_scope.cancel()

@@ -245,6 +245,11 @@ async def _shared(table: dict[str, _InFlight[T]], key: str, make: Callable[[], A
         if flight.result is not None:
             return flight.result
     flight = table[key] = _InFlight()
+    return await _fly(table, key, flight, make)
+
+
+async def _fly(table: dict[str, _InFlight[T]], key: str, flight: _InFlight[T], make: Callable[[], Awaitable[T]]) -> T:
+    """`await make()` as `flight`, registered in `table` under `key` by the caller, for the tasks that wait for it."""
     try:
         flight.result = await make()
         return flight.result
@@ -532,6 +537,19 @@ class Namespace:
             self._behind.start_soon(self._refresh_behind, node)
         return node
 
+    async def refresh_known(self, node: Node) -> Node:
+        """The attributes of a file the kernel asks for (a GETATTR, a `stat` past the TTL), not held open: its HEAD is
+        waited for KNOWN_NAME_WAIT_S at most (none while the origin is `_silent`), going on behind; then what is known
+        is answered, timing out at once (operations `_attributes`). An open waits for its HEAD (`refresh`). On a
+        frozen origin, each `stat` of an `ls -l` past the TTL waited its HEAD's --read-timeout (B1002)."""
+        if self._behind is None or not self._asks_head(node):
+            return await self.refresh(node)
+        try:
+            answered = await self._known_first(self._refreshing_now, str(node.ino), lambda: self._refresh(node))
+        except AccessDenied as exc:
+            return self._denied(node, exc)
+        return node if answered is None else answered
+
     async def _refresh_behind(self, node: Node) -> None:
         try:
             await self.refresh(node)
@@ -559,11 +577,17 @@ class Namespace:
         except AccessDenied as exc:
             if opening or not node.etag:
                 raise
-            log.log(logging.DEBUG if self._denied_logged else logging.WARNING, "%s; %s keeps its attributes for "
-                    "the descriptors open on it%s", exc.message, node.path,
-                    "" if self._denied_logged else " (further such refusals are logged at debug level)")
-            self._denied_logged = True
-            return node
+            return self._denied(node, exc)
+
+    def _denied(self, node: Node, exc: AccessDenied) -> Node:
+        """A HEAD of a known file refused (`refresh`): it keeps its attributes, asked again next time."""
+        if not node.etag:
+            raise exc
+        log.log(logging.DEBUG if self._denied_logged else logging.WARNING, "%s; %s keeps its attributes for "
+                "the descriptors open on it%s", exc.message, node.path,
+                "" if self._denied_logged else " (further such refusals are logged at debug level)")
+        self._denied_logged = True
+        return node
 
     async def _refresh(self, node: Node) -> Node:
         asked = time.monotonic()
@@ -822,7 +846,15 @@ class Namespace:
             self.forget(node.ino, 0)  # made for this answer only, if the kernel does not hold it
         if path in self._negative:
             raise PathError(errno.ENOENT)
-        return await self._known_first(path)
+        if self._behind is None or not self._knows(path):
+            return await _shared(self._resolving_now, path, lambda: self._ask_bucket(path))
+        answered = await self._known_first(self._resolving_now, path, lambda: self._ask_bucket(path))
+        if answered is not None:
+            return answered
+        known = self._known_while_down(path, TimedOut(f"no answer within {KNOWN_NAME_WAIT_S:g}s"), {}, waiting=True)
+        if known is None:
+            return await _shared(self._resolving_now, path, lambda: self._ask_bucket(path))
+        return known
 
     def _knows(self, path: str) -> bool:
         """Whether the mount may answer `path` from what it knows while the origin does not answer (a node, a name of
@@ -833,38 +865,34 @@ class Namespace:
                 or (listing is not None and name.encode("utf-8", "surrogateescape") in listing)
                 or (self.saved is not None and self.saved.entry(path) is not None))
 
-    async def _known_first(self, path: str) -> Node:
-        """`_ask_bucket`, shared; for a name the mount knows, waited for KNOWN_NAME_WAIT_S at most (not at all while
-        the origin is `_silent`) while it goes on behind, then answered from what the mount knows, unchecked (its
-        open asks the bucket) and trusted as `_known_while_down` trusts it. The answer behind, when it lands, changes
-        the node as every answer does (a version found replaced is superseded: its open is ESTALE)."""
-        if self._behind is None or not self._knows(path):
-            return await _shared(self._resolving_now, path, lambda: self._ask_bucket(path))
+    async def _known_first(self, table: dict[str, _InFlight[T]], key: str,
+                           make: Callable[[], Awaitable[T]]) -> T | None:
+        """`make()`, shared in `table` (the one in flight for `key`, or one started now in `run`'s nursery), waited for
+        KNOWN_NAME_WAIT_S at most, and not at all while the origin is `_silent` (none is started then); None if it has
+        not answered by then: the caller answers what the mount knows, and the request goes on behind, its answer
+        changing the tree as every answer does when it lands."""
         silent = self._silent()
-        if path not in self._resolving_now and not silent:
-            await self._behind.start(self._ask_behind, path)
+        flight = table.get(key)
+        if flight is None and not silent and self._behind is not None:
+            flight = await self._behind.start(self._fly_behind, table, key, make)
+        if flight is None:
+            return None
         with trio.move_on_after(0.0 if silent else KNOWN_NAME_WAIT_S):
-            if path in self._resolving_now:
-                return await _shared(self._resolving_now, path, lambda: self._ask_bucket(path))
-        known = self._known_while_down(path, TimedOut(f"no answer within {KNOWN_NAME_WAIT_S:g}s"), {}, waiting=True)
-        if known is None:
-            return await _shared(self._resolving_now, path, lambda: self._ask_bucket(path))
-        return known
+            await flight.done.wait()
+        if flight.error is not None:
+            raise flight.error
+        return flight.result  # None: not come yet, or cancelled (the mount ends)
 
-    async def _ask_behind(self, path: str, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-        """`_ask_bucket` in `run`'s nursery, shared (`_resolving_now`) from before it starts, so that the lookup that
-        started it can stop waiting for it (`_known_first`)."""
-        flight: _InFlight[Node] = _InFlight()
-        self._resolving_now[path] = flight
-        task_status.started()
+    async def _fly_behind(self, table: dict[str, _InFlight[T]], key: str, make: Callable[[], Awaitable[T]], *,
+                          task_status: trio.TaskStatus[_InFlight[T]] = trio.TASK_STATUS_IGNORED) -> None:
+        """`make()` in `run`'s nursery, shared in `table` from before it starts (`_known_first`)."""
+        flight: _InFlight[T] = _InFlight()
+        table[key] = flight
+        task_status.started(flight)
         try:
-            flight.result = await self._ask_bucket(path)
-        except Exception as exc:  # noqa: BLE001 - kept for the lookups waiting for it; it must not end the mount
-            flight.error = exc
-            log.debug("%s: a lookup's answer that came behind it failed: %s", path, exc)
-        finally:
-            del self._resolving_now[path]
-            flight.done.set()
+            await _fly(table, key, flight, make)
+        except Exception as exc:  # noqa: BLE001 - kept for those waiting for it; it must not end the mount
+            log.debug("%s: a request that went on behind its caller failed: %s", key, exc)
 
     async def _ask_bucket(self, path: str) -> Node:
         """What the bucket holds at `path` (HEAD and a one-key listing at once): a file, a directory, or ENOENT."""
@@ -1058,9 +1086,18 @@ class Namespace:
     async def _listing(self, node: Node) -> tuple[list[DirEntry], float]:
         """`listing`, and when that listing began (monotonic)."""
         cached = self._listings.get(node.path)
+        kept = self._last_listings.get(node.path)
         if cached is None:
             try:
-                cached = await self._list_shared(node.path)
+                if kept is None or self._behind is None:
+                    cached = await self._list_shared(node.path)
+                else:
+                    # An expired listing is answered after KNOWN_NAME_WAIT_S at most, the listing going on behind
+                    # (B1002).
+                    cached = await self._known_first(self._listing_now, node.path,
+                                                     lambda: self._list_and_keep(node.path))
+                    if cached is None:
+                        return self._with_pending(node.path, kept), kept.at
             except (Unreachable, TransientError) as exc:
                 # An expired listing beats none while the origin is away; one a predecessor of this daemon made
                 # (saved_names.py) beats none too.

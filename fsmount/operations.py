@@ -370,7 +370,8 @@ class Operations(pyfuse3.Operations):
             # Held open, its descriptors read the version they opened whatever the bucket holds now: the kernel's
             # GETATTR before their READs (attributes past the TTL) is answered at once (Namespace.refresh_held).
             return self._attributes(await self.ns.refresh_held(node))
-        return self._attributes(await self.ns.refresh(node))
+        # Not held: its HEAD past the TTL is waited for a second at most, going on behind (Namespace.refresh_known).
+        return self._attributes(await self.ns.refresh_known(node))
 
     @_fuse_errors
     async def statfs(self, ctx: pyfuse3.RequestContext) -> pyfuse3.StatvfsData:

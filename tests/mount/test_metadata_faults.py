@@ -306,3 +306,33 @@ def test_ls_l_of_known_names_on_a_frozen_origin_waits_no_timeout_per_name(moto_s
             assert took <= KNOWN_NAME_WAIT_S + 1.0, (key, took)
         assert time.monotonic() - start < read_timeout / 2
         proxy.clear()
+
+
+def test_ls_l_of_a_listed_directory_on_a_frozen_origin_waits_no_timeout(moto_server: S3Server, proxy: FaultProxy,
+                                                                        mountpoint: Path) -> None:
+    """The origin frozen, the TTL past: `ls -l` of a directory the mount had listed waited the whole --read-timeout for
+    its listing, then the GETATTR of each entry (attributes past the TTL) waited its HEAD's once DOWN_FAST_FAIL_S had
+    passed. The expired listing and the known attributes are now answered after KNOWN_NAME_WAIT_S at most, the
+    requests going on behind; an open still waits for its HEAD (and, the origin frozen, is served the known version
+    after its --read-timeout, as before)."""
+    read_timeout = 20.0
+    bucket = new_bucket(moto_server)
+    files = {f"m/f{i:02d}.bin": os.urandom(1000 + i) for i in range(20)}
+    put_objects(moto_server, bucket, files)
+    args = ("--read-timeout", f"{read_timeout:g}", "--metadata-ttl", "1", "--no-model-prefetch")
+    with mounted_via(proxy, moto_server, bucket, mountpoint, *args, allowed=(META_FAILED, ORIGIN_UNAVAILABLE)):
+        assert sorted(os.listdir(mountpoint / "m")) == sorted(key[2:] for key in files)
+        for key in files:
+            assert (mountpoint / key).stat().st_size == len(files[key])
+        time.sleep(1.5)  # past the TTL
+        proxy.inject(Fault.STALL, seconds=100.0, data_only=False)  # frozen: every request held, none answered
+        start = time.monotonic()
+        got, took = timed(os.listdir, mountpoint / "m")
+        assert not isinstance(got, int) and sorted(got) == sorted(key[2:] for key in files), got
+        assert took <= KNOWN_NAME_WAIT_S + 1.0, took
+        for key in files:
+            got, took = timed(os.stat, mountpoint / key)
+            assert not isinstance(got, int) and got.st_size == len(files[key]), (key, got)
+            assert took <= KNOWN_NAME_WAIT_S + 1.0, (key, took)
+        assert time.monotonic() - start < read_timeout / 2
+        proxy.clear()

@@ -100,6 +100,11 @@ KNOWN_NAME_WAIT_S = 1.0
 # (config.METADATA_THREADS, 8) stay for the lookups and opens that wait. One per inode held open, 1000 files read at
 # once queued 1000 HEADs ahead of them, and a slot's wait counts in a request's --read-timeout.
 HEADS_BEHIND = 2
+# Requests that a lookup, GETATTR or listing of something known answered without (`_known_first`) leave running behind,
+# at most: past it, the next such call waits for its own request, as before B1001. Uncapped, a storm of stats of
+# thousands of known names on an origin slower than KNOWN_NAME_WAIT_S (but answering, so not `_silent`) left a request
+# behind for each, every one queued for a metadata slot ahead of the lookups and opens that wait.
+KNOWN_BEHIND = 4
 # Directories in which the mount learnt that a version was replaced or deleted (`_changed_beside`), by when: bounded,
 # as directories come and go; past it the oldest are forgotten first (an answer asked before such a change is then
 # trusted for its TTL, as before).
@@ -358,6 +363,9 @@ class Namespace:
         # Inodes whose HEAD runs in `_behind` (at most HEADS_BEHIND): added by `refresh_held` as it starts one, removed
         # by that task as it ends.
         self._behind_now: set[int] = set()
+        # Requests of `_known_first` under way in `_behind` (at most KNOWN_BEHIND): counted up by `_known_first` as it
+        # starts one, down by that task as it ends (`_fly_behind`).
+        self._known_behind = 0
         self._changes: dict[str, dict[bytes, tuple[int, DirEntry | None]]] = {}
         self._seq = 0
         # The `_seq` at which each listing under way began, by directory path (`_list`): which changes they need.
@@ -870,11 +878,18 @@ class Namespace:
         """`make()`, shared in `table` (the one in flight for `key`, or one started now in `run`'s nursery), waited for
         KNOWN_NAME_WAIT_S at most, and not at all while the origin is `_silent` (none is started then); None if it has
         not answered by then: the caller answers what the mount knows, and the request goes on behind, its answer
-        changing the tree as every answer does when it lands."""
+        changing the tree as every answer does when it lands. With KNOWN_BEHIND already under way, it is waited for, as
+        any other request is."""
         silent = self._silent()
         flight = table.get(key)
         if flight is None and not silent and self._behind is not None:
-            flight = await self._behind.start(self._fly_behind, table, key, make)
+            if self._known_behind >= KNOWN_BEHIND:
+                return await _shared(table, key, make)
+            # In the table and counted now, before any other task runs: two GETATTRs of one file at once each started
+            # a HEAD, and the second's, its entry dropped by the first's end, never told its waiters (an open hung).
+            flight = table[key] = _InFlight()
+            self._known_behind += 1
+            self._behind.start_soon(self._fly_behind, table, key, flight, make)
         if flight is None:
             return None
         with trio.move_on_after(0.0 if silent else KNOWN_NAME_WAIT_S):
@@ -883,16 +898,15 @@ class Namespace:
             raise flight.error
         return flight.result  # None: not come yet, or cancelled (the mount ends)
 
-    async def _fly_behind(self, table: dict[str, _InFlight[T]], key: str, make: Callable[[], Awaitable[T]], *,
-                          task_status: trio.TaskStatus[_InFlight[T]] = trio.TASK_STATUS_IGNORED) -> None:
-        """`make()` in `run`'s nursery, shared in `table` from before it starts (`_known_first`)."""
-        flight: _InFlight[T] = _InFlight()
-        table[key] = flight
-        task_status.started(flight)
+    async def _fly_behind(self, table: dict[str, _InFlight[T]], key: str, flight: _InFlight[T],
+                          make: Callable[[], Awaitable[T]]) -> None:
+        """`make()` in `run`'s nursery as `flight`, put in `table` and counted in `_known_behind` by `_known_first`."""
         try:
             await _fly(table, key, flight, make)
         except Exception as exc:  # noqa: BLE001 - kept for those waiting for it; it must not end the mount
             log.debug("%s: a request that went on behind its caller failed: %s", key, exc)
+        finally:
+            self._known_behind -= 1
 
     async def _ask_bucket(self, path: str) -> Node:
         """What the bucket holds at `path` (HEAD and a one-key listing at once): a file, a directory, or ENOENT."""

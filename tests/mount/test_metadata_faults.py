@@ -17,7 +17,9 @@ import errno
 import os
 import threading
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -280,6 +282,39 @@ def test_a_read_of_a_file_held_open_past_the_ttl_waits_no_head(s3: S3Server, mou
             os.close(fd)
 
 
+FROZEN_READ_TIMEOUT_S = 20.0
+
+
+@contextmanager
+def known_model_frozen(moto_server: S3Server, proxy: FaultProxy, mountpoint: Path) -> Iterator[dict[str, bytes]]:
+    """A mount (TTL 1 s) that listed and stat'ed the 20 files of a model (yielded), the TTL past, and the origin
+    frozen: every request held, none answered, within FROZEN_READ_TIMEOUT_S."""
+    bucket = new_bucket(moto_server)
+    files = {f"m/f{i:02d}.bin": os.urandom(1000 + i) for i in range(20)}
+    put_objects(moto_server, bucket, files)
+    args = ("--read-timeout", f"{FROZEN_READ_TIMEOUT_S:g}", "--metadata-ttl", "1", "--no-model-prefetch")
+    with mounted_via(proxy, moto_server, bucket, mountpoint, *args, allowed=(META_FAILED, ORIGIN_UNAVAILABLE)):
+        assert sorted(os.listdir(mountpoint / "m")) == sorted(key[2:] for key in files)
+        for key in files:
+            assert (mountpoint / key).stat().st_size == len(files[key])
+        time.sleep(1.5)  # past the TTL
+        proxy.inject(Fault.STALL, seconds=100.0, data_only=False)
+        try:
+            yield files
+        finally:
+            proxy.clear()
+
+
+def stats_answered_at_once(mountpoint: Path, files: dict[str, bytes]) -> None:
+    """A `stat` of each file answers its known size within KNOWN_NAME_WAIT_S and slack, none a --read-timeout."""
+    start = time.monotonic()
+    for key in files:
+        got, took = timed(os.stat, mountpoint / key)
+        assert not isinstance(got, int) and got.st_size == len(files[key]), (key, got)
+        assert took <= KNOWN_NAME_WAIT_S + 1.0, (key, took)
+    assert time.monotonic() - start < FROZEN_READ_TIMEOUT_S / 2
+
+
 def test_ls_l_of_known_names_on_a_frozen_origin_waits_no_timeout_per_name(moto_server: S3Server, proxy: FaultProxy,
                                                                          mountpoint: Path) -> None:
     """The origin frozen (it takes connections and answers nothing), the kernel's entries dropped (`drop_caches`), the
@@ -287,25 +322,9 @@ def test_ls_l_of_known_names_on_a_frozen_origin_waits_no_timeout_per_name(moto_s
     known answer was served, and once DOWN_FAST_FAIL_S had passed the next one waited it again: an `ls -l` of a
     model's 20 files took minutes at the default 120 s. A known name's lookup now waits KNOWN_NAME_WAIT_S at most for
     the bucket's answer, and none while an earlier request has gone unanswered that long."""
-    read_timeout = 20.0
-    bucket = new_bucket(moto_server)
-    files = {f"m/f{i:02d}.bin": os.urandom(1000 + i) for i in range(20)}
-    put_objects(moto_server, bucket, files)
-    args = ("--read-timeout", f"{read_timeout:g}", "--metadata-ttl", "1", "--no-model-prefetch")
-    with mounted_via(proxy, moto_server, bucket, mountpoint, *args, allowed=(META_FAILED, ORIGIN_UNAVAILABLE)):
-        assert sorted(os.listdir(mountpoint / "m")) == sorted(key[2:] for key in files)
-        for key in files:
-            assert (mountpoint / key).stat().st_size == len(files[key])
-        time.sleep(1.5)  # past the TTL
-        proxy.inject(Fault.STALL, seconds=100.0, data_only=False)  # frozen: every request held, none answered
+    with known_model_frozen(moto_server, proxy, mountpoint) as files:
         drop_kernel_caches(3)
-        start = time.monotonic()
-        for key in files:
-            got, took = timed(os.stat, mountpoint / key)
-            assert not isinstance(got, int) and got.st_size == len(files[key]), (key, got)
-            assert took <= KNOWN_NAME_WAIT_S + 1.0, (key, took)
-        assert time.monotonic() - start < read_timeout / 2
-        proxy.clear()
+        stats_answered_at_once(mountpoint, files)
 
 
 def test_ls_l_of_a_listed_directory_on_a_frozen_origin_waits_no_timeout(moto_server: S3Server, proxy: FaultProxy,
@@ -315,24 +334,8 @@ def test_ls_l_of_a_listed_directory_on_a_frozen_origin_waits_no_timeout(moto_ser
     passed. The expired listing and the known attributes are now answered after KNOWN_NAME_WAIT_S at most, the
     requests going on behind; an open still waits for its HEAD (and, the origin frozen, is served the known version
     after its --read-timeout, as before)."""
-    read_timeout = 20.0
-    bucket = new_bucket(moto_server)
-    files = {f"m/f{i:02d}.bin": os.urandom(1000 + i) for i in range(20)}
-    put_objects(moto_server, bucket, files)
-    args = ("--read-timeout", f"{read_timeout:g}", "--metadata-ttl", "1", "--no-model-prefetch")
-    with mounted_via(proxy, moto_server, bucket, mountpoint, *args, allowed=(META_FAILED, ORIGIN_UNAVAILABLE)):
-        assert sorted(os.listdir(mountpoint / "m")) == sorted(key[2:] for key in files)
-        for key in files:
-            assert (mountpoint / key).stat().st_size == len(files[key])
-        time.sleep(1.5)  # past the TTL
-        proxy.inject(Fault.STALL, seconds=100.0, data_only=False)  # frozen: every request held, none answered
-        start = time.monotonic()
+    with known_model_frozen(moto_server, proxy, mountpoint) as files:
         got, took = timed(os.listdir, mountpoint / "m")
         assert not isinstance(got, int) and sorted(got) == sorted(key[2:] for key in files), got
         assert took <= KNOWN_NAME_WAIT_S + 1.0, took
-        for key in files:
-            got, took = timed(os.stat, mountpoint / key)
-            assert not isinstance(got, int) and got.st_size == len(files[key]), (key, got)
-            assert took <= KNOWN_NAME_WAIT_S + 1.0, (key, took)
-        assert time.monotonic() - start < read_timeout / 2
-        proxy.clear()
+        stats_answered_at_once(mountpoint, files)

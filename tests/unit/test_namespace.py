@@ -347,7 +347,8 @@ async def test_replaced_versions_the_kernel_forgot_leave_nothing_behind() -> Non
     assert (await ns.lookup(ROOT_INODE, b"ckpt.pt")).ino == node.ino  # current: the same number
 
 
-async def test_an_answer_asked_before_a_version_was_superseded_leaves_it_superseded(autojump_clock) -> None:  # noqa: ANN001
+async def test_an_answer_asked_before_a_version_was_superseded_leaves_it_superseded(
+        autojump_clock) -> None:  # noqa: ANN001
     """A HEAD sent while the bucket still held a version, answered after a READ found it replaced (412), made that
     version current again: opens then succeeded and their READs failed, instead of the kernel's ESTALE and a new
     lookup."""
@@ -381,7 +382,8 @@ async def test_an_answer_asked_before_a_version_was_superseded_leaves_it_superse
         assert exc.value.errno == errno.ESTALE
 
 
-async def test_a_lookup_answered_after_the_kernel_forgot_the_inode_gives_it_back(autojump_clock) -> None:  # noqa: ANN001
+async def test_a_lookup_answered_after_the_kernel_forgot_the_inode_gives_it_back(
+        autojump_clock) -> None:  # noqa: ANN001
     """A LOOKUP that waited for another's answer counted its lookup on a node that a FORGET had removed meanwhile
     (the kernel forgets an inode as soon as its count drops, and the revalidation of a replaced file does so at
     once): the kernel then held an inode the daemon did not know, and its next OPEN or GETATTR got ENOENT for
@@ -580,7 +582,8 @@ async def test_metadata_requests_given_up_on_leave_their_slots_to_the_next() -> 
         release.set()
 
 
-async def test_listings_of_one_directory_at_once_are_one_listing(autojump_clock) -> None:  # noqa: ANN001
+async def test_listings_of_one_directory_at_once_are_one_listing(
+        autojump_clock) -> None:  # noqa: ANN001
     """Eight `ls` of a directory at once sent every page of its listing eight times (20,000 keys: 160 requests
     for 20 pages, 44 s instead of 2.5 s). Those that come while a listing is in flight get its result, or its
     error; a listing of another directory is its own."""
@@ -697,7 +700,8 @@ async def test_a_directory_of_many_hidden_files_logs_a_count_not_each_key(caplog
         assert lines() == (0, [counted.replace("30", "31") + "directory, which wins over the file"])
 
 
-async def test_lookups_of_one_name_at_once_ask_the_bucket_once(autojump_clock) -> None:  # noqa: ANN001
+async def test_lookups_of_one_name_at_once_ask_the_bucket_once(
+        autojump_clock) -> None:  # noqa: ANN001
     """A stat storm: every process whose cached entry expired sends its LOOKUP, and each sent the name's HEAD
     and listing again. Those that come while one is in flight share its answer (a file, or ENOENT)."""
     store = FakeStore()
@@ -1676,7 +1680,8 @@ async def test_while_the_origin_is_down_a_file_a_lookup_found_replaced_as_a_read
 
 
 @pytest.mark.usefixtures("each_request_asks")
-async def test_a_getattr_of_a_file_held_open_answers_at_once_and_its_head_runs_behind(autojump_clock) -> None:  # noqa: ANN001
+async def test_a_getattr_of_a_file_held_open_answers_at_once_and_its_head_runs_behind(
+        autojump_clock) -> None:  # noqa: ANN001
     """`refresh_held` (a GETATTR of a file a descriptor holds open) answers what is known without waiting for the HEAD
     (each answered a second after it is asked here); the HEAD runs in `run`'s nursery, one at a time, and an open
     waiting for it gets its news. A GETATTR before a READ past the TTL held the read a whole HEAD (B790)."""
@@ -1707,7 +1712,8 @@ async def test_a_getattr_of_a_file_held_open_answers_at_once_and_its_head_runs_b
 
 
 @pytest.mark.usefixtures("each_request_asks")
-async def test_the_heads_behind_getattrs_of_many_files_held_open_run_a_few_at_once(autojump_clock) -> None:  # noqa: ANN001
+async def test_the_heads_behind_getattrs_of_many_files_held_open_run_a_few_at_once(
+        autojump_clock) -> None:  # noqa: ANN001
     """`refresh_held` starts HEADS_BEHIND HEADs at once at most, whatever the number of files held open past the TTL:
     the rest are asked at later GETATTRs, and the mount's metadata slots stay for the lookups and opens that wait. One
     per inode, 1000 files read at once queued 1000 HEADs ahead of them (B940)."""
@@ -1762,26 +1768,40 @@ async def test_a_version_found_gone_makes_the_files_beside_it_be_asked_again_at_
     assert await ns.open_file(new_b.ino) == new_b.version("") and store.heads == heads  # trusted again
 
 
-@pytest.mark.usefixtures("each_request_asks")
-async def test_a_lookup_of_a_known_name_waits_for_a_slow_origin_a_bounded_time_and_its_open_asks(
-        autojump_clock, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: ANN001
-    """A known name's lookup past the TTL waits KNOWN_NAME_WAIT_S at most for the bucket (each answer takes 3 s here),
-    then answers what the mount knows; later lookups while that request is unanswered wait none. An open of the node
-    so answered still asks the bucket, and gets its news (ESTALE: replaced)."""
+@asynccontextmanager
+async def slow_origin_past_ttl(ns: Namespace) -> AsyncIterator[None]:
+    """`ns` (a TTL of 10 s) running (`Namespace.run`) 11 s later, past the TTL of what it knew then, each store call
+    from now taking 3 s (with `namespace_on_trio_clock`)."""
     async def answered_in_3s(fn, *args):  # noqa: ANN001, ANN202
         await trio.sleep(3)
         return fn(*args)
 
-    monkeypatch.setattr(namespace.time, "monotonic", trio.current_time)  # the namespace's clock is trio's here
+    ns._ask = answered_in_3s
+    async with trio.open_nursery() as nursery:
+        await nursery.start(ns.run)
+        await trio.sleep(11)
+        yield
+        nursery.cancel_scope.cancel()
+
+
+@pytest.fixture
+def namespace_on_trio_clock(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The namespace's clock is trio's (virtual time with autojump_clock)."""
+    monkeypatch.setattr(namespace.time, "monotonic", trio.current_time)
+
+
+@pytest.mark.usefixtures("each_request_asks", "namespace_on_trio_clock")
+async def test_a_lookup_of_a_known_name_waits_for_a_slow_origin_a_bounded_time_and_its_open_asks(
+        autojump_clock) -> None:  # noqa: ANN001
+    """A known name's lookup past the TTL waits KNOWN_NAME_WAIT_S at most for the bucket (each answer takes 3 s here),
+    then answers what the mount knows; later lookups while that request is unanswered wait none. An open of the node
+    so answered still asks the bucket, and gets its news (ESTALE: replaced)."""
     store = FakeStore()
     store.put("f", b"old")
     store.put("g", b"old")
     ns = Namespace(store, call, prefix="", ttl=10.0)
     f, g = await ns.lookup(ROOT_INODE, b"f"), await ns.lookup(ROOT_INODE, b"g")
-    ns._ask = answered_in_3s
-    async with trio.open_nursery() as nursery:
-        await nursery.start(ns.run)
-        await trio.sleep(11)  # past the TTL
+    async with slow_origin_past_ttl(ns):
         store.put("f", b"newer!")
         began = trio.current_time()
         assert await ns.lookup(ROOT_INODE, b"f") is f
@@ -1793,4 +1813,53 @@ async def test_a_lookup_of_a_known_name_waits_for_a_slow_origin_a_bounded_time_a
         assert exc.value.errno == errno.ESTALE
         new = await ns.lookup(ROOT_INODE, b"f")
         assert new.ino != f.ino and new.size == 6
-        nursery.cancel_scope.cancel()
+
+
+@pytest.mark.usefixtures("each_request_asks", "namespace_on_trio_clock")
+async def test_lookups_of_many_known_names_at_once_on_a_slow_origin_leave_few_requests_behind(
+        autojump_clock) -> None:  # noqa: ANN001
+    """Lookups of many known names at once past the TTL, the origin answering in 3 s: each left its request running
+    behind its answer (a stat storm of 10,000 names queued 10,000 HEADs and listings for the metadata slots). Past
+    KNOWN_BEHIND under way, a lookup waits for its own request, as before B1001."""
+    store = FakeStore()
+    names_b = [f"f{i:02d}".encode() for i in range(20)]
+    for name in names_b:
+        store.put(name.decode(), b"old")
+    ns = Namespace(store, call, prefix="", ttl=10.0)
+    known = {name: await ns.lookup(ROOT_INODE, name) for name in names_b}
+    found: dict[bytes, Node] = {}
+
+    async def look_up(name: bytes) -> None:
+        found[name] = await ns.lookup(ROOT_INODE, name)
+
+    async with slow_origin_past_ttl(ns):
+        began = trio.current_time()
+        async with trio.open_nursery() as lookups:
+            for name in names_b:
+                lookups.start_soon(look_up, name)
+            await trio.sleep(0.5)
+            assert ns._known_behind == namespace.KNOWN_BEHIND < len(names_b)
+        assert found == known
+        # The lookups past KNOWN_BEHIND waited for their own requests, and those behind had landed by then: uncapped,
+        # each lookup answered after KNOWN_NAME_WAIT_S, leaving all 40 requests (a HEAD and a listing each) behind.
+        assert trio.current_time() == began + 3 and ns._unanswered == {}
+
+
+@pytest.mark.usefixtures("each_request_asks", "namespace_on_trio_clock")
+async def test_stats_of_one_known_file_at_once_on_a_slow_origin_share_one_head_and_its_open_ends(
+        autojump_clock) -> None:  # noqa: ANN001
+    """Two GETATTRs of one known file at once past the TTL, the origin answering in 3 s: each started a HEAD behind
+    (the second before the first had said so), the first's end dropped the second's from the table, and the second's
+    end failed there before telling its waiters: an open of the file waiting for that HEAD waited for ever."""
+    store = FakeStore()
+    store.put("f", b"old")
+    ns = Namespace(store, call, prefix="", ttl=10.0)
+    f = await ns.lookup(ROOT_INODE, b"f")
+    async with slow_origin_past_ttl(ns):
+        heads = store.heads
+        async with trio.open_nursery() as stats:
+            for _ in range(2):
+                stats.start_soon(ns.refresh_known, f)
+        with trio.fail_after(10):
+            assert await ns.open_file(f.ino) == f.version("")
+        assert store.heads == heads + 1

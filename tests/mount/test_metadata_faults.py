@@ -306,12 +306,13 @@ def known_model_frozen(moto_server: S3Server, proxy: FaultProxy, mountpoint: Pat
 
 
 def stats_answered_at_once(mountpoint: Path, files: dict[str, bytes]) -> None:
-    """A `stat` of each file answers its known size within KNOWN_NAME_WAIT_S and slack, none a --read-timeout."""
+    """A `stat` of each file answers its known size within KNOWN_NAME_WAIT_S and slack for a loaded host, none a
+    --read-timeout."""
     start = time.monotonic()
     for key in files:
         got, took = timed(os.stat, mountpoint / key)
         assert not isinstance(got, int) and got.st_size == len(files[key]), (key, got)
-        assert took <= KNOWN_NAME_WAIT_S + 1.0, (key, took)
+        assert took <= KNOWN_NAME_WAIT_S + 3.0, (key, took)
     assert time.monotonic() - start < FROZEN_READ_TIMEOUT_S / 2
 
 
@@ -337,5 +338,5 @@ def test_ls_l_of_a_listed_directory_on_a_frozen_origin_waits_no_timeout(moto_ser
     with known_model_frozen(moto_server, proxy, mountpoint) as files:
         got, took = timed(os.listdir, mountpoint / "m")
         assert not isinstance(got, int) and sorted(got) == sorted(key[2:] for key in files), got
-        assert took <= KNOWN_NAME_WAIT_S + 1.0, took
+        assert took <= KNOWN_NAME_WAIT_S + 3.0, took
         stats_answered_at_once(mountpoint, files)

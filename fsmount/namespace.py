@@ -626,7 +626,7 @@ class Namespace:
         self._asked(node.path, asked)
         if meta is None or meta.etag != node.etag:
             self._supersede(node)
-            self._changed_beside(node.path)
+            self._changed_beside(node.path, node.current_as_of)
             # Kept as it was, a remount while the origin is away served the version this HEAD found gone.
             found = (False, meta) if meta is not None else None
             self._found(node.path, found, asked)
@@ -647,13 +647,14 @@ class Namespace:
         node.supersede()
         self._listings.pop(node.path.rpartition("/")[0], None)
 
-    def gone(self, version: ObjectVersion) -> tuple[int, bytes] | None:
+    def gone(self, version: ObjectVersion) -> tuple[tuple[int, bytes] | None, list[tuple[int, bytes]]]:
         """The bucket no longer holds `version`: a GET pinned to its ETag was refused (412: replaced) or found
         nothing (404: deleted). Its inode is superseded at once, whatever the TTL, so the next open of it gets
         ESTALE and the kernel looks the path up again; the parent's listing, which names it, goes too. The
-        kernel's entry to drop, (parent inode, name), if the kernel knows the parent."""
+        kernel's entries to drop, (parent inode, name): the path's, if the kernel knows the parent, and those of the
+        files beside it where this is news of a change in their directory (`_changed_beside`)."""
         if not version.key.startswith(self.prefix):
-            return None
+            return None, []
         path = version.key[len(self.prefix):]
         # Dated as it lands, against this version (`_news_since`): an answer asked before that finds it is older news.
         # (Where the newest date is a refusal of another version, that one's date stays the one to be newer than.)
@@ -668,20 +669,27 @@ class Namespace:
         if ino is not None:
             self._forgotten.pop(ino, None)
         self._listings.pop(path.rpartition("/")[0], None)  # also when the kernel has forgotten the inode
-        self._changed_beside(path)
+        news = self._changed_beside(path, node.current_as_of if node is not None else latest)
         if self.saved is not None:
             self.saved.gone(path, version.etag)
         self._negative.pop(path, None)
-        return self.kernel_entry(path)
+        return self.kernel_entry(path), self._kernel_entries_beside(path) if news else []
 
-    def _changed_beside(self, path: str) -> None:
+    def _changed_beside(self, path: str, known_as_of: float) -> bool:
         """The mount learnt that the version it knew of `path` is no longer the bucket's (a read's 412 or 404, a HEAD):
         the other files of its directory are asked again at their next open (a HEAD each), whatever the TTL, and the
         names found missing there looked up again. A model's shards are pushed together: kept for the TTL (for good
         with `forever`), the shards whose chunks were cached kept opening as the old revision while the others opened
         as the new one, and a reload after the read that found the push loaded a model of two revisions. Descriptors
-        open keep their version; the kernel's entries of those files go (`kernel_entries_beside`)."""
+        open keep their version; the kernel's entries of those files go (`gone`).
+
+        Only news does this: a change of a version the mount had found current (`known_as_of`, when it was last
+        asked) after the directory's last such change. The others are the same push found file by file, which that
+        change already made be asked again: each swept every node the mount holds, so a reload after a push of a
+        10,000-file directory cost 10,000 sweeps of them all. Whether it was news."""
         parent = path.rpartition("/")[0]
+        if known_as_of < self._dirs_changed.get(parent, 0.0):
+            return False
         now = time.monotonic()
         self._dirs_changed[parent] = now
         for node in self._nodes.values():
@@ -690,19 +698,17 @@ class Namespace:
                 node.confirmed_at = 0.0
         for missing in [p for p in self._negative if p.rpartition("/")[0] == parent]:
             self._negative.pop(missing, None)
+        return True
 
     def _trusted_from(self, path: str) -> float:
         """An answer about the file `path` asked before this (monotonic) is not trusted past now: the mount learnt of a
         change in its directory since (`_changed_beside`)."""
         return self._dirs_changed.get(path.rpartition("/")[0], 0.0)
 
-    def kernel_entries_beside(self, version: ObjectVersion) -> list[tuple[int, bytes]]:
-        """The kernel's entries, (parent inode, name), of the other files of `version`'s directory it holds, for it to
+    def _kernel_entries_beside(self, path: str) -> list[tuple[int, bytes]]:
+        """The kernel's entries, (parent inode, name), of the other files of `path`'s directory it holds, for it to
         drop after `gone`: their attributes were given for the TTL (for good with `forever`), and a `stat` showed the
         old revision's size after an open had found the new one."""
-        if not version.key.startswith(self.prefix):
-            return []
-        path = version.key[len(self.prefix):]
         parent = path.rpartition("/")[0]
         parent_ino = self._ino_by_path.get((parent, None))
         if parent_ino is None or parent_ino not in self._nodes:

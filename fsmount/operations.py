@@ -591,11 +591,11 @@ class Operations(pyfuse3.Operations):
             # The bucket no longer holds this version (replaced or deleted): this handle gets EIO (it never
             # mixes versions), and the next open of the path gets the bucket's current one, TTL or not.
             self.versions_gone += 1
-            entry = self.ns.gone(handle.version)
+            entry, beside = self.ns.gone(handle.version)
             if entry is not None:  # so that a stat, too, looks the name up again (the TTL may be forever)
                 await _drop_entry(entry, self._drop_threads, self.session_calls)
-            for beside in self.ns.kernel_entries_beside(handle.version):  # asked again too (Namespace.gone)
-                self.session_calls.queue(_invalidate_entry, *beside)
+            for other in beside:  # the files beside it, asked again too (Namespace.gone)
+                self.session_calls.queue(_invalidate_entry, *other)
             # The rule that explains a file opened after a push, as the old version (B752), said as a rule: the
             # version read may be the kernel's from long ago (`forever`), one kept while the origin was away, or
             # this mount's own write.

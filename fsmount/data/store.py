@@ -42,12 +42,28 @@ class ListingPage:
     last: bool = False  # the listing's last page: asking for another would send no request
 
 
+# A request's secrets as a server's answer may echo them (an error's message, a redirect's Location, a body botocore
+# could not parse): a presigned URL's signature, credential and session token, an Authorization header's value. A
+# third-party endpoint echoed the whole URL in an error's message, which went to the log and `modelfs stats` (B1220).
+_SECRET_RE = re.compile(r"((?<![\w-])(?:x-amz-(?:signature|credential|security-token)|signature|credential|"
+                        r"awsaccesskeyid)\s*(?:=|%3D|:)\s*)[^&\s,;\"'<>]+", re.IGNORECASE)
+_AUTHORIZATION_RE = re.compile(r"((?<![\w-])authorization\s*[:=]\s*)[^\r\n<>\"']+", re.IGNORECASE)
+HIDDEN = "(hidden)"
+
+
+def without_secrets(text: str) -> str:
+    """`text` with the values of the request secrets it names (`_SECRET_RE`) replaced by HIDDEN."""
+    return _SECRET_RE.sub(rf"\g<1>{HIDDEN}", _AUTHORIZATION_RE.sub(rf"\g<1>{HIDDEN}", text))
+
+
 class StoreError(Exception):
-    """A failure talking to the bucket. `errno` is what a FUSE reader sees."""
+    """A failure talking to the bucket. `errno` is what a FUSE reader sees. Its message never holds a request's
+    secrets (`without_secrets`), whatever text of a server's it quotes."""
 
     errno = errno.EIO
 
     def __init__(self, message: str):
+        message = without_secrets(message)
         super().__init__(message)
         self.message = message
         # Set once it has been logged as a warning, so that the READs it fails (the kernel re-sends a failed

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import io
+import urllib.parse
 
 import pytest
 from botocore.exceptions import ClientError, EndpointConnectionError
@@ -17,6 +18,7 @@ from fsmount.data.store import (
     StoreError,
     TransientError,
     Unreachable,
+    error_for_status,
 )
 
 
@@ -393,3 +395,21 @@ def test_a_copy_refused_for_its_source_version_says_nothing_of_an_open() -> None
         uploads.copy("m/a.bin", '"abc"', "m/b.bin")
     assert exc.value.message == ("copying 'm/a.bin' to 'm/b.bin': object changed in the bucket since the mount saw "
                                  "the version asked for"), exc.value.message
+
+
+def test_a_server_message_quoting_the_request_leaves_its_secrets_out_of_the_error() -> None:
+    """An error document or a botocore message quoting a presigned URL or an Authorization header: the StoreError
+    keeps the rest of the text and none of the signature, credential or session token (B1220)."""
+    url = ("/b/k?X-Amz-Algorithm=AWS4-HMAC-SHA256&X-Amz-Credential=AKIDEXAMPLE%2F20261207%2Fus-east-1%2Fs3"
+           "%2Faws4_request&X-Amz-Date=20261207T000000Z&X-Amz-Expires=1200&X-Amz-SignedHeaders=host"
+           "&X-Amz-Security-Token=FwoGZXIvYXdzE%2Fsecret&X-Amz-Signature=0123456789abcdef0123")
+    header = ("Authorization: AWS4-HMAC-SHA256 Credential=AKIDEXAMPLE/20261207/us-east-1/s3/aws4_request, "
+              "SignedHeaders=host, Signature=0123456789abcdef0123")
+    for said in (url, urllib.parse.unquote(url), header, "x-amz-security-token: FwoGZXIvYXdzE/secret"):
+        err = error_for_status("InvalidArgument", 400, "b", "GET 'k'", f"bad request {said}")
+        assert "InvalidArgument" in str(err) and "bad request" in str(err)
+        for secret in ("AKIDEXAMPLE", "0123456789abcdef", "FwoGZXIvYXdzE"):
+            assert secret not in str(err) and secret not in err.message
+    err = translate_error(ClientError({"Error": {"Code": "AuthorizationHeaderMalformed", "Message": header},
+                                       "ResponseMetadata": {"HTTPStatusCode": 400}}, "HeadObject"), "b", "HEAD 'k'")
+    assert "AuthorizationHeaderMalformed" in str(err) and "AKIDEXAMPLE" not in str(err)

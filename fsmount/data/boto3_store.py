@@ -183,9 +183,17 @@ def parse_timestamp(value: Any) -> Any:
         return parsed if parsed.tzinfo is not None else parsed.replace(tzinfo=datetime.UTC)
 
 
+# The largest size a file can have (the kernel's st_size and file offsets are signed 64-bit).
+MAX_FILE_SIZE = (1 << 63) - 1
+
+
 def _meta(key: str, size: int, etag: str, last_modified: Any) -> ObjectMeta:
     """One object version as HEAD or a listing gives it: its ETag quoted (`quoted_etag`), or a tag of its size and
-    Last-Modified where the server gives none (`version_tag`)."""
+    Last-Modified where the server gives none (`version_tag`). A size no file can have (negative, or past
+    MAX_FILE_SIZE: a hostile or broken server's) is a StoreError: every stat of it, and the listing of its whole
+    directory, failed "unexpectedly" (pyfuse3's OverflowError, B1221)."""
+    if not 0 <= size <= MAX_FILE_SIZE:
+        raise StoreError(f"{key!r}: the server says its size is {size} bytes, which no file can have")
     mtime_ns = _mtime_ns(last_modified)
     return ObjectMeta(key, size, version_tag(quoted_etag(etag), size, mtime_ns), mtime_ns)
 
@@ -690,7 +698,10 @@ class Boto3Store:
                 if isinstance(key, bytes):
                     undecodable.append(key)
                     continue
-                objects.append(_meta(key, int(item.get("Size", 0)), item.get("ETag", ""), item.get("LastModified")))
+                try:
+                    objects.append(_meta(key, int(item.get("Size", 0)), item.get("ETag", ""), item.get("LastModified")))
+                except StoreError as exc:  # left out of the listing, its neighbours listed; its lookup says why
+                    log.warning("listing %r: %s: left out", prefix, exc.message)
             for item in resp.get("CommonPrefixes", ()):
                 sub = _decode_key(item["Prefix"], encoded)
                 if isinstance(sub, bytes):

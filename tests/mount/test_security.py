@@ -8,9 +8,11 @@ to data GETs."""
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import json
 import os
+import re
 import urllib.parse
 from pathlib import Path
 from typing import Any
@@ -64,3 +66,43 @@ def test_a_server_echoing_the_presigned_url_gets_no_signature_into_the_log_or_st
     for text in (log, stats):
         assert not any(signature[:16] in text for signature in proxy.signatures)
         assert f"{TEST_KEY}/" not in text and f"{TEST_KEY}%2F" not in text
+
+
+class Oversized(FaultProxy):
+    """Says `size` for the objects named huge*.bin: in a listing's <Size>, and in a HEAD's Content-Length."""
+
+    size = 1 << 63
+
+    def _forward(self, req: Any, upstream: Any) -> Any:
+        resp, upstream = super()._forward(req, upstream)
+        if req.kind == "heads" and re.search(r"/huge[^/?]*\.bin(\?|$)", req.target):
+            resp = dataclasses.replace(resp, content_length=self.size)
+        elif req.kind == "lists":
+            body = re.sub(rb"(<Key>[^<]*huge[^<]*\.bin</Key>.*?<Size>)\d+(</Size>)",
+                          rb"\g<1>" + str(self.size).encode() + rb"\g<2>", resp.body, flags=re.DOTALL)
+            resp = dataclasses.replace(resp, body=body)
+        return resp, upstream
+
+
+@pytest.mark.parametrize("size", [1 << 63, 1 << 64, -1])
+def test_an_object_of_a_size_no_file_can_have_fails_alone_and_says_why(
+        moto_server: S3Server, mountpoint: Path, size: int) -> None:
+    """A listing or a HEAD saying 2^63 bytes or more (or fewer than none) for one object: the listing of its whole
+    directory was EIO and every lookup of the object "failed unexpectedly" with a traceback (pyfuse3's OverflowError
+    on st_size, B1221). Now its neighbours are listed and read as before, and the object alone fails: its HEAD's
+    lookup EIO, and left out of its directory's listing (ENOENT after it), a warning saying what the server said."""
+    bucket = bucket_with(moto_server, {"d/ok.bin": DATA, "d/huge.bin": b"x" * 10, "d/huge2.bin": b"y"})
+    said = rf"the server says its size is {size} bytes, which no file can have"
+    with Oversized(moto_server.endpoint_url) as proxy:
+        proxy.size = size
+        with mounted_via(proxy, moto_server, bucket, mountpoint, allowed=(said,)) as m:
+            with pytest.raises(OSError) as failed:  # looked up first: its HEAD
+                os.stat(mountpoint / "d/huge.bin")
+            assert failed.value.errno == errno.EIO
+            assert sorted(os.listdir(mountpoint / "d")) == ["ok.bin"]
+            assert (mountpoint / "d/ok.bin").read_bytes() == DATA
+            for name in ("huge.bin", "huge2.bin"):
+                with pytest.raises(OSError) as failed:
+                    os.stat(mountpoint / "d" / name)
+                assert failed.value.errno == errno.ENOENT  # left out of the listing, as a key that cannot be named
+    assert said in m.log() and "unexpectedly" not in m.log()

@@ -27,6 +27,7 @@ from fsmount.config import METADATA_THREADS, StoreConfig
 from fsmount.data.identity import WritableBuffer, new_buffer
 from fsmount.data.presigned import URL_EXPIRES_S, Body, RangeGetter, proxied
 from fsmount.data.store import (
+    MESSAGE_MAX,
     AccessDenied,
     BucketMissing,
     CredentialsFailed,
@@ -138,6 +139,48 @@ def _no_try_past_the_deadline(**_: Any) -> None:
     deadline = getattr(_deadline, "at", None)
     if deadline is not None and time.monotonic() > deadline:
         raise TimedOut("given up on at its deadline: not tried again")
+
+
+# The most bytes of an answer that botocore reads whole before parsing it (a listing page, an error document, a
+# multipart call's): a page of 1000 keys of 1024 bytes each, percent-encoded, is under 4 MiB. A hostile or broken
+# endpoint's endless body (chunked, or a Content-Length of 2^62) was read into memory until it ran out, past
+# --memory-limit, the thread of a lookup given up on at --read-timeout reading on (B1222).
+RESPONSE_MAX = 32 << 20
+
+
+def _bounded_send(send: Callable[[Any], Any]) -> Callable[[Any], Any]:
+    """botocore's `http_session.send`, reading an answer it would read whole (not a streamed GET's body) up to
+    RESPONSE_MAX bytes: one longer is a TransientError, its connection closed."""
+    from botocore import exceptions as bex
+    from urllib3.exceptions import ProtocolError
+    from urllib3.exceptions import ReadTimeoutError as URLLib3ReadTimeoutError
+
+    def bounded(request: Any) -> Any:
+        if request.stream_output:
+            return send(request)
+        request.stream_output = True  # its head only: its body is read below
+        try:
+            response = send(request)
+        finally:
+            request.stream_output = False
+        parts, got = [], 0
+        try:
+            for part in response.raw.stream():
+                got += len(part)
+                if got > RESPONSE_MAX:
+                    response.raw.close()
+                    path = urllib.parse.urlsplit(request.url).path
+                    raise TransientError(f"the server's answer to {request.method} {path!r} went on past "
+                                         f"{RESPONSE_MAX >> 20} MiB, which no S3 answer of it needs")
+                parts.append(part)
+        except URLLib3ReadTimeoutError as exc:  # as botocore's own read of it maps them (httpsession.send)
+            raise bex.ReadTimeoutError(endpoint_url=request.url, error=exc) from None
+        except ProtocolError as exc:
+            raise bex.ConnectionClosedError(error=exc, request=request, endpoint_url=request.url) from None
+        response._content = b"".join(parts)
+        return response
+
+    return bounded
 
 
 def _listing(resp: dict[str, Any], prefix: str) -> dict[str, Any]:
@@ -254,8 +297,9 @@ def translate_error(exc: Exception, bucket: str, what: str, *, method: str = "")
     if isinstance(exc, (bex.ResponseStreamingError, bex.IncompleteReadError,
                         bex.ConnectionClosedError, ResponseParserError, ConnectionError)):
         # ResponseParserError: a listing or error document cut short (truncated XML) is a broken
-        # response, not an answer.
-        return TransientError(f"{what}: {type(exc).__name__}: {exc}")
+        # response, not an answer. Its text ends with the whole body botocore could not parse (an HTML page, up to
+        # RESPONSE_MAX of a hostile server's): its start only, or each warning of it was that long (B1223).
+        return TransientError(f"{what}: {type(exc).__name__}: {str(exc)[:MESSAGE_MAX]}")
     if isinstance(exc, bex.SSLError) and any(sign in str(exc) for sign in NOT_TLS_SIGNS):
         return StoreError(f"{what}: the endpoint does not answer in TLS: is it http://, not https://? ({exc})")
     if isinstance(exc, bex.BotoCoreError):
@@ -482,6 +526,8 @@ class Boto3Store:
             # so rather than coming up from its cache dir as if the origin were away.
             raise CredentialsFailed(translate_error(exc, cfg.bucket, f"bucket {cfg.bucket!r}").message) from None
         _without_retry_quota(self._client)
+        session_of = self._client._endpoint.http_session
+        session_of.send = _bounded_send(session_of.send)
         self._credentials = found if isinstance(found, credentials.Renewable) else None
         self._client.meta.events.register("needs-retry.s3", self._signed_anew)
         # A request whose caller gave up on it at its deadline (`within`) is not sent again in its abandoned thread.

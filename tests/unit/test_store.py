@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import errno
 import io
+import socket
+import threading
 import urllib.parse
 
 import pytest
@@ -413,3 +415,63 @@ def test_a_server_message_quoting_the_request_leaves_its_secrets_out_of_the_erro
     err = translate_error(ClientError({"Error": {"Code": "AuthorizationHeaderMalformed", "Message": header},
                                        "ResponseMetadata": {"HTTPStatusCode": 400}}, "HeadObject"), "b", "HEAD 'k'")
     assert "AuthorizationHeaderMalformed" in str(err) and "AKIDEXAMPLE" not in str(err)
+
+
+def test_a_listing_answer_that_goes_on_is_read_no_further_than_response_max(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A server answering a listing with a chunked body that goes on (here 3 * RESPONSE_MAX bytes, a comment after
+    the listing's head): botocore read it whole into memory, an endless one until memory ran out, past
+    --memory-limit (B1222). It is read to RESPONSE_MAX, then the listing fails, TransientError, its connection
+    closed."""
+    from fsmount.config import StoreConfig
+    from fsmount.data import Boto3Store
+    from fsmount.data.boto3_store import RESPONSE_MAX
+
+    sent = [0]
+
+    def answer(conn: socket.socket) -> None:
+        with conn, conn.makefile("rb") as rfile:
+            while rfile.readline() not in (b"\r\n", b""):
+                pass
+            conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/xml\r\nTransfer-Encoding: chunked\r\n\r\n")
+            head = (b'<?xml version="1.0" encoding="UTF-8"?><ListBucketResult><Name>b</Name><KeyCount>0</KeyCount>'
+                    b"<IsTruncated>false</IsTruncated><!--")
+            blob = b"x" * (1 << 20)
+            try:
+                conn.sendall(b"%x\r\n%s\r\n" % (len(head), head))
+                for _ in range(3 * RESPONSE_MAX >> 20):
+                    conn.sendall(b"%x\r\n%s\r\n" % (len(blob), blob))
+                    sent[0] += len(blob)
+                tail = b"--></ListBucketResult>"
+                conn.sendall(b"%x\r\n%s\r\n0\r\n\r\n" % (len(tail), tail))
+            except OSError:  # the client closed it
+                pass
+
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        server.settimeout(30)
+        port = server.getsockname()[1]
+        for name, value in (("AWS_ACCESS_KEY_ID", "k"), ("AWS_SECRET_ACCESS_KEY", "s"),
+                            ("AWS_DEFAULT_REGION", "us-east-1")):
+            monkeypatch.setenv(name, value)
+        store = Boto3Store(StoreConfig(bucket="b", endpoint_url=f"http://127.0.0.1:{port}", addressing_style="path"))
+        serving = threading.Thread(target=lambda: answer(server.accept()[0]), daemon=True)
+        serving.start()
+        with pytest.raises(TransientError, match=f"went on past {RESPONSE_MAX >> 20} MiB"):
+            list(store.list_pages(""))
+        serving.join(30)
+    assert not serving.is_alive()
+    assert sent[0] <= RESPONSE_MAX + (8 << 20)  # what the socket buffers held when it was closed
+
+
+def test_an_answer_botocore_cannot_parse_is_told_by_its_start_only() -> None:
+    """botocore's ResponseParserError ends with the whole body it could not parse: a 10 MB page that is no XML (a
+    captive portal's, a hostile server's) made a 10 MB error message, and as many bytes in each warning line of the
+    log (B1223). Its start is kept: what botocore said and the body's first bytes."""
+    from botocore.parsers import ResponseParserError
+
+    body = "<html>" + "x" * (10 << 20)
+    err = translate_error(ResponseParserError(f"Unable to parse response (syntax error), invalid XML received. "
+                                              f"Further retries may succeed:\n{body}"), "b", "listing 'd/'")
+    assert isinstance(err, TransientError)
+    assert "listing 'd/': ResponseParserError: Unable to parse response (syntax error)" in str(err)
+    assert "<html>" in str(err) and len(str(err)) < 1000

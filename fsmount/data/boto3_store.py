@@ -149,20 +149,22 @@ RESPONSE_MAX = 32 << 20
 
 
 def _bounded_send(send: Callable[[Any], Any]) -> Callable[[Any], Any]:
-    """botocore's `http_session.send`, reading an answer it would read whole (not a streamed GET's body) up to
-    RESPONSE_MAX bytes: one longer is a TransientError, its connection closed."""
+    """botocore's `http_session.send`, reading an answer it would read whole (all but a streamed GET's body: a
+    streamed GET's error document too) up to RESPONSE_MAX bytes: one longer is a TransientError, its connection
+    closed."""
     from botocore import exceptions as bex
     from urllib3.exceptions import ProtocolError
     from urllib3.exceptions import ReadTimeoutError as URLLib3ReadTimeoutError
 
     def bounded(request: Any) -> Any:
-        if request.stream_output:
-            return send(request)
+        streamed = request.stream_output
         request.stream_output = True  # its head only: its body is read below
         try:
             response = send(request)
         finally:
-            request.stream_output = False
+            request.stream_output = streamed
+        if streamed and response.status_code < 300:  # a GET's body, which botocore reads as it is asked for
+            return response
         parts, got = [], 0
         try:
             for part in response.raw.stream():
@@ -526,8 +528,7 @@ class Boto3Store:
             # so rather than coming up from its cache dir as if the origin were away.
             raise CredentialsFailed(translate_error(exc, cfg.bucket, f"bucket {cfg.bucket!r}").message) from None
         _without_retry_quota(self._client)
-        session_of = self._client._endpoint.http_session
-        session_of.send = _bounded_send(session_of.send)
+        self._bound_answers()
         self._credentials = found if isinstance(found, credentials.Renewable) else None
         self._client.meta.events.register("needs-retry.s3", self._signed_anew)
         # A request whose caller gave up on it at its deadline (`within`) is not sent again in its abandoned thread.
@@ -819,6 +820,16 @@ class Boto3Store:
             return None
         context["modelfs_signed_anew"] = True
         return 0
+
+    def _bound_answers(self) -> None:
+        """The client's answers read to RESPONSE_MAX at most (`_bounded_send`), by a botocore attribute of its own:
+        where a botocore has it no more, they are read as it reads them, said at mount."""
+        session_of = getattr(getattr(self._client, "_endpoint", None), "http_session", None)
+        if not callable(getattr(session_of, "send", None)):
+            log.warning("this botocore's client has no _endpoint.http_session.send: its answers are read whole, "
+                        "unbounded")
+            return
+        session_of.send = _bounded_send(session_of.send)
 
     def _use_region(self, region: str) -> bool:
         """Presign for `region` from now on: the bucket said it is there (presigned.WrongRegion). False if that is

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import io
 import socket
 import threading
 import urllib.parse
+from collections.abc import Iterator
+from types import SimpleNamespace
+from typing import Any
 
 import pytest
 from botocore.exceptions import ClientError, EndpointConnectionError
@@ -417,12 +421,11 @@ def test_a_server_message_quoting_the_request_leaves_its_secrets_out_of_the_erro
     assert "AuthorizationHeaderMalformed" in str(err) and "AKIDEXAMPLE" not in str(err)
 
 
-def test_a_listing_answer_that_goes_on_is_read_no_further_than_response_max(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    """A server answering a listing with a chunked body that goes on (here 3 * RESPONSE_MAX bytes, a comment after
-    the listing's head): botocore read it whole into memory, an endless one until memory ran out, past
-    --memory-limit (B1222). It is read to RESPONSE_MAX, then the listing fails, TransientError, its connection
-    closed."""
+@contextlib.contextmanager
+def _endless_answer(monkeypatch: pytest.MonkeyPatch, status: str, head: bytes, tail: bytes,
+                    **cfg: str) -> Iterator[Any]:
+    """A Boto3Store (`cfg`: its StoreConfig's settings) of a server answering one request with `status` and a chunked
+    body: `head`, 3 * RESPONSE_MAX bytes, `tail`; after the block, the server is checked to have sent it not all."""
     from fsmount.config import StoreConfig
     from fsmount.data import Boto3Store
     from fsmount.data.boto3_store import RESPONSE_MAX
@@ -433,16 +436,14 @@ def test_a_listing_answer_that_goes_on_is_read_no_further_than_response_max(
         with conn, conn.makefile("rb") as rfile:
             while rfile.readline() not in (b"\r\n", b""):
                 pass
-            conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/xml\r\nTransfer-Encoding: chunked\r\n\r\n")
-            head = (b'<?xml version="1.0" encoding="UTF-8"?><ListBucketResult><Name>b</Name><KeyCount>0</KeyCount>'
-                    b"<IsTruncated>false</IsTruncated><!--")
+            conn.sendall(b"HTTP/1.1 %s\r\nContent-Type: application/xml\r\nTransfer-Encoding: chunked\r\n\r\n"
+                         % status.encode())
             blob = b"x" * (1 << 20)
             try:
                 conn.sendall(b"%x\r\n%s\r\n" % (len(head), head))
                 for _ in range(3 * RESPONSE_MAX >> 20):
                     conn.sendall(b"%x\r\n%s\r\n" % (len(blob), blob))
                     sent[0] += len(blob)
-                tail = b"--></ListBucketResult>"
                 conn.sendall(b"%x\r\n%s\r\n0\r\n\r\n" % (len(tail), tail))
             except OSError:  # the client closed it
                 pass
@@ -453,14 +454,60 @@ def test_a_listing_answer_that_goes_on_is_read_no_further_than_response_max(
         for name, value in (("AWS_ACCESS_KEY_ID", "k"), ("AWS_SECRET_ACCESS_KEY", "s"),
                             ("AWS_DEFAULT_REGION", "us-east-1")):
             monkeypatch.setenv(name, value)
-        store = Boto3Store(StoreConfig(bucket="b", endpoint_url=f"http://127.0.0.1:{port}", addressing_style="path"))
+        store = Boto3Store(StoreConfig(bucket="b", endpoint_url=f"http://127.0.0.1:{port}", addressing_style="path",
+                                       **cfg))
         serving = threading.Thread(target=lambda: answer(server.accept()[0]), daemon=True)
         serving.start()
-        with pytest.raises(TransientError, match=f"went on past {RESPONSE_MAX >> 20} MiB"):
-            list(store.list_pages(""))
+        yield store
         serving.join(30)
     assert not serving.is_alive()
-    assert sent[0] <= RESPONSE_MAX + (8 << 20)  # what the socket buffers held when it was closed
+    # The client read no further: the server could not send it all (loopback's socket buffers may hold 36 MiB).
+    assert sent[0] < 3 * RESPONSE_MAX
+
+
+def test_a_listing_answer_that_goes_on_is_read_no_further_than_response_max(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A server answering a listing with a chunked body that goes on (here 3 * RESPONSE_MAX bytes, a comment after
+    the listing's head): botocore read it whole into memory, an endless one until memory ran out, past
+    --memory-limit (B1222). It is read to RESPONSE_MAX, then the listing fails, TransientError, its connection
+    closed."""
+    from fsmount.data.boto3_store import RESPONSE_MAX
+
+    head = (b'<?xml version="1.0" encoding="UTF-8"?><ListBucketResult><Name>b</Name><KeyCount>0</KeyCount>'
+            b"<IsTruncated>false</IsTruncated><!--")
+    with _endless_answer(monkeypatch, "200 OK", head, b"--></ListBucketResult>") as store:
+        with pytest.raises(TransientError, match=f"went on past {RESPONSE_MAX >> 20} MiB"):
+            list(store.list_pages(""))
+
+
+def test_a_streamed_gets_error_answer_that_goes_on_is_read_no_further_than_response_max(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """With --get-client boto3, a GET answered by an error whose body goes on: botocore reads an error document whole
+    to parse it, the body of a GET's too, which B1222's bound left out (a GET's answer went by unread, as a streamed
+    one). It is read to RESPONSE_MAX, then the GET fails, TransientError."""
+    from fsmount.data.boto3_store import RESPONSE_MAX
+
+    head = b'<?xml version="1.0" encoding="UTF-8"?><Error><Code>AccessDenied</Code><Message>no</Message><!--'
+    with _endless_answer(monkeypatch, "403 Forbidden", head, b"--></Error>", get_client="boto3") as store:
+        with pytest.raises(TransientError, match=f"went on past {RESPONSE_MAX >> 20} MiB"):
+            store.get_object("k")
+
+
+def test_a_botocore_without_the_session_it_bounds_is_said_and_left_unbounded(
+        caplog: pytest.LogCaptureFixture, allowed_logs: list[str]) -> None:
+    """The bound of B1222 wraps a private attribute of botocore's client: one without it (another botocore) is a
+    warning, where the mount failed "unexpectedly" with an AttributeError; a client with it has its send wrapped."""
+    from fsmount.data import Boto3Store
+
+    def send(request: Any) -> None: ...
+
+    allowed_logs.append("its answers are read whole, unbounded")
+    Boto3Store._bound_answers(SimpleNamespace(_client=object()))  # type: ignore[arg-type]
+    assert "its answers are read whole, unbounded" in caplog.text
+    session = SimpleNamespace(send=send)
+    client = SimpleNamespace(_endpoint=SimpleNamespace(http_session=session))
+    Boto3Store._bound_answers(SimpleNamespace(_client=client))  # type: ignore[arg-type]
+    assert session.send is not send
 
 
 def test_an_answer_botocore_cannot_parse_is_told_by_its_start_only() -> None:

@@ -69,6 +69,12 @@ NAME_MAX = 255
 # more is listed anew by every opendir, and still listed.
 LISTING_CACHE_ENTRIES = 200_000
 NEGATIVE_CACHE_ENTRIES = 100_000
+# A lookup in a directory whose last listing has expired and held at most this many entries (one page of a listing,
+# S3's most) lists the directory again (`_relisted`) rather than ask the name (a HEAD and a one-key listing): one
+# request then answers every name of it for the TTL. Asked by name, an `os.stat` of each file of a 50-file model
+# past the TTL sent 50 HEADs and 50 listings. A bigger directory's names are still asked one by one (a listing of
+# 20,000 keys is 20 pages for one name).
+RELIST_ENTRIES = 1000
 # Paths whose newest answer's time is kept (`_latest_asked`): older answers about them are older news. Bounded, as
 # paths come and go (a checkpoint rotation's); past it the oldest news is forgotten first.
 LATEST_ASKED_ENTRIES = 20_000
@@ -917,9 +923,14 @@ class Namespace:
     async def _ask_bucket(self, path: str) -> Node:
         """What the bucket holds at `path` (HEAD and a one-key listing at once): a file, a directory, or ENOENT."""
         key = self.prefix + path
-        asked = time.monotonic()  # what the answers say is true as of when they were asked (see _node_for)
-        results = await at_once({"meta": lambda: self._call(self._store.head, key),
-                                 "dir": lambda: self._call(self._store.has_children, key + "/")})
+        # A small directory listed before is listed again instead: its listing answers both, as of when it began.
+        relisted = await self._relisted(path)
+        if relisted is not None:
+            asked, results = relisted
+        else:
+            asked = time.monotonic()  # what the answers say is true as of when they were asked (see _node_for)
+            results = await at_once({"meta": lambda: self._call(self._store.head, key),
+                                     "dir": lambda: self._call(self._store.has_children, key + "/")})
         if results.get("dir"):  # a key that is both a file and a prefix: the directory wins (whatever the HEAD said)
             if results.get("meta") is not None:
                 self._hidden(key)
@@ -948,6 +959,32 @@ class Namespace:
             self._negative[path] = True
             self._found_in_listings(path, None, asked)
         raise PathError(errno.ENOENT)
+
+    async def _relisted(self, path: str) -> tuple[float, dict[str, Any]] | None:
+        """What a new listing of `path`'s directory says of it, as `_ask_bucket`'s answers (when it began, and what the
+        HEAD and the one-key listing would say), where the directory's last listing has expired and was small
+        (RELIST_ENTRIES). None: asked by name instead (the directory not listed before, or bigger; TTL 0, where an open
+        asks its own HEAD; the listing failed, whose errors the asking by name then has, and answers in an outage; or
+        it began before a newer answer about the path)."""
+        parent, _, name = path.rpartition("/")
+        kept = self._last_listings.get(parent)
+        if self.ttl <= 0 or kept is None or len(kept) > RELIST_ENTRIES:
+            return None
+        try:
+            listing = await self._list_shared(parent)
+        except StoreError:
+            return None
+        name_b = name.encode("utf-8", "surrogateescape")
+        entry = listing.get(name_b)
+        if entry is None and name_b in kept:
+            # Gone since the listing before, which now is no longer the one kept (`_found_in_listings` compares with
+            # that): dated, as the lookup by name dates it, or a directory handle's snapshot of the listing before
+            # handed the deleted version out as current (B383).
+            self._asked(path, listing.at)
+        meta = entry.meta if entry is not None and not entry.is_dir else None
+        if listing.at < self._news_since(path, meta.etag if meta is not None else None):
+            return None
+        return listing.at, {"meta": meta, "dir": entry is not None and entry.is_dir}
 
     def _found_in_listings(self, path: str, found: tuple[bool, ObjectMeta | None] | None, asked: float) -> None:
         """An answer asked at `asked` (monotonic), the newest about `path` (a lookup's, a HEAD of its inode's), found

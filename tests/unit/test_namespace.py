@@ -20,7 +20,7 @@ import trio
 from fsmount import namespace
 from fsmount.config import FOREVER_TTL
 from fsmount.data import AccessDenied, ListingPage, ObjectMeta, StoreError, TimedOut, Unreachable
-from fsmount.namespace import ROOT_INODE, Namespace, Node, PathError
+from fsmount.namespace import RELIST_ENTRIES, ROOT_INODE, Namespace, Node, PathError
 from tests.helpers import ORIGIN_UNAVAILABLE
 from tests.unit.fake_store import FakeStore, LateAnswers
 
@@ -190,6 +190,33 @@ async def test_more_than_1000_entries_paginate() -> None:
     ns = make_ns(store)
     many = await ns.lookup(ROOT_INODE, b"many")
     assert len(await names(ns, many.ino)) == 2500
+
+
+@pytest.mark.parametrize(("files", "ttl", "by_name"), [(50, 60.0, False), (RELIST_ENTRIES + 1, 60.0, True),
+                                                        (50, 0.0, True)])
+async def test_lookups_past_the_ttl_list_a_small_directory_again_and_ask_a_big_ones_names(
+        files: int, ttl: float, by_name: bool) -> None:
+    """B1200: once the listing of a directory of at most RELIST_ENTRIES has expired, a lookup lists it again, which
+    answers the other names too (missing ones included), rather than ask each by name (a HEAD and a one-key listing);
+    a bigger directory's, or with TTL 0, still are."""
+    store = FakeStore()
+    for i in range(files):
+        store.put(f"d/f{i:04d}", b"x" * i)
+    ns = make_ns(store, ttl=ttl)
+    d = await ns.lookup(ROOT_INODE, b"d")
+    await ns.listing(d)
+    ns._listings.clear()  # its TTL ran out
+    store.heads = store.lists = 0
+    asked = [f"f{i:04d}".encode() for i in range(0, files, files // 10)]
+    found = [(await ns.lookup(d.ino, name)).size for name in asked]
+    assert found == [int(name[1:]) for name in asked]
+    for i in range(3):
+        with pytest.raises(PathError):
+            await ns.lookup(d.ino, f"absent{i}".encode())
+    if by_name:  # (the fake store does not count the one-key listings)
+        assert (store.heads, store.lists) == (len(asked) + 3, 0)
+    else:
+        assert (store.heads, store.lists) == (0, 1)
 
 
 async def test_inode_numbers_are_stable_and_forget_honours_counts() -> None:
@@ -1411,7 +1438,8 @@ async def test_a_directory_handle_opened_before_a_lookup_found_a_file_deleted_ne
     ns.entry_taken(handed)
     assert handed.superseded, "the deleted version handed out as current"
     ns.forget(handed.ino, 1)
-    ns._negative.clear()  # the lookup's TTL ran out too
+    ns._negative.clear()  # the lookup's TTL ran out too (its answer, a listing of `d` again: B1200)
+    ns._listings.clear()
     go_down(store)
     with pytest.raises(Unreachable):
         await ns.lookup(d.ino, b"f")

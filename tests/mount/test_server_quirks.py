@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from fsmount.namespace import RELIST_ENTRIES
 from fsmount.testing.fault_proxy import Fault, FaultProxy, synthetic_body
 from fsmount.testing.http_wire import Request, Response, error_response, head_bytes, send, send_raw
 from tests.helpers import S3Server, drop_page_cache, mounted, mounted_via, new_bucket, put_objects
@@ -682,11 +683,14 @@ def test_a_file_listed_to_the_millisecond_keeps_its_mtime_once_a_head_asks_again
     (a HEAD) 00:00:00, and the next listing .500 again, so an inode's mtime stepped back and forth (to a tool that
     compares nanoseconds, such as `find -newer` or `make`, the file changed). Both answers give the second."""
     bucket = new_bucket(moto_server)
+    # More names than RELIST_ENTRIES: a lookup past the TTL asks its name (a HEAD), not a new listing (B1200).
+    padding = [f"pad{i:04d}" for i in range(RELIST_ENTRIES)]
     with SyntheticListingsToTheMillisecond(moto_server.endpoint_url) as proxy:
-        proxy.serve_directory(bucket, "m/", ["a.bin", "b.bin"], size=4096)
+        proxy.serve_directory(bucket, "m/", ["a.bin", "b.bin", *padding], size=4096)
         with mounted_via(proxy, moto_server, bucket, tmp_path / "mnt", "--metadata-ttl", "1",
                          "--no-model-prefetch") as m:
-            listed = {entry.name: entry.stat().st_mtime_ns for entry in os.scandir(m.path / "m")}
+            listed = {entry.name: entry.stat().st_mtime_ns for entry in os.scandir(m.path / "m")
+                      if entry.name.endswith(".bin")}
             time.sleep(1.5)
             before = len(proxy.log())
             asked = {name: os.stat(m.path / "m" / name).st_mtime_ns for name in listed}  # past the TTL: a HEAD each

@@ -965,7 +965,7 @@ class Namespace:
         HEAD and the one-key listing would say), where the directory's last listing has expired and was small
         (RELIST_ENTRIES). None: asked by name instead (the directory not listed before, or bigger; TTL 0, where an open
         asks its own HEAD; the listing failed, whose errors the asking by name then has, and answers in an outage; or
-        it began before a newer answer about the path)."""
+        it began before a newer answer about the path, or a change learnt in its directory)."""
         parent, _, name = path.rpartition("/")
         kept = self._last_listings.get(parent)
         if self.ttl <= 0 or kept is None or len(kept) > RELIST_ENTRIES:
@@ -982,7 +982,10 @@ class Namespace:
             # handed the deleted version out as current (B383).
             self._asked(path, listing.at)
         meta = entry.meta if entry is not None and not entry.is_dir else None
-        if listing.at < self._news_since(path, meta.etag if meta is not None else None):
+        # Nor one begun before the mount learnt of a change beside the path (`_trusted_from`): shared with a listing
+        # under way then, a lookup took the version it named as just confirmed, and the open after it asked no HEAD
+        # (the old revision of a pushed model, B1260).
+        if listing.at < max(self._news_since(path, meta.etag if meta is not None else None), self._trusted_from(path)):
             return None
         return listing.at, {"meta": meta, "dir": entry is not None and entry.is_dir}
 

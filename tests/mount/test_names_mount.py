@@ -9,6 +9,7 @@ prefixes) and a literal '+' as '%2B'; moto sends '%20'. Only a test on both serv
 from __future__ import annotations
 
 import os
+import time
 import unicodedata
 from pathlib import Path
 
@@ -16,7 +17,8 @@ import pytest
 
 from fsmount.config import StoreConfig
 from fsmount.data import Boto3Store
-from tests.helpers import S3Server, mounted, new_bucket, put_objects
+from fsmount.testing.fault_proxy import FaultProxy
+from tests.helpers import S3Server, mounted, mounted_via, new_bucket, put_objects
 
 # One name per way an encoder can go wrong.
 NAMES = [
@@ -80,6 +82,23 @@ def test_names_that_encoding_changes_open_as_files(s3: S3Server, tmp_path: Path)
         for entry in os.scandir(m.path / "d"):
             with open(entry.path, "rb") as f:
                 assert f.read() == bodies[f"d/{entry.name}"], entry.name
+
+
+def test_names_that_encoding_changes_are_looked_up_in_a_new_listing_past_the_ttl(s3: S3Server, tmp_path: Path) -> None:
+    """Past the TTL, a lookup in a small directory listed before is answered by a new listing of it (B1200), not a
+    HEAD: each name resolves there under its exact name, as the server encodes it in a listing."""
+    bucket = new_bucket(s3)
+    bodies = _upload(s3, bucket, [f"d/{n}" for n in NAMES])
+    with FaultProxy(s3.endpoint_url) as proxy, mounted_via(proxy, s3, bucket, tmp_path / "mnt",
+                                                           "--metadata-ttl", "1") as m:
+        assert os.listdir(m.path) == ["d"]
+        assert sorted(os.listdir(m.path / "d")) == sorted(NAMES)
+        time.sleep(1.5)
+        proxy.reset_counts()
+        sizes = {name: os.stat(m.path / "d" / name).st_size for name in NAMES}
+        counts = proxy.counts()
+    assert sizes == {name: len(bodies[f"d/{name}"]) for name in NAMES}
+    assert counts.get("heads", 0) == 0, counts
 
 
 def test_listing_pages_continue_past_encoded_names(s3: S3Server, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -219,6 +219,26 @@ async def test_lookups_past_the_ttl_list_a_small_directory_again_and_ask_a_big_o
         assert (store.heads, store.lists) == (0, 1)
 
 
+async def test_a_relisting_begun_before_a_change_beside_was_learnt_does_not_answer_the_files_beside_it(
+        autojump_clock: Any) -> None:
+    """B1260: a model listed (`ls`) once its listing had expired; a read of one shard refused meanwhile (the push
+    learnt: the files beside it are asked again, `_changed_beside`), then an open of another shard. Its lookup waited
+    for that listing, begun before the push (B1200's relisting), and took the old version as confirmed: the open
+    that follows it asked no HEAD, and opened the old revision."""
+    store, answers, ns = a_namespace_answering_late({"d/a": b"old", "d/b": b"old"}, ttl=60)
+    d = await ns.lookup(ROOT_INODE, b"d")
+    assert await names(ns, d.ino) == {b"a": False, b"b": False}
+    a, b = await ns.lookup(d.ino, b"a"), await ns.lookup(d.ino, b"b")
+    ns._listings.clear()  # its TTL ran out
+    async with landing_after(answers, ns.listing, d):
+        for key in ("d/a", "d/b"):
+            store.put(key, b"newer!")  # the push
+        assert ns.gone(a.version(""))[1] == [(d.ino, b"b")]  # a read of a, refused: b's entry dropped
+        ns.forget(b.ino, 1)
+        opened = await ns.open_file((await ns.lookup(d.ino, b"b")).ino)
+    assert opened.size == len(b"newer!")
+
+
 async def test_inode_numbers_are_stable_and_forget_honours_counts() -> None:
     store = FakeStore()
     store.put("f", b"123")
@@ -1417,13 +1437,17 @@ async def test_while_the_origin_is_down_a_file_this_mount_stored_after_a_lookup_
     assert (await ns.lookup(d.ino, b"f")).size == 3
 
 
+@pytest.mark.parametrize("relisted", [True, False])
 async def test_a_directory_handle_opened_before_a_lookup_found_a_file_deleted_never_hands_it_out_as_current(
-        allowed_logs: list[str]) -> None:
+        relisted: bool, allowed_logs: list[str], monkeypatch: pytest.MonkeyPatch) -> None:
     """`ls -l` (or a walk) whose opendir came before another writer deleted `d/f`, its readdirplus after a lookup
     found `f` gone: the lookup's answer of nothing was dated only while a listing was under way, so the handle's
     snapshot made the deleted version current again (the path's latest); once the kernel forgot it, a lookup while the
-    origin was away resolved it from the node kept."""
+    origin was away resolved it from the node kept. The lookup lists `d` again (B1200), or, in a directory bigger than
+    RELIST_ENTRIES, asks `f` by name."""
     allowed_logs.append(ORIGIN_UNAVAILABLE)
+    if not relisted:
+        monkeypatch.setattr(namespace, "RELIST_ENTRIES", 0)
     store = FakeStore()
     store.put("d/f", b"12345")
     store.put("d/g", b"123")
